@@ -1,0 +1,142 @@
+"""One hierarchy for every failure nnx_save reports.
+
+Every error is an :class:`NnxSaveError`; malformed files are :class:`HeaderError`
+(also a :class:`ValueError`), with one subclass per check so callers and tests can
+tell the cases apart. Messages name the tensor or path, what was expected and what
+was found.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NnxSaveError",
+    "HeaderError",
+    "HeaderTooLargeError",
+    "HeaderTooSmallError",
+    "HeaderEncodingError",
+    "HeaderJSONError",
+    "DuplicateKeyError",
+    "MetadataError",
+    "TensorEntryError",
+    "UnknownDtypeError",
+    "ByteLengthError",
+    "OffsetError",
+    "FileSizeError",
+    "IndexError_",
+    "KeyPathError",
+    "UnsupportedValueError",
+    "KeyMismatchError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "LoadError",
+    "SaveError",
+    "ShardingError",
+]
+
+
+class NnxSaveError(Exception):
+    """Base class of every error raised by nnx_save."""
+
+
+class HeaderError(NnxSaveError, ValueError):
+    """A safetensors header (or index) is malformed; nothing was read past it."""
+
+
+class HeaderTooSmallError(HeaderError):
+    """The file is shorter than the 8-byte size prefix or than the declared header."""
+
+
+class HeaderTooLargeError(HeaderError):
+    """The declared header size exceeds the cap or the file."""
+
+
+class HeaderEncodingError(HeaderError):
+    """The header bytes are not valid UTF-8."""
+
+
+class HeaderJSONError(HeaderError):
+    """The header is not a JSON object."""
+
+
+class DuplicateKeyError(HeaderError):
+    """The header's JSON text names the same key twice."""
+
+
+class MetadataError(HeaderError):
+    """``__metadata__`` is not a mapping of strings to strings."""
+
+
+class TensorEntryError(HeaderError):
+    """A tensor entry lacks a field, has an extra one, or a field of the wrong type."""
+
+
+class UnknownDtypeError(HeaderError):
+    """A dtype code the safetensors format does not define (or nnx_save cannot map)."""
+
+
+class ByteLengthError(HeaderError):
+    """A tensor's byte range disagrees with its shape and dtype."""
+
+
+class OffsetError(HeaderError):
+    """Tensor byte ranges overlap, leave a hole, or do not start at zero."""
+
+
+class FileSizeError(HeaderError):
+    """The data section does not end exactly at the end of the file."""
+
+
+class IndexError_(HeaderError):  # noqa: N801 - avoid shadowing the builtin IndexError
+    """A multi-file index (``model.safetensors.index.json``) is malformed or disagrees
+    with the files it names."""
+
+
+class KeyPathError(NnxSaveError, ValueError):
+    """A tree path cannot become a file key (``/`` inside a name, an ambiguous key)."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class UnsupportedValueError(NnxSaveError, TypeError):
+    """A leaf that cannot be stored: a string, ``None``, an object array, ..."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class KeyMismatchError(NnxSaveError, KeyError):
+    """A tensor the target expects is absent from the source (or the reverse)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class ShapeMismatchError(NnxSaveError, ValueError):
+    """A tensor's shape in the source differs from the target's."""
+
+
+class DtypeMismatchError(NnxSaveError, TypeError):
+    """A tensor's dtype in the source differs from the target's and casting is refused."""
+
+
+class LoadError(NnxSaveError, ValueError):
+    """A strict load found mismatches; ``report`` holds every one of them."""
+
+    def __init__(self, message: str, report: object = None) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+class SaveError(NnxSaveError, OSError):
+    """Writing a checkpoint failed; the previous file at the path is intact."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class ShardingError(NnxSaveError, ValueError):
+    """A sharding this process cannot read or write as asked."""

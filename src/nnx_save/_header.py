@@ -1,0 +1,261 @@
+"""Pure parsing, validation and encoding of safetensors headers (no I/O, no jax).
+
+A safetensors file is ``[8-byte little-endian N][N bytes of UTF-8 JSON][data]``.
+:func:`parse_header` validates the whole header before anything downstream trusts an
+offset: each failed check raises its own :class:`~nnx_save.HeaderError` subclass with
+the tensor and the numbers involved. Nothing is allocated in proportion to a size the
+file declares until every check has passed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from . import _dtypes
+from ._errors import (
+    ByteLengthError,
+    DuplicateKeyError,
+    FileSizeError,
+    HeaderEncodingError,
+    HeaderJSONError,
+    HeaderTooLargeError,
+    HeaderTooSmallError,
+    MetadataError,
+    OffsetError,
+    TensorEntryError,
+)
+
+__all__ = [
+    "MAX_HEADER_SIZE",
+    "TensorInfo",
+    "FileHeader",
+    "header_size",
+    "parse_header",
+    "encode_header",
+]
+
+MAX_HEADER_SIZE = 100_000_000  # the reference implementation's cap
+_PREFIX = struct.Struct("<Q")
+_ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
+_MAX_NUMEL = 2**63 - 1  # beyond any real buffer; refuses 10^30-element claims early
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a file: where its bytes are and what they mean.
+
+    ``begin`` and ``end`` are absolute byte offsets in ``file`` (data start included).
+    """
+
+    name: str
+    dtype: _dtypes.DtypeInfo
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+    file: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class FileHeader:
+    """The validated header of one file: tensors in offset order, and metadata."""
+
+    file: str
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    header_size: int = 0
+    file_size: int = 0
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_size
+
+
+def header_size(prefix: bytes, file_size: int, *, file: str = "<bytes>") -> int:
+    """Validate the 8-byte size prefix against the cap and the file size.
+
+    Examples:
+        >>> header_size(b"\\x10" + bytes(7), 24)
+        16
+    """
+    if len(prefix) < 8 or file_size < 8:
+        raise HeaderTooSmallError(
+            f"{file}: {max(file_size, len(prefix))} bytes is shorter than the 8-byte header size prefix"
+        )
+    (n,) = _PREFIX.unpack(prefix[:8])
+    if n > MAX_HEADER_SIZE:
+        raise HeaderTooLargeError(f"{file}: header size {n} exceeds the cap of {MAX_HEADER_SIZE} bytes")
+    if 8 + n > file_size:
+        raise HeaderTooLargeError(
+            f"{file}: header size {n} at byte 0 runs past the end of the file ({file_size} bytes)"
+        )
+    return n
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(f"key {key!r} appears more than once in the header JSON")
+        out[key] = value
+    return out
+
+
+def _decode_json(raw: bytes, file: str) -> dict[str, object]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise HeaderEncodingError(
+            f"{file}: header is not valid UTF-8 (byte {8 + e.start} of the file: {raw[e.start:e.start + 1]!r})"
+        ) from None
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+    except DuplicateKeyError as e:
+        raise DuplicateKeyError(f"{file}: {e}") from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise HeaderJSONError(f"{file}: header is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise HeaderJSONError(f"{file}: header must be a JSON object, found a JSON {type(obj).__name__}")
+    return obj
+
+
+def _parse_metadata(value: object, file: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise MetadataError(f"{file}: __metadata__ must be an object of strings, found {type(value).__name__}")
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise MetadataError(
+                f"{file}: __metadata__[{k!r}] must be a string, found {type(v).__name__} {v!r:.60}"
+            )
+    return dict(value)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_entry(name: str, entry: object, file: str) -> tuple[_dtypes.DtypeInfo, tuple[int, ...], int, int]:
+    if not isinstance(entry, dict):
+        raise TensorEntryError(f"{file}: tensor {name!r}: entry must be an object, found {type(entry).__name__}")
+    if set(entry) != _ENTRY_FIELDS:
+        missing, extra = sorted(_ENTRY_FIELDS - set(entry)), sorted(set(entry) - _ENTRY_FIELDS)
+        raise TensorEntryError(f"{file}: tensor {name!r}: fields missing {missing}, unexpected {extra}")
+    dtype = _dtypes.from_code(entry["dtype"], name)
+    shape, offsets = entry["shape"], entry["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise TensorEntryError(f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {shape!r:.80}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
+        raise TensorEntryError(f"{file}: tensor {name!r}: data_offsets must be two non-negative integers, found {offsets!r:.80}")
+    begin, end = offsets
+    if begin > end:
+        raise OffsetError(f"{file}: tensor {name!r}: data_offsets begin {begin} > end {end}")
+    return dtype, tuple(shape), begin, end
+
+
+def _check_length(name: str, dtype: _dtypes.DtypeInfo, shape: tuple[int, ...], begin: int, end: int, file: str) -> None:
+    numel = 1
+    for d in shape:  # stop early so a 10^1000-element claim costs nothing
+        numel *= d
+        if numel > _MAX_NUMEL:
+            raise ByteLengthError(f"{file}: tensor {name!r}: shape {list(shape)} has more than 2**63 elements")
+    expected = _dtypes.nbytes_for(dtype, numel)
+    if end - begin != expected:
+        raise ByteLengthError(
+            f"{file}: tensor {name!r}: shape {list(shape)} of {dtype.code} needs {expected} bytes, "
+            f"data_offsets [{begin}, {end}] hold {end - begin}"
+        )
+
+
+def _check_layout(entries: list[tuple[str, int, int]], data_size: int, file: str) -> None:
+    """Ranges must tile ``[0, data_size)`` exactly: start at 0, no overlap, no hole."""
+    position, previous = 0, None
+    for name, begin, end in sorted(entries, key=lambda e: (e[1], e[2])):
+        if begin != position:
+            what = "overlaps" if begin < position else "leaves a hole after"
+            after = f"tensor {previous!r} (ends at {position})" if previous else "the start of the data (0)"
+            raise OffsetError(f"{file}: tensor {name!r} at [{begin}, {end}] {what} {after}")
+        position, previous = end, name
+    if position != data_size:
+        raise FileSizeError(
+            f"{file}: tensor data ends at byte {position} of the data section, "
+            f"but the file holds {data_size} bytes of data"
+        )
+
+
+def parse_header(raw: bytes, file_size: int, *, file: str = "<bytes>") -> FileHeader:
+    """Validate the JSON part of a header (``raw``, N bytes) for a file of ``file_size``.
+
+    Args:
+        raw: the N header bytes that follow the 8-byte prefix.
+        file_size: the whole file's size in bytes.
+        file: a name for messages and :attr:`TensorInfo.file`.
+
+    Returns:
+        The :class:`FileHeader`, tensors in offset order, offsets made absolute.
+
+    Raises:
+        HeaderError: one subclass per failed check.
+
+    Examples:
+        >>> h = parse_header(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8 + 55 + 8)
+        >>> h.tensors["a"].shape, h.tensors["a"].begin
+        ((2,), 63)
+    """
+    obj = _decode_json(raw, file)
+    metadata = _parse_metadata(obj.pop("__metadata__", None), file)
+    data_start = 8 + len(raw)
+    parsed = []
+    for name, entry in obj.items():
+        dtype, shape, begin, end = _parse_entry(name, entry, file)
+        _check_length(name, dtype, shape, begin, end, file)
+        parsed.append((name, dtype, shape, begin, end))
+    _check_layout([(n, b, e) for n, _, _, b, e in parsed], file_size - data_start, file)
+    parsed.sort(key=lambda p: (p[3], p[4]))
+    tensors = {
+        n: TensorInfo(n, dt, sh, data_start + b, data_start + e, file) for n, dt, sh, b, e in parsed
+    }
+    return FileHeader(file, tensors, metadata, len(raw), file_size)
+
+
+def encode_header(
+    entries: Iterable[tuple[str, str, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """Encode the prefix and header for ``(name, dtype code, shape)`` entries.
+
+    Tensors are laid out in the given order; the JSON is padded with spaces to a
+    multiple of 8 bytes so the data section starts 8-byte aligned.
+
+    Returns:
+        ``(prefix + header bytes, [(begin, end) relative to the data section, ...])``.
+
+    Examples:
+        >>> head, offsets = encode_header([("x", "F32", (2,))])
+        >>> len(head) % 8, offsets
+        (0, [(0, 8)])
+    """
+    body: dict[str, object] = {}
+    if metadata:
+        body["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offsets, position = [], 0
+    for name, code, shape in entries:
+        nbytes = _dtypes.nbytes_for(_dtypes.from_code(code, name), math.prod(shape))
+        offsets.append((position, position + nbytes))
+        body[name] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [position, position + nbytes]}
+        position += nbytes
+    text = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return _PREFIX.pack(len(text)) + text, offsets
