@@ -1,6 +1,38 @@
 """nnx_save: safe, exact and fast saving and loading of JAX / Flax NNX state."""
 
-from ._errors import NnxSaveError as NnxSaveError
+from ._errors import ByteLengthError as ByteLengthError
+from ._errors import DtypeMismatchError as DtypeMismatchError
+from ._errors import DuplicateKeyError as DuplicateKeyError
+from ._errors import FileSizeError as FileSizeError
+from ._errors import HeaderEncodingError as HeaderEncodingError
 from ._errors import HeaderError as HeaderError
+from ._errors import HeaderJSONError as HeaderJSONError
+from ._errors import HeaderTooLargeError as HeaderTooLargeError
+from ._errors import HeaderTooSmallError as HeaderTooSmallError
+from ._errors import IndexError_ as IndexFileError
+from ._errors import KeyMismatchError as KeyMismatchError
+from ._errors import KeyPathError as KeyPathError
+from ._errors import LoadError as LoadError
+from ._errors import MetadataError as MetadataError
+from ._errors import NnxSaveError as NnxSaveError
+from ._errors import OffsetError as OffsetError
+from ._errors import SaveError as SaveError
+from ._errors import ShapeMismatchError as ShapeMismatchError
+from ._errors import ShardingError as ShardingError
+from ._errors import TensorEntryError as TensorEntryError
+from ._errors import UnknownDtypeError as UnknownDtypeError
+from ._errors import UnsupportedValueError as UnsupportedValueError
+from ._header import FileHeader as FileHeader
+from ._header import TensorInfo as TensorInfo
+from ._load import OverReadWarning as OverReadWarning
+from ._report import DtypeCast as DtypeCast
+from ._report import IOStats as IOStats
+from ._report import LoadReport as LoadReport
+from ._report import LoadWarning as LoadWarning
+from ._report import ShapeMismatch as ShapeMismatch
+from ._sources import Header as Header
+from ._sources import read_header as read_header
+from ._tree import load_file as load_file
+from ._tree import save_file as save_file
 
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ import numpy as np
 
 from ._errors import UnknownDtypeError
 
-__all__ = ["DtypeInfo", "DTYPES", "from_code", "to_code", "nbytes_for"]
+__all__ = ["DtypeInfo", "DTYPES", "RANK", "from_code", "to_code", "nbytes_for"]
 
 
 @dataclass(frozen=True)
@@ -40,33 +40,37 @@ def _row(code: str, dtype: object, bits: int) -> DtypeInfo:
     return DtypeInfo(code, np.dtype(dtype), bits)
 
 
+# In the order of the reference implementation's ``Dtype`` enum: writers lay tensors
+# out by descending rank (then name), which keeps every tensor aligned to its item
+# size and makes our files byte-identical to the reference writer's.
 DTYPES: dict[str, DtypeInfo] = {
     row.code: row
     for row in (
         _row("BOOL", np.bool_, 8),
+        _row("F4", ml_dtypes.float4_e2m1fn, 4),
+        _row("F6_E2M3", ml_dtypes.float6_e2m3fn, 6),
+        _row("F6_E3M2", ml_dtypes.float6_e3m2fn, 6),
         _row("U8", np.uint8, 8),
         _row("I8", np.int8, 8),
-        _row("U16", np.uint16, 16),
-        _row("I16", np.int16, 16),
-        _row("U32", np.uint32, 32),
-        _row("I32", np.int32, 32),
-        _row("U64", np.uint64, 64),
-        _row("I64", np.int64, 64),
-        _row("F16", np.float16, 16),
-        _row("BF16", ml_dtypes.bfloat16, 16),
-        _row("F32", np.float32, 32),
-        _row("F64", np.float64, 64),
-        _row("C64", np.complex64, 64),
-        _row("F8_E4M3", ml_dtypes.float8_e4m3fn, 8),
         _row("F8_E5M2", ml_dtypes.float8_e5m2, 8),
+        _row("F8_E4M3", ml_dtypes.float8_e4m3fn, 8),
         _row("F8_E8M0", ml_dtypes.float8_e8m0fnu, 8),
         _row("F8_E4M3FNUZ", ml_dtypes.float8_e4m3fnuz, 8),
         _row("F8_E5M2FNUZ", ml_dtypes.float8_e5m2fnuz, 8),
-        _row("F6_E2M3", ml_dtypes.float6_e2m3fn, 6),
-        _row("F6_E3M2", ml_dtypes.float6_e3m2fn, 6),
-        _row("F4", ml_dtypes.float4_e2m1fn, 4),
+        _row("I16", np.int16, 16),
+        _row("U16", np.uint16, 16),
+        _row("F16", np.float16, 16),
+        _row("BF16", ml_dtypes.bfloat16, 16),
+        _row("I32", np.int32, 32),
+        _row("U32", np.uint32, 32),
+        _row("F32", np.float32, 32),
+        _row("C64", np.complex64, 64),
+        _row("F64", np.float64, 64),
+        _row("I64", np.int64, 64),
+        _row("U64", np.uint64, 64),
     )
 }
+RANK: dict[str, int] = {code: i for i, code in enumerate(DTYPES)}
 
 _BY_NUMPY: dict[np.dtype, DtypeInfo] = {row.numpy: row for row in DTYPES.values()}
 

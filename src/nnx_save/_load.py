@@ -1,0 +1,316 @@
+"""The loading engine: match targets to file tensors, plan, read, assemble.
+
+One engine for every load. A :class:`Target` says what the caller wants at one path
+(shape, dtype, and a jax sharding, or ``None`` for a host numpy array) and which file
+tensor(s) it comes from. :func:`load_targets` checks every target against the
+headers first (so a strict refusal reads nothing), then goes file by file: plans the
+byte runs each addressable device needs, reads them straight into aligned host
+buffers, wraps them as ``jax.Array``s (jax on CPU adopts aligned buffers without a
+copy) and lets the host buffers go before the next file.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes
+from ._header import TensorInfo
+from ._plan import Request, plan_file
+from ._read import Budget, LocalReader, aligned_empty, execute
+from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed
+from ._sources import Header
+
+__all__ = ["Target", "load_targets", "OverReadWarning"]
+
+log = logging.getLogger("nnx_save")
+Box = tuple[tuple[int, int], ...]
+
+
+class OverReadWarning(LoadWarning):
+    """The automatic over-read ratio made this process read much more than it needed."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One value the caller wants.
+
+    Attributes:
+        path: the caller's key for it (tree path joined with ``/``).
+        shape, dtype: what the caller expects.
+        sharding: a ``jax.sharding.Sharding``, or ``None`` for a host numpy array.
+        sources: the file key(s) it is made from (one, unless ``transform``).
+        transform: for porting rules: full source arrays -> the value; ``None``
+            reads the single source directly, sharded.
+        source_shape: the shape ``transform`` produces (checked before reading).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: Any = None
+    sources: tuple[str, ...] = ()
+    transform: Callable[[list[np.ndarray]], np.ndarray] | None = None
+    source_shape: tuple[int, ...] | None = None
+
+
+@dataclass
+class _Shard:
+    box: Box
+    devices: list[Any]
+    dest: int
+
+
+@dataclass
+class _Work:
+    """What one file read must produce: its direct targets' shards and whole sources."""
+
+    requests: list[Request] = field(default_factory=list)
+    dests: list[np.ndarray] = field(default_factory=list)
+    shards: dict[str, list[_Shard]] = field(default_factory=dict)
+    wholes: dict[str, int] = field(default_factory=dict)
+
+
+def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
+    """Unique index boxes this process needs, each with the local devices that hold it."""
+    shape = target.shape
+    if target.sharding is None:
+        return [(tuple((0, d) for d in shape), [None])]
+    groups: dict[Box, list[Any]] = {}
+    for device, index in target.sharding.addressable_devices_indices_map(shape).items():
+        box = tuple(s.indices(d)[:2] for s, d in zip(index, shape)) if shape else ()
+        groups.setdefault(box, []).append(device)
+    return list(groups.items())
+
+
+def _request(info: TensorInfo, box: Box, dest: int) -> Request:
+    if info.dtype.byte_aligned:
+        return Request(dest, info.begin, info.shape, info.dtype.itemsize, box)
+    return Request(dest, info.begin, (info.nbytes,), 1, ((0, info.nbytes),))
+
+
+def _box_nbytes(info: TensorInfo, box: Box) -> int:
+    if not info.dtype.byte_aligned:
+        return info.nbytes
+    return math.prod(hi - lo for lo, hi in box) * info.dtype.itemsize
+
+
+def _check(header: Header, t: Target, report: LoadReport) -> bool:
+    """Record what is wrong with ``t``; True if it can be loaded."""
+    absent = [k for k in t.sources if k not in header.tensors]
+    if absent or not t.sources:
+        report.missing.append(t.path)
+        return False
+    if t.transform is None:
+        info = header.tensors[t.sources[0]]
+        shape, dtype = info.shape, info.dtype.numpy
+    else:
+        shape = t.source_shape if t.source_shape is not None else t.shape
+        dtype = np.result_type(*(header.tensors[k].dtype.numpy for k in t.sources))
+    if tuple(shape) != tuple(t.shape):
+        report.shape_mismatches.append(ShapeMismatch(t.path, tuple(t.shape), tuple(shape), t.sources[0]))
+        return False
+    if np.dtype(dtype) != np.dtype(t.dtype):
+        report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), str(np.dtype(t.dtype))))
+    return True
+
+
+def _host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
+    """The bytes read for ``box``, as an array of the file's dtype and the box's shape."""
+    box_shape = tuple(hi - lo for lo, hi in box)
+    if info.dtype.byte_aligned:
+        return buf.view(info.dtype.numpy).reshape(box_shape)
+    full = _dtypes.unpack_subbyte(buf, info.dtype, info.numel).reshape(info.shape)
+    return full[tuple(slice(lo, hi) for lo, hi in box)]
+
+
+def _place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):
+    import jax
+
+    if t.sharding is None:
+        return pieces[0][0]
+    arrays = [jax.device_put(host, d) for host, devices in pieces for d in devices]
+    return jax.make_array_from_single_device_arrays(t.shape, t.sharding, arrays)
+
+
+def _place_whole(t: Target, value: np.ndarray):
+    import jax
+
+    if t.sharding is None:
+        return value
+    return jax.make_array_from_callback(t.shape, t.sharding, lambda index: np.ascontiguousarray(value[index]))
+
+
+class _Engine:
+    def __init__(self, header: Header, targets: Sequence[Target], report: LoadReport, options: dict) -> None:
+        self.header, self.report, self.opt = header, report, options
+        self.targets = list(targets)
+        self.results: dict[str, Any] = {}
+        self.wholes: dict[str, np.ndarray] = {}
+        self.budget = Budget(options["max_inflight_bytes"])
+        self.pending = [t for t in self.targets if t.transform is not None]
+        self.refs: dict[str, int] = {}
+        for t in self.pending:
+            for k in t.sources:
+                self.refs[k] = self.refs.get(k, 0) + 1
+
+    def work_for(self, file: str) -> _Work:
+        work = _Work()
+        for t in self.targets:
+            if t.transform is None and self.header.tensors[t.sources[0]].file == file:
+                info = self.header.tensors[t.sources[0]]
+                work.shards[t.path] = []
+                for box, devices in _boxes(t):
+                    work.shards[t.path].append(_Shard(box, devices, self._add(work, info, box)))
+        for key in self.refs:
+            info = self.header.tensors[key]
+            if info.file == file:
+                work.wholes[key] = self._add(work, info, tuple((0, d) for d in info.shape))
+        return work
+
+    @staticmethod
+    def _add(work: _Work, info: TensorInfo, box: Box) -> int:
+        dest = len(work.dests)
+        work.dests.append(aligned_empty(_box_nbytes(info, box)))
+        work.requests.append(_request(info, box, dest))
+        return dest
+
+    def run_file(self, file: str) -> None:
+        io, t0 = self.report.io, time.perf_counter()
+        work = self.work_for(file)
+        if not work.requests:
+            return
+        plan = plan_file(work.requests, max_over_read_ratio=self.opt["max_over_read_ratio"],
+                         chunk_bytes=min(self.opt["read_chunk_bytes"], self.opt["max_inflight_bytes"]))
+        t1 = time.perf_counter()
+        reader = self.opt["open_reader"](file)
+        try:
+            execute(reader, plan, work.dests, budget=self.budget, num_threads=self.opt["num_threads"])
+        finally:
+            reader.close()
+        t2 = time.perf_counter()
+        io.files += 1
+        io.bytes_read += plan.read_bytes
+        io.bytes_needed += plan.needed_bytes
+        io.requests += reader.requests
+        io.over_read_by_file[file] = plan.read_bytes / plan.needed_bytes if plan.needed_bytes else 1.0
+        self._warn_over_read(file, plan, work)
+        self._assemble(work)
+        io.plan_seconds += t1 - t0
+        io.read_seconds += t2 - t1
+        io.assemble_seconds += time.perf_counter() - t2
+
+    def _warn_over_read(self, file: str, plan, work: _Work) -> None:
+        if self.opt["max_over_read_ratio"] is not None or plan.read_bytes <= 1.5 * plan.needed_bytes:
+            return
+        strided = sorted(p for p, shards in work.shards.items()
+                         if any(work.requests[s.dest].box[1:] != tuple((0, d) for d in work.requests[s.dest].shape[1:])
+                                for s in shards))
+        warnings.warn(
+            f"{file}: read {plan.read_bytes} bytes for {plan.needed_bytes} needed "
+            f"(over-read {plan.read_bytes / plan.needed_bytes:.2f}x, automatic ratio {plan.ratio:.2f}); "
+            f"tensors split on an inner dimension: {strided[:10]}{' ...' if len(strided) > 10 else ''}. "
+            "Pass max_over_read_ratio to trade requests for bytes, or shard on the leading dimension.",
+            OverReadWarning, stacklevel=5)
+
+    def _assemble(self, work: _Work) -> None:
+        targets = {t.path: t for t in self.targets}
+        for path, shards in work.shards.items():
+            t = targets[path]
+            info = self.header.tensors[t.sources[0]]
+            pieces = []
+            for s in shards:
+                host = _host_view(work.dests[s.dest], info, s.box)
+                if host.dtype != np.dtype(t.dtype):
+                    host = host.astype(t.dtype)
+                pieces.append((host, s.devices))
+            self.results[path] = _place(t, pieces)
+            for s in shards:
+                work.dests[s.dest] = None  # release as soon as the array exists
+        for key, dest in work.wholes.items():
+            self.wholes[key] = _host_view(work.dests[dest], self.header.tensors[key],
+                                          tuple((0, d) for d in self.header.tensors[key].shape))
+        self._run_transforms()
+
+    def _run_transforms(self) -> None:
+        ready = [t for t in self.pending if all(k in self.wholes for k in t.sources)]
+        for t in ready:
+            value = np.asarray(t.transform([self.wholes[k] for k in t.sources]))
+            if value.shape != tuple(t.shape):
+                from ._errors import ShapeMismatchError
+
+                raise ShapeMismatchError(f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}")
+            self.results[t.path] = _place_whole(t, value.astype(t.dtype, copy=False))
+            self.pending.remove(t)
+            for k in t.sources:
+                self.refs[k] -= 1
+                if not self.refs[k]:
+                    del self.wholes[k], self.refs[k]
+
+
+def _default_threads() -> int:
+    return max(2, min(8, os.cpu_count() or 2))
+
+
+def load_targets(
+    header: Header,
+    targets: Sequence[Target],
+    *,
+    strict: bool = False,
+    allow_missing: Sequence[str] = (),
+    allow_unexpected: Sequence[str] = (),
+    ignore_unexpected: frozenset[str] = frozenset(),
+    max_over_read_ratio: float | None = None,
+    read_chunk_bytes: int = 128 << 20,
+    max_inflight_bytes: int = 2 << 30,
+    num_threads: int | None = None,
+    open_reader: Callable[[str], Any] = LocalReader,
+    warn: bool = True,
+) -> tuple[dict[str, Any], LoadReport]:
+    """Load ``targets`` from ``header``'s files. Returns ``({path: value}, report)``.
+
+    The report is complete before any byte of tensor data is read; under
+    ``strict=True`` any mismatch raises :class:`~nnx_save.LoadError` then.
+    """
+    if max_inflight_bytes <= 0 or read_chunk_bytes <= 0:
+        raise ValueError(f"max_inflight_bytes and read_chunk_bytes must be positive, got {max_inflight_bytes}, {read_chunk_bytes}")
+    report = LoadReport(source=_describe(header))
+    loadable = [t for t in targets if _check(header, t, report)]
+    used = {k for t in targets for k in t.sources}
+    report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
+    unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
+    report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
+    report.sources = {t.path: t.sources for t in loadable}
+    landed: dict[str, list[str]] = {k: [] for k in header.tensors}
+    for t in loadable:
+        for k in t.sources:
+            landed[k].append(t.path)
+    report.landed = {k: tuple(v) for k, v in landed.items()}
+    if strict:
+        report.raise_or_warn(True)
+    options = dict(max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
+                   max_inflight_bytes=max_inflight_bytes, num_threads=num_threads or _default_threads(),
+                   open_reader=open_reader)
+    engine = _Engine(header, loadable, report, options)
+    for fh in header.files:
+        engine.run_file(fh.file)
+    report.io.max_inflight_bytes = engine.budget.peak
+    report.loaded = sorted(engine.results)
+    log.debug("loaded %d tensors from %s: %s", len(engine.results), report.source, report.io)
+    if warn:
+        report.raise_or_warn(False, stacklevel=4)
+    return engine.results, report
+
+
+def _describe(header: Header) -> str:
+    if len(header.files) == 1:
+        return header.files[0].file
+    return f"{len(header.files)} files ({header.kind})"

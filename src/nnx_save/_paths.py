@@ -1,0 +1,92 @@
+"""Tree key paths <-> flat file keys: the one path formatter.
+
+A path is a tuple of ``str`` and ``int`` segments; the file key joins them with
+``/`` and writes ints in decimal. The int/str rule: ``0`` and ``"0"`` make the same
+key, so lookups match a model's ``nnx.List`` index against a file written by a tool
+that stored it as a string. A name that contains ``/``, is empty, or collides with
+another after this rule is refused, because it could not be read back to one place.
+
+jax key entries (``DictKey``, ``SequenceKey``, ``GetAttrKey``, ``FlattenedIndexKey``)
+are accepted by duck typing, so this module imports neither jax nor flax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from ._errors import KeyPathError
+
+__all__ = ["Segment", "segment", "to_key", "from_key", "format_path", "check_unique"]
+
+Segment = str | int
+
+
+def segment(entry: object, where: Sequence[object] = ()) -> Segment:
+    """One path segment from a jax key entry, a str or an int."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(entry, attr) and not isinstance(entry, (str, int)):
+            entry = getattr(entry, attr)
+            break
+    if isinstance(entry, bool) or not isinstance(entry, (str, int)):
+        raise KeyPathError(
+            f"{format_path([*where, entry])}: key {entry!r} of type {type(entry).__name__} "
+            "cannot be a file key; use str or int keys",
+            format_path([*where, entry]),
+        )
+    return entry
+
+
+def format_path(path: Iterable[object]) -> str:
+    """The human-readable (and file-key) form of a path, for messages."""
+    return "/".join(str(p) for p in path)
+
+
+def to_key(path: Sequence[object]) -> str:
+    """Join a path into a file key, refusing segments that cannot round-trip.
+
+    Examples:
+        >>> to_key(("blocks", 0, "attn", "kernel"))
+        'blocks/0/attn/kernel'
+    """
+    parts = []
+    for i, entry in enumerate(path):
+        seg = segment(entry, path[:i])
+        text = str(seg)
+        if isinstance(seg, int) and seg < 0:
+            raise KeyPathError(f"{format_path(path)}: negative index {seg} cannot be a file key", format_path(path))
+        if "/" in text or text == "":
+            raise KeyPathError(
+                f"{format_path(path[:i])}{'/' if i else ''}{text!r}: "
+                f"{'empty name' if text == '' else 'name contains /'}; file keys join names with '/' "
+                "so this one could not be read back to the same place. Rename the attribute or key.",
+                format_path(path),
+            )
+        parts.append(text)
+    return "/".join(parts)
+
+
+def from_key(key: str) -> tuple[Segment, ...]:
+    """Split a file key into a path; decimal segments become ints.
+
+    Examples:
+        >>> from_key("blocks/0/kernel")
+        ('blocks', 0, 'kernel')
+        >>> from_key(to_key(("a", 12, "b"))) == ("a", 12, "b")
+        True
+    """
+    return tuple(int(p) if p.isdecimal() and (p == "0" or not p.startswith("0")) and p.isascii() else p for p in key.split("/"))
+
+
+def check_unique(paths: Iterable[Sequence[object]]) -> dict[str, tuple[object, ...]]:
+    """Map each path to its key, refusing two paths that make the same key."""
+    seen: dict[str, tuple[object, ...]] = {}
+    for path in paths:
+        key = to_key(path)
+        if key in seen:
+            raise KeyPathError(
+                f"{format_path(path)}: makes the file key {key!r}, as does {format_path(seen[key])!r} "
+                "(int and str keys 0 and '0' write the same name); rename one of them",
+                key,
+            )
+        seen[key] = tuple(path)
+    return seen

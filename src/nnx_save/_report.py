@@ -1,0 +1,160 @@
+"""What a load did: filled, missing, unexpected, reshaped, cast, and the I/O it took.
+
+A :class:`LoadReport` is built from headers before any value is read, so a strict
+load can refuse without touching the target. By default mismatches are summarised in
+one :class:`LoadWarning`; ``strict=True`` raises one :class:`~nnx_save.LoadError`
+listing every entry, grouped and sorted.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ._errors import LoadError
+
+__all__ = ["LoadReport", "LoadWarning", "ShapeMismatch", "DtypeCast", "IOStats", "matches_any"]
+
+
+class LoadWarning(UserWarning):
+    """A load finished with mismatches (missing, unexpected, cast ...); see its report."""
+
+
+@dataclass(frozen=True)
+class ShapeMismatch:
+    path: str
+    model_shape: tuple[int, ...]
+    file_shape: tuple[int, ...]
+    file_key: str = ""
+
+    def __str__(self) -> str:
+        src = f" (file key {self.file_key!r})" if self.file_key and self.file_key != self.path else ""
+        return f"{self.path}: shape {self.model_shape} in the model, {self.file_shape} in the file{src}"
+
+
+@dataclass(frozen=True)
+class DtypeCast:
+    path: str
+    file_dtype: str
+    model_dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.file_dtype} in the file -> {self.model_dtype} in the model"
+
+
+@dataclass
+class IOStats:
+    """Bytes and requests of a load, and where the time went."""
+
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    requests: int = 0
+    files: int = 0
+    plan_seconds: float = 0.0
+    read_seconds: float = 0.0
+    assemble_seconds: float = 0.0
+    max_inflight_bytes: int = 0
+    over_read_by_file: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def over_read(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+    def __str__(self) -> str:
+        return (
+            f"read {self.bytes_read / 1e6:.1f} MB for {self.bytes_needed / 1e6:.1f} MB needed "
+            f"(over-read {self.over_read:.3f}) in {self.requests} requests from {self.files} file(s); "
+            f"plan {self.plan_seconds:.3f}s, read {self.read_seconds:.3f}s, assemble {self.assemble_seconds:.3f}s"
+        )
+
+
+def matches_any(path: str, patterns: Iterable[str]) -> bool:
+    """True if ``path`` matches a pattern: a regular expression (full match) or a glob."""
+    for p in patterns:
+        if fnmatch.fnmatchcase(path, p):
+            return True
+        try:
+            if re.fullmatch(p, path):
+                return True
+        except re.error:
+            pass
+    return False
+
+
+@dataclass
+class LoadReport:
+    """Everything a load found. Empty lists mean a clean, complete load.
+
+    Attributes:
+        loaded: paths filled from the source.
+        missing: paths the target expects that the source lacks.
+        unexpected: source tensors the target does not use.
+        shape_mismatches: paths whose shapes differ (not loaded).
+        dtype_casts: paths cast on the host from the file dtype.
+        allowed_missing / allowed_unexpected: mismatches the caller declared.
+        sources: per target path, the file keys it came from.
+        landed: per file key, the target paths it went to (empty: nowhere).
+        io: the engine's I/O statistics.
+    """
+
+    loaded: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    shape_mismatches: list[ShapeMismatch] = field(default_factory=list)
+    dtype_casts: list[DtypeCast] = field(default_factory=list)
+    allowed_missing: list[str] = field(default_factory=list)
+    allowed_unexpected: list[str] = field(default_factory=list)
+    sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    landed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    io: IOStats = field(default_factory=IOStats)
+    source: str = ""
+
+    @property
+    def clean(self) -> bool:
+        """No missing, unexpected, shape or dtype entry (declared ones excepted)."""
+        return not (self.missing or self.unexpected or self.shape_mismatches or self.dtype_casts)
+
+    def problems(self) -> list[str]:
+        """Every mismatch as one line, grouped and sorted."""
+        lines = [f"missing: {p}" for p in sorted(self.missing)]
+        lines += [f"unexpected: {p}" for p in sorted(self.unexpected)]
+        lines += [f"shape: {m}" for m in sorted(self.shape_mismatches, key=lambda m: m.path)]
+        lines += [f"dtype: {c}" for c in sorted(self.dtype_casts, key=lambda c: c.path)]
+        return lines
+
+    def summary(self) -> str:
+        counts = (
+            f"{len(self.loaded)} loaded, {len(self.missing)} missing, {len(self.unexpected)} unexpected, "
+            f"{len(self.shape_mismatches)} shape mismatches, {len(self.dtype_casts)} dtype casts"
+        )
+        return f"{self.source}: {counts}" if self.source else counts
+
+    def __str__(self) -> str:
+        parts = [self.summary(), *("  " + line for line in self.problems())]
+        if self.allowed_missing:
+            parts.append(f"  (allowed missing: {len(self.allowed_missing)})")
+        if self.allowed_unexpected:
+            parts.append(f"  (allowed unexpected: {len(self.allowed_unexpected)})")
+        parts.append(f"  I/O: {self.io}")
+        return "\n".join(parts)
+
+    def raise_or_warn(self, strict: bool, *, limit: int = 50, stacklevel: int = 3) -> None:
+        """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`."""
+        if self.clean:
+            return
+        lines = self.problems()
+        shown = "\n  ".join(lines[:limit]) + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
+        if strict:
+            raise LoadError(f"strict load refused, nothing was changed. {self.summary()}:\n  {shown}", self)
+        warnings.warn(f"{self.summary()}:\n  {shown}\n(see the returned LoadReport; strict=True raises)",
+                      LoadWarning, stacklevel=stacklevel)
+
+
+def split_allowed(items: Sequence[str], patterns: Iterable[str]) -> tuple[list[str], list[str]]:
+    """Partition ``items`` into (not allowed, allowed) by ``patterns``."""
+    patterns = list(patterns)
+    kept = [i for i in items if not matches_any(i, patterns)]
+    return kept, [i for i in items if matches_any(i, patterns)]

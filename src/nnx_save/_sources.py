@@ -1,0 +1,178 @@
+"""Where bytes come from: one view of "tensors at (file, offset)" for every source.
+
+A source is one ``.safetensors`` file, a directory with a HuggingFace
+``model.safetensors.index.json``, a directory of ``*.safetensors`` files, or an
+explicit list of files. :func:`read_header` validates every file's header (each is
+read with two positioned reads: the 8-byte prefix, then the JSON) and checks the
+index against them before any tensor byte is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ._errors import HeaderError, HeaderTooSmallError, IndexError_
+from ._header import FileHeader, TensorInfo, header_size, parse_header
+
+__all__ = ["Header", "read_header", "read_file_header", "INDEX_NAME", "pread_exact"]
+
+INDEX_NAME = "model.safetensors.index.json"
+PathLike = str | os.PathLike
+
+
+@dataclass(frozen=True)
+class Header:
+    """The validated headers of a checkpoint (one file or several).
+
+    Attributes:
+        tensors: every tensor by name, each knowing its file and byte range.
+        metadata: the ``__metadata__`` of a single file; for several files, the
+            index's ``metadata`` merged over the first file's.
+        files: each file's own header, in read order.
+        kind: ``"file"``, ``"index"``, ``"directory"`` or ``"list"``.
+    """
+
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    files: tuple[FileHeader, ...] = ()
+    kind: str = "file"
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data over all files."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+def pread_exact(fd: int, size: int, offset: int, file: str) -> bytes:
+    """Read exactly ``size`` bytes at ``offset`` or raise naming the file and offset."""
+    chunks, got = [], 0
+    while got < size:
+        chunk = os.pread(fd, size - got, offset + got)
+        if not chunk:
+            raise HeaderTooSmallError(f"{file}: expected {size} bytes at byte {offset}, the file ends at byte {offset + got}")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def read_file_header(path: PathLike) -> FileHeader:
+    """Read and validate one file's header (two positioned reads)."""
+    name = os.fspath(path)
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        prefix = os.pread(fd, 8, 0)
+        n = header_size(prefix, size, file=name)
+        return parse_header(pread_exact(fd, n, 8, name), size, file=name)
+    finally:
+        os.close(fd)
+
+
+def _merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    for fh in files:
+        for name, info in fh.tensors.items():
+            if name in tensors:
+                raise IndexError_(f"{where}: tensor {name!r} appears in two files: {tensors[name].file} and {info.file}")
+            tensors[name] = info
+    return tensors
+
+
+def _inside(directory: Path, relative: str, index: str) -> Path:
+    candidate = (directory / relative).resolve()
+    if Path(relative).is_absolute() or not candidate.is_relative_to(directory.resolve()):
+        raise IndexError_(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
+    if not candidate.is_file():
+        raise IndexError_(f"{index}: names file {relative!r}, which does not exist in {directory}")
+    return directory / relative
+
+
+def _read_index(index: Path) -> tuple[dict[str, str], dict[str, str]]:
+    try:
+        obj = json.loads(index.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IndexError_(f"{index}: not a valid JSON index: {e}") from None
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise IndexError_(f"{index}: expected an object with a 'weight_map' of tensor name -> file name")
+    meta = obj.get("metadata") or {}
+    return weight_map, {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+
+
+def _index_header(directory: Path) -> Header:
+    index = directory / INDEX_NAME
+    weight_map, meta = _read_index(index)
+    names = sorted(set(weight_map.values()))
+    files = tuple(read_file_header(_inside(directory, n, str(index))) for n in names)
+    tensors = _merge(files, str(index))
+    for tensor, fname in weight_map.items():
+        info = tensors.get(tensor)
+        if info is None:
+            raise IndexError_(f"{index}: names tensor {tensor!r} in {fname}, which does not hold it")
+        if Path(info.file).name != Path(fname).name:
+            raise IndexError_(f"{index}: places tensor {tensor!r} in {fname}, but it is in {info.file}")
+    extra = sorted(set(tensors) - set(weight_map))
+    if extra:
+        raise IndexError_(f"{index}: files hold tensors the index does not name: {extra[:5]}")
+    return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index")
+
+
+def _many(paths: Sequence[Path], kind: str, where: str) -> Header:
+    files = tuple(read_file_header(p) for p in paths)
+    meta = dict(files[0].metadata) if files else {}
+    return Header(_merge(files, where), meta, files, kind)
+
+
+def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
+    """Read and validate the header(s) of a checkpoint, reading no tensor data.
+
+    Args:
+        source: a ``.safetensors`` file, a directory (with or without
+            ``model.safetensors.index.json``) or a list of files.
+
+    Returns:
+        A :class:`Header`: every tensor's dtype, shape, file and byte range.
+
+    Raises:
+        HeaderError: a malformed file or index (the subclass names the check).
+        FileNotFoundError: the source does not exist.
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> nnx_save.save_file({"w": np.zeros((2, 3), np.float32)}, path)
+        >>> nnx_save.read_header(path)["w"].shape
+        (2, 3)
+    """
+    if isinstance(source, Header):
+        return source
+    if isinstance(source, (list, tuple)):
+        return _many([Path(p) for p in source], "list", "file list")
+    path = Path(source)
+    if path.is_dir():
+        if (path / INDEX_NAME).is_file():
+            return _index_header(path)
+        found = sorted(path.glob("*.safetensors"))
+        if not found:
+            raise HeaderError(f"{path}: directory holds neither {INDEX_NAME} nor any *.safetensors file")
+        return _many(found, "directory", str(path))
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
+    fh = read_file_header(path)
+    return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file")

@@ -1,0 +1,185 @@
+"""The pytree bridge: :func:`save_file` and :func:`load_file` for any tree of arrays."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes, _paths
+from ._errors import NnxSaveError, UnsupportedValueError
+from ._load import Target, load_targets
+from ._read import LocalReader
+from ._sources import Header, read_header
+from ._write import Entry, write_file
+
+__all__ = ["save_file", "load_file", "flatten", "leaf_entry"]
+
+PathLike = str | os.PathLike
+
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[tuple[tuple, Any]], Any]:
+    """``[(path, leaf)]`` and the treedef, with ``None`` kept as a leaf so it can be refused."""
+    import jax
+
+    def leaf(x: Any) -> bool:
+        return x is None or (is_leaf is not None and is_leaf(x))
+
+    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf)
+    return [(tuple(_paths.segment(k, p[:i]) for i, k in enumerate(p)), v) for p, v in pairs], treedef
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"a numpy array of dtype {value.dtype}"
+    return f"a {type(value).__name__} ({value!r:.40})"
+
+
+def leaf_entry(path: tuple, value: Any) -> Entry:
+    """Check one leaf and describe it for the writer, without copying it yet."""
+    import jax
+
+    key = _paths.to_key(path)
+    if isinstance(value, np.generic):
+        value = np.asarray(value)
+    if not isinstance(value, (np.ndarray, jax.Array)):
+        raise UnsupportedValueError(
+            f"{key}: expected an array, found {_describe(value)}; save_file stores arrays only "
+            "(use save_model for NNX scalars and rng keys)", key)
+    if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
+        raise UnsupportedValueError(
+            f"{key}: a typed PRNG key array; store jax.random.key_data(key) or use save_model", key)
+    if value.dtype.kind in "OUS":
+        raise UnsupportedValueError(f"{key}: {_describe(value)} has no safetensors dtype", key)
+    code = _dtypes.to_code(value.dtype, key).code
+    return Entry(key, code, tuple(int(d) for d in value.shape), lambda v=value: _to_host(v))
+
+
+def _to_host(value: Any) -> np.ndarray:
+    """One tensor's host value: a view when it already lives on the host."""
+    if isinstance(value, np.ndarray):
+        return value
+    return np.asarray(value)  # device -> host for this one tensor
+
+
+def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None) -> None:
+    """Save a pytree of arrays as one ``.safetensors`` file, atomically.
+
+    Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
+    streamed one at a time (device -> host for one tensor, then written); the file
+    appears under ``path`` only once complete and fsynced. ``tree`` is not modified.
+
+    Args:
+        tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.
+        path: the file to write; its directory must exist.
+        metadata: string -> string pairs stored in ``__metadata__``.
+
+    Raises:
+        UnsupportedValueError: a leaf that is not an array (names its path).
+        KeyPathError: a key containing ``/``, or two paths making the same key.
+        SaveError: the write failed; the previous file at ``path`` is intact.
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> nnx_save.save_file({"layers": [{"w": np.ones((2, 2), np.float32)}]}, path)
+        >>> sorted(nnx_save.load_file(path))
+        ['layers/0/w']
+    """
+    pairs, _ = flatten(tree)
+    _paths.check_unique(p for p, _ in pairs)
+    entries = [leaf_entry(p, v) for p, v in pairs]
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise UnsupportedValueError("metadata must map str to str", "__metadata__")
+    write_file(path, entries, metadata)
+
+
+def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str]]:
+    import jax
+
+    pairs, treedef = flatten(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    targets, keys = [], []
+    for path, leaf in pairs:
+        key = _paths.to_key(path)
+        if leaf is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
+            raise UnsupportedValueError(f"{key}: abstract leaves must be arrays or jax.ShapeDtypeStruct, found {_describe(leaf)}", key)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None and not isinstance(leaf, np.ndarray):
+            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        targets.append(Target(key, tuple(leaf.shape), np.dtype(leaf.dtype), sharding, (key,)))
+        keys.append(key)
+    return targets, treedef, keys
+
+
+def load_file(
+    source: PathLike | Sequence[PathLike] | Header,
+    abstract: Any = None,
+    *,
+    strict: bool = False,
+    allow_missing: Sequence[str] = (),
+    allow_unexpected: Sequence[str] = (),
+    max_over_read_ratio: float | None = None,
+    read_chunk_bytes: int = 128 << 20,
+    max_inflight_bytes: int = 2 << 30,
+    num_threads: int | None = None,
+    return_report: bool = False,
+) -> Any:
+    """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
+
+    Args:
+        source: a ``.safetensors`` file, a directory (HF index or ``*.safetensors``),
+            or a list of files.
+        abstract: a pytree whose leaves are ``jax.ShapeDtypeStruct`` (with a
+            ``sharding``) or arrays whose shape, dtype and sharding are adopted.
+            Each process reads only the bytes its addressable devices need. Numpy
+            leaves load as numpy. ``None``: a flat ``{key: np.ndarray}`` of everything.
+        strict: refuse (before reading) on any missing, unexpected, reshaped or
+            cast tensor; otherwise those are reported in one ``LoadWarning``.
+        allow_missing / allow_unexpected: patterns (glob or regex) the caller expects.
+        max_over_read_ratio: cap on bytes read / bytes needed when merging reads
+            (``None``: exact reads while few, else big sequential ones).
+        read_chunk_bytes: the largest single read.
+        max_inflight_bytes: bytes being read at once, never exceeded.
+        num_threads: concurrent readers (default: 2 to 8 by CPU count).
+        return_report: also return the :class:`LoadReport`.
+
+    Returns:
+        The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
+
+    Raises:
+        HeaderError: a malformed file or index, before any data is read.
+        LoadError: ``strict=True`` and a mismatch.
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> nnx_save.save_file({"w": np.arange(4, dtype=np.float32)}, path)
+        >>> nnx_save.load_file(path)["w"]
+        array([0., 1., 2., 3.], dtype=float32)
+    """
+    import jax
+
+    header = read_header(source)
+    options = dict(strict=strict, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+                   max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
+                   max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=LocalReader)
+    if abstract is None:
+        if jax.process_count() > 1:
+            raise NnxSaveError(
+                f"load_file({header.files[0].file if header.files else source!r}) without an abstract tree in a "
+                f"{jax.process_count()}-process run would read every tensor on every host; pass abstract= with "
+                "the shardings each process should load")
+        targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
+        values, report = load_targets(header, targets, **options)
+        result = {k: values[k] for k in header.tensors}
+    else:
+        targets, treedef, keys = _abstract_targets(abstract)
+        values, report = load_targets(header, targets, **options)
+        missing = [k for k in keys if k not in values]
+        if missing:  # the report warned; there is nothing to put at these leaves
+            raise NnxSaveError(
+                f"{report.source}: cannot build the tree, {len(missing)} leaves have no value: {missing[:10]}\n{report}")
+        result = jax.tree_util.tree_unflatten(treedef, [values[k] for k in keys])
+    return (result, report) if return_report else result

@@ -1,0 +1,120 @@
+"""Streaming, atomic writes of safetensors files.
+
+The header is a pure function of names, dtypes and shapes, so it is written first
+and each tensor is then written at its known offset, one at a time: the host holds
+at most one tensor beyond the caller's arrays. The file is written under a temporary
+name in the target's directory, fsynced, renamed over the target and the directory
+fsynced: a crash at any moment leaves either the previous file or the new one. The
+temporary file is created with mode 0o666 under the caller's umask, so the final
+file has the mode a plain ``open()`` would give it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import _dtypes
+from ._errors import SaveError
+from ._header import encode_header
+
+__all__ = ["Entry", "atomic_file", "write_file", "host_bytes", "TMP_MARKER"]
+
+TMP_MARKER = ".nnx_save-tmp-"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor to write: its key, dtype code, shape, and a callable giving its
+    host value (called once, when its turn comes)."""
+
+    key: str
+    code: str
+    shape: tuple[int, ...]
+    value: Callable[[], np.ndarray]
+
+
+def host_bytes(array: np.ndarray, code: str) -> memoryview:
+    """The little-endian, C-ordered bytes of ``array`` as the format stores them."""
+    row = _dtypes.DTYPES[code]
+    if not row.byte_aligned:
+        return memoryview(_dtypes.pack_subbyte(array, row))
+    array = np.ascontiguousarray(array)
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return memoryview(array.reshape(-1).view(np.uint8))
+
+
+def _write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
+    done = 0
+    while done < len(data):
+        if offset is None:
+            done += os.write(fd, data[done:done + (1 << 30)])
+        else:
+            done += os.pwrite(fd, data[done:done + (1 << 30)], offset + done)
+
+
+def temp_path(path: Path) -> Path:
+    return path.parent / f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[int]:
+    """Yield a file descriptor whose content replaces ``path`` atomically on success.
+
+    On any failure the temporary file is removed, the previous file at ``path`` is
+    untouched, and an ``OSError`` becomes a :class:`SaveError` naming ``path``.
+    """
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    except OSError as e:
+        raise SaveError(f"{path}: cannot create a temporary file in {path.parent}: {e.strerror}", str(path)) from e
+    try:
+        try:
+            yield fd
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, SaveError):
+            what = "no space left on the device" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else e.strerror
+            raise SaveError(f"{path}: save failed ({what}); the previous file, if any, is intact", str(path)) from e
+        raise
+    fsync_dir(path.parent)
+
+
+def order_entries(entries: Sequence[Entry]) -> list[Entry]:
+    """Descending dtype rank, then name: aligned data, and the reference layout."""
+    return sorted(entries, key=lambda e: (-_dtypes.RANK[e.code], e.key))
+
+
+def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``entries`` as one safetensors file at ``path``, atomically."""
+    entries = order_entries(entries)
+    head, _ = encode_header([(e.key, e.code, e.shape) for e in entries], metadata)
+    with atomic_file(path) as fd:
+        _write_all(fd, memoryview(head))
+        for e in entries:
+            data = host_bytes(e.value(), e.code)
+            _write_all(fd, data)
+            del data
