@@ -25,6 +25,8 @@ from ._errors import UnsupportedValueError as UnsupportedValueError
 from ._header import FileHeader as FileHeader
 from ._header import TensorInfo as TensorInfo
 from ._load import OverReadWarning as OverReadWarning
+from ._nnx import load_model as load_model
+from ._nnx import save_model as save_model
 from ._report import DtypeCast as DtypeCast
 from ._report import IOStats as IOStats
 from ._report import LoadReport as LoadReport

@@ -1,0 +1,335 @@
+"""The NNX bridge: :func:`save_model` and :func:`load_model`.
+
+Loading is driven by the model: its abstract state (from the instance, or from
+``nnx.eval_shape`` of a builder, so the random model never exists) says which paths,
+shapes, dtypes and shardings to fill; each is looked up in the file by its own key.
+Typed PRNG keys travel as uint32 key data plus their implementation's name, Python
+scalars as 0-d arrays plus their Python type, both recorded in ``__metadata__``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from . import _dtypes, _paths
+from ._errors import NnxSaveError, ShardingError, UnsupportedValueError
+from ._load import Target, load_targets
+from ._read import LocalReader
+from ._report import LoadReport
+from ._sources import Header, read_header
+from ._tree import leaf_entry
+from ._write import Entry, write_file
+
+__all__ = ["save_model", "load_model", "RNG_KEY", "SCALAR_KEY"]
+
+RNG_KEY = "nnx_save.rng_impl"  # {path: PRNG implementation name}
+SCALAR_KEY = "nnx_save.scalars"  # {path: "int" | "float" | "bool"}
+_PY_SCALARS = {"int": int, "float": float, "bool": bool}
+_SCALAR_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
+
+
+def _is_key(value: Any) -> bool:
+    dtype = getattr(value, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _impl_name(value: Any) -> str:
+    """The PRNG implementation of a typed key array or its ShapeDtypeStruct."""
+    return value.dtype._impl.name
+
+
+def _flat(state: Any) -> list[tuple[tuple, Any]]:
+    return [(tuple(p), v) for p, v in nnx.to_flat_state(state)]
+
+
+def _scalar_kind(value: Any) -> str | None:
+    for name, typ in (("bool", bool), ("int", int), ("float", float)):
+        if type(value) is typ:
+            return name
+    return None
+
+
+def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
+    key = _paths.to_key(path)
+    if value is None or isinstance(value, (str, bytes)):
+        what = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
+        raise UnsupportedValueError(
+            f"{key}: the model holds {what}; safetensors stores arrays and numbers only. "
+            "Keep such values out of nnx.Variable, or pass filter= to skip them", key)
+    kind = _scalar_kind(value)
+    if kind is not None:
+        scalars[key] = kind
+        value = np.asarray(value, _SCALAR_DTYPES[kind])
+    elif _is_key(value):
+        rng[key] = str(jax.random.key_impl(value))
+        value = jax.random.key_data(value)
+    return leaf_entry(path, value)
+
+
+def _model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict) -> dict[str, str]:
+    from . import __version__
+
+    out = dict(metadata or {})
+    out.setdefault("format", "nnx_save")
+    out["nnx_save.version"] = __version__
+    if rng:
+        out[RNG_KEY] = json.dumps(rng, sort_keys=True)
+    if scalars:
+        out[SCALAR_KEY] = json.dumps(scalars, sort_keys=True)
+    return out
+
+
+def model_entries(model: Any, filter: Any = ...) -> tuple[list[Entry], dict, dict]:
+    """The model's state as writer entries (nothing copied yet), with rng/scalar records."""
+    rng: dict[str, str] = {}
+    scalars: dict[str, str] = {}
+    flat = _flat(nnx.state(model, filter))
+    _paths.check_unique(p for p, _ in flat)
+    return [_entry(p, v.get_value(), rng, scalars) for p, v in flat], rng, scalars
+
+
+def save_model(
+    model: Any,
+    path: str | os.PathLike,
+    *,
+    filter: Any = ...,
+    metadata: Mapping[str, str] | None = None,
+    rules: Any = None,
+    max_shard_size: int | None = None,
+) -> None:
+    """Save an NNX model's state (or the part ``filter`` selects) as safetensors.
+
+    Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal).
+    Typed PRNG keys are stored as key data with their implementation in the
+    metadata; Python scalar variables keep their type. The model is not modified;
+    the host holds one tensor at a time beyond the model.
+
+    Args:
+        model: any NNX object graph (``nnx.Module``, ``nnx.Optimizer``, ...).
+        path: the file to write (or, with ``max_shard_size``, a directory).
+        filter: an NNX filter (``nnx.Param`` saves parameters only).
+        metadata: extra string -> string pairs for ``__metadata__``.
+        rules: porting rules applied on the way out (``rules.inverse()`` of an
+            import table writes HuggingFace names and layouts).
+        max_shard_size: write a HuggingFace multi-file checkpoint in directory
+            ``path`` (``model.safetensors.index.json``) with files of at most this
+            many bytes.
+
+    Raises:
+        UnsupportedValueError: a string or ``None`` in the state (names the path).
+        KeyPathError: ``/`` inside an attribute name.
+        SaveError: the write failed; the previous file is intact.
+
+    Examples:
+        >>> from flax import nnx
+        >>> import nnx_save, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+        >>> nnx_save.save_model(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), path)
+        >>> sorted(nnx_save.read_header(path))
+        ['bias', 'kernel']
+    """
+    entries, rng, scalars = model_entries(model, filter)
+    meta = _model_metadata(metadata, rng, scalars)
+    if rules is not None:
+        from .porting import _export
+
+        entries = _export.apply(rules, entries)
+    if max_shard_size is not None:
+        from ._multifile import write_sharded
+
+        write_sharded(path, entries, meta, max_shard_size)
+    else:
+        write_file(path, entries, meta)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+@dataclass(frozen=True)
+class _Leaf:
+    path: tuple
+    key: str
+    variable: Any  # the abstract or concrete Variable
+    value: Any  # its value (array, ShapeDtypeStruct, python scalar, typed key)
+
+
+def _concrete(sharding: Any, mesh: Any, key: str) -> Any:
+    """Resolve a sharding on an abstract mesh against a concrete one."""
+    if sharding is None or not isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh):
+        return sharding
+    if mesh is None:
+        mesh = jax.sharding.get_mesh()
+        if mesh.empty:
+            raise ShardingError(
+                f"{key}: the builder annotates a sharding ({sharding.spec}) on an abstract mesh "
+                f"{dict(sharding.mesh.shape)}; pass mesh= to load_model or call it under jax.set_mesh(mesh)")
+    return jax.sharding.NamedSharding(mesh, sharding.spec)
+
+
+def _default_sharding() -> Any:
+    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def _key_data_sharding(sharding: Any, ndim: int) -> Any:
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        spec = tuple(sharding.spec) + (None,) * (ndim + 1 - len(tuple(sharding.spec)))
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+    return sharding  # single-device / replicated shardings extend unchanged
+
+
+def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
+    value, key = leaf.value, leaf.key
+    info = header.tensors.get(key)
+    if _scalar_kind(value) is not None or (meta["scalars"].get(key) and getattr(value, "weak_type", False)):
+        dtype = info.dtype.numpy if info is not None else np.dtype(_SCALAR_DTYPES[_scalar_kind(value) or meta["scalars"][key]])
+        return Target(key, (), dtype, None, (key,))
+    sharding = _concrete(getattr(value, "sharding", None), mesh, key) or _default_sharding()
+    if _is_key(value):
+        impl = meta["rng"].get(key) or _impl_name(value)
+        key_shape = jax.random.key_data(jax.random.key(0, impl=impl)).shape
+        return Target(key, tuple(value.shape) + key_shape, np.dtype(np.uint32),
+                      _key_data_sharding(sharding, len(value.shape)), (key,))
+    return Target(key, tuple(value.shape), np.dtype(value.dtype), sharding, (key,))
+
+
+def _finish(leaf: _Leaf, loaded: Any, meta: dict) -> Any:
+    """Turn a loaded array back into what the model declares."""
+    kind = _scalar_kind(leaf.value) or (meta["scalars"].get(leaf.key) if getattr(leaf.value, "weak_type", False) else None)
+    if kind is not None:
+        return _PY_SCALARS[kind](np.asarray(loaded).item())
+    if _is_key(leaf.value) and not _is_key(loaded):
+        return jax.random.wrap_key_data(loaded, impl=meta["rng"].get(leaf.key) or _impl_name(leaf.value))
+    return loaded
+
+
+def _file_meta(header: Header) -> dict:
+    def parse(name: str) -> dict:
+        try:
+            value = json.loads(header.metadata.get(name, "{}"))
+        except json.JSONDecodeError as e:
+            raise NnxSaveError(f"__metadata__[{name!r}] is not valid JSON: {e}") from None
+        return value if isinstance(value, dict) else {}
+
+    return {"rng": parse(RNG_KEY), "scalars": parse(SCALAR_KEY)}
+
+
+def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool]:
+    """(graphdef, abstract or concrete state, is_builder)."""
+    if isinstance(model_or_builder, nnx.Pytree) or not callable(model_or_builder):
+        graphdef, state = nnx.split(model_or_builder)
+        return graphdef, state, False
+    if mesh is not None:
+        with jax.set_mesh(mesh):
+            abstract = nnx.eval_shape(model_or_builder)
+    else:
+        abstract = nnx.eval_shape(model_or_builder)
+    graphdef, state = nnx.split(abstract)
+    return graphdef, state, True
+
+
+def _init_missing(builder: Callable, leaves: list[_Leaf], targets: dict[str, Target], mesh: Any) -> dict[str, Any]:
+    """Initialise only the leaves the file lacks: the builder runs under jit and
+    everything else is dead code that XLA drops, so the random model never exists."""
+    keys = {leaf.key for leaf in leaves}
+
+    def init():
+        flat = _flat(nnx.state(builder()))
+        return {k: v.get_value() for k, v in ((_paths.to_key(p), v) for p, v in flat) if k in keys}
+
+    if mesh is not None:
+        with jax.set_mesh(mesh):
+            return jax.jit(init)()
+    values = jax.jit(init)()
+    return {k: _reshard(v, targets.get(k)) for k, v in values.items()}
+
+
+def _reshard(value: Any, target: Target | None) -> Any:
+    if target is None or target.sharding is None or _is_key(value) or not isinstance(value, jax.Array):
+        return value
+    return jax.device_put(value, target.sharding)
+
+
+def load_model(
+    model_or_builder: Any,
+    source: str | os.PathLike | Sequence[str | os.PathLike] | Header,
+    *,
+    strict: bool = False,
+    filter: Any = ...,
+    allow_missing: Sequence[str] = (),
+    allow_unexpected: Sequence[str] = (),
+    rules: Any = None,
+    mesh: Any = None,
+    max_over_read_ratio: float | None = None,
+    read_chunk_bytes: int = 128 << 20,
+    max_inflight_bytes: int = 2 << 30,
+    num_threads: int | None = None,
+) -> tuple[Any, LoadReport]:
+    """Load a checkpoint into an NNX model, driven by the model's own structure.
+
+    Args:
+        model_or_builder: a model instance (filled in place and returned) or a
+            zero-argument builder (evaluated with ``nnx.eval_shape``: only the
+            loaded arrays are ever allocated; its sharding annotations are honoured).
+        source: a file, a HuggingFace multi-file directory, or a list of files.
+        strict: raise :class:`~nnx_save.LoadError` on any mismatch, before
+            reading anything and without touching the model.
+        filter: the NNX filter of the state to load (``nnx.Param``: parameters
+            only; other state in the file is then not "unexpected").
+        allow_missing / allow_unexpected: path patterns (glob or regex) the caller
+            expects to be missing (a new head) or unused.
+        rules: porting rules (:mod:`nnx_save.porting`) mapping file keys to paths.
+        mesh: the concrete mesh for a builder's sharding annotations.
+        max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads:
+            the loading engine's knobs (see :func:`load_file`).
+
+    Returns:
+        ``(model, report)``.
+
+    Examples:
+        >>> from flax import nnx
+        >>> import nnx_save, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "m.safetensors")
+        >>> nnx_save.save_model(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), path)
+        >>> model, report = nnx_save.load_model(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(1)), path)
+        >>> report.clean, model.kernel.shape
+        (True, (2, 3))
+    """
+    header = read_header(source)
+    meta = _file_meta(header)
+    graphdef, full_state, is_builder = _abstract(model_or_builder, mesh)
+    selected = nnx.state(nnx.merge(graphdef, full_state), filter) if filter is not ... else full_state
+    leaves = [_Leaf(p, _paths.to_key(p), v, v.get_value()) for p, v in _flat(selected)]
+    _paths.check_unique(leaf.path for leaf in leaves)
+    targets = {leaf.key: _target(leaf, header, meta, mesh) for leaf in leaves}
+    ignore = frozenset(_paths.to_key(p) for p, _ in _flat(full_state)) - set(targets)
+    target_list = list(targets.values())
+    if rules is not None:
+        from .porting import _bridge
+
+        target_list = _bridge.targets(rules, header, target_list)
+    values, report = load_targets(
+        header, target_list, strict=strict, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+        ignore_unexpected=ignore, max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
+        max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=LocalReader)
+    if is_builder:
+        # Leaves the file lacks, and those the filter left out, get their initial
+        # values; nothing else of the random model is ever computed.
+        everything = [_Leaf(p, _paths.to_key(p), v, v.get_value()) for p, v in _flat(full_state)]
+        absent = [leaf for leaf in everything if leaf.key not in values]
+        if absent:
+            values = {**values, **_init_missing(model_or_builder, absent, targets, mesh)}
+        leaves = everything
+    updates = [(leaf.path, leaf.variable.replace(_finish(leaf, values[leaf.key], meta)))
+               for leaf in leaves if leaf.key in values]
+    if is_builder:
+        return nnx.merge(graphdef, nnx.from_flat_state(updates)), report
+    nnx.update(model_or_builder, nnx.from_flat_state(updates))
+    return model_or_builder, report
