@@ -1,0 +1,29 @@
+"""Training checkpoints: a step-addressed store over Orbax (the only Orbax user in nnx_save).
+
+See ``docs/checkpoints.md``. The common case::
+
+    store = OrbaxCheckpointStore(resolve_checkpoint_dir(None, run_dir), max_to_keep=3)
+    store.save(step, {"model": nnx.state(model), "optimizer": nnx.state(optimizer), "rng": key})
+    ckpt = store.restore(store.latest_step(), templates={"model": nnx.state(model), ...})
+    restore_into(model, ckpt.items["model"])
+"""
+
+from ._directory import resolve_checkpoint_dir as resolve_checkpoint_dir
+from ._errors import CheckpointDtypeMismatchError as CheckpointDtypeMismatchError
+from ._errors import CheckpointError as CheckpointError
+from ._errors import CheckpointItemError as CheckpointItemError
+from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ._errors import CheckpointNotWrittenError as CheckpointNotWrittenError
+from ._errors import CheckpointTemplateError as CheckpointTemplateError
+from ._errors import DtypeMismatch as DtypeMismatch
+from ._errors import UnsupportedCheckpointError as UnsupportedCheckpointError
+from ._errors import WriteRefusal as WriteRefusal
+from ._format import FORMAT_NAME as FORMAT_NAME
+from ._format import FORMAT_VERSION as FORMAT_VERSION
+from ._format import ITEM_NAMES as ITEM_NAMES
+from ._metadata import CheckpointMetadata as CheckpointMetadata
+from ._metadata import Producer as Producer
+from ._nnx import restore_into as restore_into
+from ._store import Checkpoint as Checkpoint
+from ._store import CheckpointStore as CheckpointStore
+from ._store import OrbaxCheckpointStore as OrbaxCheckpointStore

@@ -1,0 +1,33 @@
+"""The constants that define the on-disk layout of an nnx_save checkpoint step.
+
+A step directory is an Orbax composite checkpoint with one Orbax item per stored
+item (each a pytree under the single node :data:`ROOT`, so a bare array such as an
+rng key is a valid item), plus two JSON items: the metadata record and the dtype
+record. Changing any of these names or the record layouts needs a new
+:data:`FORMAT_VERSION`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "DTYPES_FORMAT",
+    "ITEM_NAMES",
+    "METADATA_ITEM",
+    "DTYPES_ITEM",
+    "ROOT",
+]
+
+FORMAT_NAME = "nnx_save.checkpoint"
+FORMAT_VERSION = 1
+DTYPES_FORMAT = "nnx_save.checkpoint.dtypes"
+
+# The items a step may hold, in the order they are recorded.
+ITEM_NAMES = ("model", "optimizer", "rng", "data_iterator", "extensions")
+
+METADATA_ITEM = "nnx_save_metadata"
+DTYPES_ITEM = "nnx_save_dtypes"
+
+# Every stored pytree sits under this one key, so a bare array is a valid item.
+ROOT = "item"

@@ -1,0 +1,72 @@
+"""Pure comparisons run before (and right after) a restore reads arrays.
+
+The store turns each item into ``(path, leaf)`` pairs and the checkpoint into
+``{path: Spec | None}`` (``None`` for a Python leaf); these functions list every
+disagreement so the caller can raise once, with all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from ._errors import DtypeMismatch
+from ._tree import Path, Spec, leaf_spec, show
+
+__all__ = ["template_problems", "dtype_mismatches", "explained_by_x64"]
+
+
+def template_problems(item: str, template: Sequence[tuple[Path, Any]], stored: Mapping[Path, Spec | None]) -> list[str]:
+    """Paths, leaf kinds and shapes on which a template and the checkpoint disagree.
+
+    Examples:
+        >>> template_problems("model", [(("w",), np.zeros((2, 3)))], {("w",): Spec((3, 3), "float64")})
+        ['model/w: shape (2, 3) in the template, (3, 3) in the checkpoint']
+    """
+    given = dict(template)
+    problems = [f"{item}/{show(p)}: stored in the checkpoint, absent from the template" for p in stored if p not in given]
+    problems += [f"{item}/{show(p)}: in the template, not stored in the checkpoint" for p in given if p not in stored]
+    for path in given.keys() & stored.keys():
+        problem = _leaf_problem(leaf_spec(given[path]), stored[path])
+        if problem:
+            problems.append(f"{item}/{show(path)}: {problem}")
+    return problems
+
+
+def _leaf_problem(wanted: Spec | None, stored: Spec | None) -> str | None:
+    if wanted is None and stored is None:
+        return None
+    if wanted is None or stored is None:
+        kinds = ("an array", "a Python value") if stored is None else ("a Python value", "an array")
+        return f"{kinds[0]} in the template, {kinds[1]} in the checkpoint"
+    if wanted.shape != stored.shape:
+        return f"shape {wanted.shape} in the template, {stored.shape} in the checkpoint"
+    return None
+
+
+def dtype_mismatches(item: str, leaves: Sequence[tuple[Path, Any]], saved: Mapping[Path, str]) -> list[DtypeMismatch]:
+    """Array leaves whose dtype differs from the saved one (Python leaves are skipped).
+
+    Examples:
+        >>> dtype_mismatches("model", [(("w",), np.zeros(2, np.float16))], {("w",): "float32"})
+        [DtypeMismatch(item='model', leaf='w', saved='float32', restored='float16')]
+    """
+    found = []
+    for path, leaf in leaves:
+        spec = leaf_spec(leaf)
+        if spec is not None and path in saved and saved[path] != spec.dtype:
+            found.append(DtypeMismatch(item, show(path), saved[path], spec.dtype))
+    return found
+
+
+def explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
+    """True when jax's x64 mode is off and it narrowed a 64-bit array to 32 bits."""
+    if jax.config.jax_enable_x64:
+        return False
+    return any(
+        m.saved != m.restored and str(jax.dtypes.canonicalize_dtype(np.dtype(m.saved))) == m.restored
+        for m in mismatches
+    )

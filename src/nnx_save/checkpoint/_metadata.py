@@ -1,0 +1,272 @@
+"""The metadata record stored (as JSON) with every checkpoint step.
+
+:class:`CheckpointMetadata` is plain data: :meth:`~CheckpointMetadata.to_dict` gives
+the JSON object written beside the items and :meth:`~CheckpointMetadata.from_dict`
+validates one read back, refusing any record this version cannot read with
+:class:`UnsupportedCheckpointError` (another format, a newer version, a malformed
+field) before anything else is restored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from ._errors import UnsupportedCheckpointError
+from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
+
+__all__ = ["Producer", "CheckpointMetadata", "library_versions", "check_extra", "check_metrics"]
+
+# Distributions whose versions every checkpoint records, for reproducing a run.
+_DISTRIBUTIONS = ("jax", "jaxlib", "flax", "orbax-checkpoint", "optax", "numpy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Producer:
+    """The program that wrote a checkpoint (a trainer, a conversion script).
+
+    Examples:
+        >>> Producer("my_trainer", "2.1").to_dict()
+        {'name': 'my_trainer', 'version': '2.1'}
+    """
+
+    name: str
+    version: str
+
+    def __post_init__(self) -> None:
+        for field in ("name", "version"):
+            value = getattr(self, field)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"Producer.{field} must be a non-empty str, got {value!r}")
+
+    def to_dict(self) -> dict[str, str]:
+        """The JSON object stored in the metadata record."""
+        return {"name": self.name, "version": self.version}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Producer:
+        """Rebuild a producer from :meth:`to_dict` output.
+
+        Raises:
+            UnsupportedCheckpointError: ``data`` is not ``{"name": str, "version": str}``.
+        """
+        if not isinstance(data, Mapping) or set(data) != {"name", "version"}:
+            raise UnsupportedCheckpointError(f"a producer record {data!r} (expected name and version)")
+        try:
+            return cls(data["name"], data["version"])
+        except ValueError:
+            raise UnsupportedCheckpointError(f"a producer record {dict(data)!r} (expected two non-empty strings)") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointMetadata:
+    """What a checkpoint step says about itself.
+
+    Attributes:
+        step: The training step.
+        items: The names of the stored items, in :data:`ITEM_NAMES` order.
+        epoch: The epoch, when the caller gave one.
+        metrics: Named scalar metrics (``best_step`` ranks steps by these).
+        extra: Caller-defined JSON data (a run config, a git hash).
+        producer: The program that wrote the checkpoint, when given.
+        library_versions: Versions of nnx_save, jax, flax, Orbax, ... at save time.
+        created_at: Save time, ISO 8601 in UTC.
+        format: Always :data:`FORMAT_NAME` for a record this library can read.
+        format_version: The layout version, at most :data:`FORMAT_VERSION`.
+
+    Examples:
+        >>> meta = CheckpointMetadata(step=3, items=("model",), created_at="2025-01-01T00:00:00+00:00")
+        >>> CheckpointMetadata.from_dict(meta.to_dict()) == meta
+        True
+    """
+
+    step: int
+    items: tuple[str, ...]
+    epoch: int | None = None
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    producer: Producer | None = None
+    library_versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    created_at: str = ""
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object written with the checkpoint (a fresh, independent copy)."""
+        return {
+            "format": self.format,
+            "format_version": self.format_version,
+            "step": self.step,
+            "epoch": self.epoch,
+            "items": list(self.items),
+            "library_versions": dict(self.library_versions),
+            "producer": None if self.producer is None else self.producer.to_dict(),
+            "metrics": dict(self.metrics),
+            "extra": json.loads(json.dumps(self.extra)),
+            "created_at": self.created_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> CheckpointMetadata:
+        """Validate a stored record and rebuild it.
+
+        Raises:
+            UnsupportedCheckpointError: ``data`` names another format, a newer
+                format version, or has a missing, unknown or malformed field.
+        """
+        _check_format(data)
+        _check_fields(data)
+        producer = data["producer"]
+        return cls(
+            step=_int(data, "step", minimum=0),
+            items=_items(data["items"]),
+            epoch=None if data["epoch"] is None else _int(data, "epoch", minimum=0),
+            metrics=_metrics(data["metrics"]),
+            extra=_mapping(data, "extra"),
+            producer=None if producer is None else Producer.from_dict(producer),
+            library_versions=_str_mapping(data, "library_versions"),
+            created_at=_str(data, "created_at"),
+            format=data["format"],
+            format_version=data["format_version"],
+        )
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(CheckpointMetadata))
+
+# ``extra`` may not use these names: they are the record's own fields.
+RESERVED_KEYS = _FIELDS
+
+
+def _check_format(data: Any) -> None:
+    if not isinstance(data, Mapping):
+        raise UnsupportedCheckpointError(f"a metadata record of type {type(data).__name__}, not a JSON object")
+    if data.get("format") != FORMAT_NAME:
+        raise UnsupportedCheckpointError(f"format {data.get('format')!r}")
+    version = data.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise UnsupportedCheckpointError(f"format version {version!r}")
+    if version > FORMAT_VERSION:
+        raise UnsupportedCheckpointError(f"format version {version}, newer than this nnx_save; upgrade nnx_save")
+
+
+def _check_fields(data: Mapping[str, Any]) -> None:
+    missing, unknown = sorted(_FIELDS - set(data)), sorted(set(data) - _FIELDS)
+    if missing or unknown:
+        raise UnsupportedCheckpointError(f"a metadata record with missing fields {missing} and unknown fields {unknown}")
+
+
+def _int(data: Mapping[str, Any], key: str, *, minimum: int) -> int:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UnsupportedCheckpointError(f"{key} {value!r} (expected an int >= {minimum})")
+    return value
+
+
+def _str(data: Mapping[str, Any], key: str) -> str:
+    if not isinstance(data[key], str):
+        raise UnsupportedCheckpointError(f"{key} {data[key]!r} (expected a str)")
+    return data[key]
+
+
+def _mapping(data: Mapping[str, Any], key: str) -> dict[str, Any]:
+    if not isinstance(data[key], Mapping):
+        raise UnsupportedCheckpointError(f"{key} {data[key]!r} (expected a JSON object)")
+    return dict(data[key])
+
+
+def _str_mapping(data: Mapping[str, Any], key: str) -> dict[str, str]:
+    value = _mapping(data, key)
+    if not all(isinstance(v, str) for v in value.values()):
+        raise UnsupportedCheckpointError(f"{key} {value!r} (expected str values)")
+    return value
+
+
+def _items(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not value or any(v not in ITEM_NAMES for v in value):
+        raise UnsupportedCheckpointError(f"items {value!r} (expected a non-empty list of {', '.join(ITEM_NAMES)})")
+    return tuple(value)
+
+
+def _metrics(value: Any) -> dict[str, float]:
+    if not isinstance(value, Mapping) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()
+    ):
+        raise UnsupportedCheckpointError(f"metrics {value!r} (expected numbers)")
+    return {k: float(v) for k, v in value.items()}
+
+
+def library_versions() -> dict[str, str]:
+    """The versions of nnx_save and the libraries it saves through, for the record."""
+    import nnx_save  # noqa: PLC0415 - the parent package is fully imported by call time
+
+    versions = {"nnx_save": nnx_save.__version__}
+    for dist in _DISTRIBUTIONS:
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
+    """Metrics as ``{str: float}``; numbers and 0-d arrays are accepted, NaN kept.
+
+    Raises:
+        ValueError: A key is not a str or a value is not a real scalar.
+    """
+    out: dict[str, float] = {}
+    for name, value in (metrics or {}).items():
+        if not isinstance(name, str):
+            raise ValueError(f"metrics keys must be str, got {name!r}")
+        if isinstance(value, bool) or getattr(value, "shape", ()) != ():
+            raise ValueError(f"metrics[{name!r}] must be a real scalar, got {value!r}")
+        try:
+            out[name] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"metrics[{name!r}] must be a real scalar, got {value!r}") from None
+    return out
+
+
+def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``extra`` as a JSON-ready copy; refuses reserved names and lossy values.
+
+    Dict keys must be ``str`` (JSON would silently turn ``1`` into ``"1"``) and
+    floats finite. Tuples are stored as JSON arrays and come back as lists.
+
+    Raises:
+        ValueError: A key shadows a metadata field, or a value is not JSON data.
+    """
+    extra = dict(extra or {})
+    shadowed = sorted(k for k in extra if k in RESERVED_KEYS)
+    if shadowed:
+        raise ValueError(
+            f"extra keys {shadowed} shadow metadata fields; reserved: {', '.join(sorted(RESERVED_KEYS))}. "
+            "Pass step, epoch, metrics and producer as save() arguments, or rename the key"
+        )
+    _check_json("extra", extra)
+    return json.loads(json.dumps(extra))
+
+
+def _check_json(where: str, value: Any) -> None:
+    if isinstance(value, Mapping):
+        for key, child in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"{where}: key {key!r} is a {type(key).__name__}; JSON keys must be str")
+            _check_json(f"{where}/{key}", child)
+    elif isinstance(value, (list, tuple)):
+        for i, child in enumerate(value):
+            _check_json(f"{where}/{i}", child)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{where}: {value!r} is not a finite float; JSON cannot store it")
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ValueError(f"{where}: a {type(value).__name__} is not JSON data (str, int, float, bool, None, list, dict)")
+
+
+def utc_now() -> str:
+    """The current time, ISO 8601 with an explicit UTC offset."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat()

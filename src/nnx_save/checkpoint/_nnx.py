@@ -1,0 +1,109 @@
+"""NNX glue: put a restored state back into a Module, an Optimizer or any graph node.
+
+Orbax stores dict keys as strings, so a state restored without a template has
+``"0"`` where the model's ``nnx.List`` has ``0``. :func:`restore_into` is driven by
+the target's own structure: every target leaf is looked up by its Orbax name, so
+int keys come back exactly as the target has them, and nothing is left unfilled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from .._errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
+from ._tree import Path, flatten, is_array, segment, show
+
+__all__ = ["restore_into"]
+
+
+def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False) -> None:
+    """Update ``target`` in place with a restored state, exactly.
+
+    Works with a state restored with a template (``nnx.State``, int keys) or
+    without one (nested dicts with string keys). Checks everything before changing
+    anything: every leaf of the target must be restored and nothing else, with the
+    same shape and dtype. Arrays are placed on the target leaf's sharding.
+
+    Args:
+        target: An NNX graph node (``nnx.Module``, ``nnx.Optimizer``), possibly
+            abstract (built under ``nnx.eval_shape``).
+        state: The restored item, e.g. ``checkpoint.items["model"]``.
+        cast_dtypes: Cast arrays to the target's dtypes instead of refusing.
+
+    Raises:
+        KeyMismatchError: Leaves missing from ``state`` or not in the target.
+        ShapeMismatchError: A restored array's shape differs from the target's.
+        DtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
+
+    Examples:
+        >>> import tempfile
+        >>> from flax import nnx
+        >>> from nnx_save.checkpoint import OrbaxCheckpointStore, restore_into
+        >>> class Net(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.layers = nnx.List([nnx.Linear(2, 2, rngs=rngs) for _ in range(2)])
+        >>> store = OrbaxCheckpointStore(tempfile.mkdtemp())
+        >>> _ = store.save(1, {"model": nnx.state(Net(nnx.Rngs(0)))})
+        >>> net = Net(nnx.Rngs(1))
+        >>> restore_into(net, store.restore(1).items["model"])
+        >>> bool((net.layers[0].kernel[...] == Net(nnx.Rngs(0)).layers[0].kernel[...]).all())
+        True
+    """
+    name = type(target).__name__
+    keypaths, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(target))
+    wanted = [(tuple(segment(e) for e in keypath), leaf) for keypath, leaf in keypaths]
+    given = dict(flatten(state))
+    _check_paths(name, [path for path, _ in wanted], given)
+    _check_arrays(name, wanted, given, cast_dtypes)
+    leaves = [_adopt(leaf, given[path], cast_dtypes) for path, leaf in wanted]
+    nnx.update(target, jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def _check_paths(name: str, wanted: Sequence[Path], given: dict[Path, Any]) -> None:
+    missing = sorted(show(p) for p in wanted if p not in given)
+    unexpected = sorted(show(p) for p in set(given) - set(wanted))
+    if missing or unexpected:
+        raise KeyMismatchError(
+            f"restore_into({name}): the restored state does not match the target's structure: "
+            f"{len(missing)} missing (in the target, not restored): {', '.join(missing) or '-'}; "
+            f"{len(unexpected)} unexpected (restored, not in the target): {', '.join(unexpected) or '-'}"
+        )
+
+
+def _check_arrays(name: str, wanted: Sequence[tuple[Path, Any]], given: dict[Path, Any], cast: bool) -> None:
+    shapes, dtypes = [], []
+    for path, leaf in wanted:
+        value = given[path]
+        if not is_array(leaf):
+            continue
+        if not is_array(value):
+            shapes.append(f"{show(path)}: an array in the target, a {type(value).__name__} restored")
+        elif tuple(leaf.shape) != tuple(value.shape):
+            shapes.append(f"{show(path)}: shape {tuple(leaf.shape)} in the target, {tuple(value.shape)} restored")
+        elif leaf.dtype != value.dtype:
+            dtypes.append(f"{show(path)}: {leaf.dtype} in the target, {value.dtype} restored")
+    if shapes:
+        raise ShapeMismatchError(f"restore_into({name}): {len(shapes)} leaves differ in shape: {'; '.join(shapes)}")
+    if dtypes and not cast:
+        raise DtypeMismatchError(
+            f"restore_into({name}): {len(dtypes)} leaves differ in dtype: {'; '.join(dtypes)}; "
+            "pass cast_dtypes=True to cast them to the target's dtypes"
+        )
+
+
+def _adopt(leaf: Any, value: Any, cast: bool) -> Any:
+    """``value`` with the target leaf's dtype (when casting) and sharding."""
+    if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        return value
+    if cast and value.dtype != leaf.dtype:
+        value = value.astype(leaf.dtype)
+    sharding = leaf.sharding
+    if sharding is None:
+        return jax.numpy.asarray(value)
+    if isinstance(value, jax.Array) and value.sharding == sharding:
+        return value
+    return jax.device_put(value, sharding)

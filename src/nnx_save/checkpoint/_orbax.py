@@ -1,0 +1,150 @@
+"""Everything that speaks Orbax: the manager, save arguments, metadata, restore arguments.
+
+This is the one module of nnx_save that imports ``orbax.checkpoint``. It knows how
+an nnx_save step maps onto an Orbax composite checkpoint (see :mod:`._format`) and
+translates Orbax's metadata into the neutral ``{path: Spec | None}`` form the guard
+compares.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from ._format import DTYPES_ITEM, ITEM_NAMES, METADATA_ITEM, ROOT
+from ._tree import Path, Spec, flatten, segment, show
+
+__all__ = [
+    "StepAlreadyExistsError",
+    "make_manager",
+    "save_args",
+    "held_items",
+    "stored_trees",
+    "stored_specs",
+    "read_json",
+    "template_restore_args",
+    "stored_restore_args",
+    "restore_items",
+]
+
+StepAlreadyExistsError = ocp.checkpoint_manager.StepAlreadyExistsError
+
+
+def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
+    # Registering every item up front lets a fresh manager read metadata of steps it
+    # did not write (Orbax only interprets items whose handler it knows).
+    handlers = {name: ocp.PyTreeCheckpointHandler() for name in ITEM_NAMES}
+    handlers[METADATA_ITEM] = ocp.JsonCheckpointHandler()
+    handlers[DTYPES_ITEM] = ocp.JsonCheckpointHandler()
+    return ocp.handlers.create_default_handler_registry(**handlers)
+
+
+def make_manager(directory: pathlib.Path, max_to_keep: int | None, *, create: bool) -> ocp.CheckpointManager:
+    """A synchronous manager keeping the latest ``max_to_keep`` steps (all when None).
+
+    ``create`` (only for writing) makes the directory and removes temporary step
+    directories left behind by a save that was killed midway.
+    """
+    options = ocp.CheckpointManagerOptions(
+        create=create,
+        cleanup_tmp_directories=create,
+        enable_async_checkpointing=False,
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
+    )
+    return ocp.CheckpointManager(directory, options=options, handler_registry=_registry())
+
+
+def save_args(items: Mapping[str, Any], metadata: dict[str, Any], dtypes: dict[str, Any]) -> ocp.args.Composite:
+    """One Orbax composite: a pytree per item (under :data:`ROOT`) and two JSON records."""
+    args: dict[str, Any] = {name: ocp.args.PyTreeSave({ROOT: tree}) for name, tree in items.items()}
+    args[METADATA_ITEM] = ocp.args.JsonSave(metadata)
+    args[DTYPES_ITEM] = ocp.args.JsonSave(dtypes)
+    return ocp.args.Composite(**args)
+
+
+def held_items(manager: ocp.CheckpointManager, step: int) -> set[str]:
+    """The Orbax item names a step directory holds (ours and any others)."""
+    return set(manager.metadata(step).item_handlers or ())
+
+
+def stored_trees(manager: ocp.CheckpointManager, step: int, names: Iterable[str]) -> dict[str, Any]:
+    """Orbax's metadata tree of each named item (the tree under :data:`ROOT`)."""
+    metadata = manager.metadata(step).item_metadata
+    return {name: metadata[name].tree[ROOT] for name in names}
+
+
+def stored_specs(tree: Any) -> dict[Path, Spec | None]:
+    """``{path: Spec}`` for stored arrays, ``{path: None}`` for stored Python values."""
+    return {path: _spec(leaf) for path, leaf in flatten(tree)}
+
+
+def _spec(leaf: Any) -> Spec | None:
+    if isinstance(leaf, ocp.metadata.ArrayMetadata) and not isinstance(leaf, ocp.metadata.ScalarMetadata):
+        return Spec(tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+    return None
+
+
+def read_json(manager: ocp.CheckpointManager, step: int, name: str) -> Any:
+    """The JSON record stored as item ``name``."""
+    return manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
+
+
+def template_restore_args(item: str, template: Any) -> Any:
+    """Restore arguments placing every array on its template leaf's sharding and dtype.
+
+    A ``ShapeDtypeStruct`` without a sharding lands on the default device; a numpy
+    leaf restores as numpy; a Python leaf restores as its own type.
+    """
+    return jax.tree_util.tree_map_with_path(lambda keypath, leaf: _template_arg(item, keypath, leaf), template)
+
+
+def _template_arg(item: str, keypath: Any, leaf: Any) -> ocp.RestoreArgs:
+    if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+        sharding = leaf.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            return ocp.ArrayRestoreArgs(sharding=sharding)  # Orbax rebuilds the key from its key data
+        return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(leaf.shape), dtype=leaf.dtype)
+    if isinstance(leaf, np.ndarray):
+        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype)
+    if isinstance(leaf, (int, float, str)):
+        return ocp.RestoreArgs(restore_type=type(leaf))
+    raise TypeError(
+        f"templates[{item!r}]: leaf {show(tuple(map(segment, keypath)))} is a {type(leaf).__name__}; template "
+        "leaves must be arrays, jax.ShapeDtypeStruct, or ints, floats, bools and strings"
+    )
+
+
+def stored_restore_args(tree: Any) -> Any:
+    """Restore arguments that bring every leaf back as stored, sharding included."""
+    return jax.tree_util.tree_map(_stored_arg, tree)
+
+
+def _stored_arg(leaf: Any) -> ocp.RestoreArgs:
+    if isinstance(leaf, ocp.metadata.StringMetadata):
+        return ocp.RestoreArgs(restore_type=str)
+    if isinstance(leaf, ocp.metadata.ScalarMetadata):
+        return ocp.RestoreArgs(restore_type=type(np.dtype(leaf.dtype).type(0).item()))
+    if isinstance(leaf, ocp.metadata.ArrayMetadata) and leaf.sharding is not None:
+        return ocp.ArrayRestoreArgs(sharding=leaf.sharding)
+    if isinstance(leaf, ocp.metadata.ArrayMetadata):
+        return ocp.RestoreArgs(restore_type=np.ndarray)
+    return ocp.RestoreArgs()
+
+
+def restore_items(
+    manager: ocp.CheckpointManager, step: int, plan: Mapping[str, tuple[Any | None, Any]]
+) -> dict[str, Any]:
+    """Read items in one Orbax call; ``plan`` maps a name to ``(template or None, restore_args)``."""
+    args = {
+        name: ocp.args.PyTreeRestore(
+            item=None if template is None else {ROOT: template}, restore_args={ROOT: restore_args}
+        )
+        for name, (template, restore_args) in plan.items()
+    }
+    restored = manager.restore(step, args=ocp.args.Composite(**args))
+    return {name: restored[name][ROOT] for name in plan}

@@ -1,0 +1,154 @@
+"""Pytree leaves as the checkpoint sees them: paths, storable kinds, dtypes.
+
+A leaf path is a tuple of ``str`` segments named the way Orbax names them (a dict
+key or an ``nnx.List`` index ``0`` becomes ``"0"``), so paths from a template, from
+the saved dtype record and from Orbax's own metadata compare directly. Typed PRNG
+keys are described by their key data (``uint32`` with a trailing dimension), which
+is what Orbax stores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .._errors import KeyPathError, UnsupportedValueError
+from .._paths import format_path
+from ._errors import UnsupportedCheckpointError
+from ._format import DTYPES_FORMAT, ITEM_NAMES
+
+__all__ = [
+    "Path",
+    "Spec",
+    "flatten",
+    "leaf_spec",
+    "show",
+    "check_item",
+    "dtype_record",
+    "parse_dtype_record",
+]
+
+Path = tuple[str, ...]
+
+_INT64 = np.iinfo(np.int64)
+
+
+class Spec(NamedTuple):
+    """The shape and dtype of an array leaf as stored (typed keys: their key data)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def segment(entry: Any) -> str:
+    """One path segment, named as Orbax names it."""
+    if isinstance(entry, jax.tree_util.SequenceKey):
+        return str(entry.idx)
+    if isinstance(entry, (jax.tree_util.DictKey, jax.tree_util.FlattenedIndexKey)):
+        return str(entry.key)
+    if isinstance(entry, jax.tree_util.GetAttrKey):
+        return entry.name
+    raise KeyPathError(f"unsupported pytree key {entry!r} of type {type(entry).__name__}")
+
+
+def flatten(tree: Any) -> list[tuple[Path, Any]]:
+    """``(path, leaf)`` pairs in pytree order, paths as Orbax names them."""
+    pairs, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [(tuple(segment(e) for e in keypath), leaf) for keypath, leaf in pairs]
+
+
+def show(path: Path) -> str:
+    """A leaf path for messages (``"<root>"`` for a bare array item)."""
+    return format_path(path) if path else "<root>"
+
+
+def is_array(leaf: Any) -> bool:
+    """True for leaves that carry a shape and a dtype (arrays and templates)."""
+    return isinstance(leaf, (jax.Array, np.ndarray, jax.ShapeDtypeStruct))
+
+
+def leaf_spec(leaf: Any) -> Spec | None:
+    """The stored shape and dtype of an array leaf; ``None`` for Python leaves."""
+    if not is_array(leaf):
+        return None
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
+        return Spec(tuple(data.shape), str(data.dtype))
+    return Spec(tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+
+
+def check_item(name: str, tree: Any) -> None:
+    """Refuse an item Orbax could not store exactly, before anything is written.
+
+    Raises:
+        ValueError: ``name`` is not one of :data:`ITEM_NAMES`.
+        UnsupportedValueError: A leaf is not an array, typed key, int, float, bool
+            or str; an int exceeds int64; an array is empty.
+        KeyPathError: Two leaves would get the same Orbax name (``{"a.b": x}`` and
+            ``{"a": {"b": y}}``), so one would silently overwrite the other.
+    """
+    if name not in ITEM_NAMES:
+        raise ValueError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
+    names: dict[str, Path] = {}
+    for path, leaf in flatten(tree):
+        _check_leaf(name, path, leaf)
+        dotted = ".".join(path)
+        if dotted in names:
+            raise KeyPathError(
+                f"{name}/{show(path)} and {name}/{show(names[dotted])} are both stored by Orbax "
+                f"as {dotted!r}, so one would overwrite the other; rename one of the keys",
+                f"{name}/{show(path)}",
+            )
+        names[dotted] = path
+
+
+def _check_leaf(item: str, path: Path, leaf: Any) -> None:
+    where = f"{item}/{show(path)}"
+    if isinstance(leaf, (jax.Array, np.ndarray)):
+        if leaf.size == 0:
+            raise UnsupportedValueError(f"{where}: Orbax cannot store the empty array of shape {leaf.shape}", where)
+        return
+    if isinstance(leaf, np.generic):
+        raise UnsupportedValueError(
+            f"{where}: a numpy scalar {type(leaf).__name__} would come back as a Python value; "
+            "store leaf.item() or np.asarray(leaf)",
+            where,
+        )
+    if isinstance(leaf, int) and not isinstance(leaf, bool) and not _INT64.min <= leaf <= _INT64.max:
+        raise UnsupportedValueError(f"{where}: the int {leaf} does not fit in int64", where)
+    if not isinstance(leaf, (int, float, str)):
+        raise UnsupportedValueError(
+            f"{where}: a {type(leaf).__name__} cannot be stored; leaves must be arrays, typed PRNG keys, "
+            "ints, floats, bools or strings",
+            where,
+        )
+
+
+def dtype_record(items: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON dtype record of every array leaf, by item and leaf path.
+
+    Examples:
+        >>> dtype_record({"rng": jax.random.key(0), "model": {"w": np.zeros(2, np.float16), "n": 3}})
+        {'format': 'nnx_save.checkpoint.dtypes', 'items': {'rng': [[[], 'uint32']], 'model': [[['w'], 'float16']]}}
+    """
+    record = {
+        name: [[list(path), spec.dtype] for path, leaf in flatten(tree) if (spec := leaf_spec(leaf))]
+        for name, tree in items.items()
+    }
+    return {"format": DTYPES_FORMAT, "items": record}
+
+
+def parse_dtype_record(data: Any) -> dict[str, dict[Path, str]]:
+    """Read a dtype record back as ``{item: {path: dtype}}``.
+
+    Raises:
+        UnsupportedCheckpointError: ``data`` is not a dtype record this version reads.
+    """
+    items = data.get("items") if isinstance(data, Mapping) and data.get("format") == DTYPES_FORMAT else None
+    try:
+        return {name: {tuple(map(str, path)): str(dtype) for path, dtype in pairs} for name, pairs in items.items()}
+    except (AttributeError, TypeError, ValueError):
+        raise UnsupportedCheckpointError(f"a malformed dtype record {str(data)[:200]!r}") from None
