@@ -185,10 +185,19 @@ def _key_data_sharding(sharding: Any, ndim: int) -> Any:
     return sharding  # single-device / replicated shardings extend unchanged
 
 
+def _file_scalar(leaf: _Leaf, meta: dict) -> str | None:
+    """The Python type the file recorded for a 0-d abstract leaf (a builder's
+    ``nnx.Variable(0)`` is a ShapeDtypeStruct after ``eval_shape``)."""
+    kind = meta["scalars"].get(leaf.key)
+    if kind in _PY_SCALARS and isinstance(leaf.value, jax.ShapeDtypeStruct) and leaf.value.shape == ():
+        return kind
+    return None
+
+
 def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
     value, key = leaf.value, leaf.key
     info = header.tensors.get(key)
-    if _scalar_kind(value) is not None or (meta["scalars"].get(key) and getattr(value, "weak_type", False)):
+    if _scalar_kind(value) is not None or _file_scalar(leaf, meta):
         dtype = info.dtype.numpy if info is not None else np.dtype(_SCALAR_DTYPES[_scalar_kind(value) or meta["scalars"][key]])
         return Target(key, (), dtype, None, (key,))
     sharding = _concrete(getattr(value, "sharding", None), mesh, key) or _default_sharding()
@@ -202,7 +211,7 @@ def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
 
 def _finish(leaf: _Leaf, loaded: Any, meta: dict) -> Any:
     """Turn a loaded array back into what the model declares."""
-    kind = _scalar_kind(leaf.value) or (meta["scalars"].get(leaf.key) if getattr(leaf.value, "weak_type", False) else None)
+    kind = _scalar_kind(leaf.value) or _file_scalar(leaf, meta)
     if kind is not None:
         return _PY_SCALARS[kind](np.asarray(loaded).item())
     if _is_key(leaf.value) and not _is_key(loaded):
