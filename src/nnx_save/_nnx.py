@@ -34,6 +34,7 @@ RNG_KEY = "nnx_save.rng_impl"  # {path: PRNG implementation name}
 SCALAR_KEY = "nnx_save.scalars"  # {path: "int" | "float" | "bool"}
 _PY_SCALARS = {"int": int, "float": float, "bool": bool}
 _SCALAR_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
+_SCALAR_KINDS = {"int": "iu", "float": "f", "bool": "b"}  # numpy dtype kinds that hold each losslessly
 
 
 def _is_key(value: Any) -> bool:
@@ -139,9 +140,11 @@ def save_model(
     entries, rng, scalars = model_entries(model, filter)
     meta = _model_metadata(metadata, rng, scalars)
     if rules is not None:
-        from .porting import _export
+        from ._porting_bridge import export_entries
 
-        entries = _export.apply(rules, entries)
+        entries = export_entries(rules, entries)
+        if "format" not in (metadata or {}):
+            meta["format"] = "pt"  # transformers refuses safetensors files without it
     if max_shard_size is not None:
         from ._multifile import write_sharded
 
@@ -185,21 +188,19 @@ def _key_data_sharding(sharding: Any, ndim: int) -> Any:
     return sharding  # single-device / replicated shardings extend unchanged
 
 
-def _file_scalar(leaf: _Leaf, meta: dict) -> str | None:
-    """The Python type the file recorded for a 0-d abstract leaf (a builder's
-    ``nnx.Variable(0)`` is a ShapeDtypeStruct after ``eval_shape``)."""
-    kind = meta["scalars"].get(leaf.key)
-    if kind in _PY_SCALARS and isinstance(leaf.value, jax.ShapeDtypeStruct) and leaf.value.shape == ():
-        return kind
-    return None
+def _scalar_dtype(kind: str, info: Any) -> np.dtype:
+    """The file's dtype when it holds the declared kind of number (no cast to
+    report), else the kind's canonical dtype (the report then shows the cast)."""
+    if info is not None and info.dtype.numpy.kind in _SCALAR_KINDS[kind]:
+        return info.dtype.numpy
+    return np.dtype(_SCALAR_DTYPES[kind])
 
 
 def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
     value, key = leaf.value, leaf.key
-    info = header.tensors.get(key)
-    if _scalar_kind(value) is not None or _file_scalar(leaf, meta):
-        dtype = info.dtype.numpy if info is not None else np.dtype(_SCALAR_DTYPES[_scalar_kind(value) or meta["scalars"][key]])
-        return Target(key, (), dtype, None, (key,))
+    kind = _scalar_kind(value)
+    if kind is not None:
+        return Target(key, (), _scalar_dtype(kind, header.tensors.get(key)), None, (key,))
     sharding = _concrete(getattr(value, "sharding", None), mesh, key) or _default_sharding()
     if _is_key(value):
         impl = meta["rng"].get(key) or _impl_name(value)
@@ -211,7 +212,7 @@ def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
 
 def _finish(leaf: _Leaf, loaded: Any, meta: dict) -> Any:
     """Turn a loaded array back into what the model declares."""
-    kind = _scalar_kind(leaf.value) or _file_scalar(leaf, meta)
+    kind = _scalar_kind(leaf.value)
     if kind is not None:
         return _PY_SCALARS[kind](np.asarray(loaded).item())
     if _is_key(leaf.value) and not _is_key(loaded):
@@ -230,18 +231,40 @@ def _file_meta(header: Header) -> dict:
     return {"rng": parse(RNG_KEY), "scalars": parse(SCALAR_KEY)}
 
 
-def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool]:
-    """(graphdef, abstract or concrete state, is_builder)."""
+def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool, dict[str, Any]]:
+    """(graphdef, abstract or concrete state, is_builder, the builder's Python scalars).
+
+    ``eval_shape`` turns a builder's ``nnx.Variable(0)`` into a ShapeDtypeStruct; its
+    declared Python value is a constant of the trace, so it is recorded on the way."""
     if isinstance(model_or_builder, nnx.Pytree) or not callable(model_or_builder):
         graphdef, state = nnx.split(model_or_builder)
-        return graphdef, state, False
+        return graphdef, state, False, {}
+    scalars: dict[str, Any] = {}
+
+    def build() -> Any:
+        model = model_or_builder()
+        for path, variable in _flat(nnx.state(model)):
+            value = variable.get_value()
+            if _scalar_kind(value) is not None:
+                scalars[_paths.to_key(path)] = value
+        return model
+
     if mesh is not None:
         with jax.set_mesh(mesh):
-            abstract = nnx.eval_shape(model_or_builder)
+            abstract = nnx.eval_shape(build)
     else:
-        abstract = nnx.eval_shape(model_or_builder)
+        abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
-    return graphdef, state, True
+    return graphdef, state, True, scalars
+
+
+def _leaves(state: Any, scalars: dict[str, Any]) -> list[_Leaf]:
+    """The state's leaves; a builder's Python scalars keep their declared value."""
+    out = []
+    for path, variable in _flat(state):
+        key = _paths.to_key(path)
+        out.append(_Leaf(path, key, variable, scalars.get(key, variable.get_value())))
+    return out
 
 
 def _init_missing(builder: Callable, leaves: list[_Leaf], targets: dict[str, Target], mesh: Any) -> dict[str, Any]:
@@ -313,17 +336,18 @@ def load_model(
     """
     header = read_header(source)
     meta = _file_meta(header)
-    graphdef, full_state, is_builder = _abstract(model_or_builder, mesh)
+    graphdef, full_state, is_builder, scalars = _abstract(model_or_builder, mesh)
     selected = nnx.state(nnx.merge(graphdef, full_state), filter) if filter is not ... else full_state
-    leaves = [_Leaf(p, _paths.to_key(p), v, v.get_value()) for p, v in _flat(selected)]
+    leaves = _leaves(selected, scalars)
     _paths.check_unique(leaf.path for leaf in leaves)
     targets = {leaf.key: _target(leaf, header, meta, mesh) for leaf in leaves}
     ignore = frozenset(_paths.to_key(p) for p, _ in _flat(full_state)) - set(targets)
     target_list = list(targets.values())
     if rules is not None:
-        from .porting import _bridge
+        from ._porting_bridge import load_targets_for
 
-        target_list = _bridge.targets(rules, header, target_list)
+        target_list, ignored = load_targets_for(rules, header, target_list)
+        ignore = ignore | ignored
     values, report = load_targets(
         header, target_list, strict=strict, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
         ignore_unexpected=ignore, max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
@@ -331,7 +355,8 @@ def load_model(
     if is_builder:
         # Leaves the file lacks, and those the filter left out, get their initial
         # values; nothing else of the random model is ever computed.
-        everything = [_Leaf(p, _paths.to_key(p), v, v.get_value()) for p, v in _flat(full_state)]
+        everything = _leaves(full_state, scalars)
+        values = {**values, **{k: v for k, v in scalars.items() if k not in values}}
         absent = [leaf for leaf in everything if leaf.key not in values]
         if absent:
             values = {**values, **_init_missing(model_or_builder, absent, targets, mesh)}

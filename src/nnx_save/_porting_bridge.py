@@ -1,0 +1,48 @@
+"""Porting rules inside the engine: a :class:`~nnx_save.porting.Rules` plan turns
+file keys into model paths (load) or model paths into file keys (export).
+
+An assignment that only renames reads its tensor straight from the file, sharded;
+one with a transform reads its source tensors whole, one target at a time, and
+releases them as soon as every target that needs them is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from . import _dtypes
+from ._load import Target
+from ._sources import Header
+from ._write import Entry
+
+__all__ = ["load_targets_for", "export_entries"]
+
+
+def load_targets_for(rules: Any, header: Header, targets: Sequence[Target]) -> tuple[list[Target], frozenset[str]]:
+    """Rewrite model targets to read through ``rules``; also the keys rules ignore."""
+    plan = rules.plan({k: (t.shape, t.dtype.numpy) for k, t in header.tensors.items()})
+    out = []
+    for t in targets:
+        a = plan.assignments.get(t.path)
+        if a is None:
+            out.append(dataclasses.replace(t, sources=()))
+        elif a.transform is None:
+            out.append(dataclasses.replace(t, sources=a.sources))
+        else:
+            out.append(dataclasses.replace(t, sources=a.sources, transform=a.transform, source_shape=tuple(a.shape)))
+    return out, frozenset(plan.unused)
+
+
+def export_entries(rules: Any, entries: Sequence[Entry]) -> list[Entry]:
+    """The entries under their exported names and layouts (values made lazily)."""
+    by_key = {e.key: e for e in entries}
+    plan = rules.plan({e.key: (e.shape, _dtypes.DTYPES[e.code].numpy) for e in entries})
+    out = []
+    for name, a in plan.assignments.items():
+        def value(a=a):
+            return a.materialize({k: by_key[k].value() for k in a.sources})
+
+        out.append(Entry(name, _dtypes.to_code(a.dtype, name).code, tuple(a.shape), value))
+    return out
