@@ -1,0 +1,103 @@
+"""Porting: bring PyTorch / HuggingFace checkpoints into NNX models, and back.
+
+Rules are plain data (frozen dataclasses); planning is pure numpy and never imports
+torch or jax.
+
+Rule kinds (constructors in :mod:`nnx_save.porting`):
+
+- ``rename(pattern, replacement)``: a file key matching ``pattern`` (a regex,
+  ``re.fullmatch``) becomes the model path ``replacement`` (``\\1`` / ``\\g<name>``
+  references). The first matching rename wins; a key no rule matches keeps its name.
+- ``split(pattern, targets, axis, sizes=None)``: one file tensor cut into several
+  model params (a fused qkv); equal parts unless ``sizes`` is given.
+- ``concat(patterns, target, axis, sizes=None)``: several file tensors joined.
+- ``stack(pattern, target, axis=0)``: per-layer file tensors stacked into one param
+  (scanned layers); the layer index is the named group ``(?P<layer>\\d+)``.
+- ``unstack(pattern, target, axis=0)``: the reverse; ``target`` uses ``\\g<layer>``.
+- ``ignore(pattern)``: file tensors dropped on purpose (a tied head, a buffer).
+- ``transpose(pattern, axes)`` and ``reshape(pattern, shape, source_shape=None)``:
+  value transforms selected by a regex on the **model path**.
+
+A file key may feed only one rule (renames excepted: the first wins; a key matched
+by a rename and another kind of rule is a conflict), and a target may be made only
+once: both are :class:`RuleConflictError`, naming both sides.
+
+The contract the loader calls::
+
+    plan = rules.plan({file_key: (shape, dtype), ...})      # pure, no I/O
+    plan.assignments: dict[target_path, Assignment]
+        Assignment(target, sources: tuple[str, ...], shape, dtype, transform)
+        transform is None  -> the target is exactly sources[0], only renamed:
+                              read it straight from the file (sharded).
+        otherwise          -> transform(list_of_source_arrays) -> np.ndarray, a pure
+                              callable (frozen dataclass, no pickle, no closure),
+                              applied one target at a time.
+    plan.landed: dict[file_key, tuple[target_path, ...]]    # () = landed nowhere
+    plan.unused: tuple[file_key, ...]                       # dropped by ignore rules
+
+Export uses the same contract the other way: ``rules.inverse().plan(model_shapes)``
+maps model paths to file keys with the inverse transforms (rename inverted from the
+regex, transpose by the inverse permutation, split <-> concat, stack <-> unstack,
+reshape back to the recorded source shape).
+
+:func:`coverage` compares a plan with the model's expected paths: what was filled
+from where, what is missing, which file tensors are unexpected.
+
+Examples:
+    >>> import numpy as np
+    >>> from nnx_save.porting import Rules, rename, split, torch_linear
+    >>> rules = Rules(
+    ...     split(r"h\\.(\\d+)\\.qkv\\.weight", (r"h/\\1/q/kernel", r"h/\\1/k/kernel"), axis=1),
+    ...     torch_linear(r"h\\.(\\d+)\\.out", r"h/\\1/out", bias=False),
+    ... )
+    >>> f32 = np.dtype("float32")
+    >>> plan = rules.plan({"h.0.qkv.weight": ((3, 8), f32), "h.0.out.weight": ((5, 3), f32)})
+    >>> sorted(plan.assignments)
+    ['h/0/k/kernel', 'h/0/out/kernel', 'h/0/q/kernel']
+    >>> plan.landed["h.0.qkv.weight"]
+    ('h/0/k/kernel', 'h/0/q/kernel')
+    >>> plan.assignments["h/0/out/kernel"].shape
+    (3, 5)
+"""
+
+from ._coverage import Coverage as Coverage
+from ._coverage import coverage as coverage
+from ._errors import NotInvertibleError as NotInvertibleError
+from ._errors import RuleConflictError as RuleConflictError
+from ._errors import RuleError as RuleError
+from ._errors import RuleShapeError as RuleShapeError
+from ._hf import hf_conv1d as hf_conv1d
+from ._hf import torch_conv as torch_conv
+from ._hf import torch_embedding as torch_embedding
+from ._hf import torch_layer_norm as torch_layer_norm
+from ._hf import torch_linear as torch_linear
+from ._hf import torch_rms_norm as torch_rms_norm
+from ._hf import TORCH_LINEAR_AXES as TORCH_LINEAR_AXES
+from ._hf import torch_conv_axes as torch_conv_axes
+from ._plan import Assignment as Assignment
+from ._plan import Plan as Plan
+from ._plan import Rules as Rules
+from ._plan import shapes_of as shapes_of
+from ._constructors import concat as concat
+from ._constructors import ignore as ignore
+from ._constructors import rename as rename
+from ._constructors import reshape as reshape
+from ._constructors import split as split
+from ._constructors import stack as stack
+from ._constructors import transpose as transpose
+from ._constructors import unstack as unstack
+from ._rules import ConcatRule as ConcatRule
+from ._rules import IgnoreRule as IgnoreRule
+from ._rules import RenameRule as RenameRule
+from ._rules import ReshapeRule as ReshapeRule
+from ._rules import SplitRule as SplitRule
+from ._rules import StackRule as StackRule
+from ._rules import TransposeRule as TransposeRule
+from ._rules import UnstackRule as UnstackRule
+from ._transforms import Concatenate as Concatenate
+from ._transforms import Index as Index
+from ._transforms import Reshape as Reshape
+from ._transforms import Stack as Stack
+from ._transforms import Take as Take
+from ._transforms import Transform as Transform
+from ._transforms import Transpose as Transpose

@@ -1,0 +1,162 @@
+"""The rule constructors users write: ``rename``, ``split``, ``stack`` and the rest.
+
+Patterns are regexes matched against the whole key (``re.fullmatch``); targets are
+replacement templates (``\\1``, ``\\g<1>``, ``\\g<name>``). Structural rules match
+file keys on load; ``transpose`` and ``reshape`` match model paths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._rules import (
+    ConcatRule,
+    IgnoreRule,
+    RenameRule,
+    ReshapeRule,
+    SplitRule,
+    StackRule,
+    StructuralRule,
+    TransposeRule,
+    UnstackRule,
+)
+
+__all__ = ["rename", "ignore", "split", "concat", "stack", "unstack", "transpose", "reshape"]
+
+
+def rename(pattern: str, replacement: str, *, inverse: StructuralRule | None = None) -> RenameRule:
+    """File keys matching ``pattern`` go to the model path ``replacement``.
+
+    Args:
+        pattern: regex matched against the whole file key.
+        replacement: the model path, with group references.
+        inverse: the rule to use on export, when the automatic inverse is refused.
+
+    Examples:
+        >>> rule = rename(r"h\\.(\\d+)\\.attn\\.c_proj\\.weight", r"blocks/\\1/attn/proj/kernel")
+        >>> rule.match("h.3.attn.c_proj.weight")
+        'blocks/3/attn/proj/kernel'
+        >>> rule.inverse().match("blocks/3/attn/proj/kernel")
+        'h.3.attn.c_proj.weight'
+    """
+    return RenameRule(pattern, replacement, inverse_rule=inverse)
+
+
+def ignore(pattern: str) -> IgnoreRule:
+    """File keys matching ``pattern`` are dropped on purpose (listed in ``Plan.unused``).
+
+    Examples:
+        >>> ignore(r"lm_head\\.weight").match("lm_head.weight")
+        True
+    """
+    return IgnoreRule(pattern)
+
+
+def split(
+    pattern: str,
+    targets: Sequence[str],
+    axis: int = 0,
+    *,
+    sizes: Sequence[int] | None = None,
+    inverse: StructuralRule | None = None,
+) -> SplitRule:
+    """One file tensor cut along ``axis`` into the model params ``targets``.
+
+    Args:
+        pattern: regex matched against the whole file key.
+        targets: one model path template per part, in order along ``axis``.
+        axis: the axis to cut (negative counts from the end).
+        sizes: the parts' sizes on ``axis``; equal parts when omitted.
+        inverse: the rule to use on export, when the automatic inverse is refused.
+
+    Examples:
+        >>> rule = split(r"(\\d+)\\.qkv", (r"\\1/q", r"\\1/k", r"\\1/v"), axis=1)
+        >>> rule.match("0.qkv")
+        ('0/q', '0/k', '0/v')
+    """
+    return SplitRule(pattern, tuple(targets), axis, None if sizes is None else tuple(sizes), inverse_rule=inverse)
+
+
+def concat(
+    patterns: Sequence[str],
+    target: str,
+    axis: int = 0,
+    *,
+    sizes: Sequence[int] | None = None,
+    inverse: StructuralRule | None = None,
+) -> ConcatRule:
+    """File tensors matching ``patterns`` (one each) joined along ``axis`` into ``target``.
+
+    Args:
+        patterns: one regex per part, in order along ``axis``.
+        target: the model path template (every part must give the same path).
+        axis: the axis to join on.
+        sizes: the parts' sizes on ``axis``: checked on load, needed to invert.
+        inverse: the rule to use on export, when the automatic inverse is refused.
+
+    Examples:
+        >>> rule = concat((r"(\\d+)\\.q", r"(\\d+)\\.k"), r"\\1/qk", axis=0)
+        >>> rule.match("2.k")
+        (1, '2/qk')
+    """
+    sizes = None if sizes is None else tuple(sizes)
+    return ConcatRule(tuple(patterns), (target,) * len(patterns), axis, sizes, inverse_rule=inverse)
+
+
+def stack(
+    pattern: str, target: str, axis: int = 0, *, group: str = "layer", inverse: StructuralRule | None = None
+) -> StackRule:
+    """Per-layer file tensors stacked along ``axis`` into one model param.
+
+    Args:
+        pattern: regex with a named group ``(?P<layer>\\d+)`` (see ``group``).
+        target: the model path template; it must not reference the layer group.
+        axis: where the new layer axis goes.
+        group: the name of the layer-index group.
+        inverse: the rule to use on export, when the automatic inverse is refused.
+
+    Examples:
+        >>> rule = stack(r"h\\.(?P<layer>\\d+)\\.w", "layers/w")
+        >>> rule.match("h.7.w")
+        ('7', 'layers/w')
+    """
+    return StackRule(pattern, target, axis, group, inverse_rule=inverse)
+
+
+def unstack(
+    pattern: str, target: str, axis: int = 0, *, group: str = "layer", inverse: StructuralRule | None = None
+) -> UnstackRule:
+    """One file tensor cut along ``axis`` into one model param per entry.
+
+    Examples:
+        >>> unstack(r"experts\\.w", r"experts/\\g<layer>/w").match("experts.w") is not None
+        True
+    """
+    return UnstackRule(pattern, target, axis, group, inverse_rule=inverse)
+
+
+def transpose(pattern: str, axes: Sequence[int]) -> TransposeRule:
+    """Model params matching ``pattern`` hold the file tensor transposed by ``axes``.
+
+    Examples:
+        >>> transpose(r".*/kernel", (1, 0)).inverse().axes
+        (1, 0)
+    """
+    return TransposeRule(pattern, tuple(int(a) for a in axes))
+
+
+def reshape(pattern: str, shape: Sequence[int], *, source_shape: Sequence[int] | None = None) -> ReshapeRule:
+    """Model params matching ``pattern`` hold the file tensor reshaped to ``shape``.
+
+    Args:
+        pattern: regex matched against the whole model path.
+        shape: the model's shape (one ``-1`` allowed).
+        source_shape: the file's shape (one ``-1`` allowed), for export; without it,
+            ``Rules.inverse`` needs a recorded plan.
+
+    Examples:
+        >>> reshape("cls", (-1,), source_shape=(1, 1, -1)).inverse().shape
+        (1, 1, -1)
+    """
+    back = None if source_shape is None else tuple(int(s) for s in source_shape)
+    return ReshapeRule(pattern, tuple(int(s) for s in shape), back)

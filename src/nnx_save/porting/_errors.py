@@ -1,0 +1,28 @@
+"""The porting errors: all :class:`~nnx_save._errors.NnxSaveError`.
+
+They live here rather than in ``nnx_save._errors`` only because this package was
+written alongside the core; each one names the rule, the key, what was expected and
+what was found.
+"""
+
+from __future__ import annotations
+
+from .._errors import NnxSaveError, ShapeMismatchError
+
+__all__ = ["RuleError", "RuleConflictError", "RuleShapeError", "NotInvertibleError"]
+
+
+class RuleError(NnxSaveError, ValueError):
+    """A rule is malformed, or the tensors it matches do not fit it."""
+
+
+class RuleConflictError(RuleError):
+    """A file tensor feeds two rules, or two rules produce the same target."""
+
+
+class RuleShapeError(RuleError, ShapeMismatchError):
+    """A tensor's shape does not fit the rule that transforms it."""
+
+
+class NotInvertibleError(RuleError):
+    """A rule has no automatic inverse; pass ``inverse=`` to give one."""

@@ -1,0 +1,331 @@
+"""``Rules`` and the pure planner: source shapes in, a :class:`Plan` out.
+
+Planning runs in three passes, each collecting every problem before raising once:
+
+1. *claim*: each source key goes to the first rename that matches, or to the one
+   split / concat / stack / unstack / ignore rule that matches; a key matched by two
+   non-rename rules (or by one and by a rename) is a conflict. A key no rule
+   matches keeps its name.
+2. *build*: each structural rule turns its claims into target nodes (shapes are
+   checked here); a target made twice is a conflict.
+3. *value rules*: on load, the transposes and reshapes whose pattern matches the
+   target path are applied, in the order listed, after the structural rule; on
+   export (the rules from :meth:`Rules.inverse`) they match the source key (a model
+   path) and are applied before it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from ._errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError
+from ._rules import (
+    ConcatRule,
+    IgnoreRule,
+    Node,
+    RenameRule,
+    ReshapeRule,
+    Rule,
+    StructuralRule,
+    TransposeRule,
+)
+from ._transforms import Concatenate, Reshape, Step, Transform
+
+__all__ = ["Rules", "Plan", "Assignment", "shapes_of"]
+
+Shape = tuple[int, ...]
+Direction = Literal["load", "export"]
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """How one target tensor is made.
+
+    Attributes:
+        target: the target name (a model path on load, a file key on export).
+        sources: the source keys it is made from, in the order ``transform`` takes them.
+        shape: the target's shape.
+        dtype: the target's dtype (always the sources' dtype; rules never cast).
+        transform: ``None`` when the target is exactly ``sources[0]``, unchanged (only
+            renamed), so it can be read straight from the file, sharded. Otherwise a
+            pure callable ``transform(list_of_source_arrays) -> np.ndarray``.
+    """
+
+    target: str
+    sources: tuple[str, ...]
+    shape: Shape
+    dtype: np.dtype
+    transform: Transform | None
+
+    def materialize(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The target's value from the source arrays (checked against the plan).
+
+        Raises:
+            RuleShapeError: a source or the result disagrees with the planned shape.
+        """
+        values = [np.asarray(arrays[key]) for key in self.sources]
+        out = values[0] if self.transform is None else self.transform(values)
+        if out.shape != self.shape or out.dtype != self.dtype:
+            raise RuleShapeError(
+                f"`{self.target}`: planned {self.shape} {self.dtype}, made {out.shape} {out.dtype} "
+                f"from {', '.join(f'`{k}`' for k in self.sources)}"
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where every source tensor goes: the output of :meth:`Rules.plan`.
+
+    Attributes:
+        assignments: target name -> :class:`Assignment`, sorted by target.
+        landed: source key -> the targets it went into (``()``: nowhere), sorted.
+        unused: the source keys dropped on purpose by ``ignore`` rules, sorted.
+    """
+
+    assignments: dict[str, Assignment]
+    landed: dict[str, tuple[str, ...]]
+    unused: tuple[str, ...]
+
+    def apply(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every target's value (all in memory: for small models, tests and tools).
+
+        The results may share memory with ``arrays``; ``arrays`` is never modified.
+        """
+        return {target: a.materialize(arrays) for target, a in self.assignments.items()}
+
+    def shapes(self) -> dict[str, tuple[Shape, np.dtype]]:
+        """``{target: (shape, dtype)}``, the input an export plan takes."""
+        return {t: (a.shape, a.dtype) for t, a in self.assignments.items()}
+
+
+def shapes_of(arrays: Mapping[str, object]) -> dict[str, tuple[Shape, np.dtype]]:
+    """``{key: (shape, dtype)}`` of arrays (anything with ``.shape`` and ``.dtype``)."""
+    return {k: (tuple(int(s) for s in v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}  # type: ignore[attr-defined]
+
+
+class Rules:
+    """An ordered set of porting rules; :meth:`plan` maps source tensors to targets.
+
+    Args:
+        *rules: rules, or sequences of rules (as the ``torch_*`` helpers return), or
+            other :class:`Rules`; flattened in order.
+        direction: ``"load"`` (file keys -> model paths, the default) or ``"export"``
+            (model paths -> file keys; what :meth:`inverse` returns). Value rules
+            always match model paths.
+
+    Examples:
+        >>> import numpy as np
+        >>> from nnx_save.porting import Rules, rename, transpose
+        >>> rules = Rules(rename(r"fc\\.weight", "fc/kernel"), transpose("fc/kernel", (1, 0)))
+        >>> plan = rules.plan({"fc.weight": ((4, 2), np.dtype("float32"))})
+        >>> plan.assignments["fc/kernel"].shape
+        (2, 4)
+        >>> rules.inverse().plan(plan.shapes()).assignments["fc.weight"].shape
+        (4, 2)
+    """
+
+    def __init__(self, *rules: Rule | Rules | Iterable[Rule], direction: Direction = "load") -> None:
+        if direction not in ("load", "export"):
+            raise RuleError(f"direction must be 'load' or 'export', got {direction!r}")
+        self.rules: tuple[Rule, ...] = tuple(_flatten(rules))
+        self.direction: Direction = direction
+
+    def __iter__(self) -> Iterator[Rule]:
+        return iter(self.rules)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Rules) and (self.rules, self.direction) == (other.rules, other.direction)
+
+    def __hash__(self) -> int:
+        return hash((self.rules, self.direction))
+
+    def __repr__(self) -> str:
+        body = "".join(f"\n    {rule}," for rule in self.rules)
+        return f"Rules({body}\n    direction={self.direction!r},\n)"
+
+    def plan(self, sources: Mapping[str, tuple[Sequence[int], object]]) -> Plan:
+        """Map source tensors (``{key: (shape, dtype)}``) to targets; pure.
+
+        Raises:
+            RuleConflictError: a source feeds two rules or a target is made twice.
+            RuleShapeError: a tensor's shape does not fit its rule.
+            RuleError: a rule's parts or layers are incomplete.
+        """
+        info = {k: (tuple(int(s) for s in shape), np.dtype(dtype)) for k, (shape, dtype) in sources.items()}
+        return _Planner(self, info).run()
+
+    def inverse(self, recorded: Plan | None = None) -> Rules:
+        """The rules for the other direction (load <-> export).
+
+        Renames, splits and stacks invert automatically (see ``_template``); ``ignore``
+        rules are dropped (what was ignored on load is not written on export). A
+        reshape needs its source shape and a concat its part sizes: from the rule,
+        or from ``recorded``, a plan these same rules made.
+
+        Raises:
+            NotInvertibleError: a rule has no automatic inverse and none was given.
+        """
+        structural = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if _is_structural(r)]
+        value = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if not _is_structural(r)]
+        other: Direction = "export" if self.direction == "load" else "load"
+        return Rules(*[r for r in structural if r is not None], *reversed(value), direction=other)
+
+
+def _flatten(items: Iterable[object]) -> Iterator[Rule]:
+    for item in items:
+        if isinstance(item, (list, tuple, Rules)):
+            yield from _flatten(item)
+        elif isinstance(item, (*_STRUCTURAL, TransposeRule, ReshapeRule)):
+            yield item  # type: ignore[misc]
+        else:
+            raise RuleError(f"Rules takes rules, found {item!r} of type {type(item).__name__}")
+
+
+_STRUCTURAL = tuple(StructuralRule.__args__)  # type: ignore[attr-defined]
+
+
+def _is_structural(rule: Rule) -> bool:
+    return isinstance(rule, _STRUCTURAL)
+
+
+def _invert(rule: Rule, index: int, recorded: Plan | None) -> Rule | None:
+    if isinstance(rule, IgnoreRule):
+        return None
+    if isinstance(rule, ReshapeRule) and rule.source_shape is None and recorded is not None:
+        return rule.inverse(_recorded(recorded, index, Reshape, "source_shape", rule))
+    if isinstance(rule, ConcatRule) and rule.sizes is None and recorded is not None:
+        return rule.inverse(_recorded(recorded, index, Concatenate, "sizes", rule))
+    return rule.inverse()
+
+
+def _recorded(plan: Plan, index: int, kind: type, attr: str, rule: Rule) -> tuple[int, ...] | None:
+    seen = {getattr(step, attr) for step in _steps(plan) if isinstance(step, kind) and step.rule == index}
+    if len(seen) > 1:
+        raise NotInvertibleError(f"{rule} cannot be inverted: the recorded plan used it with {sorted(seen)}")
+    return seen.pop() if seen else None
+
+
+def _steps(plan: Plan) -> Iterator[object]:
+    for a in plan.assignments.values():
+        if a.transform is not None:
+            yield from (s for pre in a.transform.pre for s in pre)
+            yield a.transform.combine
+            yield from a.transform.post
+
+
+class _Planner:
+    """One planning run; holds the collected errors of each pass."""
+
+    def __init__(self, rules: Rules, info: dict[str, tuple[Shape, np.dtype]]) -> None:
+        self.rules, self.info = rules, info
+        self.value_rules = [(i, r) for i, r in enumerate(rules) if not _is_structural(r)]
+        self.errors: list[str] = []
+        self.conflicts: list[str] = []
+
+    def run(self) -> Plan:
+        pre = self._pre_steps() if self.rules.direction == "export" else {}
+        self._raise(self.errors, RuleShapeError)
+        info = {k: (shape, dtype) for k, (_, shape, dtype) in pre.items()} if pre else self.info
+        claims, renamed = self._claim()
+        self._raise(self.conflicts, RuleConflictError)
+        nodes = self._build(claims, renamed, info)
+        self._raise(self.conflicts, RuleConflictError)
+        self._raise(self.errors, RuleError)
+        assignments = {n.target: self._assign(n, pre) for n in sorted(nodes, key=lambda n: n.target)}
+        self._raise(self.errors, RuleShapeError)
+        return self._plan(assignments, claims)
+
+    def _raise(self, messages: list[str], kind: type[RuleError]) -> None:
+        if messages:
+            lines = sorted(set(messages))
+            head = f"{len(lines)} porting rule problem{'s' if len(lines) > 1 else ''}:" if len(lines) > 1 else ""
+            raise kind("\n  ".join([head, *lines]) if head else lines[0])
+
+    def _claim(self) -> tuple[dict[int, dict[str, object]], dict[str, str]]:
+        claims: dict[int, dict[str, object]] = defaultdict(dict)
+        renamed: dict[str, str] = {}
+        for key in sorted(self.info):
+            hits = [(i, r, m) for i, r in enumerate(self.rules) if _is_structural(r) and (m := r.match(key)) is not None]
+            others = [h for h in hits if not isinstance(h[1], RenameRule)]
+            renames = [h for h in hits if isinstance(h[1], RenameRule)]
+            if len(others) > 1 or (others and renames):
+                used = [others[0], others[1] if len(others) > 1 else renames[0]]
+                self.conflicts.append(f"`{key}`: matched by both {used[0][1]} and {used[1][1]}; a source tensor feeds one rule")
+            elif others or renames:
+                i, _, m = (others or renames)[0]
+                claims[i][key] = m
+            else:
+                renamed[key] = key
+        return claims, renamed
+
+    def _build(self, claims: Mapping[int, dict[str, object]], renamed: Mapping[str, str], info) -> list[Node]:
+        nodes = [Node(k, (k,), *info[k], None) for k in renamed]
+        for index, claimed in sorted(claims.items()):
+            nodes.extend(self.rules.rules[index].nodes(claimed, info, self.errors))  # type: ignore[union-attr]
+        self._check_unique(nodes, claims)
+        return nodes
+
+    def _check_unique(self, nodes: Sequence[Node], claims: Mapping[int, dict[str, object]]) -> None:
+        rule_of = {key: self.rules.rules[i] for i, claimed in claims.items() for key in claimed}
+        first: dict[str, Node] = {}
+        for node in nodes:
+            if node.target in first:
+                a, b = first[node.target], node
+                self.conflicts.append(
+                    f"`{node.target}`: produced twice, from {_sources(a)} by {rule_of.get(a.sources[0], 'no rule (name kept)')} "
+                    f"and from {_sources(b)} by {rule_of.get(b.sources[0], 'no rule (name kept)')}"
+                )
+            first.setdefault(node.target, node)
+
+    def _pre_steps(self) -> dict[str, tuple[tuple[Step, ...], Shape, np.dtype]]:
+        out = {}
+        for key, (shape, dtype) in self.info.items():
+            steps, shape = self._value_steps(key, shape)
+            out[key] = (steps, shape, dtype)
+        return out
+
+    def _value_steps(self, path: str, shape: Shape) -> tuple[tuple[Step, ...], Shape]:
+        steps: list[Step] = []
+        for index, rule in self.value_rules:
+            if rule.matches(path):  # type: ignore[union-attr]
+                made = rule.step(path, shape, index, self.errors)  # type: ignore[union-attr]
+                if made is None:
+                    break
+                steps.append(made[0])
+                shape = made[1]
+        return tuple(steps), shape
+
+    def _assign(self, node: Node, pre: Mapping[str, tuple[tuple[Step, ...], Shape, np.dtype]]) -> Assignment:
+        if pre:
+            pre_steps = tuple(pre[k][0] for k in node.sources)
+            post, shape = (), node.shape
+        else:
+            pre_steps = ()
+            post, shape = self._value_steps(node.target, node.shape)
+        if node.combine is None and not post and not any(pre_steps):
+            return Assignment(node.target, node.sources, shape, node.dtype, None)
+        transform = Transform(pre_steps if any(pre_steps) else (), node.combine, post)
+        return Assignment(node.target, node.sources, shape, node.dtype, transform)
+
+    def _plan(self, assignments: dict[str, Assignment], claims: Mapping[int, dict[str, object]]) -> Plan:
+        landed: dict[str, list[str]] = {k: [] for k in sorted(self.info)}
+        for target, a in assignments.items():
+            for key in a.sources:
+                landed[key].append(target)
+        ignored = {k for i, c in claims.items() if isinstance(self.rules.rules[i], IgnoreRule) for k in c}
+        unused = tuple(sorted(ignored))
+        return Plan(assignments, {k: tuple(v) for k, v in landed.items()}, unused)
+
+
+def _sources(node: Node) -> str:
+    return ", ".join(f"`{k}`" for k in node.sources)
+

@@ -1,0 +1,520 @@
+"""The rule kinds: frozen dataclasses that say where each source tensor goes.
+
+*Structural* rules match a source key (``re.fullmatch``) and say which target(s) it
+makes: :class:`RenameRule`, :class:`IgnoreRule`, :class:`SplitRule`,
+:class:`ConcatRule`, :class:`StackRule`, :class:`UnstackRule`. *Value* rules match a
+model path and change the tensor's layout: :class:`TransposeRule`,
+:class:`ReshapeRule`. Each rule knows its inverse.
+
+The planner (``_plan.py``) calls :meth:`match` on every source key and
+:meth:`nodes` once per rule with everything the rule claimed; a rule reports what
+does not fit by appending messages to ``errors`` so that all problems are raised at
+once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ._errors import NotInvertibleError, RuleError
+from ._template import Template, check_refs, compile_pattern, invert
+from ._transforms import Combine, Concatenate, Index, Reshape, Stack, Take, Transpose
+
+__all__ = [
+    "Node",
+    "RenameRule",
+    "IgnoreRule",
+    "SplitRule",
+    "ConcatRule",
+    "StackRule",
+    "UnstackRule",
+    "TransposeRule",
+    "ReshapeRule",
+    "StructuralRule",
+    "ValueRule",
+    "Rule",
+]
+
+Shape = tuple[int, ...]
+Info = Mapping[str, tuple[Shape, np.dtype]]
+
+
+@dataclass(frozen=True)
+class Node:
+    """One target as a structural rule makes it, before value rules."""
+
+    target: str
+    sources: tuple[str, ...]
+    shape: Shape
+    dtype: np.dtype
+    combine: Combine | None
+
+
+def _raw(text: str) -> str:
+    return f'r"{text}"' if '"' not in text else repr(text)
+
+
+def _fullmatch(regex: re.Pattern[str], key: str) -> re.Match[str] | None:
+    return regex.fullmatch(key)
+
+
+def _axis(axis: int, ndim: int) -> int | None:
+    return axis + ndim if -ndim <= axis < 0 else (axis if 0 <= axis < ndim else None)
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)
+
+
+def _with_inverse(rule: StructuralRule, inverse: StructuralRule) -> StructuralRule:
+    return replace(inverse, inverse_rule=rule)
+
+
+def _same_dtype(keys: Sequence[str], info: Info, target: str, errors: list[str]) -> np.dtype | None:
+    dtypes = {info[k][1] for k in keys}
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    found = ", ".join(f"`{k}` {info[k][1]}" for k in keys)
+    errors.append(f"`{target}`: its sources must share one dtype, found {found}")
+    return None
+
+
+# --- rename / ignore ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RenameRule:
+    """Source keys matching ``pattern`` become ``replacement`` (first rename wins)."""
+
+    pattern: str
+    replacement: str
+    inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _set(self, "_regex", compile_pattern(self.pattern))
+        _set(self, "_template", Template.parse(self.replacement))
+        check_refs(self._template, self._regex)
+
+    def __str__(self) -> str:
+        return f"rename({_raw(self.pattern)}, {_raw(self.replacement)})"
+
+    def match(self, key: str) -> str | None:
+        """The target for ``key``, or ``None``."""
+        m = _fullmatch(self._regex, key)
+        return None if m is None else self._template.expand_match(m)
+
+    def nodes(self, claims: Mapping[str, str], info: Info, errors: list[str]) -> list[Node]:
+        """One unchanged node per claimed key."""
+        return [Node(target, (key,), info[key][0], info[key][1], None) for key, target in claims.items()]
+
+    def inverse(self) -> StructuralRule:
+        """The export rule; automatic for the simple regex forms (see ``_template``)."""
+        if self.inverse_rule is not None:
+            return _with_inverse(self, self.inverse_rule)
+        pattern, replacement = invert(self.pattern, self.replacement)
+        return RenameRule(pattern, replacement, inverse_rule=self)
+
+
+@dataclass(frozen=True)
+class IgnoreRule:
+    """Source keys matching ``pattern`` are dropped on purpose (``Plan.unused``)."""
+
+    pattern: str
+
+    def __post_init__(self) -> None:
+        _set(self, "_regex", compile_pattern(self.pattern))
+
+    def __str__(self) -> str:
+        return f"ignore({_raw(self.pattern)})"
+
+    def match(self, key: str) -> bool | None:
+        """``True`` for a key to drop, else ``None``."""
+        return True if _fullmatch(self._regex, key) else None
+
+    def nodes(self, claims: Mapping[str, object], info: Info, errors: list[str]) -> list[Node]:
+        """No target at all."""
+        return []
+
+
+# --- split / concat -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """One source tensor cut along ``axis`` into ``len(targets)`` targets."""
+
+    pattern: str
+    targets: tuple[str, ...]
+    axis: int = 0
+    sizes: tuple[int, ...] | None = None
+    inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _set(self, "_regex", compile_pattern(self.pattern))
+        _set(self, "_templates", tuple(Template.parse(t) for t in self.targets))
+        for template in self._templates:
+            check_refs(template, self._regex)
+        if len(self.targets) < 2:
+            raise RuleError(f"{self}: a split needs at least two targets, got {len(self.targets)}")
+        if self.sizes is not None and (len(self.sizes) != len(self.targets) or min(self.sizes) < 0):
+            raise RuleError(f"{self}: sizes must be {len(self.targets)} non-negative ints, got {self.sizes}")
+
+    def __str__(self) -> str:
+        targets = ", ".join(_raw(t) for t in self.targets)
+        sizes = "" if self.sizes is None else f", sizes={self.sizes}"
+        return f"split({_raw(self.pattern)}, ({targets}), axis={self.axis}{sizes})"
+
+    def match(self, key: str) -> tuple[str, ...] | None:
+        """The targets for ``key``, or ``None``."""
+        m = _fullmatch(self._regex, key)
+        return None if m is None else tuple(t.expand_match(m) for t in self._templates)
+
+    def nodes(self, claims: Mapping[str, tuple[str, ...]], info: Info, errors: list[str]) -> list[Node]:
+        """One sliced node per target."""
+        nodes: list[Node] = []
+        for key, targets in claims.items():
+            shape, dtype = info[key]
+            bounds = self._bounds(key, shape, errors)
+            if bounds is None:
+                continue
+            axis, starts = bounds
+            for target, start, stop in zip(targets, starts, starts[1:], strict=False):
+                part = shape[:axis] + (stop - start,) + shape[axis + 1 :]
+                nodes.append(Node(target, (key,), part, dtype, Take(axis, start, stop)))
+        return nodes
+
+    def _bounds(self, key: str, shape: Shape, errors: list[str]) -> tuple[int, list[int]] | None:
+        axis = _axis(self.axis, len(shape))
+        count = len(self.targets)
+        if axis is None:
+            errors.append(f"`{key}`: {self} needs axis {self.axis}, found shape {shape}")
+            return None
+        sizes = self.sizes
+        if sizes is None and shape[axis] % count == 0:
+            sizes = (shape[axis] // count,) * count
+        if sizes is None or sum(sizes) != shape[axis]:
+            want = f"sizes {self.sizes} (sum {sum(self.sizes)})" if self.sizes else f"a multiple of {count}"
+            errors.append(f"`{key}`: {self} needs {want} on axis {self.axis}, found shape {shape}")
+            return None
+        return axis, [0, *np.cumsum(sizes).tolist()]
+
+    def inverse(self) -> StructuralRule:
+        """A :class:`ConcatRule` joining the targets back into the source."""
+        if self.inverse_rule is not None:
+            return _with_inverse(self, self.inverse_rule)
+        pairs = [invert(self.pattern, target) for target in self.targets]
+        patterns = tuple(p for p, _ in pairs)
+        templates = tuple(t for _, t in pairs)
+        return ConcatRule(patterns, templates, self.axis, self.sizes, inverse_rule=self)
+
+
+@dataclass(frozen=True)
+class ConcatRule:
+    """Several source tensors (one per pattern) joined along ``axis`` into one target.
+
+    Part ``i`` is the key matching ``patterns[i]``; ``targets[i]`` is its target
+    template (all parts of one target must expand to the same name).
+    """
+
+    patterns: tuple[str, ...]
+    targets: tuple[str, ...]
+    axis: int = 0
+    sizes: tuple[int, ...] | None = None
+    inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if len(self.patterns) < 2 or len(self.targets) != len(self.patterns):
+            raise RuleError(f"{self}: needs at least two patterns and one target template per pattern")
+        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
+        _set(self, "_templates", tuple(Template.parse(t) for t in self.targets))
+        for regex, template in zip(self._regexes, self._templates, strict=True):
+            check_refs(template, regex)
+
+    def __str__(self) -> str:
+        patterns = ", ".join(_raw(p) for p in self.patterns)
+        target = _raw(self.targets[0]) if len(set(self.targets)) == 1 else str(tuple(self.targets))
+        return f"concat(({patterns}), {target}, axis={self.axis})"
+
+    def match(self, key: str) -> tuple[int, str] | None:
+        """``(part, target)`` for ``key``; a key matching two parts is refused."""
+        found = [(i, r.fullmatch(key)) for i, r in enumerate(self._regexes)]
+        hits = [(i, self._templates[i].expand_match(m)) for i, m in found if m is not None]
+        if len(hits) > 1:
+            parts = " and ".join(_raw(self.patterns[i]) for i, _ in hits)
+            raise RuleError(f"`{key}`: matches parts {parts} of {self}; each key must match one part")
+        return hits[0] if hits else None
+
+    def nodes(self, claims: Mapping[str, tuple[int, str]], info: Info, errors: list[str]) -> list[Node]:
+        """One concatenated node per target whose parts are all present."""
+        groups: dict[str, dict[int, str]] = defaultdict(dict)
+        for key, (part, target) in sorted(claims.items()):
+            if part in groups[target]:
+                errors.append(f"`{target}`: produced twice by {self}, from `{groups[target][part]}` and `{key}`")
+            groups[target].setdefault(part, key)
+        return [n for t, parts in groups.items() if (n := self._node(t, parts, info, errors)) is not None]
+
+    def _node(self, target: str, parts: Mapping[int, str], info: Info, errors: list[str]) -> Node | None:
+        absent = [_raw(self.patterns[i]) for i in range(len(self.patterns)) if i not in parts]
+        if absent:
+            have = ", ".join(f"`{parts[i]}`" for i in sorted(parts))
+            errors.append(f"`{target}`: {self} found {have} but no key matching {', '.join(absent)}")
+            return None
+        keys = tuple(parts[i] for i in range(len(self.patterns)))
+        shapes = [info[k][0] for k in keys]
+        axis = _axis(self.axis, len(shapes[0]))
+        rest = {s[:axis] + s[axis + 1 :] for s in shapes} if axis is not None else set()
+        if axis is None or len(rest) != 1 or any(len(s) != len(shapes[0]) for s in shapes):
+            found = ", ".join(f"`{k}` {s}" for k, s in zip(keys, shapes, strict=True))
+            errors.append(f"`{target}`: {self} needs shapes that agree off axis {self.axis}, found {found}")
+            return None
+        sizes = tuple(s[axis] for s in shapes)
+        if self.sizes is not None and sizes != self.sizes:
+            errors.append(f"`{target}`: {self} expects part sizes {self.sizes} on axis {self.axis}, found {sizes}")
+            return None
+        dtype = _same_dtype(keys, info, target, errors)
+        shape = shapes[0][:axis] + (sum(sizes),) + shapes[0][axis + 1 :]
+        return None if dtype is None else Node(target, keys, shape, dtype, Concatenate(axis, sizes))
+
+    def inverse(self, sizes: tuple[int, ...] | None = None) -> StructuralRule:
+        """A :class:`SplitRule`; needs the part sizes (given here, or ``sizes=``)."""
+        if self.inverse_rule is not None:
+            return _with_inverse(self, self.inverse_rule)
+        sizes = self.sizes if self.sizes is not None else sizes
+        if sizes is None:
+            raise NotInvertibleError(
+                f"{self} cannot be inverted: the split sizes cannot be read back from the joined "
+                "tensor; pass sizes= to concat(), or inverse(recorded=plan) with a plan these rules made"
+            )
+        pairs = [invert(p, t) for p, t in zip(self.patterns, self.targets, strict=True)]
+        if len({p for p, _ in pairs}) != 1:
+            raise NotInvertibleError(
+                f"{self} cannot be inverted automatically: its parts give different target patterns "
+                f"{sorted({p for p, _ in pairs})}; pass inverse= with an explicit rule"
+            )
+        return SplitRule(pairs[0][0], tuple(t for _, t in pairs), self.axis, sizes, inverse_rule=self)
+
+
+# --- stack / unstack ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StackRule:
+    """Per-layer source tensors stacked along ``axis`` into one target.
+
+    ``pattern`` holds a named group (``group``, default ``layer``) with the layer
+    index; ``target`` must not reference it. Layers must be exactly ``0 .. L-1``.
+    """
+
+    pattern: str
+    target: str
+    axis: int = 0
+    group: str = "layer"
+    inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _set(self, "_regex", compile_pattern(self.pattern))
+        _set(self, "_template", Template.parse(self.target))
+        check_refs(self._template, self._regex)
+        number = self._regex.groupindex.get(self.group)
+        if number is None:
+            raise RuleError(f"{self}: the pattern needs a named group (?P<{self.group}>...) for the layer index")
+        if self.group in self._template.refs or number in self._template.refs:
+            raise RuleError(f"{self}: the target must not reference the layer group {self.group!r}")
+
+    def __str__(self) -> str:
+        return f"stack({_raw(self.pattern)}, {_raw(self.target)}, axis={self.axis})"
+
+    def match(self, key: str) -> tuple[str, str] | None:
+        """``(layer text, target)`` for ``key``, or ``None``."""
+        m = _fullmatch(self._regex, key)
+        return None if m is None else (m.group(self.group), self._template.expand_match(m))
+
+    def nodes(self, claims: Mapping[str, tuple[str, str]], info: Info, errors: list[str]) -> list[Node]:
+        """One stacked node per target whose layers are exactly ``0 .. L-1``."""
+        groups: dict[str, dict[int, str]] = defaultdict(dict)
+        for key, (layer, target) in sorted(claims.items()):
+            if not layer.isdigit():
+                errors.append(f"`{key}`: {self} needs a decimal layer index, found {layer!r}")
+            elif int(layer) in groups[target]:
+                errors.append(f"`{target}`: produced twice by {self}, from `{groups[target][int(layer)]}` and `{key}`")
+            else:
+                groups[target][int(layer)] = key
+        return [n for t, layers in groups.items() if (n := self._node(t, layers, info, errors)) is not None]
+
+    def _node(self, target: str, layers: Mapping[int, str], info: Info, errors: list[str]) -> Node | None:
+        missing = sorted(set(range(max(layers) + 1)) - set(layers))
+        if missing:
+            errors.append(f"`{target}`: {self} found layers {sorted(layers)}, missing layers {missing}")
+            return None
+        keys = tuple(layers[i] for i in range(len(layers)))
+        shapes = {info[k][0] for k in keys}
+        if len(shapes) != 1:
+            found = ", ".join(f"`{k}` {info[k][0]}" for k in keys)
+            errors.append(f"`{target}`: {self} needs layers of one shape, found {found}")
+            return None
+        (shape,) = shapes
+        axis = _axis(self.axis, len(shape) + 1)
+        if axis is None:
+            errors.append(f"`{target}`: {self} cannot stack shape {shape} on axis {self.axis}")
+            return None
+        dtype = _same_dtype(keys, info, target, errors)
+        stacked = shape[:axis] + (len(keys),) + shape[axis:]
+        return None if dtype is None else Node(target, keys, stacked, dtype, Stack(axis))
+
+    def inverse(self) -> StructuralRule:
+        """An :class:`UnstackRule` giving each layer back its own key."""
+        if self.inverse_rule is not None:
+            return _with_inverse(self, self.inverse_rule)
+        pattern, template = invert(self.pattern, self.target, consumed=self.group)
+        return UnstackRule(pattern, template, self.axis, self.group, inverse_rule=self)
+
+
+@dataclass(frozen=True)
+class UnstackRule:
+    """One source tensor cut along ``axis`` into one target per entry.
+
+    ``target`` references ``\\g<layer>`` (``group``), filled with the entry index.
+    """
+
+    pattern: str
+    target: str
+    axis: int = 0
+    group: str = "layer"
+    inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _set(self, "_regex", compile_pattern(self.pattern))
+        _set(self, "_template", Template.parse(self.target))
+        check_refs(self._template, self._regex, extra=(self.group,))
+        if self.group in self._regex.groupindex:
+            raise RuleError(f"{self}: the pattern must not define the group {self.group!r}, the target's index")
+        if self.group not in self._template.refs:
+            raise RuleError(f"{self}: the target must reference \\g<{self.group}> for the entry index")
+
+    def __str__(self) -> str:
+        return f"unstack({_raw(self.pattern)}, {_raw(self.target)}, axis={self.axis})"
+
+    def match(self, key: str) -> re.Match[str] | None:
+        """The match of ``key``, or ``None``."""
+        return _fullmatch(self._regex, key)
+
+    def nodes(self, claims: Mapping[str, re.Match[str]], info: Info, errors: list[str]) -> list[Node]:
+        """One node per entry along ``axis``."""
+        nodes: list[Node] = []
+        for key, m in claims.items():
+            shape, dtype = info[key]
+            axis = _axis(self.axis, len(shape))
+            if axis is None:
+                errors.append(f"`{key}`: {self} needs axis {self.axis}, found shape {shape}")
+                continue
+            part = shape[:axis] + shape[axis + 1 :]
+            for i in range(shape[axis]):
+                target = self._template.expand_match(m, **{self.group: str(i)})
+                nodes.append(Node(target, (key,), part, dtype, Index(axis, i)))
+        return nodes
+
+    def inverse(self) -> StructuralRule:
+        """A :class:`StackRule` stacking the entries back."""
+        if self.inverse_rule is not None:
+            return _with_inverse(self, self.inverse_rule)
+        pattern, template = invert(self.pattern, self.target, produced=(self.group, r"\d+"))
+        return StackRule(pattern, template, self.axis, self.group, inverse_rule=self)
+
+
+# --- value rules --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransposeRule:
+    """Model paths matching ``pattern`` hold the source tensor transposed by ``axes``."""
+
+    pattern: str
+    axes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _set(self, "_regex", compile_pattern(self.pattern))
+        if sorted(self.axes) != list(range(len(self.axes))):
+            raise RuleError(f"{self}: axes must be a permutation of 0..{len(self.axes) - 1}, got {self.axes}")
+
+    def __str__(self) -> str:
+        return f"transpose({_raw(self.pattern)}, {self.axes})"
+
+    def matches(self, path: str) -> bool:
+        """Whether this rule applies to the model path ``path``."""
+        return self._regex.fullmatch(path) is not None
+
+    def step(self, path: str, shape: Shape, index: int, errors: list[str]) -> tuple[Transpose, Shape] | None:
+        """The step for a tensor of ``shape`` and the shape it gives."""
+        if len(shape) != len(self.axes):
+            errors.append(f"`{path}`: {self} expects {len(self.axes)} dimensions, found shape {shape}")
+            return None
+        return Transpose(self.axes, index), tuple(shape[a] for a in self.axes)
+
+    def inverse(self) -> TransposeRule:
+        """The inverse permutation."""
+        return TransposeRule(self.pattern, tuple(int(a) for a in np.argsort(self.axes)))
+
+
+@dataclass(frozen=True)
+class ReshapeRule:
+    """Model paths matching ``pattern`` hold the source tensor reshaped to ``shape``.
+
+    ``shape`` may hold one ``-1``. ``source_shape`` (optional, may hold one ``-1``)
+    is the shape to reshape back to on export.
+    """
+
+    pattern: str
+    shape: Shape
+    source_shape: Shape | None = None
+
+    def __post_init__(self) -> None:
+        _set(self, "_regex", compile_pattern(self.pattern))
+        for shape in (self.shape, self.source_shape or ()):
+            if shape.count(-1) > 1 or any(s < -1 for s in shape):
+                raise RuleError(f"{self}: a shape takes sizes >= 0 and at most one -1, got {shape}")
+
+    def __str__(self) -> str:
+        return f"reshape({_raw(self.pattern)}, {self.shape})"
+
+    def matches(self, path: str) -> bool:
+        """Whether this rule applies to the model path ``path``."""
+        return self._regex.fullmatch(path) is not None
+
+    def step(self, path: str, shape: Shape, index: int, errors: list[str]) -> tuple[Reshape, Shape] | None:
+        """The step for a tensor of ``shape`` and the shape it gives."""
+        size = math.prod(shape)
+        new = _resolve(self.shape, size)
+        if new is None:
+            errors.append(f"`{path}`: {self} cannot reshape shape {shape} ({size} elements) to {self.shape}")
+            return None
+        return Reshape(new, shape, index), new
+
+    def inverse(self, source_shape: Shape | None = None) -> ReshapeRule:
+        """Reshape back to ``source_shape`` (this rule's, or the recorded one given)."""
+        back = self.source_shape if self.source_shape is not None else source_shape
+        if back is None:
+            raise NotInvertibleError(
+                f"{self} cannot be inverted: the source shape is unknown; pass source_shape= to "
+                "reshape(), or inverse(recorded=plan) with a plan these rules made"
+            )
+        return ReshapeRule(self.pattern, tuple(back), self.shape)
+
+
+def _resolve(shape: Shape, size: int) -> Shape | None:
+    known = math.prod(s for s in shape if s != -1)
+    if -1 not in shape:
+        return shape if known == size else None
+    if known == 0 or size % known:
+        return None
+    return tuple(size // known if s == -1 else s for s in shape)
+
+
+StructuralRule = RenameRule | IgnoreRule | SplitRule | ConcatRule | StackRule | UnstackRule
+ValueRule = TransposeRule | ReshapeRule
+Rule = StructuralRule | ValueRule

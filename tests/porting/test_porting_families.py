@@ -1,0 +1,155 @@
+"""Port tiny HuggingFace GPT-2, Llama and ViT checkpoints into the example NNX models
+and compare the logits with torch's; export them back and compare the tensors.
+
+Each HF model is built offline from a config with a fixed seed and written with
+``save_pretrained`` twice: as one file and as several files with an index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from examples.models import gpt2, llama, vit
+from nnx_save.porting import Rules, coverage, shapes_of
+from porting_support import abstract, fill, max_abs_diff, model_arrays, model_shapes, read_checkpoint, save_hf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+TOLERANCE = 1e-4  # max |ours - torch| <= TOLERANCE * max |torch logits|, fp32
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: how to build both sides and feed them."""
+
+    name: str
+    hf: Callable[[], Any]  # builds the transformers model (seeded by the caller)
+    nnx_model: Callable[[Any], nnx.Module]  # HF config -> NNX model (abstract-safe)
+    rules: Rules
+    inputs: Callable[[np.random.Generator], np.ndarray]
+    to_torch: Callable[[Any, np.ndarray], Any]  # (hf model, inputs) -> logits
+    to_jax: Callable[[np.ndarray], np.ndarray]  # inputs in the NNX model's layout
+
+
+def _ids(vocab: int) -> Callable[[np.random.Generator], np.ndarray]:
+    return lambda rng: rng.integers(0, vocab, size=(2, 12)).astype(np.int32)
+
+
+def _lm_logits(hf: Any, ids: np.ndarray) -> Any:
+    return hf(input_ids=torch.from_numpy(ids.astype(np.int64))).logits
+
+
+def _gpt2() -> Any:
+    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def _llama() -> Any:
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="eager")
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _vit() -> Any:
+    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, intermediate_size=48, num_labels=5,
+                                 attn_implementation="eager")
+    return transformers.ViTForImageClassification(cfg)
+
+
+FAMILIES = {
+    "gpt2": Family(
+        "gpt2", _gpt2, lambda c: gpt2.GPT2(gpt2.GPT2Config.from_hf(c), rngs=nnx.Rngs(0)), gpt2.RULES,
+        _ids(96), _lm_logits, lambda x: x),
+    "llama": Family(
+        "llama", _llama, lambda c: llama.Llama(llama.LlamaConfig.from_hf(c), rngs=nnx.Rngs(0)), llama.RULES,
+        _ids(96), _lm_logits, lambda x: x),
+    "vit": Family(
+        "vit", _vit, lambda c: vit.ViT(vit.ViTConfig.from_hf(c), rngs=nnx.Rngs(0)), vit.RULES,
+        lambda rng: rng.standard_normal((2, 3, 16, 16)).astype(np.float32),
+        lambda hf, x: hf(pixel_values=torch.from_numpy(x)).logits,
+        lambda x: np.transpose(x, (0, 2, 3, 1))),
+}
+
+
+@dataclass
+class Ported:
+    """A family's HF side, computed once per module."""
+
+    family: Family
+    dirs: dict
+    files: dict  # layout -> {file key: array}
+    inputs: np.ndarray
+    torch_logits: np.ndarray
+    abstract: nnx.Module
+    forward: Callable
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def ported(request, tmp_path_factory) -> Ported:
+    family = FAMILIES[request.param]
+    torch.manual_seed(0)
+    hf = family.hf().eval()
+    dirs = save_hf(hf, tmp_path_factory.mktemp(family.name))
+    inputs = family.inputs(np.random.default_rng(0))
+    with torch.no_grad():
+        logits = family.to_torch(hf, inputs).numpy()
+    files = {layout: read_checkpoint(d) for layout, d in dirs.items()}
+    model = abstract(lambda: family.nnx_model(hf.config))
+    forward = nnx.jit(lambda m, x: m(x))
+    return Ported(family, dirs, files, inputs, logits, model, forward)
+
+
+def _port(p: Ported, tensors: dict) -> tuple[nnx.Module, Any]:
+    plan = p.family.rules.plan(shapes_of(tensors))
+    coverage(plan, {k: s for k, (s, _) in model_shapes(p.abstract).items()}).check()
+    return fill(p.abstract, plan.apply(tensors)), plan
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_port_matches_torch_logits(ported: Ported, layout: str) -> None:
+    tensors = ported.files[layout]
+    model, _ = _port(ported, tensors)
+    ours = np.asarray(ported.forward(model, ported.family.to_jax(ported.inputs)))
+    diff, scale = max_abs_diff(ours, ported.torch_logits)
+    print(f"{ported.family.name}/{layout}: max abs diff {diff:.3g}, max |logits| {scale:.3g}")
+    assert diff <= TOLERANCE * scale
+
+
+def test_both_layouts_hold_the_same_tensors(ported: Ported) -> None:
+    single, sharded = ported.files["single"], ported.files["sharded"]
+    assert sorted(single) == sorted(sharded)
+    assert all(np.array_equal(single[k], sharded[k]) for k in single)
+
+
+def test_every_file_tensor_lands_and_every_param_is_filled_once(ported: Ported) -> None:
+    tensors = ported.files["single"]
+    plan = ported.family.rules.plan(shapes_of(tensors))
+    expected = model_shapes(ported.abstract)
+    assert plan.unused == ()
+    assert sorted(plan.assignments) == sorted(expected)
+    for key, targets in plan.landed.items():
+        assert targets and set(targets) <= set(expected), key
+    fed = [key for a in plan.assignments.values() for key in a.sources]
+    assert sorted(set(fed)) == sorted(tensors)
+    owners = {key: {a.target for a in plan.assignments.values() if key in a.sources} for key in tensors}
+    assert all(owners[k] == set(plan.landed[k]) for k in tensors)
+
+
+def test_export_gives_back_the_file_tensors_exactly(ported: Ported) -> None:
+    tensors = ported.files["sharded"]
+    model, _ = _port(ported, tensors)
+    state = model_arrays(model)
+    exported = ported.family.rules.inverse().plan(shapes_of(state)).apply(state)
+    assert sorted(exported) == sorted(tensors)
+    for key, value in tensors.items():
+        assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
