@@ -108,7 +108,8 @@ def to_code(dtype: object, tensor: str = "?") -> DtypeInfo:
         key = None
     row = _BY_NUMPY.get(key.newbyteorder("=")) if key is not None else None
     if row is None:
-        raise UnknownDtypeError(f"tensor {tensor!r}: dtype {dtype} has no safetensors code")
+        shown = key if key is not None else dtype  # "int4", not "<class 'ml_dtypes.int4'>"
+        raise UnknownDtypeError(f"tensor {tensor!r}: dtype {shown} has no safetensors code")
     return row
 
 

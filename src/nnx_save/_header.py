@@ -24,9 +24,12 @@ from ._errors import (
     HeaderJSONError,
     HeaderTooLargeError,
     HeaderTooSmallError,
+    KeyPathError,
     MetadataError,
     OffsetError,
     TensorEntryError,
+    UnknownDtypeError,
+    UnsupportedValueError,
 )
 
 __all__ = [
@@ -123,7 +126,7 @@ def _decode_json(raw: bytes, file: str) -> dict[str, object]:
         obj = json.loads(text, object_pairs_hook=_no_duplicates)
     except DuplicateKeyError as e:
         raise DuplicateKeyError(f"{file}: {e}") from None
-    except (json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or an int over 4300 digits
         raise HeaderJSONError(f"{file}: header is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise HeaderJSONError(f"{file}: header must be a JSON object, found a JSON {type(obj).__name__}")
@@ -153,7 +156,10 @@ def _parse_entry(name: str, entry: object, file: str) -> tuple[_dtypes.DtypeInfo
     if set(entry) != _ENTRY_FIELDS:
         missing, extra = sorted(_ENTRY_FIELDS - set(entry)), sorted(set(entry) - _ENTRY_FIELDS)
         raise TensorEntryError(f"{file}: tensor {name!r}: fields missing {missing}, unexpected {extra}")
-    dtype = _dtypes.from_code(entry["dtype"], name)
+    try:
+        dtype = _dtypes.from_code(entry["dtype"], name)
+    except UnknownDtypeError as e:
+        raise UnknownDtypeError(f"{file}: {e}") from None
     shape, offsets = entry["shape"], entry["data_offsets"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise TensorEntryError(f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {shape!r:.80}")
@@ -171,6 +177,11 @@ def _check_length(name: str, dtype: _dtypes.DtypeInfo, shape: tuple[int, ...], b
         numel *= d
         if numel > _MAX_NUMEL:
             raise ByteLengthError(f"{file}: tensor {name!r}: shape {list(shape)} has more than 2**63 elements")
+    if numel * dtype.bits % 8:  # as the reference: a tensor never ends inside a byte
+        raise ByteLengthError(
+            f"{file}: tensor {name!r}: shape {list(shape)} of {dtype.code} is {numel * dtype.bits} bits, "
+            "not a whole number of bytes"
+        )
     expected = _dtypes.nbytes_for(dtype, numel)
     if end - begin != expected:
         raise ByteLengthError(
@@ -239,6 +250,11 @@ def encode_header(
     Tensors are laid out in the given order; the JSON is padded with spaces to a
     multiple of 8 bytes so the data section starts 8-byte aligned.
 
+    Raises:
+        KeyPathError: a tensor named ``__metadata__`` (the format reserves it).
+        UnsupportedValueError: a sub-byte tensor (``F4``, ``F6_*``) whose bits do not
+            fill whole bytes; the reference refuses to read such a file.
+
     Returns:
         ``(prefix + header bytes, [(begin, end) relative to the data section, ...])``.
 
@@ -252,7 +268,16 @@ def encode_header(
         body["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offsets, position = [], 0
     for name, code, shape in entries:
-        nbytes = _dtypes.nbytes_for(_dtypes.from_code(code, name), math.prod(shape))
+        row, numel = _dtypes.from_code(code, name), math.prod(shape)
+        if name == "__metadata__":
+            raise KeyPathError("'__metadata__': the safetensors format reserves this key for metadata; "
+                               "rename the tensor", name)
+        if numel * row.bits % 8:
+            raise UnsupportedValueError(
+                f"{name}: {numel} {code} elements are {numel * row.bits} bits, not a whole number of bytes; "
+                "safetensors readers refuse such a tensor. Pad it to a multiple of "
+                f"{8 // math.gcd(8, row.bits)} elements", name)
+        nbytes = _dtypes.nbytes_for(row, numel)
         offsets.append((position, position + nbytes))
         body[name] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [position, position + nbytes]}
         position += nbytes

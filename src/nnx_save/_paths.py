@@ -61,6 +61,15 @@ def to_key(path: Sequence[object]) -> str:
                 "so this one could not be read back to the same place. Rename the attribute or key.",
                 format_path(path),
             )
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                raise KeyPathError(
+                    f"{format_path(path)}: name {text!r} is not valid Unicode (a lone surrogate); "
+                    "file keys are UTF-8 text. Rename the attribute or key.",
+                    format_path(path),
+                ) from None
         parts.append(text)
     return "/".join(parts)
 
