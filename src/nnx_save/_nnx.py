@@ -19,14 +19,13 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import _dtypes, _paths
+from . import _collective, _dtypes, _paths, _progress
 from ._errors import NnxSaveError, ShardingError, UnsupportedValueError
 from ._load import Target, load_targets
-from ._read import LocalReader
 from ._report import LoadReport
-from ._sources import Header, read_header
+from ._sources import Header, read_header, reader_factory
 from ._tree import leaf_entry
-from ._write import Entry, write_file
+from ._write import Entry
 
 __all__ = ["save_model", "load_model", "RNG_KEY", "SCALAR_KEY"]
 
@@ -105,6 +104,7 @@ def save_model(
     metadata: Mapping[str, str] | None = None,
     rules: Any = None,
     max_shard_size: int | None = None,
+    progress: bool | None = None,
 ) -> None:
     """Save an NNX model's state (or the part ``filter`` selects) as safetensors.
 
@@ -123,6 +123,10 @@ def save_model(
         max_shard_size: write a HuggingFace multi-file checkpoint in directory
             ``path`` (``model.safetensors.index.json``) with files of at most this
             many bytes.
+        progress: a progress bar on stderr when it is a terminal: ``None`` above
+            256 MiB, ``True`` always, ``False`` never.
+
+    Every tensor's xxh3_64 checksum is recorded in ``__metadata__``.
 
     Raises:
         UnsupportedValueError: a string or ``None`` in the state (names the path).
@@ -145,12 +149,13 @@ def save_model(
         entries = export_entries(rules, entries)
         if "format" not in (metadata or {}):
             meta["format"] = "pt"  # transformers refuses safetensors files without it
-    if max_shard_size is not None:
-        from ._multifile import write_sharded
+    with _progress.saving(progress):
+        if max_shard_size is not None:
+            from ._multifile import write_sharded
 
-        write_sharded(path, entries, meta, max_shard_size)
-    else:
-        write_file(path, entries, meta)
+            write_sharded(path, entries, meta, max_shard_size)
+        else:
+            _collective.save(path, entries, meta)  # one process alone, or all of them together
 
 
 # --------------------------------------------------------------------------- loading
@@ -303,6 +308,8 @@ def load_model(
     read_chunk_bytes: int = 128 << 20,
     max_inflight_bytes: int = 2 << 30,
     num_threads: int | None = None,
+    verify: bool = True,
+    progress: bool | None = None,
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.
 
@@ -321,6 +328,10 @@ def load_model(
         mesh: the concrete mesh for a builder's sharding annotations.
         max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads:
             the loading engine's knobs (see :func:`load_file`).
+        verify: check recorded checksums of the tensors read in full
+            (:class:`~nnx_save.ChecksumError` on a mismatch; see :func:`load_file`).
+        progress: a progress bar on stderr when it is a terminal: ``None`` above
+            256 MiB, ``True`` always, ``False`` never.
 
     Returns:
         ``(model, report)``.
@@ -351,7 +362,8 @@ def load_model(
     values, report = load_targets(
         header, target_list, strict=strict, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
         ignore_unexpected=ignore, max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
-        max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=LocalReader)
+        max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=reader_factory(header),
+        verify=verify, progress=progress)
     if is_builder:
         # Leaves the file lacks, and those the filter left out, get their initial
         # values; nothing else of the random model is ever computed.
