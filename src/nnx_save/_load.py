@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes
+from ._errors import ShardingError
 from ._header import TensorInfo
 from ._plan import Request, plan_file
 from ._read import Budget, LocalReader, aligned_empty, execute
@@ -88,6 +89,13 @@ def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     for device, index in target.sharding.addressable_devices_indices_map(shape).items():
         box = tuple(s.indices(d)[:2] for s, d in zip(index, shape)) if shape else ()
         groups.setdefault(box, []).append(device)
+    if not groups:  # an array with no shard here: this process could never use or save it
+        import jax
+
+        raise ShardingError(
+            f"{target.path}: its sharding {target.sharding} places no shard on a device of process "
+            f"{jax.process_index()} (local devices {[d.id for d in jax.local_devices()]}); every process must "
+            "load with a sharding over devices it can address (a mesh over jax.devices(), or jax.local_devices())")
     return list(groups.items())
 
 

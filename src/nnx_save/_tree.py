@@ -8,12 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _paths
+from . import _collective, _dtypes, _paths
 from ._errors import NnxSaveError, UnsupportedValueError
 from ._load import Target, load_targets
 from ._read import LocalReader
 from ._sources import Header, read_header
-from ._write import Entry, write_file
+from ._write import Entry
 
 __all__ = ["save_file", "load_file", "flatten", "leaf_entry"]
 
@@ -54,14 +54,7 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
     if value.dtype.kind in "OUS":
         raise UnsupportedValueError(f"{key}: {_describe(value)} has no safetensors dtype", key)
     code = _dtypes.to_code(value.dtype, key).code
-    return Entry(key, code, tuple(int(d) for d in value.shape), lambda v=value: _to_host(v))
-
-
-def _to_host(value: Any) -> np.ndarray:
-    """One tensor's host value: a view when it already lives on the host."""
-    if isinstance(value, np.ndarray):
-        return value
-    return np.asarray(value)  # device -> host for this one tensor
+    return Entry(key, code, tuple(int(d) for d in value.shape), _collective.HostValue(value))
 
 
 def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None) -> None:
@@ -93,7 +86,7 @@ def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None =
     entries = [leaf_entry(p, v) for p, v in pairs]
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise UnsupportedValueError("metadata must map str to str", "__metadata__")
-    write_file(path, entries, metadata)
+    _collective.save(path, entries, metadata)  # one process alone, or all of them together
 
 
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str]]:
@@ -107,7 +100,7 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str]]:
             raise UnsupportedValueError(f"{key}: abstract leaves must be arrays or jax.ShapeDtypeStruct, found {_describe(leaf)}", key)
         sharding = getattr(leaf, "sharding", None)
         if sharding is None and not isinstance(leaf, np.ndarray):
-            sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         targets.append(Target(key, tuple(leaf.shape), np.dtype(leaf.dtype), sharding, (key,)))
         keys.append(key)
     return targets, treedef, keys

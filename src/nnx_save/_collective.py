@@ -1,0 +1,346 @@
+"""One standard safetensors file written by many JAX processes at once.
+
+Offsets are a pure function of names, dtypes and shapes, so every process computes
+the same header from the global shapes, and each writes only the bytes it owns:
+
+1. **agree**: every process posts a digest of its header; all compare them, so a
+   process saving different keys, shapes, dtypes or metadata is caught before any
+   byte is written.
+2. **open**: the primary (process 0) creates the temporary file next to the target
+   and sizes it; the others learn its name.
+3. **write**: each process writes the shards of each array it holds with
+   ``replica_id == 0`` (exactly one copy of every element in the whole job) at their
+   byte runs (:func:`~nnx_save._plan.box_runs`: one run for a leading-dimension
+   shard, one per row for an inner-dimension split), with positioned writes, then
+   fsyncs. Host values (numpy arrays, scalars, arrays every process holds whole)
+   are written by the primary alone.
+4. **hash**: every process posts ``ok`` or its error. Each tensor's xxh3_64
+   checksum (``nnx_save.checksums`` in ``__metadata__``, see
+   :mod:`~nnx_save._checksum`) covers the whole tensor, which no process holds, so
+   the cross-process tensors are shared out and each process hashes its share back
+   from the file; the primary hashed the host values as it wrote them.
+5. **commit**: the primary rewrites the header in place with the real digests
+   (same length), fsyncs and renames the file over the target. On any failure it
+   removes the temporary file and every process raises the same :class:`SaveError`.
+
+The file is byte-identical to a single-process save of the same values.
+
+The steps synchronise through the JAX coordination service's key-value store,
+polled with a deadline, rather than through device collectives: a collective
+blocks without a timeout, while every wait here is bounded
+(``NNX_SAVE_COLLECTIVE_TIMEOUT_S``, default 1800 s), and a dead peer leaves the
+previous file at the path intact. (With JAX's default settings, the coordination
+service also terminates every process once a peer misses its heartbeats.)
+
+The filesystem must be shared between the processes (a local disk on one machine,
+NFS, Lustre, GPFS ...).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _checksum, _dtypes
+from ._errors import SaveError
+from ._header import encode_header
+from ._plan import box_runs
+from ._sources import pread_exact
+from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
+
+__all__ = ["HostValue", "save", "write_collective", "TIMEOUT_ENV"]
+
+TIMEOUT_ENV = "NNX_SAVE_COLLECTIVE_TIMEOUT_S"
+_DEFAULT_TIMEOUT_S = 1800.0
+_HASH_CHUNK = 64 << 20
+_SAVES = itertools.count()  # every process saves in the same order (SPMD), so ids agree
+
+
+@dataclass(frozen=True)
+class HostValue:
+    """An entry's value callable that keeps the array it came from.
+
+    The single-process writer calls it to get the whole host value; the collective
+    writer reads ``array`` to write only this process's shards.
+    """
+
+    array: Any
+
+    def __call__(self) -> np.ndarray:
+        if isinstance(self.array, np.ndarray):
+            return self.array
+        if _spans_processes(self.array) and not self.array.is_fully_replicated:
+            raise SaveError(
+                f"an array of shape {tuple(self.array.shape)} with sharding {self.array.sharding} spans "
+                f"{len({d.process_index for d in self.array.sharding.device_set})} processes; this process holds "
+                "only its shards, and writing them alone would save a partial tensor. Save it with save_file / "
+                "save_model called on every process (one file), or gather it first")
+        return np.asarray(self.array)
+
+
+def _spans_processes(value: Any) -> bool:
+    """A jax.Array with shards on devices of other processes."""
+    return not isinstance(value, np.ndarray) and not getattr(value, "is_fully_addressable", True)
+
+
+def _timeout() -> float:
+    return float(os.environ.get(TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
+
+
+def save(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
+    """Write one file: alone when this is the only process, together otherwise."""
+    import jax
+
+    if jax.process_count() == 1:
+        write_file(path, entries, metadata)
+    else:
+        write_collective(path, entries, metadata)
+
+
+class _Sync:
+    """Bounded gathers over the coordination service's key-value store."""
+
+    def __init__(self, path: Path) -> None:
+        import jax
+        from jax._src import distributed  # the only handle on the key-value store
+
+        self.client = distributed.global_state.client
+        if self.client is None:
+            raise SaveError(f"{path}: {jax.process_count()} processes but no jax.distributed client; "
+                            "call jax.distributed.initialize() first", str(path))
+        self.pid, self.n, self.path = jax.process_index(), jax.process_count(), path
+        self.save_id = next(_SAVES)
+        self.prefix = f"nnx_save/save/{self.save_id}"
+
+    def gather(self, stage: str, value: str | None, only: int | None = None) -> dict[int, str]:
+        """Post ``value`` (unless ``None``) for ``stage``; wait (bounded) for every
+        process's value, or only process ``only``'s."""
+        if value is not None:
+            self.client.key_value_set(f"{self.prefix}/{stage}/{self.pid}", value)
+        want = set(range(self.n)) if only is None else {only}
+        deadline, delay, got = time.monotonic() + _timeout(), 0.002, {}
+        while True:
+            for key, v in self.client.key_value_dir_get(f"{self.prefix}/{stage}/"):
+                got[int(key.rsplit("/", 1)[1])] = v
+            if want <= set(got):
+                return {p: got[p] for p in sorted(want)}
+            if time.monotonic() > deadline:
+                late = sorted(want - set(got))
+                raise SaveError(
+                    f"{self.path}: process(es) {late} did not reach the {stage!r} step of the multi-process save "
+                    f"within {_timeout():.0f} s ({TIMEOUT_ENV}); did one of them die or save something else? "
+                    "The previous file at the path, if any, is intact", str(self.path))
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+    def forget_previous(self) -> None:
+        """Drop the keys of the previous save: every process has passed it by now."""
+        if self.pid == 0 and self.save_id:
+            with contextlib.suppress(Exception):
+                self.client.key_value_delete(f"nnx_save/save/{self.save_id - 1}/")
+
+
+def _digest(head: bytes) -> str:
+    return hashlib.sha256(head).hexdigest()
+
+
+def _agree(sync: _Sync, head: bytes, count: int, nbytes: int) -> None:
+    values = sync.gather("agree", f"{_digest(head)} {count} {nbytes} {len(head)}")
+    sync.forget_previous()
+    differ = {p: v for p, v in values.items() if v != values[0]}
+    if differ:
+        def what(v: str) -> str:
+            _, c, b, h = v.split()
+            return f"{c} tensors, {b} data bytes, a {h}-byte header"
+
+        lines = "; ".join(f"process {p}: {what(v)}" for p, v in differ.items())
+        raise SaveError(
+            f"{sync.path}: the processes computed different headers (process 0: {what(values[0])}; {lines}); "
+            "every process must save the same keys, dtypes, global shapes and metadata. Nothing was written",
+            str(sync.path))
+
+
+def _open(sync: _Sync, size: int) -> str:
+    """The primary creates and sizes the temporary file; everyone gets its name."""
+    mine = None
+    if sync.pid == 0:
+        tmp = temp_path(sync.path)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            try:
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+            mine = f"ok {tmp.name}"
+        except OSError as e:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            mine = f"error cannot create a temporary file in {sync.path.parent}: {e.strerror}"
+    status = sync.gather("open", mine, only=0)[0]
+    if not status.startswith("ok "):
+        raise SaveError(f"{sync.path}: {status[len('error '):]}; the previous file, if any, is intact", str(sync.path))
+    return status[3:]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:done + (1 << 30)], offset + done)
+
+
+def _write_shards(fd: int, e: Entry, array: Any, base: int) -> None:
+    """Write this process's replica-0 shards of ``array`` at their byte runs."""
+    row = _dtypes.DTYPES[e.code]
+    for shard in array.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape))
+        if not row.byte_aligned and box != tuple((0, d) for d in e.shape):
+            raise SaveError(f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be written "
+                            "shard by shard. Replicate it before saving", e.key)
+        data = host_bytes(np.asarray(shard.data), e.code)
+        offsets, length = box_runs(e.shape, row.itemsize, box, base) if row.byte_aligned else (np.array([base]), len(data))
+        if len(offsets) * length != len(data):
+            raise SaveError(f"{e.key}: shard {box} gave {len(data)} bytes, expected {len(offsets) * length}", e.key)
+        for i, off in enumerate(offsets.tolist()):
+            _pwrite_all(fd, data[i * length:(i + 1) * length], off)
+
+
+def _cross(e: Entry) -> Any:
+    """The array whose shards several processes write, or ``None`` (a host value)."""
+    array = e.value.array if isinstance(e.value, HostValue) else None
+    return array if _spans_processes(array) else None
+
+
+def _write_mine(sync: _Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]],
+                head: bytes) -> dict[str, str]:
+    """Write this process's part; the digests of the host values it wrote."""
+    digests = {}
+    fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        if sync.pid == 0:
+            _pwrite_all(fd, memoryview(head), 0)
+        for e, (begin, end) in zip(entries, offsets):
+            array = _cross(e)
+            if array is not None:
+                _write_shards(fd, e, array, len(head) + begin)
+            elif sync.pid == 0:
+                data = host_bytes(e.value(), e.code)
+                if len(data) != end - begin:
+                    raise SaveError(f"{e.key}: gave {len(data)} bytes, its header entry {e.code} "
+                                    f"{list(e.shape)} says {end - begin}", e.key)
+                _pwrite_all(fd, data, len(head) + begin)
+                digests[e.key] = _checksum.digest([data])
+                del data
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return digests
+
+
+def _assign(entries: Sequence[Entry], offsets: list[tuple[int, int]], n: int) -> list[list[int]]:
+    """Share the cross-process tensors out for hashing: biggest first, to the least loaded."""
+    load, share = [0] * n, [[] for _ in range(n)]
+    cross = [i for i, e in enumerate(entries) if _cross(e) is not None]
+    for i in sorted(cross, key=lambda i: (offsets[i][0] - offsets[i][1], i)):
+        p = min(range(n), key=lambda p: (load[p], p))
+        share[p].append(i)
+        load[p] += offsets[i][1] - offsets[i][0]
+    return share
+
+
+def _hash_back(sync: _Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]],
+               data_start: int) -> dict[str, str]:
+    """Digest this process's share of the cross-process tensors, read back from the
+    file: no process holds such a tensor whole, and its checksum covers all of it."""
+    digests = {}
+    fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for i in _assign(entries, offsets, sync.n)[sync.pid]:
+            begin, end = data_start + offsets[i][0], data_start + offsets[i][1]
+            chunks = (pread_exact(fd, min(_HASH_CHUNK, end - pos), pos, str(tmp))
+                      for pos in range(begin, end, _HASH_CHUNK))
+            digests[entries[i].key] = _checksum.digest(chunks)
+    finally:
+        os.close(fd)
+    return digests
+
+
+def _step(sync: _Sync, stage: str, work: Callable[[], dict[str, str]]) -> dict[str, str]:
+    """Run ``work`` here, post its outcome, and return every process's results
+    merged, or raise on every process the errors any of them met."""
+    try:
+        mine = "ok " + json.dumps(work())
+    except Exception as e:  # reported to every process, raised on all of them below
+        mine = f"error {type(e).__name__}: {e}"
+    outcomes = sync.gather(stage, mine)
+    failures = {p: v[len("error "):] for p, v in outcomes.items() if not v.startswith("ok ")}
+    if failures:
+        detail = "; ".join(f"process {p}: {msg}" for p, msg in failures.items())
+        raise SaveError(f"{sync.path}: the multi-process save failed ({detail}); the previous file, if any, "
+                        "is intact", str(sync.path))
+    merged: dict[str, str] = {}
+    for v in outcomes.values():
+        merged.update(json.loads(v[3:]))
+    return merged
+
+
+def _commit(sync: _Sync, tmp: Path, head: bytes) -> str:
+    """Primary: the final header in place, fsync, rename; the outcome to post."""
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            _pwrite_all(fd, memoryview(head), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, sync.path)
+        fsync_dir(sync.path.parent)
+    except OSError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        return f"error the primary could not commit the file: {e.strerror}"
+    return "ok"
+
+
+def write_collective(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
+    """Write ``entries`` as one safetensors file at ``path`` from every process.
+
+    Every process must call it with the same entries (global shapes) and metadata.
+    The result is byte-identical to a single-process :func:`~nnx_save._write.write_file`
+    of the same values, checksums included. Raises the same :class:`SaveError` on
+    every process when any of them fails; the previous file at ``path`` is then intact.
+    """
+    path = Path(path)
+    sync = _Sync(path)
+    entries = order_entries(entries)
+    names = [(e.key, e.code, e.shape) for e in entries]
+    digests = _checksum.Digests([e.key for e in entries])
+    head, offsets = encode_header(names, digests.metadata(metadata))  # placeholder digests
+    size = len(head) + (offsets[-1][1] if offsets else 0)
+    _agree(sync, head, len(entries), size - len(head))
+    tmp = path.parent / _open(sync, size)
+    try:
+        digests.values.update(_step(sync, "write", lambda: _write_mine(sync, tmp, entries, offsets, head)))
+        digests.values.update(_step(sync, "hash", lambda: _hash_back(sync, tmp, entries, offsets, len(head))))
+        final, _ = encode_header(names, digests.metadata(metadata))
+        if len(final) != len(head):  # cannot happen: hex digits replace hex digits
+            raise SaveError(f"{path}: the checksummed header changed length; nothing was saved", str(path))
+        outcome = sync.gather("commit", _commit(sync, tmp, final) if sync.pid == 0 else None, only=0)[0]
+    except BaseException:
+        if sync.pid == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        raise
+    if outcome != "ok":
+        raise SaveError(f"{path}: {outcome[len('error '):]}; the previous file, if any, is intact", str(path))

@@ -1,0 +1,55 @@
+"""Save the "mixed" tree from every process into one file, load it back on another
+mesh, and check the refusals: headers that differ between processes, the
+single-process writer given a cross-process array, a sharding with no local device.
+
+args: {"path": file to write, "mesh": [a, b], "dir": a scratch directory}
+"""
+
+import os
+
+import mp_boot
+
+ctx = mp_boot.init()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mp_common as c  # noqa: E402
+import nnx_save  # noqa: E402
+from nnx_save._tree import leaf_entry  # noqa: E402
+from nnx_save._write import write_file  # noqa: E402
+
+result = {}
+mesh = c.mesh(ctx.args["mesh"])
+tree = c.nest({**c.make_tree("mixed", mesh), **c.host_values()})
+nnx_save.save_file(tree, ctx.args["path"], metadata={"made_by": "save_tree"})
+
+# Load it back on a mesh of another shape (every tensor split differently).
+abstract = c.nest({**c.abstract_tree("mixed", c.mesh([jax.device_count()])), **c.host_values()})
+loaded, report = nnx_save.load_file(ctx.args["path"], abstract, return_report=True)
+flat = c.flat(loaded)
+result["checked_shards"] = c.check_tree("mixed", flat)
+result["host_ok"] = bool(np.array_equal(flat["host_table"], c.host_values()["host_table"]))
+result["clean"] = report.clean
+
+
+def refused(fn):
+    try:
+        fn()
+    except nnx_save.NnxSaveError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+scratch = ctx.args["dir"]
+other = os.path.join(scratch, "differs.safetensors")
+result["differs"] = refused(lambda: nnx_save.save_file(tree, other, metadata={"pid": str(ctx.process_id)}))
+result["differs_left"] = sorted(os.listdir(scratch))
+entry = leaf_entry(("embed",), c.flat(tree)["embed"])
+result["local_writer"] = refused(lambda: write_file(os.path.join(scratch, f"local{ctx.process_id}.st"), [entry]))
+foreign = next(d for d in jax.devices() if d.process_index != ctx.process_id)
+result["foreign"] = refused(lambda: nnx_save.load_file(ctx.args["path"], {"embed": jax.ShapeDtypeStruct(
+    (64, 32), np.float32, sharding=jax.sharding.SingleDeviceSharding(foreign))}, allow_unexpected=["*"]))
+# A save after refusals still works: the processes are still in step.
+nnx_save.save_file({"after": c.flat(tree)["embed"]}, os.path.join(scratch, "after.safetensors"))
+ctx.write(result)
