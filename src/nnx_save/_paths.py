@@ -93,8 +93,8 @@ def check_unique(paths: Iterable[Sequence[object]]) -> dict[str, tuple[object, .
         key = to_key(path)
         if key in seen:
             raise KeyPathError(
-                f"{format_path(path)}: makes the file key {key!r}, as does {format_path(seen[key])!r} "
-                "(int and str keys 0 and '0' write the same name); rename one of them",
+                f"{key}: paths {seen[key]!r} and {tuple(path)!r} both make the file key {key!r} "
+                "(int and str keys such as 0 and '0' write the same name); rename one of them",
                 key,
             )
         seen[key] = tuple(path)

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import _collective, _dtypes, _paths
-from ._errors import NnxSaveError, UnsupportedValueError
+from ._errors import KeyPathError, NnxSaveError, UnsupportedValueError
 from ._load import Target, load_targets
 from ._read import LocalReader
 from ._sources import Header, read_header
@@ -27,8 +27,39 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[li
     def leaf(x: Any) -> bool:
         return x is None or (is_leaf is not None and is_leaf(x))
 
-    pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf)
+    try:
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf)
+    except ValueError:  # jax sorts dict keys: {0: .., "0": ..} cannot be flattened
+        _refuse_mixed_keys(tree, ())
+        raise
     return [(tuple(_paths.segment(k, p[:i]) for i, k in enumerate(p)), v) for p, v in pairs], treedef
+
+
+def _refuse_mixed_keys(node: Any, where: tuple) -> None:
+    """Raise a :class:`KeyPathError` at the first dict whose keys cannot be sorted."""
+    if isinstance(node, Mapping):
+        try:
+            sorted(node)
+        except TypeError:
+            keys = sorted(node, key=repr)
+            texts = [str(k) for k in keys]
+            for k in keys:
+                if isinstance(k, int) and texts.count(str(k)) > 1:
+                    key = _paths.format_path([*where, k])
+                    raise KeyPathError(
+                        f"{key}: int key {k!r} and str key {str(k)!r} of the dict at "
+                        f"{_paths.format_path(where) or '<root>'} both make the file key {key!r}; rename one of them",
+                        key) from None
+            raise KeyPathError(
+                f"{_paths.format_path(where) or '<root>'}: a dict with keys of mixed types {keys[:6]!r}; "
+                "jax cannot flatten it. Use keys of one type", _paths.format_path(where)) from None
+        children = node.items()
+    elif isinstance(node, (list, tuple)):
+        children = enumerate(node)
+    else:
+        return
+    for k, child in children:
+        _refuse_mixed_keys(child, (*where, k))
 
 
 def _describe(value: Any) -> str:

@@ -111,10 +111,13 @@ def order_entries(entries: Sequence[Entry]) -> list[Entry]:
 def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None = None) -> None:
     """Write ``entries`` as one safetensors file at ``path``, atomically."""
     entries = order_entries(entries)
-    head, _ = encode_header([(e.key, e.code, e.shape) for e in entries], metadata)
+    head, offsets = encode_header([(e.key, e.code, e.shape) for e in entries], metadata)
     with atomic_file(path) as fd:
         _write_all(fd, memoryview(head))
-        for e in entries:
+        for e, (begin, end) in zip(entries, offsets):
             data = host_bytes(e.value(), e.code)
+            if len(data) != end - begin:  # the header is already written: never let it lie
+                raise SaveError(f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
+                                f"{e.code} {list(e.shape)} says {end - begin}; nothing was saved", str(path))
             _write_all(fd, data)
             del data

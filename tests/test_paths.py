@@ -1,0 +1,109 @@
+"""Tree key paths <-> file keys: the int/str rule and the refusals."""
+
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import nnx_save
+from nnx_save import _paths
+
+names = st.text(min_size=1, max_size=6).filter(lambda s: "/" not in s)
+segments = st.one_of(st.integers(0, 10**6), names)
+paths = st.lists(segments, min_size=1, max_size=5).map(tuple)
+
+
+def canonical(seg):
+    """What a segment reads back as: canonical decimal strings become ints."""
+    if isinstance(seg, str) and seg.isascii() and seg.isdecimal() and (seg == "0" or not seg.startswith("0")):
+        return int(seg)
+    return seg
+
+
+def test_to_key_joins_with_slash_and_writes_ints_in_decimal():
+    assert _paths.to_key(("blocks", 0, "attn", 12, "kernel")) == "blocks/0/attn/12/kernel"
+    assert _paths.to_key(("é", "名前")) == "é/名前"
+
+
+@pytest.mark.parametrize("key, path", [
+    ("blocks/0/kernel", ("blocks", 0, "kernel")),
+    ("a/10", ("a", 10)),
+    ("a/007", ("a", "007")),  # not canonical: stays a name
+    ("a/-1", ("a", "-1")),
+    ("a/1.5", ("a", "1.5")),
+    ("a/١٢", ("a", "١٢")),  # Arabic-Indic digits are decimal but not ASCII
+    ("0", (0,)),
+    ("a/ 1", ("a", " 1")),
+])
+def test_from_key_int_rule(key, path):
+    assert _paths.from_key(key) == path
+    assert _paths.to_key(_paths.from_key(key)) == key
+
+
+@given(paths)
+def test_decode_encode_round_trip(path):
+    assert _paths.from_key(_paths.to_key(path)) == tuple(canonical(s) for s in path)
+
+
+@given(paths)
+def test_encode_decode_encode_is_stable(path):
+    key = _paths.to_key(path)
+    assert _paths.to_key(_paths.from_key(key)) == key
+
+
+def test_jax_key_entries_by_duck_typing():
+    import jax
+
+    tree = {"a": [{"b": 1}], "c": (2,)}
+    got = [tuple(_paths.segment(k) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    assert got == [("a", 0, "b"), ("c", 0)]
+    assert _paths.segment(jax.tree_util.GetAttrKey("kernel")) == "kernel"
+    assert _paths.segment(jax.tree_util.FlattenedIndexKey(3)) == 3
+
+
+def test_slash_in_a_name_is_refused():
+    with pytest.raises(nnx_save.KeyPathError, match=re.escape(
+            "layers/0/'q/k': name contains /; file keys join names with '/' so this one could not be read "
+            "back to the same place. Rename the attribute or key.")) as info:
+        _paths.to_key(("layers", 0, "q/k"))
+    assert info.value.path == "layers/0/q/k"
+
+
+def test_slash_in_the_first_name_is_refused():
+    with pytest.raises(nnx_save.KeyPathError, match=re.escape("'a/b': name contains /;")):
+        _paths.to_key(("a/b",))
+
+
+def test_empty_name_is_refused():
+    with pytest.raises(nnx_save.KeyPathError, match=re.escape("a/'': empty name; file keys join names")):
+        _paths.to_key(("a", ""))
+
+
+def test_negative_index_is_refused():
+    with pytest.raises(nnx_save.KeyPathError, match=re.escape("a/-1: negative index -1 cannot be a file key")):
+        _paths.to_key(("a", -1))
+
+
+@pytest.mark.parametrize("entry, shown", [(True, "key True of type bool"), (1.5, "key 1.5 of type float"),
+                                          (("t",), "key ('t',) of type tuple"), (None, "key None of type NoneType")])
+def test_non_str_int_keys_are_refused(entry, shown):
+    with pytest.raises(nnx_save.KeyPathError, match=re.escape(f": {shown} cannot be a file key; use str or int keys")):
+        _paths.to_key(("a", entry))
+
+
+def test_lone_surrogate_is_refused():
+    with pytest.raises(nnx_save.KeyPathError, match=re.escape(
+            "a/\ud800x: name '\\ud800x' is not valid Unicode (a lone surrogate); file keys are UTF-8 text.")):
+        _paths.to_key(("a", "\ud800x"))
+
+
+def test_int_and_str_zero_collide():
+    with pytest.raises(nnx_save.KeyPathError, match=re.escape(
+            "layers/0: paths ('layers', 0) and ('layers', '0') both make the file key 'layers/0' "
+            "(int and str keys such as 0 and '0' write the same name); rename one of them")):
+        _paths.check_unique([("layers", 0), ("layers", "0")])
+
+
+def test_check_unique_maps_keys_to_paths():
+    assert _paths.check_unique([("a", 0), ("a", "1"), ("b",)]) == {"a/0": ("a", 0), "a/1": ("a", "1"), "b": ("b",)}
