@@ -46,10 +46,3 @@ def init() -> Ctx:
     assert jax.process_count() == n and jax.process_index() == pid, (jax.process_count(), jax.process_index())
     return Ctx(pid, n, out, args)
 
-
-def rchar() -> int:
-    """Bytes this process has read through read(2)-like calls (``/proc/self/io``)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise RuntimeError("no rchar in /proc/self/io")

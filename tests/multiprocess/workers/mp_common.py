@@ -111,3 +111,40 @@ def flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+def rchar() -> int:
+    """Bytes this process has read through read(2)-like calls (``/proc/self/io``)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("rchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("no rchar in /proc/self/io")
+
+
+def run_load_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Load each job's file into sharded arrays, check every local shard, and
+    report the bytes this process read: the library's count and the kernel's.
+
+    A job: ``{"path", "suite", "mesh": [..], "ratio": float | None, "host": bool}``.
+    """
+    import nnx_save
+
+    results = []
+    for job in jobs:
+        abstract = nest({**abstract_tree(job["suite"], mesh(job["mesh"])), **(host_values() if job.get("host") else {})})
+
+        def load():
+            return nnx_save.load_file(job["path"], abstract, max_over_read_ratio=job.get("ratio"), return_report=True)
+
+        load()  # warm: imports and first calls read files too; measure the second load
+        before = rchar()
+        tree, report = load()
+        read = rchar() - before
+        loaded = flat(tree)
+        checked = check_tree(job["suite"], loaded)
+        if job.get("host"):
+            assert np.array_equal(loaded["host_table"], host_values()["host_table"])
+        results.append({"rchar": read, "bytes_read": report.io.bytes_read, "bytes_needed": report.io.bytes_needed,
+                        "requests": report.io.requests, "checked": checked, "clean": report.clean})
+    return results

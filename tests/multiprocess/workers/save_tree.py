@@ -2,7 +2,10 @@
 mesh, and check the refusals: headers that differ between processes, the
 single-process writer given a cross-process array, a sharding with no local device.
 
-args: {"path": file to write, "mesh": [a, b], "dir": a scratch directory}
+Then run the load jobs (see ``mp_common.run_load_jobs``) and load without an
+abstract tree (refused in a multi-process run).
+
+args: {"path": file to write, "mesh": [a, b], "dir": a scratch directory, "jobs": [...]}
 """
 
 import os
@@ -50,6 +53,8 @@ result["local_writer"] = refused(lambda: write_file(os.path.join(scratch, f"loca
 foreign = next(d for d in jax.devices() if d.process_index != ctx.process_id)
 result["foreign"] = refused(lambda: nnx_save.load_file(ctx.args["path"], {"embed": jax.ShapeDtypeStruct(
     (64, 32), np.float32, sharding=jax.sharding.SingleDeviceSharding(foreign))}, allow_unexpected=["*"]))
+result["no_abstract"] = refused(lambda: nnx_save.load_file(ctx.args["path"]))
 # A save after refusals still works: the processes are still in step.
 nnx_save.save_file({"after": c.flat(tree)["embed"]}, os.path.join(scratch, "after.safetensors"))
+result["jobs"] = c.run_load_jobs(ctx.args.get("jobs", []))
 ctx.write(result)
