@@ -291,6 +291,8 @@ class OrbaxCheckpointStore:
         ordered = {name: items[name] for name in names}
         record = _new_metadata(step, names, epoch, metrics, producer, extra)
         args = _orbax.save_args(ordered, record.to_dict(), dtype_record(ordered))
+        if self._directory.is_dir():
+            self._writer()  # recover an interrupted overwrite before judging the step
         exists = self._refuse_write(step, overwrite)
         manager = self._writer()
         if exists:
