@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -270,7 +270,8 @@ class _Planner:
     def _build(self, claims: Mapping[int, dict[str, object]], renamed: Mapping[str, str], info) -> list[Node]:
         nodes = [Node(k, (k,), *info[k], None) for k in renamed]
         for index, claimed in sorted(claims.items()):
-            nodes.extend(self.rules.rules[index].nodes(claimed, info, self.errors))  # type: ignore[union-attr]
+            made = self.rules.rules[index].nodes(claimed, info, self.errors)  # type: ignore[union-attr]
+            nodes.extend(_tagged(n, index) for n in made)
         self._check_unique(nodes, claims)
         return nodes
 
@@ -324,6 +325,13 @@ class _Planner:
         ignored = {k for i, c in claims.items() if isinstance(self.rules.rules[i], IgnoreRule) for k in c}
         unused = tuple(sorted(ignored))
         return Plan(assignments, {k: tuple(v) for k, v in landed.items()}, unused)
+
+
+def _tagged(node: Node, index: int) -> Node:
+    """The node with its concatenation tagged by the rule that made it (for inverse)."""
+    if isinstance(node.combine, Concatenate):
+        return replace(node, combine=replace(node.combine, rule=index))
+    return node
 
 
 def _sources(node: Node) -> str:

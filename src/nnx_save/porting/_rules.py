@@ -24,6 +24,7 @@ import numpy as np
 
 from ._errors import NotInvertibleError, RuleError
 from ._template import Template, check_refs, compile_pattern, invert
+from ._template import raw as _raw
 from ._transforms import Combine, Concatenate, Index, Reshape, Stack, Take, Transpose
 
 __all__ = [
@@ -54,10 +55,6 @@ class Node:
     shape: Shape
     dtype: np.dtype
     combine: Combine | None
-
-
-def _raw(text: str) -> str:
-    return f'r"{text}"' if '"' not in text else repr(text)
 
 
 def _fullmatch(regex: re.Pattern[str], key: str) -> re.Match[str] | None:

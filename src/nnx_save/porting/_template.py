@@ -21,11 +21,16 @@ from dataclasses import dataclass
 
 from ._errors import NotInvertibleError, RuleError
 
-__all__ = ["Template", "Group", "parse_pattern", "invert", "compile_pattern"]
+__all__ = ["Template", "Group", "parse_pattern", "invert", "compile_pattern", "raw"]
 
 _META = set(".^$*+?{}[]|)")
 _QUANTIFIERS = set("*+?{")
 _TEMPLATE_REF = re.compile(r"\\(?:g<([^>]*)>|(\d{1,2})|(\\))")
+
+
+def raw(text: str) -> str:
+    """``text`` as a raw string literal, for messages: ``r"h\\.(\\d+)"``."""
+    return f'r"{text}"' if '"' not in text and not text.endswith("\\") else repr(text)
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ def _ref(token: str, text: str) -> _Ref:
     if token.isdigit():
         return _Ref(int(token))
     if not token.isidentifier():
-        raise RuleError(f"template {text!r}: bad group reference \\g<{token}>")
+        raise RuleError(f"template {raw(text)}: bad group reference \\g<{token}>")
     return _Ref(token)
 
 
@@ -102,7 +107,7 @@ def _check_no_escape(text: str, start: int, stop: int) -> None:
     where = text.find("\\", start, stop)
     if where >= 0:
         raise RuleError(
-            f"template {text!r}: escape {text[where:where + 2]!r} at {where}; keys only take "
+            f"template {raw(text)}: escape '{text[where:where + 2]}' at {where}; keys only take "
             "group references (\\1, \\g<1>, \\g<name>) and \\\\ for a backslash"
         )
 
@@ -112,7 +117,7 @@ def compile_pattern(pattern: str) -> re.Pattern[str]:
     try:
         return re.compile(pattern)
     except re.error as err:
-        raise RuleError(f"pattern {pattern!r} is not a valid regex: {err}") from None
+        raise RuleError(f"pattern {raw(pattern)} is not a valid regex: {err}") from None
 
 
 def check_refs(template: Template, pattern: re.Pattern[str], extra: Sequence[str] = ()) -> None:
@@ -121,8 +126,8 @@ def check_refs(template: Template, pattern: re.Pattern[str], extra: Sequence[str
         known = ref in extra or (ref in pattern.groupindex if isinstance(ref, str) else 0 < ref <= pattern.groups)
         if not known:
             raise RuleError(
-                f"template {template.source!r} references group {ref!r}, which pattern "
-                f"{pattern.pattern!r} does not define"
+                f"template {raw(template.source)} references group {ref!r}, which pattern "
+                f"{raw(pattern.pattern)} does not define"
             )
 
 
@@ -160,7 +165,7 @@ def parse_pattern(pattern: str) -> tuple[tuple[str | int, ...], tuple[Group, ...
 
 def _cannot(pattern: str, why: str) -> NotInvertibleError:
     return NotInvertibleError(
-        f"pattern {pattern!r} cannot be inverted automatically: {why}; "
+        f"pattern {raw(pattern)} cannot be inverted automatically: {why}; "
         "pass inverse= with an explicit rule"
     )
 
@@ -261,7 +266,7 @@ def _reference_order(
         if isinstance(part, _Ref):
             number = names.get(part.ref) if isinstance(part.ref, str) else part.ref
             if number is None or not 0 < number <= count:
-                raise RuleError(f"template {template!r} references group {part.ref!r}, absent from {pattern!r}")
+                raise RuleError(f"template {raw(template)} references group {part.ref!r}, absent from {raw(pattern)}")
             part = _Ref(number)
             seen[number] = seen.get(number, 0) + 1
         resolved.append(part)
@@ -269,11 +274,11 @@ def _reference_order(
     for number in range(1, count + 1):
         used = seen.get(number, 0)
         if number in skip and used:
-            raise RuleError(f"template {template!r} must not reference group {consumed!r} of {pattern!r}")
+            raise RuleError(f"template {raw(template)} must not reference group {consumed!r} of {raw(pattern)}")
         if number not in skip and used != 1:
             how = "never" if used == 0 else f"{used} times"
             raise NotInvertibleError(
-                f"rule {pattern!r} -> {template!r} cannot be inverted automatically: group {number} "
+                f"rule {raw(pattern)} -> {raw(template)} cannot be inverted automatically: group {number} "
                 f"is referenced {how} (each group must be referenced exactly once); "
                 "pass inverse= with an explicit rule"
             )

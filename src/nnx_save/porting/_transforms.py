@@ -118,7 +118,13 @@ class Transform:
             (x,) = xs
         else:
             x = self.combine(xs)
-        return np.ascontiguousarray(_chain(self.post, x))
+        return _contiguous(_chain(self.post, x))
+
+
+def _contiguous(x: np.ndarray) -> np.ndarray:
+    # Not np.ascontiguousarray alone: it turns a 0-d result into shape (1,).
+    x = np.asarray(x)
+    return x if x.flags.c_contiguous else np.ascontiguousarray(x).reshape(x.shape)
 
 
 def _chain(steps: Sequence[Step], x: np.ndarray) -> np.ndarray:
