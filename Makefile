@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test venv test-env clean
+.PHONY: demo test venv test-env clean system-deps
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,12 @@ test-env: $(VENV)/.test
 demo: $(VENV)/.base
 	$(PY) examples/demo.py
 
-test: $(VENV)/.test
+# nginx serves checkpoints to the remote-source tests (Debian package; needs root).
+system-deps:
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null)
+
+test: $(VENV)/.test system-deps
 	$(PY) -m pytest -q
 
 clean:

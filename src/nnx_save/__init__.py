@@ -1,6 +1,7 @@
 """nnx_save: safe, exact and fast saving and loading of JAX / Flax NNX state."""
 
 from ._errors import ByteLengthError as ByteLengthError
+from ._errors import ChecksumError as ChecksumError
 from ._errors import DtypeMismatchError as DtypeMismatchError
 from ._errors import DuplicateKeyError as DuplicateKeyError
 from ._errors import FileSizeError as FileSizeError

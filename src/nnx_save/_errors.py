@@ -31,6 +31,7 @@ __all__ = [
     "LoadError",
     "SaveError",
     "ShardingError",
+    "ChecksumError",
 ]
 
 
@@ -140,3 +141,14 @@ class SaveError(NnxSaveError, OSError):
 
 class ShardingError(NnxSaveError, ValueError):
     """A sharding this process cannot read or write as asked."""
+
+
+class ChecksumError(NnxSaveError, ValueError):
+    """A tensor's bytes do not match the checksum recorded when it was saved: the
+    file was modified or corrupted after writing. ``key``, ``file``, ``expected``
+    and ``found`` say which tensor, where, and the two digests."""
+
+    def __init__(self, message: str, key: str | None = None, file: str | None = None,
+                 expected: str | None = None, found: str | None = None) -> None:
+        super().__init__(message)
+        self.key, self.file, self.expected, self.found = key, file, expected, found

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
+from . import _checksum, _dtypes, _progress
 from ._errors import ShardingError
 from ._header import TensorInfo
 from ._plan import Request, plan_file
@@ -169,6 +169,13 @@ class _Engine:
         for t in self.pending:
             for k in t.sources:
                 self.refs[k] = self.refs.get(k, 0) + 1
+        self.bar = options["bar"]
+        self.digests: dict[str, str] = {}  # file key -> recorded checksum (verify=True only)
+        self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
+        if options["verify"]:
+            for fh in header.files:
+                recorded = _checksum.read_digests(fh.metadata, fh.file)
+                self.digests.update({k: v for k, v in recorded.items() if k in fh.tensors})
 
     def work_for(self, file: str) -> _Work:
         work = _Work()
@@ -201,7 +208,8 @@ class _Engine:
         t1 = time.perf_counter()
         reader = self.opt["open_reader"](file)
         try:
-            execute(reader, plan, work.dests, budget=self.budget, num_threads=self.opt["num_threads"])
+            execute(reader, plan, work.dests, budget=self.budget, num_threads=self.opt["num_threads"],
+                    on_chunk=self.bar.update if self.bar.active else None)
         finally:
             reader.close()
         t2 = time.perf_counter()
@@ -229,7 +237,29 @@ class _Engine:
             "Pass max_over_read_ratio to trade requests for bytes, or shard on the leading dimension.",
             OverReadWarning, stacklevel=5)
 
+    def _verify(self, work: _Work) -> None:
+        """Check the recorded checksum of every tensor this file read gave in full."""
+        targets = {t.path: t for t in self.targets}
+        pieces: dict[str, dict[Box, np.ndarray]] = {}
+        for path, shards in work.shards.items():
+            info = self.header.tensors[targets[path].sources[0]]
+            for s in shards:  # a sub-byte tensor is always read whole
+                box = s.box if info.dtype.byte_aligned else tuple((0, d) for d in info.shape)
+                pieces.setdefault(info.name, {})[box] = work.dests[s.dest]
+        for key, dest in work.wholes.items():
+            pieces.setdefault(key, {})[tuple((0, d) for d in self.header.tensors[key].shape)] = work.dests[dest]
+        for key, got in pieces.items():
+            info, expected = self.header.tensors[key], self.digests.get(key)
+            buffers = _checksum.full_buffers(info.shape, list(got.items())) if expected else None
+            if buffers is None:
+                self.checked.setdefault(key, False)
+                continue
+            _checksum.check(key, info.file, expected, (memoryview(b) for b in buffers))
+            self.checked[key] = True
+
     def _assemble(self, work: _Work) -> None:
+        if self.opt["verify"]:
+            self._verify(work)
         targets = {t.path: t for t in self.targets}
         for path, shards in work.shards.items():
             t = targets[path]
@@ -243,6 +273,7 @@ class _Engine:
             self.results[path] = _place(t, pieces)
             for s in shards:
                 work.dests[s.dest] = None  # release as soon as the array exists
+            self.bar.update(items=1)
         for key, dest in work.wholes.items():
             self.wholes[key] = _host_view(work.dests[dest], self.header.tensors[key],
                                           tuple((0, d) for d in self.header.tensors[key].shape))
@@ -258,6 +289,7 @@ class _Engine:
                 raise ShapeMismatchError(f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}")
             self.results[t.path] = _place_whole(t, value.astype(t.dtype, copy=False))
             self.pending.remove(t)
+            self.bar.update(items=1)
             for k in t.sources:
                 self.refs[k] -= 1
                 if not self.refs[k]:
@@ -282,11 +314,16 @@ def load_targets(
     num_threads: int | None = None,
     open_reader: Callable[[str], Any] = LocalReader,
     warn: bool = True,
+    verify: bool = False,
+    progress: bool | None = False,
 ) -> tuple[dict[str, Any], LoadReport]:
     """Load ``targets`` from ``header``'s files. Returns ``({path: value}, report)``.
 
     The report is complete before any byte of tensor data is read; under
     ``strict=True`` any mismatch raises :class:`~nnx_save.LoadError` then.
+    ``verify=True`` checks the recorded checksum of every tensor read in full
+    (:class:`~nnx_save.ChecksumError` on a mismatch) and lists the rest in
+    ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
     """
     if max_inflight_bytes <= 0 or read_chunk_bytes <= 0:
         raise ValueError(f"max_inflight_bytes and read_chunk_bytes must be positive, got {max_inflight_bytes}, {read_chunk_bytes}")
@@ -307,15 +344,35 @@ def load_targets(
     options = dict(max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
                    max_inflight_bytes=max_inflight_bytes, num_threads=num_threads or _default_threads(),
                    open_reader=open_reader)
+    options["verify"] = verify
+    options["bar"] = _progress_bar(header, loadable, report, progress)
     engine = _Engine(header, loadable, report, options)
-    for fh in header.files:
-        engine.run_file(fh.file)
+    try:
+        for fh in header.files:
+            engine.run_file(fh.file)
+    finally:
+        options["bar"].close()
+    report.verified = sorted(k for k, ok in engine.checked.items() if ok)
+    report.unverified = sorted(k for k, ok in engine.checked.items() if not ok)
     report.io.max_inflight_bytes = engine.budget.peak
     report.loaded = sorted(engine.results)
     log.debug("loaded %d tensors from %s: %s", len(engine.results), report.source, report.io)
     if warn:
         report.raise_or_warn(False, stacklevel=4)
     return engine.results, report
+
+
+def _progress_bar(header: Header, targets: Sequence[Target], report: LoadReport, progress: bool | None):
+    keys = {k for t in targets for k in t.sources}
+    upper = sum(header.tensors[k].nbytes for k in keys)  # this process may need less: exact below
+    label = f"loading {os.path.basename(report.source)}"
+    bar = _progress.bar(label, upper, len(targets), progress)
+    if bar.active:
+        wholes = {k for t in targets if t.transform is not None for k in t.sources}
+        bar.total = sum(header.tensors[k].nbytes for k in wholes) + sum(
+            _box_nbytes(header.tensors[t.sources[0]], box)
+            for t in targets if t.transform is None for box, _ in _boxes(t))
+    return bar
 
 
 def _describe(header: Header) -> str:

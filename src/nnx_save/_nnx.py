@@ -308,7 +308,7 @@ def load_model(
     read_chunk_bytes: int = 128 << 20,
     max_inflight_bytes: int = 2 << 30,
     num_threads: int | None = None,
-    verify: bool = True,
+    verify: bool = False,
     progress: bool | None = None,
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.

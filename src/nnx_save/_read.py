@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -174,9 +175,11 @@ def execute(
     *,
     budget: Budget,
     num_threads: int,
+    on_chunk: Callable[[int], None] | None = None,
 ) -> None:
     """Run every chunk of ``plan`` into ``dests`` (flat uint8 arrays), concurrently,
-    never holding more than ``budget.limit`` bytes of chunks in flight."""
+    never holding more than ``budget.limit`` bytes of chunks in flight.
+    ``on_chunk(needed bytes)`` is called after each chunk (progress)."""
     max_gap = 0
     if plan.num_chunks:
         gaps = plan.offset[1:] - (plan.offset[:-1] + plan.length[:-1])
@@ -194,6 +197,8 @@ def execute(
                 _direct(reader, plan, dests, i, scratch)
             else:
                 _scatter(reader, plan, dests, i)
+        if on_chunk is not None:
+            on_chunk(int(plan.length[plan.chunk_lo[i]:plan.chunk_hi[i]].sum()))
 
     if plan.num_chunks <= 1 or num_threads <= 1:
         for i in range(plan.num_chunks):

@@ -57,6 +57,7 @@ class IOStats:
     read_seconds: float = 0.0
     assemble_seconds: float = 0.0
     max_inflight_bytes: int = 0
+    retries: int = 0
     over_read_by_file: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -66,7 +67,8 @@ class IOStats:
     def __str__(self) -> str:
         return (
             f"read {self.bytes_read / 1e6:.1f} MB for {self.bytes_needed / 1e6:.1f} MB needed "
-            f"(over-read {self.over_read:.3f}) in {self.requests} requests from {self.files} file(s); "
+            f"(over-read {self.over_read:.3f}) in {self.requests} requests from {self.files} file(s)"
+            f"{f', {self.retries} retried' if self.retries else ''}; "
             f"plan {self.plan_seconds:.3f}s, read {self.read_seconds:.3f}s, assemble {self.assemble_seconds:.3f}s"
         )
 
@@ -98,6 +100,9 @@ class LoadReport:
         sources: per target path, the file keys it came from.
         landed: per file key, the target paths it went to (empty: nowhere).
         io: the engine's I/O statistics.
+        verified: file keys whose checksum was checked (``verify=True``).
+        unverified: file keys loaded under ``verify=True`` whose checksum could not
+            be checked: none recorded, or this process read only part of the tensor.
     """
 
     loaded: list[str] = field(default_factory=list)
@@ -111,6 +116,8 @@ class LoadReport:
     landed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     io: IOStats = field(default_factory=IOStats)
     source: str = ""
+    verified: list[str] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -138,6 +145,8 @@ class LoadReport:
             parts.append(f"  (allowed missing: {len(self.allowed_missing)})")
         if self.allowed_unexpected:
             parts.append(f"  (allowed unexpected: {len(self.allowed_unexpected)})")
+        if self.verified or self.unverified:
+            parts.append(f"  checksums: {len(self.verified)} verified, {len(self.unverified)} not verifiable")
         parts.append(f"  I/O: {self.io}")
         return "\n".join(parts)
 

@@ -13,9 +13,11 @@ import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 from ._errors import HeaderError, HeaderTooSmallError, IndexError_
+from . import _remote
 from ._header import FileHeader, TensorInfo, header_size, parse_header
 
 __all__ = ["Header", "read_header", "read_file_header", "INDEX_NAME", "pread_exact"]
@@ -40,6 +42,8 @@ class Header:
     metadata: Mapping[str, str] = field(default_factory=dict)
     files: tuple[FileHeader, ...] = ()
     kind: str = "file"
+    remote: Any = None  # _remote.RemoteStats shared by this checkpoint's remote readers
+    identity: Mapping[str, tuple[int, str | None]] = field(default_factory=dict)  # url -> (size, ETag)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -95,18 +99,32 @@ def _merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
 
 
 def _inside(directory: Path, relative: str, index: str) -> Path:
-    candidate = (directory / relative).resolve()
-    if Path(relative).is_absolute() or not candidate.is_relative_to(directory.resolve()):
+    # Judged on the name, not on where symlinks lead: the HuggingFace cache keeps
+    # every file of a snapshot as a symlink into ../../blobs, and that is fine.
+    # What an index must not do is name a file outside its directory.
+    candidate = Path(os.path.normpath(os.path.join(directory, relative)))
+    if Path(relative).is_absolute() or not candidate.is_relative_to(os.path.normpath(directory)):
         raise IndexError_(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
     if not candidate.is_file():
         raise IndexError_(f"{index}: names file {relative!r}, which does not exist in {directory}")
     return directory / relative
 
 
+def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:  # a tensor listed twice: json.loads would keep the last in silence
+            raise IndexError_(f"key {key!r} appears more than once in the index JSON")
+        out[key] = value
+    return out
+
+
 def _read_index(index: Path) -> tuple[dict[str, str], dict[str, str]]:
     try:
-        obj = json.loads(index.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        obj = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_unique_pairs)
+    except IndexError_ as e:
+        raise IndexError_(f"{index}: {e}") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise IndexError_(f"{index}: not a valid JSON index: {e}") from None
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -162,6 +180,8 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
     """
     if isinstance(source, Header):
         return source
+    if isinstance(source, str) and _remote.is_url(source):
+        return _remote_header(source)
     if isinstance(source, (list, tuple)):
         return _many([Path(p) for p in source], "list", "file list")
     path = Path(source)
@@ -176,3 +196,74 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
     fh = read_file_header(path)
     return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file")
+
+
+# --------------------------------------------------------------------------- remote
+
+
+def _remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, str | None]]:
+    """A remote file's header in at most two requests: a speculative first range,
+    then the rest of the header if it is larger."""
+    reader = _remote.open_remote(url, stats)
+    head = reader.probe()
+    n = header_size(head[:8], reader.size, file=url)
+    raw = head[8:8 + n]
+    if len(raw) < n:
+        raw += reader.read(len(head), 8 + n - len(head))
+    return parse_header(raw, reader.size, file=url), (reader.size, getattr(reader, "etag", None))
+
+
+def _remote_index(url: str, stats: Any) -> Header:
+    base = url.rsplit("/", 1)[0]
+    reader = _remote.open_remote(url, stats)
+    reader.probe()
+    if reader.size > _remote.SPECULATIVE_HEADER_BYTES:
+        raise IndexError_(f"{url}: index of {reader.size} bytes is larger than any real index")
+    try:
+        obj = json.loads(reader.read(0, reader.size).decode("utf-8"))
+    except ValueError as e:
+        raise IndexError_(f"{url}: not a valid JSON index: {e}") from None
+    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise IndexError_(f"{url}: expected an object with a 'weight_map' of tensor name -> file name")
+    for name in set(weight_map.values()):
+        if "://" in name or name.startswith("/") or ".." in name.split("/"):
+            raise IndexError_(f"{url}: file {name!r} points outside the checkpoint directory {base}/")
+    pairs = [_remote_file_header(f"{base}/{n}", stats) for n in sorted(set(weight_map.values()))]
+    files = tuple(fh for fh, _ in pairs)
+    tensors = _merge(files, url)
+    for tensor, fname in weight_map.items():
+        if tensor not in tensors or not tensors[tensor].file.endswith("/" + fname):
+            raise IndexError_(f"{url}: names tensor {tensor!r} in {fname}, which does not hold it")
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    return Header(tensors, {**files[0].metadata, **{str(k): str(v) for k, v in meta.items()}} if files else {},
+                  files, "index", stats, {fh.file: ident for fh, ident in pairs})
+
+
+def _remote_header(url: str) -> Header:
+    stats = _remote.RemoteStats()
+    if url.endswith(".json"):
+        return _remote_index(url, stats)
+    if not url.endswith(".safetensors"):
+        try:
+            return _remote_index(url.rstrip("/") + "/" + INDEX_NAME, stats)
+        except FileNotFoundError:
+            url = url.rstrip("/") + "/model.safetensors"
+    fh, ident = _remote_file_header(url, stats)
+    return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", stats, {url: ident})
+
+
+def reader_factory(header: Header):
+    """``open_reader(file)`` for the engine: local files, or remote readers pinned to
+    the size and ETag seen when the header was read."""
+    from ._read import LocalReader
+
+    def open_reader(file: str):
+        if header.remote is not None and file in header.identity:
+            size, etag = header.identity[file]
+            if file.startswith(("http://", "https://")):
+                return _remote.HttpReader(file, stats=header.remote, size=size, etag=etag)
+            return _remote.FsspecReader(file, stats=header.remote)
+        return LocalReader(file)
+
+    return open_reader

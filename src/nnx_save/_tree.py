@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _collective, _dtypes, _paths
+from . import _collective, _dtypes, _paths, _progress
 from ._errors import KeyPathError, NnxSaveError, UnsupportedValueError
 from ._load import Target, load_targets
 from ._read import LocalReader
@@ -88,7 +88,8 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
     return Entry(key, code, tuple(int(d) for d in value.shape), _collective.HostValue(value))
 
 
-def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None) -> None:
+def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None,
+              progress: bool | None = None) -> None:
     """Save a pytree of arrays as one ``.safetensors`` file, atomically.
 
     Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
@@ -99,6 +100,11 @@ def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None =
         tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.
         path: the file to write; its directory must exist.
         metadata: string -> string pairs stored in ``__metadata__``.
+        progress: a progress bar on stderr when it is a terminal: ``None`` above
+            256 MiB, ``True`` always, ``False`` never.
+
+    Every tensor's xxh3_64 checksum is recorded in ``__metadata__``
+    (``nnx_save.checksums``); ``load_file(..., verify=True)`` checks it.
 
     Raises:
         UnsupportedValueError: a leaf that is not an array (names its path).
@@ -117,7 +123,8 @@ def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None =
     entries = [leaf_entry(p, v) for p, v in pairs]
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise UnsupportedValueError("metadata must map str to str", "__metadata__")
-    _collective.save(path, entries, metadata)  # one process alone, or all of them together
+    with _progress.saving(progress):
+        _collective.save(path, entries, metadata)  # one process alone, or all of them together
 
 
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str]]:
@@ -149,6 +156,8 @@ def load_file(
     max_inflight_bytes: int = 2 << 30,
     num_threads: int | None = None,
     return_report: bool = False,
+    verify: bool = False,
+    progress: bool | None = None,
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
 
@@ -168,6 +177,11 @@ def load_file(
         max_inflight_bytes: bytes being read at once, never exceeded.
         num_threads: concurrent readers (default: 2 to 8 by CPU count).
         return_report: also return the :class:`LoadReport`.
+        verify: check each tensor read in full against the checksum recorded when
+            it was saved; tensors without one, or read only in part by this
+            process, are listed in ``report.unverified``.
+        progress: a progress bar on stderr when it is a terminal: ``None`` above
+            256 MiB, ``True`` always, ``False`` never.
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
@@ -175,6 +189,7 @@ def load_file(
     Raises:
         HeaderError: a malformed file or index, before any data is read.
         LoadError: ``strict=True`` and a mismatch.
+        ChecksumError: ``verify=True`` and a tensor's bytes do not match its checksum.
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
@@ -188,7 +203,8 @@ def load_file(
     header = read_header(source)
     options = dict(strict=strict, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
                    max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
-                   max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=LocalReader)
+                   max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=LocalReader,
+                   verify=verify, progress=progress)
     if abstract is None:
         if jax.process_count() > 1:
             raise NnxSaveError(

@@ -13,21 +13,24 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from . import _dtypes
+from . import _checksum, _dtypes, _progress
 from ._errors import SaveError
 from ._header import encode_header
 
 __all__ = ["Entry", "atomic_file", "write_file", "host_bytes", "TMP_MARKER"]
 
 TMP_MARKER = ".nnx_save-tmp-"
+log = logging.getLogger("nnx_save")
 
 
 @dataclass(frozen=True)
@@ -109,15 +112,37 @@ def order_entries(entries: Sequence[Entry]) -> list[Entry]:
 
 
 def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``entries`` as one safetensors file at ``path``, atomically."""
+    """Write ``entries`` as one safetensors file at ``path``, atomically.
+
+    Each tensor is hashed as it is written; the header, encoded first with
+    fixed-width placeholder digests, is rewritten in place (same length) with the
+    real ones before the fsync and rename (see :mod:`nnx_save._checksum`).
+    """
     entries = order_entries(entries)
-    head, offsets = encode_header([(e.key, e.code, e.shape) for e in entries], metadata)
-    with atomic_file(path) as fd:
-        _write_all(fd, memoryview(head))
-        for e, (begin, end) in zip(entries, offsets):
-            data = host_bytes(e.value(), e.code)
-            if len(data) != end - begin:  # the header is already written: never let it lie
-                raise SaveError(f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
-                                f"{e.code} {list(e.shape)} says {end - begin}; nothing was saved", str(path))
-            _write_all(fd, data)
-            del data
+    names = [(e.key, e.code, e.shape) for e in entries]
+    digests = _checksum.Digests([e.key for e in entries])
+    head, offsets = encode_header(names, digests.metadata(metadata))
+    total = offsets[-1][1] if offsets else 0
+    bar = _progress.bar(f"saving {Path(path).name}", total, len(entries), _progress.save_setting())
+    t0 = time.perf_counter()
+    try:
+        with atomic_file(path) as fd:
+            _write_all(fd, memoryview(head))
+            for e, (begin, end) in zip(entries, offsets):
+                data = host_bytes(e.value(), e.code)
+                if len(data) != end - begin:  # the header is already written: never let it lie
+                    raise SaveError(f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
+                                    f"{e.code} {list(e.shape)} says {end - begin}; nothing was saved", str(path))
+                digests.update(e.key, data)
+                _write_all(fd, data)
+                bar.update(len(data), 1)
+                del data
+            final, _ = encode_header(names, digests.metadata(metadata))
+            if len(final) != len(head):  # cannot happen: hex digits replace hex digits
+                raise SaveError(f"{path}: the checksummed header changed length; nothing was saved", str(path))
+            _write_all(fd, memoryview(final), 0)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    log.debug("saved %s: %d tensors, %d bytes in %.3f s (%.0f MB/s), xxh3_64 checksums recorded",
+              path, len(entries), total, seconds, total / seconds / 1e6 if seconds else 0.0)

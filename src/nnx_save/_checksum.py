@@ -1,0 +1,117 @@
+"""Per-tensor integrity checksums, kept inside the file's ``__metadata__``.
+
+A saved file records ``__metadata__["nnx_save.checksums"]``: a JSON object
+``{tensor key: 16 hex digits}`` of the xxh3_64 digest of each tensor's bytes as
+stored, and ``__metadata__["nnx_save.checksum_algorithm"] = "xxh3_64"``. The file
+stays a standard safetensors file: every reader ignores metadata it does not know.
+
+The header precedes the data, so the writer stays one-pass: it encodes the header
+with fixed-width placeholder digests, hashes each tensor while writing it, and
+rewrites the header in place at the end (hex digits replace hex digits, so the
+header keeps its length) before the fsync and rename.
+
+A tensor without an entry simply has no checksum: the multi-process writer cannot
+hash a tensor whose shards other processes write, and files written by other tools
+have none. Readers check what they can and report the rest as unverified.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+
+import xxhash
+
+from ._errors import ChecksumError
+
+__all__ = ["KEY", "ALGORITHM_KEY", "ALGORITHM", "Digests", "digest", "read_digests", "check", "full_buffers"]
+
+KEY = "nnx_save.checksums"
+ALGORITHM_KEY = "nnx_save.checksum_algorithm"
+ALGORITHM = "xxh3_64"
+_WIDTH = 16
+_PLACEHOLDER = "0" * _WIDTH
+
+
+def digest(buffers: Iterable[memoryview | bytes]) -> str:
+    """The xxh3_64 hex digest of the concatenation of ``buffers``."""
+    h = xxhash.xxh3_64()
+    for b in buffers:
+        h.update(b)
+    return h.hexdigest()
+
+
+class Digests:
+    """The writer's side: placeholders first, real digests as tensors are written."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self.values = {k: _PLACEHOLDER for k in keys}
+
+    def update(self, key: str, data: memoryview) -> None:
+        self.values[key] = xxhash.xxh3_64_hexdigest(data)
+
+    def metadata(self, metadata: Mapping[str, str] | None) -> dict[str, str] | None:
+        """``metadata`` plus the checksum entries (a stale checksum entry is replaced)."""
+        out = {k: v for k, v in (metadata or {}).items() if k not in (KEY, ALGORITHM_KEY)}
+        if not self.values:
+            return out or None
+        out[ALGORITHM_KEY] = ALGORITHM
+        out[KEY] = json.dumps(self.values, separators=(",", ":"), ensure_ascii=False)
+        return out
+
+
+def read_digests(metadata: Mapping[str, str], file: str) -> dict[str, str]:
+    """The ``{key: hex}`` checksums a file records (empty when it records none).
+
+    Raises:
+        ChecksumError: the entry is present but malformed, or names an unknown algorithm.
+    """
+    raw = metadata.get(KEY)
+    if raw is None:
+        return {}
+    algorithm = metadata.get(ALGORITHM_KEY, ALGORITHM)
+    if algorithm != ALGORITHM:
+        raise ChecksumError(f"{file}: checksums use algorithm {algorithm!r}; this version of nnx_save knows "
+                            f"only {ALGORITHM!r}. Load with verify=False", file=file)
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ChecksumError(f"{file}: __metadata__[{KEY!r}] is not valid JSON: {e}", file=file) from None
+    if not isinstance(value, dict) or not all(isinstance(v, str) and len(v) == _WIDTH for v in value.values()):
+        raise ChecksumError(f"{file}: __metadata__[{KEY!r}] must map tensor names to {_WIDTH} hex digits", file=file)
+    return value
+
+
+def check(key: str, file: str, expected: str, buffers: Iterable[memoryview | bytes]) -> None:
+    """Raise :class:`ChecksumError` naming ``key`` unless ``buffers`` hash to ``expected``."""
+    found = digest(buffers)
+    if found != expected:
+        raise ChecksumError(
+            f"{file}: tensor {key!r}: checksum mismatch (xxh3_64 recorded {expected}, bytes read hash to {found}); "
+            "the file was modified or corrupted after it was written", key, file, expected, found)
+
+
+Box = tuple[tuple[int, int], ...]
+
+
+def full_buffers(shape: tuple[int, ...], pieces: Sequence[tuple[Box, object]]) -> list[object] | None:
+    """The buffers that hold the whole tensor in file order, or ``None``.
+
+    ``pieces`` are ``(box, buffer)`` pairs read for one tensor. One box covering the
+    whole tensor does; so do boxes split on the leading dimension only that tile it
+    (their bytes are consecutive ranges of the file). Anything else is a partial
+    read this process cannot check.
+    """
+    whole = tuple((0, d) for d in shape)
+    for box, buf in pieces:
+        if box == whole:
+            return [buf]
+    if not shape or not pieces:
+        return None
+    ordered = sorted(pieces, key=lambda p: p[0][0])
+    position = 0
+    for box, _ in ordered:
+        if box[1:] != whole[1:] or box[0][0] != position:
+            return None
+        position = box[0][1]
+    return [buf for _, buf in ordered] if position == shape[0] else None

@@ -1,0 +1,136 @@
+"""A small progress bar for long loads and saves, on stderr when it is a terminal.
+
+``progress=None`` (the default of every entry point) shows a bar when stderr is a
+TTY and the operation moves at least :data:`MIN_BYTES`; ``True`` shows it on a TTY
+whatever the size; ``False`` never. Nothing is ever written to a pipe or a file:
+diagnostics go through the ``nnx_save`` logger instead.
+
+The save path reaches the writer through the multi-process dispatcher, whose
+signature is shared with other writers; the setting travels there in a context
+variable (:func:`saving`) rather than as one more argument on every layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import IO
+
+__all__ = ["MIN_BYTES", "Bar", "NullBar", "bar", "saving", "save_setting", "human_bytes"]
+
+MIN_BYTES = int(os.environ.get("NNX_SAVE_PROGRESS_MIN_BYTES", 256 << 20))
+_INTERVAL_S = 0.1
+_SAVE = contextvars.ContextVar[bool | None]("nnx_save_progress", default=None)
+
+
+def human_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+class NullBar:
+    """The bar when none is shown: every call does nothing."""
+
+    active = False
+
+    def update(self, nbytes: int = 0, items: int = 0) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Bar(NullBar):
+    """``label  42% |#####     | 1.1/2.6 GiB  12/40 tensors  850.0 MiB/s  ETA 2s``.
+
+    Thread-safe (the reader threads update it); redraws at most every 0.1 s.
+    """
+
+    active = True
+
+    def __init__(self, label: str, total_bytes: int, total_items: int, stream: IO[str]) -> None:
+        self.label, self.total, self.items_total, self.stream = label, max(total_bytes, 0), total_items, stream
+        self.done = self.items = 0
+        self.start = self._drawn = time.monotonic()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._draw(time.monotonic())
+
+    def update(self, nbytes: int = 0, items: int = 0) -> None:
+        with self._lock:
+            self.done += nbytes
+            self.items += items
+            now = time.monotonic()
+            if now - self._drawn >= _INTERVAL_S:
+                self._draw(now)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._draw(time.monotonic(), final=True)
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def line(self, now: float, width: int, final: bool = False) -> str:
+        elapsed = max(now - self.start, 1e-9)
+        frac = min(self.done / self.total, 1.0) if self.total else 1.0
+        rate = self.done / elapsed
+        if final:
+            tail = f"in {elapsed:.1f}s"
+        elif rate > 0 and self.total:
+            tail = f"ETA {max(self.total - self.done, 0) / rate:.0f}s"
+        else:
+            tail = "ETA ?"
+        text = (f"{human_bytes(self.done)}/{human_bytes(self.total)}  {self.items}/{self.items_total} tensors  "
+                f"{human_bytes(rate)}/s  {tail}")
+        room = width - len(self.label) - len(text) - 9
+        cells = max(min(room, 30), 0)
+        filled = int(frac * cells)
+        bar = f" |{'#' * filled}{' ' * (cells - filled)}|" if cells >= 5 else ""
+        return f"{self.label} {frac * 100:3.0f}%{bar} {text}"[:max(width - 1, 20)]
+
+    def _draw(self, now: float, final: bool = False) -> None:
+        width = shutil.get_terminal_size((100, 24)).columns
+        self.stream.write("\r" + self.line(now, width, final) + "\x1b[K")
+        self.stream.flush()
+        self._drawn = now
+
+
+def bar(label: str, total_bytes: int, total_items: int, progress: bool | None,
+        stream: IO[str] | None = None) -> NullBar:
+    """A :class:`Bar` when ``progress`` asks for one and ``stream`` (stderr) is a
+    terminal, else a :class:`NullBar`."""
+    stream = sys.stderr if stream is None else stream
+    if progress is False or (progress is None and total_bytes < MIN_BYTES):
+        return NullBar()
+    isatty = getattr(stream, "isatty", None)
+    if isatty is None or not isatty():
+        return NullBar()
+    return Bar(label, total_bytes, total_items, stream)
+
+
+@contextlib.contextmanager
+def saving(progress: bool | None) -> Iterator[None]:
+    """Within the block, the writer shows its bar according to ``progress``."""
+    token = _SAVE.set(progress)
+    try:
+        yield
+    finally:
+        _SAVE.reset(token)
+
+
+def save_setting() -> bool | None:
+    """The ``progress`` setting of the save in progress (``None``: automatic)."""
+    return _SAVE.get()
