@@ -125,23 +125,30 @@ class _Sync:
     def gather(self, stage: str, value: str | None, only: int | None = None) -> dict[int, str]:
         """Post ``value`` (unless ``None``) for ``stage``; wait (bounded) for every
         process's value, or only process ``only``'s."""
-        if value is not None:
-            self.client.key_value_set(f"{self.prefix}/{stage}/{self.pid}", value)
         want = set(range(self.n)) if only is None else {only}
         deadline, delay, got = time.monotonic() + _timeout(), 0.002, {}
-        while True:
-            for key, v in self.client.key_value_dir_get(f"{self.prefix}/{stage}/"):
-                got[int(key.rsplit("/", 1)[1])] = v
-            if want <= set(got):
-                return {p: got[p] for p in sorted(want)}
-            if time.monotonic() > deadline:
-                late = sorted(want - set(got))
-                raise SaveError(
-                    f"{self.path}: process(es) {late} did not reach the {stage!r} step of the multi-process save "
-                    f"within {_timeout():.0f} s ({TIMEOUT_ENV}); did one of them die or save something else? "
-                    "The previous file at the path, if any, is intact", str(self.path))
-            time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+        try:
+            if value is not None:
+                self.client.key_value_set(f"{self.prefix}/{stage}/{self.pid}", value)
+            while True:
+                for key, v in self.client.key_value_dir_get(f"{self.prefix}/{stage}/"):
+                    got[int(key.rsplit("/", 1)[1])] = v
+                if want <= set(got):
+                    return {p: got[p] for p in sorted(want)}
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(delay)
+                delay = min(delay * 2, 0.1)
+        except Exception as e:  # the coordination service is gone (process 0 died) or refused
+            raise SaveError(
+                f"{self.path}: lost the JAX coordination service during the {stage!r} step of the multi-process "
+                f"save ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the previous file at the "
+                "path, if any, is intact", str(self.path)) from e
+        late = sorted(want - set(got))
+        raise SaveError(
+            f"{self.path}: process(es) {late} did not reach the {stage!r} step of the multi-process save "
+            f"within {_timeout():g} s ({TIMEOUT_ENV}); did one of them die or save something else? "
+            "The previous file at the path, if any, is intact", str(self.path))
 
     def forget_previous(self) -> None:
         """Drop the keys of the previous save: every process has passed it by now."""
