@@ -148,3 +148,47 @@ def run_load_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         results.append({"rchar": read, "bytes_read": report.io.bytes_read, "bytes_needed": report.io.bytes_needed,
                         "requests": report.io.requests, "checked": checked, "clean": report.clean})
     return results
+
+
+def lm_class():
+    """A small sharded language model: a tied embedding, an ``nnx.List`` of blocks,
+    bf16 parameters, an f32 norm, a Python scalar and an rng stream."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    col = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "model"))
+    row = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("model", None))
+    vec = nnx.with_partitioning(nnx.initializers.normal(1.0), ("model",))
+    emb = nnx.with_partitioning(nnx.initializers.normal(1.0), ("model", None))
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.up = nnx.Linear(32, 64, param_dtype=jnp.bfloat16, kernel_init=col, bias_init=vec, rngs=rngs)
+            self.down = nnx.Linear(64, 32, param_dtype=jnp.bfloat16, kernel_init=row, use_bias=False, rngs=rngs)
+
+    class LM(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.embed = nnx.Embed(64, 32, param_dtype=jnp.bfloat16, embedding_init=emb, rngs=rngs)
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+            self.norm = nnx.LayerNorm(32, rngs=rngs)
+            self.head = self.embed  # tied: one variable, saved once
+            self.step = nnx.Variable(0)
+            self.noise = nnx.Rngs(dropout=3)
+
+    return LM
+
+
+def model_mesh():
+    import jax
+
+    return jax.make_mesh((jax.device_count(),), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+
+def build_lm(seed: int, mesh_):
+    import jax
+    from flax import nnx
+
+    with jax.set_mesh(mesh_):
+        model = lm_class()(nnx.Rngs(seed))
+    model.step.set_value(41)
+    return model

@@ -1,0 +1,28 @@
+"""save_model / load_model of a sharded NNX model across 2 processes."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+import mp_common as c
+import nnx_save
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_sharded_model_round_trip_on_two_processes(run_workers, tmp_path):
+    path = tmp_path / "lm.safetensors"
+    workers = run_workers("save_model.py", 2, 4, {"path": str(path)})
+    for w in workers:
+        r = w.result
+        assert r["clean"] and r["tied"] and r["dtype"] == "bfloat16"
+        assert r["split"] == ["blocks/0/down/kernel", "blocks/0/up/bias", "blocks/0/up/kernel",
+                              "blocks/1/down/kernel", "blocks/1/up/bias", "blocks/1/up/kernel", "embed/embedding"]
+        assert r["checked"] >= 7 * 4
+    single = tmp_path / "single.safetensors"
+    assert jax.device_count() == 8
+    nnx_save.save_model(c.build_lm(0, c.model_mesh()), single)
+    assert path.read_bytes() == single.read_bytes()  # the same bytes as one process with 8 devices
+    keys = set(nnx_save.read_header(path))
+    assert "embed/embedding" in keys and "head/embedding" not in keys and "blocks/1/up/kernel" in keys
