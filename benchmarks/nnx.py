@@ -1,0 +1,274 @@
+"""NNX model benchmark: ``save_model`` / ``load_model`` against the tools users would
+pick instead, on a ~2 GB fp32 NNX model (a stack of ``nnx.Linear`` in an ``nnx.List``).
+
+Every phase runs in a FRESH PROCESS (this script re-executes itself with
+``--worker``), so nothing one phase imported, allocated or compiled helps another.
+A worker imports its tool, builds what the phase starts from (the model for saves and
+instance loads, nothing for builder loads), records its resident set size (the
+baseline), resets the kernel's peak-RSS counter (``/proc/self/clear_refs``), times the
+phase (to every array ready / the file fsynced or committed) and reads the peak RSS.
+After the clock stops it checks the result: loaded models against ``safe_open`` of
+the nnx_save file, saved files by reading them back, so a fast wrong answer cannot win.
+
+Tools and phases:
+
+- ``nnx_save``: ``save_model``; ``load_model(model)`` (instance filled in place);
+  ``load_model(builder)`` (``nnx.eval_shape``, the random model never exists).
+- ``st_flax``: ``safetensors.flax.save_file`` of the flat state; ``load_file`` then
+  ``nnx.update`` (instance) or ``nnx.merge`` into the ``eval_shape`` graph (builder).
+- ``orbax``: ``StandardCheckpointer().save`` of ``nnx.state(model)``; ``restore`` with
+  the model's state (instance, then ``nnx.update``) or the abstract state (builder).
+
+Columns: seconds, GB/s (checkpoint bytes / seconds), and peak RSS above the baseline
+divided by the checkpoint size ("mem x"): for saves and instance loads the model is in
+the baseline, so this is what the phase adds; for builder loads 1.0 is the floor.
+
+Run: ``.venv/bin/python benchmarks/nnx.py [--size-gb 2] [--dir /tmp/nnx_bench]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+WIDTH = 2048  # each layer: a 2048 x 2048 fp32 kernel (16.8 MB) and a bias
+TOOLS = ("nnx_save", "st_flax", "orbax")
+PHASES = ("save", "load_instance", "load_builder")
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def make_model_class():
+    from flax import nnx
+
+    class Stack(nnx.Module):
+        def __init__(self, layers: int, seed: int) -> None:
+            rngs = nnx.Rngs(seed)
+            self.layers = nnx.List([nnx.Linear(WIDTH, WIDTH, rngs=rngs) for _ in range(layers)])
+
+    return Stack
+
+
+def layers_for(size_gb: float) -> int:
+    return max(1, round(size_gb * 1e9 / (4 * (WIDTH * WIDTH + WIDTH))))
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def _peak_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (VmHWM)
+        f.write("5")
+
+
+# ----------------------------------------------------------------------------- tools
+
+
+def _flat_key(path) -> str:
+    return "/".join(str(p) for p in path)
+
+
+def _save(tool: str, model, path: str) -> None:
+    from flax import nnx
+
+    if tool == "nnx_save":
+        import nnx_save
+
+        nnx_save.save_model(model, path)
+    elif tool == "st_flax":
+        from safetensors.flax import save_file
+
+        save_file({_flat_key(p): v.get_value() for p, v in nnx.to_flat_state(nnx.state(model))}, path)
+    else:
+        import orbax.checkpoint as ocp
+
+        checkpointer = ocp.StandardCheckpointer()
+        checkpointer.save(path, nnx.state(model))
+        checkpointer.wait_until_finished()
+        checkpointer.close()
+
+
+def _load(tool: str, phase: str, target, path: str):
+    """``target``: the model (instance phase) or the builder (builder phase)."""
+    import jax
+    from flax import nnx
+
+    if tool == "nnx_save":
+        import nnx_save
+
+        model, _ = nnx_save.load_model(target, path, strict=True)
+        return model
+    if phase == "load_instance":
+        model, state = target, nnx.state(target)
+    else:
+        graphdef, state = nnx.split(nnx.eval_shape(target))
+    if tool == "st_flax":
+        from safetensors.flax import load_file
+
+        loaded = load_file(path)
+        updates = [(p, v.replace(loaded.pop(_flat_key(p)))) for p, v in nnx.to_flat_state(state)]
+        state = nnx.from_flat_state(updates)
+    else:
+        import orbax.checkpoint as ocp
+
+        checkpointer = ocp.StandardCheckpointer()
+        state = checkpointer.restore(path, state)
+        checkpointer.close()
+    if phase == "load_instance":
+        nnx.update(model, state)
+    else:
+        model = nnx.merge(graphdef, state)
+    jax.block_until_ready(nnx.state(model))
+    return model
+
+
+def _verify_model(model, reference: str) -> None:
+    import numpy as np
+    from safetensors import safe_open
+
+    with safe_open(reference, "numpy") as f:
+        n = len(model.layers)
+        for i in sorted({0, n // 2, n - 1}):
+            for name in ("kernel", "bias"):
+                got = np.asarray(getattr(model.layers[i], name).get_value())
+                assert np.array_equal(got, f.get_tensor(f"layers/{i}/{name}")), (i, name)
+
+
+def _verify_file(tool: str, path: str, reference: str, layers: int) -> None:
+    """The saved file/directory reads back (spot-checked against the reference model)."""
+    import numpy as np
+    from safetensors import safe_open
+
+    if tool == "orbax":
+        import orbax.checkpoint as ocp
+
+        restored = ocp.StandardCheckpointer().restore(path)  # plain nested dicts
+        stack = restored["layers"]
+        kernel = stack[layers - 1] if layers - 1 in stack else stack[str(layers - 1)]
+        kernel = kernel["kernel"]
+        got = np.asarray(kernel["value"] if isinstance(kernel, dict) else kernel)
+    else:
+        with safe_open(path, "numpy") as f:
+            got = f.get_tensor(f"layers/{layers - 1}/kernel")
+    if tool != "nnx_save":
+        with safe_open(reference, "numpy") as f:
+            assert np.array_equal(got, f.get_tensor(f"layers/{layers - 1}/kernel"))
+
+
+def _file_bytes(path: str) -> int:
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    from flax import nnx  # noqa: F401
+
+    if args.tool == "nnx_save":
+        import nnx_save  # noqa: F401
+    elif args.tool == "st_flax":
+        import safetensors.flax  # noqa: F401
+    else:
+        import orbax.checkpoint  # noqa: F401
+    Stack = make_model_class()
+    layers = layers_for(args.size_gb)
+    reference = os.path.join(args.dir, "nnx_save.safetensors")
+    target = os.path.join(args.dir, f"{args.tool}.{'orbax' if args.tool == 'orbax' else 'safetensors'}")
+    if args.phase == "save":
+        subject = Stack(layers, 0)
+        jax.block_until_ready(nnx.state(subject))
+        if os.path.isdir(target):
+            shutil.rmtree(target)
+    elif args.phase == "load_instance":
+        subject = Stack(layers, 1)
+        jax.block_until_ready(nnx.state(subject))
+    else:
+        subject = lambda: Stack(layers, 1)  # noqa: E731
+        jax.block_until_ready(jax.device_put(0.0))
+    gc.collect()
+    base = _status_kb("VmRSS")
+    _peak_reset()
+    t0 = time.perf_counter()
+    if args.phase == "save":
+        _save(args.tool, subject, target)
+    else:
+        subject = _load(args.tool, args.phase, subject, target)
+    seconds = time.perf_counter() - t0
+    peak = _status_kb("VmHWM")
+    if args.phase == "save":
+        _verify_file(args.tool, target, reference, layers)
+    else:
+        _verify_model(subject, reference)
+    return {"seconds": seconds, "bytes": _file_bytes(target), "peak_above_kb": peak - base, "base_kb": base}
+
+
+# ----------------------------------------------------------------------------- driver
+
+
+def run_phase(tool: str, phase: str, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, __file__, "--worker", "--tool", tool, "--phase", phase,
+           "--size-gb", str(args.size_gb), "--dir", args.dir]
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent / "src"), env.get("PYTHONPATH")]))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    if out.returncode:
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:100]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-gb", type=float, default=2.0)
+    parser.add_argument("--dir", default="/tmp/nnx_bench")
+    parser.add_argument("--tools", default=",".join(TOOLS))
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--tool", help=argparse.SUPPRESS)
+    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    os.makedirs(args.dir, exist_ok=True)
+    tools = args.tools.split(",")
+    if "nnx_save" not in tools:
+        tools.insert(0, "nnx_save")  # its file is the reference every result is checked against
+    layers = layers_for(args.size_gb)
+    size = layers * 4 * (WIDTH * WIDTH + WIDTH)
+    print(f"model: {layers} x nnx.Linear({WIDTH}, {WIDTH}) fp32 = {size / 1e9:.2f} GB; "
+          f"{os.cpu_count()} CPUs; one fresh process per phase\n")
+    print(f"{'tool':<10} {'phase':<14} {'seconds':>8} {'GB/s':>7} {'mem x':>7}")
+    rows = [(tool, phase) for phase in PHASES for tool in tools]
+    rows.sort(key=lambda r: r[1] != "save")  # every save before any load
+    for tool, phase in rows:
+        r = run_phase(tool, phase, args)
+        if "error" in r:
+            print(f"{tool:<10} {phase:<14} failed: {r['error']}")
+            continue
+        print(f"{tool:<10} {phase:<14} {r['seconds']:8.2f} {size / 1e9 / r['seconds']:7.2f} "
+              f"{r['peak_above_kb'] * 1024 / size:7.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
