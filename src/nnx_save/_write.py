@@ -6,7 +6,15 @@ at most one tensor beyond the caller's arrays. The file is written under a tempo
 name in the target's directory, fsynced, renamed over the target and the directory
 fsynced: a crash at any moment leaves either the previous file or the new one. The
 temporary file is created with mode 0o666 under the caller's umask, so the final
-file has the mode a plain ``open()`` would give it.
+file has the mode a plain ``open()`` would give it. Saving makes a new inode: when
+an existing file is replaced, its mode, owner and hard links are not carried over
+(the umask decides, as for a new file), unlike ``open(path, "w")`` on it.
+
+Temporary names carry the host name and the process id
+(``.<name>.nnx_save-tmp-<host>-<pid>-<random>``). A process killed mid-save
+(SIGKILL, OOM killer, power loss) cannot remove its temporary file, so the next
+save of the same target removes the ones whose process is dead on this host;
+those of other hosts (a shared filesystem) and of live processes are left alone.
 """
 
 from __future__ import annotations
@@ -15,7 +23,9 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import secrets
+import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +37,7 @@ from . import _checksum, _dtypes, _progress
 from ._errors import SaveError
 from ._header import encode_header
 
-__all__ = ["Entry", "atomic_file", "write_file", "host_bytes", "TMP_MARKER"]
+__all__ = ["Entry", "atomic_file", "write_file", "host_bytes", "TMP_MARKER", "temp_path", "remove_stale_temps"]
 
 TMP_MARKER = ".nnx_save-tmp-"
 log = logging.getLogger("nnx_save")
@@ -64,8 +74,54 @@ def _write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
             done += os.pwrite(fd, data[done:done + (1 << 30)], offset + done)
 
 
+def _host() -> str:
+    """This host's name, made safe for a file name (and cut to 64 characters)."""
+    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname())[:64] or "localhost"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    return True
+
+
+def remove_stale_temps(path: Path) -> list[str]:
+    """Remove temporary files of ``path`` left by dead processes of this host.
+
+    Only names this module makes for this very target are considered; a file whose
+    host is another, whose process is alive (or is this one), or whose name does
+    not parse is kept. Best effort: a failure to list or remove is ignored (the
+    save itself reports real I/O problems). Returns the names removed.
+    """
+    prefix, host, removed = f".{path.name}{TMP_MARKER}", _host(), []
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        parts = name[len(prefix):].rsplit("-", 2)
+        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(path.parent / name)
+            removed.append(name)
+            log.info("removed %s, left by process %d (dead) during an interrupted save", path.parent / name, pid)
+    return removed
+
+
 def temp_path(path: Path) -> Path:
-    return path.parent / f".{path.name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
+    """A fresh temporary name next to ``path``; first removes those of dead processes."""
+    remove_stale_temps(path)
+    return path.parent / f".{path.name}{TMP_MARKER}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def fsync_dir(directory: Path) -> None:
