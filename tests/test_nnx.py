@@ -496,3 +496,25 @@ def test_string_keyed_dict_saved_by_save_file_loads_into_nnx_list(path):
     nnx_save.save_file(tree, path)
     model, _ = load_quiet(lambda: poison(Stack(nnx.Rngs(1), 2)), path, strict=True)
     assert_same_state(snapshot(model), snapshot(source))
+
+
+def test_metadata_must_be_strings_and_not_reserved(path):
+    with pytest.raises(nnx_save.UnsupportedValueError, match=re.escape("metadata must map str to str")):
+        nnx_save.save_model(MLP(nnx.Rngs(0)), path, metadata={"epoch": 3})
+    with pytest.raises(nnx_save.UnsupportedValueError, match=re.escape(
+            "metadata keys ['nnx_save.scalars'] are reserved: the 'nnx_save.' prefix holds what load_model "
+            "needs to rebuild rng keys and scalars; use another name")):
+        nnx_save.save_model(MLP(nnx.Rngs(0)), path, metadata={"nnx_save.scalars": "{}"})
+
+
+def test_numpy_values_stay_on_the_host(path):
+    class HostState(nnx.Module):
+        def __init__(self, seed: int) -> None:
+            self.table = nnx.Variable(np.arange(seed, seed + 6, dtype=np.int32).reshape(2, 3))
+            self.scale = nnx.Variable(np.float32(seed + 0.5))
+
+    nnx_save.save_model(HostState(0), path)
+    target = HostState(7)
+    load_quiet(target, path, strict=True)
+    assert type(target.table.get_value()) is np.ndarray and type(target.scale.get_value()) is np.float32
+    assert target.table.get_value().tolist() == [[0, 1, 2], [3, 4, 5]] and target.scale.get_value() == 0.5

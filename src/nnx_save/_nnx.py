@@ -77,7 +77,15 @@ def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
 def _model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict) -> dict[str, str]:
     from . import __version__
 
-    out = dict(metadata or {})
+    metadata = dict(metadata or {})
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise UnsupportedValueError("metadata must map str to str", "__metadata__")
+    reserved = sorted(k for k in metadata if k.startswith("nnx_save."))
+    if reserved:
+        raise UnsupportedValueError(
+            f"metadata keys {reserved} are reserved: the 'nnx_save.' prefix holds what load_model "
+            "needs to rebuild rng keys and scalars; use another name", "__metadata__")
+    out = metadata
     out.setdefault("format", "nnx_save")
     out["nnx_save.version"] = __version__
     if rng:
@@ -206,6 +214,8 @@ def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
     kind = _scalar_kind(value)
     if kind is not None:
         return Target(key, (), _scalar_dtype(kind, header.tensors.get(key)), None, (key,))
+    if isinstance(value, (np.ndarray, np.generic)):  # a host array stays on the host
+        return Target(key, tuple(value.shape), value.dtype, None, (key,))
     sharding = _concrete(getattr(value, "sharding", None), mesh, key) or _default_sharding()
     if _is_key(value):
         impl = meta["rng"].get(key) or _impl_name(value)
@@ -220,6 +230,8 @@ def _finish(leaf: _Leaf, loaded: Any, meta: dict) -> Any:
     kind = _scalar_kind(leaf.value)
     if kind is not None:
         return _PY_SCALARS[kind](np.asarray(loaded).item())
+    if isinstance(leaf.value, np.generic):
+        return loaded[()]  # a numpy scalar, as declared
     if _is_key(leaf.value) and not _is_key(loaded):
         return jax.random.wrap_key_data(loaded, impl=meta["rng"].get(leaf.key) or _impl_name(leaf.value))
     return loaded
