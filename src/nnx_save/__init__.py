@@ -28,6 +28,7 @@ from ._header import TensorInfo as TensorInfo
 from ._load import OverReadWarning as OverReadWarning
 from ._nnx import load_model as load_model
 from ._nnx import save_model as save_model
+from ._pod import save_sharded as save_sharded
 from ._report import DtypeCast as DtypeCast
 from ._report import IOStats as IOStats
 from ._report import LoadReport as LoadReport

@@ -346,7 +346,10 @@ def load_targets(
                    open_reader=open_reader)
     options["verify"] = verify
     options["bar"] = _progress_bar(header, loadable, report, progress)
-    engine = _Engine(header, loadable, report, options)
+    engine_class = _Engine
+    if getattr(header, "pieces", None) is not None:  # a pod directory: pieces of tensors in shard files
+        from ._pod import PodEngine as engine_class
+    engine = engine_class(header, loadable, report, options)
     try:
         for fh in header.files:
             engine.run_file(fh.file)

@@ -186,6 +186,10 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         return _many([Path(p) for p in source], "list", "file list")
     path = Path(source)
     if path.is_dir():
+        if (path / "manifest.json").is_file():  # a pod directory (nnx_save.save_sharded)
+            from ._pod import read_pod
+
+            return read_pod(path)
         if (path / INDEX_NAME).is_file():
             return _index_header(path)
         found = sorted(path.glob("*.safetensors"))

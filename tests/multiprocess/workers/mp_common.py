@@ -4,6 +4,7 @@ every value, so a worker can check its shards without reading the file)."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import ml_dtypes
@@ -146,7 +147,8 @@ def run_load_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if job.get("host"):
             assert np.array_equal(loaded["host_table"], host_values()["host_table"])
         results.append({"rchar": read, "bytes_read": report.io.bytes_read, "bytes_needed": report.io.bytes_needed,
-                        "requests": report.io.requests, "checked": checked, "clean": report.clean})
+                        "requests": report.io.requests, "checked": checked, "clean": report.clean,
+                        "files": sorted(os.path.basename(f) for f in report.io.over_read_by_file)})
     return results
 
 
