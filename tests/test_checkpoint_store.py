@@ -335,6 +335,22 @@ def test_restore_refuses_another_format_and_another_producer_format(store):
         fresh.restore(2)
 
 
+@pytest.mark.parametrize(
+    ("record", "found"),
+    [
+        ({"format": "nnx_save.checkpoint.dtypes", "items": {"model": [["dense/kernel", "float32"]]}},
+         "a malformed dtype record \"{'format': 'nnx_save.checkpoint.dtypes', 'items': {'model': [['dense/kernel', 'float32']]}}\""),
+        ({"format": "nnx_save.checkpoint.dtypes", "items": {}}, "a dtype record without items ['model']"),
+        ({"format": "other", "items": {}}, "a malformed dtype record \"{'format': 'other', 'items': {}}\""),
+    ],
+)
+def test_restore_refuses_a_malformed_dtype_record(store, record, found):
+    store.save(1, {"model": model_tree()})
+    (store.directory / "1" / "nnx_save_dtypes" / "metadata").write_text(json.dumps(record))
+    with pytest.raises(UnsupportedCheckpointError, match=re.escape(f"step 1 in {store.directory} holds {found};")):
+        OrbaxCheckpointStore(store.directory).restore(1)
+
+
 def test_a_plain_orbax_checkpoint_is_another_format(tmp_path):
     with ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)) as manager:
         manager.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"w": jnp.ones(2)})))
@@ -461,6 +477,20 @@ def test_a_crash_during_overwrite_keeps_the_old_step(tmp_path):
         assert_same(store.restore(2).items["model"], model_tree(seed=2))
         assert_same(store.restore(4).items["model"], model_tree(seed=40))
     assert not list(directory.glob(".nnx_save-overwriting-*"))
+
+
+def test_a_failed_overwrite_keeps_the_old_step(store, monkeypatch):
+    store.save(3, {"model": model_tree(seed=3)})
+
+    def full_disk(self, step, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
+    with pytest.raises(OSError, match=re.escape("No space left on device")):
+        store.save(3, {"model": model_tree(seed=30)}, overwrite=True)
+    monkeypatch.undo()
+    assert store.list_steps() == [3] and not list(store.directory.glob(".nnx_save-overwriting-*"))
+    assert_same(OrbaxCheckpointStore(store.directory).restore(3).items["model"], model_tree(seed=3))
 
 
 # -- missing steps, delete, retention, best step --------------------------------------------

@@ -9,7 +9,7 @@ compares.
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -22,6 +22,8 @@ from ._tree import Path, Spec, flatten, segment, show
 __all__ = [
     "StepAlreadyExistsError",
     "make_manager",
+    "is_primary",
+    "on_primary",
     "save_args",
     "held_items",
     "stored_trees",
@@ -57,6 +59,18 @@ def make_manager(directory: pathlib.Path, max_to_keep: int | None, *, create: bo
         preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
     )
     return ocp.CheckpointManager(directory, options=options, handler_registry=_registry())
+
+
+def is_primary() -> bool:
+    """True on the process that makes directory-level changes (process 0)."""
+    return ocp.multihost.is_primary_host(0)
+
+
+def on_primary(name: str, action: Callable[[], object]) -> None:
+    """Run a directory-level change on process 0 only; every process waits for it."""
+    if is_primary():
+        action()
+    ocp.multihost.sync_global_processes(f"nnx_save:{name}")
 
 
 def save_args(items: Mapping[str, Any], metadata: dict[str, Any], dtypes: dict[str, Any]) -> ocp.args.Composite:

@@ -183,8 +183,10 @@ class OrbaxCheckpointStore:
 
     def _recover_overwrites(self) -> None:
         """Finish what a crash during ``save(..., overwrite=True)`` left behind."""
-        if not self._directory.is_dir():
-            return
+        if self._directory.is_dir():
+            _orbax.on_primary("recover_overwrites", self._recover_on_primary)
+
+    def _recover_on_primary(self) -> None:
         for aside in self._directory.glob(f"{_ASIDE_PREFIX}*"):
             step_dir = self._directory / aside.name.removeprefix(_ASIDE_PREFIX)
             if step_dir.exists():
@@ -323,16 +325,16 @@ class OrbaxCheckpointStore:
 
     def _replace(self, manager: Any, step: int, args: Any) -> None:
         step_dir, aside = self._step_path(step), self._directory / f"{_ASIDE_PREFIX}{step}"
-        step_dir.rename(aside)
+        _orbax.on_primary("set_aside", lambda: step_dir.rename(aside))
         manager.reload()
         try:
             manager.save(step, args=args, force=True)
         except BaseException:
-            if not step_dir.exists():
+            if _orbax.is_primary() and not step_dir.exists():
                 aside.rename(step_dir)
             manager.reload()
             raise
-        shutil.rmtree(aside)
+        _orbax.on_primary("drop_aside", lambda: shutil.rmtree(aside))
         manager.reload()  # Orbax appends the step last; re-read the sorted list
 
     # -- reading -----------------------------------------------------------------
@@ -432,7 +434,10 @@ class OrbaxCheckpointStore:
                 record = parse_dtype_record(_orbax.read_json(manager, step, DTYPES_ITEM))
             except UnsupportedCheckpointError as error:
                 raise UnsupportedCheckpointError(error.found, step=step, directory=self._directory) from None
-            return {name: record.get(name, {}) for name in stored}
+            absent = sorted(set(stored) - set(record))
+            if absent:
+                raise UnsupportedCheckpointError(f"a dtype record without items {absent}", step=step, directory=self._directory)
+            return {name: record[name] for name in stored}
         return {
             name: {path: spec.dtype for path, spec in _orbax.stored_specs(tree).items() if spec is not None}
             for name, tree in stored.items()

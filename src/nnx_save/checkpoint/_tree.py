@@ -148,7 +148,18 @@ def parse_dtype_record(data: Any) -> dict[str, dict[Path, str]]:
         UnsupportedCheckpointError: ``data`` is not a dtype record this version reads.
     """
     items = data.get("items") if isinstance(data, Mapping) and data.get("format") == DTYPES_FORMAT else None
-    try:
-        return {name: {tuple(map(str, path)): str(dtype) for path, dtype in pairs} for name, pairs in items.items()}
-    except (AttributeError, TypeError, ValueError):
-        raise UnsupportedCheckpointError(f"a malformed dtype record {str(data)[:200]!r}") from None
+    if not isinstance(items, Mapping) or not all(_is_pairs(pairs) for pairs in items.values()):
+        raise UnsupportedCheckpointError(f"a malformed dtype record {str(data)[:200]!r}")
+    return {name: {tuple(path): dtype for path, dtype in pairs} for name, pairs in items.items()}
+
+
+def _is_pairs(pairs: Any) -> bool:
+    """True for ``[[["path", "segments"], "dtype"], ...]``."""
+    return isinstance(pairs, list) and all(
+        isinstance(pair, list)
+        and len(pair) == 2
+        and isinstance(pair[0], list)
+        and all(isinstance(segment, str) for segment in pair[0])
+        and isinstance(pair[1], str)
+        for pair in pairs
+    )
