@@ -84,6 +84,8 @@ class Bar(NullBar):
             self.stream.flush()
 
     def line(self, now: float, width: int, final: bool = False) -> str:
+        """The bar as one line of at most ``width - 1`` characters: the bar itself,
+        then the rate, give way first on a narrow terminal."""
         elapsed = max(now - self.start, 1e-9)
         frac = min(self.done / self.total, 1.0) if self.total else 1.0
         rate = self.done / elapsed
@@ -93,19 +95,29 @@ class Bar(NullBar):
             tail = f"ETA {max(self.total - self.done, 0) / rate:.0f}s"
         else:
             tail = "ETA ?"
-        text = (f"{human_bytes(self.done)}/{human_bytes(self.total)}  {self.items}/{self.items_total} tensors  "
-                f"{human_bytes(rate)}/s  {tail}")
-        room = width - len(self.label) - len(text) - 9
-        cells = max(min(room, 30), 0)
+        head = f"{self.label} {frac * 100:3.0f}%"
+        amounts = f"{human_bytes(self.done)}/{human_bytes(self.total)}  {self.items}/{self.items_total} tensors"
+        limit = max(width - 1, 20)
+        text = f"{amounts}  {human_bytes(rate)}/s  {tail}"
+        if len(head) + len(text) + 1 > limit:
+            text = f"{amounts}  {tail}"
+        cells = min(limit - len(head) - len(text) - 4, 30)
+        if cells < 10:
+            return f"{head} {text}"[:limit]
         filled = int(frac * cells)
-        bar = f" |{'#' * filled}{' ' * (cells - filled)}|" if cells >= 5 else ""
-        return f"{self.label} {frac * 100:3.0f}%{bar} {text}"[:max(width - 1, 20)]
+        return f"{head} |{'#' * filled}{' ' * (cells - filled)}| {text}"
 
     def _draw(self, now: float, final: bool = False) -> None:
-        width = shutil.get_terminal_size((100, 24)).columns
-        self.stream.write("\r" + self.line(now, width, final) + "\x1b[K")
+        self.stream.write("\r" + self.line(now, _width(self.stream), final) + "\x1b[K")
         self.stream.flush()
         self._drawn = now
+
+
+def _width(stream: IO[str]) -> int:
+    try:  # the terminal being drawn on, not whatever stdout is
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+        return shutil.get_terminal_size((100, 24)).columns
 
 
 def bar(label: str, total_bytes: int, total_items: int, progress: bool | None,

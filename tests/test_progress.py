@@ -1,0 +1,128 @@
+"""Progress bars: on a terminal only, above the size threshold or when asked; checked
+in a real terminal under tmux (the captured screen is docs/progress.txt)."""
+
+import io
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nnx_save
+from nnx_save import _progress
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "progress.txt"
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_bar_only_on_a_tty_and_when_asked():
+    tty, pipe = FakeTTY(), io.StringIO()
+    assert not _progress.bar("x", 10 << 30, 1, None, pipe).active  # a pipe never gets one
+    assert not _progress.bar("x", 10 << 30, 1, False, tty).active
+    assert not _progress.bar("x", _progress.MIN_BYTES - 1, 1, None, tty).active  # small: automatic says no
+    assert _progress.bar("x", _progress.MIN_BYTES, 1, None, tty).active
+    assert _progress.bar("x", 1, 1, True, tty).active
+    assert tty.getvalue().count("\r") == 2 and pipe.getvalue() == ""
+
+
+def test_bar_line_shows_bytes_tensors_rate_and_eta():
+    bar = _progress.Bar("loading m.safetensors", 4 << 20, 8, FakeTTY())
+    bar.start = 0.0
+    bar.done, bar.items = 1 << 20, 2
+    line = bar.line(1.0, 120)
+    assert line == ("loading m.safetensors  25% |#######                       | 1.0 MiB/4.0 MiB  2/8 tensors  "
+                    "1.0 MiB/s  ETA 3s")
+    assert bar.line(2.0, 120, final=True).endswith("| 1.0 MiB/4.0 MiB  2/8 tensors  512.0 KiB/s  in 2.0s")
+    assert bar.line(1.0, 90) == "loading m.safetensors  25% |###         | 1.0 MiB/4.0 MiB  2/8 tensors  1.0 MiB/s  ETA 3s"
+    assert bar.line(1.0, 70) == "loading m.safetensors  25% 1.0 MiB/4.0 MiB  2/8 tensors  ETA 3s"  # bar and rate give way
+    assert bar.line(1.0, 50) == "loading m.safetensors  25% 1.0 MiB/4.0 MiB  2/8 t"  # never wraps
+
+
+def test_save_and_load_draw_on_a_tty(monkeypatch, tmp_path):
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    path = tmp_path / "w.safetensors"
+    tree = {"a": np.ones((64, 64), np.float32), "b": np.zeros(16, np.int8)}
+    nnx_save.save_file(tree, path, progress=True)
+    assert re.search(r"\rsaving w\.safetensors 100% \|#+\| 16\.0 KiB/16\.0 KiB  2/2 tensors  .* in \d+\.\ds\x1b\[K\n$",
+                     tty.getvalue())
+    tty.seek(0), tty.truncate()
+    nnx_save.load_file(path, progress=True)
+    assert re.search(r"\rloading w\.safetensors 100% \|#+\| 16\.0 KiB/16\.0 KiB  2/2 tensors", tty.getvalue())
+    tty.seek(0), tty.truncate()
+    nnx_save.load_file(path, progress=False)
+    nnx_save.save_file(tree, path, progress=False)
+    nnx_save.load_file(path)  # automatic: 16 KiB is under the threshold
+    assert tty.getvalue() == ""
+
+
+def test_nothing_on_a_pipe_and_diagnostics_through_the_logger(capsys, caplog, tmp_path):
+    path = tmp_path / "w.safetensors"
+    with caplog.at_level(logging.DEBUG, logger="nnx_save"):
+        nnx_save.save_file({"a": np.ones(4, np.float32)}, path, progress=True)
+        nnx_save.load_file(path, progress=True)
+    assert capsys.readouterr() == ("", "")
+    messages = [r.getMessage() for r in caplog.records if r.name == "nnx_save"]
+    assert any(m.startswith(f"saved {path}: 1 tensors, 16 bytes in ") for m in messages)
+    assert any(m.startswith(f"loaded 1 tensors from {path}") for m in messages)
+
+
+def test_sharded_load_counts_only_this_process_bytes(monkeypatch, tmp_path):
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file({"w": np.ones((8, 256), np.float32)}, path)
+    mesh = jax.make_mesh((8,), ("x",))
+    abstract = {"w": jax.ShapeDtypeStruct((8, 256), np.float32, sharding=NamedSharding(mesh, P("x")))}
+    nnx_save.load_file(path, abstract, progress=True)
+    assert "8.0 KiB/8.0 KiB  1/1 tensors" in tty.getvalue()
+
+
+SCRIPT = """
+import numpy as np, nnx_save
+tree = {f"layers.{i}.w": np.full((1024, 1024), i, np.float32) for i in range(24)}
+nnx_save.save_file(tree, "model.safetensors")
+nnx_save.load_file("model.safetensors")
+print("DONE")
+"""
+
+
+@pytest.mark.slow  # a terminal, a fresh process importing jax, 96 MiB written and read
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_real_terminal_under_tmux(tmp_path):
+    (tmp_path / "demo.py").write_text(textwrap.dedent(SCRIPT))
+    session = f"nnx-save-{uuid.uuid4().hex[:8]}"
+    env = f"JAX_PLATFORMS=cpu NNX_SAVE_PROGRESS_MIN_BYTES={64 << 20}"
+    command = f"cd {tmp_path} && {env} {sys.executable} demo.py; sleep 60"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "110", "-y", "12", command], check=True)
+    try:
+        deadline, screen = time.monotonic() + 180, ""
+        while time.monotonic() < deadline and "DONE" not in screen:
+            time.sleep(0.5)
+            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True, check=True).stdout
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+    lines = [ln for ln in screen.splitlines() if ln.strip()]
+    assert lines[-1] == "DONE", screen
+    assert re.fullmatch(r"saving model\.safetensors 100% \|#+\| 96\.0 MiB/96\.0 MiB  24/24 tensors  "
+                        r"[\d.]+ [KMG]iB/s  in [\d.]+s", lines[0]), screen
+    assert re.fullmatch(r"loading model\.safetensors 100% \|#+\| 96\.0 MiB/96\.0 MiB  24/24 tensors  "
+                        r"[\d.]+ [KMG]iB/s  in [\d.]+s", lines[1]), screen
+    if os.environ.get("NNX_SAVE_UPDATE_DOCS"):
+        DOCS.write_text("\n".join(lines) + "\n")
