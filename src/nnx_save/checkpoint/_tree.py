@@ -23,7 +23,9 @@ from ._format import DTYPES_FORMAT, ITEM_NAMES
 __all__ = [
     "Path",
     "Spec",
+    "segment",
     "flatten",
+    "is_array",
     "leaf_spec",
     "show",
     "check_item",
