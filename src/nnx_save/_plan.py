@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Request", "FilePlan", "box_runs", "plan_file", "PAGE_GAP", "AUTO_MAX_READS"]
+__all__ = ["Request", "FilePlan", "box_runs", "plan_file", "over_read_by_range", "PAGE_GAP", "AUTO_MAX_READS"]
 
 PAGE_GAP = 4096  # gaps below a page are always read through: cheaper than another request
 AUTO_MAX_READS = 1024  # the automatic ratio keeps exact reads while they stay this few
@@ -37,6 +37,39 @@ class Request:
     box: Box
 
 
+def _geometry(shape: Sequence[int], itemsize: int, box: Box, base: int):
+    """``(first offset, run length, outer)`` of a box, or None when it is empty.
+
+    ``outer`` lists ``(start, stop, byte stride)`` of the dimensions before the
+    first one the runs are cut on; the runs are the C-order grid over them.
+    """
+    k, stride = len(shape) - 1, itemsize
+    while k >= 0 and box[k] == (0, shape[k]):  # trailing dimensions read whole
+        stride *= shape[k]
+        k -= 1
+    if k < 0:
+        return (base, stride, []) if stride else None
+    lo, hi = box[k]
+    if hi <= lo or not stride:
+        return None
+    first, length, outer = base + lo * stride, (hi - lo) * stride, []
+    for d in range(k - 1, -1, -1):
+        stride *= shape[d + 1]
+        lo, hi = box[d]
+        if hi <= lo:
+            return None
+        first += lo * stride
+        outer.append((hi - lo, stride))
+    return first, length, outer[::-1]
+
+
+def _grid(first: int, outer: list[tuple[int, int]]) -> np.ndarray:
+    offsets = np.array([first], np.int64)
+    for count, stride in outer:
+        offsets = (offsets[:, None] + np.arange(count, dtype=np.int64) * stride).reshape(-1)
+    return offsets
+
+
 def box_runs(shape: Sequence[int], itemsize: int, box: Box, base: int = 0) -> tuple[np.ndarray, int]:
     """File offsets of the contiguous runs that make up ``box``, and the run length.
 
@@ -48,21 +81,11 @@ def box_runs(shape: Sequence[int], itemsize: int, box: Box, base: int = 0) -> tu
         >>> offsets.tolist(), length
         ([12, 36, 60, 84], 12)
     """
-    extents = [hi - lo for lo, hi in box]
-    if any(e == 0 for e in extents):
+    g = _geometry(tuple(shape), itemsize, tuple(box), base)
+    if g is None:
         return np.empty(0, np.int64), 0
-    strides = [itemsize * math.prod(shape[d + 1:]) for d in range(len(shape))]
-    k = len(shape) - 1
-    while k >= 0 and box[k] == (0, shape[k]):
-        k -= 1
-    if k < 0:  # the whole tensor
-        return np.array([base], np.int64), itemsize * math.prod(shape)
-    length = extents[k] * strides[k]
-    offsets = np.array(base + box[k][0] * strides[k], np.int64).reshape((1,) * k)
-    for d in range(k):
-        axis = np.arange(box[d][0], box[d][1], dtype=np.int64) * strides[d]
-        offsets = offsets + axis.reshape((1,) * d + (-1,) + (1,) * (k - d - 1))
-    return offsets.reshape(-1), length
+    first, length, outer = g
+    return _grid(first, outer), length
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,18 +128,42 @@ class FilePlan:
 
 
 def _gather_runs(requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
-    parts = []
+    """Every run of every request, sorted by file offset: offset, length, dest, dest_offset.
+
+    A box read in one run (a leading-dimension split, a whole tensor) costs no numpy
+    call; the strided ones build their grid in one broadcast each.
+    """
+    firsts, lengths, dests, counts, grids = [], [], [], [], []
     for r in requests:
-        offsets, length = box_runs(r.shape, r.itemsize, r.box, r.base)
-        if len(offsets):
-            n = len(offsets)
-            parts.append((offsets, np.full(n, length, np.int64), np.full(n, r.dest, np.int64),
-                          np.arange(n, dtype=np.int64) * length))
-    if not parts:
+        g = _geometry(r.shape, r.itemsize, r.box, r.base)
+        if g is None:
+            continue
+        first, length, outer = g
+        firsts.append(first)
+        lengths.append(length)
+        dests.append(r.dest)
+        counts.append(math.prod(c for c, _ in outer))
+        if outer:
+            grids.append((len(firsts) - 1, _grid(first, outer)))
+    if not firsts:
         return tuple(np.empty(0, np.int64) for _ in range(4))
-    cols = [np.concatenate([p[i] for p in parts]) for i in range(4)]
-    order = np.argsort(cols[0], kind="stable")
-    return tuple(c[order] for c in cols)
+    count = np.array(counts, np.int64)
+    start = np.cumsum(count) - count
+    if grids:
+        offset = np.repeat(np.array(firsts, np.int64), count)
+        for i, grid in grids:
+            offset[start[i]:start[i] + len(grid)] = grid
+    else:
+        offset = np.array(firsts, np.int64)
+    order = None if (offset[1:] >= offset[:-1]).all() else np.argsort(offset, kind="stable")
+    rid = np.repeat(np.arange(len(count)), count)
+    if order is not None:
+        offset, rid = offset[order], rid[order]
+        index = order - start[rid]  # the run's place in its request's C order
+    else:
+        index = np.arange(len(offset), dtype=np.int64) - start[rid]
+    length = np.array(lengths, np.int64)[rid]
+    return offset, length, np.array(dests, np.int64)[rid], index * length
 
 
 def _page_blocks(offset: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -136,6 +183,8 @@ def _merge_under_ratio(start: np.ndarray, end: np.ndarray, need: np.ndarray, rat
     total_span, total_need = int(end[-1] - start[0]), int(need.sum())
     if ratio * total_need >= total_span:  # everything fits under the cap: one block
         return start[:1], end[-1:]
+    if ratio <= 1.0:  # page blocks are separated by gaps: none can merge
+        return start, end
     out_s, out_e = [int(start[0])], [int(end[0])]
     cur_need = int(need[0])
     for s, e, n in zip(start[1:].tolist(), end[1:].tolist(), need[1:].tolist()):
@@ -156,20 +205,25 @@ def _chunk_bounds(start: np.ndarray, end: np.ndarray, chunk: int) -> tuple[np.nd
 
 
 def _split_at(cuts: np.ndarray, offset, length, dest, dest_offset):
-    """Split runs at every cut strictly inside them, so each piece lies in one chunk."""
-    end = offset + length
-    i0 = np.searchsorted(cuts, offset, "right")
-    i1 = np.searchsorted(cuts, end, "left")
-    pieces = np.maximum(i1 - i0, 0) + 1
-    if (pieces == 1).all():
+    """Split runs at every cut strictly inside them, so each piece lies in one chunk.
+
+    Only the runs a cut falls in are touched (at most one per cut): the rest is one
+    ``np.insert`` per column.
+    """
+    j = np.searchsorted(offset, cuts, "right") - 1  # the run starting at or before each cut
+    inside = (j >= 0) & (cuts < offset[np.maximum(j, 0)] + length[np.maximum(j, 0)])
+    inside &= offset[np.maximum(j, 0)] < cuts
+    cuts, j = cuts[inside], j[inside]
+    if not len(cuts):
         return offset, length, dest, dest_offset
-    run = np.repeat(np.arange(len(offset)), pieces)
-    j = np.arange(pieces.sum()) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    lo_cut = cuts[np.clip(i0[run] + j - 1, 0, max(len(cuts) - 1, 0))]
-    p_start = np.where(j == 0, offset[run], lo_cut)
-    hi_cut = cuts[np.clip(i0[run] + j, 0, max(len(cuts) - 1, 0))]
-    p_end = np.where(j == pieces[run] - 1, end[run], hi_cut)
-    return p_start, p_end - p_start, dest[run], dest_offset[run] + (p_start - offset[run])
+    same_run_next = np.append(j[1:] == j[:-1], False)
+    piece_end = np.where(same_run_next, np.append(cuts[1:], 0), offset[j] + length[j])
+    first = np.append(True, j[1:] != j[:-1])
+    length = length.copy()
+    length[j[first]] = cuts[first] - offset[j[first]]  # each cut run's first piece ends at its first cut
+    at = j + 1  # pieces go right after their run, in cut order
+    return (np.insert(offset, at, cuts), np.insert(length, at, piece_end - cuts),
+            np.insert(dest, at, dest[j]), np.insert(dest_offset, at, dest_offset[j] + (cuts - offset[j])))
 
 
 def auto_ratio(page_starts: np.ndarray, page_ends: np.ndarray, needed: int) -> float:
@@ -180,6 +234,29 @@ def auto_ratio(page_starts: np.ndarray, page_ends: np.ndarray, needed: int) -> f
     return float(page_ends[-1] - page_starts[0]) / needed
 
 
+def _disjoint_layers(requests: Sequence[Request]) -> list[list[Request]]:
+    """Requests in groups whose boxes never overlap (two targets made from one tensor
+    with different shardings, or a tensor wanted both sharded and whole). Each group
+    is planned on its own: one sequential read cannot fill two places at once."""
+    layers: list[list[Request]] = []
+    seen: dict[tuple, list[list[Box]]] = {}  # tensor -> boxes per layer
+    for r in requests:
+        per_layer = seen.setdefault((r.base, r.shape, r.itemsize), [])
+        k = next((i for i, boxes in enumerate(per_layer) if not any(_intersect(r.box, b) for b in boxes)),
+                 len(per_layer))
+        if k == len(per_layer):
+            per_layer.append([])
+        per_layer[k].append(r.box)
+        if k == len(layers):
+            layers.append([])
+        layers[k].append(r)
+    return layers
+
+
+def _intersect(a: Box, b: Box) -> bool:
+    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))
+
+
 def plan_file(
     requests: Sequence[Request],
     *,
@@ -187,6 +264,13 @@ def plan_file(
     chunk_bytes: int = 128 << 20,
 ) -> FilePlan:
     """Plan every read of one file.
+
+    Runs are sorted by offset; runs separated by less than :data:`PAGE_GAP` bytes
+    always share a read; beyond that, neighbouring blocks merge while (block span /
+    needed bytes) stays within ``max_over_read_ratio``. Blocks are cut into chunks
+    of at most ``chunk_bytes``, each trimmed to the runs it holds. Requests whose
+    boxes overlap are planned in separate passes (see :func:`_disjoint_layers`);
+    each chunk's runs are sorted and disjoint.
 
     Args:
         requests: the destinations to fill from this file.
@@ -197,17 +281,30 @@ def plan_file(
     Returns:
         A :class:`FilePlan`.
 
+    Raises:
+        ValueError: ``max_over_read_ratio`` below 1 or ``chunk_bytes`` not positive.
+
     Examples:
         >>> reqs = [Request(0, 100, (4, 6), 4, ((0, 4), (0, 3))), Request(1, 100, (4, 6), 4, ((0, 4), (3, 6)))]
         >>> p = plan_file(reqs)
         >>> p.needed_bytes, p.read_bytes, p.num_chunks
         (96, 96, 1)
     """
-    if max_over_read_ratio is not None and max_over_read_ratio < 1.0:
+    if max_over_read_ratio is not None and not max_over_read_ratio >= 1.0:
         raise ValueError(f"max_over_read_ratio must be >= 1.0, got {max_over_read_ratio}")
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    offset, length, dest, dest_offset = _gather_runs(requests)
+    runs = _gather_runs(requests)
+    offset, length = runs[0], runs[1]
+    if len(offset) > 1 and (offset[1:] < offset[:-1] + length[:-1]).any():
+        return _concat([_plan_runs(_gather_runs(layer), max_over_read_ratio, chunk_bytes)
+                        for layer in _disjoint_layers(requests)])
+    return _plan_runs(runs, max_over_read_ratio, chunk_bytes)
+
+
+def _plan_runs(runs: tuple[np.ndarray, ...], max_over_read_ratio: float | None, chunk_bytes: int) -> FilePlan:
+    """Plan sorted, disjoint runs."""
+    offset, length, dest, dest_offset = runs
     if len(offset) == 0:
         empty = np.empty(0, np.int64)
         return FilePlan(offset, length, dest, dest_offset, empty, empty, empty, empty, 1.0, 0)
@@ -218,4 +315,51 @@ def plan_file(
     offset, length, dest, dest_offset = _split_at(cs[1:], offset, length, dest, dest_offset)
     lo = np.searchsorted(offset, cs, "left")
     hi = np.searchsorted(offset, ce, "left")
-    return FilePlan(offset, length, dest, dest_offset, cs, ce, lo, hi, ratio, len(ps))
+    keep = hi > lo  # a chunk cut from the middle of a merged gap holds no run: skip it
+    lo, hi = lo[keep], hi[keep]
+    end = offset + length  # and trim each chunk to its runs: its edges would be gap only
+    return FilePlan(offset, length, dest, dest_offset, offset[lo], end[hi - 1], lo, hi, ratio, len(ps))
+
+
+def _concat(plans: list[FilePlan]) -> FilePlan:
+    shift = np.cumsum([0] + [len(p.offset) for p in plans[:-1]])
+    cols = [np.concatenate([getattr(p, f) for p in plans]) for f in ("offset", "length", "dest", "dest_offset",
+                                                                      "chunk_start", "chunk_end")]
+    lo = np.concatenate([p.chunk_lo + k for p, k in zip(plans, shift)])
+    hi = np.concatenate([p.chunk_hi + k for p, k in zip(plans, shift)])
+    return FilePlan(*cols[:4], cols[4], cols[5], lo, hi, max(p.ratio for p in plans),
+                    sum(p.page_blocks for p in plans))
+
+
+def _covered_below(start: np.ndarray, stop: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """For each ``x``: bytes of the intervals ``[start, stop)`` below ``x`` (a byte
+    in two intervals counts twice). Vectorised: ``sum(clip(x - start, 0, stop - start))``."""
+    by_start, by_stop = np.argsort(start), np.argsort(stop)
+    s_sorted, e_sorted = start[by_start], stop[by_stop]
+    sum_s = np.concatenate([[0], np.cumsum(s_sorted)])
+    sum_len_done = np.concatenate([[0], np.cumsum((stop - start)[by_stop])])
+    sum_s_done = np.concatenate([[0], np.cumsum(start[by_stop])])
+    begun = np.searchsorted(s_sorted, x, "right")
+    done = np.searchsorted(e_sorted, x, "right")
+    open_ = begun - done  # intervals with start <= x < stop
+    return sum_len_done[done] + x * open_ - (sum_s[begun] - sum_s_done[done])
+
+
+def over_read_by_range(plan: FilePlan, begin: np.ndarray, end: np.ndarray) -> np.ndarray:
+    """Bytes read inside each file range ``[begin[i], end[i])`` that no run needed.
+
+    Ranges are typically tensors: the result says which tensors' bytes were read
+    through to keep the request count down.
+
+    Examples:
+        >>> p = plan_file([Request(0, 0, (4, 1024), 1, ((0, 4), (0, 8)))])  # 4 runs of 8 bytes, 1016 apart
+        >>> over_read_by_range(p, np.array([0, 4096]), np.array([4096, 8192])).tolist()
+        [3048, 0]
+    """
+    begin, end = np.asarray(begin, np.int64), np.asarray(end, np.int64)
+    if not plan.num_chunks:
+        return np.zeros(len(begin), np.int64)
+    read = _covered_below(plan.chunk_start, plan.chunk_end, end) - _covered_below(plan.chunk_start, plan.chunk_end, begin)
+    run_end = plan.offset + plan.length
+    need = _covered_below(plan.offset, run_end, end) - _covered_below(plan.offset, run_end, begin)
+    return read - need
