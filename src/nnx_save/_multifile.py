@@ -1,8 +1,12 @@
 """HuggingFace multi-file checkpoints: ``model-0000i-of-0000n.safetensors`` files
 plus ``model.safetensors.index.json`` (``metadata.total_size`` and ``weight_map``).
 
-Each file is written atomically, the index last, so a reader never sees an index
-naming a file that is not complete.
+Every file is first written complete and fsynced under a temporary name; only then
+are they renamed into place, the index last. A failure while writing (a full disk,
+an error in a value) leaves the previous checkpoint exactly as it was and no
+temporary file. A crash during the final renames (no data is written then) can
+leave some files new and some old; a reader never sees an index naming a file that
+is not complete.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 
 from . import _dtypes
 from ._sources import INDEX_NAME
-from ._write import Entry, atomic_file, order_entries, write_file
+from ._write import Entry, _write_all, atomic_file, commit_staged, discard_staged, order_entries, write_file
 
 __all__ = ["write_sharded", "shard_groups"]
 
@@ -56,12 +60,18 @@ def write_sharded(
     directory.mkdir(parents=True, exist_ok=True)
     groups = shard_groups(order_entries(entries), max_shard_size)
     weight_map: dict[str, str] = {}
-    for i, group in enumerate(groups, 1):
-        name = f"{prefix}.safetensors" if len(groups) == 1 else f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors"
-        write_file(directory / name, group, metadata)
-        weight_map.update({e.key: name for e in group})
-    index = {"metadata": {"total_size": sum(_nbytes(e) for e in entries)},
-             "weight_map": dict(sorted(weight_map.items()))}
-    with atomic_file(directory / f"{prefix}.safetensors.index.json") as fd:
-        os.write(fd, json.dumps(index, indent=2).encode() + b"\n")
+    staged: list = []
+    try:
+        for i, group in enumerate(groups, 1):
+            name = f"{prefix}.safetensors" if len(groups) == 1 else f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors"
+            write_file(directory / name, group, metadata, staged=staged)
+            weight_map.update({e.key: name for e in group})
+        index = {"metadata": {"total_size": sum(_nbytes(e) for e in entries)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        with atomic_file(directory / f"{prefix}.safetensors.index.json", staged=staged) as fd:
+            _write_all(fd, memoryview(json.dumps(index, indent=2).encode() + b"\n"))
+    except BaseException:
+        discard_staged(staged)
+        raise
+    commit_staged(staged)  # the index last
     return directory / INDEX_NAME

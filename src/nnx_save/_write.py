@@ -37,7 +37,8 @@ from . import _checksum, _dtypes, _progress
 from ._errors import SaveError
 from ._header import encode_header
 
-__all__ = ["Entry", "atomic_file", "write_file", "host_bytes", "TMP_MARKER", "temp_path", "remove_stale_temps"]
+__all__ = ["Entry", "atomic_file", "write_file", "host_bytes", "TMP_MARKER", "temp_path", "remove_stale_temps",
+           "commit_staged", "discard_staged"]
 
 TMP_MARKER = ".nnx_save-tmp-"
 log = logging.getLogger("nnx_save")
@@ -133,11 +134,14 @@ def fsync_dir(directory: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str | os.PathLike) -> Iterator[int]:
+def atomic_file(path: str | os.PathLike, *, staged: list[tuple[Path, Path]] | None = None) -> Iterator[int]:
     """Yield a file descriptor whose content replaces ``path`` atomically on success.
 
     On any failure the temporary file is removed, the previous file at ``path`` is
     untouched, and an ``OSError`` becomes a :class:`SaveError` naming ``path``.
+    With ``staged`` (a list), the complete, fsynced temporary file is not renamed:
+    ``(temporary, path)`` is appended for :func:`commit_staged` (several files that
+    must appear together) or :func:`discard_staged`.
     """
     path = Path(path)
     tmp = temp_path(path)
@@ -151,15 +155,48 @@ def atomic_file(path: str | os.PathLike) -> Iterator[int]:
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        if staged is None:
+            os.replace(tmp, path)
     except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(e, OSError) and not isinstance(e, SaveError):
-            what = "no space left on the device" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else e.strerror
-            raise SaveError(f"{path}: save failed ({what}); the previous file, if any, is intact", str(path)) from e
+            raise _save_error(path, e) from e
         raise
-    fsync_dir(path.parent)
+    if staged is None:
+        fsync_dir(path.parent)
+    else:
+        staged.append((tmp, path))
+
+
+def _save_error(path: Path, e: OSError) -> SaveError:
+    what = "no space left on the device" if e.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else e.strerror
+    return SaveError(f"{path}: save failed ({what}); the previous file, if any, is intact", str(path))
+
+
+def discard_staged(staged: list[tuple[Path, Path]]) -> None:
+    """Remove staged temporary files (a save of several files failed)."""
+    for tmp, _ in staged:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def commit_staged(staged: list[tuple[Path, Path]]) -> None:
+    """Rename staged files over their targets, in order, then fsync their directories.
+
+    Only renames remain by then, so a crash can interleave old and new files only
+    within this loop (no data is written during it); the caller puts the file that
+    commits the whole (an index) last.
+    """
+    for i, (tmp, path) in enumerate(staged):
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            discard_staged(staged[i:])
+            raise SaveError(f"{path}: could not rename the complete file into place ({e.strerror}); "
+                            f"{i} of the {len(staged)} files of this save were already replaced", str(path)) from e
+    for directory in dict.fromkeys(path.parent for _, path in staged):
+        fsync_dir(directory)
 
 
 def order_entries(entries: Sequence[Entry]) -> list[Entry]:
@@ -167,8 +204,10 @@ def order_entries(entries: Sequence[Entry]) -> list[Entry]:
     return sorted(entries, key=lambda e: (-_dtypes.RANK[e.code], e.key))
 
 
-def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``entries`` as one safetensors file at ``path``, atomically.
+def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None = None,
+               *, staged: list[tuple[Path, Path]] | None = None) -> None:
+    """Write ``entries`` as one safetensors file at ``path``, atomically
+    (or staged, see :func:`atomic_file`).
 
     Each tensor is hashed as it is written; the header, encoded first with
     fixed-width placeholder digests, is rewritten in place (same length) with the
@@ -182,7 +221,7 @@ def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapp
     bar = _progress.bar(f"saving {Path(path).name}", total, len(entries), _progress.save_setting())
     t0 = time.perf_counter()
     try:
-        with atomic_file(path) as fd:
+        with atomic_file(path, staged=staged) as fd:
             _write_all(fd, memoryview(head))
             for e, (begin, end) in zip(entries, offsets):
                 data = host_bytes(e.value(), e.code)
