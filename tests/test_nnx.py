@@ -463,6 +463,18 @@ def test_none_value_is_refused_at_save_with_its_path(path):
         nnx_save.save_model(Holds(None), path)
 
 
+@pytest.mark.parametrize("via", ["instance", "builder"])
+def test_none_value_is_refused_at_load_unless_filtered(via, path):
+    nnx_save.save_model(Holds(1), path, filter=nnx.Param)
+    target = Holds(None) if via == "instance" else (lambda: Holds(None))
+    with pytest.raises(nnx_save.UnsupportedValueError, match=re.escape(
+            "inner/tag: the model holds None; safetensors stores arrays and numbers only. "
+            "Keep such values out of nnx.Variable, or pass filter= to skip them")):
+        nnx_save.load_model(target, path)
+    model, report = load_quiet(target, path, filter=nnx.Param)
+    assert model.inner["tag"].get_value() is None and report.clean
+
+
 def test_failed_save_writes_nothing(path):
     with pytest.raises(nnx_save.UnsupportedValueError):
         nnx_save.save_model(Holds("x"), path)

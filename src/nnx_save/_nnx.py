@@ -57,13 +57,18 @@ def _scalar_kind(value: Any) -> str | None:
     return None
 
 
-def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
-    key = _paths.to_key(path)
+def _refuse_unstorable(key: str, value: Any) -> None:
+    """Strings and ``None`` have no tensor form: refused, on save and on load alike."""
     if value is None or isinstance(value, (str, bytes)):
         what = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
         raise UnsupportedValueError(
             f"{key}: the model holds {what}; safetensors stores arrays and numbers only. "
             "Keep such values out of nnx.Variable, or pass filter= to skip them", key)
+
+
+def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
+    key = _paths.to_key(path)
+    _refuse_unstorable(key, value)
     kind = _scalar_kind(value)
     if kind is not None:
         scalars[key] = kind
@@ -211,6 +216,7 @@ def _scalar_dtype(kind: str, info: Any) -> np.dtype:
 
 def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
     value, key = leaf.value, leaf.key
+    _refuse_unstorable(key, value)
     kind = _scalar_kind(value)
     if kind is not None:
         return Target(key, (), _scalar_dtype(kind, header.tensors.get(key)), None, (key,))
