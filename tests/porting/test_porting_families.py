@@ -7,6 +7,7 @@ Each HF model is built offline from a config with a fixed seed and written with
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import nnx_save
 from examples.models import gpt2, llama, vit
 from nnx_save.porting import Rules, coverage, shapes_of
 from porting_support import abstract, fill, max_abs_diff, model_arrays, model_shapes, read_checkpoint, save_hf
@@ -23,6 +25,19 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 TOLERANCE = 1e-4  # max |ours - torch| <= TOLERANCE * max |torch logits|, fp32
+INIT = 0.2  # initializer_range: large enough that a subtly wrong port (RoPE base x2) fails
+
+
+FORWARD = nnx.jit(lambda model, x: model(x))  # one compile per family and input shape
+
+
+def _perturbed(model: Any) -> Any:
+    """Every param nudged off its init, so that norm weights (all ones) and biases
+    (all zeros) tell apart and a swapped or skipped one shows in the logits."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn_like(param))
+    return model.eval()
 
 
 @dataclass(frozen=True)
@@ -48,21 +63,22 @@ def _lm_logits(hf: Any, ids: np.ndarray) -> Any:
 
 def _gpt2() -> Any:
     cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+                                  bos_token_id=0, eos_token_id=0, initializer_range=INIT, attn_implementation="eager")
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def _llama() -> Any:
     cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="eager")
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0, initializer_range=INIT,
+                                   attn_implementation="eager")
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _vit() -> Any:
     cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
                                  num_attention_heads=4, intermediate_size=48, num_labels=5,
-                                 attn_implementation="eager")
+                                 initializer_range=INIT, attn_implementation="eager")
     return transformers.ViTForImageClassification(cfg)
 
 
@@ -92,21 +108,21 @@ class Ported:
     torch_logits: np.ndarray
     abstract: nnx.Module
     forward: Callable
+    hf_type: type
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def ported(request, tmp_path_factory) -> Ported:
     family = FAMILIES[request.param]
     torch.manual_seed(0)
-    hf = family.hf().eval()
+    hf = _perturbed(family.hf())
     dirs = save_hf(hf, tmp_path_factory.mktemp(family.name))
     inputs = family.inputs(np.random.default_rng(0))
     with torch.no_grad():
         logits = family.to_torch(hf, inputs).numpy()
     files = {layout: read_checkpoint(d) for layout, d in dirs.items()}
     model = abstract(lambda: family.nnx_model(hf.config))
-    forward = nnx.jit(lambda m, x: m(x))
-    return Ported(family, dirs, files, inputs, logits, model, forward)
+    return Ported(family, dirs, files, inputs, logits, model, FORWARD, type(hf))
 
 
 def _port(p: Ported, tensors: dict) -> tuple[nnx.Module, Any]:
@@ -153,3 +169,52 @@ def test_export_gives_back_the_file_tensors_exactly(ported: Ported) -> None:
     assert sorted(exported) == sorted(tensors)
     for key, value in tensors.items():
         assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
+
+
+def test_load_model_and_save_model_with_rules_round_trip_through_transformers(ported: Ported, tmp_path) -> None:
+    """The engine path: ``load_model(rules=RULES)`` from the multi-file checkpoint,
+    ``save_model(rules=RULES.inverse())``, then transformers itself reads the export."""
+    family = ported.family
+    builder = lambda: family.nnx_model(_hf_config(ported))  # noqa: E731
+    model, report = nnx_save.load_model(builder, ported.dirs["sharded"], rules=family.rules, strict=True)
+    assert report.clean
+    # Bit for bit the values test_port_matches_torch_logits checks against torch (no
+    # second compile: the engine's arrays are committed to a device, fill's are not).
+    tensors = ported.files["single"]
+    expected = family.rules.plan(shapes_of(tensors)).apply(tensors)
+    loaded = model_arrays(model)
+    assert sorted(loaded) == sorted(expected)
+    assert all(np.array_equal(loaded[k], expected[k]) for k in expected)
+    nnx_save.save_model(model, tmp_path / "model.safetensors", rules=family.rules.inverse())
+    exported = read_checkpoint(tmp_path / "model.safetensors")
+    original = ported.files["single"]
+    assert sorted(exported) == sorted(original)
+    assert all(np.array_equal(exported[k], original[k]) for k in original)
+    shutil.copy(ported.dirs["single"] / "config.json", tmp_path / "config.json")
+    hf = ported.hf_type.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    with torch.no_grad():
+        np.testing.assert_array_equal(family.to_torch(hf, ported.inputs).numpy(), ported.torch_logits)
+
+
+def _hf_config(p: Ported) -> Any:
+    return transformers.AutoConfig.from_pretrained(p.dirs["single"])
+
+
+def test_gpt2_ignores_a_tied_head_and_old_mask_buffers_in_the_file(tmp_path) -> None:
+    """``save_pretrained`` drops the tied ``lm_head.weight``; older checkpoints keep it
+    and the causal-mask buffers. They land nowhere, on purpose, and change nothing."""
+    torch.manual_seed(1)
+    hf = _perturbed(_gpt2())
+    tensors = {k: v.detach().numpy().copy() for k, v in hf.state_dict().items()}
+    assert np.array_equal(tensors["lm_head.weight"], tensors["transformer.wte.weight"])  # tied
+    tensors["transformer.h.0.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.bool_))
+    tensors["transformer.h.1.attn.masked_bias"] = np.array(-1e4, np.float32)
+    plan = gpt2.RULES.plan(shapes_of(tensors))
+    assert plan.unused == ("lm_head.weight", "transformer.h.0.attn.bias", "transformer.h.1.attn.masked_bias")
+    model = abstract(lambda: gpt2.GPT2(gpt2.GPT2Config.from_hf(hf.config), rngs=nnx.Rngs(0)))
+    assert coverage(plan, {k: s for k, (s, _) in model_shapes(model).items()}).complete
+    ids = np.random.default_rng(1).integers(0, 96, size=(2, 12)).astype(np.int32)
+    ours = np.asarray(FORWARD(fill(model, plan.apply(tensors)), ids))
+    with torch.no_grad():
+        diff, scale = max_abs_diff(ours, _lm_logits(hf, ids).numpy())
+    assert diff <= TOLERANCE * scale
