@@ -33,6 +33,11 @@ try:
 except nnx_save.SaveError as e:
     error = str(e)
 ctx.write({"error": error, "seconds": time.monotonic() - t0})
+if ctx.process_id == 0:  # the coordination service lives here: stay until the others have reported
+    others = [ctx.out / f"result_{p}.json" for p in range(ctx.num_processes) if p not in (0, ctx.args["victim"])]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not all(f.exists() for f in others):
+        time.sleep(0.05)
 # Skip jax.distributed's exit-time shutdown barrier: with a peer dead it only waits
 # for the heartbeat timeout, and this test is about the save's own error.
 os._exit(0)
