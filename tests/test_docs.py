@@ -1,0 +1,79 @@
+"""Every ```python block of docs/*.md and README.md runs: each page's blocks in order,
+in one namespace, in a fresh temporary directory. A block preceded by a
+``<!-- skip -->`` line (blank lines between are allowed) is not run."""
+
+import inspect
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+import nnx_save
+import nnx_save.checkpoint
+import nnx_save.porting
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+FENCE = re.compile(r"^```(\w*)[ \t]*$")
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """``[(first line number, source)]`` of the runnable python blocks of a page."""
+    blocks, lines, i = [], text.splitlines(), 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m or not m.group(1):
+            i += 1
+            continue
+        start, lang = i, m.group(1)
+        i += 1
+        body = []
+        while i < len(lines) and lines[i].rstrip() != "```":
+            body.append(lines[i])
+            i += 1
+        i += 1
+        before = [ln for ln in lines[:start] if ln.strip()]
+        skipped = bool(before) and before[-1].strip() == "<!-- skip -->"
+        if lang == "python" and not skipped:
+            blocks.append((start + 2, "\n".join(body) + "\n"))
+    return blocks
+
+
+def test_block_extraction():
+    page = "a\n```python\nx = 1\n```\n<!-- skip -->\n\n```python\nboom()\n```\n```bash\nls\n```\n```python\ny = x\n```\n"
+    assert python_blocks(page) == [(3, "x = 1\n"), (14, "y = x\n")]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_examples_run(page, tmp_path, monkeypatch):
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    if not blocks:
+        pytest.skip(f"{page.name} has no python blocks")
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": f"docs_{page.stem}"}
+    for line, source in blocks:
+        code = compile(source, f"{page.relative_to(ROOT)}:{line}", "exec")
+        exec(code, namespace)  # noqa: S102 - running our own documentation is the point
+
+
+def test_index_links_every_page():
+    index = (ROOT / "docs" / "index.md").read_text()
+    for name in ("models.md", "multihost.md", "checkpoints.md", "porting.md", "cli.md", "errors.md"):
+        assert f"]({name})" in index
+
+
+def test_errors_page_names_every_public_error():
+    text = (ROOT / "docs" / "errors.md").read_text()
+    errors = {name for module in (nnx_save, nnx_save.checkpoint, nnx_save.porting)
+              for name, obj in vars(module).items()
+              if inspect.isclass(obj) and issubclass(obj, Exception) and not name.startswith("_")}
+    assert "ChecksumError" in errors and "NnxSaveError" in errors
+    assert sorted(e for e in errors if e not in text) == []
+
+
+def test_cli_page_shows_the_captured_terminal():
+    captured = (ROOT / "docs" / "progress.txt").read_text().splitlines()
+    page = (ROOT / "docs" / "cli.md").read_text()
+    assert all(line in page for line in captured if line != "DONE")
+    assert os.path.exists(ROOT / "docs" / "progress.txt")
