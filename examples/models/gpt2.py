@@ -45,7 +45,9 @@ class GPT2Config:
     def from_hf(cls, hf: Any) -> GPT2Config:
         """Read a ``transformers.GPT2Config`` (by attribute)."""
         if hf.activation_function != "gelu_new" or hf.scale_attn_by_inverse_layer_idx:
-            raise ValueError(f"unsupported GPT-2 variant: {hf.activation_function=}, {hf.scale_attn_by_inverse_layer_idx=}")
+            raise ValueError(
+                f"unsupported GPT-2 variant: {hf.activation_function=}, {hf.scale_attn_by_inverse_layer_idx=}"
+            )
         names = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon")
         return cls(**{n: getattr(hf, n) for n in names})
 

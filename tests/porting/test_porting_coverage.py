@@ -35,7 +35,8 @@ def test_coverage_sorts_every_path_into_its_place() -> None:
 
 
 def test_allow_patterns_move_paths_to_the_allowed_lists() -> None:
-    c = coverage(RULES.plan(FILE), MODEL, allow_missing=[r".*/bias", r"head/.*"], allow_unexpected=[r"pooler\..*", "v/kernel"])
+    allow = {"allow_missing": [r".*/bias", r"head/.*"], "allow_unexpected": [r"pooler\..*", "v/kernel"]}
+    c = coverage(RULES.plan(FILE), MODEL, **allow)
     assert (c.missing, c.unexpected) == ((), {})
     assert c.allowed_missing == ("fc/bias", "head/kernel")
     assert c.allowed_unexpected == ("pooler.dense.weight", "qkv.weight")

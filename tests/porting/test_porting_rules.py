@@ -90,7 +90,8 @@ def test_rename_refuses_a_bad_regex() -> None:
 
 
 def test_explicit_inverse_is_used_and_round_trips() -> None:
-    rule = rename(r"(?:transformer\.)?wte\.weight", "wte/embedding", inverse=rename("wte/embedding", "transformer.wte.weight"))
+    explicit = rename("wte/embedding", "transformer.wte.weight")
+    rule = rename(r"(?:transformer\.)?wte\.weight", "wte/embedding", inverse=explicit)
     assert rule.inverse() == rename("wte/embedding", "transformer.wte.weight")
     assert rule.inverse().inverse() == rule
 
@@ -170,7 +171,10 @@ def test_reshape_inverse_from_a_recorded_plan() -> None:
 def test_reshape_inverse_refuses_a_plan_with_two_source_shapes() -> None:
     rules = Rules(reshape(r"w\d", (6,)))
     plan = rules.plan({"w1": ((2, 3), F32), "w2": ((3, 2), F32)})
-    with raises(NotInvertibleError, 'reshape(r"w\\d", (6,)) cannot be inverted: the recorded plan used it with [(2, 3), (3, 2)]'):
+    message = (
+        'reshape(r"w\\d", (6,)) cannot be inverted: the recorded plan used it with [(2, 3), (3, 2)]'
+    )
+    with raises(NotInvertibleError, message):
         rules.inverse(recorded=plan)
 
 
@@ -203,12 +207,19 @@ def test_split_then_transpose_each_part() -> None:
 
 
 def test_split_needs_a_multiple_of_the_part_count() -> None:
-    with raises(RuleError, '`qkv`: split(r"qkv", (r"q", r"k"), axis=0) needs a multiple of 2 on axis 0, found shape (5,)'):
+    message = (
+        '`qkv`: split(r"qkv", (r"q", r"k"), axis=0) needs a multiple of 2 on axis 0, found shape '
+        '(5,)'
+    )
+    with raises(RuleError, message):
         Rules(split("qkv", ["q", "k"])).plan({"qkv": ((5,), F32)})
 
 
 def test_split_needs_sizes_that_sum_to_the_axis() -> None:
-    message = '`qkv`: split(r"qkv", (r"q", r"k"), axis=0, sizes=(2, 2)) needs sizes (2, 2) (sum 4) on axis 0, found shape (5,)'
+    message = (
+        '`qkv`: split(r"qkv", (r"q", r"k"), axis=0, sizes=(2, 2)) needs sizes (2, 2) (sum 4) on axis 0, '
+        "found shape (5,)"
+    )
     with raises(RuleError, message):
         Rules(split("qkv", ["q", "k"], sizes=(2, 2))).plan({"qkv": ((5,), F32)})
 
@@ -234,13 +245,21 @@ def test_concat_joins_parts_in_pattern_order() -> None:
 
 def test_concat_names_a_missing_part() -> None:
     rules = Rules(concat([r"(\d)\.q", r"(\d)\.k"], r"\1/qk"))
-    with raises(RuleError, '`0/qk`: concat((r"(\\d)\\.q", r"(\\d)\\.k"), r"\\1/qk", axis=0) found `0.q` but no key matching r"(\\d)\\.k"'):
+    message = (
+        '`0/qk`: concat((r"(\\d)\\.q", r"(\\d)\\.k"), r"\\1/qk", axis=0) found `0.q` but no key '
+        'matching r"(\\d)\\.k"'
+    )
+    with raises(RuleError, message):
         rules.plan({"0.q": ((2,), F32)})
 
 
 def test_concat_checks_shapes_off_the_axis_and_dtypes() -> None:
     rules = Rules(concat(["q", "k"], "qk", axis=1))
-    with raises(RuleError, '`qk`: concat((r"q", r"k"), r"qk", axis=1) needs shapes that agree off axis 1, found `q` (2, 3), `k` (3, 3)'):
+    message = (
+        '`qk`: concat((r"q", r"k"), r"qk", axis=1) needs shapes that agree off axis 1, found `q` '
+        '(2, 3), `k` (3, 3)'
+    )
+    with raises(RuleError, message):
         rules.plan({"q": ((2, 3), F32), "k": ((3, 3), F32)})
     with raises(RuleError, "`qk`: its sources must share one dtype, found `q` float32, `k` float16"):
         rules.plan({"q": ((2, 3), F32), "k": ((2, 3), "float16")})
@@ -261,7 +280,11 @@ def test_concat_inverse_needs_sizes() -> None:
 
 def test_concat_checks_declared_sizes() -> None:
     rules = Rules(concat(["q", "k"], "qk", sizes=(4, 2)))
-    with raises(RuleError, '`qk`: concat((r"q", r"k"), r"qk", axis=0) expects part sizes (4, 2) on axis 0, found (2, 2)'):
+    message = (
+        '`qk`: concat((r"q", r"k"), r"qk", axis=0) expects part sizes (4, 2) on axis 0, found (2, '
+        '2)'
+    )
+    with raises(RuleError, message):
         rules.plan({"q": ((2,), F32), "k": ((2,), F32)})
 
 
@@ -280,26 +303,46 @@ def test_stack_orders_layers_by_index_not_by_name() -> None:
 
 def test_stack_names_missing_layers() -> None:
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.w", "w"))
-    with raises(RuleError, '`w`: stack(r"h\\.(?P<layer>\\d+)\\.w", r"w", axis=0) found layers [0, 3], missing layers [1, 2]'):
+    message = (
+        '`w`: stack(r"h\\.(?P<layer>\\d+)\\.w", r"w", axis=0) found layers [0, 3], missing layers '
+        '[1, 2]'
+    )
+    with raises(RuleError, message):
         rules.plan({"h.0.w": ((2,), F32), "h.3.w": ((2,), F32)})
 
 
 def test_stack_needs_one_shape() -> None:
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.w", "w"))
-    with raises(RuleError, '`w`: stack(r"h\\.(?P<layer>\\d+)\\.w", r"w", axis=0) needs layers of one shape, found `h.0.w` (2,), `h.1.w` (3,)'):
+    message = (
+        '`w`: stack(r"h\\.(?P<layer>\\d+)\\.w", r"w", axis=0) needs layers of one shape, found '
+        '`h.0.w` (2,), `h.1.w` (3,)'
+    )
+    with raises(RuleError, message):
         rules.plan({"h.0.w": ((2,), F32), "h.1.w": ((3,), F32)})
 
 
 def test_stack_refuses_two_keys_for_one_layer() -> None:
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.(?:a|b)", "w"))
-    with raises(RuleError, '`w`: produced twice by stack(r"h\\.(?P<layer>\\d+)\\.(?:a|b)", r"w", axis=0), from `h.0.a` and `h.0.b`'):
+    message = (
+        '`w`: produced twice by stack(r"h\\.(?P<layer>\\d+)\\.(?:a|b)", r"w", axis=0), from '
+        '`h.0.a` and `h.0.b`'
+    )
+    with raises(RuleError, message):
         rules.plan({"h.0.a": ((2,), F32), "h.0.b": ((2,), F32)})
 
 
 def test_stack_needs_the_layer_group_and_must_not_reference_it() -> None:
-    with raises(RuleError, 'stack(r"h\\.(\\d+)", r"w", axis=0): the pattern needs a named group (?P<layer>...) for the layer index'):
+    message = (
+        'stack(r"h\\.(\\d+)", r"w", axis=0): the pattern needs a named group (?P<layer>...) for '
+        'the layer index'
+    )
+    with raises(RuleError, message):
         stack(r"h\.(\d+)", "w")
-    with raises(RuleError, 'stack(r"h\\.(?P<layer>\\d+)", r"w/\\1", axis=0): the target must not reference the layer group \'layer\''):
+    message = (
+        'stack(r"h\\.(?P<layer>\\d+)", r"w/\\1", axis=0): the target must not reference the layer '
+        'group \'layer\''
+    )
+    with raises(RuleError, message):
         stack(r"h\.(?P<layer>\d+)", r"w/\1")
 
 

@@ -59,7 +59,8 @@ class Coverage:
         if not lines:
             return
         kind = KeyMismatchError if self.missing or self.unexpected else ShapeMismatchError
-        raise kind("\n  ".join([f"{len(lines)} mismatch{'es' if len(lines) > 1 else ''} between the model and {source}:", *lines]))
+        head = f"{len(lines)} mismatch{'es' if len(lines) > 1 else ''} between the model and {source}:"
+        raise kind("\n  ".join([head, *lines]))
 
     def _missing_lines(self, source: str) -> list[str]:
         return [f"`{p}`: in the model, not in {source} (allow_missing= to keep its value)" for p in self.missing]

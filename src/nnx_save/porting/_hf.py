@@ -79,7 +79,9 @@ def hf_conv1d(source: str, target: str, *, bias: bool = True) -> tuple[RenameRul
     return (_param(source, target, "weight", "kernel"), *_bias(source, target, bias))
 
 
-def torch_conv(source: str, target: str, *, spatial_dims: int = 2, bias: bool = True) -> tuple[RenameRule | TransposeRule, ...]:
+def torch_conv(
+    source: str, target: str, *, spatial_dims: int = 2, bias: bool = True
+) -> tuple[RenameRule | TransposeRule, ...]:
     """``nn.Conv{n}d``: ``weight`` (out, in, *k) into ``kernel`` (*k, in, out)."""
     return (*_transposed(source, target, torch_conv_axes(spatial_dims)), *_bias(source, target, bias))
 

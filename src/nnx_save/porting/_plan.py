@@ -106,7 +106,7 @@ class Plan:
 
 def shapes_of(arrays: Mapping[str, object]) -> dict[str, tuple[Shape, np.dtype]]:
     """``{key: (shape, dtype)}`` of arrays (anything with ``.shape`` and ``.dtype``)."""
-    return {k: (tuple(int(s) for s in v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}  # type: ignore[attr-defined]
+    return {k: (tuple(int(s) for s in v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}  # type: ignore
 
 
 class Rules:
@@ -247,25 +247,31 @@ class _Planner:
     def _raise(self, messages: list[str], kind: type[RuleError]) -> None:
         if messages:
             lines = sorted(set(messages))
-            head = f"{len(lines)} porting rule problem{'s' if len(lines) > 1 else ''}:" if len(lines) > 1 else ""
-            raise kind("\n  ".join([head, *lines]) if head else lines[0])
+            message = lines[0] if len(lines) == 1 else "\n  ".join([f"{len(lines)} porting rule problems:", *lines])
+            raise kind(message)
 
     def _claim(self) -> tuple[dict[int, dict[str, object]], dict[str, str]]:
+        """Each source key to its one structural rule (``claims[rule index][key]``)."""
         claims: dict[int, dict[str, object]] = defaultdict(dict)
         renamed: dict[str, str] = {}
         for key in sorted(self.info):
-            hits = [(i, r, m) for i, r in enumerate(self.rules) if _is_structural(r) and (m := r.match(key)) is not None]
-            others = [h for h in hits if not isinstance(h[1], RenameRule)]
-            renames = [h for h in hits if isinstance(h[1], RenameRule)]
-            if len(others) > 1 or (others and renames):
-                used = [others[0], others[1] if len(others) > 1 else renames[0]]
-                self.conflicts.append(f"`{key}`: matched by both {used[0][1]} and {used[1][1]}; a source tensor feeds one rule")
-            elif others or renames:
-                i, _, m = (others or renames)[0]
-                claims[i][key] = m
-            else:
+            hit = self._claim_one(key)
+            if hit is None:
                 renamed[key] = key
+            elif hit[0] >= 0:
+                claims[hit[0]][key] = hit[1]
         return claims, renamed
+
+    def _claim_one(self, key: str) -> tuple[int, object] | None:
+        """``(rule index, match)``; ``None``: no rule; index -1: a conflict (recorded)."""
+        hits = [(i, m) for i, r in enumerate(self.rules) if _is_structural(r) and (m := r.match(key)) is not None]
+        others = [h for h in hits if not isinstance(self.rules.rules[h[0]], RenameRule)]
+        renames = [h for h in hits if isinstance(self.rules.rules[h[0]], RenameRule)]
+        if len(others) > 1 or (others and renames):
+            a, b = self.rules.rules[others[0][0]], self.rules.rules[(others[1:] or renames)[0][0]]
+            self.conflicts.append(f"`{key}`: matched by both {a} and {b}; a source tensor feeds one rule")
+            return -1, None
+        return (others or renames or [None])[0]
 
     def _build(self, claims: Mapping[int, dict[str, object]], renamed: Mapping[str, str], info) -> list[Node]:
         nodes = [Node(k, (k,), *info[k], None) for k in renamed]
@@ -276,15 +282,14 @@ class _Planner:
         return nodes
 
     def _check_unique(self, nodes: Sequence[Node], claims: Mapping[int, dict[str, object]]) -> None:
-        rule_of = {key: self.rules.rules[i] for i, claimed in claims.items() for key in claimed}
+        """Record a conflict for every target made twice, naming both origins."""
+        rule_of = {key: str(self.rules.rules[i]) for i, claimed in claims.items() for key in claimed}
         first: dict[str, Node] = {}
         for node in nodes:
             if node.target in first:
-                a, b = first[node.target], node
-                self.conflicts.append(
-                    f"`{node.target}`: produced twice, from {_sources(a)} by {rule_of.get(a.sources[0], 'no rule (name kept)')} "
-                    f"and from {_sources(b)} by {rule_of.get(b.sources[0], 'no rule (name kept)')}"
-                )
+                made = [f"from {_sources(n)} by {rule_of.get(n.sources[0], 'no rule (name kept)')}"
+                        for n in (first[node.target], node)]
+                self.conflicts.append(f"`{node.target}`: produced twice, {made[0]} and {made[1]}")
             first.setdefault(node.target, node)
 
     def _pre_steps(self) -> dict[str, tuple[tuple[Step, ...], Shape, np.dtype]]:
