@@ -530,3 +530,17 @@ def test_numpy_values_stay_on_the_host(path):
     load_quiet(target, path, strict=True)
     assert type(target.table.get_value()) is np.ndarray and type(target.scale.get_value()) is np.float32
     assert target.table.get_value().tolist() == [[0, 1, 2], [3, 4, 5]] and target.scale.get_value() == 0.5
+
+
+def test_builder_never_builds_the_random_model(path):
+    nnx_save.save_model(MLP(nnx.Rngs(0)), path)
+    seen = []
+
+    def builder():
+        model = MLP(nnx.Rngs(1))
+        seen.append(isinstance(model.l1.kernel.get_value(), jax.core.Tracer))
+        return model
+
+    model, _ = load_quiet(builder, path, strict=True)
+    assert seen and all(seen)  # only ever traced: no concrete random weights
+    assert not isinstance(model.l1.kernel.get_value(), jax.core.Tracer)
