@@ -420,7 +420,7 @@ def test_conflicts_are_nnx_save_errors() -> None:
 
 def test_rules_flatten_nested_sequences_and_compare_by_value() -> None:
     a, b, c = rename("a", "x"), transpose("x", (1, 0)), ignore("z")
-    assert list(Rules((a, [b]), Rules(c))) == [a, b, c]
+    assert list(Rules((a, [b]), Rules(c))) == [a, b, c] == list(Rules(r for r in (a, b, c)))
     assert Rules(a, b) == Rules([a, b]) and Rules(a) != Rules(a, direction="export")
     assert hash(Rules(a, b)) == hash(Rules(a, b))
 
@@ -478,3 +478,59 @@ def test_porting_modules_import_neither_torch_nor_jax() -> None:
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.split(".")[0] in {"torch", "jax", "flax", "transformers"} for n in names), module
+
+
+# --- every remaining refusal, with its message ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "kind", "message"),
+    [
+        (
+            lambda: split("a", ["b", "c"], sizes=(1,)),
+            RuleError,
+            'split(r"a", (r"b", r"c"), axis=0, sizes=(1,)): sizes must be 2 non-negative ints, got (1,)',
+        ),
+        (
+            lambda: concat(["a"], "b"),
+            RuleError,
+            'concat((r"a"), r"b", axis=0): needs at least two patterns and one target template per pattern',
+        ),
+        (
+            lambda: Rules(concat([r"a.", r".b"], "t")).plan({"ab": ((1,), F32)}),
+            RuleError,
+            '`ab`: matches parts r"a." and r".b" of concat((r"a.", r".b"), r"t", axis=0); each key must match one part',
+        ),
+        (
+            lambda: Rules(stack(r"h\.(?P<layer>\w+)", "t")).plan({"h.x": ((1,), F32)}),
+            RuleError,
+            "`h.x`: stack(r\"h\\.(?P<layer>\\w+)\", r\"t\", axis=0) needs a decimal layer index, found 'x'",
+        ),
+        (
+            lambda: Rules(stack(r"h\.(?P<layer>\d+)", "t", axis=3)).plan({"h.0": ((1,), F32)}),
+            RuleError,
+            '`t`: stack(r"h\\.(?P<layer>\\d+)", r"t", axis=3) cannot stack shape (1,) on axis 3',
+        ),
+        (
+            lambda: Rules(unstack(r"e", r"t/\g<layer>", axis=1)).plan({"e": ((2,), F32)}),
+            RuleError,
+            '`e`: unstack(r"e", r"t/\\g<layer>", axis=1) needs axis 1, found shape (2,)',
+        ),
+        (
+            lambda: unstack(r"(?P<layer>e)", r"t/\g<layer>"),
+            RuleError,
+            "unstack(r\"(?P<layer>e)\", r\"t/\\g<layer>\", axis=0): the pattern must not define the group "
+            "'layer', the target's index",
+        ),
+        (
+            lambda: Rules(concat([r"(\d)\.q", r"(?P<i>\w)\.k"], r"\1/qk", sizes=(1, 1))).inverse(),
+            NotInvertibleError,
+            'concat((r"(\\d)\\.q", r"(?P<i>\\w)\\.k"), r"\\1/qk", axis=0) cannot be inverted automatically: '
+            'its parts give different target patterns r"(?P<i>\\w)/qk", r"(\\d)/qk"; '
+            "pass inverse= with an explicit rule",
+        ),
+    ],
+)
+def test_refusals_name_the_rule_and_what_was_found(make, kind: type[Exception], message: str) -> None:
+    with raises(kind, message):
+        make()

@@ -182,10 +182,10 @@ class Rules:
 
 def _flatten(items: Iterable[object]) -> Iterator[Rule]:
     for item in items:
-        if isinstance(item, (list, tuple, Rules)):
-            yield from _flatten(item)
-        elif isinstance(item, (*_STRUCTURAL, TransposeRule, ReshapeRule)):
+        if isinstance(item, (*_STRUCTURAL, TransposeRule, ReshapeRule)):
             yield item  # type: ignore[misc]
+        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+            yield from _flatten(item)
         else:
             raise RuleError(f"Rules takes rules, found {item!r} of type {type(item).__name__}")
 

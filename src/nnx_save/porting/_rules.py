@@ -292,7 +292,7 @@ class ConcatRule:
         if len({p for p, _ in pairs}) != 1:
             raise NotInvertibleError(
                 f"{self} cannot be inverted automatically: its parts give different target patterns "
-                f"{sorted({p for p, _ in pairs})}; pass inverse= with an explicit rule"
+                f"{', '.join(sorted({_raw(p) for p, _ in pairs}))}; pass inverse= with an explicit rule"
             )
         return SplitRule(pairs[0][0], tuple(t for _, t in pairs), self.axis, sizes, inverse_rule=self)
 

@@ -276,10 +276,10 @@ def _reference_order(
         if number in skip and used:
             raise RuleError(f"template {raw(template)} must not reference group {consumed!r} of {raw(pattern)}")
         if number not in skip and used != 1:
-            how = "never" if used == 0 else f"{used} times"
+            how = "never referenced" if used == 0 else f"referenced {used} times"
             raise NotInvertibleError(
                 f"rule {raw(pattern)} -> {raw(template)} cannot be inverted automatically: group {number} "
-                f"is referenced {how} (each group must be referenced exactly once); "
+                f"is {how} (each group must be referenced exactly once); "
                 "pass inverse= with an explicit rule"
             )
     return resolved
