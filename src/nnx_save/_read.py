@@ -109,9 +109,11 @@ def aligned_empty(nbytes: int, align: int = 64) -> np.ndarray:
 class LocalReader:
     """Positioned reads from a local file; ``preadv`` releases the GIL."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, fd: int | None = None) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
+        # ``fd``: a descriptor the caller holds on the very file whose header it read
+        # (duplicated here), so a file replaced since then is still read whole.
+        self.fd = os.open(path, os.O_RDONLY) if fd is None else os.dup(fd)
         self.requests = 0
         self._lock = threading.Lock()
         if _PREADV is None:

@@ -5,12 +5,20 @@ A source is one ``.safetensors`` file, a directory with a HuggingFace
 explicit list of files. :func:`read_header` validates every file's header (each is
 read with two positioned reads: the 8-byte prefix, then the JSON) and checks the
 index against them before any tensor byte is read.
+
+A :class:`Header` of local files keeps each file open (one descriptor per file,
+closed when the Header is garbage collected), and loads from it read through those
+descriptors: when a writer replaces a file (``save_file`` renames a new one over
+it) between the header read and the data reads, the load still reads the file
+whose header it validated, never the header of one version with the bytes of
+another.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +52,7 @@ class Header:
     kind: str = "file"
     remote: Any = None  # _remote.RemoteStats shared by this checkpoint's remote readers
     identity: Mapping[str, tuple[int, str | None]] = field(default_factory=dict)  # url -> (size, ETag)
+    pinned: Any = field(default=None, repr=False, compare=False)  # _Pinned: local file -> open descriptor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -75,17 +84,48 @@ def pread_exact(fd: int, size: int, offset: int, file: str) -> bytes:
     return b"".join(chunks)
 
 
-def read_file_header(path: PathLike) -> FileHeader:
-    """Read and validate one file's header (two positioned reads)."""
+def read_file_header(path: PathLike, pinned: "_Pinned | None" = None) -> FileHeader:
+    """Read and validate one file's header (two positioned reads). With ``pinned``,
+    the file stays open there (see :class:`_Pinned`)."""
     name = os.fspath(path)
     fd = os.open(name, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         prefix = os.pread(fd, 8, 0)
         n = header_size(prefix, size, file=name)
-        return parse_header(pread_exact(fd, n, 8, name), size, file=name)
-    finally:
+        header = parse_header(pread_exact(fd, n, 8, name), size, file=name)
+    except BaseException:
         os.close(fd)
+        raise
+    if pinned is None:
+        os.close(fd)
+    else:
+        pinned.keep(name, fd)
+    return header
+
+
+class _Pinned:
+    """Open descriptors of the files whose headers a :class:`Header` holds, closed
+    when the Header (its only owner) is garbage collected."""
+
+    def __init__(self) -> None:
+        self.fds: dict[str, int] = {}
+        self._finalizer = weakref.finalize(self, _close_all, self.fds)
+
+    def keep(self, name: str, fd: int) -> None:
+        if name in self.fds:  # the same file named twice: keep the first
+            os.close(fd)
+        else:
+            self.fds[name] = fd
+
+
+def _close_all(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
@@ -137,7 +177,8 @@ def _index_header(directory: Path) -> Header:
     index = directory / INDEX_NAME
     weight_map, meta = _read_index(index)
     names = sorted(set(weight_map.values()))
-    files = tuple(read_file_header(_inside(directory, n, str(index))) for n in names)
+    pinned = _Pinned()
+    files = tuple(read_file_header(_inside(directory, n, str(index)), pinned) for n in names)
     tensors = _merge(files, str(index))
     for tensor, fname in weight_map.items():
         info = tensors.get(tensor)
@@ -148,13 +189,14 @@ def _index_header(directory: Path) -> Header:
     extra = sorted(set(tensors) - set(weight_map))
     if extra:
         raise IndexError_(f"{index}: files hold tensors the index does not name: {extra[:5]}")
-    return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index")
+    return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index", pinned=pinned)
 
 
 def _many(paths: Sequence[Path], kind: str, where: str) -> Header:
-    files = tuple(read_file_header(p) for p in paths)
+    pinned = _Pinned()
+    files = tuple(read_file_header(p, pinned) for p in paths)
     meta = dict(files[0].metadata) if files else {}
-    return Header(_merge(files, where), meta, files, kind)
+    return Header(_merge(files, where), meta, files, kind, pinned=pinned)
 
 
 def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
@@ -198,8 +240,9 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         return _many(found, "directory", str(path))
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
-    fh = read_file_header(path)
-    return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file")
+    pinned = _Pinned()
+    fh = read_file_header(path, pinned)
+    return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", pinned=pinned)
 
 
 # --------------------------------------------------------------------------- remote
@@ -268,6 +311,7 @@ def reader_factory(header: Header):
             if file.startswith(("http://", "https://")):
                 return _remote.HttpReader(file, stats=header.remote, size=size, etag=etag)
             return _remote.FsspecReader(file, stats=header.remote)
-        return LocalReader(file)
+        pinned = header.pinned.fds.get(file) if header.pinned is not None else None
+        return LocalReader(file, pinned)
 
     return open_reader
