@@ -397,6 +397,7 @@ class PodEngine:
         self.header, self.report, self.opt = header, report, options
         self.results: dict[str, Any] = {}
         self.checked: dict[str, bool] = {}
+        self.over_reads: list[str] = []  # the engine's over-read notes (none here: pieces are read as planned)
         self.budget = Budget(options["max_inflight_bytes"])
         self.targets = {t.path: t for t in targets}
         self.own = jax.process_index() if header.num_processes == jax.process_count() else None
