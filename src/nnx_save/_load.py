@@ -26,7 +26,7 @@ import numpy as np
 from . import _checksum, _dtypes, _progress
 from ._errors import ShardingError
 from ._header import TensorInfo
-from ._plan import Request, plan_file
+from ._plan import Request, over_read_by_range, plan_file
 from ._read import Budget, LocalReader, aligned_empty, execute
 from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed
 from ._sources import Header
@@ -34,6 +34,7 @@ from ._sources import Header
 __all__ = ["Target", "load_targets", "OverReadWarning"]
 
 log = logging.getLogger("nnx_save")
+OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning
 Box = tuple[tuple[int, int], ...]
 
 
@@ -87,7 +88,11 @@ def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     if target.sharding is None:
         return [(tuple((0, d) for d in shape), [None])]
     groups: dict[Box, list[Any]] = {}
-    for device, index in target.sharding.addressable_devices_indices_map(shape).items():
+    try:
+        indices = target.sharding.addressable_devices_indices_map(shape)
+    except ValueError as e:  # jax refuses it (a split that does not divide the dimension, ...)
+        raise ShardingError(f"{target.path}: sharding {target.sharding} cannot hold shape {shape}: {e}") from None
+    for device, index in indices.items():
         box = tuple(s.indices(d)[:2] for s, d in zip(index, shape)) if shape else ()
         groups.setdefault(box, []).append(device)
     if not groups:  # an array with no shard here: this process could never use or save it
@@ -127,9 +132,28 @@ def _check(header: Header, t: Target, report: LoadReport) -> bool:
     if tuple(shape) != tuple(t.shape):
         report.shape_mismatches.append(ShapeMismatch(t.path, tuple(t.shape), tuple(shape), t.sources[0]))
         return False
-    if np.dtype(dtype) != np.dtype(t.dtype):
-        report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), str(np.dtype(t.dtype))))
+    held = _held_dtype(t)
+    if np.dtype(dtype) != held:
+        model = str(held) if held == np.dtype(t.dtype) else f"{held} (the model's {np.dtype(t.dtype)}: jax_enable_x64 is off)"
+        report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
     return True
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _held_dtype(t: Target) -> np.dtype:
+    """The dtype the loaded value will have: the target's, narrowed the way jax
+    narrows it when ``jax_enable_x64`` is off (int64 -> int32, float64 -> float32)."""
+    if t.sharding is None:
+        return np.dtype(t.dtype)
+    import jax
+
+    return np.dtype(jax.dtypes.canonicalize_dtype(t.dtype))
 
 
 def _host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
@@ -202,6 +226,13 @@ class _Engine:
         for t in self.pending:
             for k in t.sources:
                 self.refs[k] = self.refs.get(k, 0) + 1
+        self.by_path = {t.path: t for t in self.targets}
+        self.by_file: dict[str, list[Target]] = {}
+        for t in self.targets:
+            if t.transform is None:
+                self.by_file.setdefault(header.tensors[t.sources[0]].file, []).append(t)
+        self.boxes = {t.path: _boxes(t) for t in self.targets if t.transform is None}  # refusals before any read
+        self.over_reads: list[str] = []
         self.bar = options["bar"]
         self.digests: dict[str, str] = {}  # file key -> recorded checksum (verify=True only)
         self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
@@ -212,12 +243,10 @@ class _Engine:
 
     def work_for(self, file: str) -> _Work:
         work = _Work()
-        for t in self.targets:
-            if t.transform is None and self.header.tensors[t.sources[0]].file == file:
-                info = self.header.tensors[t.sources[0]]
-                work.shards[t.path] = []
-                for box, devices in _boxes(t):
-                    work.shards[t.path].append(_Shard(box, devices, self._add(work, info, box)))
+        for t in self.by_file.get(file, ()):
+            info = self.header.tensors[t.sources[0]]
+            work.shards[t.path] = [_Shard(box, devices, self._add(work, info, box))
+                                   for box, devices in self.boxes[t.path]]
         for key in self.refs:
             info = self.header.tensors[key]
             if info.file == file:
@@ -251,24 +280,28 @@ class _Engine:
         io.bytes_needed += plan.needed_bytes
         io.requests += reader.requests
         io.over_read_by_file[file] = plan.read_bytes / plan.needed_bytes if plan.needed_bytes else 1.0
-        self._warn_over_read(file, plan, work)
+        self._note_over_read(file, plan)
         self._assemble(work)
+        t3 = time.perf_counter()
         io.plan_seconds += t1 - t0
         io.read_seconds += t2 - t1
-        io.assemble_seconds += time.perf_counter() - t2
+        io.assemble_seconds += t3 - t2
+        log.debug("%s: %r, %d requests; plan %.3fs, read %.3fs, assemble %.3fs",
+                  file, plan, reader.requests, t1 - t0, t2 - t1, t3 - t2)
 
-    def _warn_over_read(self, file: str, plan, work: _Work) -> None:
-        if self.opt["max_over_read_ratio"] is not None or plan.read_bytes <= 1.5 * plan.needed_bytes:
+    def _note_over_read(self, file: str, plan) -> None:
+        """Remember a file the automatic ratio made this process over-read, with the
+        tensors whose unneeded bytes were read through (one warning per load)."""
+        if self.opt["max_over_read_ratio"] is not None or plan.read_bytes <= OVER_READ_WARN * plan.needed_bytes:
             return
-        strided = sorted(p for p, shards in work.shards.items()
-                         if any(work.requests[s.dest].box[1:] != tuple((0, d) for d in work.requests[s.dest].shape[1:])
-                                for s in shards))
-        warnings.warn(
-            f"{file}: read {plan.read_bytes} bytes for {plan.needed_bytes} needed "
-            f"(over-read {plan.read_bytes / plan.needed_bytes:.2f}x, automatic ratio {plan.ratio:.2f}); "
-            f"tensors split on an inner dimension: {strided[:10]}{' ...' if len(strided) > 10 else ''}. "
-            "Pass max_over_read_ratio to trade requests for bytes, or shard on the leading dimension.",
-            OverReadWarning, stacklevel=5)
+        infos = [i for i in self.header.tensors.values() if i.file == file]
+        extra = over_read_by_range(plan, np.array([i.begin for i in infos]), np.array([i.end for i in infos]))
+        worst = [(int(x), i.name) for x, i in sorted(zip(extra, infos), key=lambda p: -p[0]) if x > 0]
+        named = ", ".join(f"{name} ({_size(x)})" for x, name in worst[:5])
+        self.over_reads.append(
+            f"{file}: read {_size(plan.read_bytes)} for {_size(plan.needed_bytes)} needed "
+            f"(over-read {plan.read_bytes / plan.needed_bytes:.2f}x under the automatic ratio {plan.ratio:.2f}); "
+            f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}")
 
     def _verify(self, work: _Work) -> None:
         """Check the recorded checksum of every tensor this file read gave in full."""
@@ -293,15 +326,14 @@ class _Engine:
     def _assemble(self, work: _Work) -> None:
         if self.opt["verify"]:
             self._verify(work)
-        targets = {t.path: t for t in self.targets}
         for path, shards in work.shards.items():
-            t = targets[path]
+            t = self.by_path[path]
             info = self.header.tensors[t.sources[0]]
             pieces = []
             for s in shards:
                 host = _host_view(work.dests[s.dest], info, s.box)
-                if host.dtype != np.dtype(t.dtype):
-                    host = host.astype(t.dtype)
+                if host.dtype != _held_dtype(t):
+                    host = host.astype(_held_dtype(t))
                 pieces.append((host, s.devices))
             self.results[path] = _place(t, pieces)
             for s in shards:
@@ -320,7 +352,7 @@ class _Engine:
                 from ._errors import ShapeMismatchError
 
                 raise ShapeMismatchError(f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}")
-            self.results[t.path] = _place_whole(t, value.astype(t.dtype, copy=False))
+            self.results[t.path] = _place_whole(t, value.astype(_held_dtype(t), copy=False))
             self.pending.remove(t)
             self.bar.update(items=1)
             for k in t.sources:
@@ -395,6 +427,13 @@ def load_targets(
         report.io.retries = header.remote.retries
     report.loaded = sorted(engine.results)
     log.debug("loaded %d tensors from %s: %s", len(engine.results), report.source, report.io)
+    if engine.over_reads:
+        warnings.warn(
+            "the automatic over-read ratio read far more than this process needed, because the "
+            "shardings want many small strided pieces of these files (fewer, larger requests "
+            "were read instead):\n  " + "\n  ".join(engine.over_reads) +
+            "\nShard the leading dimension, or pass max_over_read_ratio to choose the trade "
+            "(1.0: exact reads, more requests).", OverReadWarning, stacklevel=3)
     if warn:
         report.raise_or_warn(False, stacklevel=4)
     return engine.results, report

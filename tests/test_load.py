@@ -1,0 +1,441 @@
+"""load_file end to end on 8 simulated CPU devices (tests/conftest.py).
+
+Every sharded load is compared with ``jax.device_put(full_array, sharding)``: same
+sharding, every shard on the same device with the same index and the same bytes.
+Sources: one file, an HF index (hand-written and from ``transformers``
+``save_pretrained``), a directory without index, a list of files. An instrumented
+reader proves the bytes read equal the plan and the in-flight bytes never exceed the
+budget, down to a budget smaller than one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import threading
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import nnx_save
+from nnx_save import _read, _tree
+
+DEV = jax.devices()
+MESH8 = Mesh(np.array(DEV), ("x",))
+MESH24 = Mesh(np.array(DEV).reshape(2, 4), ("x", "y"))
+MESH3 = Mesh(np.array(DEV[5:8]), ("x",))  # 3 devices, not from 0
+MESH32 = Mesh(np.array([DEV[i] for i in (6, 1, 4, 3, 0, 5)]).reshape(3, 2), ("x", "y"))  # permuted
+
+
+def _full() -> dict[str, np.ndarray]:
+    """Every split dimension is a multiple of 24, so 2-, 3-, 4-, 6- and 8-way splits divide."""
+    rng = np.random.default_rng(7)
+    normal = rng.standard_normal
+    return {
+        "a": normal((48, 24)).astype(np.float32),
+        "b": normal((24,)).astype(np.float32),
+        "c": normal((24, 48)).astype(np.float16),
+        "d": normal((48, 72)).astype(ml_dtypes.bfloat16),
+        "e": rng.integers(-2**31, 2**31, (24, 24)).astype(np.int32),
+        "f": rng.integers(0, 256, (48, 24, 24)).astype(np.uint8),  # 3-D, 3-byte runs on a last-dim split
+        "g": (normal((24, 48)) + 1j * normal((24, 48))).astype(np.complex64),
+        "m": rng.integers(0, 2, (24, 24)).astype(bool),
+        "s": np.array(1.5, np.float32),
+        "z": np.zeros((0, 24), np.float32),
+    }
+
+
+FULL = _full()
+
+
+def _spec(layout: str, ndim: int) -> tuple[Mesh, P]:
+    if ndim == 0 or layout == "replicated":
+        return MESH8, P()
+    if layout == "dim0":
+        return MESH8, P("x")
+    if layout == "last":
+        return MESH8, P(*([None] * (ndim - 1)), "x")
+    if layout == "mesh2d":  # both mesh axes, on two dimensions (or both on the one)
+        return MESH24, P("x", "y") if ndim >= 2 else P(("x", "y"))
+    if layout == "partial":  # split over y, replicated over x
+        return MESH24, P(*([None] * (ndim - 1)), "y")
+    if layout == "three":
+        return MESH3, P("x")
+    if layout == "six_permuted":
+        return MESH32, P("y", "x") if ndim >= 2 else P(("x", "y"))
+    raise ValueError(layout)
+
+
+LAYOUTS = ["dim0", "last", "mesh2d", "replicated", "partial", "three", "six_permuted"]
+
+
+def _abstract(layout: str, full: dict[str, np.ndarray] = FULL) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(*_spec(layout, v.ndim)))
+            for k, v in full.items()}
+
+
+def _same_bits(x: np.ndarray, y: np.ndarray) -> bool:
+    x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)
+    return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+
+
+def _assert_like_device_put(loaded, full: np.ndarray, sharding) -> None:
+    expected = jax.device_put(full, sharding)
+    assert loaded.sharding == sharding and loaded.shape == full.shape and loaded.dtype == full.dtype
+    got = sorted(loaded.addressable_shards, key=lambda s: s.device.id)
+    want = sorted(expected.addressable_shards, key=lambda s: s.device.id)
+    assert [s.device for s in got] == [s.device for s in want]
+    for g, w in zip(got, want):
+        assert g.index == w.index
+        assert _same_bits(np.asarray(g.data), np.asarray(w.data)), (g.device, g.index)
+    assert _same_bits(np.asarray(loaded), full)
+
+
+@pytest.fixture(scope="module")
+def one_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("one") / "model.safetensors"
+    nnx_save.save_file(FULL, path)
+    return path
+
+
+def _write_split(directory, index: bool = True) -> list:
+    """FULL over three files (and an HF index naming each tensor's file)."""
+    groups = [["a", "b", "c"], ["d", "e", "f", "s"], ["g", "m", "z"]]
+    paths, weight_map = [], {}
+    for i, names in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        nnx_save.save_file({k: FULL[k] for k in names}, directory / name)
+        paths.append(directory / name)
+        weight_map.update({k: name for k in names})
+    if index:
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": 0}, "weight_map": weight_map}))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def split_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("split")
+    _write_split(directory)
+    return directory
+
+
+# ----------------------------------------------------------------------------- equal to device_put
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_one_file_loads_like_device_put(one_file, layout):
+    abstract = _abstract(layout)
+    out, report = nnx_save.load_file(one_file, abstract, return_report=True)
+    assert sorted(out) == sorted(FULL) and report.clean
+    for k, v in out.items():
+        _assert_like_device_put(v, FULL[k], abstract[k].sharding)
+    data = sum(v.nbytes for v in FULL.values())
+    assert report.io.bytes_needed == report.io.bytes_read == data  # replicas are read once
+
+
+@pytest.mark.parametrize("source", ["index", "directory", "list"])
+@pytest.mark.parametrize("layout", ["dim0", "last", "mesh2d"])
+def test_multi_file_sources_load_like_device_put(tmp_path, source, layout):
+    paths = _write_split(tmp_path, index=source == "index")
+    src = {"index": tmp_path, "directory": tmp_path, "list": [str(p) for p in paths]}[source]
+    abstract = _abstract(layout)
+    out, report = nnx_save.load_file(src, abstract, return_report=True)
+    for k, v in out.items():
+        _assert_like_device_put(v, FULL[k], abstract[k].sharding)
+    assert report.io.files == 3 and set(report.io.over_read_by_file) == {str(p) for p in paths}
+
+
+def test_a_file_written_by_the_reference_writer_loads(tmp_path):
+    from safetensors.numpy import save_file
+
+    full = {k: FULL[k] for k in ("a", "b", "e", "g")}
+    save_file(full, str(tmp_path / "ref.safetensors"))
+    abstract = _abstract("last", full)
+    out = nnx_save.load_file(tmp_path / "ref.safetensors", abstract)
+    for k, v in out.items():
+        _assert_like_device_put(v, full[k], abstract[k].sharding)
+
+
+@pytest.mark.slow
+def test_transformers_save_pretrained_index_loads_sharded(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path, max_shard_size="60KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 2 and (tmp_path / "model.safetensors.index.json").exists()
+    header = nnx_save.read_header(tmp_path)
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items() if k in header.tensors}
+    assert set(state) == set(header.tensors)
+    for layout in ("dim0", "last"):
+        abstract = _abstract(layout, state)
+        out, report = nnx_save.load_file(tmp_path, abstract, strict=True, return_report=True)
+        assert report.io.files == len(header.files) and report.clean
+        for k, v in out.items():
+            _assert_like_device_put(v, state[k], abstract[k].sharding)
+
+
+def test_concrete_arrays_as_abstract_adopt_their_sharding(one_file):
+    shardings = {k: NamedSharding(*_spec("mesh2d", v.ndim)) for k, v in FULL.items()}
+    abstract = {k: jax.device_put(np.zeros_like(v), shardings[k]) for k, v in FULL.items()}
+    out = nnx_save.load_file(one_file, abstract)
+    for k, v in out.items():
+        _assert_like_device_put(v, FULL[k], shardings[k])
+    assert not np.asarray(abstract["a"]).any()  # the caller's arrays are untouched
+
+
+def test_numpy_leaves_load_as_numpy_and_no_abstract_gives_a_flat_dict(one_file):
+    out = nnx_save.load_file(one_file, {"a": np.zeros((48, 24), np.float32), "b": FULL["b"]},
+                             allow_unexpected=["*"])
+    assert isinstance(out["a"], np.ndarray) and _same_bits(out["a"], FULL["a"]) and _same_bits(out["b"], FULL["b"])
+    flat = nnx_save.load_file(one_file)
+    assert sorted(flat) == sorted(FULL) and all(_same_bits(flat[k], FULL[k]) for k in FULL)
+
+
+def test_loaded_shards_are_aligned_and_replicas_share_one_host_buffer(one_file):
+    out = nnx_save.load_file(one_file, _abstract("replicated"))
+    pointers = {s.data.unsafe_buffer_pointer() for s in out["a"].addressable_shards}
+    assert len(pointers) == 1 and pointers.pop() % 64 == 0
+    out = nnx_save.load_file(one_file, _abstract("dim0"))
+    assert all(s.data.unsafe_buffer_pointer() % 64 == 0 for s in out["d"].addressable_shards)
+
+
+# ----------------------------------------------------------------------------- mismatches
+
+def test_shape_mismatch_names_both_shapes(one_file):
+    abstract = _abstract("dim0")
+    abstract["a"] = jax.ShapeDtypeStruct((24, 48), np.float32, sharding=abstract["a"].sharding)
+    line = "a: shape (24, 48) in the model, (48, 24) in the file"
+    with pytest.raises(nnx_save.LoadError, match=re.escape(line)):
+        nnx_save.load_file(one_file, abstract, strict=True)
+    with pytest.warns(nnx_save.LoadWarning, match=re.escape(line)):
+        with pytest.raises(nnx_save.NnxSaveError, match=re.escape("1 leaves have no value: ['a']")):
+            nnx_save.load_file(one_file, abstract)
+
+
+def test_dtype_cast_is_reported_and_refused_under_strict(one_file, monkeypatch):
+    abstract = _abstract("last")
+    abstract["c"] = jax.ShapeDtypeStruct((24, 48), np.float32, sharding=abstract["c"].sharding)
+    line = "c: float16 in the file -> float32 in the model"
+    with pytest.warns(nnx_save.LoadWarning, match=re.escape(line)):
+        out, report = nnx_save.load_file(one_file, abstract, return_report=True)
+    assert [str(c) for c in report.dtype_casts] == [line]
+    _assert_like_device_put(out["c"], FULL["c"].astype(np.float32), abstract["c"].sharding)
+    log = _instrument(monkeypatch)
+    with pytest.raises(nnx_save.LoadError, match=re.escape(line)):
+        nnx_save.load_file(one_file, abstract, strict=True)
+    assert log.calls == []  # refused before reading a byte
+
+
+def test_64_bit_tensors_with_x64_off_are_a_reported_cast(tmp_path):
+    assert not jax.config.jax_enable_x64
+    full = {"i": np.arange(-12, 12, dtype=np.int64).reshape(3, 8), "f": np.linspace(0, 1, 16)}
+    nnx_save.save_file(full, tmp_path / "x64.safetensors")
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(*_spec("last", v.ndim)))
+                for k, v in full.items()}
+    lines = ["f: float64 in the file -> float32 (the model's float64: jax_enable_x64 is off) in the model",
+             "i: int64 in the file -> int32 (the model's int64: jax_enable_x64 is off) in the model"]
+    with pytest.warns(nnx_save.LoadWarning, match=re.escape(lines[0] + "\n  dtype: " + lines[1])):
+        out = nnx_save.load_file(tmp_path / "x64.safetensors", abstract)
+    for k, v in out.items():
+        _assert_like_device_put(v, full[k].astype(jax.dtypes.canonicalize_dtype(v.dtype)), abstract[k].sharding)
+    with pytest.raises(nnx_save.LoadError, match=re.escape(lines[1])):
+        nnx_save.load_file(tmp_path / "x64.safetensors", abstract, strict=True)
+
+
+def test_missing_and_unused_are_reported(one_file):
+    abstract = _abstract("dim0")
+    abstract["ghost"] = jax.ShapeDtypeStruct((8,), np.float32, sharding=NamedSharding(MESH8, P("x")))
+    del abstract["b"]
+    with pytest.raises(nnx_save.LoadError, match=re.escape("missing: ghost\n  unexpected: b")):
+        nnx_save.load_file(one_file, abstract, strict=True)
+
+
+def test_index_naming_an_absent_tensor_is_refused(tmp_path):
+    _write_split(tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    body = json.loads(index.read_text())
+    body["weight_map"]["ghost"] = "model-00001-of-00003.safetensors"
+    index.write_text(json.dumps(body))
+    with pytest.raises(nnx_save.IndexFileError, match=re.escape(
+            "names tensor 'ghost' in model-00001-of-00003.safetensors, which does not hold it")):
+        nnx_save.load_file(tmp_path, _abstract("dim0"))
+
+
+@pytest.mark.parametrize("with_index", [True, False])
+def test_a_tensor_in_two_files_is_refused(tmp_path, with_index):
+    paths = _write_split(tmp_path, index=with_index)
+    nnx_save.save_file({"a": FULL["a"], "x": FULL["b"]}, tmp_path / "model-00004-of-00003.safetensors")
+    if with_index:
+        index = tmp_path / "model.safetensors.index.json"
+        body = json.loads(index.read_text())
+        body["weight_map"]["x"] = "model-00004-of-00003.safetensors"
+        index.write_text(json.dumps(body))
+    with pytest.raises(nnx_save.IndexFileError, match=re.escape("tensor 'a' appears in two files: ") +
+                       f".*{paths[0].name} and .*model-00004-of-00003.safetensors"):
+        nnx_save.load_file(tmp_path, _abstract("dim0"))
+
+
+def test_a_sharding_jax_cannot_apply_is_refused_before_reading(one_file, monkeypatch):
+    abstract = _abstract("dim0")
+    abstract["a"] = jax.ShapeDtypeStruct((48, 24), np.float32, sharding=NamedSharding(Mesh(np.array(DEV[:5]), ("x",)), P("x")))
+    log = _instrument(monkeypatch)
+    with pytest.raises(nnx_save.ShardingError, match=r"^a: sharding NamedSharding\(.*\) cannot hold shape \(48, 24\)"):
+        nnx_save.load_file(one_file, abstract)
+    assert log.calls == []
+
+
+# ----------------------------------------------------------------------------- bytes and budget
+
+class _Log:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []  # (file, offset, bytes)
+        self.inflight = self.peak = 0
+        self.lock = threading.Lock()
+
+    def enter(self, file: str, offset: int, n: int) -> None:
+        with self.lock:
+            self.calls.append((file, offset, n))
+            self.inflight += n
+            self.peak = max(self.peak, self.inflight)
+
+    def leave(self, n: int) -> None:
+        with self.lock:
+            self.inflight -= n
+
+
+class _Reader:
+    """A LocalReader that logs each read and how many bytes are being read at once."""
+
+    def __init__(self, path: str, log: _Log, table: bool, delay: float) -> None:
+        self.inner, self.log, self.delay = _read.LocalReader(path), log, delay
+        self.path = path
+        if not table:
+            self.readv_table = None
+
+    @property
+    def requests(self) -> int:
+        return self.inner.requests
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def _timed(self, n: int, offset: int, read) -> None:
+        self.log.enter(self.path, offset, n)
+        try:
+            time.sleep(self.delay)  # widen the window in which reads overlap
+            read()
+        finally:
+            self.log.leave(n)
+
+    def readv(self, buffers, offset):
+        self._timed(sum(len(b) for b in buffers), offset, lambda: self.inner.readv(buffers, offset))
+
+    def readv_table(self, table, offset):
+        self._timed(int(table[:, 1].sum()), offset, lambda: self.inner.readv_table(table, offset))
+
+
+def _instrument(monkeypatch, table: bool = True, delay: float = 0.0) -> _Log:
+    log = _Log()
+    monkeypatch.setattr(_tree, "reader_factory", lambda header: lambda f: _Reader(f, log, table, delay))
+    return log
+
+
+@pytest.mark.parametrize("table", [True, False], ids=["preadv-table", "memoryview"])
+@pytest.mark.parametrize("budget", [3000, 20_000, 1 << 30])
+def test_bytes_read_equal_the_plan_and_in_flight_stays_under_the_budget(split_dir, monkeypatch, table, budget):
+    assert 3000 < FULL["a"].nbytes  # the smallest budget is smaller than one tensor
+    log = _instrument(monkeypatch, table=table, delay=0.002)
+    abstract = _abstract("last")
+    out, report = nnx_save.load_file(split_dir, abstract, max_inflight_bytes=budget, read_chunk_bytes=8192,
+                                      num_threads=4, return_report=True)
+    for k, v in out.items():
+        _assert_like_device_put(v, FULL[k], abstract[k].sharding)
+    assert sum(n for _, _, n in log.calls) == report.io.bytes_read == report.io.bytes_needed
+    assert report.io.requests >= len(log.calls) > 0
+    assert log.peak <= budget and report.io.max_inflight_bytes <= budget
+    assert max(n for _, _, n in log.calls) <= min(budget, 8192)
+    if budget > 1e6:
+        assert log.peak > 8192  # chunks really were read concurrently
+
+
+def test_bytes_read_through_gaps_are_counted_and_within_the_ratio(tmp_path, monkeypatch):
+    # two wanted tensors of 5120 bytes around an unused one: the gap is over a page
+    full = {name: np.full(1280, i, np.float32) for i, name in enumerate(["k0", "k1", "k2"])}
+    nnx_save.save_file(full, tmp_path / "t.safetensors")
+    abstract = {k: jax.ShapeDtypeStruct((1280,), np.float32, sharding=NamedSharding(MESH8, P("x"))) for k in ("k0", "k2")}
+    log = _instrument(monkeypatch)
+    for ratio, reads, read in [(1.0, 2, 10_240), (1.49, 2, 10_240), (1.5, 1, 15_360), (None, 2, 10_240)]:
+        log.calls.clear()
+        out, report = nnx_save.load_file(tmp_path / "t.safetensors", abstract, max_over_read_ratio=ratio,
+                                         allow_unexpected=["k1"], return_report=True)
+        for k, v in out.items():
+            _assert_like_device_put(v, full[k], abstract[k].sharding)
+        assert len(log.calls) == reads and sum(n for *_, n in log.calls) == report.io.bytes_read == read
+
+
+# ----------------------------------------------------------------------------- over-read warning
+
+def _sparse_file(path, keep: int) -> dict[str, np.ndarray]:
+    """``keep`` one-element tensors, each followed by an unused 4 KiB one."""
+    full = {}
+    for i in range(keep):
+        full[f"{path.stem}.{i:04d}.keep"] = np.array([i], np.float32)  # same rank: laid out by name
+        full[f"{path.stem}.{i:04d}.skip"] = np.zeros(1024, np.float32)
+    nnx_save.save_file(full, path)
+    return {k: v for k, v in full.items() if k.endswith(".keep")}
+
+
+def test_automatic_ratio_over_read_warns_once_naming_files_ratio_and_tensors(tmp_path):
+    kept = [_sparse_file(tmp_path / f"{n}.safetensors", 1100) for n in ("one", "two")]
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(MESH8, P()))
+                for part in kept for k, v in part.items()}
+    files = [str(tmp_path / "one.safetensors"), str(tmp_path / "two.safetensors")]
+    with pytest.warns(nnx_save.OverReadWarning) as caught:
+        out, report = nnx_save.load_file(files, abstract, allow_unexpected=["*.skip"], return_report=True)
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    for f in files:
+        ratio = report.io.over_read_by_file[f]
+        assert ratio > 900 and f"{f}: read" in message and f"over-read {ratio:.2f}x" in message
+    assert "under the automatic ratio" in message and "one.0000.skip (4.1 KB)" in message
+    assert re.search(r"two.\d{4}.skip \(4\.1 KB\) and 1094 more", message)  # the last one is not read
+    assert all(_same_bits(np.asarray(out[k]), v) for part in kept for k, v in part.items())
+    # an explicit ratio is the caller's choice: exact reads and no warning
+    out, report = nnx_save.load_file(files, abstract, allow_unexpected=["*.skip"], max_over_read_ratio=1.0,
+                                     return_report=True)
+    assert report.io.bytes_read == report.io.bytes_needed == 2 * 1100 * 4
+
+
+# ----------------------------------------------------------------------------- statistics
+
+def test_statistics_are_on_the_report_and_logged_at_debug(one_file, caplog):
+    with caplog.at_level(logging.DEBUG, logger="nnx_save"):
+        _, report = nnx_save.load_file(one_file, _abstract("mesh2d"), return_report=True)
+    io = report.io
+    data = sum(v.nbytes for v in FULL.values())
+    assert (io.files, io.bytes_read, io.bytes_needed) == (1, data, data) and io.requests >= 1
+    assert io.over_read_by_file == {str(one_file): 1.0}
+    assert min(io.plan_seconds, io.read_seconds, io.assemble_seconds) >= 0
+    text = caplog.text
+    assert f"loaded {len(FULL)} tensors from {one_file}" in text and str(io) in text
+    assert f"{one_file}: FilePlan(runs=" in text and "plan " in text
+
+
+def test_planning_cost_is_vectorised(tmp_path):
+    """A last-dim split of a (20000, 64) tensor is 160K runs: far under a second."""
+    full = {"t": np.ones((20000, 64), np.float32)}
+    nnx_save.save_file(full, tmp_path / "t.safetensors")
+    abstract = {"t": jax.ShapeDtypeStruct((20000, 64), np.float32, sharding=NamedSharding(MESH8, P(None, "x")))}
+    _, report = nnx_save.load_file(tmp_path / "t.safetensors", abstract, return_report=True)
+    assert report.io.plan_seconds < 1.0 and report.io.requests < 1000
+    assert math.isclose(report.io.over_read, 1.0)
