@@ -82,3 +82,21 @@ def test_a_new_save_replaces_the_old_shard_files(tmp_path):
     new = sorted(os.listdir(tmp_path))
     assert len(new) == 2 and new != old and "manifest.json" in new
     np.testing.assert_array_equal(nnx_save.load_file(tmp_path)["w"], first["w"] + 1)
+
+
+def test_pieces_are_checked_against_their_checksums(tmp_path):
+    nnx_save.save_sharded({"w": np.arange(64, dtype=np.float32)}, tmp_path)
+    shard = next(p for p in tmp_path.iterdir() if p.name.startswith("shard_"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit pattern in the last element
+    shard.write_bytes(bytes(data))
+    with pytest.raises(nnx_save.ChecksumError, match=re.escape(f"{shard}: tensor 'w': checksum mismatch")):
+        nnx_save.load_file(tmp_path, verify=True)
+    assert nnx_save.load_file(tmp_path, verify=False)["w"][0] == 0
+
+
+def test_a_foreign_manifest_is_refused(tmp_path):
+    (tmp_path / "manifest.json").write_text('{"format": "something else"}')
+    with pytest.raises(nnx_save.HeaderError, match=re.escape(
+            f"{tmp_path / 'manifest.json'}: not an nnx_save pod manifest (expected \"format\": \"nnx_save.pod\")")):
+        nnx_save.read_header(tmp_path)
