@@ -14,7 +14,8 @@ target absent and no dirty pages queued for writeback; the page-cache state
 Strategies:
 
 - ``nnx_save``: ``nnx_save.save_file(arrays, path)``: streaming, atomic (temporary
-  file, fsync, rename, fsync of the directory).
+  file, fsync, rename, fsync of the directory), per-tensor checksums. The jax backend
+  is started before the clock (a jax program has it running when it saves).
 - ``nnx_save_nofsync``: the same with ``os.fsync`` a no-op: the write path alone.
 - ``nnx_save_jax``: ``nnx_save.save_file`` of the same arrays as jax CPU arrays.
 - ``st_numpy``: ``safetensors.numpy.save_file(arrays, path)``: writes, no fsync.
@@ -69,11 +70,12 @@ def _check(path: Path, arrays: dict[str, np.ndarray]) -> None:
 def save_worker(args: argparse.Namespace) -> dict:
     strategy, path = args.worker, Path(args.path)
     if strategy.startswith("nnx_save"):
+        import jax
+        import jax.numpy as jnp
+
         import nnx_save
 
-        if strategy == "nnx_save_jax":
-            import jax
-            import jax.numpy as jnp
+        jax.process_count()  # start the backend now: a jax program has it running before it saves
     else:
         import safetensors.numpy
 
@@ -115,7 +117,8 @@ def run(strategies: list[str], size_gb: float, repeat: int, directory: Path) -> 
             _common.sync()
             r = _common.run_fresh(__file__, s, ["--path", str(path), "--size-gb", str(size_gb)])
             path.unlink(missing_ok=True)
-            print(f"run {i + 1}/{repeat} {s:<17} " + (f"{r['seconds']:.2f} s, peak +{r['peak_above_kb'] / 1e3:.0f} MB"
+            print(f"run {i + 1}/{repeat} {s:<17} " + (f"{r['seconds']:.2f} s (cpu {r['user_s']:.2f} user "
+                                                   f"{r['sys_s']:.2f} sys), peak +{r['peak_above_kb'] / 1e3:.0f} MB"
                                                    if "error" not in r else f"ERROR {r['error']}"), file=sys.stderr)
             runs[s].append(r)
     _common.sync()
@@ -128,7 +131,10 @@ def summarise(strategy: str, rs: list[dict]) -> dict:
         return {"strategy": strategy, "error": rs[-1]["error"]}
     best = min(ok, key=lambda r: r["seconds"])
     median = statistics.median(r["seconds"] for r in ok)
+    cpu = statistics.median(r["user_s"] + r["sys_s"] for r in ok)
     return {"strategy": strategy, "seconds": best["seconds"], "median": median, "gbps": best["nbytes"] / best["seconds"] / 1e9,
+            "cpu_s": cpu, "user_s": statistics.median(r["user_s"] for r in ok),
+            "sys_s": statistics.median(r["sys_s"] for r in ok),
             "peak_mb": max(r["peak_above_kb"] for r in ok) / 1e3, "largest_mb": best["largest"] / 1e6,
             "tensors": best["tensors"], "nbytes": best["nbytes"], "runs": len(ok)}
 
@@ -159,13 +165,15 @@ def main() -> None:
         r["peak_tensors"] = r["peak_mb"] / r["largest_mb"]
     first = next(r for r in rows if "error" not in r)
     print(f"\nsave of {first['nbytes'] / 1e9:.2f} GB fp32, {first['tensors']} tensors (largest "
-          f"{first['largest_mb']:.1f} MB); fresh process per run, best of {args.repeat} (median shown too)")
+          f"{first['largest_mb']:.1f} MB); fresh process per run, best of {args.repeat} (median shown too); "
+          "user/sys: median CPU seconds of the saving process")
     print(f"page cache before: {before}\npage cache after:  {after}")
     print("each run: target absent, sync() first (no dirty pages queued); data written into the page cache, "
           "fsync'ed only where the strategy says so\n")
     print(_common.table(rows, [
         ("strategy", "strategy", ""), ("seconds", "best s", ".2f"), ("median", "median s", ".2f"),
-        ("gbps", "GB/s", ".2f"), ("peak_mb", "peak RSS above arrays MB", ".1f"),
+        ("gbps", "GB/s", ".2f"), ("user_s", "user s", ".2f"), ("sys_s", "sys s", ".2f"),
+        ("peak_mb", "peak RSS above arrays MB", ".1f"),
         ("peak_tensors", "in largest tensors", ".2f"), ("vs_st", "GB/s vs st_numpy", ".2f"),
         ("vs_st_fsync", "GB/s vs st_numpy_fsync", ".2f"),
     ]))
