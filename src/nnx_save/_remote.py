@@ -10,6 +10,7 @@ size or ETag during a load is an error naming the URL.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -67,6 +68,13 @@ def _pool():
         return _POOL
 
 
+def _user_agent() -> str:
+    """Names the library and the process, so server logs can tell hosts' reads apart."""
+    from . import __version__
+
+    return f"nnx_save/{__version__} (pid {os.getpid()})"
+
+
 class _Retry(Exception):
     """A transient failure: try this range again."""
 
@@ -109,7 +117,8 @@ class HttpReader:
     def _once(self, begin: int, length: int, sink: Callable[[object], None], to_end: bool = False) -> None:
         import urllib3
 
-        headers = {"Range": f"bytes={begin}-{begin + length - 1}", "Accept-Encoding": "identity"}
+        headers = {"Range": f"bytes={begin}-{begin + length - 1}", "Accept-Encoding": "identity",
+                   "User-Agent": _user_agent()}
         try:
             r = _pool().request("GET", self.url, headers=headers, preload_content=False, redirect=True)
         except urllib3.exceptions.HTTPError as e:
