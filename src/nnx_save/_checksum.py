@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
 from ._errors import ChecksumError
 
-__all__ = ["KEY", "ALGORITHM_KEY", "ALGORITHM", "Digests", "digest", "read_digests", "check", "full_buffers"]
+__all__ = ["KEY", "ALGORITHM_KEY", "ALGORITHM", "Digests", "digest", "read_digests", "check", "check_all", "full_buffers"]
 
 KEY = "nnx_save.checksums"
 ALGORITHM_KEY = "nnx_save.checksum_algorithm"
@@ -89,6 +90,19 @@ def check(key: str, file: str, expected: str, buffers: Iterable[memoryview | byt
         raise ChecksumError(
             f"{file}: tensor {key!r}: checksum mismatch (xxh3_64 recorded {expected}, bytes read hash to {found}); "
             "the file was modified or corrupted after it was written", key, file, expected, found)
+
+
+def check_all(jobs: Sequence[tuple[str, str, str, Sequence[memoryview]]], num_threads: int) -> None:
+    """:func:`check` every ``(key, file, expected, buffers)``, on up to ``num_threads``
+    threads (xxhash releases the GIL); the first mismatch in ``jobs`` order is raised."""
+    if num_threads <= 1 or len(jobs) <= 1:
+        for job in jobs:
+            check(*job)
+        return
+    with ThreadPoolExecutor(min(num_threads, len(jobs)), thread_name_prefix="nnx_save-verify") as pool:
+        futures = [pool.submit(check, *job) for job in jobs]
+    for f in futures:
+        f.result()
 
 
 Box = tuple[tuple[int, int], ...]

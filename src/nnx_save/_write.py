@@ -28,6 +28,7 @@ import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,15 +222,19 @@ def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapp
     bar = _progress.bar(f"saving {Path(path).name}", total, len(entries), _progress.save_setting())
     t0 = time.perf_counter()
     try:
-        with atomic_file(path, staged=staged) as fd:
+        # xxhash and os.write both release the GIL: each tensor is hashed on a helper
+        # thread while it is being written, so the checksum costs no extra wall time
+        # where a core is free.
+        with atomic_file(path, staged=staged) as fd, ThreadPoolExecutor(1, "nnx_save-hash") as hasher:
             _write_all(fd, memoryview(head))
             for e, (begin, end) in zip(entries, offsets):
                 data = host_bytes(e.value(), e.code)
                 if len(data) != end - begin:  # the header is already written: never let it lie
                     raise SaveError(f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
                                     f"{e.code} {list(e.shape)} says {end - begin}; nothing was saved", str(path))
-                digests.update(e.key, data)
+                hashed = hasher.submit(digests.update, e.key, data)
                 _write_all(fd, data)
+                hashed.result()
                 bar.update(len(data), 1)
                 del data
             final, _ = encode_header(names, digests.metadata(metadata))
