@@ -176,6 +176,9 @@ def check_file_kind(kind: str, directory: Path, last: int) -> int:
     else:
         path = directory / "tree.safetensors"
         v = which_tree(path, last)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # as open() makes it, multi-process too
         nnx_save.save_file(tree_values(last + 2), path)
         assert which_tree(path, last + 2 - 1) == last + 2
     return v
