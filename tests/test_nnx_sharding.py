@@ -130,7 +130,8 @@ def test_abstract_mesh_without_a_concrete_one_is_refused(mesh, saved):
     _, path = saved
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         with pytest.raises(nnx_save.ShardingError, match=re.escape(
-                "the builder annotates a sharding")):
+                "down/bias: the builder annotates a sharding (P(None,)) on an abstract mesh {'model': 8}; "
+                "pass mesh= to load_model or call it under jax.set_mesh(mesh)")):
             nnx_save.load_model(lambda: ShardedMLP(nnx.Rngs(1)), path)
 
 
