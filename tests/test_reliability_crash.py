@@ -234,3 +234,44 @@ def test_sigkill_at_random_moments_leaves_old_or_new_and_the_next_save_cleans_up
     # The kills must land inside saves, not between them: a file save killed midway
     # leaves its temporary file, which the next save removed (checked above).
     assert sum(bool(r["stale"]) for r in log if not r["kind"].startswith("store")) >= 3, log
+
+
+# --- the cleanup rules, one by one (fast) --------------------------------------------------------
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid  # reaped: no process has this id now (until the kernel reuses it)
+
+
+def test_the_next_save_removes_only_temporaries_of_dead_processes_of_this_host(tmp_path):
+    from nnx_save._write import _host
+
+    path = tmp_path / "m.safetensors"
+    host, dead, prefix = _host(), dead_pid(), f".m.safetensors{TMP_MARKER}"
+    names = {
+        "dead here": f"{prefix}{host}-{dead}-0badc0de",
+        "alive here (the parent)": f"{prefix}{host}-{os.getppid()}-0badc0de",
+        "this process": f"{prefix}{host}-{os.getpid()}-0badc0de",
+        "another host": f"{prefix}otherhost-{dead}-0badc0de",
+        "another PID namespace": f"{prefix}{host.split('.ns')[0]}.ns1-{dead}-0badc0de",
+        "an older name without a host": f"{prefix}{dead}-0badc0de",
+        "another target": f".n.safetensors{TMP_MARKER}{host}-{dead}-0badc0de",
+        "not ours": f"{prefix}{host}-notapid-0badc0de",
+    }
+    for name in names.values():
+        (tmp_path / name).write_bytes(b"partial")
+    nnx_save.save_file({"w": np.zeros(2, np.float32)}, path)
+    left = set(os.listdir(tmp_path))
+    assert names["dead here"] not in left
+    assert left == {"m.safetensors"} | {n for k, n in names.items() if k != "dead here"}
+
+
+def test_temporary_names_carry_host_and_pid(tmp_path):
+    from nnx_save._write import _host, temp_path
+
+    name = temp_path(tmp_path / "m.safetensors").name
+    host, pid, token = name.removeprefix(f".m.safetensors{TMP_MARKER}").rsplit("-", 2)
+    assert (host, int(pid), len(token)) == (_host(), os.getpid(), 8)
+    assert "-" not in host and "/" not in host

@@ -10,8 +10,8 @@ file has the mode a plain ``open()`` would give it. Saving makes a new inode: wh
 an existing file is replaced, its mode, owner and hard links are not carried over
 (the umask decides, as for a new file), unlike ``open(path, "w")`` on it.
 
-Temporary names carry the host name and the process id
-(``.<name>.nnx_save-tmp-<host>-<pid>-<random>``). A process killed mid-save
+Temporary names carry the host name (with the PID namespace on Linux) and the
+process id (``.<name>.nnx_save-tmp-<host>-<pid>-<random>``). A process killed mid-save
 (SIGKILL, OOM killer, power loss) cannot remove its temporary file, so the next
 save of the same target removes the ones whose process is dead on this host;
 those of other hosts (a shared filesystem) and of live processes are left alone.
@@ -77,8 +77,15 @@ def _write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
 
 
 def _host() -> str:
-    """This host's name, made safe for a file name (and cut to 64 characters)."""
-    return re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname())[:64] or "localhost"
+    """This host's name, made safe for a file name (cut to 64 characters), and on
+    Linux the PID namespace: containers sharing a host name and a filesystem but not
+    their process ids must not judge each other's processes dead."""
+    name = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname())[:64] or "localhost"
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
+    except OSError:
+        return name
+    return f"{name}.ns{re.sub(r'[^0-9]', '', namespace)}"
 
 
 def _pid_alive(pid: int) -> bool:
