@@ -5,26 +5,14 @@ from __future__ import annotations
 
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 
 import nnx_save
+from mp_harness import launch
 from nginx_server import start_nginx
 
 
-def _launcher():
-    """This directory's conftest ``launch`` (imported by path: several conftest
-    modules share the name)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("_mp_conftest", Path(__file__).with_name("conftest.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.launch
-
-
-launch = _launcher()
 
 pytestmark = pytest.mark.multiprocess
 
