@@ -4,7 +4,10 @@ Loading is driven by the model: its abstract state (from the instance, or from
 ``nnx.eval_shape`` of a builder, so the random model never exists) says which paths,
 shapes, dtypes and shardings to fill; each is looked up in the file by its own key.
 Typed PRNG keys travel as uint32 key data plus their implementation's name, Python
-scalars as 0-d arrays plus their Python type, both recorded in ``__metadata__``.
+scalars as 0-d arrays plus their Python type, both recorded in ``__metadata__``. On
+load the model's declaration decides a scalar's type (a builder's Python scalars are
+constants of its ``eval_shape`` trace and are read off it), so files from other tools,
+without that record, load the same way.
 """
 
 from __future__ import annotations
