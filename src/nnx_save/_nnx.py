@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import _collective, _dtypes, _paths, _progress
+from . import _collective, _paths, _progress
 from ._errors import NnxSaveError, ShardingError, UnsupportedValueError
 from ._load import Target, load_targets
 from ._report import LoadReport
