@@ -23,20 +23,23 @@ Columns: seconds, GB/s (checkpoint bytes / seconds), and peak RSS above the base
 divided by the checkpoint size ("mem x"): for saves and instance loads the model is in
 the baseline, so this is what the phase adds; for builder loads 1.0 is the floor.
 
+Columns also give CPU seconds (user + system of the worker process), steadier than
+wall time on a shared machine. Helpers (fresh processes, RSS phases, page-cache
+notes, the table) come from ``benchmarks/_common.py``.
+
 Run: ``.venv/bin/python benchmarks/nnx.py [--size-gb 2] [--dir /tmp/nnx_bench]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
-import json
+import functools
 import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _common import Phase, page_cache_note, run_fresh, sync, table, warm, worker_main
 
 HERE = Path(__file__).resolve().parent
 WIDTH = 2048  # each layer: a 2048 x 2048 fp32 kernel (16.8 MB) and a bias
@@ -60,22 +63,6 @@ def make_model_class():
 
 def layers_for(size_gb: float) -> int:
     return max(1, round(size_gb * 1e9 / (4 * (WIDTH * WIDTH + WIDTH))))
-
-
-# ---------------------------------------------------------------------------- memory
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-def _peak_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5": reset the peak RSS (VmHWM)
-        f.write("5")
 
 
 # ----------------------------------------------------------------------------- tools
@@ -179,96 +166,90 @@ def _file_bytes(path: str) -> int:
     return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
 
 
-def worker(args: argparse.Namespace) -> dict:
+def worker(tool: str, phase: str, args: argparse.Namespace) -> dict:
     import jax
 
-    jax.config.update("jax_platforms", "cpu")
-    from flax import nnx  # noqa: F401
+    from flax import nnx
 
-    if args.tool == "nnx_save":
+    if tool == "nnx_save":
         import nnx_save  # noqa: F401
-    elif args.tool == "st_flax":
+    elif tool == "st_flax":
         import safetensors.flax  # noqa: F401
     else:
         import orbax.checkpoint  # noqa: F401
     Stack = make_model_class()
     layers = layers_for(args.size_gb)
     reference = os.path.join(args.dir, "nnx_save.safetensors")
-    target = os.path.join(args.dir, f"{args.tool}.{'orbax' if args.tool == 'orbax' else 'safetensors'}")
-    if args.phase == "save":
+    target = os.path.join(args.dir, f"{tool}.{'orbax' if tool == 'orbax' else 'safetensors'}")
+    jax.block_until_ready(jax.device_put(0.0))  # the backend starts before the clock
+    if phase == "save":
         subject = Stack(layers, 0)
         jax.block_until_ready(nnx.state(subject))
         if os.path.isdir(target):
             shutil.rmtree(target)
-    elif args.phase == "load_instance":
+    elif phase == "load_instance":
         subject = Stack(layers, 1)
         jax.block_until_ready(nnx.state(subject))
     else:
         subject = lambda: Stack(layers, 1)  # noqa: E731
-        jax.block_until_ready(jax.device_put(0.0))
-    gc.collect()
-    base = _status_kb("VmRSS")
-    _peak_reset()
-    t0 = time.perf_counter()
-    if args.phase == "save":
-        _save(args.tool, subject, target)
-    else:
-        subject = _load(args.tool, args.phase, subject, target)
-    seconds = time.perf_counter() - t0
-    peak = _status_kb("VmHWM")
-    if args.phase == "save":
-        _verify_file(args.tool, target, reference, layers)
+    with Phase() as measured:
+        if phase == "save":
+            _save(tool, subject, target)
+        else:
+            subject = _load(tool, phase, subject, target)
+    if phase == "save":
+        _verify_file(tool, target, reference, layers)
     else:
         _verify_model(subject, reference)
-    return {"seconds": seconds, "bytes": _file_bytes(target), "peak_above_kb": peak - base, "base_kb": base}
+    return measured.result(bytes=_file_bytes(target))
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size-gb", type=float, default=2.0)
+    parser.add_argument("--dir", default="/tmp/nnx_bench")
+
+
+WORKERS = {f"{tool}:{phase}": functools.partial(worker, tool, phase) for tool in TOOLS for phase in PHASES}
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-def run_phase(tool: str, phase: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--worker", "--tool", tool, "--phase", phase,
-           "--size-gb", str(args.size_gb), "--dir", args.dir]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parent / "src"), env.get("PYTHONPATH")]))
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    if out.returncode:
-        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:100]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-gb", type=float, default=2.0)
-    parser.add_argument("--dir", default="/tmp/nnx_bench")
+    _add_arguments(parser)
     parser.add_argument("--tools", default=",".join(TOOLS))
-    parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--tool", help=argparse.SUPPRESS)
-    parser.add_argument("--phase", help=argparse.SUPPRESS)
+    parser.add_argument("--timeout", type=float, default=1800)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args)))
-        return
     os.makedirs(args.dir, exist_ok=True)
     tools = args.tools.split(",")
     if "nnx_save" not in tools:
         tools.insert(0, "nnx_save")  # its file is the reference every result is checked against
     layers = layers_for(args.size_gb)
     size = layers * 4 * (WIDTH * WIDTH + WIDTH)
-    print(f"model: {layers} x nnx.Linear({WIDTH}, {WIDTH}) fp32 = {size / 1e9:.2f} GB; "
-          f"{os.cpu_count()} CPUs; one fresh process per phase\n")
-    print(f"{'tool':<10} {'phase':<14} {'seconds':>8} {'GB/s':>7} {'mem x':>7}")
-    rows = [(tool, phase) for phase in PHASES for tool in tools]
-    rows.sort(key=lambda r: r[1] != "save")  # every save before any load
-    for tool, phase in rows:
-        r = run_phase(tool, phase, args)
-        if "error" in r:
-            print(f"{tool:<10} {phase:<14} failed: {r['error']}")
-            continue
-        print(f"{tool:<10} {phase:<14} {r['seconds']:8.2f} {size / 1e9 / r['seconds']:7.2f} "
-              f"{r['peak_above_kb'] * 1024 / size:7.2f}", flush=True)
+    print(f"model: {layers} x nnx.Linear({WIDTH}, {WIDTH}) fp32 = {size / 1e9:.2f} GB; one fresh process per phase")
+    print(page_cache_note(args.dir), flush=True)
+    rows = []
+    for phase in PHASES:  # every save before any load
+        for tool in tools:
+            sync()  # one phase's writeback must not land in the next one's time
+            if phase != "save":
+                warm(os.path.join(args.dir, "nnx_save.safetensors"))
+            r = run_fresh(__file__, f"{tool}:{phase}", ["--size-gb", str(args.size_gb), "--dir", args.dir],
+                          timeout=args.timeout)
+            row = {"tool": tool, "phase": phase, **r}
+            if "error" not in r:
+                row.update(gbps=size / 1e9 / r["seconds"], cpu=r["user_s"] + r["sys_s"],
+                           mem=r["peak_above_kb"] * 1024 / size)
+            else:
+                print(f"{tool} {phase} failed: {r['error']}", file=sys.stderr)
+            rows.append(row)
+            print(f"  {tool:<9} {phase:<14} {row.get('seconds', float('nan')):8.2f} s", file=sys.stderr, flush=True)
+    print(table(rows, [("tool", "tool", ""), ("phase", "phase", ""), ("seconds", "seconds", ".2f"),
+                       ("gbps", "GB/s", ".2f"), ("cpu", "CPU s", ".2f"), ("mem", "peak RSS / ckpt", ".2f")]))
 
 
 if __name__ == "__main__":
+    if worker_main(WORKERS, _add_arguments):
+        sys.exit()
     main()
