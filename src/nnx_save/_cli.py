@@ -409,9 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.run(args)
-    except (CLIError, nnx_save.NnxSaveError, FileNotFoundError) as e:
-        print(f"nnx-save: error: {e}", file=sys.stderr)
-        return 2
     except BrokenPipeError:  # `nnx-save inspect big | head`
         sys.stderr.close()
         return 0
+    except (CLIError, nnx_save.NnxSaveError, OSError) as e:  # OSError: a path that cannot be read or made
+        print(f"nnx-save: error: {e}", file=sys.stderr)
+        return 2
