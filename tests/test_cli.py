@@ -282,3 +282,25 @@ def test_parse_size():
     assert _cli.parse_size("200MiB") == 200 << 20
     assert _cli.parse_size("1000") == 1000
     assert _cli.parse_size("1.5 KB") == 1500
+
+
+# ---------------------------------------------------------------------------------- URLs
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory):
+    from nginx_server import start_nginx  # tests/nginx_server.py: a real nginx on a loopback port
+
+    yield from start_nginx(tmp_path_factory)
+
+
+def test_inspect_and_verify_a_url(capsys, web, ours):
+    shutil.copy(ours, web.root / "ours.safetensors")
+    url = f"{web.url}/ours.safetensors"
+    code, out, _ = cli(capsys, "inspect", url, "--json")
+    assert code == 0 and [t["name"] for t in json.loads(out)["tensors"]] == ["a", "b", "c"]
+    code, out, _ = cli(capsys, "verify", url)
+    assert code == 0 and "3 tensors, 3 verified, 0 without a checksum, 0 problem(s)" in out
+    _flip(web.root / "ours.safetensors", "c", at=1)
+    code, out, _ = cli(capsys, "verify", url)
+    assert code == 1 and "tensor 'c': checksum mismatch" in out
