@@ -18,6 +18,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import nnx_save
 
@@ -54,6 +55,7 @@ def report_version(report, tree) -> int:
     return int(tree["a"][0]) if tree["a"].size else -1
 
 
+@pytest.mark.slow  # ~20 s: a writer process and two reader threads racing
 def test_readers_see_one_whole_version_while_a_writer_replaces_the_file(tmp_path):
     path = tmp_path / "m.safetensors"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}

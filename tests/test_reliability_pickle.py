@@ -28,6 +28,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 from flax import nnx
 
 import nnx_save
@@ -146,6 +147,7 @@ _AUDIT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # ~17 s: a fresh process importing jax, flax and orbax, and an HTTP server
 def test_loading_every_kind_of_source_never_unpickles(tmp_path):
     model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
     nnx_save.save_file({"w": np.arange(6, dtype=np.float32), "i": np.ones((2, 2), np.int64)},
