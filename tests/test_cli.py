@@ -174,6 +174,9 @@ def test_verify_flipped_byte_in_one_shard(capsys, ours, tmp_path):
     code, out, _ = cli(capsys, "verify", tmp_path / "multi")
     assert code == 1 and f"FAIL {info.file}: tensor 'a': checksum mismatch" in out
     assert out.count("OK   ") == 2
+    code, _, err = cli(capsys, "convert", tmp_path / "multi", tmp_path / "merged.safetensors")
+    assert code == 2 and err.startswith(f"nnx-save: error: {info.file}: tensor 'a': checksum mismatch")
+    assert not (tmp_path / "merged.safetensors").exists()  # no file with fresh checksums over bad bytes
 
 
 # --------------------------------------------------------------------------------- diff

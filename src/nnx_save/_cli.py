@@ -335,7 +335,8 @@ def _entries(source: Path) -> tuple[list[Any], dict[str, str]]:
     if kind == "safetensors":
         header = nnx_save.read_header(source)
         meta = dict(header.files[0].metadata) if header.files else {}
-        return [Entry(k, t.dtype.code, t.shape, lambda k=k: _one(header, k)[0])
+        # verify=True: a corrupted source stops the conversion instead of getting fresh checksums
+        return [Entry(k, t.dtype.code, t.shape, lambda k=k: _one(header, k, verify=True)[0])
                 for k, t in header.tensors.items()], meta
     arrays = _torch_tensors(source) if kind == "torch" else _orbax_tensors(source)
     entries = []
