@@ -243,3 +243,16 @@ def test_aligned_empty_is_aligned_and_sized(nbytes):
     buf = _read.aligned_empty(nbytes)
     assert buf.shape == (nbytes,) and buf.dtype == np.uint8
     assert buf.ctypes.data % 64 == 0 or nbytes == 0  # an empty array has no data to align
+
+
+def test_pack_buffers_are_aligned_disjoint_and_share_few_allocations():
+    sizes = [3, 100, 0, 64, 5000, 1, 7]
+    bufs = _read.pack_buffers(sizes, slab_bytes=4096)
+    assert [len(b) for b in bufs] == sizes
+    assert all(b.ctypes.data % 64 == 0 for b in bufs if len(b))
+    for i, b in enumerate(bufs):
+        b[:] = i
+    assert all((b == i).all() for i, b in enumerate(bufs))  # no two overlap
+    owners = [id(b.base) for b in bufs]
+    # slabs fill in order up to 4096 bytes; a larger buffer is a slab of its own
+    assert owners[0] == owners[1] == owners[2] == owners[3] != owners[4] != owners[5] == owners[6]

@@ -27,7 +27,7 @@ from . import _checksum, _dtypes, _progress
 from ._errors import ShardingError
 from ._header import TensorInfo
 from ._plan import Request, over_read_by_range, plan_file
-from ._read import Budget, LocalReader, aligned_empty, execute
+from ._read import Budget, LocalReader, aligned_empty, execute, pack_buffers
 from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed
 from ._sources import Header
 
@@ -242,21 +242,27 @@ class _Engine:
                 self.digests.update({k: v for k, v in recorded.items() if k in fh.tensors})
 
     def work_for(self, file: str) -> _Work:
-        work = _Work()
+        work, kept, sizes = _Work(), [], []
         for t in self.by_file.get(file, ()):
             info = self.header.tensors[t.sources[0]]
-            work.shards[t.path] = [_Shard(box, devices, self._add(work, info, box))
+            adopted = info.dtype.byte_aligned and info.dtype.numpy == _held_dtype(t)  # the buffer becomes the array
+            work.shards[t.path] = [_Shard(box, devices, self._add(work, info, box, sizes, kept, adopted))
                                    for box, devices in self.boxes[t.path]]
         for key in self.refs:
             info = self.header.tensors[key]
             if info.file == file:
-                work.wholes[key] = self._add(work, info, tuple((0, d) for d in info.shape))
+                work.wholes[key] = self._add(work, info, tuple((0, d) for d in info.shape), sizes, kept, False)
+        # buffers the arrays adopt share large (huge-page) allocations; transient ones
+        # (cast, unpacked, transformed) are their own, freed as soon as they are used
+        packed = iter(pack_buffers([n for n, k in zip(sizes, kept) if k]))
+        work.dests = [next(packed) if k else aligned_empty(n) for n, k in zip(sizes, kept)]
         return work
 
     @staticmethod
-    def _add(work: _Work, info: TensorInfo, box: Box) -> int:
-        dest = len(work.dests)
-        work.dests.append(aligned_empty(_box_nbytes(info, box)))
+    def _add(work: _Work, info: TensorInfo, box: Box, sizes: list[int], kept: list[bool], adopted: bool) -> int:
+        dest = len(sizes)
+        sizes.append(_box_nbytes(info, box))
+        kept.append(adopted)
         work.requests.append(_request(info, box, dest))
         return dest
 
