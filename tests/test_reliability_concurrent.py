@@ -125,3 +125,21 @@ def test_a_header_keeps_its_files_open_only_while_it_lives(tmp_path):
     for _ in range(50):  # loads open nothing that outlives them
         nnx_save.load_file(tmp_path / "a.safetensors")
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_header_of_many_files_pins_at_most_its_limit(tmp_path, monkeypatch):
+    import nnx_save._sources as sources
+
+    monkeypatch.setattr(sources, "_max_pinned", lambda: 3)
+    for i in range(5):
+        nnx_save.save_file({f"t{i}": np.full(2, i, np.float32)}, tmp_path / f"{i}.safetensors")
+    before = len(os.listdir("/proc/self/fd"))
+    header = nnx_save.read_header(tmp_path)
+    assert len(os.listdir("/proc/self/fd")) == before + 3
+    loaded = nnx_save.load_file(header)  # pinned or not, every file loads
+    assert {k: v.tolist() for k, v in loaded.items()} == {f"t{i}": [float(i)] * 2 for i in range(5)}
+    del header
+    import gc
+
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == before

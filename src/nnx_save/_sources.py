@@ -6,9 +6,9 @@ explicit list of files. :func:`read_header` validates every file's header (each 
 read with two positioned reads: the 8-byte prefix, then the JSON) and checks the
 index against them before any tensor byte is read.
 
-A :class:`Header` of local files keeps each file open (one descriptor per file,
-closed when the Header is garbage collected), and loads from it read through those
-descriptors: when a writer replaces a file (``save_file`` renames a new one over
+A :class:`Header` of local files keeps each file open (one descriptor per file, up
+to 256, closed when the Header is garbage collected), and loads from it read
+through those descriptors: when a writer replaces a file (``save_file`` renames a new one over
 it) between the header read and the data reads, the load still reads the file
 whose header it validated, never the header of one version with the bytes of
 another.
@@ -104,16 +104,30 @@ def read_file_header(path: PathLike, pinned: "_Pinned | None" = None) -> FileHea
     return header
 
 
+def _max_pinned() -> int:
+    """Files one Header keeps open: a quarter of the descriptor limit, at most 256."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return 64
+    return 256 if soft == resource.RLIM_INFINITY else max(0, min(256, soft // 4))
+
+
 class _Pinned:
     """Open descriptors of the files whose headers a :class:`Header` holds, closed
-    when the Header (its only owner) is garbage collected."""
+    when the Header (its only owner) is garbage collected. Beyond
+    :func:`_max_pinned` files (a directory of thousands of files), the rest are
+    reopened by name when read, as if not pinned."""
 
     def __init__(self) -> None:
         self.fds: dict[str, int] = {}
+        self.limit = _max_pinned()
         self._finalizer = weakref.finalize(self, _close_all, self.fds)
 
     def keep(self, name: str, fd: int) -> None:
-        if name in self.fds:  # the same file named twice: keep the first
+        if name in self.fds or len(self.fds) >= self.limit:  # named twice, or too many
             os.close(fd)
         else:
             self.fds[name] = fd
