@@ -179,6 +179,19 @@ def test_verify_flipped_byte_in_one_shard(capsys, ours, tmp_path):
     assert not (tmp_path / "merged.safetensors").exists()  # no file with fresh checksums over bad bytes
 
 
+def test_verify_malformed_checksum_record(capsys, tmp_path):
+    import safetensors.numpy
+
+    path = tmp_path / "odd.safetensors"
+    safetensors.numpy.save_file({"x": np.ones(2, np.float32), "y": np.ones(2, np.float32)}, str(path),
+                                metadata={"nnx_save.checksums": "{oops"})
+    code, out, _ = cli(capsys, "verify", path)
+    assert code == 1 and out.startswith(
+        f"FAIL {path}: header valid, 2 tensors, 0 checksums verified\n"
+        f"FAIL {path}: __metadata__['nnx_save.checksums'] is not valid JSON: ")
+    assert out.endswith("2 tensors, 0 verified, 0 without a checksum, 1 problem(s)\n")
+
+
 # --------------------------------------------------------------------------------- diff
 
 
