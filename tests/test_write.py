@@ -231,9 +231,13 @@ def test_refused_leaf_error_carries_the_path(tmp_path):
     assert info.value.path == "a/1"
 
 
-@pytest.mark.parametrize("metadata", [{"k": 1}, {1: "v"}, {"k": None}])
-def test_metadata_must_be_str_to_str(tmp_path, metadata):
-    with pytest.raises(nnx_save.UnsupportedValueError, match=re.escape("metadata must map str to str")):
+@pytest.mark.parametrize("metadata, detail", [
+    ({"ok": "x", "k": 1}, ": 'k': 1 is str: int"), ({1: "v"}, ": 1: 'v' is int: str"),
+    ({"k": None}, ": 'k': None is str: NoneType"), ([("k", "v")], ", found a list"),
+    ({"k": "\udcff"}, ": 'k': '\\udcff' is not valid Unicode (a lone surrogate)"),
+])
+def test_metadata_must_be_str_to_str(tmp_path, metadata, detail):
+    with pytest.raises(nnx_save.UnsupportedValueError, match=re.escape("metadata must map str to str" + detail)):
         nnx_save.save_file({"w": np.zeros(1)}, tmp_path / "m.safetensors", metadata=metadata)
     assert os.listdir(tmp_path) == []
 

@@ -121,10 +121,26 @@ def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None =
     pairs, _ = flatten(tree)
     _paths.check_unique(p for p, _ in pairs)
     entries = [leaf_entry(p, v) for p, v in pairs]
-    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise UnsupportedValueError("metadata must map str to str", "__metadata__")
+    _check_metadata(metadata)
     with _progress.saving(progress):
         _collective.save(path, entries, metadata)  # one process alone, or all of them together
+
+
+def _check_metadata(metadata: Any) -> None:
+    """``__metadata__`` must be UTF-8 text to text; say which pair is not."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, Mapping):
+        raise UnsupportedValueError(f"metadata must map str to str, found a {type(metadata).__name__}", "__metadata__")
+    for k, v in metadata.items():
+        if not (isinstance(k, str) and isinstance(v, str)):
+            raise UnsupportedValueError(f"metadata must map str to str: {k!r}: {v!r:.40} is "
+                                        f"{type(k).__name__}: {type(v).__name__}", "__metadata__")
+        try:
+            (k + v).encode("utf-8")
+        except UnicodeEncodeError:
+            raise UnsupportedValueError(f"metadata must map str to str: {k!r}: {v!r:.40} is not valid "
+                                        "Unicode (a lone surrogate)", "__metadata__") from None
 
 
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str]]:
