@@ -119,21 +119,32 @@ def fork_saver(cmd: dict, rank: int) -> int:
     os._exit(code)
 
 
+def kill(pids) -> list[int]:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # exited (a saver that failed) but not reaped yet
+            pass
+    return [os.waitpid(pid, 0)[1] for pid in pids]
+
+
 def main() -> None:
     emit(ev="ready")
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "run":
-            emit(ev="pids", pids=[fork_saver(cmd, rank) for rank in range(cmd.get("n", 1))])
-        elif cmd["op"] == "kill":
-            status = []
-            for pid in cmd["pids"]:
-                os.kill(pid, signal.SIGKILL)
-            for pid in cmd["pids"]:
-                status.append(os.waitpid(pid, 0)[1])
-            emit(ev="killed", status=status)
-        elif cmd["op"] == "quit":
-            break
+    live = set()
+    try:
+        for line in sys.stdin:
+            cmd = json.loads(line)
+            if cmd["op"] == "run":
+                pids = [fork_saver(cmd, rank) for rank in range(cmd.get("n", 1))]
+                live.update(pids)
+                emit(ev="pids", pids=pids)
+            elif cmd["op"] == "kill":
+                live.difference_update(cmd["pids"])
+                emit(ev="killed", status=kill(cmd["pids"]))
+            elif cmd["op"] == "quit":
+                break
+    finally:  # never leave a saver behind (the test failed, or its process went away)
+        kill(sorted(live))
 
 
 if __name__ == "__main__":

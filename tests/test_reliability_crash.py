@@ -128,15 +128,17 @@ def kill_mid_save(z: Zygote, rng: random.Random, kind: str, directory: Path, n: 
         elif e.get("ev") == "start":
             starts[e["v"]] = e["t"]
 
-    for _ in range(2):  # the first save also starts jax; the second is a plain one
-        z.wait("done", timeout=180, where=note)
-    duration = done[-1]["t"] - starts[done[-1]["v"]]
-    delay = rng.uniform(0, duration)
-    target_v = max(starts) + 1
-    while target_v not in starts:
-        z.wait("start", where=note)
-    time.sleep(max(starts[target_v] + delay - time.monotonic(), 0))
-    z.send(op="kill", pids=pids)
+    try:
+        for _ in range(2):  # the first save also starts jax; the second is a plain one
+            z.wait("done", timeout=180, where=note)
+        duration = done[-1]["t"] - starts[done[-1]["v"]]
+        delay = rng.uniform(0, duration)
+        target_v = max(starts) + 1
+        while target_v not in starts:
+            z.wait("start", where=note)
+        time.sleep(max(starts[target_v] + delay - time.monotonic(), 0))
+    finally:
+        z.send(op="kill", pids=pids)  # on a failure too: no saver outlives the test
     status = z.wait("killed", where=note)["status"]
     assert all(os.WIFSIGNALED(s) and os.WTERMSIG(s) == 9 for s in status), status
     last = max((e["v"] for e in done), default=0)
