@@ -369,3 +369,26 @@ def test_host_memory_above_the_arrays_stays_under_one_tensor(tmp_path):
         tracemalloc.stop()
     assert peak < one + (one // 2), peak
     assert (tmp_path / "m.safetensors").stat().st_size > 8 * one
+
+
+def test_checksums_of_small_and_large_tensors_are_right(tmp_path):
+    # Small tensors are hashed on the writing thread, large ones on the helper: both
+    # must record the xxh3 of exactly the bytes on disk.
+    import xxhash
+
+    big = np.arange(_write.HASH_THREAD_MIN_BYTES // 4 + 3, dtype=np.float32)
+    small = np.arange(10, dtype=np.int16)
+    path = tmp_path / "m.safetensors"
+    nnx_save.save_file({"big": big, "small": small}, path)
+    h = nnx_save.read_header(path)
+    import json
+
+    recorded = json.loads(h.metadata["nnx_save.checksums"])
+    assert recorded == {"big": xxhash.xxh3_64_hexdigest(big.tobytes()),
+                        "small": xxhash.xxh3_64_hexdigest(small.tobytes())}
+    nnx_save.load_file(path, verify=True)
+    raw = bytearray(path.read_bytes())
+    raw[h["small"].begin] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(nnx_save.ChecksumError, match=re.escape(f"{path}: tensor 'small': checksum mismatch")):
+        nnx_save.load_file(path, verify=True)
