@@ -201,3 +201,53 @@ def test_rlimit_fsize_save_errors_keep_previous_files_and_remove_temporaries(tmp
     assert not [n for n in names if TMP_MARKER in n], names
     assert sorted(os.listdir(tmp_path / "multi")) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+
+
+# --- a multi-process save into a full filesystem -------------------------------------------------
+
+_MP_WORKER = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {workers!r})
+    import mp_boot
+    ctx = mp_boot.init()
+    import jax
+    import numpy as np
+    import nnx_save
+
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
+    whole = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32)  # 1 MiB over both processes
+    w = jax.make_array_from_callback(whole.shape, sharding, lambda i: whole[i])
+    try:
+        nnx_save.save_file({{"w": w}}, ctx.args["path"])
+        error = None
+    except nnx_save.SaveError as e:
+        error = [str(e), e.path]
+    ctx.write({{"error": error}})
+    """
+)
+
+
+@pytest.mark.slow  # two JAX processes
+@pytest.mark.multiprocess
+def test_multi_process_save_into_a_full_filesystem(small_fs, tmp_path):
+    import importlib.util
+
+    harness_path = Path(__file__).parent / "multiprocess" / "conftest.py"
+    spec = importlib.util.spec_from_file_location("reliability_mp_harness", harness_path)
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    fs = small_fs(256 << 10)
+    path = fs / "m.safetensors"
+    nnx_save.save_file({"w": np.arange(16, dtype=np.float32)}, path)
+    before = snapshot(fs)
+    worker = tmp_path / "save_full.py"
+    worker.write_text(_MP_WORKER.format(workers=str(harness.WORKERS)))
+    workers = harness.launch(str(worker), 2, 2, tmp_path / "run", {"path": str(path)}, timeout=120)
+    for w in workers:
+        message, where = w.result["error"]
+        assert where == str(path), w.describe()
+        assert message.startswith(f"{path}: the multi-process save failed (process ") and \
+            "No space left on device" in message and "the previous file, if any, is intact" in message, message
+    assert snapshot(fs) == before  # the previous file, and no temporary file
