@@ -74,6 +74,7 @@ METHODS = {
     "memoryview": {"reader": _NoTable, "DIRECT_MIN_RUN_PY": 0},
     "scatter-whole-chunk": {"reader": _NoTable, "DIRECT_MIN_RUN_PY": 1 << 40, "DIRECT_MAX_RUNS": 0},
     "tiny-gap-scratch": {"DIRECT_MIN_RUN": 0, "GAP_SCRATCH": 7},
+    "two-run-tables": {"DIRECT_MIN_RUN": 0, "TABLE_RUNS": 2},
 }
 
 

@@ -38,17 +38,18 @@ class Request:
 
 
 def _geometry(shape: Sequence[int], itemsize: int, box: Box, base: int):
-    """``(first offset, run length, outer)`` of a box, or None when it is empty.
+    """``(first offset, run length, outer, k)`` of a box, or None when it is empty.
 
-    ``outer`` lists ``(start, stop, byte stride)`` of the dimensions before the
-    first one the runs are cut on; the runs are the C-order grid over them.
+    ``k`` is the dimension the runs are cut on (-1: the whole tensor is one run);
+    ``outer`` lists ``(count, byte stride)`` of the dimensions before it: the runs
+    are the C-order grid over them.
     """
     k, stride = len(shape) - 1, itemsize
     while k >= 0 and box[k] == (0, shape[k]):  # trailing dimensions read whole
         stride *= shape[k]
         k -= 1
     if k < 0:
-        return (base, stride, []) if stride else None
+        return (base, stride, [], k) if stride else None
     lo, hi = box[k]
     if hi <= lo or not stride:
         return None
@@ -60,7 +61,7 @@ def _geometry(shape: Sequence[int], itemsize: int, box: Box, base: int):
             return None
         first += lo * stride
         outer.append((hi - lo, stride))
-    return first, length, outer[::-1]
+    return first, length, outer[::-1], k
 
 
 def _grid(first: int, outer: list[tuple[int, int]]) -> np.ndarray:
@@ -84,7 +85,7 @@ def box_runs(shape: Sequence[int], itemsize: int, box: Box, base: int = 0) -> tu
     g = _geometry(tuple(shape), itemsize, tuple(box), base)
     if g is None:
         return np.empty(0, np.int64), 0
-    first, length, outer = g
+    first, length, outer, _ = g
     return _grid(first, outer), length
 
 
@@ -130,40 +131,78 @@ class FilePlan:
 def _gather_runs(requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
     """Every run of every request, sorted by file offset: offset, length, dest, dest_offset.
 
-    A box read in one run (a leading-dimension split, a whole tensor) costs no numpy
-    call; the strided ones build their grid in one broadcast each.
+    Boxes read in one run (leading-dimension splits, whole tensors) are collected as
+    plain numbers and sorted once. The strided boxes of a tensor are built together,
+    straight into the output columns: boxes that differ only on the dimension their
+    runs are cut on (a last-dimension split) interleave row by row, so their runs
+    come out sorted from one broadcast, without a sort or a gather; anything else
+    (2-D splits, overlapping boxes) is sorted within its tensor.
     """
-    firsts, lengths, dests, counts, grids = [], [], [], [], []
+    flat: list[tuple[int, int, int]] = []  # (offset, length, dest) of one-run boxes
+    strided: dict[tuple, list] = {}  # tensor -> its strided boxes
     for r in requests:
         g = _geometry(r.shape, r.itemsize, r.box, r.base)
         if g is None:
             continue
-        first, length, outer = g
-        firsts.append(first)
-        lengths.append(length)
-        dests.append(r.dest)
-        counts.append(math.prod(c for c, _ in outer))
-        if outer:
-            grids.append((len(firsts) - 1, _grid(first, outer)))
-    if not firsts:
-        return tuple(np.empty(0, np.int64) for _ in range(4))
-    count = np.array(counts, np.int64)
-    start = np.cumsum(count) - count
-    if grids:
-        offset = np.repeat(np.array(firsts, np.int64), count)
-        for i, grid in grids:
-            offset[start[i]:start[i] + len(grid)] = grid
-    else:
-        offset = np.array(firsts, np.int64)
-    order = None if (offset[1:] >= offset[:-1]).all() else np.argsort(offset, kind="stable")
-    rid = np.repeat(np.arange(len(count)), count)
-    if order is not None:
-        offset, rid = offset[order], rid[order]
-        index = order - start[rid]  # the run's place in its request's C order
-    else:
-        index = np.arange(len(offset), dtype=np.int64) - start[rid]
-    length = np.array(lengths, np.int64)[rid]
-    return offset, length, np.array(dests, np.int64)[rid], index * length
+        if g[2]:
+            strided.setdefault((r.base, r.shape, r.itemsize), []).append((*g, r.box, r.dest))
+        else:
+            flat.append((g[0], g[1], r.dest))
+    flat.sort()
+    f_off = np.array([f[0] for f in flat], np.int64)
+    groups = sorted((min(b[0] for b in boxes), boxes) for boxes in strided.values())
+    sizes = np.array([sum(math.prod(c for c, _ in b[2]) for b in boxes) for _, boxes in groups], np.int64)
+    before = np.searchsorted(f_off, np.array([g[0] for g in groups], np.int64))  # one-run boxes before each group
+    shift = np.concatenate([[0], np.cumsum(sizes)])
+    cols = tuple(np.empty(len(flat) + int(shift[-1]), np.int64) for _ in range(4))
+    pos = np.arange(len(flat)) + shift[np.searchsorted(before, np.arange(len(flat)), "right")]
+    for c, values in zip(cols, (f_off, [f[1] for f in flat], [f[2] for f in flat], 0)):
+        c[pos] = values
+    for (_, boxes), n, at in zip(groups, sizes.tolist(), (before + shift[:-1]).tolist()):
+        _tensor_runs(boxes, tuple(c[at:at + n] for c in cols))
+    offset = cols[0]
+    if len(offset) > 1 and (offset[1:] < offset[:-1]).any():  # only boxes that overlap get here
+        order = np.argsort(offset, kind="stable")
+        cols = tuple(c[order] for c in cols)
+    return cols
+
+
+def _interleaves(boxes: list) -> bool:
+    """Same cut dimension, same outer ranges, disjoint ranges on the cut dimension."""
+    if len(boxes) == 1:
+        return True
+    k = boxes[0][3]
+    if any(b[3] != k or b[4][:k] != boxes[0][4][:k] for b in boxes) or k < 0:
+        return False
+    spans = sorted((b[0], b[0] + b[1]) for b in boxes)
+    return all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+
+
+def _tensor_runs(boxes: list, out: tuple[np.ndarray, ...]) -> None:
+    """Fill ``out`` (offset, length, dest, dest_offset) with one tensor's runs, sorted."""
+    offset, length, dest, dest_offset = out
+    if _interleaves(boxes):
+        boxes = sorted(boxes, key=lambda b: b[0])
+        grid = _grid(0, boxes[0][2])  # row starts, shared by every box
+        firsts = np.array([b[0] for b in boxes], np.int64)
+        lens = np.array([b[1] for b in boxes], np.int64)
+        m = len(boxes)
+        np.add(grid[:, None], firsts[None, :], out=offset.reshape(-1, m))
+        length.reshape(-1, m)[:] = lens
+        dest.reshape(-1, m)[:] = np.array([b[5] for b in boxes], np.int64)
+        np.multiply(np.arange(len(grid), dtype=np.int64)[:, None], lens[None, :], out=dest_offset.reshape(-1, m))
+        return
+    at = 0
+    for first, ln, outer, _, _, d in boxes:  # overlapping or differently cut boxes: sort
+        grid = _grid(first, outer)
+        offset[at:at + len(grid)] = grid
+        length[at:at + len(grid)] = ln
+        dest[at:at + len(grid)] = d
+        dest_offset[at:at + len(grid)] = np.arange(len(grid), dtype=np.int64) * ln
+        at += len(grid)
+    order = np.argsort(offset, kind="stable")
+    for c in out:
+        c[:] = c[order]
 
 
 def _page_blocks(offset: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

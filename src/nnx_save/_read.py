@@ -51,6 +51,7 @@ DIRECT_MIN_RUN = 128
 DIRECT_MIN_RUN_PY = 16 << 10
 DIRECT_MAX_RUNS = 64  # a chunk of this few runs is always read directly
 GAP_SCRATCH = 1 << 20  # bytes a gap iovec may cover; longer gaps take several
+TABLE_RUNS = 1 << 16  # runs per iovec table (~2.5 MiB of table and temporaries)
 SCATTER_BLOCK = 1 << 20  # local scatter reads: cache-sized blocks
 
 
@@ -216,22 +217,20 @@ def _runs(plan: FilePlan, i: int) -> tuple[int, int, int, int]:
     return int(plan.chunk_start[i]), int(plan.chunk_end[i]), int(plan.chunk_lo[i]), int(plan.chunk_hi[i])
 
 
-def _iov_table(plan: FilePlan, i: int, dest_ptr: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """The chunk's iovecs as ``(address, length)`` rows in file order: one per run
-    (into its destination) and one per ``len(scratch)`` bytes of each gap."""
-    cs, ce, lo, hi = _runs(plan, i)
+def _iov_table(plan: FilePlan, lo: int, hi: int, start: int, dest_ptr: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """Iovecs for runs ``[lo, hi)`` read from file byte ``start`` on, as
+    ``(address, length)`` rows in file order: one per run (into its destination)
+    and one per ``len(scratch)`` bytes of each gap before a run."""
     off, length = plan.offset[lo:hi], plan.length[lo:hi]
     addr = dest_ptr[plan.dest[lo:hi]] + plan.dest_offset[lo:hi].astype(np.uint64)
-    end = off + length
-    gap = np.empty(len(off) + 1, np.int64)  # gap[j] precedes run j; gap[-1] ends the chunk
-    gap[0] = off[0] - cs if len(off) else ce - cs
-    gap[1:-1] = off[1:] - end[:-1]
-    gap[-1] = ce - end[-1] if len(off) else 0
+    gap = np.empty(len(off), np.int64)  # gap[j] precedes run j
+    gap[:1] = off[:1] - start
+    np.subtract(off[1:], off[:-1] + length[:-1], out=gap[1:])
     if not gap.any():
         return np.stack([addr, length.astype(np.uint64)], axis=1)
     g = max(len(scratch), 1)
     pieces = -(-gap // g)
-    row_of_run = np.cumsum(pieces[:-1] + 1) - 1
+    row_of_run = np.cumsum(pieces + 1) - 1
     table = np.empty((int(pieces.sum()) + len(off), 2), np.uint64)
     is_gap = np.ones(len(table), bool)
     is_gap[row_of_run] = False
@@ -241,6 +240,17 @@ def _iov_table(plan: FilePlan, i: int, dest_ptr: np.ndarray, scratch: np.ndarray
     table[is_gap, 0] = scratch.ctypes.data
     table[is_gap, 1] = np.minimum(g, gap[owner] - k * g)
     return table
+
+
+def _read_table(reader, plan: FilePlan, i: int, dest_ptr: np.ndarray, scratch: np.ndarray) -> None:
+    """A chunk through ``preadv`` iovec tables, :data:`TABLE_RUNS` runs per table
+    (so a thread's table memory stays a few MiB however many runs a chunk has)."""
+    cs, ce, lo, hi = _runs(plan, i)
+    start = cs
+    for a in range(lo, hi, TABLE_RUNS):
+        b = min(a + TABLE_RUNS, hi)
+        reader.readv_table(_iov_table(plan, a, b, start, dest_ptr, scratch), start)
+        start = int(plan.offset[b - 1] + plan.length[b - 1])
 
 
 def _direct(reader, plan: FilePlan, dests: list[np.ndarray], i: int, scratch: np.ndarray) -> None:
@@ -379,7 +389,7 @@ def execute(
         with budget(ce - cs):
             how = _method(reader, hi - lo, int(needed[i]))
             if how == "table":
-                reader.readv_table(_iov_table(plan, i, dest_ptr, scratch.gap()), cs)
+                _read_table(reader, plan, i, dest_ptr, scratch.gap())
             elif how == "direct":
                 _direct(reader, plan, dests, i, scratch.gap())
             else:
