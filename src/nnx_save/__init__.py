@@ -1,5 +1,7 @@
 """nnx_save: safe, exact and fast saving and loading of JAX / Flax NNX state."""
 
+from ._async import SaveHandle as SaveHandle
+from ._async import wait_for_saves as wait_for_saves
 from ._errors import ByteLengthError as ByteLengthError
 from ._errors import ChecksumError as ChecksumError
 from ._errors import DtypeMismatchError as DtypeMismatchError

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import _collective, _paths, _progress
+from . import _async, _collective, _paths, _progress
 from ._errors import NnxSaveError, ShardingError, UnsupportedValueError
 from ._load import Target, load_targets
 from ._report import LoadReport
@@ -121,7 +121,8 @@ def save_model(
     rules: Any = None,
     max_shard_size: int | None = None,
     progress: bool | None = None,
-) -> None:
+    blocking: bool = True,
+) -> _async.SaveHandle | None:
     """Save an NNX model's state (or the part ``filter`` selects) as safetensors.
 
     Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal).
@@ -141,6 +142,9 @@ def save_model(
             many bytes.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
+            of the state is taken; the file is written in the background (see
+            docs/async.md). Training on, donating the model's buffers, is safe.
 
     Every tensor's xxh3_64 checksum is recorded in ``__metadata__``.
 
@@ -165,13 +169,17 @@ def save_model(
         entries = export_entries(rules, entries)
         if "format" not in (metadata or {}):
             meta["format"] = "pt"  # transformers refuses safetensors files without it
-    with _progress.saving(progress):
+
+    def write(path: str | os.PathLike, entries: Sequence[Entry]) -> None:
         if max_shard_size is not None:
             from ._multifile import write_sharded
 
             write_sharded(path, entries, meta, max_shard_size)
         else:
             _collective.save(path, entries, meta)  # one process alone, or all of them together
+
+    with _progress.saving(progress):
+        return _async.save(path, entries, write, blocking=blocking)
 
 
 # --------------------------------------------------------------------------- loading

@@ -47,7 +47,11 @@ def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
 
 
 def make_manager(directory: pathlib.Path, max_to_keep: int | None, *, create: bool) -> ocp.CheckpointManager:
-    """A synchronous manager keeping the latest ``max_to_keep`` steps (all when None).
+    """An asynchronous manager keeping the latest ``max_to_keep`` steps (all when None).
+
+    ``save`` returns once Orbax has copied the arrays to the host; the files are
+    written, and the step committed, on Orbax's background thread
+    (``wait_until_finished`` waits; the next ``save`` waits for the previous one).
 
     ``create`` (only for writing) makes the directory and removes temporary step
     directories left behind by a save that was killed midway.
@@ -55,7 +59,7 @@ def make_manager(directory: pathlib.Path, max_to_keep: int | None, *, create: bo
     options = ocp.CheckpointManagerOptions(
         create=create,
         cleanup_tmp_directories=create,
-        enable_async_checkpointing=False,
+        enable_async_checkpointing=True,
         preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
     )
     return ocp.CheckpointManager(directory, options=options, handler_registry=_registry())

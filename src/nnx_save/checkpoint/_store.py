@@ -71,6 +71,7 @@ class CheckpointStore(Protocol):
         producer: Producer | None = None,
         extra: Mapping[str, Any] | None = None,
         overwrite: bool = False,
+        blocking: bool = True,
     ) -> pathlib.Path: ...
 
     def restore(
@@ -100,7 +101,12 @@ class OrbaxCheckpointStore:
     Each step holds up to five named items (``model``, ``optimizer``, ``rng``,
     ``data_iterator``, ``extensions``), each a pytree of arrays, typed PRNG keys and
     plain Python values, plus a JSON metadata record and a JSON record of every
-    array's dtype. Saves are synchronous. Only the latest ``max_to_keep`` steps are
+    array's dtype. Saves use Orbax's asynchronous checkpointing: with
+    ``save(..., blocking=False)`` the call returns once the state is copied to the
+    host (training may go on, donating the saved buffers) and the step is written
+    in the background; reading a step, the next save, :meth:`wait_until_finished`,
+    :meth:`close` and leaving the ``with`` block wait for pending saves and raise
+    their errors. Refused saves raise at the ``save`` call either way. Only the latest ``max_to_keep`` steps are
     kept (``None`` keeps all). Nothing is created on disk before the first save.
     Restoring never executes code: Orbax reads arrays, numbers, strings and JSON.
 
@@ -158,10 +164,20 @@ class OrbaxCheckpointStore:
         self.close()
 
     def close(self) -> None:
-        """Release Orbax's resources. Idempotent; any later call raises ``ValueError``."""
+        """Wait for pending saves, then release Orbax's resources (even when a save
+        failed: its error is raised after). Idempotent; any later call raises
+        ``ValueError``."""
+        manager, self._manager, self._closed = self._manager, None, True
+        if manager is not None:
+            try:
+                manager.wait_until_finished()
+            finally:
+                manager.close()
+
+    def wait_until_finished(self) -> None:
+        """Wait until every pending save is committed; raise the error of one that failed."""
         if self._manager is not None:
-            self._manager.close()
-        self._manager, self._closed = None, True
+            self._manager.wait_until_finished()
 
     def _reader(self) -> Any:
         if self._closed:
@@ -238,6 +254,8 @@ class OrbaxCheckpointStore:
     def _require(self, step: int) -> Any:
         step = _check_step(step)
         manager = self._reader()
+        if manager is not None:
+            manager.wait_until_finished()  # a pending step is read once it is committed
         if manager is None or step not in manager.all_steps():
             raise CheckpointNotFoundError(step, self._directory, self.list_steps())
         return manager
@@ -257,8 +275,11 @@ class OrbaxCheckpointStore:
         producer: Producer | None = None,
         extra: Mapping[str, Any] | None = None,
         overwrite: bool = False,
+        blocking: bool = True,
     ) -> pathlib.Path:
-        """Write ``items`` as ``step``; return the step's directory once it is committed.
+        """Write ``items`` as ``step``; return the step's directory once it is committed
+        (with ``blocking=False``: once the state is on the host; the directory
+        appears when the background write commits it).
 
         Everything is validated before anything is written; a refused save leaves
         the store exactly as it was. An overwrite keeps the old step (set aside)
@@ -275,7 +296,10 @@ class OrbaxCheckpointStore:
             producer: The program writing the checkpoint.
             extra: JSON data (str keys) such as the run's config; may not reuse a
                 metadata field name.
-            overwrite: Replace ``step`` if it is already stored.
+            overwrite: Replace ``step`` if it is already stored (always waits
+                for the replacement to be committed).
+            blocking: ``False`` returns before the step is written; see
+                :meth:`wait_until_finished`.
 
         Returns:
             The step directory.
@@ -302,6 +326,8 @@ class OrbaxCheckpointStore:
         else:
             self._write(manager, step, args)
         self._metadata = {s: m for s, m in self._metadata.items() if s != step and s in manager.all_steps()}
+        if blocking:
+            manager.wait_until_finished()
         return self._step_path(step)
 
     def _refuse_write(self, step: int, overwrite: bool) -> bool:
@@ -325,10 +351,12 @@ class OrbaxCheckpointStore:
 
     def _replace(self, manager: Any, step: int, args: Any) -> None:
         step_dir, aside = self._step_path(step), self._directory / f"{_ASIDE_PREFIX}{step}"
+        manager.wait_until_finished()  # the step being replaced may still be in flight
         _orbax.on_primary("set_aside", lambda: step_dir.rename(aside))
         manager.reload()
         try:
             manager.save(step, args=args, force=True)
+            manager.wait_until_finished()  # the old step goes only once its replacement is committed
         except BaseException:
             if _orbax.is_primary() and not step_dir.exists():
                 aside.rename(step_dir)

@@ -1,0 +1,342 @@
+"""Saves that do not stall training: ``save_file(..., blocking=False)`` and
+``save_model(..., blocking=False)``.
+
+The call returns a :class:`SaveHandle` once a consistent host snapshot of every
+tensor exists; writing, hashing, fsync and the atomic rename then run on one
+background thread, in submission order. The caller may continue at once, even with
+jitted steps that donate the saved arrays' buffers: the file holds the values at
+the time of the call.
+
+The snapshot (:func:`snapshot`):
+
+- **jax arrays** are immutable, so only device memory that may be reused needs
+  copying. On accelerators, the device -> host copy of every replica-0 addressable
+  shard is issued first (``copy_to_host_async``, all at once) and then completed.
+  On the CPU backend ``np.asarray(shard)`` aliases the device buffer and takes an
+  external reference on it; PJRT then refuses to donate that buffer (the jitted
+  step silently allocates a new output instead), so the alias keeps the saved
+  values without any copy (``tests/test_async.py`` pins this). The buffer lives
+  until the background write has finished with it.
+- **numpy arrays** are mutable by the caller after the call returns: copied.
+- **lazily computed values** (porting exports) are computed now and copied.
+
+A cross-process array keeps only this process's replica-0 shards, in the shape the
+collective writer reads (``addressable_shards``), so a multi-process single-file
+save runs its whole protocol (agree, open, write, hash, commit; see
+:mod:`~nnx_save._collective`) on the background thread: the commit still happens
+only once every process has written its part. Saves run one after another in
+program order on every process, and a blocking save first waits for the
+asynchronous ones, so the processes' save ids stay in step.
+
+At most :func:`max_in_flight` saves (``NNX_SAVE_MAX_ASYNC_SAVES``, default 2) are
+in flight: a new one first waits for the oldest beyond the bound, which bounds the
+host memory held by snapshots. Errors are never lost: ``result()`` raises them,
+:func:`wait_for_saves` raises those nobody collected, and at interpreter exit the
+unfinished saves are waited for and uncollected failures are logged to the
+``nnx_save`` logger (stderr when logging is not configured). A failed save leaves
+the previous file at its path intact, as a blocking one does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _progress
+from ._collective import HostValue
+from ._errors import NnxSaveError, SaveError
+from ._write import Entry
+
+__all__ = ["SaveHandle", "save", "snapshot", "wait_for_saves", "max_in_flight", "MAX_IN_FLIGHT_ENV"]
+
+MAX_IN_FLIGHT_ENV = "NNX_SAVE_MAX_ASYNC_SAVES"
+_DEFAULT_MAX_IN_FLIGHT = 2
+log = logging.getLogger("nnx_save")
+
+_lock = threading.Lock()
+_pending: collections.deque[SaveHandle] = collections.deque()  # submitted, maybe finished, in order
+_uncollected: list[SaveHandle] = []  # failed, and nobody has seen the error yet
+_jobs: queue.Queue[tuple[SaveHandle, Callable[[], None]]] = queue.Queue()
+_worker: threading.Thread | None = None
+
+
+class SaveHandle:
+    """An asynchronous save in flight (``save_file`` / ``save_model`` with ``blocking=False``).
+
+    Attributes:
+        path: the file (or directory) being written.
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> handle = nnx_save.save_file({"w": np.ones(3, np.float32)}, path, blocking=False)
+        >>> str(handle.result()) == path
+        True
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._finished = threading.Event()
+        self._error: BaseException | None = None
+        self._collected = False
+
+    def done(self) -> bool:
+        """True once the save has finished, successfully or not."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` seconds) for the save to finish; never raises
+        its error. Returns :meth:`done`."""
+        return self._finished.wait(timeout)
+
+    def result(self, timeout: float | None = None) -> Path:
+        """Wait for the save; return its path, or raise its error.
+
+        Raises:
+            SaveError: the background write failed (names the path); the previous
+                file at the path is intact.
+            TimeoutError: not finished within ``timeout`` seconds.
+        """
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"{self.path}: the asynchronous save is still running after {timeout:g} s")
+        _collect(self)
+        if self._error is not None:
+            raise self._error
+        return self.path
+
+    def __repr__(self) -> str:
+        state = "running" if not self.done() else "failed" if self._error is not None else "done"
+        return f"SaveHandle({str(self.path)!r}, {state})"
+
+
+def max_in_flight() -> int:
+    """How many asynchronous saves may be in flight (``NNX_SAVE_MAX_ASYNC_SAVES``, default 2)."""
+    value = os.environ.get(MAX_IN_FLIGHT_ENV, "")
+    try:
+        n = int(value) if value else _DEFAULT_MAX_IN_FLIGHT
+    except ValueError:
+        raise NnxSaveError(f"{MAX_IN_FLIGHT_ENV}={value!r}: expected a positive integer") from None
+    if n < 1:
+        raise NnxSaveError(f"{MAX_IN_FLIGHT_ENV}={value!r}: expected a positive integer")
+    return n
+
+
+def save(path: str | os.PathLike, entries: Sequence[Entry],
+         write: Callable[[str | os.PathLike, Sequence[Entry]], None], *, blocking: bool) -> SaveHandle | None:
+    """Run ``write(path, entries)`` now (``blocking``), or on a snapshot in the background.
+
+    A blocking save first waits for every asynchronous one (files at one path land
+    in program order; multi-process saves stay in step). The background one gets
+    the absolute path: the caller may change directory meanwhile.
+    """
+    if blocking:
+        _wait_all(None)
+        write(path, entries)
+        return None
+    _make_room(max_in_flight())
+    snap = snapshot(entries)
+    handle = SaveHandle(os.path.abspath(path))
+    with _lock:
+        _pending.append(handle)
+        _start_worker()
+    _jobs.put((handle, lambda: write(handle.path, snap)))
+    return handle
+
+
+def wait_for_saves(timeout: float | None = None) -> None:
+    """Wait for every asynchronous save in flight, then raise any failure nobody collected.
+
+    Args:
+        timeout: seconds to wait at most (``None``: as long as it takes).
+
+    Raises:
+        SaveError: an asynchronous save failed and its ``result()`` was never
+            called (the first such; the message lists the others). Each failure
+            is raised once.
+        TimeoutError: saves still running after ``timeout`` seconds.
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> for i in range(3):
+        ...     _ = nnx_save.save_file({"w": np.full(3, i, np.float32)}, os.path.join(d, f"{i}.safetensors"),
+        ...                            blocking=False)
+        >>> nnx_save.wait_for_saves()
+        >>> sorted(os.listdir(d))
+        ['0.safetensors', '1.safetensors', '2.safetensors']
+    """
+    if not _wait_all(timeout):
+        raise TimeoutError(f"asynchronous saves still running after {timeout:g} s: "
+                           f"{[str(h.path) for h in _unfinished()]}")
+    with _lock:
+        failed = list(_uncollected)
+        _uncollected.clear()
+    for h in failed:
+        h._collected = True
+    if failed:
+        error = failed[0]._error
+        if len(failed) > 1:
+            others = "; ".join(f"{h.path}: {h._error}" for h in failed[1:])
+            raise SaveError(f"{error} (and {len(failed) - 1} more failed asynchronous saves: {others})",
+                            str(failed[0].path)) from error
+        raise error  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- snapshot
+
+
+class HostSnapshot:
+    """Host copies of the replica-0 addressable shards of a ``jax.Array``, shaped
+    like the parts of ``jax.Array`` the writers read (``addressable_shards``,
+    ``is_fully_addressable``, ``shape``, ``sharding``)."""
+
+    def __init__(self, array: Any, shards: list[Any]) -> None:
+        self.shape = tuple(array.shape)
+        self.dtype = np.dtype(array.dtype)
+        self.sharding = array.sharding
+        self.is_fully_addressable = bool(array.is_fully_addressable)
+        self.is_fully_replicated = bool(array.is_fully_replicated)
+        self.addressable_shards = [_HostShard(s.index, s.replica_id, np.asarray(s.data)) for s in shards]
+
+    def assemble(self) -> np.ndarray:
+        """The whole array on the host (a fully addressable array only)."""
+        shards = self.addressable_shards
+        if len(shards) == 1 and shards[0].data.shape == self.shape:
+            return shards[0].data
+        out = np.empty(self.shape, self.dtype)
+        for s in shards:
+            out[s.index] = s.data
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostShard:
+    index: tuple
+    replica_id: int
+    data: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _SnapshotValue(HostValue):
+    """A :class:`HostValue` over a :class:`HostSnapshot` or a private numpy copy."""
+
+    def __call__(self) -> np.ndarray:
+        return self.array.assemble() if isinstance(self.array, HostSnapshot) else self.array
+
+
+def _own_shards(array: Any) -> list[Any]:
+    return [s for s in array.addressable_shards if s.replica_id == 0]
+
+
+def snapshot(entries: Sequence[Entry]) -> list[Entry]:
+    """The entries with values that no later step of the caller can change."""
+    import jax
+
+    sources = [e.value.array if isinstance(e.value, HostValue) else None for e in entries]
+    shards = [_own_shards(a) if isinstance(a, jax.Array) else None for a in sources]
+    for s in (s for group in shards if group for s in group):
+        if s.device.platform != "cpu":  # issue every device -> host copy before waiting for any
+            s.data.copy_to_host_async()
+    out = []
+    for e, source, group in zip(entries, sources, shards):
+        if group is not None:
+            value = HostSnapshot(source, group)
+        elif source is not None:
+            value = np.array(source)  # numpy: the caller may write to it after we return
+        else:
+            value = np.array(e.value())  # computed lazily (porting export): compute and own it now
+        out.append(dataclasses.replace(e, value=_SnapshotValue(value)))
+    return out
+
+
+# --------------------------------------------------------------------------- the queue
+
+
+def _start_worker() -> None:
+    global _worker
+    if _worker is None:
+        # Run at exit before concurrent.futures refuses new work (the writer hashes on a
+        # helper pool) and before jax's atexit handlers (jax.distributed, backends):
+        # threading's exit hooks run first, the latest registered first.
+        getattr(threading, "_register_atexit", atexit.register)(_at_exit)
+        _worker = threading.Thread(target=_work, name="nnx_save-async", daemon=True)
+        _worker.start()
+
+
+def _work() -> None:
+    while True:
+        handle, job = _jobs.get()
+        t0 = time.perf_counter()
+        try:
+            with _progress.saving(False):  # no bar drawn over the caller's output
+                job()
+        except BaseException as e:  # kept for result(), wait_for_saves() and exit
+            handle._error = _with_path(e, handle.path)
+            with _lock:
+                _uncollected.append(handle)
+        del job  # the snapshot: freed as soon as it is written
+        log.debug("asynchronous save of %s %s in %.3f s", handle.path,
+                  "failed" if handle._error else "finished", time.perf_counter() - t0)
+        handle._finished.set()
+
+
+def _with_path(e: BaseException, path: Path) -> BaseException:
+    if isinstance(e, NnxSaveError) and str(path) in str(e):
+        return e
+    error = SaveError(f"{path}: the asynchronous save failed ({type(e).__name__}: {e}); "
+                      "the previous file, if any, is intact", str(path))
+    error.__cause__ = e
+    return error
+
+
+def _collect(handle: SaveHandle) -> None:
+    with _lock:
+        handle._collected = True
+        if handle in _uncollected:
+            _uncollected.remove(handle)
+
+
+def _unfinished() -> list[SaveHandle]:
+    with _lock:
+        while _pending and _pending[0].done():
+            _pending.popleft()
+        return [h for h in _pending if not h.done()]
+
+
+def _make_room(limit: int) -> None:
+    """Wait until fewer than ``limit`` saves are in flight (the oldest first)."""
+    while len(running := _unfinished()) >= limit:
+        running[0].wait()
+
+
+def _wait_all(timeout: float | None) -> bool:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for h in _unfinished():
+        if not h.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            return False
+    return True
+
+
+def _at_exit() -> None:
+    running = _unfinished()
+    if running:
+        log.info("waiting for %d unfinished asynchronous save(s) before exit: %s",
+                 len(running), ", ".join(str(h.path) for h in running))
+        _wait_all(None)
+    with _lock:
+        failed = list(_uncollected)
+        _uncollected.clear()
+    for h in failed:
+        log.error("nnx_save: the asynchronous save to %s failed and nobody collected its error "
+                  "(call result() or nnx_save.wait_for_saves()): %s", h.path, h._error)
