@@ -8,11 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _collective, _dtypes, _paths, _progress
+from . import _async, _collective, _dtypes, _paths, _progress
 from ._errors import KeyPathError, NnxSaveError, UnsupportedValueError
 from ._load import Target, load_targets
-from ._read import LocalReader
-from ._sources import Header, read_header
+from ._sources import Header, read_header, reader_factory
 from ._write import Entry
 
 __all__ = ["save_file", "load_file", "flatten", "leaf_entry"]
@@ -89,7 +88,7 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
 
 
 def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None,
-              progress: bool | None = None) -> None:
+              progress: bool | None = None, blocking: bool = True) -> _async.SaveHandle | None:
     """Save a pytree of arrays as one ``.safetensors`` file, atomically.
 
     Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
@@ -102,6 +101,9 @@ def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None =
         metadata: string -> string pairs stored in ``__metadata__``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
+            of every tensor is taken; the file is written in the background (see
+            docs/async.md). Donating the saved arrays afterwards is safe.
 
     Every tensor's xxh3_64 checksum is recorded in ``__metadata__``
     (``nnx_save.checksums``); ``load_file(..., verify=True)`` checks it.
@@ -122,8 +124,9 @@ def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None =
     _paths.check_unique(p for p, _ in pairs)
     entries = [leaf_entry(p, v) for p, v in pairs]
     _check_metadata(metadata)
-    with _progress.saving(progress):
-        _collective.save(path, entries, metadata)  # one process alone, or all of them together
+    meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
+    with _progress.saving(progress):  # one process alone, or all of them together
+        return _async.save(path, entries, lambda p, es: _collective.save(p, es, meta), blocking=blocking)
 
 
 def _check_metadata(metadata: Any) -> None:
@@ -219,7 +222,7 @@ def load_file(
     header = read_header(source)
     options = dict(strict=strict, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
                    max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
-                   max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=LocalReader,
+                   max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=reader_factory(header),
                    verify=verify, progress=progress)
     if abstract is None:
         if jax.process_count() > 1:
