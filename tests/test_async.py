@@ -333,3 +333,23 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(_async, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 4 and result.failed == 0
+
+
+def test_an_uncollected_failure_does_not_keep_its_snapshot_alive(tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    seen = []
+
+    def failing(path, entries, metadata):
+        seen.append(weakref.ref(entries[0].value()))  # the snapshot's private copy of the numpy leaf
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_collective, "write_file", failing)
+    handle = nnx_save.save_file({"w": np.ones(1000)}, tmp_path / "w.safetensors", blocking=False)
+    assert handle.wait(30)
+    gc.collect()
+    assert seen and seen[0]() is None  # the error is kept, the state is not
+    with pytest.raises(nnx_save.SaveError, match=re.escape(f"{tmp_path / 'w.safetensors'}: the asynchronous save "
+                                                           "failed (OSError: [Errno 28] No space left on device)")):
+        handle.result()

@@ -47,6 +47,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,7 +68,7 @@ log = logging.getLogger("nnx_save")
 _lock = threading.Lock()
 _pending: collections.deque[SaveHandle] = collections.deque()  # submitted, maybe finished, in order
 _uncollected: list[SaveHandle] = []  # failed, and nobody has seen the error yet
-_jobs: queue.Queue[tuple[SaveHandle, Callable[[], None]]] = queue.Queue()
+_jobs: queue.Queue[tuple[SaveHandle, Callable[[Path, list[Entry]], None], list[Entry]]] = queue.Queue()
 _worker: threading.Thread | None = None
 
 
@@ -150,7 +151,7 @@ def save(path: str | os.PathLike, entries: Sequence[Entry],
     with _lock:
         _pending.append(handle)
         _start_worker()
-    _jobs.put((handle, lambda: write(handle.path, snap)))
+    _jobs.put((handle, write, snap))  # no closure over the snapshot: see _work
     return handle
 
 
@@ -276,19 +277,31 @@ def _start_worker() -> None:
 
 def _work() -> None:
     while True:
-        handle, job = _jobs.get()
+        handle, write, snap = _jobs.get()
         t0 = time.perf_counter()
         try:
             with _progress.saving(False):  # no bar drawn over the caller's output
-                job()
+                write(handle.path, snap)
         except BaseException as e:  # kept for result(), wait_for_saves() and exit
             handle._error = _with_path(e, handle.path)
+            _drop_locals(handle._error)
             with _lock:
                 _uncollected.append(handle)
-        del job  # the snapshot: freed as soon as it is written
+        del write, snap  # the snapshot: freed as soon as it is written
         log.debug("asynchronous save of %s %s in %.3f s", handle.path,
                   "failed" if handle._error else "finished", time.perf_counter() - t0)
         handle._finished.set()
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the locals of the writer's frames that an error's tracebacks keep
+    (they hold the snapshot), so an error nobody collects does not pin the state
+    in memory; the tracebacks themselves (files, lines) stay."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _with_path(e: BaseException, path: Path) -> BaseException:
