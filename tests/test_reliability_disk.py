@@ -23,7 +23,7 @@ from flax import nnx
 
 import nnx_save
 from nnx_save._write import TMP_MARKER
-from nnx_save.checkpoint import OrbaxCheckpointStore
+from nnx_save.checkpoint import CheckpointWriteError, OrbaxCheckpointStore
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
@@ -134,15 +134,15 @@ def test_store_save_into_a_full_filesystem_keeps_the_previous_steps(small_fs):
     assert sorted(os.listdir(fs / "ckpt")) == ["1", "2"]
 
 
-@pytest.mark.xfail(strict=True, reason="OrbaxCheckpointStore.save lets Orbax's error through (a ValueError from "
-                                       "tensorstore, 'RESOURCE_EXHAUSTED ... No space left on device'), not an "
-                                       "NnxSaveError; the store owner decides the wrapping")
 def test_store_save_into_a_full_filesystem_raises_a_typed_error(small_fs):
     fs = small_fs(1 << 20)
     with OrbaxCheckpointStore(fs / "ckpt") as store:
         store.save(1, {"model": {"w": np.zeros(4, np.float32)}})
-        with pytest.raises(nnx_save.NnxSaveError):
+        with pytest.raises(CheckpointWriteError, match=re.escape(f"{fs / 'ckpt'}: step 2 was not written (")) as info:
             store.save(2, {"model": {"w": noise()}})
+        assert isinstance(info.value, nnx_save.NnxSaveError) and info.value.step == 2
+        assert "No space left on device" in str(info.value)
+        assert store.list_steps() == [1]
 
 
 # --- RLIMIT_FSIZE: the same failures without root ------------------------------------------------

@@ -15,6 +15,7 @@ from ._errors import CheckpointItemError as CheckpointItemError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CheckpointNotWrittenError as CheckpointNotWrittenError
 from ._errors import CheckpointTemplateError as CheckpointTemplateError
+from ._errors import CheckpointWriteError as CheckpointWriteError
 from ._errors import DtypeMismatch as DtypeMismatch
 from ._errors import UnsupportedCheckpointError as UnsupportedCheckpointError
 from ._errors import WriteRefusal as WriteRefusal

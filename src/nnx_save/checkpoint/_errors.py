@@ -25,6 +25,7 @@ __all__ = [
     "DtypeMismatch",
     "CheckpointDtypeMismatchError",
     "WriteRefusal",
+    "CheckpointWriteError",
 ]
 
 WriteRefusal = Literal["exists", "below_latest", "rejected"]
@@ -37,6 +38,25 @@ _X64_HINT = (
 
 class CheckpointError(NnxSaveError):
     """Base class of every error raised by :mod:`nnx_save.checkpoint`."""
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a step failed (a full disk, an I/O error in Orbax's writer); the steps
+    stored before are intact and the failed step is not listed.
+
+    Attributes:
+        step: The step whose write failed.
+        directory: The store's directory.
+    """
+
+    def __init__(self, step: int, directory: str | os.PathLike[str], cause: BaseException) -> None:
+        text = " ".join(str(cause).split()) or type(cause).__name__
+        if "No space left on device" in text:
+            text = "no space left on the device; " + text
+        detail = text if len(text) <= 400 else f"{text[:160]} ... {text[-200:]}"
+        super().__init__(f"{directory}: step {step} was not written ({type(cause).__name__}: {detail}); "
+                         "the steps saved before are intact")
+        self.step, self.directory = step, directory
 
 
 class CheckpointNotWrittenError(CheckpointError, ValueError):

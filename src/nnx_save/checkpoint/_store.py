@@ -8,16 +8,18 @@ shapes compared against the templates before a single array is read).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import numbers
 import os
 import pathlib
 import shutil
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal, Protocol, Self, runtime_checkable
 
+from .._errors import NnxSaveError
 from . import _orbax
 from ._directory import absolute_dir
 from ._errors import (
@@ -27,6 +29,7 @@ from ._errors import (
     CheckpointNotWrittenError,
     CheckpointTemplateError,
     UnsupportedCheckpointError,
+    CheckpointWriteError,
 )
 from ._format import DTYPES_ITEM, ITEM_NAMES, METADATA_ITEM
 from ._guard import dtype_mismatches, explained_by_x64, template_problems
@@ -177,7 +180,8 @@ class OrbaxCheckpointStore:
     def wait_until_finished(self) -> None:
         """Wait until every pending save is committed; raise the error of one that failed."""
         if self._manager is not None:
-            self._manager.wait_until_finished()
+            with self._write_failures(self._manager.latest_step()):
+                self._manager.wait_until_finished()
 
     def _reader(self) -> Any:
         if self._closed:
@@ -321,14 +325,26 @@ class OrbaxCheckpointStore:
             self._writer()  # recover an interrupted overwrite before judging the step
         exists = self._refuse_write(step, overwrite)
         manager = self._writer()
-        if exists:
-            self._replace(manager, step, args)
-        else:
-            self._write(manager, step, args)
-        self._metadata = {s: m for s, m in self._metadata.items() if s != step and s in manager.all_steps()}
-        if blocking:
-            manager.wait_until_finished()
+        with self._write_failures(step):
+            if exists:
+                self._replace(manager, step, args)
+            else:
+                self._write(manager, step, args)
+            self._metadata = {s: m for s, m in self._metadata.items() if s != step and s in manager.all_steps()}
+            if blocking:
+                manager.wait_until_finished()
         return self._step_path(step)
+
+    @contextlib.contextmanager
+    def _write_failures(self, step: int | None) -> Iterator[None]:
+        """Orbax's own write failures (tensorstore's ``ValueError`` for a full disk,
+        ``OSError`` ...) become :class:`CheckpointWriteError` naming the store."""
+        try:
+            yield
+        except NnxSaveError:
+            raise
+        except Exception as e:
+            raise CheckpointWriteError(step if step is not None else -1, self._directory, e) from e
 
     def _refuse_write(self, step: int, overwrite: bool) -> bool:
         """Raise if ``step`` may not be written; return whether it already exists."""
