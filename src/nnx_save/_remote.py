@@ -197,9 +197,14 @@ class _Short(Exception):
 
 def _read_exact(response, buf: memoryview) -> None:
     view = buf.cast("B") if buf.format != "B" else buf
+    # urllib3 2.x's readinto reads into a temporary bytes object and copies; the
+    # http.client response beneath it (identity encoding, Content-Length known)
+    # reads from the socket straight into our buffer.
+    raw = getattr(response, "_fp", None)
+    reader = raw if raw is not None and hasattr(raw, "readinto") else response
     done = 0
     while done < len(view):
-        n = response.readinto(view[done:])
+        n = reader.readinto(view[done:])
         if not n:
             raise _Short(f"body ended {len(view) - done} bytes early")
         done += n
