@@ -31,6 +31,7 @@ from nnx_save._plan import (
     FilePlan,
     Request,
     box_runs,
+    chunk_runs,
     over_read_by_range,
     plan_file,
 )
@@ -43,9 +44,10 @@ RATIOS = [None, 1.0, 1.3, 4.0, 1e9]
 
 # ----------------------------------------------------------------------------- helpers
 
-def _execute(plan: FilePlan, data: np.ndarray, dests: list[np.ndarray], chunk_bytes: int) -> None:
+def _execute(plan: FilePlan, data: np.ndarray, dests: list[np.ndarray], chunk_bytes: int) -> list:
     """The fake reader: what any executor must do, in plain numpy, with the plan's
-    invariants asserted on the way."""
+    invariants asserted on the way. Returns every piece written."""
+    pieces = []
     for i in range(plan.num_chunks):
         cs, ce = int(plan.chunk_start[i]), int(plan.chunk_end[i])
         lo, hi = int(plan.chunk_lo[i]), int(plan.chunk_hi[i])
@@ -53,32 +55,33 @@ def _execute(plan: FilePlan, data: np.ndarray, dests: list[np.ndarray], chunk_by
         assert lo < hi, "a chunk without runs reads only gap"
         block = data[cs:ce]  # one read
         off, ln = plan.offset[lo:hi], plan.length[lo:hi]
-        assert off[0] == cs and off[-1] + ln[-1] == ce, "chunk not trimmed to its runs"
         assert (ln > 0).all() and (off[1:] >= off[:-1] + ln[:-1]).all(), "runs in a chunk overlap or are unsorted"
-        for o, n, d, do in zip(off.tolist(), ln.tolist(), plan.dest[lo:hi].tolist(), plan.dest_offset[lo:hi].tolist()):
+        assert off[0] < ce and off[-1] + ln[-1] > cs, "a run outside its chunk"
+        c_off, c_len, c_dest, c_doff = chunk_runs(plan, i)
+        assert c_off[0] == cs and c_off[-1] + c_len[-1] == ce, "chunk not trimmed to its runs"
+        assert (c_len > 0).all() and int(c_len.sum()) == plan.chunk_needed[i]
+        for o, n, d, do in zip(c_off.tolist(), c_len.tolist(), c_dest.tolist(), c_doff.tolist()):
             dests[d][do:do + n] = block[o - cs:o - cs + n]
+            pieces.append((d, do, n))
+    return pieces
 
 
-def _check_invariants(plan: FilePlan, sizes: list[int], ratio: float | None, chunk_bytes: int) -> None:
-    # every destination byte is written by exactly one run
+def _check_invariants(plan: FilePlan, pieces: list, sizes: list[int], ratio: float | None, chunk_bytes: int) -> None:
+    # every destination byte is written by exactly one piece of one chunk
     for d, size in enumerate(sizes):
-        mine = plan.dest == d
-        doff, ln = plan.dest_offset[mine], plan.length[mine]
-        order = np.argsort(doff)
-        doff, ln = doff[order], ln[order]
-        assert (doff == np.concatenate([[0], np.cumsum(ln)[:-1]])).all(), f"dest {d} not tiled"
-        assert int(ln.sum()) == size, f"dest {d}: {int(ln.sum())} bytes planned, {size} needed"
-    assert plan.needed_bytes == sum(sizes)
+        mine = sorted((do, n) for dd, do, n in pieces if dd == d)
+        assert [do for do, _ in mine] == list(np.cumsum([0] + [n for _, n in mine])[:-1]), f"dest {d} not tiled"
+        assert sum(n for _, n in mine) == size, f"dest {d}: {sum(n for _, n in mine)} bytes written, {size} needed"
+    assert plan.needed_bytes == sum(sizes) == int(plan.chunk_needed.sum())
     assert plan.read_bytes >= plan.needed_bytes
     assert ((plan.chunk_end - plan.chunk_start) <= chunk_bytes).all()
-    assert plan.chunk_lo[0] == 0 if plan.num_chunks else True
-    assert (plan.chunk_lo[1:] == plan.chunk_hi[:-1]).all() and (plan.chunk_hi[-1:] == len(plan.offset)).all()
     # inside a chunk, gaps under a page are always read through; larger ones only
     # under the ratio: a merged block keeps span <= ratio * needed, so its big gaps
     # sum to at most (ratio - 1) * needed
     big = 0
-    for lo, hi in zip(plan.chunk_lo.tolist(), plan.chunk_hi.tolist()):
-        gaps = plan.offset[lo + 1:hi] - (plan.offset[lo:hi - 1] + plan.length[lo:hi - 1])
+    for i in range(plan.num_chunks):
+        off, ln, _, _ = chunk_runs(plan, i)
+        gaps = off[1:] - (off[:-1] + ln[:-1])
         big += int(gaps[gaps >= PAGE_GAP].sum())
     cap = (ratio if ratio is not None else plan.ratio) - 1.0
     assert big <= cap * plan.needed_bytes * (1 + 1e-9)
@@ -139,9 +142,9 @@ def file_case(draw):
 def _run_case(tensors, requests, sizes, size, ratio, chunk_bytes, seed=0):
     data = np.random.default_rng(seed).integers(0, 256, size + 16, dtype=np.uint8)
     plan = plan_file(requests, max_over_read_ratio=ratio, chunk_bytes=chunk_bytes)
-    _check_invariants(plan, sizes, ratio, chunk_bytes)
     dests = [np.full(n, 0xAB, np.uint8) for n in sizes]  # poisoned
-    _execute(plan, data, dests, chunk_bytes)
+    pieces = _execute(plan, data, dests, chunk_bytes)
+    _check_invariants(plan, pieces, sizes, ratio, chunk_bytes)
     for r, dest in zip(requests, dests):
         full = data[r.base:r.base + r.itemsize * math.prod(r.shape)].reshape(*r.shape, r.itemsize)
         expected = full[tuple(slice(lo, hi) for lo, hi in r.box)]
@@ -256,10 +259,12 @@ def test_ratio_cap_merges_only_what_it_allows():
     assert merged.read_bytes <= 1.5 * merged.needed_bytes and merged.num_chunks < 8
 
 
-def test_chunks_split_large_runs_at_the_chunk_size():
+def test_chunks_cut_large_runs_at_the_chunk_size_without_copying_them():
     plan = plan_file([Request(0, 10, (1000,), 8, ((0, 1000),))], chunk_bytes=3000)
     assert (plan.chunk_end - plan.chunk_start).tolist() == [3000, 3000, 2000]
-    assert plan.dest_offset.tolist() == [0, 3000, 6000]
+    assert len(plan.offset) == 1 and plan.chunk_lo.tolist() == [0, 0, 0] and plan.chunk_hi.tolist() == [1, 1, 1]
+    assert [chunk_runs(plan, i)[3].tolist() for i in range(3)] == [[0], [3000], [6000]]
+    assert plan.chunk_needed.tolist() == [3000, 3000, 2000]
 
 
 def test_empty_and_zero_size_requests_plan_nothing():

@@ -86,12 +86,21 @@ def _run(path: str, plan: FilePlan, sizes: list[int], method: str, monkeypatch, 
     dests = [_read.aligned_empty(n) for n in sizes]
     for d in dests:
         d[:] = 0xAB  # poisoned
-    seen = []
+    seen, got, lock = [], [0], threading.Lock()
+    for name in ("readv", "readv_table"):  # count the bytes each call asks for
+        inner = getattr(reader, name, None)
+        if inner is not None:
+            def counted(buffers, offset, inner=inner, table=name == "readv_table"):
+                with lock:
+                    got[0] += int(buffers[:, 1].sum()) if table else sum(len(b) for b in buffers)
+                return inner(buffers, offset)
+            setattr(reader, name, counted)
     try:
         _read.execute(reader, plan, dests, budget=_read.Budget(1 << 30), num_threads=threads, on_chunk=seen.append)
     finally:
         reader.close()
     assert sum(seen) == plan.needed_bytes and len(seen) == plan.num_chunks
+    assert got[0] == plan.read_bytes  # each chunk read once, whole, nothing more
     return dests, reader.requests
 
 
@@ -210,12 +219,13 @@ def test_a_truncated_file_raises_naming_where_it_ended(tmp_path, monkeypatch, me
         _run(path, plan, sizes, method, monkeypatch, threads=1)
 
 
-def test_a_plan_pointing_outside_its_buffers_is_refused_before_any_read(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["table", "memoryview", "scatter"])
+def test_a_run_pointing_outside_its_buffer_is_refused_before_it_is_read(tmp_path, monkeypatch, method):
     path, data, reqs, sizes = _strided_file(tmp_path, 8, 256)
     plan = plan_file(reqs)
     sizes[3] -= 1
-    with pytest.raises(NnxSaveError, match="a planned read falls outside its destination buffer"):
-        _run(path, plan, sizes, "table", monkeypatch)
+    with pytest.raises(NnxSaveError, match="a planned read falls outside its chunk or destination buffer"):
+        _run(path, plan, sizes, method, monkeypatch)
 
 
 def test_budget_never_exceeds_its_limit_and_clamps_larger_holds():

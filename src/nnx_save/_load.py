@@ -3,10 +3,17 @@
 One engine for every load. A :class:`Target` says what the caller wants at one path
 (shape, dtype, and a jax sharding, or ``None`` for a host numpy array) and which file
 tensor(s) it comes from. :func:`load_targets` checks every target against the
-headers first (so a strict refusal reads nothing), then goes file by file: plans the
-byte runs each addressable device needs, reads them straight into aligned host
-buffers, wraps them as ``jax.Array``s (jax on CPU adopts aligned buffers without a
-copy) and lets the host buffers go before the next file.
+headers first (so a strict refusal reads nothing, and a sharding jax cannot apply
+is refused before any read), then goes file by file: plans the byte runs each
+addressable device needs (a shard several local devices hold is read once),
+reads them straight into 64-byte aligned host buffers, makes each tensor's
+``jax.Array`` in one batched put (jax on CPU adopts aligned buffers without a
+copy) and lets go of the host buffers before the next file.
+
+Buffers the arrays adopt are carved out of a few large allocations
+(:func:`~nnx_save._read.pack_buffers`: huge pages fault in five times cheaper);
+buffers that are only a step (a dtype cast, sub-byte unpacking, a porting
+transform's sources) are allocated on their own and freed once used.
 """
 
 from __future__ import annotations

@@ -5,8 +5,24 @@ of this tensor go to destination buffer ``dest``"; :func:`plan_file` turns all t
 requests of one file into numpy arrays of runs (file offset, length, destination,
 destination offset), merges them into blocks and splits blocks into chunks. The
 result is plain data that can be printed, compared and property-tested against
-numpy slicing. Everything is vectorised: a shard split on its last dimension makes
-one run per row, hundreds of thousands of them, without a Python object each.
+numpy slicing (tests/test_plan.py). Everything is vectorised: a shard split on its
+last dimension makes one run per row, millions of them, without a Python object
+each (GPT-2 small over 8 devices on its last dimension: 927K runs planned in
+under 0.1 s of CPU, where orbax 0.12.8 spends ~4.9 s).
+
+The steps:
+
+1. runs: each box is one run (split only on its leading dimensions) or a grid of
+   equally spaced runs; a sharding's boxes interleave row by row and come out
+   sorted without a sort (:func:`_gather_runs`);
+2. page blocks: runs less than :data:`PAGE_GAP` apart always share a read;
+3. blocks: neighbouring page blocks merge while (span / needed bytes) stays within
+   the over-read ratio, given or picked per file by :func:`auto_ratio`;
+4. chunks: blocks are cut at the chunk size (a run a cut falls in is served by
+   both chunks), chunks holding no run are dropped and each is trimmed to its runs.
+
+Boxes that overlap (one tensor wanted twice) are planned in separate passes, so
+each chunk is one sequential read whose runs are sorted and disjoint.
 """
 
 from __future__ import annotations
@@ -17,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Request", "FilePlan", "box_runs", "plan_file", "over_read_by_range", "PAGE_GAP", "AUTO_MAX_READS"]
+__all__ = ["Request", "FilePlan", "box_runs", "plan_file", "chunk_runs", "over_read_by_range", "PAGE_GAP", "AUTO_MAX_READS"]
 
 PAGE_GAP = 4096  # gaps below a page are always read through: cheaper than another request
 AUTO_MAX_READS = 1024  # the automatic ratio keeps exact reads while they stay this few
@@ -93,9 +109,14 @@ def box_runs(shape: Sequence[int], itemsize: int, box: Box, base: int = 0) -> tu
 class FilePlan:
     """Every byte one file must give, sorted, merged and chunked.
 
-    Runs (sorted by offset; split where a chunk boundary cuts them):
-    ``offset``, ``length``, ``dest``, ``dest_offset``. Chunks: ``[chunk_start,
-    chunk_end)`` in the file, with runs ``[chunk_lo, chunk_hi)``.
+    Runs (one per contiguous destination slice): ``offset``, ``length``, ``dest``,
+    ``dest_offset``. Chunks (one read each): ``[chunk_start, chunk_end)`` in the
+    file, serving the parts of runs ``[chunk_lo, chunk_hi)`` that fall inside it
+    (a run a chunk boundary cuts is served by both chunks; runs are never copied to
+    be split), ``chunk_needed`` of those bytes. A chunk's runs are sorted and
+    disjoint, and it is trimmed: it starts at its first run, or where the previous
+    chunk ended when that run began there, and ends likewise. Runs are sorted
+    file-wide unless overlapping boxes made several passes.
     """
 
     offset: np.ndarray
@@ -106,6 +127,7 @@ class FilePlan:
     chunk_end: np.ndarray
     chunk_lo: np.ndarray
     chunk_hi: np.ndarray
+    chunk_needed: np.ndarray
     ratio: float
     page_blocks: int
 
@@ -205,16 +227,13 @@ def _tensor_runs(boxes: list, out: tuple[np.ndarray, ...]) -> None:
         c[:] = c[order]
 
 
-def _page_blocks(offset: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Merge runs whose gap is under a page: block starts, ends and needed bytes."""
-    end = offset + length
-    reach = np.maximum.accumulate(end)
-    new = np.empty(len(offset), bool)
-    new[:1] = True
-    new[1:] = offset[1:] - reach[:-1] >= PAGE_GAP
-    first = np.flatnonzero(new)
+def _page_blocks(offset: np.ndarray, end: np.ndarray, gap: np.ndarray, length: np.ndarray):
+    """Merge sorted, disjoint runs whose gap is under a page: block starts, ends and
+    needed bytes (``gap[i]`` is the gap before run ``i + 1``)."""
+    first = np.flatnonzero(gap >= PAGE_GAP) + 1
+    first = np.concatenate([[0], first])
     last = np.append(first[1:], len(offset)) - 1
-    return offset[first], reach[last], np.add.reduceat(length, first)
+    return offset[first], end[last], np.add.reduceat(length, first)
 
 
 def _merge_under_ratio(start: np.ndarray, end: np.ndarray, need: np.ndarray, ratio: float):
@@ -241,28 +260,6 @@ def _chunk_bounds(start: np.ndarray, end: np.ndarray, chunk: int) -> tuple[np.nd
     k = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     cs = start[block] + k * chunk
     return cs, np.minimum(cs + chunk, end[block])
-
-
-def _split_at(cuts: np.ndarray, offset, length, dest, dest_offset):
-    """Split runs at every cut strictly inside them, so each piece lies in one chunk.
-
-    Only the runs a cut falls in are touched (at most one per cut): the rest is one
-    ``np.insert`` per column.
-    """
-    j = np.searchsorted(offset, cuts, "right") - 1  # the run starting at or before each cut
-    inside = (j >= 0) & (cuts < offset[np.maximum(j, 0)] + length[np.maximum(j, 0)])
-    inside &= offset[np.maximum(j, 0)] < cuts
-    cuts, j = cuts[inside], j[inside]
-    if not len(cuts):
-        return offset, length, dest, dest_offset
-    same_run_next = np.append(j[1:] == j[:-1], False)
-    piece_end = np.where(same_run_next, np.append(cuts[1:], 0), offset[j] + length[j])
-    first = np.append(True, j[1:] != j[:-1])
-    length = length.copy()
-    length[j[first]] = cuts[first] - offset[j[first]]  # each cut run's first piece ends at its first cut
-    at = j + 1  # pieces go right after their run, in cut order
-    return (np.insert(offset, at, cuts), np.insert(length, at, piece_end - cuts),
-            np.insert(dest, at, dest[j]), np.insert(dest_offset, at, dest_offset[j] + (cuts - offset[j])))
 
 
 def auto_ratio(page_starts: np.ndarray, page_ends: np.ndarray, needed: int) -> float:
@@ -335,29 +332,38 @@ def plan_file(
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     runs = _gather_runs(requests)
     offset, length = runs[0], runs[1]
-    if len(offset) > 1 and (offset[1:] < offset[:-1] + length[:-1]).any():
+    end = offset + length
+    gap = offset[1:] - end[:-1]
+    if len(gap) and gap.min() < 0:  # overlapping boxes
         return _concat([_plan_runs(_gather_runs(layer), max_over_read_ratio, chunk_bytes)
                         for layer in _disjoint_layers(requests)])
-    return _plan_runs(runs, max_over_read_ratio, chunk_bytes)
+    return _plan_runs(runs, max_over_read_ratio, chunk_bytes, end, gap)
 
 
-def _plan_runs(runs: tuple[np.ndarray, ...], max_over_read_ratio: float | None, chunk_bytes: int) -> FilePlan:
+def _plan_runs(runs: tuple[np.ndarray, ...], max_over_read_ratio: float | None, chunk_bytes: int,
+               end: np.ndarray | None = None, gap: np.ndarray | None = None) -> FilePlan:
     """Plan sorted, disjoint runs."""
     offset, length, dest, dest_offset = runs
     if len(offset) == 0:
         empty = np.empty(0, np.int64)
-        return FilePlan(offset, length, dest, dest_offset, empty, empty, empty, empty, 1.0, 0)
-    ps, pe, pneed = _page_blocks(offset, length)
+        return FilePlan(offset, length, dest, dest_offset, empty, empty, empty, empty, empty, 1.0, 0)
+    if end is None or gap is None:
+        end = offset + length
+        gap = offset[1:] - end[:-1]
+    ps, pe, pneed = _page_blocks(offset, end, gap, length)
+    del gap
     ratio = auto_ratio(ps, pe, int(pneed.sum())) if max_over_read_ratio is None else float(max_over_read_ratio)
     bs, be = _merge_under_ratio(ps, pe, pneed, ratio) if len(ps) > 1 else (ps, pe)
     cs, ce = _chunk_bounds(bs, be, chunk_bytes)
-    offset, length, dest, dest_offset = _split_at(cs[1:], offset, length, dest, dest_offset)
-    lo = np.searchsorted(offset, cs, "left")
-    hi = np.searchsorted(offset, ce, "left")
+    lo = np.searchsorted(end, cs, "right")  # the first run ending after the chunk starts
+    hi = np.searchsorted(offset, ce, "left")  # past the last run starting before it ends
     keep = hi > lo  # a chunk cut from the middle of a merged gap holds no run: skip it
-    lo, hi = lo[keep], hi[keep]
-    end = offset + length  # and trim each chunk to its runs: its edges would be gap only
-    return FilePlan(offset, length, dest, dest_offset, offset[lo], end[hi - 1], lo, hi, ratio, len(ps))
+    cs, ce, lo, hi = cs[keep], ce[keep], lo[keep], hi[keep]
+    start = np.maximum(cs, offset[lo])  # trimmed: the edges would be gap only
+    stop = np.minimum(ce, end[hi - 1])
+    below = np.concatenate([[0], np.cumsum(length)])
+    needed = below[hi] - below[lo] - (start - offset[lo]) - (end[hi - 1] - stop)
+    return FilePlan(offset, length, dest, dest_offset, start, stop, lo, hi, needed, ratio, len(ps))
 
 
 def _concat(plans: list[FilePlan]) -> FilePlan:
@@ -366,8 +372,23 @@ def _concat(plans: list[FilePlan]) -> FilePlan:
                                                                       "chunk_start", "chunk_end")]
     lo = np.concatenate([p.chunk_lo + k for p, k in zip(plans, shift)])
     hi = np.concatenate([p.chunk_hi + k for p, k in zip(plans, shift)])
-    return FilePlan(*cols[:4], cols[4], cols[5], lo, hi, max(p.ratio for p in plans),
+    needed = np.concatenate([p.chunk_needed for p in plans])
+    return FilePlan(*cols[:4], cols[4], cols[5], lo, hi, needed, max(p.ratio for p in plans),
                     sum(p.page_blocks for p in plans))
+
+
+def chunk_runs(plan: FilePlan, i: int) -> tuple[np.ndarray, ...]:
+    """Chunk ``i``'s runs clipped to it: offset, length, dest, dest_offset (copies).
+
+    Examples:
+        >>> p = plan_file([Request(0, 0, (10,), 1, ((0, 10),))], chunk_bytes=4)
+        >>> [[c.tolist() for c in chunk_runs(p, i)] for i in range(p.num_chunks)]
+        [[[0], [4], [0], [0]], [[4], [4], [0], [4]], [[8], [2], [0], [8]]]
+    """
+    cs, ce, lo, hi = (int(x) for x in (plan.chunk_start[i], plan.chunk_end[i], plan.chunk_lo[i], plan.chunk_hi[i]))
+    off = np.maximum(plan.offset[lo:hi], cs)
+    end = np.minimum(plan.offset[lo:hi] + plan.length[lo:hi], ce)
+    return off, end - off, plan.dest[lo:hi].copy(), plan.dest_offset[lo:hi] + (off - plan.offset[lo:hi])
 
 
 def _covered_below(start: np.ndarray, stop: np.ndarray, x: np.ndarray) -> np.ndarray:

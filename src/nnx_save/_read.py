@@ -36,7 +36,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ._errors import NnxSaveError
-from ._plan import FilePlan
+from ._plan import FilePlan, chunk_runs
 
 __all__ = ["Budget", "LocalReader", "execute", "aligned_empty", "pack_buffers", "DIRECT_MIN_RUN", "DIRECT_MAX_RUNS"]
 
@@ -219,45 +219,58 @@ def _runs(plan: FilePlan, i: int) -> tuple[int, int, int, int]:
     return int(plan.chunk_start[i]), int(plan.chunk_end[i]), int(plan.chunk_lo[i]), int(plan.chunk_hi[i])
 
 
-def _iov_table(plan: FilePlan, lo: int, hi: int, start: int, dest_ptr: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """Iovecs for runs ``[lo, hi)`` read from file byte ``start`` on, as
-    ``(address, length)`` rows in file order: one per run (into its destination)
-    and one per ``len(scratch)`` bytes of each gap before a run."""
+def _iov_table(plan: FilePlan, lo: int, hi: int, start: int, dest_ptr: np.ndarray, scratch: np.ndarray,
+               gapless: bool, cs: int, ce: int) -> np.ndarray:
+    """Iovecs for runs ``[lo, hi)`` clipped to ``[cs, ce)``, read from file byte
+    ``start`` on, as ``(address, length)`` rows in file order: one per run (into its
+    destination) and one per ``len(scratch)`` bytes of each gap before a run."""
     off, length = plan.offset[lo:hi], plan.length[lo:hi]
-    addr = dest_ptr[plan.dest[lo:hi]] + plan.dest_offset[lo:hi].astype(np.uint64)
-    gap = np.empty(len(off), np.int64)  # gap[j] precedes run j
-    gap[:1] = off[:1] - start
-    np.subtract(off[1:], off[:-1] + length[:-1], out=gap[1:])
-    if not gap.any():
-        return np.stack([addr, length.astype(np.uint64)], axis=1)
-    g = max(len(scratch), 1)
-    pieces = -(-gap // g)
-    row_of_run = np.cumsum(pieces + 1) - 1
-    table = np.empty((int(pieces.sum()) + len(off), 2), np.uint64)
-    is_gap = np.ones(len(table), bool)
-    is_gap[row_of_run] = False
-    table[row_of_run, 0], table[row_of_run, 1] = addr, length
-    owner = np.repeat(np.arange(len(gap)), pieces)
-    k = np.arange(len(owner)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
-    table[is_gap, 0] = scratch.ctypes.data
-    table[is_gap, 1] = np.minimum(g, gap[owner] - k * g)
+    addr = dest_ptr[plan.dest[lo:hi]]
+    np.add(addr, plan.dest_offset[lo:hi], out=addr, casting="unsafe")
+    head = max(cs - int(off[0]), 0)  # a run that began in the previous chunk
+    tail = max(int(off[-1] + length[-1]) - ce, 0)  # one that goes on in the next
+    if not gapless:
+        gap = np.empty(len(off), np.int64)  # gap[j] precedes run j
+        gap[:1] = off[:1] + head - start
+        np.subtract(off[1:], off[:-1] + length[:-1], out=gap[1:])
+        gapless = not gap.any()
+    if gapless:
+        table = np.empty((len(off), 2), np.uint64)
+        table[:, 0], table[:, 1] = addr, length
+        first = 0
+    else:
+        g = max(len(scratch), 1)
+        pieces = -(-gap // g)
+        row_of_run = np.cumsum(pieces + 1) - 1
+        table = np.empty((int(pieces.sum()) + len(off), 2), np.uint64)
+        is_gap = np.ones(len(table), bool)
+        is_gap[row_of_run] = False
+        table[row_of_run, 0], table[row_of_run, 1] = addr, length
+        owner = np.repeat(np.arange(len(gap)), pieces)
+        k = np.arange(len(owner)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        table[is_gap, 0] = scratch.ctypes.data
+        table[is_gap, 1] = np.minimum(g, gap[owner] - k * g)
+        first = int(row_of_run[0])
+    table[first, 0] += head
+    table[first, 1] -= head
+    table[-1, 1] -= tail  # gaps only ever precede runs: the last row is the last run
     return table
 
 
-def _read_table(reader, plan: FilePlan, i: int, dest_ptr: np.ndarray, scratch: np.ndarray) -> None:
+def _read_table(reader, plan: FilePlan, i: int, dest_ptr: np.ndarray, scratch: np.ndarray, gapless: bool) -> None:
     """A chunk through ``preadv`` iovec tables, :data:`TABLE_RUNS` runs per table
     (so a thread's table memory stays a few MiB however many runs a chunk has)."""
     cs, ce, lo, hi = _runs(plan, i)
     start = cs
     for a in range(lo, hi, TABLE_RUNS):
         b = min(a + TABLE_RUNS, hi)
-        reader.readv_table(_iov_table(plan, a, b, start, dest_ptr, scratch), start)
+        reader.readv_table(_iov_table(plan, a, b, start, dest_ptr, scratch, gapless, cs, ce), start)
         start = int(plan.offset[b - 1] + plan.length[b - 1])
 
 
 def _direct(reader, plan: FilePlan, dests: list[np.ndarray], i: int, scratch: np.ndarray) -> None:
     """One memoryview per run (gaps into ``scratch``), for readers without tables."""
-    cs, ce, lo, hi = _runs(plan, i)
+    cs, ce, _, _ = _runs(plan, i)
     iovs, pos, gap_view = [], cs, memoryview(scratch)
 
     def skip(n: int) -> None:
@@ -265,8 +278,7 @@ def _direct(reader, plan: FilePlan, dests: list[np.ndarray], i: int, scratch: np
             iovs.append(gap_view[:min(n, len(gap_view))])
             n -= len(gap_view)
 
-    for off, ln, d, doff in zip(plan.offset[lo:hi].tolist(), plan.length[lo:hi].tolist(),
-                                plan.dest[lo:hi].tolist(), plan.dest_offset[lo:hi].tolist()):
+    for off, ln, d, doff in zip(*(c.tolist() for c in chunk_runs(plan, i))):
         skip(off - pos)
         iovs.append(memoryview(dests[d])[doff:doff + ln])
         pos = off + ln
@@ -310,30 +322,31 @@ def _copy_out(block: np.ndarray, src, length, dest, doff, dests: list[np.ndarray
 
 def _scatter(reader, plan: FilePlan, dests: list[np.ndarray], i: int, scratch: Callable[[int], np.ndarray],
              block_bytes: int) -> None:
-    """Read the chunk's runs in blocks of about ``block_bytes`` (cut between runs)
-    into scratch, copying each block's runs out with strided numpy copies."""
-    cs, ce, lo, hi = _runs(plan, i)
-    off, length = plan.offset[lo:hi], plan.length[lo:hi]
+    """Read the chunk in blocks of about ``block_bytes`` (cut between runs) into
+    scratch, copying each block's runs out with strided numpy copies."""
+    cs, ce, _, _ = _runs(plan, i)
+    off, length, dest, doff = chunk_runs(plan, i)
     bucket = (off - cs) // block_bytes
     cut = (np.flatnonzero(np.diff(bucket)) + 1).tolist()
+    start = cs
     for a, b in zip([0, *cut], [*cut, len(off)]):
-        start = cs if a == 0 else int(off[a])
-        stop = ce if b == len(off) else int(off[b - 1] + length[b - 1])
+        stop = int(off[b - 1] + length[b - 1])
         buf = scratch(stop - start)[:stop - start]
-        reader.readv([memoryview(buf)], start)
-        _copy_out(buf, off[a:b] - start, length[a:b], plan.dest[lo + a:lo + b],
-                  plan.dest_offset[lo + a:lo + b], dests)
+        reader.readv([memoryview(buf)], start)  # from the previous block's end: the chunk, read once
+        _copy_out(buf, off[a:b] - start, length[a:b], dest[a:b], doff[a:b], dests)
+        start = stop
 
 
-def _check_plan(plan: FilePlan, dests: list[np.ndarray]) -> None:
-    """Every run must land inside its destination: the table path writes through
-    raw addresses, so a planning bug must stop here, not corrupt memory."""
-    if not len(plan.offset):
-        return
-    sizes = np.array([len(d) for d in dests], np.int64)
-    if plan.dest.min() < 0 or plan.dest.max() >= len(dests) or plan.dest_offset.min() < 0 \
-            or (plan.dest_offset + plan.length > sizes[plan.dest]).any() or plan.length.min() <= 0:
-        raise NnxSaveError("internal error: a planned read falls outside its destination buffer")
+def _check_runs(plan: FilePlan, i: int, sizes: np.ndarray) -> None:
+    """Chunk ``i``'s runs must meet the chunk, be sorted and disjoint, and land
+    inside their destinations: the table path writes through raw addresses, so a
+    planning bug must stop here, not corrupt memory."""
+    cs, ce, lo, hi = _runs(plan, i)
+    off, length, dest, doff = plan.offset[lo:hi], plan.length[lo:hi], plan.dest[lo:hi], plan.dest_offset[lo:hi]
+    if not (0 <= lo < hi <= len(plan.offset)) or off[0] + length[0] <= cs or off[-1] >= ce \
+            or dest.min() < 0 or dest.max() >= len(sizes) or doff.min() < 0 or length.min() <= 0 \
+            or (doff + length > sizes[dest]).any() or (off[1:] < off[:-1] + length[:-1]).any():
+        raise NnxSaveError("internal error: a planned read falls outside its chunk or destination buffer")
 
 
 class _Scratch:
@@ -375,23 +388,22 @@ def execute(
     """Run every chunk of ``plan`` into ``dests`` (flat uint8 arrays), concurrently,
     never holding more than ``budget.limit`` bytes of chunks in flight.
     ``on_chunk(needed bytes)`` is called after each chunk (progress)."""
-    _check_plan(plan, dests)
     if not plan.num_chunks:
         return
-    gaps = plan.offset[1:] - (plan.offset[:-1] + plan.length[:-1])
-    gaps[plan.chunk_lo[1:] - 1] = 0  # between chunks: not read
-    scratch = _Scratch(min(int(gaps.max(initial=0)), GAP_SCRATCH))
+    sizes = np.array([len(d) for d in dests], np.int64)
     dest_ptr = np.array([d.ctypes.data for d in dests], np.uint64)
     local = getattr(reader, "readv_table", None) is not None
-    needed = np.add.reduceat(plan.length, plan.chunk_lo) if len(plan.length) else np.zeros(plan.num_chunks, np.int64)
-    needed = np.where(plan.chunk_hi > plan.chunk_lo, needed, 0)
+    needed = plan.chunk_needed
+    gap_bytes = (plan.chunk_end - plan.chunk_start) - needed  # per chunk: 0 when its runs touch
+    scratch = _Scratch(min(int(gap_bytes.max()), GAP_SCRATCH))
 
     def run(i: int) -> None:
         cs, ce, lo, hi = _runs(plan, i)
+        _check_runs(plan, i, sizes)
         with budget(ce - cs):
             how = _method(reader, hi - lo, int(needed[i]))
             if how == "table":
-                _read_table(reader, plan, i, dest_ptr, scratch.gap())
+                _read_table(reader, plan, i, dest_ptr, scratch.gap(), gapless=not gap_bytes[i])
             elif how == "direct":
                 _direct(reader, plan, dests, i, scratch.gap())
             else:
