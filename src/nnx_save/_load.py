@@ -18,7 +18,9 @@ transform's sources) are allocated on their own and freed once used.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import logging
 import math
 import os
@@ -343,12 +345,12 @@ class _Engine:
             self._verify(work)
         for path, shards in work.shards.items():
             t = self.by_path[path]
-            info = self.header.tensors[t.sources[0]]
+            info, held = self.header.tensors[t.sources[0]], _held_dtype(t)
             pieces = []
             for s in shards:
                 host = _host_view(work.dests[s.dest], info, s.box)
-                if host.dtype != _held_dtype(t):
-                    host = host.astype(_held_dtype(t))
+                if host.dtype != held:
+                    host = host.astype(held)
                 pieces.append((host, s.devices))
             self.results[path] = _place(t, pieces)
             for s in shards:
@@ -374,6 +376,23 @@ class _Engine:
                 self.refs[k] -= 1
                 if not self.refs[k]:
                     del self.wholes[k], self.refs[k]
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """No cyclic garbage collection while the engine runs: it allocates tens of
+    thousands of small objects (boxes, requests, shard lists), enough to trigger a
+    full collection, and a full collection walks every live object of the process
+    (with jax imported, 130K: 0.11-0.14 s measured, a sixth of a 2.2 GB load). What
+    the engine allocates is freed by reference counting; the collector's previous
+    state is restored."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _default_threads() -> int:
@@ -429,12 +448,13 @@ def load_targets(
     engine_class = _Engine
     if getattr(header, "pieces", None) is not None:  # a pod directory: pieces of tensors in shard files
         from ._pod import PodEngine as engine_class
-    engine = engine_class(header, loadable, report, options)
-    try:
-        for fh in header.files:
-            engine.run_file(fh.file)
-    finally:
-        options["bar"].close()
+    with _gc_paused():
+        try:
+            engine = engine_class(header, loadable, report, options)
+            for fh in header.files:
+                engine.run_file(fh.file)
+        finally:
+            options["bar"].close()
     report.verified = sorted(k for k, ok in engine.checked.items() if ok)
     report.unverified = sorted(k for k, ok in engine.checked.items() if not ok)
     report.io.max_inflight_bytes = engine.budget.peak

@@ -16,10 +16,14 @@ Three ways to read a chunk, chosen per chunk by its mean run length:
   files use 1 MiB blocks (they stay in cache); other readers read the whole chunk
   in one request.
 
-Every chunk holds its byte count against the shared :class:`Budget` while it is
-being read, so bytes in flight never exceed ``max_inflight_bytes``; host memory
-beyond the destination buffers is the per-thread scratch (a few MiB) and, for
-scatter reads from remote readers, the chunk being read.
+Each chunk is one sequential read of exactly ``[chunk_start, chunk_end)``; a run a
+chunk boundary cuts is clipped to each chunk's part. Before a chunk is read its
+runs are checked against their destination buffers (the table path writes through
+raw addresses). Every chunk holds its byte count against the shared
+:class:`Budget` while it is being read, so bytes in flight never exceed
+``max_inflight_bytes``; host memory beyond the destination buffers is the
+per-thread scratch and iovec tables (a few MiB) and, for scatter reads from
+remote readers, the chunk being read.
 """
 
 from __future__ import annotations
