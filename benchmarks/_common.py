@@ -57,8 +57,21 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 
 __all__ = [
-    "transformer_shapes", "make_arrays", "total_bytes", "Phase", "rss_kb", "peak_rss_kb", "reset_peak_rss",
-    "run_fresh", "worker_main", "sync", "drop_file_cache", "warm", "page_cache_note", "table", "gb",
+    "Phase",
+    "drop_file_cache",
+    "gb",
+    "make_arrays",
+    "page_cache_note",
+    "peak_rss_kb",
+    "reset_peak_rss",
+    "rss_kb",
+    "run_fresh",
+    "sync",
+    "table",
+    "total_bytes",
+    "transformer_shapes",
+    "warm",
+    "worker_main",
 ]
 
 
@@ -87,15 +100,25 @@ def transformer_shapes(size_gb: float, *, d_model: int | None = None) -> dict[st
     shapes: dict[str, tuple[int, ...]] = {"embed.embedding": (vocab, d)}
     for i in range(layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "attn_norm.scale": (d,), p + "attn_norm.bias": (d,),
-            p + "attn.q.kernel": (d, d), p + "attn.k.kernel": (d, d), p + "attn.v.kernel": (d, d),
-            p + "attn.o.kernel": (d, d), p + "attn.o.bias": (d,),
-            p + "attn.q_norm": (128,), p + "attn.k_norm": (128,),
-            p + "mlp_norm.scale": (d,), p + "mlp_norm.bias": (d,),
-            p + "mlp.up.kernel": (d, f), p + "mlp.up.bias": (f,),
-            p + "mlp.down.kernel": (f, d), p + "mlp.down.bias": (d,),
-        })
+        shapes.update(
+            {
+                p + "attn_norm.scale": (d,),
+                p + "attn_norm.bias": (d,),
+                p + "attn.q.kernel": (d, d),
+                p + "attn.k.kernel": (d, d),
+                p + "attn.v.kernel": (d, d),
+                p + "attn.o.kernel": (d, d),
+                p + "attn.o.bias": (d,),
+                p + "attn.q_norm": (128,),
+                p + "attn.k_norm": (128,),
+                p + "mlp_norm.scale": (d,),
+                p + "mlp_norm.bias": (d,),
+                p + "mlp.up.kernel": (d, f),
+                p + "mlp.up.bias": (f,),
+                p + "mlp.down.kernel": (f, d),
+                p + "mlp.down.bias": (d,),
+            }
+        )
     shapes.update({"final_norm.scale": (d,), "head.kernel": (d, vocab)})
     return shapes
 
@@ -158,7 +181,7 @@ class Phase:
     added at its worst moment.
     """
 
-    def __enter__(self) -> "Phase":
+    def __enter__(self) -> Phase:
         gc.collect()
         self.baseline_kb = rss_kb()
         self.peak_reset = reset_peak_rss()
@@ -168,15 +191,22 @@ class Phase:
 
     def __exit__(self, *exc: object) -> None:
         self.seconds = time.perf_counter() - self.t0
-        self.cpu = tuple(b - a for a, b in zip(self.cpu0, _cpu_seconds()))
+        self.cpu = tuple(b - a for a, b in zip(self.cpu0, _cpu_seconds(), strict=False))
         self.peak_kb = peak_rss_kb()
 
     def result(self, **extra: object) -> dict:
         """``seconds`` (wall), ``user_s`` / ``sys_s`` (CPU of this process and its
         threads: on a shared machine a steadier measure of the work done than wall
         time), and ``peak_above_kb``."""
-        return {"seconds": self.seconds, "user_s": self.cpu[0], "sys_s": self.cpu[1], "baseline_kb": self.baseline_kb,
-                "peak_above_kb": max(0, self.peak_kb - self.baseline_kb), "peak_reset": self.peak_reset, **extra}
+        return {
+            "seconds": self.seconds,
+            "user_s": self.cpu[0],
+            "sys_s": self.cpu[1],
+            "baseline_kb": self.baseline_kb,
+            "peak_above_kb": max(0, self.peak_kb - self.baseline_kb),
+            "peak_reset": self.peak_reset,
+            **extra,
+        }
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -196,8 +226,9 @@ def fresh_env(devices: int = 1) -> dict[str, str]:
     return env
 
 
-def run_fresh(script: str | os.PathLike, worker: str, args: Sequence[str] = (), *, devices: int = 1,
-              timeout: float = 3600) -> dict:
+def run_fresh(
+    script: str | os.PathLike, worker: str, args: Sequence[str] = (), *, devices: int = 1, timeout: float = 3600
+) -> dict:
     """Run ``python script --worker WORKER *args`` in a new process; its last stdout line
     is the JSON result. A failure comes back as ``{"error": last stderr line}``."""
     cmd = [sys.executable, str(script), "--worker", worker, *args]
@@ -211,8 +242,10 @@ def run_fresh(script: str | os.PathLike, worker: str, args: Sequence[str] = (), 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def worker_main(workers: Mapping[str, Callable[[argparse.Namespace], dict]],
-                add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> bool:
+def worker_main(
+    workers: Mapping[str, Callable[[argparse.Namespace], dict]],
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> bool:
     """In a child started by :func:`run_fresh`: run the named worker, print its JSON,
     and return True. In the parent (no ``--worker``): return False."""
     if "--worker" not in sys.argv:
@@ -275,11 +308,13 @@ def page_cache_note(directory: str | os.PathLike) -> str:
     pages, the kernel's writeback thresholds, and the file system."""
     avail, dirty = _meminfo_kb("MemAvailable"), _meminfo_kb("Dirty")
     st = os.statvfs(directory)
-    return (f"MemAvailable {avail / 1e6 if avail else float('nan'):.1f} GB, Dirty {dirty / 1e3 if dirty else 0:.0f} MB, "
-            f"vm.dirty_ratio {_read('/proc/sys/vm/dirty_ratio')}%, "
-            f"vm.dirty_background_ratio {_read('/proc/sys/vm/dirty_background_ratio')}%, "
-            f"{directory}: {st.f_bavail * st.f_frsize / 1e9:.0f} GB free, CPUs {os.cpu_count()}, "
-            f"load average {os.getloadavg()[0]:.1f}")
+    return (
+        f"MemAvailable {avail / 1e6 if avail else float('nan'):.1f} GB, Dirty {dirty / 1e3 if dirty else 0:.0f} MB, "
+        f"vm.dirty_ratio {_read('/proc/sys/vm/dirty_ratio')}%, "
+        f"vm.dirty_background_ratio {_read('/proc/sys/vm/dirty_background_ratio')}%, "
+        f"{directory}: {st.f_bavail * st.f_frsize / 1e9:.0f} GB free, CPUs {os.cpu_count()}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 # ----------------------------------------------------------------------------- output
@@ -291,6 +326,9 @@ def table(rows: Sequence[Mapping[str, object]], columns: Sequence[tuple[str, str
     for r in rows:
         cells.append(["-" if r.get(k) is None else format(r[k], spec) for k, _, spec in columns])
     widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=False)))
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

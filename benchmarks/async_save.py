@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
+import _common
 
 STRATEGIES = ("blocking", "async", "orbax_async")
 
@@ -126,9 +126,15 @@ def main() -> None:
                 _common.sync()
                 r = _common.run_fresh(__file__, s, ["--path", str(path), "--size-gb", str(args.size_gb)])
                 _remove(path)
-                print(f"run {i + 1}/{args.repeat} {s:<12} " + (
-                    f"blocked {r['blocked']:.2f} s, durable {r['durable']:.2f} s, peak +{r['peak_above_kb'] / 1e3:.0f} MB"
-                    if "error" not in r else f"ERROR {r['error']}"), file=sys.stderr)
+                print(
+                    f"run {i + 1}/{args.repeat} {s:<12} "
+                    + (
+                        f"blocked {r['blocked']:.2f} s, durable {r['durable']:.2f} s, peak +{r['peak_above_kb'] / 1e3:.0f} MB"
+                        if "error" not in r
+                        else f"ERROR {r['error']}"
+                    ),
+                    file=sys.stderr,
+                )
                 runs[s].append(r)
     rows = []
     for s, rs in runs.items():
@@ -136,25 +142,42 @@ def main() -> None:
         if not ok:
             rows.append({"strategy": s, "error": rs[-1]["error"]})
             continue
-        rows.append({"strategy": s, "blocked": statistics.median(r["blocked"] for r in ok),
-                     "step_s": statistics.median(r["step_s"] for r in ok),
-                     "durable": statistics.median(r["durable"] for r in ok),
-                     "peak_mb": max(r["peak_above_kb"] for r in ok) / 1e3, "nbytes": ok[0]["nbytes"],
-                     "tensors": ok[0]["tensors"], "runs": len(ok)})
+        rows.append(
+            {
+                "strategy": s,
+                "blocked": statistics.median(r["blocked"] for r in ok),
+                "step_s": statistics.median(r["step_s"] for r in ok),
+                "durable": statistics.median(r["durable"] for r in ok),
+                "peak_mb": max(r["peak_above_kb"] for r in ok) / 1e3,
+                "nbytes": ok[0]["nbytes"],
+                "tensors": ok[0]["tensors"],
+                "runs": len(ok),
+            }
+        )
     first = next((r for r in rows if "error" not in r), None)
     if first:
-        print(f"\nsave of {first['nbytes'] / 1e9:.2f} GB fp32 jax CPU arrays, {first['tensors']} tensors; fresh "
-              f"process per run, median of {args.repeat}; then one (precompiled) jitted step donating the whole state")
+        print(
+            f"\nsave of {first['nbytes'] / 1e9:.2f} GB fp32 jax CPU arrays, {first['tensors']} tensors; fresh "
+            f"process per run, median of {args.repeat}; then one (precompiled) jitted step donating the whole state"
+        )
     print(f"page cache: {before}\n")
-    print(_common.table(rows, [
-        ("strategy", "strategy", ""), ("blocked", "caller blocked s", ".2f"), ("step_s", "next step s", ".2f"),
-        ("durable", "until durable s", ".2f"), ("peak_mb", "peak RSS above state MB", ".0f"),
-    ]))
+    print(
+        _common.table(
+            rows,
+            [
+                ("strategy", "strategy", ""),
+                ("blocked", "caller blocked s", ".2f"),
+                ("step_s", "next step s", ".2f"),
+                ("durable", "until durable s", ".2f"),
+                ("peak_mb", "peak RSS above state MB", ".0f"),
+            ],
+        )
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['strategy']}: ERROR {r['error']}")
 
 
 if __name__ == "__main__":
-    if not _common.worker_main({s: save_worker for s in STRATEGIES}, add_worker_arguments):
+    if not _common.worker_main(dict.fromkeys(STRATEGIES, save_worker), add_worker_arguments):
         main()

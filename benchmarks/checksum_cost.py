@@ -76,8 +76,11 @@ def main() -> None:
 
         save = _pair(lambda: nnx_save.save_file(tree, path, progress=False), save_off, args.repeat)
         nnx_save.save_file(tree, path, progress=False)
-        load = _pair(lambda: nnx_save.load_file(path, verify=True, progress=False),
-                     lambda: nnx_save.load_file(path, verify=False, progress=False), args.repeat)
+        load = _pair(
+            lambda: nnx_save.load_file(path, verify=True, progress=False),
+            lambda: nnx_save.load_file(path, verify=False, progress=False),
+            args.repeat,
+        )
     t0 = time.perf_counter()
     for a in tree.values():
         _checksum.digest([memoryview(a.reshape(-1).view(np.uint8))])
@@ -86,10 +89,12 @@ def main() -> None:
     print(f"checkpoint: {len(tree)} tensors, {gb:.2f} GB, cpus={os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")
     print(f"xxh3_64 alone, one thread: {hash_s:.3f} s ({gb / hash_s:.2f} GB/s)")
     for what, (on, off) in (("save cpu", _CPU[0]), ("load cpu", _CPU[1]), ("save", save), ("load", load)):
-        print(f"{what}: with checksums min {min(on):.3f} s / median {statistics.median(on):.3f} s, "
-              f"without min {min(off):.3f} s / median {statistics.median(off):.3f} s; "
-              f"cost (min) {100 * (min(on) - min(off)) / min(off):+.1f}%, "
-              f"(median) {100 * (statistics.median(on) - statistics.median(off)) / statistics.median(off):+.1f}%")
+        print(
+            f"{what}: with checksums min {min(on):.3f} s / median {statistics.median(on):.3f} s, "
+            f"without min {min(off):.3f} s / median {statistics.median(off):.3f} s; "
+            f"cost (min) {100 * (min(on) - min(off)) / min(off):+.1f}%, "
+            f"(median) {100 * (statistics.median(on) - statistics.median(off)) / statistics.median(off):+.1f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from _common import Phase, page_cache_note, run_fresh, warm  # noqa: E402
+
 STRATEGIES = ("nnx_save", "st_flax", "safe_open", "orbax", "readinto")
 LAYOUTS = ("1dev", "dim0", "last")
 CHECKPOINTS = ("synthetic", "gpt2")
@@ -68,22 +69,34 @@ CHECKPOINTS = ("synthetic", "gpt2")
 
 # ----------------------------------------------------------------------------- shapes
 
+
 def synthetic_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
     """~2.2 GB: 40 layers x 17 tensors + embed, head, final norm (684 tensors)."""
     d, f, layers, vocab = (256, 1024, 6, 2048) if quick else (1024, 4480, 40, 8192)
     shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, d)}
     for i in range(layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "ln1.scale": (d,), p + "ln1.bias": (d,),
-            p + "attn.qkv.kernel": (d, 3 * d), p + "attn.qkv.bias": (3 * d,),
-            p + "attn.out.kernel": (d, d), p + "attn.out.bias": (d,),
-            p + "attn.q_norm": (128,), p + "attn.k_norm": (128,), p + "attn.sinks": (16,),
-            p + "ln2.scale": (d,), p + "ln2.bias": (d,),
-            p + "mlp.up.kernel": (d, f), p + "mlp.up.bias": (f,),
-            p + "mlp.down.kernel": (f, d), p + "mlp.down.bias": (d,),
-            p + "layer_scale": (d,), p + "post_scale": (d,),
-        })
+        shapes.update(
+            {
+                p + "ln1.scale": (d,),
+                p + "ln1.bias": (d,),
+                p + "attn.qkv.kernel": (d, 3 * d),
+                p + "attn.qkv.bias": (3 * d,),
+                p + "attn.out.kernel": (d, d),
+                p + "attn.out.bias": (d,),
+                p + "attn.q_norm": (128,),
+                p + "attn.k_norm": (128,),
+                p + "attn.sinks": (16,),
+                p + "ln2.scale": (d,),
+                p + "ln2.bias": (d,),
+                p + "mlp.up.kernel": (d, f),
+                p + "mlp.up.bias": (f,),
+                p + "mlp.down.kernel": (f, d),
+                p + "mlp.down.bias": (d,),
+                p + "layer_scale": (d,),
+                p + "post_scale": (d,),
+            }
+        )
     shapes.update({"final_norm.scale": (d,), "final_norm.bias": (d,), "head": (d, vocab)})
     return shapes
 
@@ -94,14 +107,22 @@ def gpt2_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"wte.weight": (vocab, d), "wpe.weight": (ctx, d)}
     for i in range(layers):
         p = f"h.{i}."
-        shapes.update({
-            p + "ln_1.weight": (d,), p + "ln_1.bias": (d,),
-            p + "attn.c_attn.weight": (d, 3 * d), p + "attn.c_attn.bias": (3 * d,),
-            p + "attn.c_proj.weight": (d, d), p + "attn.c_proj.bias": (d,),
-            p + "ln_2.weight": (d,), p + "ln_2.bias": (d,),
-            p + "mlp.c_fc.weight": (d, 4 * d), p + "mlp.c_fc.bias": (4 * d,),
-            p + "mlp.c_proj.weight": (4 * d, d), p + "mlp.c_proj.bias": (d,),
-        })
+        shapes.update(
+            {
+                p + "ln_1.weight": (d,),
+                p + "ln_1.bias": (d,),
+                p + "attn.c_attn.weight": (d, 3 * d),
+                p + "attn.c_attn.bias": (3 * d,),
+                p + "attn.c_proj.weight": (d, d),
+                p + "attn.c_proj.bias": (d,),
+                p + "ln_2.weight": (d,),
+                p + "ln_2.bias": (d,),
+                p + "mlp.c_fc.weight": (d, 4 * d),
+                p + "mlp.c_fc.bias": (4 * d,),
+                p + "mlp.c_proj.weight": (4 * d, d),
+                p + "mlp.c_proj.bias": (d,),
+            }
+        )
     shapes.update({"ln_f.weight": (d,), "ln_f.bias": (d,)})
     return shapes
 
@@ -157,11 +178,12 @@ def _prefault(nbytes: int) -> None:
 
 
 def _shardings(jax, names_shapes: dict[str, tuple[int, ...]], layout: str) -> dict:
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     if layout == "1dev":
         s = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        return {k: s for k in names_shapes}
+        return dict.fromkeys(names_shapes, s)
     mesh = Mesh(np.array(jax.devices()), ("x",))
     out = {}
     for k, shape in names_shapes.items():
@@ -196,7 +218,7 @@ def _load(strategy: str, path: str, abstract: dict, shardings: dict, jax):
 
         out = {}
         with safe_open(path, "numpy") as f:
-            for k in f.keys():
+            for k in f:
                 out[k] = jax.device_put(f.get_tensor(k), shardings[k])
         return out
     if strategy == "orbax":
@@ -215,7 +237,7 @@ def _readinto(path: str) -> np.ndarray:
     size = os.path.getsize(path)
     raw = np.empty(size + 64, np.uint8)
     shift = -raw.ctypes.data % 64
-    buf = raw[shift:shift + size]
+    buf = raw[shift : shift + size]
     view, done = memoryview(buf), 0
     with open(path, "rb", buffering=0) as f:
         while done < size:
@@ -233,7 +255,7 @@ def _verify(result: dict, path: str, shardings: dict, sample: int = 12) -> None:
     step = max(1, len(keys) // sample)
     with safe_open(path, "numpy") as f:
         assert sorted(f.keys()) == keys, "key set differs"
-        for k in keys[::step] + [max(keys, key=lambda k: math.prod(result[k].shape))]:
+        for k in [*keys[::step], max(keys, key=lambda k: math.prod(result[k].shape))]:
             a = result[k]
             assert a.sharding == shardings[k], (k, a.sharding, shardings[k])
             expected = f.get_tensor(k)
@@ -249,7 +271,7 @@ def worker(args: argparse.Namespace) -> dict:
         if args.strategy == "nnx_save":
             import nnx_save  # noqa: F401
         elif args.strategy == "st_flax":
-            import safetensors.flax  # noqa: F401
+            import safetensors.flax
         elif args.strategy == "safe_open":
             import safetensors  # noqa: F401
         elif args.strategy == "orbax":
@@ -280,10 +302,13 @@ def run_worker(strategy: str, path: Path, layout: str, args: argparse.Namespace)
 
 # ----------------------------------------------------------------------------- table
 
+
 def table(rows: list[dict]) -> str:
     out = []
-    head = (f"{'checkpoint':<16} {'layout':<6} {'strategy':<10} {'wall s':>8} {'cpu s':>7} {'GB/s':>7} "
-            f"{'RSS/file':>9} {'t/t(nnx_save)':>14} {'rss/rss(nnx_save)':>18}")
+    head = (
+        f"{'checkpoint':<16} {'layout':<6} {'strategy':<10} {'wall s':>8} {'cpu s':>7} {'GB/s':>7} "
+        f"{'RSS/file':>9} {'t/t(nnx_save)':>14} {'rss/rss(nnx_save)':>18}"
+    )
     out += [head, "-" * len(head)]
     for (ckpt, layout), group in _groups(rows).items():
         ours = group.get("nnx_save", {})
@@ -293,8 +318,10 @@ def table(rows: list[dict]) -> str:
                 continue
             t_ratio = r["wall"] / ours["wall"] if "wall" in ours else float("nan")
             m_ratio = r["rss"] / ours["rss"] if ours.get("rss") else float("nan")
-            out.append(f"{ckpt:<16} {layout:<6} {strategy:<10} {r['wall']:>8.3f} {r['cpu']:>7.2f} {r['gbps']:>7.2f} "
-                       f"{r['rss']:>9.3f} {t_ratio:>14.2f} {m_ratio:>18.2f}")
+            out.append(
+                f"{ckpt:<16} {layout:<6} {strategy:<10} {r['wall']:>8.3f} {r['cpu']:>7.2f} {r['gbps']:>7.2f} "
+                f"{r['rss']:>9.3f} {t_ratio:>14.2f} {m_ratio:>18.2f}"
+            )
         out.append("")
     return "\n".join(out)
 
@@ -316,8 +343,12 @@ def targets(rows: list[dict]) -> list[str]:
             continue
         if layout in ("1dev", "dim0") and floor and "wall" in floor:
             frac = ours["gbps"] / floor["gbps"]
-            lines.append(f"{ckpt}/{layout}: throughput {frac:.1%} of readinto (>= 90%): {'PASS' if frac >= 0.9 else 'FAIL'}")
-            lines.append(f"{ckpt}/{layout}: peak RSS {ours['rss']:.3f}x file (<= 1.05): {'PASS' if ours['rss'] <= 1.05 else 'FAIL'}")
+            lines.append(
+                f"{ckpt}/{layout}: throughput {frac:.1%} of readinto (>= 90%): {'PASS' if frac >= 0.9 else 'FAIL'}"
+            )
+            lines.append(
+                f"{ckpt}/{layout}: peak RSS {ours['rss']:.3f}x file (<= 1.05): {'PASS' if ours['rss'] <= 1.05 else 'FAIL'}"
+            )
         if layout == "last":
             ob = group.get("orbax", {})
             if "wall" in ob:
@@ -331,8 +362,10 @@ def targets(rows: list[dict]) -> list[str]:
             if strategy in ("nnx_save", "readinto") or "wall" not in r:
                 continue
             ok = ours["wall"] <= r["wall"] and ours["rss"] <= r["rss"]
-            lines.append(f"{ckpt}/{layout}: vs {strategy}: time {ours['wall']:.3f}s vs {r['wall']:.3f}s, "
-                         f"RSS {ours['rss']:.3f} vs {r['rss']:.3f}: {'PASS' if ok else 'FAIL'}")
+            lines.append(
+                f"{ckpt}/{layout}: vs {strategy}: time {ours['wall']:.3f}s vs {r['wall']:.3f}s, "
+                f"RSS {ours['rss']:.3f} vs {r['rss']:.3f}: {'PASS' if ok else 'FAIL'}"
+            )
     return lines
 
 
@@ -343,8 +376,14 @@ def _row(ckpt: str, size: int, layout: str, strategy: str, runs: list[dict]) -> 
     if bad:
         return {**row, "error": bad[0]["error"]}
     best = min(runs, key=lambda r: r["seconds"])
-    return {**row, "wall": best["seconds"], "cpu": best["user_s"] + best["sys_s"], "gbps": size / best["seconds"] / 1e9,
-            "rss": best["peak_above_kb"] * 1024 / size, "walls": [round(r["seconds"], 3) for r in runs]}
+    return {
+        **row,
+        "wall": best["seconds"],
+        "cpu": best["user_s"] + best["sys_s"],
+        "gbps": size / best["seconds"] / 1e9,
+        "rss": best["peak_above_kb"] * 1024 / size,
+        "walls": [round(r["seconds"], 3) for r in runs],
+    }
 
 
 def main() -> None:
@@ -354,10 +393,18 @@ def main() -> None:
     p.add_argument("--checkpoints", default=",".join(CHECKPOINTS))
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--strategies", default=",".join(STRATEGIES))
-    p.add_argument("--repeat", type=int, default=1,
-                   help="fresh processes per cell, interleaved across strategies; the fastest is kept")
-    p.add_argument("--prefault", type=float, default=3.0,
-                   help="touch and free this many file sizes of memory before the baseline (0: raw VM faults)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="fresh processes per cell, interleaved across strategies; the fastest is kept",
+    )
+    p.add_argument(
+        "--prefault",
+        type=float,
+        default=3.0,
+        help="touch and free this many file sizes of memory before the baseline (0: raw VM faults)",
+    )
     p.add_argument("--no-verify", action="store_true", help="skip the post-timing correctness check")
     p.add_argument("--json", help="also write the rows here")
     p.add_argument("--worker", help=argparse.SUPPRESS)

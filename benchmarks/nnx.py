@@ -168,7 +168,6 @@ def _file_bytes(path: str) -> int:
 
 def worker(tool: str, phase: str, args: argparse.Namespace) -> dict:
     import jax
-
     from flax import nnx
 
     if tool == "nnx_save":
@@ -235,18 +234,31 @@ def main() -> None:
             sync()  # one phase's writeback must not land in the next one's time
             if phase != "save":
                 warm(os.path.join(args.dir, "nnx_save.safetensors"))
-            r = run_fresh(__file__, f"{tool}:{phase}", ["--size-gb", str(args.size_gb), "--dir", args.dir],
-                          timeout=args.timeout)
+            r = run_fresh(
+                __file__, f"{tool}:{phase}", ["--size-gb", str(args.size_gb), "--dir", args.dir], timeout=args.timeout
+            )
             row = {"tool": tool, "phase": phase, **r}
             if "error" not in r:
-                row.update(gbps=size / 1e9 / r["seconds"], cpu=r["user_s"] + r["sys_s"],
-                           mem=r["peak_above_kb"] * 1024 / size)
+                row.update(
+                    gbps=size / 1e9 / r["seconds"], cpu=r["user_s"] + r["sys_s"], mem=r["peak_above_kb"] * 1024 / size
+                )
             else:
                 print(f"{tool} {phase} failed: {r['error']}", file=sys.stderr)
             rows.append(row)
             print(f"  {tool:<9} {phase:<14} {row.get('seconds', float('nan')):8.2f} s", file=sys.stderr, flush=True)
-    print(table(rows, [("tool", "tool", ""), ("phase", "phase", ""), ("seconds", "seconds", ".2f"),
-                       ("gbps", "GB/s", ".2f"), ("cpu", "CPU s", ".2f"), ("mem", "peak RSS / ckpt", ".2f")]))
+    print(
+        table(
+            rows,
+            [
+                ("tool", "tool", ""),
+                ("phase", "phase", ""),
+                ("seconds", "seconds", ".2f"),
+                ("gbps", "GB/s", ".2f"),
+                ("cpu", "CPU s", ".2f"),
+                ("mem", "peak RSS / ckpt", ".2f"),
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

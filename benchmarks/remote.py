@@ -28,7 +28,8 @@ NGINX_CONF = HERE.parent / "tests" / "remote" / "nginx.conf"
 def _abstract(header, devices: int):
     import jax
     import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((devices,), ("x",))
     out = {}
@@ -97,25 +98,44 @@ def main() -> None:
         rows = []
         for devices in (1, 8):
             for label, source in (("local file", str(path)), ("HTTP (nginx, loopback)", f"{url}/model.safetensors")):
-                runs = [run_fresh(__file__, "load", ["--source", source, "--devices", str(devices)], devices=devices)
-                        for _ in range(args.repeat)]
+                runs = [
+                    run_fresh(__file__, "load", ["--source", source, "--devices", str(devices)], devices=devices)
+                    for _ in range(args.repeat)
+                ]
                 bad = [r["error"] for r in runs if "error" in r]
                 if bad:
                     raise SystemExit(f"{label}: {bad[0]}")
                 secs = statistics.median(r["seconds"] for r in runs)
-                rows.append({"case": f"{devices} device{'s' if devices > 1 else ''}, dim 0" if devices > 1 else "1 device",
-                             "source": label, "seconds": secs, "gbps": gb(size) / secs,
-                             "rss": statistics.median(r["peak_above_kb"] for r in runs) * 1024 / size,
-                             "requests": runs[0]["requests"]})
+                rows.append(
+                    {
+                        "case": f"{devices} device{'s' if devices > 1 else ''}, dim 0" if devices > 1 else "1 device",
+                        "source": label,
+                        "seconds": secs,
+                        "gbps": gb(size) / secs,
+                        "rss": statistics.median(r["peak_above_kb"] for r in runs) * 1024 / size,
+                        "requests": runs[0]["requests"],
+                    }
+                )
             local, http = rows[-2]["seconds"], rows[-1]["seconds"]
             rows[-1]["ratio"] = http / local
     finally:
         proc.terminate()
         proc.wait(10)
     print(f"checkpoint {gb(size):.2f} GB, median of {args.repeat} fresh processes each; {page_cache_note(work)}")
-    print(table(rows, [("case", "case", ""), ("source", "source", ""), ("seconds", "seconds", ".2f"),
-                       ("gbps", "GB/s", ".2f"), ("rss", "peak RSS / file", ".2f"), ("requests", "requests", "d"),
-                       ("ratio", "HTTP / local", ".2f")]))
+    print(
+        table(
+            rows,
+            [
+                ("case", "case", ""),
+                ("source", "source", ""),
+                ("seconds", "seconds", ".2f"),
+                ("gbps", "GB/s", ".2f"),
+                ("rss", "peak RSS / file", ".2f"),
+                ("requests", "requests", "d"),
+                ("ratio", "HTTP / local", ".2f"),
+            ],
+        )
+    )
     shutil.rmtree(work, ignore_errors=True)
 
 

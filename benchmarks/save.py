@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common  # noqa: E402
+import _common
 
 STRATEGIES = ("nnx_save", "nnx_save_nofsync", "nnx_save_jax", "st_numpy", "st_numpy_fsync")
 
@@ -96,8 +96,12 @@ def save_worker(args: argparse.Namespace) -> dict:
                 _fsync_path(path)
     _check(path, arrays)
     nbytes = _common.total_bytes(shapes)
-    return phase.result(nbytes=nbytes, tensors=len(shapes), largest=max(a.nbytes for a in arrays.values()),
-                        file_bytes=path.stat().st_size)
+    return phase.result(
+        nbytes=nbytes,
+        tensors=len(shapes),
+        largest=max(a.nbytes for a in arrays.values()),
+        file_bytes=path.stat().st_size,
+    )
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -117,9 +121,16 @@ def run(strategies: list[str], size_gb: float, repeat: int, directory: Path) -> 
             _common.sync()
             r = _common.run_fresh(__file__, s, ["--path", str(path), "--size-gb", str(size_gb)])
             path.unlink(missing_ok=True)
-            print(f"run {i + 1}/{repeat} {s:<17} " + (f"{r['seconds']:.2f} s (cpu {r['user_s']:.2f} user "
-                                                   f"{r['sys_s']:.2f} sys), peak +{r['peak_above_kb'] / 1e3:.0f} MB"
-                                                   if "error" not in r else f"ERROR {r['error']}"), file=sys.stderr)
+            print(
+                f"run {i + 1}/{repeat} {s:<17} "
+                + (
+                    f"{r['seconds']:.2f} s (cpu {r['user_s']:.2f} user "
+                    f"{r['sys_s']:.2f} sys), peak +{r['peak_above_kb'] / 1e3:.0f} MB"
+                    if "error" not in r
+                    else f"ERROR {r['error']}"
+                ),
+                file=sys.stderr,
+            )
             runs[s].append(r)
     _common.sync()
     return [summarise(s, rs) for s, rs in runs.items()]
@@ -132,11 +143,20 @@ def summarise(strategy: str, rs: list[dict]) -> dict:
     best = min(ok, key=lambda r: r["seconds"])
     median = statistics.median(r["seconds"] for r in ok)
     cpu = statistics.median(r["user_s"] + r["sys_s"] for r in ok)
-    return {"strategy": strategy, "seconds": best["seconds"], "median": median, "gbps": best["nbytes"] / best["seconds"] / 1e9,
-            "cpu_s": cpu, "user_s": statistics.median(r["user_s"] for r in ok),
-            "sys_s": statistics.median(r["sys_s"] for r in ok),
-            "peak_mb": max(r["peak_above_kb"] for r in ok) / 1e3, "largest_mb": best["largest"] / 1e6,
-            "tensors": best["tensors"], "nbytes": best["nbytes"], "runs": len(ok)}
+    return {
+        "strategy": strategy,
+        "seconds": best["seconds"],
+        "median": median,
+        "gbps": best["nbytes"] / best["seconds"] / 1e9,
+        "cpu_s": cpu,
+        "user_s": statistics.median(r["user_s"] for r in ok),
+        "sys_s": statistics.median(r["sys_s"] for r in ok),
+        "peak_mb": max(r["peak_above_kb"] for r in ok) / 1e3,
+        "largest_mb": best["largest"] / 1e6,
+        "tensors": best["tensors"],
+        "nbytes": best["nbytes"],
+        "runs": len(ok),
+    }
 
 
 def main() -> None:
@@ -164,24 +184,38 @@ def main() -> None:
         r["vs_st_fsync"] = r["gbps"] / ref_sync["gbps"] if ref_sync else None
         r["peak_tensors"] = r["peak_mb"] / r["largest_mb"]
     first = next(r for r in rows if "error" not in r)
-    print(f"\nsave of {first['nbytes'] / 1e9:.2f} GB fp32, {first['tensors']} tensors (largest "
-          f"{first['largest_mb']:.1f} MB); fresh process per run, best of {args.repeat} (median shown too); "
-          "user/sys: median CPU seconds of the saving process")
+    print(
+        f"\nsave of {first['nbytes'] / 1e9:.2f} GB fp32, {first['tensors']} tensors (largest "
+        f"{first['largest_mb']:.1f} MB); fresh process per run, best of {args.repeat} (median shown too); "
+        "user/sys: median CPU seconds of the saving process"
+    )
     print(f"page cache before: {before}\npage cache after:  {after}")
-    print("each run: target absent, sync() first (no dirty pages queued); data written into the page cache, "
-          "fsync'ed only where the strategy says so\n")
-    print(_common.table(rows, [
-        ("strategy", "strategy", ""), ("seconds", "best s", ".2f"), ("median", "median s", ".2f"),
-        ("gbps", "GB/s", ".2f"), ("user_s", "user s", ".2f"), ("sys_s", "sys s", ".2f"),
-        ("peak_mb", "peak RSS above arrays MB", ".1f"),
-        ("peak_tensors", "in largest tensors", ".2f"), ("vs_st", "GB/s vs st_numpy", ".2f"),
-        ("vs_st_fsync", "GB/s vs st_numpy_fsync", ".2f"),
-    ]))
+    print(
+        "each run: target absent, sync() first (no dirty pages queued); data written into the page cache, "
+        "fsync'ed only where the strategy says so\n"
+    )
+    print(
+        _common.table(
+            rows,
+            [
+                ("strategy", "strategy", ""),
+                ("seconds", "best s", ".2f"),
+                ("median", "median s", ".2f"),
+                ("gbps", "GB/s", ".2f"),
+                ("user_s", "user s", ".2f"),
+                ("sys_s", "sys s", ".2f"),
+                ("peak_mb", "peak RSS above arrays MB", ".1f"),
+                ("peak_tensors", "in largest tensors", ".2f"),
+                ("vs_st", "GB/s vs st_numpy", ".2f"),
+                ("vs_st_fsync", "GB/s vs st_numpy_fsync", ".2f"),
+            ],
+        )
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['strategy']}: ERROR {r['error']}")
 
 
 if __name__ == "__main__":
-    if not _common.worker_main({s: save_worker for s in STRATEGIES}, add_worker_arguments):
+    if not _common.worker_main(dict.fromkeys(STRATEGIES, save_worker), add_worker_arguments):
         main()

@@ -14,11 +14,11 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import numpy as np
+from flax import nnx
 
-import nnx_save  # noqa: E402
+import nnx_save
 
 
 class Block(nnx.Module):
@@ -69,23 +69,30 @@ def main() -> int:
     print(f"wrote {path.name}: {len(header)} tensors, {header.nbytes / 1e6:.2f} MB in {time.perf_counter() - t:.3f}s")
     for name in list(header)[:4]:
         info = header[name]
-        print(f"  {name:28s} {info.dtype.code:5s} {str(info.shape):12s} bytes [{info.begin}, {info.end})")
+        print(f"  {name:28s} {info.dtype.code:5s} {info.shape!s:12s} bytes [{info.begin}, {info.end})")
     print("  ...")
 
     step("2. load into a builder: the random model is never built")
-    restored, report = nnx_save.load_model(lambda: TinyNet(rngs=nnx.Rngs(42, dropout=7)), path,
-                                           mesh=one_device, strict=True)
+    restored, report = nnx_save.load_model(
+        lambda: TinyNet(rngs=nnx.Rngs(42, dropout=7)), path, mesh=one_device, strict=True
+    )
     with jax.set_mesh(one_device):
         same = np.array_equal(restored(x), model(x))
     print(report.summary())
-    print(f"logits identical: {same}; steps = {restored.steps.get_value()!r} ({type(restored.steps.get_value()).__name__})")
-    print(f"same dropout stream: {np.array_equal(jax.random.key_data(restored.dropout.rngs()), jax.random.key_data(model.dropout.rngs()))}")
+    print(
+        f"logits identical: {same}; steps = {restored.steps.get_value()!r} ({type(restored.steps.get_value()).__name__})"
+    )
+    print(
+        f"same dropout stream: {np.array_equal(jax.random.key_data(restored.dropout.rngs()), jax.random.key_data(model.dropout.rngs()))}"
+    )
 
     step("3. a mismatch is never silent: load into a model with a new head")
+
     class NewHead(TinyNet):
         def __init__(self, *, rngs: nnx.Rngs) -> None:
             super().__init__(rngs=rngs)
             self.head = nnx.Linear(256, 3, rngs=rngs)
+
     try:
         nnx_save.load_model(lambda: NewHead(rngs=nnx.Rngs(0)), path, mesh=one_device, strict=True)
     except nnx_save.LoadError as e:
@@ -95,8 +102,10 @@ def main() -> int:
     step("4. load sharded over 8 simulated devices: each device gets only its slice")
     sharded, report = nnx_save.load_model(lambda: TinyNet(rngs=nnx.Rngs(0)), path, mesh=eight_devices, strict=True)
     kernel = sharded.blocks[0].up.kernel.get_value()
-    print(f"blocks/0/up/kernel: {kernel.shape} spread over {len(kernel.sharding.device_set)} devices, "
-          f"shard shape {kernel.addressable_shards[0].data.shape}")
+    print(
+        f"blocks/0/up/kernel: {kernel.shape} spread over {len(kernel.sharding.device_set)} devices, "
+        f"shard shape {kernel.addressable_shards[0].data.shape}"
+    )
     print(f"values equal: {np.array_equal(np.asarray(kernel), np.asarray(model.blocks[0].up.kernel.get_value()))}")
     print(f"I/O: {report.io}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 import tempfile
 import time
@@ -38,7 +39,7 @@ TRUE_WEIGHTS = jnp.array([0.5, -1.0, 0.25, 2.0])
 
 class Regressor(nnx.Module):
     def __init__(self, features: list[int], *, rngs: nnx.Rngs) -> None:
-        self.layers = nnx.List([nnx.Linear(i, o, rngs=rngs) for i, o in zip(features[:-1], features[1:])])
+        self.layers = nnx.List([nnx.Linear(i, o, rngs=rngs) for i, o in itertools.pairwise(features)])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.layers[1](jnp.tanh(self.layers[0](x)))[:, 0]
@@ -99,8 +100,13 @@ def main() -> int:
         for position in range(0, args.steps, 25):
             losses = train(model, optimizer, data_key, position, min(25, args.steps - position))
             step = position + len(losses)
-            store.save(step, items(model, optimizer, data_key, step), metrics={"loss": losses[-1]},
-                       producer=producer, extra={"config": CONFIG})
+            store.save(
+                step,
+                items(model, optimizer, data_key, step),
+                metrics={"loss": losses[-1]},
+                producer=producer,
+                extra={"config": CONFIG},
+            )
             print(f"   step {step:4d}  loss {losses[-1]:.6f}  kept steps {store.list_steps()}")
         try:
             store.save(10, items(model, optimizer, data_key, 10))
@@ -116,16 +122,23 @@ def main() -> int:
     model, optimizer = nnx.eval_shape(lambda: build(seed=0))  # no weights are computed
     with OrbaxCheckpointStore(directory) as store:
         step = store.latest_step()
-        templates = {"model": nnx.state(model), "optimizer": nnx.state(optimizer), "rng": jax.random.key(0),
-                     "data_iterator": {"position": 0}}
+        templates = {
+            "model": nnx.state(model),
+            "optimizer": nnx.state(optimizer),
+            "rng": jax.random.key(0),
+            "data_iterator": {"position": 0},
+        }
         checkpoint = store.restore(step, templates=templates)
     restore_into(model, checkpoint.items["model"])
     restore_into(optimizer, checkpoint.items["optimizer"])
     meta = checkpoint.metadata
-    print(f"   restored step {step} written {meta.created_at} by {meta.producer.name}, "
-          f"data position {checkpoint.items['data_iterator']['position']}")
-    losses_b = train(model, optimizer, checkpoint.items["rng"], checkpoint.items["data_iterator"]["position"],
-                     args.resume_steps)
+    print(
+        f"   restored step {step} written {meta.created_at} by {meta.producer.name}, "
+        f"data position {checkpoint.items['data_iterator']['position']}"
+    )
+    losses_b = train(
+        model, optimizer, checkpoint.items["rng"], checkpoint.items["data_iterator"]["position"], args.resume_steps
+    )
     print("   losses", " ".join(f"{x:.8f}" for x in losses_b))
 
     identical = np.array_equal(np.float32(losses_a), np.float32(losses_b))

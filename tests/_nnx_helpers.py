@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["poison", "snapshot", "assert_same_state", "assert_differs"]
+__all__ = ["assert_differs", "assert_same_state", "poison", "snapshot"]
 
 
 def _is_key(x: Any) -> bool:
@@ -57,8 +57,7 @@ def _same(a: Any, b: Any) -> bool:
         return isinstance(b, tuple) and a[:2] == b[:2] and _same(a[2], b[2])
     if isinstance(a, (bool, int, float)):
         return type(a) is type(b) and a == b
-    return (isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
-            and a.tobytes() == b.tobytes())
+    return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
 def assert_same_state(a: dict, b: dict) -> None:

@@ -17,6 +17,7 @@ on a pipe): ``{"pid", "ev": "start" | "done", "v", "t"}``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
-import jax  # noqa: F401  (imported here, once; no backend is started)
+import jax
 import numpy as np
 from flax import nnx
 
@@ -33,14 +34,16 @@ import nnx_save
 from nnx_save.checkpoint import OrbaxCheckpointStore
 
 sys.path.insert(0, str(Path(__file__).parent / "multiprocess" / "workers"))
-import mp_boot  # noqa: E402  (the multi-process harness's timeouts)
+import mp_boot
 
 
 def tree_values(v: int) -> dict[str, np.ndarray]:
     """The tree saved as version ``v``: every tensor depends on ``v``."""
-    return {"a": np.full((128, 256), v, np.float32),
-            "b": np.arange(8192, dtype=np.int64) * 3 + v,
-            "c": {"d": np.full((7,), -v, np.int16)}}
+    return {
+        "a": np.full((128, 256), v, np.float32),
+        "b": np.arange(8192, dtype=np.int64) * 3 + v,
+        "c": {"d": np.full((7,), -v, np.int16)},
+    }
 
 
 def model(v: int) -> nnx.Module:
@@ -81,17 +84,24 @@ def saver(cmd: dict, rank: int) -> None:
         _loop(save)
     elif kind == "multiprocess":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(coordinator_address=f"127.0.0.1:{cmd['port']}", num_processes=cmd["n"],
-                                   process_id=rank, initialization_timeout=mp_boot.INIT_TIMEOUT_S,
-                                   heartbeat_timeout_seconds=mp_boot.HEARTBEAT_TIMEOUT_S,
-                                   shutdown_timeout_seconds=mp_boot.SHUTDOWN_TIMEOUT_S)
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{cmd['port']}",
+            num_processes=cmd["n"],
+            process_id=rank,
+            initialization_timeout=mp_boot.INIT_TIMEOUT_S,
+            heartbeat_timeout_seconds=mp_boot.HEARTBEAT_TIMEOUT_S,
+            shutdown_timeout_seconds=mp_boot.SHUTDOWN_TIMEOUT_S,
+        )
         mesh = jax.make_mesh((jax.device_count(),), ("x",))
         sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x"))
 
         def save(v):
             whole = tree_values(v)
-            tree = {k: jax.make_array_from_callback(x.shape, sharding, lambda i, x=x: x[i])
-                    for k, x in whole.items() if k != "c"}
+            tree = {
+                k: jax.make_array_from_callback(x.shape, sharding, lambda i, x=x: x[i])
+                for k, x in whole.items()
+                if k != "c"
+            }
             nnx_save.save_file({**tree, "c": whole["c"]}, target / "tree.safetensors")
 
         _loop(save, pid_reports=rank == 0)
@@ -121,10 +131,8 @@ def fork_saver(cmd: dict, rank: int) -> int:
 
 def kill(pids) -> list[int]:
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # exited (a saver that failed) but not reaped yet
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:  # exited (a saver that failed) but not reaped yet
-            pass
     return [os.waitpid(pid, 0)[1] for pid in pids]
 
 

@@ -64,7 +64,7 @@ def _ramp(key, shape, dtype=jnp.float32):
 
 class MLP(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
-        init = dict(kernel_init=_ramp, bias_init=_ramp, rngs=rngs)
+        init = {"kernel_init": _ramp, "bias_init": _ramp, "rngs": rngs}
         self.layers = nnx.List([nnx.Linear(16, 32, **init), nnx.Linear(32, 4, **init)])
         self.count = nnx.Variable(jnp.zeros((), jnp.int32))
 
@@ -208,8 +208,12 @@ def test_in_flight_saves_are_bounded(tmp_path, gate, monkeypatch):
     monkeypatch.setenv(_async.MAX_IN_FLIGHT_ENV, "2")
     first = [nnx_save.save_file({"w": jnp.ones(2)}, tmp_path / f"{i}.safetensors", blocking=False) for i in range(2)]
     returned = threading.Event()
-    third = threading.Thread(target=lambda: (nnx_save.save_file({"w": jnp.ones(2)}, tmp_path / "2.safetensors",
-                                                                  blocking=False), returned.set()))
+    third = threading.Thread(
+        target=lambda: (
+            nnx_save.save_file({"w": jnp.ones(2)}, tmp_path / "2.safetensors", blocking=False),
+            returned.set(),
+        )
+    )
     third.start()
     assert not returned.wait(0.5)  # waits for the oldest: two are in flight
     assert len(_async._unfinished()) == 2
@@ -290,8 +294,9 @@ def child(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict]:
     nobody collects, and an exit while a slow save is still being written."""
     directory = tmp_path_factory.mktemp("child")
     env = {**os.environ, "PYTHONPATH": str(SRC), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _CHILD, str(directory)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(directory)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert proc.returncode == 0, proc.stderr
     return directory, proc, json.loads(proc.stdout.splitlines()[-1])
 
@@ -313,7 +318,6 @@ def test_interpreter_exit_waits_for_unfinished_saves(child):
     got = nnx_save.load_file(tmp_path / "late.safetensors", verify=True)
     np.testing.assert_array_equal(got["w"], np.arange(1000, dtype=np.float32))
     assert "late.safetensors failed" not in proc.stderr
-
 
 
 def test_a_relative_path_is_where_it_was_at_the_call(tmp_path, gate, monkeypatch):
@@ -350,6 +354,10 @@ def test_an_uncollected_failure_does_not_keep_its_snapshot_alive(tmp_path, monke
     assert handle.wait(30)
     gc.collect()
     assert seen and seen[0]() is None  # the error is kept, the state is not
-    with pytest.raises(nnx_save.SaveError, match=re.escape(f"{tmp_path / 'w.safetensors'}: the asynchronous save "
-                                                           "failed (OSError: [Errno 28] No space left on device)")):
+    with pytest.raises(
+        nnx_save.SaveError,
+        match=re.escape(
+            f"{tmp_path / 'w.safetensors'}: the asynchronous save failed (OSError: [Errno 28] No space left on device)"
+        ),
+    ):
         handle.result()

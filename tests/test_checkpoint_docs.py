@@ -26,7 +26,7 @@ def test_the_guide_example_runs(capsys):
     text = (ROOT / "docs" / "checkpoints.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
     assert len(blocks) == 1
-    exec(compile(blocks[0], "docs/checkpoints.md", "exec"), {"__name__": "guide"})  # noqa: S102
+    exec(compile(blocks[0], "docs/checkpoints.md", "exec"), {"__name__": "guide"})
     assert capsys.readouterr().out == "100 {'epoch': 1, 'position': 640} {'lr': 0.001, 'hidden': 8}\n"
 
 
@@ -35,7 +35,11 @@ def test_train_resume_example_reproduces_the_run(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
         [sys.executable, "-W", "error", str(ROOT / "examples" / "train_resume.py"), "--dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=env, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "== resumed run bit-identical: True" in result.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 
 import jax
@@ -27,7 +28,7 @@ TRUE_WEIGHTS = jnp.array([0.5, -1.0, 0.25, 2.0])
 
 class Regressor(nnx.Module):
     def __init__(self, features, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        pairs = zip(features[:-1], features[1:])
+        pairs = itertools.pairwise(features)
         self.layers = nnx.List([nnx.Linear(i, o, rngs=rngs, param_dtype=param_dtype) for i, o in pairs])
 
     def __call__(self, x):
@@ -96,9 +97,14 @@ def test_resume_onto_templates_is_bit_exact(run):
     model, optimizer = _poisoned_build()
     with OrbaxCheckpointStore(run["directory"]) as store:
         step = store.latest_step()
-        checkpoint = store.restore(step, templates={
-            "model": nnx.state(model), "optimizer": nnx.state(optimizer), "rng": jax.random.key(0),
-        })
+        checkpoint = store.restore(
+            step,
+            templates={
+                "model": nnx.state(model),
+                "optimizer": nnx.state(optimizer),
+                "rng": jax.random.key(0),
+            },
+        )
     assert step == TRAINED_STEPS and checkpoint.metadata.extra == {"config": CONFIG}
     restore_into(model, checkpoint.items["model"])
     restore_into(optimizer, checkpoint.items["optimizer"])
@@ -128,9 +134,14 @@ def test_resume_into_abstract_objects_never_builds_real_weights(run):
     model, optimizer = nnx.eval_shape(lambda: build(CONFIG["init_seed"]))
     assert isinstance(model.layers[0].kernel.get_value(), jax.ShapeDtypeStruct)
     with OrbaxCheckpointStore(run["directory"]) as store:
-        checkpoint = store.restore(TRAINED_STEPS, templates={
-            "model": nnx.state(model), "optimizer": nnx.state(optimizer), "rng": jax.random.key(0),
-        })
+        checkpoint = store.restore(
+            TRAINED_STEPS,
+            templates={
+                "model": nnx.state(model),
+                "optimizer": nnx.state(optimizer),
+                "rng": jax.random.key(0),
+            },
+        )
     restore_into(model, checkpoint.items["model"])
     restore_into(optimizer, checkpoint.items["optimizer"])
     assert isinstance(model.layers[0].kernel.get_value(), jax.Array)
@@ -169,42 +180,55 @@ def _kernel(model) -> np.ndarray:
 def test_restore_into_refuses_missing_and_unexpected_leaves(saved_small):
     restored, _ = saved_small
     target = nnx.eval_shape(lambda: Regressor([4, 16, 16, 1], nnx.Rngs(5)))
-    message = ("restore_into(Regressor): the restored state does not match the target's structure: "
-               "2 missing (in the target, not restored): layers/2/bias/value, layers/2/kernel/value; "
-               "0 unexpected (restored, not in the target): -")
+    message = (
+        "restore_into(Regressor): the restored state does not match the target's structure: "
+        "2 missing (in the target, not restored): layers/2/bias/value, layers/2/kernel/value; "
+        "0 unexpected (restored, not in the target): -"
+    )
     with pytest.raises(KeyMismatchError, match=re.escape(message)):
         restore_into(target, restored)
     assert isinstance(target.layers[0].kernel.get_value(), jax.ShapeDtypeStruct)  # untouched
     del restored["layers"]["1"]
-    with pytest.raises(KeyMismatchError, match=re.escape(
-        "2 missing (in the target, not restored): layers/1/bias/value, layers/1/kernel/value; 0 unexpected"
-    )):
+    with pytest.raises(
+        KeyMismatchError,
+        match=re.escape(
+            "2 missing (in the target, not restored): layers/1/bias/value, layers/1/kernel/value; 0 unexpected"
+        ),
+    ):
         restore_into(build(seed=5)[0], restored)
 
 
 def test_restore_into_refuses_other_shapes(saved_small):
     restored, _ = saved_small
     target, _ = nnx.eval_shape(lambda: build(seed=5, features=[4, 8, 1]))
-    with pytest.raises(ShapeMismatchError, match=re.escape(
-        "restore_into(Regressor): 3 leaves differ in shape: layers/0/bias/value: shape (8,) in the target, (16,) restored; "
-        "layers/0/kernel/value: shape (4, 8) in the target, (4, 16) restored; "
-        "layers/1/kernel/value: shape (8, 1) in the target, (16, 1) restored"
-    )):
+    with pytest.raises(
+        ShapeMismatchError,
+        match=re.escape(
+            "restore_into(Regressor): 3 leaves differ in shape: layers/0/bias/value: shape (8,) in the target, (16,) restored; "
+            "layers/0/kernel/value: shape (4, 8) in the target, (4, 16) restored; "
+            "layers/1/kernel/value: shape (8, 1) in the target, (16, 1) restored"
+        ),
+    ):
         restore_into(target, restored)
 
 
 def test_restore_into_refuses_or_casts_other_dtypes(saved_small):
     restored, expected = saved_small
     target, _ = nnx.eval_shape(lambda: build(seed=5, param_dtype=jnp.bfloat16))
-    with pytest.raises(DtypeMismatchError, match=re.escape(
-        "restore_into(Regressor): 4 leaves differ in dtype: layers/0/bias/value: bfloat16 in the target, float32 restored; "
-    )) as info:
+    with pytest.raises(
+        DtypeMismatchError,
+        match=re.escape(
+            "restore_into(Regressor): 4 leaves differ in dtype: layers/0/bias/value: bfloat16 in the target, float32 restored; "
+        ),
+    ) as info:
         restore_into(target, restored)
     assert str(info.value).endswith("pass cast_dtypes=True to cast them to the target's dtypes")
     assert isinstance(target.layers[0].kernel.get_value(), jax.ShapeDtypeStruct)  # untouched
     restore_into(target, restored, cast_dtypes=True)
     assert target.layers[0].kernel[...].dtype == jnp.bfloat16
-    np.testing.assert_array_equal(_kernel(target), np.asarray(expected["layers"][0]["kernel"][...].astype(jnp.bfloat16)))
+    np.testing.assert_array_equal(
+        _kernel(target), np.asarray(expected["layers"][0]["kernel"][...].astype(jnp.bfloat16))
+    )
 
 
 def test_restore_into_places_arrays_on_the_targets_shardings(saved_small):

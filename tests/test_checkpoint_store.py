@@ -39,9 +39,9 @@ from nnx_save.checkpoint import (
     OrbaxCheckpointStore,
     Producer,
     UnsupportedCheckpointError,
+    _orbax,
     resolve_checkpoint_dir,
 )
-from nnx_save.checkpoint import _orbax
 
 
 def model_tree(seed: int = 0) -> dict:
@@ -63,7 +63,7 @@ def poison(tree):
 def assert_same(restored, expected) -> None:
     """Same structure, and every leaf equal with the same dtype (and Python type)."""
     assert jax.tree.structure(restored) == jax.tree.structure(expected)
-    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected)):
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=False):
         if isinstance(want, (jax.Array, np.ndarray)):
             assert got.dtype == want.dtype
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -139,7 +139,9 @@ def test_store_refuses_a_bad_max_to_keep(tmp_path, max_to_keep):
 
 def test_store_refuses_a_file_or_an_empty_path(tmp_path):
     (tmp_path / "f").write_text("x")
-    with pytest.raises(ValueError, match=re.escape(f"checkpoint directory {tmp_path / 'f'} exists and is not a directory")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"checkpoint directory {tmp_path / 'f'} exists and is not a directory")
+    ):
         OrbaxCheckpointStore(tmp_path / "f")
     with pytest.raises(ValueError, match=re.escape("directory is empty (''); give a directory path")):
         OrbaxCheckpointStore("")
@@ -152,7 +154,9 @@ def test_store_is_a_checkpoint_store_and_a_context_manager(tmp_path):
         store.save(1, {"rng": jax.random.key(0)})
     store.close()  # idempotent
     for call in (store.list_steps, lambda: store.save(2, {"rng": jax.random.key(0)}), lambda: store.restore(1)):
-        with pytest.raises(ValueError, match=re.escape(f"OrbaxCheckpointStore('{tmp_path / 'c'}', max_to_keep=None) is closed")):
+        with pytest.raises(
+            ValueError, match=re.escape(f"OrbaxCheckpointStore('{tmp_path / 'c'}', max_to_keep=None) is closed")
+        ):
             call()
 
 
@@ -164,8 +168,14 @@ def full_items(seed: int = 0) -> dict:
         "model": model_tree(seed),
         "optimizer": {"mu": model_tree(seed + 10), "step": jnp.array(seed, jnp.uint32)},
         "rng": jax.random.key(seed + 1),
-        "data_iterator": {"epoch": 2, "position": 40 + seed, "name": "shard-3", "shuffle": True,
-                          "order": [3, 1, 2], "ratio": 0.25},
+        "data_iterator": {
+            "epoch": 2,
+            "position": 40 + seed,
+            "name": "shard-3",
+            "shuffle": True,
+            "order": [3, 1, 2],
+            "ratio": 0.25,
+        },
         "extensions": jnp.arange(4, dtype=jnp.int8),
     }
 
@@ -195,7 +205,14 @@ def test_round_trip_onto_poisoned_templates(store):
     store.save(1, items)
     templates = {name: poison(items[name]) for name in ("model", "optimizer", "extensions")}
     templates["rng"] = jax.random.key(99)
-    templates["data_iterator"] = {"epoch": 0, "position": 0, "name": "", "shuffle": False, "order": [0, 0, 0], "ratio": 0.0}
+    templates["data_iterator"] = {
+        "epoch": 0,
+        "position": 0,
+        "name": "",
+        "shuffle": False,
+        "order": [0, 0, 0],
+        "ratio": 0.0,
+    }
     checkpoint = store.restore(1, templates=templates)
     for name in ("model", "optimizer", "data_iterator", "extensions"):
         assert_same(checkpoint.items[name], items[name])
@@ -219,12 +236,19 @@ def test_restore_items_reads_a_subset(store):
 
 def test_restore_refuses_unknown_absent_or_unused_item_names(store):
     store.save(2, {"model": model_tree(), "rng": jax.random.key(0)})
-    with pytest.raises(ValueError, match=re.escape("unknown item name 'params'; expected one of model, optimizer, rng, data_iterator, extensions")):
+    with pytest.raises(
+        ValueError,
+        match=re.escape("unknown item name 'params'; expected one of model, optimizer, rng, data_iterator, extensions"),
+    ):
         store.restore(2, templates={"params": model_tree()})
-    with pytest.raises(CheckpointItemError, match=re.escape("step 2 holds no item 'optimizer'; it holds model, rng")) as info:
+    with pytest.raises(
+        CheckpointItemError, match=re.escape("step 2 holds no item 'optimizer'; it holds model, rng")
+    ) as info:
         store.restore(2, items=["optimizer"])
     assert (info.value.step, info.value.missing, info.value.held) == (2, ("optimizer",), ("model", "rng"))
-    with pytest.raises(ValueError, match=re.escape("templates given for ['model'], which items=['rng'] does not restore")):
+    with pytest.raises(
+        ValueError, match=re.escape("templates given for ['model'], which items=['rng'] does not restore")
+    ):
         store.restore(2, items=["rng"], templates={"model": model_tree()})
 
 
@@ -232,7 +256,7 @@ def test_restore_refuses_unknown_absent_or_unused_item_names(store):
 
 
 def test_metadata_records_everything_given(store):
-    before = datetime.datetime.now(datetime.timezone.utc)
+    before = datetime.datetime.now(datetime.UTC)
     store.save(
         12,
         {"rng": jax.random.key(1), "model": model_tree()},  # out of canonical order
@@ -253,19 +277,33 @@ def test_metadata_records_everything_given(store):
     assert meta.library_versions == expected_versions
     created = datetime.datetime.fromisoformat(meta.created_at)
     assert created.utcoffset() == datetime.timedelta(0)
-    assert before <= created <= datetime.datetime.now(datetime.timezone.utc)
+    assert before <= created <= datetime.datetime.now(datetime.UTC)
     assert store.restore(12).metadata == meta
 
 
 def test_metadata_dict_round_trip_is_json():
-    meta = CheckpointMetadata(step=4, items=("model", "rng"), epoch=1, metrics={"loss": 0.5},
-                              extra={"a": [1, 2]}, producer=Producer("p", "1"), library_versions={"jax": "0.1"},
-                              created_at="2025-01-02T03:04:05+00:00")
+    meta = CheckpointMetadata(
+        step=4,
+        items=("model", "rng"),
+        epoch=1,
+        metrics={"loss": 0.5},
+        extra={"a": [1, 2]},
+        producer=Producer("p", "1"),
+        library_versions={"jax": "0.1"},
+        created_at="2025-01-02T03:04:05+00:00",
+    )
     data = json.loads(json.dumps(meta.to_dict()))
     assert data == {
-        "format": "nnx_save.checkpoint", "format_version": 1, "step": 4, "epoch": 1, "items": ["model", "rng"],
-        "library_versions": {"jax": "0.1"}, "producer": {"name": "p", "version": "1"}, "metrics": {"loss": 0.5},
-        "extra": {"a": [1, 2]}, "created_at": "2025-01-02T03:04:05+00:00",
+        "format": "nnx_save.checkpoint",
+        "format_version": 1,
+        "step": 4,
+        "epoch": 1,
+        "items": ["model", "rng"],
+        "library_versions": {"jax": "0.1"},
+        "producer": {"name": "p", "version": "1"},
+        "metrics": {"loss": 0.5},
+        "extra": {"a": [1, 2]},
+        "created_at": "2025-01-02T03:04:05+00:00",
     }
     assert CheckpointMetadata.from_dict(data) == meta
 
@@ -283,13 +321,21 @@ def _record(**changes) -> dict:
         (_record(format_version=2), "format version 2, newer than this nnx_save; upgrade nnx_save"),
         (_record(format_version=True), "format version True"),
         (_record(producer={"name": "p"}), "a producer record {'name': 'p'} (expected name and version)"),
-        (_record(producer={"name": "p", "version": ""}), "a producer record {'name': 'p', 'version': ''} (expected two non-empty strings)"),
+        (
+            _record(producer={"name": "p", "version": ""}),
+            "a producer record {'name': 'p', 'version': ''} (expected two non-empty strings)",
+        ),
         (_record(step=-1), "step -1 (expected an int >= 0)"),
-        (_record(items=["weights"]), "items ['weights'] (expected a non-empty list of model, optimizer, rng, data_iterator, extensions)"),
+        (
+            _record(items=["weights"]),
+            "items ['weights'] (expected a non-empty list of model, optimizer, rng, data_iterator, extensions)",
+        ),
         (_record(metrics={"loss": "low"}), "metrics {'loss': 'low'} (expected numbers)"),
         (_record(created_at=5), "created_at 5 (expected a str)"),
-        ({k: v for k, v in _record(color="red").items() if k != "epoch"},
-         "a metadata record with missing fields ['epoch'] and unknown fields ['color']"),
+        (
+            {k: v for k, v in _record(color="red").items() if k != "epoch"},
+            "a metadata record with missing fields ['epoch'] and unknown fields ['color']",
+        ),
         ([1, 2], "a metadata record of type list, not a JSON object"),
     ],
 )
@@ -316,8 +362,10 @@ def test_restore_refuses_a_newer_format_version_before_reading(store, monkeypatc
     _rewrite_record(store, 5, format_version=FORMAT_VERSION + 1)
     monkeypatch.setattr(_orbax, "restore_items", _fail_if_called)
     fresh = OrbaxCheckpointStore(store.directory)
-    message = (f"step 5 in {store.directory} holds format version 2, newer than this nnx_save; upgrade nnx_save; "
-               "this nnx_save reads format 'nnx_save.checkpoint' up to version 1")
+    message = (
+        f"step 5 in {store.directory} holds format version 2, newer than this nnx_save; upgrade nnx_save; "
+        "this nnx_save reads format 'nnx_save.checkpoint' up to version 1"
+    )
     with pytest.raises(UnsupportedCheckpointError, match=re.escape(message)) as info:
         fresh.restore(5)
     assert (info.value.step, info.value.directory) == (5, str(store.directory))
@@ -329,17 +377,23 @@ def test_restore_refuses_another_format_and_another_producer_format(store):
     _rewrite_record(store, 1, format="someone.else")
     _rewrite_record(store, 2, producer="trainer-1.0")
     fresh = OrbaxCheckpointStore(store.directory)
-    with pytest.raises(UnsupportedCheckpointError, match=re.escape(f"step 1 in {store.directory} holds format 'someone.else';")):
+    with pytest.raises(
+        UnsupportedCheckpointError, match=re.escape(f"step 1 in {store.directory} holds format 'someone.else';")
+    ):
         fresh.read_metadata(1)
-    with pytest.raises(UnsupportedCheckpointError, match=re.escape("holds a producer record 'trainer-1.0' (expected name and version)")):
+    with pytest.raises(
+        UnsupportedCheckpointError, match=re.escape("holds a producer record 'trainer-1.0' (expected name and version)")
+    ):
         fresh.restore(2)
 
 
 @pytest.mark.parametrize(
     ("record", "found"),
     [
-        ({"format": "nnx_save.checkpoint.dtypes", "items": {"model": [["dense/kernel", "float32"]]}},
-         "a malformed dtype record \"{'format': 'nnx_save.checkpoint.dtypes', 'items': {'model': [['dense/kernel', 'float32']]}}\""),
+        (
+            {"format": "nnx_save.checkpoint.dtypes", "items": {"model": [["dense/kernel", "float32"]]}},
+            "a malformed dtype record \"{'format': 'nnx_save.checkpoint.dtypes', 'items': {'model': [['dense/kernel', 'float32']]}}\"",
+        ),
         ({"format": "nnx_save.checkpoint.dtypes", "items": {}}, "a dtype record without items ['model']"),
         ({"format": "other", "items": {}}, "a malformed dtype record \"{'format': 'other', 'items': {}}\""),
     ],
@@ -352,7 +406,9 @@ def test_restore_refuses_a_malformed_dtype_record(store, record, found):
 
 
 def test_a_plain_orbax_checkpoint_is_another_format(tmp_path):
-    with ocp.CheckpointManager(tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)) as manager:
+    with ocp.CheckpointManager(
+        tmp_path, options=ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    ) as manager:
         manager.save(1, args=ocp.args.Composite(state=ocp.args.PyTreeSave({"w": jnp.ones(2)})))
     store = OrbaxCheckpointStore(tmp_path)
     assert store.list_steps() == [1]
@@ -372,18 +428,39 @@ def test_a_plain_orbax_checkpoint_is_another_format(tmp_path):
         (1.0, {"model": {}}, {}, "step must be a non-negative int, got 1.0"),
         (1, {}, {}, "items must be a non-empty mapping of model, optimizer, rng, data_iterator, extensions, got {}"),
         (1, [("model", {})], {}, "items must be a non-empty mapping of"),
-        (1, {"model": {}, "ema": {}}, {}, "unknown item name 'ema'; expected one of model, optimizer, rng, data_iterator, extensions"),
-        (1, {"model": {}}, {"extra": {"step": 3, "metrics": {}}},
-         "extra keys ['metrics', 'step'] shadow metadata fields; reserved: created_at, epoch, extra, format, "
-         "format_version, items, library_versions, metrics, producer, step. Pass step, epoch, metrics and producer "
-         "as save() arguments, or rename the key"),
+        (
+            1,
+            {"model": {}, "ema": {}},
+            {},
+            "unknown item name 'ema'; expected one of model, optimizer, rng, data_iterator, extensions",
+        ),
+        (
+            1,
+            {"model": {}},
+            {"extra": {"step": 3, "metrics": {}}},
+            (
+                "extra keys ['metrics', 'step'] shadow metadata fields; reserved: created_at, epoch, extra, format, "
+                "format_version, items, library_versions, metrics, producer, step. Pass step, epoch, metrics and producer "
+                "as save() arguments, or rename the key"
+            ),
+        ),
         (1, {"model": {}}, {"extra": {"sizes": {1: 16}}}, "extra/sizes: key 1 is a int; JSON keys must be str"),
-        (1, {"model": {}}, {"extra": {"lr": float("nan")}}, "extra/lr: nan is not a finite float; JSON cannot store it"),
+        (
+            1,
+            {"model": {}},
+            {"extra": {"lr": float("nan")}},
+            "extra/lr: nan is not a finite float; JSON cannot store it",
+        ),
         (1, {"model": {}}, {"extra": {"fn": print}}, "extra/fn: a builtin_function_or_method is not JSON data"),
         (1, {"model": {}}, {"metrics": {"loss": "low"}}, "metrics['loss'] must be a real scalar, got 'low'"),
         (1, {"model": {}}, {"metrics": {"loss": jnp.ones(2)}}, "metrics['loss'] must be a real scalar"),
         (1, {"model": {}}, {"epoch": -2}, "epoch must be a non-negative int or None, got -2"),
-        (1, {"model": {}}, {"producer": ("t", "1")}, "producer must be a Producer(name, version) or None, got ('t', '1')"),
+        (
+            1,
+            {"model": {}},
+            {"producer": ("t", "1")},
+            "producer must be a Producer(name, version) or None, got ('t', '1')",
+        ),
     ],
 )
 def test_save_refuses_bad_arguments_and_writes_nothing(store, step, items, kwargs, message):
@@ -395,14 +472,31 @@ def test_save_refuses_bad_arguments_and_writes_nothing(store, step, items, kwarg
 @pytest.mark.parametrize(
     ("items", "error", "message"),
     [
-        ({"model": {"w": object()}}, UnsupportedValueError,
-         "model/w: a object cannot be stored; leaves must be arrays, typed PRNG keys, ints, floats, bools or strings"),
-        ({"data_iterator": {"seed": np.int64(3)}}, UnsupportedValueError,
-         "data_iterator/seed: a numpy scalar int64 would come back as a Python value; store leaf.item() or np.asarray(leaf)"),
-        ({"data_iterator": {"n": 2**70}}, UnsupportedValueError, "data_iterator/n: the int 1180591620717411303424 does not fit in int64"),
-        ({"model": {"w": jnp.zeros((0, 3))}}, UnsupportedValueError, "model/w: Orbax cannot store the empty array of shape (0, 3)"),
-        ({"model": {"a.b": jnp.ones(1), "a": {"b": jnp.zeros(1)}}}, KeyPathError,
-         "model/a.b and model/a/b are both stored by Orbax as 'a.b', so one would overwrite the other; rename one of the keys"),
+        (
+            {"model": {"w": object()}},
+            UnsupportedValueError,
+            "model/w: a object cannot be stored; leaves must be arrays, typed PRNG keys, ints, floats, bools or strings",
+        ),
+        (
+            {"data_iterator": {"seed": np.int64(3)}},
+            UnsupportedValueError,
+            "data_iterator/seed: a numpy scalar int64 would come back as a Python value; store leaf.item() or np.asarray(leaf)",
+        ),
+        (
+            {"data_iterator": {"n": 2**70}},
+            UnsupportedValueError,
+            "data_iterator/n: the int 1180591620717411303424 does not fit in int64",
+        ),
+        (
+            {"model": {"w": jnp.zeros((0, 3))}},
+            UnsupportedValueError,
+            "model/w: Orbax cannot store the empty array of shape (0, 3)",
+        ),
+        (
+            {"model": {"a.b": jnp.ones(1), "a": {"b": jnp.zeros(1)}}},
+            KeyPathError,
+            "model/a.b and model/a/b are both stored by Orbax as 'a.b', so one would overwrite the other; rename one of the keys",
+        ),
     ],
 )
 def test_save_refuses_leaves_orbax_cannot_store_exactly(store, items, error, message):
@@ -413,9 +507,10 @@ def test_save_refuses_leaves_orbax_cannot_store_exactly(store, items, error, mes
 
 def test_save_refuses_an_existing_step_and_keeps_it(store):
     store.save(3, {"model": model_tree(seed=1)})
-    with pytest.raises(CheckpointNotWrittenError, match=re.escape(
-        f"step 3 already exists in {store.directory}; pass overwrite=True to replace it"
-    )) as info:
+    with pytest.raises(
+        CheckpointNotWrittenError,
+        match=re.escape(f"step 3 already exists in {store.directory}; pass overwrite=True to replace it"),
+    ) as info:
         store.save(3, {"model": model_tree(seed=2)})
     error = info.value
     assert (error.step, error.latest_step, error.reason, error.directory) == (3, 3, "exists", str(store.directory))
@@ -427,10 +522,13 @@ def test_save_refuses_an_existing_step_and_keeps_it(store):
 def test_save_refuses_a_step_below_the_latest(store):
     store.save(2, {"model": model_tree()})
     store.save(5, {"model": model_tree()})
-    with pytest.raises(CheckpointNotWrittenError, match=re.escape(
-        f"step 4 is below the latest step 5 in {store.directory}; steps only move forward: "
-        "save at a step above 5, or delete the later steps first"
-    )) as info:
+    with pytest.raises(
+        CheckpointNotWrittenError,
+        match=re.escape(
+            f"step 4 is below the latest step 5 in {store.directory}; steps only move forward: "
+            "save at a step above 5, or delete the later steps first"
+        ),
+    ) as info:
         store.save(4, {"model": model_tree()})
     assert (info.value.step, info.value.latest_step, info.value.reason) == (4, 5, "below_latest")
     assert store.list_steps() == [2, 5]
@@ -439,9 +537,10 @@ def test_save_refuses_a_step_below_the_latest(store):
 def test_save_reports_a_step_orbax_declines(store, monkeypatch):
     store.save(1, {"model": model_tree(seed=1)})
     monkeypatch.setattr(ocp.CheckpointManager, "should_save", lambda self, step: False)
-    with pytest.raises(CheckpointNotWrittenError, match=re.escape(
-        f"Orbax declined to save step 2 in {store.directory} (latest step 1); nothing was written"
-    )) as info:
+    with pytest.raises(
+        CheckpointNotWrittenError,
+        match=re.escape(f"Orbax declined to save step 2 in {store.directory} (latest step 1); nothing was written"),
+    ) as info:
         store.save(2, {"model": model_tree(seed=2)})
     assert (info.value.step, info.value.latest_step, info.value.reason) == (2, 1, "rejected")
     assert store.list_steps() == [1] and not (store.directory / "2").exists()
@@ -498,11 +597,15 @@ def test_a_failed_overwrite_keeps_the_old_step(store, monkeypatch):
 
 def test_missing_steps_raise_not_found(store):
     for call in (store.restore, store.read_metadata, store.delete):
-        with pytest.raises(CheckpointNotFoundError, match=re.escape(f"no checkpoint at step 9 in {store.directory} (steps held: none)")):
+        with pytest.raises(
+            CheckpointNotFoundError, match=re.escape(f"no checkpoint at step 9 in {store.directory} (steps held: none)")
+        ):
             call(9)
     store.save(1, {"model": model_tree()})
     store.save(4, {"model": model_tree()})
-    with pytest.raises(CheckpointNotFoundError, match=re.escape(f"no checkpoint at step 2 in {store.directory} (steps held: 1, 4)")) as info:
+    with pytest.raises(
+        CheckpointNotFoundError, match=re.escape(f"no checkpoint at step 2 in {store.directory} (steps held: 1, 4)")
+    ) as info:
         store.restore(2)
     assert (info.value.step, info.value.directory, info.value.available) == (2, str(store.directory), (1, 4))
     assert isinstance(info.value, FileNotFoundError)
@@ -540,7 +643,12 @@ def test_best_step_ranks_kept_steps_by_a_metric(tmp_path):
         assert store.best_step("loss") == 5  # ties go to the latest step, NaN is skipped
         assert store.best_step("loss", mode="max") == 7
         assert store.best_step("acc", mode="max") == 3
-        with pytest.raises(ValueError, match=re.escape(f"no checkpoint in {tmp_path} records a value for metric 'val_loss'; recorded metrics: acc, loss")):
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                f"no checkpoint in {tmp_path} records a value for metric 'val_loss'; recorded metrics: acc, loss"
+            ),
+        ):
             store.best_step("val_loss")
         with pytest.raises(ValueError, match=re.escape("mode must be 'min' or 'max', got 'lowest'")):
             store.best_step("loss", mode="lowest")
@@ -555,13 +663,17 @@ def _fail_if_called(*args, **kwargs):
 
 def test_template_dtype_mismatch_is_refused_before_reading(store, monkeypatch):
     store.save(6, {"model": model_tree(), "rng": jax.random.key(0)})
-    template = {"dense": {"kernel": jnp.zeros((2, 3), jnp.float16), "bias": jnp.zeros(3, jnp.float32)},
-                "count": jax.ShapeDtypeStruct((), jnp.int32)}
+    template = {
+        "dense": {"kernel": jnp.zeros((2, 3), jnp.float16), "bias": jnp.zeros(3, jnp.float32)},
+        "count": jax.ShapeDtypeStruct((), jnp.int32),
+    }
     monkeypatch.setattr(_orbax, "restore_items", _fail_if_called)
-    message = ("step 6: 2 arrays change dtype on restore:\n"
-               "  model/dense/bias: bfloat16 saved, float32 in the template\n"
-               "  model/dense/kernel: float32 saved, float16 in the template\n"
-               "Pass cast_dtypes=True to accept the casts")
+    message = (
+        "step 6: 2 arrays change dtype on restore:\n"
+        "  model/dense/bias: bfloat16 saved, float32 in the template\n"
+        "  model/dense/kernel: float32 saved, float16 in the template\n"
+        "Pass cast_dtypes=True to accept the casts"
+    )
     with pytest.raises(CheckpointDtypeMismatchError, match=re.escape(message)) as info:
         store.restore(6, templates={"model": template})
     assert info.value.mismatches == (
@@ -574,13 +686,22 @@ def test_template_dtype_mismatch_is_refused_before_reading(store, monkeypatch):
 
 def test_cast_dtypes_accepts_the_casts(store):
     store.save(6, {"model": model_tree(seed=2)})
-    template = {"dense": {"kernel": jnp.zeros((2, 3), jnp.float16), "bias": jnp.zeros(3, jnp.float32)},
-                "count": jnp.zeros((), jnp.int32)}
+    template = {
+        "dense": {"kernel": jnp.zeros((2, 3), jnp.float16), "bias": jnp.zeros(3, jnp.float32)},
+        "count": jnp.zeros((), jnp.int32),
+    }
     restored = store.restore(6, templates={"model": template}, cast_dtypes=True).items["model"]
     expected = model_tree(seed=2)
-    assert_same(restored, {"dense": {"kernel": expected["dense"]["kernel"].astype(jnp.float16),
-                                     "bias": expected["dense"]["bias"].astype(jnp.float32)},
-                           "count": expected["count"]})
+    assert_same(
+        restored,
+        {
+            "dense": {
+                "kernel": expected["dense"]["kernel"].astype(jnp.float16),
+                "bias": expected["dense"]["bias"].astype(jnp.float32),
+            },
+            "count": expected["count"],
+        },
+    )
 
 
 def test_shape_dtype_struct_templates_and_python_leaves(store):
@@ -588,7 +709,9 @@ def test_shape_dtype_struct_templates_and_python_leaves(store):
     store.save(1, items)
     template = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), model_tree())
     # Python leaves are restored by type and never compared: their values come from disk.
-    checkpoint = store.restore(1, templates={"model": template, "data_iterator": {"position": 0, "name": "", "ratio": 0.0}})
+    checkpoint = store.restore(
+        1, templates={"model": template, "data_iterator": {"position": 0, "name": "", "ratio": 0.0}}
+    )
     assert_same(checkpoint.items["model"], items["model"])
     assert checkpoint.items["data_iterator"] == items["data_iterator"]
 
@@ -598,24 +721,33 @@ def test_typed_keys_compare_by_key_data(store):
     restored = store.restore(1, templates={"rng": jax.ShapeDtypeStruct((), jax.random.key(0).dtype)}).items["rng"]
     np.testing.assert_array_equal(jax.random.key_data(restored), jax.random.key_data(jax.random.key(3)))
     rbg = jax.random.key(0, impl="rbg")  # key data uint32[4], not threefry's uint32[2]
-    with pytest.raises(CheckpointTemplateError, match=re.escape(
-        "step 1: 1 template leaves disagree with the checkpoint:\n  rng/<root>: shape (4,) in the template, (2,) in the checkpoint"
-    )):
+    with pytest.raises(
+        CheckpointTemplateError,
+        match=re.escape(
+            "step 1: 1 template leaves disagree with the checkpoint:\n  rng/<root>: shape (4,) in the template, (2,) in the checkpoint"
+        ),
+    ):
         store.restore(1, templates={"rng": rbg})
 
 
 def test_without_a_template_64_bit_arrays_need_x64(store):
     with jax.enable_x64(True):
-        wide = {"w": jnp.arange(3, dtype=jnp.float64) / 3, "n": jnp.arange(2, dtype=jnp.int64), "h": np.ones(2, np.float64)}
+        wide = {
+            "w": jnp.arange(3, dtype=jnp.float64) / 3,
+            "n": jnp.arange(2, dtype=jnp.int64),
+            "h": np.ones(2, np.float64),
+        }
         store.save(1, {"extensions": wide})
         expected = jax.tree.map(np.asarray, wide)
         assert_same(store.restore(1).items["extensions"], expected)
     assert not jax.config.jax_enable_x64
-    message = ("step 1: 2 arrays change dtype on restore:\n"
-               "  extensions/n: int64 saved, int32 restored\n"
-               "  extensions/w: float64 saved, float32 restored\n"
-               "jax's x64 mode is off, so 64-bit arrays come back as 32-bit: enable it with "
-               "jax.config.update('jax_enable_x64', True) before restoring, or pass cast_dtypes=True to accept the casts")
+    message = (
+        "step 1: 2 arrays change dtype on restore:\n"
+        "  extensions/n: int64 saved, int32 restored\n"
+        "  extensions/w: float64 saved, float32 restored\n"
+        "jax's x64 mode is off, so 64-bit arrays come back as 32-bit: enable it with "
+        "jax.config.update('jax_enable_x64', True) before restoring, or pass cast_dtypes=True to accept the casts"
+    )
     with pytest.raises(CheckpointDtypeMismatchError, match=re.escape(message)) as info:
         store.restore(1)
     assert (info.value.before_read, info.value.x64_off) == (False, True)
@@ -636,9 +768,13 @@ def test_checkpoints_without_a_dtype_record_use_orbax_metadata(store, monkeypatc
     store.save(1, {"model": model_tree(seed=1), "rng": jax.random.key(4)})
     monkeypatch.undo()
     assert not (store.directory / "1" / "nnx_save_dtypes").exists()
-    template = {"dense": {"kernel": jnp.zeros((2, 3), jnp.float32), "bias": jnp.zeros(3, jnp.float16)},
-                "count": jnp.zeros((), jnp.int32)}
-    with pytest.raises(CheckpointDtypeMismatchError, match=re.escape("model/dense/bias: bfloat16 saved, float16 in the template")):
+    template = {
+        "dense": {"kernel": jnp.zeros((2, 3), jnp.float32), "bias": jnp.zeros(3, jnp.float16)},
+        "count": jnp.zeros((), jnp.int32),
+    }
+    with pytest.raises(
+        CheckpointDtypeMismatchError, match=re.escape("model/dense/bias: bfloat16 saved, float16 in the template")
+    ):
         store.restore(1, templates={"model": template, "rng": jax.random.key(0)})
     checkpoint = store.restore(1, templates={"model": poison(model_tree()), "rng": jax.random.key(0)})
     assert_same(checkpoint.items["model"], model_tree(seed=1))
@@ -648,12 +784,14 @@ def test_template_paths_shapes_and_kinds_are_checked_before_reading(store, monke
     store.save(2, {"model": model_tree(), "data_iterator": {"position": 3}})
     template = {"dense": {"kernel": jnp.zeros((3, 2)), "extra": jnp.zeros(1)}, "count": 0}
     monkeypatch.setattr(_orbax, "restore_items", _fail_if_called)
-    message = ("step 2: 5 template leaves disagree with the checkpoint:\n"
-               "  data_iterator/position: an array in the template, a Python value in the checkpoint\n"
-               "  model/count: a Python value in the template, an array in the checkpoint\n"
-               "  model/dense/bias: stored in the checkpoint, absent from the template\n"
-               "  model/dense/extra: in the template, not stored in the checkpoint\n"
-               "  model/dense/kernel: shape (3, 2) in the template, (2, 3) in the checkpoint")
+    message = (
+        "step 2: 5 template leaves disagree with the checkpoint:\n"
+        "  data_iterator/position: an array in the template, a Python value in the checkpoint\n"
+        "  model/count: a Python value in the template, an array in the checkpoint\n"
+        "  model/dense/bias: stored in the checkpoint, absent from the template\n"
+        "  model/dense/extra: in the template, not stored in the checkpoint\n"
+        "  model/dense/kernel: shape (3, 2) in the template, (2, 3) in the checkpoint"
+    )
     with pytest.raises(CheckpointTemplateError, match=re.escape(message)) as info:
         store.restore(2, templates={"model": template, "data_iterator": {"position": jnp.zeros(())}})
     assert len(info.value.problems) == 5 and info.value.step == 2
@@ -661,9 +799,12 @@ def test_template_paths_shapes_and_kinds_are_checked_before_reading(store, monke
 
 def test_template_leaves_must_be_arrays_or_python_values(store):
     store.save(1, {"model": {"w": jnp.ones(2)}})
-    with pytest.raises(TypeError, match=re.escape(
-        "templates['model']: leaf w is a object; template leaves must be arrays, jax.ShapeDtypeStruct, or ints, floats, bools and strings"
-    )):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "templates['model']: leaf w is a object; template leaves must be arrays, jax.ShapeDtypeStruct, or ints, floats, bools and strings"
+        ),
+    ):
         store.restore(1, templates={"model": {"w": object()}})
 
 
@@ -681,8 +822,10 @@ def test_a_single_device_checkpoint_restores_onto_eight_devices(store):
     mesh = _mesh()
     sharded = NamedSharding(mesh, PartitionSpec("data", "model"))
     replicated = NamedSharding(mesh, PartitionSpec())
-    template = {"model": {"kernel": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharded)},
-                "rng": jax.device_put(jax.random.key(0), replicated)}
+    template = {
+        "model": {"kernel": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=sharded)},
+        "rng": jax.device_put(jax.random.key(0), replicated),
+    }
     items = store.restore(1, templates=template).items
     assert items["model"]["kernel"].sharding == sharded and len(items["model"]["kernel"].addressable_shards) == 8
     assert items["rng"].sharding == replicated
@@ -696,7 +839,9 @@ def test_an_eight_device_checkpoint_restores_onto_one_device_or_as_stored(store)
     kernel = jnp.arange(32, dtype=jnp.float32).reshape(8, 4)
     store.save(1, {"model": {"kernel": jax.device_put(kernel, sharded)}})
     one = SingleDeviceSharding(jax.devices()[3])
-    restored = store.restore(1, templates={"model": {"kernel": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=one)}})
+    restored = store.restore(
+        1, templates={"model": {"kernel": jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=one)}}
+    )
     assert restored.items["model"]["kernel"].sharding == one
     np.testing.assert_array_equal(restored.items["model"]["kernel"], kernel)
     as_stored = store.restore(1).items["model"]["kernel"]

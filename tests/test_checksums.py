@@ -10,15 +10,20 @@ import pytest
 import safetensors.numpy
 import xxhash
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import nnx_save
 from nnx_save import _checksum
 
 
 def _tree():
-    return {"a": np.arange(64, dtype=np.float32).reshape(8, 8), "b": np.arange(16, dtype=np.int8),
-            "c": np.ones((8, 4), ml_dtypes.bfloat16), "s": np.asarray(3.5, np.float64)}
+    return {
+        "a": np.arange(64, dtype=np.float32).reshape(8, 8),
+        "b": np.arange(16, dtype=np.int8),
+        "c": np.ones((8, 4), ml_dtypes.bfloat16),
+        "s": np.asarray(3.5, np.float64),
+    }
 
 
 def _digests(path):
@@ -46,7 +51,7 @@ def test_save_records_xxh3_of_stored_bytes(saved):
     assert meta["note"] == "kept" and meta[_checksum.ALGORITHM_KEY] == "xxh3_64"
     raw = saved.read_bytes()
     header = nnx_save.read_header(saved)
-    assert _digests(saved) == {k: xxhash.xxh3_64_hexdigest(raw[t.begin:t.end]) for k, t in header.tensors.items()}
+    assert _digests(saved) == {k: xxhash.xxh3_64_hexdigest(raw[t.begin : t.end]) for k, t in header.tensors.items()}
     # still a standard file: the reference reader loads it and sees the metadata
     loaded = safetensors.numpy.load_file(saved)
     np.testing.assert_array_equal(loaded["a"], _tree()["a"])
@@ -69,7 +74,9 @@ def test_verified_load_of_an_intact_file(saved):
 
 def test_flipped_byte_raises_naming_the_tensor(saved):
     _flip(saved, "b", at=5)
-    with pytest.raises(nnx_save.ChecksumError, match=re.escape(f"{saved}: tensor 'b': checksum mismatch (xxh3_64 recorded ")) as e:
+    with pytest.raises(
+        nnx_save.ChecksumError, match=re.escape(f"{saved}: tensor 'b': checksum mismatch (xxh3_64 recorded ")
+    ) as e:
         nnx_save.load_file(saved, verify=True)
     assert e.value.key == "b" and e.value.file == str(saved) and e.value.expected != e.value.found
     assert isinstance(e.value, nnx_save.NnxSaveError)
@@ -100,10 +107,13 @@ def test_partial_checksum_map_is_tolerated(tmp_path):
     assert report.verified == ["x"] and report.unverified == ["y"]
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("{not json", "__metadata__['nnx_save.checksums'] is not valid JSON"),
-    ('{"x": "abc"}', "__metadata__['nnx_save.checksums'] must map tensor names to 16 hex digits"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("{not json", "__metadata__['nnx_save.checksums'] is not valid JSON"),
+        ('{"x": "abc"}', "__metadata__['nnx_save.checksums'] must map tensor names to 16 hex digits"),
+    ],
+)
 def test_malformed_checksum_metadata(tmp_path, bad, message):
     path = tmp_path / "bad.safetensors"
     safetensors.numpy.save_file({"x": np.ones(4, np.float32)}, str(path), metadata={_checksum.KEY: bad})
@@ -116,7 +126,10 @@ def test_unknown_algorithm(tmp_path):
     path = tmp_path / "algo.safetensors"
     meta = {_checksum.KEY: json.dumps({"x": "0" * 16}), _checksum.ALGORITHM_KEY: "sha1"}
     safetensors.numpy.save_file({"x": np.ones(4, np.float32)}, str(path), metadata=meta)
-    with pytest.raises(nnx_save.ChecksumError, match=re.escape("checksums use algorithm 'sha1'; this version of nnx_save knows only 'xxh3_64'")):
+    with pytest.raises(
+        nnx_save.ChecksumError,
+        match=re.escape("checksums use algorithm 'sha1'; this version of nnx_save knows only 'xxh3_64'"),
+    ):
         nnx_save.load_file(path, verify=True)
 
 

@@ -50,15 +50,28 @@ def hf(tmp_path_factory):
     ids = torch.arange(10).reshape(1, 10)
     with torch.no_grad():
         logits = model(ids).logits.numpy()
-    return {"dir": root / "gpt2", "file": root / "gpt2" / "model.safetensors", "bin": root / "pytorch_model.bin",
-            "state": {k: v.float().numpy() for k, v in state.items()}, "logits": logits, "ids": ids}
+    return {
+        "dir": root / "gpt2",
+        "file": root / "gpt2" / "model.safetensors",
+        "bin": root / "pytorch_model.bin",
+        "state": {k: v.float().numpy() for k, v in state.items()},
+        "logits": logits,
+        "ids": ids,
+    }
 
 
 @pytest.fixture
 def ours(tmp_path):
     path = tmp_path / "ours.safetensors"
-    nnx_save.save_file({"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.arange(5, dtype=np.int32),
-                        "c": np.ones(4, ml_dtypes.bfloat16)}, path, metadata={"note": "hi"})
+    nnx_save.save_file(
+        {
+            "a": np.arange(12, dtype=np.float32).reshape(3, 4),
+            "b": np.arange(5, dtype=np.int32),
+            "c": np.ones(4, ml_dtypes.bfloat16),
+        },
+        path,
+        metadata={"note": "hi"},
+    )
     return path
 
 
@@ -183,12 +196,14 @@ def test_verify_malformed_checksum_record(capsys, tmp_path):
     import safetensors.numpy
 
     path = tmp_path / "odd.safetensors"
-    safetensors.numpy.save_file({"x": np.ones(2, np.float32), "y": np.ones(2, np.float32)}, str(path),
-                                metadata={"nnx_save.checksums": "{oops"})
+    safetensors.numpy.save_file(
+        {"x": np.ones(2, np.float32), "y": np.ones(2, np.float32)}, str(path), metadata={"nnx_save.checksums": "{oops"}
+    )
     code, out, _ = cli(capsys, "verify", path)
     assert code == 1 and out.startswith(
         f"FAIL {path}: header valid, 2 tensors, 0 checksums verified\n"
-        f"FAIL {path}: __metadata__['nnx_save.checksums'] is not valid JSON: ")
+        f"FAIL {path}: __metadata__['nnx_save.checksums'] is not valid JSON: "
+    )
     assert out.endswith("2 tensors, 0 verified, 0 without a checksum, 1 problem(s)\n")
 
 
@@ -199,14 +214,26 @@ def test_diff_reports_every_kind_of_difference(capsys, tmp_path):
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     base = np.arange(6, dtype=np.float32)
     nnx_save.save_file({"same": base, "vals": base, "shape": base, "dtype": base, "gone": base}, a)
-    nnx_save.save_file({"same": base, "vals": base + np.float32(0.25), "shape": base.reshape(2, 3),
-                        "dtype": base.astype(np.float16), "new": base}, b)
+    nnx_save.save_file(
+        {
+            "same": base,
+            "vals": base + np.float32(0.25),
+            "shape": base.reshape(2, 3),
+            "dtype": base.astype(np.float16),
+            "new": base,
+        },
+        b,
+    )
     code, out, _ = cli(capsys, "diff", a, b)
     assert code == 1
     assert out.splitlines() == [
-        "only in A: gone", "only in B: new", "dtype: dtype: F32 vs F16", "shape: shape: [6] vs [2, 3]",
+        "only in A: gone",
+        "only in B: new",
+        "dtype: dtype: F32 vs F16",
+        "shape: shape: [6] vs [2, 3]",
         "values: vals: max |a - b| = 0.25",
-        "diff: 5 tensors in A, 5 in B, 2 equal, 5 difference(s)"]
+        "diff: 5 tensors in A, 5 in B, 2 equal, 5 difference(s)",
+    ]
     code, out, _ = cli(capsys, "diff", a, a)
     assert code == 0 and out == "diff: 5 tensors in A, 5 in B, 5 equal, 0 difference(s)\n"
 
@@ -260,7 +287,9 @@ def test_convert_orbax_checkpoint(capsys, tmp_path):
 
 def test_error_paths(capsys, tmp_path, ours):
     code, _, err = cli(capsys, "inspect", tmp_path / "nope.safetensors")
-    assert code == 2 and err == f"nnx-save: error: {tmp_path / 'nope.safetensors'}: no such checkpoint file or directory\n"
+    assert (
+        code == 2 and err == f"nnx-save: error: {tmp_path / 'nope.safetensors'}: no such checkpoint file or directory\n"
+    )
     (tmp_path / "w.npz").write_bytes(b"x")
     code, _, err = cli(capsys, "convert", tmp_path / "w.npz", tmp_path / "o.safetensors")
     assert code == 2 and "cannot tell the format from the name; expected a .safetensors file" in err
@@ -275,8 +304,9 @@ def test_error_paths(capsys, tmp_path, ours):
     assert code == 2 and err == f"nnx-save: error: [Errno 17] File exists: '{tmp_path / 'plain'}'\n"
     (tmp_path / "bad.safetensors").write_bytes(b"\x04" + bytes(7) + b"[]  ")
     code, _, err = cli(capsys, "diff", ours, tmp_path / "bad.safetensors")
-    assert code == 2 and err == (f"nnx-save: error: {tmp_path / 'bad.safetensors'}: header must be a JSON object, "
-                                 "found a JSON list\n")
+    assert code == 2 and err == (
+        f"nnx-save: error: {tmp_path / 'bad.safetensors'}: header must be a JSON object, found a JSON list\n"
+    )
     with pytest.raises(SystemExit) as e:
         _cli.main(["convert", str(ours), str(tmp_path / "d"), "--max-shard-size", "lots"])
     assert e.value.code == 2 and "'lots' is not a size (examples: 5GB, 200MiB, 1000000)" in capsys.readouterr().err
@@ -288,8 +318,10 @@ def test_convert_refuses_a_pickle_with_non_tensors(capsys, tmp_path):
 
     torch.save({"w": torch.ones(2), "epoch": 3}, tmp_path / "ckpt.pt")
     code, _, err = cli(capsys, "convert", tmp_path / "ckpt.pt", tmp_path / "o.safetensors")
-    assert code == 2 and err == (f"nnx-save: error: {tmp_path / 'ckpt.pt'}: epoch is a int, not a tensor; convert takes a "
-                                 "state dict of tensors (nested dicts are joined with '.')\n")
+    assert code == 2 and err == (
+        f"nnx-save: error: {tmp_path / 'ckpt.pt'}: epoch is a int, not a tensor; convert takes a "
+        "state dict of tensors (nested dicts are joined with '.')\n"
+    )
     assert not (tmp_path / "o.safetensors").exists()
 
 

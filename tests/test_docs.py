@@ -14,7 +14,7 @@ import nnx_save.checkpoint
 import nnx_save.porting
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```(\w*)[ \t]*$")
 
 
@@ -41,7 +41,9 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
 
 
 def test_block_extraction():
-    page = "a\n```python\nx = 1\n```\n<!-- skip -->\n\n```python\nboom()\n```\n```bash\nls\n```\n```python\ny = x\n```\n"
+    page = (
+        "a\n```python\nx = 1\n```\n<!-- skip -->\n\n```python\nboom()\n```\n```bash\nls\n```\n```python\ny = x\n```\n"
+    )
     assert python_blocks(page) == [(3, "x = 1\n"), (14, "y = x\n")]
 
 
@@ -54,7 +56,7 @@ def test_page_examples_run(page, tmp_path, monkeypatch):
     namespace = {"__name__": f"docs_{page.stem}"}
     for line, source in blocks:
         code = compile(source, f"{page.relative_to(ROOT)}:{line}", "exec")
-        exec(code, namespace)  # noqa: S102 - running our own documentation is the point
+        exec(code, namespace)
 
 
 def test_index_links_every_page():
@@ -65,9 +67,12 @@ def test_index_links_every_page():
 
 def test_errors_page_names_every_public_error():
     text = (ROOT / "docs" / "errors.md").read_text()
-    errors = {name for module in (nnx_save, nnx_save.checkpoint, nnx_save.porting)
-              for name, obj in vars(module).items()
-              if inspect.isclass(obj) and issubclass(obj, Exception) and not name.startswith("_")}
+    errors = {
+        name
+        for module in (nnx_save, nnx_save.checkpoint, nnx_save.porting)
+        for name, obj in vars(module).items()
+        if inspect.isclass(obj) and issubclass(obj, Exception) and not name.startswith("_")
+    }
     assert "ChecksumError" in errors and "NnxSaveError" in errors
     assert sorted(e for e in errors if e not in text) == []
 

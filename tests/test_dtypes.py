@@ -57,9 +57,28 @@ def test_code_maps_to_numpy_dtype_and_bits(code):
 def test_reference_rank_order():
     # The reference writer's Dtype enum order (checked byte for byte in test_interop).
     assert list(_dtypes.DTYPES) == [
-        "BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
-        "F8_E4M3FNUZ", "F8_E5M2FNUZ", "I16", "U16", "F16", "BF16", "I32", "U32", "F32",
-        "C64", "F64", "I64", "U64",
+        "BOOL",
+        "F4",
+        "F6_E2M3",
+        "F6_E3M2",
+        "U8",
+        "I8",
+        "F8_E5M2",
+        "F8_E4M3",
+        "F8_E8M0",
+        "F8_E4M3FNUZ",
+        "F8_E5M2FNUZ",
+        "I16",
+        "U16",
+        "F16",
+        "BF16",
+        "I32",
+        "U32",
+        "F32",
+        "C64",
+        "F64",
+        "I64",
+        "U64",
     ]
     assert [_dtypes.RANK[c] for c in _dtypes.DTYPES] == list(range(22))
 
@@ -69,8 +88,10 @@ def test_reference_rank_order():
     [("F128", "'F128'"), ("f32", "'f32'"), ("", "''"), (5, "5"), (None, "None"), (["F32"], "['F32']")],
 )
 def test_unknown_code_names_code_and_tensor(code, shown):
-    with pytest.raises(nnx_save.UnknownDtypeError, match=re.escape(f"tensor 'layer/w': unknown dtype code {shown}; "
-                                                                   "the safetensors format defines BOOL, F4, ")):
+    with pytest.raises(
+        nnx_save.UnknownDtypeError,
+        match=re.escape(f"tensor 'layer/w': unknown dtype code {shown}; the safetensors format defines BOOL, F4, "),
+    ):
         _dtypes.from_code(code, "layer/w")
 
 
@@ -81,13 +102,20 @@ def test_unknown_dtype_error_is_a_header_error():
 
 @pytest.mark.parametrize(
     "dtype, shown",
-    [(np.complex128, "complex128"), (np.float128 if hasattr(np, "float128") else np.clongdouble, None),
-     (np.dtype("datetime64[s]"), "datetime64[s]"), (np.dtype([("a", "f4")]), None), (ml_dtypes.int4, "int4"),
-     (ml_dtypes.float8_e4m3b11fnuz, "float8_e4m3b11fnuz")],
+    [
+        (np.complex128, "complex128"),
+        (np.float128 if hasattr(np, "float128") else np.clongdouble, None),
+        (np.dtype("datetime64[s]"), "datetime64[s]"),
+        (np.dtype([("a", "f4")]), None),
+        (ml_dtypes.int4, "int4"),
+        (ml_dtypes.float8_e4m3b11fnuz, "float8_e4m3b11fnuz"),
+    ],
 )
 def test_dtype_without_a_code_is_refused(dtype, shown):
     shown = shown or str(np.dtype(dtype))
-    with pytest.raises(nnx_save.UnknownDtypeError, match=re.escape(f"tensor 'k': dtype {shown} has no safetensors code")):
+    with pytest.raises(
+        nnx_save.UnknownDtypeError, match=re.escape(f"tensor 'k': dtype {shown} has no safetensors code")
+    ):
         _dtypes.to_code(dtype, "k")
 
 
@@ -111,8 +139,18 @@ def test_jax_dtypes_map():
 
 @pytest.mark.parametrize(
     "code, numel, nbytes",
-    [("F32", 3, 12), ("BOOL", 5, 5), ("C64", 2, 16), ("F4", 2, 1), ("F4", 6, 3), ("F6_E2M3", 4, 3),
-     ("F6_E3M2", 8, 6), ("F4", 0, 0), ("F8_E8M0", 7, 7), ("F32", 10**12, 4 * 10**12)],
+    [
+        ("F32", 3, 12),
+        ("BOOL", 5, 5),
+        ("C64", 2, 16),
+        ("F4", 2, 1),
+        ("F4", 6, 3),
+        ("F6_E2M3", 4, 3),
+        ("F6_E3M2", 8, 6),
+        ("F4", 0, 0),
+        ("F8_E8M0", 7, 7),
+        ("F32", 10**12, 4 * 10**12),
+    ],
 )
 def test_bytes_are_counted_by_bits(code, numel, nbytes):
     assert _dtypes.nbytes_for(_dtypes.DTYPES[code], numel) == nbytes

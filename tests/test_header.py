@@ -34,7 +34,7 @@ def parse(raw: bytes, data: int = 0) -> FileHeader:
 def parse_blob(blob: bytes) -> FileHeader:
     """Parse a whole file image, prefix included, as read_file_header does."""
     n = header_size(blob[:8], len(blob))
-    return parse_header(blob[8:8 + n], len(blob))
+    return parse_header(blob[8 : 8 + n], len(blob))
 
 
 # --- the happy path --------------------------------------------------------------------
@@ -56,7 +56,14 @@ def test_parse_makes_offsets_absolute_and_orders_by_offset():
     assert list(h.tensors) == ["a", "b"]
     assert h.metadata == {"k": "v"}
     a, b = h.tensors["a"], h.tensors["b"]
-    assert (a.begin, a.end, a.shape, a.dtype.code, a.nbytes, a.numel) == (8 + len(raw), 16 + len(raw), (2,), "F32", 8, 2)
+    assert (a.begin, a.end, a.shape, a.dtype.code, a.nbytes, a.numel) == (
+        8 + len(raw),
+        16 + len(raw),
+        (2,),
+        "F32",
+        8,
+        2,
+    )
     assert (b.begin, b.end, b.shape, b.dtype.code) == (16 + len(raw), 19 + len(raw), (3,), "U8")
     assert (h.header_size, h.file_size, h.data_start) == (len(raw), 8 + len(raw) + 11, 8 + len(raw))
 
@@ -91,55 +98,74 @@ def test_header_size_prefix():
 
 
 def test_every_header_error_is_a_value_error_and_an_nnx_save_error():
-    for cls in (nnx_save.HeaderTooSmallError, nnx_save.HeaderTooLargeError, nnx_save.HeaderEncodingError,
-                nnx_save.HeaderJSONError, nnx_save.DuplicateKeyError, nnx_save.MetadataError,
-                nnx_save.TensorEntryError, nnx_save.UnknownDtypeError, nnx_save.ByteLengthError,
-                nnx_save.OffsetError, nnx_save.FileSizeError, nnx_save.IndexFileError):
+    for cls in (
+        nnx_save.HeaderTooSmallError,
+        nnx_save.HeaderTooLargeError,
+        nnx_save.HeaderEncodingError,
+        nnx_save.HeaderJSONError,
+        nnx_save.DuplicateKeyError,
+        nnx_save.MetadataError,
+        nnx_save.TensorEntryError,
+        nnx_save.UnknownDtypeError,
+        nnx_save.ByteLengthError,
+        nnx_save.OffsetError,
+        nnx_save.FileSizeError,
+        nnx_save.IndexFileError,
+    ):
         assert issubclass(cls, nnx_save.HeaderError), cls
     assert issubclass(nnx_save.HeaderError, nnx_save.NnxSaveError)
     assert issubclass(nnx_save.HeaderError, ValueError)
 
 
 def test_file_shorter_than_prefix():
-    with pytest.raises(nnx_save.HeaderTooSmallError,
-                       match=re.escape("f.st: 5 bytes is shorter than the 8-byte header size prefix")):
+    with pytest.raises(
+        nnx_save.HeaderTooSmallError, match=re.escape("f.st: 5 bytes is shorter than the 8-byte header size prefix")
+    ):
         header_size(b"\x01\x02\x03\x04\x05", 5, file="f.st")
 
 
 def test_header_over_cap():
-    with pytest.raises(nnx_save.HeaderTooLargeError,
-                       match=re.escape(f"{F}: header size 100000001 exceeds the cap of 100000000 bytes")):
+    with pytest.raises(
+        nnx_save.HeaderTooLargeError, match=re.escape(f"{F}: header size 100000001 exceeds the cap of 100000000 bytes")
+    ):
         header_size(struct.pack("<Q", MAX_HEADER_SIZE + 1), 2 * MAX_HEADER_SIZE)
 
 
 def test_header_size_near_two_to_the_64():
-    with pytest.raises(nnx_save.HeaderTooLargeError,
-                       match=re.escape(f"{F}: header size 18446744073709551615 exceeds the cap")):
+    with pytest.raises(
+        nnx_save.HeaderTooLargeError, match=re.escape(f"{F}: header size 18446744073709551615 exceeds the cap")
+    ):
         header_size(b"\xff" * 8, 100)
 
 
 def test_header_larger_than_file():
-    with pytest.raises(nnx_save.HeaderTooLargeError,
-                       match=re.escape(f"{F}: header size 100 at byte 0 runs past the end of the file (50 bytes)")):
+    with pytest.raises(
+        nnx_save.HeaderTooLargeError,
+        match=re.escape(f"{F}: header size 100 at byte 0 runs past the end of the file (50 bytes)"),
+    ):
         header_size(struct.pack("<Q", 100), 50)
 
 
 def test_header_not_utf8():
     raw = b'{"a\xff":1}'
-    with pytest.raises(nnx_save.HeaderEncodingError,
-                       match=re.escape(f"{F}: header is not valid UTF-8 (byte 11 of the file: b'\\xff')")):
+    with pytest.raises(
+        nnx_save.HeaderEncodingError, match=re.escape(f"{F}: header is not valid UTF-8 (byte 11 of the file: b'\\xff')")
+    ):
         parse(raw)
 
 
 def test_header_not_json():
-    with pytest.raises(nnx_save.HeaderJSONError,
-                       match=re.escape(f"{F}: header is not valid JSON: Expecting ',' delimiter: line 1 column 8 (char 7)")):
+    with pytest.raises(
+        nnx_save.HeaderJSONError,
+        match=re.escape(f"{F}: header is not valid JSON: Expecting ',' delimiter: line 1 column 8 (char 7)"),
+    ):
         parse(b'{"a":1 "b":2}')
 
 
 def test_header_top_level_array():
-    with pytest.raises(nnx_save.HeaderJSONError,
-                       match=re.escape(f"{F}: header must be a JSON object, found a JSON list")):
+    with pytest.raises(
+        nnx_save.HeaderJSONError, match=re.escape(f"{F}: header must be a JSON object, found a JSON list")
+    ):
         parse(b'[{"dtype":"F32"}]')
 
 
@@ -152,8 +178,9 @@ def test_header_top_level_scalar(raw, kind):
 def test_header_integer_with_too_many_digits():
     # Python refuses to convert > 4300 digits with a bare ValueError; it must still be a HeaderError.
     raw = b'{"a":{"dtype":"F32","shape":[' + b"9" * 5000 + b'],"data_offsets":[0,4]}}'
-    with pytest.raises(nnx_save.HeaderJSONError,
-                       match=re.escape(f"{F}: header is not valid JSON: Exceeds the limit (4300 digits)")):
+    with pytest.raises(
+        nnx_save.HeaderJSONError, match=re.escape(f"{F}: header is not valid JSON: Exceeds the limit (4300 digits)")
+    ):
         parse(raw)
 
 
@@ -164,15 +191,17 @@ def test_header_nested_too_deep():
 
 def test_duplicate_tensor_key():
     raw = b'{"a":' + text(entry()) + b',"a":' + text(entry("F32", (2,), (8, 16))) + b"}"
-    with pytest.raises(nnx_save.DuplicateKeyError,
-                       match=re.escape(f"{F}: key 'a' appears more than once in the header JSON")):
+    with pytest.raises(
+        nnx_save.DuplicateKeyError, match=re.escape(f"{F}: key 'a' appears more than once in the header JSON")
+    ):
         parse(raw, 16)
 
 
 def test_duplicate_field_inside_an_entry():
     raw = b'{"a":{"dtype":"F32","dtype":"F16","shape":[2],"data_offsets":[0,8]}}'
-    with pytest.raises(nnx_save.DuplicateKeyError,
-                       match=re.escape(f"{F}: key 'dtype' appears more than once in the header JSON")):
+    with pytest.raises(
+        nnx_save.DuplicateKeyError, match=re.escape(f"{F}: key 'dtype' appears more than once in the header JSON")
+    ):
         parse(raw, 8)
 
 
@@ -184,62 +213,93 @@ def test_duplicate_metadata_key():
 
 @pytest.mark.parametrize("meta, found", [([1, 2], "list"), ("s", "str"), (3, "int")])
 def test_metadata_not_an_object(meta, found):
-    with pytest.raises(nnx_save.MetadataError,
-                       match=re.escape(f"{F}: __metadata__ must be an object of strings, found {found}")):
+    with pytest.raises(
+        nnx_save.MetadataError, match=re.escape(f"{F}: __metadata__ must be an object of strings, found {found}")
+    ):
         parse(text({"__metadata__": meta}))
 
 
-@pytest.mark.parametrize("value, found", [(1, "int 1"), (None, "NoneType None"), ([], "list []"),
-                                          ({"x": "y"}, "dict {'x': 'y'}"), (1.5, "float 1.5")])
+@pytest.mark.parametrize(
+    "value, found",
+    [(1, "int 1"), (None, "NoneType None"), ([], "list []"), ({"x": "y"}, "dict {'x': 'y'}"), (1.5, "float 1.5")],
+)
 def test_metadata_value_not_a_string(value, found):
-    with pytest.raises(nnx_save.MetadataError,
-                       match=re.escape(f"{F}: __metadata__['v'] must be a string, found {found}")):
+    with pytest.raises(
+        nnx_save.MetadataError, match=re.escape(f"{F}: __metadata__['v'] must be a string, found {found}")
+    ):
         parse(text({"__metadata__": {"ok": "x", "v": value}}))
 
 
 @pytest.mark.parametrize("value, found", [([], "list"), ("F32", "str"), (None, "NoneType"), (4, "int")])
 def test_entry_not_an_object(value, found):
-    with pytest.raises(nnx_save.TensorEntryError,
-                       match=re.escape(f"{F}: tensor 'w': entry must be an object, found {found}")):
+    with pytest.raises(
+        nnx_save.TensorEntryError, match=re.escape(f"{F}: tensor 'w': entry must be an object, found {found}")
+    ):
         parse(text({"w": value}))
 
 
 def test_entry_missing_field():
-    with pytest.raises(nnx_save.TensorEntryError,
-                       match=re.escape(f"{F}: tensor 'w': fields missing ['data_offsets'], unexpected []")):
+    with pytest.raises(
+        nnx_save.TensorEntryError, match=re.escape(f"{F}: tensor 'w': fields missing ['data_offsets'], unexpected []")
+    ):
         parse(text({"w": {"dtype": "F32", "shape": [2]}}), 8)
 
 
 def test_entry_extra_field():
-    with pytest.raises(nnx_save.TensorEntryError,
-                       match=re.escape(f"{F}: tensor 'w': fields missing [], unexpected ['extra']")):
+    with pytest.raises(
+        nnx_save.TensorEntryError, match=re.escape(f"{F}: tensor 'w': fields missing [], unexpected ['extra']")
+    ):
         parse(text({"w": {**entry(), "extra": 1}}), 8)
 
 
-@pytest.mark.parametrize("shape, shown", [
-    ([-1, 2], "[-1, 2]"), ([2.0], "[2.0]"), ([True], "[True]"), (["2"], "['2']"), ("2", "'2'"),
-    (2, "2"), (None, "None"), ([[2]], "[[2]]"), ([2, None], "[2, None]"),
-])
+@pytest.mark.parametrize(
+    "shape, shown",
+    [
+        ([-1, 2], "[-1, 2]"),
+        ([2.0], "[2.0]"),
+        ([True], "[True]"),
+        (["2"], "['2']"),
+        ("2", "'2'"),
+        (2, "2"),
+        (None, "None"),
+        ([[2]], "[[2]]"),
+        ([2, None], "[2, None]"),
+    ],
+)
 def test_shape_not_non_negative_ints(shape, shown):
-    with pytest.raises(nnx_save.TensorEntryError, match=re.escape(
-            f"{F}: tensor 'w': shape must be a list of non-negative integers, found {shown}")):
+    with pytest.raises(
+        nnx_save.TensorEntryError,
+        match=re.escape(f"{F}: tensor 'w': shape must be a list of non-negative integers, found {shown}"),
+    ):
         parse(text({"w": {"dtype": "F32", "shape": shape, "data_offsets": [0, 8]}}), 8)
 
 
-@pytest.mark.parametrize("offsets, shown", [
-    ([0], "[0]"), ([0, 8, 16], "[0, 8, 16]"), ([-8, 0], "[-8, 0]"), ([0.0, 8], "[0.0, 8]"),
-    ([0, True], "[0, True]"), ({"b": 0}, "{'b': 0}"), (None, "None"),
-])
+@pytest.mark.parametrize(
+    "offsets, shown",
+    [
+        ([0], "[0]"),
+        ([0, 8, 16], "[0, 8, 16]"),
+        ([-8, 0], "[-8, 0]"),
+        ([0.0, 8], "[0.0, 8]"),
+        ([0, True], "[0, True]"),
+        ({"b": 0}, "{'b': 0}"),
+        (None, "None"),
+    ],
+)
 def test_offsets_not_two_non_negative_ints(offsets, shown):
-    with pytest.raises(nnx_save.TensorEntryError, match=re.escape(
-            f"{F}: tensor 'w': data_offsets must be two non-negative integers, found {shown}")):
+    with pytest.raises(
+        nnx_save.TensorEntryError,
+        match=re.escape(f"{F}: tensor 'w': data_offsets must be two non-negative integers, found {shown}"),
+    ):
         parse(text({"w": {"dtype": "F32", "shape": [2], "data_offsets": offsets}}), 8)
 
 
 @pytest.mark.parametrize("code, shown", [("F128", "'F128'"), ("float32", "'float32'"), (7, "7"), (None, "None")])
 def test_unknown_dtype_names_file_tensor_and_code(code, shown):
-    with pytest.raises(nnx_save.UnknownDtypeError, match=re.escape(
-            f"{F}: tensor 'w': unknown dtype code {shown}; the safetensors format defines BOOL, F4,")):
+    with pytest.raises(
+        nnx_save.UnknownDtypeError,
+        match=re.escape(f"{F}: tensor 'w': unknown dtype code {shown}; the safetensors format defines BOOL, F4,"),
+    ):
         parse(text({"w": {"dtype": code, "shape": [2], "data_offsets": [0, 8]}}), 8)
 
 
@@ -249,86 +309,110 @@ def test_begin_after_end():
 
 
 def test_byte_length_disagrees_with_shape():
-    with pytest.raises(nnx_save.ByteLengthError, match=re.escape(
-            f"{F}: tensor 'w': shape [2, 3] of F32 needs 24 bytes, data_offsets [0, 20] hold 20")):
+    with pytest.raises(
+        nnx_save.ByteLengthError,
+        match=re.escape(f"{F}: tensor 'w': shape [2, 3] of F32 needs 24 bytes, data_offsets [0, 20] hold 20"),
+    ):
         parse(text({"w": entry("F32", (2, 3), (0, 20))}), 20)
 
 
 def test_byte_length_of_subbyte_tensor():
-    with pytest.raises(nnx_save.ByteLengthError, match=re.escape(
-            f"{F}: tensor 'w': shape [8] of F6_E2M3 needs 6 bytes, data_offsets [0, 8] hold 8")):
+    with pytest.raises(
+        nnx_save.ByteLengthError,
+        match=re.escape(f"{F}: tensor 'w': shape [8] of F6_E2M3 needs 6 bytes, data_offsets [0, 8] hold 8"),
+    ):
         parse(text({"w": entry("F6_E2M3", (8,), (0, 8))}), 8)
 
 
 @pytest.mark.parametrize("code, shape, bits", [("F4", [3], 12), ("F6_E3M2", [2, 3], 36), ("F4", [1, 1], 4)])
 def test_subbyte_tensor_ending_inside_a_byte(code, shape, bits):
     # The reference refuses these ("does not end up at a byte boundary"); so do we.
-    with pytest.raises(nnx_save.ByteLengthError, match=re.escape(
-            f"{F}: tensor 'w': shape {shape} of {code} is {bits} bits, not a whole number of bytes")):
+    with pytest.raises(
+        nnx_save.ByteLengthError,
+        match=re.escape(f"{F}: tensor 'w': shape {shape} of {code} is {bits} bits, not a whole number of bytes"),
+    ):
         parse(text({"w": entry(code, shape, (0, (bits + 7) // 8))}), (bits + 7) // 8)
 
 
 def test_trillion_elements_with_small_offsets():
-    with pytest.raises(nnx_save.ByteLengthError, match=re.escape(
-            f"{F}: tensor 'w': shape [1000000, 1000000] of F32 needs 4000000000000 bytes, "
-            "data_offsets [0, 8] hold 8")):
+    with pytest.raises(
+        nnx_save.ByteLengthError,
+        match=re.escape(
+            f"{F}: tensor 'w': shape [1000000, 1000000] of F32 needs 4000000000000 bytes, data_offsets [0, 8] hold 8"
+        ),
+    ):
         parse(text({"w": entry("F32", (10**6, 10**6), (0, 8))}), 8)
 
 
 def test_more_than_two_to_the_63_elements():
-    with pytest.raises(nnx_save.ByteLengthError, match=re.escape(
-            f"{F}: tensor 'w': shape [4294967296, 4294967296, 0] has more than 2**63 elements")):
+    with pytest.raises(
+        nnx_save.ByteLengthError,
+        match=re.escape(f"{F}: tensor 'w': shape [4294967296, 4294967296, 0] has more than 2**63 elements"),
+    ):
         parse(text({"w": entry("U8", (2**32, 2**32, 0), (0, 0))}))
 
 
 def test_overlapping_offsets():
     raw = text({"a": entry("F32", (2,), (0, 8)), "b": entry("F32", (2,), (4, 12))})
-    with pytest.raises(nnx_save.OffsetError, match=re.escape(
-            f"{F}: tensor 'b' at [4, 12] overlaps tensor 'a' (ends at 8)")):
+    with pytest.raises(
+        nnx_save.OffsetError, match=re.escape(f"{F}: tensor 'b' at [4, 12] overlaps tensor 'a' (ends at 8)")
+    ):
         parse(raw, 12)
 
 
 def test_two_tensors_on_the_same_bytes():
     raw = text({"a": entry(), "b": entry()})
-    with pytest.raises(nnx_save.OffsetError, match=re.escape(
-            f"{F}: tensor 'b' at [0, 8] overlaps tensor 'a' (ends at 8)")):
+    with pytest.raises(
+        nnx_save.OffsetError, match=re.escape(f"{F}: tensor 'b' at [0, 8] overlaps tensor 'a' (ends at 8)")
+    ):
         parse(raw, 8)
 
 
 def test_hole_between_tensors():
     raw = text({"a": entry("F32", (2,), (0, 8)), "b": entry("F32", (2,), (12, 20))})
-    with pytest.raises(nnx_save.OffsetError, match=re.escape(
-            f"{F}: tensor 'b' at [12, 20] leaves a hole after tensor 'a' (ends at 8)")):
+    with pytest.raises(
+        nnx_save.OffsetError, match=re.escape(f"{F}: tensor 'b' at [12, 20] leaves a hole after tensor 'a' (ends at 8)")
+    ):
         parse(raw, 20)
 
 
 def test_data_not_starting_at_zero():
-    with pytest.raises(nnx_save.OffsetError, match=re.escape(
-            f"{F}: tensor 'a' at [4, 12] leaves a hole after the start of the data (0)")):
+    with pytest.raises(
+        nnx_save.OffsetError,
+        match=re.escape(f"{F}: tensor 'a' at [4, 12] leaves a hole after the start of the data (0)"),
+    ):
         parse(text({"a": entry("F32", (2,), (4, 12))}), 12)
 
 
 def test_truncated_data():
-    with pytest.raises(nnx_save.FileSizeError, match=re.escape(
-            f"{F}: tensor data ends at byte 8 of the data section, but the file holds 5 bytes of data")):
+    with pytest.raises(
+        nnx_save.FileSizeError,
+        match=re.escape(f"{F}: tensor data ends at byte 8 of the data section, but the file holds 5 bytes of data"),
+    ):
         parse(text({"a": entry()}), 5)
 
 
 def test_trailing_bytes_after_data():
-    with pytest.raises(nnx_save.FileSizeError, match=re.escape(
-            f"{F}: tensor data ends at byte 8 of the data section, but the file holds 9 bytes of data")):
+    with pytest.raises(
+        nnx_save.FileSizeError,
+        match=re.escape(f"{F}: tensor data ends at byte 8 of the data section, but the file holds 9 bytes of data"),
+    ):
         parse(text({"a": entry()}), 9)
 
 
 def test_data_without_tensors():
-    with pytest.raises(nnx_save.FileSizeError, match=re.escape(
-            f"{F}: tensor data ends at byte 0 of the data section, but the file holds 4 bytes of data")):
+    with pytest.raises(
+        nnx_save.FileSizeError,
+        match=re.escape(f"{F}: tensor data ends at byte 0 of the data section, but the file holds 4 bytes of data"),
+    ):
         parse(b"{}", 4)
 
 
 def test_huge_claimed_tensor_in_a_small_file():
-    with pytest.raises(nnx_save.FileSizeError, match=re.escape(
-            f"{F}: tensor data ends at byte 4000000000000 of the data section, but the file holds 8 bytes")):
+    with pytest.raises(
+        nnx_save.FileSizeError,
+        match=re.escape(f"{F}: tensor data ends at byte 4000000000000 of the data section, but the file holds 8 bytes"),
+    ):
         parse(text({"w": entry("F32", (10**6, 10**6), (0, 4 * 10**12))}), 8)
 
 
@@ -340,12 +424,15 @@ def test_messages_name_the_file():
 # --- no allocation proportional to a declared size -----------------------------------------
 
 
-@pytest.mark.parametrize("shape, offsets, cls", [
-    ((10**6, 10**6), (0, 8), nnx_save.ByteLengthError),
-    ((10**6, 10**6), (0, 4 * 10**12), nnx_save.FileSizeError),
-    ((10**12,), (0, 4 * 10**12), nnx_save.FileSizeError),
-    ((2**40, 2**40), (0, 0), nnx_save.ByteLengthError),
-])
+@pytest.mark.parametrize(
+    "shape, offsets, cls",
+    [
+        ((10**6, 10**6), (0, 8), nnx_save.ByteLengthError),
+        ((10**6, 10**6), (0, 4 * 10**12), nnx_save.FileSizeError),
+        ((10**12,), (0, 4 * 10**12), nnx_save.FileSizeError),
+        ((2**40, 2**40), (0, 0), nnx_save.ByteLengthError),
+    ],
+)
 def test_hostile_sizes_allocate_nothing(shape, offsets, cls):
     raw = text({"w": entry("F32", shape, offsets)})
     tracemalloc.start()
@@ -368,15 +455,19 @@ json_values = st.recursive(
 near_int = st.one_of(st.integers(-3, 40), st.sampled_from([2**63, 2**64, 10**12, -(2**63)]), json_values)
 near_entry = st.one_of(
     json_values,
-    st.fixed_dictionaries({
-        "dtype": st.one_of(st.sampled_from(list(_dtypes.DTYPES) + ["F128", "f32", ""]), json_values),
-        "shape": st.one_of(st.lists(near_int, max_size=3), json_values),
-        "data_offsets": st.one_of(st.lists(near_int, min_size=2, max_size=2), st.lists(near_int, max_size=3)),
-    }),
+    st.fixed_dictionaries(
+        {
+            "dtype": st.one_of(st.sampled_from([*list(_dtypes.DTYPES), "F128", "f32", ""]), json_values),
+            "shape": st.one_of(st.lists(near_int, max_size=3), json_values),
+            "data_offsets": st.one_of(st.lists(near_int, min_size=2, max_size=2), st.lists(near_int, max_size=3)),
+        }
+    ),
 )
 near_header = st.dictionaries(
     st.one_of(st.sampled_from(["a", "b", "__metadata__"]), st.text(max_size=4)),
-    st.one_of(near_entry, st.dictionaries(st.text(max_size=3), st.one_of(st.text(max_size=3), json_values), max_size=3)),
+    st.one_of(
+        near_entry, st.dictionaries(st.text(max_size=3), st.one_of(st.text(max_size=3), json_values), max_size=3)
+    ),
     max_size=4,
 )
 
@@ -413,13 +504,16 @@ def fuzz(check, fast, slow, **strategies):
 
 
 test_fuzz_structured_headers, test_fuzz_structured_headers_long = fuzz(
-    check_structured, 60, 3000, header=near_header, data=st.integers(0, 64))
+    check_structured, 60, 3000, header=near_header, data=st.integers(0, 64)
+)
 test_fuzz_random_bytes, test_fuzz_random_bytes_long = fuzz(
-    check_random_bytes, 100, 5000, raw=st.binary(max_size=200), size=st.integers(0, 400))
+    check_random_bytes, 100, 5000, raw=st.binary(max_size=200), size=st.integers(0, 400)
+)
 
 
 VALID_BLOB = (lambda head: head + bytes(8 + 6 + 3 + 1 + 2))(
-    encode_header([("w", "F32", (2,)), ("v", "F16", (3,)), ("b", "BOOL", ()), ("f", "F4", (2, 2))], {"m": "x"})[0])
+    encode_header([("w", "F32", (2,)), ("v", "F16", (3,)), ("b", "BOOL", ()), ("f", "F4", (2, 2))], {"m": "x"})[0]
+)
 
 
 def check_mutated(data):
@@ -448,10 +542,13 @@ test_fuzz_mutated_valid_header, test_fuzz_mutated_valid_header_long = fuzz(check
 # --- the encoder -------------------------------------------------------------------------------
 
 entries_strategy = st.lists(
-    st.tuples(st.text(min_size=1, max_size=8).filter(lambda s: s != "__metadata__"),
-              st.sampled_from(list(_dtypes.DTYPES)),
-              st.lists(st.integers(0, 5), max_size=3)),
-    max_size=6, unique_by=lambda e: e[0],
+    st.tuples(
+        st.text(min_size=1, max_size=8).filter(lambda s: s != "__metadata__"),
+        st.sampled_from(list(_dtypes.DTYPES)),
+        st.lists(st.integers(0, 5), max_size=3),
+    ),
+    max_size=6,
+    unique_by=lambda e: e[0],
 )
 
 
@@ -485,15 +582,21 @@ def test_encode_keeps_non_ascii_names_as_utf8():
 
 
 def test_encode_refuses_metadata_as_a_tensor_name():
-    with pytest.raises(nnx_save.KeyPathError, match=re.escape(
-            "'__metadata__': the safetensors format reserves this key for metadata; rename the tensor")):
+    with pytest.raises(
+        nnx_save.KeyPathError,
+        match=re.escape("'__metadata__': the safetensors format reserves this key for metadata; rename the tensor"),
+    ):
         encode_header([("__metadata__", "F32", (1,))])
 
 
 def test_encode_refuses_subbyte_tensor_ending_inside_a_byte():
-    with pytest.raises(nnx_save.UnsupportedValueError, match=re.escape(
+    with pytest.raises(
+        nnx_save.UnsupportedValueError,
+        match=re.escape(
             "w: 3 F4 elements are 12 bits, not a whole number of bytes; safetensors readers refuse such a "
-            "tensor. Pad it to a multiple of 2 elements")):
+            "tensor. Pad it to a multiple of 2 elements"
+        ),
+    ):
         encode_header([("w", "F4", (3,))])
     with pytest.raises(nnx_save.UnsupportedValueError, match=re.escape("Pad it to a multiple of 4 elements")):
         encode_header([("w", "F6_E2M3", (2,))])

@@ -22,16 +22,33 @@ import nnx_save
 from nnx_save import _dtypes
 
 NUMPY_CODES = ["BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "F32", "F64", "C64"]
-TORCH_LOADS = NUMPY_CODES + ["BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"]
+TORCH_LOADS = [*NUMPY_CODES, "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"]
 # safetensors.torch can write these two but its loader has no entry for them.
 TORCH_WRITES_ONLY = ["F8_E8M0", "F4"]
 # jax without x64 truncates 64-bit types; the flax loader has no float8 mapping.
 FLAX_CODES = ["BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "F16", "BF16", "F32", "C64"]
-TORCH_NAME = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
-              "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16",
-              "F32": "float32", "F64": "float64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
-              "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz",
-              "F8_E5M2FNUZ": "float8_e5m2fnuz", "F4": "float4_e2m1fn_x2"}
+TORCH_NAME = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "U16": "uint16",
+    "I16": "int16",
+    "U32": "uint32",
+    "I32": "int32",
+    "U64": "uint64",
+    "I64": "int64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F4": "float4_e2m1fn_x2",
+}
 SHAPES = [(), (0,), (3, 0, 2), (5,), (2, 3), (2, 2, 4)]
 
 
@@ -69,7 +86,7 @@ def tree_of(codes, seed=0):
 def split(path):
     raw = path.read_bytes() if hasattr(path, "read_bytes") else path
     (n,) = struct.unpack("<Q", raw[:8])
-    return raw[8:8 + n], raw[8 + n:]
+    return raw[8 : 8 + n], raw[8 + n :]
 
 
 def torch_bytes(t):
@@ -97,7 +114,7 @@ def assert_same_layout(ours: bytes, ref: bytes):
     first = next((k for k in o if k != "__metadata__"), None)
     if first is not None:  # the tensor part of the header text, byte for byte
         marker = json.dumps(first, ensure_ascii=False).encode() + b':{"dtype"'
-        assert oh[oh.index(marker):] == rh[rh.index(marker):]
+        assert oh[oh.index(marker) :] == rh[rh.index(marker) :]
     if "__metadata__" not in o:
         assert ours == ref
 
@@ -110,7 +127,7 @@ def test_numpy_binding_reads_our_files(tmp_path):
     nnx_save.save_file({k: v[3] for k, v in tree.items()}, tmp_path / "o.safetensors")
     out = safetensors.numpy.load_file(tmp_path / "o.safetensors")
     assert set(out) == set(tree)
-    for k, (code, shape, raw, arr) in tree.items():
+    for k, (_code, shape, raw, arr) in tree.items():
         assert out[k].dtype == arr.dtype and out[k].shape == shape and out[k].tobytes() == raw.tobytes(), k
 
 
@@ -131,7 +148,7 @@ def test_flax_binding_reads_our_files(tmp_path):
     nnx_save.save_file({k: v[3] for k, v in tree.items()}, tmp_path / "o.safetensors")
     out = safetensors.flax.load_file(tmp_path / "o.safetensors")
     assert set(out) == set(tree)
-    for k, (code, shape, raw, arr) in tree.items():
+    for k, (_code, shape, raw, arr) in tree.items():
         got = np.asarray(out[k])
         assert got.dtype == arr.dtype and got.shape == shape and got.tobytes() == raw.tobytes(), k
 
@@ -139,7 +156,7 @@ def test_flax_binding_reads_our_files(tmp_path):
 def test_reference_parser_reads_every_code_raw(tmp_path):
     tree = tree_of(list(_dtypes.DTYPES))
     nnx_save.save_file({k: v[3] for k, v in tree.items()}, tmp_path / "o.safetensors")
-    got = {name: info for name, info in safetensors.deserialize((tmp_path / "o.safetensors").read_bytes())}
+    got = dict(safetensors.deserialize((tmp_path / "o.safetensors").read_bytes()))
     assert set(got) == set(tree)
     for k, (code, shape, raw, _) in tree.items():
         assert (got[k]["dtype"], tuple(got[k]["shape"]), bytes(got[k]["data"])) == (code, shape, raw.tobytes()), k
@@ -151,10 +168,11 @@ def test_reference_parser_reads_every_code_raw(tmp_path):
 def test_byte_identical_to_safetensors_numpy(tmp_path):
     tree = tree_of(NUMPY_CODES, seed=1)
     arrays = {k: v[3] for k, v in tree.items()}
-    nested = {"layers": [{"w": np.ones((2, 2), np.float32)}, {"w": np.zeros((2, 2), np.float32)}],
-              "é": np.arange(3, dtype=np.int16)}
-    flat = {**arrays, "layers/0/w": nested["layers"][0]["w"], "layers/1/w": nested["layers"][1]["w"],
-            "é": nested["é"]}
+    nested = {
+        "layers": [{"w": np.ones((2, 2), np.float32)}, {"w": np.zeros((2, 2), np.float32)}],
+        "é": np.arange(3, dtype=np.int16),
+    }
+    flat = {**arrays, "layers/0/w": nested["layers"][0]["w"], "layers/1/w": nested["layers"][1]["w"], "é": nested["é"]}
     nnx_save.save_file({**arrays, **nested}, tmp_path / "o.safetensors", metadata={"format": "np"})
     ours = (tmp_path / "o.safetensors").read_bytes()
     meta = nnx_save.read_header(tmp_path / "o.safetensors").metadata
@@ -189,13 +207,14 @@ def test_byte_identical_to_reference_serializer_for_every_shared_code(tmp_path):
 
 def test_files_from_safetensors_numpy_load(tmp_path):
     tree = tree_of(NUMPY_CODES, seed=4)
-    safetensors.numpy.save_file({k: v[3] for k, v in tree.items()}, tmp_path / "r.safetensors",
-                                metadata={"format": "np", "b": "2"})
+    safetensors.numpy.save_file(
+        {k: v[3] for k, v in tree.items()}, tmp_path / "r.safetensors", metadata={"format": "np", "b": "2"}
+    )
     h = nnx_save.read_header(tmp_path / "r.safetensors")
     assert h.metadata == {"format": "np", "b": "2"}
     out = nnx_save.load_file(tmp_path / "r.safetensors")
     assert set(out) == set(tree)
-    for k, (code, shape, raw, arr) in tree.items():
+    for k, (_code, shape, raw, arr) in tree.items():
         assert out[k].dtype == arr.dtype and out[k].shape == shape and out[k].tobytes() == raw.tobytes(), k
 
 
@@ -203,12 +222,15 @@ def test_files_from_safetensors_torch_load_bf16_f8_f4(tmp_path):
     from safetensors.torch import save_file
 
     tree = tree_of(TORCH_LOADS + TORCH_WRITES_ONLY, seed=5)
-    save_file({k: torch_tensor(c, s, r) for k, (c, s, r, _) in tree.items()}, tmp_path / "r.safetensors",
-              metadata={"format": "pt"})
+    save_file(
+        {k: torch_tensor(c, s, r) for k, (c, s, r, _) in tree.items()},
+        tmp_path / "r.safetensors",
+        metadata={"format": "pt"},
+    )
     h = nnx_save.read_header(tmp_path / "r.safetensors")
     assert {k: (t.dtype.code, t.shape) for k, t in h.tensors.items()} == {k: (v[0], v[1]) for k, v in tree.items()}
     out = nnx_save.load_file(tmp_path / "r.safetensors")
-    for k, (code, shape, raw, arr) in tree.items():
+    for k, (code, shape, raw, _arr) in tree.items():
         assert out[k].dtype == _dtypes.DTYPES[code].numpy and out[k].shape == shape, k
         row = _dtypes.DTYPES[code]
         got = out[k].tobytes() if row.byte_aligned else _dtypes.pack_subbyte(out[k], row)
@@ -229,9 +251,16 @@ def test_files_from_safetensors_flax_load(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_llama():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
 

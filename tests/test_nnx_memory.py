@@ -16,12 +16,29 @@ TENSOR = 4 * 2048 * 2048  # one layer's kernel, the largest tensor of the benchm
 
 
 def phase(name: str, directory: Path, size_gb: float) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")]))
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT / "benchmarks")]),
+    )
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "nnx.py"), "--worker", f"nnx_save:{name}",
-         "--size-gb", str(size_gb), "--dir", str(directory)],
-        env=env, capture_output=True, text=True, timeout=600, check=False)
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "nnx.py"),
+            "--worker",
+            f"nnx_save:{name}",
+            "--size-gb",
+            str(size_gb),
+            "--dir",
+            str(directory),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

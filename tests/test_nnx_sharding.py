@@ -48,7 +48,9 @@ SPECS = {"up/kernel": P(None, "model"), "up/bias": P("model"), "down/kernel": P(
 
 def assert_sharded_like(model, source) -> None:
     """Every annotated param spread over 8 devices with its spec, each shard exact."""
-    expected = {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(source, nnx.Param))}
+    expected = {
+        "/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(source, nnx.Param))
+    }
     for path, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         key = "/".join(map(str, path))
         array = variable.get_value()
@@ -73,7 +75,7 @@ def test_into_a_freshly_sharded_poisoned_model(mesh, saved):
 
 def test_through_a_builder_with_mesh_argument(mesh, saved):
     source, path = saved
-    model, report = nnx_save.load_model(lambda: poison(ShardedMLP(nnx.Rngs(1))), path, mesh=mesh, strict=True)
+    model, _report = nnx_save.load_model(lambda: poison(ShardedMLP(nnx.Rngs(1))), path, mesh=mesh, strict=True)
     assert_sharded_like(model, source)
     assert_same_state(snapshot(model), snapshot(source))
 
@@ -128,11 +130,17 @@ def _unsharded() -> ShardedMLP:
 
 def test_abstract_mesh_without_a_concrete_one_is_refused(mesh, saved):
     _, path = saved
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        with pytest.raises(nnx_save.ShardingError, match=re.escape(
+    with (
+        jax.sharding.use_abstract_mesh(mesh.abstract_mesh),
+        pytest.raises(
+            nnx_save.ShardingError,
+            match=re.escape(
                 "down/bias: the builder annotates a sharding (P(None,)) on an abstract mesh {'model': 8}; "
-                "pass mesh= to load_model or call it under jax.set_mesh(mesh)")):
-            nnx_save.load_model(lambda: ShardedMLP(nnx.Rngs(1)), path)
+                "pass mesh= to load_model or call it under jax.set_mesh(mesh)"
+            ),
+        ),
+    ):
+        nnx_save.load_model(lambda: ShardedMLP(nnx.Rngs(1)), path)
 
 
 def test_sharded_rng_keys_resume(mesh, tmp_path):
@@ -144,6 +152,7 @@ def test_sharded_rng_keys_resume(mesh, tmp_path):
     restored, _ = nnx_save.load_model(target, path, strict=True)
     key = restored.default.key.get_value()
     assert key.sharding == spread and len(key.sharding.device_set) == 8
-    assert np.array_equal(jax.random.key_data(restored.default.key.get_value()),
-                          jax.random.key_data(rngs.default.key.get_value()))
+    assert np.array_equal(
+        jax.random.key_data(restored.default.key.get_value()), jax.random.key_data(rngs.default.key.get_value())
+    )
     assert_same_state(snapshot(restored), snapshot(rngs))

@@ -26,16 +26,19 @@ def test_to_key_joins_with_slash_and_writes_ints_in_decimal():
     assert _paths.to_key(("é", "名前")) == "é/名前"
 
 
-@pytest.mark.parametrize("key, path", [
-    ("blocks/0/kernel", ("blocks", 0, "kernel")),
-    ("a/10", ("a", 10)),
-    ("a/007", ("a", "007")),  # not canonical: stays a name
-    ("a/-1", ("a", "-1")),
-    ("a/1.5", ("a", "1.5")),
-    ("a/١٢", ("a", "١٢")),  # Arabic-Indic digits are decimal but not ASCII
-    ("0", (0,)),
-    ("a/ 1", ("a", " 1")),
-])
+@pytest.mark.parametrize(
+    "key, path",
+    [
+        ("blocks/0/kernel", ("blocks", 0, "kernel")),
+        ("a/10", ("a", 10)),
+        ("a/007", ("a", "007")),  # not canonical: stays a name
+        ("a/-1", ("a", "-1")),
+        ("a/1.5", ("a", "1.5")),
+        ("a/١٢", ("a", "١٢")),  # Arabic-Indic digits are decimal but not ASCII
+        ("0", (0,)),
+        ("a/ 1", ("a", " 1")),
+    ],
+)
 def test_from_key_int_rule(key, path):
     assert _paths.from_key(key) == path
     assert _paths.to_key(_paths.from_key(key)) == key
@@ -63,9 +66,13 @@ def test_jax_key_entries_by_duck_typing():
 
 
 def test_slash_in_a_name_is_refused():
-    with pytest.raises(nnx_save.KeyPathError, match=re.escape(
+    with pytest.raises(
+        nnx_save.KeyPathError,
+        match=re.escape(
             "layers/0/'q/k': name contains /; file keys join names with '/' so this one could not be read "
-            "back to the same place. Rename the attribute or key.")) as info:
+            "back to the same place. Rename the attribute or key."
+        ),
+    ) as info:
         _paths.to_key(("layers", 0, "q/k"))
     assert info.value.path == "layers/0/q/k"
 
@@ -85,23 +92,38 @@ def test_negative_index_is_refused():
         _paths.to_key(("a", -1))
 
 
-@pytest.mark.parametrize("entry, shown", [(True, "key True of type bool"), (1.5, "key 1.5 of type float"),
-                                          (("t",), "key ('t',) of type tuple"), (None, "key None of type NoneType")])
+@pytest.mark.parametrize(
+    "entry, shown",
+    [
+        (True, "key True of type bool"),
+        (1.5, "key 1.5 of type float"),
+        (("t",), "key ('t',) of type tuple"),
+        (None, "key None of type NoneType"),
+    ],
+)
 def test_non_str_int_keys_are_refused(entry, shown):
     with pytest.raises(nnx_save.KeyPathError, match=re.escape(f": {shown} cannot be a file key; use str or int keys")):
         _paths.to_key(("a", entry))
 
 
 def test_lone_surrogate_is_refused():
-    with pytest.raises(nnx_save.KeyPathError, match=re.escape(
-            "a/\ud800x: name '\\ud800x' is not valid Unicode (a lone surrogate); file keys are UTF-8 text.")):
+    with pytest.raises(
+        nnx_save.KeyPathError,
+        match=re.escape(
+            "a/\ud800x: name '\\ud800x' is not valid Unicode (a lone surrogate); file keys are UTF-8 text."
+        ),
+    ):
         _paths.to_key(("a", "\ud800x"))
 
 
 def test_int_and_str_zero_collide():
-    with pytest.raises(nnx_save.KeyPathError, match=re.escape(
+    with pytest.raises(
+        nnx_save.KeyPathError,
+        match=re.escape(
             "layers/0: paths ('layers', 0) and ('layers', '0') both make the file key 'layers/0' "
-            "(int and str keys such as 0 and '0' write the same name); rename one of them")):
+            "(int and str keys such as 0 and '0' write the same name); rename one of them"
+        ),
+    ):
         _paths.check_unique([("layers", 0), ("layers", "0")])
 
 

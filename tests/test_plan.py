@@ -44,6 +44,7 @@ RATIOS = [None, 1.0, 1.3, 4.0, 1e9]
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def _execute(plan: FilePlan, data: np.ndarray, dests: list[np.ndarray], chunk_bytes: int) -> list:
     """The fake reader: what any executor must do, in plain numpy, with the plan's
     invariants asserted on the way. Returns every piece written."""
@@ -60,8 +61,8 @@ def _execute(plan: FilePlan, data: np.ndarray, dests: list[np.ndarray], chunk_by
         c_off, c_len, c_dest, c_doff = chunk_runs(plan, i)
         assert c_off[0] == cs and c_off[-1] + c_len[-1] == ce, "chunk not trimmed to its runs"
         assert (c_len > 0).all() and int(c_len.sum()) == plan.chunk_needed[i]
-        for o, n, d, do in zip(c_off.tolist(), c_len.tolist(), c_dest.tolist(), c_doff.tolist()):
-            dests[d][do:do + n] = block[o - cs:o - cs + n]
+        for o, n, d, do in zip(c_off.tolist(), c_len.tolist(), c_dest.tolist(), c_doff.tolist(), strict=False):
+            dests[d][do : do + n] = block[o - cs : o - cs + n]
             pieces.append((d, do, n))
     return pieces
 
@@ -91,7 +92,7 @@ def _boxes_of(sharding, shape) -> list[tuple[tuple[int, int], ...]]:
     """What the engine asks for: one box per distinct shard index."""
     boxes = []
     for index in sharding.devices_indices_map(shape).values():
-        box = tuple(s.indices(d)[:2] for s, d in zip(index, shape))
+        box = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=False))
         if box not in boxes:
             boxes.append(box)
     return boxes
@@ -101,8 +102,8 @@ def _boxes_of(sharding, shape) -> list[tuple[tuple[int, int], ...]]:
 def sharded_tensor(draw):
     """(shape, sharding) for a random mesh and partition spec JAX accepts."""
     mesh_shape = draw(st.sampled_from(MESHES))
-    names = ("x", "y", "z")[:len(mesh_shape)]
-    mesh = Mesh(np.array(jax.devices()[:math.prod(mesh_shape)]).reshape(mesh_shape), names)
+    names = ("x", "y", "z")[: len(mesh_shape)]
+    mesh = Mesh(np.array(jax.devices()[: math.prod(mesh_shape)]).reshape(mesh_shape), names)
     rank = draw(st.integers(0, 4))
     free = list(names)
     spec, shape = [], []
@@ -145,14 +146,15 @@ def _run_case(tensors, requests, sizes, size, ratio, chunk_bytes, seed=0):
     dests = [np.full(n, 0xAB, np.uint8) for n in sizes]  # poisoned
     pieces = _execute(plan, data, dests, chunk_bytes)
     _check_invariants(plan, pieces, sizes, ratio, chunk_bytes)
-    for r, dest in zip(requests, dests):
-        full = data[r.base:r.base + r.itemsize * math.prod(r.shape)].reshape(*r.shape, r.itemsize)
+    for r, dest in zip(requests, dests, strict=False):
+        full = data[r.base : r.base + r.itemsize * math.prod(r.shape)].reshape(*r.shape, r.itemsize)
         expected = full[tuple(slice(lo, hi) for lo, hi in r.box)]
         assert np.array_equal(dest, np.ascontiguousarray(expected).reshape(-1)), (r, plan)
     return plan
 
 
 # ----------------------------------------------------------------------------- properties
+
 
 @settings(max_examples=100)
 @given(file_case(), st.sampled_from(RATIOS), st.sampled_from(CHUNKS))
@@ -187,18 +189,18 @@ def test_arbitrary_and_overlapping_boxes_fill_like_numpy_slicing(case, ratio, ch
 @settings(max_examples=40)
 @given(file_case(), st.sampled_from(RATIOS), st.sampled_from(CHUNKS))
 def test_over_read_by_range_matches_a_byte_map(case, ratio, chunk_bytes):
-    tensors, requests, sizes, size = case
+    tensors, requests, _sizes, size = case
     plan = plan_file(requests, max_over_read_ratio=ratio, chunk_bytes=chunk_bytes)
     read = np.zeros(size + 1, np.int64)
     need = np.zeros(size + 1, np.int64)
-    for cs, ce in zip(plan.chunk_start.tolist(), plan.chunk_end.tolist()):
+    for cs, ce in zip(plan.chunk_start.tolist(), plan.chunk_end.tolist(), strict=False):
         read[cs:ce] += 1
-    for o, n in zip(plan.offset.tolist(), plan.length.tolist()):
-        need[o:o + n] += 1
+    for o, n in zip(plan.offset.tolist(), plan.length.tolist(), strict=False):
+        need[o : o + n] += 1
     begin = np.array([t[0] for t in tensors] + [0])
     end = np.array([t[0] + t[2] * math.prod(t[1]) for t in tensors] + [size])
     got = over_read_by_range(plan, begin, end)
-    assert got.tolist() == [int((read[b:e] - need[b:e]).sum()) for b, e in zip(begin, end)]
+    assert got.tolist() == [int((read[b:e] - need[b:e]).sum()) for b, e in zip(begin, end, strict=False)]
     assert got[-1] == plan.read_bytes - plan.needed_bytes
 
 
@@ -218,6 +220,7 @@ def test_box_runs_are_the_c_order_rows_of_the_box(shape, itemsize, data):
 
 
 # ----------------------------------------------------------------------------- named behaviour
+
 
 def _last_dim_requests(rows: int, cols: int, parts: int, itemsize: int = 4, base: int = 0):
     step = cols // parts
@@ -293,7 +296,7 @@ def _gpt2_last_dim_requests() -> list[Request]:
     for shape in shapes:
         step = shape[-1] // 8
         for i in range(8):
-            box = tuple((0, n) for n in shape[:-1]) + ((i * step, (i + 1) * step),)
+            box = (*tuple((0, n) for n in shape[:-1]), (i * step, (i + 1) * step))
             reqs.append(Request(len(reqs), base, shape, 4, box))
         base += 4 * math.prod(shape)
     return reqs
@@ -310,3 +313,12 @@ def test_planning_gpt2_small_split_on_the_last_dim_is_fast():
     assert len(plan.offset) > 926_000 and plan.read_bytes == plan.needed_bytes == 497_759_232
     assert plan.num_chunks == 4
     assert best < 1.5, f"planning took {best:.2f}s"
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from nnx_save import _plan
+
+    result = doctest.testmod(_plan)
+    assert result.attempted >= 5 and result.failed == 0

@@ -42,11 +42,16 @@ def test_bar_line_shows_bytes_tensors_rate_and_eta():
     bar.start = 0.0
     bar.done, bar.items = 1 << 20, 2
     line = bar.line(1.0, 120)
-    assert line == ("loading m.safetensors  25% |#######                       | 1.0 MiB/4.0 MiB  2/8 tensors  "
-                    "1.0 MiB/s  ETA 3s")
+    assert line == (
+        "loading m.safetensors  25% |#######                       | 1.0 MiB/4.0 MiB  2/8 tensors  1.0 MiB/s  ETA 3s"
+    )
     assert bar.line(2.0, 120, final=True).endswith("| 1.0 MiB/4.0 MiB  2/8 tensors  512.0 KiB/s  in 2.0s")
-    assert bar.line(1.0, 90) == "loading m.safetensors  25% |###         | 1.0 MiB/4.0 MiB  2/8 tensors  1.0 MiB/s  ETA 3s"
-    assert bar.line(1.0, 70) == "loading m.safetensors  25% 1.0 MiB/4.0 MiB  2/8 tensors  ETA 3s"  # bar and rate give way
+    assert (
+        bar.line(1.0, 90) == "loading m.safetensors  25% |###         | 1.0 MiB/4.0 MiB  2/8 tensors  1.0 MiB/s  ETA 3s"
+    )
+    assert (
+        bar.line(1.0, 70) == "loading m.safetensors  25% 1.0 MiB/4.0 MiB  2/8 tensors  ETA 3s"
+    )  # bar and rate give way
     assert bar.line(1.0, 50) == "loading m.safetensors  25% 1.0 MiB/4.0 MiB  2/8 t"  # never wraps
 
 
@@ -56,8 +61,10 @@ def test_save_and_load_draw_on_a_tty(monkeypatch, tmp_path):
     path = tmp_path / "w.safetensors"
     tree = {"a": np.ones((64, 64), np.float32), "b": np.zeros(16, np.int8)}
     nnx_save.save_file(tree, path, progress=True)
-    assert re.search(r"\rsaving w\.safetensors 100% \|#+\| 16\.0 KiB/16\.0 KiB  2/2 tensors  .* in \d+\.\ds\x1b\[K\n$",
-                     tty.getvalue())
+    assert re.search(
+        r"\rsaving w\.safetensors 100% \|#+\| 16\.0 KiB/16\.0 KiB  2/2 tensors  .* in \d+\.\ds\x1b\[K\n$",
+        tty.getvalue(),
+    )
     tty.seek(0), tty.truncate()
     nnx_save.load_file(path, progress=True)
     assert re.search(r"\rloading w\.safetensors 100% \|#+\| 16\.0 KiB/16\.0 KiB  2/2 tensors", tty.getvalue())
@@ -81,7 +88,8 @@ def test_nothing_on_a_pipe_and_diagnostics_through_the_logger(capsys, caplog, tm
 
 def test_sharded_load_counts_only_this_process_bytes(monkeypatch, tmp_path):
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stderr", tty)
@@ -114,15 +122,22 @@ def test_real_terminal_under_tmux(tmp_path):
         deadline, screen = time.monotonic() + 180, ""
         while time.monotonic() < deadline and "DONE" not in screen:
             time.sleep(0.5)
-            screen = subprocess.run(["tmux", "capture-pane", "-p", "-t", session], capture_output=True,
-                                    text=True, check=True).stdout
+            screen = subprocess.run(
+                ["tmux", "capture-pane", "-p", "-t", session], capture_output=True, text=True, check=True
+            ).stdout
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
     lines = [ln for ln in screen.splitlines() if ln.strip()]
     assert lines[-1] == "DONE", screen
-    assert re.fullmatch(r"saving model\.safetensors 100% \|#+\| 96\.0 MiB/96\.0 MiB  24/24 tensors  "
-                        r"[\d.]+ [KMG]iB/s  in [\d.]+s", lines[0]), screen
-    assert re.fullmatch(r"loading model\.safetensors 100% \|#+\| 96\.0 MiB/96\.0 MiB  24/24 tensors  "
-                        r"[\d.]+ [KMG]iB/s  in [\d.]+s", lines[1]), screen
+    assert re.fullmatch(
+        r"saving model\.safetensors 100% \|#+\| 96\.0 MiB/96\.0 MiB  24/24 tensors  "
+        r"[\d.]+ [KMG]iB/s  in [\d.]+s",
+        lines[0],
+    ), screen
+    assert re.fullmatch(
+        r"loading model\.safetensors 100% \|#+\| 96\.0 MiB/96\.0 MiB  24/24 tensors  "
+        r"[\d.]+ [KMG]iB/s  in [\d.]+s",
+        lines[1],
+    ), screen
     if os.environ.get("NNX_SAVE_UPDATE_DOCS"):
         DOCS.write_text("\n".join(lines) + "\n")

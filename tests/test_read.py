@@ -48,7 +48,7 @@ def requests(draw):
 
 
 def _expected(data: np.ndarray, r: Request) -> np.ndarray:
-    full = data[r.base:r.base + r.itemsize * math.prod(r.shape)].reshape(*r.shape, r.itemsize)
+    full = data[r.base : r.base + r.itemsize * math.prod(r.shape)].reshape(*r.shape, r.itemsize)
     return np.ascontiguousarray(full[tuple(slice(lo, hi) for lo, hi in r.box)]).reshape(-1)
 
 
@@ -90,10 +90,12 @@ def _run(path: str, plan: FilePlan, sizes: list[int], method: str, monkeypatch, 
     for name in ("readv", "readv_table"):  # count the bytes each call asks for
         inner = getattr(reader, name, None)
         if inner is not None:
+
             def counted(buffers, offset, inner=inner, table=name == "readv_table"):
                 with lock:
                     got[0] += int(buffers[:, 1].sum()) if table else sum(len(b) for b in buffers)
                 return inner(buffers, offset)
+
             setattr(reader, name, counted)
     try:
         _read.execute(reader, plan, dests, budget=_read.Budget(1 << 30), num_threads=threads, on_chunk=seen.append)
@@ -110,8 +112,12 @@ def workdir(tmp_path_factory):
 
 
 @settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(requests(), st.sampled_from([None, 1.0, 3.0, 1e9]), st.sampled_from([3, 64, 5000, 1 << 20]),
-       st.sampled_from(sorted(METHODS)))
+@given(
+    requests(),
+    st.sampled_from([None, 1.0, 3.0, 1e9]),
+    st.sampled_from([3, 64, 5000, 1 << 20]),
+    st.sampled_from(sorted(METHODS)),
+)
 def test_every_method_fills_destinations_like_numpy(workdir, monkeypatch, case, ratio, chunk, method):
     reqs, sizes, size = case
     data = np.random.default_rng(size).integers(0, 256, size + 3, dtype=np.uint8)
@@ -120,7 +126,7 @@ def test_every_method_fills_destinations_like_numpy(workdir, monkeypatch, case, 
     plan = plan_file(reqs, max_over_read_ratio=ratio, chunk_bytes=chunk)
     with monkeypatch.context() as m:
         dests, _ = _run(path, plan, sizes, method, m)
-    for r, dest in zip(reqs, dests):
+    for r, dest in zip(reqs, dests, strict=False):
         assert np.array_equal(dest, _expected(data, r)), (method, r, plan)
 
 
@@ -133,26 +139,29 @@ def _strided_file(tmp_path, rows: int, cols: int, itemsize: int = 4):
     return path, data, reqs, [rows * step * itemsize] * 8
 
 
-@pytest.mark.parametrize("kind, rows, cols, method", [
-    ("local", 512, 256, "table"),  # 128-byte runs
-    ("local", 512, 16, "scatter"),  # 8-byte runs
-    ("no-table", 512, 16, "scatter"),
-    ("no-table", 2, 65536, "direct"),  # 32 KiB runs: memoryviews
-    ("no-table", 4, 256, "direct"),  # 32 runs: few enough for memoryviews
-])
+@pytest.mark.parametrize(
+    "kind, rows, cols, method",
+    [
+        ("local", 512, 256, "table"),  # 128-byte runs
+        ("local", 512, 16, "scatter"),  # 8-byte runs
+        ("no-table", 512, 16, "scatter"),
+        ("no-table", 2, 65536, "direct"),  # 32 KiB runs: memoryviews
+        ("no-table", 4, 256, "direct"),  # 32 runs: few enough for memoryviews
+    ],
+)
 def test_the_automatic_choice_by_run_length(tmp_path, monkeypatch, kind, rows, cols, method):
     path, data, reqs, sizes = _strided_file(tmp_path, rows, cols)
     reader = _read.LocalReader(path) if kind == "local" else _NoTable(path)
     plan = plan_file(reqs)
     assert _read._method(reader, len(plan.offset), plan.needed_bytes) == method
     reader.close()
-    dests, requests = _run(path, plan, sizes, "auto", monkeypatch, reader=_NoTable if kind == "no-table" else None)
-    for r, d in zip(reqs, dests):
+    dests, _requests = _run(path, plan, sizes, "auto", monkeypatch, reader=_NoTable if kind == "no-table" else None)
+    for r, d in zip(reqs, dests, strict=False):
         assert np.array_equal(d, _expected(data, r))
 
 
 def test_table_reads_are_about_one_syscall_per_1024_runs(tmp_path, monkeypatch):
-    path, data, reqs, sizes = _strided_file(tmp_path, 4096, 512)  # 32768 runs of 256 bytes
+    path, _data, reqs, sizes = _strided_file(tmp_path, 4096, 512)  # 32768 runs of 256 bytes
     plan = plan_file(reqs)
     _, requests = _run(path, plan, sizes, "auto", monkeypatch)
     assert len(plan.offset) == 32768 and requests == 32
@@ -162,7 +171,7 @@ def test_scatter_reads_local_files_in_cache_sized_blocks(tmp_path, monkeypatch):
     path, data, reqs, sizes = _strided_file(tmp_path, 1 << 15, 16)  # 2 MiB of 8-byte runs
     plan = plan_file(reqs)
     dests, requests = _run(path, plan, sizes, "auto", monkeypatch)
-    assert requests == 2 and all(np.array_equal(d, _expected(data, r)) for r, d in zip(reqs, dests))
+    assert requests == 2 and all(np.array_equal(d, _expected(data, r)) for r, d in zip(reqs, dests, strict=False))
 
 
 def _preadv_at_most(limit: int, fail_first: int = 0):
@@ -192,12 +201,12 @@ def test_short_reads_and_eintr_resume_where_they_stopped(tmp_path, monkeypatch):
     fake, calls = _preadv_at_most(100, fail_first=2)
     monkeypatch.setattr(_read, "_PREADV", fake)
     dests, requests = _run(path, plan, sizes, "table", monkeypatch, threads=1)
-    assert all(np.array_equal(d, _expected(data, r)) for r, d in zip(reqs, dests))
+    assert all(np.array_equal(d, _expected(data, r)) for r, d in zip(reqs, dests, strict=False))
     assert calls["n"] == requests > plan.needed_bytes // 100
 
 
 def test_a_failing_read_raises_with_the_file_and_offset(tmp_path, monkeypatch):
-    path, data, reqs, sizes = _strided_file(tmp_path, 8, 256)
+    path, _data, reqs, sizes = _strided_file(tmp_path, 8, 256)
     plan = plan_file(reqs)
 
     def fake(fd, iov, count, offset):
@@ -212,7 +221,7 @@ def test_a_failing_read_raises_with_the_file_and_offset(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("method", ["table", "memoryview", "scatter"])
 def test_a_truncated_file_raises_naming_where_it_ended(tmp_path, monkeypatch, method):
-    path, data, reqs, sizes = _strided_file(tmp_path, 64, 256)
+    path, _data, reqs, sizes = _strided_file(tmp_path, 64, 256)
     plan = plan_file(reqs)
     os.truncate(path, 10_000)
     with pytest.raises(NnxSaveError, match=re.escape(f"{path}: file ended at byte 10000, expected ")):
@@ -221,7 +230,7 @@ def test_a_truncated_file_raises_naming_where_it_ended(tmp_path, monkeypatch, me
 
 @pytest.mark.parametrize("method", ["table", "memoryview", "scatter"])
 def test_a_run_pointing_outside_its_buffer_is_refused_before_it_is_read(tmp_path, monkeypatch, method):
-    path, data, reqs, sizes = _strided_file(tmp_path, 8, 256)
+    path, _data, reqs, sizes = _strided_file(tmp_path, 8, 256)
     plan = plan_file(reqs)
     sizes[3] -= 1
     with pytest.raises(NnxSaveError, match="a planned read falls outside its chunk or destination buffer"):
@@ -273,7 +282,7 @@ def test_readv_with_many_buffers_is_linear_and_leaves_the_list_alone(tmp_path):
     data = np.random.default_rng(1).integers(0, 256, 16 * 60_000, dtype=np.uint8)
     (tmp_path / "d.bin").write_bytes(data.tobytes())
     out = np.zeros_like(data)
-    views = [memoryview(out)[i:i + 16] for i in range(0, len(out), 16)]
+    views = [memoryview(out)[i : i + 16] for i in range(0, len(out), 16)]
     given = list(views)
     reader = _read.LocalReader(str(tmp_path / "d.bin"))
     t0 = time.perf_counter()
@@ -281,3 +290,10 @@ def test_readv_with_many_buffers_is_linear_and_leaves_the_list_alone(tmp_path):
     assert time.perf_counter() - t0 < 5  # slicing the list per buffer took minutes
     reader.close()
     assert np.array_equal(out, data) and views == given and reader.requests >= 59
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(_read)
+    assert result.attempted >= 1 and result.failed == 0

@@ -10,12 +10,12 @@ version's number in its metadata.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -40,14 +40,18 @@ _WRITER = textwrap.dedent(
 def version(v: int) -> dict[str, np.ndarray]:
     """Version ``v``: even versions have a big ``a`` and a small ``b``, odd ones the reverse."""
     big, small = (4096, 16) if v % 2 == 0 else (16, 4096)
-    return {"a": np.full(big, v, np.float32), "b": np.full(small, -v, np.int32),
-            "c": np.arange(v % 7 + 1, dtype=np.int64) + v}
+    return {
+        "a": np.full(big, v, np.float32),
+        "b": np.full(small, -v, np.int32),
+        "c": np.arange(v % 7 + 1, dtype=np.int64) + v,
+    }
 
 
 def matches(tree: dict, v: int) -> bool:
     want = version(v)
-    return set(tree) == set(want) and all(tree[k].shape == want[k].shape and np.array_equal(tree[k], want[k])
-                                          for k in want)
+    return set(tree) == set(want) and all(
+        tree[k].shape == want[k].shape and np.array_equal(tree[k], want[k]) for k in want
+    )
 
 
 def report_version(report, tree) -> int:
@@ -59,8 +63,11 @@ def report_version(report, tree) -> int:
 def test_readers_see_one_whole_version_while_a_writer_replaces_the_file(tmp_path):
     path = tmp_path / "m.safetensors"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), os.path.dirname(__file__), str(WRITES)],
-                              env=env, stderr=subprocess.PIPE)
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path), os.path.dirname(__file__), str(WRITES)],
+        env=env,
+        stderr=subprocess.PIPE,
+    )
     seen, problems, stop = [], [], threading.Event()
 
     def read_loop(verify: bool) -> None:
@@ -72,7 +79,7 @@ def test_readers_see_one_whole_version_while_a_writer_replaces_the_file(tmp_path
                 if started:
                     problems.append("not found after the first save")
                 continue
-            except Exception as e:  # noqa: BLE001 - any other error is a failure of the guarantee
+            except Exception as e:
                 problems.append(f"{type(e).__name__}: {e}")
                 continue
             started = True
@@ -116,10 +123,8 @@ def open_in(directory) -> int:
     libraries' descriptors do not count)."""
     count = 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):  # closed meanwhile (the listing's own descriptor)
             count += os.readlink(f"/proc/self/fd/{fd}").startswith(f"{os.path.realpath(directory)}/")
-        except OSError:  # closed meanwhile (the listing's own descriptor)
-            pass
     return count
 
 

@@ -31,13 +31,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _reliability_zygote import model, tree_values
 from flax import nnx
 
 import nnx_save
 from nnx_save._write import TMP_MARKER
 from nnx_save.checkpoint import OrbaxCheckpointStore
-
-from _reliability_zygote import model, tree_values
 
 ZYGOTE = Path(__file__).parent / "_reliability_zygote.py"
 SEED = 20261129
@@ -55,8 +54,14 @@ class Zygote:
     def __init__(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
         env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, str(ZYGOTE)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, env=env, cwd=ZYGOTE.parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ZYGOTE)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ZYGOTE.parent,
+        )
         self.events: queue.Queue = queue.Queue()
         self.noise: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -81,7 +86,9 @@ class Zygote:
             try:
                 e = self.events.get(timeout=max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
-                raise AssertionError(f"no {ev!r} event within {timeout} s; output: {''.join(self.noise)[-3000:]}")
+                raise AssertionError(
+                    f"no {ev!r} event within {timeout} s; output: {''.join(self.noise)[-3000:]}"
+                ) from None
             if where is not None:
                 where(e)
             if e["ev"] == "error":
@@ -111,8 +118,11 @@ def zygote():
 
 
 def temporaries(directory: Path) -> list[str]:
-    return sorted(n for n in os.listdir(directory) if TMP_MARKER in n or "orbax-checkpoint-tmp" in n
-                  or n.startswith(".nnx_save-overwriting-"))
+    return sorted(
+        n
+        for n in os.listdir(directory)
+        if TMP_MARKER in n or "orbax-checkpoint-tmp" in n or n.startswith(".nnx_save-overwriting-")
+    )
 
 
 def kill_mid_save(z: Zygote, rng: random.Random, kind: str, directory: Path, n: int = 1) -> tuple[int, dict]:
@@ -142,12 +152,20 @@ def kill_mid_save(z: Zygote, rng: random.Random, kind: str, directory: Path, n: 
     status = z.wait("killed", where=note)["status"]
     assert all(os.WIFSIGNALED(s) and os.WTERMSIG(s) == 9 for s in status), status
     last = max((e["v"] for e in done), default=0)
-    return last, {"kind": kind, "duration": duration, "delay": delay, "killed_in": target_v, "last_done": last,
-                  "stale": temporaries(directory / "ckpt" if kind.startswith("store") else directory)}
+    return last, {
+        "kind": kind,
+        "duration": duration,
+        "delay": delay,
+        "killed_in": target_v,
+        "last_done": last,
+        "stale": temporaries(directory / "ckpt" if kind.startswith("store") else directory),
+    }
 
 
 def params_of(m) -> list[np.ndarray]:
-    return [np.asarray(v.get_value()) for _, v in sorted(nnx.to_flat_state(nnx.state(m, nnx.Param)), key=lambda kv: kv[0])]
+    return [
+        np.asarray(v.get_value()) for _, v in sorted(nnx.to_flat_state(nnx.state(m, nnx.Param)), key=lambda kv: kv[0])
+    ]
 
 
 def which_tree(path: Path, last: int) -> int:
@@ -156,8 +174,10 @@ def which_tree(path: Path, last: int) -> int:
         want = {"a": tree_values(v)["a"], "b": tree_values(v)["b"], "c/d": tree_values(v)["c"]["d"]}
         if set(loaded) == set(want) and all(np.array_equal(loaded[k], want[k]) for k in want):
             return v
-    raise AssertionError(f"{path} holds neither version {last} nor {last + 1}: "
-                         f"{ {k: np.asarray(x).ravel()[:3] for k, x in loaded.items()} }")
+    raise AssertionError(
+        f"{path} holds neither version {last} nor {last + 1}: "
+        f"{ {k: np.asarray(x).ravel()[:3] for k, x in loaded.items()} }"
+    )
 
 
 def which_model(path: Path, last: int) -> int:

@@ -41,8 +41,9 @@ def small_fs(tmp_path):
         options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
         done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True)
         if done.returncode:
-            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); "
-                        "test_rlimit_fsize_* covers the same paths")
+            pytest.skip(
+                f"cannot mount a tmpfs here ({done.stderr.decode().strip()}); test_rlimit_fsize_* covers the same paths"
+            )
         mounts.append(where)
         return where
 
@@ -98,8 +99,11 @@ def test_multi_file_save_into_a_full_filesystem_keeps_every_previous_file(small_
     nnx_save.save_model(model(0), directory, max_shard_size=100_000)
     before = snapshot(directory)
     assert len(before) == 3 and "model.safetensors.index.json" in before
-    with pytest.raises(nnx_save.SaveError, match=r"ckpt/model-0000[12]-of-00002\.safetensors: save failed "
-                                                 r"\(no space left on the device\)"):
+    with pytest.raises(
+        nnx_save.SaveError,
+        match=r"ckpt/model-0000[12]-of-00002\.safetensors: save failed "
+        r"\(no space left on the device\)",
+    ):
         nnx_save.save_model(model(1), directory, max_shard_size=100_000)
     assert snapshot(directory) == before  # the same names and bytes: no new file, no temporary
     restored, _ = nnx_save.load_model(lambda: model(7), directory, strict=True)
@@ -112,8 +116,9 @@ def test_no_inode_left_for_the_temporary_file(small_fs):
     path = fs / "m.safetensors"
     nnx_save.save_file({"w": np.zeros(4, np.float32)}, path)
     before = snapshot(fs)
-    with pytest.raises(nnx_save.SaveError, match=re.escape(
-            f"{path}: cannot create a temporary file in {fs}: No space left on device")):
+    with pytest.raises(
+        nnx_save.SaveError, match=re.escape(f"{path}: cannot create a temporary file in {fs}: No space left on device")
+    ):
         nnx_save.save_file({"w": np.ones(4, np.float32)}, path)
     assert snapshot(fs) == before
 
@@ -190,7 +195,9 @@ def test_rlimit_fsize_save_errors_keep_previous_files_and_remove_temporaries(tmp
     kind, typed, message, path = results["multi_file"]
     assert (kind, typed) == ("SaveError", True) and re.fullmatch(
         rf"{re.escape(str(tmp_path / 'multi'))}/model-0000[12]-of-00002\.safetensors: save failed \(no space left "
-        r"on the device\); the previous file, if any, is intact", message), results["multi_file"]
+        r"on the device\); the previous file, if any, is intact",
+        message,
+    ), results["multi_file"]
     # The previous files, bit for bit in value, and nothing else.
     np.testing.assert_array_equal(nnx_save.load_file(tmp_path / "t.safetensors")["w"], np.arange(16, dtype=np.float32))
     restored, _ = nnx_save.load_model(lambda: model(9, width=8), tmp_path / "m.safetensors", strict=True)
@@ -200,7 +207,10 @@ def test_rlimit_fsize_save_errors_keep_previous_files_and_remove_temporaries(tmp
     names = [n for d in (tmp_path, tmp_path / "multi") for n in os.listdir(d)]
     assert not [n for n in names if TMP_MARKER in n], names
     assert sorted(os.listdir(tmp_path / "multi")) == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
 
 
 # --- a multi-process save into a full filesystem -------------------------------------------------
@@ -248,6 +258,9 @@ def test_multi_process_save_into_a_full_filesystem(small_fs, tmp_path):
     for w in workers:
         message, where = w.result["error"]
         assert where == str(path), w.describe()
-        assert message.startswith(f"{path}: the multi-process save failed (process ") and \
-            "No space left on device" in message and "the previous file, if any, is intact" in message, message
+        assert (
+            message.startswith(f"{path}: the multi-process save failed (process ")
+            and "No space left on device" in message
+            and "the previous file, if any, is intact" in message
+        ), message
     assert snapshot(fs) == before  # the previous file, and no temporary file

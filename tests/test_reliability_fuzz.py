@@ -46,20 +46,81 @@ LOAD_BUDGET_S = 100.0
 LOAD_MIN_INPUTS = 20_000
 PER_INPUT_LIMIT_S = 5.0  # far above any real input (ms); only a hang reaches it
 
-INTERESTING_INTS = [0, 1, -1, 2, 3, 7, 8, 255, 256, 2**31 - 1, 2**31, 2**32, 2**53 + 1, 2**63 - 1, 2**63, 2**64,
-                    10**12, -(2**63), 10**30]
-INTERESTING_JSON = [*INTERESTING_INTS, 1.5, -0.0, 1e308, "x", "", None, True, False, [], {}, [1, 2], {"a": 1},
-                    [[0]], "F32", "BOOL"]
-DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "U16", "U32", "U64", "BOOL",
-          "F8_E4M3", "F8_E5M2", "F4", "C64", "X9", ""]
+INTERESTING_INTS = [
+    0,
+    1,
+    -1,
+    2,
+    3,
+    7,
+    8,
+    255,
+    256,
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53 + 1,
+    2**63 - 1,
+    2**63,
+    2**64,
+    10**12,
+    -(2**63),
+    10**30,
+]
+INTERESTING_JSON = [
+    *INTERESTING_INTS,
+    1.5,
+    -0.0,
+    1e308,
+    "x",
+    "",
+    None,
+    True,
+    False,
+    [],
+    {},
+    [1, 2],
+    {"a": 1},
+    [[0]],
+    "F32",
+    "BOOL",
+]
+DTYPES = [
+    "F64",
+    "F32",
+    "F16",
+    "BF16",
+    "I64",
+    "I32",
+    "I16",
+    "I8",
+    "U8",
+    "U16",
+    "U32",
+    "U64",
+    "BOOL",
+    "F8_E4M3",
+    "F8_E5M2",
+    "F4",
+    "C64",
+    "X9",
+    "",
+]
 BYTES = b'\x00\xff"{}[],:-0123456789 .eE\\\x80\xc3'
 
 
 def seed_files(directory: Path) -> list[bytes]:
     trees = [
-        {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "h": np.ones(3, np.float16), "b": np.array([True, False]),
-         "e": np.zeros((0, 2), np.int64), "s": np.array(5, np.int8), "f4": np.zeros(4, ml_dtypes.float4_e2m1fn),
-         "bf": np.full((2, 2), 1.5, ml_dtypes.bfloat16), "u": np.arange(3, dtype=np.uint64)},
+        {
+            "w": np.arange(6, dtype=np.float32).reshape(2, 3),
+            "h": np.ones(3, np.float16),
+            "b": np.array([True, False]),
+            "e": np.zeros((0, 2), np.int64),
+            "s": np.array(5, np.int8),
+            "f4": np.zeros(4, ml_dtypes.float4_e2m1fn),
+            "bf": np.full((2, 2), 1.5, ml_dtypes.bfloat16),
+            "u": np.arange(3, dtype=np.uint64),
+        },
         {"layers": [{"kernel": np.full((3, 2), 0.5, np.float64)}, {"kernel": np.zeros((2, 1), np.int32)}]},
         {"only": np.array(3.0, np.float32)},
     ]
@@ -78,7 +139,7 @@ def split(blob: bytes) -> tuple[dict | None, bytes]:
     """The header object (or None if it is not one) and the data section."""
     try:
         (n,) = struct.unpack("<Q", blob[:8])
-        return json.loads(blob[8:8 + n]), blob[8 + n:]
+        return json.loads(blob[8 : 8 + n]), blob[8 + n :]
     except (ValueError, struct.error):
         return None, b""
 
@@ -99,11 +160,17 @@ def json_mutation(blob: bytes, rng: random.Random) -> bytes:
     entry = header[name]
     op = rng.randrange(9)
     if op == 0 and isinstance(entry, dict):  # a hostile shape
-        entry["shape"] = [rng.choice(INTERESTING_INTS + [1, 2, 3, 4]) for _ in range(rng.randrange(4))] \
-            if rng.random() < 0.8 else rng.choice(INTERESTING_JSON)
+        entry["shape"] = (
+            [rng.choice([*INTERESTING_INTS, 1, 2, 3, 4]) for _ in range(rng.randrange(4))]
+            if rng.random() < 0.8
+            else rng.choice(INTERESTING_JSON)
+        )
     elif op == 1 and isinstance(entry, dict):  # hostile offsets
-        entry["data_offsets"] = [rng.choice(INTERESTING_INTS) for _ in range(rng.choice([2, 2, 2, 1, 3]))] \
-            if rng.random() < 0.8 else rng.choice(INTERESTING_JSON)
+        entry["data_offsets"] = (
+            [rng.choice(INTERESTING_INTS) for _ in range(rng.choice([2, 2, 2, 1, 3]))]
+            if rng.random() < 0.8
+            else rng.choice(INTERESTING_JSON)
+        )
     elif op == 2 and isinstance(entry, dict):
         entry["dtype"] = rng.choice(DTYPES) if rng.random() < 0.9 else rng.choice(INTERESTING_JSON)
     elif op == 3:
@@ -111,8 +178,13 @@ def json_mutation(blob: bytes, rng: random.Random) -> bytes:
     elif op == 4:
         header[name + "_copy"] = entry
     elif op == 5:
-        header["__metadata__"] = rng.choice([{"k": rng.choice(INTERESTING_JSON)}, rng.choice(INTERESTING_JSON),
-                                             {"nnx_save.checksums": rng.choice(['{"w": 1}', "[]", "{", '{"w":"zz"}'])}])
+        header["__metadata__"] = rng.choice(
+            [
+                {"k": rng.choice(INTERESTING_JSON)},
+                rng.choice(INTERESTING_JSON),
+                {"nnx_save.checksums": rng.choice(['{"w": 1}', "[]", "{", '{"w":"zz"}'])},
+            ]
+        )
     elif op == 6 and isinstance(entry, dict):  # drop or add a field
         if entry and rng.random() < 0.5:
             del entry[rng.choice(list(entry))]
@@ -141,15 +213,16 @@ def byte_mutation(blob: bytearray, rng: random.Random, seeds: list[bytes]) -> by
         blob[i:i] = bytes(rng.choice(BYTES) for _ in range(rng.randrange(1, 9)))
     elif op == 4 and n:
         i = rng.randrange(n)
-        del blob[i:i + rng.randrange(1, 17)]
+        del blob[i : i + rng.randrange(1, 17)]
     elif op == 5:
-        del blob[rng.randrange(n + 1):]
+        del blob[rng.randrange(n + 1) :]
     elif op == 6:
         blob += bytes(rng.randrange(1, 64))
     elif op == 7 and n >= 8:  # a lying size prefix
         (size,) = struct.unpack("<Q", blob[:8])
-        blob[:8] = struct.pack("<Q", rng.choice([rng.randrange(2**64), max(size + rng.randrange(-16, 17), 0),
-                                                 n - 8, n, 0, 100_000_001]))
+        blob[:8] = struct.pack(
+            "<Q", rng.choice([rng.randrange(2**64), max(size + rng.randrange(-16, 17), 0), n - 8, n, 0, 100_000_001])
+        )
     elif op == 8:  # splice another seed's tail
         other = rng.choice(seeds)
         i, j = rng.randrange(n + 1), rng.randrange(len(other) + 1)
@@ -157,7 +230,7 @@ def byte_mutation(blob: bytearray, rng: random.Random, seeds: list[bytes]) -> by
     else:  # duplicate a chunk
         if n:
             i = rng.randrange(n)
-            blob[i:i] = blob[i:i + rng.randrange(1, 32)]
+            blob[i:i] = blob[i : i + rng.randrange(1, 32)]
     return blob
 
 
@@ -204,8 +277,7 @@ def fuzz(count: int, run_one, seeds: list[bytes], crashes: Path, budget_s: float
                 crashes.mkdir(parents=True, exist_ok=True)
                 (crashes / f"input{i}.safetensors").write_bytes(blob)
                 what = "hang (over the per-input limit)" if isinstance(e, Hang) else f"{type(e).__name__}: {e}"
-                raise AssertionError(f"input {i} ({crashes / f'input{i}.safetensors'}): {what}\n"
-                                     f"{blob[:300]!r}") from e
+                raise AssertionError(f"input {i} ({crashes / f'input{i}.safetensors'}): {what}\n{blob[:300]!r}") from e
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
             stats["slowest_s"] = max(stats["slowest_s"], time.perf_counter() - start)
@@ -225,7 +297,7 @@ def seeds(tmp_path_factory):
 def test_fuzz_header_parser(seeds, tmp_path):
     def run_one(blob: bytes, i: int) -> None:
         n = header_size(blob[:8], len(blob))
-        parse_header(blob[8:8 + n], len(blob))
+        parse_header(blob[8 : 8 + n], len(blob))
 
     stats = fuzz(PARSER_INPUTS, run_one, seeds, tmp_path / "crashes")
     print(f"\nheader parser: {stats}")

@@ -39,56 +39,134 @@ def builder() -> nnx.Module:
 
 # name -> (header, data bytes, error class, message after "<file>: ")
 CASES = {
-    "truncated data": ({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(10),
-                       nnx_save.FileSizeError, "tensor data ends at byte 16 of the data section, but the file holds 10"),
-    "offsets past the end": ({"w": {"dtype": "F32", "shape": [2**20], "data_offsets": [0, 4 << 20]}}, bytes(8),
-                             nnx_save.FileSizeError, "tensor data ends at byte 4194304 of the data section"),
-    "overlapping ranges": ({"a": E, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12),
-                           nnx_save.OffsetError, "tensor 'b' at [4, 12] overlaps tensor 'a' (ends at 8)"),
-    "gap between ranges": ({"a": E, "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}}, bytes(20),
-                           nnx_save.OffsetError, "tensor 'b' at [12, 20] leaves a hole after tensor 'a' (ends at 8)"),
-    "bytes disagree with shape": ({"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8),
-                                  nnx_save.ByteLengthError, "tensor 'w': shape [3] of F32 needs 12 bytes"),
-    "duplicate keys": (b'{"w":' + json.dumps(E).encode() + b',"w":' + json.dumps(E).encode() + b"}", bytes(8),
-                       nnx_save.DuplicateKeyError, "key 'w' appears more than once in the header JSON"),
-    "10^12 elements, small offsets": ({"w": {"dtype": "F32", "shape": [10**6, 10**6], "data_offsets": [0, 8]}},
-                                      bytes(8), nnx_save.ByteLengthError,
-                                      "tensor 'w': shape [1000000, 1000000] of F32 needs 4000000000000 bytes"),
-    "10^12 elements, honest offsets": ({"w": {"dtype": "F32", "shape": [10**12], "data_offsets": [0, 4 * 10**12]}},
-                                       bytes(8), nnx_save.FileSizeError, "tensor data ends at byte 4000000000000"),
-    "2^80 elements": ({"w": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 0]}}, b"",
-                      nnx_save.ByteLengthError, "has more than 2**63 elements"),
-    "negative dim": ({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, bytes(8),
-                     nnx_save.TensorEntryError, "shape must be a list of non-negative integers, found [-2]"),
-    "float dim": ({"w": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}}, bytes(8),
-                  nnx_save.TensorEntryError, "shape must be a list of non-negative integers, found [2.0]"),
-    "string dim": ({"w": {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}}, bytes(8),
-                   nnx_save.TensorEntryError, "found ['2']"),
-    "bool dim": ({"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}}, bytes(8),
-                 nnx_save.TensorEntryError, "found [True, 2]"),
-    "negative offset": ({"w": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}}, bytes(8),
-                        nnx_save.TensorEntryError, "data_offsets must be two non-negative integers"),
+    "truncated data": (
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+        bytes(10),
+        nnx_save.FileSizeError,
+        "tensor data ends at byte 16 of the data section, but the file holds 10",
+    ),
+    "offsets past the end": (
+        {"w": {"dtype": "F32", "shape": [2**20], "data_offsets": [0, 4 << 20]}},
+        bytes(8),
+        nnx_save.FileSizeError,
+        "tensor data ends at byte 4194304 of the data section",
+    ),
+    "overlapping ranges": (
+        {"a": E, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
+        bytes(12),
+        nnx_save.OffsetError,
+        "tensor 'b' at [4, 12] overlaps tensor 'a' (ends at 8)",
+    ),
+    "gap between ranges": (
+        {"a": E, "b": {"dtype": "F32", "shape": [2], "data_offsets": [12, 20]}},
+        bytes(20),
+        nnx_save.OffsetError,
+        "tensor 'b' at [12, 20] leaves a hole after tensor 'a' (ends at 8)",
+    ),
+    "bytes disagree with shape": (
+        {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
+        bytes(8),
+        nnx_save.ByteLengthError,
+        "tensor 'w': shape [3] of F32 needs 12 bytes",
+    ),
+    "duplicate keys": (
+        b'{"w":' + json.dumps(E).encode() + b',"w":' + json.dumps(E).encode() + b"}",
+        bytes(8),
+        nnx_save.DuplicateKeyError,
+        "key 'w' appears more than once in the header JSON",
+    ),
+    "10^12 elements, small offsets": (
+        {"w": {"dtype": "F32", "shape": [10**6, 10**6], "data_offsets": [0, 8]}},
+        bytes(8),
+        nnx_save.ByteLengthError,
+        "tensor 'w': shape [1000000, 1000000] of F32 needs 4000000000000 bytes",
+    ),
+    "10^12 elements, honest offsets": (
+        {"w": {"dtype": "F32", "shape": [10**12], "data_offsets": [0, 4 * 10**12]}},
+        bytes(8),
+        nnx_save.FileSizeError,
+        "tensor data ends at byte 4000000000000",
+    ),
+    "2^80 elements": (
+        {"w": {"dtype": "F32", "shape": [2**40, 2**40], "data_offsets": [0, 0]}},
+        b"",
+        nnx_save.ByteLengthError,
+        "has more than 2**63 elements",
+    ),
+    "negative dim": (
+        {"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}},
+        bytes(8),
+        nnx_save.TensorEntryError,
+        "shape must be a list of non-negative integers, found [-2]",
+    ),
+    "float dim": (
+        {"w": {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]}},
+        bytes(8),
+        nnx_save.TensorEntryError,
+        "shape must be a list of non-negative integers, found [2.0]",
+    ),
+    "string dim": (
+        {"w": {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]}},
+        bytes(8),
+        nnx_save.TensorEntryError,
+        "found ['2']",
+    ),
+    "bool dim": (
+        {"w": {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]}},
+        bytes(8),
+        nnx_save.TensorEntryError,
+        "found [True, 2]",
+    ),
+    "negative offset": (
+        {"w": {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}},
+        bytes(8),
+        nnx_save.TensorEntryError,
+        "data_offsets must be two non-negative integers",
+    ),
     "not UTF-8": (b'{"\xff\xfe":1}', b"", nnx_save.HeaderEncodingError, "header is not valid UTF-8 (byte 10"),
-    "JSON array at top level": ([E], bytes(8), nnx_save.HeaderJSONError,
-                                "header must be a JSON object, found a JSON list"),
+    "JSON array at top level": (
+        [E],
+        bytes(8),
+        nnx_save.HeaderJSONError,
+        "header must be a JSON object, found a JSON list",
+    ),
     "not JSON": (b"{'w': 1}", b"", nnx_save.HeaderJSONError, "header is not valid JSON"),
-    "non-string metadata": ({"__metadata__": {"epoch": 3}, "w": E}, bytes(8), nnx_save.MetadataError,
-                            "__metadata__['epoch'] must be a string, found int 3"),
-    "metadata not an object": ({"__metadata__": ["a"], "w": E}, bytes(8), nnx_save.MetadataError,
-                               "__metadata__ must be an object of strings, found list"),
-    "unknown dtype": ({"w": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}}, bytes(8),
-                      nnx_save.UnknownDtypeError, "'F33'"),
-    "entry missing a field": ({"w": {"dtype": "F32", "shape": [2]}}, bytes(8), nnx_save.TensorEntryError,
-                              "tensor 'w': fields missing ['data_offsets']"),
+    "non-string metadata": (
+        {"__metadata__": {"epoch": 3}, "w": E},
+        bytes(8),
+        nnx_save.MetadataError,
+        "__metadata__['epoch'] must be a string, found int 3",
+    ),
+    "metadata not an object": (
+        {"__metadata__": ["a"], "w": E},
+        bytes(8),
+        nnx_save.MetadataError,
+        "__metadata__ must be an object of strings, found list",
+    ),
+    "unknown dtype": (
+        {"w": {"dtype": "F33", "shape": [2], "data_offsets": [0, 8]}},
+        bytes(8),
+        nnx_save.UnknownDtypeError,
+        "'F33'",
+    ),
+    "entry missing a field": (
+        {"w": {"dtype": "F32", "shape": [2]}},
+        bytes(8),
+        nnx_save.TensorEntryError,
+        "tensor 'w': fields missing ['data_offsets']",
+    ),
 }
 SIZED = {  # the 8-byte prefix lies
-    "header size larger than the file": (4096, nnx_save.HeaderTooLargeError,
-                                         "header size 4096 at byte 0 runs past the end of the file"),
+    "header size larger than the file": (
+        4096,
+        nnx_save.HeaderTooLargeError,
+        "header size 4096 at byte 0 runs past the end of the file",
+    ),
     "header size of 2^63": (2**63, nnx_save.HeaderTooLargeError, "header size 9223372036854775808 exceeds the cap"),
 }
 
 LOADERS = {
-    "load_file": lambda source: nnx_save.load_file(source),
+    "load_file": nnx_save.load_file,
     "load_model": lambda source: nnx_save.load_model(builder, source),
 }
 
@@ -147,8 +225,11 @@ def test_an_index_naming_a_file_outside_its_directory_is_refused(tmp_path, name,
     (tmp_path / "outside.safetensors").write_bytes((directory / "a.safetensors").read_bytes())
     index = directory / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"kernel": name, "bias": "b.safetensors"}}))
-    refused(lambda: LOADERS[loader](directory), nnx_save.IndexFileError,
-            f"{index}: file {name!r} points outside the checkpoint directory {directory}")
+    refused(
+        lambda: LOADERS[loader](directory),
+        nnx_save.IndexFileError,
+        f"{index}: file {name!r} points outside the checkpoint directory {directory}",
+    )
 
 
 @pytest.mark.parametrize("loader", LOADERS)
@@ -156,14 +237,20 @@ def test_an_index_naming_a_missing_file_is_refused(tmp_path, loader):
     directory = good_pair(tmp_path / "ckpt")
     index = directory / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"kernel": "a.safetensors", "bias": "gone.safetensors"}}))
-    refused(lambda: LOADERS[loader](directory), nnx_save.IndexFileError,
-            f"{index}: names file 'gone.safetensors', which does not exist in {directory}")
+    refused(
+        lambda: LOADERS[loader](directory),
+        nnx_save.IndexFileError,
+        f"{index}: names file 'gone.safetensors', which does not exist in {directory}",
+    )
 
 
 @pytest.mark.parametrize("loader", LOADERS)
 def test_a_missing_source_is_file_not_found(tmp_path, loader):
-    refused(lambda: LOADERS[loader](tmp_path / "nope.safetensors"), FileNotFoundError,
-            f"{tmp_path / 'nope.safetensors'}: no such checkpoint file or directory")
+    refused(
+        lambda: LOADERS[loader](tmp_path / "nope.safetensors"),
+        FileNotFoundError,
+        f"{tmp_path / 'nope.safetensors'}: no such checkpoint file or directory",
+    )
 
 
 # --- the file changes after its header was read -------------------------------------------------
@@ -180,8 +267,11 @@ def test_a_file_truncated_after_its_header_was_read_is_a_typed_error(tmp_path, l
     header = nnx_save.read_header(path)
     end = header.files[0].file_size
     os.truncate(path, end - 1000)  # in place: the same file, now shorter
-    fn = (lambda: nnx_save.load_file(header)) if loader == "load_file" else \
-        (lambda: nnx_save.load_model(lambda: nnx.Linear(64, 256, rngs=nnx.Rngs(0)), header))
+    fn = (
+        (lambda: nnx_save.load_file(header))
+        if loader == "load_file"
+        else (lambda: nnx_save.load_model(lambda: nnx.Linear(64, 256, rngs=nnx.Rngs(0)), header))
+    )
     with pytest.raises(nnx_save.NnxSaveError, match=re.escape(f"{path}: file ended at byte ")) as info:
         fn()
     assert "(was it truncated while loading?)" in str(info.value)
@@ -196,7 +286,10 @@ def test_a_file_rewritten_in_place_after_its_header_was_read_fails_verification(
     with open(path, "r+b") as f:  # same size, same header, other bytes
         f.seek(kernel.begin + 100)
         f.write(b"\x7f" * 8)
-    fn = (lambda: nnx_save.load_file(header, verify=True)) if loader == "load_file" else \
-        (lambda: nnx_save.load_model(lambda: nnx.Linear(64, 256, rngs=nnx.Rngs(0)), header, verify=True))
+    fn = (
+        (lambda: nnx_save.load_file(header, verify=True))
+        if loader == "load_file"
+        else (lambda: nnx_save.load_model(lambda: nnx.Linear(64, 256, rngs=nnx.Rngs(0)), header, verify=True))
+    )
     with pytest.raises(nnx_save.ChecksumError, match=re.escape(f"{path}: tensor 'kernel': checksum mismatch")):
         fn()

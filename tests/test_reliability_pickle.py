@@ -53,17 +53,23 @@ def test_the_source_tree_has_no_pickle_path():
         where = path.relative_to(SRC.parent)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                problems += [f"{where}:{node.lineno} imports {a.name}" for a in node.names
-                             if a.name.split(".")[0] in FORBIDDEN_MODULES]
+                problems += [
+                    f"{where}:{node.lineno} imports {a.name}"
+                    for a in node.names
+                    if a.name.split(".")[0] in FORBIDDEN_MODULES
+                ]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in FORBIDDEN_MODULES:
                 problems.append(f"{where}:{node.lineno} imports from {node.module}")
         for node, name in _calls(tree):
-            if name in ("eval", "exec", "np.load", "numpy.load", "pickle.load", "pickle.loads") \
-                    or name.endswith(("Unpickler", ".load_pickle")):
+            if name in ("eval", "exec", "np.load", "numpy.load", "pickle.load", "pickle.loads") or name.endswith(
+                ("Unpickler", ".load_pickle")
+            ):
                 problems.append(f"{where}:{node.lineno} calls {name}")
             elif name == "torch.load":
-                safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
-                           for k in node.keywords)
+                safe = any(
+                    k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in node.keywords
+                )
                 torch_loads.append((str(where), safe))
     assert problems == []
     assert torch_loads == [("nnx_save/_cli.py", True)]  # convert: tensors only, never objects
@@ -150,8 +156,9 @@ _AUDIT = textwrap.dedent(
 @pytest.mark.slow  # ~17 s: a fresh process importing jax, flax and orbax, and an HTTP server
 def test_loading_every_kind_of_source_never_unpickles(tmp_path):
     model = nnx.Sequential(nnx.Linear(8, 16, rngs=nnx.Rngs(0)), nnx.Linear(16, 4, rngs=nnx.Rngs(1)))
-    nnx_save.save_file({"w": np.arange(6, dtype=np.float32), "i": np.ones((2, 2), np.int64)},
-                       tmp_path / "tree.safetensors")
+    nnx_save.save_file(
+        {"w": np.arange(6, dtype=np.float32), "i": np.ones((2, 2), np.int64)}, tmp_path / "tree.safetensors"
+    )
     nnx_save.save_model(model, tmp_path / "model.safetensors")
     nnx_save.save_model(model, tmp_path / "sharded", max_shard_size=300)
     assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
@@ -165,6 +172,15 @@ def test_loading_every_kind_of_source_never_unpickles(tmp_path):
     assert out["torch"] is False
     params = ["layers/0/bias", "layers/0/kernel", "layers/1/bias", "layers/1/kernel"]
     assert out["loaded"] == {
-        "file": ["i", "w"], "header": ["i", "w"], "index load_file": params, "index load_model": params,
-        "model file": params, "model instance": params, "remote file": ["i", "w"], "remote index": params,
-        "store": ["step", "w"], "store templates": ["step", "w"], "store metadata": 3}
+        "file": ["i", "w"],
+        "header": ["i", "w"],
+        "index load_file": params,
+        "index load_model": params,
+        "model file": params,
+        "model instance": params,
+        "remote file": ["i", "w"],
+        "remote index": params,
+        "store": ["step", "w"],
+        "store templates": ["step", "w"],
+        "store metadata": 3,
+    }

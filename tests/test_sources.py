@@ -1,6 +1,7 @@
 """read_header over files, directories, lists and HF indexes; hostile files and
 indexes; load_file without a target reads with positioned reads only."""
 
+import contextlib
 import json
 import mmap
 import os
@@ -86,8 +87,9 @@ def test_hf_cache_layout_with_symlinks_into_blobs(tmp_path):
     save(blobs / "2222", v=np.arange(2, dtype=np.int64))
     os.symlink("../../blobs/1111", snap / "model-00001-of-00002.safetensors")
     os.symlink("../../blobs/2222", snap / "model-00002-of-00002.safetensors")
-    (blobs / "3333").write_text(json.dumps({"weight_map": {"w": "model-00001-of-00002.safetensors",
-                                                            "v": "model-00002-of-00002.safetensors"}}))
+    (blobs / "3333").write_text(
+        json.dumps({"weight_map": {"w": "model-00001-of-00002.safetensors", "v": "model-00002-of-00002.safetensors"}})
+    )
     os.symlink("../../blobs/3333", snap / INDEX_NAME)
     out = nnx_save.load_file(snap)
     assert out["w"].tolist() == [0, 1, 2] and out["v"].tolist() == [0, 1]
@@ -102,15 +104,18 @@ def test_index_pointing_outside_its_directory(tmp_path, name):
     d.mkdir()
     save(tmp_path / "a.safetensors", w=np.zeros(1, np.float32))  # exists, but outside
     idx = index(d, {"w": name})
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(
-            f"{idx}: file {name!r} points outside the checkpoint directory {d}")):
+    with pytest.raises(
+        nnx_save.IndexFileError, match=re.escape(f"{idx}: file {name!r} points outside the checkpoint directory {d}")
+    ):
         nnx_save.read_header(d)
 
 
 def test_index_pointing_at_a_missing_file(two_files):
     idx = index(two_files, {"w": "a.safetensors", "b": "a.safetensors", "v": "gone.safetensors"})
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(
-            f"{idx}: names file 'gone.safetensors', which does not exist in {two_files}")):
+    with pytest.raises(
+        nnx_save.IndexFileError,
+        match=re.escape(f"{idx}: names file 'gone.safetensors', which does not exist in {two_files}"),
+    ):
         nnx_save.read_header(two_files)
 
 
@@ -118,8 +123,12 @@ def test_tensor_in_two_files(tmp_path):
     save(tmp_path / "a.safetensors", w=np.zeros(1, np.float32))
     save(tmp_path / "b.safetensors", w=np.ones(1, np.float32))
     idx = index(tmp_path, {"w": "a.safetensors", "x": "b.safetensors"})
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(
-            f"{idx}: tensor 'w' appears in two files: {tmp_path / 'a.safetensors'} and {tmp_path / 'b.safetensors'}")):
+    with pytest.raises(
+        nnx_save.IndexFileError,
+        match=re.escape(
+            f"{idx}: tensor 'w' appears in two files: {tmp_path / 'a.safetensors'} and {tmp_path / 'b.safetensors'}"
+        ),
+    ):
         nnx_save.read_header(tmp_path)
 
 
@@ -132,43 +141,54 @@ def test_tensor_in_two_files_of_a_directory(tmp_path):
 
 def test_index_places_a_tensor_in_the_wrong_file(two_files):
     idx = index(two_files, {"w": "b.safetensors", "b": "a.safetensors", "v": "b.safetensors"})
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(
-            f"{idx}: places tensor 'w' in b.safetensors, but it is in {two_files / 'a.safetensors'}")):
+    with pytest.raises(
+        nnx_save.IndexFileError,
+        match=re.escape(f"{idx}: places tensor 'w' in b.safetensors, but it is in {two_files / 'a.safetensors'}"),
+    ):
         nnx_save.read_header(two_files)
 
 
 def test_index_names_a_tensor_no_file_holds(two_files):
-    idx = index(two_files, {"w": "a.safetensors", "b": "a.safetensors", "v": "b.safetensors",
-                            "ghost": "b.safetensors"})
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(
-            f"{idx}: names tensor 'ghost' in b.safetensors, which does not hold it")):
+    idx = index(two_files, {"w": "a.safetensors", "b": "a.safetensors", "v": "b.safetensors", "ghost": "b.safetensors"})
+    with pytest.raises(
+        nnx_save.IndexFileError,
+        match=re.escape(f"{idx}: names tensor 'ghost' in b.safetensors, which does not hold it"),
+    ):
         nnx_save.read_header(two_files)
 
 
 def test_files_hold_tensors_the_index_does_not_name(two_files):
     idx = index(two_files, {"w": "a.safetensors", "v": "b.safetensors"})
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(
-            f"{idx}: files hold tensors the index does not name: ['b']")):
+    with pytest.raises(
+        nnx_save.IndexFileError, match=re.escape(f"{idx}: files hold tensors the index does not name: ['b']")
+    ):
         nnx_save.read_header(two_files)
 
 
 def test_index_listing_a_tensor_twice(two_files):
     (two_files / INDEX_NAME).write_text(
-        '{"weight_map": {"w": "a.safetensors", "b": "a.safetensors", "v": "b.safetensors", "w": "b.safetensors"}}')
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(
-            f"{two_files / INDEX_NAME}: key 'w' appears more than once in the index JSON")):
+        '{"weight_map": {"w": "a.safetensors", "b": "a.safetensors", "v": "b.safetensors", "w": "b.safetensors"}}'
+    )
+    with pytest.raises(
+        nnx_save.IndexFileError,
+        match=re.escape(f"{two_files / INDEX_NAME}: key 'w' appears more than once in the index JSON"),
+    ):
         nnx_save.read_header(two_files)
 
 
-@pytest.mark.parametrize("content, message", [
-    (b'{"weight_map": ', "not a valid JSON index: Expecting value: line 1 column 16 (char 15)"),
-    (b'{"weight_map": {"w": "a\xff"}}', "not a valid JSON index: 'utf-8' codec can't decode byte 0xff"),
-    (b'{"weight_map": {"w": ' + b"1" * 5000 + b"}}", "not a valid JSON index: Exceeds the limit (4300 digits)"),
-    (b'[{"weight_map": {}}]', "expected an object with a 'weight_map' of tensor name -> file name"),
-    (b'{"metadata": {}}', "expected an object with a 'weight_map' of tensor name -> file name"),
-    (b'{"weight_map": {"w": 3}}', "expected an object with a 'weight_map' of tensor name -> file name"),
-    (b'{"weight_map": ["a.safetensors"]}', "expected an object with a 'weight_map' of tensor name -> file name"),
-], ids=["truncated", "not-utf8", "huge-int", "array", "no-map", "non-str", "map-is-list"])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"weight_map": ', "not a valid JSON index: Expecting value: line 1 column 16 (char 15)"),
+        (b'{"weight_map": {"w": "a\xff"}}', "not a valid JSON index: 'utf-8' codec can't decode byte 0xff"),
+        (b'{"weight_map": {"w": ' + b"1" * 5000 + b"}}", "not a valid JSON index: Exceeds the limit (4300 digits)"),
+        (b'[{"weight_map": {}}]', "expected an object with a 'weight_map' of tensor name -> file name"),
+        (b'{"metadata": {}}', "expected an object with a 'weight_map' of tensor name -> file name"),
+        (b'{"weight_map": {"w": 3}}', "expected an object with a 'weight_map' of tensor name -> file name"),
+        (b'{"weight_map": ["a.safetensors"]}', "expected an object with a 'weight_map' of tensor name -> file name"),
+    ],
+    ids=["truncated", "not-utf8", "huge-int", "array", "no-map", "non-str", "map-is-list"],
+)
 def test_malformed_index(two_files, content, message):
     (two_files / INDEX_NAME).write_bytes(content)
     with pytest.raises(nnx_save.IndexFileError, match=re.escape(f"{two_files / INDEX_NAME}: {message}")):
@@ -176,8 +196,10 @@ def test_malformed_index(two_files, content, message):
 
 
 def test_directory_with_nothing_to_load(tmp_path):
-    with pytest.raises(nnx_save.HeaderError, match=re.escape(
-            f"{tmp_path}: directory holds neither {INDEX_NAME} nor any *.safetensors file")):
+    with pytest.raises(
+        nnx_save.HeaderError,
+        match=re.escape(f"{tmp_path}: directory holds neither {INDEX_NAME} nor any *.safetensors file"),
+    ):
         nnx_save.read_header(tmp_path)
 
 
@@ -192,27 +214,36 @@ def test_missing_source(tmp_path):
 def test_empty_file(tmp_path):
     path = write_raw(tmp_path / "e.safetensors", b"", size=0)
     path.write_bytes(b"")
-    with pytest.raises(nnx_save.HeaderTooSmallError, match=re.escape(
-            f"{path}: 0 bytes is shorter than the 8-byte header size prefix")):
+    with pytest.raises(
+        nnx_save.HeaderTooSmallError, match=re.escape(f"{path}: 0 bytes is shorter than the 8-byte header size prefix")
+    ):
         nnx_save.read_header(path)
 
 
 def test_header_size_larger_than_file(tmp_path):
     path = write_raw(tmp_path / "m.safetensors", {}, size=1 << 40)
-    with pytest.raises(nnx_save.HeaderTooLargeError, match=re.escape(
-            f"{path}: header size 1099511627776 exceeds the cap of 100000000 bytes")):
+    with pytest.raises(
+        nnx_save.HeaderTooLargeError,
+        match=re.escape(f"{path}: header size 1099511627776 exceeds the cap of 100000000 bytes"),
+    ):
         nnx_save.load_file(path)
     path = write_raw(tmp_path / "m.safetensors", {}, size=4096)
-    with pytest.raises(nnx_save.HeaderTooLargeError, match=re.escape(
-            f"{path}: header size 4096 at byte 0 runs past the end of the file (10 bytes)")):
+    with pytest.raises(
+        nnx_save.HeaderTooLargeError,
+        match=re.escape(f"{path}: header size 4096 at byte 0 runs past the end of the file (10 bytes)"),
+    ):
         nnx_save.load_file(path)
 
 
 def test_truncated_file(tmp_path):
     path = save(tmp_path / "m.safetensors", w=np.arange(16, dtype=np.float32))
     path.write_bytes(path.read_bytes()[:-3])
-    with pytest.raises(nnx_save.FileSizeError, match=re.escape(
-            f"{path}: tensor data ends at byte 64 of the data section, but the file holds 61 bytes of data")):
+    with pytest.raises(
+        nnx_save.FileSizeError,
+        match=re.escape(
+            f"{path}: tensor data ends at byte 64 of the data section, but the file holds 61 bytes of data"
+        ),
+    ):
         nnx_save.load_file(path)
 
 
@@ -222,13 +253,17 @@ def test_not_utf8_on_disk(tmp_path):
         nnx_save.read_header(path)
 
 
-@pytest.mark.parametrize("shape, offsets, cls", [
-    ([10**6, 10**6], [0, 8], nnx_save.ByteLengthError),
-    ([10**6, 10**6], [0, 4 * 10**12], nnx_save.FileSizeError),
-])
+@pytest.mark.parametrize(
+    "shape, offsets, cls",
+    [
+        ([10**6, 10**6], [0, 8], nnx_save.ByteLengthError),
+        ([10**6, 10**6], [0, 4 * 10**12], nnx_save.FileSizeError),
+    ],
+)
 def test_trillion_element_claims_allocate_nothing(tmp_path, shape, offsets, cls):
-    path = write_raw(tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": shape, "data_offsets": offsets}},
-                     bytes(8))
+    path = write_raw(
+        tmp_path / "m.safetensors", {"w": {"dtype": "F32", "shape": shape, "data_offsets": offsets}}, bytes(8)
+    )
     for fn in (nnx_save.read_header, nnx_save.load_file):
         tracemalloc.start()
         try:
@@ -243,9 +278,15 @@ def test_trillion_element_claims_allocate_nothing(tmp_path, shape, offsets, cls)
 def _reference_file(tmp_path):
     import ml_dtypes
 
-    return save(tmp_path / "real.safetensors", w=np.arange(6, dtype=np.float32).reshape(2, 3),
-                h=np.ones(3, np.float16), b=np.array([True, False]), e=np.zeros((0, 2), np.int64),
-                s=np.array(5, np.int8), f4=np.zeros(4, ml_dtypes.float4_e2m1fn))
+    return save(
+        tmp_path / "real.safetensors",
+        w=np.arange(6, dtype=np.float32).reshape(2, 3),
+        h=np.ones(3, np.float16),
+        b=np.array([True, False]),
+        e=np.zeros((0, 2), np.int64),
+        s=np.array(5, np.int8),
+        f4=np.zeros(4, ml_dtypes.float4_e2m1fn),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +308,7 @@ def test_mutated_real_files_load_or_raise_a_header_error(tmp_path_factory, real_
         elif op == "digit" and digits:  # hit the numbers: shapes and offsets
             blob[data.draw(st.sampled_from(digits))] = data.draw(st.sampled_from(b"0123456789-"))
         elif op == "truncate" and blob:
-            del blob[data.draw(st.integers(0, len(blob) - 1)):]
+            del blob[data.draw(st.integers(0, len(blob) - 1)) :]
         elif op == "append":
             blob += bytes(data.draw(st.integers(1, 16)))
         elif op == "prefix" and len(blob) >= 8:
@@ -275,10 +316,8 @@ def test_mutated_real_files_load_or_raise_a_header_error(tmp_path_factory, real_
     path = tmp_path_factory.getbasetemp() / "mutated.safetensors"
     path.write_bytes(bytes(blob))
     for fn in (nnx_save.read_header, nnx_save.load_file):
-        try:
+        with contextlib.suppress(nnx_save.HeaderError):
             fn(path)
-        except nnx_save.HeaderError:
-            pass
 
 
 # --- positioned reads -----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ def header_of(path):
     with open(path, "rb") as f:
         raw = f.read()
     (n,) = struct.unpack("<Q", raw[:8])
-    return n, raw[8:8 + n], raw[8 + n:]
+    return n, raw[8 : 8 + n], raw[8 + n :]
 
 
 def same_bits(a, b):
@@ -50,7 +50,8 @@ def test_keys_are_paths_joined_with_slash_and_list_indices_in_decimal(tmp_path):
     nnx_save.save_file(tree, tmp_path / "m.safetensors")
     out = nnx_save.load_file(tmp_path / "m.safetensors")
     assert sorted(out) == sorted(
-        ["embed", "layers/0/w", "layers/1/w", "pair/0", "pair/1"] + [f"deep/x/y/{i}/0" for i in range(11)])
+        ["embed", "layers/0/w", "layers/1/w", "pair/0", "pair/1"] + [f"deep/x/y/{i}/0" for i in range(11)]
+    )
     assert same_bits(out["embed"], tree["embed"])
     assert same_bits(out["layers/1/w"], tree["layers"][1]["w"])
     assert same_bits(out["pair/0"], np.array(3, np.int8))
@@ -58,13 +59,18 @@ def test_keys_are_paths_joined_with_slash_and_list_indices_in_decimal(tmp_path):
 
 
 def test_layout_is_dtype_rank_descending_then_name_and_header_is_space_padded(tmp_path):
-    tree = {"b": np.zeros(3, np.uint8), "a": np.zeros(1, np.float32), "c": np.zeros(2, np.float64),
-            "aa": np.zeros(1, np.float32), "z": np.zeros(1, np.bool_)}
+    tree = {
+        "b": np.zeros(3, np.uint8),
+        "a": np.zeros(1, np.float32),
+        "c": np.zeros(2, np.float64),
+        "aa": np.zeros(1, np.float32),
+        "z": np.zeros(1, np.bool_),
+    }
     nnx_save.save_file(tree, tmp_path / "m.safetensors")
     n, raw, data = header_of(tmp_path / "m.safetensors")
     assert n % 8 == 0
     stripped = raw.rstrip(b" ")
-    assert stripped.endswith(b"}") and set(raw[len(stripped):]) <= {0x20} and len(raw) - len(stripped) < 8
+    assert stripped.endswith(b"}") and set(raw[len(stripped) :]) <= {0x20} and len(raw) - len(stripped) < 8
     h = nnx_save.read_header(tmp_path / "m.safetensors")
     assert list(h.tensors) == ["c", "a", "aa", "b", "z"]
     assert [h[k].begin - h.files[0].data_start for k in h] == [0, 16, 20, 24, 27]
@@ -92,28 +98,37 @@ def test_overwrites_an_existing_file(tmp_path):
 
 def test_golden_bytes(tmp_path):
     path = tmp_path / "g.safetensors"
-    nnx_save.save_file({"b": np.array([True, False, True]), "a": np.array([[1.0, -2.0]], np.float32),
-                        "i": np.array(-2, np.int16)}, path)
+    nnx_save.save_file(
+        {"b": np.array([True, False, True]), "a": np.array([[1.0, -2.0]], np.float32), "i": np.array(-2, np.int16)},
+        path,
+    )
     # Header: dtype rank descending (F32, I16, BOOL), then name; the JSON padded with spaces
     # to a multiple of 8; data little-endian. Any __metadata__ the writer adds is checked by
     # value below, the rest of the file byte for byte.
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
-    header = raw[8:8 + n].decode()
-    tensors = ('"a":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]},'
-               '"i":{"dtype":"I16","shape":[],"data_offsets":[8,10]},'
-               '"b":{"dtype":"BOOL","shape":[3],"data_offsets":[10,13]}}')
+    header = raw[8 : 8 + n].decode()
+    tensors = (
+        '"a":{"dtype":"F32","shape":[1,2],"data_offsets":[0,8]},'
+        '"i":{"dtype":"I16","shape":[],"data_offsets":[8,10]},'
+        '"b":{"dtype":"BOOL","shape":[3],"data_offsets":[10,13]}}'
+    )
     assert header.rstrip(" ").endswith(tensors)
-    assert raw[8 + n:] == b"\x00\x00\x80\x3f\x00\x00\x00\xc0" b"\xfe\xff" b"\x01\x00\x01"
+    assert raw[8 + n :] == b"\x00\x00\x80\x3f\x00\x00\x00\xc0\xfe\xff\x01\x00\x01"
     head = header.rstrip(" ")
     if head.startswith('{"__metadata__":'):
-        meta = head[len('{"__metadata__":'):-len(tensors) - 1]
+        meta = head[len('{"__metadata__":') : -len(tensors) - 1]
         assert head == '{"__metadata__":' + meta + "," + tensors
         import json
+
         assert all(k.startswith("nnx_save.") for k in json.loads(meta))
     else:
-        assert raw == (b"\x98\x00\x00\x00\x00\x00\x00\x00{" + tensors.encode() + b"    "
-                       + b"\x00\x00\x80\x3f\x00\x00\x00\xc0\xfe\xff\x01\x00\x01")
+        assert raw == (
+            b"\x98\x00\x00\x00\x00\x00\x00\x00{"
+            + tensors.encode()
+            + b"    "
+            + b"\x00\x00\x80\x3f\x00\x00\x00\xc0\xfe\xff\x01\x00\x01"
+        )
 
 
 # --- values --------------------------------------------------------------------------------------
@@ -121,10 +136,17 @@ def test_golden_bytes(tmp_path):
 
 def test_jax_arrays_sharded_bf16_scalars_and_empty(tmp_path):
     mesh = jax.make_mesh((8,), ("d",))
-    sharded = jax.device_put(jnp.arange(64, dtype=jnp.float32).reshape(16, 4),
-                             jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")))
-    tree = {"sharded": sharded, "bf16": jnp.linspace(-3, 3, 7, dtype=jnp.bfloat16), "scalar": jnp.float32(2.5),
-            "empty": jnp.zeros((0, 5), jnp.int32), "key": jax.random.key_data(jax.random.key(0))}
+    sharded = jax.device_put(
+        jnp.arange(64, dtype=jnp.float32).reshape(16, 4),
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d")),
+    )
+    tree = {
+        "sharded": sharded,
+        "bf16": jnp.linspace(-3, 3, 7, dtype=jnp.bfloat16),
+        "scalar": jnp.float32(2.5),
+        "empty": jnp.zeros((0, 5), jnp.int32),
+        "key": jax.random.key_data(jax.random.key(0)),
+    }
     nnx_save.save_file(tree, tmp_path / "j.safetensors")
     out = nnx_save.load_file(tmp_path / "j.safetensors")
     for k, v in tree.items():
@@ -138,7 +160,9 @@ def test_big_endian_and_non_contiguous_inputs_are_stored_little_endian_c_order(t
     strided = np.arange(20, dtype=np.int16)[::3]
     nnx_save.save_file({"be": be, "f": fortran, "s": strided}, tmp_path / "m.safetensors")
     _, _, data = header_of(tmp_path / "m.safetensors")
-    assert data == fortran.astype("<f8").tobytes(order="C") + be.astype("<i4").tobytes() + strided.astype("<i2").tobytes()
+    assert (
+        data == fortran.astype("<f8").tobytes(order="C") + be.astype("<i4").tobytes() + strided.astype("<i2").tobytes()
+    )
     out = nnx_save.load_file(tmp_path / "m.safetensors")
     assert out["be"].tolist() == be.tolist() and out["f"].tolist() == fortran.tolist()
 
@@ -195,30 +219,85 @@ def test_round_trip_every_dtype_bit_for_bit(tmp_path_factory, spec, seed):
 ARRAYS_ONLY = "; save_file stores arrays only (use save_model for NNX scalars and rng keys)"
 
 
-@pytest.mark.parametrize("tree, cls, message", [
-    ({"a": {"name": "hello"}}, nnx_save.UnsupportedValueError, "a/name: expected an array, found a str ('hello')" + ARRAYS_ONLY),
-    ({"a": [np.zeros(1), None]}, nnx_save.UnsupportedValueError, "a/1: expected an array, found a NoneType (None)" + ARRAYS_ONLY),
-    ({"lr": 1.5}, nnx_save.UnsupportedValueError, "lr: expected an array, found a float (1.5)" + ARRAYS_ONLY),
-    ({"o": np.array([1, "x"], dtype=object)}, nnx_save.UnsupportedValueError,
-     "o: a numpy array of dtype object has no safetensors dtype"),
-    ({"s": np.array(["ab", "c"])}, nnx_save.UnsupportedValueError, "s: a numpy array of dtype <U2 has no safetensors dtype"),
-    ({"q/k": np.zeros(1)}, nnx_save.KeyPathError,
-     "'q/k': name contains /; file keys join names with '/' so this one could not be read back to the same place."),
-    ({"a": {"": np.zeros(1)}}, nnx_save.KeyPathError, "a/'': empty name;"),
-    ({0: np.zeros(1), "0": np.ones(1)}, nnx_save.KeyPathError,
-     "0: int key 0 and str key '0' of the dict at <root> both make the file key '0'; rename one of them"),
-    ({"l": {1: np.zeros(1), "w": np.ones(1)}}, nnx_save.KeyPathError,
-     "l: a dict with keys of mixed types ['w', 1]; jax cannot flatten it. Use keys of one type"),
-    ({"c": np.zeros(2, np.complex128)}, nnx_save.UnknownDtypeError, "tensor 'c': dtype complex128 has no safetensors code"),
-    ({"k": jax.random.key(0)}, nnx_save.UnsupportedValueError,
-     "k: a typed PRNG key array; store jax.random.key_data(key) or use save_model"),
-    ({"__metadata__": np.zeros(1)}, nnx_save.KeyPathError,
-     "'__metadata__': the safetensors format reserves this key for metadata; rename the tensor"),
-    ({"f4": np.zeros(3, ml_dtypes.float4_e2m1fn)}, nnx_save.UnsupportedValueError,
-     "f4: 3 F4 elements are 12 bits, not a whole number of bytes; safetensors readers refuse such a tensor."),
-    ({"x": {"\ud800": np.zeros(1)}}, nnx_save.KeyPathError, "is not valid Unicode (a lone surrogate)"),
-], ids=["str", "none", "float", "object", "unicode", "slash", "empty", "int-str-0", "mixed", "c128", "prng",
-        "metadata-key", "odd-f4", "surrogate"])
+@pytest.mark.parametrize(
+    "tree, cls, message",
+    [
+        (
+            {"a": {"name": "hello"}},
+            nnx_save.UnsupportedValueError,
+            "a/name: expected an array, found a str ('hello')" + ARRAYS_ONLY,
+        ),
+        (
+            {"a": [np.zeros(1), None]},
+            nnx_save.UnsupportedValueError,
+            "a/1: expected an array, found a NoneType (None)" + ARRAYS_ONLY,
+        ),
+        ({"lr": 1.5}, nnx_save.UnsupportedValueError, "lr: expected an array, found a float (1.5)" + ARRAYS_ONLY),
+        (
+            {"o": np.array([1, "x"], dtype=object)},
+            nnx_save.UnsupportedValueError,
+            "o: a numpy array of dtype object has no safetensors dtype",
+        ),
+        (
+            {"s": np.array(["ab", "c"])},
+            nnx_save.UnsupportedValueError,
+            "s: a numpy array of dtype <U2 has no safetensors dtype",
+        ),
+        (
+            {"q/k": np.zeros(1)},
+            nnx_save.KeyPathError,
+            "'q/k': name contains /; file keys join names with '/' so this one could not be read back to the same place.",
+        ),
+        ({"a": {"": np.zeros(1)}}, nnx_save.KeyPathError, "a/'': empty name;"),
+        (
+            {0: np.zeros(1), "0": np.ones(1)},
+            nnx_save.KeyPathError,
+            "0: int key 0 and str key '0' of the dict at <root> both make the file key '0'; rename one of them",
+        ),
+        (
+            {"l": {1: np.zeros(1), "w": np.ones(1)}},
+            nnx_save.KeyPathError,
+            "l: a dict with keys of mixed types ['w', 1]; jax cannot flatten it. Use keys of one type",
+        ),
+        (
+            {"c": np.zeros(2, np.complex128)},
+            nnx_save.UnknownDtypeError,
+            "tensor 'c': dtype complex128 has no safetensors code",
+        ),
+        (
+            {"k": jax.random.key(0)},
+            nnx_save.UnsupportedValueError,
+            "k: a typed PRNG key array; store jax.random.key_data(key) or use save_model",
+        ),
+        (
+            {"__metadata__": np.zeros(1)},
+            nnx_save.KeyPathError,
+            "'__metadata__': the safetensors format reserves this key for metadata; rename the tensor",
+        ),
+        (
+            {"f4": np.zeros(3, ml_dtypes.float4_e2m1fn)},
+            nnx_save.UnsupportedValueError,
+            "f4: 3 F4 elements are 12 bits, not a whole number of bytes; safetensors readers refuse such a tensor.",
+        ),
+        ({"x": {"\ud800": np.zeros(1)}}, nnx_save.KeyPathError, "is not valid Unicode (a lone surrogate)"),
+    ],
+    ids=[
+        "str",
+        "none",
+        "float",
+        "object",
+        "unicode",
+        "slash",
+        "empty",
+        "int-str-0",
+        "mixed",
+        "c128",
+        "prng",
+        "metadata-key",
+        "odd-f4",
+        "surrogate",
+    ],
+)
 def test_refusals_name_the_path_and_write_nothing(tmp_path, tree, cls, message):
     with pytest.raises(cls, match=re.escape(message)):
         nnx_save.save_file(tree, tmp_path / "m.safetensors")
@@ -231,11 +310,16 @@ def test_refused_leaf_error_carries_the_path(tmp_path):
     assert info.value.path == "a/1"
 
 
-@pytest.mark.parametrize("metadata, detail", [
-    ({"ok": "x", "k": 1}, ": 'k': 1 is str: int"), ({1: "v"}, ": 1: 'v' is int: str"),
-    ({"k": None}, ": 'k': None is str: NoneType"), ([("k", "v")], ", found a list"),
-    ({"k": "\udcff"}, ": 'k': '\\udcff' is not valid Unicode (a lone surrogate)"),
-])
+@pytest.mark.parametrize(
+    "metadata, detail",
+    [
+        ({"ok": "x", "k": 1}, ": 'k': 1 is str: int"),
+        ({1: "v"}, ": 1: 'v' is int: str"),
+        ({"k": None}, ": 'k': None is str: NoneType"),
+        ([("k", "v")], ", found a list"),
+        ({"k": "\udcff"}, ": 'k': '\\udcff' is not valid Unicode (a lone surrogate)"),
+    ],
+)
 def test_metadata_must_be_str_to_str(tmp_path, metadata, detail):
     with pytest.raises(nnx_save.UnsupportedValueError, match=re.escape("metadata must map str to str" + detail)):
         nnx_save.save_file({"w": np.zeros(1)}, tmp_path / "m.safetensors", metadata=metadata)
@@ -244,8 +328,10 @@ def test_metadata_must_be_str_to_str(tmp_path, metadata, detail):
 
 def test_missing_directory_is_a_save_error(tmp_path):
     path = tmp_path / "nope" / "m.safetensors"
-    with pytest.raises(nnx_save.SaveError, match=re.escape(
-            f"{path}: cannot create a temporary file in {path.parent}: No such file or directory")):
+    with pytest.raises(
+        nnx_save.SaveError,
+        match=re.escape(f"{path}: cannot create a temporary file in {path.parent}: No such file or directory"),
+    ):
         nnx_save.save_file({"w": np.zeros(1)}, path)
 
 
@@ -264,8 +350,12 @@ def test_input_is_not_mutated(tmp_path):
     flags = [(x.flags.writeable, x.flags.c_contiguous, x.flags.f_contiguous, x.dtype.byteorder) for x in (a, f, ro)]
     nnx_save.save_file(tree, tmp_path / "m.safetensors", metadata={"k": "v"})
     assert tree.keys() == {"inner", "ro", "j"} and tree["inner"] is inner and inner[0] is a and inner[1]["f"] is f
-    assert same_bits(a, snapshot["inner"][0]) and same_bits(f, snapshot["inner"][1]["f"]) and same_bits(ro, snapshot["ro"])
-    assert flags == [(x.flags.writeable, x.flags.c_contiguous, x.flags.f_contiguous, x.dtype.byteorder) for x in (a, f, ro)]
+    assert (
+        same_bits(a, snapshot["inner"][0]) and same_bits(f, snapshot["inner"][1]["f"]) and same_bits(ro, snapshot["ro"])
+    )
+    assert flags == [
+        (x.flags.writeable, x.flags.c_contiguous, x.flags.f_contiguous, x.dtype.byteorder) for x in (a, f, ro)
+    ]
     assert not j.is_deleted() and j.tolist() == jnp.arange(5, dtype=jnp.bfloat16).tolist()
 
 
@@ -303,8 +393,10 @@ def test_disk_full_is_a_save_error_and_keeps_the_previous_file(tmp_path, monkeyp
         return real(fd, data, *args)
 
     monkeypatch.setattr(_write, "_write_all", full)
-    with pytest.raises(nnx_save.SaveError, match=re.escape(
-            f"{path}: save failed (no space left on the device); the previous file, if any, is intact")) as info:
+    with pytest.raises(
+        nnx_save.SaveError,
+        match=re.escape(f"{path}: save failed (no space left on the device); the previous file, if any, is intact"),
+    ) as info:
         nnx_save.save_file({"a": np.zeros(8, np.float32), "b": np.zeros(8, np.float32)}, path)
     assert info.value.path == str(path) and isinstance(info.value, OSError)
     assert path.read_bytes() == before and leftovers(tmp_path) == []
@@ -313,8 +405,10 @@ def test_disk_full_is_a_save_error_and_keeps_the_previous_file(tmp_path, monkeyp
 def test_a_value_that_disagrees_with_its_header_is_refused(tmp_path):
     path = tmp_path / "m.safetensors"
     entry = _write.Entry("w", "F32", (4,), lambda: np.zeros(3, np.float32))
-    with pytest.raises(nnx_save.SaveError, match=re.escape(
-            f"{path}: tensor 'w' gave 12 bytes, its header entry F32 [4] says 16; nothing was saved")):
+    with pytest.raises(
+        nnx_save.SaveError,
+        match=re.escape(f"{path}: tensor 'w' gave 12 bytes, its header entry F32 [4] says 16; nothing was saved"),
+    ):
         _write.write_file(path, [entry])
     assert os.listdir(tmp_path) == []
 
@@ -384,8 +478,10 @@ def test_checksums_of_small_and_large_tensors_are_right(tmp_path):
     import json
 
     recorded = json.loads(h.metadata["nnx_save.checksums"])
-    assert recorded == {"big": xxhash.xxh3_64_hexdigest(big.tobytes()),
-                        "small": xxhash.xxh3_64_hexdigest(small.tobytes())}
+    assert recorded == {
+        "big": xxhash.xxh3_64_hexdigest(big.tobytes()),
+        "small": xxhash.xxh3_64_hexdigest(small.tobytes()),
+    }
     nnx_save.load_file(path, verify=True)
     raw = bytearray(path.read_bytes())
     raw[h["small"].begin] ^= 1

@@ -27,7 +27,7 @@ from nnx_save.porting import Rules, hf_conv1d, ignore, rename, split, torch_laye
 
 from ._common import attention, heads, merge_heads
 
-__all__ = ["GPT2Config", "GPT2", "RULES"]
+__all__ = ["GPT2", "RULES", "GPT2Config"]
 
 
 @dataclass(frozen=True)

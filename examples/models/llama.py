@@ -26,7 +26,7 @@ from nnx_save.porting import Rules, torch_embedding, torch_linear, torch_rms_nor
 
 from ._common import attention, heads, merge_heads
 
-__all__ = ["LlamaConfig", "Llama", "RULES"]
+__all__ = ["RULES", "Llama", "LlamaConfig"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,15 @@ class LlamaConfig:
             raise ValueError(f"unsupported Llama variant: {rope=}, {hf.tie_word_embeddings=}, {hf.attention_bias=}")
         if head_dim * hf.num_attention_heads != hf.hidden_size or hf.hidden_act != "silu":
             raise ValueError(f"unsupported Llama variant: {head_dim=}, {hf.hidden_act=}")
-        names = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "rms_norm_eps")
+        names = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rms_norm_eps",
+        )
         return cls(**{n: getattr(hf, n) for n in names}, rope_theta=float(rope["rope_theta"]))
 
 

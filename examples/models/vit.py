@@ -27,7 +27,7 @@ from nnx_save.porting import Rules, rename, reshape, torch_conv, torch_layer_nor
 
 from ._common import attention, heads, merge_heads
 
-__all__ = ["ViTConfig", "ViT", "RULES"]
+__all__ = ["RULES", "ViT", "ViTConfig"]
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,17 @@ class ViTConfig:
         """Read a ``transformers.ViTConfig`` (by attribute)."""
         if hf.hidden_act != "gelu" or not hf.qkv_bias:
             raise ValueError(f"unsupported ViT variant: {hf.hidden_act=}, {hf.qkv_bias=}")
-        names = ("image_size", "patch_size", "num_channels", "hidden_size", "num_hidden_layers",
-                 "num_attention_heads", "intermediate_size", "num_labels", "layer_norm_eps")
+        names = (
+            "image_size",
+            "patch_size",
+            "num_channels",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "num_labels",
+            "layer_norm_eps",
+        )
         return cls(**{n: getattr(hf, n) for n in names})
 
 

@@ -12,7 +12,7 @@ from ._errors import HeaderError as HeaderError
 from ._errors import HeaderJSONError as HeaderJSONError
 from ._errors import HeaderTooLargeError as HeaderTooLargeError
 from ._errors import HeaderTooSmallError as HeaderTooSmallError
-from ._errors import IndexError_ as IndexFileError
+from ._errors import IndexError_ as IndexFileError  # noqa: F401 (renamed in issue 15)
 from ._errors import KeyMismatchError as KeyMismatchError
 from ._errors import KeyPathError as KeyPathError
 from ._errors import LoadError as LoadError

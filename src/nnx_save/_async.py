@@ -59,7 +59,7 @@ from ._collective import HostValue
 from ._errors import NnxSaveError, SaveError
 from ._write import Entry
 
-__all__ = ["SaveHandle", "save", "snapshot", "wait_for_saves", "max_in_flight", "MAX_IN_FLIGHT_ENV"]
+__all__ = ["MAX_IN_FLIGHT_ENV", "SaveHandle", "max_in_flight", "save", "snapshot", "wait_for_saves"]
 
 MAX_IN_FLIGHT_ENV = "NNX_SAVE_MAX_ASYNC_SAVES"
 _DEFAULT_MAX_IN_FLIGHT = 2
@@ -133,8 +133,13 @@ def max_in_flight() -> int:
     return n
 
 
-def save(path: str | os.PathLike, entries: Sequence[Entry],
-         write: Callable[[str | os.PathLike, Sequence[Entry]], None], *, blocking: bool) -> SaveHandle | None:
+def save(
+    path: str | os.PathLike,
+    entries: Sequence[Entry],
+    write: Callable[[str | os.PathLike, Sequence[Entry]], None],
+    *,
+    blocking: bool,
+) -> SaveHandle | None:
     """Run ``write(path, entries)`` now (``blocking``), or on a snapshot in the background.
 
     A blocking save first waits for every asynchronous one (files at one path land
@@ -178,8 +183,9 @@ def wait_for_saves(timeout: float | None = None) -> None:
         ['0.safetensors', '1.safetensors', '2.safetensors']
     """
     if not _wait_all(timeout):
-        raise TimeoutError(f"asynchronous saves still running after {timeout:g} s: "
-                           f"{[str(h.path) for h in _unfinished()]}")
+        raise TimeoutError(
+            f"asynchronous saves still running after {timeout:g} s: {[str(h.path) for h in _unfinished()]}"
+        )
     with _lock:
         failed = list(_uncollected)
         _uncollected.clear()
@@ -189,8 +195,9 @@ def wait_for_saves(timeout: float | None = None) -> None:
         error = failed[0]._error
         if len(failed) > 1:
             others = "; ".join(f"{h.path}: {h._error}" for h in failed[1:])
-            raise SaveError(f"{error} (and {len(failed) - 1} more failed asynchronous saves: {others})",
-                            str(failed[0].path)) from error
+            raise SaveError(
+                f"{error} (and {len(failed) - 1} more failed asynchronous saves: {others})", str(failed[0].path)
+            ) from error
         raise error  # type: ignore[misc]
 
 
@@ -250,7 +257,7 @@ def snapshot(entries: Sequence[Entry]) -> list[Entry]:
         if s.device.platform != "cpu":  # issue every device -> host copy before waiting for any
             s.data.copy_to_host_async()
     out = []
-    for e, source, group in zip(entries, sources, shards):
+    for e, source, group in zip(entries, sources, shards, strict=False):
         if group is not None:
             value = HostSnapshot(source, group)
         elif source is not None:
@@ -288,8 +295,12 @@ def _work() -> None:
             with _lock:
                 _uncollected.append(handle)
         del write, snap  # the snapshot: freed as soon as it is written
-        log.debug("asynchronous save of %s %s in %.3f s", handle.path,
-                  "failed" if handle._error else "finished", time.perf_counter() - t0)
+        log.debug(
+            "asynchronous save of %s %s in %.3f s",
+            handle.path,
+            "failed" if handle._error else "finished",
+            time.perf_counter() - t0,
+        )
         handle._finished.set()
 
 
@@ -307,8 +318,10 @@ def _drop_locals(error: BaseException) -> None:
 def _with_path(e: BaseException, path: Path) -> BaseException:
     if isinstance(e, NnxSaveError) and str(path) in str(e):
         return e
-    error = SaveError(f"{path}: the asynchronous save failed ({type(e).__name__}: {e}); "
-                      "the previous file, if any, is intact", str(path))
+    error = SaveError(
+        f"{path}: the asynchronous save failed ({type(e).__name__}: {e}); the previous file, if any, is intact",
+        str(path),
+    )
     error.__cause__ = e
     return error
 
@@ -335,21 +348,25 @@ def _make_room(limit: int) -> None:
 
 def _wait_all(timeout: float | None) -> bool:
     deadline = None if timeout is None else time.monotonic() + timeout
-    for h in _unfinished():
-        if not h.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
-            return False
-    return True
+    return all(h.wait(None if deadline is None else max(0.0, deadline - time.monotonic())) for h in _unfinished())
 
 
 def _at_exit() -> None:
     running = _unfinished()
     if running:
-        log.info("waiting for %d unfinished asynchronous save(s) before exit: %s",
-                 len(running), ", ".join(str(h.path) for h in running))
+        log.info(
+            "waiting for %d unfinished asynchronous save(s) before exit: %s",
+            len(running),
+            ", ".join(str(h.path) for h in running),
+        )
         _wait_all(None)
     with _lock:
         failed = list(_uncollected)
         _uncollected.clear()
     for h in failed:
-        log.error("nnx_save: the asynchronous save to %s failed and nobody collected its error "
-                  "(call result() or nnx_save.wait_for_saves()): %s", h.path, h._error)
+        log.error(
+            "nnx_save: the asynchronous save to %s failed and nobody collected its error "
+            "(call result() or nnx_save.wait_for_saves()): %s",
+            h.path,
+            h._error,
+        )

@@ -25,7 +25,17 @@ import xxhash
 
 from ._errors import ChecksumError
 
-__all__ = ["KEY", "ALGORITHM_KEY", "ALGORITHM", "Digests", "digest", "read_digests", "check", "check_all", "full_buffers"]
+__all__ = [
+    "ALGORITHM",
+    "ALGORITHM_KEY",
+    "KEY",
+    "Digests",
+    "check",
+    "check_all",
+    "digest",
+    "full_buffers",
+    "read_digests",
+]
 
 KEY = "nnx_save.checksums"
 ALGORITHM_KEY = "nnx_save.checksum_algorithm"
@@ -46,7 +56,7 @@ class Digests:
     """The writer's side: placeholders first, real digests as tensors are written."""
 
     def __init__(self, keys: Sequence[str]) -> None:
-        self.values = {k: _PLACEHOLDER for k in keys}
+        self.values = dict.fromkeys(keys, _PLACEHOLDER)
 
     def update(self, key: str, data: memoryview) -> None:
         self.values[key] = xxhash.xxh3_64_hexdigest(data)
@@ -72,8 +82,11 @@ def read_digests(metadata: Mapping[str, str], file: str) -> dict[str, str]:
         return {}
     algorithm = metadata.get(ALGORITHM_KEY, ALGORITHM)
     if algorithm != ALGORITHM:
-        raise ChecksumError(f"{file}: checksums use algorithm {algorithm!r}; this version of nnx_save knows "
-                            f"only {ALGORITHM!r}. Load with verify=False", file=file)
+        raise ChecksumError(
+            f"{file}: checksums use algorithm {algorithm!r}; this version of nnx_save knows "
+            f"only {ALGORITHM!r}. Load with verify=False",
+            file=file,
+        )
     try:
         value = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -89,7 +102,12 @@ def check(key: str, file: str, expected: str, buffers: Iterable[memoryview | byt
     if found != expected:
         raise ChecksumError(
             f"{file}: tensor {key!r}: checksum mismatch (xxh3_64 recorded {expected}, bytes read hash to {found}); "
-            "the file was modified or corrupted after it was written", key, file, expected, found)
+            "the file was modified or corrupted after it was written",
+            key,
+            file,
+            expected,
+            found,
+        )
 
 
 def check_all(jobs: Sequence[tuple[str, str, str, Sequence[memoryview]]], num_threads: int) -> None:

@@ -31,8 +31,22 @@ __all__ = ["main"]
 
 _CHECKSUMS = "nnx_save.checksums"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-          "T": 10**12, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 10**3,
+    "KB": 10**3,
+    "M": 10**6,
+    "MB": 10**6,
+    "G": 10**9,
+    "GB": 10**9,
+    "T": 10**12,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
 
 
 class CLIError(Exception):
@@ -81,8 +95,18 @@ def _rows(header: Any, pattern: str | None) -> list[dict[str, Any]]:
     for name, t in header.tensors.items():
         if pattern and not fnmatch.fnmatchcase(name, pattern):
             continue
-        rows.append({"name": name, "dtype": t.dtype.code, "shape": list(t.shape), "numel": t.numel,
-                     "nbytes": t.nbytes, "file": _display_file(header, t.file), "begin": t.begin, "end": t.end})
+        rows.append(
+            {
+                "name": name,
+                "dtype": t.dtype.code,
+                "shape": list(t.shape),
+                "numel": t.numel,
+                "nbytes": t.nbytes,
+                "file": _display_file(header, t.file),
+                "begin": t.begin,
+                "end": t.end,
+            }
+        )
     return rows
 
 
@@ -111,10 +135,18 @@ def _shown_metadata(metadata: dict[str, str]) -> dict[str, str]:
 def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
     cells = [["name", "dtype", "shape", "size", "file", "bytes"]]
     for r in rows:
-        cells.append([r["name"], r["dtype"], "[" + ", ".join(map(str, r["shape"])) + "]", _human(r["nbytes"]),
-                      r["file"], f"[{r['begin']}, {r['end']})"])
+        cells.append(
+            [
+                r["name"],
+                r["dtype"],
+                "[" + ", ".join(map(str, r["shape"])) + "]",
+                _human(r["nbytes"]),
+                r["file"],
+                f"[{r['begin']}, {r['end']})",
+            ]
+        )
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
-    return ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in cells]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -126,12 +158,25 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     params, nbytes = sum(r["numel"] for r in rows), sum(r["nbytes"] for r in rows)
     metadata = dict(header.files[0].metadata) if header.kind != "file" and header.files else dict(header.metadata)
     if args.json:
-        json.dump({"source": str(args.source), "kind": header.kind, "files": [fh.file for fh in header.files],
-                   "tensors": rows, "totals": totals, "parameters": params, "bytes": nbytes,
-                   "metadata": metadata}, sys.stdout, indent=2)
+        json.dump(
+            {
+                "source": str(args.source),
+                "kind": header.kind,
+                "files": [fh.file for fh in header.files],
+                "tensors": rows,
+                "totals": totals,
+                "parameters": params,
+                "bytes": nbytes,
+                "metadata": metadata,
+            },
+            sys.stdout,
+            indent=2,
+        )
         sys.stdout.write("\n")
         return 0
-    shown = f"{len(rows)} of {len(header.tensors)} tensors match {args.filter!r}" if args.filter else f"{len(rows)} tensors"
+    shown = (
+        f"{len(rows)} of {len(header.tensors)} tensors match {args.filter!r}" if args.filter else f"{len(rows)} tensors"
+    )
     print(f"{args.source}: {header.kind}, {len(header.files)} file(s), {shown}")
     if rows:
         print("\n".join(_table(rows)))
@@ -183,15 +228,19 @@ def cmd_verify(args: argparse.Namespace) -> int:
         verified, unverified = _verify_file(header, fh, problems)
         total_verified, total_unverified = total_verified + verified, total_unverified + unverified
         status = "OK  " if len(problems) == before else "FAIL"
-        print(f"{status} {fh.file}: header valid, {len(fh.tensors)} tensors, {verified} checksums verified"
-              + (f", {unverified} without a checksum" if unverified else ""))
+        print(
+            f"{status} {fh.file}: header valid, {len(fh.tensors)} tensors, {verified} checksums verified"
+            + (f", {unverified} without a checksum" if unverified else "")
+        )
         for p in problems[before:]:
             print(f"FAIL {p}")
     if args.require_checksums and total_unverified:
         problems.append(f"{total_unverified} tensors have no checksum (--require-checksums)")
         print(f"FAIL {problems[-1]}")
-    print(f"verify: {args.source}: {len(header.files)} file(s), {len(header.tensors)} tensors, "
-          f"{total_verified} verified, {total_unverified} without a checksum, {len(problems)} problem(s)")
+    print(
+        f"verify: {args.source}: {len(header.files)} file(s), {len(header.tensors)} tensors, "
+        f"{total_verified} verified, {total_unverified} without a checksum, {len(problems)} problem(s)"
+    )
     return 1 if problems else 0
 
 
@@ -205,8 +254,8 @@ def max_abs_diff(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 22) -> float:
     fa, fb = a.reshape(-1), b.reshape(-1)
     worst = 0.0
     for i in range(0, fa.size, chunk):
-        x = fa[i:i + chunk].astype(np.float64)
-        y = fb[i:i + chunk].astype(np.float64)
+        x = fa[i : i + chunk].astype(np.float64)
+        y = fb[i : i + chunk].astype(np.float64)
         same = (x == y) | (np.isnan(x) & np.isnan(y))
         with np.errstate(invalid="ignore"):
             d = np.where(same, 0.0, np.abs(x - y))
@@ -249,8 +298,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
         if kind != "same":
             print(f"{kind}: {text}")
     differences = sum(n for k, n in counts.items() if k != "same")
-    print(f"diff: {len(ha.tensors)} tensors in A, {len(hb.tensors)} in B, {counts.get('same', 0)} equal"
-          + (f" (atol {args.atol:g})" if args.atol else "") + f", {differences} difference(s)")
+    print(
+        f"diff: {len(ha.tensors)} tensors in A, {len(hb.tensors)} in B, {counts.get('same', 0)} equal"
+        + (f" (atol {args.atol:g})" if args.atol else "")
+        + f", {differences} difference(s)"
+    )
     return 1 if differences else 0
 
 
@@ -273,8 +325,10 @@ def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
             for k, v in node.items():
                 walk(v, f"{prefix}.{k}" if prefix else str(k))
         else:
-            raise CLIError(f"{path}: {prefix or '<root>'} is a {type(node).__name__}, not a tensor; "
-                           "convert takes a state dict of tensors (nested dicts are joined with '.')")
+            raise CLIError(
+                f"{path}: {prefix or '<root>'} is a {type(node).__name__}, not a tensor; "
+                "convert takes a state dict of tensors (nested dicts are joined with '.')"
+            )
 
     walk(state, "")
     return out
@@ -321,13 +375,16 @@ def _kind(source: Path) -> str:
         return "torch"
     if source.suffix == ".safetensors":
         return "safetensors"
-    raise CLIError(f"{source}: cannot tell the format from the name; expected a .safetensors file or directory, "
-                   "a PyTorch .bin/.pt/.pth file, or an Orbax checkpoint directory")
+    raise CLIError(
+        f"{source}: cannot tell the format from the name; expected a .safetensors file or directory, "
+        "a PyTorch .bin/.pt/.pth file, or an Orbax checkpoint directory"
+    )
 
 
 def _entries(source: Path) -> tuple[list[Any], dict[str, str]]:
     """Writer entries for ``source``; safetensors sources are read one tensor at a time."""
     import nnx_save
+
     from . import _dtypes
     from ._write import Entry
 
@@ -336,8 +393,10 @@ def _entries(source: Path) -> tuple[list[Any], dict[str, str]]:
         header = nnx_save.read_header(source)
         meta = dict(header.files[0].metadata) if header.files else {}
         # verify=True: a corrupted source stops the conversion instead of getting fresh checksums
-        return [Entry(k, t.dtype.code, t.shape, lambda k=k: _one(header, k, verify=True)[0])
-                for k, t in header.tensors.items()], meta
+        return [
+            Entry(k, t.dtype.code, t.shape, lambda k=k: _one(header, k, verify=True)[0])
+            for k, t in header.tensors.items()
+        ], meta
     arrays = _torch_tensors(source) if kind == "torch" else _orbax_tensors(source)
     entries = []
     for key, a in arrays.items():
@@ -355,15 +414,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     entries, meta = _entries(source)
     if args.max_shard_size is not None:
         if out.suffix == ".safetensors":
-            raise CLIError(f"{out}: --max-shard-size writes a directory (model-0000i-of-0000n.safetensors and "
-                           "model.safetensors.index.json); give a directory path")
+            raise CLIError(
+                f"{out}: --max-shard-size writes a directory (model-0000i-of-0000n.safetensors and "
+                "model.safetensors.index.json); give a directory path"
+            )
         index = write_sharded(out, entries, meta, args.max_shard_size)
         files = len(set(json.loads(index.read_text())["weight_map"].values()))
         print(f"convert: {source} -> {out}: {len(entries)} tensors in {files} file(s) + {index.name}")
     else:
         if out.is_dir():
-            raise CLIError(f"{out}: is a directory; give a .safetensors file path, or --max-shard-size to write "
-                           "a multi-file checkpoint into a directory")
+            raise CLIError(
+                f"{out}: is a directory; give a .safetensors file path, or --max-shard-size to write "
+                "a multi-file checkpoint into a directory"
+            )
         write_file(out, entries, meta)
         print(f"convert: {source} -> {out}: {len(entries)} tensors")
     return 0
@@ -373,8 +436,11 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nnx-save", description="Inspect, verify, compare and convert "
-                                "safetensors checkpoints (one file, or a HuggingFace multi-file directory).")
+    p = argparse.ArgumentParser(
+        prog="nnx-save",
+        description="Inspect, verify, compare and convert "
+        "safetensors checkpoints (one file, or a HuggingFace multi-file directory).",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log the nnx_save logger's debug messages to stderr")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("inspect", help="list tensors, totals by dtype, parameter count and metadata")
@@ -394,8 +460,12 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("convert", help="PyTorch .bin/.pt, Orbax or safetensors -> safetensors (one file or sharded)")
     s.add_argument("input")
     s.add_argument("output")
-    s.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
-                   help="write a HuggingFace multi-file checkpoint into directory OUTPUT (e.g. 5GB, 500MiB)")
+    s.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="write a HuggingFace multi-file checkpoint into directory OUTPUT (e.g. 5GB, 500MiB)",
+    )
     s.set_defaults(run=cmd_convert)
     return p
 

@@ -58,7 +58,7 @@ from ._plan import box_runs
 from ._sources import pread_exact
 from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
 
-__all__ = ["HostValue", "save", "write_collective", "TIMEOUT_ENV"]
+__all__ = ["TIMEOUT_ENV", "HostValue", "save", "write_collective"]
 
 TIMEOUT_ENV = "NNX_SAVE_COLLECTIVE_TIMEOUT_S"
 _DEFAULT_TIMEOUT_S = 1800.0
@@ -84,7 +84,8 @@ class HostValue:
                 f"an array of shape {tuple(self.array.shape)} with sharding {self.array.sharding} spans "
                 f"{len({d.process_index for d in self.array.sharding.device_set})} processes; this process holds "
                 "only its shards, and writing them alone would save a partial tensor. Save it with save_file / "
-                "save_model called on every process (one file), or gather it first")
+                "save_model called on every process (one file), or gather it first"
+            )
         return np.asarray(self.array)
 
 
@@ -116,8 +117,11 @@ class _Sync:
 
         self.client = distributed.global_state.client
         if self.client is None:
-            raise SaveError(f"{path}: {jax.process_count()} processes but no jax.distributed client; "
-                            "call jax.distributed.initialize() first", str(path))
+            raise SaveError(
+                f"{path}: {jax.process_count()} processes but no jax.distributed client; "
+                "call jax.distributed.initialize() first",
+                str(path),
+            )
         self.pid, self.n, self.path = jax.process_index(), jax.process_count(), path
         self.save_id = next(_SAVES)
         self.prefix = f"nnx_save/save/{self.save_id}"
@@ -143,12 +147,16 @@ class _Sync:
             raise SaveError(
                 f"{self.path}: lost the JAX coordination service during the {stage!r} step of the multi-process "
                 f"save ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the previous file at the "
-                "path, if any, is intact", str(self.path)) from e
+                "path, if any, is intact",
+                str(self.path),
+            ) from e
         late = sorted(want - set(got))
         raise SaveError(
             f"{self.path}: process(es) {late} did not reach the {stage!r} step of the multi-process save "
             f"within {_timeout():g} s ({TIMEOUT_ENV}); did one of them die or save something else? "
-            "The previous file at the path, if any, is intact", str(self.path))
+            "The previous file at the path, if any, is intact",
+            str(self.path),
+        )
 
     def forget_previous(self) -> None:
         """Drop the keys of the previous save: every process has passed it by now."""
@@ -166,6 +174,7 @@ def _agree(sync: _Sync, head: bytes, count: int, nbytes: int) -> None:
     sync.forget_previous()
     differ = {p: v for p, v in values.items() if v != values[0]}
     if differ:
+
         def what(v: str) -> str:
             _, c, b, h = v.split()
             return f"{c} tensors, {b} data bytes, a {h}-byte header"
@@ -174,7 +183,8 @@ def _agree(sync: _Sync, head: bytes, count: int, nbytes: int) -> None:
         raise SaveError(
             f"{sync.path}: the processes computed different headers (process 0: {what(values[0])}; {lines}); "
             "every process must save the same keys, dtypes, global shapes and metadata. Nothing was written",
-            str(sync.path))
+            str(sync.path),
+        )
 
 
 def _open(sync: _Sync, size: int) -> str:
@@ -195,14 +205,14 @@ def _open(sync: _Sync, size: int) -> str:
             mine = f"error cannot create a temporary file in {sync.path.parent}: {e.strerror}"
     status = sync.gather("open", mine, only=0)[0]
     if not status.startswith("ok "):
-        raise SaveError(f"{sync.path}: {status[len('error '):]}; the previous file, if any, is intact", str(sync.path))
+        raise SaveError(f"{sync.path}: {status[len('error ') :]}; the previous file, if any, is intact", str(sync.path))
     return status[3:]
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done:done + (1 << 30)], offset + done)
+        done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
 
 
 def _write_shards(fd: int, e: Entry, array: Any, base: int) -> None:
@@ -211,16 +221,21 @@ def _write_shards(fd: int, e: Entry, array: Any, base: int) -> None:
     for shard in array.addressable_shards:
         if shard.replica_id != 0:
             continue
-        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape))
+        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
         if not row.byte_aligned and box != tuple((0, d) for d in e.shape):
-            raise SaveError(f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be written "
-                            "shard by shard. Replicate it before saving", e.key)
+            raise SaveError(
+                f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be written "
+                "shard by shard. Replicate it before saving",
+                e.key,
+            )
         data = host_bytes(np.asarray(shard.data), e.code)
-        offsets, length = box_runs(e.shape, row.itemsize, box, base) if row.byte_aligned else (np.array([base]), len(data))
+        offsets, length = (
+            box_runs(e.shape, row.itemsize, box, base) if row.byte_aligned else (np.array([base]), len(data))
+        )
         if len(offsets) * length != len(data):
             raise SaveError(f"{e.key}: shard {box} gave {len(data)} bytes, expected {len(offsets) * length}", e.key)
         for i, off in enumerate(offsets.tolist()):
-            _pwrite_all(fd, data[i * length:(i + 1) * length], off)
+            _pwrite_all(fd, data[i * length : (i + 1) * length], off)
 
 
 def _cross(e: Entry) -> Any:
@@ -229,23 +244,27 @@ def _cross(e: Entry) -> Any:
     return array if _spans_processes(array) else None
 
 
-def _write_mine(sync: _Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]],
-                head: bytes) -> dict[str, str]:
+def _write_mine(
+    sync: _Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]], head: bytes
+) -> dict[str, str]:
     """Write this process's part; the digests of the host values it wrote."""
     digests = {}
     fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
     try:
         if sync.pid == 0:
             _pwrite_all(fd, memoryview(head), 0)
-        for e, (begin, end) in zip(entries, offsets):
+        for e, (begin, end) in zip(entries, offsets, strict=False):
             array = _cross(e)
             if array is not None:
                 _write_shards(fd, e, array, len(head) + begin)
             elif sync.pid == 0:
                 data = host_bytes(e.value(), e.code)
                 if len(data) != end - begin:
-                    raise SaveError(f"{e.key}: gave {len(data)} bytes, its header entry {e.code} "
-                                    f"{list(e.shape)} says {end - begin}", e.key)
+                    raise SaveError(
+                        f"{e.key}: gave {len(data)} bytes, its header entry {e.code} "
+                        f"{list(e.shape)} says {end - begin}",
+                        e.key,
+                    )
                 _pwrite_all(fd, data, len(head) + begin)
                 digests[e.key] = _checksum.digest([data])
                 del data
@@ -266,8 +285,9 @@ def _assign(entries: Sequence[Entry], offsets: list[tuple[int, int]], n: int) ->
     return share
 
 
-def _hash_back(sync: _Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]],
-               data_start: int) -> dict[str, str]:
+def _hash_back(
+    sync: _Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]], data_start: int
+) -> dict[str, str]:
     """Digest this process's share of the cross-process tensors, read back from the
     file: no process holds such a tensor whole, and its checksum covers all of it."""
     digests = {}
@@ -275,8 +295,9 @@ def _hash_back(sync: _Sync, tmp: Path, entries: Sequence[Entry], offsets: list[t
     try:
         for i in _assign(entries, offsets, sync.n)[sync.pid]:
             begin, end = data_start + offsets[i][0], data_start + offsets[i][1]
-            chunks = (pread_exact(fd, min(_HASH_CHUNK, end - pos), pos, str(tmp))
-                      for pos in range(begin, end, _HASH_CHUNK))
+            chunks = (
+                pread_exact(fd, min(_HASH_CHUNK, end - pos), pos, str(tmp)) for pos in range(begin, end, _HASH_CHUNK)
+            )
             digests[entries[i].key] = _checksum.digest(chunks)
     finally:
         os.close(fd)
@@ -291,11 +312,13 @@ def _step(sync: _Sync, stage: str, work: Callable[[], dict[str, str]]) -> dict[s
     except Exception as e:  # reported to every process, raised on all of them below
         mine = f"error {type(e).__name__}: {e}"
     outcomes = sync.gather(stage, mine)
-    failures = {p: v[len("error "):] for p, v in outcomes.items() if not v.startswith("ok ")}
+    failures = {p: v[len("error ") :] for p, v in outcomes.items() if not v.startswith("ok ")}
     if failures:
         detail = "; ".join(f"process {p}: {msg}" for p, msg in failures.items())
-        raise SaveError(f"{sync.path}: the multi-process save failed ({detail}); the previous file, if any, "
-                        "is intact", str(sync.path))
+        raise SaveError(
+            f"{sync.path}: the multi-process save failed ({detail}); the previous file, if any, is intact",
+            str(sync.path),
+        )
     merged: dict[str, str] = {}
     for v in outcomes.values():
         merged.update(json.loads(v[3:]))
@@ -350,4 +373,4 @@ def write_collective(path: str | os.PathLike, entries: Sequence[Entry], metadata
                 os.unlink(tmp)
         raise
     if outcome != "ok":
-        raise SaveError(f"{path}: {outcome[len('error '):]}; the previous file, if any, is intact", str(path))
+        raise SaveError(f"{path}: {outcome[len('error ') :]}; the previous file, if any, is intact", str(path))

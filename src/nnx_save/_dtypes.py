@@ -15,7 +15,7 @@ import numpy as np
 
 from ._errors import UnknownDtypeError
 
-__all__ = ["DtypeInfo", "DTYPES", "RANK", "from_code", "to_code", "nbytes_for"]
+__all__ = ["DTYPES", "RANK", "DtypeInfo", "from_code", "nbytes_for", "to_code"]
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,7 @@ def from_code(code: object, tensor: str = "?") -> DtypeInfo:
     row = DTYPES.get(code) if isinstance(code, str) else None
     if row is None:
         raise UnknownDtypeError(
-            f"tensor {tensor!r}: unknown dtype code {code!r}; "
-            f"the safetensors format defines {', '.join(DTYPES)}"
+            f"tensor {tensor!r}: unknown dtype code {code!r}; the safetensors format defines {', '.join(DTYPES)}"
         )
     return row
 

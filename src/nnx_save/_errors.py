@@ -9,29 +9,29 @@ was found.
 from __future__ import annotations
 
 __all__ = [
-    "NnxSaveError",
+    "ByteLengthError",
+    "ChecksumError",
+    "DtypeMismatchError",
+    "DuplicateKeyError",
+    "FileSizeError",
+    "HeaderEncodingError",
     "HeaderError",
+    "HeaderJSONError",
     "HeaderTooLargeError",
     "HeaderTooSmallError",
-    "HeaderEncodingError",
-    "HeaderJSONError",
-    "DuplicateKeyError",
+    "IndexError_",
+    "KeyMismatchError",
+    "KeyPathError",
+    "LoadError",
     "MetadataError",
+    "NnxSaveError",
+    "OffsetError",
+    "SaveError",
+    "ShapeMismatchError",
+    "ShardingError",
     "TensorEntryError",
     "UnknownDtypeError",
-    "ByteLengthError",
-    "OffsetError",
-    "FileSizeError",
-    "IndexError_",
-    "KeyPathError",
     "UnsupportedValueError",
-    "KeyMismatchError",
-    "ShapeMismatchError",
-    "DtypeMismatchError",
-    "LoadError",
-    "SaveError",
-    "ShardingError",
-    "ChecksumError",
 ]
 
 
@@ -87,7 +87,7 @@ class FileSizeError(HeaderError):
     """The data section does not end exactly at the end of the file."""
 
 
-class IndexError_(HeaderError):  # noqa: N801 - avoid shadowing the builtin IndexError
+class IndexError_(HeaderError):
     """A multi-file index (``model.safetensors.index.json``) is malformed or disagrees
     with the files it names."""
 
@@ -148,7 +148,13 @@ class ChecksumError(NnxSaveError, ValueError):
     file was modified or corrupted after writing. ``key``, ``file``, ``expected``
     and ``found`` say which tensor, where, and the two digests."""
 
-    def __init__(self, message: str, key: str | None = None, file: str | None = None,
-                 expected: str | None = None, found: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        key: str | None = None,
+        file: str | None = None,
+        expected: str | None = None,
+        found: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.key, self.file, self.expected, self.found = key, file, expected, found

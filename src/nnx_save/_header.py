@@ -34,11 +34,11 @@ from ._errors import (
 
 __all__ = [
     "MAX_HEADER_SIZE",
-    "TensorInfo",
     "FileHeader",
+    "TensorInfo",
+    "encode_header",
     "header_size",
     "parse_header",
-    "encode_header",
 ]
 
 MAX_HEADER_SIZE = 100_000_000  # the reference implementation's cap
@@ -120,7 +120,7 @@ def _decode_json(raw: bytes, file: str) -> dict[str, object]:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise HeaderEncodingError(
-            f"{file}: header is not valid UTF-8 (byte {8 + e.start} of the file: {raw[e.start:e.start + 1]!r})"
+            f"{file}: header is not valid UTF-8 (byte {8 + e.start} of the file: {raw[e.start : e.start + 1]!r})"
         ) from None
     try:
         obj = json.loads(text, object_pairs_hook=_no_duplicates)
@@ -140,9 +140,7 @@ def _parse_metadata(value: object, file: str) -> dict[str, str]:
         raise MetadataError(f"{file}: __metadata__ must be an object of strings, found {type(value).__name__}")
     for k, v in value.items():
         if not isinstance(v, str):
-            raise MetadataError(
-                f"{file}: __metadata__[{k!r}] must be a string, found {type(v).__name__} {v!r:.60}"
-            )
+            raise MetadataError(f"{file}: __metadata__[{k!r}] must be a string, found {type(v).__name__} {v!r:.60}")
     return dict(value)
 
 
@@ -162,9 +160,13 @@ def _parse_entry(name: str, entry: object, file: str) -> tuple[_dtypes.DtypeInfo
         raise UnknownDtypeError(f"{file}: {e}") from None
     shape, offsets = entry["shape"], entry["data_offsets"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise TensorEntryError(f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {shape!r:.80}")
+        raise TensorEntryError(
+            f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {shape!r:.80}"
+        )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
-        raise TensorEntryError(f"{file}: tensor {name!r}: data_offsets must be two non-negative integers, found {offsets!r:.80}")
+        raise TensorEntryError(
+            f"{file}: tensor {name!r}: data_offsets must be two non-negative integers, found {offsets!r:.80}"
+        )
     begin, end = offsets
     if begin > end:
         raise OffsetError(f"{file}: tensor {name!r}: data_offsets begin {begin} > end {end}")
@@ -235,9 +237,7 @@ def parse_header(raw: bytes, file_size: int, *, file: str = "<bytes>") -> FileHe
         parsed.append((name, dtype, shape, begin, end))
     _check_layout([(n, b, e) for n, _, _, b, e in parsed], file_size - data_start, file)
     parsed.sort(key=lambda p: (p[3], p[4]))
-    tensors = {
-        n: TensorInfo(n, dt, sh, data_start + b, data_start + e, file) for n, dt, sh, b, e in parsed
-    }
+    tensors = {n: TensorInfo(n, dt, sh, data_start + b, data_start + e, file) for n, dt, sh, b, e in parsed}
     return FileHeader(file, tensors, metadata, len(raw), file_size)
 
 
@@ -270,13 +270,16 @@ def encode_header(
     for name, code, shape in entries:
         row, numel = _dtypes.from_code(code, name), math.prod(shape)
         if name == "__metadata__":
-            raise KeyPathError("'__metadata__': the safetensors format reserves this key for metadata; "
-                               "rename the tensor", name)
+            raise KeyPathError(
+                "'__metadata__': the safetensors format reserves this key for metadata; rename the tensor", name
+            )
         if numel * row.bits % 8:
             raise UnsupportedValueError(
                 f"{name}: {numel} {code} elements are {numel * row.bits} bits, not a whole number of bytes; "
                 "safetensors readers refuse such a tensor. Pad it to a multiple of "
-                f"{8 // math.gcd(8, row.bits)} elements", name)
+                f"{8 // math.gcd(8, row.bits)} elements",
+                name,
+            )
         nbytes = _dtypes.nbytes_for(row, numel)
         offsets.append((position, position + nbytes))
         body[name] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [position, position + nbytes]}

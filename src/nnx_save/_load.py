@@ -40,7 +40,7 @@ from ._read import Budget, LocalReader, aligned_empty, execute, pack_buffers
 from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed
 from ._sources import Header
 
-__all__ = ["Target", "load_targets", "OverReadWarning"]
+__all__ = ["OverReadWarning", "Target", "load_targets"]
 
 log = logging.getLogger("nnx_save")
 OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning
@@ -102,7 +102,7 @@ def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     except ValueError as e:  # jax refuses it (a split that does not divide the dimension, ...)
         raise ShardingError(f"{target.path}: sharding {target.sharding} cannot hold shape {shape}: {e}") from None
     for device, index in indices.items():
-        box = tuple(s.indices(d)[:2] for s, d in zip(index, shape)) if shape else ()
+        box = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=False)) if shape else ()
         groups.setdefault(box, []).append(device)
     if not groups:  # an array with no shard here: this process could never use or save it
         import jax
@@ -110,7 +110,8 @@ def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
         raise ShardingError(
             f"{target.path}: its sharding {target.sharding} places no shard on a device of process "
             f"{jax.process_index()} (local devices {[d.id for d in jax.local_devices()]}); every process must "
-            "load with a sharding over devices it can address (a mesh over jax.devices(), or jax.local_devices())")
+            "load with a sharding over devices it can address (a mesh over jax.devices(), or jax.local_devices())"
+        )
     return list(groups.items())
 
 
@@ -143,7 +144,11 @@ def _check(header: Header, t: Target, report: LoadReport) -> bool:
         return False
     held = _held_dtype(t)
     if np.dtype(dtype) != held:
-        model = str(held) if held == np.dtype(t.dtype) else f"{held} (the model's {np.dtype(t.dtype)}: jax_enable_x64 is off)"
+        model = (
+            str(held)
+            if held == np.dtype(t.dtype)
+            else f"{held} (the model's {np.dtype(t.dtype)}: jax_enable_x64 is off)"
+        )
         report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
     return True
 
@@ -190,7 +195,7 @@ def _device_array(shape: tuple[int, ...], sharding: Any, hosts: list[np.ndarray]
     put = _batched_put()
     if put is not None and hosts[0].dtype == jax.dtypes.canonicalize_dtype(hosts[0].dtype):
         return put(shape, sharding, hosts, devices)
-    arrays = [jax.device_put(h, d) for h, d in zip(hosts, devices)]
+    arrays = [jax.device_put(h, d) for h, d in zip(hosts, devices, strict=False)]
     return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
@@ -255,16 +260,18 @@ class _Engine:
         for t in self.by_file.get(file, ()):
             info = self.header.tensors[t.sources[0]]
             adopted = info.dtype.byte_aligned and info.dtype.numpy == _held_dtype(t)  # the buffer becomes the array
-            work.shards[t.path] = [_Shard(box, devices, self._add(work, info, box, sizes, kept, adopted))
-                                   for box, devices in self.boxes[t.path]]
+            work.shards[t.path] = [
+                _Shard(box, devices, self._add(work, info, box, sizes, kept, adopted))
+                for box, devices in self.boxes[t.path]
+            ]
         for key in self.refs:
             info = self.header.tensors[key]
             if info.file == file:
                 work.wholes[key] = self._add(work, info, tuple((0, d) for d in info.shape), sizes, kept, False)
         # buffers the arrays adopt share large (huge-page) allocations; transient ones
         # (cast, unpacked, transformed) are their own, freed as soon as they are used
-        packed = iter(pack_buffers([n for n, k in zip(sizes, kept) if k]))
-        work.dests = [next(packed) if k else aligned_empty(n) for n, k in zip(sizes, kept)]
+        packed = iter(pack_buffers([n for n, k in zip(sizes, kept, strict=False) if k]))
+        work.dests = [next(packed) if k else aligned_empty(n) for n, k in zip(sizes, kept, strict=False)]
         return work
 
     @staticmethod
@@ -280,13 +287,22 @@ class _Engine:
         work = self.work_for(file)
         if not work.requests:
             return
-        plan = plan_file(work.requests, max_over_read_ratio=self.opt["max_over_read_ratio"],
-                         chunk_bytes=min(self.opt["read_chunk_bytes"], self.opt["max_inflight_bytes"]))
+        plan = plan_file(
+            work.requests,
+            max_over_read_ratio=self.opt["max_over_read_ratio"],
+            chunk_bytes=min(self.opt["read_chunk_bytes"], self.opt["max_inflight_bytes"]),
+        )
         t1 = time.perf_counter()
         reader = self.opt["open_reader"](file)
         try:
-            execute(reader, plan, work.dests, budget=self.budget, num_threads=self.opt["num_threads"],
-                    on_chunk=self.bar.update if self.bar.active else None)
+            execute(
+                reader,
+                plan,
+                work.dests,
+                budget=self.budget,
+                num_threads=self.opt["num_threads"],
+                on_chunk=self.bar.update if self.bar.active else None,
+            )
         finally:
             reader.close()
         t2 = time.perf_counter()
@@ -301,8 +317,15 @@ class _Engine:
         io.plan_seconds += t1 - t0
         io.read_seconds += t2 - t1
         io.assemble_seconds += t3 - t2
-        log.debug("%s: %r, %d requests; plan %.3fs, read %.3fs, assemble %.3fs",
-                  file, plan, reader.requests, t1 - t0, t2 - t1, t3 - t2)
+        log.debug(
+            "%s: %r, %d requests; plan %.3fs, read %.3fs, assemble %.3fs",
+            file,
+            plan,
+            reader.requests,
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+        )
 
     def _note_over_read(self, file: str, plan) -> None:
         """Remember a file the automatic ratio made this process over-read, with the
@@ -311,12 +334,13 @@ class _Engine:
             return
         infos = [i for i in self.header.tensors.values() if i.file == file]
         extra = over_read_by_range(plan, np.array([i.begin for i in infos]), np.array([i.end for i in infos]))
-        worst = [(int(x), i.name) for x, i in sorted(zip(extra, infos), key=lambda p: -p[0]) if x > 0]
+        worst = [(int(x), i.name) for x, i in sorted(zip(extra, infos, strict=False), key=lambda p: -p[0]) if x > 0]
         named = ", ".join(f"{name} ({_size(x)})" for x, name in worst[:5])
         self.over_reads.append(
             f"{file}: read {_size(plan.read_bytes)} for {_size(plan.needed_bytes)} needed "
             f"(over-read {plan.read_bytes / plan.needed_bytes:.2f}x under the automatic ratio {plan.ratio:.2f}); "
-            f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}")
+            f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}"
+        )
 
     def _verify(self, work: _Work) -> None:
         """Check the recorded checksum of every tensor this file read gave in full."""
@@ -357,8 +381,9 @@ class _Engine:
                 work.dests[s.dest] = None  # release as soon as the array exists
             self.bar.update(items=1)
         for key, dest in work.wholes.items():
-            self.wholes[key] = _host_view(work.dests[dest], self.header.tensors[key],
-                                          tuple((0, d) for d in self.header.tensors[key].shape))
+            self.wholes[key] = _host_view(
+                work.dests[dest], self.header.tensors[key], tuple((0, d) for d in self.header.tensors[key].shape)
+            )
         self._run_transforms()
 
     def _run_transforms(self) -> None:
@@ -368,7 +393,9 @@ class _Engine:
             if value.shape != tuple(t.shape):
                 from ._errors import ShapeMismatchError
 
-                raise ShapeMismatchError(f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}")
+                raise ShapeMismatchError(
+                    f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}"
+                )
             self.results[t.path] = _place_whole(t, value.astype(_held_dtype(t), copy=False))
             self.pending.remove(t)
             self.bar.update(items=1)
@@ -425,7 +452,9 @@ def load_targets(
     ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
     """
     if max_inflight_bytes <= 0 or read_chunk_bytes <= 0:
-        raise ValueError(f"max_inflight_bytes and read_chunk_bytes must be positive, got {max_inflight_bytes}, {read_chunk_bytes}")
+        raise ValueError(
+            f"max_inflight_bytes and read_chunk_bytes must be positive, got {max_inflight_bytes}, {read_chunk_bytes}"
+        )
     report = LoadReport(source=_describe(header))
     loadable = [t for t in targets if _check(header, t, report)]
     used = {k for t in targets for k in t.sources}
@@ -440,9 +469,13 @@ def load_targets(
     report.landed = {k: tuple(v) for k, v in landed.items()}
     if strict:
         report.raise_or_warn(True)
-    options = dict(max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
-                   max_inflight_bytes=max_inflight_bytes, num_threads=num_threads or _default_threads(),
-                   open_reader=open_reader)
+    options = {
+        "max_over_read_ratio": max_over_read_ratio,
+        "read_chunk_bytes": read_chunk_bytes,
+        "max_inflight_bytes": max_inflight_bytes,
+        "num_threads": num_threads or _default_threads(),
+        "open_reader": open_reader,
+    }
     options["verify"] = verify
     options["bar"] = _progress_bar(header, loadable, report, progress)
     engine_class = _Engine
@@ -466,9 +499,13 @@ def load_targets(
         warnings.warn(
             "the automatic over-read ratio read far more than this process needed, because the "
             "shardings want many small strided pieces of these files (fewer, larger requests "
-            "were read instead):\n  " + "\n  ".join(engine.over_reads) +
-            "\nShard the leading dimension, or pass max_over_read_ratio to choose the trade "
-            "(1.0: exact reads, more requests).", OverReadWarning, stacklevel=3)
+            "were read instead):\n  "
+            + "\n  ".join(engine.over_reads)
+            + "\nShard the leading dimension, or pass max_over_read_ratio to choose the trade "
+            "(1.0: exact reads, more requests).",
+            OverReadWarning,
+            stacklevel=3,
+        )
     if warn:
         report.raise_or_warn(False, stacklevel=4)
     return engine.results, report
@@ -483,7 +520,10 @@ def _progress_bar(header: Header, targets: Sequence[Target], report: LoadReport,
         wholes = {k for t in targets if t.transform is not None for k in t.sources}
         bar.total = sum(header.tensors[k].nbytes for k in wholes) + sum(
             _box_nbytes(header.tensors[t.sources[0]], box)
-            for t in targets if t.transform is None for box, _ in _boxes(t))
+            for t in targets
+            if t.transform is None
+            for box, _ in _boxes(t)
+        )
     return bar
 
 

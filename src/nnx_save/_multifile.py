@@ -20,7 +20,7 @@ from . import _dtypes
 from ._sources import INDEX_NAME
 from ._write import Entry, _write_all, atomic_file, commit_staged, discard_staged, order_entries, write_file
 
-__all__ = ["write_sharded", "shard_groups"]
+__all__ = ["shard_groups", "write_sharded"]
 
 
 def _nbytes(e: Entry) -> int:
@@ -66,8 +66,10 @@ def write_sharded(
             name = f"{prefix}.safetensors" if len(groups) == 1 else f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors"
             write_file(directory / name, group, metadata, staged=staged)
             weight_map.update({e.key: name for e in group})
-        index = {"metadata": {"total_size": sum(_nbytes(e) for e in entries)},
-                 "weight_map": dict(sorted(weight_map.items()))}
+        index = {
+            "metadata": {"total_size": sum(_nbytes(e) for e in entries)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
         with atomic_file(directory / f"{prefix}.safetensors.index.json", staged=staged) as fd:
             _write_all(fd, memoryview(json.dumps(index, indent=2).encode() + b"\n"))
     except BaseException:

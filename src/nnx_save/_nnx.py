@@ -30,7 +30,7 @@ from ._sources import Header, read_header, reader_factory
 from ._tree import leaf_entry
 from ._write import Entry
 
-__all__ = ["save_model", "load_model", "RNG_KEY", "SCALAR_KEY"]
+__all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
 
 RNG_KEY = "nnx_save.rng_impl"  # {path: PRNG implementation name}
 SCALAR_KEY = "nnx_save.scalars"  # {path: "int" | "float" | "bool"}
@@ -66,7 +66,9 @@ def _refuse_unstorable(key: str, value: Any) -> None:
         what = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
         raise UnsupportedValueError(
             f"{key}: the model holds {what}; safetensors stores arrays and numbers only. "
-            "Keep such values out of nnx.Variable, or pass filter= to skip them", key)
+            "Keep such values out of nnx.Variable, or pass filter= to skip them",
+            key,
+        )
 
 
 def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
@@ -92,7 +94,9 @@ def _model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict
     if reserved:
         raise UnsupportedValueError(
             f"metadata keys {reserved} are reserved: the 'nnx_save.' prefix holds what load_model "
-            "needs to rebuild rng keys and scalars; use another name", "__metadata__")
+            "needs to rebuild rng keys and scalars; use another name",
+            "__metadata__",
+        )
     out = metadata
     out.setdefault("format", "nnx_save")
     out["nnx_save.version"] = __version__
@@ -202,7 +206,8 @@ def _concrete(sharding: Any, mesh: Any, key: str) -> Any:
         if mesh.empty:
             raise ShardingError(
                 f"{key}: the builder annotates a sharding ({sharding.spec}) on an abstract mesh "
-                f"{dict(sharding.mesh.shape)}; pass mesh= to load_model or call it under jax.set_mesh(mesh)")
+                f"{dict(sharding.mesh.shape)}; pass mesh= to load_model or call it under jax.set_mesh(mesh)"
+            )
     return jax.sharding.NamedSharding(mesh, sharding.spec)
 
 
@@ -237,8 +242,13 @@ def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
     if _is_key(value):
         impl = meta["rng"].get(key) or _impl_name(value)
         key_shape = jax.random.key_data(jax.random.key(0, impl=impl)).shape
-        return Target(key, tuple(value.shape) + key_shape, np.dtype(np.uint32),
-                      _key_data_sharding(sharding, len(value.shape)), (key,))
+        return Target(
+            key,
+            tuple(value.shape) + key_shape,
+            np.dtype(np.uint32),
+            _key_data_sharding(sharding, len(value.shape)),
+            (key,),
+        )
     return Target(key, tuple(value.shape), np.dtype(value.dtype), sharding, (key,))
 
 
@@ -389,10 +399,20 @@ def load_model(
         target_list, ignored = load_targets_for(rules, header, target_list)
         ignore = ignore | ignored
     values, report = load_targets(
-        header, target_list, strict=strict, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
-        ignore_unexpected=ignore, max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
-        max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=reader_factory(header),
-        verify=verify, progress=progress)
+        header,
+        target_list,
+        strict=strict,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        ignore_unexpected=ignore,
+        max_over_read_ratio=max_over_read_ratio,
+        read_chunk_bytes=read_chunk_bytes,
+        max_inflight_bytes=max_inflight_bytes,
+        num_threads=num_threads,
+        open_reader=reader_factory(header),
+        verify=verify,
+        progress=progress,
+    )
     if is_builder:
         # Leaves the file lacks, and those the filter left out, get their initial
         # values; nothing else of the random model is ever computed.
@@ -402,8 +422,11 @@ def load_model(
         if absent:
             values = {**values, **_init_missing(model_or_builder, absent, targets, mesh)}
         leaves = everything
-    updates = [(leaf.path, leaf.variable.replace(_finish(leaf, values[leaf.key], meta)))
-               for leaf in leaves if leaf.key in values]
+    updates = [
+        (leaf.path, leaf.variable.replace(_finish(leaf, values[leaf.key], meta)))
+        for leaf in leaves
+        if leaf.key in values
+    ]
     if is_builder:
         return nnx.merge(graphdef, nnx.from_flat_state(updates)), report
     nnx.update(model_or_builder, nnx.from_flat_state(updates))

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from ._errors import KeyPathError
 
-__all__ = ["Segment", "segment", "to_key", "from_key", "format_path", "check_unique"]
+__all__ = ["Segment", "check_unique", "format_path", "from_key", "segment", "to_key"]
 
 Segment = str | int
 
@@ -83,7 +83,9 @@ def from_key(key: str) -> tuple[Segment, ...]:
         >>> from_key(to_key(("a", 12, "b"))) == ("a", 12, "b")
         True
     """
-    return tuple(int(p) if p.isdecimal() and (p == "0" or not p.startswith("0")) and p.isascii() else p for p in key.split("/"))
+    return tuple(
+        int(p) if p.isdecimal() and (p == "0" or not p.startswith("0")) and p.isascii() else p for p in key.split("/")
+    )
 
 
 def check_unique(paths: Iterable[Sequence[object]]) -> dict[str, tuple[object, ...]]:

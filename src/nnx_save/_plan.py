@@ -27,13 +27,23 @@ each chunk is one sequential read whose runs are sorted and disjoint.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Request", "FilePlan", "box_runs", "plan_file", "chunk_runs", "over_read_by_range", "PAGE_GAP", "AUTO_MAX_READS"]
+__all__ = [
+    "AUTO_MAX_READS",
+    "PAGE_GAP",
+    "FilePlan",
+    "Request",
+    "box_runs",
+    "chunk_runs",
+    "over_read_by_range",
+    "plan_file",
+]
 
 PAGE_GAP = 4096  # gaps below a page are always read through: cheaper than another request
 AUTO_MAX_READS = 1024  # the automatic ratio keeps exact reads while they stay this few
@@ -178,10 +188,10 @@ def _gather_runs(requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
     shift = np.concatenate([[0], np.cumsum(sizes)])
     cols = tuple(np.empty(len(flat) + int(shift[-1]), np.int64) for _ in range(4))
     pos = np.arange(len(flat)) + shift[np.searchsorted(before, np.arange(len(flat)), "right")]
-    for c, values in zip(cols, (f_off, [f[1] for f in flat], [f[2] for f in flat], 0)):
+    for c, values in zip(cols, (f_off, [f[1] for f in flat], [f[2] for f in flat], 0), strict=False):
         c[pos] = values
-    for (_, boxes), n, at in zip(groups, sizes.tolist(), (before + shift[:-1]).tolist()):
-        _tensor_runs(boxes, tuple(c[at:at + n] for c in cols))
+    for (_, boxes), n, at in zip(groups, sizes.tolist(), (before + shift[:-1]).tolist(), strict=False):
+        _tensor_runs(boxes, tuple(c[at : at + n] for c in cols))
     offset = cols[0]
     if len(offset) > 1 and (offset[1:] < offset[:-1]).any():  # only boxes that overlap get here
         order = np.argsort(offset, kind="stable")
@@ -197,7 +207,7 @@ def _interleaves(boxes: list) -> bool:
     if any(b[3] != k or b[4][:k] != boxes[0][4][:k] for b in boxes) or k < 0:
         return False
     spans = sorted((b[0], b[0] + b[1]) for b in boxes)
-    return all(e <= s for (_, e), (s, _) in zip(spans, spans[1:]))
+    return all(e <= s for (_, e), (s, _) in itertools.pairwise(spans))
 
 
 def _tensor_runs(boxes: list, out: tuple[np.ndarray, ...]) -> None:
@@ -217,10 +227,10 @@ def _tensor_runs(boxes: list, out: tuple[np.ndarray, ...]) -> None:
     at = 0
     for first, ln, outer, _, _, d in boxes:  # overlapping or differently cut boxes: sort
         grid = _grid(first, outer)
-        offset[at:at + len(grid)] = grid
-        length[at:at + len(grid)] = ln
-        dest[at:at + len(grid)] = d
-        dest_offset[at:at + len(grid)] = np.arange(len(grid), dtype=np.int64) * ln
+        offset[at : at + len(grid)] = grid
+        length[at : at + len(grid)] = ln
+        dest[at : at + len(grid)] = d
+        dest_offset[at : at + len(grid)] = np.arange(len(grid), dtype=np.int64) * ln
         at += len(grid)
     order = np.argsort(offset, kind="stable")
     for c in out:
@@ -245,7 +255,7 @@ def _merge_under_ratio(start: np.ndarray, end: np.ndarray, need: np.ndarray, rat
         return start, end
     out_s, out_e = [int(start[0])], [int(end[0])]
     cur_need = int(need[0])
-    for s, e, n in zip(start[1:].tolist(), end[1:].tolist(), need[1:].tolist()):
+    for s, e, n in zip(start[1:].tolist(), end[1:].tolist(), need[1:].tolist(), strict=False):
         if (e - out_s[-1]) <= ratio * (cur_need + n):
             out_e[-1], cur_need = e, cur_need + n
         else:
@@ -278,8 +288,9 @@ def _disjoint_layers(requests: Sequence[Request]) -> list[list[Request]]:
     seen: dict[tuple, list[list[Box]]] = {}  # tensor -> boxes per layer
     for r in requests:
         per_layer = seen.setdefault((r.base, r.shape, r.itemsize), [])
-        k = next((i for i, boxes in enumerate(per_layer) if not any(_intersect(r.box, b) for b in boxes)),
-                 len(per_layer))
+        k = next(
+            (i for i, boxes in enumerate(per_layer) if not any(_intersect(r.box, b) for b in boxes)), len(per_layer)
+        )
         if k == len(per_layer):
             per_layer.append([])
         per_layer[k].append(r.box)
@@ -290,7 +301,7 @@ def _disjoint_layers(requests: Sequence[Request]) -> list[list[Request]]:
 
 
 def _intersect(a: Box, b: Box) -> bool:
-    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b))
+    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b, strict=False))
 
 
 def plan_file(
@@ -335,13 +346,19 @@ def plan_file(
     end = offset + length
     gap = offset[1:] - end[:-1]
     if len(gap) and gap.min() < 0:  # overlapping boxes
-        return _concat([_plan_runs(_gather_runs(layer), max_over_read_ratio, chunk_bytes)
-                        for layer in _disjoint_layers(requests)])
+        return _concat(
+            [_plan_runs(_gather_runs(layer), max_over_read_ratio, chunk_bytes) for layer in _disjoint_layers(requests)]
+        )
     return _plan_runs(runs, max_over_read_ratio, chunk_bytes, end, gap)
 
 
-def _plan_runs(runs: tuple[np.ndarray, ...], max_over_read_ratio: float | None, chunk_bytes: int,
-               end: np.ndarray | None = None, gap: np.ndarray | None = None) -> FilePlan:
+def _plan_runs(
+    runs: tuple[np.ndarray, ...],
+    max_over_read_ratio: float | None,
+    chunk_bytes: int,
+    end: np.ndarray | None = None,
+    gap: np.ndarray | None = None,
+) -> FilePlan:
     """Plan sorted, disjoint runs."""
     offset, length, dest, dest_offset = runs
     if len(offset) == 0:
@@ -368,13 +385,16 @@ def _plan_runs(runs: tuple[np.ndarray, ...], max_over_read_ratio: float | None, 
 
 def _concat(plans: list[FilePlan]) -> FilePlan:
     shift = np.cumsum([0] + [len(p.offset) for p in plans[:-1]])
-    cols = [np.concatenate([getattr(p, f) for p in plans]) for f in ("offset", "length", "dest", "dest_offset",
-                                                                      "chunk_start", "chunk_end")]
-    lo = np.concatenate([p.chunk_lo + k for p, k in zip(plans, shift)])
-    hi = np.concatenate([p.chunk_hi + k for p, k in zip(plans, shift)])
+    cols = [
+        np.concatenate([getattr(p, f) for p in plans])
+        for f in ("offset", "length", "dest", "dest_offset", "chunk_start", "chunk_end")
+    ]
+    lo = np.concatenate([p.chunk_lo + k for p, k in zip(plans, shift, strict=False)])
+    hi = np.concatenate([p.chunk_hi + k for p, k in zip(plans, shift, strict=False)])
     needed = np.concatenate([p.chunk_needed for p in plans])
-    return FilePlan(*cols[:4], cols[4], cols[5], lo, hi, needed, max(p.ratio for p in plans),
-                    sum(p.page_blocks for p in plans))
+    return FilePlan(
+        *cols[:4], cols[4], cols[5], lo, hi, needed, max(p.ratio for p in plans), sum(p.page_blocks for p in plans)
+    )
 
 
 def chunk_runs(plan: FilePlan, i: int) -> tuple[np.ndarray, ...]:
@@ -419,7 +439,9 @@ def over_read_by_range(plan: FilePlan, begin: np.ndarray, end: np.ndarray) -> np
     begin, end = np.asarray(begin, np.int64), np.asarray(end, np.int64)
     if not plan.num_chunks:
         return np.zeros(len(begin), np.int64)
-    read = _covered_below(plan.chunk_start, plan.chunk_end, end) - _covered_below(plan.chunk_start, plan.chunk_end, begin)
+    read = _covered_below(plan.chunk_start, plan.chunk_end, end) - _covered_below(
+        plan.chunk_start, plan.chunk_end, begin
+    )
     run_end = plan.offset + plan.length
     need = _covered_below(plan.offset, run_end, end) - _covered_below(plan.offset, run_end, begin)
     return read - need

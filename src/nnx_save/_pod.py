@@ -56,7 +56,7 @@ from ._header import FileHeader, TensorInfo
 from ._sources import Header, read_file_header
 from ._write import Entry, atomic_file, order_entries, write_file
 
-__all__ = ["save_sharded", "read_pod", "is_pod", "PodHeader", "Piece", "PodEngine", "MANIFEST"]
+__all__ = ["MANIFEST", "Piece", "PodEngine", "PodHeader", "is_pod", "read_pod", "save_sharded"]
 
 MANIFEST = "manifest.json"
 FORMAT = "nnx_save.pod"
@@ -98,11 +98,14 @@ def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
     if not _spans_processes(array):
         return _describe_sharding(array), [(whole, e.value)]
     if not _dtypes.DTYPES[e.code].byte_aligned:
-        raise SaveError(f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be saved "
-                        "in pieces. Replicate it before saving", e.key)
+        raise SaveError(
+            f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be saved "
+            "in pieces. Replicate it before saving",
+            e.key,
+        )
     boxes: dict[Box, Any] = {}
     for shard in array.addressable_shards:  # every distinct box held here, whatever its replica
-        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape))
+        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
         boxes.setdefault(box, lambda data=shard.data: np.asarray(data))
     return _describe_sharding(array), sorted(boxes.items())
 
@@ -179,8 +182,11 @@ def save_sharded(
     entries = order_entries(entries)
     pid, n = jax.process_index(), jax.process_count()
     sync = _start(directory, entries, meta, n)
-    token = secrets.token_hex(4) if sync is None else sync.gather(
-        "token", secrets.token_hex(4) if pid == 0 else None, only=0)[0]
+    token = (
+        secrets.token_hex(4)
+        if sync is None
+        else sync.gather("token", secrets.token_hex(4) if pid == 0 else None, only=0)[0]
+    )
     mine = directory / _shard_name(pid, n, token)
     try:
         local, listing, shardings = _local_entries(entries)
@@ -189,19 +195,21 @@ def save_sharded(
     except Exception as e:  # reported to every process, raised on all of them below
         posted = f"error {type(e).__name__}: {e}"
     lists = {0: posted} if sync is None else sync.gather("pieces", posted)
-    failures = {p: v[len("error "):] for p, v in lists.items() if not v.startswith("ok ")}
+    failures = {p: v[len("error ") :] for p, v in lists.items() if not v.startswith("ok ")}
     outcome = "ok"
     if not failures and pid == 0:
-        outcome = _commit(directory, entries, meta, shardings, {p: json.loads(v[3:]) for p, v in lists.items()},
-                          n, token)
+        outcome = _commit(
+            directory, entries, meta, shardings, {p: json.loads(v[3:]) for p, v in lists.items()}, n, token
+        )
     if sync is not None:
         outcome = sync.gather("commit", outcome if pid == 0 else None, only=0)[0]
     if failures or outcome != "ok":
         with contextlib.suppress(FileNotFoundError):
             os.unlink(mine)
-        detail = "; ".join(f"process {p}: {m}" for p, m in failures.items()) or outcome[len("error "):]
-        raise SaveError(f"{directory}: the pod save failed ({detail}); the previous save in it, if any, is intact",
-                        str(directory))
+        detail = "; ".join(f"process {p}: {m}" for p, m in failures.items()) or outcome[len("error ") :]
+        raise SaveError(
+            f"{directory}: the pod save failed ({detail}); the previous save in it, if any, is intact", str(directory)
+        )
     return directory / MANIFEST
 
 
@@ -218,11 +226,19 @@ def _start(directory: Path, entries: Sequence[Entry], meta: Mapping[str, str], n
     return sync
 
 
-def _commit(directory: Path, entries: Sequence[Entry], meta: Mapping[str, str], shardings: Mapping[str, str],
-            lists: Mapping[int, list], n: int, token: str) -> str:
+def _commit(
+    directory: Path,
+    entries: Sequence[Entry],
+    meta: Mapping[str, str],
+    shardings: Mapping[str, str],
+    lists: Mapping[int, list],
+    n: int,
+    token: str,
+) -> str:
     """Primary: merge the piece lists into the manifest, write it, drop stale shard files."""
-    tensors = {e.key: {"dtype": e.code, "shape": list(e.shape), "sharding": shardings[e.key], "pieces": []}
-               for e in entries}
+    tensors = {
+        e.key: {"dtype": e.code, "shape": list(e.shape), "sharding": shardings[e.key], "pieces": []} for e in entries
+    }
     for p in sorted(lists):
         for key, name, box in lists[p]:
             tensors[key]["pieces"].append({"file": _shard_name(p, n, token), "name": name, "box": box, "process": p})
@@ -276,29 +292,36 @@ def _load_manifest(where: Path) -> dict:
     except (ValueError, RecursionError) as e:
         raise _fail(where, f"not a valid JSON manifest: {e}") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise _fail(where, f"not an nnx_save pod manifest (expected \"format\": \"{FORMAT}\")")
+        raise _fail(where, f'not an nnx_save pod manifest (expected "format": "{FORMAT}")')
     if obj.get("version") != VERSION:
         raise _fail(where, f"pod manifest version {obj.get('version')!r}; this nnx_save reads version {VERSION}")
     if not isinstance(obj.get("tensors"), dict) or not isinstance(obj.get("num_processes"), int):
-        raise _fail(where, "the manifest needs \"tensors\" (an object) and \"num_processes\" (an integer)")
+        raise _fail(where, 'the manifest needs "tensors" (an object) and "num_processes" (an integer)')
     meta = obj.get("metadata") or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise _fail(where, "\"metadata\" must map strings to strings")
+        raise _fail(where, '"metadata" must map strings to strings')
     return obj
 
 
 def _box(raw: Any, shape: tuple[int, ...], key: str, where: Path) -> Box:
-    ok = isinstance(raw, list) and len(raw) == len(shape) and all(
-        isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) for x in b) and 0 <= b[0] <= b[1] <= d
-        for b, d in zip(raw, shape))
+    ok = (
+        isinstance(raw, list)
+        and len(raw) == len(shape)
+        and all(
+            isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) for x in b) and 0 <= b[0] <= b[1] <= d
+            for b, d in zip(raw, shape, strict=False)
+        )
+    )
     if not ok:
         raise _fail(where, f"tensor {key!r}: piece box {raw!r:.80} does not lie inside shape {list(shape)}")
     return tuple((lo, hi) for lo, hi in raw)
 
 
-def _tensor(key: str, spec: Any, where: Path, files: dict[str, FileHeader | None]) -> tuple[TensorInfo, tuple[Piece, ...]]:
+def _tensor(
+    key: str, spec: Any, where: Path, files: dict[str, FileHeader | None]
+) -> tuple[TensorInfo, tuple[Piece, ...]]:
     if not isinstance(spec, dict) or not isinstance(spec.get("pieces"), list):
-        raise _fail(where, f"tensor {key!r}: expected an object with \"dtype\", \"shape\" and \"pieces\"")
+        raise _fail(where, f'tensor {key!r}: expected an object with "dtype", "shape" and "pieces"')
     dtype = _dtypes.from_code(spec.get("dtype"), key)
     shape = spec.get("shape")
     if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
@@ -318,8 +341,10 @@ def _tensor(key: str, spec: Any, where: Path, files: dict[str, FileHeader | None
         extents = tuple(hi - lo for lo, hi in box)
         if info is None or info.dtype.code != dtype.code or info.shape != extents:
             found = "nothing" if info is None else f"{info.dtype.code} {list(info.shape)}"
-            raise _fail(where, f"tensor {key!r}: piece {name!r} should be {dtype.code} {list(extents)} in {file}, "
-                               f"which holds {found}")
+            raise _fail(
+                where,
+                f"tensor {key!r}: piece {name!r} should be {dtype.code} {list(extents)} in {file}, which holds {found}",
+            )
         pieces.append(Piece(box, info, process if isinstance(process, int) else -1))
         covered[box] = True
     if sum(math.prod(hi - lo for lo, hi in b) for b in covered) != math.prod(shape):
@@ -344,15 +369,22 @@ def read_pod(directory: str | os.PathLike) -> PodHeader:
         tensors[key], pieces[key] = _tensor(key, spec, where, files)
     present = tuple(fh for _, fh in sorted(files.items()) if fh is not None)
     missing = tuple(sorted(f for f, fh in files.items() if fh is None))
-    return PodHeader(tensors, dict(obj.get("metadata") or {}), present, "pod", pieces=pieces,
-                     missing_files=missing, num_processes=obj["num_processes"])
+    return PodHeader(
+        tensors,
+        dict(obj.get("metadata") or {}),
+        present,
+        "pod",
+        pieces=pieces,
+        missing_files=missing,
+        num_processes=obj["num_processes"],
+    )
 
 
 # --------------------------------------------------------------------------- loading
 
 
 def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=False))
     return out if all(lo < hi for lo, hi in out) or not out else None
 
 
@@ -361,7 +393,7 @@ def _volume(box: Box) -> int:
 
 
 def _relative(box: Box, origin: Box) -> Box:
-    return tuple((lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin))
+    return tuple((lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=False))
 
 
 @dataclass
@@ -442,7 +474,8 @@ class PodEngine:
             raise NnxSaveError(
                 f"{self.header.tensors[key].file}: tensor {key!r}: the part {list(box)} this process needs is in "
                 f"shard file(s) {list(self.header.missing_files)}, not present in this directory; copy them here, "
-                "or load on the process layout that wrote them")
+                "or load on the process layout that wrote them"
+            )
         return list(best.values())
 
     def run_file(self, file: str) -> None:
@@ -468,8 +501,11 @@ class PodEngine:
             else:
                 requests.append(Request(len(dests) - 1, info.begin, (info.nbytes,), 1, ((0, info.nbytes),)))
             copies.append((part, dest, direct))
-        plan = plan_file(requests, max_over_read_ratio=self.opt["max_over_read_ratio"],
-                         chunk_bytes=min(self.opt["read_chunk_bytes"], self.opt["max_inflight_bytes"]))
+        plan = plan_file(
+            requests,
+            max_over_read_ratio=self.opt["max_over_read_ratio"],
+            chunk_bytes=min(self.opt["read_chunk_bytes"], self.opt["max_inflight_bytes"]),
+        )
         t1 = time.perf_counter()
         reader = self.opt["open_reader"](file)
         try:
@@ -547,6 +583,7 @@ class PodEngine:
                 continue
             value = np.asarray(t.transform([self.wholes[k] for k in t.sources]))
             if value.shape != tuple(t.shape):
-                raise ShapeMismatchError(f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, "
-                                         f"the target has {t.shape}")
+                raise ShapeMismatchError(
+                    f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}"
+                )
             self.results[t.path] = _place_whole(t, value.astype(t.dtype, copy=False))

@@ -17,7 +17,7 @@ from ._load import Target
 from ._sources import Header
 from ._write import Entry
 
-__all__ = ["load_targets_for", "export_entries"]
+__all__ = ["export_entries", "load_targets_for"]
 
 
 def load_targets_for(rules: Any, header: Header, targets: Sequence[Target]) -> tuple[list[Target], frozenset[str]]:
@@ -41,6 +41,7 @@ def export_entries(rules: Any, entries: Sequence[Entry]) -> list[Entry]:
     plan = rules.plan({e.key: (e.shape, _dtypes.DTYPES[e.code].numpy) for e in entries})
     out = []
     for name, a in plan.assignments.items():
+
         def value(a=a):
             return a.materialize({k: by_key[k].value() for k in a.sources})
 

@@ -22,9 +22,9 @@ import time
 from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["MIN_BYTES", "Bar", "NullBar", "bar", "saving", "save_setting", "human_bytes"]
+__all__ = ["MIN_BYTES", "Bar", "NullBar", "bar", "human_bytes", "save_setting", "saving"]
 
-MIN_BYTES = int(os.environ.get("NNX_SAVE_PROGRESS_MIN_BYTES", 256 << 20))
+MIN_BYTES = int(os.environ.get("NNX_SAVE_PROGRESS_MIN_BYTES", str(256 << 20)))
 _INTERVAL_S = 0.1
 _SAVE = contextvars.ContextVar[bool | None]("nnx_save_progress", default=None)
 
@@ -120,8 +120,9 @@ def _width(stream: IO[str]) -> int:
         return shutil.get_terminal_size((100, 24)).columns
 
 
-def bar(label: str, total_bytes: int, total_items: int, progress: bool | None,
-        stream: IO[str] | None = None) -> NullBar:
+def bar(
+    label: str, total_bytes: int, total_items: int, progress: bool | None, stream: IO[str] | None = None
+) -> NullBar:
     """A :class:`Bar` when ``progress`` asks for one and ``stream`` (stderr) is a
     terminal, else a :class:`NullBar`."""
     stream = sys.stderr if stream is None else stream

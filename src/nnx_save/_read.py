@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from numpy.lib.stride_tricks import as_strided
 from ._errors import NnxSaveError
 from ._plan import FilePlan, chunk_runs
 
-__all__ = ["Budget", "LocalReader", "execute", "aligned_empty", "pack_buffers", "DIRECT_MIN_RUN", "DIRECT_MAX_RUNS"]
+__all__ = ["DIRECT_MAX_RUNS", "DIRECT_MIN_RUN", "Budget", "LocalReader", "aligned_empty", "execute", "pack_buffers"]
 
 IOV_MAX = 1024  # the POSIX minimum of the kernel's iovec limit (Linux: exactly 1024)
 # Mean run length (bytes) at or above which a chunk is read with one iovec per run.
@@ -82,7 +83,7 @@ class Budget:
         self.limit, self.used, self.peak = limit, 0, 0
         self._cond = threading.Condition()
 
-    def __call__(self, n: int) -> "_Hold":
+    def __call__(self, n: int) -> _Hold:
         return _Hold(self, min(n, self.limit))
 
 
@@ -109,7 +110,7 @@ def aligned_empty(nbytes: int, align: int = 64) -> np.ndarray:
     adopts such buffers without a copy)."""
     raw = np.empty(nbytes + align, np.uint8)
     shift = -raw.ctypes.data % align
-    return raw[shift:shift + nbytes]
+    return raw[shift : shift + nbytes]
 
 
 SLAB_BYTES = 256 << 20
@@ -141,7 +142,7 @@ def pack_buffers(sizes: list[int], *, align: int = 64, slab_bytes: int = SLAB_BY
         slab = aligned_empty(total, align)
         at = 0
         for n in sizes[start:stop]:
-            out.append(slab[at:at + n])
+            out.append(slab[at : at + n])
             at += -(-n // align) * align
         start = stop
     return out
@@ -168,8 +169,9 @@ class LocalReader:
             self.requests += 1
 
     def _ended(self, at: int, missing: int) -> NnxSaveError:
-        return NnxSaveError(f"{self.path}: file ended at byte {at}, expected {missing} more bytes "
-                            "(was it truncated while loading?)")
+        return NnxSaveError(
+            f"{self.path}: file ended at byte {at}, expected {missing} more bytes (was it truncated while loading?)"
+        )
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         """Fill ``buffers`` in order from ``offset``, or raise naming the offset."""
@@ -177,7 +179,7 @@ class LocalReader:
         buffers = list(buffers)  # the caller's list is not modified
         done, i = 0, 0
         while i < len(buffers):
-            n = os.preadv(self.fd, buffers[i:i + IOV_MAX], offset + done)
+            n = os.preadv(self.fd, buffers[i : i + IOV_MAX], offset + done)
             self._count()
             if n == 0:
                 raise self._ended(offset + done, total - done)
@@ -196,7 +198,7 @@ class LocalReader:
         """
         i, pos = 0, offset
         while i < len(table):
-            batch = table[i:i + IOV_MAX]
+            batch = table[i : i + IOV_MAX]
             want = int(batch[:, 1].sum())
             got = _PREADV(self.fd, batch.ctypes.data, len(batch), pos)
             self._count()
@@ -223,8 +225,17 @@ def _runs(plan: FilePlan, i: int) -> tuple[int, int, int, int]:
     return int(plan.chunk_start[i]), int(plan.chunk_end[i]), int(plan.chunk_lo[i]), int(plan.chunk_hi[i])
 
 
-def _iov_table(plan: FilePlan, lo: int, hi: int, start: int, dest_ptr: np.ndarray, scratch: np.ndarray,
-               gapless: bool, cs: int, ce: int) -> np.ndarray:
+def _iov_table(
+    plan: FilePlan,
+    lo: int,
+    hi: int,
+    start: int,
+    dest_ptr: np.ndarray,
+    scratch: np.ndarray,
+    gapless: bool,
+    cs: int,
+    ce: int,
+) -> np.ndarray:
     """Iovecs for runs ``[lo, hi)`` clipped to ``[cs, ce)``, read from file byte
     ``start`` on, as ``(address, length)`` rows in file order: one per run (into its
     destination) and one per ``len(scratch)`` bytes of each gap before a run."""
@@ -279,12 +290,12 @@ def _direct(reader, plan: FilePlan, dests: list[np.ndarray], i: int, scratch: np
 
     def skip(n: int) -> None:
         while n > 0:
-            iovs.append(gap_view[:min(n, len(gap_view))])
+            iovs.append(gap_view[: min(n, len(gap_view))])
             n -= len(gap_view)
 
-    for off, ln, d, doff in zip(*(c.tolist() for c in chunk_runs(plan, i))):
+    for off, ln, d, doff in zip(*(c.tolist() for c in chunk_runs(plan, i)), strict=False):
         skip(off - pos)
-        iovs.append(memoryview(dests[d])[doff:doff + ln])
+        iovs.append(memoryview(dests[d])[doff : doff + ln])
         pos = off + ln
     skip(ce - pos)
     reader.readv(iovs, cs)
@@ -312,30 +323,31 @@ def _copy_out(block: np.ndarray, src, length, dest, doff, dests: list[np.ndarray
     order = np.lexsort((src, length, dest))
     src, length, dest, doff = src[order], length[order], dest[order], doff[order]
     cut = np.flatnonzero((np.diff(dest) != 0) | (np.diff(length) != 0)) + 1
-    for g0, g1 in zip([0, *cut.tolist()], [*cut.tolist(), len(src)]):
+    for g0, g1 in zip([0, *cut.tolist()], [*cut.tolist(), len(src)], strict=False):
         ln, target = int(length[g0]), dests[int(dest[g0])]
         bounds = _segments(src[g0:g1], doff[g0:g1])
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in itertools.pairwise(bounds):
             a, b = a + g0, b + g0
             n = b - a
             s_step = int(src[a + 1] - src[a]) if n > 1 else 0
             d_step = int(doff[a + 1] - doff[a]) if n > 1 else 0
-            s_view = as_strided(block[int(src[a]):], (n, ln), (s_step, 1), writeable=False)
-            as_strided(target[int(doff[a]):], (n, ln), (d_step, 1))[...] = s_view
+            s_view = as_strided(block[int(src[a]) :], (n, ln), (s_step, 1), writeable=False)
+            as_strided(target[int(doff[a]) :], (n, ln), (d_step, 1))[...] = s_view
 
 
-def _scatter(reader, plan: FilePlan, dests: list[np.ndarray], i: int, scratch: Callable[[int], np.ndarray],
-             block_bytes: int) -> None:
+def _scatter(
+    reader, plan: FilePlan, dests: list[np.ndarray], i: int, scratch: Callable[[int], np.ndarray], block_bytes: int
+) -> None:
     """Read the chunk in blocks of about ``block_bytes`` (cut between runs) into
     scratch, copying each block's runs out with strided numpy copies."""
-    cs, ce, _, _ = _runs(plan, i)
+    cs, _ce, _, _ = _runs(plan, i)
     off, length, dest, doff = chunk_runs(plan, i)
     bucket = (off - cs) // block_bytes
     cut = (np.flatnonzero(np.diff(bucket)) + 1).tolist()
     start = cs
-    for a, b in zip([0, *cut], [*cut, len(off)]):
+    for a, b in zip([0, *cut], [*cut, len(off)], strict=False):
         stop = int(off[b - 1] + length[b - 1])
-        buf = scratch(stop - start)[:stop - start]
+        buf = scratch(stop - start)[: stop - start]
         reader.readv([memoryview(buf)], start)  # from the previous block's end: the chunk, read once
         _copy_out(buf, off[a:b] - start, length[a:b], dest[a:b], doff[a:b], dests)
         start = stop
@@ -347,9 +359,17 @@ def _check_runs(plan: FilePlan, i: int, sizes: np.ndarray) -> None:
     planning bug must stop here, not corrupt memory."""
     cs, ce, lo, hi = _runs(plan, i)
     off, length, dest, doff = plan.offset[lo:hi], plan.length[lo:hi], plan.dest[lo:hi], plan.dest_offset[lo:hi]
-    if not (0 <= lo < hi <= len(plan.offset)) or off[0] + length[0] <= cs or off[-1] >= ce \
-            or dest.min() < 0 or dest.max() >= len(sizes) or doff.min() < 0 or length.min() <= 0 \
-            or (doff + length > sizes[dest]).any() or (off[1:] < off[:-1] + length[:-1]).any():
+    if (
+        not (0 <= lo < hi <= len(plan.offset))
+        or off[0] + length[0] <= cs
+        or off[-1] >= ce
+        or dest.min() < 0
+        or dest.max() >= len(sizes)
+        or doff.min() < 0
+        or length.min() <= 0
+        or (doff + length > sizes[dest]).any()
+        or (off[1:] < off[:-1] + length[:-1]).any()
+    ):
         raise NnxSaveError("internal error: a planned read falls outside its chunk or destination buffer")
 
 

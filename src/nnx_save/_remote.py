@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ._errors import NnxSaveError
 
-__all__ = ["is_url", "RemoteError", "RemoteChangedError", "HttpReader", "FsspecReader", "open_remote", "RemoteStats"]
+__all__ = ["FsspecReader", "HttpReader", "RemoteChangedError", "RemoteError", "RemoteStats", "is_url", "open_remote"]
 
 SPECULATIVE_HEADER_BYTES = 64 << 10
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
@@ -63,8 +63,9 @@ def _pool():
         if _POOL is None:
             import urllib3
 
-            _POOL = urllib3.PoolManager(num_pools=16, maxsize=32, retries=False,
-                                        timeout=urllib3.Timeout(connect=10.0, read=60.0))
+            _POOL = urllib3.PoolManager(
+                num_pools=16, maxsize=32, retries=False, timeout=urllib3.Timeout(connect=10.0, read=60.0)
+            )
         return _POOL
 
 
@@ -82,21 +83,31 @@ class _Retry(Exception):
 def _content_range(headers, url: str) -> tuple[int, int, int]:
     value = headers.get("Content-Range", "")
     try:
-        unit, rest = value.split(" ", 1)
+        _unit, rest = value.split(" ", 1)
         span, total = rest.split("/")
         begin, end = span.split("-")
         return int(begin), int(end), int(total)
     except ValueError:
-        raise RemoteError(f"{url}: expected a 206 response with Content-Range, got {value!r}; "
-                          "the server must support HTTP range requests") from None
+        raise RemoteError(
+            f"{url}: expected a 206 response with Content-Range, got {value!r}; "
+            "the server must support HTTP range requests"
+        ) from None
 
 
 class HttpReader:
     """Ranged GETs against one URL; the identity (size, ETag) is pinned by the first
     response and checked on every later one."""
 
-    def __init__(self, url: str, *, stats: RemoteStats | None = None, max_retries: int = 5,
-                 backoff: float = 0.05, size: int | None = None, etag: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        stats: RemoteStats | None = None,
+        max_retries: int = 5,
+        backoff: float = 0.05,
+        size: int | None = None,
+        etag: str | None = None,
+    ) -> None:
         self.url, self.path = url, url
         self.stats = stats or RemoteStats()
         self.max_retries, self.backoff = max_retries, backoff
@@ -112,13 +123,17 @@ class HttpReader:
         elif total != self.size or (etag and self.etag and etag != self.etag):
             raise RemoteChangedError(
                 f"{self.url}: the object changed during the load (size {self.size} -> {total}, "
-                f"ETag {self.etag} -> {etag}); reload from the start")
+                f"ETag {self.etag} -> {etag}); reload from the start"
+            )
 
     def _once(self, begin: int, length: int, sink: Callable[[object], None], to_end: bool = False) -> None:
         import urllib3
 
-        headers = {"Range": f"bytes={begin}-{begin + length - 1}", "Accept-Encoding": "identity",
-                   "User-Agent": _user_agent()}
+        headers = {
+            "Range": f"bytes={begin}-{begin + length - 1}",
+            "Accept-Encoding": "identity",
+            "User-Agent": _user_agent(),
+        }
         try:
             r = _pool().request("GET", self.url, headers=headers, preload_content=False, redirect=True)
         except urllib3.exceptions.HTTPError as e:
@@ -133,14 +148,18 @@ class HttpReader:
             if r.status >= 400:
                 raise RemoteError(f"{self.url}: HTTP {r.status} for bytes {begin}-{begin + length - 1}")
             if r.status != 206:
-                raise RemoteError(f"{self.url}: range request for bytes {begin}-{begin + length - 1} got HTTP {r.status}; "
-                                  "the server must answer ranges with 206")
+                raise RemoteError(
+                    f"{self.url}: range request for bytes {begin}-{begin + length - 1} got HTTP {r.status}; "
+                    "the server must answer ranges with 206"
+                )
             got_begin, got_end, total = _content_range(r.headers, self.url)
             self._check_identity(total, r.headers.get("ETag"))
             if to_end and got_begin == begin and got_end == total - 1 < begin + length - 1:
                 pass  # a speculative range past the end of a small object
             elif got_begin != begin or got_end != begin + length - 1:
-                raise RemoteError(f"{self.url}: asked for bytes {begin}-{begin + length - 1}, got {got_begin}-{got_end}")
+                raise RemoteError(
+                    f"{self.url}: asked for bytes {begin}-{begin + length - 1}, got {got_begin}-{got_end}"
+                )
             try:
                 sink(r)
             except (urllib3.exceptions.HTTPError, ConnectionError, _Short) as e:
@@ -154,10 +173,11 @@ class HttpReader:
                 return self._once(begin, length, sink, to_end)
             except _Retry as e:
                 if attempt == self.max_retries:
-                    raise RemoteError(f"{self.url}: bytes {begin}-{begin + length - 1} failed after "
-                                      f"{attempt + 1} attempts: {e}") from None
+                    raise RemoteError(
+                        f"{self.url}: bytes {begin}-{begin + length - 1} failed after {attempt + 1} attempts: {e}"
+                    ) from None
                 self.stats.add(retries=1)
-                time.sleep(self.backoff * (2 ** attempt) * (0.5 + random.random()))
+                time.sleep(self.backoff * (2**attempt) * (0.5 + random.random()))
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         """Fill ``buffers`` in order from ``offset`` with one ranged GET (retried whole)."""
@@ -222,7 +242,9 @@ class FsspecReader:
         try:
             self.fs = fsspec.filesystem(protocol)
         except (ImportError, ValueError) as e:
-            extra = {"s3": "s3fs", "gs": "gcsfs", "hf": "huggingface_hub"}.get(protocol, f"an fsspec implementation for {protocol}")
+            extra = {"s3": "s3fs", "gs": "gcsfs", "hf": "huggingface_hub"}.get(
+                protocol, f"an fsspec implementation for {protocol}"
+            )
             raise RemoteError(f"{url}: no fsspec implementation for {protocol}:// ({e}); install {extra}") from None
         self.url, self.path = url, url
         self.stats = stats or RemoteStats()
@@ -241,7 +263,7 @@ class FsspecReader:
         self.stats.add(requests=1, nbytes=total)
         pos = 0
         for b in buffers:
-            b.cast("B")[:] = data[pos:pos + len(b)]
+            b.cast("B")[:] = data[pos : pos + len(b)]
             pos += len(b)
 
     def read(self, offset: int, length: int) -> bytes:

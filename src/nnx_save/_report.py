@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ._errors import LoadError
 
-__all__ = ["LoadReport", "LoadWarning", "ShapeMismatch", "DtypeCast", "IOStats", "matches_any"]
+__all__ = ["DtypeCast", "IOStats", "LoadReport", "LoadWarning", "ShapeMismatch", "matches_any"]
 
 
 class LoadWarning(UserWarning):
@@ -158,8 +158,11 @@ class LoadReport:
         shown = "\n  ".join(lines[:limit]) + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
         if strict:
             raise LoadError(f"strict load refused, nothing was changed. {self.summary()}:\n  {shown}", self)
-        warnings.warn(f"{self.summary()}:\n  {shown}\n(see the returned LoadReport; strict=True raises)",
-                      LoadWarning, stacklevel=stacklevel)
+        warnings.warn(
+            f"{self.summary()}:\n  {shown}\n(see the returned LoadReport; strict=True raises)",
+            LoadWarning,
+            stacklevel=stacklevel,
+        )
 
 
 def split_allowed(items: Sequence[str], patterns: Iterable[str]) -> tuple[list[str], list[str]]:

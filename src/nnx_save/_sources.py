@@ -16,19 +16,20 @@ another.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 from pathlib import Path
+from typing import Any
 
-from ._errors import HeaderError, HeaderTooSmallError, IndexError_
 from . import _remote
+from ._errors import HeaderError, HeaderTooSmallError, IndexError_
 from ._header import FileHeader, TensorInfo, header_size, parse_header
 
-__all__ = ["Header", "read_header", "read_file_header", "INDEX_NAME", "pread_exact"]
+__all__ = ["INDEX_NAME", "Header", "pread_exact", "read_file_header", "read_header"]
 
 INDEX_NAME = "model.safetensors.index.json"
 PathLike = str | os.PathLike
@@ -78,13 +79,15 @@ def pread_exact(fd: int, size: int, offset: int, file: str) -> bytes:
     while got < size:
         chunk = os.pread(fd, size - got, offset + got)
         if not chunk:
-            raise HeaderTooSmallError(f"{file}: expected {size} bytes at byte {offset}, the file ends at byte {offset + got}")
+            raise HeaderTooSmallError(
+                f"{file}: expected {size} bytes at byte {offset}, the file ends at byte {offset + got}"
+            )
         chunks.append(chunk)
         got += len(chunk)
     return b"".join(chunks)
 
 
-def read_file_header(path: PathLike, pinned: "_Pinned | None" = None) -> FileHeader:
+def read_file_header(path: PathLike, pinned: _Pinned | None = None) -> FileHeader:
     """Read and validate one file's header (two positioned reads). With ``pinned``,
     the file stays open there (see :class:`_Pinned`)."""
     name = os.fspath(path)
@@ -135,10 +138,8 @@ class _Pinned:
 
 def _close_all(fds: dict[str, int]) -> None:
     for fd in fds.values():
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     fds.clear()
 
 
@@ -147,7 +148,9 @@ def _merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
     for fh in files:
         for name, info in fh.tensors.items():
             if name in tensors:
-                raise IndexError_(f"{where}: tensor {name!r} appears in two files: {tensors[name].file} and {info.file}")
+                raise IndexError_(
+                    f"{where}: tensor {name!r} appears in two files: {tensors[name].file} and {info.file}"
+                )
             tensors[name] = info
     return tensors
 
@@ -268,7 +271,7 @@ def _remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, st
     reader = _remote.open_remote(url, stats)
     head = reader.probe()
     n = header_size(head[:8], reader.size, file=url)
-    raw = head[8:8 + n]
+    raw = head[8 : 8 + n]
     if len(raw) < n:
         raw += reader.read(len(head), 8 + n - len(head))
     return parse_header(raw, reader.size, file=url), (reader.size, getattr(reader, "etag", None))
@@ -297,8 +300,14 @@ def _remote_index(url: str, stats: Any) -> Header:
         if tensor not in tensors or not tensors[tensor].file.endswith("/" + fname):
             raise IndexError_(f"{url}: names tensor {tensor!r} in {fname}, which does not hold it")
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-    return Header(tensors, {**files[0].metadata, **{str(k): str(v) for k, v in meta.items()}} if files else {},
-                  files, "index", stats, {fh.file: ident for fh, ident in pairs})
+    return Header(
+        tensors,
+        {**files[0].metadata, **{str(k): str(v) for k, v in meta.items()}} if files else {},
+        files,
+        "index",
+        stats,
+        {fh.file: ident for fh, ident in pairs},
+    )
 
 
 def _remote_header(url: str) -> Header:

@@ -14,7 +14,7 @@ from ._load import Target, load_targets
 from ._sources import Header, read_header, reader_factory
 from ._write import Entry
 
-__all__ = ["save_file", "load_file", "flatten", "leaf_entry"]
+__all__ = ["flatten", "leaf_entry", "load_file", "save_file"]
 
 PathLike = str | os.PathLike
 
@@ -48,10 +48,13 @@ def _refuse_mixed_keys(node: Any, where: tuple) -> None:
                     raise KeyPathError(
                         f"{key}: int key {k!r} and str key {str(k)!r} of the dict at "
                         f"{_paths.format_path(where) or '<root>'} both make the file key {key!r}; rename one of them",
-                        key) from None
+                        key,
+                    ) from None
             raise KeyPathError(
                 f"{_paths.format_path(where) or '<root>'}: a dict with keys of mixed types {keys[:6]!r}; "
-                "jax cannot flatten it. Use keys of one type", _paths.format_path(where)) from None
+                "jax cannot flatten it. Use keys of one type",
+                _paths.format_path(where),
+            ) from None
         children = node.items()
     elif isinstance(node, (list, tuple)):
         children = enumerate(node)
@@ -77,18 +80,27 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
     if not isinstance(value, (np.ndarray, jax.Array)):
         raise UnsupportedValueError(
             f"{key}: expected an array, found {_describe(value)}; save_file stores arrays only "
-            "(use save_model for NNX scalars and rng keys)", key)
+            "(use save_model for NNX scalars and rng keys)",
+            key,
+        )
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
         raise UnsupportedValueError(
-            f"{key}: a typed PRNG key array; store jax.random.key_data(key) or use save_model", key)
+            f"{key}: a typed PRNG key array; store jax.random.key_data(key) or use save_model", key
+        )
     if value.dtype.kind in "OUS":
         raise UnsupportedValueError(f"{key}: {_describe(value)} has no safetensors dtype", key)
     code = _dtypes.to_code(value.dtype, key).code
     return Entry(key, code, tuple(int(d) for d in value.shape), _collective.HostValue(value))
 
 
-def save_file(tree: Any, path: PathLike, *, metadata: Mapping[str, str] | None = None,
-              progress: bool | None = None, blocking: bool = True) -> _async.SaveHandle | None:
+def save_file(
+    tree: Any,
+    path: PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    progress: bool | None = None,
+    blocking: bool = True,
+) -> _async.SaveHandle | None:
     """Save a pytree of arrays as one ``.safetensors`` file, atomically.
 
     Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
@@ -137,13 +149,17 @@ def _check_metadata(metadata: Any) -> None:
         raise UnsupportedValueError(f"metadata must map str to str, found a {type(metadata).__name__}", "__metadata__")
     for k, v in metadata.items():
         if not (isinstance(k, str) and isinstance(v, str)):
-            raise UnsupportedValueError(f"metadata must map str to str: {k!r}: {v!r:.40} is "
-                                        f"{type(k).__name__}: {type(v).__name__}", "__metadata__")
+            raise UnsupportedValueError(
+                f"metadata must map str to str: {k!r}: {v!r:.40} is {type(k).__name__}: {type(v).__name__}",
+                "__metadata__",
+            )
         try:
             (k + v).encode("utf-8")
         except UnicodeEncodeError:
-            raise UnsupportedValueError(f"metadata must map str to str: {k!r}: {v!r:.40} is not valid "
-                                        "Unicode (a lone surrogate)", "__metadata__") from None
+            raise UnsupportedValueError(
+                f"metadata must map str to str: {k!r}: {v!r:.40} is not valid Unicode (a lone surrogate)",
+                "__metadata__",
+            ) from None
 
 
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str]]:
@@ -154,7 +170,9 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str]]:
     for path, leaf in pairs:
         key = _paths.to_key(path)
         if leaf is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
-            raise UnsupportedValueError(f"{key}: abstract leaves must be arrays or jax.ShapeDtypeStruct, found {_describe(leaf)}", key)
+            raise UnsupportedValueError(
+                f"{key}: abstract leaves must be arrays or jax.ShapeDtypeStruct, found {_describe(leaf)}", key
+            )
         sharding = getattr(leaf, "sharding", None)
         if sharding is None and not isinstance(leaf, np.ndarray):
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
@@ -220,16 +238,25 @@ def load_file(
     import jax
 
     header = read_header(source)
-    options = dict(strict=strict, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
-                   max_over_read_ratio=max_over_read_ratio, read_chunk_bytes=read_chunk_bytes,
-                   max_inflight_bytes=max_inflight_bytes, num_threads=num_threads, open_reader=reader_factory(header),
-                   verify=verify, progress=progress)
+    options = {
+        "strict": strict,
+        "allow_missing": allow_missing,
+        "allow_unexpected": allow_unexpected,
+        "max_over_read_ratio": max_over_read_ratio,
+        "read_chunk_bytes": read_chunk_bytes,
+        "max_inflight_bytes": max_inflight_bytes,
+        "num_threads": num_threads,
+        "open_reader": reader_factory(header),
+        "verify": verify,
+        "progress": progress,
+    }
     if abstract is None:
         if jax.process_count() > 1:
             raise NnxSaveError(
                 f"load_file({header.files[0].file if header.files else source!r}) without an abstract tree in a "
                 f"{jax.process_count()}-process run would read every tensor on every host; pass abstract= with "
-                "the shardings each process should load")
+                "the shardings each process should load"
+            )
         targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
         values, report = load_targets(header, targets, **options)
         result = {k: values[k] for k in header.tensors}
@@ -239,6 +266,7 @@ def load_file(
         missing = [k for k in keys if k not in values]
         if missing:  # the report warned; there is nothing to put at these leaves
             raise NnxSaveError(
-                f"{report.source}: cannot build the tree, {len(missing)} leaves have no value: {missing[:10]}\n{report}")
+                f"{report.source}: cannot build the tree, {len(missing)} leaves have no value: {missing[:10]}\n{report}"
+            )
         result = jax.tree_util.tree_unflatten(treedef, [values[k] for k in keys])
     return (result, report) if return_report else result

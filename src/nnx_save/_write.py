@@ -38,8 +38,17 @@ from . import _checksum, _dtypes, _progress
 from ._errors import SaveError
 from ._header import encode_header
 
-__all__ = ["Entry", "atomic_file", "write_file", "host_bytes", "TMP_MARKER", "temp_path", "remove_stale_temps",
-           "commit_staged", "discard_staged"]
+__all__ = [
+    "TMP_MARKER",
+    "Entry",
+    "atomic_file",
+    "commit_staged",
+    "discard_staged",
+    "host_bytes",
+    "remove_stale_temps",
+    "temp_path",
+    "write_file",
+]
 
 TMP_MARKER = ".nnx_save-tmp-"
 # Below this a tensor is hashed on the writing thread: a thread handoff costs ~0.1-1 ms
@@ -75,9 +84,9 @@ def _write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
     done = 0
     while done < len(data):
         if offset is None:
-            done += os.write(fd, data[done:done + (1 << 30)])
+            done += os.write(fd, data[done : done + (1 << 30)])
         else:
-            done += os.pwrite(fd, data[done:done + (1 << 30)], offset + done)
+            done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
 
 
 def _host() -> str:
@@ -118,7 +127,7 @@ def remove_stale_temps(path: Path) -> list[str]:
     for name in names:
         if not name.startswith(prefix):
             continue
-        parts = name[len(prefix):].rsplit("-", 2)
+        parts = name[len(prefix) :].rsplit("-", 2)
         if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
             continue
         pid = int(parts[1])
@@ -205,8 +214,11 @@ def commit_staged(staged: list[tuple[Path, Path]]) -> None:
             os.replace(tmp, path)
         except OSError as e:
             discard_staged(staged[i:])
-            raise SaveError(f"{path}: could not rename the complete file into place ({e.strerror}); "
-                            f"{i} of the {len(staged)} files of this save were already replaced", str(path)) from e
+            raise SaveError(
+                f"{path}: could not rename the complete file into place ({e.strerror}); "
+                f"{i} of the {len(staged)} files of this save were already replaced",
+                str(path),
+            ) from e
     for directory in dict.fromkeys(path.parent for _, path in staged):
         fsync_dir(directory)
 
@@ -216,8 +228,13 @@ def order_entries(entries: Sequence[Entry]) -> list[Entry]:
     return sorted(entries, key=lambda e: (-_dtypes.RANK[e.code], e.key))
 
 
-def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None = None,
-               *, staged: list[tuple[Path, Path]] | None = None) -> None:
+def write_file(
+    path: str | os.PathLike,
+    entries: Sequence[Entry],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    staged: list[tuple[Path, Path]] | None = None,
+) -> None:
     """Write ``entries`` as one safetensors file at ``path``, atomically
     (or staged, see :func:`atomic_file`).
 
@@ -238,11 +255,14 @@ def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapp
         # where a core is free.
         with atomic_file(path, staged=staged) as fd, ThreadPoolExecutor(1, "nnx_save-hash") as hasher:
             _write_all(fd, memoryview(head))
-            for e, (begin, end) in zip(entries, offsets):
+            for e, (begin, end) in zip(entries, offsets, strict=False):
                 data = host_bytes(e.value(), e.code)
                 if len(data) != end - begin:  # the header is already written: never let it lie
-                    raise SaveError(f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
-                                    f"{e.code} {list(e.shape)} says {end - begin}; nothing was saved", str(path))
+                    raise SaveError(
+                        f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
+                        f"{e.code} {list(e.shape)} says {end - begin}; nothing was saved",
+                        str(path),
+                    )
                 if len(data) >= HASH_THREAD_MIN_BYTES:
                     hashed = hasher.submit(digests.update, e.key, data)
                     _write_all(fd, data)
@@ -259,5 +279,11 @@ def write_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapp
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
-    log.debug("saved %s: %d tensors, %d bytes in %.3f s (%.0f MB/s), xxh3_64 checksums recorded",
-              path, len(entries), total, seconds, total / seconds / 1e6 if seconds else 0.0)
+    log.debug(
+        "saved %s: %d tensors, %d bytes in %.3f s (%.0f MB/s), xxh3_64 checksums recorded",
+        path,
+        len(entries),
+        total,
+        seconds,
+        total / seconds / 1e6 if seconds else 0.0,
+    )

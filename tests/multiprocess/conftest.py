@@ -15,19 +15,20 @@ WORKERS = Path(__file__).parent / "workers"
 sys.path.insert(0, str(WORKERS))  # the tests share mp_common with the workers
 sys.path.insert(0, str(Path(__file__).parent))
 
-from mp_harness import Worker, launch  # noqa: E402
-
 import mp_common as c  # noqa: E402
-
+from mp_harness import Worker, launch  # noqa: E402
 
 # ---------------------------------------------------------------- launches shared by the tests
 # Starting JAX dominates each launch, so one 2 x 4 run and one 4 x 2 run serve every
 # test of test_tree.py and test_pod.py.
 
+
 def _byte_jobs(files, n, devices):
-    return [{"path": files["rows"], "suite": "rows", "mesh": [n, devices]},
-            {"path": files["wide"], "suite": "wide", "mesh": [n, devices], "ratio": 1.0},
-            {"path": files["wide"], "suite": "wide", "mesh": [n, devices], "ratio": 1.5}]
+    return [
+        {"path": files["rows"], "suite": "rows", "mesh": [n, devices]},
+        {"path": files["wide"], "suite": "wide", "mesh": [n, devices], "ratio": 1.0},
+        {"path": files["wide"], "suite": "wide", "mesh": [n, devices], "ratio": 1.5},
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +52,7 @@ def files(tmp_path_factory):
 @pytest.fixture(scope="session")
 def two(files, tmp_path_factory):
     """2 processes x 4 devices: save the mixed tree, load it back, refusals, byte counts."""
-    jobs = _byte_jobs(files, 2, 4) + [{"path": files["pod"], "suite": "mixed", "mesh": [2, 4], "host": True}]
+    jobs = [*_byte_jobs(files, 2, 4), {"path": files["pod"], "suite": "mixed", "mesh": [2, 4], "host": True}]
     args = {"path": files["mixed"], "mesh": [2, 4], "dir": files["scratch"], "jobs": jobs, "pod": files["pod"]}
     return launch("save_tree.py", 2, 4, tmp_path_factory.mktemp("two"), args)
 
@@ -59,13 +60,14 @@ def two(files, tmp_path_factory):
 @pytest.fixture(scope="session")
 def four(files, two, tmp_path_factory):
     """4 processes x 2 devices: byte counts, and the 2-process file on two meshes."""
-    jobs = _byte_jobs(files, 4, 2) + [
+    jobs = [
+        *_byte_jobs(files, 4, 2),
         {"path": files["mixed"], "suite": "mixed", "mesh": [4, 2], "ratio": 4.0, "host": True},
         {"path": files["mixed"], "suite": "mixed", "mesh": [8], "ratio": 4.0, "host": True},
         {"path": files["pod"], "suite": "mixed", "mesh": [4, 2], "host": True},
-        {"path": files["pod"], "suite": "mixed", "mesh": [8], "host": True}]
+        {"path": files["pod"], "suite": "mixed", "mesh": [8], "host": True},
+    ]
     return launch("load_tree.py", 4, 2, tmp_path_factory.mktemp("four"), {"jobs": jobs})
-
 
 
 @pytest.fixture

@@ -47,14 +47,27 @@ class WorkerFailure(AssertionError):
 
 def _child_env(devices: int, env: dict[str, str] | None) -> dict[str, str]:
     child = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "JAX_COORDINATOR"))}
-    child.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-                 PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    child.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS="1",
+    )
     child.update(env or {})
     return child
 
 
-def launch(script: str, n: int, devices: int, out: Path, args: dict[str, Any] | None = None, *,
-           timeout: float = 90, env: dict[str, str] | None = None, expect_ok: bool = True) -> list[Worker]:
+def launch(
+    script: str,
+    n: int,
+    devices: int,
+    out: Path,
+    args: dict[str, Any] | None = None,
+    *,
+    timeout: float = 90,
+    env: dict[str, str] | None = None,
+    expect_ok: bool = True,
+) -> list[Worker]:
     """Run ``workers/<script>`` as ``n`` processes with ``devices`` CPU devices each.
 
     Returns one :class:`Worker` per process. With ``expect_ok`` (the default), any
@@ -65,11 +78,17 @@ def launch(script: str, n: int, devices: int, out: Path, args: dict[str, Any] | 
     port, logs, procs = free_port(), [], []
     child_env = _child_env(devices, env)
     for i in range(n):
-        log = open(out / f"worker_{i}.log", "w+b")
+        log = open(out / f"worker_{i}.log", "w+b")  # noqa: SIM115 (closed after the workers exit)
         logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKERS / script), str(i), str(n), str(port), str(out), json.dumps(args or {})],
-            stdout=log, stderr=subprocess.STDOUT, env=child_env, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKERS / script), str(i), str(n), str(port), str(out), json.dumps(args or {})],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env,
+                start_new_session=True,
+            )
+        )
     deadline = time.monotonic() + timeout
     timed_out = False
     for p in procs:
@@ -82,16 +101,18 @@ def launch(script: str, n: int, devices: int, out: Path, args: dict[str, Any] | 
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(10)
     workers = []
-    for i, (p, log) in enumerate(zip(procs, logs)):
+    for i, (p, log) in enumerate(zip(procs, logs, strict=False)):
         log.seek(0)
         text = log.read().decode("utf-8", "replace")
         log.close()
         path = out / f"result_{i}.json"
         workers.append(Worker(i, p.returncode, text, json.loads(path.read_text()) if path.exists() else None))
     if timed_out:
-        raise WorkerFailure(f"{script}: workers still running after {timeout} s, killed\n"
-                            + "\n".join(w.describe() for w in workers))
+        raise WorkerFailure(
+            f"{script}: workers still running after {timeout} s, killed\n" + "\n".join(w.describe() for w in workers)
+        )
     if expect_ok and any(w.returncode != 0 or w.result is None for w in workers):
-        raise WorkerFailure(f"{script}: {n} processes x {devices} devices failed\n"
-                            + "\n".join(w.describe() for w in workers))
+        raise WorkerFailure(
+            f"{script}: {n} processes x {devices} devices failed\n" + "\n".join(w.describe() for w in workers)
+        )
     return workers

@@ -5,10 +5,10 @@ though every process donated its arrays right after the call."""
 
 from __future__ import annotations
 
+import mp_common as c
 import numpy as np
 import pytest
 
-import mp_common as c
 import nnx_save
 
 pytestmark = pytest.mark.multiprocess

@@ -21,8 +21,15 @@ def test_killed_process_leaves_previous_file_and_stops_the_others(run_workers, t
     path = tmp_path / "model.safetensors"
     nnx_save.save_file({"old": np.arange(10, dtype=np.float32)}, path)
     before = path.read_bytes()
-    workers = run_workers("save_killed.py", 4, 1, {"path": str(path), "victim": victim},
-                          env={TIMEOUT_ENV: str(TIMEOUT_S)}, timeout=60, expect_ok=False)
+    workers = run_workers(
+        "save_killed.py",
+        4,
+        1,
+        {"path": str(path), "victim": victim},
+        env={TIMEOUT_ENV: str(TIMEOUT_S)},
+        timeout=60,
+        expect_ok=False,
+    )
     assert workers[victim].returncode == -9
     for w in workers:
         if w.process_id == victim:
@@ -36,8 +43,10 @@ def test_killed_process_leaves_previous_file_and_stops_the_others(run_workers, t
         if victim == 0:  # the coordination service went down with process 0
             assert "lost the JAX coordination service" in error or "did not reach" in error, w.describe()
         else:
-            assert f"process(es) [{victim}] did not reach the 'write' step of the multi-process save within " \
-                   f"{TIMEOUT_S} s ({TIMEOUT_ENV}); did one of them die" in error, w.describe()
+            assert (
+                f"process(es) [{victim}] did not reach the 'write' step of the multi-process save within "
+                f"{TIMEOUT_S} s ({TIMEOUT_ENV}); did one of them die" in error
+            ), w.describe()
         assert "previous file at the path, if any, is intact" in error.lower()
         assert w.result["seconds"] < TIMEOUT_S + 5
     assert path.read_bytes() == before

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import jax
+import mp_common as c
 import pytest
 
-import mp_common as c
 import nnx_save
 
 pytestmark = pytest.mark.multiprocess
@@ -17,8 +17,15 @@ def test_sharded_model_round_trip_on_two_processes(run_workers, tmp_path):
     for w in workers:
         r = w.result
         assert r["clean"] and r["tied"] and r["dtype"] == "bfloat16"
-        assert r["split"] == ["blocks/0/down/kernel", "blocks/0/up/bias", "blocks/0/up/kernel",
-                              "blocks/1/down/kernel", "blocks/1/up/bias", "blocks/1/up/kernel", "embed/embedding"]
+        assert r["split"] == [
+            "blocks/0/down/kernel",
+            "blocks/0/up/bias",
+            "blocks/0/up/kernel",
+            "blocks/1/down/kernel",
+            "blocks/1/up/bias",
+            "blocks/1/up/kernel",
+            "embed/embedding",
+        ]
         assert r["checked"] >= 7 * 4
         # the pod layout on the same process layout: each process reads its own shard file only
         assert r["pod_checked"] == r["checked"] and r["pod_tied"]

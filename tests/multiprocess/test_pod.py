@@ -8,10 +8,10 @@ import os
 import re
 import shutil
 
+import mp_common as c
 import numpy as np
 import pytest
 
-import mp_common as c
 import nnx_save
 
 pytestmark = pytest.mark.multiprocess
@@ -31,7 +31,8 @@ def test_two_processes_write_one_shard_file_each_and_a_manifest(files, two):
     assert (embed["dtype"], embed["shape"]) == ("F32", [64, 32])
     assert "spec=P(('a', 'b'), None)" in embed["sharding"]
     assert [(p["process"], p["box"]) for p in embed["pieces"]] == [
-        (i // 4, [[8 * i, 8 * i + 8], [0, 32]]) for i in range(8)]  # each process its own rows
+        (i // 4, [[8 * i, 8 * i + 8], [0, 32]]) for i in range(8)
+    ]  # each process its own rows
     host = manifest["tensors"]["host_table"]["pieces"]  # a value every process holds: in every file
     assert [(p["process"], p["name"]) for p in host] == [(0, "host_table"), (1, "host_table")]
     for name in names[1:]:  # each shard file is a standard safetensors file
@@ -97,6 +98,10 @@ def test_pieces_are_checked_against_their_checksums(tmp_path):
 
 def test_a_foreign_manifest_is_refused(tmp_path):
     (tmp_path / "manifest.json").write_text('{"format": "something else"}')
-    with pytest.raises(nnx_save.HeaderError, match=re.escape(
-            f"{tmp_path / 'manifest.json'}: not an nnx_save pod manifest (expected \"format\": \"nnx_save.pod\")")):
+    with pytest.raises(
+        nnx_save.HeaderError,
+        match=re.escape(
+            f'{tmp_path / "manifest.json"}: not an nnx_save pod manifest (expected "format": "nnx_save.pod")'
+        ),
+    ):
         nnx_save.read_header(tmp_path)

@@ -7,12 +7,10 @@ import re
 import shutil
 
 import pytest
-
-import nnx_save
 from mp_harness import launch
 from nginx_server import start_nginx
 
-
+import nnx_save
 
 pytestmark = pytest.mark.multiprocess
 

@@ -8,10 +8,10 @@ import os
 import re
 
 import jax
+import mp_common as c
 import numpy as np
 import pytest
 
-import mp_common as c
 import nnx_save
 
 pytestmark = pytest.mark.multiprocess
@@ -48,7 +48,7 @@ def test_last_dim_split_stays_under_the_cap(files, byte_results):
     n, results = byte_results
     data = os.path.getsize(files["wide"]) - _data_start(files["wide"])
     for per_process in results:
-        for ratio, r in zip((1.0, 1.5), per_process[1:]):
+        for ratio, r in zip((1.0, 1.5), per_process[1:], strict=False):
             assert r["bytes_needed"] == data // n
             assert r["bytes_needed"] <= r["bytes_read"] <= ratio * r["bytes_needed"]
             assert r["rchar"] <= r["bytes_read"] + _data_start(files["wide"]) + SLACK
@@ -72,7 +72,7 @@ def test_loads_on_one_process_with_eight_devices(files, two):
     assert jax.process_count() == 1 and jax.device_count() == 8
     for shape in ([8], [2, 4]):
         abstract = c.nest({**c.abstract_tree("mixed", c.mesh(shape)), **c.host_values()})
-        loaded, report = nnx_save.load_file(files["mixed"], abstract, max_over_read_ratio=4.0, return_report=True)
+        loaded, _report = nnx_save.load_file(files["mixed"], abstract, max_over_read_ratio=4.0, return_report=True)
         flat = c.flat(loaded)
         assert c.check_tree("mixed", flat) == 7 * 8
         np.testing.assert_array_equal(flat["host_table"], c.host_values()["host_table"])
@@ -82,8 +82,11 @@ def test_loads_on_one_process_with_eight_devices(files, two):
 def test_refusals(two):
     for w in two:
         r = w.result
-        assert re.search(r"the processes computed different headers \(process 0: 8 tensors, \d+ data bytes, "
-                         r"a \d+-byte header; process 1: .*\); every process must save the same keys", r["differs"])
+        assert re.search(
+            r"the processes computed different headers \(process 0: 8 tensors, \d+ data bytes, "
+            r"a \d+-byte header; process 1: .*\); every process must save the same keys",
+            r["differs"],
+        )
         assert "Nothing was written" in r["differs"] and r["differs_left"] == []
         assert r["local_writer"].startswith("SaveError: an array of shape (64, 32)")
         assert "spans 2 processes; this process holds only its shards" in r["local_writer"]

@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import pytest
 from flax import nnx
+from porting_support import abstract, fill, max_abs_diff, model_arrays, model_shapes, read_checkpoint, save_hf
 
 import nnx_save
 from examples.models import gpt2, llama, vit
 from nnx_save.porting import Rules, coverage, shapes_of
-from porting_support import abstract, fill, max_abs_diff, model_arrays, model_shapes, read_checkpoint, save_hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -62,38 +62,82 @@ def _lm_logits(hf: Any, ids: np.ndarray) -> Any:
 
 
 def _gpt2() -> Any:
-    cfg = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                  bos_token_id=0, eos_token_id=0, initializer_range=INIT, attn_implementation="eager")
+    cfg = transformers.GPT2Config(
+        vocab_size=96,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+        initializer_range=INIT,
+        attn_implementation="eager",
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def _llama() -> Any:
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   bos_token_id=0, eos_token_id=0, pad_token_id=0, initializer_range=INIT,
-                                   attn_implementation="eager")
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        initializer_range=INIT,
+        attn_implementation="eager",
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def _vit() -> Any:
-    cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-                                 num_attention_heads=4, intermediate_size=48, num_labels=5,
-                                 initializer_range=INIT, attn_implementation="eager")
+    cfg = transformers.ViTConfig(
+        image_size=16,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        num_labels=5,
+        initializer_range=INIT,
+        attn_implementation="eager",
+    )
     return transformers.ViTForImageClassification(cfg)
 
 
 FAMILIES = {
     "gpt2": Family(
-        "gpt2", _gpt2, lambda c: gpt2.GPT2(gpt2.GPT2Config.from_hf(c), rngs=nnx.Rngs(0)), gpt2.RULES,
-        _ids(96), _lm_logits, lambda x: x),
+        "gpt2",
+        _gpt2,
+        lambda c: gpt2.GPT2(gpt2.GPT2Config.from_hf(c), rngs=nnx.Rngs(0)),
+        gpt2.RULES,
+        _ids(96),
+        _lm_logits,
+        lambda x: x,
+    ),
     "llama": Family(
-        "llama", _llama, lambda c: llama.Llama(llama.LlamaConfig.from_hf(c), rngs=nnx.Rngs(0)), llama.RULES,
-        _ids(96), _lm_logits, lambda x: x),
+        "llama",
+        _llama,
+        lambda c: llama.Llama(llama.LlamaConfig.from_hf(c), rngs=nnx.Rngs(0)),
+        llama.RULES,
+        _ids(96),
+        _lm_logits,
+        lambda x: x,
+    ),
     "vit": Family(
-        "vit", _vit, lambda c: vit.ViT(vit.ViTConfig.from_hf(c), rngs=nnx.Rngs(0)), vit.RULES,
+        "vit",
+        _vit,
+        lambda c: vit.ViT(vit.ViTConfig.from_hf(c), rngs=nnx.Rngs(0)),
+        vit.RULES,
         lambda rng: rng.standard_normal((2, 3, 16, 16)).astype(np.float32),
         lambda hf, x: hf(pixel_values=torch.from_numpy(x)).logits,
-        lambda x: np.transpose(x, (0, 2, 3, 1))),
+        lambda x: np.transpose(x, (0, 2, 3, 1)),
+    ),
 }
 
 

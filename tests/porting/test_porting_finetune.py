@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from porting_support import max_abs_diff, model_arrays, model_shapes, read_checkpoint, save_hf
+from test_porting_families import FAMILIES, FORWARD, _perturbed
 
 import nnx_save
 from examples.models import vit
 from nnx_save.porting import Rules, shapes_of
-from porting_support import max_abs_diff, model_arrays, model_shapes, read_checkpoint, save_hf
-from test_porting_families import FAMILIES, FORWARD, _perturbed
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -98,7 +98,8 @@ def test_bf16_load_matches_torch_fp32_logits_and_reports_the_cast(hf_family, lay
     assert not (report.missing or report.unexpected or report.shape_mismatches)
     assert sorted(report.loaded) == sorted(expected)
     assert sorted((c.path, c.file_dtype, c.model_dtype) for c in report.dtype_casts) == [
-        (path, "float32", "bfloat16") for path in sorted(expected)]
+        (path, "float32", "bfloat16") for path in sorted(expected)
+    ]
     assert not report.clean
     loaded = model_arrays(model)
     assert all(v.dtype == jnp.bfloat16 for v in loaded.values())
@@ -115,7 +116,9 @@ def test_bf16_load_matches_torch_fp32_logits_and_reports_the_cast(hf_family, lay
     assert ours.shape == torch_logits.shape
     diff, scale = max_abs_diff(ours, torch_logits)
     rms = float(np.linalg.norm(ours - torch_logits) / np.linalg.norm(torch_logits))
-    print(f"{name}/{layout} bf16: max abs diff {diff:.3g}, max |logits| {scale:.3g}, relative {diff / scale:.3g}, rms {rms:.3g}")
+    print(
+        f"{name}/{layout} bf16: max abs diff {diff:.3g}, max |logits| {scale:.3g}, relative {diff / scale:.3g}, rms {rms:.3g}"
+    )
     assert diff <= BF16_TOLERANCE * scale
     assert rms <= BF16_RMS_TOLERANCE
 
@@ -166,8 +169,13 @@ def _hidden(tensors: dict) -> int:
 def test_finetune_trunk_with_a_new_head_is_clean_when_declared(vit_checkpoint) -> None:
     config, path, tensors = vit_checkpoint
     model, report = nnx_save.load_model(
-        _new_head_builder(config), path, rules=TRUNK_RULES, strict=True,
-        allow_missing=["head/*"], allow_unexpected=[r"classifier\..*"])
+        _new_head_builder(config),
+        path,
+        rules=TRUNK_RULES,
+        strict=True,
+        allow_missing=["head/*"],
+        allow_unexpected=[r"classifier\..*"],
+    )
     assert report.clean
     assert report.problems() == []
     assert report.allowed_missing == HEAD
@@ -181,7 +189,7 @@ def test_finetune_trunk_with_a_new_head_is_clean_when_declared(vit_checkpoint) -
 
 def test_finetune_without_allow_missing_lists_the_head_as_missing(vit_checkpoint) -> None:
     config, path, tensors = vit_checkpoint
-    kwargs = dict(rules=TRUNK_RULES, allow_unexpected=[r"classifier\..*"])
+    kwargs = {"rules": TRUNK_RULES, "allow_unexpected": [r"classifier\..*"]}
     with pytest.raises(nnx_save.LoadError) as raised:
         nnx_save.load_model(_new_head_builder(config), path, strict=True, **kwargs)
     assert all(f"missing: {p}" in str(raised.value) for p in HEAD)
@@ -199,9 +207,11 @@ def test_finetune_with_the_full_rules_reports_the_old_head_as_shape_mismatches(v
     wrong class count: shape mismatches, which ``allow_missing`` does not excuse."""
     config, path, tensors = vit_checkpoint
     hidden, old = _hidden(tensors), config.num_labels
-    expected = [("head/bias", (NEW_LABELS,), (old,), "classifier.bias"),
-                ("head/kernel", (hidden, NEW_LABELS), (hidden, old), "classifier.weight")]
-    kwargs = dict(rules=vit.RULES, allow_missing=["head/*"])
+    expected = [
+        ("head/bias", (NEW_LABELS,), (old,), "classifier.bias"),
+        ("head/kernel", (hidden, NEW_LABELS), (hidden, old), "classifier.weight"),
+    ]
+    kwargs = {"rules": vit.RULES, "allow_missing": ["head/*"]}
     with pytest.raises(nnx_save.LoadError) as raised:
         nnx_save.load_model(_new_head_builder(config), path, strict=True, **kwargs)
     assert all(f"shape: {p}" in str(raised.value) for p in HEAD)

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from porting_support import abstract, fill
 
 import nnx_save.porting
 from nnx_save.porting import (
@@ -22,7 +23,6 @@ from nnx_save.porting import (
     torch_rms_norm,
     transpose,
 )
-from porting_support import abstract, fill
 
 torch = pytest.importorskip("torch")
 

@@ -13,9 +13,9 @@ import nnx_save
 from nnx_save.porting import (
     Assignment,
     NotInvertibleError,
-    Rules,
     RuleConflictError,
     RuleError,
+    Rules,
     RuleShapeError,
     concat,
     ignore,
@@ -171,9 +171,7 @@ def test_reshape_inverse_from_a_recorded_plan() -> None:
 def test_reshape_inverse_refuses_a_plan_with_two_source_shapes() -> None:
     rules = Rules(reshape(r"w\d", (6,)))
     plan = rules.plan({"w1": ((2, 3), F32), "w2": ((3, 2), F32)})
-    message = (
-        'reshape(r"w\\d", (6,)) cannot be inverted: the recorded plan used it with [(2, 3), (3, 2)]'
-    )
+    message = 'reshape(r"w\\d", (6,)) cannot be inverted: the recorded plan used it with [(2, 3), (3, 2)]'
     with raises(NotInvertibleError, message):
         rules.inverse(recorded=plan)
 
@@ -207,10 +205,7 @@ def test_split_then_transpose_each_part() -> None:
 
 
 def test_split_needs_a_multiple_of_the_part_count() -> None:
-    message = (
-        '`qkv`: split(r"qkv", (r"q", r"k"), axis=0) needs a multiple of 2 on axis 0, found shape '
-        '(5,)'
-    )
+    message = '`qkv`: split(r"qkv", (r"q", r"k"), axis=0) needs a multiple of 2 on axis 0, found shape (5,)'
     with raises(RuleError, message):
         Rules(split("qkv", ["q", "k"])).plan({"qkv": ((5,), F32)})
 
@@ -246,8 +241,7 @@ def test_concat_joins_parts_in_pattern_order() -> None:
 def test_concat_names_a_missing_part() -> None:
     rules = Rules(concat([r"(\d)\.q", r"(\d)\.k"], r"\1/qk"))
     message = (
-        '`0/qk`: concat((r"(\\d)\\.q", r"(\\d)\\.k"), r"\\1/qk", axis=0) found `0.q` but no key '
-        'matching r"(\\d)\\.k"'
+        '`0/qk`: concat((r"(\\d)\\.q", r"(\\d)\\.k"), r"\\1/qk", axis=0) found `0.q` but no key matching r"(\\d)\\.k"'
     )
     with raises(RuleError, message):
         rules.plan({"0.q": ((2,), F32)})
@@ -256,8 +250,7 @@ def test_concat_names_a_missing_part() -> None:
 def test_concat_checks_shapes_off_the_axis_and_dtypes() -> None:
     rules = Rules(concat(["q", "k"], "qk", axis=1))
     message = (
-        '`qk`: concat((r"q", r"k"), r"qk", axis=1) needs shapes that agree off axis 1, found `q` '
-        '(2, 3), `k` (3, 3)'
+        '`qk`: concat((r"q", r"k"), r"qk", axis=1) needs shapes that agree off axis 1, found `q` (2, 3), `k` (3, 3)'
     )
     with raises(RuleError, message):
         rules.plan({"q": ((2, 3), F32), "k": ((3, 3), F32)})
@@ -280,10 +273,7 @@ def test_concat_inverse_needs_sizes() -> None:
 
 def test_concat_checks_declared_sizes() -> None:
     rules = Rules(concat(["q", "k"], "qk", sizes=(4, 2)))
-    message = (
-        '`qk`: concat((r"q", r"k"), r"qk", axis=0) expects part sizes (4, 2) on axis 0, found (2, '
-        '2)'
-    )
+    message = '`qk`: concat((r"q", r"k"), r"qk", axis=0) expects part sizes (4, 2) on axis 0, found (2, 2)'
     with raises(RuleError, message):
         rules.plan({"q": ((2,), F32), "k": ((2,), F32)})
 
@@ -303,10 +293,7 @@ def test_stack_orders_layers_by_index_not_by_name() -> None:
 
 def test_stack_names_missing_layers() -> None:
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.w", "w"))
-    message = (
-        '`w`: stack(r"h\\.(?P<layer>\\d+)\\.w", r"w", axis=0) found layers [0, 3], missing layers '
-        '[1, 2]'
-    )
+    message = '`w`: stack(r"h\\.(?P<layer>\\d+)\\.w", r"w", axis=0) found layers [0, 3], missing layers [1, 2]'
     with raises(RuleError, message):
         rules.plan({"h.0.w": ((2,), F32), "h.3.w": ((2,), F32)})
 
@@ -315,7 +302,7 @@ def test_stack_needs_one_shape() -> None:
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.w", "w"))
     message = (
         '`w`: stack(r"h\\.(?P<layer>\\d+)\\.w", r"w", axis=0) needs layers of one shape, found '
-        '`h.0.w` (2,), `h.1.w` (3,)'
+        "`h.0.w` (2,), `h.1.w` (3,)"
     )
     with raises(RuleError, message):
         rules.plan({"h.0.w": ((2,), F32), "h.1.w": ((3,), F32)})
@@ -323,25 +310,16 @@ def test_stack_needs_one_shape() -> None:
 
 def test_stack_refuses_two_keys_for_one_layer() -> None:
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.(?:a|b)", "w"))
-    message = (
-        '`w`: produced twice by stack(r"h\\.(?P<layer>\\d+)\\.(?:a|b)", r"w", axis=0), from '
-        '`h.0.a` and `h.0.b`'
-    )
+    message = '`w`: produced twice by stack(r"h\\.(?P<layer>\\d+)\\.(?:a|b)", r"w", axis=0), from `h.0.a` and `h.0.b`'
     with raises(RuleError, message):
         rules.plan({"h.0.a": ((2,), F32), "h.0.b": ((2,), F32)})
 
 
 def test_stack_needs_the_layer_group_and_must_not_reference_it() -> None:
-    message = (
-        'stack(r"h\\.(\\d+)", r"w", axis=0): the pattern needs a named group (?P<layer>...) for '
-        'the layer index'
-    )
+    message = 'stack(r"h\\.(\\d+)", r"w", axis=0): the pattern needs a named group (?P<layer>...) for the layer index'
     with raises(RuleError, message):
         stack(r"h\.(\d+)", "w")
-    message = (
-        'stack(r"h\\.(?P<layer>\\d+)", r"w/\\1", axis=0): the target must not reference the layer '
-        'group \'layer\''
-    )
+    message = 'stack(r"h\\.(?P<layer>\\d+)", r"w/\\1", axis=0): the target must not reference the layer group \'layer\''
     with raises(RuleError, message):
         stack(r"h\.(?P<layer>\d+)", r"w/\1")
 
@@ -385,16 +363,13 @@ def test_a_source_matched_by_a_split_and_a_rename_is_a_conflict() -> None:
 
 def test_a_target_made_twice_is_a_conflict_naming_both() -> None:
     rules = Rules(rename("a", "x"), split("qk", ["x", "y"]))
-    message = (
-        "`x`: produced twice, from `a` by rename(r\"a\", r\"x\") and from `qk` by "
-        'split(r"qk", (r"x", r"y"), axis=0)'
-    )
+    message = '`x`: produced twice, from `a` by rename(r"a", r"x") and from `qk` by split(r"qk", (r"x", r"y"), axis=0)'
     with raises(RuleConflictError, message):
         rules.plan({"a": ((2,), F32), "qk": ((4,), F32)})
 
 
 def test_a_renamed_key_landing_on_a_kept_name_is_a_conflict() -> None:
-    message = "`b`: produced twice, from `b` by no rule (name kept) and from `a` by rename(r\"a\", r\"b\")"
+    message = '`b`: produced twice, from `b` by no rule (name kept) and from `a` by rename(r"a", r"b")'
     with raises(RuleConflictError, message):
         Rules(rename("a", "b")).plan({"a": ((2,), F32), "b": ((2,), F32)})
 
@@ -403,11 +378,11 @@ def test_every_conflict_is_reported_at_once() -> None:
     rules = Rules(rename(r"[ab]", "x"), rename(r"[cd]", "y"))
     message = (
         "2 porting rule problems:\n"
-        "  `x`: produced twice, from `a` by rename(r\"[ab]\", r\"x\") and from `b` by rename(r\"[ab]\", r\"x\")\n"
-        "  `y`: produced twice, from `c` by rename(r\"[cd]\", r\"y\") and from `d` by rename(r\"[cd]\", r\"y\")"
+        '  `x`: produced twice, from `a` by rename(r"[ab]", r"x") and from `b` by rename(r"[ab]", r"x")\n'
+        '  `y`: produced twice, from `c` by rename(r"[cd]", r"y") and from `d` by rename(r"[cd]", r"y")'
     )
     with raises(RuleConflictError, message):
-        rules.plan({k: ((1,), F32) for k in "abcd"})
+        rules.plan(dict.fromkeys("abcd", ((1,), F32)))
 
 
 def test_conflicts_are_nnx_save_errors() -> None:
@@ -433,7 +408,7 @@ def test_rules_refuse_other_things() -> None:
 
 
 def test_rules_repr_lists_one_rule_a_line() -> None:
-    assert repr(Rules(rename("a", "b"))) == "Rules(\n    rename(r\"a\", r\"b\"),\n    direction='load',\n)"
+    assert repr(Rules(rename("a", "b"))) == 'Rules(\n    rename(r"a", r"b"),\n    direction=\'load\',\n)'
 
 
 def test_inverse_of_inverse_is_the_same_rules() -> None:
@@ -504,7 +479,7 @@ def test_porting_modules_import_neither_torch_nor_jax() -> None:
         (
             lambda: Rules(stack(r"h\.(?P<layer>\w+)", "t")).plan({"h.x": ((1,), F32)}),
             RuleError,
-            "`h.x`: stack(r\"h\\.(?P<layer>\\w+)\", r\"t\", axis=0) needs a decimal layer index, found 'x'",
+            '`h.x`: stack(r"h\\.(?P<layer>\\w+)", r"t", axis=0) needs a decimal layer index, found \'x\'',
         ),
         (
             lambda: Rules(stack(r"h\.(?P<layer>\d+)", "t", axis=3)).plan({"h.0": ((1,), F32)}),
@@ -519,15 +494,19 @@ def test_porting_modules_import_neither_torch_nor_jax() -> None:
         (
             lambda: unstack(r"(?P<layer>e)", r"t/\g<layer>"),
             RuleError,
-            "unstack(r\"(?P<layer>e)\", r\"t/\\g<layer>\", axis=0): the pattern must not define the group "
-            "'layer', the target's index",
+            (
+                'unstack(r"(?P<layer>e)", r"t/\\g<layer>", axis=0): the pattern must not define the group '
+                "'layer', the target's index"
+            ),
         ),
         (
             lambda: Rules(concat([r"(\d)\.q", r"(?P<i>\w)\.k"], r"\1/qk", sizes=(1, 1))).inverse(),
             NotInvertibleError,
-            'concat((r"(\\d)\\.q", r"(?P<i>\\w)\\.k"), r"\\1/qk", axis=0) cannot be inverted automatically: '
-            'its parts give different target patterns r"(?P<i>\\w)/qk", r"(\\d)/qk"; '
-            "pass inverse= with an explicit rule",
+            (
+                'concat((r"(\\d)\\.q", r"(?P<i>\\w)\\.k"), r"\\1/qk", axis=0) cannot be inverted automatically: '
+                'its parts give different target patterns r"(?P<i>\\w)/qk", r"(\\d)/qk"; '
+                "pass inverse= with an explicit rule"
+            ),
         ),
     ],
 )

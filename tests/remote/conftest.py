@@ -1,7 +1,6 @@
 """The nginx fixture for the remote-source tests (see tests/nginx_server.py)."""
 
 import pytest
-
 from nginx_server import start_nginx
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import http.client
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FaultyProxy:
@@ -45,7 +45,11 @@ class FaultyProxy:
                     return
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
                 try:
-                    conn.request("GET", self.path, headers={k: v for k, v in self.headers.items() if k.lower() in ("range", "accept-encoding")})
+                    conn.request(
+                        "GET",
+                        self.path,
+                        headers={k: v for k, v in self.headers.items() if k.lower() in ("range", "accept-encoding")},
+                    )
                     resp = conn.getresponse()
                     body = resp.read()
                 finally:
@@ -73,7 +77,7 @@ class FaultyProxy:
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> "FaultyProxy":
+    def __enter__(self) -> FaultyProxy:
         self.thread.start()
         return self
 

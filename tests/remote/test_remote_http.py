@@ -8,12 +8,12 @@ import re
 import jax
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from faulty_proxy import FaultyProxy
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import nnx_save
 from nnx_save._remote import SPECULATIVE_HEADER_BYTES, RemoteChangedError, RemoteError
-
-from faulty_proxy import FaultyProxy
 
 RNG = np.random.default_rng(0)
 NESTED = {
@@ -22,8 +22,13 @@ NESTED = {
     "ids": np.arange(1000, dtype=np.int64),
     "half": RNG.standard_normal((128, 8)).astype(np.float16),
 }
-TREE = {"embed": NESTED["embed"], "layers/0/w": NESTED["layers"][0]["w"], "layers/1/w": NESTED["layers"][1]["w"],
-        "ids": NESTED["ids"], "half": NESTED["half"]}  # the flat keys a load returns
+TREE = {
+    "embed": NESTED["embed"],
+    "layers/0/w": NESTED["layers"][0]["w"],
+    "layers/1/w": NESTED["layers"][1]["w"],
+    "ids": NESTED["ids"],
+    "half": NESTED["half"],
+}  # the flat keys a load returns
 
 
 @pytest.fixture
@@ -57,8 +62,9 @@ def test_sharded_partial_load_requests_only_its_ranges(served):
     abstract = {"embed": jax.ShapeDtypeStruct((512, 64), np.float32, sharding=NamedSharding(mesh, P("x", None)))}
     header = nnx_save.read_header(f"{served.url}/model.safetensors")
     served.clear_log()
-    out, report = nnx_save.load_file(header, abstract, allow_unexpected=["*"], read_chunk_bytes=16 << 10,
-                                     return_report=True)
+    out, report = nnx_save.load_file(
+        header, abstract, allow_unexpected=["*"], read_chunk_bytes=16 << 10, return_report=True
+    )
     np.testing.assert_array_equal(np.asarray(out["embed"]), TREE["embed"])
     assert len(out["embed"].sharding.device_set) == 8
     log = data_requests(served.requests())
@@ -107,8 +113,12 @@ def test_transient_faults_are_retried_and_counted(served, fault):
 
     port = int(served.url.rsplit(":", 1)[1])
     with FaultyProxy(port, plan) as proxy:
-        out, report = nnx_save.load_file(f"http://127.0.0.1:{proxy.port}/model.safetensors",
-                                         read_chunk_bytes=64 << 10, num_threads=1, return_report=True)
+        out, report = nnx_save.load_file(
+            f"http://127.0.0.1:{proxy.port}/model.safetensors",
+            read_chunk_bytes=64 << 10,
+            num_threads=1,
+            return_report=True,
+        )
     assert all(np.array_equal(out[k], v) for k, v in TREE.items())
     assert proxy.faults == [fault, fault]
     assert report.io.retries == 2
@@ -123,15 +133,23 @@ def test_object_replaced_mid_load_is_an_error(served):
         return "pass"
 
     port = int(served.url.rsplit(":", 1)[1])
-    with FaultyProxy(port, plan) as proxy:
-        with pytest.raises(RemoteChangedError, match=re.escape(f"http://127.0.0.1:{proxy.port}/model.safetensors: the object changed during the load")):
-            nnx_save.load_file(f"http://127.0.0.1:{proxy.port}/model.safetensors", read_chunk_bytes=64 << 10, num_threads=1)
+    with (
+        FaultyProxy(port, plan) as proxy,
+        pytest.raises(
+            RemoteChangedError,
+            match=re.escape(f"http://127.0.0.1:{proxy.port}/model.safetensors: the object changed during the load"),
+        ),
+    ):
+        nnx_save.load_file(f"http://127.0.0.1:{proxy.port}/model.safetensors", read_chunk_bytes=64 << 10, num_threads=1)
 
 
 def test_missing_url_and_unknown_scheme(served):
     with pytest.raises(FileNotFoundError, match=re.escape(f"{served.url}/nope.safetensors: not found (HTTP 404)")):
         nnx_save.read_header(f"{served.url}/nope.safetensors")
-    with pytest.raises(RemoteError, match=r"s3://bucket/model\.safetensors: (reading this URL needs fsspec|no fsspec implementation for s3://)"):
+    with pytest.raises(
+        RemoteError,
+        match=r"s3://bucket/model\.safetensors: (reading this URL needs fsspec|no fsspec implementation for s3://)",
+    ):
         nnx_save.read_header("s3://bucket/model.safetensors")
 
 
@@ -139,5 +157,7 @@ def test_persistent_failure_gives_up_with_the_range(served):
     port = int(served.url.rsplit(":", 1)[1])
     with FaultyProxy(port, lambda n, rng: "503" if n > 1 else "pass") as proxy:
         url = f"http://127.0.0.1:{proxy.port}/model.safetensors"
-        with pytest.raises(RemoteError, match=re.escape(f"{url}: bytes ") + r"\d+-\d+ failed after 6 attempts: HTTP 503"):
+        with pytest.raises(
+            RemoteError, match=re.escape(f"{url}: bytes ") + r"\d+-\d+ failed after 6 attempts: HTTP 503"
+        ):
             nnx_save.load_file(url, num_threads=1)

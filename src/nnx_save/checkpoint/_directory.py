@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 
-__all__ = ["resolve_checkpoint_dir", "absolute_dir"]
+__all__ = ["absolute_dir", "resolve_checkpoint_dir"]
 
 
 def absolute_dir(name: str, value: str | os.PathLike[str]) -> pathlib.Path:

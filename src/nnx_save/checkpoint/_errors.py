@@ -16,16 +16,16 @@ from .._errors import DtypeMismatchError, KeyMismatchError, NnxSaveError
 from ._format import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
-    "CheckpointError",
-    "CheckpointNotWrittenError",
-    "CheckpointNotFoundError",
-    "UnsupportedCheckpointError",
-    "CheckpointTemplateError",
-    "CheckpointItemError",
-    "DtypeMismatch",
     "CheckpointDtypeMismatchError",
-    "WriteRefusal",
+    "CheckpointError",
+    "CheckpointItemError",
+    "CheckpointNotFoundError",
+    "CheckpointNotWrittenError",
+    "CheckpointTemplateError",
     "CheckpointWriteError",
+    "DtypeMismatch",
+    "UnsupportedCheckpointError",
+    "WriteRefusal",
 ]
 
 WriteRefusal = Literal["exists", "below_latest", "rejected"]
@@ -54,8 +54,10 @@ class CheckpointWriteError(CheckpointError, OSError):
         if "No space left on device" in text:
             text = "no space left on the device; " + text
         detail = text if len(text) <= 400 else f"{text[:160]} ... {text[-200:]}"
-        super().__init__(f"{directory}: step {step} was not written ({type(cause).__name__}: {detail}); "
-                         "the steps saved before are intact")
+        super().__init__(
+            f"{directory}: step {step} was not written ({type(cause).__name__}: {detail}); "
+            "the steps saved before are intact"
+        )
         self.step, self.directory = step, directory
 
 
@@ -133,8 +135,7 @@ class UnsupportedCheckpointError(CheckpointError, ValueError):
         self.directory = None if directory is None else str(directory)
         where = _where(step, self.directory)
         super().__init__(
-            f"{where}holds {found}; this nnx_save reads format {FORMAT_NAME!r} "
-            f"up to version {FORMAT_VERSION}"
+            f"{where}holds {found}; this nnx_save reads format {FORMAT_NAME!r} up to version {FORMAT_VERSION}"
         )
 
 
@@ -157,9 +158,7 @@ class CheckpointTemplateError(CheckpointError, ValueError):
         self.step = step
         self.problems = tuple(sorted(problems))
         lines = "\n  ".join(self.problems)
-        super().__init__(
-            f"step {step}: {len(self.problems)} template leaves disagree with the checkpoint:\n  {lines}"
-        )
+        super().__init__(f"step {step}: {len(self.problems)} template leaves disagree with the checkpoint:\n  {lines}")
 
 
 class CheckpointItemError(CheckpointError, KeyMismatchError):
@@ -176,8 +175,7 @@ class CheckpointItemError(CheckpointError, KeyMismatchError):
         self.missing = tuple(missing)
         self.held = tuple(held)
         super().__init__(
-            f"step {step} holds no item {', '.join(map(repr, self.missing))}; "
-            f"it holds {', '.join(self.held)}"
+            f"step {step} holds no item {', '.join(map(repr, self.missing))}; it holds {', '.join(self.held)}"
         )
 
 

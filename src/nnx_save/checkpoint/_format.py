@@ -10,12 +10,12 @@ record. Changing any of these names or the record layouts needs a new
 from __future__ import annotations
 
 __all__ = [
+    "DTYPES_FORMAT",
+    "DTYPES_ITEM",
     "FORMAT_NAME",
     "FORMAT_VERSION",
-    "DTYPES_FORMAT",
     "ITEM_NAMES",
     "METADATA_ITEM",
-    "DTYPES_ITEM",
     "ROOT",
 ]
 

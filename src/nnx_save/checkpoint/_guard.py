@@ -16,7 +16,7 @@ import numpy as np
 from ._errors import DtypeMismatch
 from ._tree import Path, Spec, leaf_spec, show
 
-__all__ = ["template_problems", "dtype_mismatches", "explained_by_x64"]
+__all__ = ["dtype_mismatches", "explained_by_x64", "template_problems"]
 
 
 def template_problems(item: str, template: Sequence[tuple[Path, Any]], stored: Mapping[Path, Spec | None]) -> list[str]:
@@ -27,7 +27,9 @@ def template_problems(item: str, template: Sequence[tuple[Path, Any]], stored: M
         ['model/w: shape (2, 3) in the template, (3, 3) in the checkpoint']
     """
     given = dict(template)
-    problems = [f"{item}/{show(p)}: stored in the checkpoint, absent from the template" for p in stored if p not in given]
+    problems = [
+        f"{item}/{show(p)}: stored in the checkpoint, absent from the template" for p in stored if p not in given
+    ]
     problems += [f"{item}/{show(p)}: in the template, not stored in the checkpoint" for p in given if p not in stored]
     for path in given.keys() & stored.keys():
         problem = _leaf_problem(leaf_spec(given[path]), stored[path])

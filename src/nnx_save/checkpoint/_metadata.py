@@ -20,7 +20,7 @@ from typing import Any
 from ._errors import UnsupportedCheckpointError
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 
-__all__ = ["Producer", "CheckpointMetadata", "library_versions", "check_extra", "check_metrics"]
+__all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "library_versions"]
 
 # Distributions whose versions every checkpoint records, for reproducing a run.
 _DISTRIBUTIONS = ("jax", "jaxlib", "flax", "orbax-checkpoint", "optax", "numpy")
@@ -60,7 +60,9 @@ class Producer:
         try:
             return cls(data["name"], data["version"])
         except ValueError:
-            raise UnsupportedCheckpointError(f"a producer record {dict(data)!r} (expected two non-empty strings)") from None
+            raise UnsupportedCheckpointError(
+                f"a producer record {dict(data)!r} (expected two non-empty strings)"
+            ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,7 +159,9 @@ def _check_format(data: Any) -> None:
 def _check_fields(data: Mapping[str, Any]) -> None:
     missing, unknown = sorted(_FIELDS - set(data)), sorted(set(data) - _FIELDS)
     if missing or unknown:
-        raise UnsupportedCheckpointError(f"a metadata record with missing fields {missing} and unknown fields {unknown}")
+        raise UnsupportedCheckpointError(
+            f"a metadata record with missing fields {missing} and unknown fields {unknown}"
+        )
 
 
 def _int(data: Mapping[str, Any], key: str, *, minimum: int) -> int:
@@ -202,7 +206,7 @@ def _metrics(value: Any) -> dict[str, float]:
 
 def library_versions() -> dict[str, str]:
     """The versions of nnx_save and the libraries it saves through, for the record."""
-    import nnx_save  # noqa: PLC0415 - the parent package is fully imported by call time
+    import nnx_save
 
     versions = {"nnx_save": nnx_save.__version__}
     for dist in _DISTRIBUTIONS:
@@ -264,9 +268,11 @@ def _check_json(where: str, value: Any) -> None:
     elif isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{where}: {value!r} is not a finite float; JSON cannot store it")
     elif value is not None and not isinstance(value, (str, int, float, bool)):
-        raise ValueError(f"{where}: a {type(value).__name__} is not JSON data (str, int, float, bool, None, list, dict)")
+        raise ValueError(
+            f"{where}: a {type(value).__name__} is not JSON data (str, int, float, bool, None, list, dict)"
+        )
 
 
 def utc_now() -> str:
     """The current time, ISO 8601 with an explicit UTC offset."""
-    return datetime.datetime.now(datetime.timezone.utc).isoformat()
+    return datetime.datetime.now(datetime.UTC).isoformat()

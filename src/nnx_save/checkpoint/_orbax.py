@@ -21,17 +21,17 @@ from ._tree import Path, Spec, flatten, segment, show
 
 __all__ = [
     "StepAlreadyExistsError",
-    "make_manager",
-    "is_primary",
-    "on_primary",
-    "save_args",
     "held_items",
-    "stored_trees",
-    "stored_specs",
+    "is_primary",
+    "make_manager",
+    "on_primary",
     "read_json",
-    "template_restore_args",
-    "stored_restore_args",
     "restore_items",
+    "save_args",
+    "stored_restore_args",
+    "stored_specs",
+    "stored_trees",
+    "template_restore_args",
 ]
 
 StepAlreadyExistsError = ocp.checkpoint_manager.StepAlreadyExistsError

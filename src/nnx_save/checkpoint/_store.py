@@ -28,8 +28,8 @@ from ._errors import (
     CheckpointNotFoundError,
     CheckpointNotWrittenError,
     CheckpointTemplateError,
-    UnsupportedCheckpointError,
     CheckpointWriteError,
+    UnsupportedCheckpointError,
 )
 from ._format import DTYPES_ITEM, ITEM_NAMES, METADATA_ITEM
 from ._guard import dtype_mismatches, explained_by_x64, template_problems
@@ -135,7 +135,9 @@ class OrbaxCheckpointStore:
         self._directory = absolute_dir("directory", directory)
         if self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"checkpoint directory {self._directory} exists and is not a directory")
-        if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1):
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
             raise ValueError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
         self._max_to_keep = max_to_keep
         self._manager: Any = None
@@ -480,7 +482,9 @@ class OrbaxCheckpointStore:
                 raise UnsupportedCheckpointError(error.found, step=step, directory=self._directory) from None
             absent = sorted(set(stored) - set(record))
             if absent:
-                raise UnsupportedCheckpointError(f"a dtype record without items {absent}", step=step, directory=self._directory)
+                raise UnsupportedCheckpointError(
+                    f"a dtype record without items {absent}", step=step, directory=self._directory
+                )
             return {name: record[name] for name in stored}
         return {
             name: {path: spec.dtype for path, spec in _orbax.stored_specs(tree).items() if spec is not None}
@@ -539,7 +543,9 @@ def _new_metadata(
     )
 
 
-def _restore_names(metadata: CheckpointMetadata, templates: Mapping[str, Any], items: Iterable[str] | None) -> list[str]:
+def _restore_names(
+    metadata: CheckpointMetadata, templates: Mapping[str, Any], items: Iterable[str] | None
+) -> list[str]:
     wanted = list(metadata.items if items is None else items)
     for name in [*wanted, *templates]:
         if name not in ITEM_NAMES:

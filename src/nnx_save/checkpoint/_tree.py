@@ -23,14 +23,14 @@ from ._format import DTYPES_FORMAT, ITEM_NAMES
 __all__ = [
     "Path",
     "Spec",
-    "segment",
+    "check_item",
+    "dtype_record",
     "flatten",
     "is_array",
     "leaf_spec",
-    "show",
-    "check_item",
-    "dtype_record",
     "parse_dtype_record",
+    "segment",
+    "show",
 ]
 
 Path = tuple[str, ...]

@@ -60,24 +60,6 @@ Examples:
     (3, 5)
 """
 
-from ._coverage import Coverage as Coverage
-from ._coverage import coverage as coverage
-from ._errors import NotInvertibleError as NotInvertibleError
-from ._errors import RuleConflictError as RuleConflictError
-from ._errors import RuleError as RuleError
-from ._errors import RuleShapeError as RuleShapeError
-from ._hf import hf_conv1d as hf_conv1d
-from ._hf import torch_conv as torch_conv
-from ._hf import torch_embedding as torch_embedding
-from ._hf import torch_layer_norm as torch_layer_norm
-from ._hf import torch_linear as torch_linear
-from ._hf import torch_rms_norm as torch_rms_norm
-from ._hf import TORCH_LINEAR_AXES as TORCH_LINEAR_AXES
-from ._hf import torch_conv_axes as torch_conv_axes
-from ._plan import Assignment as Assignment
-from ._plan import Plan as Plan
-from ._plan import Rules as Rules
-from ._plan import shapes_of as shapes_of
 from ._constructors import concat as concat
 from ._constructors import ignore as ignore
 from ._constructors import rename as rename
@@ -86,6 +68,24 @@ from ._constructors import split as split
 from ._constructors import stack as stack
 from ._constructors import transpose as transpose
 from ._constructors import unstack as unstack
+from ._coverage import Coverage as Coverage
+from ._coverage import coverage as coverage
+from ._errors import NotInvertibleError as NotInvertibleError
+from ._errors import RuleConflictError as RuleConflictError
+from ._errors import RuleError as RuleError
+from ._errors import RuleShapeError as RuleShapeError
+from ._hf import TORCH_LINEAR_AXES as TORCH_LINEAR_AXES
+from ._hf import hf_conv1d as hf_conv1d
+from ._hf import torch_conv as torch_conv
+from ._hf import torch_conv_axes as torch_conv_axes
+from ._hf import torch_embedding as torch_embedding
+from ._hf import torch_layer_norm as torch_layer_norm
+from ._hf import torch_linear as torch_linear
+from ._hf import torch_rms_norm as torch_rms_norm
+from ._plan import Assignment as Assignment
+from ._plan import Plan as Plan
+from ._plan import Rules as Rules
+from ._plan import shapes_of as shapes_of
 from ._rules import ConcatRule as ConcatRule
 from ._rules import IgnoreRule as IgnoreRule
 from ._rules import RenameRule as RenameRule

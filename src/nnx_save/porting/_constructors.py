@@ -21,7 +21,7 @@ from ._rules import (
     UnstackRule,
 )
 
-__all__ = ["rename", "ignore", "split", "concat", "stack", "unstack", "transpose", "reshape"]
+__all__ = ["concat", "ignore", "rename", "reshape", "split", "stack", "transpose", "unstack"]
 
 
 def rename(pattern: str, replacement: str, *, inverse: StructuralRule | None = None) -> RenameRule:

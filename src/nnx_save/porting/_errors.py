@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .._errors import NnxSaveError, ShapeMismatchError
 
-__all__ = ["RuleError", "RuleConflictError", "RuleShapeError", "NotInvertibleError"]
+__all__ = ["NotInvertibleError", "RuleConflictError", "RuleError", "RuleShapeError"]
 
 
 class RuleError(NnxSaveError, ValueError):

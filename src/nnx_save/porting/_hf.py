@@ -27,12 +27,12 @@ from ._template import invert
 
 __all__ = [
     "TORCH_LINEAR_AXES",
-    "torch_conv_axes",
-    "torch_linear",
     "hf_conv1d",
     "torch_conv",
+    "torch_conv_axes",
     "torch_embedding",
     "torch_layer_norm",
+    "torch_linear",
     "torch_rms_norm",
 ]
 

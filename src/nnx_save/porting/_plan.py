@@ -36,7 +36,7 @@ from ._rules import (
 )
 from ._transforms import Concatenate, Reshape, Step, Transform
 
-__all__ = ["Rules", "Plan", "Assignment", "shapes_of"]
+__all__ = ["Assignment", "Plan", "Rules", "shapes_of"]
 
 Shape = tuple[int, ...]
 Direction = Literal["load", "export"]
@@ -287,8 +287,10 @@ class _Planner:
         first: dict[str, Node] = {}
         for node in nodes:
             if node.target in first:
-                made = [f"from {_sources(n)} by {rule_of.get(n.sources[0], 'no rule (name kept)')}"
-                        for n in (first[node.target], node)]
+                made = [
+                    f"from {_sources(n)} by {rule_of.get(n.sources[0], 'no rule (name kept)')}"
+                    for n in (first[node.target], node)
+                ]
                 self.conflicts.append(f"`{node.target}`: produced twice, {made[0]} and {made[1]}")
             first.setdefault(node.target, node)
 
@@ -341,4 +343,3 @@ def _tagged(node: Node, index: int) -> Node:
 
 def _sources(node: Node) -> str:
     return ", ".join(f"`{k}`" for k in node.sources)
-

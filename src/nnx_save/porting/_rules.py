@@ -28,18 +28,18 @@ from ._template import raw as _raw
 from ._transforms import Combine, Concatenate, Index, Reshape, Stack, Take, Transpose
 
 __all__ = [
+    "ConcatRule",
+    "IgnoreRule",
     "Node",
     "RenameRule",
-    "IgnoreRule",
-    "SplitRule",
-    "ConcatRule",
-    "StackRule",
-    "UnstackRule",
-    "TransposeRule",
     "ReshapeRule",
-    "StructuralRule",
-    "ValueRule",
     "Rule",
+    "SplitRule",
+    "StackRule",
+    "StructuralRule",
+    "TransposeRule",
+    "UnstackRule",
+    "ValueRule",
 ]
 
 Shape = tuple[int, ...]
@@ -182,7 +182,7 @@ class SplitRule:
                 continue
             axis, starts = bounds
             for target, start, stop in zip(targets, starts, starts[1:], strict=False):
-                part = shape[:axis] + (stop - start,) + shape[axis + 1 :]
+                part = (*shape[:axis], stop - start, *shape[axis + 1 :])
                 nodes.append(Node(target, (key,), part, dtype, Take(axis, start, stop)))
         return nodes
 
@@ -275,7 +275,7 @@ class ConcatRule:
             errors.append(f"`{target}`: {self} expects part sizes {self.sizes} on axis {self.axis}, found {sizes}")
             return None
         dtype = _same_dtype(keys, info, target, errors)
-        shape = shapes[0][:axis] + (sum(sizes),) + shapes[0][axis + 1 :]
+        shape = (*shapes[0][:axis], sum(sizes), *shapes[0][axis + 1 :])
         return None if dtype is None else Node(target, keys, shape, dtype, Concatenate(axis, sizes))
 
     def inverse(self, sizes: tuple[int, ...] | None = None) -> StructuralRule:
@@ -361,7 +361,7 @@ class StackRule:
             errors.append(f"`{target}`: {self} cannot stack shape {shape} on axis {self.axis}")
             return None
         dtype = _same_dtype(keys, info, target, errors)
-        stacked = shape[:axis] + (len(keys),) + shape[axis:]
+        stacked = (*shape[:axis], len(keys), *shape[axis:])
         return None if dtype is None else Node(target, keys, stacked, dtype, Stack(axis))
 
     def inverse(self) -> StructuralRule:

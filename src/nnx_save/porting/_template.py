@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ._errors import NotInvertibleError, RuleError
 
-__all__ = ["Template", "Group", "parse_pattern", "invert", "compile_pattern", "raw"]
+__all__ = ["Group", "Template", "compile_pattern", "invert", "parse_pattern", "raw"]
 
 _META = set(".^$*+?{}[]|)")
 _QUANTIFIERS = set("*+?{")
@@ -107,7 +107,7 @@ def _check_no_escape(text: str, start: int, stop: int) -> None:
     where = text.find("\\", start, stop)
     if where >= 0:
         raise RuleError(
-            f"template {raw(text)}: escape '{text[where:where + 2]}' at {where}; keys only take "
+            f"template {raw(text)}: escape '{text[where : where + 2]}' at {where}; keys only take "
             "group references (\\1, \\g<1>, \\g<name>) and \\\\ for a backslash"
         )
 
@@ -165,8 +165,7 @@ def parse_pattern(pattern: str) -> tuple[tuple[str | int, ...], tuple[Group, ...
 
 def _cannot(pattern: str, why: str) -> NotInvertibleError:
     return NotInvertibleError(
-        f"pattern {raw(pattern)} cannot be inverted automatically: {why}; "
-        "pass inverse= with an explicit rule"
+        f"pattern {raw(pattern)} cannot be inverted automatically: {why}; pass inverse= with an explicit rule"
     )
 
 
@@ -248,9 +247,7 @@ def invert(
         groups = (*groups, Group(produced[0], produced[1]))
         names[produced[0]] = len(groups)
     order = _reference_order(Template.parse(template), names, len(groups), pattern, template, consumed)
-    new_pattern = "".join(
-        re.escape(p) if isinstance(p, str) else _group_text(groups[p.ref - 1]) for p in order
-    )
+    new_pattern = "".join(re.escape(p) if isinstance(p, str) else _group_text(groups[p.ref - 1]) for p in order)
     slots = {ref.ref: i + 1 for i, ref in enumerate(p for p in order if isinstance(p, _Ref))}
     new_template = "".join(_template_part(p, groups, slots, consumed) for p in parts)
     return new_pattern, new_template

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Transpose", "Reshape", "Take", "Index", "Concatenate", "Stack", "Transform"]
+__all__ = ["Concatenate", "Index", "Reshape", "Stack", "Take", "Transform", "Transpose"]
 
 Shape = tuple[int, ...]
 

@@ -8,7 +8,6 @@ The parent (:mod:`tests.multiprocess.harness`) starts each worker as
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,9 +39,12 @@ def init() -> Ctx:
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
-        coordinator_address=f"127.0.0.1:{port}", num_processes=n, process_id=pid,
-        initialization_timeout=INIT_TIMEOUT_S, heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
-        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S)
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=n,
+        process_id=pid,
+        initialization_timeout=INIT_TIMEOUT_S,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
+    )
     assert jax.process_count() == n and jax.process_index() == pid, (jax.process_count(), jax.process_index())
     return Ctx(pid, n, out, args)
-

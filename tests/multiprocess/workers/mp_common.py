@@ -65,16 +65,19 @@ def make_tree(suite: str, mesh_) -> dict[str, Any]:
     for name, entry in SUITES[suite].items():
         shape, dtype = entry[0], entry[1]
         full = value(name, shape, dtype)
-        tree[name] = jax.make_array_from_callback(shape, sharding(mesh_, spec_of(entry, mesh_)),
-                                                  lambda index, full=full: full[index])
+        tree[name] = jax.make_array_from_callback(
+            shape, sharding(mesh_, spec_of(entry, mesh_)), lambda index, full=full: full[index]
+        )
     return tree
 
 
 def abstract_tree(suite: str, mesh_) -> dict[str, Any]:
     import jax
 
-    return {name: jax.ShapeDtypeStruct(e[0], e[1], sharding=sharding(mesh_, spec_of(e, mesh_)))
-            for name, e in SUITES[suite].items()}
+    return {
+        name: jax.ShapeDtypeStruct(e[0], e[1], sharding=sharding(mesh_, spec_of(e, mesh_)))
+        for name, e in SUITES[suite].items()
+    }
 
 
 def check_tree(suite: str, tree: dict[str, Any], expected_spec_of=None) -> int:
@@ -133,9 +136,11 @@ def run_load_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
     results = []
     for job in jobs:
-        abstract = nest({**abstract_tree(job["suite"], mesh(job["mesh"])), **(host_values() if job.get("host") else {})})
+        abstract = nest(
+            {**abstract_tree(job["suite"], mesh(job["mesh"])), **(host_values() if job.get("host") else {})}
+        )
 
-        def load():
+        def load(job=job, abstract=abstract):
             return nnx_save.load_file(job["path"], abstract, max_over_read_ratio=job.get("ratio"), return_report=True)
 
         load()  # warm: imports and first calls read files too; measure the second load
@@ -146,9 +151,17 @@ def run_load_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         checked = check_tree(job["suite"], loaded)
         if job.get("host"):
             assert np.array_equal(loaded["host_table"], host_values()["host_table"])
-        results.append({"rchar": read, "bytes_read": report.io.bytes_read, "bytes_needed": report.io.bytes_needed,
-                        "requests": report.io.requests, "checked": checked, "clean": report.clean,
-                        "files": sorted(os.path.basename(f) for f in report.io.over_read_by_file)})
+        results.append(
+            {
+                "rchar": read,
+                "bytes_read": report.io.bytes_read,
+                "bytes_needed": report.io.bytes_needed,
+                "requests": report.io.requests,
+                "checked": checked,
+                "clean": report.clean,
+                "files": sorted(os.path.basename(f) for f in report.io.over_read_by_file),
+            }
+        )
     return results
 
 

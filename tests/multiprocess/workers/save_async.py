@@ -10,14 +10,15 @@ import mp_boot
 ctx = mp_boot.init()
 
 import jax  # noqa: E402
-
 import mp_common as c  # noqa: E402
+
 import nnx_save  # noqa: E402
 
 mesh = c.mesh(ctx.args["mesh"])
 arrays = c.make_tree("mixed", mesh)
-first = nnx_save.save_file(c.nest({**arrays, **c.host_values()}), ctx.args["path"],
-                           metadata={"made_by": "save_tree"}, blocking=False)
+first = nnx_save.save_file(
+    c.nest({**arrays, **c.host_values()}), ctx.args["path"], metadata={"made_by": "save_tree"}, blocking=False
+)
 step = jax.jit(lambda t: jax.tree.map(lambda a: a * 0 + 1, t), donate_argnums=0)
 ones = step(arrays)
 second = nnx_save.save_file(c.nest(ones), ctx.args["path2"], blocking=False)

@@ -16,10 +16,12 @@ import mp_boot
 ctx = mp_boot.init()
 
 import mp_common as c  # noqa: E402
+
 import nnx_save  # noqa: E402
 from nnx_save import _collective  # noqa: E402
 
 if ctx.process_id == ctx.args["victim"]:
+
     def die(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 

@@ -14,10 +14,10 @@ import mp_boot
 ctx = mp_boot.init()
 
 import jax  # noqa: E402
+import mp_common as c  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-import mp_common as c  # noqa: E402
 import nnx_save  # noqa: E402
 
 mesh = c.model_mesh()
@@ -25,7 +25,6 @@ source = c.build_lm(0, mesh)
 nnx_save.save_model(source, ctx.args["path"])
 LM = c.lm_class()
 loaded, report = nnx_save.load_model(lambda: LM(nnx.Rngs(1)), ctx.args["path"], mesh=mesh, strict=True)
-
 
 
 def compare(loaded, source) -> tuple[int, list[str]]:
@@ -51,8 +50,13 @@ def compare(loaded, source) -> tuple[int, list[str]]:
 
 
 checked, split = compare(loaded, source)
-result = {"clean": report.clean, "checked": checked, "split": split, "tied": loaded.head is loaded.embed,
-          "dtype": str(loaded.blocks[1].up.kernel.get_value().dtype)}
+result = {
+    "clean": report.clean,
+    "checked": checked,
+    "split": split,
+    "tied": loaded.head is loaded.embed,
+    "dtype": str(loaded.blocks[1].up.kernel.get_value().dtype),
+}
 if ctx.args.get("pod"):  # the pod layout, loaded back on the same process layout
     nnx_save.save_sharded(source, ctx.args["pod"])
     loaded, report = nnx_save.load_model(lambda: LM(nnx.Rngs(2)), ctx.args["pod"], mesh=mesh, strict=True)

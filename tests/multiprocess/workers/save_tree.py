@@ -16,9 +16,9 @@ import mp_boot
 ctx = mp_boot.init()
 
 import jax  # noqa: E402
+import mp_common as c  # noqa: E402
 import numpy as np  # noqa: E402
 
-import mp_common as c  # noqa: E402
 import nnx_save  # noqa: E402
 from nnx_save._tree import leaf_entry  # noqa: E402
 from nnx_save._write import write_file  # noqa: E402
@@ -52,8 +52,13 @@ result["differs_left"] = sorted(os.listdir(scratch))
 entry = leaf_entry(("embed",), c.flat(tree)["embed"])
 result["local_writer"] = refused(lambda: write_file(os.path.join(scratch, f"local{ctx.process_id}.st"), [entry]))
 foreign = next(d for d in jax.devices() if d.process_index != ctx.process_id)
-result["foreign"] = refused(lambda: nnx_save.load_file(ctx.args["path"], {"embed": jax.ShapeDtypeStruct(
-    (64, 32), np.float32, sharding=jax.sharding.SingleDeviceSharding(foreign))}, allow_unexpected=["*"]))
+result["foreign"] = refused(
+    lambda: nnx_save.load_file(
+        ctx.args["path"],
+        {"embed": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=jax.sharding.SingleDeviceSharding(foreign))},
+        allow_unexpected=["*"],
+    )
+)
 result["no_abstract"] = refused(lambda: nnx_save.load_file(ctx.args["path"]))
 # A save after refusals still works: the processes are still in step.
 nnx_save.save_file({"after": c.flat(tree)["embed"]}, os.path.join(scratch, "after.safetensors"))
