@@ -18,6 +18,7 @@ from ._errors import KeyPathError as KeyPathError
 from ._errors import LoadError as LoadError
 from ._errors import MetadataError as MetadataError
 from ._errors import NnxSaveError as NnxSaveError
+from ._errors import NotSafetensorsError as NotSafetensorsError
 from ._errors import OffsetError as OffsetError
 from ._errors import SaveError as SaveError
 from ._errors import ShapeMismatchError as ShapeMismatchError

@@ -25,6 +25,7 @@ __all__ = [
     "LoadError",
     "MetadataError",
     "NnxSaveError",
+    "NotSafetensorsError",
     "OffsetError",
     "SaveError",
     "ShapeMismatchError",
@@ -179,3 +180,13 @@ class ChecksumError(NnxSaveError, ValueError):
         super().__init__(message)
         self.key, self.file, self.expected, self.found = key, file, expected, found
         self.key_path = key
+
+
+class NotSafetensorsError(HeaderError):
+    """The source is another checkpoint format (PyTorch zip or pickle, Orbax,
+    TensorStore), recognised by its magic bytes or directory entries; nothing was
+    unpickled. ``format`` says what it is; the message says what to run."""
+
+    def __init__(self, message: str, format: str = "") -> None:
+        super().__init__(message)
+        self.format = format

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _remote
+from . import _formats, _remote
 from ._errors import HeaderError, HeaderTooSmallError, IndexFileError, TruncatedFileError
 from ._header import FileHeader, TensorInfo, header_size, parse_header
 
@@ -101,6 +101,7 @@ def read_file_header(path: PathLike, pinned: _Pinned | None = None) -> FileHeade
     try:
         size = os.fstat(fd).st_size
         prefix = os.pread(fd, 8, 0)
+        _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at))  # torch zip / pickle: say so
         n = header_size(prefix, size, file=name)
         try:
             raw = pread_exact(fd, n, 8, name)
@@ -261,6 +262,7 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
             return read_pod(path)
         if (path / INDEX_NAME).is_file():
             return _index_header(path)
+        _formats.refuse_directory(path)  # Orbax / TensorStore: say what it is and what to run
         found = sorted(path.glob("*.safetensors"))
         if not found:
             raise HeaderError(f"{path}: directory holds neither {INDEX_NAME} nor any *.safetensors file")
@@ -280,6 +282,7 @@ def _remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, st
     then the rest of the header if it is larger."""
     reader = _remote.open_remote(url, stats)
     head = reader.probe()
+    _formats.refuse_file(url, head[:8], lambda n, at: head[at : at + n])
     n = header_size(head[:8], reader.size, file=url)
     raw = head[8 : 8 + n]
     if len(raw) < n:
