@@ -477,7 +477,7 @@ def test_slash_in_a_name_is_refused_at_save(path):
         ),
     ) as info:
         nnx_save.save_model(model, path)
-    assert info.value.path == "a/b"
+    assert info.value.key_path == "a/b"
 
 
 class Holds(nnx.Module):
@@ -495,7 +495,7 @@ def test_string_value_is_refused_at_save_with_its_path(path):
         ),
     ) as info:
         nnx_save.save_model(Holds("bert"), path)
-    assert info.value.path == "inner/tag"
+    assert info.value.key_path == "inner/tag"
 
 
 def test_none_value_is_refused_at_save_with_its_path(path):

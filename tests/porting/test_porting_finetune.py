@@ -105,7 +105,7 @@ def test_bf16_load_matches_torch_fp32_logits_and_reports_the_cast(hf_family, lay
     assert all(v.dtype == jnp.bfloat16 for v in loaded.values())
     # The values are the fp32 port rounded to bf16, exactly.
     tensors = read_checkpoint(dirs["single"])
-    ported = family.rules.plan(shapes_of(tensors)).apply(tensors)
+    ported = family.rules.mapping(shapes_of(tensors)).apply(tensors)
     assert all(np.array_equal(loaded[k], ported[k].astype(jnp.bfloat16)) for k in ported)
     # bf16 inputs too for ViT (images are floats), so that the forward runs in bf16.
     x = family.to_jax(inputs)
@@ -153,7 +153,7 @@ def _new_head_builder(config: Any) -> Callable[[], nnx.Module]:
 
 
 def _assert_trunk_loaded(model: nnx.Module, tensors: dict) -> None:
-    ported = vit.RULES.plan(shapes_of(tensors)).apply(tensors)
+    ported = vit.RULES.mapping(shapes_of(tensors)).apply(tensors)
     loaded = model_arrays(model)
     trunk = sorted(k for k in ported if k not in HEAD)
     assert sorted(k for k in loaded if k not in HEAD) == trunk
