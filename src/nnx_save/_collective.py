@@ -226,14 +226,16 @@ def _write_shards(fd: int, e: Entry, array: Any, base: int) -> None:
             raise SaveError(
                 f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be written "
                 "shard by shard. Replicate it before saving",
-                e.key,
+                key_path=e.key,
             )
         data = host_bytes(np.asarray(shard.data), e.code)
         offsets, length = (
             box_runs(e.shape, row.itemsize, box, base) if row.byte_aligned else (np.array([base]), len(data))
         )
         if len(offsets) * length != len(data):
-            raise SaveError(f"{e.key}: shard {box} gave {len(data)} bytes, expected {len(offsets) * length}", e.key)
+            raise SaveError(
+                f"{e.key}: shard {box} gave {len(data)} bytes, expected {len(offsets) * length}", key_path=e.key
+            )
         for i, off in enumerate(offsets.tolist()):
             _pwrite_all(fd, data[i * length : (i + 1) * length], off)
 
@@ -263,7 +265,7 @@ def _write_mine(
                     raise SaveError(
                         f"{e.key}: gave {len(data)} bytes, its header entry {e.code} "
                         f"{list(e.shape)} says {end - begin}",
-                        e.key,
+                        key_path=e.key,
                     )
                 _pwrite_all(fd, data, len(head) + begin)
                 digests[e.key] = _checksum.digest([data])

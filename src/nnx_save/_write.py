@@ -262,6 +262,7 @@ def write_file(
                         f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
                         f"{e.code} {list(e.shape)} says {end - begin}; nothing was saved",
                         str(path),
+                        e.key,
                     )
                 if len(data) >= HASH_THREAD_MIN_BYTES:
                     hashed = hasher.submit(digests.update, e.key, data)

@@ -6,7 +6,7 @@ makes: :class:`RenameRule`, :class:`IgnoreRule`, :class:`SplitRule`,
 model path and change the tensor's layout: :class:`TransposeRule`,
 :class:`ReshapeRule`. Each rule knows its inverse.
 
-The planner (``_plan.py``) calls :meth:`match` on every source key and
+The planner (``_mapping.py``) calls :meth:`match` on every source key and
 :meth:`nodes` once per rule with everything the rule claimed; a rule reports what
 does not fit by appending messages to ``errors`` so that all problems are raised at
 once.
@@ -120,7 +120,7 @@ class RenameRule:
 
 @dataclass(frozen=True)
 class IgnoreRule:
-    """Source keys matching ``pattern`` are dropped on purpose (``Plan.unused``)."""
+    """Source keys matching ``pattern`` are dropped on purpose (``KeyMapping.unused``)."""
 
     pattern: str
 
@@ -286,7 +286,7 @@ class ConcatRule:
         if sizes is None:
             raise NotInvertibleError(
                 f"{self} cannot be inverted: the split sizes cannot be read back from the joined "
-                "tensor; pass sizes= to concat(), or inverse(recorded=plan) with a plan these rules made"
+                "tensor; pass sizes= to concat(), or inverse(recorded=mapping) with a mapping these rules made"
             )
         pairs = [invert(p, t) for p, t in zip(self.patterns, self.targets, strict=True)]
         if len({p for p, _ in pairs}) != 1:
@@ -498,7 +498,7 @@ class ReshapeRule:
         if back is None:
             raise NotInvertibleError(
                 f"{self} cannot be inverted: the source shape is unknown; pass source_shape= to "
-                "reshape(), or inverse(recorded=plan) with a plan these rules made"
+                "reshape(), or inverse(recorded=mapping) with a mapping these rules made"
             )
         return ReshapeRule(self.pattern, tuple(back), self.shape)
 
