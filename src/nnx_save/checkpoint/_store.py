@@ -186,8 +186,13 @@ class OrbaxCheckpointStore:
             self._settle(self._manager)
 
     def _settle(self, manager: Any) -> None:
-        with self._write_failures(manager.latest_step()):
-            manager.wait_until_finished()
+        try:
+            with self._write_failures(manager.latest_step()):
+                manager.wait_until_finished()
+        except CheckpointWriteError:
+            for step in set(self._disk.load().steps) - set(manager.all_steps()):
+                self._disk.removed(step)  # Orbax dropped the step it failed to write, on every process
+            raise
         if self._writable:
             for step in self._disk.doomed():
                 manager.delete(step)
