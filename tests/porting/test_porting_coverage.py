@@ -78,3 +78,28 @@ def test_check_lists_every_problem_in_one_key_error() -> None:
     )
     with pytest.raises(nnx_save.KeyMismatchError, match="^" + re.escape(message) + "$"):
         coverage(RULES.mapping(FILE), MODEL).check()
+
+
+def test_mapping_and_coverage_from_a_header_read_no_tensor_data(tmp_path, monkeypatch) -> None:
+    import ml_dtypes
+
+    from nnx_save import _read
+    from nnx_save.porting import shapes_of
+
+    arrays = {k: np.zeros(shape, F32) for k, (shape, _) in FILE.items()}
+    arrays["fc.weight"] = np.zeros((3, 2), ml_dtypes.bfloat16)
+    nnx_save.save_file(arrays, tmp_path / "model.safetensors")
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("mapping opened a tensor reader")
+
+    monkeypatch.setattr(_read, "LocalReader", no_reads)
+    header = nnx_save.read_header(tmp_path / "model.safetensors")
+    shapes = shapes_of(header)
+    assert shapes == {**FILE, "fc.weight": ((3, 2), np.dtype(ml_dtypes.bfloat16))}
+    assert shapes_of(header.tensors) == shapes  # the entries themselves, as the issue tried
+    mapping = RULES.mapping(header)
+    assert mapping == RULES.mapping(shapes) and mapping == RULES.mapping(header.tensors)
+    assert mapping.assignments["fc/kernel"].dtype == np.dtype(ml_dtypes.bfloat16)
+    c = coverage(mapping, MODEL)
+    assert c.missing == ("fc/bias", "head/kernel")

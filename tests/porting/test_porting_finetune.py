@@ -222,3 +222,19 @@ def test_finetune_with_the_full_rules_reports_the_old_head_as_shape_mismatches(v
     assert report.missing == [] and report.allowed_missing == [] and report.unexpected == []
     assert not report.clean
     _assert_trunk_loaded(model, tensors)
+
+
+def test_finetune_with_the_full_rules_and_allow_shape_mismatch(vit_checkpoint) -> None:
+    """The issue's case: the full RULES map the old head onto ``head/*`` with 10 classes;
+    ``allow_shape_mismatch`` accepts it under strict, the new head keeps the builder's
+    initialisation, and the refusal without it names that option."""
+    config, path, tensors = vit_checkpoint
+    with pytest.raises(nnx_save.LoadError, match=re.escape("allow_shape_mismatch=['head/bias', 'head/kernel']")):
+        nnx_save.load_model(_new_head_builder(config), path, rules=vit.RULES, strict=True, allow_missing=["head/*"])
+    model, report = nnx_save.load_model(
+        _new_head_builder(config), path, rules=vit.RULES, strict=True, allow_shape_mismatch=["head/*"]
+    )
+    assert report.clean and sorted(m.path for m in report.allowed_shape_mismatches) == HEAD
+    _assert_trunk_loaded(model, tensors)
+    head = model_arrays(model)
+    assert np.all(head["head/bias"] == 0) and head["head/kernel"].shape == (_hidden(tensors), NEW_LABELS)

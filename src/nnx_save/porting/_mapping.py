@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, TypeGuard
+from typing import Literal, TypeGuard
 
 import numpy as np
 
@@ -104,9 +104,36 @@ class KeyMapping:
         return {t: (a.shape, a.dtype) for t, a in self.assignments.items()}
 
 
-def shapes_of(arrays: Mapping[str, object]) -> dict[str, tuple[Shape, np.dtype]]:
-    """``{key: (shape, dtype)}`` of arrays (anything with ``.shape`` and ``.dtype``)."""
-    return {k: (tuple(int(s) for s in v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}  # type: ignore
+def _numpy_dtype(dtype: object) -> np.dtype:
+    """A numpy dtype from a numpy / jax dtype or a header's dtype entry (which carries
+    its numpy dtype as ``.numpy``, next to the file's code)."""
+    held = getattr(dtype, "numpy", None)
+    return held if isinstance(held, np.dtype) else np.dtype(dtype)  # type: ignore[call-overload]  # any dtype-like object
+
+
+def shapes_of(arrays: Mapping[str, object] | object) -> dict[str, tuple[Shape, np.dtype]]:
+    """``{key: (shape, dtype)}`` of anything with ``.shape`` and ``.dtype``: arrays,
+    ``jax.ShapeDtypeStruct``, a header's tensor entries, or a whole header
+    (``nnx_save.read_header(path)``), which reads no tensor data.
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> nnx_save.save_file({"fc.weight": np.zeros((3, 2), np.float32)}, path)
+        >>> shapes_of(nnx_save.read_header(path))
+        {'fc.weight': ((3, 2), dtype('float32'))}
+    """
+    items = getattr(arrays, "tensors", arrays)  # a Header: its tensor entries
+    return {k: (tuple(int(s) for s in v.shape), _numpy_dtype(v.dtype)) for k, v in items.items()}  # type: ignore
+
+
+def _source_shapes(sources: Mapping[str, object] | object) -> dict[str, tuple[Shape, np.dtype]]:
+    """What :meth:`Rules.mapping` takes: ``{key: (shape, dtype)}`` pairs as they are, or
+    anything :func:`shapes_of` reads (a header, arrays, header entries)."""
+    items = getattr(sources, "tensors", sources)
+    if all(isinstance(v, tuple) and len(v) == 2 for v in items.values()):  # type: ignore[attr-defined]  # a mapping, checked by shapes_of
+        return {k: (tuple(int(s) for s in shape), _numpy_dtype(dtype)) for k, (shape, dtype) in items.items()}  # type: ignore
+    return shapes_of(items)
 
 
 class Rules:
@@ -152,16 +179,20 @@ class Rules:
         body = "".join(f"\n    {rule}," for rule in self.rules)
         return f"Rules({body}\n    direction={self.direction!r},\n)"
 
-    def mapping(self, sources: Mapping[str, tuple[Sequence[int], Any]]) -> KeyMapping:
-        """Map source tensors (``{key: (shape, dtype)}``) to targets; pure.
+    def mapping(self, sources: Mapping[str, tuple[Sequence[int], object]] | object) -> KeyMapping:
+        """Map source tensors to targets; pure, no I/O.
+
+        Args:
+            sources: ``{key: (shape, dtype)}``, or a header
+                (``nnx_save.read_header(path)``: mapping reads no tensor data), or
+                ``{key: array}``.
 
         Raises:
             RuleConflictError: a source feeds two rules or a target is made twice.
             RuleShapeError: a tensor's shape does not fit its rule.
             RuleError: a rule's parts or layers are incomplete.
         """
-        info = {k: (tuple(int(s) for s in shape), np.dtype(dtype)) for k, (shape, dtype) in sources.items()}
-        return _Mapper(self, info).run()
+        return _Mapper(self, _source_shapes(sources)).run()
 
     def inverse(self, recorded: KeyMapping | None = None) -> Rules:
         """The rules for the other direction (load <-> export).
