@@ -43,6 +43,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -260,18 +261,18 @@ def snapshot(entries: Sequence[Entry], max_inflight_bytes: int | None = None, wh
     """
     sources = [e.value.array if isinstance(e.value, HostValue) else None for e in entries]
     window = _stage.Window(sources, [e.key for e in entries], _stage.budget(max_inflight_bytes), where)
+    out = []
     try:
-        return [
-            dataclasses.replace(
-                e,
-                value=_SnapshotValue(
-                    window.take(i, lambda c, s=s: HostSnapshot(s, c.host_shards()), lambda e=e: _own(e))
-                ),
-            )
-            for i, (e, s) in enumerate(zip(entries, sources, strict=False))
-        ]
+        for i, (e, source) in enumerate(zip(entries, sources, strict=False)):
+            value = window.take(i, functools.partial(_from_copy, source), functools.partial(_own, e))
+            out.append(dataclasses.replace(e, value=_SnapshotValue(value)))
     finally:
         window.close()
+    return out
+
+
+def _from_copy(source: Any, copy: _stage.Staged) -> HostSnapshot:
+    return HostSnapshot(source, copy.host_shards())
 
 
 def _own(e: Entry) -> Any:
@@ -322,7 +323,7 @@ def _work() -> None:
         handle._finished.set()
 
 
-def _drop_locals(error: BaseException) -> None:
+def _drop_locals(error: BaseException | None) -> None:
     """Clear the locals of the writer's frames that an error's tracebacks keep
     (they hold the snapshot), so an error nobody collects does not pin the state
     in memory; the tracebacks themselves (files, lines) stay."""

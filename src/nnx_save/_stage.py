@@ -24,6 +24,7 @@ bounded path runs, and can be measured, without an accelerator.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -180,7 +181,7 @@ class Window:
         self._release()
         while self.next < len(self.arrays) and (self.next <= i or self._fits(self.sizes[self.next])):
             if self.sizes[self.next]:
-                self.pending[self.next] = self._guard(self.next, lambda j=self.next: stage(self.arrays[j]))
+                self.pending[self.next] = self._guard(self.next, functools.partial(stage, self.arrays[self.next]))
             self.held += self.sizes[self.next]
             self.next += 1
         self.peak = max(self.peak, self.held)
@@ -198,6 +199,7 @@ class Window:
                 f"{self.where}: the device -> host copy of {self.keys[i]!r} failed ({type(e).__name__}: {e}); "
                 "the previous file, if any, is intact",
                 self.where,
+                self.keys[i],
             ) from e
 
     def _fits(self, size: int) -> bool:
