@@ -117,6 +117,12 @@ class HttpReader:
     def close(self) -> None:
         pass
 
+    def can_read_tables(self) -> bool:
+        return False  # no raw-address iovecs over the network: one memoryview per run
+
+    def readv_table(self, table: object, offset: int) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
+
     def _check_identity(self, total: int, etag: str | None) -> None:
         if self.size is None:
             self.size, self.etag = total, etag
@@ -253,6 +259,12 @@ class FsspecReader:
 
     def close(self) -> None:
         pass
+
+    def can_read_tables(self) -> bool:
+        return False  # no raw-address iovecs over the network: one memoryview per run
+
+    def readv_table(self, table: object, offset: int) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         total = sum(len(b) for b in buffers)

@@ -10,8 +10,10 @@ import numpy as np
 
 from . import _async, _collective, _dtypes, _paths, _progress
 from ._errors import KeyPathError, NnxSaveError, UnsupportedValueError
-from ._load import Target, load_targets
+from ._load import load_targets
+from ._options import LoadOptions
 from ._sources import Header, read_header, reader_factory
+from ._target import Target
 from ._write import Entry
 
 __all__ = ["flatten", "leaf_entry", "load_file", "save_file"]
@@ -238,16 +240,12 @@ def load_file(
     import jax
 
     header = read_header(source)
+    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify)
     options = {
         "strict": strict,
         "allow_missing": allow_missing,
         "allow_unexpected": allow_unexpected,
-        "max_over_read_ratio": max_over_read_ratio,
-        "read_chunk_bytes": read_chunk_bytes,
-        "max_inflight_bytes": max_inflight_bytes,
-        "num_threads": num_threads,
         "open_reader": reader_factory(header),
-        "verify": verify,
         "progress": progress,
     }
     if abstract is None:
@@ -258,11 +256,11 @@ def load_file(
                 "the shardings each process should load"
             )
         targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
-        values, report = load_targets(header, targets, **options)
+        values, report = load_targets(header, targets, how, **options)
         result = {k: values[k] for k in header.tensors}
     else:
         targets, treedef, keys = _abstract_targets(abstract)
-        values, report = load_targets(header, targets, **options)
+        values, report = load_targets(header, targets, how, **options)
         missing = [k for k in keys if k not in values]
         if missing:  # the report warned; there is nothing to put at these leaves
             raise NnxSaveError(
