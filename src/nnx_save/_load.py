@@ -50,7 +50,7 @@ from ._layout import Box, Piece, extents, intersect, request, whole
 from ._options import LoadOptions
 from ._plan import FilePlan, Request, over_read_by_range, plan_file
 from ._read import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
-from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed
+from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed, split_allowed_shapes
 from ._sources import Header
 from ._target import Target
 
@@ -498,6 +498,7 @@ def _prepare(
     targets: Sequence[Target],
     allow_missing: Sequence[str],
     allow_unexpected: Sequence[str],
+    allow_shape_mismatch: Sequence[str],
     ignore_unexpected: frozenset[str],
 ) -> tuple[list[Target], LoadReport]:
     """The report of what will and will not load, before any byte is read."""
@@ -505,6 +506,9 @@ def _prepare(
     loadable = [t for t in targets if _check(header, t, report)]
     used = {k for t in targets for k in t.sources}
     report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
+    report.shape_mismatches, report.allowed_shape_mismatches = split_allowed_shapes(
+        report.shape_mismatches, allow_shape_mismatch
+    )
     unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
     report.sources = {t.path: t.sources for t in loadable}
@@ -525,6 +529,7 @@ def load_targets(
     strict: bool = False,
     allow_missing: Sequence[str] = (),
     allow_unexpected: Sequence[str] = (),
+    allow_shape_mismatch: Sequence[str] = (),
     ignore_unexpected: frozenset[str] = frozenset(),
     warn: bool = True,
     progress: bool | None = False,
@@ -538,7 +543,9 @@ def load_targets(
     ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
     """
     opt = options if options is not None else LoadOptions()
-    loadable, report = _prepare(header, targets, allow_missing, allow_unexpected, ignore_unexpected)
+    loadable, report = _prepare(
+        header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected
+    )
     if strict:
         report.raise_or_warn(True)
     bar = _progress_bar(header, loadable, report, progress)

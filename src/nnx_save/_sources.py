@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _layout, _remote
-from ._errors import HeaderError, HeaderTooSmallError, IndexError_
+from . import _formats, _layout, _remote
+from ._errors import HeaderError, HeaderTooSmallError, IndexFileError, TruncatedFileError
 from ._header import FileHeader, TensorInfo, header_size, parse_header
 from ._layout import Piece
 from ._read import LocalReader, Reader
@@ -92,13 +92,19 @@ class Header:
 
 
 def pread_exact(fd: int, size: int, offset: int, file: str) -> bytes:
-    """Read exactly ``size`` bytes at ``offset`` or raise naming the file and offset."""
+    """Read exactly ``size`` bytes at ``offset``.
+
+    Raises:
+        TruncatedFileError: the file ends first; names the file and both offsets.
+    """
     chunks, got = [], 0
     while got < size:
         chunk = os.pread(fd, size - got, offset + got)
         if not chunk:
-            raise HeaderTooSmallError(
-                f"{file}: expected {size} bytes at byte {offset}, the file ends at byte {offset + got}"
+            raise TruncatedFileError(
+                f"{file}: expected {size} bytes at byte {offset}, the file ends at byte {offset + got}",
+                file,
+                offset + got,
             )
         chunks.append(chunk)
         got += len(chunk)
@@ -113,8 +119,13 @@ def read_file_header(path: PathLike, pinned: _Pinned | None = None) -> FileHeade
     try:
         size = os.fstat(fd).st_size
         prefix = os.pread(fd, 8, 0)
+        _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at))  # torch zip / pickle: say so
         n = header_size(prefix, size, file=name)
-        header = parse_header(pread_exact(fd, n, 8, name), size, file=name)
+        try:
+            raw = pread_exact(fd, n, 8, name)
+        except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
+            raise HeaderTooSmallError(str(e)) from None
+        header = parse_header(raw, size, file=name)
     except BaseException:
         os.close(fd)
         raise
@@ -166,7 +177,7 @@ def _merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
     for fh in files:
         for name, info in fh.tensors.items():
             if name in tensors:
-                raise IndexError_(
+                raise IndexFileError(
                     f"{where}: tensor {name!r} appears in two files: {tensors[name].file} and {info.file}"
                 )
             tensors[name] = info
@@ -179,9 +190,9 @@ def _inside(directory: Path, relative: str, index: str) -> Path:
     # What an index must not do is name a file outside its directory.
     candidate = Path(os.path.normpath(os.path.join(directory, relative)))
     if Path(relative).is_absolute() or not candidate.is_relative_to(os.path.normpath(directory)):
-        raise IndexError_(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
+        raise IndexFileError(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
     if not candidate.is_file():
-        raise IndexError_(f"{index}: names file {relative!r}, which does not exist in {directory}")
+        raise IndexFileError(f"{index}: names file {relative!r}, which does not exist in {directory}")
     return directory / relative
 
 
@@ -189,7 +200,7 @@ def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:  # a tensor listed twice: json.loads would keep the last in silence
-            raise IndexError_(f"key {key!r} appears more than once in the index JSON")
+            raise IndexFileError(f"key {key!r} appears more than once in the index JSON")
         out[key] = value
     return out
 
@@ -197,13 +208,13 @@ def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
 def _read_index(index: Path) -> tuple[dict[str, str], dict[str, str]]:
     try:
         obj = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_unique_pairs)
-    except IndexError_ as e:
-        raise IndexError_(f"{index}: {e}") from None
+    except IndexFileError as e:
+        raise IndexFileError(f"{index}: {e}") from None
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise IndexError_(f"{index}: not a valid JSON index: {e}") from None
+        raise IndexFileError(f"{index}: not a valid JSON index: {e}") from None
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise IndexError_(f"{index}: expected an object with a 'weight_map' of tensor name -> file name")
+        raise IndexFileError(f"{index}: expected an object with a 'weight_map' of tensor name -> file name")
     meta = obj.get("metadata") or {}
     return weight_map, {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
 
@@ -218,12 +229,12 @@ def _index_header(directory: Path) -> Header:
     for tensor, fname in weight_map.items():
         info = tensors.get(tensor)
         if info is None:
-            raise IndexError_(f"{index}: names tensor {tensor!r} in {fname}, which does not hold it")
+            raise IndexFileError(f"{index}: names tensor {tensor!r} in {fname}, which does not hold it")
         if Path(info.file).name != Path(fname).name:
-            raise IndexError_(f"{index}: places tensor {tensor!r} in {fname}, but it is in {info.file}")
+            raise IndexFileError(f"{index}: places tensor {tensor!r} in {fname}, but it is in {info.file}")
     extra = sorted(set(tensors) - set(weight_map))
     if extra:
-        raise IndexError_(f"{index}: files hold tensors the index does not name: {extra[:5]}")
+        raise IndexFileError(f"{index}: files hold tensors the index does not name: {extra[:5]}")
     return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index", pinned=pinned)
 
 
@@ -261,12 +272,13 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         return _remote_header(source)
     if isinstance(source, (list, tuple)):
         return _many([Path(p) for p in source], "list", "file list")
-    path = Path(source)
+    path = Path(source)  # type: ignore[arg-type]  # a list or tuple returned above; mypy cannot narrow str from Sequence
     if path.is_dir():
-        if (path / _layout.MANIFEST).is_file():  # a pod directory (nnx_save.save_sharded)
+        if (path / _layout.MANIFEST).is_file():  # a pod directory (nnx_save.save_pod)
             return _pod_header(path)
         if (path / INDEX_NAME).is_file():
             return _index_header(path)
+        _formats.refuse_directory(path)  # Orbax / TensorStore: say what it is and what to run
         found = sorted(path.glob("*.safetensors"))
         if not found:
             raise HeaderError(f"{path}: directory holds neither {INDEX_NAME} nor any *.safetensors file")
@@ -286,6 +298,7 @@ def _remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, st
     then the rest of the header if it is larger."""
     reader = _remote.open_remote(url, stats)
     head = reader.probe()
+    _formats.refuse_file(url, head[:8], lambda n, at: head[at : at + n])
     n = header_size(head[:8], reader.size, file=url)
     raw = head[8 : 8 + n]
     if len(raw) < n:
@@ -298,23 +311,23 @@ def _remote_index(url: str, stats: Any) -> Header:
     reader = _remote.open_remote(url, stats)
     reader.probe()
     if reader.size > _remote.SPECULATIVE_HEADER_BYTES:
-        raise IndexError_(f"{url}: index of {reader.size} bytes is larger than any real index")
+        raise IndexFileError(f"{url}: index of {reader.size} bytes is larger than any real index")
     try:
         obj = json.loads(reader.read(0, reader.size).decode("utf-8"))
     except ValueError as e:
-        raise IndexError_(f"{url}: not a valid JSON index: {e}") from None
+        raise IndexFileError(f"{url}: not a valid JSON index: {e}") from None
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise IndexError_(f"{url}: expected an object with a 'weight_map' of tensor name -> file name")
+        raise IndexFileError(f"{url}: expected an object with a 'weight_map' of tensor name -> file name")
     for name in set(weight_map.values()):
         if "://" in name or name.startswith("/") or ".." in name.split("/"):
-            raise IndexError_(f"{url}: file {name!r} points outside the checkpoint directory {base}/")
+            raise IndexFileError(f"{url}: file {name!r} points outside the checkpoint directory {base}/")
     pairs = [_remote_file_header(f"{base}/{n}", stats) for n in sorted(set(weight_map.values()))]
     files = tuple(fh for fh, _ in pairs)
     tensors = _merge(files, url)
     for tensor, fname in weight_map.items():
         if tensor not in tensors or not tensors[tensor].file.endswith("/" + fname):
-            raise IndexError_(f"{url}: names tensor {tensor!r} in {fname}, which does not hold it")
+            raise IndexFileError(f"{url}: names tensor {tensor!r} in {fname}, which does not hold it")
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
     return Header(
         tensors,
