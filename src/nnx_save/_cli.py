@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
+import functools
 import json
 import logging
 import math
@@ -409,6 +410,10 @@ def _orbax_tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _verified(header: Any, key: str) -> np.ndarray:
+    return _one(header, key, verify=True)[0]
+
+
 def _kind(source: Path) -> str:
     if source.is_dir():
         return "orbax" if _formats.foreign_directory(source) else "safetensors"
@@ -440,13 +445,12 @@ def _entries(source: Path, key: str | None = None) -> tuple[list[Any], dict[str,
         meta = dict(header.files[0].metadata) if header.files else {}
         # verify=True: a corrupted source stops the conversion instead of getting fresh checksums
         return [
-            Entry(k, t.dtype.code, t.shape, lambda k=k: _one(header, k, verify=True)[0])
-            for k, t in header.tensors.items()
+            Entry(k, t.dtype.code, t.shape, functools.partial(_verified, header, k)) for k, t in header.tensors.items()
         ], meta
     arrays = _torch_tensors(source, key) if kind == "torch" else _orbax_tensors(source)
     entries = []
     for key, a in arrays.items():
-        entries.append(Entry(key, _dtypes.to_code(a.dtype, key).code, tuple(a.shape), lambda a=a: a))
+        entries.append(Entry(key, _dtypes.to_code(a.dtype, key).code, tuple(a.shape), functools.partial(np.asarray, a)))
     return entries, {"format": "pt"} if kind == "torch" else {}
 
 

@@ -115,13 +115,14 @@ class _Sync:
         import jax
         from jax._src import distributed  # the only handle on the key-value store
 
-        self.client = distributed.global_state.client
-        if self.client is None:
+        client = distributed.global_state.client
+        if client is None:
             raise SaveError(
                 f"{path}: {jax.process_count()} processes but no jax.distributed client; "
                 "call jax.distributed.initialize() first",
                 str(path),
             )
+        self.client: Any = client
         self.pid, self.n, self.path = jax.process_index(), jax.process_count(), path
         self.save_id = next(_SAVES)
         self.prefix = f"nnx_save/save/{self.save_id}"
@@ -278,7 +279,7 @@ def _write_mine(
 
 def _assign(entries: Sequence[Entry], offsets: list[tuple[int, int]], n: int) -> list[list[int]]:
     """Share the cross-process tensors out for hashing: biggest first, to the least loaded."""
-    load, share = [0] * n, [[] for _ in range(n)]
+    load, share = [0] * n, [list[int]() for _ in range(n)]
     cross = [i for i, e in enumerate(entries) if _cross(e) is not None]
     for i in sorted(cross, key=lambda i: (offsets[i][0] - offsets[i][1], i)):
         p = min(range(n), key=lambda p: (load[p], p))

@@ -95,7 +95,7 @@ def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
 
     array = e.value.array if isinstance(e.value, HostValue) else None
     whole = tuple((0, d) for d in e.shape)
-    if not _spans_processes(array):
+    if array is None or not _spans_processes(array):
         return _describe_sharding(array), [(whole, e.value)]
     if not _dtypes.DTYPES[e.code].byte_aligned:
         raise SaveError(
@@ -236,7 +236,7 @@ def _commit(
     token: str,
 ) -> str:
     """Primary: merge the piece lists into the manifest, write it, drop stale shard files."""
-    tensors = {
+    tensors: dict[str, dict[str, Any]] = {
         e.key: {"dtype": e.code, "shape": list(e.shape), "sharding": shardings[e.key], "pieces": []} for e in entries
     }
     for p in sorted(lists):

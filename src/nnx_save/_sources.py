@@ -254,7 +254,7 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         return _remote_header(source)
     if isinstance(source, (list, tuple)):
         return _many([Path(p) for p in source], "list", "file list")
-    path = Path(source)
+    path = Path(source)  # type: ignore[arg-type]  # a list or tuple returned above; mypy cannot narrow str from Sequence
     if path.is_dir():
         if (path / "manifest.json").is_file():  # a pod directory (nnx_save.save_pod)
             from ._pod import read_pod

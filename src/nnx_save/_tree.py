@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,7 +56,7 @@ def _refuse_mixed_keys(node: Any, where: tuple) -> None:
                 "jax cannot flatten it. Use keys of one type",
                 _paths.format_path(where),
             ) from None
-        children = node.items()
+        children: Iterable[tuple[Any, Any]] = node.items()
     elif isinstance(node, (list, tuple)):
         children = enumerate(node)
     else:

@@ -77,7 +77,7 @@ def host_bytes(array: np.ndarray, code: str) -> memoryview:
     array = np.ascontiguousarray(array)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data  # a memoryview of the bytes, no copy
 
 
 def _write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
@@ -119,7 +119,7 @@ def remove_stale_temps(path: Path) -> list[str]:
     not parse is kept. Best effort: a failure to list or remove is ignored (the
     save itself reports real I/O problems). Returns the names removed.
     """
-    prefix, host, removed = f".{path.name}{TMP_MARKER}", _host(), []
+    prefix, host, removed = f".{path.name}{TMP_MARKER}", _host(), list[str]()
     try:
         names = os.listdir(path.parent)
     except OSError:

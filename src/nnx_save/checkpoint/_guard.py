@@ -66,7 +66,7 @@ def dtype_mismatches(item: str, leaves: Sequence[tuple[Path, Any]], saved: Mappi
 
 def explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
     """True when jax's x64 mode is off and it narrowed a 64-bit array to 32 bits."""
-    if jax.config.jax_enable_x64:
+    if jax.config.read("jax_enable_x64"):
         return False
     return any(
         m.saved != m.restored and str(jax.dtypes.canonicalize_dtype(np.dtype(m.saved))) == m.restored

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeGuard
 
 import numpy as np
 
@@ -108,7 +108,7 @@ def _numpy_dtype(dtype: object) -> np.dtype:
     """A numpy dtype from a numpy / jax dtype or a header's dtype entry (which carries
     its numpy dtype as ``.numpy``, next to the file's code)."""
     held = getattr(dtype, "numpy", None)
-    return held if isinstance(held, np.dtype) else np.dtype(dtype)  # type: ignore[arg-type]
+    return held if isinstance(held, np.dtype) else np.dtype(dtype)  # type: ignore[call-overload]  # any dtype-like object
 
 
 def shapes_of(arrays: Mapping[str, object] | object) -> dict[str, tuple[Shape, np.dtype]]:
@@ -131,7 +131,7 @@ def _source_shapes(sources: Mapping[str, object] | object) -> dict[str, tuple[Sh
     """What :meth:`Rules.mapping` takes: ``{key: (shape, dtype)}`` pairs as they are, or
     anything :func:`shapes_of` reads (a header, arrays, header entries)."""
     items = getattr(sources, "tensors", sources)
-    if all(isinstance(v, tuple) and len(v) == 2 for v in items.values()):  # type: ignore[union-attr]
+    if all(isinstance(v, tuple) and len(v) == 2 for v in items.values()):  # type: ignore[attr-defined]  # a mapping, checked by shapes_of
         return {k: (tuple(int(s) for s in shape), _numpy_dtype(dtype)) for k, (shape, dtype) in items.items()}  # type: ignore
     return shapes_of(items)
 
@@ -208,7 +208,8 @@ class Rules:
         structural = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if _is_structural(r)]
         value = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if not _is_structural(r)]
         other: Direction = "export" if self.direction == "load" else "load"
-        return Rules(*[r for r in structural if r is not None], *reversed(value), direction=other)
+        kept = [r for r in structural if r is not None] + [r for r in reversed(value) if r is not None]
+        return Rules(*kept, direction=other)
 
 
 def _flatten(items: Iterable[object]) -> Iterator[Rule]:
@@ -221,10 +222,10 @@ def _flatten(items: Iterable[object]) -> Iterator[Rule]:
             raise RuleError(f"Rules takes rules, found {item!r} of type {type(item).__name__}")
 
 
-_STRUCTURAL = tuple(StructuralRule.__args__)  # type: ignore[attr-defined]
+_STRUCTURAL = tuple(StructuralRule.__args__)
 
 
-def _is_structural(rule: Rule) -> bool:
+def _is_structural(rule: Rule) -> TypeGuard[StructuralRule]:
     return isinstance(rule, _STRUCTURAL)
 
 
@@ -239,7 +240,11 @@ def _invert(rule: Rule, index: int, recorded: KeyMapping | None) -> Rule | None:
 
 
 def _recorded(mapping: KeyMapping, index: int, kind: type, attr: str, rule: Rule) -> tuple[int, ...] | None:
-    seen = {getattr(step, attr) for step in _steps(mapping) if isinstance(step, kind) and step.rule == index}
+    seen = {
+        getattr(step, attr)
+        for step in _steps(mapping)
+        if isinstance(step, kind) and getattr(step, "rule", None) == index
+    }
     if len(seen) > 1:
         raise NotInvertibleError(f"{rule} cannot be inverted: the recorded mapping used it with {sorted(seen)}")
     return seen.pop() if seen else None
@@ -304,12 +309,15 @@ class _Mapper:
             a, b = self.rules.rules[others[0][0]], self.rules.rules[(others[1:] or renames)[0][0]]
             self.conflicts.append(f"`{key}`: matched by both {a} and {b}; a source tensor feeds one rule")
             return -1, None
-        return (others or renames or [None])[0]
+        first = others or renames
+        return first[0] if first else None
 
     def _build(self, claims: Mapping[int, dict[str, object]], renamed: Mapping[str, str], info) -> list[Node]:
-        nodes = [Node(k, (k,), *info[k], None) for k in renamed]
+        nodes = [Node(k, (k,), info[k][0], info[k][1], None) for k in renamed]
         for index, claimed in sorted(claims.items()):
-            made = self.rules.rules[index].nodes(claimed, info, self.errors)  # type: ignore[union-attr]
+            rule = self.rules.rules[index]
+            assert _is_structural(rule)  # only structural rules claim keys
+            made = rule.nodes(claimed, info, self.errors)  # type: ignore[arg-type]  # each rule reads the claims it made
             nodes.extend(_tagged(n, index) for n in made)
         self._check_unique(nodes, claims)
         return nodes
@@ -348,7 +356,8 @@ class _Mapper:
     def _assign(self, node: Node, pre: Mapping[str, tuple[tuple[Step, ...], Shape, np.dtype]]) -> Assignment:
         if pre:
             pre_steps = tuple(pre[k][0] for k in node.sources)
-            post, shape = (), node.shape
+            post: tuple[Step, ...] = ()
+            shape = node.shape
         else:
             pre_steps = ()
             post, shape = self._value_steps(node.target, node.shape)

@@ -70,7 +70,7 @@ def _set(obj: object, name: str, value: object) -> None:
 
 
 def _with_inverse(rule: StructuralRule, inverse: StructuralRule) -> StructuralRule:
-    return replace(inverse, inverse_rule=rule)
+    return replace(inverse, inverse_rule=rule)  # type: ignore[arg-type]  # mypy cannot replace() over a union
 
 
 def _same_dtype(keys: Sequence[str], info: Info, target: str, errors: list[str]) -> np.dtype | None:
@@ -99,6 +99,9 @@ class RenameRule:
     replacement: str
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
     shift: tuple[tuple[int | str, int], ...] = ()
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
@@ -160,6 +163,8 @@ class IgnoreRule:
 
     pattern: str
 
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
 
@@ -187,6 +192,9 @@ class SplitRule:
     axis: int = 0
     sizes: tuple[int, ...] | None = None
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
@@ -260,6 +268,9 @@ class ConcatRule:
     axis: int = 0
     sizes: tuple[int, ...] | None = None
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         if len(self.patterns) < 2 or len(self.targets) != len(self.patterns):
@@ -350,6 +361,9 @@ class StackRule:
     group: str = "layer"
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
 
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
         _set(self, "_template", Template.parse(self.target))
@@ -421,6 +435,9 @@ class UnstackRule:
     group: str = "layer"
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
 
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
         _set(self, "_template", Template.parse(self.target))
@@ -470,6 +487,8 @@ class TransposeRule:
     pattern: str
     axes: tuple[int, ...]
 
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
         if sorted(self.axes) != list(range(len(self.axes))):
@@ -505,6 +524,8 @@ class ReshapeRule:
     pattern: str
     shape: Shape
     source_shape: Shape | None = None
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
