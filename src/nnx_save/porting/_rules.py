@@ -102,6 +102,7 @@ class RenameRule:
 
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
     _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _shift: dict[int, int] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
