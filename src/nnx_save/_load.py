@@ -36,7 +36,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -500,6 +500,7 @@ def _prepare(
     allow_unexpected: Sequence[str],
     allow_shape_mismatch: Sequence[str],
     ignore_unexpected: frozenset[str],
+    renamed: Mapping[str, tuple[str, ...]] | None,
 ) -> tuple[list[Target], LoadReport]:
     """The report of what will and will not load, before any byte is read."""
     report = LoadReport(source=_describe(header))
@@ -511,6 +512,7 @@ def _prepare(
     )
     unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
+    report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
     report.sources = {t.path: t.sources for t in loadable}
     landed: dict[str, list[str]] = {k: [] for k in header.tensors}
     for t in loadable:
@@ -531,6 +533,7 @@ def load_targets(
     allow_unexpected: Sequence[str] = (),
     allow_shape_mismatch: Sequence[str] = (),
     ignore_unexpected: frozenset[str] = frozenset(),
+    renamed: Mapping[str, tuple[str, ...]] | None = None,
     warn: bool = True,
     progress: bool | None = False,
 ) -> tuple[dict[str, Any], LoadReport]:
@@ -544,7 +547,7 @@ def load_targets(
     """
     opt = options if options is not None else LoadOptions()
     loadable, report = _prepare(
-        header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected
+        header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed
     )
     if strict:
         report.raise_or_warn(True)
