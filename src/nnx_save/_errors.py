@@ -29,6 +29,7 @@ __all__ = [
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
+    "SourceError",
     "TensorEntryError",
     "UnknownDtypeError",
     "UnsupportedValueError",
@@ -133,6 +134,16 @@ class LoadError(NnxSaveError, ValueError):
 
 class SaveError(NnxSaveError, OSError):
     """Writing a checkpoint failed; the previous file at the path is intact."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class SourceError(NnxSaveError, OSError):
+    """A source path cannot be read as a checkpoint file: it is not a regular file
+    (a directory, a FIFO, a device) or the system refused to read it. ``.path``
+    names it."""
 
     def __init__(self, message: str, path: str | None = None) -> None:
         super().__init__(message)
