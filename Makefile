@@ -27,7 +27,12 @@ system-deps:
 	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null)
 
+# What CI runs: lint, format, types, every module's doctests, then the whole suite.
 test: $(VENV)/.test system-deps
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules src/nnx_save
 	$(PY) -m pytest -q
 
 clean:

@@ -11,12 +11,14 @@ import sys
 
 import pytest
 
-from nnx_save.checkpoint import _directory, _guard, _metadata, _nnx, _store, _tree
+from nnx_save.checkpoint import _agree, _directory, _guard, _metadata, _nnx, _retention, _store, _tree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("module", [_directory, _guard, _metadata, _nnx, _store, _tree], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [_agree, _directory, _guard, _metadata, _nnx, _retention, _store, _tree], ids=lambda m: m.__name__
+)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0

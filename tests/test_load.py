@@ -222,11 +222,52 @@ def test_shape_mismatch_names_both_shapes(one_file):
     line = "a: shape (24, 48) in the model, (48, 24) in the file"
     with pytest.raises(nnx_save.LoadError, match=re.escape(line)):
         nnx_save.load_file(one_file, abstract, strict=True)
-    with (
-        pytest.warns(nnx_save.LoadWarning, match=re.escape(line)),
-        pytest.raises(nnx_save.NnxSaveError, match=re.escape("1 leaves have no value: ['a']")),
+    # Without strict: one ShapeMismatchError before any read (no LoadWarning first, no generic error after).
+    with pytest.raises(
+        nnx_save.ShapeMismatchError,
+        match=re.escape(
+            f"{one_file}: 1 shape mismatch(es), nothing was read:\n  {line}\nTo keep the abstract tree's values "
+            "there, give those leaves as arrays and pass allow_shape_mismatch=['a']"
+        ),
     ):
         nnx_save.load_file(one_file, abstract)
+
+
+def test_allow_shape_mismatch_keeps_the_given_values(one_file):
+    abstract = {k: np.zeros(v.shape, v.dtype) for k, v in FULL.items()}
+    kept = np.full((24, 48), 7.0, np.float32)
+    abstract["a"] = kept
+    out, report = nnx_save.load_file(one_file, abstract, allow_shape_mismatch=["a"], return_report=True, strict=True)
+    assert out["a"] is kept and report.clean and "a" not in report.loaded
+    assert [(m.path, m.model_shape, m.file_shape) for m in report.allowed_shape_mismatches] == [
+        ("a", (24, 48), (48, 24))
+    ]
+    assert all(_same_bits(out[k], FULL[k]) for k in FULL if k != "a")
+    assert "(allowed shape mismatches, the model's values kept: a)" in str(report)
+    # allowed, but a ShapeDtypeStruct has no value to keep: refused by name before any read
+    abstract["a"] = jax.ShapeDtypeStruct((24, 48), np.float32)
+    with pytest.raises(
+        nnx_save.ShapeMismatchError,
+        match=re.escape(
+            "a: shape (24, 48) in the model, (48, 24) in the file (allowed, but the leaf is a "
+            "ShapeDtypeStruct with no value to keep)"
+        ),
+    ):
+        nnx_save.load_file(one_file, abstract, allow_shape_mismatch=["a"])
+
+
+def test_strict_refusal_names_the_options_that_would_accept_it(one_file):
+    abstract = {k: np.zeros(v.shape, v.dtype) for k, v in FULL.items() if k != "b"}
+    abstract["a"] = np.zeros((24, 48), np.float32)
+    abstract["new"] = np.zeros(3, np.float32)
+    with pytest.raises(nnx_save.LoadError) as raised:
+        nnx_save.load_file(one_file, abstract, strict=True)
+    assert str(raised.value).endswith(
+        "To accept them, pass (patterns: glob or regex):\n"
+        "  allow_missing=['new'] (those paths keep the model's values)\n"
+        "  allow_unexpected=['b'] (those file tensors are not read)\n"
+        "  allow_shape_mismatch=['a'] (those paths keep the model's values)"
+    )
 
 
 def test_dtype_cast_is_reported_and_refused_under_strict(one_file, monkeypatch):

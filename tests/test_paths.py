@@ -74,7 +74,7 @@ def test_slash_in_a_name_is_refused():
         ),
     ) as info:
         _paths.to_key(("layers", 0, "q/k"))
-    assert info.value.path == "layers/0/q/k"
+    assert info.value.key_path == "layers/0/q/k"
 
 
 def test_slash_in_the_first_name_is_refused():

@@ -71,7 +71,7 @@ def test_save_file_into_a_full_filesystem(small_fs):
     before = snapshot(fs)
     with pytest.raises(nnx_save.SaveError, match=no_space(path)) as info:
         nnx_save.save_file({"w": np.ones(128 << 10, np.float32)}, path)  # 512 KiB
-    assert info.value.path == str(path) and isinstance(info.value, nnx_save.NnxSaveError)
+    assert info.value.file == str(path) and isinstance(info.value, nnx_save.NnxSaveError)
     assert snapshot(fs) == before  # nothing else in the directory: the temporary file is gone
     np.testing.assert_array_equal(nnx_save.load_file(path)["w"], np.arange(1024, dtype=np.float32))
     nnx_save.save_file({"w": np.ones(16 << 10, np.float32)}, path)  # the space came back
@@ -136,7 +136,7 @@ def test_store_save_into_a_full_filesystem_keeps_the_previous_steps(small_fs):
         np.testing.assert_array_equal(store.restore(1).items["model"]["w"], w)
         store.save(2, {"model": {"w": w + 1}})
         np.testing.assert_array_equal(store.restore(2).items["model"]["w"], w + 1)
-    assert sorted(os.listdir(fs / "ckpt")) == ["1", "2"]
+    assert sorted(os.listdir(fs / "ckpt")) == ["1", "2", "_nnx_save_store.json"]  # the retention record
 
 
 def test_store_save_into_a_full_filesystem_raises_a_typed_error(small_fs):
@@ -177,7 +177,7 @@ _LIMITED = textwrap.dedent(
             save()
             results[name] = None
         except Exception as e:
-            results[name] = [type(e).__name__, isinstance(e, nnx_save.NnxSaveError), str(e), getattr(e, "path", None)]
+            results[name] = [type(e).__name__, isinstance(e, nnx_save.NnxSaveError), str(e), getattr(e, "file", None)]
     print(json.dumps(results))
     """
 )
@@ -233,7 +233,7 @@ _MP_WORKER = textwrap.dedent(
         nnx_save.save_file({{"w": w}}, ctx.args["path"])
         error = None
     except nnx_save.SaveError as e:
-        error = [str(e), e.path]
+        error = [str(e), e.file]
     ctx.write({{"error": error}})
     """
 )

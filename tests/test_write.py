@@ -307,7 +307,7 @@ def test_refusals_name_the_path_and_write_nothing(tmp_path, tree, cls, message):
 def test_refused_leaf_error_carries_the_path(tmp_path):
     with pytest.raises(nnx_save.UnsupportedValueError) as info:
         nnx_save.save_file({"a": [np.zeros(1), "x"]}, tmp_path / "m.safetensors")
-    assert info.value.path == "a/1"
+    assert info.value.key_path == "a/1"
 
 
 @pytest.mark.parametrize(
@@ -398,7 +398,7 @@ def test_disk_full_is_a_save_error_and_keeps_the_previous_file(tmp_path, monkeyp
         match=re.escape(f"{path}: save failed (no space left on the device); the previous file, if any, is intact"),
     ) as info:
         nnx_save.save_file({"a": np.zeros(8, np.float32), "b": np.zeros(8, np.float32)}, path)
-    assert info.value.path == str(path) and isinstance(info.value, OSError)
+    assert info.value.file == str(path) and isinstance(info.value, OSError)
     assert path.read_bytes() == before and leftovers(tmp_path) == []
 
 

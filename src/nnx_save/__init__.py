@@ -12,18 +12,20 @@ from ._errors import HeaderError as HeaderError
 from ._errors import HeaderJSONError as HeaderJSONError
 from ._errors import HeaderTooLargeError as HeaderTooLargeError
 from ._errors import HeaderTooSmallError as HeaderTooSmallError
-from ._errors import IndexError_ as IndexFileError  # noqa: F401 (renamed in issue 15)
+from ._errors import IndexFileError as IndexFileError
 from ._errors import KeyMismatchError as KeyMismatchError
 from ._errors import KeyPathError as KeyPathError
 from ._errors import LoadError as LoadError
 from ._errors import MetadataError as MetadataError
 from ._errors import NnxSaveError as NnxSaveError
+from ._errors import NotSafetensorsError as NotSafetensorsError
 from ._errors import OffsetError as OffsetError
 from ._errors import SaveError as SaveError
 from ._errors import ShapeMismatchError as ShapeMismatchError
 from ._errors import ShardingError as ShardingError
 from ._errors import SourceError as SourceError
 from ._errors import TensorEntryError as TensorEntryError
+from ._errors import TruncatedFileError as TruncatedFileError
 from ._errors import UnknownDtypeError as UnknownDtypeError
 from ._errors import UnsupportedValueError as UnsupportedValueError
 from ._header import FileHeader as FileHeader
@@ -31,7 +33,7 @@ from ._header import TensorInfo as TensorInfo
 from ._load import OverReadWarning as OverReadWarning
 from ._nnx import load_model as load_model
 from ._nnx import save_model as save_model
-from ._pod import save_sharded as save_sharded
+from ._pod import save_pod as save_pod
 from ._report import DtypeCast as DtypeCast
 from ._report import IOStats as IOStats
 from ._report import LoadReport as LoadReport

@@ -258,6 +258,7 @@ def snapshot(entries: Sequence[Entry]) -> list[Entry]:
             s.data.copy_to_host_async()
     out = []
     for e, source, group in zip(entries, sources, shards, strict=False):
+        value: HostSnapshot | np.ndarray
         if group is not None:
             value = HostSnapshot(source, group)
         elif source is not None:
@@ -304,7 +305,7 @@ def _work() -> None:
         handle._finished.set()
 
 
-def _drop_locals(error: BaseException) -> None:
+def _drop_locals(error: BaseException | None) -> None:
     """Clear the locals of the writer's frames that an error's tracebacks keep
     (they hold the snapshot), so an error nobody collects does not pin the state
     in memory; the tracebacks themselves (files, lines) stay."""

@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
+import functools
 import json
 import logging
 import math
 import os
 import re
+import shlex
 import sys
 import warnings
 from collections.abc import Iterator, Sequence
@@ -26,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from . import _formats
 
 __all__ = ["main"]
 
@@ -309,13 +313,15 @@ def cmd_diff(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------- convert
 
 
-def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
+def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
     import torch  # only this command needs torch
 
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for unsafe or bad files
         raise CLIError(f"{path}: not a PyTorch state dict that loads with weights_only=True: {e}") from None
+    if key is not None:
+        state = _pick(path, state, key)
     out: dict[str, np.ndarray] = {}
 
     def walk(node: Any, prefix: str) -> None:
@@ -327,11 +333,49 @@ def _torch_tensors(path: Path) -> dict[str, np.ndarray]:
         else:
             raise CLIError(
                 f"{path}: {prefix or '<root>'} is a {type(node).__name__}, not a tensor; "
-                "convert takes a state dict of tensors (nested dicts are joined with '.')"
+                "convert takes a state dict of tensors (nested dicts are joined with '.')" + _key_hint(state, key)
             )
 
     walk(state, "")
     return out
+
+
+def _tensor_dicts(state: Any) -> list[str]:
+    """Top-level keys of ``state`` whose values are dicts holding only tensors (and dicts)."""
+    import torch
+
+    def only_tensors(node: Any) -> bool:
+        if isinstance(node, dict):
+            return bool(node) and all(only_tensors(v) for v in node.values())
+        return isinstance(node, torch.Tensor)
+
+    return (
+        [str(k) for k, v in state.items() if isinstance(v, dict) and only_tensors(v)] if isinstance(state, dict) else []
+    )
+
+
+def _key_hint(state: Any, key: str | None) -> str:
+    candidates = _tensor_dicts(state)
+    if not candidates:
+        return ""
+    where = f"--key {key!r}" if key else "The top level"
+    return (
+        f". {where} is a training checkpoint holding state dicts of tensors under {candidates[:5]}: "
+        f"pick one with --key {shlex.quote(candidates[0])}"
+    )
+
+
+def _pick(path: Path, state: Any, key: str) -> Any:
+    """``state[key]``, following dots (``--key model.ema``) through nested dicts."""
+    node = state
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            keys = sorted(map(str, node)) if isinstance(node, dict) else []
+            raise CLIError(f"{path}: --key {key!r}: no {part!r} here; the dict holds {keys[:20]}")
+        node = node[part]
+    if not isinstance(node, dict):
+        raise CLIError(f"{path}: --key {key!r} is a {type(node).__name__}, not a dict of tensors")
+    return node
 
 
 def _torch_to_numpy(t: Any, key: str) -> np.ndarray:
@@ -366,11 +410,16 @@ def _orbax_tensors(path: Path) -> dict[str, np.ndarray]:
     return out
 
 
+def _verified(header: Any, key: str) -> np.ndarray:
+    return _one(header, key, verify=True)[0]
+
+
 def _kind(source: Path) -> str:
     if source.is_dir():
-        if (source / "_METADATA").is_file() or (source / "_CHECKPOINT_METADATA").is_file():
-            return "orbax"
-        return "safetensors"
+        return "orbax" if _formats.foreign_directory(source) else "safetensors"
+    with open(source, "rb") as f:  # magic bytes decide, whatever the name says
+        if _formats.foreign_file(f.read(8), lambda n, at: (f.seek(at), f.read(n))[1]) is not None:
+            return "torch"
     if source.suffix in (".bin", ".pt", ".pth"):
         return "torch"
     if source.suffix == ".safetensors":
@@ -381,7 +430,7 @@ def _kind(source: Path) -> str:
     )
 
 
-def _entries(source: Path) -> tuple[list[Any], dict[str, str]]:
+def _entries(source: Path, key: str | None = None) -> tuple[list[Any], dict[str, str]]:
     """Writer entries for ``source``; safetensors sources are read one tensor at a time."""
     import nnx_save
 
@@ -389,18 +438,19 @@ def _entries(source: Path) -> tuple[list[Any], dict[str, str]]:
     from ._write import Entry
 
     kind = _kind(source)
+    if key is not None and kind != "torch":
+        raise CLIError(f"{source}: --key picks a sub-dict of a PyTorch checkpoint; this is a {kind} checkpoint")
     if kind == "safetensors":
         header = nnx_save.read_header(source)
         meta = dict(header.files[0].metadata) if header.files else {}
         # verify=True: a corrupted source stops the conversion instead of getting fresh checksums
         return [
-            Entry(k, t.dtype.code, t.shape, lambda k=k: _one(header, k, verify=True)[0])
-            for k, t in header.tensors.items()
+            Entry(k, t.dtype.code, t.shape, functools.partial(_verified, header, k)) for k, t in header.tensors.items()
         ], meta
-    arrays = _torch_tensors(source) if kind == "torch" else _orbax_tensors(source)
+    arrays = _torch_tensors(source, key) if kind == "torch" else _orbax_tensors(source)
     entries = []
     for key, a in arrays.items():
-        entries.append(Entry(key, _dtypes.to_code(a.dtype, key).code, tuple(a.shape), lambda a=a: a))
+        entries.append(Entry(key, _dtypes.to_code(a.dtype, key).code, tuple(a.shape), functools.partial(np.asarray, a)))
     return entries, {"format": "pt"} if kind == "torch" else {}
 
 
@@ -411,7 +461,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     source, out = Path(args.input), Path(args.output)
     if not source.exists():
         raise CLIError(f"{source}: no such file or directory")
-    entries, meta = _entries(source)
+    entries, meta = _entries(source, args.key)
     if args.max_shard_size is not None:
         if out.suffix == ".safetensors":
             raise CLIError(
@@ -465,6 +515,11 @@ def _parser() -> argparse.ArgumentParser:
         type=parse_size,
         metavar="SIZE",
         help="write a HuggingFace multi-file checkpoint into directory OUTPUT (e.g. 5GB, 500MiB)",
+    )
+    s.add_argument(
+        "--key",
+        metavar="NAME",
+        help="convert only this sub-dict of a PyTorch checkpoint (a training .pt: --key model; dots go deeper)",
     )
     s.set_defaults(run=cmd_convert)
     return p

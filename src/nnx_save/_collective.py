@@ -115,13 +115,14 @@ class _Sync:
         import jax
         from jax._src import distributed  # the only handle on the key-value store
 
-        self.client = distributed.global_state.client
-        if self.client is None:
+        client = distributed.global_state.client
+        if client is None:
             raise SaveError(
                 f"{path}: {jax.process_count()} processes but no jax.distributed client; "
                 "call jax.distributed.initialize() first",
                 str(path),
             )
+        self.client: Any = client
         self.pid, self.n, self.path = jax.process_index(), jax.process_count(), path
         self.save_id = next(_SAVES)
         self.prefix = f"nnx_save/save/{self.save_id}"
@@ -226,14 +227,16 @@ def _write_shards(fd: int, e: Entry, array: Any, base: int) -> None:
             raise SaveError(
                 f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be written "
                 "shard by shard. Replicate it before saving",
-                e.key,
+                key_path=e.key,
             )
         data = host_bytes(np.asarray(shard.data), e.code)
         offsets, length = (
             box_runs(e.shape, row.itemsize, box, base) if row.byte_aligned else (np.array([base]), len(data))
         )
         if len(offsets) * length != len(data):
-            raise SaveError(f"{e.key}: shard {box} gave {len(data)} bytes, expected {len(offsets) * length}", e.key)
+            raise SaveError(
+                f"{e.key}: shard {box} gave {len(data)} bytes, expected {len(offsets) * length}", key_path=e.key
+            )
         for i, off in enumerate(offsets.tolist()):
             _pwrite_all(fd, data[i * length : (i + 1) * length], off)
 
@@ -263,7 +266,7 @@ def _write_mine(
                     raise SaveError(
                         f"{e.key}: gave {len(data)} bytes, its header entry {e.code} "
                         f"{list(e.shape)} says {end - begin}",
-                        e.key,
+                        key_path=e.key,
                     )
                 _pwrite_all(fd, data, len(head) + begin)
                 digests[e.key] = _checksum.digest([data])
@@ -276,7 +279,7 @@ def _write_mine(
 
 def _assign(entries: Sequence[Entry], offsets: list[tuple[int, int]], n: int) -> list[list[int]]:
     """Share the cross-process tensors out for hashing: biggest first, to the least loaded."""
-    load, share = [0] * n, [[] for _ in range(n)]
+    load, share = [0] * n, [list[int]() for _ in range(n)]
     cross = [i for i, e in enumerate(entries) if _cross(e) is not None]
     for i in sorted(cross, key=lambda i: (offsets[i][0] - offsets[i][1], i)):
         p = min(range(n), key=lambda p: (load[p], p))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import ml_dtypes
 import numpy as np
+import numpy.typing as npt
 
 from ._errors import UnknownDtypeError
 
@@ -36,7 +37,7 @@ class DtypeInfo:
         return self.bits // 8
 
 
-def _row(code: str, dtype: object, bits: int) -> DtypeInfo:
+def _row(code: str, dtype: npt.DTypeLike, bits: int) -> DtypeInfo:
     return DtypeInfo(code, np.dtype(dtype), bits)
 
 
@@ -125,7 +126,7 @@ def pack_subbyte(array: np.ndarray, row: DtypeInfo) -> bytes:
     is the low nibble first, as torch's ``float4_e2m1fn_x2``).
     """
     b = row.bits
-    codes = np.ascontiguousarray(array).reshape(-1).view(np.uint8) & ((1 << b) - 1)
+    codes = np.ascontiguousarray(array).reshape(-1).view(np.uint8) & np.uint8((1 << b) - 1)
     bits = np.unpackbits(codes[:, None], axis=1, bitorder="little")[:, :b]
     return np.packbits(bits.reshape(-1), bitorder="little").tobytes()
 

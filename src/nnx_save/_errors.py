@@ -19,25 +19,34 @@ __all__ = [
     "HeaderJSONError",
     "HeaderTooLargeError",
     "HeaderTooSmallError",
-    "IndexError_",
+    "IndexFileError",
     "KeyMismatchError",
     "KeyPathError",
     "LoadError",
     "MetadataError",
     "NnxSaveError",
+    "NotSafetensorsError",
     "OffsetError",
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
     "SourceError",
     "TensorEntryError",
+    "TruncatedFileError",
     "UnknownDtypeError",
     "UnsupportedValueError",
 ]
 
 
 class NnxSaveError(Exception):
-    """Base class of every error raised by nnx_save."""
+    """Base class of every error raised by nnx_save.
+
+    ``key_path`` is the one tree-path attribute every error carries: the flat key
+    (``"layers/0/kernel"``) of the tree leaf the failure concerns, or ``None`` when
+    it concerns no single leaf. Errors about a file name it in ``file`` instead.
+    """
+
+    key_path: str | None = None
 
 
 class HeaderError(NnxSaveError, ValueError):
@@ -88,25 +97,27 @@ class FileSizeError(HeaderError):
     """The data section does not end exactly at the end of the file."""
 
 
-class IndexError_(HeaderError):
+class IndexFileError(HeaderError):
     """A multi-file index (``model.safetensors.index.json``) is malformed or disagrees
     with the files it names."""
 
 
 class KeyPathError(NnxSaveError, ValueError):
-    """A tree path cannot become a file key (``/`` inside a name, an ambiguous key)."""
+    """A tree path cannot become a file key (``/`` inside a name, an ambiguous key);
+    ``key_path`` names it."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    def __init__(self, message: str, key_path: str | None = None) -> None:
         super().__init__(message)
-        self.path = path
+        self.key_path = key_path
 
 
 class UnsupportedValueError(NnxSaveError, TypeError):
-    """A leaf that cannot be stored: a string, ``None``, an object array, ..."""
+    """A leaf that cannot be stored: a string, ``None``, an object array, ...;
+    ``key_path`` names it."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    def __init__(self, message: str, key_path: str | None = None) -> None:
         super().__init__(message)
-        self.path = path
+        self.key_path = key_path
 
 
 class KeyMismatchError(NnxSaveError, KeyError):
@@ -133,11 +144,21 @@ class LoadError(NnxSaveError, ValueError):
 
 
 class SaveError(NnxSaveError, OSError):
-    """Writing a checkpoint failed; the previous file at the path is intact."""
+    """Writing a checkpoint failed; the previous file at the path is intact. ``file``
+    names that file; ``key_path`` the tensor, when one tensor caused the failure."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    def __init__(self, message: str, file: str | None = None, key_path: str | None = None) -> None:
         super().__init__(message)
-        self.path = path
+        self.file, self.key_path = file, key_path
+
+
+class TruncatedFileError(NnxSaveError, OSError):
+    """A read of tensor data ended early: the file is shorter than its validated header
+    says (truncated after it was opened). ``file`` and ``offset`` say where."""
+
+    def __init__(self, message: str, file: str | None = None, offset: int | None = None) -> None:
+        super().__init__(message)
+        self.file, self.offset = file, offset
 
 
 class SourceError(NnxSaveError, OSError):
@@ -169,3 +190,14 @@ class ChecksumError(NnxSaveError, ValueError):
     ) -> None:
         super().__init__(message)
         self.key, self.file, self.expected, self.found = key, file, expected, found
+        self.key_path = key
+
+
+class NotSafetensorsError(HeaderError):
+    """The source is another checkpoint format (PyTorch zip or pickle, Orbax,
+    TensorStore), recognised by its magic bytes or directory entries; nothing was
+    unpickled. ``format`` says what it is; the message says what to run."""
+
+    def __init__(self, message: str, format: str = "") -> None:
+        super().__init__(message)
+        self.format = format

@@ -229,9 +229,9 @@ def parse_header(raw: bytes, file_size: int, *, file: str = "<bytes>") -> FileHe
         HeaderError: one subclass per failed check.
 
     Examples:
-        >>> h = parse_header(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8 + 55 + 8)
+        >>> h = parse_header(b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}', 8 + 54 + 8)
         >>> h.tensors["a"].shape, h.tensors["a"].begin
-        ((2,), 63)
+        ((2,), 62)
     """
     obj = _decode_json(raw, file)
     metadata = _parse_metadata(obj.pop("__metadata__", None), file)

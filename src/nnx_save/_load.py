@@ -37,7 +37,7 @@ from ._errors import ShardingError
 from ._header import TensorInfo
 from ._plan import Request, over_read_by_range, plan_file
 from ._read import Budget, LocalReader, aligned_empty, execute, pack_buffers
-from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed
+from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed, split_allowed_shapes
 from ._sources import Header
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
@@ -433,6 +433,7 @@ def load_targets(
     strict: bool = False,
     allow_missing: Sequence[str] = (),
     allow_unexpected: Sequence[str] = (),
+    allow_shape_mismatch: Sequence[str] = (),
     ignore_unexpected: frozenset[str] = frozenset(),
     max_over_read_ratio: float | None = None,
     read_chunk_bytes: int = 128 << 20,
@@ -459,6 +460,9 @@ def load_targets(
     loadable = [t for t in targets if _check(header, t, report)]
     used = {k for t in targets for k in t.sources}
     report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
+    report.shape_mismatches, report.allowed_shape_mismatches = split_allowed_shapes(
+        report.shape_mismatches, allow_shape_mismatch
+    )
     unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
     report.sources = {t.path: t.sources for t in loadable}

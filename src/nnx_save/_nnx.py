@@ -341,6 +341,7 @@ def load_model(
     filter: Any = ...,
     allow_missing: Sequence[str] = (),
     allow_unexpected: Sequence[str] = (),
+    allow_shape_mismatch: Sequence[str] = (),
     rules: Any = None,
     mesh: Any = None,
     max_over_read_ratio: float | None = None,
@@ -363,6 +364,10 @@ def load_model(
             only; other state in the file is then not "unexpected").
         allow_missing / allow_unexpected: path patterns (glob or regex) the caller
             expects to be missing (a new head) or unused.
+        allow_shape_mismatch: path patterns whose shape in the file may differ
+            from the model's (a new head of another size): those parameters keep
+            the model's values (a builder's initialisation) and are listed in
+            ``report.allowed_shape_mismatches``.
         rules: porting rules (:mod:`nnx_save.porting`) mapping file keys to paths.
         mesh: the concrete mesh for a builder's sharding annotations.
         max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads:
@@ -404,6 +409,7 @@ def load_model(
         strict=strict,
         allow_missing=allow_missing,
         allow_unexpected=allow_unexpected,
+        allow_shape_mismatch=allow_shape_mismatch,
         ignore_unexpected=ignore,
         max_over_read_ratio=max_over_read_ratio,
         read_chunk_bytes=read_chunk_bytes,

@@ -56,7 +56,7 @@ from ._header import FileHeader, TensorInfo
 from ._sources import Header, read_file_header
 from ._write import Entry, atomic_file, order_entries, write_file
 
-__all__ = ["MANIFEST", "Piece", "PodEngine", "PodHeader", "is_pod", "read_pod", "save_sharded"]
+__all__ = ["MANIFEST", "Piece", "PodEngine", "PodHeader", "is_pod", "read_pod", "save_pod"]
 
 MANIFEST = "manifest.json"
 FORMAT = "nnx_save.pod"
@@ -95,13 +95,13 @@ def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
 
     array = e.value.array if isinstance(e.value, HostValue) else None
     whole = tuple((0, d) for d in e.shape)
-    if not _spans_processes(array):
+    if array is None or not _spans_processes(array):
         return _describe_sharding(array), [(whole, e.value)]
     if not _dtypes.DTYPES[e.code].byte_aligned:
         raise SaveError(
             f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be saved "
             "in pieces. Replicate it before saving",
-            e.key,
+            key_path=e.key,
         )
     boxes: dict[Box, Any] = {}
     for shard in array.addressable_shards:  # every distinct box held here, whatever its replica
@@ -138,7 +138,7 @@ def _entries(tree_or_model: Any, metadata: Mapping[str, str] | None, filter: Any
     return [leaf_entry(p, v) for p, v in pairs], dict(metadata or {})
 
 
-def save_sharded(
+def save_pod(
     tree_or_model: Any,
     directory: str | os.PathLike,
     *,
@@ -170,7 +170,7 @@ def save_sharded(
     Examples:
         >>> import numpy as np, nnx_save, tempfile
         >>> d = tempfile.mkdtemp()
-        >>> _ = nnx_save.save_sharded({"w": np.arange(4, dtype=np.float32)}, d)
+        >>> _ = nnx_save.save_pod({"w": np.arange(4, dtype=np.float32)}, d)
         >>> nnx_save.load_file(d)["w"]
         array([0., 1., 2., 3.], dtype=float32)
     """
@@ -236,7 +236,7 @@ def _commit(
     token: str,
 ) -> str:
     """Primary: merge the piece lists into the manifest, write it, drop stale shard files."""
-    tensors = {
+    tensors: dict[str, dict[str, Any]] = {
         e.key: {"dtype": e.code, "shape": list(e.shape), "sharding": shardings[e.key], "pieces": []} for e in entries
     }
     for p in sorted(lists):

@@ -1,4 +1,4 @@
-"""Porting rules inside the engine: a :class:`~nnx_save.porting.Rules` plan turns
+"""Porting rules inside the engine: a :class:`~nnx_save.porting.Rules` mapping turns
 file keys into model paths (load) or model paths into file keys (export).
 
 An assignment that only renames reads its tensor straight from the file, sharded;
@@ -22,25 +22,25 @@ __all__ = ["export_entries", "load_targets_for"]
 
 def load_targets_for(rules: Any, header: Header, targets: Sequence[Target]) -> tuple[list[Target], frozenset[str]]:
     """Rewrite model targets to read through ``rules``; also the keys rules ignore."""
-    plan = rules.plan({k: (t.shape, t.dtype.numpy) for k, t in header.tensors.items()})
+    mapping = rules.mapping({k: (t.shape, t.dtype.numpy) for k, t in header.tensors.items()})
     out = []
     for t in targets:
-        a = plan.assignments.get(t.path)
+        a = mapping.assignments.get(t.path)
         if a is None:
             out.append(dataclasses.replace(t, sources=()))
         elif a.transform is None:
             out.append(dataclasses.replace(t, sources=a.sources))
         else:
             out.append(dataclasses.replace(t, sources=a.sources, transform=a.transform, source_shape=tuple(a.shape)))
-    return out, frozenset(plan.unused)
+    return out, frozenset(mapping.unused)
 
 
 def export_entries(rules: Any, entries: Sequence[Entry]) -> list[Entry]:
     """The entries under their exported names and layouts (values made lazily)."""
     by_key = {e.key: e for e in entries}
-    plan = rules.plan({e.key: (e.shape, _dtypes.DTYPES[e.code].numpy) for e in entries})
+    mapping = rules.mapping({e.key: (e.shape, _dtypes.DTYPES[e.code].numpy) for e in entries})
     out = []
-    for name, a in plan.assignments.items():
+    for name, a in mapping.assignments.items():
 
         def value(a=a):
             return a.materialize({k: by_key[k].value() for k in a.sources})

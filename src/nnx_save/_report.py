@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 
 from ._errors import LoadError
 
-__all__ = ["DtypeCast", "IOStats", "LoadReport", "LoadWarning", "ShapeMismatch", "matches_any"]
+__all__ = [
+    "DtypeCast",
+    "IOStats",
+    "LoadReport",
+    "LoadWarning",
+    "ShapeMismatch",
+    "matches_any",
+    "split_allowed",
+    "split_allowed_shapes",
+]
 
 
 class LoadWarning(UserWarning):
@@ -97,6 +106,8 @@ class LoadReport:
         shape_mismatches: paths whose shapes differ (not loaded).
         dtype_casts: paths cast on the host from the file dtype.
         allowed_missing / allowed_unexpected: mismatches the caller declared.
+        allowed_shape_mismatches: shape mismatches the caller declared
+            (``allow_shape_mismatch``); those paths keep the model's values.
         sources: per target path, the file keys it came from.
         landed: per file key, the target paths it went to (empty: nowhere).
         io: the engine's I/O statistics.
@@ -112,6 +123,7 @@ class LoadReport:
     dtype_casts: list[DtypeCast] = field(default_factory=list)
     allowed_missing: list[str] = field(default_factory=list)
     allowed_unexpected: list[str] = field(default_factory=list)
+    allowed_shape_mismatches: list[ShapeMismatch] = field(default_factory=list)
     sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
     landed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     io: IOStats = field(default_factory=IOStats)
@@ -145,10 +157,17 @@ class LoadReport:
             parts.append(f"  (allowed missing: {len(self.allowed_missing)})")
         if self.allowed_unexpected:
             parts.append(f"  (allowed unexpected: {len(self.allowed_unexpected)})")
+        if self.allowed_shape_mismatches:
+            kept = ", ".join(sorted(m.path for m in self.allowed_shape_mismatches)[:10])
+            parts.append(f"  (allowed shape mismatches, the model's values kept: {kept})")
         if self.verified or self.unverified:
             parts.append(f"  checksums: {len(self.verified)} verified, {len(self.unverified)} not verifiable")
         parts.append(f"  I/O: {self.io}")
         return "\n".join(parts)
+
+    def remedy(self) -> str:
+        """The options that would accept this report's mismatches (empty when clean)."""
+        return remedy(self)
 
     def raise_or_warn(self, strict: bool, *, limit: int = 50, stacklevel: int = 3) -> None:
         """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`."""
@@ -157,12 +176,43 @@ class LoadReport:
         lines = self.problems()
         shown = "\n  ".join(lines[:limit]) + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
         if strict:
-            raise LoadError(f"strict load refused, nothing was changed. {self.summary()}:\n  {shown}", self)
+            raise LoadError(
+                f"strict load refused, nothing was changed. {self.summary()}:\n  {shown}\n{self.remedy()}", self
+            )
         warnings.warn(
             f"{self.summary()}:\n  {shown}\n(see the returned LoadReport; strict=True raises)",
             LoadWarning,
             stacklevel=stacklevel,
         )
+
+
+def _listed(paths: Sequence[str], limit: int = 5) -> str:
+    shown = sorted(paths)[:limit]
+    return repr(shown)[:-1] + (", ...]" if len(paths) > limit else "]")
+
+
+def remedy(report: LoadReport) -> str:
+    """The options that would accept what a strict load refused, one per line."""
+    lines = []
+    if report.missing:
+        lines.append(f"allow_missing={_listed(report.missing)} (those paths keep the model's values)")
+    if report.unexpected:
+        lines.append(f"allow_unexpected={_listed(report.unexpected)} (those file tensors are not read)")
+    if report.shape_mismatches:
+        paths = [m.path for m in report.shape_mismatches]
+        lines.append(f"allow_shape_mismatch={_listed(paths)} (those paths keep the model's values)")
+    if report.dtype_casts:
+        lines.append("strict=False (dtype casts are then done on the host and reported)")
+    return "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
+
+
+def split_allowed_shapes(
+    mismatches: Sequence[ShapeMismatch], patterns: Iterable[str]
+) -> tuple[list[ShapeMismatch], list[ShapeMismatch]]:
+    """Partition shape mismatches into (not allowed, allowed) by model path patterns."""
+    patterns = list(patterns)
+    allowed = [m for m in mismatches if matches_any(m.path, patterns)]
+    return [m for m in mismatches if m not in allowed], allowed
 
 
 def split_allowed(items: Sequence[str], patterns: Iterable[str]) -> tuple[list[str], list[str]]:

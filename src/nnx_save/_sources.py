@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from . import _remote
-from ._errors import HeaderError, HeaderTooSmallError, IndexError_, SourceError
+from . import _formats, _remote
+from ._errors import HeaderError, HeaderTooSmallError, IndexFileError, SourceError, TruncatedFileError
 from ._header import FileHeader, TensorInfo, header_size, parse_header
 
 __all__ = ["INDEX_NAME", "Header", "pread_exact", "read_file_header", "read_header"]
@@ -80,13 +80,19 @@ class Header:
 
 
 def pread_exact(fd: int, size: int, offset: int, file: str) -> bytes:
-    """Read exactly ``size`` bytes at ``offset`` or raise naming the file and offset."""
+    """Read exactly ``size`` bytes at ``offset``.
+
+    Raises:
+        TruncatedFileError: the file ends first; names the file and both offsets.
+    """
     chunks, got = [], 0
     while got < size:
         chunk = os.pread(fd, size - got, offset + got)
         if not chunk:
-            raise HeaderTooSmallError(
-                f"{file}: expected {size} bytes at byte {offset}, the file ends at byte {offset + got}"
+            raise TruncatedFileError(
+                f"{file}: expected {size} bytes at byte {offset}, the file ends at byte {offset + got}",
+                file,
+                offset + got,
             )
         chunks.append(chunk)
         got += len(chunk)
@@ -132,8 +138,14 @@ def open_regular(name: str) -> int:
 
 def _read_prefix_and_header(fd: int, size: int, name: str) -> FileHeader:
     # The size is checked before any read: /proc files report 0 and some (/proc/self/mem) fail to read.
-    n = header_size(os.pread(fd, 8, 0) if size >= 8 else b"", size, file=name)
-    return parse_header(pread_exact(fd, n, 8, name), size, file=name)
+    prefix = os.pread(fd, 8, 0) if size >= 8 else b""
+    _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at))  # torch zip / pickle: say so
+    n = header_size(prefix, size, file=name)
+    try:
+        raw = pread_exact(fd, n, 8, name)
+    except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
+        raise HeaderTooSmallError(str(e)) from None
+    return parse_header(raw, size, file=name)
 
 
 def read_file_header(path: PathLike, pinned: _Pinned | None = None) -> FileHeader:
@@ -197,7 +209,7 @@ def _merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
     for fh in files:
         for name, info in fh.tensors.items():
             if name in tensors:
-                raise IndexError_(
+                raise IndexFileError(
                     f"{where}: tensor {name!r} appears in two files: {tensors[name].file} and {info.file}"
                 )
             tensors[name] = info
@@ -210,11 +222,11 @@ def _check_file_name(name: str, base: str, where: str) -> None:
     ``?``, ``#``, ``:`` or NUL. The same rule for local and remote indexes."""
     parts = name.split("/")
     if name.startswith("/") or ".." in parts:
-        raise IndexError_(f"{where}: file {name!r} points outside the checkpoint directory {base}")
+        raise IndexFileError(f"{where}: file {name!r} points outside the checkpoint directory {base}")
     bad = [c for c in _NOT_IN_FILE_NAMES if c in name]
     if bad or "" in parts or "." in parts:
         what = f"contains {bad[0]!r}" if bad else "has an empty or '.' path segment"
-        raise IndexError_(f"{where}: file name {name!r} {what}; weight-map entries must be plain relative paths")
+        raise IndexFileError(f"{where}: file name {name!r} {what}; weight-map entries must be plain relative paths")
 
 
 def _inside(directory: Path, relative: str, index: str) -> str:
@@ -224,9 +236,9 @@ def _inside(directory: Path, relative: str, index: str) -> str:
     _check_file_name(relative, str(directory), index)
     candidate = Path(os.path.normpath(os.path.join(directory, relative)))
     if not candidate.is_relative_to(os.path.normpath(directory)):
-        raise IndexError_(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
+        raise IndexFileError(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
     if not os.path.lexists(candidate):
-        raise IndexError_(f"{index}: names file {relative!r}, which does not exist in {directory}")
+        raise IndexFileError(f"{index}: names file {relative!r}, which does not exist in {directory}")
     return os.fspath(directory / relative)
 
 
@@ -238,7 +250,7 @@ def _member_url(base: str, name: str, index: str) -> str:
     got, want = urlsplit(url), urlsplit(base + "/")
     path = posixpath.normpath(unquote(got.path))
     if (got.scheme, got.netloc) != (want.scheme, want.netloc) or not path.startswith(unquote(want.path)):
-        raise IndexError_(f"{index}: file {name!r} points outside the checkpoint directory {base}/")
+        raise IndexFileError(f"{index}: file {name!r} points outside the checkpoint directory {base}/")
     return url
 
 
@@ -246,7 +258,7 @@ def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:  # a tensor listed twice: json.loads would keep the last in silence
-            raise IndexError_(f"key {key!r} appears more than once in the index JSON")
+            raise IndexFileError(f"key {key!r} appears more than once in the index JSON")
         out[key] = value
     return out
 
@@ -257,23 +269,23 @@ def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]
     repeated key at any level, a ``weight_map`` of tensor name -> file name.
 
     Raises:
-        IndexError_: naming ``where`` and the failed check.
+        IndexFileError: naming ``where`` and the failed check.
     """
     if len(raw) > MAX_INDEX_BYTES:
-        raise IndexError_(f"{where}: index of {len(raw)} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
+        raise IndexFileError(f"{where}: index of {len(raw)} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs)
         meta = obj.get("metadata") if isinstance(obj, dict) else None
         meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
-    except IndexError_ as e:
-        raise IndexError_(f"{where}: {e}") from None
+    except IndexFileError as e:
+        raise IndexFileError(f"{where}: {e}") from None
     except RecursionError:
-        raise IndexError_(f"{where}: not a valid JSON index: nested too deeply") from None
+        raise IndexFileError(f"{where}: not a valid JSON index: nested too deeply") from None
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise IndexError_(f"{where}: not a valid JSON index: {e}") from None
+        raise IndexFileError(f"{where}: not a valid JSON index: {e}") from None
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise IndexError_(f"{where}: expected an object with a 'weight_map' of tensor name -> file name")
+        raise IndexFileError(f"{where}: expected an object with a 'weight_map' of tensor name -> file name")
     return weight_map, meta
 
 
@@ -283,7 +295,7 @@ def _read_local_index(index: Path) -> bytes:
     try:
         size = os.fstat(fd).st_size
         if size > MAX_INDEX_BYTES:
-            raise IndexError_(f"{name}: index of {size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
+            raise IndexFileError(f"{name}: index of {size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
         return pread_exact(fd, size, 0, name)
     finally:
         os.close(fd)
@@ -295,12 +307,12 @@ def _index_tensors(weight_map: Mapping[str, str], files: Sequence[FileHeader], f
     for tensor, fname in weight_map.items():
         info = tensors.get(tensor)
         if info is None:
-            raise IndexError_(f"{where}: names tensor {tensor!r} in {fname}, which does not hold it")
+            raise IndexFileError(f"{where}: names tensor {tensor!r} in {fname}, which does not hold it")
         if info.file != file_of[fname]:
-            raise IndexError_(f"{where}: places tensor {tensor!r} in {fname}, but it is in {info.file}")
+            raise IndexFileError(f"{where}: places tensor {tensor!r} in {fname}, but it is in {info.file}")
     extra = sorted(set(tensors) - set(weight_map))
     if extra:
-        raise IndexError_(f"{where}: files hold tensors the index does not name: {extra[:5]}")
+        raise IndexFileError(f"{where}: files hold tensors the index does not name: {extra[:5]}")
     return tensors
 
 
@@ -348,14 +360,15 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         return _remote_header(source)
     if isinstance(source, (list, tuple)):
         return _many([Path(p) for p in source], "list", "file list")
-    path = Path(source)
+    path = Path(source)  # type: ignore[arg-type]  # a list or tuple returned above; mypy cannot narrow str from Sequence
     if path.is_dir():
-        if (path / "manifest.json").is_file():  # a pod directory (nnx_save.save_sharded)
+        if (path / "manifest.json").is_file():  # a pod directory (nnx_save.save_pod)
             from ._pod import read_pod
 
             return read_pod(path)
         if (path / INDEX_NAME).is_file():
             return _index_header(path)
+        _formats.refuse_directory(path)  # Orbax / TensorStore: say what it is and what to run
         found = sorted(path.glob("*.safetensors"))
         if not found:
             raise HeaderError(f"{path}: directory holds neither {INDEX_NAME} nor any *.safetensors file")
@@ -375,6 +388,7 @@ def _remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, st
     then the rest of the header if it is larger."""
     reader = _remote.open_remote(url, stats)
     head = reader.probe()
+    _formats.refuse_file(url, head[:8], lambda n, at: head[at : at + n])
     n = header_size(head[:8], reader.size, file=url)
     raw = head[8 : 8 + n]
     if len(raw) < n:
@@ -387,7 +401,7 @@ def _remote_index(url: str, stats: Any) -> Header:
     reader = _remote.open_remote(url, stats)
     raw = reader.probe()
     if reader.size > MAX_INDEX_BYTES:
-        raise IndexError_(f"{url}: index of {reader.size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
+        raise IndexFileError(f"{url}: index of {reader.size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
     if len(raw) < reader.size:
         raw += reader.read(len(raw), reader.size - len(raw))
     weight_map, meta = parse_index(raw, url)

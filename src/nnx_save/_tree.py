@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import _async, _collective, _dtypes, _paths, _progress
-from ._errors import KeyPathError, NnxSaveError, UnsupportedValueError
+from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError
 from ._load import Target, load_targets
+from ._report import ShapeMismatch, matches_any
 from ._sources import Header, read_header, reader_factory
 from ._write import Entry
 
@@ -55,7 +56,7 @@ def _refuse_mixed_keys(node: Any, where: tuple) -> None:
                 "jax cannot flatten it. Use keys of one type",
                 _paths.format_path(where),
             ) from None
-        children = node.items()
+        children: Iterable[tuple[Any, Any]] = node.items()
     elif isinstance(node, (list, tuple)):
         children = enumerate(node)
     else:
@@ -162,11 +163,11 @@ def _check_metadata(metadata: Any) -> None:
             ) from None
 
 
-def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str]]:
+def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str], list[Any]]:
     import jax
 
     pairs, treedef = flatten(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    targets, keys = [], []
+    targets, keys, leaves = [], [], []
     for path, leaf in pairs:
         key = _paths.to_key(path)
         if leaf is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -178,7 +179,49 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str]]:
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         targets.append(Target(key, tuple(leaf.shape), np.dtype(leaf.dtype), sharding, (key,)))
         keys.append(key)
-    return targets, treedef, keys
+        leaves.append(leaf)
+    return targets, treedef, keys, leaves
+
+
+def _has_value(leaf: Any) -> bool:
+    import jax
+
+    return isinstance(leaf, (np.ndarray, jax.Array))
+
+
+def _refuse_shape_mismatches(
+    header: Header, targets: list[Target], leaves: list[Any], allowed: Sequence[str], strict: bool
+) -> None:
+    """One :class:`ShapeMismatchError` before any read, for every leaf whose file shape
+    differs and that would be left without a value: not allowed (unless ``strict``,
+    whose :class:`LoadError` lists it with the rest), or allowed on a leaf that holds no
+    value to keep (a ``ShapeDtypeStruct``)."""
+    lines, refused = [], []
+    for t, leaf in zip(targets, leaves, strict=True):
+        info = header.tensors.get(t.path)
+        if info is None or tuple(info.shape) == tuple(t.shape):
+            continue
+        ok = matches_any(t.path, allowed)
+        if ok and not _has_value(leaf):
+            refused.append(t.path)
+            lines.append(
+                f"{ShapeMismatch(t.path, t.shape, info.shape)} (allowed, but the leaf is a "
+                f"{type(leaf).__name__} with no value to keep)"
+            )
+        elif not ok and not strict:
+            refused.append(t.path)
+            lines.append(str(ShapeMismatch(t.path, t.shape, info.shape)))
+    if lines:
+        raise ShapeMismatchError(
+            f"{_source_name(header)}: {len(lines)} shape mismatch(es), nothing was read:\n  "
+            + "\n  ".join(lines)
+            + f"\nTo keep the abstract tree's values there, give those leaves as arrays and pass "
+            f"allow_shape_mismatch={sorted(refused)[:5]!r}"
+        )
+
+
+def _source_name(header: Header) -> str:
+    return header.files[0].file if len(header.files) == 1 else f"{len(header.files)} files ({header.kind})"
 
 
 def load_file(
@@ -188,6 +231,7 @@ def load_file(
     strict: bool = False,
     allow_missing: Sequence[str] = (),
     allow_unexpected: Sequence[str] = (),
+    allow_shape_mismatch: Sequence[str] = (),
     max_over_read_ratio: float | None = None,
     read_chunk_bytes: int = 128 << 20,
     max_inflight_bytes: int = 2 << 30,
@@ -208,6 +252,9 @@ def load_file(
         strict: refuse (before reading) on any missing, unexpected, reshaped or
             cast tensor; otherwise those are reported in one ``LoadWarning``.
         allow_missing / allow_unexpected: patterns (glob or regex) the caller expects.
+        allow_shape_mismatch: patterns of paths whose file shape may differ: those
+            leaves keep the value ``abstract`` gives them (an array) and are listed in
+            ``report.allowed_shape_mismatches``.
         max_over_read_ratio: cap on bytes read / bytes needed when merging reads
             (``None``: exact reads while few, else big sequential ones).
         read_chunk_bytes: the largest single read.
@@ -226,6 +273,9 @@ def load_file(
     Raises:
         HeaderError: a malformed file or index, before any data is read.
         LoadError: ``strict=True`` and a mismatch.
+        ShapeMismatchError: without ``strict``, a leaf whose file shape differs and
+            that no ``allow_shape_mismatch`` pattern (with an array to keep) accepts;
+            raised before any read.
         ChecksumError: ``verify=True`` and a tensor's bytes do not match its checksum.
 
     Examples:
@@ -242,6 +292,7 @@ def load_file(
         "strict": strict,
         "allow_missing": allow_missing,
         "allow_unexpected": allow_unexpected,
+        "allow_shape_mismatch": allow_shape_mismatch,
         "max_over_read_ratio": max_over_read_ratio,
         "read_chunk_bytes": read_chunk_bytes,
         "max_inflight_bytes": max_inflight_bytes,
@@ -261,8 +312,11 @@ def load_file(
         values, report = load_targets(header, targets, **options)
         result = {k: values[k] for k in header.tensors}
     else:
-        targets, treedef, keys = _abstract_targets(abstract)
+        targets, treedef, keys, leaves = _abstract_targets(abstract)
+        _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
         values, report = load_targets(header, targets, **options)
+        kept = {m.path for m in report.allowed_shape_mismatches}
+        values = {**values, **{k: leaf for k, leaf in zip(keys, leaves, strict=True) if k in kept}}
         missing = [k for k in keys if k not in values]
         if missing:  # the report warned; there is nothing to put at these leaves
             raise NnxSaveError(

@@ -78,7 +78,7 @@ def host_bytes(array: np.ndarray, code: str) -> memoryview:
     array = np.ascontiguousarray(array)
     if array.dtype.byteorder == ">":
         array = array.astype(array.dtype.newbyteorder("<"))
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return array.reshape(-1).view(np.uint8).data  # a memoryview of the bytes, no copy
 
 
 def _write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
@@ -120,7 +120,7 @@ def remove_stale_temps(path: Path) -> list[str]:
     not parse is kept. Best effort: a failure to list or remove is ignored (the
     save itself reports real I/O problems). Returns the names removed.
     """
-    prefix, host, removed = _temp_prefix(path), _host(), []
+    prefix, host, removed = _temp_prefix(path), _host(), list[str]()
     try:
         names = os.listdir(path.parent)
     except OSError:
@@ -274,6 +274,7 @@ def write_file(
                         f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
                         f"{e.code} {list(e.shape)} says {end - begin}; nothing was saved",
                         str(path),
+                        e.key,
                     )
                 if len(data) >= HASH_THREAD_MIN_BYTES:
                     hashed = hasher.submit(digests.update, e.key, data)

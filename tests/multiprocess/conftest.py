@@ -45,7 +45,7 @@ def files(tmp_path_factory):
     nnx_save.save_file(tree, paths["single"], metadata={"made_by": "save_tree"})
     (d / "scratch").mkdir()
     paths["scratch"] = str(d / "scratch")
-    paths["pod"] = str(d / "pod")  # save_sharded by the 2-process run
+    paths["pod"] = str(d / "pod")  # save_pod by the 2-process run
     return paths
 
 

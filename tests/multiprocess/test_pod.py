@@ -1,4 +1,4 @@
-"""The pod layout (save_sharded): one shard file per process plus a manifest; loads
+"""The pod layout (save_pod): one shard file per process plus a manifest; loads
 on the same process layout read only their own file, other layouts reshard."""
 
 from __future__ import annotations
@@ -77,16 +77,16 @@ def test_a_missing_shard_file_is_named(files, two, tmp_path):
 
 def test_a_new_save_replaces_the_old_shard_files(tmp_path):
     first = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
-    nnx_save.save_sharded(first, tmp_path)
+    nnx_save.save_pod(first, tmp_path)
     old = sorted(os.listdir(tmp_path))
-    nnx_save.save_sharded({"w": first["w"] + 1}, tmp_path)
+    nnx_save.save_pod({"w": first["w"] + 1}, tmp_path)
     new = sorted(os.listdir(tmp_path))
     assert len(new) == 2 and new != old and "manifest.json" in new
     np.testing.assert_array_equal(nnx_save.load_file(tmp_path)["w"], first["w"] + 1)
 
 
 def test_pieces_are_checked_against_their_checksums(tmp_path):
-    nnx_save.save_sharded({"w": np.arange(64, dtype=np.float32)}, tmp_path)
+    nnx_save.save_pod({"w": np.arange(64, dtype=np.float32)}, tmp_path)
     shard = next(p for p in tmp_path.iterdir() if p.name.startswith("shard_"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF  # one flipped bit pattern in the last element

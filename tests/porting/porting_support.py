@@ -1,9 +1,9 @@
 """Helpers for the porting tests: HF checkpoints built offline, NNX models filled
-from a plan without ever running their random initialisation.
+from a mapping without ever running their random initialisation.
 
 ``fill`` stands in for ``nnx_save.load_model(builder, path, rules=RULES)`` until the
 loader's rules bridge lands: it builds the model abstractly (``nnx.eval_shape``), so
-a param the plan does not fill has no value at all and the test fails.
+a param the mapping does not fill has no value at all and the test fails.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Coverage: what a plan fills, what it leaves missing, what the model lacks."""
+"""Coverage: what a mapping fills, what it leaves missing, what the model lacks."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ MODEL = {"fc/kernel": (3, 2), "fc/bias": (2,), "q/kernel": (2, 2), "k/kernel": (
 
 
 def test_coverage_sorts_every_path_into_its_place() -> None:
-    c = coverage(RULES.plan(FILE), MODEL)
+    c = coverage(RULES.mapping(FILE), MODEL)
     assert c.filled == {"fc/kernel": ("fc.weight",), "k/kernel": ("qkv.weight",), "q/kernel": ("qkv.weight",)}
     assert c.missing == ("fc/bias", "head/kernel")
     assert c.unexpected == {"pooler.dense.weight": ("pooler.dense.weight",), "qkv.weight": ("v/kernel",)}
@@ -36,7 +36,7 @@ def test_coverage_sorts_every_path_into_its_place() -> None:
 
 def test_allow_patterns_move_paths_to_the_allowed_lists() -> None:
     allow = {"allow_missing": [r".*/bias", r"head/.*"], "allow_unexpected": [r"pooler\..*", "v/kernel"]}
-    c = coverage(RULES.plan(FILE), MODEL, **allow)
+    c = coverage(RULES.mapping(FILE), MODEL, **allow)
     assert (c.missing, c.unexpected) == ((), {})
     assert c.allowed_missing == ("fc/bias", "head/kernel")
     assert c.allowed_unexpected == ("pooler.dense.weight", "qkv.weight")
@@ -45,13 +45,13 @@ def test_allow_patterns_move_paths_to_the_allowed_lists() -> None:
 
 
 def test_allow_patterns_match_whole_names() -> None:
-    c = coverage(RULES.plan(FILE), MODEL, allow_missing="bias")
+    c = coverage(RULES.mapping(FILE), MODEL, allow_missing="bias")
     assert c.missing == ("fc/bias", "head/kernel")
 
 
 def test_shapes_are_compared_when_the_model_gives_them() -> None:
     model = {"fc/kernel": (2, 3), "q/kernel": (2, 2), "k/kernel": (2, 2), "v/kernel": (2, 2)}
-    c = coverage(RULES.plan(FILE), model, allow_unexpected=[r"pooler\..*"])
+    c = coverage(RULES.mapping(FILE), model, allow_unexpected=[r"pooler\..*"])
     assert c.mismatched == {"fc/kernel": ((2, 3), (3, 2))}
     message = (
         "1 mismatch between the model and model.safetensors:\n"
@@ -62,7 +62,9 @@ def test_shapes_are_compared_when_the_model_gives_them() -> None:
 
 
 def test_paths_alone_skip_the_shape_check() -> None:
-    c = coverage(RULES.plan(FILE), ["fc/kernel", "q/kernel", "k/kernel", "v/kernel"], allow_unexpected=[r"pooler\..*"])
+    c = coverage(
+        RULES.mapping(FILE), ["fc/kernel", "q/kernel", "k/kernel", "v/kernel"], allow_unexpected=[r"pooler\..*"]
+    )
     assert c.complete and c.mismatched == {}
 
 
@@ -75,4 +77,29 @@ def test_check_lists_every_problem_in_one_key_error() -> None:
         "  `qkv.weight`: in the checkpoint, goes to `v/kernel`, which the model does not have"
     )
     with pytest.raises(nnx_save.KeyMismatchError, match="^" + re.escape(message) + "$"):
-        coverage(RULES.plan(FILE), MODEL).check()
+        coverage(RULES.mapping(FILE), MODEL).check()
+
+
+def test_mapping_and_coverage_from_a_header_read_no_tensor_data(tmp_path, monkeypatch) -> None:
+    import ml_dtypes
+
+    from nnx_save import _read
+    from nnx_save.porting import shapes_of
+
+    arrays = {k: np.zeros(shape, F32) for k, (shape, _) in FILE.items()}
+    arrays["fc.weight"] = np.zeros((3, 2), ml_dtypes.bfloat16)
+    nnx_save.save_file(arrays, tmp_path / "model.safetensors")
+
+    def no_reads(*args, **kwargs):
+        raise AssertionError("mapping opened a tensor reader")
+
+    monkeypatch.setattr(_read, "LocalReader", no_reads)
+    header = nnx_save.read_header(tmp_path / "model.safetensors")
+    shapes = shapes_of(header)
+    assert shapes == {**FILE, "fc.weight": ((3, 2), np.dtype(ml_dtypes.bfloat16))}
+    assert shapes_of(header.tensors) == shapes  # the entries themselves, as the issue tried
+    mapping = RULES.mapping(header)
+    assert mapping == RULES.mapping(shapes) and mapping == RULES.mapping(header.tensors)
+    assert mapping.assignments["fc/kernel"].dtype == np.dtype(ml_dtypes.bfloat16)
+    c = coverage(mapping, MODEL)
+    assert c.missing == ("fc/bias", "head/kernel")

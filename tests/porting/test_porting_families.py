@@ -170,9 +170,9 @@ def ported(request, tmp_path_factory) -> Ported:
 
 
 def _port(p: Ported, tensors: dict) -> tuple[nnx.Module, Any]:
-    plan = p.family.rules.plan(shapes_of(tensors))
-    coverage(plan, {k: s for k, (s, _) in model_shapes(p.abstract).items()}).check()
-    return fill(p.abstract, plan.apply(tensors)), plan
+    mapping = p.family.rules.mapping(shapes_of(tensors))
+    coverage(mapping, {k: s for k, (s, _) in model_shapes(p.abstract).items()}).check()
+    return fill(p.abstract, mapping.apply(tensors)), mapping
 
 
 @pytest.mark.parametrize("layout", ["single", "sharded"])
@@ -193,23 +193,23 @@ def test_both_layouts_hold_the_same_tensors(ported: Ported) -> None:
 
 def test_every_file_tensor_lands_and_every_param_is_filled_once(ported: Ported) -> None:
     tensors = ported.files["single"]
-    plan = ported.family.rules.plan(shapes_of(tensors))
+    mapping = ported.family.rules.mapping(shapes_of(tensors))
     expected = model_shapes(ported.abstract)
-    assert plan.unused == ()
-    assert sorted(plan.assignments) == sorted(expected)
-    for key, targets in plan.landed.items():
+    assert mapping.unused == ()
+    assert sorted(mapping.assignments) == sorted(expected)
+    for key, targets in mapping.landed.items():
         assert targets and set(targets) <= set(expected), key
-    fed = [key for a in plan.assignments.values() for key in a.sources]
+    fed = [key for a in mapping.assignments.values() for key in a.sources]
     assert sorted(set(fed)) == sorted(tensors)
-    owners = {key: {a.target for a in plan.assignments.values() if key in a.sources} for key in tensors}
-    assert all(owners[k] == set(plan.landed[k]) for k in tensors)
+    owners = {key: {a.target for a in mapping.assignments.values() if key in a.sources} for key in tensors}
+    assert all(owners[k] == set(mapping.landed[k]) for k in tensors)
 
 
 def test_export_gives_back_the_file_tensors_exactly(ported: Ported) -> None:
     tensors = ported.files["sharded"]
     model, _ = _port(ported, tensors)
     state = model_arrays(model)
-    exported = ported.family.rules.inverse().plan(shapes_of(state)).apply(state)
+    exported = ported.family.rules.inverse().mapping(shapes_of(state)).apply(state)
     assert sorted(exported) == sorted(tensors)
     for key, value in tensors.items():
         assert exported[key].dtype == value.dtype and np.array_equal(exported[key], value), key
@@ -225,7 +225,7 @@ def test_load_model_and_save_model_with_rules_round_trip_through_transformers(po
     # Bit for bit the values test_port_matches_torch_logits checks against torch (no
     # second compile: the engine's arrays are committed to a device, fill's are not).
     tensors = ported.files["single"]
-    expected = family.rules.plan(shapes_of(tensors)).apply(tensors)
+    expected = family.rules.mapping(shapes_of(tensors)).apply(tensors)
     loaded = model_arrays(model)
     assert sorted(loaded) == sorted(expected)
     assert all(np.array_equal(loaded[k], expected[k]) for k in expected)
@@ -253,12 +253,12 @@ def test_gpt2_ignores_a_tied_head_and_old_mask_buffers_in_the_file(tmp_path) -> 
     assert np.array_equal(tensors["lm_head.weight"], tensors["transformer.wte.weight"])  # tied
     tensors["transformer.h.0.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.bool_))
     tensors["transformer.h.1.attn.masked_bias"] = np.array(-1e4, np.float32)
-    plan = gpt2.RULES.plan(shapes_of(tensors))
-    assert plan.unused == ("lm_head.weight", "transformer.h.0.attn.bias", "transformer.h.1.attn.masked_bias")
+    mapping = gpt2.RULES.mapping(shapes_of(tensors))
+    assert mapping.unused == ("lm_head.weight", "transformer.h.0.attn.bias", "transformer.h.1.attn.masked_bias")
     model = abstract(lambda: gpt2.GPT2(gpt2.GPT2Config.from_hf(hf.config), rngs=nnx.Rngs(0)))
-    assert coverage(plan, {k: s for k, (s, _) in model_shapes(model).items()}).complete
+    assert coverage(mapping, {k: s for k, (s, _) in model_shapes(model).items()}).complete
     ids = np.random.default_rng(1).integers(0, 96, size=(2, 12)).astype(np.int32)
-    ours = np.asarray(FORWARD(fill(model, plan.apply(tensors)), ids))
+    ours = np.asarray(FORWARD(fill(model, mapping.apply(tensors)), ids))
     with torch.no_grad():
         diff, scale = max_abs_diff(ours, _lm_logits(hf, ids).numpy())
     assert diff <= TOLERANCE * scale

@@ -105,7 +105,7 @@ def test_bf16_load_matches_torch_fp32_logits_and_reports_the_cast(hf_family, lay
     assert all(v.dtype == jnp.bfloat16 for v in loaded.values())
     # The values are the fp32 port rounded to bf16, exactly.
     tensors = read_checkpoint(dirs["single"])
-    ported = family.rules.plan(shapes_of(tensors)).apply(tensors)
+    ported = family.rules.mapping(shapes_of(tensors)).apply(tensors)
     assert all(np.array_equal(loaded[k], ported[k].astype(jnp.bfloat16)) for k in ported)
     # bf16 inputs too for ViT (images are floats), so that the forward runs in bf16.
     x = family.to_jax(inputs)
@@ -153,7 +153,7 @@ def _new_head_builder(config: Any) -> Callable[[], nnx.Module]:
 
 
 def _assert_trunk_loaded(model: nnx.Module, tensors: dict) -> None:
-    ported = vit.RULES.plan(shapes_of(tensors)).apply(tensors)
+    ported = vit.RULES.mapping(shapes_of(tensors)).apply(tensors)
     loaded = model_arrays(model)
     trunk = sorted(k for k in ported if k not in HEAD)
     assert sorted(k for k in loaded if k not in HEAD) == trunk
@@ -222,3 +222,19 @@ def test_finetune_with_the_full_rules_reports_the_old_head_as_shape_mismatches(v
     assert report.missing == [] and report.allowed_missing == [] and report.unexpected == []
     assert not report.clean
     _assert_trunk_loaded(model, tensors)
+
+
+def test_finetune_with_the_full_rules_and_allow_shape_mismatch(vit_checkpoint) -> None:
+    """The issue's case: the full RULES map the old head onto ``head/*`` with 10 classes;
+    ``allow_shape_mismatch`` accepts it under strict, the new head keeps the builder's
+    initialisation, and the refusal without it names that option."""
+    config, path, tensors = vit_checkpoint
+    with pytest.raises(nnx_save.LoadError, match=re.escape("allow_shape_mismatch=['head/bias', 'head/kernel']")):
+        nnx_save.load_model(_new_head_builder(config), path, rules=vit.RULES, strict=True, allow_missing=["head/*"])
+    model, report = nnx_save.load_model(
+        _new_head_builder(config), path, rules=vit.RULES, strict=True, allow_shape_mismatch=["head/*"]
+    )
+    assert report.clean and sorted(m.path for m in report.allowed_shape_mismatches) == HEAD
+    _assert_trunk_loaded(model, tensors)
+    head = model_arrays(model)
+    assert np.all(head["head/bias"] == 0) and head["head/kernel"].shape == (_hidden(tensors), NEW_LABELS)

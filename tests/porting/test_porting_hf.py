@@ -49,9 +49,9 @@ def test_torch_linear_rules_reproduce_torch_linear() -> None:
     linear = torch.nn.Linear(3, 5)
     x = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
     tensors = {f"fc.{k}": v for k, v in _state(linear).items()}
-    plan = Rules(torch_linear(r"fc", "fc")).plan(shapes_of(tensors))
+    mapping = Rules(torch_linear(r"fc", "fc")).mapping(shapes_of(tensors))
     model = abstract(lambda: nnx.Linear(3, 5, rngs=nnx.Rngs(0)))
-    ours = fill(model, {k.removeprefix("fc/"): v for k, v in plan.apply(tensors).items()})
+    ours = fill(model, {k.removeprefix("fc/"): v for k, v in mapping.apply(tensors).items()})
     np.testing.assert_allclose(ours(jnp.asarray(x)), linear(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -60,9 +60,9 @@ def test_torch_conv_rules_reproduce_torch_conv2d() -> None:
     conv = torch.nn.Conv2d(3, 4, kernel_size=(2, 3), stride=(2, 1))
     x = np.random.default_rng(0).standard_normal((2, 3, 6, 7)).astype(np.float32)
     tensors = {f"conv.{k}": v for k, v in _state(conv).items()}
-    plan = Rules(torch_conv(r"conv", "conv")).plan(shapes_of(tensors))
+    mapping = Rules(torch_conv(r"conv", "conv")).mapping(shapes_of(tensors))
     model = abstract(lambda: nnx.Conv(3, 4, (2, 3), strides=(2, 1), padding="VALID", rngs=nnx.Rngs(0)))
-    ours = fill(model, {k.removeprefix("conv/"): v for k, v in plan.apply(tensors).items()})
+    ours = fill(model, {k.removeprefix("conv/"): v for k, v in mapping.apply(tensors).items()})
     expected = conv(torch.from_numpy(x)).detach().numpy().transpose(0, 2, 3, 1)
     np.testing.assert_allclose(ours(jnp.asarray(x.transpose(0, 2, 3, 1))), expected, rtol=1e-5, atol=1e-5)
 

@@ -129,17 +129,17 @@ def _assert_same(ours: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -
 
 @given(cases())
 def test_load_plan_matches_numpy(case: _Case) -> None:
-    plan = Rules(case.rules).plan(shapes_of(case.tensors))
-    _assert_same(plan.apply(case.tensors), case.expected)
-    assert sorted(plan.landed) == sorted(case.tensors) and all(plan.landed.values())
+    mapping = Rules(case.rules).mapping(shapes_of(case.tensors))
+    _assert_same(mapping.apply(case.tensors), case.expected)
+    assert sorted(mapping.landed) == sorted(case.tensors) and all(mapping.landed.values())
 
 
 @given(cases())
 def test_export_plan_gives_every_file_tensor_back(case: _Case) -> None:
     rules = Rules(case.rules)
-    plan = rules.plan(shapes_of(case.tensors))
-    model = plan.apply(case.tensors)
-    exported = rules.inverse(recorded=plan).plan(shapes_of(model))
+    mapping = rules.mapping(shapes_of(case.tensors))
+    model = mapping.apply(case.tensors)
+    exported = rules.inverse(recorded=mapping).mapping(shapes_of(model))
     _assert_same(exported.apply(model), case.tensors)
     assert exported.shapes() == shapes_of(case.tensors)
 
@@ -147,7 +147,7 @@ def test_export_plan_gives_every_file_tensor_back(case: _Case) -> None:
 @given(cases())
 def test_inverse_twice_is_the_original_rules(case: _Case) -> None:
     rules = Rules(case.rules)
-    recorded = rules.plan(shapes_of(case.tensors))
+    recorded = rules.mapping(shapes_of(case.tensors))
     back = rules.inverse(recorded=recorded)
-    again = back.inverse(recorded=back.plan(recorded.shapes()))
-    assert again.plan(shapes_of(case.tensors)) == recorded
+    again = back.inverse(recorded=back.mapping(recorded.shapes()))
+    assert again.mapping(shapes_of(case.tensors)) == recorded

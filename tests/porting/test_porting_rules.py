@@ -40,7 +40,7 @@ def arrays(**shapes: tuple[int, ...]) -> dict[str, np.ndarray]:
 
 
 def run(rules: Rules, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return rules.plan(shapes_of(tensors)).apply(tensors)
+    return rules.mapping(shapes_of(tensors)).apply(tensors)
 
 
 def raises(kind: type[Exception], message: str):
@@ -52,14 +52,14 @@ def raises(kind: type[Exception], message: str):
 
 def test_rename_first_match_wins_and_unmatched_keys_keep_their_name() -> None:
     rules = Rules(rename(r"a\.(\d+)", r"first/\1"), rename(r"a\.(.*)", r"second/\1"))
-    plan = rules.plan({"a.0": ((2,), F32), "a.x": ((3,), "float16"), "b": ((1,), F32)})
-    assert plan.assignments == {
+    mapping = rules.mapping({"a.0": ((2,), F32), "a.x": ((3,), "float16"), "b": ((1,), F32)})
+    assert mapping.assignments == {
         "b": Assignment("b", ("b",), (1,), F32, None),
         "first/0": Assignment("first/0", ("a.0",), (2,), F32, None),
         "second/x": Assignment("second/x", ("a.x",), (3,), np.dtype("float16"), None),
     }
-    assert plan.landed == {"a.0": ("first/0",), "a.x": ("second/x",), "b": ("b",)}
-    assert plan.unused == ()
+    assert mapping.landed == {"a.0": ("first/0",), "a.x": ("second/x",), "b": ("b",)}
+    assert mapping.unused == ()
 
 
 def test_rename_only_values_are_the_source_arrays() -> None:
@@ -69,10 +69,10 @@ def test_rename_only_values_are_the_source_arrays() -> None:
 
 
 def test_ignore_drops_keys_on_purpose() -> None:
-    plan = Rules(ignore(r"lm_head\.weight")).plan({"lm_head.weight": ((2,), F32), "x": ((1,), F32)})
-    assert list(plan.assignments) == ["x"]
-    assert plan.landed == {"lm_head.weight": (), "x": ("x",)}
-    assert plan.unused == ("lm_head.weight",)
+    mapping = Rules(ignore(r"lm_head\.weight")).mapping({"lm_head.weight": ((2,), F32), "x": ((1,), F32)})
+    assert list(mapping.assignments) == ["x"]
+    assert mapping.landed == {"lm_head.weight": (), "x": ("x",)}
+    assert mapping.unused == ("lm_head.weight",)
 
 
 def test_ignore_has_no_export_counterpart() -> None:
@@ -112,14 +112,14 @@ def test_uninvertible_rename_names_the_remedy() -> None:
 def test_transpose_matches_the_model_path_after_renaming() -> None:
     tensors = arrays(fc_weight=(4, 3))
     rules = Rules(rename(r"fc\.weight", "fc/kernel"), transpose(r".*/kernel", (1, 0)))
-    plan = rules.plan(shapes_of(tensors))
-    assert plan.assignments["fc/kernel"].shape == (3, 4)
-    np.testing.assert_array_equal(plan.apply(tensors)["fc/kernel"], tensors["fc.weight"].T)
+    mapping = rules.mapping(shapes_of(tensors))
+    assert mapping.assignments["fc/kernel"].shape == (3, 4)
+    np.testing.assert_array_equal(mapping.apply(tensors)["fc/kernel"], tensors["fc.weight"].T)
 
 
 def test_transpose_checks_the_number_of_dimensions() -> None:
     with raises(RuleShapeError, '`w`: transpose(r"w", (1, 0)) expects 2 dimensions, found shape (2, 3, 4)'):
-        Rules(transpose("w", (1, 0))).plan({"w": ((2, 3, 4), F32)})
+        Rules(transpose("w", (1, 0))).mapping({"w": ((2, 3, 4), F32)})
 
 
 def test_transpose_refuses_axes_that_are_not_a_permutation() -> None:
@@ -131,7 +131,7 @@ def test_value_rules_compose_in_the_order_listed() -> None:
     tensors = arrays(q=(6, 4))
     rules = Rules(transpose("q", (1, 0)), reshape("q", (4, 2, 3)))
     np.testing.assert_array_equal(run(rules, tensors)["q"], tensors["q"].T.reshape(4, 2, 3))
-    back = rules.inverse(recorded=rules.plan(shapes_of(tensors)))
+    back = rules.inverse(recorded=rules.mapping(shapes_of(tensors)))
     np.testing.assert_array_equal(run(back, run(rules, tensors))["q"], tensors["q"])
 
 
@@ -145,7 +145,7 @@ def test_reshape_takes_one_minus_one() -> None:
 
 def test_reshape_checks_the_size() -> None:
     with raises(RuleShapeError, '`w`: reshape(r"w", (4, -1)) cannot reshape shape (2, 3) (6 elements) to (4, -1)'):
-        Rules(reshape("w", (4, -1))).plan({"w": ((2, 3), F32)})
+        Rules(reshape("w", (4, -1))).mapping({"w": ((2, 3), F32)})
 
 
 def test_reshape_refuses_two_unknown_sizes() -> None:
@@ -156,7 +156,7 @@ def test_reshape_refuses_two_unknown_sizes() -> None:
 def test_reshape_inverse_needs_the_source_shape() -> None:
     message = (
         'reshape(r"w", (6,)) cannot be inverted: the source shape is unknown; pass source_shape= to '
-        "reshape(), or inverse(recorded=plan) with a plan these rules made"
+        "reshape(), or inverse(recorded=mapping) with a mapping these rules made"
     )
     with raises(NotInvertibleError, message):
         Rules(reshape("w", (6,))).inverse()
@@ -164,16 +164,16 @@ def test_reshape_inverse_needs_the_source_shape() -> None:
 
 def test_reshape_inverse_from_a_recorded_plan() -> None:
     rules = Rules(reshape(r"w\d", (6,)))
-    plan = rules.plan({"w1": ((2, 3), F32), "w2": ((2, 3), F32)})
-    assert list(rules.inverse(recorded=plan)) == [reshape(r"w\d", (2, 3), source_shape=(6,))]
+    mapping = rules.mapping({"w1": ((2, 3), F32), "w2": ((2, 3), F32)})
+    assert list(rules.inverse(recorded=mapping)) == [reshape(r"w\d", (2, 3), source_shape=(6,))]
 
 
 def test_reshape_inverse_refuses_a_plan_with_two_source_shapes() -> None:
     rules = Rules(reshape(r"w\d", (6,)))
-    plan = rules.plan({"w1": ((2, 3), F32), "w2": ((3, 2), F32)})
-    message = 'reshape(r"w\\d", (6,)) cannot be inverted: the recorded plan used it with [(2, 3), (3, 2)]'
+    mapping = rules.mapping({"w1": ((2, 3), F32), "w2": ((3, 2), F32)})
+    message = 'reshape(r"w\\d", (6,)) cannot be inverted: the recorded mapping used it with [(2, 3), (3, 2)]'
     with raises(NotInvertibleError, message):
-        rules.inverse(recorded=plan)
+        rules.inverse(recorded=mapping)
 
 
 # --- split / concat -----------------------------------------------------------------
@@ -182,9 +182,9 @@ def test_reshape_inverse_refuses_a_plan_with_two_source_shapes() -> None:
 def test_split_cuts_equal_parts() -> None:
     tensors = arrays(h_0_qkv=(4, 9))
     rules = Rules(split(r"h\.(\d+)\.qkv", [r"h/\1/q", r"h/\1/k", r"h/\1/v"], axis=1))
-    plan = rules.plan(shapes_of(tensors))
-    assert plan.landed == {"h.0.qkv": ("h/0/k", "h/0/q", "h/0/v")}
-    out = plan.apply(tensors)
+    mapping = rules.mapping(shapes_of(tensors))
+    assert mapping.landed == {"h.0.qkv": ("h/0/k", "h/0/q", "h/0/v")}
+    out = mapping.apply(tensors)
     for i, name in enumerate("qkv"):
         np.testing.assert_array_equal(out[f"h/0/{name}"], tensors["h.0.qkv"][:, 3 * i : 3 * i + 3])
 
@@ -207,7 +207,7 @@ def test_split_then_transpose_each_part() -> None:
 def test_split_needs_a_multiple_of_the_part_count() -> None:
     message = '`qkv`: split(r"qkv", (r"q", r"k"), axis=0) needs a multiple of 2 on axis 0, found shape (5,)'
     with raises(RuleError, message):
-        Rules(split("qkv", ["q", "k"])).plan({"qkv": ((5,), F32)})
+        Rules(split("qkv", ["q", "k"])).mapping({"qkv": ((5,), F32)})
 
 
 def test_split_needs_sizes_that_sum_to_the_axis() -> None:
@@ -216,12 +216,12 @@ def test_split_needs_sizes_that_sum_to_the_axis() -> None:
         "found shape (5,)"
     )
     with raises(RuleError, message):
-        Rules(split("qkv", ["q", "k"], sizes=(2, 2))).plan({"qkv": ((5,), F32)})
+        Rules(split("qkv", ["q", "k"], sizes=(2, 2))).mapping({"qkv": ((5,), F32)})
 
 
 def test_split_needs_the_axis() -> None:
     with raises(RuleError, '`qkv`: split(r"qkv", (r"q", r"k"), axis=2) needs axis 2, found shape (4,)'):
-        Rules(split("qkv", ["q", "k"], axis=2)).plan({"qkv": ((4,), F32)})
+        Rules(split("qkv", ["q", "k"], axis=2)).mapping({"qkv": ((4,), F32)})
 
 
 def test_split_refuses_one_target() -> None:
@@ -232,9 +232,9 @@ def test_split_refuses_one_target() -> None:
 def test_concat_joins_parts_in_pattern_order() -> None:
     tensors = arrays(h_0_k=(2, 3), h_0_q=(4, 3), h_1_q=(4, 3), h_1_k=(2, 3))
     rules = Rules(concat([r"h\.(\d+)\.q", r"h\.(\d+)\.k"], r"h/\1/qk", axis=0))
-    plan = rules.plan(shapes_of(tensors))
-    assert plan.assignments["h/1/qk"].sources == ("h.1.q", "h.1.k")
-    out = plan.apply(tensors)
+    mapping = rules.mapping(shapes_of(tensors))
+    assert mapping.assignments["h/1/qk"].sources == ("h.1.q", "h.1.k")
+    out = mapping.apply(tensors)
     np.testing.assert_array_equal(out["h/1/qk"], np.concatenate([tensors["h.1.q"], tensors["h.1.k"]]))
 
 
@@ -244,7 +244,7 @@ def test_concat_names_a_missing_part() -> None:
         '`0/qk`: concat((r"(\\d)\\.q", r"(\\d)\\.k"), r"\\1/qk", axis=0) found `0.q` but no key matching r"(\\d)\\.k"'
     )
     with raises(RuleError, message):
-        rules.plan({"0.q": ((2,), F32)})
+        rules.mapping({"0.q": ((2,), F32)})
 
 
 def test_concat_checks_shapes_off_the_axis_and_dtypes() -> None:
@@ -253,21 +253,21 @@ def test_concat_checks_shapes_off_the_axis_and_dtypes() -> None:
         '`qk`: concat((r"q", r"k"), r"qk", axis=1) needs shapes that agree off axis 1, found `q` (2, 3), `k` (3, 3)'
     )
     with raises(RuleError, message):
-        rules.plan({"q": ((2, 3), F32), "k": ((3, 3), F32)})
+        rules.mapping({"q": ((2, 3), F32), "k": ((3, 3), F32)})
     with raises(RuleError, "`qk`: its sources must share one dtype, found `q` float32, `k` float16"):
-        rules.plan({"q": ((2, 3), F32), "k": ((2, 3), "float16")})
+        rules.mapping({"q": ((2, 3), F32), "k": ((2, 3), "float16")})
 
 
 def test_concat_inverse_needs_sizes() -> None:
     rules = Rules(concat(["q", "k"], "qk"))
     message = (
         'concat((r"q", r"k"), r"qk", axis=0) cannot be inverted: the split sizes cannot be read back from the '
-        "joined tensor; pass sizes= to concat(), or inverse(recorded=plan) with a plan these rules made"
+        "joined tensor; pass sizes= to concat(), or inverse(recorded=mapping) with a mapping these rules made"
     )
     with raises(NotInvertibleError, message):
         rules.inverse()
-    plan = rules.plan({"q": ((4,), F32), "k": ((2,), F32)})
-    assert list(rules.inverse(recorded=plan)) == [split("qk", ["q", "k"], sizes=(4, 2))]
+    mapping = rules.mapping({"q": ((4,), F32), "k": ((2,), F32)})
+    assert list(rules.inverse(recorded=mapping)) == [split("qk", ["q", "k"], sizes=(4, 2))]
     assert list(Rules(concat(["q", "k"], "qk", sizes=(4, 2))).inverse()) == [split("qk", ["q", "k"], sizes=(4, 2))]
 
 
@@ -275,7 +275,7 @@ def test_concat_checks_declared_sizes() -> None:
     rules = Rules(concat(["q", "k"], "qk", sizes=(4, 2)))
     message = '`qk`: concat((r"q", r"k"), r"qk", axis=0) expects part sizes (4, 2) on axis 0, found (2, 2)'
     with raises(RuleError, message):
-        rules.plan({"q": ((2,), F32), "k": ((2,), F32)})
+        rules.mapping({"q": ((2,), F32), "k": ((2,), F32)})
 
 
 # --- stack / unstack ----------------------------------------------------------------
@@ -284,9 +284,9 @@ def test_concat_checks_declared_sizes() -> None:
 def test_stack_orders_layers_by_index_not_by_name() -> None:
     tensors = {f"h.{i}.w": np.full((2, 3), i, F32) for i in (0, 1, 2, 10, 3, 4, 5, 6, 7, 8, 9)}
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.w", "layers/w", axis=1))
-    plan = rules.plan(shapes_of(tensors))
-    assert plan.assignments["layers/w"].sources == tuple(f"h.{i}.w" for i in range(11))
-    out = plan.apply(tensors)["layers/w"]
+    mapping = rules.mapping(shapes_of(tensors))
+    assert mapping.assignments["layers/w"].sources == tuple(f"h.{i}.w" for i in range(11))
+    out = mapping.apply(tensors)["layers/w"]
     assert out.shape == (2, 11, 3)
     np.testing.assert_array_equal(out[0, :, 0], np.arange(11))
 
@@ -295,7 +295,7 @@ def test_stack_names_missing_layers() -> None:
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.w", "w"))
     message = '`w`: stack(r"h\\.(?P<layer>\\d+)\\.w", r"w", axis=0) found layers [0, 3], missing layers [1, 2]'
     with raises(RuleError, message):
-        rules.plan({"h.0.w": ((2,), F32), "h.3.w": ((2,), F32)})
+        rules.mapping({"h.0.w": ((2,), F32), "h.3.w": ((2,), F32)})
 
 
 def test_stack_needs_one_shape() -> None:
@@ -305,14 +305,14 @@ def test_stack_needs_one_shape() -> None:
         "`h.0.w` (2,), `h.1.w` (3,)"
     )
     with raises(RuleError, message):
-        rules.plan({"h.0.w": ((2,), F32), "h.1.w": ((3,), F32)})
+        rules.mapping({"h.0.w": ((2,), F32), "h.1.w": ((3,), F32)})
 
 
 def test_stack_refuses_two_keys_for_one_layer() -> None:
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.(?:a|b)", "w"))
     message = '`w`: produced twice by stack(r"h\\.(?P<layer>\\d+)\\.(?:a|b)", r"w", axis=0), from `h.0.a` and `h.0.b`'
     with raises(RuleError, message):
-        rules.plan({"h.0.a": ((2,), F32), "h.0.b": ((2,), F32)})
+        rules.mapping({"h.0.a": ((2,), F32), "h.0.b": ((2,), F32)})
 
 
 def test_stack_needs_the_layer_group_and_must_not_reference_it() -> None:
@@ -348,7 +348,7 @@ def test_a_source_feeding_two_rules_is_a_conflict() -> None:
         'stack(r"(?P<layer>\\d+)\\.qkv", r"qkv", axis=0); a source tensor feeds one rule'
     )
     with raises(RuleConflictError, message):
-        rules.plan({"0.qkv": ((4,), F32)})
+        rules.mapping({"0.qkv": ((4,), F32)})
 
 
 def test_a_source_matched_by_a_split_and_a_rename_is_a_conflict() -> None:
@@ -358,20 +358,20 @@ def test_a_source_matched_by_a_split_and_a_rename_is_a_conflict() -> None:
         'rename(r"(.*)\\.weight", r"\\1/kernel"); a source tensor feeds one rule'
     )
     with raises(RuleConflictError, message):
-        rules.plan({"qkv.weight": ((4,), F32)})
+        rules.mapping({"qkv.weight": ((4,), F32)})
 
 
 def test_a_target_made_twice_is_a_conflict_naming_both() -> None:
     rules = Rules(rename("a", "x"), split("qk", ["x", "y"]))
     message = '`x`: produced twice, from `a` by rename(r"a", r"x") and from `qk` by split(r"qk", (r"x", r"y"), axis=0)'
     with raises(RuleConflictError, message):
-        rules.plan({"a": ((2,), F32), "qk": ((4,), F32)})
+        rules.mapping({"a": ((2,), F32), "qk": ((4,), F32)})
 
 
 def test_a_renamed_key_landing_on_a_kept_name_is_a_conflict() -> None:
     message = '`b`: produced twice, from `b` by no rule (name kept) and from `a` by rename(r"a", r"b")'
     with raises(RuleConflictError, message):
-        Rules(rename("a", "b")).plan({"a": ((2,), F32), "b": ((2,), F32)})
+        Rules(rename("a", "b")).mapping({"a": ((2,), F32), "b": ((2,), F32)})
 
 
 def test_every_conflict_is_reported_at_once() -> None:
@@ -382,7 +382,7 @@ def test_every_conflict_is_reported_at_once() -> None:
         '  `y`: produced twice, from `c` by rename(r"[cd]", r"y") and from `d` by rename(r"[cd]", r"y")'
     )
     with raises(RuleConflictError, message):
-        rules.plan(dict.fromkeys("abcd", ((1,), F32)))
+        rules.mapping(dict.fromkeys("abcd", ((1,), F32)))
 
 
 def test_conflicts_are_nnx_save_errors() -> None:
@@ -390,7 +390,7 @@ def test_conflicts_are_nnx_save_errors() -> None:
     assert issubclass(RuleShapeError, nnx_save.ShapeMismatchError)
 
 
-# --- Rules, Plan, Assignment ---------------------------------------------------------
+# --- Rules, KeyMapping, Assignment ---------------------------------------------------------
 
 
 def test_rules_flatten_nested_sequences_and_compare_by_value() -> None:
@@ -440,10 +440,10 @@ def test_export_applies_value_rules_before_joining() -> None:
     tensors = arrays(qkv=(6, 4))
     rules = Rules(split("qkv", ["q", "k", "v"], axis=0), transpose("[qkv]", (1, 0)))
     model = run(rules, tensors)
-    plan = rules.inverse().plan(shapes_of(model))
-    transform = plan.assignments["qkv"].transform
+    mapping = rules.inverse().mapping(shapes_of(model))
+    transform = mapping.assignments["qkv"].transform
     assert [len(steps) for steps in transform.pre] == [1, 1, 1] and transform.post == ()
-    np.testing.assert_array_equal(plan.apply(model)["qkv"], tensors["qkv"])
+    np.testing.assert_array_equal(mapping.apply(model)["qkv"], tensors["qkv"])
 
 
 def test_porting_modules_import_neither_torch_nor_jax() -> None:
@@ -472,22 +472,22 @@ def test_porting_modules_import_neither_torch_nor_jax() -> None:
             'concat((r"a"), r"b", axis=0): needs at least two patterns and one target template per pattern',
         ),
         (
-            lambda: Rules(concat([r"a.", r".b"], "t")).plan({"ab": ((1,), F32)}),
+            lambda: Rules(concat([r"a.", r".b"], "t")).mapping({"ab": ((1,), F32)}),
             RuleError,
             '`ab`: matches parts r"a." and r".b" of concat((r"a.", r".b"), r"t", axis=0); each key must match one part',
         ),
         (
-            lambda: Rules(stack(r"h\.(?P<layer>\w+)", "t")).plan({"h.x": ((1,), F32)}),
+            lambda: Rules(stack(r"h\.(?P<layer>\w+)", "t")).mapping({"h.x": ((1,), F32)}),
             RuleError,
             '`h.x`: stack(r"h\\.(?P<layer>\\w+)", r"t", axis=0) needs a decimal layer index, found \'x\'',
         ),
         (
-            lambda: Rules(stack(r"h\.(?P<layer>\d+)", "t", axis=3)).plan({"h.0": ((1,), F32)}),
+            lambda: Rules(stack(r"h\.(?P<layer>\d+)", "t", axis=3)).mapping({"h.0": ((1,), F32)}),
             RuleError,
             '`t`: stack(r"h\\.(?P<layer>\\d+)", r"t", axis=3) cannot stack shape (1,) on axis 3',
         ),
         (
-            lambda: Rules(unstack(r"e", r"t/\g<layer>", axis=1)).plan({"e": ((2,), F32)}),
+            lambda: Rules(unstack(r"e", r"t/\g<layer>", axis=1)).mapping({"e": ((2,), F32)}),
             RuleError,
             '`e`: unstack(r"e", r"t/\\g<layer>", axis=1) needs axis 1, found shape (2,)',
         ),

@@ -13,10 +13,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import DtypeMismatch
-from ._tree import Path, Spec, leaf_spec, show
+from ._errors import CheckpointDtypeMismatchError, CheckpointTemplateError, DtypeMismatch
+from ._tree import Path, Spec, flatten, leaf_spec, show
 
-__all__ = ["dtype_mismatches", "explained_by_x64", "template_problems"]
+__all__ = ["check_restored", "check_templates", "dtype_mismatches", "explained_by_x64", "template_problems"]
 
 
 def template_problems(item: str, template: Sequence[tuple[Path, Any]], stored: Mapping[Path, Spec | None]) -> list[str]:
@@ -66,9 +66,33 @@ def dtype_mismatches(item: str, leaves: Sequence[tuple[Path, Any]], saved: Mappi
 
 def explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
     """True when jax's x64 mode is off and it narrowed a 64-bit array to 32 bits."""
-    if jax.config.jax_enable_x64:
+    if jax.config.read("jax_enable_x64"):
         return False
     return any(
         m.saved != m.restored and str(jax.dtypes.canonicalize_dtype(np.dtype(m.saved))) == m.restored
         for m in mismatches
     )
+
+
+def check_templates(
+    step: int,
+    templates: Mapping[str, Any],
+    stored_specs: Mapping[str, Mapping[Path, Spec | None]],
+    saved: Mapping[str, Mapping[Path, str]],
+    cast_dtypes: bool,
+) -> None:
+    """Compare templates with the checkpoint; raise before any array is read."""
+    flat = {name: flatten(tree) for name, tree in templates.items()}
+    problems = [p for name in flat for p in template_problems(name, flat[name], stored_specs[name])]
+    if problems:
+        raise CheckpointTemplateError(step, problems)
+    mismatches = [m for name in flat for m in dtype_mismatches(name, flat[name], saved[name])]
+    if mismatches and not cast_dtypes:
+        raise CheckpointDtypeMismatchError(step, mismatches, before_read=True)
+
+
+def check_restored(step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]]) -> None:
+    """Compare items restored without a template with the saved dtypes."""
+    mismatches = [m for name, tree in restored.items() for m in dtype_mismatches(name, flatten(tree), saved[name])]
+    if mismatches:
+        raise CheckpointDtypeMismatchError(step, mismatches, x64_off=explained_by_x64(mismatches))

@@ -21,11 +21,9 @@ from ._tree import Path, Spec, flatten, segment, show
 
 __all__ = [
     "StepAlreadyExistsError",
-    "held_items",
     "is_primary",
     "make_manager",
     "on_primary",
-    "read_json",
     "restore_items",
     "save_args",
     "stored_restore_args",
@@ -46,8 +44,9 @@ def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
     return ocp.handlers.create_default_handler_registry(**handlers)
 
 
-def make_manager(directory: pathlib.Path, max_to_keep: int | None, *, create: bool) -> ocp.CheckpointManager:
-    """An asynchronous manager keeping the latest ``max_to_keep`` steps (all when None).
+def make_manager(directory: pathlib.Path, *, create: bool) -> ocp.CheckpointManager:
+    """An asynchronous manager that keeps every step (the store applies its own
+    retention policies, decided on process 0: see :mod:`._disk`).
 
     ``save`` returns once Orbax has copied the arrays to the host; the files are
     written, and the step committed, on Orbax's background thread
@@ -60,7 +59,7 @@ def make_manager(directory: pathlib.Path, max_to_keep: int | None, *, create: bo
         create=create,
         cleanup_tmp_directories=create,
         enable_async_checkpointing=True,
-        preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=None),
     )
     return ocp.CheckpointManager(directory, options=options, handler_registry=_registry())
 
@@ -85,11 +84,6 @@ def save_args(items: Mapping[str, Any], metadata: dict[str, Any], dtypes: dict[s
     return ocp.args.Composite(**args)
 
 
-def held_items(manager: ocp.CheckpointManager, step: int) -> set[str]:
-    """The Orbax item names a step directory holds (ours and any others)."""
-    return set(manager.metadata(step).item_handlers or ())
-
-
 def stored_trees(manager: ocp.CheckpointManager, step: int, names: Iterable[str]) -> dict[str, Any]:
     """Orbax's metadata tree of each named item (the tree under :data:`ROOT`)."""
     metadata = manager.metadata(step).item_metadata
@@ -105,11 +99,6 @@ def _spec(leaf: Any) -> Spec | None:
     if isinstance(leaf, ocp.metadata.ArrayMetadata) and not isinstance(leaf, ocp.metadata.ScalarMetadata):
         return Spec(tuple(leaf.shape), str(np.dtype(leaf.dtype)))
     return None
-
-
-def read_json(manager: ocp.CheckpointManager, step: int, name: str) -> Any:
-    """The JSON record stored as item ``name``."""
-    return manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
 
 
 def template_restore_args(item: str, template: Any) -> Any:

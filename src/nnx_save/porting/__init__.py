@@ -24,23 +24,23 @@ once: both are :class:`RuleConflictError`, naming both sides.
 
 The contract the loader calls::
 
-    plan = rules.plan({file_key: (shape, dtype), ...})      # pure, no I/O
-    plan.assignments: dict[target_path, Assignment]
+    mapping = rules.mapping({file_key: (shape, dtype), ...})      # pure, no I/O
+    mapping.assignments: dict[target_path, Assignment]
         Assignment(target, sources: tuple[str, ...], shape, dtype, transform)
         transform is None  -> the target is exactly sources[0], only renamed:
                               read it straight from the file (sharded).
         otherwise          -> transform(list_of_source_arrays) -> np.ndarray, a pure
                               callable (frozen dataclass, no pickle, no closure),
                               applied one target at a time.
-    plan.landed: dict[file_key, tuple[target_path, ...]]    # () = landed nowhere
-    plan.unused: tuple[file_key, ...]                       # dropped by ignore rules
+    mapping.landed: dict[file_key, tuple[target_path, ...]]    # () = landed nowhere
+    mapping.unused: tuple[file_key, ...]                       # dropped by ignore rules
 
-Export uses the same contract the other way: ``rules.inverse().plan(model_shapes)``
+Export uses the same contract the other way: ``rules.inverse().mapping(model_shapes)``
 maps model paths to file keys with the inverse transforms (rename inverted from the
 regex, transpose by the inverse permutation, split <-> concat, stack <-> unstack,
 reshape back to the recorded source shape).
 
-:func:`coverage` compares a plan with the model's expected paths: what was filled
+:func:`coverage` compares a mapping with the model's expected paths: what was filled
 from where, what is missing, which file tensors are unexpected.
 
 Examples:
@@ -51,12 +51,12 @@ Examples:
     ...     torch_linear(r"h\\.(\\d+)\\.out", r"h/\\1/out", bias=False),
     ... )
     >>> f32 = np.dtype("float32")
-    >>> plan = rules.plan({"h.0.qkv.weight": ((3, 8), f32), "h.0.out.weight": ((5, 3), f32)})
-    >>> sorted(plan.assignments)
+    >>> mapping = rules.mapping({"h.0.qkv.weight": ((3, 8), f32), "h.0.out.weight": ((5, 3), f32)})
+    >>> sorted(mapping.assignments)
     ['h/0/k/kernel', 'h/0/out/kernel', 'h/0/q/kernel']
-    >>> plan.landed["h.0.qkv.weight"]
+    >>> mapping.landed["h.0.qkv.weight"]
     ('h/0/k/kernel', 'h/0/q/kernel')
-    >>> plan.assignments["h/0/out/kernel"].shape
+    >>> mapping.assignments["h/0/out/kernel"].shape
     (3, 5)
 """
 
@@ -82,10 +82,10 @@ from ._hf import torch_embedding as torch_embedding
 from ._hf import torch_layer_norm as torch_layer_norm
 from ._hf import torch_linear as torch_linear
 from ._hf import torch_rms_norm as torch_rms_norm
-from ._plan import Assignment as Assignment
-from ._plan import Plan as Plan
-from ._plan import Rules as Rules
-from ._plan import shapes_of as shapes_of
+from ._mapping import Assignment as Assignment
+from ._mapping import KeyMapping as KeyMapping
+from ._mapping import Rules as Rules
+from ._mapping import shapes_of as shapes_of
 from ._rules import ConcatRule as ConcatRule
 from ._rules import IgnoreRule as IgnoreRule
 from ._rules import RenameRule as RenameRule

@@ -43,7 +43,7 @@ def rename(pattern: str, replacement: str, *, inverse: StructuralRule | None = N
 
 
 def ignore(pattern: str) -> IgnoreRule:
-    """File keys matching ``pattern`` are dropped on purpose (listed in ``Plan.unused``).
+    """File keys matching ``pattern`` are dropped on purpose (listed in ``KeyMapping.unused``).
 
     Examples:
         >>> ignore(r"lm_head\\.weight").match("lm_head.weight")
@@ -152,7 +152,7 @@ def reshape(pattern: str, shape: Sequence[int], *, source_shape: Sequence[int] |
         pattern: regex matched against the whole model path.
         shape: the model's shape (one ``-1`` allowed).
         source_shape: the file's shape (one ``-1`` allowed), for export; without it,
-            ``Rules.inverse`` needs a recorded plan.
+            ``Rules.inverse`` needs a recorded mapping.
 
     Examples:
         >>> reshape("cls", (-1,), source_shape=(1, 1, -1)).inverse().shape

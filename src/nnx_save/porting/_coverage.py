@@ -1,4 +1,4 @@
-"""Coverage: which model params a plan fills, from where, and what it leaves out.
+"""Coverage: which model params a mapping fills, from where, and what it leaves out.
 
 ``allow_missing`` and ``allow_unexpected`` are regexes matched against the whole name
 (``re.fullmatch``, as every pattern in this package): ``allow_missing`` against model
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from .._errors import KeyMismatchError, ShapeMismatchError
-from ._plan import Plan
+from ._mapping import KeyMapping
 from ._template import compile_pattern
 
 __all__ = ["Coverage", "coverage"]
@@ -22,7 +22,7 @@ Shape = tuple[int, ...]
 
 @dataclass(frozen=True)
 class Coverage:
-    """How a plan covers a model. All names sorted.
+    """How a mapping covers a model. All names sorted.
 
     Attributes:
         filled: model path -> the file keys it is made from.
@@ -31,7 +31,7 @@ class Coverage:
         allowed_missing: missing paths that ``allow_missing`` allows.
         allowed_unexpected: unexpected file keys that ``allow_unexpected`` allows.
         ignored: file keys dropped on purpose by ``ignore`` rules.
-        mismatched: model path -> (shape in the model, shape the plan makes).
+        mismatched: model path -> (shape in the model, shape the mapping makes).
     """
 
     filled: dict[str, tuple[str, ...]]
@@ -80,16 +80,16 @@ class Coverage:
 
 
 def coverage(
-    plan: Plan,
+    mapping: KeyMapping,
     expected: Mapping[str, Sequence[int]] | Iterable[str],
     *,
     allow_missing: Iterable[str] = (),
     allow_unexpected: Iterable[str] = (),
 ) -> Coverage:
-    """Compare a load plan with the model's paths.
+    """Compare a key mapping with the model's paths.
 
     Args:
-        plan: a load plan (``rules.plan(file_shapes)``).
+        mapping: a key mapping (``rules.mapping(file_shapes)``).
         expected: the model's paths, or ``{path: shape}`` to also compare shapes.
         allow_missing: regexes of model paths that may stay unfilled.
         allow_unexpected: regexes of file keys (or their targets) the model may lack.
@@ -100,22 +100,22 @@ def coverage(
     Examples:
         >>> import numpy as np
         >>> from nnx_save.porting import Rules, rename
-        >>> plan = Rules(rename(r"w", "fc/kernel")).plan({"w": ((2,), np.float32), "extra": ((1,), np.float32)})
-        >>> c = coverage(plan, {"fc/kernel": (2,), "fc/bias": (2,)}, allow_missing=[r".*/bias"])
+        >>> mapping = Rules(rename(r"w", "fc/kernel")).mapping({"w": ((2,), np.float32), "extra": ((1,), np.float32)})
+        >>> c = coverage(mapping, {"fc/kernel": (2,), "fc/bias": (2,)}, allow_missing=[r".*/bias"])
         >>> c.allowed_missing, c.unexpected
         (('fc/bias',), {'extra': ('extra',)})
     """
     shapes = dict(expected) if isinstance(expected, Mapping) else dict.fromkeys(expected)
     may_miss = _compile(allow_missing)
     may_surprise = _compile(allow_unexpected)
-    filled = {p: a.sources for p, a in plan.assignments.items() if p in shapes}
-    absent = sorted(p for p in shapes if p not in plan.assignments)
-    dangling = _dangling(plan, shapes)
+    filled = {p: a.sources for p, a in mapping.assignments.items() if p in shapes}
+    absent = sorted(p for p in shapes if p not in mapping.assignments)
+    dangling = _dangling(mapping, shapes)
     allowed_unexp = {k for k, ts in dangling.items() if _any(may_surprise, (k, *ts))}
     mismatched = {
-        p: (tuple(shapes[p]), plan.assignments[p].shape)  # type: ignore[arg-type]
+        p: (tuple(shapes[p]), mapping.assignments[p].shape)  # type: ignore[arg-type]
         for p in sorted(filled)
-        if shapes[p] is not None and tuple(shapes[p]) != plan.assignments[p].shape  # type: ignore[arg-type]
+        if shapes[p] is not None and tuple(shapes[p]) != mapping.assignments[p].shape  # type: ignore[arg-type]
     }
     return Coverage(
         filled=dict(sorted(filled.items())),
@@ -123,14 +123,14 @@ def coverage(
         unexpected={k: ts for k, ts in dangling.items() if k not in allowed_unexp},
         allowed_missing=tuple(p for p in absent if _any(may_miss, (p,))),
         allowed_unexpected=tuple(sorted(allowed_unexp)),
-        ignored=plan.unused,
+        ignored=mapping.unused,
         mismatched=mismatched,
     )
 
 
-def _dangling(plan: Plan, shapes: Mapping[str, object]) -> dict[str, tuple[str, ...]]:
+def _dangling(mapping: KeyMapping, shapes: Mapping[str, object]) -> dict[str, tuple[str, ...]]:
     out = {}
-    for key, targets in sorted(plan.landed.items()):
+    for key, targets in sorted(mapping.landed.items()):
         extra = tuple(t for t in targets if t not in shapes)
         if extra:
             out[key] = extra

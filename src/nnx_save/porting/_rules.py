@@ -6,7 +6,7 @@ makes: :class:`RenameRule`, :class:`IgnoreRule`, :class:`SplitRule`,
 model path and change the tensor's layout: :class:`TransposeRule`,
 :class:`ReshapeRule`. Each rule knows its inverse.
 
-The planner (``_plan.py``) calls :meth:`match` on every source key and
+The planner (``_mapping.py``) calls :meth:`match` on every source key and
 :meth:`nodes` once per rule with everything the rule claimed; a rule reports what
 does not fit by appending messages to ``errors`` so that all problems are raised at
 once.
@@ -70,7 +70,7 @@ def _set(obj: object, name: str, value: object) -> None:
 
 
 def _with_inverse(rule: StructuralRule, inverse: StructuralRule) -> StructuralRule:
-    return replace(inverse, inverse_rule=rule)
+    return replace(inverse, inverse_rule=rule)  # type: ignore[arg-type]  # mypy cannot replace() over a union
 
 
 def _same_dtype(keys: Sequence[str], info: Info, target: str, errors: list[str]) -> np.dtype | None:
@@ -92,6 +92,9 @@ class RenameRule:
     pattern: str
     replacement: str
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
@@ -120,9 +123,11 @@ class RenameRule:
 
 @dataclass(frozen=True)
 class IgnoreRule:
-    """Source keys matching ``pattern`` are dropped on purpose (``Plan.unused``)."""
+    """Source keys matching ``pattern`` are dropped on purpose (``KeyMapping.unused``)."""
 
     pattern: str
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
@@ -151,6 +156,9 @@ class SplitRule:
     axis: int = 0
     sizes: tuple[int, ...] | None = None
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
@@ -225,6 +233,9 @@ class ConcatRule:
     sizes: tuple[int, ...] | None = None
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
 
+    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
     def __post_init__(self) -> None:
         if len(self.patterns) < 2 or len(self.targets) != len(self.patterns):
             raise RuleError(f"{self}: needs at least two patterns and one target template per pattern")
@@ -286,7 +297,7 @@ class ConcatRule:
         if sizes is None:
             raise NotInvertibleError(
                 f"{self} cannot be inverted: the split sizes cannot be read back from the joined "
-                "tensor; pass sizes= to concat(), or inverse(recorded=plan) with a plan these rules made"
+                "tensor; pass sizes= to concat(), or inverse(recorded=mapping) with a mapping these rules made"
             )
         pairs = [invert(p, t) for p, t in zip(self.patterns, self.targets, strict=True)]
         if len({p for p, _ in pairs}) != 1:
@@ -313,6 +324,9 @@ class StackRule:
     axis: int = 0
     group: str = "layer"
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
@@ -385,6 +399,9 @@ class UnstackRule:
     group: str = "layer"
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
 
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
         _set(self, "_template", Template.parse(self.target))
@@ -434,6 +451,8 @@ class TransposeRule:
     pattern: str
     axes: tuple[int, ...]
 
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
         if sorted(self.axes) != list(range(len(self.axes))):
@@ -470,6 +489,8 @@ class ReshapeRule:
     shape: Shape
     source_shape: Shape | None = None
 
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
         for shape in (self.shape, self.source_shape or ()):
@@ -498,7 +519,7 @@ class ReshapeRule:
         if back is None:
             raise NotInvertibleError(
                 f"{self} cannot be inverted: the source shape is unknown; pass source_shape= to "
-                "reshape(), or inverse(recorded=plan) with a plan these rules made"
+                "reshape(), or inverse(recorded=mapping) with a mapping these rules made"
             )
         return ReshapeRule(self.pattern, tuple(back), self.shape)
 

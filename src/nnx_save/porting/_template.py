@@ -38,12 +38,12 @@ class Template:
     """A parsed replacement: literal strings and group references (int or name)."""
 
     source: str
-    parts: tuple[object, ...]
+    parts: tuple[str | _Ref, ...]
 
     @classmethod
     def parse(cls, text: str) -> Template:
         """Parse ``text``; a stray backslash escape is a :class:`RuleError`."""
-        parts: list[object] = []
+        parts: list[str | _Ref] = []
         pos = 0
         for m in _TEMPLATE_REF.finditer(text):
             _check_no_escape(text, pos, m.start())
@@ -70,7 +70,9 @@ class Template:
     def expand_match(self, match: re.Match[str], **extra: str) -> str:
         """Substitute the groups of ``match`` (and the named ``extra`` values)."""
         groups: dict[int | str, str | None] = {i: match.group(i) for i in range(1, match.re.groups + 1)}
-        return self.expand({**groups, **match.groupdict(), **extra})
+        groups.update(match.groupdict())
+        groups.update(extra)
+        return self.expand(groups)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def _ref(token: str, text: str) -> _Ref:
     return _Ref(token)
 
 
-def _append_literal(parts: list[object], text: str) -> None:
+def _append_literal(parts: list[str | _Ref] | list[str | int], text: str) -> None:
     if not text:
         return
     if parts and isinstance(parts[-1], str):
@@ -140,7 +142,7 @@ def parse_pattern(pattern: str) -> tuple[tuple[str | int, ...], tuple[Group, ...
     Raises:
         NotInvertibleError: the pattern is not literal text around plain groups.
     """
-    parts: list[object] = []
+    parts: list[str | int] = []
     groups: list[Group] = []
     i = 0
     while i < len(pattern):
@@ -160,7 +162,7 @@ def parse_pattern(pattern: str) -> tuple[tuple[str | int, ...], tuple[Group, ...
         else:
             _append_literal(parts, char)
             i += 1
-    return tuple(parts), tuple(groups)  # type: ignore[arg-type]
+    return tuple(parts), tuple(groups)
 
 
 def _cannot(pattern: str, why: str) -> NotInvertibleError:
@@ -247,26 +249,27 @@ def invert(
         groups = (*groups, Group(produced[0], produced[1]))
         names[produced[0]] = len(groups)
     order = _reference_order(Template.parse(template), names, len(groups), pattern, template, consumed)
-    new_pattern = "".join(re.escape(p) if isinstance(p, str) else _group_text(groups[p.ref - 1]) for p in order)
-    slots = {ref.ref: i + 1 for i, ref in enumerate(p for p in order if isinstance(p, _Ref))}
+    new_pattern = "".join(re.escape(p) if isinstance(p, str) else _group_text(groups[p - 1]) for p in order)
+    slots = {number: i + 1 for i, number in enumerate(p for p in order if isinstance(p, int))}
     new_template = "".join(_template_part(p, groups, slots, consumed) for p in parts)
     return new_pattern, new_template
 
 
 def _reference_order(
     parsed: Template, names: Mapping[str, int], count: int, pattern: str, template: str, consumed: str | None
-) -> list[object]:
-    """The template's parts with every reference resolved to a group number, checked."""
-    resolved: list[object] = []
+) -> list[str | int]:
+    """The template's parts with every reference resolved to its group number, checked."""
+    resolved: list[str | int] = []
     seen: dict[int, int] = {}
     for part in parsed.parts:
         if isinstance(part, _Ref):
             number = names.get(part.ref) if isinstance(part.ref, str) else part.ref
             if number is None or not 0 < number <= count:
                 raise RuleError(f"template {raw(template)} references group {part.ref!r}, absent from {raw(pattern)}")
-            part = _Ref(number)
             seen[number] = seen.get(number, 0) + 1
-        resolved.append(part)
+            resolved.append(number)
+        else:
+            resolved.append(part)
     skip = {names[consumed]} if consumed is not None and consumed in names else set()
     for number in range(1, count + 1):
         used = seen.get(number, 0)
@@ -286,10 +289,10 @@ def _group_text(group: Group) -> str:
     return f"(?P<{group.name}>{group.body})" if group.name else f"({group.body})"
 
 
-def _template_part(part: object, groups: Sequence[Group], slots: Mapping[int, int], consumed: str | None) -> str:
+def _template_part(part: str | int, groups: Sequence[Group], slots: Mapping[int, int], consumed: str | None) -> str:
     if isinstance(part, str):
         return part.replace("\\", "\\\\")
-    name = groups[part - 1].name  # type: ignore[operator]
+    name = groups[part - 1].name
     if consumed is not None and name == consumed:
         return f"\\g<{consumed}>"
-    return f"\\g<{slots[part]}>"  # type: ignore[index]
+    return f"\\g<{slots[part]}>"

@@ -1,9 +1,9 @@
 """Value transforms as data: small frozen steps and the pipeline that chains them.
 
-Every step is a pure numpy function held in a frozen dataclass, so a plan can be
+Every step is a pure numpy function held in a frozen dataclass, so a mapping can be
 printed and compared and its transforms need neither pickle nor closures. A step
-knows the shape it expects (recorded at plan time), which is what lets
-``Rules.inverse(recorded=plan)`` reshape back to the recorded source shape.
+knows the shape it expects (recorded at mapping time), which is what lets
+``Rules.inverse(recorded=mapping)`` reshape back to the recorded source shape.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Saves the model built from seed 0, then loads the file into a builder (seed 1, s
 every value must come from the file) on the same mesh, and checks every local
 shard, the tied embedding, the scalar and the rng stream.
 
-args: {"path": file to write, "pod": a directory for save_sharded (optional)}
+args: {"path": file to write, "pod": a directory for save_pod (optional)}
 """
 
 import os
@@ -58,7 +58,7 @@ result = {
     "dtype": str(loaded.blocks[1].up.kernel.get_value().dtype),
 }
 if ctx.args.get("pod"):  # the pod layout, loaded back on the same process layout
-    nnx_save.save_sharded(source, ctx.args["pod"])
+    nnx_save.save_pod(source, ctx.args["pod"])
     loaded, report = nnx_save.load_model(lambda: LM(nnx.Rngs(2)), ctx.args["pod"], mesh=mesh, strict=True)
     result["pod_checked"], _ = compare(loaded, source)
     result["pod_files"] = sorted(os.path.basename(f) for f in report.io.over_read_by_file)

@@ -6,7 +6,7 @@ Then run the load jobs (see ``mp_common.run_load_jobs``) and load without an
 abstract tree (refused in a multi-process run).
 
 args: {"path": file to write, "mesh": [a, b], "dir": a scratch directory, "jobs": [...],
-       "pod": a directory for save_sharded (optional)}
+       "pod": a directory for save_pod (optional)}
 """
 
 import os
@@ -63,7 +63,7 @@ result["no_abstract"] = refused(lambda: nnx_save.load_file(ctx.args["path"]))
 # A save after refusals still works: the processes are still in step.
 nnx_save.save_file({"after": c.flat(tree)["embed"]}, os.path.join(scratch, "after.safetensors"))
 if ctx.args.get("pod"):  # the pod layout: one shard file per process, and a manifest
-    nnx_save.save_sharded(tree, ctx.args["pod"], metadata={"made_by": "save_tree"})
+    nnx_save.save_pod(tree, ctx.args["pod"], metadata={"made_by": "save_tree"})
     result["pod_files"] = sorted(os.listdir(ctx.args["pod"]))
 result["jobs"] = c.run_load_jobs(ctx.args.get("jobs", []))
 ctx.write(result)

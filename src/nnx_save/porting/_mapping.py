@@ -1,4 +1,4 @@
-"""``Rules`` and the pure planner: source shapes in, a :class:`Plan` out.
+"""``Rules`` and the pure planner: source shapes in, a :class:`KeyMapping` out.
 
 Planning runs in three passes, each collecting every problem before raising once:
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, TypeGuard
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from ._rules import (
 )
 from ._transforms import Concatenate, Reshape, Step, Transform
 
-__all__ = ["Assignment", "Plan", "Rules", "shapes_of"]
+__all__ = ["Assignment", "KeyMapping", "Rules", "shapes_of"]
 
 Shape = tuple[int, ...]
 Direction = Literal["load", "export"]
@@ -63,7 +63,7 @@ class Assignment:
     transform: Transform | None
 
     def materialize(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-        """The target's value from the source arrays (checked against the plan).
+        """The target's value from the source arrays (checked against the mapping).
 
         Raises:
             RuleShapeError: a source or the result disagrees with the planned shape.
@@ -79,8 +79,8 @@ class Assignment:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """Where every source tensor goes: the output of :meth:`Rules.plan`.
+class KeyMapping:
+    """Where every source tensor goes: the output of :meth:`Rules.mapping`.
 
     Attributes:
         assignments: target name -> :class:`Assignment`, sorted by target.
@@ -100,17 +100,44 @@ class Plan:
         return {target: a.materialize(arrays) for target, a in self.assignments.items()}
 
     def shapes(self) -> dict[str, tuple[Shape, np.dtype]]:
-        """``{target: (shape, dtype)}``, the input an export plan takes."""
+        """``{target: (shape, dtype)}``, the input an export mapping takes."""
         return {t: (a.shape, a.dtype) for t, a in self.assignments.items()}
 
 
-def shapes_of(arrays: Mapping[str, object]) -> dict[str, tuple[Shape, np.dtype]]:
-    """``{key: (shape, dtype)}`` of arrays (anything with ``.shape`` and ``.dtype``)."""
-    return {k: (tuple(int(s) for s in v.shape), np.dtype(v.dtype)) for k, v in arrays.items()}  # type: ignore
+def _numpy_dtype(dtype: object) -> np.dtype:
+    """A numpy dtype from a numpy / jax dtype or a header's dtype entry (which carries
+    its numpy dtype as ``.numpy``, next to the file's code)."""
+    held = getattr(dtype, "numpy", None)
+    return held if isinstance(held, np.dtype) else np.dtype(dtype)  # type: ignore[call-overload]  # any dtype-like object
+
+
+def shapes_of(arrays: Mapping[str, object] | object) -> dict[str, tuple[Shape, np.dtype]]:
+    """``{key: (shape, dtype)}`` of anything with ``.shape`` and ``.dtype``: arrays,
+    ``jax.ShapeDtypeStruct``, a header's tensor entries, or a whole header
+    (``nnx_save.read_header(path)``), which reads no tensor data.
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
+        >>> nnx_save.save_file({"fc.weight": np.zeros((3, 2), np.float32)}, path)
+        >>> shapes_of(nnx_save.read_header(path))
+        {'fc.weight': ((3, 2), dtype('float32'))}
+    """
+    items = getattr(arrays, "tensors", arrays)  # a Header: its tensor entries
+    return {k: (tuple(int(s) for s in v.shape), _numpy_dtype(v.dtype)) for k, v in items.items()}  # type: ignore
+
+
+def _source_shapes(sources: Mapping[str, object] | object) -> dict[str, tuple[Shape, np.dtype]]:
+    """What :meth:`Rules.mapping` takes: ``{key: (shape, dtype)}`` pairs as they are, or
+    anything :func:`shapes_of` reads (a header, arrays, header entries)."""
+    items = getattr(sources, "tensors", sources)
+    if all(isinstance(v, tuple) and len(v) == 2 for v in items.values()):  # type: ignore[attr-defined]  # a mapping, checked by shapes_of
+        return {k: (tuple(int(s) for s in shape), _numpy_dtype(dtype)) for k, (shape, dtype) in items.items()}  # type: ignore
+    return shapes_of(items)
 
 
 class Rules:
-    """An ordered set of porting rules; :meth:`plan` maps source tensors to targets.
+    """An ordered set of porting rules; :meth:`mapping` maps source tensors to targets.
 
     Args:
         *rules: rules, or sequences of rules (as the ``torch_*`` helpers return), or
@@ -123,10 +150,10 @@ class Rules:
         >>> import numpy as np
         >>> from nnx_save.porting import Rules, rename, transpose
         >>> rules = Rules(rename(r"fc\\.weight", "fc/kernel"), transpose("fc/kernel", (1, 0)))
-        >>> plan = rules.plan({"fc.weight": ((4, 2), np.dtype("float32"))})
-        >>> plan.assignments["fc/kernel"].shape
+        >>> mapping = rules.mapping({"fc.weight": ((4, 2), np.dtype("float32"))})
+        >>> mapping.assignments["fc/kernel"].shape
         (2, 4)
-        >>> rules.inverse().plan(plan.shapes()).assignments["fc.weight"].shape
+        >>> rules.inverse().mapping(mapping.shapes()).assignments["fc.weight"].shape
         (4, 2)
     """
 
@@ -152,24 +179,28 @@ class Rules:
         body = "".join(f"\n    {rule}," for rule in self.rules)
         return f"Rules({body}\n    direction={self.direction!r},\n)"
 
-    def plan(self, sources: Mapping[str, tuple[Sequence[int], object]]) -> Plan:
-        """Map source tensors (``{key: (shape, dtype)}``) to targets; pure.
+    def mapping(self, sources: Mapping[str, tuple[Sequence[int], object]] | object) -> KeyMapping:
+        """Map source tensors to targets; pure, no I/O.
+
+        Args:
+            sources: ``{key: (shape, dtype)}``, or a header
+                (``nnx_save.read_header(path)``: mapping reads no tensor data), or
+                ``{key: array}``.
 
         Raises:
             RuleConflictError: a source feeds two rules or a target is made twice.
             RuleShapeError: a tensor's shape does not fit its rule.
             RuleError: a rule's parts or layers are incomplete.
         """
-        info = {k: (tuple(int(s) for s in shape), np.dtype(dtype)) for k, (shape, dtype) in sources.items()}
-        return _Planner(self, info).run()
+        return _Mapper(self, _source_shapes(sources)).run()
 
-    def inverse(self, recorded: Plan | None = None) -> Rules:
+    def inverse(self, recorded: KeyMapping | None = None) -> Rules:
         """The rules for the other direction (load <-> export).
 
         Renames, splits and stacks invert automatically (see ``_template``); ``ignore``
         rules are dropped (what was ignored on load is not written on export). A
         reshape needs its source shape and a concat its part sizes: from the rule,
-        or from ``recorded``, a plan these same rules made.
+        or from ``recorded``, a mapping these same rules made.
 
         Raises:
             NotInvertibleError: a rule has no automatic inverse and none was given.
@@ -177,7 +208,8 @@ class Rules:
         structural = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if _is_structural(r)]
         value = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if not _is_structural(r)]
         other: Direction = "export" if self.direction == "load" else "load"
-        return Rules(*[r for r in structural if r is not None], *reversed(value), direction=other)
+        kept = [r for r in structural if r is not None] + [r for r in reversed(value) if r is not None]
+        return Rules(*kept, direction=other)
 
 
 def _flatten(items: Iterable[object]) -> Iterator[Rule]:
@@ -190,14 +222,14 @@ def _flatten(items: Iterable[object]) -> Iterator[Rule]:
             raise RuleError(f"Rules takes rules, found {item!r} of type {type(item).__name__}")
 
 
-_STRUCTURAL = tuple(StructuralRule.__args__)  # type: ignore[attr-defined]
+_STRUCTURAL = tuple(StructuralRule.__args__)
 
 
-def _is_structural(rule: Rule) -> bool:
+def _is_structural(rule: Rule) -> TypeGuard[StructuralRule]:
     return isinstance(rule, _STRUCTURAL)
 
 
-def _invert(rule: Rule, index: int, recorded: Plan | None) -> Rule | None:
+def _invert(rule: Rule, index: int, recorded: KeyMapping | None) -> Rule | None:
     if isinstance(rule, IgnoreRule):
         return None
     if isinstance(rule, ReshapeRule) and rule.source_shape is None and recorded is not None:
@@ -207,22 +239,26 @@ def _invert(rule: Rule, index: int, recorded: Plan | None) -> Rule | None:
     return rule.inverse()
 
 
-def _recorded(plan: Plan, index: int, kind: type, attr: str, rule: Rule) -> tuple[int, ...] | None:
-    seen = {getattr(step, attr) for step in _steps(plan) if isinstance(step, kind) and step.rule == index}
+def _recorded(mapping: KeyMapping, index: int, kind: type, attr: str, rule: Rule) -> tuple[int, ...] | None:
+    seen = {
+        getattr(step, attr)
+        for step in _steps(mapping)
+        if isinstance(step, kind) and getattr(step, "rule", None) == index
+    }
     if len(seen) > 1:
-        raise NotInvertibleError(f"{rule} cannot be inverted: the recorded plan used it with {sorted(seen)}")
+        raise NotInvertibleError(f"{rule} cannot be inverted: the recorded mapping used it with {sorted(seen)}")
     return seen.pop() if seen else None
 
 
-def _steps(plan: Plan) -> Iterator[object]:
-    for a in plan.assignments.values():
+def _steps(mapping: KeyMapping) -> Iterator[object]:
+    for a in mapping.assignments.values():
         if a.transform is not None:
             yield from (s for pre in a.transform.pre for s in pre)
             yield a.transform.combine
             yield from a.transform.post
 
 
-class _Planner:
+class _Mapper:
     """One planning run; holds the collected errors of each pass."""
 
     def __init__(self, rules: Rules, info: dict[str, tuple[Shape, np.dtype]]) -> None:
@@ -231,7 +267,7 @@ class _Planner:
         self.errors: list[str] = []
         self.conflicts: list[str] = []
 
-    def run(self) -> Plan:
+    def run(self) -> KeyMapping:
         pre = self._pre_steps() if self.rules.direction == "export" else {}
         self._raise(self.errors, RuleShapeError)
         info = {k: (shape, dtype) for k, (_, shape, dtype) in pre.items()} if pre else self.info
@@ -242,7 +278,7 @@ class _Planner:
         self._raise(self.errors, RuleError)
         assignments = {n.target: self._assign(n, pre) for n in sorted(nodes, key=lambda n: n.target)}
         self._raise(self.errors, RuleShapeError)
-        return self._plan(assignments, claims)
+        return self._finish(assignments, claims)
 
     def _raise(self, messages: list[str], kind: type[RuleError]) -> None:
         if messages:
@@ -271,12 +307,15 @@ class _Planner:
             a, b = self.rules.rules[others[0][0]], self.rules.rules[(others[1:] or renames)[0][0]]
             self.conflicts.append(f"`{key}`: matched by both {a} and {b}; a source tensor feeds one rule")
             return -1, None
-        return (others or renames or [None])[0]
+        first = others or renames
+        return first[0] if first else None
 
     def _build(self, claims: Mapping[int, dict[str, object]], renamed: Mapping[str, str], info) -> list[Node]:
-        nodes = [Node(k, (k,), *info[k], None) for k in renamed]
+        nodes = [Node(k, (k,), info[k][0], info[k][1], None) for k in renamed]
         for index, claimed in sorted(claims.items()):
-            made = self.rules.rules[index].nodes(claimed, info, self.errors)  # type: ignore[union-attr]
+            rule = self.rules.rules[index]
+            assert _is_structural(rule)  # only structural rules claim keys
+            made = rule.nodes(claimed, info, self.errors)  # type: ignore[arg-type]  # each rule reads the claims it made
             nodes.extend(_tagged(n, index) for n in made)
         self._check_unique(nodes, claims)
         return nodes
@@ -315,7 +354,8 @@ class _Planner:
     def _assign(self, node: Node, pre: Mapping[str, tuple[tuple[Step, ...], Shape, np.dtype]]) -> Assignment:
         if pre:
             pre_steps = tuple(pre[k][0] for k in node.sources)
-            post, shape = (), node.shape
+            post: tuple[Step, ...] = ()
+            shape = node.shape
         else:
             pre_steps = ()
             post, shape = self._value_steps(node.target, node.shape)
@@ -324,14 +364,14 @@ class _Planner:
         transform = Transform(pre_steps if any(pre_steps) else (), node.combine, post)
         return Assignment(node.target, node.sources, shape, node.dtype, transform)
 
-    def _plan(self, assignments: dict[str, Assignment], claims: Mapping[int, dict[str, object]]) -> Plan:
+    def _finish(self, assignments: dict[str, Assignment], claims: Mapping[int, dict[str, object]]) -> KeyMapping:
         landed: dict[str, list[str]] = {k: [] for k in sorted(self.info)}
         for target, a in assignments.items():
             for key in a.sources:
                 landed[key].append(target)
         ignored = {k for i, c in claims.items() if isinstance(self.rules.rules[i], IgnoreRule) for k in c}
         unused = tuple(sorted(ignored))
-        return Plan(assignments, {k: tuple(v) for k, v in landed.items()}, unused)
+        return KeyMapping(assignments, {k: tuple(v) for k, v in landed.items()}, unused)
 
 
 def _tagged(node: Node, index: int) -> Node:
