@@ -45,7 +45,6 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +55,7 @@ from ._errors import SaveError
 from ._header import encode_header
 from ._plan import box_runs
 from ._sources import pread_exact
+from ._stage import HostValue, spans_processes
 from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
 
 __all__ = ["TIMEOUT_ENV", "HostValue", "save", "write_collective"]
@@ -66,32 +66,7 @@ _HASH_CHUNK = 64 << 20
 _SAVES = itertools.count()  # every process saves in the same order (SPMD), so ids agree
 
 
-@dataclass(frozen=True)
-class HostValue:
-    """An entry's value callable that keeps the array it came from.
-
-    The single-process writer calls it to get the whole host value; the collective
-    writer reads ``array`` to write only this process's shards.
-    """
-
-    array: Any
-
-    def __call__(self) -> np.ndarray:
-        if isinstance(self.array, np.ndarray):
-            return self.array
-        if _spans_processes(self.array) and not self.array.is_fully_replicated:
-            raise SaveError(
-                f"an array of shape {tuple(self.array.shape)} with sharding {self.array.sharding} spans "
-                f"{len({d.process_index for d in self.array.sharding.device_set})} processes; this process holds "
-                "only its shards, and writing them alone would save a partial tensor. Save it with save_file / "
-                "save_model called on every process (one file), or gather it first"
-            )
-        return np.asarray(self.array)
-
-
-def _spans_processes(value: Any) -> bool:
-    """A jax.Array with shards on devices of other processes."""
-    return not isinstance(value, np.ndarray) and not getattr(value, "is_fully_addressable", True)
+_spans_processes = spans_processes  # the name the pod writer imports
 
 
 def _timeout() -> float:
