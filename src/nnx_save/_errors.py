@@ -30,6 +30,7 @@ __all__ = [
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
+    "SourceError",
     "TensorEntryError",
     "TruncatedFileError",
     "UnknownDtypeError",
@@ -158,6 +159,16 @@ class TruncatedFileError(NnxSaveError, OSError):
     def __init__(self, message: str, file: str | None = None, offset: int | None = None) -> None:
         super().__init__(message)
         self.file, self.offset = file, offset
+
+
+class SourceError(NnxSaveError, OSError):
+    """A source path cannot be read as a checkpoint file: it is not a regular file
+    (a directory, a FIFO, a device) or the system refused to read it. ``.path``
+    names it."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class ShardingError(NnxSaveError, ValueError):

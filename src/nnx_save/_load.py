@@ -26,7 +26,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -435,6 +435,7 @@ def load_targets(
     allow_unexpected: Sequence[str] = (),
     allow_shape_mismatch: Sequence[str] = (),
     ignore_unexpected: frozenset[str] = frozenset(),
+    renamed: Mapping[str, tuple[str, ...]] | None = None,
     max_over_read_ratio: float | None = None,
     read_chunk_bytes: int = 128 << 20,
     max_inflight_bytes: int = 2 << 30,
@@ -465,6 +466,7 @@ def load_targets(
     )
     unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
+    report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
     report.sources = {t.path: t.sources for t in loadable}
     landed: dict[str, list[str]] = {k: [] for k in header.tensors}
     for t in loadable:

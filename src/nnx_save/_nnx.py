@@ -399,11 +399,11 @@ def load_model(
     _paths.check_unique(leaf.path for leaf in leaves)
     targets = {leaf.key: _target(leaf, header, meta, mesh) for leaf in leaves}
     ignore = frozenset(_paths.to_key(p) for p, _ in _flat(full_state)) - set(targets)
-    target_list = list(targets.values())
+    target_list, renamed = list(targets.values()), None
     if rules is not None:
         from ._porting_bridge import load_targets_for
 
-        target_list, ignored = load_targets_for(rules, header, target_list)
+        target_list, ignored, renamed = load_targets_for(rules, header, target_list)
         ignore = ignore | ignored
     values, report = load_targets(
         header,
@@ -413,6 +413,7 @@ def load_model(
         allow_unexpected=allow_unexpected,
         allow_shape_mismatch=allow_shape_mismatch,
         ignore_unexpected=ignore,
+        renamed=renamed,
         max_over_read_ratio=max_over_read_ratio,
         read_chunk_bytes=read_chunk_bytes,
         max_inflight_bytes=max_inflight_bytes,

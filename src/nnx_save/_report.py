@@ -108,6 +108,8 @@ class LoadReport:
         allowed_missing / allowed_unexpected: mismatches the caller declared.
         allowed_shape_mismatches: shape mismatches the caller declared
             (``allow_shape_mismatch``); those paths keep the model's values.
+        renamed: per file key, the model paths porting rules made of it (shown next
+            to an unexpected key: the path the model lacks).
         sources: per target path, the file keys it came from.
         landed: per file key, the target paths it went to (empty: nowhere).
         io: the engine's I/O statistics.
@@ -124,6 +126,7 @@ class LoadReport:
     allowed_missing: list[str] = field(default_factory=list)
     allowed_unexpected: list[str] = field(default_factory=list)
     allowed_shape_mismatches: list[ShapeMismatch] = field(default_factory=list)
+    renamed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
     landed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     io: IOStats = field(default_factory=IOStats)
@@ -138,11 +141,21 @@ class LoadReport:
 
     def problems(self) -> list[str]:
         """Every mismatch as one line, grouped and sorted."""
-        lines = [f"missing: {p}" for p in sorted(self.missing)]
-        lines += [f"unexpected: {p}" for p in sorted(self.unexpected)]
-        lines += [f"shape: {m}" for m in sorted(self.shape_mismatches, key=lambda m: m.path)]
-        lines += [f"dtype: {c}" for c in sorted(self.dtype_casts, key=lambda c: c.path)]
-        return lines
+        return [line for group in self._groups() for line in group]
+
+    def _groups(self) -> list[list[str]]:
+        """The problem lines by kind: missing, unexpected, shape, dtype."""
+        return [
+            [f"missing: {p}" for p in sorted(self.missing)],
+            [f"unexpected: {self._unexpected_line(k)}" for k in sorted(self.unexpected)],
+            [f"shape: {m}" for m in sorted(self.shape_mismatches, key=lambda m: m.path)],
+            [f"dtype: {c}" for c in sorted(self.dtype_casts, key=lambda c: c.path)],
+        ]
+
+    def _unexpected_line(self, key: str) -> str:
+        """A file key, with the model paths porting rules renamed it to (none exists)."""
+        targets = [t for t in self.renamed.get(key, ()) if t != key]
+        return f"{key} -> {', '.join(targets)}: no such model path" if targets else key
 
     def summary(self) -> str:
         counts = (
@@ -169,12 +182,13 @@ class LoadReport:
         """The options that would accept this report's mismatches (empty when clean)."""
         return remedy(self)
 
-    def raise_or_warn(self, strict: bool, *, limit: int = 50, stacklevel: int = 3) -> None:
-        """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`."""
+    def raise_or_warn(self, strict: bool, *, limit: int = 20, stacklevel: int = 3) -> None:
+        """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`, showing up
+        to ``limit`` lines of each kind (a long missing list never hides the unexpected
+        keys that explain it)."""
         if self.clean:
             return
-        lines = self.problems()
-        shown = "\n  ".join(lines[:limit]) + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
+        shown = "\n  ".join(line for group in self._groups() for line in _cut(group, limit))
         if strict:
             raise LoadError(
                 f"strict load refused, nothing was changed. {self.summary()}:\n  {shown}\n{self.remedy()}", self
@@ -184,6 +198,13 @@ class LoadReport:
             LoadWarning,
             stacklevel=stacklevel,
         )
+
+
+def _cut(lines: list[str], limit: int) -> list[str]:
+    if len(lines) <= limit:
+        return lines
+    kind = lines[0].split(":", 1)[0]
+    return [*lines[:limit], f"... and {len(lines) - limit} more {kind}"]
 
 
 def _listed(paths: Sequence[str], limit: int = 5) -> str:
