@@ -20,6 +20,7 @@ from ._errors import MetadataError as MetadataError
 from ._errors import NnxSaveError as NnxSaveError
 from ._errors import NotSafetensorsError as NotSafetensorsError
 from ._errors import OffsetError as OffsetError
+from ._errors import PieceLayoutError as PieceLayoutError
 from ._errors import SaveError as SaveError
 from ._errors import ShapeMismatchError as ShapeMismatchError
 from ._errors import ShardingError as ShardingError

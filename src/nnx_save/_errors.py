@@ -27,6 +27,7 @@ __all__ = [
     "NnxSaveError",
     "NotSafetensorsError",
     "OffsetError",
+    "PieceLayoutError",
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
@@ -79,6 +80,11 @@ class MetadataError(HeaderError):
 
 class TensorEntryError(HeaderError):
     """A tensor entry lacks a field, has an extra one, or a field of the wrong type."""
+
+
+class PieceLayoutError(HeaderError):
+    """A layout's pieces of a tensor (a pod manifest's boxes) are malformed, leave a
+    hole, overlap, or fall outside the tensor's shape."""
 
 
 class UnknownDtypeError(HeaderError):

@@ -279,6 +279,12 @@ class HttpReader:
     def close(self) -> None:
         pass
 
+    def can_read_tables(self) -> bool:
+        return False  # no raw-address iovecs over the network: one memoryview per run
+
+    def readv_table(self, table: object, offset: int) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
+
     def _changed(self, total: int, version: str | None) -> RemoteChangedError:
         return RemoteChangedError(
             f"{self.url}: the object changed during the load (size {self.size} -> {total}, "
@@ -522,6 +528,12 @@ class FsspecReader:
         """Check the object is still the version read (a replacement during the load
         would have mixed versions)."""
         self._check(self.identity)
+
+    def can_read_tables(self) -> bool:
+        return False  # no raw-address iovecs over the network: one memoryview per run
+
+    def readv_table(self, table: object, offset: int) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         total = sum(len(b) for b in buffers)

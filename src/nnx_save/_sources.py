@@ -22,15 +22,17 @@ import os
 import posixpath
 import stat
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from . import _formats, _remote
+from . import _formats, _layout, _remote
 from ._errors import HeaderError, HeaderTooSmallError, IndexFileError, SourceError, TruncatedFileError
 from ._header import FileHeader, TensorInfo, header_size, parse_header
+from ._layout import Piece
+from ._read import LocalReader, Reader
 
 __all__ = ["INDEX_NAME", "Header", "pread_exact", "read_file_header", "read_header"]
 
@@ -50,7 +52,12 @@ class Header:
         metadata: the ``__metadata__`` of a single file; for several files, the
             index's ``metadata`` merged over the first file's.
         files: each file's own header, in read order.
-        kind: ``"file"``, ``"index"``, ``"directory"`` or ``"list"``.
+        kind: ``"file"``, ``"index"``, ``"directory"``, ``"list"`` or ``"pod"``.
+        pieces: for a pod directory, each tensor's pieces in its shard files (the
+            ``file`` of a pod tensor is its manifest); empty for the other layouts,
+            whose tensors are one whole piece each (see :meth:`pieces_of`).
+        missing_files: pod shard files the manifest names that are not present.
+        num_processes: the processes that wrote a pod directory.
     """
 
     tensors: Mapping[str, TensorInfo]
@@ -60,6 +67,17 @@ class Header:
     remote: Any = None  # _remote.RemoteStats shared by this checkpoint's remote readers
     identity: Mapping[str, tuple[int, str | None]] = field(default_factory=dict)  # url -> (size, ETag)
     pinned: Any = field(default=None, repr=False, compare=False)  # _Pinned: local file -> open descriptor
+    pieces: Mapping[str, tuple[Piece, ...]] = field(default_factory=dict)
+    missing_files: tuple[str, ...] = ()
+    num_processes: int = 1
+
+    def pieces_of(self, key: str) -> tuple[Piece, ...]:
+        """Where tensor ``key``'s bytes are: pieces at (file, byte range, box)."""
+        found = self.pieces.get(key)
+        if found is not None:
+            return found
+        info = self.tensors[key]
+        return (Piece(_layout.whole(info.shape), info),)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -362,10 +380,8 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         return _many([Path(p) for p in source], "list", "file list")
     path = Path(source)  # type: ignore[arg-type]  # a list or tuple returned above; mypy cannot narrow str from Sequence
     if path.is_dir():
-        if (path / "manifest.json").is_file():  # a pod directory (nnx_save.save_pod)
-            from ._pod import read_pod
-
-            return read_pod(path)
+        if (path / _layout.MANIFEST).is_file():  # a pod directory (nnx_save.save_pod)
+            return _pod_header(path)
         if (path / INDEX_NAME).is_file():
             return _index_header(path)
         _formats.refuse_directory(path)  # Orbax / TensorStore: say what it is and what to run
@@ -432,12 +448,30 @@ def _remote_header(url: str) -> Header:
     return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", stats, {url: ident})
 
 
-def reader_factory(header: Header):
+def _pod_header(directory: Path) -> Header:
+    """A pod directory: the validated manifest, and the header of every shard file
+    present (a shard file that is not there is only an error if a load needs it)."""
+    manifest = _layout.parse_manifest(directory / _layout.MANIFEST)
+    pinned = _Pinned()
+    files = {f: read_file_header(directory / f, pinned) if (directory / f).is_file() else None for f in manifest.files}
+    tensors, pieces = _layout.pod_tensors(manifest, files)
+    return Header(
+        tensors,
+        dict(manifest.metadata),
+        tuple(fh for _, fh in sorted(files.items()) if fh is not None),
+        "pod",
+        pinned=pinned,
+        pieces=pieces,
+        missing_files=tuple(sorted(f for f, fh in files.items() if fh is None)),
+        num_processes=manifest.num_processes,
+    )
+
+
+def reader_factory(header: Header) -> Callable[[str], Reader]:
     """``open_reader(file)`` for the engine: local files, or remote readers pinned to
     the size and version seen when the header was read."""
-    from ._read import LocalReader
 
-    def open_reader(file: str):
+    def open_reader(file: str) -> Reader:
         if header.remote is not None and file in header.identity:
             return _remote.open_remote(file, header.remote, header.identity[file])
         pinned = header.pinned.fds.get(file) if header.pinned is not None else None
