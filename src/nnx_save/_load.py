@@ -63,6 +63,9 @@ class Target:
         transform: for porting rules: full source arrays -> the value; ``None``
             reads the single source directly, sharded.
         source_shape: the shape ``transform`` produces (checked before reading).
+        box: for a host target (``sharding=None``), the region ``[(start, stop), ...]``
+            to read, ``None`` for all of it; the value then has the box's shape
+            (``nnx_save.safe_open``'s slices).
     """
 
     path: str
@@ -72,6 +75,7 @@ class Target:
     sources: tuple[str, ...] = ()
     transform: Callable[[list[np.ndarray]], np.ndarray] | None = None
     source_shape: tuple[int, ...] | None = None
+    box: Box | None = None
 
 
 @dataclass
@@ -95,7 +99,7 @@ def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     """Unique index boxes this process needs, each with the local devices that hold it."""
     shape = target.shape
     if target.sharding is None:
-        return [(tuple((0, d) for d in shape), [None])]
+        return [(target.box if target.box is not None else tuple((0, d) for d in shape), [None])]
     groups: dict[Box, list[Any]] = {}
     try:
         indices = target.sharding.addressable_devices_indices_map(shape)
