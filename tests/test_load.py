@@ -378,9 +378,7 @@ class _Reader:
 
     def __init__(self, path: str, log: _Log, table: bool, delay: float) -> None:
         self.inner, self.log, self.delay = _read.LocalReader(path), log, delay
-        self.path = path
-        if not table:
-            self.readv_table = None
+        self.path, self.table = path, table
 
     @property
     def requests(self) -> int:
@@ -388,6 +386,9 @@ class _Reader:
 
     def close(self) -> None:
         self.inner.close()
+
+    def can_read_tables(self) -> bool:
+        return self.table and self.inner.can_read_tables()
 
     def _timed(self, n: int, offset: int, read) -> None:
         self.log.enter(self.path, offset, n)

@@ -20,10 +20,12 @@ from ._errors import MetadataError as MetadataError
 from ._errors import NnxSaveError as NnxSaveError
 from ._errors import NotSafetensorsError as NotSafetensorsError
 from ._errors import OffsetError as OffsetError
+from ._errors import PieceLayoutError as PieceLayoutError
 from ._errors import SaveError as SaveError
 from ._errors import ShapeMismatchError as ShapeMismatchError
 from ._errors import ShardingError as ShardingError
 from ._errors import SliceError as SliceError
+from ._errors import SourceError as SourceError
 from ._errors import TensorEntryError as TensorEntryError
 from ._errors import TruncatedFileError as TruncatedFileError
 from ._errors import UnknownDtypeError as UnknownDtypeError

@@ -27,10 +27,12 @@ __all__ = [
     "NnxSaveError",
     "NotSafetensorsError",
     "OffsetError",
+    "PieceLayoutError",
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
     "SliceError",
+    "SourceError",
     "TensorEntryError",
     "TruncatedFileError",
     "UnknownDtypeError",
@@ -79,6 +81,11 @@ class MetadataError(HeaderError):
 
 class TensorEntryError(HeaderError):
     """A tensor entry lacks a field, has an extra one, or a field of the wrong type."""
+
+
+class PieceLayoutError(HeaderError):
+    """A layout's pieces of a tensor (a pod manifest's boxes) are malformed, leave a
+    hole, overlap, or fall outside the tensor's shape."""
 
 
 class UnknownDtypeError(HeaderError):
@@ -159,6 +166,16 @@ class TruncatedFileError(NnxSaveError, OSError):
     def __init__(self, message: str, file: str | None = None, offset: int | None = None) -> None:
         super().__init__(message)
         self.file, self.offset = file, offset
+
+
+class SourceError(NnxSaveError, OSError):
+    """A source path cannot be read as a checkpoint file: it is not a regular file
+    (a directory, a FIFO, a device) or the system refused to read it. ``.path``
+    names it."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 class ShardingError(NnxSaveError, ValueError):

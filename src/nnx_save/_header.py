@@ -174,11 +174,17 @@ def _parse_entry(name: str, entry: object, file: str) -> tuple[_dtypes.DtypeInfo
 
 
 def _check_length(name: str, dtype: _dtypes.DtypeInfo, shape: tuple[int, ...], begin: int, end: int, file: str) -> None:
-    numel = 1
+    numel, addressable = 1, -(-dtype.bits // 8)
     for d in shape:  # stop early so a 10^1000-element claim costs nothing
         numel *= d
+        addressable *= d or 1  # numpy refuses a shape whose non-zero dimensions overflow, even if one is 0
         if numel > _MAX_NUMEL:
             raise ByteLengthError(f"{file}: tensor {name!r}: shape {list(shape)} has more than 2**63 elements")
+        if addressable > _MAX_NUMEL:
+            raise ByteLengthError(
+                f"{file}: tensor {name!r}: shape {list(shape)} of {dtype.code} cannot be addressed: its non-zero "
+                "dimensions times the item size exceed 2**63 - 1 bytes"
+            )
     if numel * dtype.bits % 8:  # as the reference: a tensor never ends inside a byte
         raise ByteLengthError(
             f"{file}: tensor {name!r}: shape {list(shape)} of {dtype.code} is {numel * dtype.bits} bits, "

@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 
 from ._errors import NnxSaveError, SliceError
-from ._load import Target, load_targets
+from ._load import load_targets
+from ._options import LoadOptions
 from ._report import IOStats
 from ._sources import Header, read_header, reader_factory
+from ._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 
@@ -180,12 +182,10 @@ class LazyCheckpoint:
         values, report = load_targets(
             header,
             targets,
+            LoadOptions(max_over_read_ratio=self._ratio, max_inflight_bytes=self._inflight, num_threads=self._threads),
             ignore_unexpected=frozenset(header.tensors),  # a handle reads what it is asked for, nothing is "unexpected"
             open_reader=reader_factory(header),
             warn=False,
-            max_over_read_ratio=self._ratio,
-            max_inflight_bytes=self._inflight,
-            num_threads=self._threads,
         )
         _add_io(self.io, report.io)
         return values

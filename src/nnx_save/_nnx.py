@@ -24,9 +24,11 @@ from flax import nnx
 
 from . import _async, _collective, _paths, _progress
 from ._errors import NnxSaveError, ShardingError, UnsupportedValueError
-from ._load import Target, load_targets
+from ._load import load_targets
+from ._options import LoadOptions
 from ._report import LoadReport
 from ._sources import Header, read_header, reader_factory
+from ._target import Target
 from ._tree import leaf_entry
 from ._write import Entry
 
@@ -406,18 +408,14 @@ def load_model(
     values, report = load_targets(
         header,
         target_list,
+        LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify),
         strict=strict,
         allow_missing=allow_missing,
         allow_unexpected=allow_unexpected,
         allow_shape_mismatch=allow_shape_mismatch,
         ignore_unexpected=ignore,
         renamed=renamed,
-        max_over_read_ratio=max_over_read_ratio,
-        read_chunk_bytes=read_chunk_bytes,
-        max_inflight_bytes=max_inflight_bytes,
-        num_threads=num_threads,
         open_reader=reader_factory(header),
-        verify=verify,
         progress=progress,
     )
     if is_builder:

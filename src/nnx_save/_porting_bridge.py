@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _dtypes
-from ._load import Target
 from ._sources import Header
+from ._target import Target
 from ._write import Entry
 
 __all__ = ["export_entries", "load_targets_for"]

@@ -10,9 +10,11 @@ import numpy as np
 
 from . import _async, _collective, _dtypes, _paths, _progress
 from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError
-from ._load import Target, load_targets
-from ._report import ShapeMismatch, matches_any
+from ._load import load_targets
+from ._options import LoadOptions
+from ._report import LoadReport, ShapeMismatch, matches_any
 from ._sources import Header, read_header, reader_factory
+from ._target import Target
 from ._write import Entry
 
 __all__ = ["flatten", "leaf_entry", "load_file", "save_file"]
@@ -288,19 +290,21 @@ def load_file(
     import jax
 
     header = read_header(source)
-    options = {
-        "strict": strict,
-        "allow_missing": allow_missing,
-        "allow_unexpected": allow_unexpected,
-        "allow_shape_mismatch": allow_shape_mismatch,
-        "max_over_read_ratio": max_over_read_ratio,
-        "read_chunk_bytes": read_chunk_bytes,
-        "max_inflight_bytes": max_inflight_bytes,
-        "num_threads": num_threads,
-        "open_reader": reader_factory(header),
-        "verify": verify,
-        "progress": progress,
-    }
+    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify)
+
+    def load(targets: list[Target]) -> tuple[dict[str, Any], LoadReport]:
+        return load_targets(
+            header,
+            targets,
+            how,
+            open_reader=reader_factory(header),
+            strict=strict,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            allow_shape_mismatch=allow_shape_mismatch,
+            progress=progress,
+        )
+
     if abstract is None:
         if jax.process_count() > 1:
             raise NnxSaveError(
@@ -309,12 +313,12 @@ def load_file(
                 "the shardings each process should load"
             )
         targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
-        values, report = load_targets(header, targets, **options)
+        values, report = load(targets)
         result = {k: values[k] for k in header.tensors}
     else:
         targets, treedef, keys, leaves = _abstract_targets(abstract)
         _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
-        values, report = load_targets(header, targets, **options)
+        values, report = load(targets)
         kept = {m.path for m in report.allowed_shape_mismatches}
         values = {**values, **{k: leaf for k, leaf in zip(keys, leaves, strict=True) if k in kept}}
         missing = [k for k in keys if k not in values]

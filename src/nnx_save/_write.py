@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 TMP_MARKER = ".nnx_save-tmp-"
+NAME_MAX = 255  # bytes in one file name (Linux, macOS, most filesystems)
 # Below this a tensor is hashed on the writing thread: a thread handoff costs ~0.1-1 ms
 # (more on a busy machine), xxh3 hashes 1 MiB in ~0.1 ms, and most tensors of a model
 # (norms, biases) are a few KiB: handing each off made saving ~20% slower.
@@ -119,7 +120,7 @@ def remove_stale_temps(path: Path) -> list[str]:
     not parse is kept. Best effort: a failure to list or remove is ignored (the
     save itself reports real I/O problems). Returns the names removed.
     """
-    prefix, host, removed = f".{path.name}{TMP_MARKER}", _host(), list[str]()
+    prefix, host, removed = _temp_prefix(path), _host(), list[str]()
     try:
         names = os.listdir(path.parent)
     except OSError:
@@ -140,10 +141,19 @@ def remove_stale_temps(path: Path) -> list[str]:
     return removed
 
 
+def _temp_prefix(path: Path) -> str:
+    """``.<name>.nnx_save-tmp-``, the name cut (on a character boundary) so that the
+    whole temporary name fits the 255-byte limit of a file name: a legal name near the
+    limit must still be savable."""
+    room = NAME_MAX - len(f".{TMP_MARKER}{_host()}-{2**32}-{'0' * 8}".encode())
+    name = path.name.encode()[:room].decode("utf-8", "ignore")
+    return f".{name}{TMP_MARKER}"
+
+
 def temp_path(path: Path) -> Path:
     """A fresh temporary name next to ``path``; first removes those of dead processes."""
     remove_stale_temps(path)
-    return path.parent / f".{path.name}{TMP_MARKER}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    return path.parent / f"{_temp_prefix(path)}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def fsync_dir(directory: Path) -> None:
@@ -165,6 +175,8 @@ def atomic_file(path: str | os.PathLike, *, staged: list[tuple[Path, Path]] | No
     must appear together) or :func:`discard_staged`.
     """
     path = Path(path)
+    if "\x00" in os.fspath(path):
+        raise SaveError(f"{str(path)!r}: a path cannot contain a NUL character", str(path))
     tmp = temp_path(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
