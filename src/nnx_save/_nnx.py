@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from . import _async, _collective, _paths, _progress
-from ._errors import NnxSaveError, ShardingError, UnsupportedValueError
+from ._errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
 from ._report import LoadReport
@@ -65,7 +65,7 @@ def _scalar_kind(value: Any) -> str | None:
 def _refuse_unstorable(key: str, value: Any) -> None:
     """Strings and ``None`` have no tensor form: refused, on save and on load alike."""
     if value is None or isinstance(value, (str, bytes)):
-        what = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
+        what = "None" if value is None else f"a {type(value).__name__} ({short_repr(value, 40)})"
         raise UnsupportedValueError(
             f"{key}: the model holds {what}; safetensors stores arrays and numbers only. "
             "Keep such values out of nnx.Variable, or pass filter= to skip them",

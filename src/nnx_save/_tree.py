@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import _async, _collective, _dtypes, _paths, _progress
-from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError
+from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
 from ._report import LoadReport, ShapeMismatch, matches_any
@@ -70,7 +70,7 @@ def _refuse_mixed_keys(node: Any, where: tuple) -> None:
 def _describe(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"a numpy array of dtype {value.dtype}"
-    return f"a {type(value).__name__} ({value!r:.40})"
+    return f"a {type(value).__name__} ({short_repr(value, 40)})"
 
 
 def leaf_entry(path: tuple, value: Any) -> Entry:
@@ -155,14 +155,14 @@ def _check_metadata(metadata: Any) -> None:
     for k, v in metadata.items():
         if not (isinstance(k, str) and isinstance(v, str)):
             raise UnsupportedValueError(
-                f"metadata must map str to str: {k!r}: {v!r:.40} is {type(k).__name__}: {type(v).__name__}",
+                f"metadata must map str to str: {k!r}: {short_repr(v, 40)} is {type(k).__name__}: {type(v).__name__}",
                 "__metadata__",
             )
         try:
             (k + v).encode("utf-8")
         except UnicodeEncodeError:
             raise UnsupportedValueError(
-                f"metadata must map str to str: {k!r}: {v!r:.40} is not valid Unicode (a lone surrogate)",
+                f"metadata must map str to str: {k!r}: {short_repr(v, 40)} is not valid Unicode (a lone surrogate)",
                 "__metadata__",
             ) from None
 
