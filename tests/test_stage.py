@@ -265,3 +265,15 @@ def test_peak_rss_of_a_staged_save_is_the_budget_not_the_checkpoint(tmp_path):
     assert bounded <= (48 << 20) * 1.1, bounded
     snapshot = peak_growth(tmp_path, 48 << 20, "async")
     assert snapshot >= 0.95 * (256 << 20), snapshot
+
+
+def test_devices_without_host_memory_fall_back_to_copy_to_host_async(tmp_path, forced, monkeypatch):
+    tree = mixed_tree()
+    nnx_save.save_file(tree, tmp_path / "ref.safetensors")
+    asked, issued = [], []
+    monkeypatch.setattr(_stage, "host_kind", lambda device: asked.append(device) and None)
+    real = type(tree["big"]).copy_to_host_async
+    monkeypatch.setattr(type(tree["big"]), "copy_to_host_async", lambda self: issued.append(self.shape) or real(self))
+    nnx_save.save_file(tree, tmp_path / "fallback.safetensors")
+    assert len(asked) == len(issued) == 20  # every replica-0 shard: probed, then copied the old way
+    assert (tmp_path / "fallback.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()

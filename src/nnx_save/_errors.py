@@ -31,6 +31,7 @@ __all__ = [
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
+    "SliceError",
     "SourceError",
     "TensorEntryError",
     "TruncatedFileError",
@@ -207,3 +208,8 @@ class NotSafetensorsError(HeaderError):
     def __init__(self, message: str, format: str = "") -> None:
         super().__init__(message)
         self.format = format
+
+
+class SliceError(NnxSaveError, IndexError):
+    """``safe_open``: a key the checkpoint does not hold, or an index of a tensor that
+    is out of range or not made of ints, slices and one Ellipsis."""

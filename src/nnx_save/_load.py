@@ -88,7 +88,7 @@ def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     """Unique index boxes this process needs, each with the local devices that hold it."""
     shape = target.shape
     if target.sharding is None:
-        return [(whole(shape), [None])]
+        return [(target.box if target.box is not None else whole(shape), [None])]
     groups: dict[Box, list[Any]] = {}
     try:
         indices = target.sharding.addressable_devices_indices_map(shape)

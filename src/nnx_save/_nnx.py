@@ -134,7 +134,9 @@ def save_model(
     Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal).
     Typed PRNG keys are stored as key data with their implementation in the
     metadata; Python scalar variables keep their type. The model is not modified;
-    the host holds one tensor at a time beyond the model.
+    beyond the model the host holds the tensor being written and, from accelerators,
+    the device -> host copies started ahead of it (``NNX_SAVE_SAVE_INFLIGHT_BYTES``,
+    default 1 GiB).
 
     Args:
         model: any NNX object graph (``nnx.Module``, ``nnx.Optimizer``, ...).

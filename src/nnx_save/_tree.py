@@ -107,8 +107,10 @@ def save_file(
     """Save a pytree of arrays as one ``.safetensors`` file, atomically.
 
     Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
-    streamed one at a time (device -> host for one tensor, then written); the file
-    appears under ``path`` only once complete and fsynced. ``tree`` is not modified.
+    written one at a time; from accelerators the device -> host copies of the next
+    ones run meanwhile, at most ``NNX_SAVE_SAVE_INFLIGHT_BYTES`` (default 1 GiB) of
+    them held at once (see docs/async.md). The file appears under ``path`` only once
+    complete and fsynced. ``tree`` is not modified.
 
     Args:
         tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.

@@ -28,14 +28,14 @@ from ._errors import (
     CheckpointNotFoundError,
     CheckpointNotWrittenError,
     CheckpointWriteError,
-    UnsupportedCheckpointError,
 )
-from ._format import DTYPES_ITEM, METADATA_ITEM
 from ._guard import check_restored, check_templates
-from ._health import corrupt_from, held_items, read_json
+from ._health import corrupt_from
 from ._metadata import CheckpointMetadata, Producer
+from ._records import load_metadata, saved_dtypes
 from ._retention import Retention, StepInfo, ranked
-from ._tree import Path, dtype_record, parse_dtype_record
+from ._schedule import SaveSchedule
+from ._tree import dtype_record
 from ._types import Checkpoint, CheckpointStore
 
 __all__ = ["Checkpoint", "CheckpointStore", "OrbaxCheckpointStore"]  # the first two from ._types
@@ -100,10 +100,13 @@ class OrbaxCheckpointStore:
         retention: The retention policies (default: the recorded ones, else the
             latest 5 steps).
         change_retention: Replace the policies recorded in the directory.
+        save_interval_steps: :meth:`should_save` is true at steps divisible by this.
+        save_interval_seconds: :meth:`should_save` is true once this many seconds
+            passed since the last save (measured on process 0).
 
     Raises:
-        ValueError: ``directory`` is empty, names a file, ``max_to_keep`` < 1, or
-            both ``max_to_keep`` and ``retention`` are given.
+        ValueError: ``directory`` is empty, names a file, ``max_to_keep`` < 1, both
+            ``max_to_keep`` and ``retention`` are given, or an interval is not positive.
 
     Examples:
         >>> import jax, jax.numpy as jnp, tempfile
@@ -122,12 +125,15 @@ class OrbaxCheckpointStore:
         max_to_keep: int | _Unset | None = _UNSET,
         retention: Retention | None = None,
         change_retention: bool = False,
+        save_interval_steps: int | None = None,
+        save_interval_seconds: float | None = None,
     ) -> None:
         self._directory = absolute_dir("directory", directory)
         if self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"checkpoint directory {self._directory} exists and is not a directory")
         self._given = _given_retention(max_to_keep, retention)
         self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)
+        self._schedule = SaveSchedule(save_interval_steps, save_interval_seconds)
         self._manager: Any = None
         self._writable = False
         self._closed = False
@@ -172,6 +178,7 @@ class OrbaxCheckpointStore:
         (even when a save failed: its error is raised after). Idempotent; any later
         call raises ``ValueError``."""
         manager, self._closed = self._manager, True
+        self._schedule.close()
         if manager is not None:
             try:
                 self._settle(manager)
@@ -220,6 +227,36 @@ class OrbaxCheckpointStore:
             self._manager = _orbax.make_manager(self._directory, create=True)
             self._writable = True
         return self._manager
+
+    # -- when to save ------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether the loop should save ``step`` now: at a preemption (``SIGTERM``;
+        with several processes, JAX's preemption sync point, the same step on every
+        process), else by the intervals (with none, every step). A step the store
+        already holds is never due. Call it at every step, on every process.
+
+        The first call installs a ``SIGTERM`` handler in a one-process run (from the
+        main thread; :meth:`close` puts the previous one back), so the signal asks
+        for a save instead of ending the process: check :attr:`preemption_requested`
+        after saving and stop.
+
+        Examples:
+            >>> import tempfile
+            >>> store = OrbaxCheckpointStore(tempfile.mkdtemp(), save_interval_steps=50)
+            >>> [s for s in range(1, 201) if store.should_save(s)]
+            [50, 100, 150, 200]
+            >>> store.close()
+        """
+        step = check_step(step)
+        due = self._schedule.due(step)  # first, on every step: the preemption sync point counts calls
+        steps = self._disk.load().steps
+        return due and not (steps and step <= steps[-1])
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True once a preemption was seen: save the step :meth:`should_save` names, then stop."""
+        return self._schedule.preemption_requested
 
     # -- listing -----------------------------------------------------------------
 
@@ -359,6 +396,7 @@ class OrbaxCheckpointStore:
             self._metadata.pop(step, None)
             if blocking:
                 self._settle(manager)
+        self._schedule.saved()
         return self._step_path(step)
 
     @contextlib.contextmanager
@@ -422,39 +460,8 @@ class OrbaxCheckpointStore:
         """
         self._require(step)
         if step not in self._metadata:
-            self._metadata[step] = self._load_metadata(step)
+            self._metadata[step] = load_metadata(self._directory, step)
         return self._metadata[step]
-
-    def _load_metadata(self, step: int) -> CheckpointMetadata:
-        step_dir = epath.Path(str(self._step_path(step)))
-        held = held_items(step_dir)
-        if METADATA_ITEM not in held:
-            raise UnsupportedCheckpointError(
-                f"no nnx_save metadata record (Orbax items: {', '.join(sorted(held)) or 'none'})",
-                step=step,
-                directory=self._directory,
-            )
-        data = self._read_record(step, METADATA_ITEM)
-        try:
-            record = CheckpointMetadata.from_dict(data)
-        except UnsupportedCheckpointError as error:
-            raise UnsupportedCheckpointError(error.found, step=step, directory=self._directory) from None
-        if record.step != step or not set(record.items) <= held:
-            raise UnsupportedCheckpointError(
-                f"a record for step {record.step} naming items {list(record.items)} "
-                f"(Orbax items: {', '.join(sorted(held))})",
-                step=step,
-                directory=self._directory,
-            )
-        return record
-
-    def _read_record(self, step: int, item: str) -> Any:
-        """A JSON record of the step, read as a file (no Orbax call, so no barrier)."""
-        path = epath.Path(str(self._step_path(step))) / item / "metadata"
-        data, problem = read_json(path)
-        if problem is not None:
-            raise CheckpointCorruptError(step, path, problem)
-        return data
 
     def restore(
         self,
@@ -498,7 +505,7 @@ class OrbaxCheckpointStore:
         names = restore_names(metadata, templates, items)
         manager = self._reader()
         stored = self._stored_trees(manager, step, names)
-        saved = self._saved_dtypes(step, stored)
+        saved = saved_dtypes(self._directory, step, stored)
         plan = {
             name: (templates[name], _orbax.template_restore_args(name, templates[name]))
             if name in templates
@@ -527,24 +534,6 @@ class OrbaxCheckpointStore:
             raise
         except Exception as error:  # tensorstore's DATA_LOSS / OUT_OF_RANGE for a truncated file
             raise corrupt_from(step, str(self._step_path(step)), error) from error
-
-    def _saved_dtypes(self, step: int, stored: Mapping[str, Any]) -> dict[str, dict[Path, str]]:
-        """The dtype record, or (for checkpoints without one) Orbax's array metadata."""
-        if DTYPES_ITEM in held_items(epath.Path(str(self._step_path(step)))):
-            try:
-                record = parse_dtype_record(self._read_record(step, DTYPES_ITEM))
-            except UnsupportedCheckpointError as error:
-                raise UnsupportedCheckpointError(error.found, step=step, directory=self._directory) from None
-            absent = sorted(set(stored) - set(record))
-            if absent:
-                raise UnsupportedCheckpointError(
-                    f"a dtype record without items {absent}", step=step, directory=self._directory
-                )
-            return {name: record[name] for name in stored}
-        return {
-            name: {path: spec.dtype for path, spec in _orbax.stored_specs(tree).items() if spec is not None}
-            for name, tree in stored.items()
-        }
 
     # -- deleting ----------------------------------------------------------------
 
