@@ -243,6 +243,8 @@ def load_file(
     return_report: bool = False,
     verify: bool = False,
     progress: bool | None = None,
+    stream: bool | None = None,
+    staging: str = "auto",
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
 
@@ -270,6 +272,15 @@ def load_file(
             process, are listed in ``report.unverified``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        stream: how bytes reach the devices. ``None`` (default) decides from their
+            platform: on the CPU backend arrays adopt the host buffers read (zero
+            copy); elsewhere reads stream through a bounded pool of reused staging
+            buffers, so host memory stays within ``max_inflight_bytes`` whatever the
+            checkpoint size. ``True`` forces streaming (a testing aid on CPU; also
+            ``NNX_SAVE_STREAM=1``), ``False`` forbids it.
+        staging: the streaming path's staging memory: ``"pinned"`` (page-locked,
+            jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
+            (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
@@ -292,7 +303,7 @@ def load_file(
     import jax
 
     header = read_header(source)
-    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify)
+    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging)
 
     def load(targets: list[Target]) -> tuple[dict[str, Any], LoadReport]:
         return load_targets(
