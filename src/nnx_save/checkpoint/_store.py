@@ -12,13 +12,14 @@ import contextlib
 import os
 import pathlib
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self
 
 from etils import epath
 
 from .._errors import NnxSaveError
+from .._report import DtypeCast
 from . import _orbax
 from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import absolute_dir
@@ -29,13 +30,14 @@ from ._errors import (
     CheckpointNotWrittenError,
     CheckpointWriteError,
 )
-from ._guard import check_restored, check_templates
-from ._health import corrupt_from
+from ._guard import check_restored, check_template_dtypes
+from ._health import corrupt_from, looks_damaged
 from ._metadata import CheckpointMetadata, Producer
+from ._partial import PartialOptions, Selection, graft, select
 from ._records import load_metadata, saved_dtypes
 from ._retention import Retention, StepInfo, ranked
 from ._schedule import SaveSchedule
-from ._tree import dtype_record
+from ._tree import dtype_record, flatten
 from ._types import Checkpoint, CheckpointStore
 
 __all__ = ["Checkpoint", "CheckpointStore", "OrbaxCheckpointStore"]  # the first two from ._types
@@ -470,23 +472,41 @@ class OrbaxCheckpointStore:
         templates: Mapping[str, Any] | None = None,
         cast_dtypes: bool = False,
         items: Iterable[str] | None = None,
+        strict: bool = True,
+        allow_missing: Sequence[str] = (),
+        allow_unexpected: Sequence[str] = (),
+        allow_shape_mismatch: Sequence[str] = (),
     ) -> Checkpoint:
         """Read ``step``. Items with a template come back in its structure, on its
         shardings; items without one come back as stored (nested dicts and lists,
         string keys, the stored shardings).
 
+        A template also says which leaves to read: with ``strict=False`` or the
+        ``allow_*`` patterns (glob or regex over ``item/leaf`` paths, e.g.
+        ``"model/head/*"``), a template may leave out stored leaves (params only)
+        or hold leaves the step lacks or stores in another shape (a new head):
+        only the matching leaves are read, the others keep the template's value,
+        and ``checkpoint.report`` lists them as ``load_model``'s report does.
+
         Args:
             step: The step to read.
             templates: Per item, a pytree of arrays or ``jax.ShapeDtypeStruct``
-                (plus Python leaves) matching the stored paths and shapes, e.g.
-                ``nnx.state(model)`` or ``nnx.state(nnx.eval_shape(...))``. Every
-                array is placed on its template leaf's sharding, whatever topology
-                wrote it (a struct without a sharding goes to the default device).
+                (plus Python leaves), e.g. ``nnx.state(model)`` or
+                ``nnx.state(nnx.eval_shape(...))``. Every array is placed on its
+                template leaf's sharding, whatever topology wrote it (a struct
+                without a sharding goes to the default device).
             cast_dtypes: Accept arrays whose dtype differs from the saved one.
             items: Restore only these items (default: all the step holds).
+            strict: Refuse (before reading) any missing, unexpected or reshaped
+                leaf not allowed below; ``False`` warns once (``LoadWarning``).
+            allow_missing: Template leaves the step may lack (they keep the
+                template's value).
+            allow_unexpected: Stored leaves the template may leave out (not read).
+            allow_shape_mismatch: Leaves whose stored shape may differ (not read;
+                they keep the template's value).
 
         Returns:
-            The :class:`Checkpoint`.
+            The :class:`Checkpoint`, with its ``report``.
 
         Raises:
             CheckpointNotFoundError: ``step`` is not stored.
@@ -496,7 +516,8 @@ class OrbaxCheckpointStore:
             ValueError: ``templates`` or ``items`` name an unknown item.
             CheckpointItemError: They name an item the step does not hold.
             CheckpointTemplateError: A template's paths or shapes disagree with the
-                checkpoint (raised before reading any array).
+                checkpoint and ``strict`` (or a leaf's kind differs: always);
+                raised before reading any array.
             CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off
                 (before reading for templates; after reading otherwise).
         """
@@ -506,18 +527,21 @@ class OrbaxCheckpointStore:
         manager = self._reader()
         stored = self._stored_trees(manager, step, names)
         saved = saved_dtypes(self._directory, step, stored)
-        plan = {
-            name: (templates[name], _orbax.template_restore_args(name, templates[name]))
-            if name in templates
-            else (None, _orbax.stored_restore_args(stored[name]))
-            for name in names
-        }
-        specs = {n: _orbax.stored_specs(stored[n]) for n in names if n in templates}
-        check_templates(step, {n: templates[n] for n in names if n in templates}, specs, saved, cast_dtypes)
-        restored = self._read_arrays(manager, step, plan)
+        options = PartialOptions(strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch))
+        given = {n: templates[n] for n in names if n in templates}
+        whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
+        specs = {n: _orbax.stored_specs(stored[n]) for n in given}
+        chosen, report = select(step, given, specs, options, str(self._step_path(step)))
+        casts = check_template_dtypes(step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes)
+        report.dtype_casts.extend(DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts)
+        plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in names}
+        partial = [n for n, s in chosen.items() if not s.whole]
+        plan = {n: p for n, p in plan.items() if n not in chosen or chosen[n].read}  # items with nothing to read
+        read = self._read_arrays(manager, step, plan, partial) if plan else {}
+        restored = {n: graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names}
         if not cast_dtypes:
             check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
-        return Checkpoint(step, restored, metadata, self._step_path(step))
+        return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
     def _stored_trees(self, manager: Any, step: int, names: list[str]) -> dict[str, Any]:
         try:
@@ -527,12 +551,14 @@ class OrbaxCheckpointStore:
         except Exception as error:  # Orbax's metadata of an item is unreadable
             raise corrupt_from(step, str(self._step_path(step)), error) from error
 
-    def _read_arrays(self, manager: Any, step: int, plan: Mapping[str, Any]) -> dict[str, Any]:
+    def _read_arrays(self, manager: Any, step: int, plan: Mapping[str, Any], partial: list[str]) -> dict[str, Any]:
         try:
-            return _orbax.restore_items(manager, step, plan)
+            return _orbax.restore_items(manager, step, plan, partial)
         except NnxSaveError:
             raise
         except Exception as error:  # tensorstore's DATA_LOSS / OUT_OF_RANGE for a truncated file
+            if not looks_damaged(error):
+                raise
             raise corrupt_from(step, str(self._step_path(step)), error) from error
 
     # -- deleting ----------------------------------------------------------------
@@ -547,3 +573,11 @@ class OrbaxCheckpointStore:
         self._writer().delete(step)
         self._disk.removed(step)
         self._metadata.pop(step, None)
+
+
+def _plan(name: str, whole: tuple[Any, Any] | None, selection: Selection | None, stored: Any) -> tuple[Any, Any]:
+    """``(template, restore_args)`` for one item: as stored, the whole template, or
+    the template's leaves that are read."""
+    if whole is None or selection is None:
+        return None, _orbax.stored_restore_args(stored)
+    return whole if selection.whole else _orbax.subset_plan(name, selection.read_pairs())
