@@ -24,6 +24,7 @@ from ._errors import PieceLayoutError as PieceLayoutError
 from ._errors import SaveError as SaveError
 from ._errors import ShapeMismatchError as ShapeMismatchError
 from ._errors import ShardingError as ShardingError
+from ._errors import SliceError as SliceError
 from ._errors import SourceError as SourceError
 from ._errors import TensorEntryError as TensorEntryError
 from ._errors import TruncatedFileError as TruncatedFileError
@@ -31,6 +32,10 @@ from ._errors import UnknownDtypeError as UnknownDtypeError
 from ._errors import UnsupportedValueError as UnsupportedValueError
 from ._header import FileHeader as FileHeader
 from ._header import TensorInfo as TensorInfo
+from ._lazy import LazyCheckpoint as LazyCheckpoint
+from ._lazy import TensorSlice as TensorSlice
+from ._lazy import iter_tensors as iter_tensors
+from ._lazy import safe_open as safe_open
 from ._load import OverReadWarning as OverReadWarning
 from ._nnx import load_model as load_model
 from ._nnx import save_model as save_model
@@ -39,6 +44,7 @@ from ._report import DtypeCast as DtypeCast
 from ._report import IOStats as IOStats
 from ._report import LoadReport as LoadReport
 from ._report import LoadWarning as LoadWarning
+from ._report import LossyCastWarning as LossyCastWarning
 from ._report import ShapeMismatch as ShapeMismatch
 from ._sources import Header as Header
 from ._sources import read_header as read_header

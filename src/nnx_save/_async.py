@@ -370,6 +370,30 @@ def _wait_all(timeout: float | None) -> bool:
     return all(h.wait(None if deadline is None else max(0.0, deadline - time.monotonic())) for h in _unfinished())
 
 
+def _reset_in_child() -> None:
+    """After ``fork``: the child has the parent's pending handles but not its writer
+    thread, so waiting on them (at the next blocking save, ``wait_for_saves`` or
+    exit) would hang forever. Those saves belong to the parent, which finishes them;
+    in the child their handles fail at once, and the queue starts empty."""
+    global _lock, _jobs, _worker, _pending, _uncollected
+    forked = [h for h in _pending if not h.done()]
+    _lock, _jobs, _worker = threading.Lock(), queue.Queue(), None
+    _pending, _uncollected = collections.deque(), []
+    for h in forked:
+        h._error = SaveError(
+            f"{h.path}: this process was forked while the asynchronous save was running; the parent process "
+            "finishes it, this one cannot wait for it",
+            str(h.path),
+        )
+        h._collected = True  # nothing to report at the child's exit: the parent owns the save
+        h._finished = threading.Event()  # a parent thread may have held the old one's lock at the fork
+        h._finished.set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
+
+
 def _at_exit() -> None:
     running = _unfinished()
     if running:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import _formats
+from ._errors import DuplicateKeyError
 
 __all__ = ["main"]
 
@@ -326,7 +327,7 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
 
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, torch.Tensor):
-            out[prefix] = _torch_to_numpy(node, prefix)
+            _add_unique(out, prefix, _torch_to_numpy(node, prefix), path, "'.'")
         elif isinstance(node, dict):
             for k, v in node.items():
                 walk(v, f"{prefix}.{k}" if prefix else str(k))
@@ -338,6 +339,18 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
 
     walk(state, "")
     return out
+
+
+def _add_unique(out: dict[str, np.ndarray], key: str, value: np.ndarray, path: Path, joiner: str) -> None:
+    """``out[key] = value``, refusing a key already there: nested keys joined with
+    ``joiner`` can meet a flat key (``{"a": {"b": t}, "a.b": u}``), and keeping one
+    would drop the other in silence."""
+    if key in out:
+        raise DuplicateKeyError(
+            f"{path}: two tensors become the key {key!r} (nested keys are joined with {joiner}); "
+            "rename one of them before converting"
+        )
+    out[key] = value
 
 
 def _tensor_dicts(state: Any) -> list[str]:
@@ -403,10 +416,10 @@ def _orbax_tensors(path: Path) -> dict[str, np.ndarray]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # orbax warns that no target sharding was given: host arrays are wanted
         tree = ocp.PyTreeCheckpointer().restore(path)
-    out = {}
+    out: dict[str, np.ndarray] = {}
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         key = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keypath)
-        out[key] = np.asarray(leaf)
+        _add_unique(out, key, np.asarray(leaf), path, "'/'")
     return out
 
 

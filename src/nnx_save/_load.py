@@ -36,14 +36,14 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from . import _checksum, _dtypes, _progress
+from . import _checksum, _dtypes, _progress, _stream
 from ._errors import NnxSaveError, ShapeMismatchError, ShardingError
 from ._header import FileHeader, TensorInfo
 from ._layout import Box, Piece, extents, intersect, request, whole
@@ -88,7 +88,7 @@ def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     """Unique index boxes this process needs, each with the local devices that hold it."""
     shape = target.shape
     if target.sharding is None:
-        return [(whole(shape), [None])]
+        return [(target.box if target.box is not None else whole(shape), [None])]
     groups: dict[Box, list[Any]] = {}
     try:
         indices = target.sharding.addressable_devices_indices_map(shape)
@@ -253,6 +253,9 @@ class Engine:
             self._add("", key, whole(header.tensors[key].shape), [None], False)
         self.over_reads: list[str] = []
         self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
+        self._digests: dict[str, dict[str, str]] = {}  # file -> recorded checksums (verify only)
+        self._lock = threading.Lock()
+        self.staging: Any = None  # the streaming path's staging pool, once it ran
 
     def _add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> None:
         info = self.header.tensors[key]
@@ -300,10 +303,14 @@ class Engine:
 
     # ----------------------------------------------------------------- host path
 
-    def run(self) -> None:
-        """Read every file into host shard buffers, several files at once."""
+    def run(self, skip: frozenset[int] = frozenset()) -> None:
+        """Read every file into host shard buffers, several files at once (all
+        destinations but ``skip``, which are streamed)."""
+        if skip:
+            kept = {f: [i for i in idx if i not in skip] for f, idx in self.by_file.items()}
+            self.by_file = {f: idx for f, idx in kept.items() if idx}
         for index, dest in enumerate(self.dests):  # empty tensors: nothing to read
-            if not dest.files:
+            if not dest.files and index not in skip:
                 dest.buffer = aligned_empty(dest.nbytes)
                 self._filled(index)
         files = [fh.file for fh in self.header.files if fh.file in self.by_file]
@@ -413,7 +420,7 @@ class Engine:
             for piece, part in d.parts:
                 if piece.info.file == file:
                     entry = got.setdefault(piece.info.name, (d.key, piece.info, {}))
-                    entry[2].update([self.piece_bytes(d, d.buffer, piece, part)])
+                    entry[2].update([self.piece_bytes(d.box, d.buffer, piece, part)])
         jobs, keys = [], {}
         for name, (key, info, regions) in got.items():
             expected = digests.get(name)
@@ -426,14 +433,54 @@ class Engine:
             self.checked[key] = self.checked.get(key, True) and ok
 
     @staticmethod
-    def piece_bytes(d: Dest, buffer: np.ndarray, piece: Piece, part: Box) -> tuple[Box, np.ndarray]:
-        """``part``'s bytes in ``buffer`` (holding ``d.box``), with its box in the piece's coordinates."""
+    def piece_bytes(box: Box, buffer: np.ndarray, piece: Piece, part: Box) -> tuple[Box, np.ndarray]:
+        """``part``'s bytes in ``buffer`` (holding ``box``), with its box in the piece's coordinates."""
         info = piece.info
         if not info.dtype.byte_aligned:
             return whole(info.shape), buffer
-        grid = buffer.reshape(*extents(d.box), info.dtype.itemsize)
-        region = grid[tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(part, d.box, strict=True))]
+        grid = buffer.reshape(*extents(box), info.dtype.itemsize)
+        region = grid[tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(part, box, strict=True))]
         return tuple((lo - p, hi - p) for (lo, hi), (p, _) in zip(part, piece.box, strict=True)), region
+
+    def checked_piece(self, key: str, piece: Piece, buffers: Iterable[memoryview] | None) -> None:
+        """Check ``piece`` (of tensor ``key``) against its recorded checksum when
+        ``buffers`` (its bytes in file order) are given; ``None``: not verifiable here."""
+        info = piece.info
+        with self._lock:
+            if info.file not in self._digests:
+                self._digests[info.file] = _checksum.read_digests(self.file_headers[info.file].metadata, info.file)
+            expected = self._digests[info.file].get(info.name)
+        ok = expected is not None and buffers is not None
+        if ok:
+            _checksum.check(info.name, info.file, expected, buffers)
+        with self._lock:
+            self.checked[key] = self.checked.get(key, True) and ok
+
+    def held(self, owner: str) -> np.dtype:
+        return held_dtype(self.by_path[owner])
+
+    def streamable(self, index: int) -> bool:
+        """Destinations a device array is made of, whose bytes need no host step."""
+        d = self.dests[index]
+        t = self.by_path.get(d.owner)
+        return t is not None and t.sharding is not None and self.header.tensors[d.key].dtype.byte_aligned
+
+    def stream(self, kind: str, device: Any) -> None:
+        """Stream what can be streamed through ``kind`` staging buffers; the rest
+        (numpy targets, sub-byte tensors, transforms' sources) on the host path."""
+        import jax
+
+        streamed = [i for i in range(len(self.dests)) if self.streamable(i)]
+        self.run(skip=frozenset(streamed))
+        arrays = _stream.run(self, streamed, kind, device)
+        for owner in dict.fromkeys(self.dests[i].owner for i in streamed):
+            t = self.by_path[owner]
+            per_device = {dev: a for i in self.shards[owner] for dev, a in arrays[i].items()}
+            devices = list(t.sharding.addressable_devices_indices_map(t.shape))
+            self.results[owner] = jax.make_array_from_single_device_arrays(
+                t.shape, t.sharding, [per_device[d] for d in devices]
+            )
+            self.bar.update(items=1)
 
     def _filled(self, index: int) -> None:
         """Destination ``index`` is complete: place its owner once all its shards are."""
@@ -522,6 +569,14 @@ def _prepare(
     return loadable, report
 
 
+def _device(targets: Sequence[Target]) -> Any:
+    """A device this load puts arrays on (its platform decides how), or None."""
+    for t in targets:
+        if t.sharding is not None:
+            return next(iter(t.sharding.addressable_devices))
+    return None
+
+
 def load_targets(
     header: Header,
     targets: Sequence[Target],
@@ -555,7 +610,12 @@ def load_targets(
     with _gc_paused():
         try:
             engine = Engine(header, loadable, report, opt, open_reader, bar)
-            engine.run()
+            device = _device(loadable)
+            if device is not None and opt.streaming(device.platform):
+                kinds = tuple(m.kind for m in device.addressable_memories())
+                engine.stream(opt.staging_kind(device.platform, kinds), device)
+            else:
+                engine.run()
         finally:
             bar.close()
     _finish(engine, report)

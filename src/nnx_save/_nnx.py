@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from . import _async, _collective, _paths, _progress
-from ._errors import NnxSaveError, ShardingError, UnsupportedValueError
+from ._errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
 from ._report import LoadReport
@@ -65,7 +65,7 @@ def _scalar_kind(value: Any) -> str | None:
 def _refuse_unstorable(key: str, value: Any) -> None:
     """Strings and ``None`` have no tensor form: refused, on save and on load alike."""
     if value is None or isinstance(value, (str, bytes)):
-        what = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
+        what = "None" if value is None else f"a {type(value).__name__} ({short_repr(value, 40)})"
         raise UnsupportedValueError(
             f"{key}: the model holds {what}; safetensors stores arrays and numbers only. "
             "Keep such values out of nnx.Variable, or pass filter= to skip them",
@@ -354,6 +354,8 @@ def load_model(
     num_threads: int | None = None,
     verify: bool = False,
     progress: bool | None = None,
+    stream: bool | None = None,
+    staging: str = "auto",
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.
 
@@ -380,6 +382,15 @@ def load_model(
             (:class:`~nnx_save.ChecksumError` on a mismatch; see :func:`load_file`).
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        stream: how bytes reach the devices. ``None`` (default) decides from their
+            platform: on the CPU backend arrays adopt the host buffers read (zero
+            copy); elsewhere reads stream through a bounded pool of reused staging
+            buffers, so host memory stays within ``max_inflight_bytes`` whatever the
+            checkpoint size. ``True`` forces streaming (a testing aid on CPU; also
+            ``NNX_SAVE_STREAM=1``), ``False`` forbids it.
+        staging: the streaming path's staging memory: ``"pinned"`` (page-locked,
+            jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
+            (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
 
     Returns:
         ``(model, report)``.
@@ -410,7 +421,7 @@ def load_model(
     values, report = load_targets(
         header,
         target_list,
-        LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify),
+        LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging),
         strict=strict,
         allow_missing=allow_missing,
         allow_unexpected=allow_unexpected,

@@ -348,7 +348,17 @@ def _many(paths: Sequence[Path], kind: str, where: str) -> Header:
     pinned = _Pinned()
     files = tuple(read_file_header(p, pinned) for p in paths)
     meta = dict(files[0].metadata) if files else {}
-    return Header(_merge(files, where), meta, files, kind, pinned=pinned)
+    try:
+        tensors = _merge(files, where)
+    except IndexFileError as e:
+        if kind != "directory":
+            raise
+        raise IndexFileError(
+            f"{e}. {where} has no {INDEX_NAME}, so all its *.safetensors files are read as the parts of one "
+            "checkpoint; files holding the same tensor names are separate checkpoints (copies, or different "
+            f"steps): load one file, move the others out, or write the {INDEX_NAME} of a sharded checkpoint"
+        ) from None
+    return Header(tensors, meta, files, kind, pinned=pinned)
 
 
 def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:

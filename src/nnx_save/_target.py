@@ -27,6 +27,9 @@ class Target:
         transform: for porting rules: full source arrays -> the value; ``None``
             reads the single source directly, sharded.
         source_shape: the shape ``transform`` produces (checked before reading).
+        box: for a host target (``sharding=None``), the region ``((start, stop), ...)``
+            to read, ``None`` for all of it; the value then has the box's shape
+            (``nnx_save.safe_open``'s slices).
 
     Examples:
         >>> import numpy as np
@@ -41,3 +44,4 @@ class Target:
     sources: tuple[str, ...] = ()
     transform: Callable[[list[np.ndarray]], np.ndarray] | None = None
     source_shape: tuple[int, ...] | None = None
+    box: tuple[tuple[int, int], ...] | None = None

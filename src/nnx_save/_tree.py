@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import _async, _collective, _dtypes, _paths, _progress
-from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError
+from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
 from ._report import LoadReport, ShapeMismatch, matches_any
@@ -70,7 +70,7 @@ def _refuse_mixed_keys(node: Any, where: tuple) -> None:
 def _describe(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"a numpy array of dtype {value.dtype}"
-    return f"a {type(value).__name__} ({value!r:.40})"
+    return f"a {type(value).__name__} ({short_repr(value, 40)})"
 
 
 def leaf_entry(path: tuple, value: Any) -> Entry:
@@ -155,14 +155,14 @@ def _check_metadata(metadata: Any) -> None:
     for k, v in metadata.items():
         if not (isinstance(k, str) and isinstance(v, str)):
             raise UnsupportedValueError(
-                f"metadata must map str to str: {k!r}: {v!r:.40} is {type(k).__name__}: {type(v).__name__}",
+                f"metadata must map str to str: {k!r}: {short_repr(v, 40)} is {type(k).__name__}: {type(v).__name__}",
                 "__metadata__",
             )
         try:
             (k + v).encode("utf-8")
         except UnicodeEncodeError:
             raise UnsupportedValueError(
-                f"metadata must map str to str: {k!r}: {v!r:.40} is not valid Unicode (a lone surrogate)",
+                f"metadata must map str to str: {k!r}: {short_repr(v, 40)} is not valid Unicode (a lone surrogate)",
                 "__metadata__",
             ) from None
 
@@ -243,6 +243,8 @@ def load_file(
     return_report: bool = False,
     verify: bool = False,
     progress: bool | None = None,
+    stream: bool | None = None,
+    staging: str = "auto",
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
 
@@ -270,6 +272,15 @@ def load_file(
             process, are listed in ``report.unverified``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        stream: how bytes reach the devices. ``None`` (default) decides from their
+            platform: on the CPU backend arrays adopt the host buffers read (zero
+            copy); elsewhere reads stream through a bounded pool of reused staging
+            buffers, so host memory stays within ``max_inflight_bytes`` whatever the
+            checkpoint size. ``True`` forces streaming (a testing aid on CPU; also
+            ``NNX_SAVE_STREAM=1``), ``False`` forbids it.
+        staging: the streaming path's staging memory: ``"pinned"`` (page-locked,
+            jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
+            (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
@@ -292,7 +303,7 @@ def load_file(
     import jax
 
     header = read_header(source)
-    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify)
+    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging)
 
     def load(targets: list[Target]) -> tuple[dict[str, Any], LoadReport]:
         return load_targets(

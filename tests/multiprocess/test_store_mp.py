@@ -69,3 +69,16 @@ def test_damaged_steps_are_reported_alike_on_every_process(run_workers, tmp_path
     for w in workers:
         assert w.result["good"] == 7 * devices
         assert len(w.result["warned"]) == 1 and "2 damaged steps are left out of list_steps()" in w.result["warned"][0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
+def test_preemption_saves_one_step_on_every_process(run_workers, tmp_path, layout):
+    n, devices, mesh, _ = layout
+    workers = run_workers(
+        "store_ops.py", n, devices, {"scenario": "preemption", "dir": str(tmp_path / "p"), "mesh": mesh}
+    )
+    saved = _same_on_every_process(workers, "saved")
+    assert saved is not None and saved > 5, saved  # after the signal, never refused by the 1000-step interval
+    assert _same_on_every_process(workers, "steps") == [saved]
+    for w in workers:
+        assert w.result["checked"] == 7 * devices

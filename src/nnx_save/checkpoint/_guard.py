@@ -13,10 +13,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import CheckpointDtypeMismatchError, CheckpointTemplateError, DtypeMismatch
+from ._errors import CheckpointDtypeMismatchError, DtypeMismatch
 from ._tree import Path, Spec, flatten, leaf_spec, show
 
-__all__ = ["check_restored", "check_templates", "dtype_mismatches", "explained_by_x64", "template_problems"]
+__all__ = ["check_restored", "check_template_dtypes", "dtype_mismatches", "explained_by_x64", "template_problems"]
 
 
 def template_problems(item: str, template: Sequence[tuple[Path, Any]], stored: Mapping[Path, Spec | None]) -> list[str]:
@@ -74,21 +74,18 @@ def explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
     )
 
 
-def check_templates(
+def check_template_dtypes(
     step: int,
-    templates: Mapping[str, Any],
-    stored_specs: Mapping[str, Mapping[Path, Spec | None]],
+    read: Mapping[str, Sequence[tuple[Path, Any]]],
     saved: Mapping[str, Mapping[Path, str]],
     cast_dtypes: bool,
-) -> None:
-    """Compare templates with the checkpoint; raise before any array is read."""
-    flat = {name: flatten(tree) for name, tree in templates.items()}
-    problems = [p for name in flat for p in template_problems(name, flat[name], stored_specs[name])]
-    if problems:
-        raise CheckpointTemplateError(step, problems)
-    mismatches = [m for name in flat for m in dtype_mismatches(name, flat[name], saved[name])]
+) -> list[DtypeMismatch]:
+    """The template leaves to be read whose dtype differs from the saved one; raise
+    before any array is read unless ``cast_dtypes``."""
+    mismatches = [m for name, pairs in read.items() for m in dtype_mismatches(name, pairs, saved[name])]
     if mismatches and not cast_dtypes:
         raise CheckpointDtypeMismatchError(step, mismatches, before_read=True)
+    return mismatches
 
 
 def check_restored(step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]]) -> None:

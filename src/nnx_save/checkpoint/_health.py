@@ -22,7 +22,7 @@ from etils import epath
 from ._errors import CheckpointCorruptError
 from ._format import DTYPES_ITEM, METADATA_ITEM
 
-__all__ = ["DirectoryView", "corrupt_from", "held_items", "read_json", "scan"]
+__all__ = ["DirectoryView", "corrupt_from", "held_items", "looks_damaged", "read_json", "scan"]
 
 _RECORD_FILE = "metadata"  # the file Orbax's JSON handler writes in an item directory
 _ARRAY_METADATA = "_METADATA"  # the file Orbax's pytree handler writes in an item directory
@@ -112,13 +112,23 @@ _TS_FILE = re.compile(r'local file "([^"]+)"')
 _TS_KEY = re.compile(r'Error reading "([^"]+)"')
 
 
+_STATUS = re.compile(r"(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|INVALID_ARGUMENT|FAILED_PRECONDITION): ")
+
+
+def looks_damaged(error: BaseException) -> bool:
+    """True for a read failure that says the files are bad (tensorstore's status codes,
+    an ``OSError``), not for a caller's mistake that Orbax reports while reading."""
+    text = f"{error} {error.__cause__ or ''}"
+    return isinstance(error, OSError) or bool(_STATUS.search(text))
+
+
 def corrupt_from(step: int, step_dir: str, error: BaseException) -> CheckpointCorruptError:
     """A read failure of Orbax / tensorstore as a :class:`CheckpointCorruptError`
     naming the file (or item directory) and the array key tensorstore reported."""
     text = " ".join(f"{error} {error.__cause__ or ''}".split())
     where = _TS_FILE.search(text)
     key = _TS_KEY.search(text)
-    status = re.search(r"(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|INVALID_ARGUMENT|FAILED_PRECONDITION): ", text)
+    status = _STATUS.search(text)
     detail = text[status.start() :] if status else text
     detail = detail.split(" [source locations")[0][:300]
     problem = "an array file is truncated or unreadable"

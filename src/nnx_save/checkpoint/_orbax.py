@@ -29,6 +29,7 @@ __all__ = [
     "stored_restore_args",
     "stored_specs",
     "stored_trees",
+    "subset_plan",
     "template_restore_args",
 ]
 
@@ -143,13 +144,31 @@ def _stored_arg(leaf: Any) -> ocp.RestoreArgs:
     return ocp.RestoreArgs()
 
 
+def subset_plan(item: str, pairs: Iterable[tuple[Path, Any]]) -> tuple[dict[str, Any], Any]:
+    """``(template, restore_args)`` reading only the leaves ``pairs`` name: nested
+    dicts keyed as Orbax stored them (read with ``partial_restore``)."""
+    template: dict[str, Any] = {}
+    args: dict[str, Any] = {}
+    for path, leaf in pairs:
+        node, arg_node = template, args
+        for key in path[:-1]:
+            node, arg_node = node.setdefault(key, {}), arg_node.setdefault(key, {})
+        node[path[-1]] = leaf
+        arg_node[path[-1]] = _template_arg(item, (jax.tree_util.DictKey(k) for k in path), leaf)
+    return template, args
+
+
 def restore_items(
-    manager: ocp.CheckpointManager, step: int, plan: Mapping[str, tuple[Any | None, Any]]
+    manager: ocp.CheckpointManager, step: int, plan: Mapping[str, tuple[Any | None, Any]], partial: Iterable[str] = ()
 ) -> dict[str, Any]:
-    """Read items in one Orbax call; ``plan`` maps a name to ``(template or None, restore_args)``."""
+    """Read items in one Orbax call; ``plan`` maps a name to ``(template or None,
+    restore_args)``; items named in ``partial`` read only their template's leaves."""
+    partial = set(partial)
     args = {
         name: ocp.args.PyTreeRestore(
-            item=None if template is None else {ROOT: template}, restore_args={ROOT: restore_args}
+            item=None if template is None else {ROOT: template},
+            restore_args={ROOT: restore_args},
+            partial_restore=name in partial,
         )
         for name, (template, restore_args) in plan.items()
     }

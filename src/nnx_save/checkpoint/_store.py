@@ -12,30 +12,32 @@ import contextlib
 import os
 import pathlib
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, Self
 
 from etils import epath
 
 from .._errors import NnxSaveError
+from .._report import DtypeCast
 from . import _orbax
 from ._args import check_items, check_step, new_metadata, restore_names
-from ._directory import absolute_dir
+from ._directory import Location, is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointNotWrittenError,
     CheckpointWriteError,
-    UnsupportedCheckpointError,
 )
-from ._format import DTYPES_ITEM, METADATA_ITEM
-from ._guard import check_restored, check_templates
-from ._health import corrupt_from, held_items, read_json
+from ._guard import check_restored, check_template_dtypes
+from ._health import corrupt_from, looks_damaged
 from ._metadata import CheckpointMetadata, Producer
+from ._partial import PartialOptions, Selection, graft, select
+from ._records import load_metadata, saved_dtypes
 from ._retention import Retention, StepInfo, ranked
-from ._tree import Path, dtype_record, parse_dtype_record
+from ._schedule import SaveSchedule
+from ._tree import dtype_record, flatten
 from ._types import Checkpoint, CheckpointStore
 
 __all__ = ["Checkpoint", "CheckpointStore", "OrbaxCheckpointStore"]  # the first two from ._types
@@ -100,10 +102,13 @@ class OrbaxCheckpointStore:
         retention: The retention policies (default: the recorded ones, else the
             latest 5 steps).
         change_retention: Replace the policies recorded in the directory.
+        save_interval_steps: :meth:`should_save` is true at steps divisible by this.
+        save_interval_seconds: :meth:`should_save` is true once this many seconds
+            passed since the last save (measured on process 0).
 
     Raises:
-        ValueError: ``directory`` is empty, names a file, ``max_to_keep`` < 1, or
-            both ``max_to_keep`` and ``retention`` are given.
+        ValueError: ``directory`` is empty, names a file, ``max_to_keep`` < 1, both
+            ``max_to_keep`` and ``retention`` are given, or an interval is not positive.
 
     Examples:
         >>> import jax, jax.numpy as jnp, tempfile
@@ -122,12 +127,15 @@ class OrbaxCheckpointStore:
         max_to_keep: int | _Unset | None = _UNSET,
         retention: Retention | None = None,
         change_retention: bool = False,
+        save_interval_steps: int | None = None,
+        save_interval_seconds: float | None = None,
     ) -> None:
-        self._directory = absolute_dir("directory", directory)
-        if self._directory.exists() and not self._directory.is_dir():
+        self._directory = store_location("directory", directory)
+        if not is_url(str(self._directory)) and self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"checkpoint directory {self._directory} exists and is not a directory")
         self._given = _given_retention(max_to_keep, retention)
         self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)
+        self._schedule = SaveSchedule(save_interval_steps, save_interval_seconds)
         self._manager: Any = None
         self._writable = False
         self._closed = False
@@ -172,6 +180,7 @@ class OrbaxCheckpointStore:
         (even when a save failed: its error is raised after). Idempotent; any later
         call raises ``ValueError``."""
         manager, self._closed = self._manager, True
+        self._schedule.close()
         if manager is not None:
             try:
                 self._settle(manager)
@@ -220,6 +229,36 @@ class OrbaxCheckpointStore:
             self._manager = _orbax.make_manager(self._directory, create=True)
             self._writable = True
         return self._manager
+
+    # -- when to save ------------------------------------------------------------
+
+    def should_save(self, step: int) -> bool:
+        """Whether the loop should save ``step`` now: at a preemption (``SIGTERM``;
+        with several processes, JAX's preemption sync point, the same step on every
+        process), else by the intervals (with none, every step). A step the store
+        already holds is never due. Call it at every step, on every process.
+
+        The first call installs a ``SIGTERM`` handler in a one-process run (from the
+        main thread; :meth:`close` puts the previous one back), so the signal asks
+        for a save instead of ending the process: check :attr:`preemption_requested`
+        after saving and stop.
+
+        Examples:
+            >>> import tempfile
+            >>> store = OrbaxCheckpointStore(tempfile.mkdtemp(), save_interval_steps=50)
+            >>> [s for s in range(1, 201) if store.should_save(s)]
+            [50, 100, 150, 200]
+            >>> store.close()
+        """
+        step = check_step(step)
+        due = self._schedule.due(step)  # first, on every step: the preemption sync point counts calls
+        steps = self._disk.load().steps
+        return due and not (steps and step <= steps[-1])
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True once a preemption was seen: save the step :meth:`should_save` names, then stop."""
+        return self._schedule.preemption_requested
 
     # -- listing -----------------------------------------------------------------
 
@@ -359,6 +398,7 @@ class OrbaxCheckpointStore:
             self._metadata.pop(step, None)
             if blocking:
                 self._settle(manager)
+        self._schedule.saved()
         return self._step_path(step)
 
     @contextlib.contextmanager
@@ -404,7 +444,7 @@ class OrbaxCheckpointStore:
             _orbax.on_primary("put_back", lambda: step_dir.exists() or aside.rename(step_dir))
             manager.reload()
             raise
-        _orbax.on_primary("drop_aside", lambda: shutil.rmtree(aside))
+        _orbax.on_primary("drop_aside", lambda: _rmtree(aside))
         manager.reload()  # Orbax appends the step last; re-read the sorted list
 
     # -- reading -----------------------------------------------------------------
@@ -422,39 +462,8 @@ class OrbaxCheckpointStore:
         """
         self._require(step)
         if step not in self._metadata:
-            self._metadata[step] = self._load_metadata(step)
+            self._metadata[step] = load_metadata(self._directory, step)
         return self._metadata[step]
-
-    def _load_metadata(self, step: int) -> CheckpointMetadata:
-        step_dir = epath.Path(str(self._step_path(step)))
-        held = held_items(step_dir)
-        if METADATA_ITEM not in held:
-            raise UnsupportedCheckpointError(
-                f"no nnx_save metadata record (Orbax items: {', '.join(sorted(held)) or 'none'})",
-                step=step,
-                directory=self._directory,
-            )
-        data = self._read_record(step, METADATA_ITEM)
-        try:
-            record = CheckpointMetadata.from_dict(data)
-        except UnsupportedCheckpointError as error:
-            raise UnsupportedCheckpointError(error.found, step=step, directory=self._directory) from None
-        if record.step != step or not set(record.items) <= held:
-            raise UnsupportedCheckpointError(
-                f"a record for step {record.step} naming items {list(record.items)} "
-                f"(Orbax items: {', '.join(sorted(held))})",
-                step=step,
-                directory=self._directory,
-            )
-        return record
-
-    def _read_record(self, step: int, item: str) -> Any:
-        """A JSON record of the step, read as a file (no Orbax call, so no barrier)."""
-        path = epath.Path(str(self._step_path(step))) / item / "metadata"
-        data, problem = read_json(path)
-        if problem is not None:
-            raise CheckpointCorruptError(step, path, problem)
-        return data
 
     def restore(
         self,
@@ -463,23 +472,41 @@ class OrbaxCheckpointStore:
         templates: Mapping[str, Any] | None = None,
         cast_dtypes: bool = False,
         items: Iterable[str] | None = None,
+        strict: bool = True,
+        allow_missing: Sequence[str] = (),
+        allow_unexpected: Sequence[str] = (),
+        allow_shape_mismatch: Sequence[str] = (),
     ) -> Checkpoint:
         """Read ``step``. Items with a template come back in its structure, on its
         shardings; items without one come back as stored (nested dicts and lists,
         string keys, the stored shardings).
 
+        A template also says which leaves to read: with ``strict=False`` or the
+        ``allow_*`` patterns (glob or regex over ``item/leaf`` paths, e.g.
+        ``"model/head/*"``), a template may leave out stored leaves (params only)
+        or hold leaves the step lacks or stores in another shape (a new head):
+        only the matching leaves are read, the others keep the template's value,
+        and ``checkpoint.report`` lists them as ``load_model``'s report does.
+
         Args:
             step: The step to read.
             templates: Per item, a pytree of arrays or ``jax.ShapeDtypeStruct``
-                (plus Python leaves) matching the stored paths and shapes, e.g.
-                ``nnx.state(model)`` or ``nnx.state(nnx.eval_shape(...))``. Every
-                array is placed on its template leaf's sharding, whatever topology
-                wrote it (a struct without a sharding goes to the default device).
+                (plus Python leaves), e.g. ``nnx.state(model)`` or
+                ``nnx.state(nnx.eval_shape(...))``. Every array is placed on its
+                template leaf's sharding, whatever topology wrote it (a struct
+                without a sharding goes to the default device).
             cast_dtypes: Accept arrays whose dtype differs from the saved one.
             items: Restore only these items (default: all the step holds).
+            strict: Refuse (before reading) any missing, unexpected or reshaped
+                leaf not allowed below; ``False`` warns once (``LoadWarning``).
+            allow_missing: Template leaves the step may lack (they keep the
+                template's value).
+            allow_unexpected: Stored leaves the template may leave out (not read).
+            allow_shape_mismatch: Leaves whose stored shape may differ (not read;
+                they keep the template's value).
 
         Returns:
-            The :class:`Checkpoint`.
+            The :class:`Checkpoint`, with its ``report``.
 
         Raises:
             CheckpointNotFoundError: ``step`` is not stored.
@@ -489,7 +516,8 @@ class OrbaxCheckpointStore:
             ValueError: ``templates`` or ``items`` name an unknown item.
             CheckpointItemError: They name an item the step does not hold.
             CheckpointTemplateError: A template's paths or shapes disagree with the
-                checkpoint (raised before reading any array).
+                checkpoint and ``strict`` (or a leaf's kind differs: always);
+                raised before reading any array.
             CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off
                 (before reading for templates; after reading otherwise).
         """
@@ -498,19 +526,22 @@ class OrbaxCheckpointStore:
         names = restore_names(metadata, templates, items)
         manager = self._reader()
         stored = self._stored_trees(manager, step, names)
-        saved = self._saved_dtypes(step, stored)
-        plan = {
-            name: (templates[name], _orbax.template_restore_args(name, templates[name]))
-            if name in templates
-            else (None, _orbax.stored_restore_args(stored[name]))
-            for name in names
-        }
-        specs = {n: _orbax.stored_specs(stored[n]) for n in names if n in templates}
-        check_templates(step, {n: templates[n] for n in names if n in templates}, specs, saved, cast_dtypes)
-        restored = self._read_arrays(manager, step, plan)
+        saved = saved_dtypes(self._directory, step, stored)
+        options = PartialOptions(strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch))
+        given = {n: templates[n] for n in names if n in templates}
+        whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
+        specs = {n: _orbax.stored_specs(stored[n]) for n in given}
+        chosen, report = select(step, given, specs, options, str(self._step_path(step)))
+        casts = check_template_dtypes(step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes)
+        report.dtype_casts.extend(DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts)
+        plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in names}
+        partial = [n for n, s in chosen.items() if not s.whole]
+        plan = {n: p for n, p in plan.items() if n not in chosen or chosen[n].read}  # items with nothing to read
+        read = self._read_arrays(manager, step, plan, partial) if plan else {}
+        restored = {n: graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names}
         if not cast_dtypes:
             check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
-        return Checkpoint(step, restored, metadata, self._step_path(step))
+        return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
     def _stored_trees(self, manager: Any, step: int, names: list[str]) -> dict[str, Any]:
         try:
@@ -520,31 +551,15 @@ class OrbaxCheckpointStore:
         except Exception as error:  # Orbax's metadata of an item is unreadable
             raise corrupt_from(step, str(self._step_path(step)), error) from error
 
-    def _read_arrays(self, manager: Any, step: int, plan: Mapping[str, Any]) -> dict[str, Any]:
+    def _read_arrays(self, manager: Any, step: int, plan: Mapping[str, Any], partial: list[str]) -> dict[str, Any]:
         try:
-            return _orbax.restore_items(manager, step, plan)
+            return _orbax.restore_items(manager, step, plan, partial)
         except NnxSaveError:
             raise
         except Exception as error:  # tensorstore's DATA_LOSS / OUT_OF_RANGE for a truncated file
+            if not looks_damaged(error):
+                raise
             raise corrupt_from(step, str(self._step_path(step)), error) from error
-
-    def _saved_dtypes(self, step: int, stored: Mapping[str, Any]) -> dict[str, dict[Path, str]]:
-        """The dtype record, or (for checkpoints without one) Orbax's array metadata."""
-        if DTYPES_ITEM in held_items(epath.Path(str(self._step_path(step)))):
-            try:
-                record = parse_dtype_record(self._read_record(step, DTYPES_ITEM))
-            except UnsupportedCheckpointError as error:
-                raise UnsupportedCheckpointError(error.found, step=step, directory=self._directory) from None
-            absent = sorted(set(stored) - set(record))
-            if absent:
-                raise UnsupportedCheckpointError(
-                    f"a dtype record without items {absent}", step=step, directory=self._directory
-                )
-            return {name: record[name] for name in stored}
-        return {
-            name: {path: spec.dtype for path, spec in _orbax.stored_specs(tree).items() if spec is not None}
-            for name, tree in stored.items()
-        }
 
     # -- deleting ----------------------------------------------------------------
 
@@ -558,3 +573,18 @@ class OrbaxCheckpointStore:
         self._writer().delete(step)
         self._disk.removed(step)
         self._metadata.pop(step, None)
+
+
+def _plan(name: str, whole: tuple[Any, Any] | None, selection: Selection | None, stored: Any) -> tuple[Any, Any]:
+    """``(template, restore_args)`` for one item: as stored, the whole template, or
+    the template's leaves that are read."""
+    if whole is None or selection is None:
+        return None, _orbax.stored_restore_args(stored)
+    return whole if selection.whole else _orbax.subset_plan(name, selection.read_pairs())
+
+
+def _rmtree(path: Location) -> None:
+    if isinstance(path, pathlib.Path):
+        shutil.rmtree(path)
+    else:
+        path.rmtree()  # an etils epath (gs://, s3://)

@@ -7,6 +7,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, Self, runtime_checkable
 
+from .._report import LoadReport
 from ._metadata import CheckpointMetadata, Producer
 
 __all__ = ["Checkpoint", "CheckpointStore"]
@@ -21,12 +22,16 @@ class Checkpoint:
         items: The restored items by name, in the order they were recorded.
         metadata: The step's metadata record.
         path: The step's directory.
+        report: What the templated items' restore found: loaded, missing,
+            unexpected, shape mismatches and dtype casts, by ``item/leaf`` path
+            (the report ``load_model`` gives).
     """
 
     step: int
     items: Mapping[str, Any]
     metadata: CheckpointMetadata
     path: pathlib.Path
+    report: LoadReport = dataclasses.field(default_factory=LoadReport)
 
 
 @runtime_checkable

@@ -8,12 +8,16 @@ scenario returns what this process saw, for the test to compare across processes
   onto the mesh and check every local shard (the start-up race of issue 16).
 - ``retention``: the issue's losses under latest-2 + best-1 by loss; restore the
   best step onto the mesh and onto another mesh (``other_mesh``).
+- ``preemption``: a loop asking ``should_save`` at every step (interval 1000); the
+  last process sends itself SIGTERM at step 5; every process must save one same
+  step and stop; a reopened store restores it onto the mesh.
 - ``damaged``: process 0 damages saved steps between two barriers; a reopened
   store lists, reports and refuses them the same way on every process.
 """
 
 import os
 import re
+import signal
 import time
 
 import mp_boot
@@ -125,6 +129,24 @@ def damaged() -> dict:
         "good": good,
         "after": after,
     }
+
+
+def preemption() -> dict:
+    saved = None
+    with OrbaxCheckpointStore(ctx.args["dir"], save_interval_steps=1000) as store:
+        for step in range(1, 400):
+            if step == 5 and ctx.process_id == ctx.num_processes - 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # JAX's preemption service turns it into a sync point
+            if store.should_save(step):
+                store.save(step, state(step))
+                if store.preemption_requested:
+                    saved = step
+                    break
+            time.sleep(0.01)
+    with OrbaxCheckpointStore(ctx.args["dir"]) as store:
+        steps = store.list_steps()
+        checked = restore_checked(store, saved, MESH) if saved is not None else 0
+    return {"saved": saved, "steps": steps, "checked": checked}
 
 
 ctx.write(globals()[ctx.args["scenario"]]())
