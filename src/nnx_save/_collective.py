@@ -55,6 +55,7 @@ from . import _checksum, _dtypes, _stage
 from ._errors import SaveError
 from ._header import encode_header
 from ._plan import box_runs
+from ._remote_write import is_destination, write_remote
 from ._sources import pread_exact
 from ._stage import HostValue, spans_processes
 from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
@@ -75,10 +76,13 @@ def _timeout() -> float:
 
 
 def save(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
-    """Write one file: alone when this is the only process, together otherwise."""
+    """Write one file: alone when this is the only process, together otherwise; a
+    URL (``s3://``, ``gs://``, ``memory://`` ...) through fsspec (:mod:`._remote_write`)."""
     import jax
 
-    if jax.process_count() == 1:
+    if is_destination(path):
+        write_remote(str(path), entries, metadata)
+    elif jax.process_count() == 1:
         write_file(path, entries, metadata)
     else:
         write_collective(path, entries, metadata)
