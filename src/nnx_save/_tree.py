@@ -115,7 +115,8 @@ def save_file(
 
     Args:
         tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.
-        path: the file to write; its directory must exist.
+        path: the file to write; its directory must exist. An fsspec URL (``s3://``,
+            ``memory://`` ...) is streamed to a temporary object and moved into place.
         metadata: string -> string pairs stored in ``__metadata__``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
