@@ -307,7 +307,8 @@ class HttpReader:
         return headers
 
     def _request(self, headers: Mapping[str, str], span: str, timeout: float):
-        """GET with ``headers``, following redirects; returns the final response."""
+        """GET with ``headers``, following redirects; returns the final response.
+        ``timeout`` bounds the connect and each socket read until the headers are in."""
         import urllib3
 
         url = self.url
@@ -371,7 +372,7 @@ class HttpReader:
         span = f"{begin}-{begin + length - 1}"
         seconds = self.limits.seconds(length)
         deadline = time.monotonic() + seconds
-        r = self._request(self._headers(begin, length), span, seconds)
+        r = self._request(self._headers(begin, length), span, min(seconds, self.limits.timeout_s))
         expired = threading.Event()
         sock = _socket_of(r)
 
