@@ -514,7 +514,9 @@ class FsspecReader:
             info = self.fs.info(self.url)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.url}: not found") from None
-        size = info.get("size")
+        except Exception as e:  # each store has its own errors (botocore's NoCredentialsError, ...)
+            raise RemoteError(f"{self.url}: fsspec could not describe the object ({type(e).__name__}: {e})") from e
+        size = info.get("size") if isinstance(info, Mapping) else None
         if not isinstance(size, int):
             raise RemoteError(f"{self.url}: fsspec reports no size ({size!r})")
         return size, _fsspec_version(info)
@@ -540,7 +542,12 @@ class FsspecReader:
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         total = sum(len(b) for b in buffers)
-        data = self.fs.cat_file(self.url, start=offset, end=offset + total)
+        try:
+            data = self.fs.cat_file(self.url, start=offset, end=offset + total)
+        except Exception as e:  # as in _current: one error type, naming the URL and the range
+            raise RemoteError(
+                f"{self.url}: fsspec failed to read {total} bytes at {offset} ({type(e).__name__}: {e})"
+            ) from e
         if len(data) != total:
             raise RemoteError(f"{self.url}: asked for {total} bytes at {offset}, got {len(data)}")
         self.requests += 1
