@@ -245,7 +245,9 @@ def test_allow_shape_mismatch_keeps_the_given_values(one_file):
     assert all(_same_bits(out[k], FULL[k]) for k in FULL if k != "a")
     assert "(allowed shape mismatches, the model's values kept: a)" in str(report)
     # allowed, but a ShapeDtypeStruct has no value to keep: refused by name before any read
-    abstract["a"] = jax.ShapeDtypeStruct((24, 48), np.float32)
+    abstract["a"] = jax.ShapeDtypeStruct(
+        (24, 48), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    )
     with pytest.raises(
         nnx_save.ShapeMismatchError,
         match=re.escape(
@@ -553,3 +555,17 @@ def test_the_garbage_collector_is_left_as_it_was(one_file):
         }
         nnx_save.load_file(one_file, bad, allow_unexpected=["*"])
     assert gc.isenabled()
+
+
+def test_an_abstract_tree_without_shardings_on_several_devices_is_warned(one_file):
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in FULL.items() if k in "abc"}
+    with pytest.warns(
+        nnx_save.SingleDeviceWarning,
+        match=re.escape(
+            "3 arrays have no sharding (a, b, c): all of them are loaded onto cpu:0, although this "
+            "process has 8 devices. Give each jax.ShapeDtypeStruct a sharding"
+        ),
+    ) as caught:
+        out = nnx_save.load_file(one_file, abstract, allow_unexpected=["*"])
+    assert len(caught) == 1 and caught[0].filename == __file__
+    assert {d.id for d in out["a"].devices()} == {0}
