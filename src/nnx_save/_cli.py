@@ -430,6 +430,8 @@ def _verified(header: Any, key: str) -> np.ndarray:
 def _kind(source: Path) -> str:
     if source.is_dir():
         return "orbax" if _formats.foreign_directory(source) else "safetensors"
+    if not source.is_file():  # a FIFO would block the open below forever, a device never end
+        raise CLIError(f"{source}: not a regular file or directory")
     with open(source, "rb") as f:  # magic bytes decide, whatever the name says
         if _formats.foreign_file(f.read(8), lambda n, at: (f.seek(at), f.read(n))[1]) is not None:
             return "torch"
