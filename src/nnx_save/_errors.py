@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ByteLengthError",
     "ChecksumError",
+    "ConvertError",
     "DtypeMismatchError",
     "DuplicateKeyError",
     "FileSizeError",
@@ -190,3 +191,8 @@ class NotSafetensorsError(HeaderError):
     def __init__(self, message: str, format: str = "") -> None:
         super().__init__(message)
         self.format = format
+
+
+class ConvertError(NnxSaveError, ValueError):
+    """A checkpoint that cannot be converted (:func:`nnx_save.convert`): an unknown or
+    unsafe source format, a value that is not a tensor, an output path of the wrong kind."""

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ._errors import NnxSaveError
+from ._version import __version__
 
 __all__ = ["FsspecReader", "HttpReader", "RemoteChangedError", "RemoteError", "RemoteStats", "is_url", "open_remote"]
 
@@ -71,8 +72,6 @@ def _pool():
 
 def _user_agent() -> str:
     """Names the library and the process, so server logs can tell hosts' reads apart."""
-    from . import __version__
-
     return f"nnx_save/{__version__} (pid {os.getpid()})"
 
 

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from . import _formats, _remote
-from ._errors import HeaderError, HeaderTooSmallError, IndexFileError, TruncatedFileError
-from ._header import FileHeader, TensorInfo, header_size, parse_header
+from ._errors import DuplicateKeyError, HeaderError, HeaderTooSmallError, IndexFileError, TruncatedFileError
+from ._header import FileHeader, TensorInfo, header_size, parse_header, unique_pairs
 
 __all__ = ["INDEX_NAME", "Header", "pread_exact", "read_file_header", "read_header"]
 
@@ -178,20 +178,11 @@ def _inside(directory: Path, relative: str, index: str) -> Path:
     return directory / relative
 
 
-def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:  # a tensor listed twice: json.loads would keep the last in silence
-            raise IndexFileError(f"key {key!r} appears more than once in the index JSON")
-        out[key] = value
-    return out
-
-
 def _read_index(index: Path) -> tuple[dict[str, str], dict[str, str]]:
     try:
-        obj = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=_unique_pairs)
-    except IndexFileError as e:
-        raise IndexFileError(f"{index}: {e}") from None
+        obj = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=unique_pairs)
+    except DuplicateKeyError as e:  # a tensor listed twice
+        raise IndexFileError(f"{index}: {e} in the index JSON") from None
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise IndexFileError(f"{index}: not a valid JSON index: {e}") from None
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
