@@ -217,23 +217,34 @@ def _cpu_seconds() -> tuple[float, float]:
 # ----------------------------------------------------------------------------- processes
 
 
-def fresh_env(devices: int = 1) -> dict[str, str]:
+def fresh_env(devices: int = 1, platform: str | None = "cpu") -> dict[str, str]:
+    """The environment of a worker: ``src`` and the benchmarks on ``PYTHONPATH``, jax on
+    ``platform`` with ``devices`` CPU devices (``platform=None``: the machine's own
+    backend, as jax picks it, e.g. a GPU)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if platform is not None:
+        env["JAX_PLATFORMS"] = platform
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     return env
 
 
 def run_fresh(
-    script: str | os.PathLike, worker: str, args: Sequence[str] = (), *, devices: int = 1, timeout: float = 3600
+    script: str | os.PathLike,
+    worker: str,
+    args: Sequence[str] = (),
+    *,
+    devices: int = 1,
+    timeout: float = 3600,
+    platform: str | None = "cpu",
 ) -> dict:
     """Run ``python script --worker WORKER *args`` in a new process; its last stdout line
     is the JSON result. A failure comes back as ``{"error": last stderr line}``."""
     cmd = [sys.executable, str(script), "--worker", worker, *args]
+    env = fresh_env(devices, platform)
     try:
-        proc = subprocess.run(cmd, env=fresh_env(devices), capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout:.0f} s"}
     if proc.returncode != 0:

@@ -10,19 +10,22 @@ seconds, peak RSS above the RSS at the start, through the kernel's resettable
 peak counter). After the clock stops it checks a sample of the result against
 ``safe_open`` (values, shape, sharding of every shard), so a fast wrong answer
 cannot win. ``--repeat N`` runs every cell N times, round robin over the
-strategies so background load hits them alike, and keeps the fastest.
+strategies so background load hits them alike, and reports the median with the
+spread (min-max): on shared VMs reads into fresh memory are bimodal (about 0.2 s
+or 1 s per GB, a raw read included), so one run, or the best, says little.
 
 On the development VM (2 vCPUs shared with other work, guest memory backed lazily
 by the host) a first touch of memory can cost the host 3-10 s per 2 GB, which is
 neither the loader's work nor what a bare-metal machine pays; ``--prefault 3``
 (the default) has each worker touch and free 3x the file size first, so only the
-guest's own page faults are timed. Even so, single runs vary by 2x: compare the
-best of several (``--repeat``) and the CPU seconds.
+guest's own page faults are timed. Even so, single runs vary by 2x or more: compare
+medians over several (``--repeat``) with their spread, and the CPU seconds.
 
 Checkpoints (fp32, generated once under ``--dir`` and reused):
 
-- ``synthetic``: ~2.2 GB, 684 tensors, largest 8.4M elements, median 1024
-  (40 transformer-like layers of 17 tensors, plus embedding and head).
+- ``synthetic``: ~2.2 GB (``--size-gb`` sets another size: the layer count
+  changes), 684 tensors, largest 8.4M elements, median 1024 (40 transformer-like
+  layers of 17 tensors, plus embedding and head).
 - ``gpt2``: GPT-2 small's 148 tensors (124M parameters, ~0.5 GB).
 
 Layouts: ``1dev`` (one CPU device), ``dim0`` (8 CPU devices, each tensor split
@@ -53,6 +56,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -70,9 +74,13 @@ CHECKPOINTS = ("synthetic", "gpt2")
 # ----------------------------------------------------------------------------- shapes
 
 
-def synthetic_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
-    """~2.2 GB: 40 layers x 17 tensors + embed, head, final norm (684 tensors)."""
+def synthetic_shapes(quick: bool, size_gb: float | None = None) -> dict[str, tuple[int, ...]]:
+    """~2.2 GB: 40 layers x 17 tensors + embed, head, final norm (684 tensors);
+    ``size_gb``: as many layers as make about that size."""
     d, f, layers, vocab = (256, 1024, 6, 2048) if quick else (1024, 4480, 40, 8192)
+    if size_gb is not None:
+        per_layer = 4 * (3 * d * d + 3 * d + d * d + d + 256 + 16 + 2 * d + 2 * d * f + f + d + 2 * d + 2 * d)
+        layers = max(1, round((size_gb * 1e9 - 4 * (2 * vocab * d + 2 * d)) / per_layer))
     shapes: dict[str, tuple[int, ...]] = {"embed": (vocab, d)}
     for i in range(layers):
         p = f"layers.{i}."
@@ -142,10 +150,11 @@ def write_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
     tmp.rename(path)
 
 
-def ensure_checkpoint(directory: Path, name: str, quick: bool) -> Path:
-    shapes = (synthetic_shapes if name == "synthetic" else gpt2_shapes)(quick)
+def ensure_checkpoint(directory: Path, name: str, quick: bool, size_gb: float | None = None) -> Path:
+    shapes = synthetic_shapes(quick, size_gb) if name == "synthetic" else gpt2_shapes(quick)
     nbytes = 4 * sum(math.prod(s) for s in shapes.values())
-    path = directory / f"{name}{'-quick' if quick else ''}.safetensors"
+    sized = f"-{size_gb:g}GB" if name == "synthetic" and size_gb is not None else ""
+    path = directory / f"{name}{'-quick' if quick else ''}{sized}.safetensors"
     if path.exists() and path.stat().st_size >= nbytes and _keys_match(path, shapes):
         return path
     directory.mkdir(parents=True, exist_ok=True)
@@ -306,7 +315,7 @@ def run_worker(strategy: str, path: Path, layout: str, args: argparse.Namespace)
 def table(rows: list[dict]) -> str:
     out = []
     head = (
-        f"{'checkpoint':<16} {'layout':<6} {'strategy':<10} {'wall s':>8} {'cpu s':>7} {'GB/s':>7} "
+        f"{'checkpoint':<16} {'layout':<6} {'strategy':<10} {'median s':>8} {'(min-max)':>15} {'cpu s':>7} {'GB/s':>7} "
         f"{'RSS/file':>9} {'t/t(nnx_save)':>14} {'rss/rss(nnx_save)':>18}"
     )
     out += [head, "-" * len(head)]
@@ -319,11 +328,16 @@ def table(rows: list[dict]) -> str:
             t_ratio = r["wall"] / ours["wall"] if "wall" in ours else float("nan")
             m_ratio = r["rss"] / ours["rss"] if ours.get("rss") else float("nan")
             out.append(
-                f"{ckpt:<16} {layout:<6} {strategy:<10} {r['wall']:>8.3f} {r['cpu']:>7.2f} {r['gbps']:>7.2f} "
+                f"{ckpt:<16} {layout:<6} {strategy:<10} {r['wall']:>8.3f} {_spread(r):>15} {r['cpu']:>7.2f} "
+                f"{r['gbps']:>7.2f} "
                 f"{r['rss']:>9.3f} {t_ratio:>14.2f} {m_ratio:>18.2f}"
             )
         out.append("")
     return "\n".join(out)
+
+
+def _spread(r: dict) -> str:
+    return f"({r['min']:.3f}-{r['max']:.3f})"
 
 
 def _groups(rows: list[dict]) -> dict:
@@ -370,18 +384,22 @@ def targets(rows: list[dict]) -> list[str]:
 
 
 def _row(ckpt: str, size: int, layout: str, strategy: str, runs: list[dict]) -> dict:
-    """The fastest of a cell's fresh-process runs (an error if any failed)."""
+    """A cell's fresh-process runs: the median wall time with its spread (min-max),
+    and the median CPU seconds and peak RSS (an error if any run failed)."""
     row = {"checkpoint": f"{ckpt} {size / 1e9:.2f}GB", "layout": layout, "strategy": strategy, "runs": len(runs)}
     bad = [r for r in runs if "error" in r]
     if bad:
         return {**row, "error": bad[0]["error"]}
-    best = min(runs, key=lambda r: r["seconds"])
+    walls = sorted(r["seconds"] for r in runs)
+    median = statistics.median(walls)
     return {
         **row,
-        "wall": best["seconds"],
-        "cpu": best["user_s"] + best["sys_s"],
-        "gbps": size / best["seconds"] / 1e9,
-        "rss": best["peak_above_kb"] * 1024 / size,
+        "wall": median,
+        "min": walls[0],
+        "max": walls[-1],
+        "cpu": statistics.median(r["user_s"] + r["sys_s"] for r in runs),
+        "gbps": size / median / 1e9,
+        "rss": statistics.median(r["peak_above_kb"] for r in runs) * 1024 / size,
         "walls": [round(r["seconds"], 3) for r in runs],
     }
 
@@ -389,6 +407,7 @@ def _row(ckpt: str, size: int, layout: str, strategy: str, runs: list[dict]) -> 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small checkpoints (seconds, for smoke runs)")
+    p.add_argument("--size-gb", type=float, default=None, help="size of the synthetic checkpoint (default ~2.2 GB)")
     p.add_argument("--dir", default="/tmp/nnx_save_bench", help="where checkpoints are generated and kept")
     p.add_argument("--checkpoints", default=",".join(CHECKPOINTS))
     p.add_argument("--layouts", default=",".join(LAYOUTS))
@@ -397,7 +416,7 @@ def main() -> None:
         "--repeat",
         type=int,
         default=1,
-        help="fresh processes per cell, interleaved across strategies; the fastest is kept",
+        help="fresh processes per cell, interleaved across strategies; the median and spread are shown",
     )
     p.add_argument(
         "--prefault",
@@ -420,7 +439,7 @@ def main() -> None:
     rows = []
     strategies = args.strategies.split(",")
     for ckpt in args.checkpoints.split(","):
-        path = ensure_checkpoint(Path(args.dir), ckpt, args.quick)
+        path = ensure_checkpoint(Path(args.dir), ckpt, args.quick, args.size_gb)
         size = path.stat().st_size
         for layout in args.layouts.split(","):
             runs: dict[str, list[dict]] = {s: [] for s in strategies}
@@ -431,6 +450,7 @@ def main() -> None:
             for strategy in strategies:
                 rows.append(_row(ckpt, size, layout, strategy, runs[strategy]))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    print(f"median over {args.repeat} interleaved fresh-process runs per row, (min-max) the spread")
     print(table(rows))
     print("\n".join(targets(rows)))
     if args.json:

@@ -7,12 +7,19 @@ same steps: the losses must be bit-identical.
 
 Run with `python examples/train_resume.py [--dir DIR]` (about 10 s on a laptop CPU).
 Exits 0 when the resumed run matches, 1 otherwise.
+
+With `--until STEPS` it is instead a preemptible training job: it resumes from the
+latest checkpoint in `--dir` if there is one, trains to STEPS, saves when
+`store.should_save(step)` says so (every `--save-interval-steps`, and at once on
+SIGTERM, then exits 0), and prints a digest of the final model and optimizer state:
+an interrupted-and-resumed job prints the same digest as an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import itertools
 import sys
 import tempfile
@@ -83,12 +90,55 @@ def items(model, optimizer, data_key, position: int) -> dict:
     }
 
 
+def digest(model, optimizer) -> str:
+    """A hash of every byte of the model and optimizer state."""
+    leaves = jax.tree.leaves(nnx.state((model, optimizer)))
+    return hashlib.sha256(b"".join(np.asarray(x).tobytes() for x in leaves)).hexdigest()[:16]
+
+
+def resume(store: OrbaxCheckpointStore) -> tuple[Regressor, nnx.Optimizer, jax.Array, int]:
+    """The latest saved state, or a fresh one at step 0."""
+    step = store.latest_step()
+    if step is None:
+        return (*build(seed=0), jax.random.key(42), 0)
+    model, optimizer = nnx.eval_shape(lambda: build(seed=0))
+    templates = {"model": nnx.state(model), "optimizer": nnx.state(optimizer), "rng": jax.random.key(0)}
+    checkpoint = store.restore(step, templates={**templates, "data_iterator": {"position": 0}})
+    restore_into(model, checkpoint.items["model"])
+    restore_into(optimizer, checkpoint.items["optimizer"])
+    return model, optimizer, checkpoint.items["rng"], checkpoint.items["data_iterator"]["position"]
+
+
+def preemptible(directory, until: int, every: int, delay: float) -> int:
+    """Train to step ``until``, saving when the store says so; stop after a preemption save."""
+    with OrbaxCheckpointStore(directory, max_to_keep=2, save_interval_steps=every) as store:
+        model, optimizer, data_key, position = resume(store)
+        print(f"start at step {position}", flush=True)
+        for step in range(position + 1, until + 1):
+            train(model, optimizer, data_key, step - 1, 1)
+            print(f"step {step}", flush=True)
+            if store.should_save(step):  # every `every` steps, and at once after SIGTERM
+                store.save(step, items(model, optimizer, data_key, step))
+                if store.preemption_requested:
+                    print(f"preempted: saved step {step}", flush=True)
+                    return 0
+            time.sleep(delay)
+    print(f"done at step {until}: state digest {digest(model, optimizer)}", flush=True)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", help="run directory (default: a fresh temporary one)")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--resume-steps", type=int, default=5)
+    parser.add_argument("--until", type=int, help="run as a preemptible job up to this step")
+    parser.add_argument("--save-interval-steps", type=int, default=25)
+    parser.add_argument("--step-delay", type=float, default=0.0, help="seconds to sleep per step (for demos)")
     args = parser.parse_args()
+    if args.until is not None:
+        directory = resolve_checkpoint_dir(None, args.dir or tempfile.mkdtemp(prefix="nnx_save_job_"))
+        return preemptible(directory, args.until, args.save_interval_steps, args.step_delay)
     start = time.perf_counter()
     directory = resolve_checkpoint_dir(None, args.dir or tempfile.mkdtemp(prefix="nnx_save_resume_"))
     producer = Producer("examples/train_resume.py", "1")

@@ -11,12 +11,16 @@ import sys
 
 import pytest
 
-from nnx_save.checkpoint import _directory, _guard, _metadata, _nnx, _store, _tree
+from nnx_save.checkpoint import _agree, _directory, _guard, _metadata, _nnx, _retention, _schedule, _store, _tree
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("module", [_directory, _guard, _metadata, _nnx, _store, _tree], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module",
+    [_agree, _directory, _guard, _metadata, _nnx, _retention, _schedule, _store, _tree],
+    ids=lambda m: m.__name__,
+)
 def test_docstring_examples(module):
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
@@ -25,9 +29,11 @@ def test_docstring_examples(module):
 def test_the_guide_example_runs(capsys):
     text = (ROOT / "docs" / "checkpoints.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
-    assert len(blocks) == 1
-    exec(compile(blocks[0], "docs/checkpoints.md", "exec"), {"__name__": "guide"})
-    assert capsys.readouterr().out == "100 {'epoch': 1, 'position': 640} {'lr': 0.001, 'hidden': 8}\n"
+    assert len(blocks) == 2
+    namespace = {"__name__": "guide"}
+    for block in blocks:  # one namespace, in order, as a reader would run them
+        exec(compile(block, "docs/checkpoints.md", "exec"), namespace)
+    assert capsys.readouterr().out == "100 {'epoch': 1, 'position': 640} {'lr': 0.001, 'hidden': 8}\n[150, 200]\n"
 
 
 @pytest.mark.slow

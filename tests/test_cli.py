@@ -325,6 +325,23 @@ def test_convert_refuses_a_pickle_with_non_tensors(capsys, tmp_path):
     assert not (tmp_path / "o.safetensors").exists()
 
 
+@pytest.mark.slow  # imports torch
+def test_convert_refuses_two_tensors_that_become_one_key(capsys, tmp_path):
+    """Issue 18 probe 5: ``{"a": {"b": t}, "a.b": u}`` converted to one tensor and
+    exited 0; now a DuplicateKeyError (exit 2) and nothing written."""
+    import torch
+
+    torch.save({"a": {"b": torch.ones(2)}, "a.b": torch.zeros(3)}, tmp_path / "clash.pt")
+    code, _, err = cli(capsys, "convert", tmp_path / "clash.pt", tmp_path / "o.safetensors")
+    assert code == 2 and err == (
+        f"nnx-save: error: {tmp_path / 'clash.pt'}: two tensors become the key 'a.b' (nested keys are joined "
+        "with '.'); rename one of them before converting\n"
+    )
+    assert not (tmp_path / "o.safetensors").exists()
+    with pytest.raises(nnx_save.DuplicateKeyError, match=re.escape("two tensors become the key 'a.b'")):
+        _cli._torch_tensors(tmp_path / "clash.pt")
+
+
 def test_parse_size():
     assert _cli.parse_size("5GB") == 5 * 10**9
     assert _cli.parse_size("200MiB") == 200 << 20

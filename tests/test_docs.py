@@ -82,3 +82,22 @@ def test_cli_page_shows_the_captured_terminal():
     page = (ROOT / "docs" / "cli.md").read_text()
     assert all(line in page for line in captured if line != "DONE")
     assert os.path.exists(ROOT / "docs" / "progress.txt")
+
+
+@pytest.mark.slow  # a fresh python with jax, as a user pastes the tour
+@pytest.mark.parametrize("devices", [1, 3])
+def test_readme_tour_runs_pasted_into_python(devices, tmp_path):
+    """The README's python blocks, piped into a plain ``python`` on a machine with
+    ``devices`` CPU devices (1: a laptop; 3: a count that divides nothing)."""
+    import subprocess
+    import sys
+
+    source = "\n".join(src for _, src in python_blocks((ROOT / "README.md").read_text(encoding="utf-8")))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-"], input=source, text=True, capture_output=True, cwd=tmp_path, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"{devices} shards of (4, 8)" in done.stdout

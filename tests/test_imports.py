@@ -123,11 +123,6 @@ def test_the_graph_reader_sees_function_local_imports_and_cycles(tmp_path):
     assert cycles(graph) == [["pkg._a", "pkg._b", "pkg._c"]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the pod loader (_pod.PodEngine) still closes a cycle through _load / _sources; "
-    "the one-engine work of issue 15 removes it",
-)
 def test_the_package_has_no_import_cycle():
     found = cycles(import_graph())
     assert found == [], "import cycles (each line one strongly connected set of modules):\n" + "\n".join(

@@ -284,6 +284,22 @@ def test_dtype_cast_is_reported_and_refused_under_strict(one_file, monkeypatch):
     assert log.calls == []  # refused before reading a byte
 
 
+def test_lossy_and_safe_casts_are_reported_apart(one_file):
+    abstract = {k: np.zeros(v.shape, v.dtype) for k, v in FULL.items()}
+    a_dtype = FULL["a"].dtype
+    abstract["a"] = np.zeros(FULL["a"].shape, np.float64 if a_dtype == np.float32 else np.float32)
+    abstract["b"] = np.zeros(FULL["b"].shape, np.int8)
+    with pytest.warns(nnx_save.LoadWarning) as caught:
+        _, report = nnx_save.load_file(one_file, abstract, return_report=True)
+    assert [c.path for c in report.lossy_casts] == ["b"]
+    assert {c.path: c.lossy for c in report.dtype_casts} == {"a": False, "b": True}
+    (w,) = caught
+    assert w.category is nnx_save.LossyCastWarning
+    text = str(w.message)
+    assert text.startswith("1 LOSSY dtype cast(s)")
+    assert f"\n  LOSSY dtype: b: {FULL['b'].dtype} in the file -> int8 in the model\n  dtype: a: " in text
+
+
 def test_64_bit_tensors_with_x64_off_are_a_reported_cast(tmp_path):
     assert not jax.config.jax_enable_x64
     full = {"i": np.arange(-12, 12, dtype=np.int64).reshape(3, 8), "f": np.linspace(0, 1, 16)}
@@ -296,7 +312,12 @@ def test_64_bit_tensors_with_x64_off_are_a_reported_cast(tmp_path):
         "f: float64 in the file -> float32 (the model's float64: jax_enable_x64 is off) in the model",
         "i: int64 in the file -> int32 (the model's int64: jax_enable_x64 is off) in the model",
     ]
-    with pytest.warns(nnx_save.LoadWarning, match=re.escape(lines[0] + "\n  dtype: " + lines[1])):
+    # narrowing 64-bit values to 32 bits can change them: a LossyCastWarning, its lines apart
+    loud = "2 LOSSY dtype cast(s): the loaded values differ from the file's"
+    with pytest.warns(
+        nnx_save.LossyCastWarning,
+        match="(?s)" + re.escape(loud) + ".*" + re.escape(lines[0] + "\n  LOSSY dtype: " + lines[1]),
+    ):
         out = nnx_save.load_file(tmp_path / "x64.safetensors", abstract)
     for k, v in out.items():
         _assert_like_device_put(v, full[k].astype(jax.dtypes.canonicalize_dtype(v.dtype)), abstract[k].sharding)
@@ -378,9 +399,7 @@ class _Reader:
 
     def __init__(self, path: str, log: _Log, table: bool, delay: float) -> None:
         self.inner, self.log, self.delay = _read.LocalReader(path), log, delay
-        self.path = path
-        if not table:
-            self.readv_table = None
+        self.path, self.table = path, table
 
     @property
     def requests(self) -> int:
@@ -388,6 +407,9 @@ class _Reader:
 
     def close(self) -> None:
         self.inner.close()
+
+    def can_read_tables(self) -> bool:
+        return self.table and self.inner.can_read_tables()
 
     def _timed(self, n: int, offset: int, read) -> None:
         self.log.enter(self.path, offset, n)

@@ -13,6 +13,7 @@ cap holds.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import time
@@ -322,3 +323,73 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(_plan)
     assert result.attempted >= 5 and result.failed == 0
+
+
+# ----------------------------------------------------------------------------- pieces into sub-boxes
+
+
+def _split(draw, shape):
+    """Piece boxes that tile ``shape``: each dimension cut at random points."""
+    cuts = []
+    for d in shape:
+        inner = sorted(set(draw(st.lists(st.integers(1, max(d - 1, 1)), max_size=2)))) if d > 1 else []
+        cuts.append([0, *[c for c in inner if 0 < c < d], d])
+    grids = [list(itertools.pairwise(c)) for c in cuts]
+    boxes = [()]
+    for g in grids:
+        boxes = [(*b, r) for b in boxes for r in g]
+    return boxes
+
+
+@st.composite
+def pieces_case(draw):
+    """A tensor stored as pieces (a pod's boxes, one file tensor each, laid out one
+    after another), and the boxes a load needs: each needed box gets one request
+    per overlapping piece, landing at its offset in the one destination buffer."""
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    itemsize = draw(st.sampled_from(ITEMSIZES))
+    pieces, base = [], draw(st.sampled_from([0, 8, 8 + 4096]))
+    for box in _split(draw, shape):
+        pieces.append((base, box))
+        base += itemsize * math.prod(hi - lo for lo, hi in box) + draw(st.sampled_from([0, 0, 8, 5000]))
+    needed = _split(draw, shape) if draw(st.booleans()) else [tuple((0, d) for d in shape)]
+    requests, sizes = [], []
+    for dest, want in enumerate(needed):
+        for pbase, pbox in pieces:
+            part = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(pbox, want, strict=True))
+            if all(lo < hi for lo, hi in part):
+                local = tuple((lo - p, hi - p) for (lo, hi), (p, _) in zip(part, pbox, strict=True))
+                at = tuple(lo - w for (lo, _), (w, _) in zip(part, want, strict=True))
+                pshape = tuple(hi - lo for lo, hi in pbox)
+                wshape = tuple(hi - lo for lo, hi in want)
+                requests.append(Request(dest, pbase, pshape, itemsize, local, wshape, at))
+        sizes.append(itemsize * math.prod(hi - lo for lo, hi in want))
+    return shape, itemsize, pieces, needed, requests, sizes, base
+
+
+@settings(max_examples=150)
+@given(pieces_case(), st.sampled_from(RATIOS), st.sampled_from(CHUNKS))
+def test_pieces_land_at_strided_offsets_of_one_buffer_like_numpy_slicing(case, ratio, chunk_bytes):
+    shape, itemsize, pieces, needed, requests, sizes, size = case
+    data = np.random.default_rng(1).integers(0, 256, size + 16, dtype=np.uint8)
+    full = np.zeros((*shape, itemsize), np.uint8)  # the global tensor the pieces make up
+    for pbase, pbox in pieces:
+        pshape = tuple(hi - lo for lo, hi in pbox)
+        full[tuple(slice(lo, hi) for lo, hi in pbox)] = data[pbase : pbase + itemsize * math.prod(pshape)].reshape(
+            *pshape, itemsize
+        )
+    plan = plan_file(requests, max_over_read_ratio=ratio, chunk_bytes=chunk_bytes)
+    dests = [np.full(n, 0xAB, np.uint8) for n in sizes]  # poisoned
+    written = _execute(plan, data, dests, chunk_bytes)
+    _check_invariants(plan, written, sizes, ratio, chunk_bytes)
+    for want, dest in zip(needed, dests, strict=True):
+        expected = np.ascontiguousarray(full[tuple(slice(lo, hi) for lo, hi in want)]).reshape(-1)
+        assert np.array_equal(dest, expected), (want, plan)
+
+
+def test_a_piece_inside_a_larger_destination_makes_strided_runs():
+    # a [4, 6] shard of 4-byte items; the piece holds its columns 2:5 of rows 1:3
+    r = Request(0, 100, (2, 3), 4, ((0, 2), (0, 3)), dest_shape=(4, 6), dest_at=(1, 2))
+    p = plan_file([r])
+    assert p.offset.tolist() == [100, 112] and p.length.tolist() == [12, 12]
+    assert p.dest_offset.tolist() == [(1 * 6 + 2) * 4, (2 * 6 + 2) * 4]

@@ -28,9 +28,12 @@ from ._errors import MetadataError as MetadataError
 from ._errors import NnxSaveError as NnxSaveError
 from ._errors import NotSafetensorsError as NotSafetensorsError
 from ._errors import OffsetError as OffsetError
+from ._errors import PieceLayoutError as PieceLayoutError
 from ._errors import SaveError as SaveError
 from ._errors import ShapeMismatchError as ShapeMismatchError
 from ._errors import ShardingError as ShardingError
+from ._errors import SliceError as SliceError
+from ._errors import SourceError as SourceError
 from ._errors import TensorEntryError as TensorEntryError
 from ._errors import TruncatedFileError as TruncatedFileError
 from ._errors import UnknownDtypeError as UnknownDtypeError
@@ -41,6 +44,7 @@ from ._report import DtypeCast as DtypeCast
 from ._report import IOStats as IOStats
 from ._report import LoadReport as LoadReport
 from ._report import LoadWarning as LoadWarning
+from ._report import LossyCastWarning as LossyCastWarning
 from ._report import ShapeMismatch as ShapeMismatch
 from ._sources import Header as Header
 from ._sources import read_header as read_header
@@ -51,10 +55,14 @@ if TYPE_CHECKING:
     from ._async import wait_for_saves as wait_for_saves
     from ._convert import Converted as Converted
     from ._convert import convert as convert
+    from ._lazy import LazyCheckpoint as LazyCheckpoint
+    from ._lazy import TensorSlice as TensorSlice
+    from ._lazy import iter_tensors as iter_tensors
+    from ._lazy import safe_open as safe_open
     from ._load import OverReadWarning as OverReadWarning
     from ._nnx import load_model as load_model
     from ._nnx import save_model as save_model
-    from ._pod_save import save_pod as save_pod
+    from ._pod import save_pod as save_pod
     from ._tree import load_file as load_file
     from ._tree import save_file as save_file
 
@@ -65,10 +73,14 @@ _LAZY = {
     "wait_for_saves": "._async",
     "Converted": "._convert",
     "convert": "._convert",
+    "LazyCheckpoint": "._lazy",
+    "TensorSlice": "._lazy",
+    "iter_tensors": "._lazy",
+    "safe_open": "._lazy",
     "OverReadWarning": "._load",
     "load_model": "._nnx",
     "save_model": "._nnx",
-    "save_pod": "._pod_save",
+    "save_pod": "._pod",
     "load_file": "._tree",
     "save_file": "._tree",
 }

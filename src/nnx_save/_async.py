@@ -10,8 +10,9 @@ the time of the call.
 The snapshot (:func:`snapshot`):
 
 - **jax arrays** are immutable, so only device memory that may be reused needs
-  copying. On accelerators, the device -> host copy of every replica-0 addressable
-  shard is issued first (``copy_to_host_async``, all at once) and then completed.
+  copying. On accelerators, the device -> host copies of the replica-0 addressable
+  shards are started ahead under the save's byte budget (:mod:`~nnx_save._stage`,
+  ``NNX_SAVE_SAVE_INFLIGHT_BYTES``, default 1 GiB) and completed in order.
   On the CPU backend ``np.asarray(shard)`` aliases the device buffer and takes an
   external reference on it; PJRT then refuses to donate that buffer (the jitted
   step silently allocates a new output instead), so the alias keeps the saved
@@ -42,6 +43,7 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -54,9 +56,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _progress
+from . import _progress, _stage
 from ._errors import NnxSaveError, SaveError
-from ._values import HostValue
+from ._stage import HostValue
 from ._write import Entry
 
 __all__ = ["MAX_IN_FLIGHT_ENV", "SaveHandle", "max_in_flight", "save", "snapshot", "wait_for_saves"]
@@ -151,7 +153,7 @@ def save(
         write(path, entries)
         return None
     _make_room(max_in_flight())
-    snap = snapshot(entries)
+    snap = snapshot(entries, where=str(path))
     handle = SaveHandle(os.path.abspath(path))
     with _lock:
         _pending.append(handle)
@@ -207,15 +209,18 @@ def wait_for_saves(timeout: float | None = None) -> None:
 class HostSnapshot:
     """Host copies of the replica-0 addressable shards of a ``jax.Array``, shaped
     like the parts of ``jax.Array`` the writers read (``addressable_shards``,
-    ``is_fully_addressable``, ``shape``, ``sharding``)."""
+    ``is_fully_addressable``, ``shape``, ``sharding``).
 
-    def __init__(self, array: Any, shards: list[Any]) -> None:
+    ``shards`` are ``(shard, host array)`` pairs: the shard for its index and
+    replica id, the host array for the values."""
+
+    def __init__(self, array: Any, shards: list[tuple[Any, np.ndarray]]) -> None:
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
         self.sharding = array.sharding
         self.is_fully_addressable = bool(array.is_fully_addressable)
         self.is_fully_replicated = bool(array.is_fully_replicated)
-        self.addressable_shards = [_HostShard(s.index, s.replica_id, np.asarray(s.data)) for s in shards]
+        self.addressable_shards = [_HostShard(s.index, s.replica_id, host) for s, host in shards]
 
     def assemble(self) -> np.ndarray:
         """The whole array on the host (a fully addressable array only)."""
@@ -247,26 +252,39 @@ def _own_shards(array: Any) -> list[Any]:
     return [s for s in array.addressable_shards if s.replica_id == 0]
 
 
-def snapshot(entries: Sequence[Entry]) -> list[Entry]:
-    """The entries with values that no later step of the caller can change."""
+def snapshot(entries: Sequence[Entry], max_inflight_bytes: int | None = None, where: str = "") -> list[Entry]:
+    """The entries with values that no later step of the caller can change.
+
+    Device -> host copies are started ahead under the save budget
+    (:func:`nnx_save._stage.budget`): at most that many bytes of copies are in
+    flight at once, each completed into the snapshot before more are started.
+    """
+    sources = [e.value.array if isinstance(e.value, HostValue) else None for e in entries]
+    window = _stage.Window(sources, [e.key for e in entries], _stage.budget(max_inflight_bytes), where)
+    out = []
+    try:
+        for i, (e, source) in enumerate(zip(entries, sources, strict=False)):
+            value = window.take(i, functools.partial(_from_copy, source), functools.partial(_own, e))
+            out.append(dataclasses.replace(e, value=_SnapshotValue(value)))
+    finally:
+        window.close()
+    return out
+
+
+def _from_copy(source: Any, copy: _stage.Staged) -> HostSnapshot:
+    return HostSnapshot(source, copy.host_shards())
+
+
+def _own(e: Entry) -> Any:
+    """A value no later step of the caller can change, for an entry that needed no device copy."""
     import jax
 
-    sources = [e.value.array if isinstance(e.value, HostValue) else None for e in entries]
-    shards = [_own_shards(a) if isinstance(a, jax.Array) else None for a in sources]
-    for s in (s for group in shards if group for s in group):
-        if s.device.platform != "cpu":  # issue every device -> host copy before waiting for any
-            s.data.copy_to_host_async()
-    out = []
-    for e, source, group in zip(entries, sources, shards, strict=False):
-        value: HostSnapshot | np.ndarray
-        if group is not None:
-            value = HostSnapshot(source, group)
-        elif source is not None:
-            value = np.array(source)  # numpy: the caller may write to it after we return
-        else:
-            value = np.array(e.value())  # computed lazily (porting export): compute and own it now
-        out.append(dataclasses.replace(e, value=_SnapshotValue(value)))
-    return out
+    source = e.value.array if isinstance(e.value, HostValue) else None
+    if isinstance(source, jax.Array):  # CPU backend: the alias pins the buffer (see above)
+        return HostSnapshot(source, [(s, np.asarray(s.data)) for s in _own_shards(source)])
+    if source is not None:
+        return np.array(source)  # numpy: the caller may write to it after we return
+    return np.array(e.value())  # computed lazily (porting export): compute and own it now
 
 
 # --------------------------------------------------------------------------- the queue
@@ -350,6 +368,30 @@ def _make_room(limit: int) -> None:
 def _wait_all(timeout: float | None) -> bool:
     deadline = None if timeout is None else time.monotonic() + timeout
     return all(h.wait(None if deadline is None else max(0.0, deadline - time.monotonic())) for h in _unfinished())
+
+
+def _reset_in_child() -> None:
+    """After ``fork``: the child has the parent's pending handles but not its writer
+    thread, so waiting on them (at the next blocking save, ``wait_for_saves`` or
+    exit) would hang forever. Those saves belong to the parent, which finishes them;
+    in the child their handles fail at once, and the queue starts empty."""
+    global _lock, _jobs, _worker, _pending, _uncollected
+    forked = [h for h in _pending if not h.done()]
+    _lock, _jobs, _worker = threading.Lock(), queue.Queue(), None
+    _pending, _uncollected = collections.deque(), []
+    for h in forked:
+        h._error = SaveError(
+            f"{h.path}: this process was forked while the asynchronous save was running; the parent process "
+            "finishes it, this one cannot wait for it",
+            str(h.path),
+        )
+        h._collected = True  # nothing to report at the child's exit: the parent owns the save
+        h._finished = threading.Event()  # a parent thread may have held the old one's lock at the fork
+        h._finished.set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
 
 
 def _at_exit() -> None:

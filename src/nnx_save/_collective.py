@@ -56,7 +56,7 @@ from ._errors import SaveError
 from ._header import encode_header
 from ._plan import box_runs
 from ._sources import pread_exact
-from ._values import HostValue, spans_processes
+from ._stage import HostValue, spans_processes
 from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
 
 __all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "save", "write_collective"]

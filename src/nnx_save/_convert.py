@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes, _formats
-from ._errors import ConvertError
+from ._errors import ConvertError, DuplicateKeyError
 from ._multifile import write_sharded
 from ._sources import Header, read_header
 from ._tree import load_file
@@ -125,7 +125,10 @@ def _verified(header: Header, key: str) -> np.ndarray:
 def _orbax_arrays(path: Path) -> dict[str, np.ndarray]:
     from .checkpoint._arrays import orbax_arrays  # orbax (and jax) only for an Orbax source
 
-    return orbax_arrays(path)
+    out: dict[str, np.ndarray] = {}
+    for key, array in orbax_arrays(path):
+        _add_unique(out, key, array, path, "'/'")
+    return out
 
 
 def _kind(source: Path) -> str:
@@ -157,7 +160,7 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
 
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, torch.Tensor):
-            out[prefix] = _torch_to_numpy(node, prefix)
+            _add_unique(out, prefix, _torch_to_numpy(node, prefix), path, "'.'")
         elif isinstance(node, dict):
             for k, v in node.items():
                 walk(v, f"{prefix}.{k}" if prefix else str(k))
@@ -169,6 +172,18 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
 
     walk(state, "")
     return out
+
+
+def _add_unique(out: dict[str, np.ndarray], key: str, value: np.ndarray, path: Path, joiner: str) -> None:
+    """``out[key] = value``, refusing a key already there: nested keys joined with
+    ``joiner`` can meet a flat key (``{"a": {"b": t}, "a.b": u}``), and keeping one
+    would drop the other in silence."""
+    if key in out:
+        raise DuplicateKeyError(
+            f"{path}: two tensors become the key {key!r} (nested keys are joined with {joiner}); "
+            "rename one of them before converting"
+        )
+    out[key] = value
 
 
 def _tensor_dicts(state: Any) -> list[str]:

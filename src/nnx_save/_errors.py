@@ -28,13 +28,17 @@ __all__ = [
     "NnxSaveError",
     "NotSafetensorsError",
     "OffsetError",
+    "PieceLayoutError",
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
+    "SliceError",
+    "SourceError",
     "TensorEntryError",
     "TruncatedFileError",
     "UnknownDtypeError",
     "UnsupportedValueError",
+    "short_repr",
 ]
 
 
@@ -79,6 +83,11 @@ class MetadataError(HeaderError):
 
 class TensorEntryError(HeaderError):
     """A tensor entry lacks a field, has an extra one, or a field of the wrong type."""
+
+
+class PieceLayoutError(HeaderError):
+    """A layout's pieces of a tensor (a pod manifest's boxes) are malformed, leave a
+    hole, overlap, or fall outside the tensor's shape."""
 
 
 class UnknownDtypeError(HeaderError):
@@ -161,6 +170,16 @@ class TruncatedFileError(NnxSaveError, OSError):
         self.file, self.offset = file, offset
 
 
+class SourceError(NnxSaveError, OSError):
+    """A source path cannot be read as a checkpoint file: it is not a regular file
+    (a directory, a FIFO, a device) or the system refused to read it. ``.path``
+    names it."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
 class ShardingError(NnxSaveError, ValueError):
     """A sharding this process cannot read or write as asked."""
 
@@ -196,3 +215,26 @@ class NotSafetensorsError(HeaderError):
 class ConvertError(NnxSaveError, ValueError):
     """A checkpoint that cannot be converted (:func:`nnx_save.convert`): an unknown or
     unsafe source format, a value that is not a tensor, an output path of the wrong kind."""
+
+
+class SliceError(NnxSaveError, IndexError):
+    """``safe_open``: a key the checkpoint does not hold, or an index of a tensor that
+    is out of range or not made of ints, slices and one Ellipsis."""
+
+
+def short_repr(value: object, limit: int = 40) -> str:
+    """``repr(value)``, cut to about ``limit`` characters at a word boundary (never in
+    the middle of a word or number), the cut marked with ``...`` and the full length.
+
+    Examples:
+        >>> short_repr("a sentence of several words, longer than the limit", 30)
+        "'a sentence of several words, ... (52 characters)"
+        >>> short_repr(12345)
+        '12345'
+    """
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    cut = max(text.rfind(sep, 0, limit + 1) for sep in " ,:;)]}")
+    head = text[: cut + 1] if cut > 0 else text[:limit]
+    return f"{head.rstrip()} ... ({len(text)} characters)"

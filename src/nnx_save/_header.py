@@ -30,6 +30,7 @@ from ._errors import (
     TensorEntryError,
     UnknownDtypeError,
     UnsupportedValueError,
+    short_repr,
 )
 
 __all__ = [
@@ -142,7 +143,9 @@ def _parse_metadata(value: object, file: str) -> dict[str, str]:
         raise MetadataError(f"{file}: __metadata__ must be an object of strings, found {type(value).__name__}")
     for k, v in value.items():
         if not isinstance(v, str):
-            raise MetadataError(f"{file}: __metadata__[{k!r}] must be a string, found {type(v).__name__} {v!r:.60}")
+            raise MetadataError(
+                f"{file}: __metadata__[{k!r}] must be a string, found {type(v).__name__} {short_repr(v, 60)}"
+            )
     return dict(value)
 
 
@@ -163,11 +166,11 @@ def _parse_entry(name: str, entry: object, file: str) -> tuple[_dtypes.DtypeInfo
     shape, offsets = entry["shape"], entry["data_offsets"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise TensorEntryError(
-            f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {shape!r:.80}"
+            f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {short_repr(shape, 80)}"
         )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
         raise TensorEntryError(
-            f"{file}: tensor {name!r}: data_offsets must be two non-negative integers, found {offsets!r:.80}"
+            f"{file}: tensor {name!r}: data_offsets must be two non-negative integers, found {short_repr(offsets, 80)}"
         )
     begin, end = offsets
     if begin > end:
@@ -176,11 +179,17 @@ def _parse_entry(name: str, entry: object, file: str) -> tuple[_dtypes.DtypeInfo
 
 
 def _check_length(name: str, dtype: _dtypes.DtypeInfo, shape: tuple[int, ...], begin: int, end: int, file: str) -> None:
-    numel = 1
+    numel, addressable = 1, -(-dtype.bits // 8)
     for d in shape:  # stop early so a 10^1000-element claim costs nothing
         numel *= d
+        addressable *= d or 1  # numpy refuses a shape whose non-zero dimensions overflow, even if one is 0
         if numel > _MAX_NUMEL:
             raise ByteLengthError(f"{file}: tensor {name!r}: shape {list(shape)} has more than 2**63 elements")
+        if addressable > _MAX_NUMEL:
+            raise ByteLengthError(
+                f"{file}: tensor {name!r}: shape {list(shape)} of {dtype.code} cannot be addressed: its non-zero "
+                "dimensions times the item size exceed 2**63 - 1 bytes"
+            )
     if numel * dtype.bits % 8:  # as the reference: a tensor never ends inside a byte
         raise ByteLengthError(
             f"{file}: tensor {name!r}: shape {list(shape)} of {dtype.code} is {numel * dtype.bits} bits, "

@@ -1,19 +1,28 @@
 """The loading engine: match targets to file tensors, plan, read, assemble.
 
-One engine for every load. A :class:`Target` says what the caller wants at one path
-(shape, dtype, and a jax sharding, or ``None`` for a host numpy array) and which file
-tensor(s) it comes from. :func:`load_targets` checks every target against the
-headers first (so a strict refusal reads nothing, and a sharding jax cannot apply
-is refused before any read), then goes file by file: plans the byte runs each
-addressable device needs (a shard several local devices hold is read once),
-reads them straight into 64-byte aligned host buffers, makes each tensor's
-``jax.Array`` in one batched put (jax on CPU adopts aligned buffers without a
-copy) and lets go of the host buffers before the next file.
+One engine for every layout. A :class:`~nnx_save._target.Target` says what the
+caller wants at one path (shape, dtype, and a jax sharding, or ``None`` for a host
+numpy array) and which file tensor(s) it comes from; the header says where each
+tensor's bytes are, as pieces at (file, byte range, box)
+(:meth:`~nnx_save._sources.Header.pieces_of`: one whole piece for a file, an
+index, a directory, a list or a URL; a pod directory's boxes). :func:`load_targets`
+checks every target against the headers first (so a strict refusal reads
+nothing, and a sharding jax cannot apply is refused before any read).
 
-Buffers the arrays adopt are carved out of a few large allocations
-(:func:`~nnx_save._read.pack_buffers`: huge pages fault in five times cheaper);
-buffers that are only a step (a dtype cast, sub-byte unpacking, a porting
-transform's sources) are allocated on their own and freed once used.
+Each box a process needs (a shard several local devices hold is read once) is one
+destination; each piece overlapping it adds one request that writes its part of
+the destination in place (:class:`~nnx_save._plan.Request` carries the
+destination box). Two ways to land the bytes on devices, picked from the devices'
+platform (:meth:`~nnx_save._options.LoadOptions.streaming`):
+
+- **host buffers** (the CPU backend): several files are read at once under one
+  budget, straight into 64-byte aligned shard buffers; each tensor's
+  ``jax.Array`` is made as soon as its last file is read, adopting the buffers
+  without a copy. Buffers the arrays adopt are carved out of a few large
+  allocations (:func:`~nnx_save._read.pack_buffers`: huge pages fault in five
+  times cheaper); buffers that are only a step (a dtype cast, sub-byte
+  unpacking, a porting transform's sources) are their own, freed once used.
+- **streaming** (accelerators, or forced): see :mod:`nnx_save._stream`.
 """
 
 from __future__ import annotations
@@ -24,78 +33,62 @@ import gc
 import logging
 import math
 import os
+import threading
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from . import _checksum, _dtypes, _progress
-from ._errors import ShardingError
-from ._header import TensorInfo
-from ._plan import Request, over_read_by_range, plan_file
-from ._read import Budget, LocalReader, aligned_empty, execute, pack_buffers
+from . import _checksum, _dtypes, _progress, _stream
+from ._errors import NnxSaveError, ShapeMismatchError, ShardingError
+from ._header import FileHeader, TensorInfo
+from ._layout import Box, Piece, extents, intersect, request, whole
+from ._options import LoadOptions
+from ._plan import FilePlan, Request, over_read_by_range, plan_file
+from ._read import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
 from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed, split_allowed_shapes
 from ._sources import Header
+from ._target import Target
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
 
 log = logging.getLogger("nnx_save")
 OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning
-Box = tuple[tuple[int, int], ...]
 
 
 class OverReadWarning(LoadWarning):
     """The automatic over-read ratio made this process read much more than it needed."""
 
 
-@dataclass(frozen=True)
-class Target:
-    """One value the caller wants.
+@dataclass
+class Dest:
+    """One destination: box ``box`` of file tensor ``key``, for local ``devices``.
 
-    Attributes:
-        path: the caller's key for it (tree path joined with ``/``).
-        shape, dtype: what the caller expects.
-        sharding: a ``jax.sharding.Sharding``, or ``None`` for a host numpy array.
-        sources: the file key(s) it is made from (one, unless ``transform``).
-        transform: for porting rules: full source arrays -> the value; ``None``
-            reads the single source directly, sharded.
-        source_shape: the shape ``transform`` produces (checked before reading).
+    ``owner`` is the target path it is a shard of ("" for a transform's whole
+    source); ``parts`` the pieces that give it and the box each gives (global
+    coordinates); ``files`` the files still to read into it.
     """
 
-    path: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    sharding: Any = None
-    sources: tuple[str, ...] = ()
-    transform: Callable[[list[np.ndarray]], np.ndarray] | None = None
-    source_shape: tuple[int, ...] | None = None
-
-
-@dataclass
-class _Shard:
+    owner: str
+    key: str
     box: Box
     devices: list[Any]
-    dest: int
-
-
-@dataclass
-class _Work:
-    """What one file read must produce: its direct targets' shards and whole sources."""
-
-    requests: list[Request] = field(default_factory=list)
-    dests: list[np.ndarray] = field(default_factory=list)
-    shards: dict[str, list[_Shard]] = field(default_factory=dict)
-    wholes: dict[str, int] = field(default_factory=dict)
+    nbytes: int
+    adopted: bool
+    parts: list[tuple[Piece, Box]]
+    files: set[str] = field(default_factory=set)
+    buffer: Any = None
 
 
 def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     """Unique index boxes this process needs, each with the local devices that hold it."""
     shape = target.shape
     if target.sharding is None:
-        return [(tuple((0, d) for d in shape), [None])]
+        return [(target.box if target.box is not None else whole(shape), [None])]
     groups: dict[Box, list[Any]] = {}
     try:
         indices = target.sharding.addressable_devices_indices_map(shape)
@@ -115,16 +108,10 @@ def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     return list(groups.items())
 
 
-def _request(info: TensorInfo, box: Box, dest: int) -> Request:
-    if info.dtype.byte_aligned:
-        return Request(dest, info.begin, info.shape, info.dtype.itemsize, box)
-    return Request(dest, info.begin, (info.nbytes,), 1, ((0, info.nbytes),))
-
-
-def _box_nbytes(info: TensorInfo, box: Box) -> int:
+def box_nbytes(info: TensorInfo, box: Box) -> int:
     if not info.dtype.byte_aligned:
         return info.nbytes
-    return math.prod(hi - lo for lo, hi in box) * info.dtype.itemsize
+    return math.prod(extents(box)) * info.dtype.itemsize
 
 
 def _check(header: Header, t: Target, report: LoadReport) -> bool:
@@ -142,7 +129,7 @@ def _check(header: Header, t: Target, report: LoadReport) -> bool:
     if tuple(shape) != tuple(t.shape):
         report.shape_mismatches.append(ShapeMismatch(t.path, tuple(t.shape), tuple(shape), t.sources[0]))
         return False
-    held = _held_dtype(t)
+    held = held_dtype(t)
     if np.dtype(dtype) != held:
         model = (
             str(held)
@@ -160,7 +147,7 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _held_dtype(t: Target) -> np.dtype:
+def held_dtype(t: Target) -> np.dtype:
     """The dtype the loaded value will have: the target's, narrowed the way jax
     narrows it when ``jax_enable_x64`` is off (int64 -> int32, float64 -> float32)."""
     if t.sharding is None:
@@ -170,11 +157,10 @@ def _held_dtype(t: Target) -> np.dtype:
     return np.dtype(jax.dtypes.canonicalize_dtype(t.dtype))
 
 
-def _host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
+def host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
     """The bytes read for ``box``, as an array of the file's dtype and the box's shape."""
-    box_shape = tuple(hi - lo for lo, hi in box)
     if info.dtype.byte_aligned:
-        return buf.view(info.dtype.numpy).reshape(box_shape)
+        return buf.view(info.dtype.numpy).reshape(extents(box))
     full = _dtypes.unpack_subbyte(buf, info.dtype, info.numel).reshape(info.shape)
     return full[tuple(slice(lo, hi) for lo, hi in box)]
 
@@ -220,7 +206,7 @@ def _batched_put() -> Callable | None:
     return put
 
 
-def _place_whole(t: Target, value: np.ndarray):
+def place_whole(t: Target, value: np.ndarray):
     import jax
 
     if t.sharding is None:
@@ -228,111 +214,193 @@ def _place_whole(t: Target, value: np.ndarray):
     return jax.make_array_from_callback(t.shape, t.sharding, lambda index: np.ascontiguousarray(value[index]))
 
 
-class _Engine:
-    def __init__(self, header: Header, targets: Sequence[Target], report: LoadReport, options: dict) -> None:
-        self.header, self.report, self.opt = header, report, options
-        self.targets = list(targets)
+class Engine:
+    """Destinations for every target, the pieces that fill them, and what to do
+    once one is filled. :meth:`run` reads on the host path; ``_stream.run`` streams."""
+
+    def __init__(
+        self,
+        header: Header,
+        targets: Sequence[Target],
+        report: LoadReport,
+        opt: LoadOptions,
+        open_reader: Callable[[str], Reader],
+        bar: Any,
+    ) -> None:
+        self.header, self.report, self.opt, self.open_reader, self.bar = header, report, opt, open_reader, bar
+        self.file_headers: dict[str, FileHeader] = {fh.file: fh for fh in header.files}
+        self.by_path = {t.path: t for t in targets}
         self.results: dict[str, Any] = {}
         self.wholes: dict[str, np.ndarray] = {}
-        self.budget = Budget(options["max_inflight_bytes"])
-        self.pending = [t for t in self.targets if t.transform is not None]
+        self.budget = Budget(opt.max_inflight_bytes)
+        self.pending = [t for t in targets if t.transform is not None]
         self.refs: dict[str, int] = {}
         for t in self.pending:
             for k in t.sources:
                 self.refs[k] = self.refs.get(k, 0) + 1
-        self.by_path = {t.path: t for t in self.targets}
-        self.by_file: dict[str, list[Target]] = {}
-        for t in self.targets:
+        self.dests: list[Dest] = []
+        self.shards: dict[str, list[int]] = {}  # owner -> its destinations
+        self.waiting: dict[str, int] = {}  # owner -> destinations not filled yet
+        self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
+        self._own: int | bool | None = False  # this process's pod rank (False: not looked up yet)
+        for t in targets:
             if t.transform is None:
-                self.by_file.setdefault(header.tensors[t.sources[0]].file, []).append(t)
-        self.boxes = {t.path: _boxes(t) for t in self.targets if t.transform is None}  # refusals before any read
-        self.over_reads: list[str] = []
-        self.bar = options["bar"]
-        self.digests: dict[str, str] = {}  # file key -> recorded checksum (verify=True only)
-        self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
-        if options["verify"]:
-            for fh in header.files:
-                recorded = _checksum.read_digests(fh.metadata, fh.file)
-                self.digests.update({k: v for k, v in recorded.items() if k in fh.tensors})
-
-    def work_for(self, file: str) -> _Work:
-        work, kept, sizes = _Work(), [], []
-        for t in self.by_file.get(file, ()):
-            info = self.header.tensors[t.sources[0]]
-            adopted = info.dtype.byte_aligned and info.dtype.numpy == _held_dtype(t)  # the buffer becomes the array
-            work.shards[t.path] = [
-                _Shard(box, devices, self._add(work, info, box, sizes, kept, adopted))
-                for box, devices in self.boxes[t.path]
-            ]
+                info = header.tensors[t.sources[0]]
+                adopted = info.dtype.byte_aligned and info.dtype.numpy == held_dtype(t)  # the buffer becomes the array
+                for box, devices in _boxes(t):  # refusals before any read
+                    self._add(t.path, t.sources[0], box, devices, adopted)
         for key in self.refs:
-            info = self.header.tensors[key]
-            if info.file == file:
-                work.wholes[key] = self._add(work, info, tuple((0, d) for d in info.shape), sizes, kept, False)
-        # buffers the arrays adopt share large (huge-page) allocations; transient ones
-        # (cast, unpacked, transformed) are their own, freed as soon as they are used
-        packed = iter(pack_buffers([n for n, k in zip(sizes, kept, strict=False) if k]))
-        work.dests = [next(packed) if k else aligned_empty(n) for n, k in zip(sizes, kept, strict=False)]
-        return work
+            self._add("", key, whole(header.tensors[key].shape), [None], False)
+        self.over_reads: list[str] = []
+        self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
+        self._digests: dict[str, dict[str, str]] = {}  # file -> recorded checksums (verify only)
+        self._lock = threading.Lock()
+        self.staging: Any = None  # the streaming path's staging pool, once it ran
 
-    @staticmethod
-    def _add(work: _Work, info: TensorInfo, box: Box, sizes: list[int], kept: list[bool], adopted: bool) -> int:
-        dest = len(sizes)
-        sizes.append(_box_nbytes(info, box))
-        kept.append(adopted)
-        work.requests.append(_request(info, box, dest))
-        return dest
+    def _add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> None:
+        info = self.header.tensors[key]
+        index = len(self.dests)
+        owner = owner or f"source:{key}"
+        dest = Dest(owner, key, box, devices, box_nbytes(info, box), adopted, self._choose(key, box))
+        self.dests.append(dest)
+        self.shards.setdefault(dest.owner, []).append(index)
+        self.waiting[dest.owner] = self.waiting.get(dest.owner, 0) + 1
+        for piece, _ in dest.parts:
+            if piece.info.file not in dest.files:
+                dest.files.add(piece.info.file)
+                self.by_file.setdefault(piece.info.file, []).append(index)
 
-    def run_file(self, file: str) -> None:
-        io, t0 = self.report.io, time.perf_counter()
-        work = self.work_for(file)
-        if not work.requests:
-            return
-        plan = plan_file(
-            work.requests,
-            max_over_read_ratio=self.opt["max_over_read_ratio"],
-            chunk_bytes=min(self.opt["read_chunk_bytes"], self.opt["max_inflight_bytes"]),
-        )
-        t1 = time.perf_counter()
-        reader = self.opt["open_reader"](file)
-        try:
-            execute(
-                reader,
-                plan,
-                work.dests,
-                budget=self.budget,
-                num_threads=self.opt["num_threads"],
-                on_chunk=self.bar.update if self.bar.active else None,
+    def _choose(self, key: str, box: Box) -> list[tuple[Piece, Box]]:
+        """The pieces that give ``box`` and the part each gives: one per distinct
+        piece box, this process's own pod file first."""
+        pieces = self.header.pieces_of(key)
+        info = self.header.tensors[key]
+        if not info.dtype.byte_aligned or (len(pieces) == 1 and pieces[0].box == whole(info.shape)):
+            part = intersect(pieces[0].box, box) if info.dtype.byte_aligned else pieces[0].box
+            return [(pieces[0], part)] if part is not None and pieces[0].info.nbytes else []
+        best: dict[Box, Piece] = {}
+        for piece in pieces:
+            if intersect(piece.box, box) is not None:
+                rank = (piece.process != self.own, piece.process)
+                if piece.box not in best or rank < (best[piece.box].process != self.own, best[piece.box].process):
+                    best[piece.box] = piece
+        parts = [(p, intersect(p.box, box)) for p in best.values()]
+        if sum(math.prod(extents(part)) for _, part in parts) != math.prod(extents(box)):
+            raise NnxSaveError(
+                f"{info.file}: tensor {key!r}: the part {[list(b) for b in box]} this process needs is in "
+                f"shard file(s) {list(self.header.missing_files)}, not present in this directory; copy them here, "
+                "or load on the process layout that wrote them"
             )
+        return parts
+
+    @property
+    def own(self) -> int | None:
+        if self._own is False:
+            import jax
+
+            self._own = jax.process_index() if self.header.num_processes == jax.process_count() else None
+        return self._own  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------- host path
+
+    def run(self, skip: frozenset[int] = frozenset()) -> None:
+        """Read every file into host shard buffers, several files at once (all
+        destinations but ``skip``, which are streamed)."""
+        if skip:
+            kept = {f: [i for i in idx if i not in skip] for f, idx in self.by_file.items()}
+            self.by_file = {f: idx for f, idx in kept.items() if idx}
+        for index, dest in enumerate(self.dests):  # empty tensors: nothing to read
+            if not dest.files and index not in skip:
+                dest.buffer = aligned_empty(dest.nbytes)
+                self._filled(index)
+        files = [fh.file for fh in self.header.files if fh.file in self.by_file]
+        if not files:
+            return
+        at_once = min(len(files), self.opt.threads)
+        threads = max(1, self.opt.threads // at_once)
+        cancel = threading.Event()
+        running: dict[Future, str] = {}
+        todo = iter(files)
+        with ThreadPoolExecutor(at_once, thread_name_prefix="nnx_save-file") as pool:
+            try:
+                for file in todo:
+                    running[pool.submit(self._read_file, file, self._requests(file), threads, cancel)] = file
+                    if len(running) == at_once:
+                        break
+                while running:
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        self._file_read(running.pop(f), *f.result())
+                        nxt = next(todo, None)
+                        if nxt is not None:
+                            running[pool.submit(self._read_file, nxt, self._requests(nxt), threads, cancel)] = nxt
+            except BaseException:
+                cancel.set()
+                wait(running)
+                raise
+
+    def _requests(self, file: str) -> tuple[list[Request], list[np.ndarray]]:
+        """This file's requests (destinations numbered locally) and buffers, allocating
+        destinations first touched here (adopted ones packed together)."""
+        indices = self.by_file[file]
+        fresh = [i for i in indices if self.dests[i].buffer is None]
+        packed = iter(pack_buffers([self.dests[i].nbytes for i in fresh if self.dests[i].adopted]))
+        for i in fresh:
+            d = self.dests[i]
+            d.buffer = next(packed) if d.adopted else aligned_empty(d.nbytes)
+        requests = [
+            request(piece, part, self.dests[i].box, local)
+            for local, i in enumerate(indices)
+            for piece, part in self.dests[i].parts
+            if piece.info.file == file
+        ]
+        return requests, [self.dests[i].buffer for i in indices]
+
+    def _read_file(
+        self, file: str, work: tuple[list[Request], list[np.ndarray]], threads: int, cancel: threading.Event
+    ) -> tuple[FilePlan, int, float, float]:
+        t0 = time.perf_counter()
+        requests, buffers = work
+        plan = plan_file(requests, max_over_read_ratio=self.opt.max_over_read_ratio, chunk_bytes=self.opt.chunk_bytes)
+        t1 = time.perf_counter()
+        reader = self.open_reader(file)
+        try:
+            on_chunk = self.bar.update if self.bar.active else None
+            execute(reader, plan, buffers, budget=self.budget, num_threads=threads, on_chunk=on_chunk, cancel=cancel)
         finally:
             reader.close()
-        t2 = time.perf_counter()
+        return plan, reader.requests, t1 - t0, time.perf_counter() - t1
+
+    def _file_read(self, file: str, plan: FilePlan, requests: int, plan_s: float, read_s: float) -> None:
+        t0 = time.perf_counter()
+        self.note_io(file, plan, requests)
+        if self.opt.verify:
+            self._verify(file)
+        for i in self.by_file[file]:
+            self.dests[i].files.discard(file)
+            if not self.dests[i].files:
+                self._filled(i)
+        io = self.report.io
+        io.plan_seconds += plan_s
+        io.read_seconds += read_s
+        io.assemble_seconds += time.perf_counter() - t0
+        log.debug("%s: %r, %d requests; plan %.3fs, read %.3fs", file, plan, requests, plan_s, read_s)
+
+    def note_io(self, file: str, plan: FilePlan, requests: int) -> None:
+        io = self.report.io
         io.files += 1
         io.bytes_read += plan.read_bytes
         io.bytes_needed += plan.needed_bytes
-        io.requests += reader.requests
+        io.requests += requests
         io.over_read_by_file[file] = plan.read_bytes / plan.needed_bytes if plan.needed_bytes else 1.0
         self._note_over_read(file, plan)
-        self._assemble(work)
-        t3 = time.perf_counter()
-        io.plan_seconds += t1 - t0
-        io.read_seconds += t2 - t1
-        io.assemble_seconds += t3 - t2
-        log.debug(
-            "%s: %r, %d requests; plan %.3fs, read %.3fs, assemble %.3fs",
-            file,
-            plan,
-            reader.requests,
-            t1 - t0,
-            t2 - t1,
-            t3 - t2,
-        )
 
-    def _note_over_read(self, file: str, plan) -> None:
+    def _note_over_read(self, file: str, plan: FilePlan) -> None:
         """Remember a file the automatic ratio made this process over-read, with the
         tensors whose unneeded bytes were read through (one warning per load)."""
-        if self.opt["max_over_read_ratio"] is not None or plan.read_bytes <= OVER_READ_WARN * plan.needed_bytes:
+        if self.opt.max_over_read_ratio is not None or plan.read_bytes <= OVER_READ_WARN * plan.needed_bytes:
             return
-        infos = [i for i in self.header.tensors.values() if i.file == file]
+        infos = list(self.file_headers[file].tensors.values())
         extra = over_read_by_range(plan, np.array([i.begin for i in infos]), np.array([i.end for i in infos]))
         worst = [(int(x), i.name) for x, i in sorted(zip(extra, infos, strict=False), key=lambda p: -p[0]) if x > 0]
         named = ", ".join(f"{name} ({_size(x)})" for x, name in worst[:5])
@@ -342,61 +410,111 @@ class _Engine:
             f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}"
         )
 
-    def _verify(self, work: _Work) -> None:
-        """Check the recorded checksum of every tensor this file read gave in full."""
-        targets = {t.path: t for t in self.targets}
-        pieces: dict[str, dict[Box, np.ndarray]] = {}
-        for path, shards in work.shards.items():
-            info = self.header.tensors[targets[path].sources[0]]
-            for s in shards:  # a sub-byte tensor is always read whole
-                box = s.box if info.dtype.byte_aligned else tuple((0, d) for d in info.shape)
-                pieces.setdefault(info.name, {})[box] = work.dests[s.dest]
-        for key, dest in work.wholes.items():
-            pieces.setdefault(key, {})[tuple((0, d) for d in self.header.tensors[key].shape)] = work.dests[dest]
-        jobs = []
-        for key, got in pieces.items():
-            info, expected = self.header.tensors[key], self.digests.get(key)
-            buffers = _checksum.full_buffers(info.shape, list(got.items())) if expected else None
-            if buffers is None:
-                self.checked.setdefault(key, False)
-            else:
-                jobs.append((key, info.file, expected, [memoryview(b) for b in buffers]))
-        _checksum.check_all(jobs, self.opt["num_threads"])  # xxhash releases the GIL: hash in parallel
-        self.checked.update({key: True for key, *_ in jobs})
+    def _verify(self, file: str) -> None:
+        """Check the recorded checksum of every piece this file read gave in full."""
+        fh = self.file_headers[file]
+        digests = _checksum.read_digests(fh.metadata, file)
+        got: dict[str, tuple[str, TensorInfo, dict[Box, np.ndarray]]] = {}
+        for i in self.by_file[file]:
+            d = self.dests[i]
+            for piece, part in d.parts:
+                if piece.info.file == file:
+                    entry = got.setdefault(piece.info.name, (d.key, piece.info, {}))
+                    entry[2].update([self.piece_bytes(d.box, d.buffer, piece, part)])
+        jobs, keys = [], {}
+        for name, (key, info, regions) in got.items():
+            expected = digests.get(name)
+            buffers = _checksum.full_buffers(info.shape, list(regions.items())) if expected else None
+            keys[key] = keys.get(key, True) and buffers is not None
+            if buffers is not None:
+                jobs.append((name, file, expected, [memoryview(np.ascontiguousarray(b)).cast("B") for b in buffers]))
+        _checksum.check_all(jobs, self.opt.threads)  # xxhash releases the GIL: hash in parallel
+        for key, ok in keys.items():
+            self.checked[key] = self.checked.get(key, True) and ok
 
-    def _assemble(self, work: _Work) -> None:
-        if self.opt["verify"]:
-            self._verify(work)
-        for path, shards in work.shards.items():
-            t = self.by_path[path]
-            info, held = self.header.tensors[t.sources[0]], _held_dtype(t)
-            pieces = []
-            for s in shards:
-                host = _host_view(work.dests[s.dest], info, s.box)
-                if host.dtype != held:
-                    host = host.astype(held)
-                pieces.append((host, s.devices))
-            self.results[path] = _place(t, pieces)
-            for s in shards:
-                work.dests[s.dest] = None  # release as soon as the array exists
-            self.bar.update(items=1)
-        for key, dest in work.wholes.items():
-            self.wholes[key] = _host_view(
-                work.dests[dest], self.header.tensors[key], tuple((0, d) for d in self.header.tensors[key].shape)
+    @staticmethod
+    def piece_bytes(box: Box, buffer: np.ndarray, piece: Piece, part: Box) -> tuple[Box, np.ndarray]:
+        """``part``'s bytes in ``buffer`` (holding ``box``), with its box in the piece's coordinates."""
+        info = piece.info
+        if not info.dtype.byte_aligned:
+            return whole(info.shape), buffer
+        grid = buffer.reshape(*extents(box), info.dtype.itemsize)
+        region = grid[tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(part, box, strict=True))]
+        return tuple((lo - p, hi - p) for (lo, hi), (p, _) in zip(part, piece.box, strict=True)), region
+
+    def checked_piece(self, key: str, piece: Piece, buffers: Iterable[memoryview] | None) -> None:
+        """Check ``piece`` (of tensor ``key``) against its recorded checksum when
+        ``buffers`` (its bytes in file order) are given; ``None``: not verifiable here."""
+        info = piece.info
+        with self._lock:
+            if info.file not in self._digests:
+                self._digests[info.file] = _checksum.read_digests(self.file_headers[info.file].metadata, info.file)
+            expected = self._digests[info.file].get(info.name)
+        ok = expected is not None and buffers is not None
+        if ok:
+            _checksum.check(info.name, info.file, expected, buffers)
+        with self._lock:
+            self.checked[key] = self.checked.get(key, True) and ok
+
+    def held(self, owner: str) -> np.dtype:
+        return held_dtype(self.by_path[owner])
+
+    def streamable(self, index: int) -> bool:
+        """Destinations a device array is made of, whose bytes need no host step."""
+        d = self.dests[index]
+        t = self.by_path.get(d.owner)
+        return t is not None and t.sharding is not None and self.header.tensors[d.key].dtype.byte_aligned
+
+    def stream(self, kind: str, device: Any) -> None:
+        """Stream what can be streamed through ``kind`` staging buffers; the rest
+        (numpy targets, sub-byte tensors, transforms' sources) on the host path."""
+        import jax
+
+        streamed = [i for i in range(len(self.dests)) if self.streamable(i)]
+        self.run(skip=frozenset(streamed))
+        arrays = _stream.run(self, streamed, kind, device)
+        for owner in dict.fromkeys(self.dests[i].owner for i in streamed):
+            t = self.by_path[owner]
+            per_device = {dev: a for i in self.shards[owner] for dev, a in arrays[i].items()}
+            devices = list(t.sharding.addressable_devices_indices_map(t.shape))
+            self.results[owner] = jax.make_array_from_single_device_arrays(
+                t.shape, t.sharding, [per_device[d] for d in devices]
             )
-        self._run_transforms()
+            self.bar.update(items=1)
 
-    def _run_transforms(self) -> None:
+    def _filled(self, index: int) -> None:
+        """Destination ``index`` is complete: place its owner once all its shards are."""
+        owner = self.dests[index].owner
+        self.waiting[owner] -= 1
+        if self.waiting[owner]:
+            return
+        shards = [self.dests[i] for i in self.shards[owner]]
+        if owner.startswith("source:"):
+            d = shards[0]
+            self.wholes[d.key] = host_view(d.buffer, self.header.tensors[d.key], d.box)
+            d.buffer = None
+            self.run_transforms()
+            return
+        t = self.by_path[owner]
+        info, held = self.header.tensors[t.sources[0]], held_dtype(t)
+        pieces = []
+        for d in shards:
+            host = host_view(d.buffer, info, d.box)
+            pieces.append((host if host.dtype == held else host.astype(held), d.devices))
+            d.buffer = None  # released as soon as the array exists
+        self.results[owner] = _place(t, pieces)
+        self.bar.update(items=1)
+
+    def run_transforms(self) -> None:
         ready = [t for t in self.pending if all(k in self.wholes for k in t.sources)]
         for t in ready:
+            assert t.transform is not None
             value = np.asarray(t.transform([self.wholes[k] for k in t.sources]))
             if value.shape != tuple(t.shape):
-                from ._errors import ShapeMismatchError
-
                 raise ShapeMismatchError(
                     f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}"
                 )
-            self.results[t.path] = _place_whole(t, value.astype(_held_dtype(t), copy=False))
+            self.results[t.path] = place_whole(t, value.astype(held_dtype(t), copy=False))
             self.pending.remove(t)
             self.bar.update(items=1)
             for k in t.sources:
@@ -422,40 +540,16 @@ def _gc_paused():
             gc.enable()
 
 
-def _default_threads() -> int:
-    return max(2, min(8, os.cpu_count() or 2))
-
-
-def load_targets(
+def _prepare(
     header: Header,
     targets: Sequence[Target],
-    *,
-    strict: bool = False,
-    allow_missing: Sequence[str] = (),
-    allow_unexpected: Sequence[str] = (),
-    allow_shape_mismatch: Sequence[str] = (),
-    ignore_unexpected: frozenset[str] = frozenset(),
-    max_over_read_ratio: float | None = None,
-    read_chunk_bytes: int = 128 << 20,
-    max_inflight_bytes: int = 2 << 30,
-    num_threads: int | None = None,
-    open_reader: Callable[[str], Any] = LocalReader,
-    warn: bool = True,
-    verify: bool = False,
-    progress: bool | None = False,
-) -> tuple[dict[str, Any], LoadReport]:
-    """Load ``targets`` from ``header``'s files. Returns ``({path: value}, report)``.
-
-    The report is complete before any byte of tensor data is read; under
-    ``strict=True`` any mismatch raises :class:`~nnx_save.LoadError` then.
-    ``verify=True`` checks the recorded checksum of every tensor read in full
-    (:class:`~nnx_save.ChecksumError` on a mismatch) and lists the rest in
-    ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
-    """
-    if max_inflight_bytes <= 0 or read_chunk_bytes <= 0:
-        raise ValueError(
-            f"max_inflight_bytes and read_chunk_bytes must be positive, got {max_inflight_bytes}, {read_chunk_bytes}"
-        )
+    allow_missing: Sequence[str],
+    allow_unexpected: Sequence[str],
+    allow_shape_mismatch: Sequence[str],
+    ignore_unexpected: frozenset[str],
+    renamed: Mapping[str, tuple[str, ...]] | None,
+) -> tuple[list[Target], LoadReport]:
+    """The report of what will and will not load, before any byte is read."""
     report = LoadReport(source=_describe(header))
     loadable = [t for t in targets if _check(header, t, report)]
     used = {k for t in targets for k in t.sources}
@@ -465,38 +559,77 @@ def load_targets(
     )
     unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
+    report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
     report.sources = {t.path: t.sources for t in loadable}
     landed: dict[str, list[str]] = {k: [] for k in header.tensors}
     for t in loadable:
         for k in t.sources:
             landed[k].append(t.path)
     report.landed = {k: tuple(v) for k, v in landed.items()}
+    return loadable, report
+
+
+def _device(targets: Sequence[Target]) -> Any:
+    """A device this load puts arrays on (its platform decides how), or None."""
+    for t in targets:
+        if t.sharding is not None:
+            return next(iter(t.sharding.addressable_devices))
+    return None
+
+
+def load_targets(
+    header: Header,
+    targets: Sequence[Target],
+    options: LoadOptions | None = None,
+    *,
+    open_reader: Callable[[str], Reader] = LocalReader,
+    strict: bool = False,
+    allow_missing: Sequence[str] = (),
+    allow_unexpected: Sequence[str] = (),
+    allow_shape_mismatch: Sequence[str] = (),
+    ignore_unexpected: frozenset[str] = frozenset(),
+    renamed: Mapping[str, tuple[str, ...]] | None = None,
+    warn: bool = True,
+    progress: bool | None = False,
+) -> tuple[dict[str, Any], LoadReport]:
+    """Load ``targets`` from ``header``'s files. Returns ``({path: value}, report)``.
+
+    The report is complete before any byte of tensor data is read; under
+    ``strict=True`` any mismatch raises :class:`~nnx_save.LoadError` then.
+    ``options.verify`` checks the recorded checksum of every piece read in full
+    (:class:`~nnx_save.ChecksumError` on a mismatch) and lists the rest in
+    ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
+    """
+    opt = options if options is not None else LoadOptions()
+    loadable, report = _prepare(
+        header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed
+    )
     if strict:
         report.raise_or_warn(True)
-    options = {
-        "max_over_read_ratio": max_over_read_ratio,
-        "read_chunk_bytes": read_chunk_bytes,
-        "max_inflight_bytes": max_inflight_bytes,
-        "num_threads": num_threads or _default_threads(),
-        "open_reader": open_reader,
-    }
-    options["verify"] = verify
-    options["bar"] = _progress_bar(header, loadable, report, progress)
-    engine_class = _Engine
-    if getattr(header, "pieces", None) is not None:  # a pod directory: pieces of tensors in shard files
-        from ._pod import PodEngine as engine_class
+    bar = _progress_bar(header, loadable, report, progress)
     with _gc_paused():
         try:
-            engine = engine_class(header, loadable, report, options)
-            for fh in header.files:
-                engine.run_file(fh.file)
+            engine = Engine(header, loadable, report, opt, open_reader, bar)
+            device = _device(loadable)
+            if device is not None and opt.streaming(device.platform):
+                kinds = tuple(m.kind for m in device.addressable_memories())
+                engine.stream(opt.staging_kind(device.platform, kinds), device)
+            else:
+                engine.run()
         finally:
-            options["bar"].close()
+            bar.close()
+    _finish(engine, report)
+    if warn:
+        report.raise_or_warn(False, stacklevel=4)
+    return engine.results, report
+
+
+def _finish(engine: Engine, report: LoadReport) -> None:
     report.verified = sorted(k for k, ok in engine.checked.items() if ok)
     report.unverified = sorted(k for k, ok in engine.checked.items() if not ok)
     report.io.max_inflight_bytes = engine.budget.peak
-    if header.remote is not None:
-        report.io.retries = header.remote.retries
+    if engine.header.remote is not None:
+        report.io.retries = engine.header.remote.retries
     report.loaded = sorted(engine.results)
     log.debug("loaded %d tensors from %s: %s", len(engine.results), report.source, report.io)
     if engine.over_reads:
@@ -508,11 +641,8 @@ def load_targets(
             + "\nShard the leading dimension, or pass max_over_read_ratio to choose the trade "
             "(1.0: exact reads, more requests).",
             OverReadWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-    if warn:
-        report.raise_or_warn(False, stacklevel=4)
-    return engine.results, report
 
 
 def _progress_bar(header: Header, targets: Sequence[Target], report: LoadReport, progress: bool | None):
@@ -523,7 +653,7 @@ def _progress_bar(header: Header, targets: Sequence[Target], report: LoadReport,
     if bar.active:
         wholes = {k for t in targets if t.transform is not None for k in t.sources}
         bar.total = sum(header.tensors[k].nbytes for k in wholes) + sum(
-            _box_nbytes(header.tensors[t.sources[0]], box)
+            box_nbytes(header.tensors[t.sources[0]], box)
             for t in targets
             if t.transform is None
             for box, _ in _boxes(t)

@@ -23,10 +23,12 @@ import numpy as np
 from flax import nnx
 
 from . import _async, _collective, _paths, _progress
-from ._errors import NnxSaveError, ShardingError, UnsupportedValueError
-from ._load import Target, load_targets
+from ._errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
+from ._load import load_targets
+from ._options import LoadOptions
 from ._report import LoadReport
 from ._sources import Header, read_header, reader_factory
+from ._target import Target
 from ._tree import check_metadata, leaf_entry
 from ._version import __version__
 from ._write import Entry
@@ -69,7 +71,7 @@ def _scalar_kind(value: Any) -> str | None:
 def _refuse_unstorable(key: str, value: Any) -> None:
     """Strings and ``None`` have no tensor form: refused, on save and on load alike."""
     if value is None or isinstance(value, (str, bytes)):
-        what = "None" if value is None else f"a {type(value).__name__} ({value!r:.40})"
+        what = "None" if value is None else f"a {type(value).__name__} ({short_repr(value, 40)})"
         raise UnsupportedValueError(
             f"{key}: the model holds {what}; safetensors stores arrays and numbers only. "
             "Keep such values out of nnx.Variable, or pass filter= to skip them",
@@ -141,7 +143,9 @@ def save_model(
     Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal).
     Typed PRNG keys are stored as key data with their implementation in the
     metadata; Python scalar variables keep their type. The model is not modified;
-    the host holds one tensor at a time beyond the model.
+    beyond the model the host holds the tensor being written and, from accelerators,
+    the device -> host copies started ahead of it (``NNX_SAVE_SAVE_INFLIGHT_BYTES``,
+    default 1 GiB).
 
     Args:
         model: any NNX object graph (``nnx.Module``, ``nnx.Optimizer``, ...).
@@ -359,6 +363,8 @@ def load_model(
     num_threads: int | None = None,
     verify: bool = False,
     progress: bool | None = None,
+    stream: bool | None = None,
+    staging: str = "auto",
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.
 
@@ -385,6 +391,15 @@ def load_model(
             (:class:`~nnx_save.ChecksumError` on a mismatch; see :func:`load_file`).
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        stream: how bytes reach the devices. ``None`` (default) decides from their
+            platform: on the CPU backend arrays adopt the host buffers read (zero
+            copy); elsewhere reads stream through a bounded pool of reused staging
+            buffers, so host memory stays within ``max_inflight_bytes`` whatever the
+            checkpoint size. ``True`` forces streaming (a testing aid on CPU; also
+            ``NNX_SAVE_STREAM=1``), ``False`` forbids it.
+        staging: the streaming path's staging memory: ``"pinned"`` (page-locked,
+            jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
+            (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
 
     Returns:
         ``(model, report)``.
@@ -406,26 +421,23 @@ def load_model(
     _paths.check_unique(leaf.path for leaf in leaves)
     targets = {leaf.key: _target(leaf, header, meta, mesh) for leaf in leaves}
     ignore = frozenset(_paths.to_key(p) for p, _ in _flat(full_state)) - set(targets)
-    target_list = list(targets.values())
+    target_list, renamed = list(targets.values()), None
     if rules is not None:
         from ._porting_bridge import load_targets_for
 
-        target_list, ignored = load_targets_for(rules, header, target_list)
+        target_list, ignored, renamed = load_targets_for(rules, header, target_list)
         ignore = ignore | ignored
     values, report = load_targets(
         header,
         target_list,
+        LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging),
         strict=strict,
         allow_missing=allow_missing,
         allow_unexpected=allow_unexpected,
         allow_shape_mismatch=allow_shape_mismatch,
         ignore_unexpected=ignore,
-        max_over_read_ratio=max_over_read_ratio,
-        read_chunk_bytes=read_chunk_bytes,
-        max_inflight_bytes=max_inflight_bytes,
-        num_threads=num_threads,
+        renamed=renamed,
         open_reader=reader_factory(header),
-        verify=verify,
         progress=progress,
     )
     if is_builder:

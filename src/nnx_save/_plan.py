@@ -54,46 +54,73 @@ Box = tuple[tuple[int, int], ...]
 @dataclass(frozen=True)
 class Request:
     """Elements ``box`` (per-dimension ``[start, stop)``) of a C-ordered tensor whose
-    data starts at byte ``base`` of its file, into destination ``dest`` (C-ordered)."""
+    data starts at byte ``base`` of its file, into destination ``dest`` (C-ordered).
+
+    By default the destination is the box itself (shape: the box's extents). A
+    destination of shape ``dest_shape`` takes the box as a sub-box at ``dest_at``
+    (the destination index of the box's first element): the pieces of a tensor
+    stored in several boxes each fill their part of one shard buffer, their runs
+    landing at strided destination offsets.
+    """
 
     dest: int
     base: int
     shape: tuple[int, ...]
     itemsize: int
     box: Box
+    dest_shape: tuple[int, ...] | None = None
+    dest_at: tuple[int, ...] | None = None
 
 
-def _geometry(shape: Sequence[int], itemsize: int, box: Box, base: int):
-    """``(first offset, run length, outer, k)`` of a box, or None when it is empty.
+def _geometry(
+    shape: Sequence[int],
+    itemsize: int,
+    box: Box,
+    base: int,
+    dest_shape: Sequence[int] | None = None,
+    dest_at: Sequence[int] | None = None,
+):
+    """``(first offset, run length, outer, k, dest first offset)`` of a box, or None
+    when it is empty.
 
-    ``k`` is the dimension the runs are cut on (-1: the whole tensor is one run);
-    ``outer`` lists ``(count, byte stride)`` of the dimensions before it: the runs
-    are the C-order grid over them.
+    ``k`` is the dimension the runs are cut on (-1: the whole tensor is one run):
+    the dimensions after it are read whole and fill the destination whole.
+    ``outer`` lists ``(count, byte stride, destination byte stride)`` of the
+    dimensions before it: the runs are the C-order grid over them.
     """
-    k, stride = len(shape) - 1, itemsize
-    while k >= 0 and box[k] == (0, shape[k]):  # trailing dimensions read whole
+    if dest_shape is None:
+        dest_shape = tuple(hi - lo for lo, hi in box)
+    if dest_at is None:
+        dest_at = (0,) * len(shape)
+    k, stride, dstride = len(shape) - 1, itemsize, itemsize
+    while k >= 0 and box[k] == (0, shape[k]) and dest_shape[k] == shape[k]:  # trailing dimensions read whole
         stride *= shape[k]
+        dstride *= shape[k]
         k -= 1
     if k < 0:
-        return (base, stride, [], k) if stride else None
+        return (base, stride, [], k, 0) if stride else None
     lo, hi = box[k]
     if hi <= lo or not stride:
         return None
-    first, length, outer = base + lo * stride, (hi - lo) * stride, []
+    first, length, outer, dfirst = base + lo * stride, (hi - lo) * stride, [], dest_at[k] * dstride
     for d in range(k - 1, -1, -1):
         stride *= shape[d + 1]
+        dstride *= dest_shape[d + 1]
         lo, hi = box[d]
         if hi <= lo:
             return None
         first += lo * stride
-        outer.append((hi - lo, stride))
-    return first, length, outer[::-1], k
+        dfirst += dest_at[d] * dstride
+        outer.append((hi - lo, stride, dstride))
+    return first, length, outer[::-1], k, dfirst
 
 
-def _grid(first: int, outer: list[tuple[int, int]]) -> np.ndarray:
+def _grid(first: int, outer: list[tuple[int, ...]], column: int = 1) -> np.ndarray:
+    """Run starts: the C-order grid over ``outer``'s ``(count, stride, ...)`` rows,
+    with the stride of ``column`` (1: the file's, 2: the destination's)."""
     offsets = np.array([first], np.int64)
-    for count, stride in outer:
-        offsets = (offsets[:, None] + np.arange(count, dtype=np.int64) * stride).reshape(-1)
+    for row in outer:
+        offsets = (offsets[:, None] + np.arange(row[0], dtype=np.int64) * row[column]).reshape(-1)
     return offsets
 
 
@@ -111,7 +138,7 @@ def box_runs(shape: Sequence[int], itemsize: int, box: Box, base: int = 0) -> tu
     g = _geometry(tuple(shape), itemsize, tuple(box), base)
     if g is None:
         return np.empty(0, np.int64), 0
-    first, length, outer, _ = g
+    first, length, outer, _, _ = g
     return _grid(first, outer), length
 
 
@@ -170,25 +197,26 @@ def _gather_runs(requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
     come out sorted from one broadcast, without a sort or a gather; anything else
     (2-D splits, overlapping boxes) is sorted within its tensor.
     """
-    flat: list[tuple[int, int, int]] = []  # (offset, length, dest) of one-run boxes
+    flat: list[tuple[int, int, int, int]] = []  # (offset, length, dest, dest offset) of one-run boxes
     strided: dict[tuple, list] = {}  # tensor -> its strided boxes
     for r in requests:
-        g = _geometry(r.shape, r.itemsize, r.box, r.base)
+        g = _geometry(r.shape, r.itemsize, r.box, r.base, r.dest_shape, r.dest_at)
         if g is None:
             continue
         if g[2]:
-            strided.setdefault((r.base, r.shape, r.itemsize), []).append((*g, r.box, r.dest))
+            plain = r.dest_shape is None and r.dest_at is None  # runs land back to back
+            strided.setdefault((r.base, r.shape, r.itemsize), []).append((*g[:4], r.box, r.dest, g[4], plain))
         else:
-            flat.append((g[0], g[1], r.dest))
+            flat.append((g[0], g[1], r.dest, g[4]))
     flat.sort()
     f_off = np.array([f[0] for f in flat], np.int64)
     groups = sorted((min(b[0] for b in boxes), boxes) for boxes in strided.values())
-    sizes = np.array([sum(math.prod(c for c, _ in b[2]) for b in boxes) for _, boxes in groups], np.int64)
+    sizes = np.array([sum(math.prod(row[0] for row in b[2]) for b in boxes) for _, boxes in groups], np.int64)
     before = np.searchsorted(f_off, np.array([g[0] for g in groups], np.int64))  # one-run boxes before each group
     shift = np.concatenate([[0], np.cumsum(sizes)])
     cols = tuple(np.empty(len(flat) + int(shift[-1]), np.int64) for _ in range(4))
     pos = np.arange(len(flat)) + shift[np.searchsorted(before, np.arange(len(flat)), "right")]
-    for c, values in zip(cols, (f_off, [f[1] for f in flat], [f[2] for f in flat], 0), strict=False):
+    for c, values in zip(cols, (f_off, [f[1] for f in flat], [f[2] for f in flat], [f[3] for f in flat]), strict=True):
         c[pos] = values
     for (_, boxes), n, at in zip(groups, sizes.tolist(), (before + shift[:-1]).tolist(), strict=False):
         _tensor_runs(boxes, tuple(c[at : at + n] for c in cols))
@@ -222,15 +250,19 @@ def _tensor_runs(boxes: list, out: tuple[np.ndarray, ...]) -> None:
         np.add(grid[:, None], firsts[None, :], out=offset.reshape(-1, m))
         length.reshape(-1, m)[:] = lens
         dest.reshape(-1, m)[:] = np.array([b[5] for b in boxes], np.int64)
-        np.multiply(np.arange(len(grid), dtype=np.int64)[:, None], lens[None, :], out=dest_offset.reshape(-1, m))
+        if all(b[7] for b in boxes):
+            np.multiply(np.arange(len(grid), dtype=np.int64)[:, None], lens[None, :], out=dest_offset.reshape(-1, m))
+        else:
+            for j, b in enumerate(boxes):
+                dest_offset.reshape(-1, m)[:, j] = _grid(b[6], b[2], 2)
         return
     at = 0
-    for first, ln, outer, _, _, d in boxes:  # overlapping or differently cut boxes: sort
+    for first, ln, outer, _, _, d, dfirst, _ in boxes:  # overlapping or differently cut boxes: sort
         grid = _grid(first, outer)
         offset[at : at + len(grid)] = grid
         length[at : at + len(grid)] = ln
         dest[at : at + len(grid)] = d
-        dest_offset[at : at + len(grid)] = np.arange(len(grid), dtype=np.int64) * ln
+        dest_offset[at : at + len(grid)] = _grid(dfirst, outer, 2)
         at += len(grid)
     order = np.argsort(offset, kind="stable")
     for c in out:

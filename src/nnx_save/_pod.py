@@ -17,12 +17,16 @@ merges the piece lists into ``manifest.json`` (written last, atomically) and rem
 shard files of earlier saves. The ``<token>`` is new for every save, so a crash
 leaves the previous manifest and the files it names intact.
 
-Loading (:class:`PodEngine`, used by the loading engine for a :class:`PodHeader`)
-intersects each box the target sharding needs with the pieces: a piece that is
-exactly a needed box is read straight into its buffer; otherwise each overlap is
-read (its byte runs, as for any file) and copied into place. Pieces in this
-process's own file are preferred; a needed piece in a file that is not there (a
-host-local disk) is an error naming that file.
+Saving shares the multi-process writer's step protocol
+(:class:`~nnx_save._collective.Sync`, structured JSON outcomes): agree on the tensors,
+take the primary's save token, write and post the piece lists, let the primary commit
+the manifest; any failure raises the same :class:`SaveError` on every process.
+
+Loading is the one loading engine's: the manifest (read and validated by
+:mod:`nnx_save._layout`, its pieces checked to tile every tensor) says which pieces
+of which shard files make each tensor; each box a target sharding needs is filled
+in place from the pieces it overlaps, this process's own file first; a needed
+piece in a file that is not there (a host-local disk) is an error naming that file.
 
 ``manifest.json``::
 
@@ -36,361 +40,184 @@ host-local disk) is an error naming that file.
 
 from __future__ import annotations
 
+import contextlib
 import json
-import math
 import os
-import re
-import time
+import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import _checksum, _dtypes
-from ._errors import HeaderError, NnxSaveError, ShapeMismatchError
-from ._header import FileHeader, TensorInfo
-from ._sources import Header, read_file_header
+from . import _dtypes, _nnx, _paths
+from ._collective import Outcome, Sync, agree
+from ._errors import SaveError
+from ._header import encode_header
+from ._layout import FORMAT as POD_FORMAT
+from ._layout import MANIFEST, VERSION, Box
+from ._layout import SHARD_FILE as _SHARD
+from ._stage import HostValue, spans_processes
+from ._tree import flatten, leaf_entry
+from ._write import Entry, atomic_file, order_entries, write_file
 
-__all__ = ["MANIFEST", "Piece", "PodEngine", "PodHeader", "is_pod", "read_pod"]
-
-MANIFEST = "manifest.json"
-FORMAT = "nnx_save.pod"
-VERSION = 1
-_SHARD = re.compile(r"^shard_(\d{5})-of-(\d{5})\.([0-9a-f]{8})\.safetensors$")
-
-Box = tuple[tuple[int, int], ...]
-
-
-# --------------------------------------------------------------------------- reading the manifest
+__all__ = ["MANIFEST", "save_pod"]
 
 
-@dataclass(frozen=True)
-class Piece:
-    """One box of a global tensor, stored as tensor ``info`` of a shard file."""
-
-    box: Box
-    info: TensorInfo
-    process: int
+def _shard_name(p: int, n: int, token: str) -> str:
+    return f"shard_{p:05d}-of-{n:05d}.{token}.safetensors"
 
 
-@dataclass(frozen=True)
-class PodHeader(Header):
-    """A pod directory as the engine sees it: global tensors (``tensors``, whose
-    ``file`` is the manifest) made of pieces in the shard files (``files``)."""
-
-    pieces: Mapping[str, tuple[Piece, ...]] = field(default_factory=dict)
-    missing_files: tuple[str, ...] = ()
-    num_processes: int = 1
+def _piece_name(key: str, box: Box, shape: tuple[int, ...]) -> str:
+    if box == tuple((0, d) for d in shape):
+        return key
+    return f"{key}[{','.join(f'{lo}:{hi}' for lo, hi in box)}]"
 
 
-def is_pod(directory: Path) -> bool:
-    return (directory / MANIFEST).is_file()
+def _describe_sharding(array: Any) -> str:
+    sharding = getattr(array, "sharding", None)
+    if sharding is None:
+        return "host"
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is not None and spec is not None:
+        return f"NamedSharding(mesh={dict(mesh.shape)}, spec={spec})"
+    return type(sharding).__name__
 
 
-def _fail(where: Path, message: str) -> HeaderError:
-    return HeaderError(f"{where}: {message}")
-
-
-def _load_manifest(where: Path) -> dict:
-    try:
-        obj = json.loads(where.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise _fail(where, f"not a valid JSON manifest: {e}") from None
-    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
-        raise _fail(where, f'not an nnx_save pod manifest (expected "format": "{FORMAT}")')
-    if obj.get("version") != VERSION:
-        raise _fail(where, f"pod manifest version {obj.get('version')!r}; this nnx_save reads version {VERSION}")
-    if not isinstance(obj.get("tensors"), dict) or not isinstance(obj.get("num_processes"), int):
-        raise _fail(where, 'the manifest needs "tensors" (an object) and "num_processes" (an integer)')
-    meta = obj.get("metadata") or {}
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise _fail(where, '"metadata" must map strings to strings')
-    return obj
-
-
-def _box(raw: Any, shape: tuple[int, ...], key: str, where: Path) -> Box:
-    ok = (
-        isinstance(raw, list)
-        and len(raw) == len(shape)
-        and all(
-            isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) for x in b) and 0 <= b[0] <= b[1] <= d
-            for b, d in zip(raw, shape, strict=False)
+def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
+    """This process's pieces of one entry: ``(sharding text, [(box, host value thunk)])``."""
+    array = e.value.array if isinstance(e.value, HostValue) else None
+    whole = tuple((0, d) for d in e.shape)
+    if array is None or not spans_processes(array):
+        return _describe_sharding(array), [(whole, e.value)]
+    if not _dtypes.DTYPES[e.code].byte_aligned:
+        raise SaveError(
+            f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be saved "
+            "in pieces. Replicate it before saving",
+            key_path=e.key,
         )
-    )
-    if not ok:
-        raise _fail(where, f"tensor {key!r}: piece box {raw!r:.80} does not lie inside shape {list(shape)}")
-    return tuple((lo, hi) for lo, hi in raw)
+    boxes: dict[Box, Any] = {}
+    for shard in array.addressable_shards:  # every distinct box held here, whatever its replica
+        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
+        boxes.setdefault(box, lambda data=shard.data: np.asarray(data))
+    return _describe_sharding(array), sorted(boxes.items())
 
 
-def _tensor(
-    key: str, spec: Any, where: Path, files: dict[str, FileHeader | None]
-) -> tuple[TensorInfo, tuple[Piece, ...]]:
-    if not isinstance(spec, dict) or not isinstance(spec.get("pieces"), list):
-        raise _fail(where, f'tensor {key!r}: expected an object with "dtype", "shape" and "pieces"')
-    dtype = _dtypes.from_code(spec.get("dtype"), key)
-    shape = spec.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise _fail(where, f"tensor {key!r}: shape must be a list of non-negative integers")
-    shape = tuple(shape)
-    pieces, covered = [], {}
-    for raw in spec["pieces"]:
-        name, file, process = raw.get("name"), raw.get("file"), raw.get("process")
-        if not isinstance(file, str) or not _SHARD.match(file) or not isinstance(name, str):
-            raise _fail(where, f"tensor {key!r}: piece {raw!r:.80} must name a shard_*.safetensors file and a tensor")
-        box = _box(raw.get("box"), shape, key, where)
-        fh = files.setdefault(file, _file_header(where.parent / file))
-        if fh is None:
-            covered.setdefault(box, None)
-            continue
-        info = fh.tensors.get(name)
-        extents = tuple(hi - lo for lo, hi in box)
-        if info is None or info.dtype.code != dtype.code or info.shape != extents:
-            found = "nothing" if info is None else f"{info.dtype.code} {list(info.shape)}"
-            raise _fail(
-                where,
-                f"tensor {key!r}: piece {name!r} should be {dtype.code} {list(extents)} in {file}, which holds {found}",
-            )
-        pieces.append(Piece(box, info, process if isinstance(process, int) else -1))
-        covered[box] = True
-    if sum(math.prod(hi - lo for lo, hi in b) for b in covered) != math.prod(shape):
-        raise _fail(where, f"tensor {key!r}: its pieces do not tile shape {list(shape)}")
-    nbytes = _dtypes.nbytes_for(dtype, math.prod(shape))
-    return TensorInfo(key, dtype, shape, 0, nbytes, str(where)), tuple(pieces)
+def _local_entries(entries: Sequence[Entry]) -> tuple[list[Entry], list[list[Any]], dict[str, str]]:
+    """Entries of this process's shard file, its piece list, and each tensor's sharding."""
+    out, listing, shardings = [], [], {}
+    for e in entries:
+        shardings[e.key], pieces = _pieces_of(e)
+        for box, value in pieces:
+            name = _piece_name(e.key, box, e.shape)
+            out.append(Entry(name, e.code, tuple(hi - lo for lo, hi in box), value))
+            listing.append([e.key, name, [list(b) for b in box]])
+    return out, listing, shardings
 
 
-def _file_header(path: Path) -> FileHeader | None:
-    return read_file_header(path) if path.is_file() else None
+def _entries(tree_or_model: Any, metadata: Mapping[str, str] | None, filter: Any) -> tuple[list[Entry], dict]:
+    if _nnx.is_model(tree_or_model):
+        entries, rng, scalars = _nnx.model_entries(tree_or_model, filter)
+        return entries, _nnx.model_metadata(metadata, rng, scalars)
+    pairs, _ = flatten(tree_or_model)
+    _paths.check_unique(p for p, _ in pairs)
+    return [leaf_entry(p, v) for p, v in pairs], dict(metadata or {})
 
 
-def read_pod(directory: str | os.PathLike) -> PodHeader:
-    """Read and validate a pod directory's manifest and every shard file header
-    present (a shard file that is not there is only an error if a load needs it)."""
+def save_pod(
+    tree_or_model: Any,
+    directory: str | os.PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    filter: Any = ...,
+) -> Path:
+    """Save a pytree of arrays or an NNX model as a pod directory: one shard file per
+    process and a ``manifest.json``.
+
+    Call it on every process (with the same tree: global shapes). Each process writes
+    only its own file, with every distinct box its devices hold; nothing is gathered.
+    The manifest is written last, atomically, so a crash leaves the previous save
+    readable. :func:`~nnx_save.load_file` and :func:`~nnx_save.load_model` read the
+    directory on any process layout.
+
+    Args:
+        tree_or_model: a pytree of jax / numpy arrays, or an NNX object.
+        directory: the pod directory (created if needed; must be shared by all processes).
+        metadata: string -> string pairs for the manifest and every shard file.
+        filter: an NNX filter, for a model (``nnx.Param``: parameters only).
+
+    Returns:
+        The path of ``manifest.json``.
+
+    Raises:
+        SaveError: a process failed or did not arrive in time; the previous pod
+            directory content is intact.
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> _ = nnx_save.save_pod({"w": np.arange(4, dtype=np.float32)}, d)
+        >>> nnx_save.load_file(d)["w"]
+        array([0., 1., 2., 3.], dtype=float32)
+    """
     directory = Path(directory)
-    where = directory / MANIFEST
-    obj = _load_manifest(where)
-    files: dict[str, FileHeader | None] = {}
-    tensors, pieces = {}, {}
-    for key, spec in obj["tensors"].items():
-        tensors[key], pieces[key] = _tensor(key, spec, where, files)
-    present = tuple(fh for _, fh in sorted(files.items()) if fh is not None)
-    missing = tuple(sorted(f for f, fh in files.items() if fh is None))
-    return PodHeader(
-        tensors,
-        dict(obj.get("metadata") or {}),
-        present,
-        "pod",
-        pieces=pieces,
-        missing_files=missing,
-        num_processes=obj["num_processes"],
-    )
+    directory.mkdir(parents=True, exist_ok=True)
+    entries, meta = _entries(tree_or_model, metadata, filter)
+    entries = order_entries(entries)
+    sync = Sync.open(directory, what="pod save", intact="the previous save in it, if any, is intact")
+    if sync.n > 1:
+        head, offsets = encode_header([(e.key, e.code, e.shape) for e in entries], meta)
+        agree(sync, head, len(entries), offsets[-1][1] if offsets else 0)
+    token = sync.step("token", Outcome(True, secrets.token_hex(4)) if sync.pid == 0 else None, only=0)[0]
+    mine = directory / _shard_name(sync.pid, sync.n, token)
+
+    def write_mine() -> dict[str, Any]:
+        local, listing, shardings = _local_entries(entries)
+        write_file(mine, local, meta)
+        return {"pieces": listing, "shardings": shardings}
+
+    try:
+        posted = sync.step("pieces", Outcome.of(write_mine))
+        committed = _commit(directory, entries, meta, posted, sync.n, token) if sync.pid == 0 else None
+        sync.step("commit", committed, only=0)
+    except SaveError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mine)
+        raise
+    return directory / MANIFEST
 
 
-# --------------------------------------------------------------------------- loading
-
-
-def _intersect(a: Box, b: Box) -> Box | None:
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=False))
-    return out if all(lo < hi for lo, hi in out) or not out else None
-
-
-def _volume(box: Box) -> int:
-    return math.prod(hi - lo for lo, hi in box)
-
-
-def _relative(box: Box, origin: Box) -> Box:
-    return tuple((lo - o, hi - o) for (lo, hi), (o, _) in zip(box, origin, strict=False))
-
-
-@dataclass
-class _Slot:
-    """One buffer to fill: a box of a value, for some local devices."""
-
-    owner: str  # target path, or "source:<key>" for a transform's whole source
-    key: str
-    box: Box
-    devices: list[Any]
-    buffer: Any = None
-    remaining: int = 0
-    verified: bool = True
-
-
-@dataclass(frozen=True)
-class _Part:
-    slot: int
-    piece: Piece
-    box: Box  # global coordinates: the slot's box within the piece
-
-
-class PodEngine:
-    """The loading engine's counterpart for a pod directory (same interface as
-    ``_load._Engine``: ``run_file``, ``results``, ``checked``, ``budget``)."""
-
-    def __init__(self, header: PodHeader, targets: Sequence[Any], report: Any, options: dict) -> None:
-        import jax
-
-        from ._load import _boxes
-        from ._read import Budget, aligned_empty
-
-        self.header, self.report, self.opt = header, report, options
-        self.results: dict[str, Any] = {}
-        self.checked: dict[str, bool] = {}
-        self.over_reads: list[str] = []  # the engine's over-read notes (none here: pieces are read as planned)
-        self.budget = Budget(options["max_inflight_bytes"])
-        self.targets = {t.path: t for t in targets}
-        self.own = jax.process_index() if header.num_processes == jax.process_count() else None
-        self.slots: list[_Slot] = []
-        self.open: dict[str, set[int]] = {}  # owner -> slots still being filled
-        self.wholes: dict[str, np.ndarray] = {}
-        self.parts: dict[str, list[_Part]] = {}
-        for t in targets:
-            if t.transform is None:
-                for box, devices in _boxes(t):
-                    self._add(t.path, t.sources[0], box, devices)
-            else:
-                for k in t.sources:
-                    if f"source:{k}" not in self.open:
-                        self._add(f"source:{k}", k, tuple((0, d) for d in header.tensors[k].shape), [None])
-        for index, slot in enumerate(self.slots):
-            if slot.remaining == 0:  # an empty tensor: nothing to read
-                slot.buffer = aligned_empty(0)
-                self._done(index)
-
-    def _add(self, owner: str, key: str, box: Box, devices: list[Any]) -> None:
-        info = self.header.tensors[key]
-        if not info.dtype.byte_aligned:
-            box = tuple((0, d) for d in info.shape)  # packed: read whole, slice after
-        index = len(self.slots)
-        self.slots.append(_Slot(owner, key, box, devices, remaining=_volume(box)))
-        self.open.setdefault(owner, set()).add(index)
-        for piece in self._choose(key, box):
-            part = _Part(index, piece, _intersect(piece.box, box))
-            self.parts.setdefault(piece.info.file, []).append(part)
-
-    def _choose(self, key: str, box: Box) -> list[Piece]:
-        """One piece per distinct overlapping box: this process's own file first."""
-        best: dict[Box, Piece] = {}
-        for piece in self.header.pieces[key]:
-            if _intersect(piece.box, box) is None:
-                continue
-            rank = (piece.process != self.own, piece.process)
-            if piece.box not in best or rank < (best[piece.box].process != self.own, best[piece.box].process):
-                best[piece.box] = piece
-        if sum(_volume(_intersect(b, box)) for b in best) != _volume(box):
-            raise NnxSaveError(
-                f"{self.header.tensors[key].file}: tensor {key!r}: the part {list(box)} this process needs is in "
-                f"shard file(s) {list(self.header.missing_files)}, not present in this directory; copy them here, "
-                "or load on the process layout that wrote them"
-            )
-        return list(best.values())
-
-    def run_file(self, file: str) -> None:
-        from ._plan import Request, plan_file
-        from ._read import aligned_empty, execute
-
-        parts = self.parts.pop(file, [])
-        if not parts:
-            return
-        io, t0 = self.report.io, time.perf_counter()
-        requests, dests, copies = [], [], []
-        for part in parts:
-            slot, info = self.slots[part.slot], part.piece.info
-            row = info.dtype
-            if slot.buffer is None:
-                slot.buffer = aligned_empty(self._nbytes(slot))
-            local = _relative(part.box, part.piece.box)
-            direct = part.box == slot.box
-            dest = slot.buffer if direct else aligned_empty(_volume(part.box) * row.itemsize)
-            dests.append(dest)
-            if row.byte_aligned:
-                requests.append(Request(len(dests) - 1, info.begin, info.shape, row.itemsize, local))
-            else:
-                requests.append(Request(len(dests) - 1, info.begin, (info.nbytes,), 1, ((0, info.nbytes),)))
-            copies.append((part, dest, direct))
-        plan = plan_file(
-            requests,
-            max_over_read_ratio=self.opt["max_over_read_ratio"],
-            chunk_bytes=min(self.opt["read_chunk_bytes"], self.opt["max_inflight_bytes"]),
-        )
-        t1 = time.perf_counter()
-        reader = self.opt["open_reader"](file)
-        try:
-            execute(reader, plan, dests, budget=self.budget, num_threads=self.opt["num_threads"])
-        finally:
-            reader.close()
-        t2 = time.perf_counter()
-        io.files += 1
-        io.bytes_read += plan.read_bytes
-        io.bytes_needed += plan.needed_bytes
-        io.requests += reader.requests
-        io.over_read_by_file[file] = plan.read_bytes / plan.needed_bytes if plan.needed_bytes else 1.0
-        digests = _checksum.read_digests(self._file(file).metadata, file) if self.opt.get("verify") else {}
-        for part, dest, direct in copies:
-            self._fill(part, dest, direct, digests)
-        io.plan_seconds += t1 - t0
-        io.read_seconds += t2 - t1
-        io.assemble_seconds += time.perf_counter() - t2
-
-    def _file(self, file: str) -> FileHeader:
-        return next(fh for fh in self.header.files if fh.file == file)
-
-    def _nbytes(self, slot: _Slot) -> int:
-        info = self.header.tensors[slot.key]
-        return info.nbytes if not info.dtype.byte_aligned else _volume(slot.box) * info.dtype.itemsize
-
-    def _fill(self, part: _Part, dest: np.ndarray, direct: bool, digests: Mapping[str, str]) -> None:
-        slot, info = self.slots[part.slot], self.header.tensors[self.slots[part.slot].key]
-        expected = digests.get(part.piece.info.name)
-        if expected and part.box == part.piece.box:
-            _checksum.check(part.piece.info.name, part.piece.info.file, expected, [memoryview(dest)])
-        else:
-            slot.verified = False
-        if not direct:
-            shape = tuple(hi - lo for lo, hi in slot.box)
-            whole = slot.buffer.view(info.dtype.numpy).reshape(shape)
-            region = tuple(slice(lo, hi) for lo, hi in _relative(part.box, slot.box))
-            whole[region] = dest.view(info.dtype.numpy).reshape(tuple(hi - lo for lo, hi in part.box))
-        slot.remaining -= _volume(part.box) if info.dtype.byte_aligned else slot.remaining
-        if slot.remaining == 0:
-            self._done(part.slot)
-
-    def _done(self, index: int) -> None:
-        from ._load import _host_view
-
-        slot = self.slots[index]
-        waiting = self.open[slot.owner]
-        waiting.discard(index)
-        if self.opt.get("verify"):
-            self.checked[slot.key] = self.checked.get(slot.key, True) and slot.verified
-        if waiting:
-            return
-        mine = [self.slots[i] for i in range(len(self.slots)) if self.slots[i].owner == slot.owner]
-        info = self.header.tensors[slot.key]
-        views = [(_host_view(s.buffer, info, s.box), s.devices) for s in mine]
-        if slot.owner.startswith("source:"):
-            self.wholes[slot.key] = views[0][0]
-            self._transforms()
-        else:
-            self._place(self.targets[slot.owner], views)
-        for s in mine:
-            s.buffer = None  # released as soon as the value exists
-
-    def _place(self, t: Any, views: list[tuple[np.ndarray, list[Any]]]) -> None:
-        from ._load import _place
-
-        cast = [(v if v.dtype == np.dtype(t.dtype) else v.astype(t.dtype), d) for v, d in views]
-        self.results[t.path] = _place(t, cast)
-
-    def _transforms(self) -> None:
-        from ._load import _place_whole
-
-        for t in list(self.targets.values()):
-            if t.transform is None or t.path in self.results or not all(k in self.wholes for k in t.sources):
-                continue
-            value = np.asarray(t.transform([self.wholes[k] for k in t.sources]))
-            if value.shape != tuple(t.shape):
-                raise ShapeMismatchError(
-                    f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}"
-                )
-            self.results[t.path] = _place_whole(t, value.astype(t.dtype, copy=False))
+def _commit(
+    directory: Path,
+    entries: Sequence[Entry],
+    meta: Mapping[str, str],
+    posted: Mapping[int, dict[str, Any]],
+    n: int,
+    token: str,
+) -> Outcome:
+    """Primary: merge the piece lists into the manifest, write it, drop stale shard files."""
+    shardings = posted[0]["shardings"]  # the same on every process: they agreed on the tensors
+    tensors: dict[str, dict[str, Any]] = {
+        e.key: {"dtype": e.code, "shape": list(e.shape), "sharding": shardings[e.key], "pieces": []} for e in entries
+    }
+    for p in sorted(posted):
+        for key, name, box in posted[p]["pieces"]:
+            tensors[key]["pieces"].append({"file": _shard_name(p, n, token), "name": name, "box": box, "process": p})
+    manifest = {
+        "format": POD_FORMAT,
+        "version": VERSION,
+        "num_processes": n,
+        "metadata": dict(meta),
+        "tensors": tensors,
+    }
+    try:
+        with atomic_file(directory / MANIFEST) as fd:
+            os.write(fd, json.dumps(manifest, indent=1).encode() + b"\n")
+    except SaveError as e:
+        return Outcome(False, error=str(e))
+    keep = {_shard_name(p, n, token) for p in range(n)}
+    for stale in directory.iterdir():
+        if _SHARD.match(stale.name) and stale.name not in keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
+    return Outcome(True)

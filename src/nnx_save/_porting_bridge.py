@@ -13,15 +13,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import _dtypes
-from ._load import Target
 from ._sources import Header
+from ._target import Target
 from ._write import Entry
 
 __all__ = ["export_entries", "load_targets_for"]
 
 
-def load_targets_for(rules: Any, header: Header, targets: Sequence[Target]) -> tuple[list[Target], frozenset[str]]:
-    """Rewrite model targets to read through ``rules``; also the keys rules ignore."""
+def load_targets_for(
+    rules: Any, header: Header, targets: Sequence[Target]
+) -> tuple[list[Target], frozenset[str], dict[str, tuple[str, ...]]]:
+    """Rewrite model targets to read through ``rules``; also the keys rules ignore, and
+    each file key's model paths (to name what an unexpected key became)."""
     mapping = rules.mapping({k: (t.shape, t.dtype.numpy) for k, t in header.tensors.items()})
     out = []
     for t in targets:
@@ -32,7 +35,7 @@ def load_targets_for(rules: Any, header: Header, targets: Sequence[Target]) -> t
             out.append(dataclasses.replace(t, sources=a.sources))
         else:
             out.append(dataclasses.replace(t, sources=a.sources, transform=a.transform, source_shape=tuple(a.shape)))
-    return out, frozenset(mapping.unused)
+    return out, frozenset(mapping.unused), dict(mapping.landed)
 
 
 def export_entries(rules: Any, entries: Sequence[Entry]) -> list[Entry]:

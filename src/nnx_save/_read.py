@@ -36,6 +36,7 @@ import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -43,7 +44,17 @@ from numpy.lib.stride_tricks import as_strided
 from ._errors import NnxSaveError
 from ._plan import FilePlan, chunk_runs
 
-__all__ = ["DIRECT_MAX_RUNS", "DIRECT_MIN_RUN", "Budget", "LocalReader", "aligned_empty", "execute", "pack_buffers"]
+__all__ = [
+    "DIRECT_MAX_RUNS",
+    "DIRECT_MIN_RUN",
+    "Budget",
+    "Cancelled",
+    "LocalReader",
+    "Reader",
+    "aligned_empty",
+    "execute",
+    "pack_buffers",
+]
 
 IOV_MAX = 1024  # the POSIX minimum of the kernel's iovec limit (Linux: exactly 1024)
 # Mean run length (bytes) at or above which a chunk is read with one iovec per run.
@@ -74,6 +85,36 @@ def _libc_preadv():
 
 
 _PREADV = _libc_preadv()
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """Positioned reads from one file or object (local, HTTP, fsspec).
+
+    ``requests`` counts the requests made so far. :meth:`can_read_tables` says
+    whether :meth:`readv_table` works: local files read iovec tables through
+    ``preadv`` with raw addresses; other readers get one ``memoryview`` per run.
+    """
+
+    requests: int
+
+    def readv(self, buffers: list[memoryview], offset: int) -> None:
+        """Fill ``buffers`` in order from byte ``offset``, or raise naming the offset."""
+        ...
+
+    def close(self) -> None: ...
+
+    def can_read_tables(self) -> bool:
+        """Whether :meth:`readv_table` may be called."""
+        ...
+
+    def readv_table(self, table: np.ndarray, offset: int) -> None:
+        """Fill the ``(address, length)`` rows of ``table`` in order from ``offset``."""
+        ...
+
+
+class Cancelled(Exception):
+    """Raised inside a read when another part of the same load failed."""
 
 
 class Budget:
@@ -158,11 +199,12 @@ class LocalReader:
         self.fd = os.open(path, os.O_RDONLY) if fd is None else os.dup(fd)
         self.requests = 0
         self._lock = threading.Lock()
-        if _PREADV is None:
-            self.readv_table = None  # type: ignore[assignment]
 
     def close(self) -> None:
         os.close(self.fd)
+
+    def can_read_tables(self) -> bool:
+        return _PREADV is not None
 
     def _count(self) -> None:
         with self._lock:
@@ -196,6 +238,8 @@ class LocalReader:
 
         The caller guarantees every row is writable memory it keeps alive.
         """
+        if _PREADV is None:
+            raise NotImplementedError(f"{self.path}: no preadv in this C library; use readv")
         i, pos = 0, offset
         while i < len(table):
             batch = table[i : i + IOV_MAX]
@@ -393,30 +437,32 @@ class _Scratch:
         return buf
 
 
-def _method(reader, runs: int, nbytes_needed: int) -> str:
-    table = getattr(reader, "readv_table", None) is not None
+def _method(reader: Reader, runs: int, nbytes_needed: int) -> str:
+    table = reader.can_read_tables()
     if runs <= DIRECT_MAX_RUNS or nbytes_needed >= runs * (DIRECT_MIN_RUN if table else DIRECT_MIN_RUN_PY):
         return "table" if table else "direct"
     return "scatter"
 
 
 def execute(
-    reader,
+    reader: Reader,
     plan: FilePlan,
     dests: list[np.ndarray],
     *,
     budget: Budget,
     num_threads: int,
     on_chunk: Callable[[int], None] | None = None,
+    cancel: threading.Event | None = None,
 ) -> None:
     """Run every chunk of ``plan`` into ``dests`` (flat uint8 arrays), concurrently,
     never holding more than ``budget.limit`` bytes of chunks in flight.
-    ``on_chunk(needed bytes)`` is called after each chunk (progress)."""
+    ``on_chunk(needed bytes)`` is called after each chunk (progress). Once
+    ``cancel`` is set, chunks not yet started raise :class:`Cancelled`."""
     if not plan.num_chunks:
         return
     sizes = np.array([len(d) for d in dests], np.int64)
     dest_ptr = np.array([d.ctypes.data for d in dests], np.uint64)
-    local = getattr(reader, "readv_table", None) is not None
+    local = reader.can_read_tables()
     needed = plan.chunk_needed
     gap_bytes = (plan.chunk_end - plan.chunk_start) - needed  # per chunk: 0 when its runs touch
     scratch = _Scratch(min(int(gap_bytes.max()), GAP_SCRATCH))
@@ -424,6 +470,8 @@ def execute(
     def run(i: int) -> None:
         cs, ce, lo, hi = _runs(plan, i)
         _check_runs(plan, i, sizes)
+        if cancel is not None and cancel.is_set():
+            raise Cancelled
         with budget(ce - cs):
             how = _method(reader, hi - lo, int(needed[i]))
             if how == "table":
@@ -440,5 +488,10 @@ def execute(
             run(i)
         return
     with ThreadPoolExecutor(min(num_threads, plan.num_chunks), thread_name_prefix="nnx_save-read") as pool:
-        for f in [pool.submit(run, i) for i in range(plan.num_chunks)]:
-            f.result()
+        futures = [pool.submit(run, i) for i in range(plan.num_chunks)]
+        try:
+            for f in futures:
+                f.result()
+        finally:  # a failed chunk: the ones not started are dropped, not read
+            for f in futures:
+                f.cancel()

@@ -4,26 +4,66 @@
 The engine already knows the exact byte ranges each process needs; a remote reader
 fetches just those, one ranged GET per chunk, many at once over a pooled connection
 set, under the engine's in-flight byte budget. A failed or short range is retried
-whole (with backoff), so partial data is never returned; a change of the object's
-size or ETag during a load is an error naming the URL.
+whole (with backoff), so partial data is never returned.
+
+What a hostile or changing server cannot do:
+
+- **Change the object under a load.** The first response pins the size and the
+  version (the ETag, else ``Last-Modified``); every later response must carry the
+  same pair (a validator that disappears is a change) and, when an ETag is pinned,
+  is asked with ``If-Match``. fsspec sources pin the size and every version field
+  ``info()`` exposes (ETag, generation, version id, checksum, mtime ...), checked
+  when a reader opens and when it closes. Either way: :class:`RemoteChangedError`.
+- **Send other bytes than the range.** Ranges are asked with ``Accept-Encoding:
+  identity``; any other ``Content-Encoding`` is refused, and each body must be
+  exactly the range's length (a longer chunked body is refused, not truncated).
+- **Hang a load.** Each request has a deadline: ``NNX_SAVE_HTTP_TIMEOUT`` seconds
+  (default 60) plus its length at ``NNX_SAVE_HTTP_MIN_RATE`` bytes per second
+  (default 256 KiB/s); past it the connection is shut and :class:`RemoteError`
+  raised. A header probe reads at most the bytes it asked for.
+- **Redirect silently.** Redirects (301, 302, 303, 307, 308) are followed, at most
+  five, to ``http(s)`` URLs only; the identity is pinned at the final response.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import os
 import random
+import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from urllib.parse import urljoin, urlsplit
 
 from ._errors import NnxSaveError
 from ._version import __version__
 
-__all__ = ["FsspecReader", "HttpReader", "RemoteChangedError", "RemoteError", "RemoteStats", "is_url", "open_remote"]
+__all__ = [
+    "FsspecReader",
+    "HttpLimits",
+    "HttpReader",
+    "RemoteChangedError",
+    "RemoteError",
+    "RemoteStats",
+    "is_url",
+    "open_remote",
+]
 
 SPECULATIVE_HEADER_BYTES = 64 << 10
+TIMEOUT_ENV, MIN_RATE_ENV = "NNX_SAVE_HTTP_TIMEOUT", "NNX_SAVE_HTTP_MIN_RATE"
+MAX_REDIRECTS = 5
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
+_REDIRECTS = frozenset({301, 302, 303, 307, 308})
+# info() fields that name a version of an object, over the fsspec implementations
+# (s3fs, gcsfs, adlfs, huggingface_hub, local, memory): any change is a new object.
+_VERSION_FIELDS = (
+    "ETag", "etag", "generation", "VersionId", "version_id", "md5Hash", "crc32c", "checksum",
+    "blob_id", "lfs", "last_commit", "LastModified", "last_modified", "updated", "mtime", "created", "ino",
+)  # fmt: skip
 
 
 class RemoteError(NnxSaveError, OSError):
@@ -31,7 +71,7 @@ class RemoteError(NnxSaveError, OSError):
 
 
 class RemoteChangedError(RemoteError):
-    """The remote object changed (size or ETag) while it was being read."""
+    """The remote object changed (size or version) while it was being read."""
 
 
 def is_url(source: object) -> bool:
@@ -54,6 +94,79 @@ class RemoteStats:
             self.retries += retries
 
 
+def _positive_env(name: str, default: float) -> float:
+    value = os.environ.get(name, "")
+    try:
+        number = float(value) if value else default
+    except ValueError:
+        number = -1.0
+    if not number > 0:
+        raise RemoteError(f"{name}={value!r}: expected a positive number")
+    return number
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """How long one HTTP request may take: ``timeout_s`` plus its length at
+    ``min_bytes_per_s``. Defaults from ``NNX_SAVE_HTTP_TIMEOUT`` (60 s) and
+    ``NNX_SAVE_HTTP_MIN_RATE`` (256 KiB/s)."""
+
+    timeout_s: float = 60.0
+    min_bytes_per_s: float = 256 << 10
+
+    @classmethod
+    def from_env(cls) -> HttpLimits:
+        return cls(_positive_env(TIMEOUT_ENV, cls.timeout_s), _positive_env(MIN_RATE_ENV, cls.min_bytes_per_s))
+
+    def seconds(self, nbytes: int) -> float:
+        return self.timeout_s + nbytes / self.min_bytes_per_s
+
+
+class _Watchdog:
+    """One thread that runs an action (shutting a socket) when a deadline passes:
+    a server that sends a byte every few seconds never trips a socket timeout."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._live: set[int] = set()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, deadline: float, action: Callable[[], None]) -> int:
+        with self._cond:
+            token = next(self._ids)
+            heapq.heappush(self._heap, (deadline, token, action))
+            self._live.add(token)
+            if self._thread is None or not self._thread.is_alive():  # none yet, or lost in a fork
+                self._thread = threading.Thread(target=self._run, name="nnx_save-http-deadline", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+            return token
+
+    def disarm(self, token: int) -> None:
+        with self._cond:
+            self._live.discard(token)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][1] not in self._live:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cond.wait(wait)
+                    continue
+                _, token, action = heapq.heappop(self._heap)
+                self._live.discard(token)
+                with contextlib.suppress(OSError):  # the socket is already closed: nothing left to stop
+                    action()
+
+
+_WATCHDOG = _Watchdog()
 _POOL = None
 _POOL_LOCK = threading.Lock()
 
@@ -70,6 +183,17 @@ def _pool():
         return _POOL
 
 
+def _reset_in_child() -> None:
+    """After ``fork``: pooled connections are the parent's sockets (sharing one
+    would interleave two processes' requests), and the watchdog thread is gone."""
+    global _POOL, _POOL_LOCK, _WATCHDOG
+    _POOL, _POOL_LOCK, _WATCHDOG = None, threading.Lock(), _Watchdog()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
+
+
 def _user_agent() -> str:
     """Names the library and the process, so server logs can tell hosts' reads apart."""
     return f"nnx_save/{__version__} (pid {os.getpid()})"
@@ -77,6 +201,10 @@ def _user_agent() -> str:
 
 class _Retry(Exception):
     """A transient failure: try this range again."""
+
+
+class _Short(Exception):
+    pass
 
 
 def _content_range(headers, url: str) -> tuple[int, int, int]:
@@ -93,9 +221,35 @@ def _content_range(headers, url: str) -> tuple[int, int, int]:
         ) from None
 
 
+def _version(headers) -> str | None:
+    """The response's validator: its ETag, else its Last-Modified date."""
+    etag = headers.get("ETag")
+    if etag:
+        return etag
+    modified = headers.get("Last-Modified")
+    return f"Last-Modified: {modified}" if modified else None
+
+
+def _check_body_headers(headers, url: str, span: str, length: int) -> None:
+    encoding = headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise RemoteError(
+            f"{url}: bytes {span} came with Content-Encoding {encoding!r}; ranges are asked "
+            "with Accept-Encoding: identity and must be sent unencoded"
+        )
+    declared = headers.get("Content-Length")
+    if declared is not None and declared.strip() != str(length):
+        raise RemoteError(f"{url}: bytes {span} ({length} bytes) came with Content-Length {declared!r}")
+
+
+def _socket_of(response) -> socket.socket | None:
+    connection = getattr(response, "connection", None)
+    return getattr(connection, "sock", None)
+
+
 class HttpReader:
-    """Ranged GETs against one URL; the identity (size, ETag) is pinned by the first
-    response and checked on every later one."""
+    """Ranged GETs against one URL; the identity (size, version) is pinned by the
+    first response and checked on every later one (see the module docstring)."""
 
     def __init__(
         self,
@@ -106,67 +260,151 @@ class HttpReader:
         backoff: float = 0.05,
         size: int | None = None,
         etag: str | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
         self.url, self.path = url, url
         self.stats = stats or RemoteStats()
         self.max_retries, self.backoff = max_retries, backoff
         self.size, self.etag = size, etag
+        self.limits = limits or HttpLimits.from_env()
+        self.final_url: str | None = None  # where redirects led, once a response came
         self.requests = 0
+
+    @property
+    def identity(self) -> tuple[int, str | None]:
+        assert self.size is not None, "identity is known after the first response"
+        return self.size, self.etag
 
     def close(self) -> None:
         pass
 
-    def _check_identity(self, total: int, etag: str | None) -> None:
+    def can_read_tables(self) -> bool:
+        return False  # no raw-address iovecs over the network: one memoryview per run
+
+    def readv_table(self, table: object, offset: int) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
+
+    def _changed(self, total: int, version: str | None) -> RemoteChangedError:
+        return RemoteChangedError(
+            f"{self.url}: the object changed during the load (size {self.size} -> {total}, "
+            f"version {self.etag} -> {version}); reload from the start"
+        )
+
+    def _check_identity(self, total: int, version: str | None) -> None:
         if self.size is None:
-            self.size, self.etag = total, etag
-        elif total != self.size or (etag and self.etag and etag != self.etag):
-            raise RemoteChangedError(
-                f"{self.url}: the object changed during the load (size {self.size} -> {total}, "
-                f"ETag {self.etag} -> {etag}); reload from the start"
-            )
+            self.size, self.etag = total, version
+        elif total != self.size or version != self.etag:  # a validator that vanished is a change too
+            raise self._changed(total, version)
 
-    def _once(self, begin: int, length: int, sink: Callable[[object], None], to_end: bool = False) -> None:
-        import urllib3
-
+    def _headers(self, begin: int, length: int) -> dict[str, str]:
         headers = {
             "Range": f"bytes={begin}-{begin + length - 1}",
             "Accept-Encoding": "identity",
             "User-Agent": _user_agent(),
         }
-        try:
-            r = _pool().request("GET", self.url, headers=headers, preload_content=False, redirect=True)
-        except urllib3.exceptions.HTTPError as e:
-            raise _Retry(f"connection failed: {e}") from None
-        try:
+        if self.etag and not self.etag.startswith(("W/", "Last-Modified")):  # If-Match compares strong ETags
+            headers["If-Match"] = self.etag
+        return headers
+
+    def _request(self, headers: Mapping[str, str], span: str, timeout: float):
+        """GET with ``headers``, following redirects; returns the final response."""
+        import urllib3
+
+        url = self.url
+        for _hop in range(MAX_REDIRECTS + 1):
+            try:
+                r = _pool().request(
+                    "GET",
+                    url,
+                    headers=dict(headers),
+                    preload_content=False,
+                    redirect=False,
+                    timeout=urllib3.Timeout(connect=min(10.0, timeout), read=timeout),
+                )
+            except urllib3.exceptions.HTTPError as e:
+                raise _Retry(f"connection failed: {e}") from None
             self.requests += 1
             self.stats.add(requests=1)
-            if r.status in _RETRY_STATUSES:
-                raise _Retry(f"HTTP {r.status}")
-            if r.status == 404:
-                raise FileNotFoundError(f"{self.url}: not found (HTTP 404)")
-            if r.status >= 400:
-                raise RemoteError(f"{self.url}: HTTP {r.status} for bytes {begin}-{begin + length - 1}")
-            if r.status != 206:
-                raise RemoteError(
-                    f"{self.url}: range request for bytes {begin}-{begin + length - 1} got HTTP {r.status}; "
-                    "the server must answer ranges with 206"
-                )
-            got_begin, got_end, total = _content_range(r.headers, self.url)
-            self._check_identity(total, r.headers.get("ETag"))
-            if to_end and got_begin == begin and got_end == total - 1 < begin + length - 1:
-                pass  # a speculative range past the end of a small object
-            elif got_begin != begin or got_end != begin + length - 1:
-                raise RemoteError(
-                    f"{self.url}: asked for bytes {begin}-{begin + length - 1}, got {got_begin}-{got_end}"
-                )
+            if r.status not in _REDIRECTS:
+                self.final_url = url
+                return r
+            location = r.headers.get("Location", "")
+            r.drain_conn()
+            r.release_conn()
+            target = urljoin(url, location)
+            if not location or urlsplit(target).scheme not in ("http", "https"):
+                raise RemoteError(f"{self.url}: bytes {span}: HTTP {r.status} redirected to {location!r}, not http(s)")
+            url = target
+        raise RemoteError(f"{self.url}: bytes {span}: more than {MAX_REDIRECTS} redirects (the last to {url})")
+
+    def _check_status(self, r, span: str) -> None:
+        if r.status in _RETRY_STATUSES:
+            raise _Retry(f"HTTP {r.status}")
+        if r.status == 404:
+            raise FileNotFoundError(f"{self.url}: not found (HTTP 404)")
+        if r.status == 412 and self.etag:  # If-Match failed: no longer the pinned version
+            raise self._changed(self.size or 0, f"not {self.etag} (HTTP 412 to If-Match)")
+        if r.status >= 400:
+            raise RemoteError(f"{self.url}: HTTP {r.status} for bytes {span}")
+        if r.status != 206:
+            where = f" (redirected to {self.final_url})" if self.final_url != self.url else ""
+            raise RemoteError(
+                f"{self.url}: range request for bytes {span} got HTTP {r.status}{where}; "
+                "the server must answer ranges with 206"
+            )
+
+    def _span(self, r, begin: int, length: int, to_end: bool) -> int:
+        """Check the response's range and identity; return its body's length."""
+        span = f"{begin}-{begin + length - 1}"
+        got_begin, got_end, total = _content_range(r.headers, self.url)
+        self._check_identity(total, _version(r.headers))
+        if to_end and got_begin == begin and got_end == total - 1 < begin + length - 1:
+            pass  # a speculative range past the end of a small object
+        elif got_begin != begin or got_end != begin + length - 1:
+            raise RemoteError(f"{self.url}: asked for bytes {span}, got {got_begin}-{got_end}")
+        _check_body_headers(r.headers, self.url, span, got_end - got_begin + 1)
+        return got_end - got_begin + 1
+
+    def _once(self, begin: int, length: int, sink: Callable[[object, int], None], to_end: bool = False) -> None:
+        import urllib3
+
+        span = f"{begin}-{begin + length - 1}"
+        seconds = self.limits.seconds(length)
+        deadline = time.monotonic() + seconds
+        r = self._request(self._headers(begin, length), span, seconds)
+        expired = threading.Event()
+        sock = _socket_of(r)
+
+        def stop() -> None:
+            expired.set()
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RDWR)
+
+        token = _WATCHDOG.arm(deadline, stop)
+        try:
+            self._check_status(r, span)
+            nbytes = self._span(r, begin, length, to_end)
             try:
-                sink(r)
-            except (urllib3.exceptions.HTTPError, ConnectionError, _Short) as e:
+                sink(r, nbytes)
+                longer = r.headers.get("Content-Length") is None and _raw(r).read(1)  # chunked: must end here
+            except (urllib3.exceptions.HTTPError, OSError, ValueError, _Short) as e:
+                if expired.is_set():
+                    raise self._too_slow(span, seconds) from None
                 raise _Retry(f"body interrupted: {e}") from None
+            if longer:
+                raise RemoteError(f"{self.url}: the body for bytes {span} is longer than the range")
         finally:
+            _WATCHDOG.disarm(token)
             r.release_conn()
 
-    def _with_retries(self, begin: int, length: int, sink: Callable[[object], None], to_end: bool = False) -> None:
+    def _too_slow(self, span: str, seconds: float) -> RemoteError:
+        return RemoteError(
+            f"{self.url}: bytes {span} not received within {seconds:.1f} s (the deadline is "
+            f"{TIMEOUT_ENV}={self.limits.timeout_s:g} s plus the length at {MIN_RATE_ENV}="
+            f"{self.limits.min_bytes_per_s:g} bytes/s)"
+        )
+
+    def _with_retries(self, begin: int, length: int, sink: Callable[[object, int], None], to_end: bool = False) -> None:
         for attempt in range(self.max_retries + 1):
             try:
                 return self._once(begin, length, sink, to_end)
@@ -184,7 +422,7 @@ class HttpReader:
         if total == 0:
             return
 
-        def sink(response) -> None:
+        def sink(response, nbytes: int) -> None:
             for buf in buffers:
                 _read_exact(response, buf)
             self.stats.add(nbytes=total)
@@ -198,11 +436,13 @@ class HttpReader:
 
     def probe(self) -> bytes:
         """The first bytes of the object (speculatively enough for most headers),
-        pinning its size and ETag. One request."""
+        pinning its size and version. One request; never reads more than it asked."""
         chunks: list[bytes] = []
 
-        def sink(response) -> None:
-            chunks.append(response.read())
+        def sink(response, nbytes: int) -> None:
+            out = bytearray(nbytes)  # nbytes <= SPECULATIVE_HEADER_BYTES: checked by _span
+            _read_exact(response, memoryview(out))
+            chunks.append(bytes(out))
 
         if self.size is not None:
             return self.read(0, min(SPECULATIVE_HEADER_BYTES, self.size))
@@ -210,17 +450,17 @@ class HttpReader:
         return chunks[-1]
 
 
-class _Short(Exception):
-    pass
-
-
-def _read_exact(response, buf: memoryview) -> None:
-    view = buf.cast("B") if buf.format != "B" else buf
+def _raw(response):
     # urllib3 2.x's readinto reads into a temporary bytes object and copies; the
     # http.client response beneath it (identity encoding, Content-Length known)
     # reads from the socket straight into our buffer.
     raw = getattr(response, "_fp", None)
-    reader = raw if raw is not None and hasattr(raw, "readinto") else response
+    return raw if raw is not None and hasattr(raw, "readinto") else response
+
+
+def _read_exact(response, buf: memoryview) -> None:
+    view = buf.cast("B") if buf.format != "B" else buf
+    reader = _raw(response)
     done = 0
     while done < len(view):
         n = reader.readinto(view[done:])
@@ -229,10 +469,18 @@ def _read_exact(response, buf: memoryview) -> None:
         done += n
 
 
-class FsspecReader:
-    """Ranged reads through fsspec (``s3://``, ``gs://``, ``hf://`` ...)."""
+def _fsspec_version(info: Mapping[str, object]) -> str | None:
+    found = [f"{k}={info[k]}" for k in _VERSION_FIELDS if info.get(k) not in (None, "")]
+    return "; ".join(found) or None
 
-    def __init__(self, url: str, *, stats: RemoteStats | None = None) -> None:
+
+class FsspecReader:
+    """Ranged reads through fsspec (``s3://``, ``gs://``, ``hf://`` ...), pinned to
+    the object's size and version (see the module docstring)."""
+
+    def __init__(
+        self, url: str, *, stats: RemoteStats | None = None, identity: tuple[int, str | None] | None = None
+    ) -> None:
         try:
             import fsspec
         except ImportError:
@@ -247,11 +495,44 @@ class FsspecReader:
             raise RemoteError(f"{url}: no fsspec implementation for {protocol}:// ({e}); install {extra}") from None
         self.url, self.path = url, url
         self.stats = stats or RemoteStats()
-        self.size = self.fs.size(url)
         self.requests = 0
+        self.size, self.version = self._current()
+        if identity is not None:
+            self._check(identity)
+
+    @property
+    def identity(self) -> tuple[int, str | None]:
+        return self.size, self.version
+
+    def _current(self) -> tuple[int, str | None]:
+        try:
+            self.fs.invalidate_cache(self.url)  # a cached listing would hide a new version
+            info = self.fs.info(self.url)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{self.url}: not found") from None
+        size = info.get("size")
+        if not isinstance(size, int):
+            raise RemoteError(f"{self.url}: fsspec reports no size ({size!r})")
+        return size, _fsspec_version(info)
+
+    def _check(self, pinned: tuple[int, str | None]) -> None:
+        now = self._current()
+        if now != tuple(pinned):
+            raise RemoteChangedError(
+                f"{self.url}: the object changed during the load (size {pinned[0]} -> {now[0]}, "
+                f"version {pinned[1]} -> {now[1]}); reload from the start"
+            )
 
     def close(self) -> None:
-        pass
+        """Check the object is still the version read (a replacement during the load
+        would have mixed versions)."""
+        self._check(self.identity)
+
+    def can_read_tables(self) -> bool:
+        return False  # no raw-address iovecs over the network: one memoryview per run
+
+    def readv_table(self, table: object, offset: int) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         total = sum(len(b) for b in buffers)
@@ -274,7 +555,10 @@ class FsspecReader:
         return self.read(0, min(SPECULATIVE_HEADER_BYTES, self.size))
 
 
-def open_remote(url: str, stats: RemoteStats | None = None):
+def open_remote(url: str, stats: RemoteStats | None = None, identity: tuple[int, str | None] | None = None):
+    """A reader for ``url``; with ``identity`` (from a reader's ``identity`` when the
+    header was read), pinned to that size and version."""
     if url.startswith(("http://", "https://")):
-        return HttpReader(url, stats=stats)
-    return FsspecReader(url, stats=stats)
+        size, etag = identity if identity is not None else (None, None)
+        return HttpReader(url, stats=stats, size=size, etag=etag)
+    return FsspecReader(url, stats=stats, identity=identity)

@@ -14,6 +14,9 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import ml_dtypes
+import numpy as np
+
 from ._errors import LoadError
 
 __all__ = [
@@ -21,7 +24,9 @@ __all__ = [
     "IOStats",
     "LoadReport",
     "LoadWarning",
+    "LossyCastWarning",
     "ShapeMismatch",
+    "is_lossy",
     "matches_any",
     "split_allowed",
     "split_allowed_shapes",
@@ -44,11 +49,39 @@ class ShapeMismatch:
         return f"{self.path}: shape {self.model_shape} in the model, {self.file_shape} in the file{src}"
 
 
+class LossyCastWarning(LoadWarning):
+    """A load cast values to a dtype that cannot hold them all (float to int, a
+    narrower float or int): the loaded values differ from the file's."""
+
+
+def is_lossy(source: str, target: str) -> bool:
+    """Whether casting dtype ``source`` to ``target`` can change values: float to
+    int or bool, a float with fewer mantissa bits or a smaller exponent range, an
+    int that does not fit. (Names as numpy / ml_dtypes spell them; the first word.)
+
+    Examples:
+        >>> is_lossy("float32", "bfloat16"), is_lossy("bfloat16", "float32"), is_lossy("float32", "int32")
+        (True, False, True)
+    """
+    a, b = np.dtype(source.split()[0]), np.dtype(target.split()[0])
+    if a.kind == "f" and b.kind == "f":
+        fa, fb = ml_dtypes.finfo(a), ml_dtypes.finfo(b)
+        return fb.nmant < fa.nmant or fb.maxexp < fa.maxexp or fb.minexp > fa.minexp
+    if a.kind in "fc" and b.kind in "iub":
+        return True
+    return not np.can_cast(a, b, "safe")
+
+
 @dataclass(frozen=True)
 class DtypeCast:
     path: str
     file_dtype: str
     model_dtype: str
+
+    @property
+    def lossy(self) -> bool:
+        """The cast can change values (see :func:`is_lossy`)."""
+        return is_lossy(self.file_dtype, self.model_dtype)
 
     def __str__(self) -> str:
         return f"{self.path}: {self.file_dtype} in the file -> {self.model_dtype} in the model"
@@ -108,6 +141,8 @@ class LoadReport:
         allowed_missing / allowed_unexpected: mismatches the caller declared.
         allowed_shape_mismatches: shape mismatches the caller declared
             (``allow_shape_mismatch``); those paths keep the model's values.
+        renamed: per file key, the model paths porting rules made of it (shown next
+            to an unexpected key: the path the model lacks).
         sources: per target path, the file keys it came from.
         landed: per file key, the target paths it went to (empty: nowhere).
         io: the engine's I/O statistics.
@@ -124,6 +159,7 @@ class LoadReport:
     allowed_missing: list[str] = field(default_factory=list)
     allowed_unexpected: list[str] = field(default_factory=list)
     allowed_shape_mismatches: list[ShapeMismatch] = field(default_factory=list)
+    renamed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
     landed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     io: IOStats = field(default_factory=IOStats)
@@ -138,11 +174,27 @@ class LoadReport:
 
     def problems(self) -> list[str]:
         """Every mismatch as one line, grouped and sorted."""
-        lines = [f"missing: {p}" for p in sorted(self.missing)]
-        lines += [f"unexpected: {p}" for p in sorted(self.unexpected)]
-        lines += [f"shape: {m}" for m in sorted(self.shape_mismatches, key=lambda m: m.path)]
-        lines += [f"dtype: {c}" for c in sorted(self.dtype_casts, key=lambda c: c.path)]
-        return lines
+        return [line for group in self._groups() for line in group]
+
+    def _groups(self) -> list[list[str]]:
+        """The problem lines by kind: missing, unexpected, shape, dtype."""
+        return [
+            [f"missing: {p}" for p in sorted(self.missing)],
+            [f"unexpected: {self._unexpected_line(k)}" for k in sorted(self.unexpected)],
+            [f"shape: {m}" for m in sorted(self.shape_mismatches, key=lambda m: m.path)],
+            [f"LOSSY dtype: {c}" for c in sorted(self.lossy_casts, key=lambda c: c.path)],
+            [f"dtype: {c}" for c in sorted(self.dtype_casts, key=lambda c: c.path) if not c.lossy],
+        ]
+
+    @property
+    def lossy_casts(self) -> list[DtypeCast]:
+        """The casts that can change values (float to int, narrower floats or ints)."""
+        return [c for c in self.dtype_casts if c.lossy]
+
+    def _unexpected_line(self, key: str) -> str:
+        """A file key, with the model paths porting rules renamed it to (none exists)."""
+        targets = [t for t in self.renamed.get(key, ()) if t != key]
+        return f"{key} -> {', '.join(targets)}: no such model path" if targets else key
 
     def summary(self) -> str:
         counts = (
@@ -169,21 +221,36 @@ class LoadReport:
         """The options that would accept this report's mismatches (empty when clean)."""
         return remedy(self)
 
-    def raise_or_warn(self, strict: bool, *, limit: int = 50, stacklevel: int = 3) -> None:
-        """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`."""
+    def raise_or_warn(self, strict: bool, *, limit: int = 20, stacklevel: int = 3) -> None:
+        """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`, showing up
+        to ``limit`` lines of each kind (a long missing list never hides the unexpected
+        keys that explain it)."""
         if self.clean:
             return
-        lines = self.problems()
-        shown = "\n  ".join(lines[:limit]) + (f"\n  ... and {len(lines) - limit} more" if len(lines) > limit else "")
+        shown = "\n  ".join(line for group in self._groups() for line in _cut(group, limit))
         if strict:
             raise LoadError(
                 f"strict load refused, nothing was changed. {self.summary()}:\n  {shown}\n{self.remedy()}", self
             )
+        lossy = self.lossy_casts
+        loud = (
+            f"{len(lossy)} LOSSY dtype cast(s): the loaded values differ from the file's "
+            "(load into the file's dtype, or cast yourself where you mean to). "
+            if lossy
+            else ""
+        )
         warnings.warn(
-            f"{self.summary()}:\n  {shown}\n(see the returned LoadReport; strict=True raises)",
-            LoadWarning,
+            f"{loud}{self.summary()}:\n  {shown}\n(see the returned LoadReport; strict=True raises)",
+            LossyCastWarning if lossy else LoadWarning,
             stacklevel=stacklevel,
         )
+
+
+def _cut(lines: list[str], limit: int) -> list[str]:
+    if len(lines) <= limit:
+        return lines
+    kind = lines[0].split(":", 1)[0]
+    return [*lines[:limit], f"... and {len(lines) - limit} more {kind}"]
 
 
 def _listed(paths: Sequence[str], limit: int = 5) -> str:

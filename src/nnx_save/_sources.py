@@ -19,19 +19,34 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import posixpath
+import stat
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
-from . import _formats, _remote
-from ._errors import DuplicateKeyError, HeaderError, HeaderTooSmallError, IndexFileError, TruncatedFileError
+from . import _formats, _layout, _remote
+from ._errors import (
+    DuplicateKeyError,
+    HeaderError,
+    HeaderTooSmallError,
+    IndexFileError,
+    SourceError,
+    TruncatedFileError,
+)
 from ._header import FileHeader, TensorInfo, header_size, parse_header, unique_pairs
+from ._layout import Piece
+from ._read import LocalReader, Reader
 
 __all__ = ["INDEX_NAME", "Header", "pread_exact", "read_file_header", "read_header"]
 
 INDEX_NAME = "model.safetensors.index.json"
+# DeepSeek-scale indexes (tens of thousands of tensors) are a few MiB.
+MAX_INDEX_BYTES = 64 << 20
+_NOT_IN_FILE_NAMES = ("%", "\\", "?", "#", "\x00", ":")
 PathLike = str | os.PathLike
 
 
@@ -44,7 +59,12 @@ class Header:
         metadata: the ``__metadata__`` of a single file; for several files, the
             index's ``metadata`` merged over the first file's.
         files: each file's own header, in read order.
-        kind: ``"file"``, ``"index"``, ``"directory"`` or ``"list"``.
+        kind: ``"file"``, ``"index"``, ``"directory"``, ``"list"`` or ``"pod"``.
+        pieces: for a pod directory, each tensor's pieces in its shard files (the
+            ``file`` of a pod tensor is its manifest); empty for the other layouts,
+            whose tensors are one whole piece each (see :meth:`pieces_of`).
+        missing_files: pod shard files the manifest names that are not present.
+        num_processes: the processes that wrote a pod directory.
     """
 
     tensors: Mapping[str, TensorInfo]
@@ -54,6 +74,17 @@ class Header:
     remote: Any = None  # _remote.RemoteStats shared by this checkpoint's remote readers
     identity: Mapping[str, tuple[int, str | None]] = field(default_factory=dict)  # url -> (size, ETag)
     pinned: Any = field(default=None, repr=False, compare=False)  # _Pinned: local file -> open descriptor
+    pieces: Mapping[str, tuple[Piece, ...]] = field(default_factory=dict)
+    missing_files: tuple[str, ...] = ()
+    num_processes: int = 1
+
+    def pieces_of(self, key: str) -> tuple[Piece, ...]:
+        """Where tensor ``key``'s bytes are: pieces at (file, byte range, box)."""
+        found = self.pieces.get(key)
+        if found is not None:
+            return found
+        info = self.tensors[key]
+        return (Piece(_layout.whole(info.shape), info),)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -93,21 +124,65 @@ def pread_exact(fd: int, size: int, offset: int, file: str) -> bytes:
     return b"".join(chunks)
 
 
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return f"not a regular file (mode {mode:o})"
+
+
+def open_regular(name: str) -> int:
+    """Open ``name`` for reading, refusing anything but a regular file.
+
+    Opened without blocking (a FIFO would otherwise wait for a writer forever), then
+    checked with ``fstat`` on the descriptor itself, then set back to blocking.
+
+    Raises:
+        SourceError: a directory, FIFO, device or socket, or an unreadable path.
+        FileNotFoundError: no such file.
+    """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise SourceError(f"{name}: cannot open the file ({e.strerror})", name) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise SourceError(f"{name}: is {_kind(mode)}, not a regular file; checkpoint files must be regular files", name)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_prefix_and_header(fd: int, size: int, name: str) -> FileHeader:
+    # The size is checked before any read: /proc files report 0 and some (/proc/self/mem) fail to read.
+    prefix = os.pread(fd, 8, 0) if size >= 8 else b""
+    _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at))  # torch zip / pickle: say so
+    n = header_size(prefix, size, file=name)
+    try:
+        raw = pread_exact(fd, n, 8, name)
+    except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
+        raise HeaderTooSmallError(str(e)) from None
+    return parse_header(raw, size, file=name)
+
+
 def read_file_header(path: PathLike, pinned: _Pinned | None = None) -> FileHeader:
     """Read and validate one file's header (two positioned reads). With ``pinned``,
     the file stays open there (see :class:`_Pinned`)."""
     name = os.fspath(path)
-    fd = os.open(name, os.O_RDONLY)
+    fd = open_regular(name)
     try:
-        size = os.fstat(fd).st_size
-        prefix = os.pread(fd, 8, 0)
-        _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at))  # torch zip / pickle: say so
-        n = header_size(prefix, size, file=name)
-        try:
-            raw = pread_exact(fd, n, 8, name)
-        except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
-            raise HeaderTooSmallError(str(e)) from None
-        header = parse_header(raw, size, file=name)
+        header = _read_prefix_and_header(fd, os.fstat(fd).st_size, name)
+    except OSError as e:
+        os.close(fd)
+        raise SourceError(f"{name}: reading the header failed ({e.strerror or e})", name) from None
     except BaseException:
         os.close(fd)
         raise
@@ -166,48 +241,104 @@ def _merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
     return tensors
 
 
-def _inside(directory: Path, relative: str, index: str) -> Path:
+def _check_file_name(name: str, base: str, where: str) -> None:
+    """A weight-map file name must be a plain relative path under the index's
+    directory: no ``..``, no absolute name, no ``%`` (a URL would decode it), ``\\``,
+    ``?``, ``#``, ``:`` or NUL. The same rule for local and remote indexes."""
+    parts = name.split("/")
+    if name.startswith("/") or ".." in parts:
+        raise IndexFileError(f"{where}: file {name!r} points outside the checkpoint directory {base}")
+    bad = [c for c in _NOT_IN_FILE_NAMES if c in name]
+    if bad or "" in parts or "." in parts:
+        what = f"contains {bad[0]!r}" if bad else "has an empty or '.' path segment"
+        raise IndexFileError(f"{where}: file name {name!r} {what}; weight-map entries must be plain relative paths")
+
+
+def _inside(directory: Path, relative: str, index: str) -> str:
     # Judged on the name, not on where symlinks lead: the HuggingFace cache keeps
     # every file of a snapshot as a symlink into ../../blobs, and that is fine.
     # What an index must not do is name a file outside its directory.
+    _check_file_name(relative, str(directory), index)
     candidate = Path(os.path.normpath(os.path.join(directory, relative)))
-    if Path(relative).is_absolute() or not candidate.is_relative_to(os.path.normpath(directory)):
+    if not candidate.is_relative_to(os.path.normpath(directory)):
         raise IndexFileError(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
-    if not candidate.is_file():
+    if not os.path.lexists(candidate):
         raise IndexFileError(f"{index}: names file {relative!r}, which does not exist in {directory}")
-    return directory / relative
+    return os.fspath(directory / relative)
 
 
-def _read_index(index: Path) -> tuple[dict[str, str], dict[str, str]]:
+def _member_url(base: str, name: str, index: str) -> str:
+    """``base/name``, checked again after percent-decoding and normalising: still
+    under ``base``, on the same host."""
+    _check_file_name(name, base + "/", index)
+    url = f"{base}/{name}"
+    got, want = urlsplit(url), urlsplit(base + "/")
+    path = posixpath.normpath(unquote(got.path))
+    if (got.scheme, got.netloc) != (want.scheme, want.netloc) or not path.startswith(unquote(want.path)):
+        raise IndexFileError(f"{index}: file {name!r} points outside the checkpoint directory {base}/")
+    return url
+
+
+def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Validate an index's bytes: ``(weight_map, metadata)``. The one validator of
+    local and remote indexes: at most :data:`MAX_INDEX_BYTES`, JSON without a
+    repeated key at any level, a ``weight_map`` of tensor name -> file name.
+
+    Raises:
+        IndexFileError: naming ``where`` and the failed check.
+    """
+    if len(raw) > MAX_INDEX_BYTES:
+        raise IndexFileError(f"{where}: index of {len(raw)} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
     try:
-        obj = json.loads(index.read_text(encoding="utf-8"), object_pairs_hook=unique_pairs)
-    except DuplicateKeyError as e:  # a tensor listed twice
-        raise IndexFileError(f"{index}: {e} in the index JSON") from None
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise IndexFileError(f"{index}: not a valid JSON index: {e}") from None
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
+        meta = obj.get("metadata") if isinstance(obj, dict) else None
+        meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+    except DuplicateKeyError as e:  # a tensor listed twice: json.loads would keep the last in silence
+        raise IndexFileError(f"{where}: {e} in the index JSON") from None
+    except RecursionError:
+        raise IndexFileError(f"{where}: not a valid JSON index: nested too deeply") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise IndexFileError(f"{where}: not a valid JSON index: {e}") from None
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise IndexFileError(f"{index}: expected an object with a 'weight_map' of tensor name -> file name")
-    meta = obj.get("metadata") or {}
-    return weight_map, {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+        raise IndexFileError(f"{where}: expected an object with a 'weight_map' of tensor name -> file name")
+    return weight_map, meta
+
+
+def _read_local_index(index: Path) -> bytes:
+    name = os.fspath(index)
+    fd = open_regular(name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > MAX_INDEX_BYTES:
+            raise IndexFileError(f"{name}: index of {size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
+        return pread_exact(fd, size, 0, name)
+    finally:
+        os.close(fd)
+
+
+def _index_tensors(weight_map: Mapping[str, str], files: Sequence[FileHeader], file_of: Mapping[str, str], where: str):
+    """Every tensor of ``files``, checked against the weight map both ways."""
+    tensors = _merge(files, where)
+    for tensor, fname in weight_map.items():
+        info = tensors.get(tensor)
+        if info is None:
+            raise IndexFileError(f"{where}: names tensor {tensor!r} in {fname}, which does not hold it")
+        if info.file != file_of[fname]:
+            raise IndexFileError(f"{where}: places tensor {tensor!r} in {fname}, but it is in {info.file}")
+    extra = sorted(set(tensors) - set(weight_map))
+    if extra:
+        raise IndexFileError(f"{where}: files hold tensors the index does not name: {extra[:5]}")
+    return tensors
 
 
 def _index_header(directory: Path) -> Header:
     index = directory / INDEX_NAME
-    weight_map, meta = _read_index(index)
-    names = sorted(set(weight_map.values()))
+    weight_map, meta = parse_index(_read_local_index(index), str(index))
+    file_of = {n: _inside(directory, n, str(index)) for n in sorted(set(weight_map.values()))}
     pinned = _Pinned()
-    files = tuple(read_file_header(_inside(directory, n, str(index)), pinned) for n in names)
-    tensors = _merge(files, str(index))
-    for tensor, fname in weight_map.items():
-        info = tensors.get(tensor)
-        if info is None:
-            raise IndexFileError(f"{index}: names tensor {tensor!r} in {fname}, which does not hold it")
-        if Path(info.file).name != Path(fname).name:
-            raise IndexFileError(f"{index}: places tensor {tensor!r} in {fname}, but it is in {info.file}")
-    extra = sorted(set(tensors) - set(weight_map))
-    if extra:
-        raise IndexFileError(f"{index}: files hold tensors the index does not name: {extra[:5]}")
+    files = tuple(read_file_header(f, pinned) for f in file_of.values())
+    tensors = _index_tensors(weight_map, files, file_of, str(index))
     return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index", pinned=pinned)
 
 
@@ -215,7 +346,17 @@ def _many(paths: Sequence[Path], kind: str, where: str) -> Header:
     pinned = _Pinned()
     files = tuple(read_file_header(p, pinned) for p in paths)
     meta = dict(files[0].metadata) if files else {}
-    return Header(_merge(files, where), meta, files, kind, pinned=pinned)
+    try:
+        tensors = _merge(files, where)
+    except IndexFileError as e:
+        if kind != "directory":
+            raise
+        raise IndexFileError(
+            f"{e}. {where} has no {INDEX_NAME}, so all its *.safetensors files are read as the parts of one "
+            "checkpoint; files holding the same tensor names are separate checkpoints (copies, or different "
+            f"steps): load one file, move the others out, or write the {INDEX_NAME} of a sharded checkpoint"
+        ) from None
+    return Header(tensors, meta, files, kind, pinned=pinned)
 
 
 def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
@@ -247,10 +388,8 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         return _many([Path(p) for p in source], "list", "file list")
     path = Path(source)  # type: ignore[arg-type]  # a list or tuple returned above; mypy cannot narrow str from Sequence
     if path.is_dir():
-        if (path / "manifest.json").is_file():  # a pod directory (nnx_save.save_pod)
-            from ._pod import read_pod
-
-            return read_pod(path)
+        if (path / _layout.MANIFEST).is_file():  # a pod directory (nnx_save.save_pod)
+            return _pod_header(path)
         if (path / INDEX_NAME).is_file():
             return _index_header(path)
         _formats.refuse_directory(path)  # Orbax / TensorStore: say what it is and what to run
@@ -278,35 +417,25 @@ def _remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, st
     raw = head[8 : 8 + n]
     if len(raw) < n:
         raw += reader.read(len(head), 8 + n - len(head))
-    return parse_header(raw, reader.size, file=url), (reader.size, getattr(reader, "etag", None))
+    return parse_header(raw, reader.size, file=url), reader.identity
 
 
 def _remote_index(url: str, stats: Any) -> Header:
     base = url.rsplit("/", 1)[0]
     reader = _remote.open_remote(url, stats)
-    reader.probe()
-    if reader.size > _remote.SPECULATIVE_HEADER_BYTES:
-        raise IndexFileError(f"{url}: index of {reader.size} bytes is larger than any real index")
-    try:
-        obj = json.loads(reader.read(0, reader.size).decode("utf-8"))
-    except ValueError as e:
-        raise IndexFileError(f"{url}: not a valid JSON index: {e}") from None
-    weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise IndexFileError(f"{url}: expected an object with a 'weight_map' of tensor name -> file name")
-    for name in set(weight_map.values()):
-        if "://" in name or name.startswith("/") or ".." in name.split("/"):
-            raise IndexFileError(f"{url}: file {name!r} points outside the checkpoint directory {base}/")
-    pairs = [_remote_file_header(f"{base}/{n}", stats) for n in sorted(set(weight_map.values()))]
+    raw = reader.probe()
+    if reader.size > MAX_INDEX_BYTES:
+        raise IndexFileError(f"{url}: index of {reader.size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
+    if len(raw) < reader.size:
+        raw += reader.read(len(raw), reader.size - len(raw))
+    weight_map, meta = parse_index(raw, url)
+    file_of = {n: _member_url(base, n, url) for n in sorted(set(weight_map.values()))}
+    pairs = [_remote_file_header(f, stats) for f in file_of.values()]
     files = tuple(fh for fh, _ in pairs)
-    tensors = _merge(files, url)
-    for tensor, fname in weight_map.items():
-        if tensor not in tensors or not tensors[tensor].file.endswith("/" + fname):
-            raise IndexFileError(f"{url}: names tensor {tensor!r} in {fname}, which does not hold it")
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    tensors = _index_tensors(weight_map, files, file_of, url)
     return Header(
         tensors,
-        {**files[0].metadata, **{str(k): str(v) for k, v in meta.items()}} if files else {},
+        {**files[0].metadata, **meta} if files else meta,
         files,
         "index",
         stats,
@@ -327,17 +456,32 @@ def _remote_header(url: str) -> Header:
     return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", stats, {url: ident})
 
 
-def reader_factory(header: Header):
-    """``open_reader(file)`` for the engine: local files, or remote readers pinned to
-    the size and ETag seen when the header was read."""
-    from ._read import LocalReader
+def _pod_header(directory: Path) -> Header:
+    """A pod directory: the validated manifest, and the header of every shard file
+    present (a shard file that is not there is only an error if a load needs it)."""
+    manifest = _layout.parse_manifest(directory / _layout.MANIFEST)
+    pinned = _Pinned()
+    files = {f: read_file_header(directory / f, pinned) if (directory / f).is_file() else None for f in manifest.files}
+    tensors, pieces = _layout.pod_tensors(manifest, files)
+    return Header(
+        tensors,
+        dict(manifest.metadata),
+        tuple(fh for _, fh in sorted(files.items()) if fh is not None),
+        "pod",
+        pinned=pinned,
+        pieces=pieces,
+        missing_files=tuple(sorted(f for f, fh in files.items() if fh is None)),
+        num_processes=manifest.num_processes,
+    )
 
-    def open_reader(file: str):
+
+def reader_factory(header: Header) -> Callable[[str], Reader]:
+    """``open_reader(file)`` for the engine: local files, or remote readers pinned to
+    the size and version seen when the header was read."""
+
+    def open_reader(file: str) -> Reader:
         if header.remote is not None and file in header.identity:
-            size, etag = header.identity[file]
-            if file.startswith(("http://", "https://")):
-                return _remote.HttpReader(file, stats=header.remote, size=size, etag=etag)
-            return _remote.FsspecReader(file, stats=header.remote)
+            return _remote.open_remote(file, header.remote, header.identity[file])
         pinned = header.pinned.fds.get(file) if header.pinned is not None else None
         return LocalReader(file, pinned)
 

@@ -9,11 +9,13 @@ from typing import Any
 import numpy as np
 
 from . import _async, _collective, _dtypes, _paths, _progress
-from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError
-from ._load import Target, load_targets
-from ._report import ShapeMismatch, matches_any
+from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
+from ._load import load_targets
+from ._options import LoadOptions
+from ._report import LoadReport, ShapeMismatch, matches_any
 from ._sources import Header, read_header, reader_factory
-from ._values import HostValue
+from ._stage import HostValue
+from ._target import Target
 from ._write import Entry
 
 __all__ = ["flatten", "leaf_entry", "load_file", "save_file"]
@@ -69,7 +71,7 @@ def _refuse_mixed_keys(node: Any, where: tuple) -> None:
 def _describe(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"a numpy array of dtype {value.dtype}"
-    return f"a {type(value).__name__} ({value!r:.40})"
+    return f"a {type(value).__name__} ({short_repr(value, 40)})"
 
 
 def leaf_entry(path: tuple, value: Any) -> Entry:
@@ -106,8 +108,10 @@ def save_file(
     """Save a pytree of arrays as one ``.safetensors`` file, atomically.
 
     Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
-    streamed one at a time (device -> host for one tensor, then written); the file
-    appears under ``path`` only once complete and fsynced. ``tree`` is not modified.
+    written one at a time; from accelerators the device -> host copies of the next
+    ones run meanwhile, at most ``NNX_SAVE_SAVE_INFLIGHT_BYTES`` (default 1 GiB) of
+    them held at once (see docs/async.md). The file appears under ``path`` only once
+    complete and fsynced. ``tree`` is not modified.
 
     Args:
         tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.
@@ -152,14 +156,14 @@ def check_metadata(metadata: Any) -> None:
     for k, v in metadata.items():
         if not (isinstance(k, str) and isinstance(v, str)):
             raise UnsupportedValueError(
-                f"metadata must map str to str: {k!r}: {v!r:.40} is {type(k).__name__}: {type(v).__name__}",
+                f"metadata must map str to str: {k!r}: {short_repr(v, 40)} is {type(k).__name__}: {type(v).__name__}",
                 "__metadata__",
             )
         try:
             (k + v).encode("utf-8")
         except UnicodeEncodeError:
             raise UnsupportedValueError(
-                f"metadata must map str to str: {k!r}: {v!r:.40} is not valid Unicode (a lone surrogate)",
+                f"metadata must map str to str: {k!r}: {short_repr(v, 40)} is not valid Unicode (a lone surrogate)",
                 "__metadata__",
             ) from None
 
@@ -240,6 +244,8 @@ def load_file(
     return_report: bool = False,
     verify: bool = False,
     progress: bool | None = None,
+    stream: bool | None = None,
+    staging: str = "auto",
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
 
@@ -267,6 +273,15 @@ def load_file(
             process, are listed in ``report.unverified``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        stream: how bytes reach the devices. ``None`` (default) decides from their
+            platform: on the CPU backend arrays adopt the host buffers read (zero
+            copy); elsewhere reads stream through a bounded pool of reused staging
+            buffers, so host memory stays within ``max_inflight_bytes`` whatever the
+            checkpoint size. ``True`` forces streaming (a testing aid on CPU; also
+            ``NNX_SAVE_STREAM=1``), ``False`` forbids it.
+        staging: the streaming path's staging memory: ``"pinned"`` (page-locked,
+            jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
+            (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
@@ -289,19 +304,21 @@ def load_file(
     import jax
 
     header = read_header(source)
-    options = {
-        "strict": strict,
-        "allow_missing": allow_missing,
-        "allow_unexpected": allow_unexpected,
-        "allow_shape_mismatch": allow_shape_mismatch,
-        "max_over_read_ratio": max_over_read_ratio,
-        "read_chunk_bytes": read_chunk_bytes,
-        "max_inflight_bytes": max_inflight_bytes,
-        "num_threads": num_threads,
-        "open_reader": reader_factory(header),
-        "verify": verify,
-        "progress": progress,
-    }
+    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging)
+
+    def load(targets: list[Target]) -> tuple[dict[str, Any], LoadReport]:
+        return load_targets(
+            header,
+            targets,
+            how,
+            open_reader=reader_factory(header),
+            strict=strict,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            allow_shape_mismatch=allow_shape_mismatch,
+            progress=progress,
+        )
+
     if abstract is None:
         if jax.process_count() > 1:
             raise NnxSaveError(
@@ -310,12 +327,12 @@ def load_file(
                 "the shardings each process should load"
             )
         targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
-        values, report = load_targets(header, targets, **options)
+        values, report = load(targets)
         result = {k: values[k] for k in header.tensors}
     else:
         targets, treedef, keys, leaves = _abstract_targets(abstract)
         _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
-        values, report = load_targets(header, targets, **options)
+        values, report = load(targets)
         kept = {m.path for m in report.allowed_shape_mismatches}
         values = {**values, **{k: leaf for k, leaf in zip(keys, leaves, strict=True) if k in kept}}
         missing = [k for k in keys if k not in values]

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _checksum, _dtypes, _progress
+from . import _checksum, _dtypes, _progress, _stage
 from ._errors import SaveError
 from ._header import encode_header
 
@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 TMP_MARKER = ".nnx_save-tmp-"
+NAME_MAX = 255  # bytes in one file name (Linux, macOS, most filesystems)
 # Below this a tensor is hashed on the writing thread: a thread handoff costs ~0.1-1 ms
 # (more on a busy machine), xxh3 hashes 1 MiB in ~0.1 ms, and most tensors of a model
 # (norms, biases) are a few KiB: handing each off made saving ~20% slower.
@@ -119,7 +120,7 @@ def remove_stale_temps(path: Path) -> list[str]:
     not parse is kept. Best effort: a failure to list or remove is ignored (the
     save itself reports real I/O problems). Returns the names removed.
     """
-    prefix, host, removed = f".{path.name}{TMP_MARKER}", _host(), list[str]()
+    prefix, host, removed = _temp_prefix(path), _host(), list[str]()
     try:
         names = os.listdir(path.parent)
     except OSError:
@@ -140,10 +141,19 @@ def remove_stale_temps(path: Path) -> list[str]:
     return removed
 
 
+def _temp_prefix(path: Path) -> str:
+    """``.<name>.nnx_save-tmp-``, the name cut (on a character boundary) so that the
+    whole temporary name fits the 255-byte limit of a file name: a legal name near the
+    limit must still be savable."""
+    room = NAME_MAX - len(f".{TMP_MARKER}{_host()}-{2**32}-{'0' * 8}".encode())
+    name = path.name.encode()[:room].decode("utf-8", "ignore")
+    return f".{name}{TMP_MARKER}"
+
+
 def temp_path(path: Path) -> Path:
     """A fresh temporary name next to ``path``; first removes those of dead processes."""
     remove_stale_temps(path)
-    return path.parent / f".{path.name}{TMP_MARKER}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    return path.parent / f"{_temp_prefix(path)}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def fsync_dir(directory: Path) -> None:
@@ -165,6 +175,8 @@ def atomic_file(path: str | os.PathLike, *, staged: list[tuple[Path, Path]] | No
     must appear together) or :func:`discard_staged`.
     """
     path = Path(path)
+    if "\x00" in os.fspath(path):
+        raise SaveError(f"{str(path)!r}: a path cannot contain a NUL character", str(path))
     tmp = temp_path(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
@@ -234,13 +246,16 @@ def write_file(
     metadata: Mapping[str, str] | None = None,
     *,
     staged: list[tuple[Path, Path]] | None = None,
+    max_inflight_bytes: int | None = None,
 ) -> None:
     """Write ``entries`` as one safetensors file at ``path``, atomically
     (or staged, see :func:`atomic_file`).
 
     Each tensor is hashed as it is written; the header, encoded first with
     fixed-width placeholder digests, is rewritten in place (same length) with the
-    real ones before the fsync and rename (see :mod:`nnx_save._checksum`).
+    real ones before the fsync and rename (see :mod:`nnx_save._checksum`). The
+    device -> host copies of the next tensors run while one is written, at most
+    ``max_inflight_bytes`` of them at once (see :mod:`nnx_save._stage`).
     """
     entries = order_entries(entries)
     names = [(e.key, e.code, e.shape) for e in entries]
@@ -248,6 +263,9 @@ def write_file(
     head, offsets = encode_header(names, digests.metadata(metadata))
     total = offsets[-1][1] if offsets else 0
     bar = _progress.bar(f"saving {Path(path).name}", total, len(entries), _progress.save_setting())
+    window = _stage.Window(
+        [_source(e) for e in entries], [e.key for e in entries], _stage.budget(max_inflight_bytes), str(path)
+    )
     t0 = time.perf_counter()
     try:
         # xxhash and os.write both release the GIL: each tensor is hashed on a helper
@@ -255,15 +273,10 @@ def write_file(
         # where a core is free.
         with atomic_file(path, staged=staged) as fd, ThreadPoolExecutor(1, "nnx_save-hash") as hasher:
             _write_all(fd, memoryview(head))
-            for e, (begin, end) in zip(entries, offsets, strict=False):
-                data = host_bytes(e.value(), e.code)
-                if len(data) != end - begin:  # the header is already written: never let it lie
-                    raise SaveError(
-                        f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
-                        f"{e.code} {list(e.shape)} says {end - begin}; nothing was saved",
-                        str(path),
-                        e.key,
-                    )
+            for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
+                data = _checked(
+                    path, e, host_bytes(window.take(i, _stage.Staged.assemble, e.value), e.code), end - begin
+                )
                 if len(data) >= HASH_THREAD_MIN_BYTES:
                     hashed = hasher.submit(digests.update, e.key, data)
                     _write_all(fd, data)
@@ -278,13 +291,33 @@ def write_file(
                 raise SaveError(f"{path}: the checksummed header changed length; nothing was saved", str(path))
             _write_all(fd, memoryview(final), 0)
     finally:
+        window.close()
         bar.close()
     seconds = time.perf_counter() - t0
     log.debug(
-        "saved %s: %d tensors, %d bytes in %.3f s (%.0f MB/s), xxh3_64 checksums recorded",
+        "saved %s: %d tensors, %d bytes in %.3f s (%.0f MB/s), xxh3_64 checksums recorded; "
+        "at most %d bytes of host copies in flight",
         path,
         len(entries),
         total,
         seconds,
         total / seconds / 1e6 if seconds else 0.0,
+        window.peak,
     )
+
+
+def _source(e: Entry) -> object:
+    """The array an entry's value comes from, for staging (``None``: a computed value)."""
+    return e.value.array if isinstance(e.value, _stage.HostValue) else None
+
+
+def _checked(path: str | os.PathLike, e: Entry, data: memoryview, size: int) -> memoryview:
+    """``data``, once its length is the header's for ``e``."""
+    if len(data) != size:  # the header is already written: never let it lie
+        raise SaveError(
+            f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
+            f"{e.code} {list(e.shape)} says {size}; nothing was saved",
+            str(path),
+            e.key,
+        )
+    return data

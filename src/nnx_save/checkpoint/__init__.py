@@ -9,11 +9,15 @@ See ``docs/checkpoints.md``. The common case::
 """
 
 from ._directory import resolve_checkpoint_dir as resolve_checkpoint_dir
+from ._errors import CheckpointCorruptError as CheckpointCorruptError
+from ._errors import CheckpointDamageWarning as CheckpointDamageWarning
 from ._errors import CheckpointDtypeMismatchError as CheckpointDtypeMismatchError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointItemError as CheckpointItemError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CheckpointNotWrittenError as CheckpointNotWrittenError
+from ._errors import CheckpointRetentionError as CheckpointRetentionError
+from ._errors import CheckpointSyncError as CheckpointSyncError
 from ._errors import CheckpointTemplateError as CheckpointTemplateError
 from ._errors import CheckpointWriteError as CheckpointWriteError
 from ._errors import DtypeMismatch as DtypeMismatch
@@ -25,6 +29,7 @@ from ._format import ITEM_NAMES as ITEM_NAMES
 from ._metadata import CheckpointMetadata as CheckpointMetadata
 from ._metadata import Producer as Producer
 from ._nnx import restore_into as restore_into
-from ._store import Checkpoint as Checkpoint
-from ._store import CheckpointStore as CheckpointStore
+from ._retention import Retention as Retention
 from ._store import OrbaxCheckpointStore as OrbaxCheckpointStore
+from ._types import Checkpoint as Checkpoint
+from ._types import CheckpointStore as CheckpointStore

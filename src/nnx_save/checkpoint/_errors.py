@@ -16,11 +16,15 @@ from .._errors import DtypeMismatchError, KeyMismatchError, NnxSaveError
 from ._format import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
+    "CheckpointCorruptError",
+    "CheckpointDamageWarning",
     "CheckpointDtypeMismatchError",
     "CheckpointError",
     "CheckpointItemError",
     "CheckpointNotFoundError",
     "CheckpointNotWrittenError",
+    "CheckpointRetentionError",
+    "CheckpointSyncError",
     "CheckpointTemplateError",
     "CheckpointWriteError",
     "DtypeMismatch",
@@ -38,6 +42,51 @@ _X64_HINT = (
 
 class CheckpointError(NnxSaveError):
     """Base class of every error raised by :mod:`nnx_save.checkpoint`."""
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """A stored step is damaged: a file is missing, truncated or unreadable. Nothing
+    was restored; the other steps are unaffected.
+
+    Attributes:
+        step: The damaged step.
+        path: The damaged file or directory (inside the step's directory).
+        problem: What is wrong with it, in words.
+    """
+
+    def __init__(self, step: int, path: str | os.PathLike[str], problem: str) -> None:
+        self.step, self.path, self.problem = step, str(path), problem
+        super().__init__(f"step {step} is damaged: {self.path}: {problem}")
+
+
+class CheckpointDamageWarning(UserWarning):
+    """Steps of a store are damaged and are left out of ``list_steps`` and ``latest_step``
+    (see ``damaged_steps()``)."""
+
+
+class CheckpointSyncError(CheckpointError, RuntimeError):
+    """The processes of a multi-process run could not agree on a decision about the
+    store's directory (process 0 failed, did not answer in time, or the processes
+    called the store in different orders)."""
+
+
+class CheckpointRetentionError(CheckpointError, ValueError):
+    """The store was opened with other retention policies than the ones recorded in
+    its directory; pass ``change_retention=True`` to replace them.
+
+    Attributes:
+        recorded: The recorded policies, in words.
+        given: The policies asked for, in words.
+        directory: The store's directory.
+    """
+
+    def __init__(self, recorded: str, given: str, directory: str | os.PathLike[str]) -> None:
+        self.recorded, self.given, self.directory = recorded, given, str(directory)
+        super().__init__(
+            f"{directory} keeps steps by {recorded}, not {given}: changing retention can delete steps at the next "
+            "save, so it must be asked for: pass change_retention=True, or open the store without retention "
+            "arguments to keep the recorded policies"
+        )
 
 
 class CheckpointWriteError(CheckpointError, OSError):

@@ -13,10 +13,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import DtypeMismatch
-from ._tree import Path, Spec, leaf_spec, show
+from ._errors import CheckpointDtypeMismatchError, DtypeMismatch
+from ._tree import Path, Spec, flatten, leaf_spec, show
 
-__all__ = ["dtype_mismatches", "explained_by_x64", "template_problems"]
+__all__ = ["check_restored", "check_template_dtypes", "dtype_mismatches", "explained_by_x64", "template_problems"]
 
 
 def template_problems(item: str, template: Sequence[tuple[Path, Any]], stored: Mapping[Path, Spec | None]) -> list[str]:
@@ -72,3 +72,24 @@ def explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
         m.saved != m.restored and str(jax.dtypes.canonicalize_dtype(np.dtype(m.saved))) == m.restored
         for m in mismatches
     )
+
+
+def check_template_dtypes(
+    step: int,
+    read: Mapping[str, Sequence[tuple[Path, Any]]],
+    saved: Mapping[str, Mapping[Path, str]],
+    cast_dtypes: bool,
+) -> list[DtypeMismatch]:
+    """The template leaves to be read whose dtype differs from the saved one; raise
+    before any array is read unless ``cast_dtypes``."""
+    mismatches = [m for name, pairs in read.items() for m in dtype_mismatches(name, pairs, saved[name])]
+    if mismatches and not cast_dtypes:
+        raise CheckpointDtypeMismatchError(step, mismatches, before_read=True)
+    return mismatches
+
+
+def check_restored(step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]]) -> None:
+    """Compare items restored without a template with the saved dtypes."""
+    mismatches = [m for name, tree in restored.items() for m in dtype_mismatches(name, flatten(tree), saved[name])]
+    if mismatches:
+        raise CheckpointDtypeMismatchError(step, mismatches, x64_off=explained_by_x64(mismatches))

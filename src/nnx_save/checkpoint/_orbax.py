@@ -21,16 +21,15 @@ from ._tree import Path, Spec, flatten, segment, show
 
 __all__ = [
     "StepAlreadyExistsError",
-    "held_items",
     "is_primary",
     "make_manager",
     "on_primary",
-    "read_json",
     "restore_items",
     "save_args",
     "stored_restore_args",
     "stored_specs",
     "stored_trees",
+    "subset_plan",
     "template_restore_args",
 ]
 
@@ -46,8 +45,9 @@ def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
     return ocp.handlers.create_default_handler_registry(**handlers)
 
 
-def make_manager(directory: pathlib.Path, max_to_keep: int | None, *, create: bool) -> ocp.CheckpointManager:
-    """An asynchronous manager keeping the latest ``max_to_keep`` steps (all when None).
+def make_manager(directory: pathlib.Path, *, create: bool) -> ocp.CheckpointManager:
+    """An asynchronous manager that keeps every step (the store applies its own
+    retention policies, decided on process 0: see :mod:`._disk`).
 
     ``save`` returns once Orbax has copied the arrays to the host; the files are
     written, and the step committed, on Orbax's background thread
@@ -60,7 +60,7 @@ def make_manager(directory: pathlib.Path, max_to_keep: int | None, *, create: bo
         create=create,
         cleanup_tmp_directories=create,
         enable_async_checkpointing=True,
-        preservation_policy=ocp.checkpoint_managers.LatestN(n=max_to_keep),
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=None),
     )
     return ocp.CheckpointManager(directory, options=options, handler_registry=_registry())
 
@@ -85,11 +85,6 @@ def save_args(items: Mapping[str, Any], metadata: dict[str, Any], dtypes: dict[s
     return ocp.args.Composite(**args)
 
 
-def held_items(manager: ocp.CheckpointManager, step: int) -> set[str]:
-    """The Orbax item names a step directory holds (ours and any others)."""
-    return set(manager.metadata(step).item_handlers or ())
-
-
 def stored_trees(manager: ocp.CheckpointManager, step: int, names: Iterable[str]) -> dict[str, Any]:
     """Orbax's metadata tree of each named item (the tree under :data:`ROOT`)."""
     metadata = manager.metadata(step).item_metadata
@@ -105,11 +100,6 @@ def _spec(leaf: Any) -> Spec | None:
     if isinstance(leaf, ocp.metadata.ArrayMetadata) and not isinstance(leaf, ocp.metadata.ScalarMetadata):
         return Spec(tuple(leaf.shape), str(np.dtype(leaf.dtype)))
     return None
-
-
-def read_json(manager: ocp.CheckpointManager, step: int, name: str) -> Any:
-    """The JSON record stored as item ``name``."""
-    return manager.restore(step, args=ocp.args.Composite(**{name: ocp.args.JsonRestore()}))[name]
 
 
 def template_restore_args(item: str, template: Any) -> Any:
@@ -154,13 +144,31 @@ def _stored_arg(leaf: Any) -> ocp.RestoreArgs:
     return ocp.RestoreArgs()
 
 
+def subset_plan(item: str, pairs: Iterable[tuple[Path, Any]]) -> tuple[dict[str, Any], Any]:
+    """``(template, restore_args)`` reading only the leaves ``pairs`` name: nested
+    dicts keyed as Orbax stored them (read with ``partial_restore``)."""
+    template: dict[str, Any] = {}
+    args: dict[str, Any] = {}
+    for path, leaf in pairs:
+        node, arg_node = template, args
+        for key in path[:-1]:
+            node, arg_node = node.setdefault(key, {}), arg_node.setdefault(key, {})
+        node[path[-1]] = leaf
+        arg_node[path[-1]] = _template_arg(item, (jax.tree_util.DictKey(k) for k in path), leaf)
+    return template, args
+
+
 def restore_items(
-    manager: ocp.CheckpointManager, step: int, plan: Mapping[str, tuple[Any | None, Any]]
+    manager: ocp.CheckpointManager, step: int, plan: Mapping[str, tuple[Any | None, Any]], partial: Iterable[str] = ()
 ) -> dict[str, Any]:
-    """Read items in one Orbax call; ``plan`` maps a name to ``(template or None, restore_args)``."""
+    """Read items in one Orbax call; ``plan`` maps a name to ``(template or None,
+    restore_args)``; items named in ``partial`` read only their template's leaves."""
+    partial = set(partial)
     args = {
         name: ocp.args.PyTreeRestore(
-            item=None if template is None else {ROOT: template}, restore_args={ROOT: restore_args}
+            item=None if template is None else {ROOT: template},
+            restore_args={ROOT: restore_args},
+            partial_restore=name in partial,
         )
         for name, (template, restore_args) in plan.items()
     }

@@ -9,93 +9,63 @@ shapes compared against the templates before a single array is read).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import math
-import numbers
 import os
 import pathlib
 import shutil
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol, Self, runtime_checkable
+from typing import Any, Literal, Self
+
+from etils import epath
 
 from .._errors import NnxSaveError
+from .._report import DtypeCast
 from . import _orbax
+from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import absolute_dir
+from ._disk import ASIDE_PREFIX, Disk
 from ._errors import (
-    CheckpointDtypeMismatchError,
-    CheckpointItemError,
+    CheckpointCorruptError,
     CheckpointNotFoundError,
     CheckpointNotWrittenError,
-    CheckpointTemplateError,
     CheckpointWriteError,
-    UnsupportedCheckpointError,
 )
-from ._format import DTYPES_ITEM, ITEM_NAMES, METADATA_ITEM
-from ._guard import dtype_mismatches, explained_by_x64, template_problems
-from ._metadata import CheckpointMetadata, Producer, check_extra, check_metrics, library_versions, utc_now
-from ._tree import Path, check_item, dtype_record, flatten, parse_dtype_record
+from ._guard import check_restored, check_template_dtypes
+from ._health import corrupt_from, looks_damaged
+from ._metadata import CheckpointMetadata, Producer
+from ._partial import PartialOptions, Selection, graft, select
+from ._records import load_metadata, saved_dtypes
+from ._retention import Retention, StepInfo, ranked
+from ._schedule import SaveSchedule
+from ._tree import dtype_record, flatten
+from ._types import Checkpoint, CheckpointStore
 
-__all__ = ["Checkpoint", "CheckpointStore", "OrbaxCheckpointStore"]
-
-# A step being overwritten is renamed to this (plus the step) until its replacement
-# is complete, so a crash mid-overwrite never loses the step.
-_ASIDE_PREFIX = ".nnx_save-overwriting-"
-
-
-@dataclasses.dataclass(frozen=True)
-class Checkpoint:
-    """One restored step.
-
-    Attributes:
-        step: The step.
-        items: The restored items by name, in the order they were recorded.
-        metadata: The step's metadata record.
-        path: The step's directory.
-    """
-
-    step: int
-    items: Mapping[str, Any]
-    metadata: CheckpointMetadata
-    path: pathlib.Path
+__all__ = ["Checkpoint", "CheckpointStore", "OrbaxCheckpointStore"]  # the first two from ._types
 
 
-@runtime_checkable
-class CheckpointStore(Protocol):
-    """A step-addressed store of training state; see :class:`OrbaxCheckpointStore`."""
+class _Unset:
+    """The type of :data:`_UNSET`: an argument the caller did not pass."""
 
-    def save(
-        self,
-        step: int,
-        items: Mapping[str, Any],
-        *,
-        epoch: int | None = None,
-        metrics: Mapping[str, Any] | None = None,
-        producer: Producer | None = None,
-        extra: Mapping[str, Any] | None = None,
-        overwrite: bool = False,
-        blocking: bool = True,
-    ) -> pathlib.Path: ...
+    def __repr__(self) -> str:
+        return "<not given>"
 
-    def restore(
-        self, step: int, *, templates: Mapping[str, Any] | None = None, cast_dtypes: bool = False
-    ) -> Checkpoint: ...
 
-    def read_metadata(self, step: int) -> CheckpointMetadata: ...
+_UNSET = _Unset()
 
-    def list_steps(self) -> list[int]: ...
 
-    def latest_step(self) -> int | None: ...
-
-    def best_step(self, metric: str, *, mode: Literal["min", "max"] = "min") -> int | None: ...
-
-    def delete(self, step: int) -> None: ...
-
-    def close(self) -> None: ...
-
-    def __enter__(self) -> Self: ...
-
-    def __exit__(self, *exc: object) -> None: ...
+def _given_retention(max_to_keep: int | _Unset | None, retention: Retention | None) -> Retention | None:
+    """The policies the caller asked for, or None when they asked for none."""
+    if isinstance(max_to_keep, _Unset):
+        if retention is not None and not isinstance(retention, Retention):
+            raise ValueError(f"retention must be a Retention or None, got {retention!r}")
+        return retention
+    if retention is not None:
+        raise ValueError("pass max_to_keep or retention, not both (max_to_keep=N is Retention(latest=N))")
+    if max_to_keep is not None and (
+        isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+    ):
+        raise ValueError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
+    return Retention(latest=max_to_keep)
 
 
 class OrbaxCheckpointStore:
@@ -109,17 +79,36 @@ class OrbaxCheckpointStore:
     host (training may go on, donating the saved buffers) and the step is written
     in the background; reading a step, the next save, :meth:`wait_until_finished`,
     :meth:`close` and leaving the ``with`` block wait for pending saves and raise
-    their errors. Refused saves raise at the ``save`` call either way. Only the latest ``max_to_keep`` steps are
-    kept (``None`` keeps all). Nothing is created on disk before the first save.
-    Restoring never executes code: Orbax reads arrays, numbers, strings and JSON.
+    their errors. Refused saves raise at the ``save`` call either way. Nothing is
+    created on disk before the first save. Restoring never executes code: Orbax
+    reads arrays, numbers, strings and JSON.
+
+    **Retention.** After each committed save, steps that no policy of ``retention``
+    keeps are deleted (see :class:`Retention`; default: the latest 5). The policies
+    are recorded in the directory at the first save; reopening adopts them, and
+    opening with other policies raises :class:`CheckpointRetentionError` unless
+    ``change_retention=True``, since a changed policy can delete steps.
+
+    **Several processes.** In a multi-process JAX run every process opens the store
+    and calls each method in the same order; decisions about the directory (which
+    steps exist, which are damaged, which retention deletes, whether a save is due)
+    are made on process 0 and shared, so every process takes the same path.
 
     Args:
         directory: The checkpoint directory (relative paths against the working
             directory); see :func:`resolve_checkpoint_dir`.
-        max_to_keep: How many of the latest steps to keep, at least 1, or None.
+        max_to_keep: Shorthand for ``retention=Retention(latest=max_to_keep)``;
+            None keeps every step.
+        retention: The retention policies (default: the recorded ones, else the
+            latest 5 steps).
+        change_retention: Replace the policies recorded in the directory.
+        save_interval_steps: :meth:`should_save` is true at steps divisible by this.
+        save_interval_seconds: :meth:`should_save` is true once this many seconds
+            passed since the last save (measured on process 0).
 
     Raises:
-        ValueError: ``directory`` is empty, names a file, or ``max_to_keep`` < 1.
+        ValueError: ``directory`` is empty, names a file, ``max_to_keep`` < 1, both
+            ``max_to_keep`` and ``retention`` are given, or an interval is not positive.
 
     Examples:
         >>> import jax, jax.numpy as jnp, tempfile
@@ -131,15 +120,22 @@ class OrbaxCheckpointStore:
         [10] float32 {'loss': 0.5}
     """
 
-    def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int | None = 5) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | _Unset | None = _UNSET,
+        retention: Retention | None = None,
+        change_retention: bool = False,
+        save_interval_steps: int | None = None,
+        save_interval_seconds: float | None = None,
+    ) -> None:
         self._directory = absolute_dir("directory", directory)
         if self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"checkpoint directory {self._directory} exists and is not a directory")
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-        ):
-            raise ValueError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
-        self._max_to_keep = max_to_keep
+        self._given = _given_retention(max_to_keep, retention)
+        self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)
+        self._schedule = SaveSchedule(save_interval_steps, save_interval_seconds)
         self._manager: Any = None
         self._writable = False
         self._closed = False
@@ -151,12 +147,23 @@ class OrbaxCheckpointStore:
         return self._directory
 
     @property
+    def retention(self) -> Retention:
+        """The retention policies in force (given, else recorded, else the default)."""
+        self._open()
+        return self._disk.retention
+
+    @property
     def max_to_keep(self) -> int | None:
-        """How many of the latest steps are kept; None keeps every step."""
-        return self._max_to_keep
+        """How many of the latest steps are kept (``retention.latest``); None: no such limit."""
+        return self.retention.latest
 
     def __repr__(self) -> str:
-        return f"OrbaxCheckpointStore({str(self._directory)!r}, max_to_keep={self._max_to_keep})"
+        given = self._given
+        if given is None:
+            return f"OrbaxCheckpointStore({str(self._directory)!r})"
+        if given == Retention(latest=given.latest):
+            return f"OrbaxCheckpointStore({str(self._directory)!r}, max_to_keep={given.latest})"
+        return f"OrbaxCheckpointStore({str(self._directory)!r}, retention={given!r})"
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -169,70 +176,122 @@ class OrbaxCheckpointStore:
         self.close()
 
     def close(self) -> None:
-        """Wait for pending saves, then release Orbax's resources (even when a save
-        failed: its error is raised after). Idempotent; any later call raises
-        ``ValueError``."""
-        manager, self._manager, self._closed = self._manager, None, True
+        """Wait for pending saves and apply retention, then release Orbax's resources
+        (even when a save failed: its error is raised after). Idempotent; any later
+        call raises ``ValueError``."""
+        manager, self._closed = self._manager, True
+        self._schedule.close()
         if manager is not None:
             try:
-                manager.wait_until_finished()
+                self._settle(manager)
             finally:
+                self._manager = None
                 manager.close()
 
     def wait_until_finished(self) -> None:
-        """Wait until every pending save is committed; raise the error of one that failed."""
+        """Wait until every pending save is committed (raising the error of one that
+        failed), then delete the steps retention lets go."""
         if self._manager is not None:
-            with self._write_failures(self._manager.latest_step()):
-                self._manager.wait_until_finished()
+            self._settle(self._manager)
 
-    def _reader(self) -> Any:
+    def _settle(self, manager: Any) -> None:
+        try:
+            with self._write_failures(manager.latest_step()):
+                manager.wait_until_finished()
+        except CheckpointWriteError:
+            for step in set(self._disk.load().steps) - set(manager.all_steps()):
+                self._disk.removed(step)  # Orbax dropped the step it failed to write, on every process
+            raise
+        if self._writable:
+            for step in self._disk.doomed():
+                manager.delete(step)
+                self._disk.removed(step)
+                self._metadata.pop(step, None)
+
+    def _open(self) -> None:
         if self._closed:
             raise ValueError(f"{self!r} is closed")
-        if self._manager is None and self._directory.is_dir():
-            self._manager = _orbax.make_manager(self._directory, self._max_to_keep, create=False)
+        self._disk.load()
+
+    def _reader(self) -> Any:
+        self._open()
+        if self._manager is None and self._disk.load().exists:
+            self._manager = _orbax.make_manager(self._directory, create=False)
         return self._manager
 
     def _writer(self) -> Any:
-        if self._closed:
-            raise ValueError(f"{self!r} is closed")
+        self._open()
         if not self._writable:
             if self._manager is not None:
                 self._manager.close()
-            self._recover_overwrites()
-            self._manager = _orbax.make_manager(self._directory, self._max_to_keep, create=True)
+                self._manager = None
+            self._disk.open_for_writing()
+            self._manager = _orbax.make_manager(self._directory, create=True)
             self._writable = True
         return self._manager
 
-    def _recover_overwrites(self) -> None:
-        """Finish what a crash during ``save(..., overwrite=True)`` left behind."""
-        if self._directory.is_dir():
-            _orbax.on_primary("recover_overwrites", self._recover_on_primary)
+    # -- when to save ------------------------------------------------------------
 
-    def _recover_on_primary(self) -> None:
-        for aside in self._directory.glob(f"{_ASIDE_PREFIX}*"):
-            step_dir = self._directory / aside.name.removeprefix(_ASIDE_PREFIX)
-            if step_dir.exists():
-                shutil.rmtree(aside)  # the replacement was committed
-            else:
-                aside.rename(step_dir)  # the replacement never was: keep the original
+    def should_save(self, step: int) -> bool:
+        """Whether the loop should save ``step`` now: at a preemption (``SIGTERM``;
+        with several processes, JAX's preemption sync point, the same step on every
+        process), else by the intervals (with none, every step). A step the store
+        already holds is never due. Call it at every step, on every process.
+
+        The first call installs a ``SIGTERM`` handler in a one-process run (from the
+        main thread; :meth:`close` puts the previous one back), so the signal asks
+        for a save instead of ending the process: check :attr:`preemption_requested`
+        after saving and stop.
+
+        Examples:
+            >>> import tempfile
+            >>> store = OrbaxCheckpointStore(tempfile.mkdtemp(), save_interval_steps=50)
+            >>> [s for s in range(1, 201) if store.should_save(s)]
+            [50, 100, 150, 200]
+            >>> store.close()
+        """
+        step = check_step(step)
+        due = self._schedule.due(step)  # first, on every step: the preemption sync point counts calls
+        steps = self._disk.load().steps
+        return due and not (steps and step <= steps[-1])
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True once a preemption was seen: save the step :meth:`should_save` names, then stop."""
+        return self._schedule.preemption_requested
 
     # -- listing -----------------------------------------------------------------
 
     def list_steps(self) -> list[int]:
-        """Every stored step, ascending (an empty list before the first save)."""
-        manager = self._reader()
-        return [] if manager is None else sorted(manager.all_steps())
+        """Every stored, undamaged step, ascending (an empty list before the first save).
+
+        Damaged steps are left out, with a :class:`CheckpointDamageWarning` naming
+        them (once per store); see :meth:`damaged_steps`.
+        """
+        self._open()
+        return self._disk.intact()
 
     def latest_step(self) -> int | None:
-        """The highest stored step, or None when the store is empty."""
+        """The highest stored undamaged step, or None when there is none."""
         steps = self.list_steps()
         return steps[-1] if steps else None
+
+    def damaged_steps(self) -> dict[int, CheckpointCorruptError]:
+        """The damaged steps, each with the error reading it raises (naming the file).
+
+        A damaged step has an unreadable nnx_save record, or an item without its
+        directory or its Orbax ``_METADATA`` file. Truncated array files are found
+        when the step is read (:class:`CheckpointCorruptError` then too).
+        """
+        self._open()
+        view = self._disk.load()
+        return {step: view.corrupt_error(step) for step in sorted(view.damaged)}
 
     def best_step(self, metric: str, *, mode: Literal["min", "max"] = "min") -> int | None:
         """The kept step with the lowest (``"min"``) or highest (``"max"``) ``metric``.
 
         Steps without the metric, or where it is NaN, are skipped; ties go to the
-        latest step. Only kept steps count: retention is by recency.
+        latest step. Every kept step is ranked, whichever policy kept it.
 
         Returns:
             The step, or None when the store is empty.
@@ -246,23 +305,25 @@ class OrbaxCheckpointStore:
         steps = self.list_steps()
         if not steps:
             return None
-        scored = [(m.metrics[metric], s) for s in steps if metric in (m := self.read_metadata(s)).metrics]
-        scored = [(value, s) for value, s in scored if not math.isnan(value)]
-        if not scored:
-            recorded = sorted({name for s in steps for name in self.read_metadata(s).metrics})
+        infos = [StepInfo(s, self.read_metadata(s).metrics, 0.0) for s in steps]
+        best = ranked(infos, metric, mode)
+        if not best:
+            recorded = sorted({name for info in infos for name in info.metrics})
             raise ValueError(
                 f"no checkpoint in {self._directory} records a value for metric {metric!r}; "
                 f"recorded metrics: {', '.join(recorded) or 'none'}"
             )
-        sign = 1 if mode == "min" else -1
-        return min(scored, key=lambda vs: (sign * vs[0], -vs[1]))[1]
+        return best[0]
 
-    def _require(self, step: int) -> Any:
-        step = _check_step(step)
+    def _require(self, step: int, *, damaged_ok: bool = False) -> Any:
+        step = check_step(step)
         manager = self._reader()
         if manager is not None:
             manager.wait_until_finished()  # a pending step is read once it is committed
-        if manager is None or step not in manager.all_steps():
+        view = self._disk.load()
+        if step in view.damaged and not damaged_ok:
+            raise view.corrupt_error(step)
+        if manager is None or step not in view.steps:
             raise CheckpointNotFoundError(step, self._directory, self.list_steps())
         return manager
 
@@ -290,6 +351,7 @@ class OrbaxCheckpointStore:
         Everything is validated before anything is written; a refused save leaves
         the store exactly as it was. An overwrite keeps the old step (set aside)
         until the new one is committed. The caller's objects are never modified.
+        Once the step is committed, retention deletes the steps no policy keeps.
 
         Args:
             step: A non-negative int, above the latest stored step (or equal to an
@@ -298,7 +360,8 @@ class OrbaxCheckpointStore:
                 ``data_iterator``, ``extensions`` (any non-empty subset). Pass NNX
                 objects as ``nnx.state(obj)``.
             epoch: The epoch, recorded in the metadata.
-            metrics: Scalar metrics by name (``best_step`` ranks by these).
+            metrics: Scalar metrics by name (``best_step`` and best-K retention
+                rank by these).
             producer: The program writing the checkpoint.
             extra: JSON data (str keys) such as the run's config; may not reuse a
                 metadata field name.
@@ -318,23 +381,24 @@ class OrbaxCheckpointStore:
             CheckpointNotWrittenError: ``reason`` ``"exists"``, ``"below_latest"``
                 or ``"rejected"``.
         """
-        step = _check_step(step)
-        names = _check_items(items)
+        step = check_step(step)
+        names = check_items(items)
         ordered = {name: items[name] for name in names}
-        record = _new_metadata(step, names, epoch, metrics, producer, extra)
+        record = new_metadata(step, names, epoch, metrics, producer, extra)
         args = _orbax.save_args(ordered, record.to_dict(), dtype_record(ordered))
-        if self._directory.is_dir():
-            self._writer()  # recover an interrupted overwrite before judging the step
+        manager = self._writer()  # every process, every time: no branch on what one process sees
         exists = self._refuse_write(step, overwrite)
-        manager = self._writer()
+        self._settle(manager)
         with self._write_failures(step):
             if exists:
                 self._replace(manager, step, args)
             else:
                 self._write(manager, step, args)
-            self._metadata = {s: m for s, m in self._metadata.items() if s != step and s in manager.all_steps()}
+            self._disk.added(step)
+            self._metadata.pop(step, None)
             if blocking:
-                manager.wait_until_finished()
+                self._settle(manager)
+        self._schedule.saved()
         return self._step_path(step)
 
     @contextlib.contextmanager
@@ -349,8 +413,9 @@ class OrbaxCheckpointStore:
             raise CheckpointWriteError(step if step is not None else -1, self._directory, e) from e
 
     def _refuse_write(self, step: int, overwrite: bool) -> bool:
-        """Raise if ``step`` may not be written; return whether it already exists."""
-        steps = self.list_steps()
+        """Raise if ``step`` may not be written; return whether it already exists.
+        Damaged steps count: they hold the step number until overwritten or deleted."""
+        steps = list(self._disk.load().steps)
         latest = steps[-1] if steps else None
         if step in steps and not overwrite:
             raise CheckpointNotWrittenError(step, latest, "exists", self._directory)
@@ -368,7 +433,7 @@ class OrbaxCheckpointStore:
             raise CheckpointNotWrittenError(step, latest, "rejected", self._directory)
 
     def _replace(self, manager: Any, step: int, args: Any) -> None:
-        step_dir, aside = self._step_path(step), self._directory / f"{_ASIDE_PREFIX}{step}"
+        step_dir, aside = self._step_path(step), self._directory / f"{ASIDE_PREFIX}{step}"
         manager.wait_until_finished()  # the step being replaced may still be in flight
         _orbax.on_primary("set_aside", lambda: step_dir.rename(aside))
         manager.reload()
@@ -376,8 +441,7 @@ class OrbaxCheckpointStore:
             manager.save(step, args=args, force=True)
             manager.wait_until_finished()  # the old step goes only once its replacement is committed
         except BaseException:
-            if _orbax.is_primary() and not step_dir.exists():
-                aside.rename(step_dir)
+            _orbax.on_primary("put_back", lambda: step_dir.exists() or aside.rename(step_dir))
             manager.reload()
             raise
         _orbax.on_primary("drop_aside", lambda: shutil.rmtree(aside))
@@ -390,35 +454,16 @@ class OrbaxCheckpointStore:
 
         Raises:
             CheckpointNotFoundError: ``step`` is not stored.
+            CheckpointCorruptError: The step is damaged (the record is not JSON, an
+                item's files are missing).
             UnsupportedCheckpointError: The step is not an nnx_save checkpoint this
                 version can read (no record, another format, a newer version, a
-                malformed record).
+                record that does not validate).
         """
-        manager = self._require(step)
+        self._require(step)
         if step not in self._metadata:
-            self._metadata[step] = self._load_metadata(manager, step)
+            self._metadata[step] = load_metadata(self._directory, step)
         return self._metadata[step]
-
-    def _load_metadata(self, manager: Any, step: int) -> CheckpointMetadata:
-        held = _orbax.held_items(manager, step)
-        if METADATA_ITEM not in held:
-            raise UnsupportedCheckpointError(
-                f"no nnx_save metadata record (Orbax items: {', '.join(sorted(held)) or 'none'})",
-                step=step,
-                directory=self._directory,
-            )
-        try:
-            record = CheckpointMetadata.from_dict(_orbax.read_json(manager, step, METADATA_ITEM))
-        except UnsupportedCheckpointError as error:
-            raise UnsupportedCheckpointError(error.found, step=step, directory=self._directory) from None
-        if record.step != step or not set(record.items) <= held:
-            raise UnsupportedCheckpointError(
-                f"a record for step {record.step} naming items {list(record.items)} "
-                f"(Orbax items: {', '.join(sorted(held))})",
-                step=step,
-                directory=self._directory,
-            )
-        return record
 
     def restore(
         self,
@@ -427,157 +472,112 @@ class OrbaxCheckpointStore:
         templates: Mapping[str, Any] | None = None,
         cast_dtypes: bool = False,
         items: Iterable[str] | None = None,
+        strict: bool = True,
+        allow_missing: Sequence[str] = (),
+        allow_unexpected: Sequence[str] = (),
+        allow_shape_mismatch: Sequence[str] = (),
     ) -> Checkpoint:
         """Read ``step``. Items with a template come back in its structure, on its
         shardings; items without one come back as stored (nested dicts and lists,
         string keys, the stored shardings).
 
+        A template also says which leaves to read: with ``strict=False`` or the
+        ``allow_*`` patterns (glob or regex over ``item/leaf`` paths, e.g.
+        ``"model/head/*"``), a template may leave out stored leaves (params only)
+        or hold leaves the step lacks or stores in another shape (a new head):
+        only the matching leaves are read, the others keep the template's value,
+        and ``checkpoint.report`` lists them as ``load_model``'s report does.
+
         Args:
             step: The step to read.
             templates: Per item, a pytree of arrays or ``jax.ShapeDtypeStruct``
-                (plus Python leaves) matching the stored paths and shapes, e.g.
-                ``nnx.state(model)`` or ``nnx.state(nnx.eval_shape(...))``. Every
-                array is placed on its template leaf's sharding, whatever topology
-                wrote it (a struct without a sharding goes to the default device).
+                (plus Python leaves), e.g. ``nnx.state(model)`` or
+                ``nnx.state(nnx.eval_shape(...))``. Every array is placed on its
+                template leaf's sharding, whatever topology wrote it (a struct
+                without a sharding goes to the default device).
             cast_dtypes: Accept arrays whose dtype differs from the saved one.
             items: Restore only these items (default: all the step holds).
+            strict: Refuse (before reading) any missing, unexpected or reshaped
+                leaf not allowed below; ``False`` warns once (``LoadWarning``).
+            allow_missing: Template leaves the step may lack (they keep the
+                template's value).
+            allow_unexpected: Stored leaves the template may leave out (not read).
+            allow_shape_mismatch: Leaves whose stored shape may differ (not read;
+                they keep the template's value).
 
         Returns:
-            The :class:`Checkpoint`.
+            The :class:`Checkpoint`, with its ``report``.
 
         Raises:
             CheckpointNotFoundError: ``step`` is not stored.
+            CheckpointCorruptError: The step is damaged (found before reading, or
+                an array file is truncated or unreadable).
             UnsupportedCheckpointError: See :meth:`read_metadata`.
             ValueError: ``templates`` or ``items`` name an unknown item.
             CheckpointItemError: They name an item the step does not hold.
             CheckpointTemplateError: A template's paths or shapes disagree with the
-                checkpoint (raised before reading any array).
+                checkpoint and ``strict`` (or a leaf's kind differs: always);
+                raised before reading any array.
             CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off
                 (before reading for templates; after reading otherwise).
         """
         metadata = self.read_metadata(step)
         templates = dict(templates or {})
-        names = _restore_names(metadata, templates, items)
+        names = restore_names(metadata, templates, items)
         manager = self._reader()
-        stored = _orbax.stored_trees(manager, step, names)
-        saved = self._saved_dtypes(manager, step, stored)
-        plan = {
-            name: (templates[name], _orbax.template_restore_args(name, templates[name]))
-            if name in templates
-            else (None, _orbax.stored_restore_args(stored[name]))
-            for name in names
-        }
-        _check_templates(step, {n: templates[n] for n in names if n in templates}, stored, saved, cast_dtypes)
-        restored = _orbax.restore_items(manager, step, plan)
+        stored = self._stored_trees(manager, step, names)
+        saved = saved_dtypes(self._directory, step, stored)
+        options = PartialOptions(strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch))
+        given = {n: templates[n] for n in names if n in templates}
+        whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
+        specs = {n: _orbax.stored_specs(stored[n]) for n in given}
+        chosen, report = select(step, given, specs, options, str(self._step_path(step)))
+        casts = check_template_dtypes(step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes)
+        report.dtype_casts.extend(DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts)
+        plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in names}
+        partial = [n for n, s in chosen.items() if not s.whole]
+        plan = {n: p for n, p in plan.items() if n not in chosen or chosen[n].read}  # items with nothing to read
+        read = self._read_arrays(manager, step, plan, partial) if plan else {}
+        restored = {n: graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names}
         if not cast_dtypes:
-            _check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
-        return Checkpoint(step, restored, metadata, self._step_path(step))
+            check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
+        return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
-    def _saved_dtypes(self, manager: Any, step: int, stored: Mapping[str, Any]) -> dict[str, dict[Path, str]]:
-        """The dtype record, or (for checkpoints without one) Orbax's array metadata."""
-        if DTYPES_ITEM in _orbax.held_items(manager, step):
-            try:
-                record = parse_dtype_record(_orbax.read_json(manager, step, DTYPES_ITEM))
-            except UnsupportedCheckpointError as error:
-                raise UnsupportedCheckpointError(error.found, step=step, directory=self._directory) from None
-            absent = sorted(set(stored) - set(record))
-            if absent:
-                raise UnsupportedCheckpointError(
-                    f"a dtype record without items {absent}", step=step, directory=self._directory
-                )
-            return {name: record[name] for name in stored}
-        return {
-            name: {path: spec.dtype for path, spec in _orbax.stored_specs(tree).items() if spec is not None}
-            for name, tree in stored.items()
-        }
+    def _stored_trees(self, manager: Any, step: int, names: list[str]) -> dict[str, Any]:
+        try:
+            return _orbax.stored_trees(manager, step, names)
+        except NnxSaveError:
+            raise
+        except Exception as error:  # Orbax's metadata of an item is unreadable
+            raise corrupt_from(step, str(self._step_path(step)), error) from error
+
+    def _read_arrays(self, manager: Any, step: int, plan: Mapping[str, Any], partial: list[str]) -> dict[str, Any]:
+        try:
+            return _orbax.restore_items(manager, step, plan, partial)
+        except NnxSaveError:
+            raise
+        except Exception as error:  # tensorstore's DATA_LOSS / OUT_OF_RANGE for a truncated file
+            if not looks_damaged(error):
+                raise
+            raise corrupt_from(step, str(self._step_path(step)), error) from error
 
     # -- deleting ----------------------------------------------------------------
 
     def delete(self, step: int) -> None:
-        """Delete ``step`` from disk.
+        """Delete ``step`` from disk (a damaged step too).
 
         Raises:
             CheckpointNotFoundError: ``step`` is not stored.
         """
-        self._require(step)
+        self._require(step, damaged_ok=True)
         self._writer().delete(step)
+        self._disk.removed(step)
         self._metadata.pop(step, None)
 
 
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    return int(step)
-
-
-def _check_items(items: Mapping[str, Any]) -> tuple[str, ...]:
-    """The item names in canonical order, after validating every leaf."""
-    if not isinstance(items, Mapping) or not items:
-        raise ValueError(f"items must be a non-empty mapping of {', '.join(ITEM_NAMES)}, got {items!r}")
-    for name, tree in items.items():
-        check_item(name, tree)
-    return tuple(name for name in ITEM_NAMES if name in items)
-
-
-def _new_metadata(
-    step: int,
-    names: tuple[str, ...],
-    epoch: int | None,
-    metrics: Mapping[str, Any] | None,
-    producer: Producer | None,
-    extra: Mapping[str, Any] | None,
-) -> CheckpointMetadata:
-    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
-        raise ValueError(f"epoch must be a non-negative int or None, got {epoch!r}")
-    if producer is not None and not isinstance(producer, Producer):
-        raise ValueError(f"producer must be a Producer(name, version) or None, got {producer!r}")
-    return CheckpointMetadata(
-        step=step,
-        items=names,
-        epoch=epoch,
-        metrics=check_metrics(metrics),
-        extra=check_extra(extra),
-        producer=producer,
-        library_versions=library_versions(),
-        created_at=utc_now(),
-    )
-
-
-def _restore_names(
-    metadata: CheckpointMetadata, templates: Mapping[str, Any], items: Iterable[str] | None
-) -> list[str]:
-    wanted = list(metadata.items if items is None else items)
-    for name in [*wanted, *templates]:
-        if name not in ITEM_NAMES:
-            raise ValueError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
-    unused = sorted(set(templates) - set(wanted))
-    if unused:
-        raise ValueError(f"templates given for {unused}, which items={wanted} does not restore")
-    absent = [name for name in wanted if name not in metadata.items]
-    if absent:
-        raise CheckpointItemError(metadata.step, absent, metadata.items)
-    return [name for name in metadata.items if name in wanted]
-
-
-def _check_templates(
-    step: int,
-    templates: Mapping[str, Any],
-    stored: Mapping[str, Any],
-    saved: Mapping[str, Mapping[Path, str]],
-    cast_dtypes: bool,
-) -> None:
-    """Compare templates with the checkpoint; raise before any array is read."""
-    flat = {name: flatten(tree) for name, tree in templates.items()}
-    problems = [p for name in flat for p in template_problems(name, flat[name], _orbax.stored_specs(stored[name]))]
-    if problems:
-        raise CheckpointTemplateError(step, problems)
-    mismatches = [m for name in flat for m in dtype_mismatches(name, flat[name], saved[name])]
-    if mismatches and not cast_dtypes:
-        raise CheckpointDtypeMismatchError(step, mismatches, before_read=True)
-
-
-def _check_restored(step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]]) -> None:
-    """Compare items restored without a template with the saved dtypes."""
-    mismatches = [m for name, tree in restored.items() for m in dtype_mismatches(name, flatten(tree), saved[name])]
-    if mismatches:
-        raise CheckpointDtypeMismatchError(step, mismatches, x64_off=explained_by_x64(mismatches))
+def _plan(name: str, whole: tuple[Any, Any] | None, selection: Selection | None, stored: Any) -> tuple[Any, Any]:
+    """``(template, restore_args)`` for one item: as stored, the whole template, or
+    the template's leaves that are read."""
+    if whole is None or selection is None:
+        return None, _orbax.stored_restore_args(stored)
+    return whole if selection.whole else _orbax.subset_plan(name, selection.read_pairs())

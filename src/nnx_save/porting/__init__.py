@@ -60,6 +60,51 @@ Examples:
     (3, 5)
 """
 
+__all__ = [
+    "TORCH_LINEAR_AXES",
+    "Assignment",
+    "ConcatRule",
+    "Concatenate",
+    "Coverage",
+    "IgnoreRule",
+    "Index",
+    "KeyMapping",
+    "NotInvertibleError",
+    "RenameRule",
+    "Reshape",
+    "ReshapeRule",
+    "RuleConflictError",
+    "RuleError",
+    "RuleShapeError",
+    "Rules",
+    "SplitRule",
+    "Stack",
+    "StackRule",
+    "Take",
+    "Transform",
+    "Transpose",
+    "TransposeRule",
+    "UnstackRule",
+    "concat",
+    "coverage",
+    "hf_conv1d",
+    "ignore",
+    "rename",
+    "reshape",
+    "shapes_of",
+    "split",
+    "stack",
+    "torch_batch_norm",
+    "torch_conv",
+    "torch_conv_axes",
+    "torch_embedding",
+    "torch_layer_norm",
+    "torch_linear",
+    "torch_rms_norm",
+    "transpose",
+    "unstack",
+]
+
 from ._constructors import concat as concat
 from ._constructors import ignore as ignore
 from ._constructors import rename as rename
@@ -76,6 +121,7 @@ from ._errors import RuleError as RuleError
 from ._errors import RuleShapeError as RuleShapeError
 from ._hf import TORCH_LINEAR_AXES as TORCH_LINEAR_AXES
 from ._hf import hf_conv1d as hf_conv1d
+from ._hf import torch_batch_norm as torch_batch_norm
 from ._hf import torch_conv as torch_conv
 from ._hf import torch_conv_axes as torch_conv_axes
 from ._hf import torch_embedding as torch_embedding

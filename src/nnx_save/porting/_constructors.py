@@ -7,7 +7,7 @@ file keys on load; ``transpose`` and ``reshape`` match model paths.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from ._rules import (
     ConcatRule,
@@ -24,12 +24,20 @@ from ._rules import (
 __all__ = ["concat", "ignore", "rename", "reshape", "split", "stack", "transpose", "unstack"]
 
 
-def rename(pattern: str, replacement: str, *, inverse: StructuralRule | None = None) -> RenameRule:
+def rename(
+    pattern: str,
+    replacement: str,
+    *,
+    shift: Mapping[int | str, int] | None = None,
+    inverse: StructuralRule | None = None,
+) -> RenameRule:
     """File keys matching ``pattern`` go to the model path ``replacement``.
 
     Args:
         pattern: regex matched against the whole file key.
         replacement: the model path, with group references.
+        shift: ``{group: offset}`` added to captured indices (``{1: -1}``:
+            ``features.1`` -> ``blocks/0``); inverted on export.
         inverse: the rule to use on export, when the automatic inverse is refused.
 
     Examples:
@@ -38,8 +46,11 @@ def rename(pattern: str, replacement: str, *, inverse: StructuralRule | None = N
         'blocks/3/attn/proj/kernel'
         >>> rule.inverse().match("blocks/3/attn/proj/kernel")
         'h.3.attn.c_proj.weight'
+        >>> shifted = rename(r"features\\.(\\d+)\\.(\\w+)", r"blocks/\\1/\\2", shift={1: -1})
+        >>> shifted.match("features.4.weight"), shifted.inverse().match("blocks/3/weight")
+        ('blocks/3/weight', 'features.4.weight')
     """
-    return RenameRule(pattern, replacement, inverse_rule=inverse)
+    return RenameRule(pattern, replacement, inverse_rule=inverse, shift=tuple((shift or {}).items()))
 
 
 def ignore(pattern: str) -> IgnoreRule:

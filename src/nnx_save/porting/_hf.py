@@ -13,6 +13,9 @@ HF ``Conv1D``      ``weight`` (in, out)     ``kernel`` (in, out), as is
 ``nn.Embedding``   ``weight`` (vocab, dim)  ``embedding`` (vocab, dim)
 ``nn.LayerNorm``   ``weight``, ``bias``     ``scale``, ``bias``
 RMS norms          ``weight``               ``scale``
+``nn.BatchNorm*``  ``weight``, ``bias``,    ``scale``, ``bias``, ``mean``,
+                   ``running_mean/var``     ``var``; ``num_batches_tracked``
+                                            ignored on load
 =================  =======================  ==================================
 
 The transposes select the model path by inverting the rename, so ``source`` and
@@ -21,13 +24,16 @@ The transposes select the model path by inverting the rename, so ``source`` and
 
 from __future__ import annotations
 
-from ._constructors import rename, transpose
-from ._rules import RenameRule, TransposeRule
+from collections.abc import Mapping
+
+from ._constructors import ignore, rename, transpose
+from ._rules import IgnoreRule, RenameRule, TransposeRule
 from ._template import invert
 
 __all__ = [
     "TORCH_LINEAR_AXES",
     "hf_conv1d",
+    "torch_batch_norm",
     "torch_conv",
     "torch_conv_axes",
     "torch_embedding",
@@ -36,6 +42,7 @@ __all__ = [
     "torch_rms_norm",
 ]
 
+Shift = Mapping[int | str, int] | None
 TORCH_LINEAR_AXES = (1, 0)
 """torch ``Linear.weight`` (out, in) -> NNX ``Linear.kernel`` (in, out)."""
 
@@ -50,28 +57,33 @@ def torch_conv_axes(spatial_dims: int) -> tuple[int, ...]:
     return (*range(2, 2 + spatial_dims), 1, 0)
 
 
-def _param(source: str, target: str, name: str, param: str) -> RenameRule:
-    return rename(f"{source}\\.{name}", f"{target}/{param}")
+def _param(source: str, target: str, name: str, param: str, shift: Shift = None) -> RenameRule:
+    return rename(f"{source}\\.{name}", f"{target}/{param}", shift=shift)
 
 
-def _transposed(source: str, target: str, axes: tuple[int, ...]) -> tuple[RenameRule, TransposeRule]:
-    weight = _param(source, target, "weight", "kernel")
+def _transposed(
+    source: str, target: str, axes: tuple[int, ...], shift: Shift = None
+) -> tuple[RenameRule, TransposeRule]:
+    weight = _param(source, target, "weight", "kernel", shift)
     model_pattern, _ = invert(weight.pattern, weight.replacement)
     return weight, transpose(model_pattern, axes)
 
 
-def _bias(source: str, target: str, bias: bool) -> tuple[RenameRule, ...]:
-    return (_param(source, target, "bias", "bias"),) if bias else ()
+def _bias(source: str, target: str, bias: bool, shift: Shift = None) -> tuple[RenameRule, ...]:
+    return (_param(source, target, "bias", "bias", shift),) if bias else ()
 
 
-def torch_linear(source: str, target: str, *, bias: bool = True) -> tuple[RenameRule | TransposeRule, ...]:
-    """``nn.Linear``: ``weight`` transposed into ``kernel``, ``bias`` as is.
+def torch_linear(
+    source: str, target: str, *, bias: bool = True, shift: Shift = None
+) -> tuple[RenameRule | TransposeRule, ...]:
+    """``nn.Linear``: ``weight`` transposed into ``kernel``, ``bias`` as is
+    (``shift``: as in :func:`~nnx_save.porting.rename`).
 
     Examples:
         >>> [str(r) for r in torch_linear(r"fc", "fc", bias=False)]
         ['rename(r"fc\\\\.weight", r"fc/kernel")', 'transpose(r"fc/kernel", (1, 0))']
     """
-    return (*_transposed(source, target, TORCH_LINEAR_AXES), *_bias(source, target, bias))
+    return (*_transposed(source, target, TORCH_LINEAR_AXES, shift), *_bias(source, target, bias, shift))
 
 
 def hf_conv1d(source: str, target: str, *, bias: bool = True) -> tuple[RenameRule, ...]:
@@ -80,10 +92,18 @@ def hf_conv1d(source: str, target: str, *, bias: bool = True) -> tuple[RenameRul
 
 
 def torch_conv(
-    source: str, target: str, *, spatial_dims: int = 2, bias: bool = True
+    source: str, target: str, *, spatial_dims: int = 2, bias: bool = True, shift: Shift = None
 ) -> tuple[RenameRule | TransposeRule, ...]:
-    """``nn.Conv{n}d``: ``weight`` (out, in, *k) into ``kernel`` (*k, in, out)."""
-    return (*_transposed(source, target, torch_conv_axes(spatial_dims)), *_bias(source, target, bias))
+    """``nn.Conv{n}d``: ``weight`` (out, in, *k) into ``kernel`` (*k, in, out)
+    (``shift``: as in :func:`~nnx_save.porting.rename`).
+
+    torch pads symmetrically (``padding=1`` on a 3x3 kernel: one row / column on
+    each side); give the NNX conv the same explicit padding, ``padding=((1, 1), (1, 1))``.
+    ``'SAME'`` agrees for stride 1 and odd kernels, but with stride 2 it pads the
+    bottom / right more than the top / left, and the outputs differ.
+    """
+    axes = torch_conv_axes(spatial_dims)
+    return (*_transposed(source, target, axes, shift), *_bias(source, target, bias, shift))
 
 
 def torch_embedding(source: str, target: str) -> tuple[RenameRule, ...]:
@@ -103,3 +123,26 @@ def torch_rms_norm(source: str, target: str) -> tuple[RenameRule, ...]:
     not a layout change, and these rules do not do it.
     """
     return (_param(source, target, "weight", "scale"),)
+
+
+def torch_batch_norm(
+    source: str, target: str, *, affine: bool = True, shift: Shift = None
+) -> tuple[RenameRule | IgnoreRule, ...]:
+    """``nn.BatchNorm{1,2,3}d``: ``weight`` / ``bias`` into ``scale`` / ``bias``,
+    ``running_mean`` / ``running_var`` into ``mean`` / ``var`` (``nnx.BatchNorm``'s
+    batch statistics); ``num_batches_tracked`` is ignored (NNX keeps no such count).
+
+    torch's ``eps`` (1e-5) and ``momentum`` (0.1, weighting the *new* batch) are
+    ``nnx.BatchNorm(..., epsilon=1e-5, momentum=0.9)`` (weighting the running value).
+
+    Examples:
+        >>> [r.match("features.0.1.running_var") for r in torch_batch_norm(r"features\\.0\\.1", "stem/bn")][3]
+        'stem/bn/var'
+    """
+    params = (_param(source, target, "weight", "scale", shift), *_bias(source, target, True, shift)) if affine else ()
+    return (
+        *params,
+        _param(source, target, "running_mean", "mean", shift),
+        _param(source, target, "running_var", "var", shift),
+        ignore(f"{source}\\.num_batches_tracked"),
+    )

@@ -302,6 +302,8 @@ class _Mapper:
         """``(rule index, match)``; ``None``: no rule; index -1: a conflict (recorded)."""
         hits = [(i, m) for i, r in enumerate(self.rules) if _is_structural(r) and (m := r.match(key)) is not None]
         others = [h for h in hits if not isinstance(self.rules.rules[h[0]], RenameRule)]
+        if len(others) > 1 and all(isinstance(self.rules.rules[i], IgnoreRule) for i, _ in others):
+            others = others[:1]  # ignore rules that overlap agree: the key is dropped
         renames = [h for h in hits if isinstance(self.rules.rules[h[0]], RenameRule)]
         if len(others) > 1 or (others and renames):
             a, b = self.rules.rules[others[0][0]], self.rules.rules[(others[1:] or renames)[0][0]]

@@ -87,27 +87,47 @@ def _same_dtype(keys: Sequence[str], info: Info, target: str, errors: list[str])
 
 @dataclass(frozen=True)
 class RenameRule:
-    """Source keys matching ``pattern`` become ``replacement`` (first rename wins)."""
+    """Source keys matching ``pattern`` become ``replacement`` (first rename wins).
+
+    ``shift`` adds an integer to a captured index before it is substituted
+    (``((1, -1),)``: ``features.3`` -> ``blocks/2``); the inverse subtracts it. A key
+    whose shifted index would be negative (``features.0``, the stem) is not matched,
+    so an earlier or later rule can take it.
+    """
 
     pattern: str
     replacement: str
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
+    shift: tuple[tuple[int | str, int], ...] = ()
 
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
     _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _shift: dict[int, int] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
         _set(self, "_template", Template.parse(self.replacement))
         check_refs(self._template, self._regex)
+        _set(self, "_shift", {_group_index(self._regex, g, self): int(d) for g, d in self.shift})
 
     def __str__(self) -> str:
-        return f"rename({_raw(self.pattern)}, {_raw(self.replacement)})"
+        shift = f", shift={dict(self.shift)!r}" if self.shift else ""
+        return f"rename({_raw(self.pattern)}, {_raw(self.replacement)}{shift})"
 
     def match(self, key: str) -> str | None:
         """The target for ``key``, or ``None``."""
         m = _fullmatch(self._regex, key)
-        return None if m is None else self._template.expand_match(m)
+        if m is None:
+            return None
+        if not self._shift:
+            return self._template.expand_match(m)
+        groups: dict[int | str, str | None] = {i: m.group(i) for i in range(1, self._regex.groups + 1)}
+        for index, delta in self._shift.items():
+            groups[index] = _shifted(key, groups[index], delta, self)
+            if groups[index] is None:
+                return None
+        groups.update({name: groups[i] for name, i in self._regex.groupindex.items()})
+        return self._template.expand(groups)
 
     def nodes(self, claims: Mapping[str, str], info: Info, errors: list[str]) -> list[Node]:
         """One unchanged node per claimed key."""
@@ -118,7 +138,24 @@ class RenameRule:
         if self.inverse_rule is not None:
             return _with_inverse(self, self.inverse_rule)
         pattern, replacement = invert(self.pattern, self.replacement)
-        return RenameRule(pattern, replacement, inverse_rule=self)
+        # the inverse pattern's group k is the k-th reference of this replacement
+        refs = [_group_index(self._regex, r, self) for r in self._template.refs]
+        shift = tuple((refs.index(g) + 1, -d) for g, d in self._shift.items())
+        return RenameRule(pattern, replacement, inverse_rule=self, shift=shift)
+
+
+def _group_index(regex: re.Pattern[str], group: int | str, rule: object) -> int:
+    index = regex.groupindex.get(group) if isinstance(group, str) else group
+    if not isinstance(index, int) or not 0 < index <= regex.groups:
+        raise RuleError(f"{rule}: shift names group {group!r}, which the pattern does not define")
+    return index
+
+
+def _shifted(key: str, text: str | None, delta: int, rule: object) -> str | None:
+    """The shifted index, or ``None`` below zero."""
+    if text is None or not text.isdigit():
+        raise RuleError(f"`{key}`: {rule} shifts group text {text!r}, which is not a decimal index")
+    return str(int(text) + delta) if int(text) + delta >= 0 else None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,217 @@
+"""Device -> host copies for saving, overlapped with writing, under a byte budget.
+
+On the CPU backend ``np.asarray`` of a single-device ``jax.Array`` aliases its buffer:
+nothing is copied and nothing needs staging. On accelerators every tensor must cross
+to the host before it is written. The writers therefore walk their tensors with a
+:class:`Window`: before writing tensor ``i`` they start the device -> host copies of
+the tensors after it, as many as fit in the byte budget, so the copies run while
+tensor ``i`` goes to the disk. A tensor's host copy is dropped as soon as it is
+written, so the host holds at most ``max(budget, largest tensor)`` bytes of copies
+beyond the caller's arrays, never the whole checkpoint.
+
+A copy lands in a new array of the device's ``pinned_host`` memory (page-locked: the
+copy engine writes it directly), or ``unpinned_host`` where that is all the device
+offers, made with ``jax.device_put`` (asynchronous: it returns before the copy is
+done). Host-memory copies are new arrays that die with the save; ``copy_to_host_async``
+would instead cache the host copy on the caller's array for as long as the caller
+keeps it (the whole checkpoint after a save), so it is only the fallback for devices
+without host memory spaces.
+
+Testing aid: ``NNX_SAVE_FORCE_HOST_STAGING=1`` stages on the CPU backend too (its
+``pinned_host`` memory is ordinary memory and the copy is real), so the overlapped,
+bounded path runs, and can be measured, without an accelerator.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import NnxSaveError, SaveError
+
+__all__ = ["BUDGET_ENV", "FORCE_ENV", "HostValue", "Staged", "Window", "budget", "spans_processes", "stage"]
+
+BUDGET_ENV = "NNX_SAVE_SAVE_INFLIGHT_BYTES"
+FORCE_ENV = "NNX_SAVE_FORCE_HOST_STAGING"
+DEFAULT_BUDGET = 1 << 30
+# Host memory kinds a device -> host copy may land in, the fastest first.
+_HOST_KINDS = ("pinned_host", "unpinned_host")
+
+
+def spans_processes(value: Any) -> bool:
+    """A jax.Array with shards on devices of other processes."""
+    return not isinstance(value, np.ndarray) and not getattr(value, "is_fully_addressable", True)
+
+
+@dataclass(frozen=True)
+class HostValue:
+    """An entry's value callable that keeps the array it came from.
+
+    The single-process writer calls it to get the whole host value (or stages it,
+    see :func:`stage`); the collective writer reads ``array`` to write only this
+    process's shards.
+    """
+
+    array: Any
+
+    def __call__(self) -> np.ndarray:
+        if isinstance(self.array, np.ndarray):
+            return self.array
+        if spans_processes(self.array) and not self.array.is_fully_replicated:
+            raise SaveError(
+                f"an array of shape {tuple(self.array.shape)} with sharding {self.array.sharding} spans "
+                f"{len({d.process_index for d in self.array.sharding.device_set})} processes; this process holds "
+                "only its shards, and writing them alone would save a partial tensor. Save it with save_file / "
+                "save_model called on every process (one file), or gather it first"
+            )
+        return np.asarray(self.array)
+
+
+def budget(value: int | None = None) -> int:
+    """The byte budget for host copies in flight: ``value``, else ``NNX_SAVE_SAVE_INFLIGHT_BYTES``, else 1 GiB."""
+    if value is not None:
+        if value < 1:
+            raise NnxSaveError(f"max_inflight_bytes={value}: expected a positive number of bytes")
+        return value
+    text = os.environ.get(BUDGET_ENV, "")
+    if not text:
+        return DEFAULT_BUDGET
+    if not text.isdigit() or int(text) < 1:
+        raise NnxSaveError(f"{BUDGET_ENV}={text!r}: expected a positive number of bytes")
+    return int(text)
+
+
+def _forced() -> bool:
+    return os.environ.get(FORCE_ENV, "") not in ("", "0")
+
+
+def _own_shards(array: Any) -> list[Any]:
+    return [s for s in array.addressable_shards if s.replica_id == 0]
+
+
+def staging_bytes(array: Any) -> int:
+    """Host bytes :func:`stage` would copy for ``array``; 0 when it copies nothing
+    (numpy, a CPU-backed jax array, an array spanning processes)."""
+    import jax
+
+    if not isinstance(array, jax.Array) or not array.is_fully_addressable or array.is_deleted():
+        return 0
+    shards = _own_shards(array)
+    if not _forced() and all(s.device.platform == "cpu" for s in shards):
+        return 0
+    return sum(int(s.data.nbytes) for s in shards)
+
+
+def host_kind(device: Any) -> str | None:
+    """The first of ``pinned_host`` / ``unpinned_host`` that ``device`` offers, else ``None``."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # a backend without memory spaces (jax raises its own error types)
+        return None
+    return next((k for k in _HOST_KINDS if k in kinds), None)
+
+
+def _copy_shard(data: Any) -> Any:
+    """Start the device -> host copy of one single-device array; returns what to wait on."""
+    import jax
+
+    kind = host_kind(data.device)
+    if kind is None:
+        data.copy_to_host_async()
+        return data
+    return jax.device_put(data, jax.sharding.SingleDeviceSharding(data.device, memory_kind=kind), may_alias=False)
+
+
+class Staged:
+    """The device -> host copies of one array's replica-0 addressable shards, in flight."""
+
+    def __init__(self, array: Any) -> None:
+        self.shape = tuple(array.shape)
+        self.dtype = np.dtype(array.dtype)
+        self.shards = _own_shards(array)
+        self.copies = [_copy_shard(s.data) for s in self.shards]
+        self.nbytes = sum(int(s.data.nbytes) for s in self.shards)
+
+    def host_shards(self) -> list[tuple[Any, np.ndarray]]:
+        """``(shard, host array)`` pairs, waiting for the copies."""
+        return [(s, np.asarray(c)) for s, c in zip(self.shards, self.copies, strict=True)]
+
+    def assemble(self) -> np.ndarray:
+        """The whole array on the host, waiting for the copies."""
+        parts = self.host_shards()
+        if len(parts) == 1 and parts[0][1].shape == self.shape:
+            return parts[0][1]
+        out = np.empty(self.shape, self.dtype)
+        for shard, host in parts:
+            out[shard.index] = host
+        return out
+
+
+def stage(array: Any) -> Staged | None:
+    """Start copying ``array`` to the host; ``None`` when nothing needs copying."""
+    return Staged(array) if staging_bytes(array) else None
+
+
+class Window:
+    """Copies of the tensors of a sequence started ahead, under a byte budget.
+
+    ``take(i)`` (``i`` increasing) releases the copy taken before, starts the copies
+    of the next tensors while the bytes held stay within ``limit`` (a tensor larger
+    than ``limit`` is copied alone), then returns tensor ``i``'s host value:
+    ``fallback()`` when nothing needed copying. ``held`` is the bytes of copies
+    started and not yet released, ``peak`` its maximum. A failed copy raises a
+    :class:`SaveError` naming ``where`` and the tensor's key.
+    """
+
+    def __init__(self, arrays: Sequence[Any], keys: Sequence[str], limit: int, where: str) -> None:
+        self.arrays, self.keys, self.limit, self.where = list(arrays), list(keys), limit, where
+        self.sizes = [staging_bytes(a) for a in self.arrays]
+        self.pending: dict[int, Staged] = {}
+        self.next = 0
+        self.held = self.peak = 0
+        self.taken: int | None = None
+
+    def take(self, i: int, complete: Callable[[Staged], Any], fallback: Callable[[], Any]) -> Any:
+        """Tensor ``i``'s host value: ``complete(staged copy)``, or ``fallback()`` when it needed no copy."""
+        self._release()
+        while self.next < len(self.arrays) and (self.next <= i or self._fits(self.sizes[self.next])):
+            if self.sizes[self.next]:
+                self.pending[self.next] = self._guard(self.next, functools.partial(stage, self.arrays[self.next]))
+            self.held += self.sizes[self.next]
+            self.next += 1
+        self.peak = max(self.peak, self.held)
+        self.taken = i
+        copy = self.pending.pop(i, None)
+        return fallback() if copy is None else self._guard(i, lambda: complete(copy))
+
+    def _guard(self, i: int, step: Callable[[], Any]) -> Any:
+        try:
+            return step()
+        except NnxSaveError:
+            raise
+        except Exception as e:  # a device error (jax raises its own types): name the tensor
+            raise SaveError(
+                f"{self.where}: the device -> host copy of {self.keys[i]!r} failed ({type(e).__name__}: {e}); "
+                "the previous file, if any, is intact",
+                self.where,
+                self.keys[i],
+            ) from e
+
+    def _fits(self, size: int) -> bool:
+        return size == 0 or self.held == 0 or self.held + size <= self.limit
+
+    def _release(self) -> None:
+        if self.taken is not None:
+            self.held -= self.sizes[self.taken]
+            self.taken = None
+
+    def close(self) -> None:
+        """Drop every copy still held (a failed save): nothing outlives the writer."""
+        self.pending.clear()
+        self._release()
+        self.held = 0

@@ -1,0 +1,92 @@
+"""Decisions about the disk, made once on process 0 and shared with every process.
+
+In a multi-process run every process drives its own store object, and each Orbax
+barrier must be reached by all of them in the same order. A decision taken from the
+disk on each process (does the directory exist yet? which steps are there? which are
+too old to keep?) can come out differently when one process looks a moment after
+another changed it: one then waits at a barrier the other never reaches. So such a
+decision is computed by process 0 alone and read by the others from the JAX
+coordination service's key-value store, in call order (the ``n``-th decision of one
+process is the ``n``-th of every other); a process that asks a different question
+than process 0 answered gets a :class:`~._errors.CheckpointSyncError`, not a hang.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jax
+from jax._src import distributed  # the only handle on the coordination service's key-value store
+
+from ._errors import CheckpointSyncError
+
+__all__ = ["TIMEOUT_ENV", "agree"]
+
+TIMEOUT_ENV = "NNX_SAVE_STORE_TIMEOUT_S"
+_DEFAULT_TIMEOUT_S = 300.0
+_SEQUENCE = itertools.count()  # every process numbers its decisions the same way
+
+T = TypeVar("T")
+
+
+def timeout_s() -> float:
+    """How long a process waits for process 0's decision (``NNX_SAVE_STORE_TIMEOUT_S``)."""
+    return float(os.environ.get(TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
+
+
+def agree(name: str, decide: Callable[[], T]) -> T:
+    """``decide()`` as computed on process 0, on every process.
+
+    The value must be JSON data (it travels as JSON, so tuples come back as lists).
+    With one process this is ``decide()``. Every process must call ``agree`` the same
+    number of times, in the same order; ``name`` checks that they do.
+
+    Raises:
+        CheckpointSyncError: Process 0's decision failed, did not come within the
+            timeout, or answered another question (the processes diverged).
+
+    Examples:
+        >>> agree("answer", lambda: {"steps": [1, 2]})
+        {'steps': [1, 2]}
+    """
+    if jax.process_count() == 1:
+        return decide()
+    key = f"nnx_save/checkpoint/decision/{next(_SEQUENCE)}"
+    client = distributed.global_state.client
+    if jax.process_index() == 0:
+        return _post(client, key, name, decide)
+    return _read(client, key, name)
+
+
+def _post(client: Any, key: str, name: str, decide: Callable[[], T]) -> T:
+    try:
+        value = decide()
+    except BaseException as error:
+        client.key_value_set(key, json.dumps({"name": name, "error": f"{type(error).__name__}: {error}"}))
+        raise
+    client.key_value_set(key, json.dumps({"name": name, "value": value}))
+    return value
+
+
+def _read(client: Any, key: str, name: str) -> Any:
+    pid = jax.process_index()
+    try:
+        posted = json.loads(client.blocking_key_value_get(key, int(timeout_s() * 1000)))
+    except Exception as error:
+        raise CheckpointSyncError(
+            f"process {pid} waited {timeout_s():g} s ({TIMEOUT_ENV}) for process 0 to decide {name!r} "
+            f"and got no answer ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "did process 0 die, or stop calling the store?"
+        ) from error
+    if posted["name"] != name:
+        raise CheckpointSyncError(
+            f"the processes diverged: process 0 decided {posted['name']!r} where process {pid} asks {name!r}; "
+            "call every store method on every process, in the same order"
+        )
+    if "error" in posted:
+        raise CheckpointSyncError(f"process 0 failed to decide {name!r}: {posted['error']}")
+    return posted["value"]

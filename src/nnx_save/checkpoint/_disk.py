@@ -1,0 +1,142 @@
+"""A store's directory as every process sees it: decided on process 0, then shared.
+
+:class:`Disk` holds the store's view of its directory (the steps, the damaged ones,
+the recorded retention policies) and makes every directory-level decision through
+:func:`._agree.agree` or :func:`._orbax.on_primary`, so each process of a
+multi-process run takes the same branch and reaches Orbax's barriers in the same
+order. Nothing here reads or writes arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from . import _orbax
+from ._agree import agree
+from ._errors import CheckpointDamageWarning, CheckpointRetentionError
+from ._format import METADATA_ITEM
+from ._health import DirectoryView, read_json, scan
+from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json
+
+__all__ = ["ASIDE_PREFIX", "Disk"]
+
+# A step being overwritten is renamed to this (plus the step) until its replacement
+# is complete, so a crash mid-overwrite never loses the step.
+ASIDE_PREFIX = ".nnx_save-overwriting-"
+
+
+@dataclasses.dataclass
+class Disk:
+    """The directory of one store, its view and its retention policies."""
+
+    path: epath.Path
+    given: Retention | None
+    change_retention: bool = False
+    view: DirectoryView | None = None
+    recorded: Retention | None = None
+    warned: bool = False
+
+    def load(self) -> DirectoryView:
+        """The view, looked at (by process 0) the first time it is needed."""
+        if self.view is None:
+            self._adopt(agree("open", self._look))
+        assert self.view is not None
+        return self.view
+
+    def _look(self) -> dict[str, Any]:
+        record = self.path / STORE_RECORD
+        text = record.read_text() if record.exists() else None
+        return {"view": scan(self.path).to_json(), "record": text}
+
+    def _adopt(self, data: Mapping[str, Any]) -> None:
+        self.view = DirectoryView.from_json(data["view"])
+        self.recorded = None if data["record"] is None else parse_record(data["record"])
+        given = self.given
+        if self.recorded is not None and given is not None and given != self.recorded and not self.change_retention:
+            raise CheckpointRetentionError(self.recorded.describe(), given.describe(), self.path)
+
+    @property
+    def retention(self) -> Retention:
+        """The policies in force: the ones given, else the recorded ones, else the default."""
+        self.load()
+        return self.given or self.recorded or Retention()
+
+    def intact(self) -> list[int]:
+        """Undamaged steps, ascending; warns once per store when some are damaged."""
+        view = self.load()
+        if view.damaged and not self.warned:
+            self.warned = True
+            lines = "; ".join(f"step {s}: {p}: {why}" for s, (p, why) in sorted(view.damaged.items()))
+            warnings.warn(
+                f"{self.path}: {len(view.damaged)} damaged steps are left out of list_steps(): {lines}",
+                CheckpointDamageWarning,
+                stacklevel=4,
+            )
+        return view.intact
+
+    # -- changes, made on process 0 ------------------------------------------------
+
+    def open_for_writing(self) -> None:
+        """Finish an interrupted overwrite, record the retention policies, look again."""
+        self.load()
+        _orbax.on_primary("recover_overwrites", self._recover)
+        retention = self.retention
+        if retention != self.recorded:
+            _orbax.on_primary("record_retention", lambda: self._record(retention))
+        self.view = None
+        self.load()
+
+    def _recover(self) -> None:
+        if not self.path.is_dir():
+            return
+        for aside in self.path.glob(f"{ASIDE_PREFIX}*"):
+            step_dir = self.path / aside.name.removeprefix(ASIDE_PREFIX)
+            if step_dir.exists():
+                aside.rmtree()  # the replacement was committed
+            else:
+                aside.rename(step_dir)  # the replacement never was: keep the original
+
+    def _record(self, retention: Retention) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.path / f".{STORE_RECORD}.tmp"
+        tmp.write_text(record_json(retention))
+        tmp.replace(self.path / STORE_RECORD)
+
+    def doomed(self) -> list[int]:
+        """The intact steps the retention policies let go, decided on process 0."""
+        retention = self.retention
+        if retention == Retention.keep_all():
+            return []
+        return agree("retention", lambda: doomed(retention, self._infos(self.load().intact)))
+
+    def _infos(self, steps: list[int]) -> list[StepInfo]:
+        now = datetime.datetime.now(datetime.UTC)
+        infos = []
+        for step in steps:
+            record, _ = read_json(self.path / str(step) / METADATA_ITEM / "metadata")
+            record = record if isinstance(record, dict) else {}
+            metrics = {k: float(v) for k, v in (record.get("metrics") or {}).items() if _is_number(v)}
+            infos.append(StepInfo(step, metrics, age_s(record.get("created_at", ""), now)))
+        return infos
+
+    def added(self, step: int) -> None:
+        """``step`` was saved (or replaced) by this store, on every process."""
+        view = self.load()
+        damaged = {s: d for s, d in view.damaged.items() if s != step}
+        self.view = DirectoryView(True, tuple(sorted({*view.steps, step})), damaged)
+
+    def removed(self, step: int) -> None:
+        """``step`` was deleted by this store, on every process."""
+        view = self.load()
+        damaged = {s: d for s, d in view.damaged.items() if s != step}
+        self.view = DirectoryView(view.exists, tuple(s for s in view.steps if s != step), damaged)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,143 @@
+"""What a store's directory holds: its steps, and which of them are damaged.
+
+A pure look at the files (no Orbax manager, so no barrier): run on process 0 and
+shared (see :mod:`._agree`). A step is *damaged* when its nnx_save record is
+unreadable, or an item the record names has no directory or no Orbax ``_METADATA``
+file; a truncated array file is only found when the step is read (finding it here
+would mean reading every byte of every step), where it raises
+:class:`~._errors.CheckpointCorruptError` too. A step without any nnx_save record
+is not damaged but foreign (:class:`~._errors.UnsupportedCheckpointError` on read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from etils import epath
+
+from ._errors import CheckpointCorruptError
+from ._format import DTYPES_ITEM, METADATA_ITEM
+
+__all__ = ["DirectoryView", "corrupt_from", "held_items", "looks_damaged", "read_json", "scan"]
+
+_RECORD_FILE = "metadata"  # the file Orbax's JSON handler writes in an item directory
+_ARRAY_METADATA = "_METADATA"  # the file Orbax's pytree handler writes in an item directory
+_STEP_NAME = re.compile(r"[0-9]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectoryView:
+    """The steps in a directory and the damaged ones (``{step: (path, problem)}``)."""
+
+    exists: bool
+    steps: tuple[int, ...] = ()
+    damaged: Mapping[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "exists": self.exists,
+            "steps": list(self.steps),
+            "damaged": {str(s): list(d) for s, d in self.damaged.items()},
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DirectoryView:
+        damaged = {int(s): (d[0], d[1]) for s, d in data["damaged"].items()}
+        return cls(bool(data["exists"]), tuple(data["steps"]), damaged)
+
+    @property
+    def intact(self) -> list[int]:
+        """The steps that are not damaged, ascending."""
+        return [s for s in self.steps if s not in self.damaged]
+
+    def corrupt_error(self, step: int) -> CheckpointCorruptError:
+        path, problem = self.damaged[step]
+        return CheckpointCorruptError(step, path, problem)
+
+
+def scan(directory: epath.Path) -> DirectoryView:
+    """Every step directory (Orbax's plain ``<step>`` names) and its damage, if any."""
+    if not directory.is_dir():
+        return DirectoryView(exists=False)
+    steps = sorted(int(p.name) for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and p.is_dir())
+    damaged = {}
+    for step in steps:
+        found = _damage(directory / str(step))
+        if found is not None:
+            damaged[step] = found
+    return DirectoryView(True, tuple(steps), damaged)
+
+
+def _damage(step_dir: epath.Path) -> tuple[str, str] | None:
+    """``(path, problem)`` for the first damage found in a step directory, or None."""
+    record_dir = step_dir / METADATA_ITEM
+    if not record_dir.exists():
+        return None  # not an nnx_save step: foreign, refused on read
+    record, problem = read_json(record_dir / _RECORD_FILE)
+    if problem is not None:
+        return str(record_dir / _RECORD_FILE), problem
+    items = record.get("items") if isinstance(record, dict) else None
+    for name in items if isinstance(items, list) else []:
+        item_dir = step_dir / str(name)
+        if not item_dir.is_dir():
+            return str(item_dir), f"the directory of item {name!r}, named in the step's record, is missing"
+        if not (item_dir / _ARRAY_METADATA).exists():
+            return str(item_dir / _ARRAY_METADATA), f"Orbax's metadata file of item {name!r} is missing"
+    dtypes = step_dir / DTYPES_ITEM / _RECORD_FILE
+    if (step_dir / DTYPES_ITEM).exists():
+        _, problem = read_json(dtypes)
+        if problem is not None:
+            return str(dtypes), problem
+    return None
+
+
+def read_json(path: epath.Path) -> tuple[Any, str | None]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, "the file is missing"
+    except OSError as error:
+        return None, f"cannot be read ({type(error).__name__}: {error})"
+    try:
+        return json.loads(text), None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return None, f"not valid JSON ({error}); {len(text)} characters"
+
+
+_TS_FILE = re.compile(r'local file "([^"]+)"')
+_TS_KEY = re.compile(r'Error reading "([^"]+)"')
+
+
+_STATUS = re.compile(r"(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|INVALID_ARGUMENT|FAILED_PRECONDITION): ")
+
+
+def looks_damaged(error: BaseException) -> bool:
+    """True for a read failure that says the files are bad (tensorstore's status codes,
+    an ``OSError``), not for a caller's mistake that Orbax reports while reading."""
+    text = f"{error} {error.__cause__ or ''}"
+    return isinstance(error, OSError) or bool(_STATUS.search(text))
+
+
+def corrupt_from(step: int, step_dir: str, error: BaseException) -> CheckpointCorruptError:
+    """A read failure of Orbax / tensorstore as a :class:`CheckpointCorruptError`
+    naming the file (or item directory) and the array key tensorstore reported."""
+    text = " ".join(f"{error} {error.__cause__ or ''}".split())
+    where = _TS_FILE.search(text)
+    key = _TS_KEY.search(text)
+    status = _STATUS.search(text)
+    detail = text[status.start() :] if status else text
+    detail = detail.split(" [source locations")[0][:300]
+    problem = "an array file is truncated or unreadable"
+    if key:
+        problem += f" (array {key.group(1)!r})"
+    problem += f": {detail}"
+    return CheckpointCorruptError(step, where.group(1) if where else step_dir, problem)
+
+
+def held_items(step_dir: epath.Path) -> set[str]:
+    """The Orbax item names a step directory holds (its subdirectories)."""
+    return {p.name for p in step_dir.iterdir() if p.is_dir()} if step_dir.is_dir() else set()

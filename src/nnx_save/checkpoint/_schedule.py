@@ -1,0 +1,115 @@
+"""When to save: an interval in steps and/or seconds, and preemption.
+
+:class:`SaveSchedule` answers ``due(step)`` for a training loop. A preemption makes
+the next asked step due whatever the intervals say:
+
+- one process: the first ``due`` call installs a ``SIGTERM`` handler (from the main
+  thread) that records the signal instead of ending the process; the previous
+  handler is put back by :meth:`SaveSchedule.close`;
+- several processes: JAX's preemption service (started by
+  ``jax.distributed.initialize``) catches the signal on any process and picks one
+  step at which every process's
+  :func:`jax.experimental.multihost_utils.reached_preemption_sync_point` is true,
+  so every process saves the same step.
+
+A seconds interval is measured on process 0 and shared, so the processes agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import threading
+import time
+from typing import Any
+
+import jax
+from jax.experimental import multihost_utils
+
+from ._agree import agree
+
+__all__ = ["SaveSchedule"]
+
+
+@dataclasses.dataclass
+class SaveSchedule:
+    """Save intervals and the preemption state of one store.
+
+    Attributes:
+        every_steps: A step divisible by this is due (None: no step interval).
+        every_seconds: A step is due once this many seconds passed since the last
+            save, or since the schedule started (None: no time interval).
+
+    With neither interval every step is due.
+
+    Examples:
+        >>> schedule = SaveSchedule(every_steps=100)
+        >>> [schedule.due(s) for s in (99, 100, 150)]
+        [False, True, False]
+        >>> schedule.close()
+    """
+
+    every_steps: int | None = None
+    every_seconds: float | None = None
+    preempted_at: int | None = None
+    _last_save: float = dataclasses.field(default_factory=time.monotonic)
+    _sigterm: bool = False
+    _previous: Any = None
+    _installed: bool = False
+
+    def __post_init__(self) -> None:
+        steps, seconds = self.every_steps, self.every_seconds
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+            raise ValueError(f"save_interval_steps must be an int >= 1 or None, got {steps!r}")
+        if seconds is not None and (
+            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
+        ):
+            raise ValueError(f"save_interval_seconds must be a positive number or None, got {seconds!r}")
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` should be saved: preemption first, then the intervals."""
+        if self._preempted(step):
+            self.preempted_at = step if self.preempted_at is None else self.preempted_at
+            return True
+        if self.every_steps is None and self.every_seconds is None:
+            return True
+        if self.every_steps is not None and step % self.every_steps == 0:
+            return True
+        return self.every_seconds is not None and self._seconds_passed()
+
+    def saved(self) -> None:
+        """A step was saved: the seconds interval starts again."""
+        self._last_save = time.monotonic()
+
+    @property
+    def preemption_requested(self) -> bool:
+        """True once a preemption was seen (SIGTERM, or JAX's preemption sync point)."""
+        return self.preempted_at is not None or self._sigterm
+
+    def _seconds_passed(self) -> bool:
+        every = self.every_seconds
+        return bool(agree("save_interval_seconds", lambda: time.monotonic() - self._last_save >= (every or 0)))
+
+    def _preempted(self, step: int) -> bool:
+        if jax.process_count() > 1:
+            try:
+                return bool(multihost_utils.reached_preemption_sync_point(step))
+            except RuntimeError:  # the preemption service is off (jax_enable_preemption_service)
+                return False
+        self._install()
+        return self._sigterm
+
+    def _install(self) -> None:
+        if self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed = True
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._sigterm = True  # the loop saves at its next due() check, then stops
+
+    def close(self) -> None:
+        """Put back the SIGTERM handler that was there before."""
+        if self._installed and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous)
+            self._installed = False

@@ -1,0 +1,72 @@
+"""The store's contract: :class:`CheckpointStore` and the :class:`Checkpoint` it restores."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol, Self, runtime_checkable
+
+from .._report import LoadReport
+from ._metadata import CheckpointMetadata, Producer
+
+__all__ = ["Checkpoint", "CheckpointStore"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """One restored step.
+
+    Attributes:
+        step: The step.
+        items: The restored items by name, in the order they were recorded.
+        metadata: The step's metadata record.
+        path: The step's directory.
+        report: What the templated items' restore found: loaded, missing,
+            unexpected, shape mismatches and dtype casts, by ``item/leaf`` path
+            (the report ``load_model`` gives).
+    """
+
+    step: int
+    items: Mapping[str, Any]
+    metadata: CheckpointMetadata
+    path: pathlib.Path
+    report: LoadReport = dataclasses.field(default_factory=LoadReport)
+
+
+@runtime_checkable
+class CheckpointStore(Protocol):
+    """A step-addressed store of training state; see :class:`OrbaxCheckpointStore`."""
+
+    def save(
+        self,
+        step: int,
+        items: Mapping[str, Any],
+        *,
+        epoch: int | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        producer: Producer | None = None,
+        extra: Mapping[str, Any] | None = None,
+        overwrite: bool = False,
+        blocking: bool = True,
+    ) -> pathlib.Path: ...
+
+    def restore(
+        self, step: int, *, templates: Mapping[str, Any] | None = None, cast_dtypes: bool = False
+    ) -> Checkpoint: ...
+
+    def read_metadata(self, step: int) -> CheckpointMetadata: ...
+
+    def list_steps(self) -> list[int]: ...
+
+    def latest_step(self) -> int | None: ...
+
+    def best_step(self, metric: str, *, mode: Literal["min", "max"] = "min") -> int | None: ...
+
+    def delete(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self: ...
+
+    def __exit__(self, *exc: object) -> None: ...

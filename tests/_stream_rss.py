@@ -1,0 +1,58 @@
+"""Run in a fresh process by tests/test_stream.py: load a checkpoint onto one device
+(streamed or on the host path) and print host memory figures as JSON.
+
+argv: path, "stream" | "host", max_inflight_bytes, "warm" | "cold". Warm: the load
+runs twice, the first warming jax up (compiling the on-device copy and update), its
+results dropped; the peak RSS of the second (``VmHWM`` after resetting it through
+``/proc/self/clear_refs``) is measured. Cold: one load, in a process that has
+allocated nothing before it.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax
+import numpy as np
+
+import nnx_save
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(field)
+
+
+def main() -> None:
+    path, mode, budget, warm = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "warm"
+    device = jax.devices()[0]
+    header = nnx_save.read_header(path)
+    one = jax.sharding.SingleDeviceSharding(device)
+    abstract = {k: jax.ShapeDtypeStruct(t.shape, np.float32, sharding=one) for k, t in header.tensors.items()}
+
+    def load():
+        return nnx_save.load_file(
+            header, abstract, stream=mode == "stream", max_inflight_bytes=budget, allow_unexpected=["*"]
+        )
+
+    import warnings
+
+    warnings.simplefilter("ignore", nnx_save.LoadWarning)  # the bf16 -> f32 casts are the point
+    if warm:
+        jax.block_until_ready(load())
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
+    before = _status("VmRSS")
+    tree = jax.block_until_ready(load())
+    peak = _status("VmHWM")
+    results = sum(a.nbytes for a in tree.values())
+    print(json.dumps({"before": before, "peak": peak, "results": results}))
+
+
+if __name__ == "__main__":
+    main()

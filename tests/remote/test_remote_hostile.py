@@ -1,0 +1,233 @@
+"""Lying HTTP servers and changing fsspec objects (issue 18, items 2, 3, 4, 7, 8 and
+13's redirects): each answer is either the exact data or a typed error naming the
+URL, never the bytes of another version, never an unbounded read, never a hang.
+
+The server is tests/remote/hostile_server.py on 127.0.0.1; each test states the
+probe of issue 18 it pins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import re
+import time
+import tracemalloc
+import uuid
+
+import numpy as np
+import pytest
+from hostile_server import Answer, HostileServer, Request
+
+import nnx_save
+from nnx_save._remote import RemoteChangedError, RemoteError
+
+V1 = {"w": np.arange(64, dtype=np.float32), "b": np.full(16, 3.0, np.float32)}
+V2 = {"w": -np.arange(64, dtype=np.float32), "b": np.full(16, 7.0, np.float32)}  # same size, other bytes
+
+
+def blob(tmp_path, tree) -> bytes:
+    path = tmp_path / f"{uuid.uuid4().hex}.safetensors"
+    nnx_save.save_file(tree, path)
+    return path.read_bytes()
+
+
+def exact(out, tree) -> bool:
+    return sorted(out) == sorted(tree) and all(np.array_equal(np.asarray(out[k]), v) for k, v in tree.items())
+
+
+def data_request(req: Request) -> bool:
+    return req.number > 1  # request 1 is the header probe
+
+
+def test_a_vanished_etag_is_a_change(tmp_path):
+    """Probe 3: the server drops the ETag while replacing same-size content."""
+    one, two = blob(tmp_path, V1), blob(tmp_path, V2)
+    assert len(one) == len(two)
+    with HostileServer({"/m.safetensors": one}) as server:
+        server.etags["/m.safetensors"] = '"v1"'
+        url = f"{server.url}/m.safetensors"
+        header = nnx_save.read_header(url)
+        server.objects["/m.safetensors"] = two
+        del server.etags["/m.safetensors"]
+        with pytest.raises(
+            RemoteChangedError,
+            match=re.escape(f'{url}: the object changed during the load (size {len(one)} -> {len(two)}, version "v1"'),
+        ):
+            nnx_save.load_file(header)
+
+
+def test_a_pinned_etag_is_sent_with_if_match_and_412_is_a_change(tmp_path):
+    """Probe 3 (the If-Match half): later ranges ask for the pinned version; a server
+    that no longer has it answers 412, which is a change."""
+    one, two = blob(tmp_path, V1), blob(tmp_path, V2)
+
+    def lie(req: Request, answer: Answer) -> Answer:
+        tag = server.etags["/m.safetensors"]
+        if req.headers.get("If-Match") not in (None, tag):
+            return Answer(412, {"Content-Length": "0"}, b"")
+        return answer
+
+    with HostileServer({"/m.safetensors": one}, lie) as server:
+        server.etags["/m.safetensors"] = '"v1"'
+        url = f"{server.url}/m.safetensors"
+        header = nnx_save.read_header(url)
+        assert exact(nnx_save.load_file(header), V1)
+        assert all(r.headers.get("If-Match") == '"v1"' for r in server.requests[1:])
+        server.objects["/m.safetensors"], server.etags["/m.safetensors"] = two, '"v2"'
+        with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load")):
+            nnx_save.load_file(header)
+
+
+def encoded(req: Request, answer: Answer) -> Answer:
+    """gzip named, identity bytes sent: the body alone cannot tell."""
+    if data_request(req):
+        answer.headers["Content-Encoding"] = "gzip"
+    return answer
+
+
+def gzipped(req: Request, answer: Answer) -> Answer:
+    if data_request(req):
+        answer.body = gzip.compress(answer.body)
+        answer.headers.update({"Content-Encoding": "gzip", "Content-Length": str(len(answer.body))})
+    return answer
+
+
+def longer_chunked(req: Request, answer: Answer) -> Answer:
+    if data_request(req):
+        return dataclasses.replace(answer, body=answer.body + b"EXTRA", chunked=True)
+    return answer
+
+
+def longer_declared(req: Request, answer: Answer) -> Answer:
+    if data_request(req):
+        answer.body += b"EXTRA"
+        answer.headers["Content-Length"] = str(len(answer.body))
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("lie", "message"),
+    [
+        (encoded, "came with Content-Encoding 'gzip'; ranges are asked with Accept-Encoding: identity"),
+        (gzipped, "came with Content-Encoding 'gzip'"),
+        (longer_chunked, "is longer than the range"),
+        (longer_declared, "came with Content-Length"),
+    ],
+    ids=["gzip-named", "gzip-sent", "chunked-longer", "content-length-longer"],
+)
+def test_a_data_range_must_be_unencoded_and_exactly_its_length(tmp_path, lie, message):
+    """Probe 4: an encoded ranged response was copied raw into the tensor, and a
+    body longer than the range was cut silently."""
+    with HostileServer({"/m.safetensors": blob(tmp_path, V1)}, lie) as server:
+        url = f"{server.url}/m.safetensors"
+        with pytest.raises(RemoteError, match=re.escape(url) + ".*" + re.escape(message)):
+            nnx_save.load_file(url, num_threads=1)
+        assert all(r.headers.get("Accept-Encoding") == "identity" for r in server.requests)
+
+
+def test_the_header_probe_reads_at_most_what_it_asked(tmp_path):
+    """Probe 7: after asking for 64 KiB the probe read whatever the server sent (a
+    chunked body of hundreds of MiB); now it stops at the range and refuses the rest."""
+    data = blob(tmp_path, V1)
+    body = data + bytes(64 << 20)  # built before tracing: only the client's memory counts
+
+    def lie(req: Request, answer: Answer) -> Answer:
+        return dataclasses.replace(answer, body=body, chunked=True) if req.number == 1 else answer
+
+    with HostileServer({"/m.safetensors": data}, lie) as server:
+        url = f"{server.url}/m.safetensors"
+        tracemalloc.start()
+        try:
+            with pytest.raises(RemoteError, match=re.escape(f"{url}: the body for bytes 0-") + ".* is longer than"):
+                nnx_save.read_header(url)
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+    assert peak < 8 << 20, peak  # the server's 1 MiB chunks included; reading it all would be 64 MiB
+
+
+def test_a_trickling_server_hits_the_deadline(tmp_path, monkeypatch):
+    """Probe 8: one byte every few seconds never trips a socket timeout; each request
+    now has a deadline (NNX_SAVE_HTTP_TIMEOUT plus its length at NNX_SAVE_HTTP_MIN_RATE)."""
+    monkeypatch.setenv("NNX_SAVE_HTTP_TIMEOUT", "1")
+    monkeypatch.setenv("NNX_SAVE_HTTP_MIN_RATE", "1000000")
+
+    def lie(req: Request, answer: Answer) -> Answer:
+        return dataclasses.replace(answer, trickle_s=0.05) if data_request(req) else answer
+
+    with HostileServer({"/m.safetensors": blob(tmp_path, V1)}, lie) as server:
+        url = f"{server.url}/m.safetensors"
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError, match=re.escape(url) + r": bytes \d+-\d+ not received within 1\.0 s"):
+            nnx_save.load_file(url, num_threads=1)  # 320 bytes at 20 bytes/s would take 16 s
+        assert time.monotonic() - t0 < 6
+
+
+def test_the_deadline_settings_are_checked(monkeypatch):
+    monkeypatch.setenv("NNX_SAVE_HTTP_TIMEOUT", "0")
+    with pytest.raises(RemoteError, match=re.escape("NNX_SAVE_HTTP_TIMEOUT='0': expected a positive number")):
+        nnx_save.read_header("http://127.0.0.1:9/m.safetensors")
+
+
+def redirecting(routes: dict[str, str]):
+    def lie(req: Request, answer: Answer) -> Answer:
+        if req.path in routes:
+            return Answer(302, {"Location": routes[req.path], "Content-Length": "0"}, b"")
+        return answer
+
+    return lie
+
+
+def test_redirects_are_followed_and_pinned_at_the_final_url(tmp_path):
+    """Probe 13: hub ``resolve/`` URLs redirect to a CDN; this failed with "must answer
+    ranges with 206". A redirect that later leads to another version is a change."""
+    one, two = blob(tmp_path, V1), blob(tmp_path, V2)
+    routes = {"/resolve/m.safetensors": "/cdn/v1.safetensors"}
+    with HostileServer({"/cdn/v1.safetensors": one, "/cdn/v2.safetensors": two}, redirecting(routes)) as server:
+        server.etags.update({"/cdn/v1.safetensors": '"v1"', "/cdn/v2.safetensors": '"v2"'})
+        url = f"{server.url}/resolve/m.safetensors"
+        header = nnx_save.read_header(url)
+        assert exact(nnx_save.load_file(header), V1)
+        routes["/resolve/m.safetensors"] = f"{server.url}/cdn/v2.safetensors"  # an absolute Location
+        with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load")):
+            nnx_save.load_file(header)
+
+
+@pytest.mark.parametrize(
+    ("location", "message"),
+    [
+        ("/loop.safetensors", "more than 5 redirects"),
+        ("file:///etc/passwd", "redirected to 'file:///etc/passwd', not http(s)"),
+    ],
+)
+def test_redirect_loops_and_foreign_schemes_are_refused(tmp_path, location, message):
+    with HostileServer({}, redirecting({"/loop.safetensors": location})) as server:
+        url = f"{server.url}/loop.safetensors"
+        with pytest.raises(RemoteError, match=re.escape(url) + ".*" + re.escape(message)):
+            nnx_save.read_header(url)
+
+
+@pytest.fixture
+def memory_url():
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    path = f"/nnx_save-{uuid.uuid4().hex}/m.safetensors"
+    yield fs, f"memory://{path}"
+    fs.rm(path)
+
+
+def test_an_fsspec_object_replaced_after_its_header_was_read_is_a_change(tmp_path, memory_url):
+    """Probe 2: replace a ``memory://`` (or ``s3://``, ``gs://`` ...) object between
+    ``read_header`` and ``load_file(header)``: the load returned the new bytes under
+    the old header. Pinned now to the size and the version fields of ``info()``."""
+    fs, url = memory_url
+    one, two = blob(tmp_path, V1), blob(tmp_path, V2)
+    fs.pipe(url, one)
+    header = nnx_save.read_header(url)
+    assert exact(nnx_save.load_file(header), V1)
+    time.sleep(0.01)  # memory:// versions by creation time (microseconds)
+    fs.pipe(url, two)
+    with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load (size ")):
+        nnx_save.load_file(header)
+    assert exact(nnx_save.load_file(url), V2)  # a fresh load reads the new version

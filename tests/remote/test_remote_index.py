@@ -1,0 +1,146 @@
+"""One index validator for local and remote checkpoints (issue 18, items 6 and 11):
+every case runs against a directory on disk and the same directory served by nginx,
+and must give the same typed error (``IndexFileError``) naming the index."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nnx_save
+from nnx_save._sources import MAX_INDEX_BYTES
+
+INDEX = "model.safetensors.index.json"
+
+
+class Source:
+    """A checkpoint directory under nginx's root, loaded locally or over HTTP."""
+
+    def __init__(self, nginx, how: str) -> None:
+        self.how, self.name = how, uuid.uuid4().hex
+        self.directory = nginx.root / self.name / "model"
+        self.directory.mkdir(parents=True)
+        self.url = f"{nginx.url}/{self.name}/model"
+        self.nginx_root = nginx.root / self.name
+
+    @property
+    def index(self) -> str:
+        return str(self.directory / INDEX) if self.how == "local" else f"{self.url}/{INDEX}"
+
+    @property
+    def base(self) -> str:
+        return str(self.directory) if self.how == "local" else f"{self.url}/"
+
+    def load(self):
+        return nnx_save.load_file(self.directory if self.how == "local" else f"{self.url}/{INDEX}")
+
+    def write_index(self, body: str | bytes | dict) -> None:
+        raw = json.dumps(body) if isinstance(body, dict) else body
+        (self.directory / INDEX).write_bytes(raw.encode() if isinstance(raw, str) else raw)
+
+
+@pytest.fixture(params=["local", "http"])
+def source(request, nginx) -> Source:
+    src = Source(nginx, request.param)
+    nnx_save.save_file({"kernel": np.ones((2, 3), np.float32)}, src.directory / "a.safetensors")
+    nnx_save.save_file(
+        {"bias": np.ones(3, np.float32), "extra": np.zeros(1, np.float32)}, src.directory / "b.safetensors"
+    )
+    (src.nginx_root / "private").mkdir()
+    nnx_save.save_file({"bias": np.full(3, 666, np.float32)}, src.nginx_root / "private" / "secret.safetensors")
+    return src
+
+
+def refused(src: Source, message: str) -> None:
+    with pytest.raises(nnx_save.IndexFileError, match=re.escape(f"{src.index}: {message}")):
+        src.load()
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("%2e%2e/private/secret.safetensors", "'%'"),
+        ("..%2Fprivate%2Fsecret.safetensors", "'%'"),
+        ("..\\private\\secret.safetensors", "'\\\\'"),
+        ("b.safetensors?x=1", "'?'"),
+        ("b.safetensors#frag", "'#'"),
+        ("http://127.0.0.1:1/private/secret.safetensors", "':'"),
+    ],
+)
+def test_encoded_and_url_shaped_file_names_are_refused(source, name, bad):
+    """Probe 6: ``%2e%2e/...`` passed the literal-``..`` check and nginx served the file
+    outside the model's directory. Refused now, locally and remotely, before any request."""
+    source.write_index({"weight_map": {"kernel": "a.safetensors", "bias": name}})
+    refused(source, f"file name {name!r} contains {bad}; weight-map entries must be plain relative paths")
+
+
+@pytest.mark.parametrize("name", ["../private/secret.safetensors", "/etc/passwd", "sub/../../x"])
+def test_names_outside_the_directory_are_refused_by_both(source, name):
+    source.write_index({"weight_map": {"kernel": "a.safetensors", "bias": name}})
+    refused(source, f"file {name!r} points outside the checkpoint directory {source.base}")
+
+
+def test_duplicate_tensor_keys_are_refused_by_both(source):
+    """Probe 11: the remote validator kept the last of two ``weight_map`` entries."""
+    source.write_index(
+        '{"weight_map": {"kernel": "a.safetensors", "bias": "b.safetensors", "extra": "b.safetensors",'
+        ' "bias": "a.safetensors"}}'
+    )
+    refused(source, "key 'bias' appears more than once in the index JSON")
+
+
+def test_duplicate_metadata_keys_are_refused_by_both(source):
+    source.write_index(
+        '{"metadata": {"total_size": 1, "total_size": 2}, "weight_map": {"kernel": "a.safetensors",'
+        ' "bias": "b.safetensors", "extra": "b.safetensors"}}'
+    )
+    refused(source, "key 'total_size' appears more than once in the index JSON")
+
+
+def test_deep_nesting_is_a_typed_error_not_a_recursion_error(source):
+    """Probe 11: a deeply nested index raised a raw ``RecursionError`` remotely."""
+    source.write_index('{"metadata": ' + "[" * 100_000 + "]" * 100_000 + ', "weight_map": {}}')
+    refused(source, "not a valid JSON index: nested too deeply")
+
+
+def test_files_holding_tensors_the_index_does_not_name_are_refused_by_both(source):
+    """Probe 11: the remote validator accepted a file holding a tensor the index omits."""
+    source.write_index({"weight_map": {"kernel": "a.safetensors", "bias": "b.safetensors"}})
+    refused(source, "files hold tensors the index does not name: ['extra']")
+
+
+def test_a_large_real_sized_index_loads_by_both(source):
+    """Probe 11: a valid 89 KB index (1,100 tensors) was refused remotely as "larger
+    than any real index"; DeepSeek-scale indexes are megabytes."""
+    names = [f"model.layers.{i}.self_attn.q_proj.weight_with_a_long_descriptive_suffix" for i in range(1100)]
+    half = len(names) // 2
+    for file, part in (("a.safetensors", names[:half]), ("b.safetensors", names[half:])):
+        nnx_save.save_file({n: np.full(2, i, np.float32) for i, n in enumerate(part)}, source.directory / file)
+    weight_map = {n: "a.safetensors" if i < half else "b.safetensors" for i, n in enumerate(names)}
+    source.write_index({"metadata": {"total_size": 8 * len(names)}, "weight_map": weight_map})
+    assert (source.directory / INDEX).stat().st_size > 88_000
+    out = source.load()
+    assert sorted(out) == sorted(names)
+    assert all(float(out[n][0]) == (i if i < half else i - half) for i, n in enumerate(names))
+
+
+def test_an_index_over_the_cap_is_refused_by_both(source):
+    """The cap real indexes fit under (64 MiB), checked before the body is read."""
+    with open(source.directory / INDEX, "wb") as f:
+        f.write(b'{"weight_map": {}}')
+        f.truncate(MAX_INDEX_BYTES + 1)
+    size = MAX_INDEX_BYTES + 1
+    refused(source, f"index of {size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
+
+
+def test_the_directory_url_finds_its_index(nginx):
+    src = Source(nginx, "http")
+    nnx_save.save_file({"w": np.arange(3, dtype=np.float32)}, src.directory / "a.safetensors")
+    src.write_index({"weight_map": {"w": "a.safetensors"}})
+    assert np.array_equal(nnx_save.load_file(src.url)["w"], np.arange(3, dtype=np.float32))
+    assert Path(src.directory / INDEX).is_file()

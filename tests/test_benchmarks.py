@@ -1,0 +1,83 @@
+"""benchmarks/accelerator.py (issue 14 item 7): ``--smoke`` runs every part on the
+CPU backend and prints every row; absent peers and absent pinned memory print
+``n/a`` with the reason instead of stopping the run."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import accelerator  # noqa: E402
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_row_on_cpu(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--smoke", "--dir", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "jax backend cpu" in text
+    number = r"\s+\d+\.\d{3}\s+\(\d+\.\d{3}-\d+\.\d{3}\)\s+\d+\.\d{2}"  # median (min-max) GB/s
+    for name, label in accelerator.LABELS.items():
+        assert re.search(re.escape(label) + number, text), f"{name}: no measured row in\n{text}"
+    for target in ("target load >= 70% of min(read", "target load RSS growth", "target save >= 90% of write+fsync"):
+        assert re.search(re.escape(target) + r".*: .*(PASS|FAIL)$", text, re.M), f"{target!r} missing in\n{text}"
+    assert "n/a" not in text  # on CPU every peer and pinned_host are present: nothing skipped
+
+
+def args(**kw) -> argparse.Namespace:
+    base = {"platform": "", "h2d_gb": 1 / 1024, "path": "", "dir": "", "shapes": "{}", "size_gb": 0.001}
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_a_device_without_pinned_memory_gives_na(monkeypatch):
+    monkeypatch.setattr(accelerator, "memory_kinds", lambda dev: {"device"})
+    row = accelerator.worker(args(worker="h2d_pinned"))
+    assert re.fullmatch(r"device .* has no pinned_host memory \(kinds: \['device'\]\)", row["na"]), row
+    assert "na" not in accelerator.worker(args(worker="h2d_pageable"))  # the pageable floor still runs
+
+
+def test_a_missing_peer_gives_na_and_the_run_goes_on(monkeypatch):
+    monkeypatch.setitem(sys.modules, "orbax.checkpoint.experimental", None)  # makes the import fail
+    row = accelerator.worker(args(worker="orbax"))
+    assert row["na"].startswith("orbax is not installed ("), row
+    rows = {"orbax": accelerator.summarise("orbax", [row])}
+    assert "load: orbax v1 safetensors" in accelerator.render(list(rows.values()))
+    assert f"n/a: {row['na']}" in accelerator.render(list(rows.values()))
+    lines = accelerator.targets(rows, 1 << 30, 1 << 30)
+    assert lines == [
+        "target load >= 70% of min(read, pinned h2d): n/a (a floor or the load is missing)",
+        "target load RSS growth <= max_inflight_bytes + 10%: n/a (no nnx_save load)",
+        "target save >= 90% of write+fsync: n/a (the floor or the save is missing)",
+    ]
+
+
+def test_rows_report_the_median_and_spread():
+    runs = [{"seconds": s, "peak_above_kb": kb, "nbytes": 10**9} for s, kb in ((3.0, 10), (1.0, 30), (2.0, 20))]
+    row = accelerator.summarise("nnx_save", runs)
+    assert (row["median"], row["min"], row["max"], row["gbps"]) == (2.0, 1.0, 3.0, 0.5)
+    assert row["rss_max_gb"] == 30 * 1024 / 1e9
+    lines = accelerator.targets(
+        {
+            "read": {**row, "gbps": 4.0},
+            "h2d_pinned": {**row, "gbps": 0.6},
+            "nnx_save": row,
+        },
+        1 << 30,
+        1 << 30,
+    )
+    assert lines[0].endswith("= 0.42 GB/s: 0.50 GB/s PASS"), lines  # 70% of the slower floor

@@ -1,0 +1,157 @@
+"""Retention as combinable policies (issue 16): latest N, best K by a metric, every
+Nth step, newer than a duration; a step is kept when any policy keeps it, and the
+choice is recorded in the store so that changing it is explicit."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from nnx_save.checkpoint import CheckpointRetentionError, OrbaxCheckpointStore, Retention
+from nnx_save.checkpoint._retention import StepInfo, doomed
+
+LOSSES = {10: 0.9, 20: 0.1, 30: 0.5, 40: 0.4, 50: 0.45}
+
+
+def run(directory, losses=LOSSES, **store_args) -> OrbaxCheckpointStore:
+    store = OrbaxCheckpointStore(directory, **store_args)
+    for step, loss in losses.items():
+        store.save(step, {"model": {"w": jnp.full((3,), step, jnp.float32)}}, metrics={"loss": loss})
+    return store
+
+
+def on_disk(directory) -> list[int]:
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_the_issue_example_latest_alone_loses_the_best_step(tmp_path):
+    with run(tmp_path, max_to_keep=2) as store:
+        assert (store.list_steps(), store.best_step("loss")) == ([40, 50], 40)
+
+
+def test_the_issue_example_keep_best_keeps_step_20(tmp_path):
+    with run(tmp_path, retention=Retention(latest=2, best=1, metric="loss")) as store:
+        assert store.list_steps() == [20, 40, 50]
+        assert store.best_step("loss") == 20
+        assert float(store.restore(20).items["model"]["w"][0]) == 20.0
+    assert on_disk(tmp_path) == [20, 40, 50]
+
+
+def test_best_by_max_and_best_k_ranks_every_kept_step(tmp_path):
+    accuracy = {1: 0.5, 2: 0.9, 3: 0.7, 4: 0.2, 5: 0.1, 6: 0.3}
+    with run(tmp_path, accuracy, retention=Retention(latest=1, best=2, metric="loss", mode="max")) as store:
+        assert store.list_steps() == [2, 3, 6]  # the best two by max, and the latest
+        assert store.best_step("loss", mode="max") == 2
+        assert store.best_step("loss") == 6  # best_step ranks every kept step, whichever policy kept it
+
+
+def test_a_best_step_is_never_deleted_by_another_policy(tmp_path):
+    losses = {s: (0.01 if s == 1 else 1.0 + s) for s in range(1, 9)}
+    with run(tmp_path, losses, retention=Retention(latest=1, best=1, metric="loss", every=4)) as store:
+        assert store.list_steps() == [1, 4, 8]
+
+
+def test_steps_without_the_metric_never_rank(tmp_path):
+    with OrbaxCheckpointStore(tmp_path, retention=Retention(latest=1, best=1, metric="loss")) as store:
+        store.save(1, {"model": {"w": jnp.ones(2)}}, metrics={"loss": float("nan")})
+        store.save(2, {"model": {"w": jnp.ones(2)}})
+        store.save(3, {"model": {"w": jnp.ones(2)}}, metrics={"loss": 5.0})
+        store.save(4, {"model": {"w": jnp.ones(2)}}, metrics={"acc": 0.1})
+        assert store.list_steps() == [3, 4]
+
+
+def test_keep_every_nth_step(tmp_path):
+    with run(tmp_path, retention=Retention(latest=1, every=20)) as store:
+        assert store.list_steps() == [20, 40, 50]
+
+
+def test_keep_steps_newer_than_a_duration(tmp_path):
+    with run(tmp_path, {1: 1.0, 2: 1.0}, max_to_keep=None):
+        pass
+    old = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(hours=2)).isoformat()
+    record = tmp_path / "1" / "nnx_save_metadata" / "metadata"  # step 1 was saved two hours ago
+    record.write_text(json.dumps({**json.loads(record.read_text()), "created_at": old}))
+    with run(tmp_path, {3: 1.0}, retention=Retention(latest=1, newer_than=3600), change_retention=True) as store:
+        assert store.list_steps() == [2, 3]
+
+
+def test_keep_all_never_deletes(tmp_path):
+    with run(tmp_path, retention=Retention.keep_all()) as store:
+        assert store.list_steps() == [10, 20, 30, 40, 50] and store.max_to_keep is None
+
+
+def test_retention_applies_once_an_async_save_is_committed(tmp_path):
+    with OrbaxCheckpointStore(tmp_path, max_to_keep=1) as store:
+        for step in (1, 2, 3):
+            store.save(step, {"model": {"w": jnp.ones(2)}}, blocking=False)
+        store.wait_until_finished()
+        assert store.list_steps() == [3]
+    assert on_disk(tmp_path) == [3]
+
+
+def test_the_choice_is_recorded_and_reopening_adopts_it(tmp_path):
+    policy = Retention(latest=2, best=1, metric="loss")
+    run(tmp_path, retention=policy).close()
+    assert json.loads((tmp_path / "_nnx_save_store.json").read_text())["retention"] == {
+        "latest": 2,
+        "best": 1,
+        "metric": "loss",
+        "mode": "min",
+        "every": None,
+        "newer_than": None,
+    }
+    with run(tmp_path, {60: 0.7, 70: 0.8}) as store:  # no arguments: the recorded policies
+        assert store.retention == policy
+        assert store.list_steps() == [20, 60, 70]
+
+
+def test_reopening_with_other_policies_must_be_asked_for(tmp_path):
+    run(tmp_path, retention=Retention(latest=2, best=1, metric="loss")).close()
+    message = (
+        f"{tmp_path} keeps steps by the latest 2 steps + the best 1 by min loss, not the latest 1 steps: changing "
+        "retention can delete steps at the next save, so it must be asked for: pass change_retention=True"
+    )
+    store = OrbaxCheckpointStore(tmp_path, max_to_keep=1)
+    with pytest.raises(CheckpointRetentionError, match=re.escape(message)):
+        store.list_steps()
+    assert on_disk(tmp_path) == [20, 40, 50]
+    with run(tmp_path, {60: 0.9}, max_to_keep=1, change_retention=True) as store:
+        assert store.list_steps() == [60]
+    assert OrbaxCheckpointStore(tmp_path).retention == Retention(latest=1)
+
+
+def test_the_default_is_the_latest_five(tmp_path):
+    with run(tmp_path, dict.fromkeys(range(1, 8), 1.0)) as store:
+        assert store.retention == Retention() == Retention(latest=5)
+        assert store.list_steps() == [3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"latest": 0}, "Retention.latest must be an int >= 1 or None, got 0"),
+        ({"every": 2.5}, "Retention.every must be an int >= 1 or None, got 2.5"),
+        ({"best": 2}, "Retention.best and Retention.metric go together, got best=2, metric=None"),
+        ({"best": 1, "metric": "loss", "mode": "low"}, "Retention.mode must be 'min' or 'max', got 'low'"),
+        ({"newer_than": -1}, "Retention.newer_than must be a positive number of seconds or None, got -1"),
+    ],
+)
+def test_bad_policies_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Retention(**kwargs)
+
+
+def test_max_to_keep_and_retention_are_exclusive(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("pass max_to_keep or retention, not both")):
+        OrbaxCheckpointStore(tmp_path, max_to_keep=2, retention=Retention())
+
+
+def test_doomed_is_pure():
+    infos = [StepInfo(s, {"loss": v}, age_s=100.0 * s) for s, v in LOSSES.items()]
+    assert doomed(Retention(latest=2), infos) == [10, 20, 30]
+    assert doomed(Retention(latest=None, newer_than=2500), infos) == [30, 40]  # the latest step always stays
+    assert doomed(Retention.keep_all(), infos) == []

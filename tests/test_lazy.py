@@ -1,0 +1,230 @@
+"""``nnx_save.safe_open`` / ``iter_tensors``: slices equal numpy's (hypothesis) and
+``safetensors.safe_open``'s, over a file, an HF index directory, a list and a pod
+directory; the bytes each slice reads are counted at the reader and equal the byte
+runs of the slice merged across sub-page gaps, nothing more; iteration holds one
+batch at a time."""
+
+import re
+import tracemalloc
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import nnx_save
+from nnx_save import _lazy
+from nnx_save._plan import PAGE_GAP
+
+RNG = np.random.default_rng(0)
+ARRAYS = {
+    "a": RNG.standard_normal((6, 5, 4)).astype(np.float32),
+    "b": np.arange(7, dtype=np.int64),
+    "c": RNG.standard_normal((3, 8)).astype(ml_dtypes.bfloat16),
+    "d": np.array(3.5, np.float64),
+    "e": np.zeros((0, 3), np.float32),
+}
+
+
+@pytest.fixture(scope="module")
+def layouts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lazy")
+    nnx_save.save_file(ARRAYS, root / "one.safetensors", metadata={"note": "hi"})
+    (root / "hf").mkdir()
+    nnx_save.save_file({k: ARRAYS[k] for k in "ab"}, root / "hf" / "model-00001-of-00002.safetensors")
+    nnx_save.save_file({k: ARRAYS[k] for k in "cde"}, root / "hf" / "model-00002-of-00002.safetensors")
+    (root / "hf" / "model.safetensors.index.json").write_text(
+        '{"metadata": {}, "weight_map": {"a": "model-00001-of-00002.safetensors", '
+        '"b": "model-00001-of-00002.safetensors", "c": "model-00002-of-00002.safetensors", '
+        '"d": "model-00002-of-00002.safetensors", "e": "model-00002-of-00002.safetensors"}}'
+    )
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    spec = jax.sharding.PartitionSpec("x", None, "y")
+    sharded = jax.device_put(ARRAYS["a"], jax.sharding.NamedSharding(mesh, spec))
+    nnx_save.save_pod({"a": sharded, "b": ARRAYS["b"]}, root / "pod")
+    return {
+        "file": root / "one.safetensors",
+        "index": root / "hf",
+        "list": [root / "hf" / "model-00001-of-00002.safetensors", root / "hf" / "model-00002-of-00002.safetensors"],
+        "pod": root / "pod",
+    }
+
+
+def _index(draw, shape):
+    items = []
+    for d in shape:
+        kind = draw(st.sampled_from(["int", "slice", "full"]))
+        if kind == "int":
+            items.append(draw(st.integers(-d, d - 1)))
+        elif kind == "slice":
+            bound = st.one_of(st.none(), st.integers(-d - 2, d + 2))
+            step = draw(st.one_of(st.none(), st.sampled_from([1, 2, 3, -1, -2])))
+            items.append(slice(draw(bound), draw(bound), step))
+        else:
+            items.append(slice(None))
+    cut = draw(st.integers(0, len(items)))  # fewer indices than dimensions, or an Ellipsis
+    if draw(st.booleans()) and cut < len(items):
+        return (*items[:cut], Ellipsis)
+    return tuple(items[:cut]) if cut else items[0] if items else ()
+
+
+@st.composite
+def cases(draw):
+    shape = tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=3)))
+    return shape, _index(draw, shape)
+
+
+@given(cases())
+def test_slices_equal_numpy(tmp_path_factory, case):
+    shape, index = case
+    root = tmp_path_factory.mktemp("h")
+    value = np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)
+    nnx_save.save_file({"t": value}, root / "t.safetensors")
+    with nnx_save.safe_open(root / "t.safetensors") as f:
+        got = f.get_slice("t")[index]
+    np.testing.assert_array_equal(got, value[index])
+    assert got.shape == value[index].shape and got.dtype == value.dtype
+
+
+@pytest.mark.parametrize("layout", ["file", "index", "list", "pod"])
+def test_every_layout(layouts, layout):
+    with nnx_save.safe_open(layouts[layout]) as f:
+        keys = f.keys()
+        assert keys == (["a", "b"] if layout == "pod" else sorted(ARRAYS))
+        for key in keys:
+            np.testing.assert_array_equal(f.get_tensor(key), ARRAYS[key])
+        for index in [(slice(1, 5), slice(None), 2), (-1, slice(None, None, -2)), (Ellipsis, slice(1, 3))]:
+            np.testing.assert_array_equal(f.get_slice("a")[index], ARRAYS["a"][index])
+        assert f.get_slice("a").get_shape() == [6, 5, 4] and f.get_slice("a").get_dtype() == "F32"
+
+
+def test_matches_safetensors_safe_open(layouts):
+    import safetensors
+
+    path = layouts["file"]
+    with nnx_save.safe_open(path) as ours, safetensors.safe_open(str(path), "np") as theirs:
+        assert ours.keys() == sorted(theirs.keys())
+        assert ours.metadata() == theirs.metadata()
+        for key in ["a", "b", "d", "e"]:  # numpy has no bfloat16 in safetensors' np framework
+            np.testing.assert_array_equal(ours.get_tensor(key), theirs.get_tensor(key))
+            assert ours.get_slice(key).get_shape() == theirs.get_slice(key).get_shape()
+            assert ours.get_slice(key).get_dtype() == theirs.get_slice(key).get_dtype()
+        for index in [(slice(2, 4),), (slice(None), slice(1, 4), slice(0, 2)), (slice(0, 6), slice(0, 5), slice(3, 4))]:
+            np.testing.assert_array_equal(ours.get_slice("a")[index], theirs.get_slice("a")[index])
+
+
+def _counting(monkeypatch):
+    """Count the bytes every reader the handle opens is asked for, at the reader."""
+    counted = [0]
+    real = _lazy.reader_factory
+
+    def factory(header):
+        open_reader = real(header)
+
+        def counting_open(file):
+            reader = open_reader(file)
+            for name in ("readv", "readv_table"):
+                inner = getattr(reader, name, None)
+                if inner is not None:
+
+                    def wrapped(buffers, offset, inner=inner, table=name == "readv_table"):
+                        counted[0] += int(buffers[:, 1].sum()) if table else sum(len(b) for b in buffers)
+                        return inner(buffers, offset)
+
+                    setattr(reader, name, wrapped)
+            return reader
+
+        return counting_open
+
+    monkeypatch.setattr(_lazy, "reader_factory", factory)
+    return counted
+
+
+def _expected_read(value: np.ndarray, index) -> tuple[int, int]:
+    """(bytes needed, bytes the page-gap rule reads) for ``value[index]``, from numpy:
+    the byte offsets of the elements the index's bounding box touches."""
+    box, _ = _lazy.slice_box(index, value.shape)
+    offsets = np.arange(value.size).reshape(value.shape)[tuple(slice(lo, hi) for lo, hi in box)].ravel()
+    starts = np.sort(offsets) * value.itemsize
+    needed = len(starts) * value.itemsize
+    breaks = np.flatnonzero(np.diff(starts) - value.itemsize >= PAGE_GAP)
+    first = np.concatenate([[0], breaks + 1])
+    last = np.append(breaks, len(starts) - 1)
+    return needed, int((starts[last] + value.itemsize - starts[first]).sum())
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        (slice(None), slice(0, 16)),  # last-dim slice: rows 8 KiB apart, so exact reads
+        (slice(100, 104),),  # rows: one contiguous run
+        (slice(None, None, 64), slice(500, 600)),  # strided rows, a window of each
+        (7, slice(2040, 2048)),
+        (slice(None), slice(1000, 1001)),  # one column: 4-byte runs 8 KiB apart
+        (slice(0, 8), slice(0, 1000, 3)),  # a stepped last dim reads its bounding box
+    ],
+)
+def test_only_the_needed_bytes_are_read(tmp_path, monkeypatch, index):
+    value = RNG.standard_normal((256, 2048)).astype(np.float32)
+    nnx_save.save_file({"pad": np.zeros(1000, np.float32), "w": value}, tmp_path / "w.safetensors")
+    counted = _counting(monkeypatch)
+    with nnx_save.safe_open(tmp_path / "w.safetensors") as f:
+        np.testing.assert_array_equal(f.get_slice("w")[index], value[index])
+        needed, expected = _expected_read(value, index)
+        assert (f.io.bytes_needed, f.io.bytes_read, counted[0]) == (needed, expected, expected)
+    assert expected < value.nbytes / 4
+    if index == (slice(None), slice(0, 16)):
+        assert expected == needed == 256 * 64  # nothing but the slice
+
+
+def test_iter_tensors_streams_in_bounded_memory(tmp_path):
+    tensors = {f"t{i:02d}": np.full((256, 1024), i, np.float32) for i in range(24)}  # 1 MiB each
+    nnx_save.save_file(tensors, tmp_path / "big.safetensors")
+    seen = []
+    tracemalloc.start()
+    try:
+        for key, value in nnx_save.iter_tensors(tmp_path / "big.safetensors", max_batch_bytes=2 << 20):
+            seen.append((key, float(value[0, 0]), value.dtype))
+            del value
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen == [(k, float(i), np.dtype(np.float32)) for i, k in enumerate(sorted(tensors))]
+    assert peak < 6 << 20, f"peak {peak / 2**20:.1f} MiB for a 24 MiB checkpoint read in 2 MiB batches"
+
+
+def test_iter_tensors_keys_and_dtype(layouts):
+    got = list(nnx_save.iter_tensors(layouts["index"], keys=["c", "a", "c"], dtype=np.float32))
+    assert [k for k, _ in got] == ["c", "a", "c"]
+    assert all(v.dtype == np.float32 for _, v in got)
+    np.testing.assert_array_equal(got[0][1], ARRAYS["c"].astype(np.float32))
+    with pytest.raises(nnx_save.SliceError, match=re.escape("'zz': no such tensor in the checkpoint")):
+        list(nnx_save.iter_tensors(layouts["index"], keys=["a", "zz"]))
+
+
+def test_errors(layouts):
+    f = nnx_save.safe_open(layouts["file"])
+    with pytest.raises(nnx_save.SliceError, match=re.escape("a: index 6 is out of range for dimension 0 of size 6")):
+        f.get_slice("a")[6]
+    with pytest.raises(
+        nnx_save.SliceError, match=re.escape("a: 4 indices for a tensor of 3 dimensions, shape (6, 5, 4)")
+    ):
+        f.get_slice("a")[0, 0, 0, 0]
+    with pytest.raises(nnx_save.SliceError, match=re.escape("a: dimension 0: expected an int or a slice, found list")):
+        f.get_slice("a")[[0, 1]]
+    with pytest.raises(nnx_save.SliceError, match=re.escape("'a.weight': no such tensor in the checkpoint")):
+        f.get_tensor("a.weight")
+    with pytest.raises(nnx_save.NnxSaveError, match=re.escape("framework 'pt': this handle gives numpy arrays")):
+        nnx_save.safe_open(layouts["file"], framework="pt")
+    f.close()
+    with pytest.raises(nnx_save.NnxSaveError, match=re.escape("the checkpoint handle is closed")):
+        f.keys()
+
+
+def test_module_examples():
+    import doctest
+
+    result = doctest.testmod(_lazy)
+    assert result.attempted >= 5 and result.failed == 0
