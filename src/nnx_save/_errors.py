@@ -172,12 +172,12 @@ class TruncatedFileError(NnxSaveError, OSError):
 
 class SourceError(NnxSaveError, OSError):
     """A source path cannot be read as a checkpoint file: it is not a regular file
-    (a directory, a FIFO, a device) or the system refused to read it. ``.path``
+    (a directory, a FIFO, a device) or the system refused to read it. ``file``
     names it."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
-        self.path = path
+        self.file = file
 
 
 class ShardingError(NnxSaveError, ValueError):
