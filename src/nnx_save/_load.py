@@ -242,7 +242,7 @@ class Engine:
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.waiting: dict[str, int] = {}  # owner -> destinations not filled yet
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
-        self._own: int | bool | None = False  # this process's pod rank (False: not looked up yet)
+        self._own: int | None = -1  # this process's pod rank (None: another process layout; -1: not looked up)
         for t in targets:
             if t.transform is None:
                 info = header.tensors[t.sources[0]]
@@ -284,8 +284,8 @@ class Engine:
                 rank = (piece.process != self.own, piece.process)
                 if piece.box not in best or rank < (best[piece.box].process != self.own, best[piece.box].process):
                     best[piece.box] = piece
-        parts = [(p, intersect(p.box, box)) for p in best.values()]
-        if sum(math.prod(extents(part)) for _, part in parts) != math.prod(extents(box)):
+        parts = [(p, part) for p in best.values() if (part := intersect(p.box, box)) is not None]
+        if sum((math.prod(extents(part)) for _, part in parts), start=0) != math.prod(extents(box)):
             raise NnxSaveError(
                 f"{info.file}: tensor {key!r}: the part {[list(b) for b in box]} this process needs is in "
                 f"shard file(s) {list(self.header.missing_files)}, not present in this directory; copy them here, "
@@ -295,11 +295,11 @@ class Engine:
 
     @property
     def own(self) -> int | None:
-        if self._own is False:
+        if self._own == -1:
             import jax
 
             self._own = jax.process_index() if self.header.num_processes == jax.process_count() else None
-        return self._own  # type: ignore[return-value]
+        return self._own
 
     # ----------------------------------------------------------------- host path
 
@@ -421,13 +421,14 @@ class Engine:
                 if piece.info.file == file:
                     entry = got.setdefault(piece.info.name, (d.key, piece.info, {}))
                     entry[2].update([self.piece_bytes(d.box, d.buffer, piece, part)])
-        jobs, keys = [], {}
+        jobs: list[tuple[str, str, str, list[memoryview]]] = []
+        keys: dict[str, bool] = {}
         for name, (key, info, regions) in got.items():
             expected = digests.get(name)
             buffers = _checksum.full_buffers(info.shape, list(regions.items())) if expected else None
             keys[key] = keys.get(key, True) and buffers is not None
-            if buffers is not None:
-                jobs.append((name, file, expected, [memoryview(np.ascontiguousarray(b)).cast("B") for b in buffers]))
+            if expected is not None and buffers is not None:
+                jobs.append((name, file, expected, [np.ascontiguousarray(b).data.cast("B") for b in buffers]))
         _checksum.check_all(jobs, self.opt.threads)  # xxhash releases the GIL: hash in parallel
         for key, ok in keys.items():
             self.checked[key] = self.checked.get(key, True) and ok
@@ -450,9 +451,9 @@ class Engine:
             if info.file not in self._digests:
                 self._digests[info.file] = _checksum.read_digests(self.file_headers[info.file].metadata, info.file)
             expected = self._digests[info.file].get(info.name)
-        ok = expected is not None and buffers is not None
-        if ok:
+        if expected is not None and buffers is not None:
             _checksum.check(info.name, info.file, expected, buffers)
+        ok = expected is not None and buffers is not None
         with self._lock:
             self.checked[key] = self.checked.get(key, True) and ok
 
@@ -650,7 +651,7 @@ def _progress_bar(header: Header, targets: Sequence[Target], report: LoadReport,
     upper = sum(header.tensors[k].nbytes for k in keys)  # this process may need less: exact below
     label = f"loading {os.path.basename(report.source)}"
     bar = _progress.bar(label, upper, len(targets), progress)
-    if bar.active:
+    if isinstance(bar, _progress.Bar):
         wholes = {k for t in targets if t.transform is not None for k in t.sources}
         bar.total = sum(header.tensors[k].nbytes for k in wholes) + sum(
             box_nbytes(header.tensors[t.sources[0]], box)
