@@ -62,9 +62,14 @@ def device_array(shape: tuple[int, ...], sharding: Any, hosts: list[np.ndarray],
 @functools.cache
 def batched_put() -> Callable | None:
     """jax's one-call path from per-device host arrays to a sharded array: what
-    ``jax.make_array_from_callback`` ends in, without its per-shard checks (~0.5 ms
-    per tensor, a third of a 700-tensor load). Internal API: ``None`` when absent,
-    and the public per-device path is used instead."""
+    ``jax.make_array_from_callback`` ends in, without its per-shard checks. Internal
+    API: ``None`` when absent, and the public path (``jax.device_put`` per device,
+    ``jax.make_array_from_single_device_arrays``) is used instead (tested).
+
+    Measured (2-core VM, 8 CPU devices, 700 tensors of 256 KiB, median of 7
+    interleaved rounds): 0.31 ms per tensor split on dim 0 (0.24 replicated)
+    against 3.5 ms (3.5) for ``device_put`` per device and 2.6 ms (2.7) for one
+    ``device_put`` of the lists: 8-11x, seconds on a large model, so it stays."""
     try:
         from jax._src import core
         from jax._src.interpreters import pxla
