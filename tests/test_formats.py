@@ -156,3 +156,18 @@ def test_module_examples():
 
     result = doctest.testmod(_formats)
     assert result.attempted >= 2 and result.failed == 0
+
+
+def test_a_directory_of_separate_checkpoints_says_so(tmp_path):
+    for name in ("step_100.safetensors", "step_200.safetensors"):
+        nnx_save.save_file({"w": np.zeros(2, np.float32)}, tmp_path / name)
+    with pytest.raises(nnx_save.IndexFileError) as raised:
+        nnx_save.read_header(tmp_path)
+    assert str(raised.value) == (
+        f"{tmp_path}: tensor 'w' appears in two files: {tmp_path / 'step_100.safetensors'} and "
+        f"{tmp_path / 'step_200.safetensors'}. {tmp_path} has no model.safetensors.index.json, so all its "
+        "*.safetensors files are read as the parts of one checkpoint; files holding the same tensor names are "
+        "separate checkpoints (copies, or different steps): load one file, move the others out, or write the "
+        "model.safetensors.index.json of a sharded checkpoint"
+    )
+    assert list(nnx_save.load_file(tmp_path / "step_200.safetensors")) == ["w"]

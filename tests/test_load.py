@@ -256,7 +256,9 @@ def test_allow_shape_mismatch_keeps_the_given_values(one_file):
     assert all(_same_bits(out[k], FULL[k]) for k in FULL if k != "a")
     assert "(allowed shape mismatches, the model's values kept: a)" in str(report)
     # allowed, but a ShapeDtypeStruct has no value to keep: refused by name before any read
-    abstract["a"] = jax.ShapeDtypeStruct((24, 48), np.float32)
+    abstract["a"] = jax.ShapeDtypeStruct(
+        (24, 48), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    )
     with pytest.raises(
         nnx_save.ShapeMismatchError,
         match=re.escape(
@@ -295,6 +297,22 @@ def test_dtype_cast_is_reported_and_refused_under_strict(one_file, monkeypatch):
     assert log.calls == []  # refused before reading a byte
 
 
+def test_lossy_and_safe_casts_are_reported_apart(one_file):
+    abstract = {k: np.zeros(v.shape, v.dtype) for k, v in FULL.items()}
+    a_dtype = FULL["a"].dtype
+    abstract["a"] = np.zeros(FULL["a"].shape, np.float64 if a_dtype == np.float32 else np.float32)
+    abstract["b"] = np.zeros(FULL["b"].shape, np.int8)
+    with pytest.warns(nnx_save.LoadWarning) as caught:
+        _, report = nnx_save.load_file(one_file, abstract, return_report=True)
+    assert [c.path for c in report.lossy_casts] == ["b"]
+    assert {c.path: c.lossy for c in report.dtype_casts} == {"a": False, "b": True}
+    (w,) = caught
+    assert w.category is nnx_save.LossyCastWarning
+    text = str(w.message)
+    assert text.startswith("1 LOSSY dtype cast(s)")
+    assert f"\n  LOSSY dtype: b: {FULL['b'].dtype} in the file -> int8 in the model\n  dtype: a: " in text
+
+
 def test_64_bit_tensors_with_x64_off_are_a_reported_cast(tmp_path):
     assert not jax.config.jax_enable_x64
     full = {"i": np.arange(-12, 12, dtype=np.int64).reshape(3, 8), "f": np.linspace(0, 1, 16)}
@@ -307,7 +325,12 @@ def test_64_bit_tensors_with_x64_off_are_a_reported_cast(tmp_path):
         "f: float64 in the file -> float32 (the model's float64: jax_enable_x64 is off) in the model",
         "i: int64 in the file -> int32 (the model's int64: jax_enable_x64 is off) in the model",
     ]
-    with pytest.warns(nnx_save.LoadWarning, match=re.escape(lines[0] + "\n  dtype: " + lines[1])):
+    # narrowing 64-bit values to 32 bits can change them: a LossyCastWarning, its lines apart
+    loud = "2 LOSSY dtype cast(s): the loaded values differ from the file's"
+    with pytest.warns(
+        nnx_save.LossyCastWarning,
+        match="(?s)" + re.escape(loud) + ".*" + re.escape(lines[0] + "\n  LOSSY dtype: " + lines[1]),
+    ):
         out = nnx_save.load_file(tmp_path / "x64.safetensors", abstract)
     for k, v in out.items():
         _assert_like_device_put(v, full[k].astype(jax.dtypes.canonicalize_dtype(v.dtype)), abstract[k].sharding)
@@ -543,3 +566,17 @@ def test_the_garbage_collector_is_left_as_it_was(one_file):
         }
         nnx_save.load_file(one_file, bad, allow_unexpected=["*"])
     assert gc.isenabled()
+
+
+def test_an_abstract_tree_without_shardings_on_several_devices_is_warned(one_file):
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in FULL.items() if k in "abc"}
+    with pytest.warns(
+        nnx_save.SingleDeviceWarning,
+        match=re.escape(
+            "3 arrays have no sharding (a, b, c): all of them are loaded onto cpu:0, although this "
+            "process has 8 devices. Give each jax.ShapeDtypeStruct a sharding"
+        ),
+    ) as caught:
+        out = nnx_save.load_file(one_file, abstract, allow_unexpected=["*"])
+    assert len(caught) == 1 and caught[0].filename == __file__
+    assert {d.id for d in out["a"].devices()} == {0}

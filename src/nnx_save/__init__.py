@@ -44,7 +44,9 @@ from ._report import DtypeCast as DtypeCast
 from ._report import IOStats as IOStats
 from ._report import LoadReport as LoadReport
 from ._report import LoadWarning as LoadWarning
+from ._report import LossyCastWarning as LossyCastWarning
 from ._report import ShapeMismatch as ShapeMismatch
+from ._report import SingleDeviceWarning as SingleDeviceWarning
 from ._sources import Header as Header
 from ._sources import read_header as read_header
 from ._tree import load_file as load_file

@@ -416,7 +416,7 @@ def _orbax_tensors(path: Path) -> dict[str, np.ndarray]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # orbax warns that no target sharding was given: host arrays are wanted
         tree = ocp.PyTreeCheckpointer().restore(path)
-    out = {}
+    out: dict[str, np.ndarray] = {}
     for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         key = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keypath)
         _add_unique(out, key, np.asarray(leaf), path, "'/'")

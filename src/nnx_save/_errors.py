@@ -37,6 +37,7 @@ __all__ = [
     "TruncatedFileError",
     "UnknownDtypeError",
     "UnsupportedValueError",
+    "short_repr",
 ]
 
 
@@ -213,3 +214,21 @@ class NotSafetensorsError(HeaderError):
 class SliceError(NnxSaveError, IndexError):
     """``safe_open``: a key the checkpoint does not hold, or an index of a tensor that
     is out of range or not made of ints, slices and one Ellipsis."""
+
+
+def short_repr(value: object, limit: int = 40) -> str:
+    """``repr(value)``, cut to about ``limit`` characters at a word boundary (never in
+    the middle of a word or number), the cut marked with ``...`` and the full length.
+
+    Examples:
+        >>> short_repr("a sentence of several words, longer than the limit", 30)
+        "'a sentence of several words, ... (52 characters)"
+        >>> short_repr(12345)
+        '12345'
+    """
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    cut = max(text.rfind(sep, 0, limit + 1) for sep in " ,:;)]}")
+    head = text[: cut + 1] if cut > 0 else text[:limit]
+    return f"{head.rstrip()} ... ({len(text)} characters)"

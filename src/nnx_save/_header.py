@@ -30,6 +30,7 @@ from ._errors import (
     TensorEntryError,
     UnknownDtypeError,
     UnsupportedValueError,
+    short_repr,
 )
 
 __all__ = [
@@ -140,7 +141,9 @@ def _parse_metadata(value: object, file: str) -> dict[str, str]:
         raise MetadataError(f"{file}: __metadata__ must be an object of strings, found {type(value).__name__}")
     for k, v in value.items():
         if not isinstance(v, str):
-            raise MetadataError(f"{file}: __metadata__[{k!r}] must be a string, found {type(v).__name__} {v!r:.60}")
+            raise MetadataError(
+                f"{file}: __metadata__[{k!r}] must be a string, found {type(v).__name__} {short_repr(v, 60)}"
+            )
     return dict(value)
 
 
@@ -161,11 +164,11 @@ def _parse_entry(name: str, entry: object, file: str) -> tuple[_dtypes.DtypeInfo
     shape, offsets = entry["shape"], entry["data_offsets"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise TensorEntryError(
-            f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {shape!r:.80}"
+            f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {short_repr(shape, 80)}"
         )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
         raise TensorEntryError(
-            f"{file}: tensor {name!r}: data_offsets must be two non-negative integers, found {offsets!r:.80}"
+            f"{file}: tensor {name!r}: data_offsets must be two non-negative integers, found {short_repr(offsets, 80)}"
         )
     begin, end = offsets
     if begin > end:

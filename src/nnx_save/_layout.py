@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes
-from ._errors import HeaderError, PieceLayoutError
+from ._errors import HeaderError, PieceLayoutError, short_repr
 from ._header import FileHeader, TensorInfo
 from ._plan import Request
 
@@ -210,16 +210,20 @@ def _box(raw: Any, rank: int, key: str, where: Path) -> Box:
         and all(isinstance(b, list) and len(b) == 2 and all(type(x) is int for x in b) for b in raw)
     )
     if not ok:
-        raise _fail(where, f"tensor {key!r}: piece box {raw!r:.80} must be {rank} [start, stop) integer pairs")
+        raise _fail(
+            where, f"tensor {key!r}: piece box {short_repr(raw, 80)} must be {rank} [start, stop) integer pairs"
+        )
     return tuple((lo, hi) for lo, hi in raw)
 
 
 def _piece(raw: Any, rank: int, key: str, where: Path) -> ManifestPiece:
     if not isinstance(raw, dict):
-        raise _fail(where, f"tensor {key!r}: piece {raw!r:.80} must be an object with file, name and box")
+        raise _fail(where, f"tensor {key!r}: piece {short_repr(raw, 80)} must be an object with file, name and box")
     name, file, process = raw.get("name"), raw.get("file"), raw.get("process")
     if not isinstance(file, str) or not SHARD_FILE.match(file) or not isinstance(name, str):
-        raise _fail(where, f"tensor {key!r}: piece {raw!r:.80} must name a shard_*.safetensors file and a tensor")
+        raise _fail(
+            where, f"tensor {key!r}: piece {short_repr(raw, 80)} must name a shard_*.safetensors file and a tensor"
+        )
     return ManifestPiece(file, name, _box(raw.get("box"), rank, key, where), process if type(process) is int else -1)
 
 

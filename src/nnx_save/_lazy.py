@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import NnxSaveError, SliceError
+from ._errors import NnxSaveError, SliceError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
 from ._report import IOStats
@@ -47,7 +47,7 @@ def _dim_index(index: Any, size: int, dim: int, key: str) -> tuple[tuple[int, in
             raise SliceError(f"{key}: index {int(index)} is out of range for dimension {dim} of size {size}")
         return (i, i + 1), 0
     raise SliceError(
-        f"{key}: dimension {dim}: expected an int or a slice, found {type(index).__name__} {index!r:.40}; "
+        f"{key}: dimension {dim}: expected an int or a slice, found {type(index).__name__} {short_repr(index, 40)}; "
         "read the tensor (get_tensor) for fancy indexing"
     )
 

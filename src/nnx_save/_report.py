@@ -14,6 +14,9 @@ import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import ml_dtypes
+import numpy as np
+
 from ._errors import LoadError
 
 __all__ = [
@@ -21,8 +24,12 @@ __all__ = [
     "IOStats",
     "LoadReport",
     "LoadWarning",
+    "LossyCastWarning",
     "ShapeMismatch",
+    "SingleDeviceWarning",
+    "is_lossy",
     "matches_any",
+    "single_device_message",
     "split_allowed",
     "split_allowed_shapes",
 ]
@@ -44,11 +51,53 @@ class ShapeMismatch:
         return f"{self.path}: shape {self.model_shape} in the model, {self.file_shape} in the file{src}"
 
 
+class SingleDeviceWarning(LoadWarning):
+    """A process with several devices loaded arrays that had no sharding: all of them
+    landed on its first device."""
+
+
+def single_device_message(paths: Sequence[str], devices: int, device: object, fix: str) -> str:
+    """The :class:`SingleDeviceWarning` text: how many, which, where, and the remedy."""
+    shown = ", ".join(sorted(paths)[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return (
+        f"{len(paths)} arrays have no sharding ({shown}): all of them are loaded onto {device}, although this "
+        f"process has {devices} devices. {fix}"
+    )
+
+
+class LossyCastWarning(LoadWarning):
+    """A load cast values to a dtype that cannot hold them all (float to int, a
+    narrower float or int): the loaded values differ from the file's."""
+
+
+def is_lossy(source: str, target: str) -> bool:
+    """Whether casting dtype ``source`` to ``target`` can change values: float to
+    int or bool, a float with fewer mantissa bits or a smaller exponent range, an
+    int that does not fit. (Names as numpy / ml_dtypes spell them; the first word.)
+
+    Examples:
+        >>> is_lossy("float32", "bfloat16"), is_lossy("bfloat16", "float32"), is_lossy("float32", "int32")
+        (True, False, True)
+    """
+    a, b = np.dtype(source.split()[0]), np.dtype(target.split()[0])
+    if a.kind == "f" and b.kind == "f":
+        fa, fb = ml_dtypes.finfo(a), ml_dtypes.finfo(b)
+        return fb.nmant < fa.nmant or fb.maxexp < fa.maxexp or fb.minexp > fa.minexp
+    if a.kind in "fc" and b.kind in "iub":
+        return True
+    return not np.can_cast(a, b, "safe")
+
+
 @dataclass(frozen=True)
 class DtypeCast:
     path: str
     file_dtype: str
     model_dtype: str
+
+    @property
+    def lossy(self) -> bool:
+        """The cast can change values (see :func:`is_lossy`)."""
+        return is_lossy(self.file_dtype, self.model_dtype)
 
     def __str__(self) -> str:
         return f"{self.path}: {self.file_dtype} in the file -> {self.model_dtype} in the model"
@@ -149,8 +198,14 @@ class LoadReport:
             [f"missing: {p}" for p in sorted(self.missing)],
             [f"unexpected: {self._unexpected_line(k)}" for k in sorted(self.unexpected)],
             [f"shape: {m}" for m in sorted(self.shape_mismatches, key=lambda m: m.path)],
-            [f"dtype: {c}" for c in sorted(self.dtype_casts, key=lambda c: c.path)],
+            [f"LOSSY dtype: {c}" for c in sorted(self.lossy_casts, key=lambda c: c.path)],
+            [f"dtype: {c}" for c in sorted(self.dtype_casts, key=lambda c: c.path) if not c.lossy],
         ]
+
+    @property
+    def lossy_casts(self) -> list[DtypeCast]:
+        """The casts that can change values (float to int, narrower floats or ints)."""
+        return [c for c in self.dtype_casts if c.lossy]
 
     def _unexpected_line(self, key: str) -> str:
         """A file key, with the model paths porting rules renamed it to (none exists)."""
@@ -193,9 +248,16 @@ class LoadReport:
             raise LoadError(
                 f"strict load refused, nothing was changed. {self.summary()}:\n  {shown}\n{self.remedy()}", self
             )
+        lossy = self.lossy_casts
+        loud = (
+            f"{len(lossy)} LOSSY dtype cast(s): the loaded values differ from the file's "
+            "(load into the file's dtype, or cast yourself where you mean to). "
+            if lossy
+            else ""
+        )
         warnings.warn(
-            f"{self.summary()}:\n  {shown}\n(see the returned LoadReport; strict=True raises)",
-            LoadWarning,
+            f"{loud}{self.summary()}:\n  {shown}\n(see the returned LoadReport; strict=True raises)",
+            LossyCastWarning if lossy else LoadWarning,
             stacklevel=stacklevel,
         )
 

@@ -348,7 +348,17 @@ def _many(paths: Sequence[Path], kind: str, where: str) -> Header:
     pinned = _Pinned()
     files = tuple(read_file_header(p, pinned) for p in paths)
     meta = dict(files[0].metadata) if files else {}
-    return Header(_merge(files, where), meta, files, kind, pinned=pinned)
+    try:
+        tensors = _merge(files, where)
+    except IndexFileError as e:
+        if kind != "directory":
+            raise
+        raise IndexFileError(
+            f"{e}. {where} has no {INDEX_NAME}, so all its *.safetensors files are read as the parts of one "
+            "checkpoint; files holding the same tensor names are separate checkpoints (copies, or different "
+            f"steps): load one file, move the others out, or write the {INDEX_NAME} of a sharded checkpoint"
+        ) from None
+    return Header(tensors, meta, files, kind, pinned=pinned)
 
 
 def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
@@ -412,6 +422,13 @@ def _remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, st
     return parse_header(raw, reader.size, file=url), reader.identity
 
 
+def _remote_member_header(name: str, member: str, stats: Any, index: str):
+    try:
+        return _remote_file_header(member, stats)
+    except FileNotFoundError:  # as for a local index: the index is what is wrong
+        raise IndexFileError(f"{index}: names file {name!r}, which does not exist at {member}") from None
+
+
 def _remote_index(url: str, stats: Any) -> Header:
     base = url.rsplit("/", 1)[0]
     reader = _remote.open_remote(url, stats)
@@ -422,7 +439,7 @@ def _remote_index(url: str, stats: Any) -> Header:
         raw += reader.read(len(raw), reader.size - len(raw))
     weight_map, meta = parse_index(raw, url)
     file_of = {n: _member_url(base, n, url) for n in sorted(set(weight_map.values()))}
-    pairs = [_remote_file_header(f, stats) for f in file_of.values()]
+    pairs = [_remote_member_header(name, f, stats, url) for name, f in file_of.items()]
     files = tuple(fh for fh, _ in pairs)
     tensors = _index_tensors(weight_map, files, file_of, url)
     return Header(

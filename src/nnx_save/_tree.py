@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from . import _async, _collective, _dtypes, _paths, _progress
-from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError
+from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
-from ._report import LoadReport, ShapeMismatch, matches_any
+from ._report import LoadReport, ShapeMismatch, SingleDeviceWarning, matches_any, single_device_message
 from ._sources import Header, read_header, reader_factory
 from ._target import Target
 from ._write import Entry
@@ -70,7 +71,7 @@ def _refuse_mixed_keys(node: Any, where: tuple) -> None:
 def _describe(value: Any) -> str:
     if isinstance(value, np.ndarray):
         return f"a numpy array of dtype {value.dtype}"
-    return f"a {type(value).__name__} ({value!r:.40})"
+    return f"a {type(value).__name__} ({short_repr(value, 40)})"
 
 
 def leaf_entry(path: tuple, value: Any) -> Entry:
@@ -114,7 +115,8 @@ def save_file(
 
     Args:
         tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.
-        path: the file to write; its directory must exist.
+        path: the file to write; its directory must exist. An fsspec URL (``s3://``,
+            ``memory://`` ...) is streamed to a temporary object and moved into place.
         metadata: string -> string pairs stored in ``__metadata__``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
@@ -155,14 +157,14 @@ def _check_metadata(metadata: Any) -> None:
     for k, v in metadata.items():
         if not (isinstance(k, str) and isinstance(v, str)):
             raise UnsupportedValueError(
-                f"metadata must map str to str: {k!r}: {v!r:.40} is {type(k).__name__}: {type(v).__name__}",
+                f"metadata must map str to str: {k!r}: {short_repr(v, 40)} is {type(k).__name__}: {type(v).__name__}",
                 "__metadata__",
             )
         try:
             (k + v).encode("utf-8")
         except UnicodeEncodeError:
             raise UnsupportedValueError(
-                f"metadata must map str to str: {k!r}: {v!r:.40} is not valid Unicode (a lone surrogate)",
+                f"metadata must map str to str: {k!r}: {short_repr(v, 40)} is not valid Unicode (a lone surrogate)",
                 "__metadata__",
             ) from None
 
@@ -171,7 +173,7 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str], list
     import jax
 
     pairs, treedef = flatten(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    targets, keys, leaves = [], [], []
+    targets, keys, leaves, unsharded = [], [], [], []
     for path, leaf in pairs:
         key = _paths.to_key(path)
         if leaf is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -181,10 +183,25 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str], list
         sharding = getattr(leaf, "sharding", None)
         if sharding is None and not isinstance(leaf, np.ndarray):
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            unsharded.append(key)
         targets.append(Target(key, tuple(leaf.shape), np.dtype(leaf.dtype), sharding, (key,)))
         keys.append(key)
         leaves.append(leaf)
+    _warn_unsharded(unsharded)
     return targets, treedef, keys, leaves
+
+
+def _warn_unsharded(keys: list[str]) -> None:
+    """Several local devices and ShapeDtypeStructs without a sharding: say where they go."""
+    import jax
+
+    devices = jax.local_devices()
+    if keys and len(devices) > 1:
+        fix = (
+            "Give each jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec) to spread it, or "
+            "SingleDeviceSharding(device) to mean one device), or pass numpy arrays to load on the host"
+        )
+        warnings.warn(single_device_message(keys, len(devices), devices[0], fix), SingleDeviceWarning, stacklevel=4)
 
 
 def _has_value(leaf: Any) -> bool:
