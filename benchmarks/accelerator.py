@@ -34,6 +34,10 @@ Saves of ``--save-gb`` of bf16 arrays made on the device: ``nnx_save``
 (``save_file``: atomic, fsync, checksums) and ``st_flax``
 (``safetensors.flax.save_file`` then ``fsync``).
 
+``--smoke`` also sets ``NNX_SAVE_STREAM=1`` and ``NNX_SAVE_FORCE_HOST_STAGING=1`` for
+the workers (the library's testing aids), so nnx_save loads through its streaming
+path and saves through its staged device -> host copies, as on an accelerator.
+
 Targets (issue 14), PASS/FAIL beside the numbers: load >= 70% of min(read floor,
 pinned h2d floor); load RSS growth <= ``max_inflight_bytes`` + 10%; save >= 90% of
 the write+fsync floor. They are accelerator targets: on the CPU backend jax arrays
@@ -513,6 +517,8 @@ def names_for(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     names = names_for(args)
+    if args.smoke:  # the testing aids: nnx_save's accelerator paths (streamed load, staged save) on CPU too
+        os.environ.update({"NNX_SAVE_STREAM": "1", "NNX_SAVE_FORCE_HOST_STAGING": "1"})
     with tempfile.TemporaryDirectory(prefix="nnx_save-accel-") as tmp:
         args.dir = args.dir or tmp
         Path(args.dir).mkdir(parents=True, exist_ok=True)

@@ -89,9 +89,12 @@ def test_window_starts_ahead_while_the_bytes_fit(forced, monkeypatch):
     arrays = [jnp.zeros((s * 16 * KIB,), jnp.float32) for s in sizes]
     events = []
     real = _stage.stage
-    monkeypatch.setattr(
-        _stage, "stage", lambda a: events.append(("start", [x is a for x in arrays].index(True))) or real(a)
-    )
+
+    def stage(a, spanning=False):
+        events.append(("start", [x is a for x in arrays].index(True)))
+        return real(a, spanning)
+
+    monkeypatch.setattr(_stage, "stage", stage)
     window = _stage.Window(arrays, [f"k{i}" for i in range(5)], int(2.5 * 64 * KIB), "f")
     for i in range(5):
         window.take(i, lambda c: c.assemble(), lambda: None)

@@ -46,6 +46,7 @@ from ._report import LoadReport as LoadReport
 from ._report import LoadWarning as LoadWarning
 from ._report import LossyCastWarning as LossyCastWarning
 from ._report import ShapeMismatch as ShapeMismatch
+from ._report import SingleDeviceWarning as SingleDeviceWarning
 from ._sources import Header as Header
 from ._sources import read_header as read_header
 from ._version import __version__ as __version__

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _progress, _stage
+from . import _progress, _remote, _stage
 from ._errors import NnxSaveError, SaveError
 from ._stage import HostValue
 from ._write import Entry
@@ -70,7 +70,7 @@ log = logging.getLogger("nnx_save")
 _lock = threading.Lock()
 _pending: collections.deque[SaveHandle] = collections.deque()  # submitted, maybe finished, in order
 _uncollected: list[SaveHandle] = []  # failed, and nobody has seen the error yet
-_jobs: queue.Queue[tuple[SaveHandle, Callable[[Path, list[Entry]], None], list[Entry]]] = queue.Queue()
+_jobs: queue.Queue[tuple[SaveHandle, Callable[[Path | str, list[Entry]], None], list[Entry]]] = queue.Queue()
 _worker: threading.Thread | None = None
 
 
@@ -89,7 +89,7 @@ class SaveHandle:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
+        self.path: Path | str = str(path) if _remote.is_url(path) else Path(path)  # a URL (s3://...) stays a str
         self._finished = threading.Event()
         self._error: BaseException | None = None
         self._collected = False
@@ -103,7 +103,7 @@ class SaveHandle:
         its error. Returns :meth:`done`."""
         return self._finished.wait(timeout)
 
-    def result(self, timeout: float | None = None) -> Path:
+    def result(self, timeout: float | None = None) -> Path | str:
         """Wait for the save; return its path, or raise its error.
 
         Raises:
@@ -154,7 +154,7 @@ def save(
         return None
     _make_room(max_in_flight())
     snap = snapshot(entries, where=str(path))
-    handle = SaveHandle(os.path.abspath(path))
+    handle = SaveHandle(str(path) if _remote.is_url(path) else os.path.abspath(path))  # a URL stays as given
     with _lock:
         _pending.append(handle)
         _start_worker()
@@ -334,7 +334,7 @@ def _drop_locals(error: BaseException | None) -> None:
         error = error.__cause__ or error.__context__
 
 
-def _with_path(e: BaseException, path: Path) -> BaseException:
+def _with_path(e: BaseException, path: Path | str) -> BaseException:
     if isinstance(e, NnxSaveError) and str(path) in str(e):
         return e
     error = SaveError(

@@ -39,6 +39,7 @@ NFS, Lustre, GPFS ...).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -51,10 +52,11 @@ from typing import Any
 
 import numpy as np
 
-from . import _checksum, _dtypes
+from . import _checksum, _dtypes, _stage
 from ._errors import SaveError
 from ._header import encode_header
 from ._plan import box_runs
+from ._remote_write import is_destination, write_remote
 from ._sources import pread_exact
 from ._stage import HostValue, spans_processes
 from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
@@ -138,10 +140,13 @@ def _timeout() -> float:
 
 
 def save(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
-    """Write one file: alone when this is the only process, together otherwise."""
+    """Write one file: alone when this is the only process, together otherwise; a
+    URL (``s3://``, ``gs://``, ``memory://`` ...) through fsspec (:mod:`._remote_write`)."""
     import jax
 
-    if jax.process_count() == 1:
+    if is_destination(path):
+        write_remote(str(path), entries, metadata)
+    elif jax.process_count() == 1:
         write_file(path, entries, metadata)
     else:
         write_collective(path, entries, metadata)
@@ -279,12 +284,10 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
 
 
-def _write_shards(fd: int, e: Entry, array: Any, base: int) -> None:
-    """Write this process's replica-0 shards of ``array`` at their byte runs."""
+def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: int) -> None:
+    """Write this process's replica-0 shards of a tensor, ``(shard, host array)`` pairs, at their byte runs."""
     row = _dtypes.DTYPES[e.code]
-    for shard in array.addressable_shards:
-        if shard.replica_id != 0:
-            continue
+    for shard, host in parts:
         box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
         if not row.byte_aligned and box != tuple((0, d) for d in e.shape):
             raise SaveError(
@@ -292,7 +295,7 @@ def _write_shards(fd: int, e: Entry, array: Any, base: int) -> None:
                 "shard by shard. Replicate it before saving",
                 key_path=e.key,
             )
-        data = host_bytes(np.asarray(shard.data), e.code)
+        data = host_bytes(host, e.code)
         offsets, length = (
             box_runs(e.shape, row.itemsize, box, base) if row.byte_aligned else (np.array([base]), len(data))
         )
@@ -304,27 +307,50 @@ def _write_shards(fd: int, e: Entry, array: Any, base: int) -> None:
             _pwrite_all(fd, data[i * length : (i + 1) * length], off)
 
 
+def _local_shards(array: Any) -> list[tuple[Any, np.ndarray]]:
+    """This process's replica-0 shards of ``array`` (a jax array or a host snapshot) on the host."""
+    return [(s, np.asarray(s.data)) for s in array.addressable_shards if s.replica_id == 0]
+
+
 def _cross(e: Entry) -> Any:
     """The array whose shards several processes write, or ``None`` (a host value)."""
     array = e.value.array if isinstance(e.value, HostValue) else None
     return array if spans_processes(array) else None
 
 
+def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
+    """What this process copies from its devices: the shards it writes of every
+    cross-process tensor, and on the primary the host values' arrays."""
+    out = []
+    for e in entries:
+        cross = _cross(e)
+        host = e.value.array if primary and isinstance(e.value, HostValue) else None
+        out.append(cross if cross is not None else host)
+    return out
+
+
 def _write_mine(
     sync: Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]], head: bytes
 ) -> dict[str, str]:
-    """Write this process's part; the digests of the host values it wrote."""
+    """Write this process's part; the digests of the host values it wrote.
+
+    The device -> host copies of the next tensors run while one is written, under
+    the save budget (:mod:`~nnx_save._stage`), as in a single-process save."""
     digests = {}
+    keys = [e.key for e in entries]
+    window = _stage.Window(_staging_sources(entries, sync.pid == 0), keys, _stage.budget(), str(sync.path), True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
     try:
         if sync.pid == 0:
             _pwrite_all(fd, memoryview(head), 0)
-        for e, (begin, end) in zip(entries, offsets, strict=False):
+        for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
             array = _cross(e)
             if array is not None:
-                _write_shards(fd, e, array, len(head) + begin)
+                parts = window.take(i, _stage.Staged.host_shards, functools.partial(_local_shards, array))
+                _write_shards(fd, e, parts, len(head) + begin)
+                del parts
             elif sync.pid == 0:
-                data = host_bytes(e.value(), e.code)
+                data = host_bytes(window.take(i, _stage.Staged.assemble, e.value), e.code)
                 if len(data) != end - begin:
                     raise SaveError(
                         f"{e.key}: gave {len(data)} bytes, its header entry {e.code} "
@@ -336,6 +362,7 @@ def _write_mine(
                 del data
         os.fsync(fd)
     finally:
+        window.close()
         os.close(fd)
     return digests
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,7 @@ from . import _async, _collective, _paths, _progress
 from ._errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
-from ._report import LoadReport
+from ._report import LoadReport, SingleDeviceWarning, single_device_message
 from ._sources import Header, read_header, reader_factory
 from ._target import Target
 from ._tree import check_metadata, leaf_entry
@@ -222,6 +223,24 @@ def _concrete(sharding: Any, mesh: Any, key: str) -> Any:
                 f"{dict(sharding.mesh.shape)}; pass mesh= to load_model or call it under jax.set_mesh(mesh)"
             )
     return jax.sharding.NamedSharding(mesh, sharding.spec)
+
+
+def _unsharded(leaf: _Leaf, mesh: Any) -> bool:
+    """A device array the model gives no sharding (it then lands on the first device)."""
+    value = leaf.value
+    if _scalar_kind(value) is not None or isinstance(value, (np.ndarray, np.generic)):
+        return False
+    return _concrete(getattr(value, "sharding", None), mesh, leaf.key) is None
+
+
+def _warn_unsharded(keys: list[str]) -> None:
+    devices = jax.local_devices()
+    if keys and len(devices) > 1:
+        fix = (
+            "Annotate the builder's parameters with shardings (nnx.with_partitioning) and pass mesh=, "
+            "or load into a model instance already placed where you want it"
+        )
+        warnings.warn(single_device_message(keys, len(devices), devices[0], fix), SingleDeviceWarning, stacklevel=3)
 
 
 def _default_sharding() -> Any:
@@ -420,6 +439,7 @@ def load_model(
     leaves = _leaves(selected, scalars)
     _paths.check_unique(leaf.path for leaf in leaves)
     targets = {leaf.key: _target(leaf, header, meta, mesh) for leaf in leaves}
+    _warn_unsharded([leaf.key for leaf in leaves if _unsharded(leaf, mesh)])
     ignore = frozenset(_paths.to_key(p) for p, _ in _flat(full_state)) - set(targets)
     target_list, renamed = list(targets.values()), None
     if rules is not None:

@@ -128,17 +128,17 @@ class _Watchdog:
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._live: set[int] = set()
+        self._heap: list[tuple[float, int]] = []
+        self._actions: dict[int, Callable[[], None]] = {}  # armed, not yet fired or disarmed
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
 
     def arm(self, deadline: float, action: Callable[[], None]) -> int:
         with self._cond:
             token = next(self._ids)
-            heapq.heappush(self._heap, (deadline, token, action))
-            self._live.add(token)
-            if self._thread is None or not self._thread.is_alive():  # none yet, or lost in a fork
+            heapq.heappush(self._heap, (deadline, token))
+            self._actions[token] = action
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="nnx_save-http-deadline", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -146,12 +146,12 @@ class _Watchdog:
 
     def disarm(self, token: int) -> None:
         with self._cond:
-            self._live.discard(token)
+            self._actions.pop(token, None)  # the heap entry is skipped when it comes up
 
     def _run(self) -> None:
         with self._cond:
             while True:
-                while self._heap and self._heap[0][1] not in self._live:
+                while self._heap and self._heap[0][1] not in self._actions:
                     heapq.heappop(self._heap)
                 if not self._heap:
                     self._cond.wait()
@@ -160,10 +160,9 @@ class _Watchdog:
                 if wait > 0:
                     self._cond.wait(wait)
                     continue
-                _, token, action = heapq.heappop(self._heap)
-                self._live.discard(token)
+                _, token = heapq.heappop(self._heap)
                 with contextlib.suppress(OSError):  # the socket is already closed: nothing left to stop
-                    action()
+                    self._actions.pop(token)()
 
 
 _WATCHDOG = _Watchdog()
@@ -307,7 +306,8 @@ class HttpReader:
         return headers
 
     def _request(self, headers: Mapping[str, str], span: str, timeout: float):
-        """GET with ``headers``, following redirects; returns the final response."""
+        """GET with ``headers``, following redirects; returns the final response.
+        ``timeout`` bounds the connect and each socket read until the headers are in."""
         import urllib3
 
         url = self.url
@@ -329,7 +329,7 @@ class HttpReader:
                 self.final_url = url
                 return r
             location = r.headers.get("Location", "")
-            r.drain_conn()
+            r.close()  # not drain_conn(): a redirect's body can be endless
             r.release_conn()
             target = urljoin(url, location)
             if not location or urlsplit(target).scheme not in ("http", "https"):
@@ -371,7 +371,7 @@ class HttpReader:
         span = f"{begin}-{begin + length - 1}"
         seconds = self.limits.seconds(length)
         deadline = time.monotonic() + seconds
-        r = self._request(self._headers(begin, length), span, seconds)
+        r = self._request(self._headers(begin, length), span, min(seconds, self.limits.timeout_s))
         expired = threading.Event()
         sock = _socket_of(r)
 
@@ -380,7 +380,7 @@ class HttpReader:
             if sock is not None:
                 sock.shutdown(socket.SHUT_RDWR)
 
-        token = _WATCHDOG.arm(deadline, stop)
+        token, complete = _WATCHDOG.arm(deadline, stop), False
         try:
             self._check_status(r, span)
             nbytes = self._span(r, begin, length, to_end)
@@ -393,8 +393,11 @@ class HttpReader:
                 raise _Retry(f"body interrupted: {e}") from None
             if longer:
                 raise RemoteError(f"{self.url}: the body for bytes {span} is longer than the range")
+            complete = True
         finally:
             _WATCHDOG.disarm(token)
+            if not complete:
+                r.close()  # an unread or hostile rest of a body: close the connection, never pool it
             r.release_conn()
 
     def _too_slow(self, span: str, seconds: float) -> RemoteError:
@@ -510,7 +513,9 @@ class FsspecReader:
             info = self.fs.info(self.url)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.url}: not found") from None
-        size = info.get("size")
+        except Exception as e:  # each store has its own errors (botocore's NoCredentialsError, ...)
+            raise RemoteError(f"{self.url}: fsspec could not describe the object ({type(e).__name__}: {e})") from e
+        size = info.get("size") if isinstance(info, Mapping) else None
         if not isinstance(size, int):
             raise RemoteError(f"{self.url}: fsspec reports no size ({size!r})")
         return size, _fsspec_version(info)
@@ -536,7 +541,12 @@ class FsspecReader:
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         total = sum(len(b) for b in buffers)
-        data = self.fs.cat_file(self.url, start=offset, end=offset + total)
+        try:
+            data = self.fs.cat_file(self.url, start=offset, end=offset + total)
+        except Exception as e:  # as in _current: one error type, naming the URL and the range
+            raise RemoteError(
+                f"{self.url}: fsspec failed to read {total} bytes at {offset} ({type(e).__name__}: {e})"
+            ) from e
         if len(data) != total:
             raise RemoteError(f"{self.url}: asked for {total} bytes at {offset}, got {len(data)}")
         self.requests += 1

@@ -420,6 +420,13 @@ def _remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, st
     return parse_header(raw, reader.size, file=url), reader.identity
 
 
+def _remote_member_header(name: str, member: str, stats: Any, index: str):
+    try:
+        return _remote_file_header(member, stats)
+    except FileNotFoundError:  # as for a local index: the index is what is wrong
+        raise IndexFileError(f"{index}: names file {name!r}, which does not exist at {member}") from None
+
+
 def _remote_index(url: str, stats: Any) -> Header:
     base = url.rsplit("/", 1)[0]
     reader = _remote.open_remote(url, stats)
@@ -430,7 +437,7 @@ def _remote_index(url: str, stats: Any) -> Header:
         raw += reader.read(len(raw), reader.size - len(raw))
     weight_map, meta = parse_index(raw, url)
     file_of = {n: _member_url(base, n, url) for n in sorted(set(weight_map.values()))}
-    pairs = [_remote_file_header(f, stats) for f in file_of.values()]
+    pairs = [_remote_member_header(name, f, stats, url) for name, f in file_of.items()]
     files = tuple(fh for fh, _ in pairs)
     tensors = _index_tensors(weight_map, files, file_of, url)
     return Header(

@@ -94,12 +94,15 @@ def _own_shards(array: Any) -> list[Any]:
     return [s for s in array.addressable_shards if s.replica_id == 0]
 
 
-def staging_bytes(array: Any) -> int:
+def staging_bytes(array: Any, spanning: bool = False) -> int:
     """Host bytes :func:`stage` would copy for ``array``; 0 when it copies nothing
-    (numpy, a CPU-backed jax array, an array spanning processes)."""
+    (numpy, a CPU-backed jax array, an array spanning processes unless ``spanning``:
+    the collective writer, which writes this process's shards only)."""
     import jax
 
-    if not isinstance(array, jax.Array) or not array.is_fully_addressable or array.is_deleted():
+    if not isinstance(array, jax.Array) or array.is_deleted():
+        return 0
+    if not spanning and not array.is_fully_addressable:  # HostValue() refuses it with the reason
         return 0
     shards = _own_shards(array)
     if not _forced() and all(s.device.platform == "cpu" for s in shards):
@@ -152,9 +155,9 @@ class Staged:
         return out
 
 
-def stage(array: Any) -> Staged | None:
+def stage(array: Any, spanning: bool = False) -> Staged | None:
     """Start copying ``array`` to the host; ``None`` when nothing needs copying."""
-    return Staged(array) if staging_bytes(array) else None
+    return Staged(array) if staging_bytes(array, spanning) else None
 
 
 class Window:
@@ -163,14 +166,18 @@ class Window:
     ``take(i)`` (``i`` increasing) releases the copy taken before, starts the copies
     of the next tensors while the bytes held stay within ``limit`` (a tensor larger
     than ``limit`` is copied alone), then returns tensor ``i``'s host value:
-    ``fallback()`` when nothing needed copying. ``held`` is the bytes of copies
+    ``fallback()`` when nothing needed copying (``spanning``: see
+    :func:`staging_bytes`). ``held`` is the bytes of copies
     started and not yet released, ``peak`` its maximum. A failed copy raises a
     :class:`SaveError` naming ``where`` and the tensor's key.
     """
 
-    def __init__(self, arrays: Sequence[Any], keys: Sequence[str], limit: int, where: str) -> None:
+    def __init__(
+        self, arrays: Sequence[Any], keys: Sequence[str], limit: int, where: str, spanning: bool = False
+    ) -> None:
         self.arrays, self.keys, self.limit, self.where = list(arrays), list(keys), limit, where
-        self.sizes = [staging_bytes(a) for a in self.arrays]
+        self.spanning = spanning
+        self.sizes = [staging_bytes(a, spanning) for a in self.arrays]
         self.pending: dict[int, Staged] = {}
         self.next = 0
         self.held = self.peak = 0
@@ -181,7 +188,9 @@ class Window:
         self._release()
         while self.next < len(self.arrays) and (self.next <= i or self._fits(self.sizes[self.next])):
             if self.sizes[self.next]:
-                self.pending[self.next] = self._guard(self.next, functools.partial(stage, self.arrays[self.next]))
+                self.pending[self.next] = self._guard(
+                    self.next, functools.partial(stage, self.arrays[self.next], self.spanning)
+                )
             self.held += self.sizes[self.next]
             self.next += 1
         self.peak = max(self.peak, self.held)

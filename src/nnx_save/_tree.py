@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -12,7 +13,7 @@ from . import _async, _collective, _dtypes, _paths, _progress
 from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
-from ._report import LoadReport, ShapeMismatch, matches_any
+from ._report import LoadReport, ShapeMismatch, SingleDeviceWarning, matches_any, single_device_message
 from ._sources import Header, read_header, reader_factory
 from ._stage import HostValue
 from ._target import Target
@@ -115,7 +116,8 @@ def save_file(
 
     Args:
         tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.
-        path: the file to write; its directory must exist.
+        path: the file to write; its directory must exist. An fsspec URL (``s3://``,
+            ``memory://`` ...) is streamed to a temporary object and moved into place.
         metadata: string -> string pairs stored in ``__metadata__``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
@@ -172,7 +174,7 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str], list
     import jax
 
     pairs, treedef = flatten(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    targets, keys, leaves = [], [], []
+    targets, keys, leaves, unsharded = [], [], [], []
     for path, leaf in pairs:
         key = _paths.to_key(path)
         if leaf is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -182,10 +184,25 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str], list
         sharding = getattr(leaf, "sharding", None)
         if sharding is None and not isinstance(leaf, np.ndarray):
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            unsharded.append(key)
         targets.append(Target(key, tuple(leaf.shape), np.dtype(leaf.dtype), sharding, (key,)))
         keys.append(key)
         leaves.append(leaf)
+    _warn_unsharded(unsharded)
     return targets, treedef, keys, leaves
+
+
+def _warn_unsharded(keys: list[str]) -> None:
+    """Several local devices and ShapeDtypeStructs without a sharding: say where they go."""
+    import jax
+
+    devices = jax.local_devices()
+    if keys and len(devices) > 1:
+        fix = (
+            "Give each jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec) to spread it, or "
+            "SingleDeviceSharding(device) to mean one device), or pass numpy arrays to load on the host"
+        )
+        warnings.warn(single_device_message(keys, len(devices), devices[0], fix), SingleDeviceWarning, stacklevel=4)
 
 
 def _has_value(leaf: Any) -> bool:

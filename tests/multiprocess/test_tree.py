@@ -93,3 +93,17 @@ def test_refusals(two):
         assert r["foreign"].startswith("ShardingError: embed: its sharding SingleDeviceSharding")
         assert f"places no shard on a device of process {w.process_id}" in r["foreign"]
         assert "without an abstract tree in a 2-process run would read every tensor on every host" in r["no_abstract"]
+
+
+def test_a_staged_two_process_save_is_byte_identical_to_single_process(files, run_workers, tmp_path):
+    """The device -> host copies forced (as on accelerators) under a 4 KiB budget:
+    each process copies only its own replica-0 shards, and the file is the same."""
+    path = str(tmp_path / "staged.safetensors")
+    env = {"NNX_SAVE_FORCE_HOST_STAGING": "1", "NNX_SAVE_SAVE_INFLIGHT_BYTES": "4096"}
+    workers = run_workers("save_staged.py", 2, 4, {"path": path, "mesh": [2, 4]}, env=env)
+    copied = [w.result["copied_bytes"] for w in workers]
+    assert all(w.result["copies"] > 0 for w in workers), copied
+    data = os.path.getsize(files["single"]) - _data_start(files["single"])
+    assert sum(copied) <= data  # no element copied twice (replica 0 only; host values are not device arrays)
+    with open(path, "rb") as a, open(files["single"], "rb") as b:
+        assert a.read() == b.read()

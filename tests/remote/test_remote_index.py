@@ -85,6 +85,13 @@ def test_names_outside_the_directory_are_refused_by_both(source, name):
     refused(source, f"file {name!r} points outside the checkpoint directory {source.base}")
 
 
+def test_a_missing_file_is_an_index_error_for_both(source):
+    source.write_index({"weight_map": {"kernel": "a.safetensors", "bias": "gone.safetensors"}})
+    where = source.directory if source.how == "local" else f"{source.url}/gone.safetensors"
+    message = "does not exist in" if source.how == "local" else "does not exist at"
+    refused(source, f"names file 'gone.safetensors', which {message} {where}")
+
+
 def test_duplicate_tensor_keys_are_refused_by_both(source):
     """Probe 11: the remote validator kept the last of two ``weight_map`` entries."""
     source.write_index(

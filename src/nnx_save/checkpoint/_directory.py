@@ -1,54 +1,115 @@
-"""Where a run's checkpoints live. Pure path logic: nothing is created here."""
+"""Where a run's checkpoints live: a local directory or an object-store URL.
+
+Pure path logic: nothing is created or read here. A local path is made absolute;
+``gs://`` and ``s3://`` URLs (which Orbax writes through etils ``epath`` and
+tensorstore) are kept exactly as given, never turned into a local directory named
+``gs:``; ``file://`` URLs are local paths; any other scheme is refused at once,
+naming the ones that work.
+"""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import re
+import urllib.parse
+from typing import Any
 
-__all__ = ["absolute_dir", "resolve_checkpoint_dir"]
+from etils import epath
+
+from ._errors import CheckpointDirectoryError
+
+__all__ = ["CLOUD_SCHEMES", "absolute_dir", "is_url", "resolve_checkpoint_dir", "store_location"]
+
+# Schemes both Orbax's paths (etils epath) and its array writer (tensorstore) handle.
+CLOUD_SCHEMES = ("gs", "s3")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+Location = pathlib.Path | Any  # a local path, or an etils epath for a URL (untyped)
 
 
-def absolute_dir(name: str, value: str | os.PathLike[str]) -> pathlib.Path:
-    """``value`` as an absolute path (relative to the working directory).
+def is_url(text: str) -> bool:
+    """True for ``scheme://...``."""
+    return _SCHEME.match(text) is not None
 
-    Raises:
-        ValueError: ``value`` is empty or only whitespace.
-        TypeError: ``value`` is not a str or ``os.PathLike[str]``.
-    """
+
+def _text(name: str, value: str | os.PathLike[str]) -> str:
     text = os.fspath(value)
     if not isinstance(text, str):
         raise TypeError(f"{name} must be a str or os.PathLike[str], got {type(value).__name__}")
     if not text.strip():
         raise ValueError(f"{name} is empty ({text!r}); give a directory path")
-    return pathlib.Path(text).absolute()
+    return text
+
+
+def absolute_dir(name: str, value: str | os.PathLike[str]) -> pathlib.Path:
+    """``value`` as an absolute local path (relative to the working directory).
+
+    Raises:
+        ValueError: ``value`` is empty or only whitespace.
+        TypeError: ``value`` is not a str or ``os.PathLike[str]``.
+    """
+    return pathlib.Path(_text(name, value)).absolute()
+
+
+def store_location(name: str, value: str | os.PathLike[str]) -> Location:
+    """A local absolute path, or the URL unchanged (as an etils ``epath.Path``).
+
+    Raises:
+        CheckpointDirectoryError: A URL scheme Orbax cannot write to.
+        ValueError: ``value`` is empty.
+
+    Examples:
+        >>> str(store_location("directory", "gs://bucket/run"))
+        'gs://bucket/run'
+        >>> store_location("directory", "file:///data/run")
+        PosixPath('/data/run')
+    """
+    text = _text(name, value)
+    match = _SCHEME.match(text)
+    if match is None:
+        return pathlib.Path(text).absolute()
+    scheme = match.group(1).lower()
+    if scheme == "file":
+        parsed = urllib.parse.urlparse(text)
+        if parsed.netloc not in ("", "localhost"):
+            raise CheckpointDirectoryError(text, f"a file:// URL on host {parsed.netloc!r}; use file:///absolute/path")
+        return pathlib.Path(urllib.parse.unquote(parsed.path)).absolute()
+    if scheme not in CLOUD_SCHEMES:
+        raise CheckpointDirectoryError(text, f"the URL scheme {scheme!r}")
+    return epath.Path(text)
 
 
 def resolve_checkpoint_dir(
     checkpoint_dir: str | os.PathLike[str] | None, run_dir: str | os.PathLike[str] | None = None
-) -> pathlib.Path:
+) -> Location:
     """Pick a run's checkpoint directory without creating it.
 
     An explicit ``checkpoint_dir`` wins; otherwise ``run_dir / "checkpoints"``.
-    Relative paths are taken against the current working directory.
+    Relative paths are taken against the current working directory; ``gs://`` and
+    ``s3://`` URLs are kept as given.
 
     Args:
         checkpoint_dir: The directory asked for explicitly, or None.
         run_dir: The run's output directory, or None.
 
     Returns:
-        An absolute path, which may not exist yet.
+        An absolute path, which may not exist yet, or the URL.
 
     Raises:
         ValueError: Neither is given, or the one used is empty or whitespace.
+        CheckpointDirectoryError: A URL scheme Orbax cannot write to.
 
     Examples:
         >>> resolve_checkpoint_dir(None, "/runs/exp1")
         PosixPath('/runs/exp1/checkpoints')
         >>> resolve_checkpoint_dir("/data/ckpt", "/runs/exp1")
         PosixPath('/data/ckpt')
+        >>> str(resolve_checkpoint_dir(None, "gs://bucket/exp1"))
+        'gs://bucket/exp1/checkpoints'
     """
     if checkpoint_dir is not None:
-        return absolute_dir("checkpoint_dir", checkpoint_dir)
+        return store_location("checkpoint_dir", checkpoint_dir)
     if run_dir is not None:
-        return absolute_dir("run_dir", run_dir) / "checkpoints"
+        return store_location("run_dir", run_dir) / "checkpoints"
     raise ValueError("no checkpoint directory: pass checkpoint_dir, or run_dir to use run_dir/checkpoints")

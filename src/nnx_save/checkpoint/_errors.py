@@ -18,6 +18,7 @@ from ._format import FORMAT_NAME, FORMAT_VERSION
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointDamageWarning",
+    "CheckpointDirectoryError",
     "CheckpointDtypeMismatchError",
     "CheckpointError",
     "CheckpointItemError",
@@ -62,6 +63,21 @@ class CheckpointCorruptError(CheckpointError, ValueError):
 class CheckpointDamageWarning(UserWarning):
     """Steps of a store are damaged and are left out of ``list_steps`` and ``latest_step``
     (see ``damaged_steps()``)."""
+
+
+class CheckpointDirectoryError(CheckpointError, ValueError):
+    """A checkpoint directory the store cannot use, found before anything runs.
+
+    Attributes:
+        directory: The directory or URL as given.
+    """
+
+    def __init__(self, directory: str, found: str) -> None:
+        self.directory = directory
+        super().__init__(
+            f"checkpoint directory {directory!r}: {found} is not supported; give a local path, a file:// URL, "
+            "or a gs:// or s3:// URL (which Orbax writes through etils epath and tensorstore)"
+        )
 
 
 class CheckpointSyncError(CheckpointError, RuntimeError):

@@ -22,7 +22,7 @@ from .._errors import NnxSaveError
 from .._report import DtypeCast
 from . import _orbax
 from ._args import check_items, check_step, new_metadata, restore_names
-from ._directory import absolute_dir
+from ._directory import Location, is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._errors import (
     CheckpointCorruptError,
@@ -130,8 +130,8 @@ class OrbaxCheckpointStore:
         save_interval_steps: int | None = None,
         save_interval_seconds: float | None = None,
     ) -> None:
-        self._directory = absolute_dir("directory", directory)
-        if self._directory.exists() and not self._directory.is_dir():
+        self._directory = store_location("directory", directory)
+        if not is_url(str(self._directory)) and self._directory.exists() and not self._directory.is_dir():
             raise ValueError(f"checkpoint directory {self._directory} exists and is not a directory")
         self._given = _given_retention(max_to_keep, retention)
         self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)
@@ -444,7 +444,7 @@ class OrbaxCheckpointStore:
             _orbax.on_primary("put_back", lambda: step_dir.exists() or aside.rename(step_dir))
             manager.reload()
             raise
-        _orbax.on_primary("drop_aside", lambda: shutil.rmtree(aside))
+        _orbax.on_primary("drop_aside", lambda: _rmtree(aside))
         manager.reload()  # Orbax appends the step last; re-read the sorted list
 
     # -- reading -----------------------------------------------------------------
@@ -581,3 +581,10 @@ def _plan(name: str, whole: tuple[Any, Any] | None, selection: Selection | None,
     if whole is None or selection is None:
         return None, _orbax.stored_restore_args(stored)
     return whole if selection.whole else _orbax.subset_plan(name, selection.read_pairs())
+
+
+def _rmtree(path: Location) -> None:
+    if isinstance(path, pathlib.Path):
+        shutil.rmtree(path)
+    else:
+        path.rmtree()  # an etils epath (gs://, s3://)

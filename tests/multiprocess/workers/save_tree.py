@@ -18,6 +18,7 @@ ctx = mp_boot.init()
 import jax  # noqa: E402
 import mp_common as c  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 import nnx_save  # noqa: E402
 from nnx_save._tree import leaf_entry  # noqa: E402
@@ -48,7 +49,13 @@ def refused(fn):
 scratch = ctx.args["dir"]
 other = os.path.join(scratch, "differs.safetensors")
 result["differs"] = refused(lambda: nnx_save.save_file(tree, other, metadata={"pid": str(ctx.process_id)}))
+# List the scratch directory only once every process has finished the refusal, and let
+# none start its next step (which makes its own temporary file there) before every
+# process has listed: without these barriers a listing could catch a peer's
+# ``.local1.st.nnx_save-tmp-...`` from the step below (issue 18, "Also").
+multihost_utils.sync_global_devices("save_tree: differs refused")
 result["differs_left"] = sorted(os.listdir(scratch))
+multihost_utils.sync_global_devices("save_tree: differs listed")
 entry = leaf_entry(("embed",), c.flat(tree)["embed"])
 result["local_writer"] = refused(lambda: write_file(os.path.join(scratch, f"local{ctx.process_id}.st"), [entry]))
 foreign = next(d for d in jax.devices() if d.process_index != ctx.process_id)

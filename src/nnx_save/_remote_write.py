@@ -1,0 +1,114 @@
+"""Weights files written to an object store through fsspec (``s3://``, ``gs://``,
+``memory://`` ... : any fsspec filesystem that can write).
+
+A safetensors header records every tensor's checksum, and an object cannot be
+rewritten in place once streamed, so a remote save passes over the tensors twice,
+one tensor in host memory at a time: the first pass hashes each, the second streams
+the header (with the real checksums) and the tensors into a temporary object beside
+the destination, hashing them again. The temporary object is moved under its final
+name only when it is complete and the two passes agree, so a failed or interrupted
+save never leaves a partial object under that name (object stores publish an object
+on close; a failure removes the temporary one). Memory stays at one tensor plus the
+filesystem's write buffer, whatever the file's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from . import _checksum, _remote
+from ._errors import SaveError
+from ._header import encode_header
+from ._write import Entry, host_bytes, order_entries
+
+__all__ = ["is_destination", "write_remote"]
+
+TEMP_MARK = ".nnx_save-tmp-"
+
+
+def is_destination(path: object) -> bool:
+    """True for a URL (``scheme://``) other than ``file://``: written through fsspec."""
+    return isinstance(path, str) and _remote.is_url(path)
+
+
+def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
+    """Write ``entries`` as one safetensors object at ``url``, committed only when complete.
+
+    Raises:
+        SaveError: fsspec or its implementation for the scheme is missing, the
+            filesystem cannot write, several JAX processes save to one URL, a
+            tensor changed between the two passes, or the upload failed; nothing
+            is left under ``url`` (a previous object there is intact).
+    """
+    fs = _filesystem(url)
+    entries = order_entries(entries)
+    names = [(e.key, e.code, e.shape) for e in entries]
+    first = _checksum.Digests([e.key for e in entries])
+    for e in entries:
+        first.update(e.key, _bytes(url, e))
+    head, offsets = encode_header(names, first.metadata(metadata))
+    temp = f"{url}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
+    try:
+        second = _stream(fs, temp, head, entries, offsets, url)
+        if second.values != first.values:
+            changed = sorted(k for k in first.values if first.values[k] != second.values[k])
+            raise SaveError(f"{url}: tensors {changed} changed while they were saved; nothing was saved", url)
+        fs.mv(temp, url)
+    except BaseException as error:
+        with contextlib.suppress(Exception):
+            fs.rm(temp)
+        if isinstance(error, SaveError) or not isinstance(error, Exception):
+            raise
+        raise SaveError(
+            f"{url}: the upload failed ({type(error).__name__}: {error}); nothing was saved", url
+        ) from error
+
+
+def _stream(fs: Any, temp: str, head: bytes, entries: Sequence[Entry], offsets: Any, url: str) -> _checksum.Digests:
+    """Write the object at ``temp``; return the digests of what was written."""
+    digests = _checksum.Digests([e.key for e in entries])
+    with fs.open(temp, "wb") as f:
+        f.write(head)
+        for e, (begin, end) in zip(entries, offsets, strict=True):
+            data = _bytes(url, e)
+            if len(data) != end - begin:
+                raise SaveError(
+                    f"{url}: tensor {e.key!r} gave {len(data)} bytes, its header says {end - begin}", url, e.key
+                )
+            digests.update(e.key, data)
+            f.write(data)
+            del data
+    return digests
+
+
+def _bytes(url: str, e: Entry) -> memoryview:
+    return host_bytes(e.value(), e.code)
+
+
+def _filesystem(url: str) -> Any:
+    """The fsspec filesystem for ``url``'s scheme, after the checks that need no I/O."""
+    import jax
+
+    if jax.process_count() > 1:
+        raise SaveError(
+            f"{url}: saving to a URL from {jax.process_count()} processes is not supported (each would upload the "
+            "object); save from one process, or save to a shared filesystem path",
+            url,
+        )
+    try:
+        import fsspec
+    except ImportError:
+        raise SaveError(f"{url}: writing to a URL needs fsspec: pip install 'nnx_save[remote]'", url) from None
+    protocol = url.split("://", 1)[0]
+    if protocol in ("http", "https"):
+        raise SaveError(f"{url}: an HTTP URL cannot be written to; give an object-store URL (s3://, gs:// ...)", url)
+    try:
+        fs = fsspec.filesystem(protocol)
+    except (ImportError, ValueError) as error:
+        raise SaveError(f"{url}: no fsspec filesystem for {protocol!r} ({error})", url) from None
+    if getattr(fs, "read_only", False):
+        raise SaveError(f"{url}: fsspec's {protocol!r} filesystem cannot write", url)
+    return fs
