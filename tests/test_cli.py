@@ -340,7 +340,7 @@ def test_convert_refuses_two_tensors_that_become_one_key(capsys, tmp_path):
     )
     assert not (tmp_path / "o.safetensors").exists()
     with pytest.raises(nnx_save.DuplicateKeyError, match=re.escape("two tensors become the key 'a.b'")):
-        _cli._torch_tensors(tmp_path / "clash.pt")
+        nnx_save.convert(tmp_path / "clash.pt", tmp_path / "o.safetensors")
 
 
 def test_convert_refuses_a_fifo_without_blocking(capsys, tmp_path):
