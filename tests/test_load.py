@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save import _read, _tree
+from nnx_save import _assemble, _read, _tree
 
 DEV = jax.devices()
 MESH8 = Mesh(np.array(DEV), ("x",))
@@ -144,6 +144,17 @@ def test_one_file_loads_like_device_put(one_file, layout):
     assert report.io.bytes_needed == report.io.bytes_read == data  # replicas are read once
 
 
+@pytest.mark.parametrize("layout", ["dim0", "last"])
+def test_without_jax_internal_batched_put_the_public_path_loads_the_same(one_file, layout, monkeypatch):
+    # pxla.batched_device_put is private: when a jax release drops it, the public
+    # device_put + make_array_from_single_device_arrays path must give the same arrays
+    monkeypatch.setattr(_assemble, "batched_put", lambda: None)
+    abstract = _abstract(layout)
+    out = nnx_save.load_file(one_file, abstract)
+    for k, v in out.items():
+        _assert_like_device_put(v, FULL[k], abstract[k].sharding)
+
+
 @pytest.mark.parametrize("source", ["index", "directory", "list"])
 @pytest.mark.parametrize("layout", ["dim0", "last", "mesh2d"])
 def test_multi_file_sources_load_like_device_put(tmp_path, source, layout):
@@ -245,7 +256,9 @@ def test_allow_shape_mismatch_keeps_the_given_values(one_file):
     assert all(_same_bits(out[k], FULL[k]) for k in FULL if k != "a")
     assert "(allowed shape mismatches, the model's values kept: a)" in str(report)
     # allowed, but a ShapeDtypeStruct has no value to keep: refused by name before any read
-    abstract["a"] = jax.ShapeDtypeStruct((24, 48), np.float32)
+    abstract["a"] = jax.ShapeDtypeStruct(
+        (24, 48), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    )
     with pytest.raises(
         nnx_save.ShapeMismatchError,
         match=re.escape(
@@ -553,3 +566,17 @@ def test_the_garbage_collector_is_left_as_it_was(one_file):
         }
         nnx_save.load_file(one_file, bad, allow_unexpected=["*"])
     assert gc.isenabled()
+
+
+def test_an_abstract_tree_without_shardings_on_several_devices_is_warned(one_file):
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in FULL.items() if k in "abc"}
+    with pytest.warns(
+        nnx_save.SingleDeviceWarning,
+        match=re.escape(
+            "3 arrays have no sharding (a, b, c): all of them are loaded onto cpu:0, although this "
+            "process has 8 devices. Give each jax.ShapeDtypeStruct a sharding"
+        ),
+    ) as caught:
+        out = nnx_save.load_file(one_file, abstract, allow_unexpected=["*"])
+    assert len(caught) == 1 and caught[0].filename == __file__
+    assert {d.id for d in out["a"].devices()} == {0}

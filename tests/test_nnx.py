@@ -129,6 +129,8 @@ def path(tmp_path):
 def load_quiet(target, path, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a clean round trip warns about nothing
+        # ... but the 8 simulated devices: builders here declare no shardings on purpose
+        warnings.filterwarnings("ignore", category=nnx_save.SingleDeviceWarning)
         return nnx_save.load_model(target, path, **kw)
 
 
@@ -606,3 +608,19 @@ def test_builder_never_builds_the_random_model(path):
     model, _ = load_quiet(builder, path, strict=True)
     assert seen and all(seen)  # only ever traced: no concrete random weights
     assert not isinstance(model.l1.kernel.get_value(), jax.core.Tracer)
+
+
+def test_a_builder_without_shardings_on_several_devices_is_warned(path):
+    nnx_save.save_model(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), path)
+    message = (
+        "2 arrays have no sharding (bias, kernel): all of them are loaded onto cpu:0, although this "
+        "process has 8 devices. Annotate the builder's parameters with shardings (nnx.with_partitioning) and "
+        "pass mesh=, or load into a model instance already placed where you want it"
+    )
+    with pytest.warns(nnx_save.SingleDeviceWarning, match=re.escape(message)) as caught:
+        model, _ = nnx_save.load_model(lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(1)), path)
+    assert len(caught) == 1 and caught[0].filename == __file__  # points at the caller
+    assert {d.id for d in model.kernel[...].devices()} == {0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an instance is placed already: nothing to say
+        nnx_save.load_model(nnx.Linear(4, 8, rngs=nnx.Rngs(1)), path)

@@ -119,12 +119,19 @@ def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], where: str)
             raise PieceLayoutError(
                 f"{where}: tensor {key!r}: pieces {_show(nonempty[i])} and {_show(nonempty[j])} overlap"
             )
-    covered = sum(math.prod(hi - lo for lo, hi in b) for b in nonempty)
-    if covered != math.prod(shape) or (not nonempty and math.prod(shape)) or (not shape and not distinct):
+    covered, total = sum(_volume(b) for b in nonempty), _volume(whole(shape))
+    if covered != total or (not shape and not distinct):
         raise PieceLayoutError(
             f"{where}: tensor {key!r}: pieces {[_show(b) for b in distinct][:8]} cover {covered} of the "
-            f"{math.prod(shape)} elements of shape {list(shape)}"
+            f"{total} elements of shape {list(shape)}"
         )
+
+
+def _volume(box: Box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
 
 
 def _show(box: Box) -> list[list[int]]:

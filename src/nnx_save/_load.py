@@ -28,7 +28,6 @@ platform (:meth:`~nnx_save._options.LoadOptions.streaming`):
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import math
@@ -43,8 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _checksum, _dtypes, _progress, _stream
-from ._errors import NnxSaveError, ShapeMismatchError, ShardingError
+from . import _checksum, _progress, _stream
+from ._assemble import held_dtype, host_view, place, place_whole
+from ._errors import NnxSaveError, ShapeMismatchError
 from ._header import FileHeader, TensorInfo
 from ._layout import Box, Piece, extents, intersect, request, whole
 from ._options import LoadOptions
@@ -52,7 +52,7 @@ from ._plan import FilePlan, Request, over_read_by_range, plan_file
 from ._read import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
 from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed, split_allowed_shapes
 from ._sources import Header
-from ._target import Target
+from ._target import Target, shard_boxes
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
 
@@ -82,30 +82,6 @@ class Dest:
     parts: list[tuple[Piece, Box]]
     files: set[str] = field(default_factory=set)
     buffer: Any = None
-
-
-def _boxes(target: Target) -> list[tuple[Box, list[Any]]]:
-    """Unique index boxes this process needs, each with the local devices that hold it."""
-    shape = target.shape
-    if target.sharding is None:
-        return [(target.box if target.box is not None else whole(shape), [None])]
-    groups: dict[Box, list[Any]] = {}
-    try:
-        indices = target.sharding.addressable_devices_indices_map(shape)
-    except ValueError as e:  # jax refuses it (a split that does not divide the dimension, ...)
-        raise ShardingError(f"{target.path}: sharding {target.sharding} cannot hold shape {shape}: {e}") from None
-    for device, index in indices.items():
-        box = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=False)) if shape else ()
-        groups.setdefault(box, []).append(device)
-    if not groups:  # an array with no shard here: this process could never use or save it
-        import jax
-
-        raise ShardingError(
-            f"{target.path}: its sharding {target.sharding} places no shard on a device of process "
-            f"{jax.process_index()} (local devices {[d.id for d in jax.local_devices()]}); every process must "
-            "load with a sharding over devices it can address (a mesh over jax.devices(), or jax.local_devices())"
-        )
-    return list(groups.items())
 
 
 def box_nbytes(info: TensorInfo, box: Box) -> int:
@@ -147,73 +123,6 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def held_dtype(t: Target) -> np.dtype:
-    """The dtype the loaded value will have: the target's, narrowed the way jax
-    narrows it when ``jax_enable_x64`` is off (int64 -> int32, float64 -> float32)."""
-    if t.sharding is None:
-        return np.dtype(t.dtype)
-    import jax
-
-    return np.dtype(jax.dtypes.canonicalize_dtype(t.dtype))
-
-
-def host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
-    """The bytes read for ``box``, as an array of the file's dtype and the box's shape."""
-    if info.dtype.byte_aligned:
-        return buf.view(info.dtype.numpy).reshape(extents(box))
-    full = _dtypes.unpack_subbyte(buf, info.dtype, info.numel).reshape(info.shape)
-    return full[tuple(slice(lo, hi) for lo, hi in box)]
-
-
-def _place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):
-    """The target's ``jax.Array`` from its host shards (each shard's buffer adopted,
-    not copied, by every local device that holds it when jax runs on CPU)."""
-    if t.sharding is None:
-        return pieces[0][0]
-    by_device = {d: host for host, devices in pieces for d in devices}
-    devices = list(t.sharding.addressable_devices_indices_map(t.shape))
-    return _device_array(t.shape, t.sharding, [by_device[d] for d in devices], devices)
-
-
-def _device_array(shape: tuple[int, ...], sharding: Any, hosts: list[np.ndarray], devices: list[Any]):
-    import jax
-
-    put = _batched_put()
-    if put is not None and hosts[0].dtype == jax.dtypes.canonicalize_dtype(hosts[0].dtype):
-        return put(shape, sharding, hosts, devices)
-    arrays = [jax.device_put(h, d) for h, d in zip(hosts, devices, strict=False)]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-
-
-@functools.cache
-def _batched_put() -> Callable | None:
-    """jax's one-call path from per-device host arrays to a sharded array: what
-    ``jax.make_array_from_callback`` ends in, without its per-shard checks (~0.5 ms
-    per tensor, a third of a 700-tensor load). Internal API: ``None`` when absent,
-    and the public per-device path is used instead."""
-    try:
-        from jax._src import core
-        from jax._src.interpreters import pxla
-
-        core.update_aval_with_sharding, pxla.batched_device_put  # noqa: B018 - probe both
-    except (ImportError, AttributeError):
-        return None
-
-    def put(shape, sharding, hosts, devices):
-        aval = core.update_aval_with_sharding(core.ShapedArray(shape, hosts[0].dtype), sharding)
-        return pxla.batched_device_put(aval, sharding, hosts, devices)
-
-    return put
-
-
-def place_whole(t: Target, value: np.ndarray):
-    import jax
-
-    if t.sharding is None:
-        return value
-    return jax.make_array_from_callback(t.shape, t.sharding, lambda index: np.ascontiguousarray(value[index]))
-
-
 class Engine:
     """Destinations for every target, the pieces that fill them, and what to do
     once one is filled. :meth:`run` reads on the host path; ``_stream.run`` streams."""
@@ -242,12 +151,12 @@ class Engine:
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.waiting: dict[str, int] = {}  # owner -> destinations not filled yet
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
-        self._own: int | bool | None = False  # this process's pod rank (False: not looked up yet)
+        self._own: int | None = -1  # this process's pod rank (None: another process layout; -1: not looked up)
         for t in targets:
             if t.transform is None:
                 info = header.tensors[t.sources[0]]
                 adopted = info.dtype.byte_aligned and info.dtype.numpy == held_dtype(t)  # the buffer becomes the array
-                for box, devices in _boxes(t):  # refusals before any read
+                for box, devices in shard_boxes(t):  # refusals before any read
                     self._add(t.path, t.sources[0], box, devices, adopted)
         for key in self.refs:
             self._add("", key, whole(header.tensors[key].shape), [None], False)
@@ -284,8 +193,8 @@ class Engine:
                 rank = (piece.process != self.own, piece.process)
                 if piece.box not in best or rank < (best[piece.box].process != self.own, best[piece.box].process):
                     best[piece.box] = piece
-        parts = [(p, intersect(p.box, box)) for p in best.values()]
-        if sum(math.prod(extents(part)) for _, part in parts) != math.prod(extents(box)):
+        parts = [(p, part) for p in best.values() if (part := intersect(p.box, box)) is not None]
+        if sum((math.prod(extents(part)) for _, part in parts), start=0) != math.prod(extents(box)):
             raise NnxSaveError(
                 f"{info.file}: tensor {key!r}: the part {[list(b) for b in box]} this process needs is in "
                 f"shard file(s) {list(self.header.missing_files)}, not present in this directory; copy them here, "
@@ -295,11 +204,11 @@ class Engine:
 
     @property
     def own(self) -> int | None:
-        if self._own is False:
+        if self._own == -1:
             import jax
 
             self._own = jax.process_index() if self.header.num_processes == jax.process_count() else None
-        return self._own  # type: ignore[return-value]
+        return self._own
 
     # ----------------------------------------------------------------- host path
 
@@ -421,13 +330,14 @@ class Engine:
                 if piece.info.file == file:
                     entry = got.setdefault(piece.info.name, (d.key, piece.info, {}))
                     entry[2].update([self.piece_bytes(d.box, d.buffer, piece, part)])
-        jobs, keys = [], {}
+        jobs: list[tuple[str, str, str, list[memoryview]]] = []
+        keys: dict[str, bool] = {}
         for name, (key, info, regions) in got.items():
             expected = digests.get(name)
             buffers = _checksum.full_buffers(info.shape, list(regions.items())) if expected else None
             keys[key] = keys.get(key, True) and buffers is not None
-            if buffers is not None:
-                jobs.append((name, file, expected, [memoryview(np.ascontiguousarray(b)).cast("B") for b in buffers]))
+            if expected is not None and buffers is not None:
+                jobs.append((name, file, expected, [np.ascontiguousarray(b).data.cast("B") for b in buffers]))
         _checksum.check_all(jobs, self.opt.threads)  # xxhash releases the GIL: hash in parallel
         for key, ok in keys.items():
             self.checked[key] = self.checked.get(key, True) and ok
@@ -450,9 +360,9 @@ class Engine:
             if info.file not in self._digests:
                 self._digests[info.file] = _checksum.read_digests(self.file_headers[info.file].metadata, info.file)
             expected = self._digests[info.file].get(info.name)
-        ok = expected is not None and buffers is not None
-        if ok:
+        if expected is not None and buffers is not None:
             _checksum.check(info.name, info.file, expected, buffers)
+        ok = expected is not None and buffers is not None
         with self._lock:
             self.checked[key] = self.checked.get(key, True) and ok
 
@@ -502,7 +412,7 @@ class Engine:
             host = host_view(d.buffer, info, d.box)
             pieces.append((host if host.dtype == held else host.astype(held), d.devices))
             d.buffer = None  # released as soon as the array exists
-        self.results[owner] = _place(t, pieces)
+        self.results[owner] = place(t, pieces)
         self.bar.update(items=1)
 
     def run_transforms(self) -> None:
@@ -650,13 +560,13 @@ def _progress_bar(header: Header, targets: Sequence[Target], report: LoadReport,
     upper = sum(header.tensors[k].nbytes for k in keys)  # this process may need less: exact below
     label = f"loading {os.path.basename(report.source)}"
     bar = _progress.bar(label, upper, len(targets), progress)
-    if bar.active:
+    if isinstance(bar, _progress.Bar):
         wholes = {k for t in targets if t.transform is not None for k in t.sources}
         bar.total = sum(header.tensors[k].nbytes for k in wholes) + sum(
             box_nbytes(header.tensors[t.sources[0]], box)
             for t in targets
             if t.transform is None
-            for box, _ in _boxes(t)
+            for box, _ in shard_boxes(t)
         )
     return bar
 

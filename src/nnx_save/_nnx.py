@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,10 +27,11 @@ from . import _async, _collective, _paths, _progress
 from ._errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
-from ._report import LoadReport
+from ._report import LoadReport, SingleDeviceWarning, single_device_message
 from ._sources import Header, read_header, reader_factory
 from ._target import Target
-from ._tree import leaf_entry
+from ._tree import check_metadata, leaf_entry
+from ._version import __version__
 from ._write import Entry
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
@@ -47,8 +49,13 @@ def _is_key(value: Any) -> bool:
 
 
 def _impl_name(value: Any) -> str:
-    """The PRNG implementation of a typed key array or its ShapeDtypeStruct."""
-    return value.dtype._impl.name
+    """The PRNG implementation of a typed key array or its ShapeDtypeStruct, through
+    the public ``jax.random.key_impl`` (traced for an abstract key: it takes arrays only)."""
+    if isinstance(value, jax.Array):
+        return str(jax.random.key_impl(value))
+    names: list[str] = []
+    jax.eval_shape(lambda key: names.append(str(jax.random.key_impl(key))), value)
+    return names[0]
 
 
 def _flat(state: Any) -> list[tuple[tuple, Any]]:
@@ -86,12 +93,10 @@ def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
     return leaf_entry(path, value)
 
 
-def _model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict) -> dict[str, str]:
-    from . import __version__
-
+def model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict) -> dict[str, str]:
+    """The file metadata of a model save: the caller's, checked, plus the rng / scalar records."""
+    check_metadata(metadata)
     metadata = dict(metadata or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise UnsupportedValueError("metadata must map str to str", "__metadata__")
     reserved = sorted(k for k in metadata if k.startswith("nnx_save."))
     if reserved:
         raise UnsupportedValueError(
@@ -107,6 +112,11 @@ def _model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict
     if scalars:
         out[SCALAR_KEY] = json.dumps(scalars, sort_keys=True)
     return out
+
+
+def is_model(value: Any) -> bool:
+    """An NNX object (module, ``nnx.Dict``, ...) rather than a plain pytree."""
+    return isinstance(value, nnx.Pytree)
 
 
 def model_entries(model: Any, filter: Any = ...) -> tuple[list[Entry], dict, dict]:
@@ -170,7 +180,7 @@ def save_model(
         ['bias', 'kernel']
     """
     entries, rng, scalars = model_entries(model, filter)
-    meta = _model_metadata(metadata, rng, scalars)
+    meta = model_metadata(metadata, rng, scalars)
     if rules is not None:
         from ._porting_bridge import export_entries
 
@@ -213,6 +223,24 @@ def _concrete(sharding: Any, mesh: Any, key: str) -> Any:
                 f"{dict(sharding.mesh.shape)}; pass mesh= to load_model or call it under jax.set_mesh(mesh)"
             )
     return jax.sharding.NamedSharding(mesh, sharding.spec)
+
+
+def _unsharded(leaf: _Leaf, mesh: Any) -> bool:
+    """A device array the model gives no sharding (it then lands on the first device)."""
+    value = leaf.value
+    if _scalar_kind(value) is not None or isinstance(value, (np.ndarray, np.generic)):
+        return False
+    return _concrete(getattr(value, "sharding", None), mesh, leaf.key) is None
+
+
+def _warn_unsharded(keys: list[str]) -> None:
+    devices = jax.local_devices()
+    if keys and len(devices) > 1:
+        fix = (
+            "Annotate the builder's parameters with shardings (nnx.with_partitioning) and pass mesh=, "
+            "or load into a model instance already placed where you want it"
+        )
+        warnings.warn(single_device_message(keys, len(devices), devices[0], fix), SingleDeviceWarning, stacklevel=3)
 
 
 def _default_sharding() -> Any:
@@ -411,6 +439,7 @@ def load_model(
     leaves = _leaves(selected, scalars)
     _paths.check_unique(leaf.path for leaf in leaves)
     targets = {leaf.key: _target(leaf, header, meta, mesh) for leaf in leaves}
+    _warn_unsharded([leaf.key for leaf in leaves if _unsharded(leaf, mesh)])
     ignore = frozenset(_paths.to_key(p) for p, _ in _flat(full_state)) - set(targets)
     target_list, renamed = list(targets.values()), None
     if rules is not None:

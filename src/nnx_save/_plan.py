@@ -31,6 +31,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -216,8 +217,9 @@ def _gather_runs(requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
     shift = np.concatenate([[0], np.cumsum(sizes)])
     cols = tuple(np.empty(len(flat) + int(shift[-1]), np.int64) for _ in range(4))
     pos = np.arange(len(flat)) + shift[np.searchsorted(before, np.arange(len(flat)), "right")]
-    for c, values in zip(cols, (f_off, [f[1] for f in flat], [f[2] for f in flat], [f[3] for f in flat]), strict=True):
-        c[pos] = values
+    values: tuple[Any, ...] = (f_off, [f[1] for f in flat], [f[2] for f in flat], [f[3] for f in flat])
+    for c, v in zip(cols, values, strict=True):
+        c[pos] = v
     for (_, boxes), n, at in zip(groups, sizes.tolist(), (before + shift[:-1]).tolist(), strict=False):
         _tensor_runs(boxes, tuple(c[at : at + n] for c in cols))
     offset = cols[0]
@@ -291,7 +293,8 @@ def _merge_under_ratio(start: np.ndarray, end: np.ndarray, need: np.ndarray, rat
         if (e - out_s[-1]) <= ratio * (cur_need + n):
             out_e[-1], cur_need = e, cur_need + n
         else:
-            out_s.append(s), out_e.append(e)
+            out_s.append(s)
+            out_e.append(e)
             cur_need = n
     return np.array(out_s, np.int64), np.array(out_e, np.int64)
 
@@ -424,9 +427,8 @@ def _concat(plans: list[FilePlan]) -> FilePlan:
     lo = np.concatenate([p.chunk_lo + k for p, k in zip(plans, shift, strict=False)])
     hi = np.concatenate([p.chunk_hi + k for p, k in zip(plans, shift, strict=False)])
     needed = np.concatenate([p.chunk_needed for p in plans])
-    return FilePlan(
-        *cols[:4], cols[4], cols[5], lo, hi, needed, max(p.ratio for p in plans), sum(p.page_blocks for p in plans)
-    )
+    ratio, page_blocks = max(p.ratio for p in plans), sum(p.page_blocks for p in plans)
+    return FilePlan(cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], lo, hi, needed, ratio, page_blocks)
 
 
 def chunk_runs(plan: FilePlan, i: int) -> tuple[np.ndarray, ...]:

@@ -330,7 +330,7 @@ def _read_table(reader, plan: FilePlan, i: int, dest_ptr: np.ndarray, scratch: n
 def _direct(reader, plan: FilePlan, dests: list[np.ndarray], i: int, scratch: np.ndarray) -> None:
     """One memoryview per run (gaps into ``scratch``), for readers without tables."""
     cs, ce, _, _ = _runs(plan, i)
-    iovs, pos, gap_view = [], cs, memoryview(scratch)
+    iovs, pos, gap_view = [], cs, scratch.data
 
     def skip(n: int) -> None:
         while n > 0:
@@ -392,7 +392,7 @@ def _scatter(
     for a, b in zip([0, *cut], [*cut, len(off)], strict=False):
         stop = int(off[b - 1] + length[b - 1])
         buf = scratch(stop - start)[: stop - start]
-        reader.readv([memoryview(buf)], start)  # from the previous block's end: the chunk, read once
+        reader.readv([buf.data], start)  # from the previous block's end: the chunk, read once
         _copy_out(buf, off[a:b] - start, length[a:b], dest[a:b], doff[a:b], dests)
         start = stop
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
 from ._errors import NnxSaveError
+from ._version import __version__
 
 __all__ = [
     "FsspecReader",
@@ -194,8 +195,6 @@ if hasattr(os, "register_at_fork"):
 
 def _user_agent() -> str:
     """Names the library and the process, so server logs can tell hosts' reads apart."""
-    from . import __version__
-
     return f"nnx_save/{__version__} (pid {os.getpid()})"
 
 
@@ -307,7 +306,8 @@ class HttpReader:
         return headers
 
     def _request(self, headers: Mapping[str, str], span: str, timeout: float):
-        """GET with ``headers``, following redirects; returns the final response."""
+        """GET with ``headers``, following redirects; returns the final response.
+        ``timeout`` bounds the connect and each socket read until the headers are in."""
         import urllib3
 
         url = self.url
@@ -371,7 +371,7 @@ class HttpReader:
         span = f"{begin}-{begin + length - 1}"
         seconds = self.limits.seconds(length)
         deadline = time.monotonic() + seconds
-        r = self._request(self._headers(begin, length), span, seconds)
+        r = self._request(self._headers(begin, length), span, min(seconds, self.limits.timeout_s))
         expired = threading.Event()
         sock = _socket_of(r)
 
@@ -513,7 +513,9 @@ class FsspecReader:
             info = self.fs.info(self.url)
         except FileNotFoundError:
             raise FileNotFoundError(f"{self.url}: not found") from None
-        size = info.get("size")
+        except Exception as e:  # each store has its own errors (botocore's NoCredentialsError, ...)
+            raise RemoteError(f"{self.url}: fsspec could not describe the object ({type(e).__name__}: {e})") from e
+        size = info.get("size") if isinstance(info, Mapping) else None
         if not isinstance(size, int):
             raise RemoteError(f"{self.url}: fsspec reports no size ({size!r})")
         return size, _fsspec_version(info)
@@ -539,7 +541,12 @@ class FsspecReader:
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         total = sum(len(b) for b in buffers)
-        data = self.fs.cat_file(self.url, start=offset, end=offset + total)
+        try:
+            data = self.fs.cat_file(self.url, start=offset, end=offset + total)
+        except Exception as e:  # as in _current: one error type, naming the URL and the range
+            raise RemoteError(
+                f"{self.url}: fsspec failed to read {total} bytes at {offset} ({type(e).__name__}: {e})"
+            ) from e
         if len(data) != total:
             raise RemoteError(f"{self.url}: asked for {total} bytes at {offset}, got {len(data)}")
         self.requests += 1

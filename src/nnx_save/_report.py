@@ -26,8 +26,10 @@ __all__ = [
     "LoadWarning",
     "LossyCastWarning",
     "ShapeMismatch",
+    "SingleDeviceWarning",
     "is_lossy",
     "matches_any",
+    "single_device_message",
     "split_allowed",
     "split_allowed_shapes",
 ]
@@ -47,6 +49,20 @@ class ShapeMismatch:
     def __str__(self) -> str:
         src = f" (file key {self.file_key!r})" if self.file_key and self.file_key != self.path else ""
         return f"{self.path}: shape {self.model_shape} in the model, {self.file_shape} in the file{src}"
+
+
+class SingleDeviceWarning(LoadWarning):
+    """A process with several devices loaded arrays that had no sharding: all of them
+    landed on its first device."""
+
+
+def single_device_message(paths: Sequence[str], devices: int, device: object, fix: str) -> str:
+    """The :class:`SingleDeviceWarning` text: how many, which, where, and the remedy."""
+    shown = ", ".join(sorted(paths)[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    return (
+        f"{len(paths)} arrays have no sharding ({shown}): all of them are loaded onto {device}, although this "
+        f"process has {devices} devices. {fix}"
+    )
 
 
 class LossyCastWarning(LoadWarning):

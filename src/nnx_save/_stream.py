@@ -336,7 +336,7 @@ class _Streamer:
                 name = (piece.info.file, piece.info.name)
                 if part == piece.box and _clip(part, slab.box) == part:
                     _, region = self.engine.piece_bytes(slab.box, view, piece, part)
-                    self.engine.checked_piece(d.key, piece, [memoryview(np.ascontiguousarray(region)).cast("B")])
+                    self.engine.checked_piece(d.key, piece, [np.ascontiguousarray(region).data.cast("B")])
                     with self.lock:
                         self.hashed.add(name)
 
@@ -367,8 +367,8 @@ def _chunks(reader: Reader, info: Any, scratch: np.ndarray) -> Iterator[memoryvi
     """A tensor's bytes read again in ``len(scratch)`` chunks (each valid until the next)."""
     for at in range(info.begin, info.end, len(scratch)):
         n = min(len(scratch), info.end - at)
-        reader.readv([memoryview(scratch)[:n]], at)
-        yield memoryview(scratch)[:n]
+        reader.readv([scratch.data[:n]], at)
+        yield scratch.data[:n]
 
 
 def _clip(part: Box, box: Box) -> Box | None:

@@ -12,7 +12,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Target"]
+from ._errors import ShardingError
+
+__all__ = ["Box", "Target", "shard_boxes"]
+
+Box = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -45,3 +49,27 @@ class Target:
     transform: Callable[[list[np.ndarray]], np.ndarray] | None = None
     source_shape: tuple[int, ...] | None = None
     box: tuple[tuple[int, int], ...] | None = None
+
+
+def shard_boxes(target: Target) -> list[tuple[Box, list[Any]]]:
+    """Unique index boxes this process needs, each with the local devices that hold it."""
+    shape = target.shape
+    if target.sharding is None:
+        return [(target.box if target.box is not None else tuple((0, d) for d in shape), [None])]
+    groups: dict[Box, list[Any]] = {}
+    try:
+        indices = target.sharding.addressable_devices_indices_map(shape)
+    except ValueError as e:  # jax refuses it (a split that does not divide the dimension, ...)
+        raise ShardingError(f"{target.path}: sharding {target.sharding} cannot hold shape {shape}: {e}") from None
+    for device, index in indices.items():
+        box = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=False)) if shape else ()
+        groups.setdefault(box, []).append(device)
+    if not groups:  # an array with no shard here: this process could never use or save it
+        import jax
+
+        raise ShardingError(
+            f"{target.path}: its sharding {target.sharding} places no shard on a device of process "
+            f"{jax.process_index()} (local devices {[d.id for d in jax.local_devices()]}); every process must "
+            "load with a sharding over devices it can address (a mesh over jax.devices(), or jax.local_devices())"
+        )
+    return list(groups.items())

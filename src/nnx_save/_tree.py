@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -12,8 +13,9 @@ from . import _async, _collective, _dtypes, _paths, _progress
 from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
-from ._report import LoadReport, ShapeMismatch, matches_any
+from ._report import LoadReport, ShapeMismatch, SingleDeviceWarning, matches_any, single_device_message
 from ._sources import Header, read_header, reader_factory
+from ._stage import HostValue
 from ._target import Target
 from ._write import Entry
 
@@ -93,7 +95,7 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
     if value.dtype.kind in "OUS":
         raise UnsupportedValueError(f"{key}: {_describe(value)} has no safetensors dtype", key)
     code = _dtypes.to_code(value.dtype, key).code
-    return Entry(key, code, tuple(int(d) for d in value.shape), _collective.HostValue(value))
+    return Entry(key, code, tuple(int(d) for d in value.shape), HostValue(value))
 
 
 def save_file(
@@ -141,13 +143,13 @@ def save_file(
     pairs, _ = flatten(tree)
     _paths.check_unique(p for p, _ in pairs)
     entries = [leaf_entry(p, v) for p, v in pairs]
-    _check_metadata(metadata)
+    check_metadata(metadata)
     meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
     with _progress.saving(progress):  # one process alone, or all of them together
         return _async.save(path, entries, lambda p, es: _collective.save(p, es, meta), blocking=blocking)
 
 
-def _check_metadata(metadata: Any) -> None:
+def check_metadata(metadata: Any) -> None:
     """``__metadata__`` must be UTF-8 text to text; say which pair is not."""
     if metadata is None:
         return
@@ -172,7 +174,7 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str], list
     import jax
 
     pairs, treedef = flatten(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    targets, keys, leaves = [], [], []
+    targets, keys, leaves, unsharded = [], [], [], []
     for path, leaf in pairs:
         key = _paths.to_key(path)
         if leaf is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -182,10 +184,25 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str], list
         sharding = getattr(leaf, "sharding", None)
         if sharding is None and not isinstance(leaf, np.ndarray):
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+            unsharded.append(key)
         targets.append(Target(key, tuple(leaf.shape), np.dtype(leaf.dtype), sharding, (key,)))
         keys.append(key)
         leaves.append(leaf)
+    _warn_unsharded(unsharded)
     return targets, treedef, keys, leaves
+
+
+def _warn_unsharded(keys: list[str]) -> None:
+    """Several local devices and ShapeDtypeStructs without a sharding: say where they go."""
+    import jax
+
+    devices = jax.local_devices()
+    if keys and len(devices) > 1:
+        fix = (
+            "Give each jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec) to spread it, or "
+            "SingleDeviceSharding(device) to mean one device), or pass numpy arrays to load on the host"
+        )
+        warnings.warn(single_device_message(keys, len(devices), devices[0], fix), SingleDeviceWarning, stacklevel=4)
 
 
 def _has_value(leaf: Any) -> bool:

@@ -114,14 +114,21 @@ def test_same_padding_differs_from_torch_under_stride_2():
     assert np.abs(outs["SAME"] - expected).max() > 1e-2
 
 
-def test_shift_inverts_on_export(checkpoint, tmp_path):
+def test_shift_inverts_on_export_with_the_buffers_torch_expects(checkpoint, tmp_path):
     net, path = checkpoint
     model, _ = nnx_save.load_model(_poisoned(), path, rules=RULES, strict=True)
     nnx_save.save_model(model, tmp_path / "back.safetensors", rules=RULES.inverse())
     back = nnx_save.load_file(tmp_path / "back.safetensors")
-    state = {k: v.numpy() for k, v in net.state_dict().items() if not k.endswith("num_batches_tracked")}
-    assert sorted(back) == sorted(state)
-    assert all(np.array_equal(back[k], state[k]) for k in state)
+    state = {k: v.numpy() for k, v in net.state_dict().items()}
+    assert sorted(back) == sorted(state)  # num_batches_tracked included: written as constants
+    for k, v in state.items():
+        if k.endswith("num_batches_tracked"):
+            assert back[k].shape == () and back[k].dtype == np.int64 and back[k] == 0
+        else:
+            assert np.array_equal(back[k], v), k
+    again = _torch_net()
+    missing, unexpected = again.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in back.items()})
+    assert (missing, unexpected) == ([], [])
 
 
 def test_unexpected_keys_name_their_renamed_target(checkpoint):

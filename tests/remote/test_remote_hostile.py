@@ -231,3 +231,20 @@ def test_an_fsspec_object_replaced_after_its_header_was_read_is_a_change(tmp_pat
     with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load (size ")):
         nnx_save.load_file(header)
     assert exact(nnx_save.load_file(url), V2)  # a fresh load reads the new version
+
+
+def test_an_fsspec_store_error_is_a_remote_error_naming_the_url(memory_url, monkeypatch):
+    """Each store raises its own errors (botocore's NoCredentialsError for ``s3://``
+    without credentials); they reach the caller as a RemoteError naming the URL."""
+    fs, url = memory_url
+    fs.pipe(url, b"x" * 16)
+
+    def no_credentials(*args, **kwargs):
+        raise RuntimeError("Unable to locate credentials")
+
+    monkeypatch.setattr(type(fs), "info", no_credentials)
+    with pytest.raises(
+        RemoteError,
+        match=re.escape(f"{url}: fsspec could not describe the object (RuntimeError: Unable to locate credentials)"),
+    ):
+        nnx_save.read_header(url)

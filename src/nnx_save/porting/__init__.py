@@ -65,6 +65,8 @@ __all__ = [
     "Assignment",
     "ConcatRule",
     "Concatenate",
+    "Constant",
+    "ConstantRule",
     "Coverage",
     "IgnoreRule",
     "Index",
@@ -133,6 +135,7 @@ from ._mapping import KeyMapping as KeyMapping
 from ._mapping import Rules as Rules
 from ._mapping import shapes_of as shapes_of
 from ._rules import ConcatRule as ConcatRule
+from ._rules import ConstantRule as ConstantRule
 from ._rules import IgnoreRule as IgnoreRule
 from ._rules import RenameRule as RenameRule
 from ._rules import ReshapeRule as ReshapeRule
@@ -141,6 +144,7 @@ from ._rules import StackRule as StackRule
 from ._rules import TransposeRule as TransposeRule
 from ._rules import UnstackRule as UnstackRule
 from ._transforms import Concatenate as Concatenate
+from ._transforms import Constant as Constant
 from ._transforms import Index as Index
 from ._transforms import Reshape as Reshape
 from ._transforms import Stack as Stack

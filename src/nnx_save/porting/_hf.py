@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._constructors import ignore, rename, transpose
-from ._rules import IgnoreRule, RenameRule, TransposeRule
+from ._constructors import rename, transpose
+from ._rules import ConstantRule, IgnoreRule, RenameRule, TransposeRule
 from ._template import invert
 
 __all__ = [
@@ -130,7 +130,8 @@ def torch_batch_norm(
 ) -> tuple[RenameRule | IgnoreRule, ...]:
     """``nn.BatchNorm{1,2,3}d``: ``weight`` / ``bias`` into ``scale`` / ``bias``,
     ``running_mean`` / ``running_var`` into ``mean`` / ``var`` (``nnx.BatchNorm``'s
-    batch statistics); ``num_batches_tracked`` is ignored (NNX keeps no such count).
+    batch statistics); ``num_batches_tracked`` is ignored (NNX keeps no such count),
+    and written as 0 on export (``rules.inverse()``), as torch expects the buffer.
 
     torch's ``eps`` (1e-5) and ``momentum`` (0.1, weighting the *new* batch) are
     ``nnx.BatchNorm(..., epsilon=1e-5, momentum=0.9)`` (weighting the running value).
@@ -140,9 +141,19 @@ def torch_batch_norm(
         'stem/bn/var'
     """
     params = (_param(source, target, "weight", "scale", shift), *_bias(source, target, True, shift)) if affine else ()
+    running_mean = _param(source, target, "running_mean", "mean", shift)
     return (
         *params,
-        _param(source, target, "running_mean", "mean", shift),
+        running_mean,
         _param(source, target, "running_var", "var", shift),
-        ignore(f"{source}\\.num_batches_tracked"),
+        IgnoreRule(f"{source}\\.num_batches_tracked", export=_batches_tracked(running_mean)),
     )
+
+
+def _batches_tracked(running_mean: RenameRule) -> ConstantRule:
+    """On export: ``num_batches_tracked`` = 0 next to each ``running_mean``, so torch's
+    ``load_state_dict(strict=True)`` and transformers find every buffer they expect."""
+    inverse = running_mean.inverse()
+    assert isinstance(inverse, RenameRule)
+    key = inverse.replacement.removesuffix("running_mean") + "num_batches_tracked"
+    return ConstantRule(RenameRule(inverse.pattern, key, shift=inverse.shift), 0, "int64")

@@ -26,6 +26,7 @@ import numpy as np
 from ._errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError
 from ._rules import (
     ConcatRule,
+    ConstantRule,
     IgnoreRule,
     Node,
     RenameRule,
@@ -214,7 +215,7 @@ class Rules:
 
 def _flatten(items: Iterable[object]) -> Iterator[Rule]:
     for item in items:
-        if isinstance(item, (*_STRUCTURAL, TransposeRule, ReshapeRule)):
+        if isinstance(item, (*_STRUCTURAL, TransposeRule, ReshapeRule, ConstantRule)):
             yield item  # type: ignore[misc]
         elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
             yield from _flatten(item)
@@ -231,7 +232,9 @@ def _is_structural(rule: Rule) -> TypeGuard[StructuralRule]:
 
 def _invert(rule: Rule, index: int, recorded: KeyMapping | None) -> Rule | None:
     if isinstance(rule, IgnoreRule):
-        return None
+        return rule.export  # what the inverse writes instead (None: nothing)
+    if isinstance(rule, ConstantRule):
+        return None  # a written constant is not read back
     if isinstance(rule, ReshapeRule) and rule.source_shape is None and recorded is not None:
         return rule.inverse(_recorded(recorded, index, Reshape, "source_shape", rule))
     if isinstance(rule, ConcatRule) and rule.sizes is None and recorded is not None:
@@ -263,7 +266,7 @@ class _Mapper:
 
     def __init__(self, rules: Rules, info: dict[str, tuple[Shape, np.dtype]]) -> None:
         self.rules, self.info = rules, info
-        self.value_rules = [(i, r) for i, r in enumerate(rules) if not _is_structural(r)]
+        self.value_rules = [(i, r) for i, r in enumerate(rules) if isinstance(r, (TransposeRule, ReshapeRule))]
         self.errors: list[str] = []
         self.conflicts: list[str] = []
 
@@ -319,6 +322,9 @@ class _Mapper:
             assert _is_structural(rule)  # only structural rules claim keys
             made = rule.nodes(claimed, info, self.errors)  # type: ignore[arg-type]  # each rule reads the claims it made
             nodes.extend(_tagged(n, index) for n in made)
+        for rule in self.rules.rules:
+            if isinstance(rule, ConstantRule):
+                nodes.extend(rule.nodes_for(info))
         self._check_unique(nodes, claims)
         return nodes
 
@@ -329,7 +335,7 @@ class _Mapper:
         for node in nodes:
             if node.target in first:
                 made = [
-                    f"from {_sources(n)} by {rule_of.get(n.sources[0], 'no rule (name kept)')}"
+                    f"from {_sources(n)} by {rule_of.get(n.sources[0], 'no rule (name kept)') if n.sources else 'a constant'}"
                     for n in (first[node.target], node)
                 ]
                 self.conflicts.append(f"`{node.target}`: produced twice, {made[0]} and {made[1]}")
@@ -345,8 +351,8 @@ class _Mapper:
     def _value_steps(self, path: str, shape: Shape) -> tuple[tuple[Step, ...], Shape]:
         steps: list[Step] = []
         for index, rule in self.value_rules:
-            if rule.matches(path):  # type: ignore[union-attr]
-                made = rule.step(path, shape, index, self.errors)  # type: ignore[union-attr]
+            if rule.matches(path):
+                made = rule.step(path, shape, index, self.errors)
                 if made is None:
                     break
                 steps.append(made[0])

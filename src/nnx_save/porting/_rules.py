@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -25,10 +25,11 @@ import numpy as np
 from ._errors import NotInvertibleError, RuleError
 from ._template import Template, check_refs, compile_pattern, invert
 from ._template import raw as _raw
-from ._transforms import Combine, Concatenate, Index, Reshape, Stack, Take, Transpose
+from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
 
 __all__ = [
     "ConcatRule",
+    "ConstantRule",
     "IgnoreRule",
     "Node",
     "RenameRule",
@@ -160,9 +161,14 @@ def _shifted(key: str, text: str | None, delta: int, rule: object) -> str | None
 
 @dataclass(frozen=True)
 class IgnoreRule:
-    """Source keys matching ``pattern`` are dropped on purpose (``KeyMapping.unused``)."""
+    """Source keys matching ``pattern`` are dropped on purpose (``KeyMapping.unused``).
+
+    ``export``: what the inverse writes back instead of nothing (a
+    :class:`ConstantRule`: torch buffers such as ``num_batches_tracked``).
+    """
 
     pattern: str
+    export: ConstantRule | None = field(default=None, compare=False, repr=False)
 
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
@@ -570,6 +576,25 @@ def _resolve(shape: Shape, size: int) -> Shape | None:
     return tuple(size // known if s == -1 else s for s in shape)
 
 
+@dataclass(frozen=True)
+class ConstantRule:
+    """For each source key ``emit`` matches, a target ``emit`` names holding the 0-d
+    ``value`` of ``dtype``, made from no source (on export: a file key the model has
+    no parameter for, so loaders that expect it do not report it missing)."""
+
+    emit: RenameRule
+    value: int | float = 0
+    dtype: str = "int64"
+
+    def __str__(self) -> str:
+        return f"constant({self.emit}, {self.value!r}, {self.dtype!r})"
+
+    def nodes_for(self, keys: Iterable[str]) -> list[Node]:
+        """One constant node per key ``emit`` matches."""
+        targets = sorted({t for k in keys if (t := self.emit.match(k)) is not None})
+        return [Node(t, (), (), np.dtype(self.dtype), Constant(self.value, self.dtype)) for t in targets]
+
+
 StructuralRule = RenameRule | IgnoreRule | SplitRule | ConcatRule | StackRule | UnstackRule
 ValueRule = TransposeRule | ReshapeRule
-Rule = StructuralRule | ValueRule
+Rule = StructuralRule | ValueRule | ConstantRule

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Concatenate", "Index", "Reshape", "Stack", "Take", "Transform", "Transpose"]
+__all__ = ["Concatenate", "Constant", "Index", "Reshape", "Stack", "Take", "Transform", "Transpose"]
 
 Shape = tuple[int, ...]
 
@@ -91,7 +91,21 @@ class Stack:
 
 
 Step = Transpose | Reshape
-Combine = Take | Index | Concatenate | Stack
+
+
+@dataclass(frozen=True)
+class Constant:
+    """A 0-d ``value`` of ``dtype`` that no source holds (a torch buffer written on
+    export, such as BatchNorm's ``num_batches_tracked``); takes no sources."""
+
+    value: int | float
+    dtype: str
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        return np.asarray(self.value, np.dtype(self.dtype))
+
+
+Combine = Take | Index | Concatenate | Stack | Constant
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,93 @@
+"""Assembling loaded bytes into values: host views of what was read, the held
+dtype, and the ``jax.Array`` made from host shards.
+
+On the CPU backend a ``jax.Array`` adopts each aligned host shard buffer without a
+copy (:func:`place`); numpy targets get the host array itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes
+from ._header import TensorInfo
+from ._layout import Box, extents
+from ._target import Target
+
+__all__ = ["batched_put", "device_array", "held_dtype", "host_view", "place", "place_whole"]
+
+
+def held_dtype(t: Target) -> np.dtype:
+    """The dtype the loaded value will have: the target's, narrowed the way jax
+    narrows it when ``jax_enable_x64`` is off (int64 -> int32, float64 -> float32)."""
+    if t.sharding is None:
+        return np.dtype(t.dtype)
+    import jax
+
+    return np.dtype(jax.dtypes.canonicalize_dtype(t.dtype))
+
+
+def host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
+    """The bytes read for ``box``, as an array of the file's dtype and the box's shape."""
+    if info.dtype.byte_aligned:
+        return buf.view(info.dtype.numpy).reshape(extents(box))
+    full = _dtypes.unpack_subbyte(buf, info.dtype, info.numel).reshape(info.shape)
+    return full[tuple(slice(lo, hi) for lo, hi in box)]
+
+
+def place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):
+    """The target's ``jax.Array`` from its host shards (each shard's buffer adopted,
+    not copied, by every local device that holds it when jax runs on CPU)."""
+    if t.sharding is None:
+        return pieces[0][0]
+    by_device = {d: host for host, devices in pieces for d in devices}
+    devices = list(t.sharding.addressable_devices_indices_map(t.shape))
+    return device_array(t.shape, t.sharding, [by_device[d] for d in devices], devices)
+
+
+def device_array(shape: tuple[int, ...], sharding: Any, hosts: list[np.ndarray], devices: list[Any]):
+    import jax
+
+    put = batched_put()
+    if put is not None and hosts[0].dtype == jax.dtypes.canonicalize_dtype(hosts[0].dtype):
+        return put(shape, sharding, hosts, devices)
+    arrays = [jax.device_put(h, d) for h, d in zip(hosts, devices, strict=False)]
+    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+@functools.cache
+def batched_put() -> Callable | None:
+    """jax's one-call path from per-device host arrays to a sharded array: what
+    ``jax.make_array_from_callback`` ends in, without its per-shard checks. Internal
+    API: ``None`` when absent, and the public path (``jax.device_put`` per device,
+    ``jax.make_array_from_single_device_arrays``) is used instead (tested).
+
+    Measured (2-core VM, 8 CPU devices, 700 tensors of 256 KiB, median of 7
+    interleaved rounds): 0.31 ms per tensor split on dim 0 (0.24 replicated)
+    against 3.5 ms (3.5) for ``device_put`` per device and 2.6 ms (2.7) for one
+    ``device_put`` of the lists: 8-11x, seconds on a large model, so it stays."""
+    try:
+        from jax._src import core
+        from jax._src.interpreters import pxla
+
+        core.update_aval_with_sharding, pxla.batched_device_put  # noqa: B018 - probe both
+    except (ImportError, AttributeError):
+        return None
+
+    def put(shape, sharding, hosts, devices):
+        aval = core.update_aval_with_sharding(core.ShapedArray(shape, hosts[0].dtype), sharding)
+        return pxla.batched_device_put(aval, sharding, hosts, devices)
+
+    return put
+
+
+def place_whole(t: Target, value: np.ndarray):
+    import jax
+
+    if t.sharding is None:
+        return value
+    return jax.make_array_from_callback(t.shape, t.sharding, lambda index: np.ascontiguousarray(value[index]))
