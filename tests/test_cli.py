@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -339,7 +340,25 @@ def test_convert_refuses_two_tensors_that_become_one_key(capsys, tmp_path):
     )
     assert not (tmp_path / "o.safetensors").exists()
     with pytest.raises(nnx_save.DuplicateKeyError, match=re.escape("two tensors become the key 'a.b'")):
-        _cli._torch_tensors(tmp_path / "clash.pt")
+        nnx_save.convert(tmp_path / "clash.pt", tmp_path / "o.safetensors")
+
+
+def test_convert_refuses_a_fifo_without_blocking(capsys, tmp_path):
+    """Issue 18 probe 10, for the CLI: ``nnx-save convert fifo out`` opened the FIFO to
+    read its magic bytes and blocked forever."""
+    os.mkfifo(tmp_path / "x.bin")
+
+    def blocked(signum, frame):
+        raise TimeoutError("nnx-save convert blocked on the FIFO")
+
+    previous = signal.signal(signal.SIGALRM, blocked)  # a blocked open fails the test instead of hanging it
+    signal.alarm(10)
+    try:
+        code, _, err = cli(capsys, "convert", tmp_path / "x.bin", tmp_path / "o.safetensors")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert code == 2 and err == f"nnx-save: error: {tmp_path / 'x.bin'}: not a regular file or directory\n"
 
 
 def test_parse_size():

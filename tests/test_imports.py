@@ -8,11 +8,14 @@ still counts.
 from __future__ import annotations
 
 import ast
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import nnx_save
@@ -120,12 +123,6 @@ def test_the_graph_reader_sees_function_local_imports_and_cycles(tmp_path):
     assert cycles(graph) == [["pkg._a", "pkg._b", "pkg._c"]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the loader no longer closes a cycle (no _load/_sources -> _pod); what is left goes through the "
-    "package itself (`from . import __version__` in _remote and _nnx) and the pod writer's imports of "
-    "_nnx / _tree / _collective (issue 15, hygiene)",
-)
 def test_the_package_has_no_import_cycle():
     found = cycles(import_graph())
     assert found == [], "import cycles (each line one strongly connected set of modules):\n" + "\n".join(
@@ -139,6 +136,35 @@ def _imports_after(code: str) -> set[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
     return set(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_import_and_read_header_import_neither_jax_nor_flax_nor_orbax(tmp_path):
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file({"w": np.arange(4, dtype=np.float32)}, path)
+    loaded = _imports_after(f"import nnx_save\nassert nnx_save.read_header({str(path)!r})['w'].shape == (4,)")
+    assert {"nnx_save", "numpy"} <= loaded
+    assert loaded.isdisjoint({"jax", "jaxlib", "flax", "orbax", "torch"})
+
+
+def test_the_nnx_bridge_is_imported_on_first_use():
+    loaded = _imports_after("import nnx_save\nnnx_save.load_model, nnx_save.save_pod")
+    assert {"jax", "flax"} <= loaded and "orbax" not in loaded
+    assert {"load_model", "save_model", "save_pod"} <= set(dir(nnx_save))
+    with pytest.raises(AttributeError, match=re.escape("module 'nnx_save' has no attribute 'save_sharded'")):
+        nnx_save.save_sharded  # noqa: B018 (renamed save_pod in issue 15)
+
+
+def test_only_the_named_modules_import_flax_and_orbax():
+    """Orbax only inside checkpoint/, flax only in the NNX bridges (DESIGN.md)."""
+    importers: dict[str, set[str]] = {"flax": set(), "orbax": set()}
+    for name, file in _modules(PACKAGE).items():
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            for dep in importers:
+                if any(n == dep or n.startswith(dep + ".") for n in names):
+                    importers[dep].add(name)
+    assert importers["flax"] == {"nnx_save._nnx", "nnx_save.checkpoint._nnx"}
+    assert {m.rpartition(".")[0] for m in importers["orbax"]} == {"nnx_save.checkpoint"}

@@ -3,7 +3,7 @@ disjoint, covering it exactly) before any byte is read, and pod loads go through
 one engine: pieces spanning a needed box fill it in place, with held-dtype casting,
 verify, statistics and progress like any load.
 
-Pods here are written by hand (one process cannot make pieces with save_sharded):
+Pods here are written by hand (one process cannot make pieces with save_pod):
 each "process" file is a standard safetensors file of boxes, plus a manifest.
 """
 

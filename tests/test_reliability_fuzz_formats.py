@@ -57,9 +57,15 @@ def _alarm(signum, frame):
     raise Hang()
 
 
-def fuzz(count: int, budget_s: float, make: Callable[[random.Random], object], run: Callable[[object], None]) -> dict:
+def fuzz(
+    count: int,
+    budget_s: float,
+    make: Callable[[random.Random], object],
+    run: Callable[[object], None],
+    kind: Callable[[BaseException], str] = lambda e: type(e).__name__,
+) -> dict:
     """Run up to ``count`` inputs (fewer once ``budget_s`` is spent); fail on any
-    outcome but a return or a library error."""
+    outcome but a return or a library error. ``refused`` counts errors by ``kind``."""
     rng, t0 = random.Random(SEED), time.monotonic()
     stats = {"inputs": 0, "accepted": 0, "refused": {}}
     previous = signal.signal(signal.SIGALRM, _alarm)
@@ -73,7 +79,7 @@ def fuzz(count: int, budget_s: float, make: Callable[[random.Random], object], r
                 run(case)
                 stats["accepted"] += 1
             except (nnx_save.NnxSaveError, FileNotFoundError) as e:
-                stats["refused"][type(e).__name__] = stats["refused"].get(type(e).__name__, 0) + 1
+                stats["refused"][kind(e)] = stats["refused"].get(kind(e), 0) + 1
             except BaseException as e:
                 what = "a hang" if isinstance(e, Hang) else f"{type(e).__name__}: {e}"
                 raise AssertionError(f"input {i}: {what}\n{str(case)[:600]}") from e
@@ -176,9 +182,29 @@ def test_fuzz_index(tmp_path):
             header = nnx_save.read_header(source)
             check_exact(nnx_save.load_file(header, verify=True), expected, lambda k: k)
 
-        stats = fuzz(3000, 60.0, make, run)
+        stats = fuzz(3000, 60.0, make, run, index_check)
     print(f"\nindex: {stats}")
-    assert stats["inputs"] >= 500 and stats["accepted"] >= 20 and len(stats["refused"]) >= 2, stats
+    # both sides reached: loads, and refusals by most of the validator's checks (one error class: IndexFileError)
+    assert stats["inputs"] >= 500 and stats["accepted"] >= 20 and len(stats["refused"]) >= 6, stats
+
+
+INDEX_CHECKS = [
+    "not a valid JSON index",
+    "appears more than once",
+    "expected an object with a 'weight_map'",
+    "points outside the checkpoint directory",
+    "weight-map entries must be plain relative paths",
+    "which does not exist",
+    "which does not hold it",
+    "but it is in",
+    "files hold tensors the index does not name",
+]
+
+
+def index_check(e: BaseException) -> str:
+    """Which of the validator's checks refused (an IndexFileError is the only class)."""
+    found = [c for c in INDEX_CHECKS if c in str(e)]
+    return f"{type(e).__name__}: {found[0] if found else str(e)[-80:]}"
 
 
 # ------------------------------------------------------------------------------- the manifest

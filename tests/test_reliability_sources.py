@@ -50,7 +50,7 @@ def test_a_fifo_as_the_source_is_refused_without_blocking(tmp_path, loader):
     fifo = tmp_path / "x.safetensors"
     os.mkfifo(fifo)
     e = refused(lambda: LOADERS[loader](fifo), nnx_save.SourceError, f"{fifo}: is a FIFO, not a regular file")
-    assert e.path == str(fifo)
+    assert e.file == str(fifo)
 
 
 @pytest.mark.parametrize("loader", LOADERS)

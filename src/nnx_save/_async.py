@@ -57,8 +57,8 @@ from typing import Any
 import numpy as np
 
 from . import _progress, _remote, _stage
-from ._collective import HostValue
 from ._errors import NnxSaveError, SaveError
+from ._stage import HostValue
 from ._write import Entry
 
 __all__ = ["MAX_IN_FLIGHT_ENV", "SaveHandle", "max_in_flight", "save", "snapshot", "wait_for_saves"]

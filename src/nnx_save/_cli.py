@@ -14,23 +14,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fnmatch
-import functools
 import json
 import logging
 import math
 import os
 import re
-import shlex
 import sys
-import warnings
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from . import _formats
-from ._errors import DuplicateKeyError
+from ._units import human_bytes
 
 __all__ = ["main"]
 
@@ -56,14 +51,6 @@ _UNITS = {
 
 class CLIError(Exception):
     """A usage or input problem: printed as ``nnx-save: error: ...``, exit status 2."""
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError  # unreachable
 
 
 def parse_size(text: str) -> int:
@@ -145,7 +132,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
                 r["name"],
                 r["dtype"],
                 "[" + ", ".join(map(str, r["shape"])) + "]",
-                _human(r["nbytes"]),
+                human_bytes(r["nbytes"]),
                 r["file"],
                 f"[{r['begin']}, {r['end']})",
             ]
@@ -187,8 +174,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print("\n".join(_table(rows)))
     print("\ntotals by dtype:")
     for code, d in totals.items():
-        print(f"  {code:<8} {d['tensors']:>6} tensors  {d['parameters']:>15,} parameters  {_human(d['bytes']):>10}")
-    print(f"parameters: {params:,} ({_human(nbytes)})")
+        print(
+            f"  {code:<8} {d['tensors']:>6} tensors  {d['parameters']:>15,} parameters  {human_bytes(d['bytes']):>10}"
+        )
+    print(f"parameters: {params:,} ({human_bytes(nbytes)})")
     if metadata:
         print("metadata:")
         for k, v in _shown_metadata(metadata).items():
@@ -314,184 +303,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
 # ------------------------------------------------------------------------------- convert
 
 
-def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
-    import torch  # only this command needs torch
-
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for unsafe or bad files
-        raise CLIError(f"{path}: not a PyTorch state dict that loads with weights_only=True: {e}") from None
-    if key is not None:
-        state = _pick(path, state, key)
-    out: dict[str, np.ndarray] = {}
-
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, torch.Tensor):
-            _add_unique(out, prefix, _torch_to_numpy(node, prefix), path, "'.'")
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{prefix}.{k}" if prefix else str(k))
-        else:
-            raise CLIError(
-                f"{path}: {prefix or '<root>'} is a {type(node).__name__}, not a tensor; "
-                "convert takes a state dict of tensors (nested dicts are joined with '.')" + _key_hint(state, key)
-            )
-
-    walk(state, "")
-    return out
-
-
-def _add_unique(out: dict[str, np.ndarray], key: str, value: np.ndarray, path: Path, joiner: str) -> None:
-    """``out[key] = value``, refusing a key already there: nested keys joined with
-    ``joiner`` can meet a flat key (``{"a": {"b": t}, "a.b": u}``), and keeping one
-    would drop the other in silence."""
-    if key in out:
-        raise DuplicateKeyError(
-            f"{path}: two tensors become the key {key!r} (nested keys are joined with {joiner}); "
-            "rename one of them before converting"
-        )
-    out[key] = value
-
-
-def _tensor_dicts(state: Any) -> list[str]:
-    """Top-level keys of ``state`` whose values are dicts holding only tensors (and dicts)."""
-    import torch
-
-    def only_tensors(node: Any) -> bool:
-        if isinstance(node, dict):
-            return bool(node) and all(only_tensors(v) for v in node.values())
-        return isinstance(node, torch.Tensor)
-
-    return (
-        [str(k) for k, v in state.items() if isinstance(v, dict) and only_tensors(v)] if isinstance(state, dict) else []
-    )
-
-
-def _key_hint(state: Any, key: str | None) -> str:
-    candidates = _tensor_dicts(state)
-    if not candidates:
-        return ""
-    where = f"--key {key!r}" if key else "The top level"
-    return (
-        f". {where} is a training checkpoint holding state dicts of tensors under {candidates[:5]}: "
-        f"pick one with --key {shlex.quote(candidates[0])}"
-    )
-
-
-def _pick(path: Path, state: Any, key: str) -> Any:
-    """``state[key]``, following dots (``--key model.ema``) through nested dicts."""
-    node = state
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            keys = sorted(map(str, node)) if isinstance(node, dict) else []
-            raise CLIError(f"{path}: --key {key!r}: no {part!r} here; the dict holds {keys[:20]}")
-        node = node[part]
-    if not isinstance(node, dict):
-        raise CLIError(f"{path}: --key {key!r} is a {type(node).__name__}, not a dict of tensors")
-    return node
-
-
-def _torch_to_numpy(t: Any, key: str) -> np.ndarray:
-    import ml_dtypes
-    import torch
-
-    t = t.detach().cpu().contiguous()
-    views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
-    for name, np_name in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
-        if hasattr(torch, name):
-            views[getattr(torch, name)] = (torch.uint8, getattr(ml_dtypes, np_name))
-    if t.dtype in views:
-        as_int, np_dtype = views[t.dtype]
-        return t.view(as_int).numpy().view(np_dtype)
-    try:
-        return t.numpy()
-    except TypeError as e:
-        raise CLIError(f"{key}: torch dtype {t.dtype} has no safetensors equivalent here: {e}") from None
-
-
-def _orbax_tensors(path: Path) -> dict[str, np.ndarray]:
-    import jax
-    import orbax.checkpoint as ocp  # only this command needs orbax here
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # orbax warns that no target sharding was given: host arrays are wanted
-        tree = ocp.PyTreeCheckpointer().restore(path)
-    out: dict[str, np.ndarray] = {}
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        key = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keypath)
-        _add_unique(out, key, np.asarray(leaf), path, "'/'")
-    return out
-
-
-def _verified(header: Any, key: str) -> np.ndarray:
-    return _one(header, key, verify=True)[0]
-
-
-def _kind(source: Path) -> str:
-    if source.is_dir():
-        return "orbax" if _formats.foreign_directory(source) else "safetensors"
-    with open(source, "rb") as f:  # magic bytes decide, whatever the name says
-        if _formats.foreign_file(f.read(8), lambda n, at: (f.seek(at), f.read(n))[1]) is not None:
-            return "torch"
-    if source.suffix in (".bin", ".pt", ".pth"):
-        return "torch"
-    if source.suffix == ".safetensors":
-        return "safetensors"
-    raise CLIError(
-        f"{source}: cannot tell the format from the name; expected a .safetensors file or directory, "
-        "a PyTorch .bin/.pt/.pth file, or an Orbax checkpoint directory"
-    )
-
-
-def _entries(source: Path, key: str | None = None) -> tuple[list[Any], dict[str, str]]:
-    """Writer entries for ``source``; safetensors sources are read one tensor at a time."""
+def cmd_convert(args: argparse.Namespace) -> int:
     import nnx_save
 
-    from . import _dtypes
-    from ._write import Entry
-
-    kind = _kind(source)
-    if key is not None and kind != "torch":
-        raise CLIError(f"{source}: --key picks a sub-dict of a PyTorch checkpoint; this is a {kind} checkpoint")
-    if kind == "safetensors":
-        header = nnx_save.read_header(source)
-        meta = dict(header.files[0].metadata) if header.files else {}
-        # verify=True: a corrupted source stops the conversion instead of getting fresh checksums
-        return [
-            Entry(k, t.dtype.code, t.shape, functools.partial(_verified, header, k)) for k, t in header.tensors.items()
-        ], meta
-    arrays = _torch_tensors(source, key) if kind == "torch" else _orbax_tensors(source)
-    entries = []
-    for key, a in arrays.items():
-        entries.append(Entry(key, _dtypes.to_code(a.dtype, key).code, tuple(a.shape), functools.partial(np.asarray, a)))
-    return entries, {"format": "pt"} if kind == "torch" else {}
-
-
-def cmd_convert(args: argparse.Namespace) -> int:
-    from ._multifile import write_sharded
-    from ._write import write_file
-
-    source, out = Path(args.input), Path(args.output)
-    if not source.exists():
-        raise CLIError(f"{source}: no such file or directory")
-    entries, meta = _entries(source, args.key)
-    if args.max_shard_size is not None:
-        if out.suffix == ".safetensors":
-            raise CLIError(
-                f"{out}: --max-shard-size writes a directory (model-0000i-of-0000n.safetensors and "
-                "model.safetensors.index.json); give a directory path"
-            )
-        index = write_sharded(out, entries, meta, args.max_shard_size)
-        files = len(set(json.loads(index.read_text())["weight_map"].values()))
-        print(f"convert: {source} -> {out}: {len(entries)} tensors in {files} file(s) + {index.name}")
-    else:
-        if out.is_dir():
-            raise CLIError(
-                f"{out}: is a directory; give a .safetensors file path, or --max-shard-size to write "
-                "a multi-file checkpoint into a directory"
-            )
-        write_file(out, entries, meta)
-        print(f"convert: {source} -> {out}: {len(entries)} tensors")
+    done = nnx_save.convert(args.input, args.output, max_shard_size=args.max_shard_size, key=args.key)
+    split = f" in {len(done.files)} file(s) + {done.index.name}" if done.index is not None else ""
+    print(f"convert: {args.input} -> {args.output}: {done.tensors} tensors{split}")
     return 0
 
 

@@ -46,6 +46,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,7 @@ from ._sources import pread_exact
 from ._stage import HostValue, spans_processes
 from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
 
-__all__ = ["TIMEOUT_ENV", "HostValue", "save", "write_collective"]
+__all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "save", "write_collective"]
 
 TIMEOUT_ENV = "NNX_SAVE_COLLECTIVE_TIMEOUT_S"
 _DEFAULT_TIMEOUT_S = 1800.0
@@ -68,7 +69,70 @@ _HASH_CHUNK = 64 << 20
 _SAVES = itertools.count()  # every process saves in the same order (SPMD), so ids agree
 
 
-_spans_processes = spans_processes  # the name the pod writer imports
+@dataclass(frozen=True)
+class Outcome:
+    """One process's result of one step, as the processes exchange it (a JSON object).
+
+    ``value`` is the step's JSON result when ``ok``; ``error`` says what failed otherwise.
+
+    Examples:
+        >>> Outcome.decode(Outcome(True, {"w": "00ff"}).encode())
+        Outcome(ok=True, value={'w': '00ff'}, error='')
+        >>> Outcome.of(lambda: 1 // 0).error
+        'ZeroDivisionError: integer division or modulo by zero'
+    """
+
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+    @classmethod
+    def of(cls, work: Callable[[], Any]) -> Outcome:
+        """Run ``work``: its result, or the error it raised (reported to every process)."""
+        try:
+            return cls(True, work())
+        except Exception as e:  # raised on every process by Sync.step, not lost
+            return cls(False, error=f"{type(e).__name__}: {e}")
+
+    def encode(self) -> str:
+        return json.dumps({"ok": self.ok, "value": self.value, "error": self.error})
+
+    @classmethod
+    def decode(cls, text: str) -> Outcome:
+        obj = json.loads(text)
+        return cls(bool(obj["ok"]), obj.get("value"), str(obj.get("error", "")))
+
+
+def _kv_client(path: Path) -> Any:
+    """The JAX coordination service's key-value client (the steps' channel).
+
+    jax has no public handle on it; ``jax._src.distributed.global_state.client`` has
+    been the one since jax 0.4. Should a jax release move it, a multi-process save
+    fails at once with a :class:`SaveError` saying so (a single-process save never
+    needs it) rather than with an ``AttributeError`` mid-save.
+    """
+    import jax
+
+    private: Any
+    try:
+        from jax._src import distributed as private
+    except ImportError:
+        private = None
+    state = getattr(private, "global_state", None)
+    if state is None or not hasattr(state, "client"):
+        raise SaveError(
+            f"{path}: this jax ({jax.__version__}) has no coordination key-value store where nnx_save looks "
+            "(jax._src.distributed.global_state.client); a multi-process save needs it. Use a jax version "
+            "nnx_save supports (see pyproject.toml)",
+            str(path),
+        )
+    if state.client is None:
+        raise SaveError(
+            f"{path}: {jax.process_count()} processes but no jax.distributed client; "
+            "call jax.distributed.initialize() first",
+            str(path),
+        )
+    return state.client
 
 
 def _timeout() -> float:
@@ -88,24 +152,52 @@ def save(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[st
         write_collective(path, entries, metadata)
 
 
-class _Sync:
-    """Bounded gathers over the coordination service's key-value store."""
+@dataclass
+class Sync:
+    """The step protocol between the processes of one save: each step, every process
+    (or one) posts an :class:`Outcome`; all wait for them (bounded) and all raise the
+    same :class:`SaveError` if any failed. With one process, steps exchange nothing."""
 
-    def __init__(self, path: Path) -> None:
+    path: Path
+    pid: int = 0
+    n: int = 1
+    client: Any = field(default=None, repr=False)
+    prefix: str = ""
+    save_id: int = 0
+    what: str = "multi-process save"  # how failures name the save, and what they say survived
+    intact: str = "the previous file, if any, is intact"
+
+    @classmethod
+    def open(cls, path: Path, what: str = "multi-process save", intact: str = "") -> Sync:
+        """The protocol for one save at ``path`` by every process of the job."""
         import jax
-        from jax._src import distributed  # the only handle on the key-value store
 
-        client = distributed.global_state.client
-        if client is None:
-            raise SaveError(
-                f"{path}: {jax.process_count()} processes but no jax.distributed client; "
-                "call jax.distributed.initialize() first",
-                str(path),
-            )
-        self.client: Any = client
-        self.pid, self.n, self.path = jax.process_index(), jax.process_count(), path
-        self.save_id = next(_SAVES)
-        self.prefix = f"nnx_save/save/{self.save_id}"
+        intact = intact or "the previous file, if any, is intact"
+        if jax.process_count() == 1:
+            return cls(path, what=what, intact=intact)
+        client, save_id = _kv_client(path), next(_SAVES)
+        pid, n = jax.process_index(), jax.process_count()
+        return cls(path, pid, n, client, f"nnx_save/save/{save_id}", save_id, what, intact)
+
+    def exchange(self, stage: str, mine: Outcome | None, only: int | None = None) -> dict[int, Outcome]:
+        """Post ``mine`` (unless ``None``) for ``stage``; every process's outcome, or ``only``'s."""
+        if self.n == 1:
+            return {0: mine} if mine is not None else {}
+        raw = self.gather(stage, None if mine is None else mine.encode(), only)
+        return {p: Outcome.decode(v) for p, v in raw.items()}
+
+    def step(self, stage: str, mine: Outcome | None, only: int | None = None) -> dict[int, Any]:
+        """Post this process's outcome of ``stage`` (``None``: nothing here, process
+        ``only`` posts for all) and return every process's value; raise the same
+        :class:`SaveError` on every process if any failed."""
+        outcomes = self.exchange(stage, mine, only)
+        failures = {p: o.error for p, o in outcomes.items() if not o.ok}
+        if failures and only is not None:
+            raise SaveError(f"{self.path}: {failures[only]}; {self.intact}", str(self.path))
+        if failures:
+            detail = "; ".join(f"process {p}: {msg}" for p, msg in failures.items())
+            raise SaveError(f"{self.path}: the {self.what} failed ({detail}); {self.intact}", str(self.path))
+        return {p: o.value for p, o in outcomes.items()}
 
     def gather(self, stage: str, value: str | None, only: int | None = None) -> dict[int, str]:
         """Post ``value`` (unless ``None``) for ``stage``; wait (bounded) for every
@@ -150,15 +242,17 @@ def _digest(head: bytes) -> str:
     return hashlib.sha256(head).hexdigest()
 
 
-def _agree(sync: _Sync, head: bytes, count: int, nbytes: int) -> None:
-    values = sync.gather("agree", f"{_digest(head)} {count} {nbytes} {len(head)}")
+def agree(sync: Sync, head: bytes, count: int, nbytes: int) -> None:
+    """Every process computed the same header (same keys, dtypes, shapes, metadata), or
+    every process raises naming what differs; nothing is written before."""
+    mine = {"digest": _digest(head), "tensors": count, "bytes": nbytes, "header": len(head)}
+    values = sync.step("agree", Outcome(True, mine))
     sync.forget_previous()
     differ = {p: v for p, v in values.items() if v != values[0]}
     if differ:
 
-        def what(v: str) -> str:
-            _, c, b, h = v.split()
-            return f"{c} tensors, {b} data bytes, a {h}-byte header"
+        def what(v: dict[str, Any]) -> str:
+            return f"{v['tensors']} tensors, {v['bytes']} data bytes, a {v['header']}-byte header"
 
         lines = "; ".join(f"process {p}: {what(v)}" for p, v in differ.items())
         raise SaveError(
@@ -168,26 +262,20 @@ def _agree(sync: _Sync, head: bytes, count: int, nbytes: int) -> None:
         )
 
 
-def _open(sync: _Sync, size: int) -> str:
-    """The primary creates and sizes the temporary file; everyone gets its name."""
-    mine = None
-    if sync.pid == 0:
-        tmp = temp_path(sync.path)
+def _create(path: Path, size: int) -> Outcome:
+    """Primary: create and size the temporary file; its name, or why not."""
+    tmp = temp_path(path)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            try:
-                os.ftruncate(fd, size)
-            finally:
-                os.close(fd)
-            mine = f"ok {tmp.name}"
-        except OSError as e:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            mine = f"error cannot create a temporary file in {sync.path.parent}: {e.strerror}"
-    status = sync.gather("open", mine, only=0)[0]
-    if not status.startswith("ok "):
-        raise SaveError(f"{sync.path}: {status[len('error ') :]}; the previous file, if any, is intact", str(sync.path))
-    return status[3:]
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        return Outcome(False, error=f"cannot create a temporary file in {path.parent}: {e.strerror}")
+    return Outcome(True, tmp.name)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -227,7 +315,7 @@ def _local_shards(array: Any) -> list[tuple[Any, np.ndarray]]:
 def _cross(e: Entry) -> Any:
     """The array whose shards several processes write, or ``None`` (a host value)."""
     array = e.value.array if isinstance(e.value, HostValue) else None
-    return array if _spans_processes(array) else None
+    return array if spans_processes(array) else None
 
 
 def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
@@ -242,7 +330,7 @@ def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
 
 
 def _write_mine(
-    sync: _Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]], head: bytes
+    sync: Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]], head: bytes
 ) -> dict[str, str]:
     """Write this process's part; the digests of the host values it wrote.
 
@@ -291,7 +379,7 @@ def _assign(entries: Sequence[Entry], offsets: list[tuple[int, int]], n: int) ->
 
 
 def _hash_back(
-    sync: _Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]], data_start: int
+    sync: Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]], data_start: int
 ) -> dict[str, str]:
     """Digest this process's share of the cross-process tensors, read back from the
     file: no process holds such a tensor whole, and its checksum covers all of it."""
@@ -309,28 +397,14 @@ def _hash_back(
     return digests
 
 
-def _step(sync: _Sync, stage: str, work: Callable[[], dict[str, str]]) -> dict[str, str]:
-    """Run ``work`` here, post its outcome, and return every process's results
-    merged, or raise on every process the errors any of them met."""
-    try:
-        mine = "ok " + json.dumps(work())
-    except Exception as e:  # reported to every process, raised on all of them below
-        mine = f"error {type(e).__name__}: {e}"
-    outcomes = sync.gather(stage, mine)
-    failures = {p: v[len("error ") :] for p, v in outcomes.items() if not v.startswith("ok ")}
-    if failures:
-        detail = "; ".join(f"process {p}: {msg}" for p, msg in failures.items())
-        raise SaveError(
-            f"{sync.path}: the multi-process save failed ({detail}); the previous file, if any, is intact",
-            str(sync.path),
-        )
-    merged: dict[str, str] = {}
-    for v in outcomes.values():
-        merged.update(json.loads(v[3:]))
-    return merged
+def _merged(values: Mapping[int, dict[str, str]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for v in values.values():
+        out.update(v)
+    return out
 
 
-def _commit(sync: _Sync, tmp: Path, head: bytes) -> str:
+def _commit(sync: Sync, tmp: Path, head: bytes) -> Outcome:
     """Primary: the final header in place, fsync, rename; the outcome to post."""
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
@@ -344,8 +418,8 @@ def _commit(sync: _Sync, tmp: Path, head: bytes) -> str:
     except OSError as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        return f"error the primary could not commit the file: {e.strerror}"
-    return "ok"
+        return Outcome(False, error=f"the primary could not commit the file: {e.strerror}")
+    return Outcome(True)
 
 
 def write_collective(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
@@ -357,25 +431,24 @@ def write_collective(path: str | os.PathLike, entries: Sequence[Entry], metadata
     every process when any of them fails; the previous file at ``path`` is then intact.
     """
     path = Path(path)
-    sync = _Sync(path)
+    sync = Sync.open(path)
     entries = order_entries(entries)
     names = [(e.key, e.code, e.shape) for e in entries]
     digests = _checksum.Digests([e.key for e in entries])
     head, offsets = encode_header(names, digests.metadata(metadata))  # placeholder digests
     size = len(head) + (offsets[-1][1] if offsets else 0)
-    _agree(sync, head, len(entries), size - len(head))
-    tmp = path.parent / _open(sync, size)
+    agree(sync, head, len(entries), size - len(head))
+    tmp = path.parent / sync.step("open", _create(path, size) if sync.pid == 0 else None, only=0)[0]
     try:
-        digests.values.update(_step(sync, "write", lambda: _write_mine(sync, tmp, entries, offsets, head)))
-        digests.values.update(_step(sync, "hash", lambda: _hash_back(sync, tmp, entries, offsets, len(head))))
+        written = sync.step("write", Outcome.of(lambda: _write_mine(sync, tmp, entries, offsets, head)))
+        hashed = sync.step("hash", Outcome.of(lambda: _hash_back(sync, tmp, entries, offsets, len(head))))
+        digests.values.update(_merged(written) | _merged(hashed))
         final, _ = encode_header(names, digests.metadata(metadata))
         if len(final) != len(head):  # cannot happen: hex digits replace hex digits
             raise SaveError(f"{path}: the checksummed header changed length; nothing was saved", str(path))
-        outcome = sync.gather("commit", _commit(sync, tmp, final) if sync.pid == 0 else None, only=0)[0]
+        sync.step("commit", _commit(sync, tmp, final) if sync.pid == 0 else None, only=0)
     except BaseException:
         if sync.pid == 0:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         raise
-    if outcome != "ok":
-        raise SaveError(f"{path}: {outcome[len('error ') :]}; the previous file, if any, is intact", str(path))

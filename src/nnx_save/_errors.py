@@ -11,6 +11,7 @@ from __future__ import annotations
 __all__ = [
     "ByteLengthError",
     "ChecksumError",
+    "ConvertError",
     "DtypeMismatchError",
     "DuplicateKeyError",
     "FileSizeError",
@@ -171,12 +172,12 @@ class TruncatedFileError(NnxSaveError, OSError):
 
 class SourceError(NnxSaveError, OSError):
     """A source path cannot be read as a checkpoint file: it is not a regular file
-    (a directory, a FIFO, a device) or the system refused to read it. ``.path``
+    (a directory, a FIFO, a device) or the system refused to read it. ``file``
     names it."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
-        self.path = path
+        self.file = file
 
 
 class ShardingError(NnxSaveError, ValueError):
@@ -209,6 +210,11 @@ class NotSafetensorsError(HeaderError):
     def __init__(self, message: str, format: str = "") -> None:
         super().__init__(message)
         self.format = format
+
+
+class ConvertError(NnxSaveError, ValueError):
+    """A checkpoint that cannot be converted (:func:`nnx_save.convert`): an unknown or
+    unsafe source format, a value that is not a tensor, an output path of the wrong kind."""
 
 
 class SliceError(NnxSaveError, IndexError):

@@ -107,11 +107,13 @@ def header_size(prefix: bytes, file_size: int, *, file: str = "<bytes>") -> int:
     return n
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
+def unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A ``json.loads`` object hook refusing a key given twice (``json.loads`` alone
+    keeps the last in silence); callers say which JSON it was."""
     out: dict[str, object] = {}
     for key, value in pairs:
         if key in out:
-            raise DuplicateKeyError(f"key {key!r} appears more than once in the header JSON")
+            raise DuplicateKeyError(f"key {key!r} appears more than once")
         out[key] = value
     return out
 
@@ -124,9 +126,9 @@ def _decode_json(raw: bytes, file: str) -> dict[str, object]:
             f"{file}: header is not valid UTF-8 (byte {8 + e.start} of the file: {raw[e.start : e.start + 1]!r})"
         ) from None
     try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+        obj = json.loads(text, object_pairs_hook=unique_pairs)
     except DuplicateKeyError as e:
-        raise DuplicateKeyError(f"{file}: {e}") from None
+        raise DuplicateKeyError(f"{file}: {e} in the header JSON") from None
     except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or an int over 4300 digits
         raise HeaderJSONError(f"{file}: header is not valid JSON: {e}") from None
     if not isinstance(obj, dict):

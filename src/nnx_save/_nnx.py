@@ -30,7 +30,8 @@ from ._options import LoadOptions
 from ._report import LoadReport, SingleDeviceWarning, single_device_message
 from ._sources import Header, read_header, reader_factory
 from ._target import Target
-from ._tree import leaf_entry
+from ._tree import check_metadata, leaf_entry
+from ._version import __version__
 from ._write import Entry
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
@@ -48,8 +49,13 @@ def _is_key(value: Any) -> bool:
 
 
 def _impl_name(value: Any) -> str:
-    """The PRNG implementation of a typed key array or its ShapeDtypeStruct."""
-    return value.dtype._impl.name
+    """The PRNG implementation of a typed key array or its ShapeDtypeStruct, through
+    the public ``jax.random.key_impl`` (traced for an abstract key: it takes arrays only)."""
+    if isinstance(value, jax.Array):
+        return str(jax.random.key_impl(value))
+    names: list[str] = []
+    jax.eval_shape(lambda key: names.append(str(jax.random.key_impl(key))), value)
+    return names[0]
 
 
 def _flat(state: Any) -> list[tuple[tuple, Any]]:
@@ -87,12 +93,10 @@ def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
     return leaf_entry(path, value)
 
 
-def _model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict) -> dict[str, str]:
-    from . import __version__
-
+def model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict) -> dict[str, str]:
+    """The file metadata of a model save: the caller's, checked, plus the rng / scalar records."""
+    check_metadata(metadata)
     metadata = dict(metadata or {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise UnsupportedValueError("metadata must map str to str", "__metadata__")
     reserved = sorted(k for k in metadata if k.startswith("nnx_save."))
     if reserved:
         raise UnsupportedValueError(
@@ -108,6 +112,11 @@ def _model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict
     if scalars:
         out[SCALAR_KEY] = json.dumps(scalars, sort_keys=True)
     return out
+
+
+def is_model(value: Any) -> bool:
+    """An NNX object (module, ``nnx.Dict``, ...) rather than a plain pytree."""
+    return isinstance(value, nnx.Pytree)
 
 
 def model_entries(model: Any, filter: Any = ...) -> tuple[list[Entry], dict, dict]:
@@ -171,7 +180,7 @@ def save_model(
         ['bias', 'kernel']
     """
     entries, rng, scalars = model_entries(model, filter)
-    meta = _model_metadata(metadata, rng, scalars)
+    meta = model_metadata(metadata, rng, scalars)
     if rules is not None:
         from ._porting_bridge import export_entries
 

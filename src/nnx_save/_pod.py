@@ -17,6 +17,11 @@ merges the piece lists into ``manifest.json`` (written last, atomically) and rem
 shard files of earlier saves. The ``<token>`` is new for every save, so a crash
 leaves the previous manifest and the files it names intact.
 
+Saving shares the multi-process writer's step protocol
+(:class:`~nnx_save._collective.Sync`, structured JSON outcomes): agree on the tensors,
+take the primary's save token, write and post the piece lists, let the primary commit
+the manifest; any failure raises the same :class:`SaveError` on every process.
+
 Loading is the one loading engine's: the manifest (read and validated by
 :mod:`nnx_save._layout`, its pieces checked to tile every tensor) says which pieces
 of which shard files make each tensor; each box a target sharding needs is filled
@@ -45,16 +50,18 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
+from . import _dtypes, _nnx, _paths
+from ._collective import Outcome, Sync, agree
 from ._errors import SaveError
-from ._layout import FORMAT, MANIFEST, VERSION, Box
+from ._header import encode_header
+from ._layout import FORMAT as POD_FORMAT
+from ._layout import MANIFEST, VERSION, Box
 from ._layout import SHARD_FILE as _SHARD
+from ._stage import HostValue, spans_processes
+from ._tree import flatten, leaf_entry
 from ._write import Entry, atomic_file, order_entries, write_file
 
 __all__ = ["MANIFEST", "save_pod"]
-
-
-# --------------------------------------------------------------------------- saving
 
 
 def _shard_name(p: int, n: int, token: str) -> str:
@@ -79,11 +86,9 @@ def _describe_sharding(array: Any) -> str:
 
 def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
     """This process's pieces of one entry: ``(sharding text, [(box, host value thunk)])``."""
-    from ._collective import HostValue, _spans_processes
-
     array = e.value.array if isinstance(e.value, HostValue) else None
     whole = tuple((0, d) for d in e.shape)
-    if array is None or not _spans_processes(array):
+    if array is None or not spans_processes(array):
         return _describe_sharding(array), [(whole, e.value)]
     if not _dtypes.DTYPES[e.code].byte_aligned:
         raise SaveError(
@@ -111,16 +116,9 @@ def _local_entries(entries: Sequence[Entry]) -> tuple[list[Entry], list[list[Any
 
 
 def _entries(tree_or_model: Any, metadata: Mapping[str, str] | None, filter: Any) -> tuple[list[Entry], dict]:
-    from flax import nnx
-
-    if isinstance(tree_or_model, nnx.Pytree):
-        from ._nnx import _model_metadata, model_entries
-
-        entries, rng, scalars = model_entries(tree_or_model, filter)
-        return entries, _model_metadata(metadata, rng, scalars)
-    from . import _paths
-    from ._tree import flatten, leaf_entry
-
+    if _nnx.is_model(tree_or_model):
+        entries, rng, scalars = _nnx.model_entries(tree_or_model, filter)
+        return entries, _nnx.model_metadata(metadata, rng, scalars)
     pairs, _ = flatten(tree_or_model)
     _paths.check_unique(p for p, _ in pairs)
     return [leaf_entry(p, v) for p, v in pairs], dict(metadata or {})
@@ -162,83 +160,64 @@ def save_pod(
         >>> nnx_save.load_file(d)["w"]
         array([0., 1., 2., 3.], dtype=float32)
     """
-    import jax
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     entries, meta = _entries(tree_or_model, metadata, filter)
     entries = order_entries(entries)
-    pid, n = jax.process_index(), jax.process_count()
-    sync = _start(directory, entries, meta, n)
-    token = (
-        secrets.token_hex(4)
-        if sync is None
-        else sync.gather("token", secrets.token_hex(4) if pid == 0 else None, only=0)[0]
-    )
-    mine = directory / _shard_name(pid, n, token)
-    try:
+    sync = Sync.open(directory, what="pod save", intact="the previous save in it, if any, is intact")
+    if sync.n > 1:
+        head, offsets = encode_header([(e.key, e.code, e.shape) for e in entries], meta)
+        agree(sync, head, len(entries), offsets[-1][1] if offsets else 0)
+    token = sync.step("token", Outcome(True, secrets.token_hex(4)) if sync.pid == 0 else None, only=0)[0]
+    mine = directory / _shard_name(sync.pid, sync.n, token)
+
+    def write_mine() -> dict[str, Any]:
         local, listing, shardings = _local_entries(entries)
         write_file(mine, local, meta)
-        posted = "ok " + json.dumps(listing)
-    except Exception as e:  # reported to every process, raised on all of them below
-        posted = f"error {type(e).__name__}: {e}"
-    lists = {0: posted} if sync is None else sync.gather("pieces", posted)
-    failures = {p: v[len("error ") :] for p, v in lists.items() if not v.startswith("ok ")}
-    outcome = "ok"
-    if not failures and pid == 0:
-        outcome = _commit(
-            directory, entries, meta, shardings, {p: json.loads(v[3:]) for p, v in lists.items()}, n, token
-        )
-    if sync is not None:
-        outcome = sync.gather("commit", outcome if pid == 0 else None, only=0)[0]
-    if failures or outcome != "ok":
+        return {"pieces": listing, "shardings": shardings}
+
+    try:
+        posted = sync.step("pieces", Outcome.of(write_mine))
+        committed = _commit(directory, entries, meta, posted, sync.n, token) if sync.pid == 0 else None
+        sync.step("commit", committed, only=0)
+    except SaveError:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(mine)
-        detail = "; ".join(f"process {p}: {m}" for p, m in failures.items()) or outcome[len("error ") :]
-        raise SaveError(
-            f"{directory}: the pod save failed ({detail}); the previous save in it, if any, is intact", str(directory)
-        )
+        raise
     return directory / MANIFEST
-
-
-def _start(directory: Path, entries: Sequence[Entry], meta: Mapping[str, str], n: int):
-    """With several processes: agree on the tensors and metadata (bounded)."""
-    if n == 1:
-        return None
-    from . import _collective
-    from ._header import encode_header
-
-    sync = _collective._Sync(directory / MANIFEST)
-    head, offsets = encode_header([(e.key, e.code, e.shape) for e in entries], meta)
-    _collective._agree(sync, head, len(entries), offsets[-1][1] if offsets else 0)
-    return sync
 
 
 def _commit(
     directory: Path,
     entries: Sequence[Entry],
     meta: Mapping[str, str],
-    shardings: Mapping[str, str],
-    lists: Mapping[int, list],
+    posted: Mapping[int, dict[str, Any]],
     n: int,
     token: str,
-) -> str:
+) -> Outcome:
     """Primary: merge the piece lists into the manifest, write it, drop stale shard files."""
+    shardings = posted[0]["shardings"]  # the same on every process: they agreed on the tensors
     tensors: dict[str, dict[str, Any]] = {
         e.key: {"dtype": e.code, "shape": list(e.shape), "sharding": shardings[e.key], "pieces": []} for e in entries
     }
-    for p in sorted(lists):
-        for key, name, box in lists[p]:
+    for p in sorted(posted):
+        for key, name, box in posted[p]["pieces"]:
             tensors[key]["pieces"].append({"file": _shard_name(p, n, token), "name": name, "box": box, "process": p})
-    manifest = {"format": FORMAT, "version": VERSION, "num_processes": n, "metadata": dict(meta), "tensors": tensors}
+    manifest = {
+        "format": POD_FORMAT,
+        "version": VERSION,
+        "num_processes": n,
+        "metadata": dict(meta),
+        "tensors": tensors,
+    }
     try:
         with atomic_file(directory / MANIFEST) as fd:
             os.write(fd, json.dumps(manifest, indent=1).encode() + b"\n")
     except SaveError as e:
-        return f"error {e}"
+        return Outcome(False, error=str(e))
     keep = {_shard_name(p, n, token) for p in range(n)}
     for stale in directory.iterdir():
         if _SHARD.match(stale.name) and stale.name not in keep:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale)
-    return "ok"
+    return Outcome(True)

@@ -22,20 +22,13 @@ import time
 from collections.abc import Iterator
 from typing import IO
 
-__all__ = ["MIN_BYTES", "Bar", "NullBar", "bar", "human_bytes", "save_setting", "saving"]
+from ._units import human_bytes
+
+__all__ = ["MIN_BYTES", "Bar", "NullBar", "bar", "save_setting", "saving"]
 
 MIN_BYTES = int(os.environ.get("NNX_SAVE_PROGRESS_MIN_BYTES", str(256 << 20)))
 _INTERVAL_S = 0.1
 _SAVE = contextvars.ContextVar[bool | None]("nnx_save_progress", default=None)
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError  # unreachable
 
 
 class NullBar:

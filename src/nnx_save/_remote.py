@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
 from ._errors import NnxSaveError
+from ._version import __version__
 
 __all__ = [
     "FsspecReader",
@@ -194,8 +195,6 @@ if hasattr(os, "register_at_fork"):
 
 def _user_agent() -> str:
     """Names the library and the process, so server logs can tell hosts' reads apart."""
-    from . import __version__
-
     return f"nnx_save/{__version__} (pid {os.getpid()})"
 
 

@@ -29,8 +29,15 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from . import _formats, _layout, _remote
-from ._errors import HeaderError, HeaderTooSmallError, IndexFileError, SourceError, TruncatedFileError
-from ._header import FileHeader, TensorInfo, header_size, parse_header
+from ._errors import (
+    DuplicateKeyError,
+    HeaderError,
+    HeaderTooSmallError,
+    IndexFileError,
+    SourceError,
+    TruncatedFileError,
+)
+from ._header import FileHeader, TensorInfo, header_size, parse_header, unique_pairs
 from ._layout import Piece
 from ._read import LocalReader, Reader
 
@@ -272,15 +279,6 @@ def _member_url(base: str, name: str, index: str) -> str:
     return url
 
 
-def _unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:  # a tensor listed twice: json.loads would keep the last in silence
-            raise IndexFileError(f"key {key!r} appears more than once in the index JSON")
-        out[key] = value
-    return out
-
-
 def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]:
     """Validate an index's bytes: ``(weight_map, metadata)``. The one validator of
     local and remote indexes: at most :data:`MAX_INDEX_BYTES`, JSON without a
@@ -292,11 +290,11 @@ def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]
     if len(raw) > MAX_INDEX_BYTES:
         raise IndexFileError(f"{where}: index of {len(raw)} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_pairs)
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
         meta = obj.get("metadata") if isinstance(obj, dict) else None
         meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
-    except IndexFileError as e:
-        raise IndexFileError(f"{where}: {e}") from None
+    except DuplicateKeyError as e:  # a tensor listed twice: json.loads would keep the last in silence
+        raise IndexFileError(f"{where}: {e} in the index JSON") from None
     except RecursionError:
         raise IndexFileError(f"{where}: not a valid JSON index: nested too deeply") from None
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

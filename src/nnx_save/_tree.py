@@ -15,6 +15,7 @@ from ._load import load_targets
 from ._options import LoadOptions
 from ._report import LoadReport, ShapeMismatch, SingleDeviceWarning, matches_any, single_device_message
 from ._sources import Header, read_header, reader_factory
+from ._stage import HostValue
 from ._target import Target
 from ._write import Entry
 
@@ -94,7 +95,7 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
     if value.dtype.kind in "OUS":
         raise UnsupportedValueError(f"{key}: {_describe(value)} has no safetensors dtype", key)
     code = _dtypes.to_code(value.dtype, key).code
-    return Entry(key, code, tuple(int(d) for d in value.shape), _collective.HostValue(value))
+    return Entry(key, code, tuple(int(d) for d in value.shape), HostValue(value))
 
 
 def save_file(
@@ -142,13 +143,13 @@ def save_file(
     pairs, _ = flatten(tree)
     _paths.check_unique(p for p, _ in pairs)
     entries = [leaf_entry(p, v) for p, v in pairs]
-    _check_metadata(metadata)
+    check_metadata(metadata)
     meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
     with _progress.saving(progress):  # one process alone, or all of them together
         return _async.save(path, entries, lambda p, es: _collective.save(p, es, meta), blocking=blocking)
 
 
-def _check_metadata(metadata: Any) -> None:
+def check_metadata(metadata: Any) -> None:
     """``__metadata__`` must be UTF-8 text to text; say which pair is not."""
     if metadata is None:
         return

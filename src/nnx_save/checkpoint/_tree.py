@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from .. import _paths
 from .._errors import KeyPathError, UnsupportedValueError
 from .._paths import format_path
 from ._errors import UnsupportedCheckpointError
@@ -46,14 +47,9 @@ class Spec(NamedTuple):
 
 
 def segment(entry: Any) -> str:
-    """One path segment, named as Orbax names it."""
-    if isinstance(entry, jax.tree_util.SequenceKey):
-        return str(entry.idx)
-    if isinstance(entry, (jax.tree_util.DictKey, jax.tree_util.FlattenedIndexKey)):
-        return str(entry.key)
-    if isinstance(entry, jax.tree_util.GetAttrKey):
-        return entry.name
-    raise KeyPathError(f"unsupported pytree key {entry!r} of type {type(entry).__name__}")
+    """One path segment, named as Orbax names it: the package's one segment rule
+    (:func:`nnx_save._paths.segment`), as text."""
+    return str(_paths.segment(entry))
 
 
 def flatten(tree: Any) -> list[tuple[Path, Any]]:

@@ -1,0 +1,244 @@
+"""Conversion to safetensors: PyTorch state dicts, Orbax checkpoints, safetensors.
+
+:func:`convert` is what ``nnx-save convert`` runs. Sources are told apart by their
+bytes (:mod:`~nnx_save._formats`), never by unpickling: PyTorch files load with
+``torch.load(weights_only=True)`` (torch is imported only then), Orbax directories
+through :mod:`nnx_save.checkpoint` (the one home of orbax), and safetensors sources
+are read one tensor at a time, checksums verified, so memory stays bounded by the
+largest tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes, _formats
+from ._errors import ConvertError, DuplicateKeyError
+from ._multifile import write_sharded
+from ._sources import Header, read_header
+from ._tree import load_file
+from ._write import Entry, write_file
+
+__all__ = ["Converted", "convert"]
+
+
+@dataclass(frozen=True)
+class Converted:
+    """What :func:`convert` wrote: the tensor count, the files, and the index (if any)."""
+
+    tensors: int
+    files: tuple[Path, ...]
+    index: Path | None = None
+
+
+def convert(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    max_shard_size: int | None = None,
+    key: str | None = None,
+) -> Converted:
+    """Convert a PyTorch, Orbax or safetensors checkpoint to safetensors, atomically.
+
+    Args:
+        source: a PyTorch ``.bin`` / ``.pt`` / ``.pth`` file (a state dict of tensors),
+            an Orbax PyTree checkpoint directory, or a safetensors file or directory.
+        output: a ``.safetensors`` file, or with ``max_shard_size`` a directory that
+            gets HuggingFace-style ``model-0000i-of-0000n.safetensors`` files and an index.
+        max_shard_size: the most bytes per file (splits the checkpoint over files).
+        key: a PyTorch training checkpoint's sub-dict to convert (``"model"``; dots go deeper).
+
+    Returns:
+        A :class:`Converted` naming what was written (every file with fresh checksums).
+
+    Raises:
+        ConvertError: a source or output that cannot be converted, with the reason.
+        HeaderError: a malformed safetensors source.
+        ChecksumError: a safetensors source whose data no longer matches its checksums.
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile, os
+        >>> d = tempfile.mkdtemp()
+        >>> nnx_save.save_file({"w": np.ones((4, 4), np.float32)}, os.path.join(d, "a.safetensors"))
+        >>> done = nnx_save.convert(os.path.join(d, "a.safetensors"), os.path.join(d, "split"), max_shard_size=40)
+        >>> done.tensors, len(done.files), done.index.name
+        (1, 1, 'model.safetensors.index.json')
+    """
+    source, out = Path(source), Path(output)
+    if not source.exists():
+        raise ConvertError(f"{source}: no such file or directory")
+    entries, meta = _entries(source, key)
+    if max_shard_size is None:
+        if out.is_dir():
+            raise ConvertError(
+                f"{out}: is a directory; give a .safetensors file path, or --max-shard-size to write "
+                "a multi-file checkpoint into a directory"
+            )
+        write_file(out, entries, meta)
+        return Converted(len(entries), (out,))
+    if out.suffix == ".safetensors":
+        raise ConvertError(
+            f"{out}: --max-shard-size writes a directory (model-0000i-of-0000n.safetensors and "
+            "model.safetensors.index.json); give a directory path"
+        )
+    index = write_sharded(out, entries, meta, max_shard_size)
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    return Converted(len(entries), tuple(out / f for f in files), index)
+
+
+def _entries(source: Path, key: str | None = None) -> tuple[list[Entry], dict[str, str]]:
+    """Writer entries for ``source``; safetensors sources are read one tensor at a time."""
+    kind = _kind(source)
+    if key is not None and kind != "torch":
+        raise ConvertError(f"{source}: --key picks a sub-dict of a PyTorch checkpoint; this is a {kind} checkpoint")
+    if kind == "safetensors":
+        header = read_header(source)
+        meta = dict(header.files[0].metadata) if header.files else {}
+        return [
+            Entry(k, t.dtype.code, t.shape, functools.partial(_verified, header, k)) for k, t in header.tensors.items()
+        ], meta
+    arrays = _torch_tensors(source, key) if kind == "torch" else _orbax_arrays(source)
+    entries = [
+        Entry(k, _dtypes.to_code(a.dtype, k).code, tuple(a.shape), functools.partial(np.asarray, a))
+        for k, a in arrays.items()
+    ]
+    return entries, {"format": "pt"} if kind == "torch" else {}
+
+
+def _verified(header: Header, key: str) -> np.ndarray:
+    """One tensor of ``header``, its checksum verified: a corrupted source stops the
+    conversion instead of getting fresh checksums."""
+    info = header.tensors[key]
+    files = tuple(fh for fh in header.files if fh.file == info.file)
+    return load_file(dataclasses.replace(header, tensors={key: info}, files=files), verify=True, progress=False)[key]
+
+
+def _orbax_arrays(path: Path) -> dict[str, np.ndarray]:
+    from .checkpoint._arrays import orbax_arrays  # orbax (and jax) only for an Orbax source
+
+    out: dict[str, np.ndarray] = {}
+    for key, array in orbax_arrays(path):
+        _add_unique(out, key, array, path, "'/'")
+    return out
+
+
+def _kind(source: Path) -> str:
+    if source.is_dir():
+        return "orbax" if _formats.foreign_directory(source) else "safetensors"
+    if not source.is_file():  # a FIFO would block the open below forever, a device never end
+        raise ConvertError(f"{source}: not a regular file or directory")
+    with open(source, "rb") as f:  # magic bytes decide, whatever the name says
+        if _formats.foreign_file(f.read(8), lambda n, at: (f.seek(at), f.read(n))[1]) is not None:
+            return "torch"
+    if source.suffix in (".bin", ".pt", ".pth"):
+        return "torch"
+    if source.suffix == ".safetensors":
+        return "safetensors"
+    raise ConvertError(
+        f"{source}: cannot tell the format from the name; expected a .safetensors file or directory, "
+        "a PyTorch .bin/.pt/.pth file, or an Orbax checkpoint directory"
+    )
+
+
+def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
+    import torch  # only a torch conversion needs torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for unsafe or bad files
+        raise ConvertError(f"{path}: not a PyTorch state dict that loads with weights_only=True: {e}") from None
+    if key is not None:
+        state = _pick(path, state, key)
+    out: dict[str, np.ndarray] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, torch.Tensor):
+            _add_unique(out, prefix, _torch_to_numpy(node, prefix), path, "'.'")
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{prefix}.{k}" if prefix else str(k))
+        else:
+            raise ConvertError(
+                f"{path}: {prefix or '<root>'} is a {type(node).__name__}, not a tensor; "
+                "convert takes a state dict of tensors (nested dicts are joined with '.')" + _key_hint(state, key)
+            )
+
+    walk(state, "")
+    return out
+
+
+def _add_unique(out: dict[str, np.ndarray], key: str, value: np.ndarray, path: Path, joiner: str) -> None:
+    """``out[key] = value``, refusing a key already there: nested keys joined with
+    ``joiner`` can meet a flat key (``{"a": {"b": t}, "a.b": u}``), and keeping one
+    would drop the other in silence."""
+    if key in out:
+        raise DuplicateKeyError(
+            f"{path}: two tensors become the key {key!r} (nested keys are joined with {joiner}); "
+            "rename one of them before converting"
+        )
+    out[key] = value
+
+
+def _tensor_dicts(state: Any) -> list[str]:
+    """Top-level keys of ``state`` whose values are dicts holding only tensors (and dicts)."""
+    import torch
+
+    def only_tensors(node: Any) -> bool:
+        if isinstance(node, dict):
+            return bool(node) and all(only_tensors(v) for v in node.values())
+        return isinstance(node, torch.Tensor)
+
+    return (
+        [str(k) for k, v in state.items() if isinstance(v, dict) and only_tensors(v)] if isinstance(state, dict) else []
+    )
+
+
+def _key_hint(state: Any, key: str | None) -> str:
+    candidates = _tensor_dicts(state)
+    if not candidates:
+        return ""
+    where = f"--key {key!r}" if key else "The top level"
+    return (
+        f". {where} is a training checkpoint holding state dicts of tensors under {candidates[:5]}: "
+        f"pick one with --key {shlex.quote(candidates[0])}"
+    )
+
+
+def _pick(path: Path, state: Any, key: str) -> Any:
+    """``state[key]``, following dots (``--key model.ema``) through nested dicts."""
+    node = state
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            keys = sorted(map(str, node)) if isinstance(node, dict) else []
+            raise ConvertError(f"{path}: --key {key!r}: no {part!r} here; the dict holds {keys[:20]}")
+        node = node[part]
+    if not isinstance(node, dict):
+        raise ConvertError(f"{path}: --key {key!r} is a {type(node).__name__}, not a dict of tensors")
+    return node
+
+
+def _torch_to_numpy(t: Any, key: str) -> np.ndarray:
+    import ml_dtypes
+    import torch
+
+    t = t.detach().cpu().contiguous()
+    views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
+    for name, np_name in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
+        if hasattr(torch, name):
+            views[getattr(torch, name)] = (torch.uint8, getattr(ml_dtypes, np_name))
+    if t.dtype in views:
+        as_int, np_dtype = views[t.dtype]
+        return t.view(as_int).numpy().view(np_dtype)
+    try:
+        return t.numpy()
+    except TypeError as e:
+        raise ConvertError(f"{key}: torch dtype {t.dtype} has no safetensors equivalent here: {e}") from None

@@ -1,0 +1,116 @@
+"""The step protocol of multi-process saves (structured outcomes), without a real job:
+two in-process "processes" share a dict standing in for the coordination key-value store.
+The real multi-process runs are in tests/multiprocess/."""
+
+from __future__ import annotations
+
+import re
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import jax
+import pytest
+
+import nnx_save
+from nnx_save import _collective
+from nnx_save._collective import Outcome, Sync
+
+
+class FakeStore:
+    """The three calls the protocol makes on jax's key-value client."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, str] = {}
+        self.lock = threading.Lock()
+
+    def key_value_set(self, key: str, value: str) -> None:
+        with self.lock:
+            assert key not in self.values, f"{key} posted twice"
+            self.values[key] = value
+
+    def key_value_dir_get(self, prefix: str) -> list[tuple[str, str]]:
+        with self.lock:
+            return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+    def key_value_delete(self, prefix: str) -> None:
+        with self.lock:
+            for k in [k for k in self.values if k.startswith(prefix)]:
+                del self.values[k]
+
+
+def _pair(path: Path) -> tuple[Sync, Sync, FakeStore]:
+    store = FakeStore()
+    return (
+        Sync(path, 0, 2, store, "nnx_save/save/7", 7),
+        Sync(path, 1, 2, store, "nnx_save/save/7", 7),
+        store,
+    )
+
+
+def _both(fn0, fn1):
+    with ThreadPoolExecutor(2) as pool:
+        f0, f1 = pool.submit(fn0), pool.submit(fn1)
+        return f0.exception(timeout=60) or f0.result(), f1.exception(timeout=60) or f1.result()
+
+
+def test_outcomes_travel_as_json_objects(tmp_path):
+    a, b, store = _pair(tmp_path / "w.safetensors")
+    got = _both(
+        lambda: a.step("write", Outcome(True, {"w": "01"})), lambda: b.step("write", Outcome(True, {"v": "02"}))
+    )
+    assert got == ({0: {"w": "01"}, 1: {"v": "02"}},) * 2
+    assert store.values["nnx_save/save/7/write/1"] == '{"ok": true, "value": {"v": "02"}, "error": ""}'
+
+
+def test_a_failure_on_one_process_raises_the_same_error_on_all(tmp_path):
+    path = tmp_path / "w.safetensors"
+    a, b, _ = _pair(path)
+    boom = Outcome.of(lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    e0, e1 = _both(lambda: a.step("write", Outcome(True, {})), lambda: b.step("write", boom))
+    expected = (
+        f"{path}: the multi-process save failed (process 1: OSError: [Errno 28] No space left on device); "
+        "the previous file, if any, is intact"
+    )
+    assert isinstance(e0, nnx_save.SaveError) and isinstance(e1, nnx_save.SaveError)
+    assert str(e0) == str(e1) == expected and e0.file == str(path)
+
+
+def test_a_step_only_the_primary_posts(tmp_path):
+    a, b, _ = _pair(tmp_path / "d")
+    a.intact = "the previous save in it, if any, is intact"
+    b.intact = a.intact
+    assert (
+        _both(lambda: a.step("token", Outcome(True, "1a2b3c4d"), only=0), lambda: b.step("token", None, only=0))
+        == ({0: "1a2b3c4d"},) * 2
+    )
+    refused = Outcome(False, error="cannot create a temporary file in /x: Permission denied")
+    e0, e1 = _both(lambda: a.step("open", refused, only=0), lambda: b.step("open", None, only=0))
+    assert str(e0) == str(e1) == f"{tmp_path / 'd'}: {refused.error}; the previous save in it, if any, is intact"
+
+
+def test_a_single_process_exchanges_nothing(tmp_path):
+    solo = Sync.open(tmp_path / "w.safetensors")
+    assert (solo.n, solo.client) == (1, None)
+    assert solo.step("write", Outcome(True, {"w": "01"})) == {0: {"w": "01"}}
+
+
+def test_a_jax_without_the_key_value_store_is_a_clear_error(tmp_path, monkeypatch):
+    from jax._src import distributed
+
+    monkeypatch.setattr(distributed, "global_state", None)
+    path = tmp_path / "w.safetensors"
+    with pytest.raises(
+        nnx_save.SaveError,
+        match=re.escape(
+            f"{path}: this jax ({jax.__version__}) has no coordination key-value store where nnx_save looks "
+            "(jax._src.distributed.global_state.client); a multi-process save needs it"
+        ),
+    ):
+        _collective._kv_client(path)
+
+
+def test_without_jax_distributed_initialize_the_error_says_so(tmp_path):
+    path = tmp_path / "w.safetensors"
+    with pytest.raises(nnx_save.SaveError, match=re.escape("call jax.distributed.initialize() first")):
+        _collective._kv_client(path)
