@@ -227,7 +227,7 @@ def _load(strategy: str, path: str, abstract: dict, shardings: dict, jax):
 
         out = {}
         with safe_open(path, "numpy") as f:
-            for k in f:
+            for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 out[k] = jax.device_put(f.get_tensor(k), shardings[k])
         return out
     if strategy == "orbax":

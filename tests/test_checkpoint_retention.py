@@ -11,7 +11,7 @@ import re
 import jax.numpy as jnp
 import pytest
 
-from nnx_save.checkpoint import CheckpointRetentionError, OrbaxCheckpointStore, Retention
+from nnx_save.checkpoint import CheckpointRetentionError, OrbaxCheckpointStore, Retention, UnsupportedCheckpointError
 from nnx_save.checkpoint._retention import StepInfo, doomed
 
 LOSSES = {10: 0.9, 20: 0.1, 30: 0.5, 40: 0.4, 50: 0.45}
@@ -155,3 +155,11 @@ def test_doomed_is_pure():
     assert doomed(Retention(latest=2), infos) == [10, 20, 30]
     assert doomed(Retention(latest=None, newer_than=2500), infos) == [30, 40]  # the latest step always stays
     assert doomed(Retention.keep_all(), infos) == []
+
+
+def test_an_unreadable_store_record_is_refused_typed(tmp_path):
+    run(tmp_path, {1: 1.0}, max_to_keep=2).close()
+    (tmp_path / "_nnx_save_store.json").write_text("{broken")
+    message = "holds a store record _nnx_save_store.json that cannot be read (Expecting property name"
+    with pytest.raises(UnsupportedCheckpointError, match=re.escape(message)):
+        OrbaxCheckpointStore(tmp_path).list_steps()

@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from ._errors import UnsupportedCheckpointError
+
 __all__ = ["STORE_RECORD", "Retention", "StepInfo", "doomed"]
 
 # The file, at the top of a store's directory, that records its retention policies.
@@ -148,12 +150,21 @@ def parse_record(text: str) -> Retention:
     """Read a retention record back.
 
     Raises:
-        ValueError: Not a record this version reads.
+        UnsupportedCheckpointError: Not a record this version reads.
     """
-    data = json.loads(text)
-    if not isinstance(data, dict) or data.get("format") != STORE_FORMAT or not isinstance(data.get("retention"), dict):
-        raise ValueError(f"not an nnx_save store record: {text[:200]!r}")
-    return Retention.from_json(data["retention"])
+    try:
+        data = json.loads(text)
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != STORE_FORMAT
+            or not isinstance(data.get("retention"), dict)
+        ):
+            raise ValueError("not an nnx_save store record")
+        return Retention.from_json(data["retention"])
+    except (ValueError, TypeError) as error:  # JSONDecodeError is a ValueError
+        raise UnsupportedCheckpointError(
+            f"a store record {STORE_RECORD} that cannot be read ({error}): {text[:200]!r}"
+        ) from None
 
 
 def age_s(created_at: str, now: datetime.datetime) -> float:

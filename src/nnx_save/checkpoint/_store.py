@@ -251,6 +251,7 @@ class OrbaxCheckpointStore:
             >>> store.close()
         """
         step = check_step(step)
+        self._open()
         due = self._schedule.due(step)  # first, on every step: the preemption sync point counts calls
         steps = self._disk.load().steps
         return due and not (steps and step <= steps[-1])
