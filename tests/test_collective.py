@@ -9,7 +9,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import jax
 import pytest
 
 import nnx_save
@@ -95,19 +94,18 @@ def test_a_single_process_exchanges_nothing(tmp_path):
     assert solo.step("write", Outcome(True, {"w": "01"})) == {0: {"w": "01"}}
 
 
-def test_a_jax_without_the_key_value_store_is_a_clear_error(tmp_path, monkeypatch):
+def test_a_jax_without_the_key_value_store_falls_back_to_the_public_collective(tmp_path, monkeypatch):
     from jax._src import distributed
 
     monkeypatch.setattr(distributed, "global_state", None)
-    path = tmp_path / "w.safetensors"
-    with pytest.raises(
-        nnx_save.SaveError,
-        match=re.escape(
-            f"{path}: this jax ({jax.__version__}) has no coordination key-value store where nnx_save looks "
-            "(jax._src.distributed.global_state.client); a multi-process save needs it"
-        ),
-    ):
-        _collective._kv_client(path)
+    assert _collective._kv_client(tmp_path / "w.safetensors") is None
+    sync = Sync(tmp_path / "w.safetensors", 0, 1, None)  # one process, forced through the collective
+    assert sync.gather("write", Outcome(True, {"w": "01"}).encode()) == {
+        0: '{"ok": true, "value": {"w": "01"}, "error": ""}'
+    }
+    assert _collective._allgather(None) == {}
+    with pytest.raises(nnx_save.SaveError, match=re.escape("process(es) [0] posted nothing for the 'open' step")):
+        sync.gather("open", None, only=0)
 
 
 def test_without_jax_distributed_initialize_the_error_says_so(tmp_path):

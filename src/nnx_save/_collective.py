@@ -30,7 +30,9 @@ polled with a deadline, rather than through device collectives: a collective
 blocks without a timeout, while every wait here is bounded
 (``NNX_SAVE_COLLECTIVE_TIMEOUT_S``, default 1800 s), and a dead peer leaves the
 previous file at the path intact. (With JAX's default settings, the coordination
-service also terminates every process once a peer misses its heartbeats.)
+service also terminates every process once a peer misses its heartbeats.) jax offers
+that store only through a private module; a jax without it makes the steps go through
+the public ``multihost_utils.process_allgather`` instead, without the deadline.
 
 The filesystem must be shared between the processes (a local disk on one machine,
 NFS, Lustre, GPFS ...).
@@ -104,12 +106,12 @@ class Outcome:
 
 
 def _kv_client(path: Path) -> Any:
-    """The JAX coordination service's key-value client (the steps' channel).
+    """The JAX coordination service's key-value client (the steps' channel), or
+    ``None`` when this jax has none where nnx_save looks.
 
     jax has no public handle on it; ``jax._src.distributed.global_state.client`` has
-    been the one since jax 0.4. Should a jax release move it, a multi-process save
-    fails at once with a :class:`SaveError` saying so (a single-process save never
-    needs it) rather than with an ``AttributeError`` mid-save.
+    been the one since jax 0.4. Should a jax release move it, the steps go through
+    the public :func:`_allgather` instead (a device collective: no deadline).
     """
     import jax
 
@@ -120,12 +122,7 @@ def _kv_client(path: Path) -> Any:
         private = None
     state = getattr(private, "global_state", None)
     if state is None or not hasattr(state, "client"):
-        raise SaveError(
-            f"{path}: this jax ({jax.__version__}) has no coordination key-value store where nnx_save looks "
-            "(jax._src.distributed.global_state.client); a multi-process save needs it. Use a jax version "
-            "nnx_save supports (see pyproject.toml)",
-            str(path),
-        )
+        return None
     if state.client is None:
         raise SaveError(
             f"{path}: {jax.process_count()} processes but no jax.distributed client; "
@@ -133,6 +130,20 @@ def _kv_client(path: Path) -> Any:
             str(path),
         )
     return state.client
+
+
+def _allgather(value: str | None) -> dict[int, str]:
+    """Every process's ``value`` (those that posted one) through jax's public
+    ``process_allgather``: the channel when jax offers no key-value store. It is a
+    device collective, so a peer that never arrives blocks instead of timing out."""
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer((value or "").encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([raw.size, value is not None], np.int64)))
+    padded = np.zeros(max(int(sizes[:, 0].max()), 1), np.uint8)
+    padded[: raw.size] = raw
+    rows = np.asarray(multihost_utils.process_allgather(padded))
+    return {p: rows[p, : sizes[p, 0]].tobytes().decode() for p in range(len(sizes)) if sizes[p, 1]}
 
 
 def _timeout() -> float:
@@ -203,6 +214,11 @@ class Sync:
         """Post ``value`` (unless ``None``) for ``stage``; wait (bounded) for every
         process's value, or only process ``only``'s."""
         want = set(range(self.n)) if only is None else {only}
+        if self.client is None:  # no key-value store in this jax: the public collective
+            got = _allgather(value)
+            if want <= set(got):
+                return {p: got[p] for p in sorted(want)}
+            raise SaveError(f"{self.path}: process(es) {sorted(want - set(got))} posted nothing for the {stage!r} step")
         deadline, delay, got = time.monotonic() + _timeout(), 0.002, {}
         try:
             if value is not None:
@@ -233,7 +249,7 @@ class Sync:
 
     def forget_previous(self) -> None:
         """Drop the keys of the previous save: every process has passed it by now."""
-        if self.pid == 0 and self.save_id:
+        if self.pid == 0 and self.save_id and self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.key_value_delete(f"nnx_save/save/{self.save_id - 1}/")
 

@@ -168,6 +168,14 @@ def pack_buffers(sizes: list[int], *, align: int = 64, slab_bytes: int = SLAB_BY
     benchmarks/load.py), while a sharded load makes thousands of buffers far below
     4 MiB. The price: a slab is freed when the last array using it is.
 
+    The other side, measured on the same VM (issue 14's fresh-process figures): in a
+    process whose memory is *fresh* to the guest, huge pages come from memory the host
+    has not backed yet and cost more, not less (0.98 GB, one device, 5 runs each:
+    huge pages 1.2-3.0 s wall, 1.3-2.1 s CPU; ``NUMPY_MADVISE_HUGEPAGE=0`` 0.32-0.81 s,
+    0.45-0.48 s CPU; no compaction stalls or fallbacks in ``/proc/vmstat``), while
+    after memory was touched once (``benchmarks/load.py --prefault``) huge pages win
+    (0.14-0.20 s against 0.47-1.69 s). Which mode a user's machine is in decides.
+
     Examples:
         >>> bufs = pack_buffers([3, 100, 0, 64])
         >>> [len(b) for b in bufs], all(b.ctypes.data % 64 == 0 for b in bufs if len(b))

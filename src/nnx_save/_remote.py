@@ -141,7 +141,8 @@ class _Watchdog:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="nnx_save-http-deadline", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._heap[0][1] == token:  # only an earlier deadline than all others needs the thread awake
+                self._cond.notify()
             return token
 
     def disarm(self, token: int) -> None:

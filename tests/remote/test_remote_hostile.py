@@ -248,3 +248,23 @@ def test_an_fsspec_store_error_is_a_remote_error_naming_the_url(memory_url, monk
         match=re.escape(f"{url}: fsspec could not describe the object (RuntimeError: Unable to locate credentials)"),
     ):
         nnx_save.read_header(url)
+
+
+def test_an_fsspec_object_replaced_during_the_load_is_a_change(tmp_path, memory_url, monkeypatch):
+    """Probe 2, mid-load: the object is replaced after the first data read; the
+    reader's check when it closes sees the new version."""
+    fs, url = memory_url
+    one, two = blob(tmp_path, V1), blob(tmp_path, V2)
+    fs.pipe(url, one)
+    header = nnx_save.read_header(url)
+    real = type(fs).cat_file
+
+    def cat_then_replace(self, path, start=None, end=None, **kwargs):
+        data = real(self, path, start=start, end=end, **kwargs)
+        time.sleep(0.01)
+        fs.pipe(url, two)  # same size, other bytes, a new creation time
+        return data
+
+    monkeypatch.setattr(type(fs), "cat_file", cat_then_replace)
+    with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load (size ")):
+        nnx_save.load_file(header, num_threads=1)
