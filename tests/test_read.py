@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nnx_save import NnxSaveError, _read
+from nnx_save import NnxSaveError, TruncatedFileError, _read
 from nnx_save._plan import FilePlan, Request, plan_file
 
 ITEMSIZES = [1, 2, 3, 4, 8, 16]
@@ -316,8 +316,19 @@ def test_a_truncated_file_raises_naming_where_it_ended(tmp_path, monkeypatch, me
     path, _data, reqs, sizes = _strided_file(tmp_path, 64, 256)
     plan = plan_file(reqs)
     os.truncate(path, 10_000)
-    with pytest.raises(NnxSaveError, match=re.escape(f"{path}: file ended at byte 10000, expected ")):
+    with pytest.raises(TruncatedFileError, match=re.escape(f"{path}: file ended at byte 10000, expected ")) as info:
         _run(path, plan, sizes, method, monkeypatch, threads=1)
+    assert (info.value.file, info.value.offset) == (path, 10_000)
+
+
+def test_a_truncated_file_raises_naming_where_it_ended_in_a_batch(tmp_path, monkeypatch):
+    path, _data, reqs, sizes = _rows_file(tmp_path, rows=16)  # row r's run: bytes [8192 r + 400, +256)
+    plan = plan_file(reqs, max_over_read_ratio=1.0)
+    os.truncate(path, 5 * 8192 + 500)  # row 5's run ends early, at byte 41460, 156 bytes short
+    message = f"{path}: file ended at byte 41460, expected 156 more bytes (was it truncated while loading?)"
+    with pytest.raises(TruncatedFileError, match=re.escape(message)) as info:
+        _run(path, plan, sizes, "auto", monkeypatch, threads=1)
+    assert (info.value.file, info.value.offset) == (path, 41460)
 
 
 @pytest.mark.parametrize("method", ["table", "memoryview", "scatter"])

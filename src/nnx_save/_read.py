@@ -46,7 +46,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ._errors import NnxSaveError
+from ._errors import NnxSaveError, TruncatedFileError
 from ._plan import FilePlan, chunk_runs
 
 __all__ = [
@@ -231,9 +231,11 @@ class LocalReader:
         with self._lock:
             self.requests += 1
 
-    def _ended(self, at: int, missing: int) -> NnxSaveError:
-        return NnxSaveError(
-            f"{self.path}: file ended at byte {at}, expected {missing} more bytes (was it truncated while loading?)"
+    def _ended(self, at: int, missing: int) -> TruncatedFileError:
+        return TruncatedFileError(
+            f"{self.path}: file ended at byte {at}, expected {missing} more bytes (was it truncated while loading?)",
+            self.path,
+            at,
         )
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
@@ -489,7 +491,7 @@ def _small_chunks(reader: Reader, plan: FilePlan) -> np.ndarray:
     return (plan.chunk_hi - lo == 1) & (ce - cs <= SMALL_CHUNK) & (ce > cs) & inside
 
 
-def _units(small: list[bool], span: list[int], max_bytes: int) -> list[tuple[int, int]]:
+def _batch_bounds(small: list[bool], span: list[int], max_bytes: int) -> list[tuple[int, int]]:
     """Chunk index ranges ``[a, b)`` run as one task: a chunk alone, or a batch of
     consecutive small chunks (at most :data:`BATCH_CHUNKS` of them, ``max_bytes`` bytes)."""
     units, a, n = [], 0, len(small)
@@ -572,7 +574,7 @@ def execute(
             for n in needed[a:b].tolist():
                 on_chunk(n)
 
-    units = _units(small.tolist(), span.tolist(), min(BATCH_BYTES, budget.limit))
+    units = _batch_bounds(small.tolist(), span.tolist(), min(BATCH_BYTES, budget.limit))
     tasks = [(run_batch, a, b) if small[a] else (run, a) for a, b in units]
     if len(tasks) <= 1 or num_threads <= 1:
         for fn, *args in tasks:
