@@ -134,6 +134,14 @@ def _counting(monkeypatch):
                         return inner(buffers, offset)
 
                     setattr(reader, name, wrapped)
+            inner_runs = getattr(reader, "read_runs", None)
+            if inner_runs is not None:  # batches of small chunks (local files)
+
+                def runs(addr, length, offset, inner=inner_runs):
+                    counted[0] += sum(length)
+                    return inner(addr, length, offset)
+
+                reader.read_runs = runs
             return reader
 
         return counting_open

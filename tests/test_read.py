@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nnx_save import NnxSaveError, _read
+from nnx_save import NnxSaveError, TruncatedFileError, _read
 from nnx_save._plan import FilePlan, Request, plan_file
 
 ITEMSIZES = [1, 2, 3, 4, 8, 16]
@@ -73,14 +73,15 @@ class _NoTable:
         raise AssertionError("a reader without tables was given one")
 
 
-METHODS = {
+METHODS = {  # SMALL_CHUNK 0: no batches, so that small chunks take the forced method too
     "auto": {},
-    "table": {"DIRECT_MIN_RUN": 0},
-    "scatter": {"DIRECT_MIN_RUN": 1 << 40, "DIRECT_MAX_RUNS": 0},
+    "table": {"DIRECT_MIN_RUN": 0, "SMALL_CHUNK": 0},
+    "scatter": {"DIRECT_MIN_RUN": 1 << 40, "DIRECT_MAX_RUNS": 0, "SMALL_CHUNK": 0},
+    "batched": {"SMALL_CHUNK": 1 << 40, "BATCH_CHUNKS": 3},
     "memoryview": {"reader": _NoTable, "DIRECT_MIN_RUN_PY": 0},
     "scatter-whole-chunk": {"reader": _NoTable, "DIRECT_MIN_RUN_PY": 1 << 40, "DIRECT_MAX_RUNS": 0},
-    "tiny-gap-scratch": {"DIRECT_MIN_RUN": 0, "GAP_SCRATCH": 7},
-    "two-run-tables": {"DIRECT_MIN_RUN": 0, "TABLE_RUNS": 2},
+    "tiny-gap-scratch": {"DIRECT_MIN_RUN": 0, "GAP_SCRATCH": 7, "SMALL_CHUNK": 0},
+    "two-run-tables": {"DIRECT_MIN_RUN": 0, "TABLE_RUNS": 2, "SMALL_CHUNK": 0},
 }
 
 
@@ -103,6 +104,15 @@ def _run(path: str, plan: FilePlan, sizes: list[int], method: str, monkeypatch, 
                 return inner(buffers, offset)
 
             setattr(reader, name, counted)
+    if hasattr(reader, "read_runs"):
+        inner_runs = reader.read_runs
+
+        def counted_runs(addr, length, offset):
+            with lock:
+                got[0] += sum(length)
+            return inner_runs(addr, length, offset)
+
+        reader.read_runs = counted_runs
     try:
         _read.execute(reader, plan, dests, budget=_read.Budget(1 << 30), num_threads=threads, on_chunk=seen.append)
     finally:
@@ -180,6 +190,82 @@ def test_scatter_reads_local_files_in_cache_sized_blocks(tmp_path, monkeypatch):
     assert requests == 2 and all(np.array_equal(d, _expected(data, r)) for r, d in zip(reqs, dests, strict=False))
 
 
+def _rows_file(tmp_path, rows: int = 512, cols: int = 2048):
+    """A fp32 matrix and one request for its columns [100, 164): one 256-byte run per
+    row, rows apart by more than a page, so each run is its own chunk at ratio 1."""
+    data = np.random.default_rng(1).integers(0, 256, rows * cols * 4, dtype=np.uint8)
+    path = str(tmp_path / "rows.bin")
+    data.tofile(path)
+    reqs = [Request(0, 0, (rows, cols), 4, ((0, rows), (100, 164)))]
+    return path, data, reqs, [rows * 64 * 4]
+
+
+def _spy_batches(monkeypatch) -> list[int]:
+    """Record the bytes of each batch read through ``LocalReader.read_runs``."""
+    batches, real = [], _read.LocalReader.read_runs
+
+    def spy(self, addr, length, offset):
+        batches.append(sum(length))
+        return real(self, addr, length, offset)
+
+    monkeypatch.setattr(_read.LocalReader, "read_runs", spy)
+    return batches
+
+
+@pytest.mark.parametrize("limit, per_batch", [(1 << 30, 100), (1000, 3)])
+def test_small_one_run_chunks_are_read_in_batches_one_pread_each(tmp_path, monkeypatch, limit, per_batch):
+    path, data, reqs, sizes = _rows_file(tmp_path)
+    plan = plan_file(reqs, max_over_read_ratio=1.0)
+    assert plan.num_chunks == 512 and plan.read_bytes == plan.needed_bytes == 512 * 256
+    monkeypatch.setattr(_read, "BATCH_CHUNKS", 100)
+    batches = _spy_batches(monkeypatch)
+    reader, budget = _read.LocalReader(path), _read.Budget(limit)
+    dests = [_read.aligned_empty(sizes[0])]
+    dests[0][:] = 0xAB  # poisoned
+    seen: list[int] = []
+    try:
+        _read.execute(reader, plan, dests, budget=budget, num_threads=3, on_chunk=seen.append)
+    finally:
+        reader.close()
+    assert np.array_equal(dests[0], _expected(data, reqs[0]))
+    assert reader.requests == 512 and len(seen) == 512 and sum(seen) == 512 * 256  # one pread, one call each
+    assert len(batches) == -(-512 // per_batch) and max(batches) == per_batch * 256 and sum(batches) == 512 * 256
+    assert budget.peak <= limit and budget.used == 0
+
+
+def test_batched_short_reads_and_eintr_resume_where_they_stopped(tmp_path, monkeypatch):
+    path, data, reqs, sizes = _rows_file(tmp_path, rows=64)
+    plan = plan_file(reqs, max_over_read_ratio=1.0)
+    real, calls = _read._PREAD, {"n": 0}
+
+    def fake(fd, addr, n, offset):  # every 3rd call fails with EINTR, the others give at most 100 bytes
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            ctypes.set_errno(errno.EINTR)
+            return -1
+        return real(fd, addr, min(n, 100), offset)
+
+    monkeypatch.setattr(_read, "_PREAD", fake)
+    reader, dests = _read.LocalReader(path), [_read.aligned_empty(sizes[0])]
+    dests[0][:] = 0xAB  # poisoned
+    try:
+        _read.execute(reader, plan, dests, budget=_read.Budget(1 << 30), num_threads=1)
+    finally:
+        reader.close()
+    assert np.array_equal(dests[0], _expected(data, reqs[0]))
+    assert calls["n"] == 64 and reader.requests == 128  # each 256-byte run: a short pread, then one preadv resumes
+
+
+def test_a_batched_run_pointing_outside_its_buffer_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    path, _data, reqs, sizes = _rows_file(tmp_path, rows=16)
+    plan = plan_file(reqs, max_over_read_ratio=1.0)
+    batches = _spy_batches(monkeypatch)
+    sizes[0] -= 1  # the last row's run no longer fits
+    with pytest.raises(NnxSaveError, match=re.escape("a planned read falls outside its chunk or destination buffer")):
+        _run(path, plan, sizes, "auto", monkeypatch)  # the 16 rows make one batch
+    assert batches == []
+
+
 def _preadv_at_most(limit: int, fail_first: int = 0):
     """A stand-in for libc preadv that fills at most ``limit`` bytes per call (and
     fails the first ``fail_first`` calls with EINTR)."""
@@ -230,8 +316,19 @@ def test_a_truncated_file_raises_naming_where_it_ended(tmp_path, monkeypatch, me
     path, _data, reqs, sizes = _strided_file(tmp_path, 64, 256)
     plan = plan_file(reqs)
     os.truncate(path, 10_000)
-    with pytest.raises(NnxSaveError, match=re.escape(f"{path}: file ended at byte 10000, expected ")):
+    with pytest.raises(TruncatedFileError, match=re.escape(f"{path}: file ended at byte 10000, expected ")) as info:
         _run(path, plan, sizes, method, monkeypatch, threads=1)
+    assert (info.value.file, info.value.offset) == (path, 10_000)
+
+
+def test_a_truncated_file_raises_naming_where_it_ended_in_a_batch(tmp_path, monkeypatch):
+    path, _data, reqs, sizes = _rows_file(tmp_path, rows=16)  # row r's run: bytes [8192 r + 400, +256)
+    plan = plan_file(reqs, max_over_read_ratio=1.0)
+    os.truncate(path, 5 * 8192 + 500)  # row 5's run ends early, at byte 41460, 156 bytes short
+    message = f"{path}: file ended at byte 41460, expected 156 more bytes (was it truncated while loading?)"
+    with pytest.raises(TruncatedFileError, match=re.escape(message)) as info:
+        _run(path, plan, sizes, "auto", monkeypatch, threads=1)
+    assert (info.value.file, info.value.offset) == (path, 41460)
 
 
 @pytest.mark.parametrize("method", ["table", "memoryview", "scatter"])

@@ -53,6 +53,7 @@ from ._read import Budget, LocalReader, Reader, aligned_empty, execute, pack_buf
 from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed, split_allowed_shapes
 from ._sources import Header
 from ._target import Target, shard_boxes
+from ._units import human_bytes
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
 
@@ -114,13 +115,6 @@ def _check(header: Header, t: Target, report: LoadReport) -> bool:
         )
         report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
     return True
-
-
-def _size(nbytes: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"
 
 
 class Engine:
@@ -312,9 +306,9 @@ class Engine:
         infos = list(self.file_headers[file].tensors.values())
         extra = over_read_by_range(plan, np.array([i.begin for i in infos]), np.array([i.end for i in infos]))
         worst = [(int(x), i.name) for x, i in sorted(zip(extra, infos, strict=False), key=lambda p: -p[0]) if x > 0]
-        named = ", ".join(f"{name} ({_size(x)})" for x, name in worst[:5])
+        named = ", ".join(f"{name} ({human_bytes(x)})" for x, name in worst[:5])
         self.over_reads.append(
-            f"{file}: read {_size(plan.read_bytes)} for {_size(plan.needed_bytes)} needed "
+            f"{file}: read {human_bytes(plan.read_bytes)} for {human_bytes(plan.needed_bytes)} needed "
             f"(over-read {plan.read_bytes / plan.needed_bytes:.2f}x under the automatic ratio {plan.ratio:.2f}); "
             f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}"
         )
