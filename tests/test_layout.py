@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import sys
 
@@ -170,3 +171,33 @@ def test_a_pod_load_advances_the_progress_bar(tmp_path, monkeypatch):
     tree = nnx_save.load_file(pod, {"a": a, "c": a}, progress=True)
     np.testing.assert_array_equal(tree["c"], a + 1)
     assert re.search(r"\rloading 2 files \(pod\) 100% \|#+\| 512 B/512 B  2/2 tensors", tty.getvalue())
+
+
+def test_a_manifest_is_read_like_an_index_duplicate_keys_fifo_and_size_refused(tmp_path, monkeypatch):
+    # A repeated key would let json.loads keep the last of two piece lists in silence.
+    full = np.arange(8, dtype=np.float32)
+    pod = _write_pod(tmp_path, {"w": (full, [[((0, 4),)], [((4, 8),)]])})
+    where = pod / "manifest.json"
+    text = where.read_text()
+    where.write_text(text.replace('"num_processes": 2', '"num_processes": 2, "num_processes": 3'))
+    with pytest.raises(
+        nnx_save.HeaderError, match=re.escape(f"{where}: key 'num_processes' appears more than once in the manifest")
+    ):
+        nnx_save.read_header(pod)
+    where.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(nnx_save.HeaderError, match=re.escape(f"{where}: not a valid JSON manifest")):
+        nnx_save.read_header(pod)
+    # A FIFO named manifest.json is refused without blocking on its open.
+    where.unlink()
+    os.mkfifo(where)
+    with pytest.raises(nnx_save.SourceError, match=re.escape(f"{where}: is a FIFO, not a regular file")):
+        nnx_save.read_header(pod)
+    # A manifest larger than any index cap is refused before it is read.
+    where.unlink()
+    where.write_text(text)
+    monkeypatch.setattr(nnx_save._sources, "MAX_INDEX_BYTES", len(text) - 1)
+    with pytest.raises(
+        nnx_save.HeaderError,
+        match=re.escape(f"{where}: manifest of {len(text)} bytes exceeds the cap of {len(text) - 1}"),
+    ):
+        nnx_save.read_header(pod)

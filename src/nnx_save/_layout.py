@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from . import _dtypes
-from ._errors import HeaderError, PieceLayoutError, short_repr
-from ._header import FileHeader, TensorInfo
+from ._errors import DuplicateKeyError, HeaderError, PieceLayoutError, short_repr
+from ._header import FileHeader, TensorInfo, unique_pairs
 from ._plan import Request
 
 __all__ = [
@@ -184,10 +184,14 @@ def _fail(where: Path, message: str) -> PieceLayoutError:
     return PieceLayoutError(f"{where}: {message}")
 
 
-def _load_json(where: Path) -> dict:
+def _load_json(raw: bytes, where: Path) -> dict:
     try:
-        obj = json.loads(where.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError) as e:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
+    except DuplicateKeyError as e:  # json.loads alone keeps the last of two in silence
+        raise HeaderError(f"{where}: {e} in the manifest JSON") from None
+    except RecursionError:
+        raise HeaderError(f"{where}: not a valid JSON manifest: nested too deeply") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise HeaderError(f"{where}: not a valid JSON manifest: {e}") from None
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise HeaderError(f'{where}: not an nnx_save pod manifest (expected "format": "{FORMAT}")')
@@ -242,9 +246,10 @@ def _tensor(key: str, spec: Any, where: Path):
     return dtype, shape, pieces
 
 
-def parse_manifest(where: Path) -> Manifest:
-    """Read and validate ``manifest.json`` (pieces tile every tensor), reading no shard file."""
-    obj = _load_json(where)
+def parse_manifest(raw: bytes, where: Path) -> Manifest:
+    """Validate the bytes of ``manifest.json`` read from ``where`` (JSON without a
+    repeated key, pieces tiling every tensor); reads no file."""
+    obj = _load_json(raw, where)
     tensors = {key: _tensor(key, spec, where) for key, spec in obj["tensors"].items()}
     return Manifest(where, tensors, dict(obj.get("metadata") or {}), obj["num_processes"])
 

@@ -410,15 +410,9 @@ def load_model(
             (:class:`~nnx_save.ChecksumError` on a mismatch; see :func:`load_file`).
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
-        stream: how bytes reach the devices. ``None`` (default) decides from their
-            platform: on the CPU backend arrays adopt the host buffers read (zero
-            copy); elsewhere reads stream through a bounded pool of reused staging
-            buffers, so host memory stays within ``max_inflight_bytes`` whatever the
-            checkpoint size. ``True`` forces streaming (a testing aid on CPU; also
-            ``NNX_SAVE_STREAM=1``), ``False`` forbids it.
-        staging: the streaming path's staging memory: ``"pinned"`` (page-locked,
-            jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
-            (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
+        stream, staging: how bytes reach the devices: adopted host buffers on the
+            CPU backend, a bounded pool of reused (pinned) staging buffers elsewhere,
+            so host memory stays within ``max_inflight_bytes`` (see :func:`load_file`).
 
     Returns:
         ``(model, report)``.

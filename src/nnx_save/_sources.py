@@ -34,6 +34,7 @@ from ._errors import (
     HeaderError,
     HeaderTooSmallError,
     IndexFileError,
+    NnxSaveError,
     SourceError,
     TruncatedFileError,
 )
@@ -305,13 +306,15 @@ def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]
     return weight_map, meta
 
 
-def _read_local_index(index: Path) -> bytes:
-    name = os.fspath(index)
+def _read_json_file(path: Path, what: str, error: type[NnxSaveError]) -> bytes:
+    """The bytes of an index or manifest: a regular file (never a FIFO or device) of
+    at most :data:`MAX_INDEX_BYTES`, sized before it is read."""
+    name = os.fspath(path)
     fd = open_regular(name)
     try:
         size = os.fstat(fd).st_size
         if size > MAX_INDEX_BYTES:
-            raise IndexFileError(f"{name}: index of {size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
+            raise error(f"{name}: {what} of {size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
         return pread_exact(fd, size, 0, name)
     finally:
         os.close(fd)
@@ -334,7 +337,7 @@ def _index_tensors(weight_map: Mapping[str, str], files: Sequence[FileHeader], f
 
 def _index_header(directory: Path) -> Header:
     index = directory / INDEX_NAME
-    weight_map, meta = parse_index(_read_local_index(index), str(index))
+    weight_map, meta = parse_index(_read_json_file(index, "index", IndexFileError), str(index))
     file_of = {n: _inside(directory, n, str(index)) for n in sorted(set(weight_map.values()))}
     pinned = _Pinned()
     files = tuple(read_file_header(f, pinned) for f in file_of.values())
@@ -388,7 +391,7 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         return _many([Path(p) for p in source], "list", "file list")
     path = Path(source)  # type: ignore[arg-type]  # a list or tuple returned above; mypy cannot narrow str from Sequence
     if path.is_dir():
-        if (path / _layout.MANIFEST).is_file():  # a pod directory (nnx_save.save_pod)
+        if os.path.lexists(path / _layout.MANIFEST):  # a pod directory (nnx_save.save_pod); its kind is checked on open
             return _pod_header(path)
         if (path / INDEX_NAME).is_file():
             return _index_header(path)
@@ -466,7 +469,8 @@ def _remote_header(url: str) -> Header:
 def _pod_header(directory: Path) -> Header:
     """A pod directory: the validated manifest, and the header of every shard file
     present (a shard file that is not there is only an error if a load needs it)."""
-    manifest = _layout.parse_manifest(directory / _layout.MANIFEST)
+    where = directory / _layout.MANIFEST
+    manifest = _layout.parse_manifest(_read_json_file(where, "manifest", HeaderError), where)
     pinned = _Pinned()
     files = {f: read_file_header(directory / f, pinned) if (directory / f).is_file() else None for f in manifest.files}
     tensors, pieces = _layout.pod_tensors(manifest, files)
