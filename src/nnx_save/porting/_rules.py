@@ -355,12 +355,8 @@ class ConcatRule:
 
 
 @dataclass(frozen=True)
-class StackRule:
-    """Per-layer source tensors stacked along ``axis`` into one target.
-
-    ``pattern`` holds a named group (``group``, default ``layer``) with the layer
-    index; ``target`` must not reference it. Layers must be exactly ``0 .. L-1``.
-    """
+class _LayerRule:
+    """What stack and unstack share: a pattern, a target, an axis and the layer group."""
 
     pattern: str
     target: str
@@ -371,10 +367,22 @@ class StackRule:
     _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
     _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
-    def __post_init__(self) -> None:
+    def _compile(self, extra: tuple[str, ...] = ()) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
         _set(self, "_template", Template.parse(self.target))
-        check_refs(self._template, self._regex)
+        check_refs(self._template, self._regex, extra=extra)
+
+
+@dataclass(frozen=True)
+class StackRule(_LayerRule):
+    """Per-layer source tensors stacked along ``axis`` into one target.
+
+    ``pattern`` holds a named group (``group``, default ``layer``) with the layer
+    index; ``target`` must not reference it. Layers must be exactly ``0 .. L-1``.
+    """
+
+    def __post_init__(self) -> None:
+        self._compile()
         number = self._regex.groupindex.get(self.group)
         if number is None:
             raise RuleError(f"{self}: the pattern needs a named group (?P<{self.group}>...) for the layer index")
@@ -430,25 +438,14 @@ class StackRule:
 
 
 @dataclass(frozen=True)
-class UnstackRule:
+class UnstackRule(_LayerRule):
     """One source tensor cut along ``axis`` into one target per entry.
 
     ``target`` references ``\\g<layer>`` (``group``), filled with the entry index.
     """
 
-    pattern: str
-    target: str
-    axis: int = 0
-    group: str = "layer"
-    inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
-
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
-    _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
-
     def __post_init__(self) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
-        _set(self, "_template", Template.parse(self.target))
-        check_refs(self._template, self._regex, extra=(self.group,))
+        self._compile(extra=(self.group,))
         if self.group in self._regex.groupindex:
             raise RuleError(f"{self}: the pattern must not define the group {self.group!r}, the target's index")
         if self.group not in self._template.refs:
