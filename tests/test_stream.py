@@ -346,3 +346,33 @@ def test_host_memory_beyond_the_arrays_stays_within_the_budget(tmp_path):
     assert streamed["peak"] - streamed["before"] - streamed["results"] <= 1.1 * budget, streamed
     host = _rss(path, "host", budget, "cold")  # the host path holds the bf16 file buffers: the check can fail
     assert host["peak"] - host["before"] - host["results"] > 1.1 * budget, host
+
+
+def test_automatic_ratio_over_read_warns_once_on_the_streaming_path_too(tmp_path, monkeypatch, pools):
+    # 2500 one-element tensors, each followed by an unused 4 KiB one; staging for 1300 of
+    # them: two batches of over 1024 page blocks each, so each batch's plan reads through
+    full = {}
+    for i in range(2500):
+        full[f"t.{i:04d}.keep"] = np.array([i], np.float32)  # same rank: laid out by name
+        full[f"t.{i:04d}.skip"] = np.zeros(1024, np.float32)
+    path = str(tmp_path / "sparse.safetensors")
+    nnx_save.save_file(full, path)
+    kept = {k: v for k, v in full.items() if k.endswith(".keep")}
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(MESH8, P())) for k, v in kept.items()}
+    monkeypatch.setattr(_stream, "MAX_STAGING", 1300 * _stream.ALIGN)
+    with pytest.warns(nnx_save.OverReadWarning) as caught:
+        out, report = nnx_save.load_file(path, abstract, allow_unexpected=["*.skip"], stream=True, return_report=True)
+    assert len(caught) == 1 and len(pools) == 1 and pools[0].acquired == 2
+    ratio = report.io.over_read_by_file[path]
+    message = str(caught[0].message)
+    assert ratio > 900 and f"{path}: read " in message and f"for 9.8 KiB needed (over-read {ratio:.2f}x" in message
+    # both batches' read-through counted: every skip tensor but the last one and the one
+    # between the batches (t.1299.skip: each batch's reads stop at its last run)
+    assert "under the automatic ratio" in message and re.search(r"t.\d{4}.skip \(4\.0 KiB\) and 2493 more", message)
+    assert "t.1299.skip" not in message
+    assert all(np.asarray(out[k]).tobytes() == v.tobytes() for k, v in kept.items())
+    # an explicit ratio is the caller's choice: exact reads and no warning
+    out, report = nnx_save.load_file(
+        path, abstract, allow_unexpected=["*.skip"], stream=True, max_over_read_ratio=1.0, return_report=True
+    )
+    assert report.io.bytes_read == report.io.bytes_needed == 2500 * 4

@@ -299,17 +299,29 @@ class Engine:
         self._note_over_read(file, plan)
 
     def _note_over_read(self, file: str, plan: FilePlan) -> None:
-        """Remember a file the automatic ratio made this process over-read, with the
-        tensors whose unneeded bytes were read through (one warning per load)."""
-        if self.opt.max_over_read_ratio is not None or plan.read_bytes <= OVER_READ_WARN * plan.needed_bytes:
-            return
+        """Remember a file the automatic ratio made this process over-read (host path)."""
+        if self.over_read_warns(plan.read_bytes, plan.needed_bytes):
+            self.note_over_read(file, plan.read_bytes, plan.needed_bytes, plan.ratio, self.read_through(file, plan))
+
+    def over_read_warns(self, read: int, needed: int) -> bool:
+        """Whether reading ``read`` bytes of a file for ``needed`` is worth the warning:
+        only under the automatic ratio (an explicit one is the caller's choice)."""
+        return self.opt.max_over_read_ratio is None and read > OVER_READ_WARN * needed
+
+    def read_through(self, file: str, plan: FilePlan) -> np.ndarray:
+        """Per tensor of ``file`` (header order): bytes ``plan`` read but did not need."""
+        infos = self.file_headers[file].tensors.values()
+        return over_read_by_range(plan, np.array([i.begin for i in infos]), np.array([i.end for i in infos]))
+
+    def note_over_read(self, file: str, read: int, needed: int, ratio: float, extra: np.ndarray) -> None:
+        """Remember an over-read file with the tensors whose unneeded bytes were read
+        through (``extra``: per tensor, as :meth:`read_through`); one warning per load."""
         infos = list(self.file_headers[file].tensors.values())
-        extra = over_read_by_range(plan, np.array([i.begin for i in infos]), np.array([i.end for i in infos]))
-        worst = [(int(x), i.name) for x, i in sorted(zip(extra, infos, strict=False), key=lambda p: -p[0]) if x > 0]
+        worst = [(int(x), i.name) for x, i in sorted(zip(extra, infos, strict=True), key=lambda p: -p[0]) if x > 0]
         named = ", ".join(f"{name} ({human_bytes(x)})" for x, name in worst[:5])
         self.over_reads.append(
-            f"{file}: read {human_bytes(plan.read_bytes)} for {human_bytes(plan.needed_bytes)} needed "
-            f"(over-read {plan.read_bytes / plan.needed_bytes:.2f}x under the automatic ratio {plan.ratio:.2f}); "
+            f"{file}: read {human_bytes(read)} for {human_bytes(needed)} needed "
+            f"(over-read {read / needed:.2f}x under the automatic ratio {ratio:.2f}); "
             f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}"
         )
 

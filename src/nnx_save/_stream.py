@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from ._layout import Box, extents, request
-from ._plan import plan_file
+from ._plan import FilePlan, plan_file
 from ._read import Cancelled, Reader, aligned_empty, execute
 
 __all__ = ["StagingPool", "allocator", "run", "slabs"]
@@ -235,6 +235,7 @@ class _Streamer:
         self.errors: list[BaseException] = []
         self.hashed: set[tuple[str, str]] = set()  # pieces verified from a staging buffer
         self.stats: dict[str, list[int]] = {}  # file -> [read, needed]
+        self.through: dict[str, tuple[float, np.ndarray]] = {}  # file -> (top ratio, bytes read through per tensor)
         self.done: list[int] = []  # destinations complete, to place on the calling thread
 
     def reader(self, file: str) -> Reader:
@@ -287,12 +288,26 @@ class _Streamer:
                 on_chunk=bar.update if bar.active else None,
                 cancel=self.cancel,
             )
-            with self.lock:
-                got = self.stats.setdefault(file, [0, 0])
-                got[0] += plan.read_bytes
-                got[1] += plan.needed_bytes
+            self.note(file, plan)
         if opt.verify:
             self.verify(batch, views)
+
+    def note(self, file: str, plan: FilePlan) -> None:
+        """Add one batch's plan to its file's statistics; where the automatic ratio
+        chose to read through (above 1), also the bytes it read through per tensor,
+        for the over-read warning. Plans at ratio 1 only read through gaps under a
+        page, which small staging buffers (slabs cut mid-page) repeat batch after
+        batch: the staging size's cost, not the ratio's trade the warning names."""
+        extra = None
+        if self.engine.opt.max_over_read_ratio is None and plan.ratio > 1.0 and plan.read_bytes > plan.needed_bytes:
+            extra = self.engine.read_through(file, plan)
+        with self.lock:
+            got = self.stats.setdefault(file, [0, 0])
+            got[0] += plan.read_bytes
+            got[1] += plan.needed_bytes
+            if extra is not None:
+                ratio, before = self.through.get(file, (plan.ratio, 0))
+                self.through[file] = (max(ratio, plan.ratio), before + extra)
 
     def send(self, batch: _Batch, views: list[np.ndarray]) -> None:
         """Each slab to its device(s); returns once every transfer from ``views`` is done."""
@@ -415,5 +430,7 @@ def run(engine: Any, streamed: list[int], kind: str, device: Any) -> dict[int, d
         io.bytes_read += read
         io.bytes_needed += needed
         io.over_read_by_file[file] = read / needed if needed else 1.0
+        if file in streamer.through and engine.over_read_warns(read, needed):  # one warning per load, as hosted
+            engine.note_over_read(file, read, needed, *streamer.through[file])
     io.requests += sum(r.requests for r in streamer.readers.values())
     return {i: shard.arrays for i, shard in streamer.shards.items()}
