@@ -391,12 +391,18 @@ def _clip(part: Box, box: Box) -> Box | None:
     return out if all(lo < hi for lo, hi in out) else None
 
 
-def _shape(opt: Any) -> tuple[int, int]:
-    """``(workers, staging bytes)``: one staging buffer per worker, all within the budget."""
+def _shape(opt: Any, host_devices: bool) -> tuple[int, int]:
+    """``(workers, staging bytes)``: one staging buffer per worker, all within the budget.
+
+    Where device memory is host memory (the CPU backend, streaming forced), each staged
+    batch is also copied once on its "device" before its buffer is reused
+    (:func:`_owned`): the pool then gets half the budget and those copies the other half.
+    """
+    budget = opt.max_inflight_bytes // 2 if host_devices else opt.max_inflight_bytes
     workers = opt.threads
-    size = opt.staging_bytes or max(ALIGN, min(MAX_STAGING, opt.max_inflight_bytes // workers))
-    size = min(size, opt.max_inflight_bytes)
-    return max(1, min(workers, opt.max_inflight_bytes // size)), size
+    size = opt.staging_bytes or max(ALIGN, min(MAX_STAGING, budget // workers))
+    size = min(size, max(ALIGN, budget))
+    return max(1, min(workers, budget // size)), size
 
 
 def run(engine: Any, streamed: list[int], kind: str, device: Any) -> dict[int, dict[Any, Any]]:
@@ -406,7 +412,7 @@ def run(engine: Any, streamed: list[int], kind: str, device: Any) -> dict[int, d
     On any failure the other workers stop before their next batch, every worker is
     waited for, every reader closed and the pool dropped before the error propagates.
     """
-    workers, size = _shape(engine.opt)
+    workers, size = _shape(engine.opt, host_devices=device.platform == "cpu")
     pool = StagingPool(workers, size, allocator(kind, device))
     engine.staging = pool
     streamer = _Streamer(engine, streamed, pool, workers)
