@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from . import _async, _collective, _paths, _progress
 from ._errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
-from ._report import LoadReport, SingleDeviceWarning, single_device_message
+from ._report import LoadReport, warn_single_device
 from ._sources import Header, read_header, reader_factory
 from ._target import Target
 from ._tree import check_metadata, leaf_entry
@@ -234,13 +233,11 @@ def _unsharded(leaf: _Leaf, mesh: Any) -> bool:
 
 
 def _warn_unsharded(keys: list[str]) -> None:
-    devices = jax.local_devices()
-    if keys and len(devices) > 1:
-        fix = (
-            "Annotate the builder's parameters with shardings (nnx.with_partitioning) and pass mesh=, "
-            "or load into a model instance already placed where you want it"
-        )
-        warnings.warn(single_device_message(keys, len(devices), devices[0], fix), SingleDeviceWarning, stacklevel=3)
+    fix = (
+        "Annotate the builder's parameters with shardings (nnx.with_partitioning) and pass mesh=, "
+        "or load into a model instance already placed where you want it"
+    )
+    warn_single_device(keys, jax.local_devices(), fix, stacklevel=3)
 
 
 def _default_sharding() -> Any:

@@ -29,9 +29,9 @@ __all__ = [
     "SingleDeviceWarning",
     "is_lossy",
     "matches_any",
-    "single_device_message",
     "split_allowed",
     "split_allowed_shapes",
+    "warn_single_device",
 ]
 
 
@@ -56,13 +56,17 @@ class SingleDeviceWarning(LoadWarning):
     landed on its first device."""
 
 
-def single_device_message(paths: Sequence[str], devices: int, device: object, fix: str) -> str:
-    """The :class:`SingleDeviceWarning` text: how many, which, where, and the remedy."""
+def warn_single_device(paths: Sequence[str], devices: Sequence[object], fix: str, stacklevel: int) -> None:
+    """Warn (:class:`SingleDeviceWarning`) when this process has several ``devices``
+    and ``paths`` have no sharding: how many, which, where they land, and the remedy."""
+    if not paths or len(devices) < 2:
+        return
     shown = ", ".join(sorted(paths)[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-    return (
-        f"{len(paths)} arrays have no sharding ({shown}): all of them are loaded onto {device}, although this "
-        f"process has {devices} devices. {fix}"
+    message = (
+        f"{len(paths)} arrays have no sharding ({shown}): all of them are loaded onto {devices[0]}, although this "
+        f"process has {len(devices)} devices. {fix}"
     )
+    warnings.warn(message, SingleDeviceWarning, stacklevel=stacklevel + 1)
 
 
 class LossyCastWarning(LoadWarning):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -13,7 +12,7 @@ from . import _async, _collective, _dtypes, _paths, _progress
 from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from ._load import load_targets
 from ._options import LoadOptions
-from ._report import LoadReport, ShapeMismatch, SingleDeviceWarning, matches_any, single_device_message
+from ._report import LoadReport, ShapeMismatch, matches_any, warn_single_device
 from ._sources import Header, read_header, reader_factory
 from ._stage import HostValue
 from ._target import Target
@@ -196,13 +195,11 @@ def _warn_unsharded(keys: list[str]) -> None:
     """Several local devices and ShapeDtypeStructs without a sharding: say where they go."""
     import jax
 
-    devices = jax.local_devices()
-    if keys and len(devices) > 1:
-        fix = (
-            "Give each jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec) to spread it, or "
-            "SingleDeviceSharding(device) to mean one device), or pass numpy arrays to load on the host"
-        )
-        warnings.warn(single_device_message(keys, len(devices), devices[0], fix), SingleDeviceWarning, stacklevel=4)
+    fix = (
+        "Give each jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec) to spread it, or "
+        "SingleDeviceSharding(device) to mean one device), or pass numpy arrays to load on the host"
+    )
+    warn_single_device(keys, jax.local_devices(), fix, stacklevel=4)
 
 
 def _has_value(leaf: Any) -> bool:
