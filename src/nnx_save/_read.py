@@ -485,10 +485,11 @@ def _small_chunks(reader: Reader, plan: FilePlan) -> np.ndarray:
     that a local reader can batch (all False for other readers)."""
     if not isinstance(reader, LocalReader) or _PREAD is None or not len(plan.offset):
         return np.zeros(plan.num_chunks, bool)
-    cs, ce, lo = plan.chunk_start, plan.chunk_end, plan.chunk_lo
-    run = np.minimum(lo, len(plan.offset) - 1)  # a bad index is left to the checks
+    cs, ce, lo, hi = plan.chunk_start, plan.chunk_end, plan.chunk_lo, plan.chunk_hi
+    valid = (lo >= 0) & (hi <= len(plan.offset))  # a bad index takes the chunk path, whose checks refuse it
+    run = np.clip(lo, 0, len(plan.offset) - 1)
     inside = (plan.offset[run] <= cs) & (ce <= plan.offset[run] + plan.length[run])
-    return (plan.chunk_hi - lo == 1) & (ce - cs <= SMALL_CHUNK) & (ce > cs) & inside
+    return valid & (hi - lo == 1) & (ce - cs <= SMALL_CHUNK) & (ce > cs) & inside
 
 
 def _batch_bounds(small: list[bool], span: list[int], max_bytes: int) -> list[tuple[int, int]]:
@@ -507,7 +508,8 @@ def _batch_bounds(small: list[bool], span: list[int], max_bytes: int) -> list[tu
 
 def _read_batch(reader: LocalReader, plan: FilePlan, a: int, b: int, dest_ptr: np.ndarray, sizes: np.ndarray) -> None:
     """Small chunks ``[a, b)`` (see :func:`_small_chunks`), one ``pread`` each, after
-    checking that every run lands inside its destination (raw addresses again)."""
+    checking that every run lands inside its destination (``pread`` writes through
+    raw addresses, as the table path does)."""
     cs, ce, run = plan.chunk_start[a:b], plan.chunk_end[a:b], plan.chunk_lo[a:b]
     dest, doff, off, length = plan.dest[run], plan.dest_offset[run], plan.offset[run], plan.length[run]
     if dest.min() < 0 or dest.max() >= len(sizes) or doff.min() < 0 or (doff + length > sizes[dest]).any():
