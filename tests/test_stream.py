@@ -316,6 +316,11 @@ def _rss(path: Path, mode: str, budget: int, warm: str) -> dict:
         "PYTHONPATH": os.pathsep.join([str(Path(nnx_save.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
     }
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    # A fixed mmap threshold: glibc's dynamic one rises after a large free, so later
+    # 16-32 MiB blocks come from per-thread arenas that keep them after they are freed,
+    # and the peak measured what the allocator retains, not what the load holds
+    # (33-80 MiB over the arrays run to run without it, 64 MiB every run with it).
+    env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     done = subprocess.run(
         [sys.executable, str(RSS_SCRIPT), str(path), mode, str(budget), warm],
         capture_output=True,
