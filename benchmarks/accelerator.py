@@ -113,7 +113,7 @@ def shape_args(args: argparse.Namespace) -> dict:
 def ensure_checkpoint(path: Path, shapes: dict) -> None:
     """Write a deterministic bf16 checkpoint (finite values, distinct per tensor) once."""
     sys.path.insert(0, str(HERE.parent / "src"))
-    from nnx_save._header import encode_header
+    from nnx_save.format._header import encode_header
 
     head, _ = encode_header([(k, "BF16", s) for k, s in shapes.items()])
     size = len(head) + 2 * sum(math.prod(s) for s in shapes.values())

@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 import nnx_save
-from nnx_save import _checksum
+from nnx_save.format import _checksum
 
 
 def _tree(gb: float) -> dict[str, np.ndarray]:

@@ -138,7 +138,7 @@ def gpt2_shapes(quick: bool) -> dict[str, tuple[int, ...]]:
 def write_checkpoint(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
     """Stream a deterministic fp32 checkpoint to ``path``, one tensor in memory."""
     sys.path.insert(0, str(HERE.parent / "src"))
-    from nnx_save._header import encode_header
+    from nnx_save.format._header import encode_header
 
     head, _ = encode_header([(k, "F32", s) for k, s in shapes.items()])
     rng = np.random.default_rng(0)

@@ -1,6 +1,6 @@
 """Per-tensor cost of placing host shards on devices: jax's internal
 ``pxla.batched_device_put`` (what nnx_save uses when present) against the public
-fallbacks, the figures quoted in ``nnx_save._assemble.batched_put``.
+fallbacks, the figures quoted in ``nnx_save.load._assemble.batched_put``.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=src python benchmarks/put.py
 
@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_save._assemble import batched_put
+from nnx_save.load._assemble import batched_put
 
 
 def _public_each(shape, sharding, hosts, devices):

@@ -24,8 +24,8 @@ import pytest
 from flax import nnx
 
 import nnx_save
-from nnx_save import _async, _collective
-from nnx_save._write import TMP_MARKER
+from nnx_save.save import _background, _collective
+from nnx_save.save._write import TMP_MARKER
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 
@@ -51,9 +51,9 @@ def gate(monkeypatch):
     monkeypatch.setattr(_collective, "write_file", g)
     yield g
     g.open()
-    _async._wait_all(30)
-    with _async._lock:  # failures a test provoked on purpose are not reported at exit
-        _async._uncollected.clear()
+    _background._wait_all(30)
+    with _background._lock:  # failures a test provoked on purpose are not reported at exit
+        _background._uncollected.clear()
 
 
 def _ramp(key, shape, dtype=jnp.float32):
@@ -99,7 +99,7 @@ def _flat_np(state) -> dict[str, np.ndarray]:
 
 
 def test_training_loop_with_donation_saves_the_state_of_each_step(tmp_path, gate, monkeypatch):
-    monkeypatch.setenv(_async.MAX_IN_FLIGHT_ENV, "100")  # every write waits at the gate until training ends
+    monkeypatch.setenv(_background.MAX_IN_FLIGHT_ENV, "100")  # every write waits at the gate until training ends
     handles, donated = {}, []
 
     def save(i, graphdef, state):
@@ -142,8 +142,8 @@ def test_cpu_snapshot_aliases_the_buffer_and_donation_then_copies():
     refuses to donate a buffer that has an external reference."""
     x = jnp.arange(1 << 16, dtype=jnp.float32) * 3
     jax.block_until_ready(x)
-    entry = nnx_save._tree.leaf_entry(("x",), x)
-    (snap,) = _async.snapshot([entry])
+    entry = nnx_save._pytree.leaf_entry(("x",), x)
+    (snap,) = _background.snapshot([entry])
     host = snap.value.array.addressable_shards[0].data
     assert host.ctypes.data == x.unsafe_buffer_pointer()  # no copy
     y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
@@ -205,7 +205,7 @@ def test_wait_for_saves_raises_failures_nobody_collected_once(tmp_path, gate):
 
 
 def test_in_flight_saves_are_bounded(tmp_path, gate, monkeypatch):
-    monkeypatch.setenv(_async.MAX_IN_FLIGHT_ENV, "2")
+    monkeypatch.setenv(_background.MAX_IN_FLIGHT_ENV, "2")
     first = [nnx_save.save_file({"w": jnp.ones(2)}, tmp_path / f"{i}.safetensors", blocking=False) for i in range(2)]
     returned = threading.Event()
     third = threading.Thread(
@@ -216,7 +216,7 @@ def test_in_flight_saves_are_bounded(tmp_path, gate, monkeypatch):
     )
     third.start()
     assert not returned.wait(0.5)  # waits for the oldest: two are in flight
-    assert len(_async._unfinished()) == 2
+    assert len(_background._unfinished()) == 2
     gate.open()
     third.join(30)
     assert returned.is_set() and all(h.result().is_file() for h in first)
@@ -225,7 +225,7 @@ def test_in_flight_saves_are_bounded(tmp_path, gate, monkeypatch):
 
 
 def test_a_bad_bound_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv(_async.MAX_IN_FLIGHT_ENV, "0")
+    monkeypatch.setenv(_background.MAX_IN_FLIGHT_ENV, "0")
     with pytest.raises(nnx_save.NnxSaveError, match=re.escape("NNX_SAVE_MAX_ASYNC_SAVES='0': expected a positive")):
         nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w.safetensors", blocking=False)
 
@@ -258,7 +258,7 @@ _CHILD = textwrap.dedent("""
     import json, os, resource, signal, sys, time
     import numpy as np
     import nnx_save
-    from nnx_save import _collective
+    from nnx_save.save import _collective
 
     d = sys.argv[1]
     # Out of space: RLIMIT_FSIZE with SIGXFSZ ignored, so writes past 1 MiB fail with EFBIG.
@@ -335,7 +335,7 @@ def test_a_relative_path_is_where_it_was_at_the_call(tmp_path, gate, monkeypatch
 def test_docstring_examples_run():
     import doctest
 
-    result = doctest.testmod(_async, optionflags=doctest.ELLIPSIS)
+    result = doctest.testmod(_background, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 4 and result.failed == 0
 
 

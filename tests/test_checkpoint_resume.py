@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from nnx_save._errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
 from nnx_save.checkpoint import OrbaxCheckpointStore, restore_into
+from nnx_save.errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
 
 CONFIG = {"features": [4, 16, 1], "learning_rate": 0.1, "batch_size": 32, "init_seed": 0, "data_seed": 42}
 TRAINED_STEPS = 100

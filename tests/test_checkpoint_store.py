@@ -22,7 +22,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import nnx_save
-from nnx_save._errors import DtypeMismatchError, KeyPathError, NnxSaveError, UnsupportedValueError
 from nnx_save.checkpoint import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -42,6 +41,7 @@ from nnx_save.checkpoint import (
     _orbax,
     resolve_checkpoint_dir,
 )
+from nnx_save.errors import DtypeMismatchError, KeyPathError, NnxSaveError, UnsupportedValueError
 
 
 def model_tree(seed: int = 0) -> dict:

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save import _checksum
+from nnx_save.format import _checksum
 
 
 def _tree():

@@ -1,7 +1,7 @@
 """The ``nnx-save`` command line on real files: a transformers ``save_pretrained``
 checkpoint, nnx_save files, corrupted copies. A few runs go through the installed
 console script and ``python -m nnx_save`` as subprocesses; the rest call
-``_cli.main`` in-process (same code, without paying jax's import per case)."""
+``_main.main`` in-process (same code, without paying jax's import per case)."""
 
 import json
 import os
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import nnx_save
-from nnx_save import _cli
+from nnx_save.cli import _main
 
 SCRIPT = Path(sys.executable).with_name("nnx-save")
 
@@ -29,7 +29,7 @@ def run_script(*args, module=False):
 
 
 def cli(capsys, *args):
-    code = _cli.main([str(a) for a in args])
+    code = _main.main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -240,10 +240,10 @@ def test_diff_reports_every_kind_of_difference(capsys, tmp_path):
 
 
 def test_diff_atol_and_nan():
-    assert _cli.max_abs_diff(np.array([1.0, np.nan, np.inf]), np.array([1.5, np.nan, np.inf])) == 0.5
-    assert np.isnan(_cli.max_abs_diff(np.array([1.0, np.nan]), np.array([1.0, 2.0])))
+    assert _main.max_abs_diff(np.array([1.0, np.nan, np.inf]), np.array([1.5, np.nan, np.inf])) == 0.5
+    assert np.isnan(_main.max_abs_diff(np.array([1.0, np.nan]), np.array([1.0, 2.0])))
     a = np.arange(10, dtype=np.int8)
-    assert _cli.max_abs_diff(a, a[::-1].copy(), chunk=3) == 9.0
+    assert _main.max_abs_diff(a, a[::-1].copy(), chunk=3) == 9.0
 
 
 # ------------------------------------------------------------------------------ convert
@@ -309,7 +309,7 @@ def test_error_paths(capsys, tmp_path, ours):
         f"nnx-save: error: {tmp_path / 'bad.safetensors'}: header must be a JSON object, found a JSON list\n"
     )
     with pytest.raises(SystemExit) as e:
-        _cli.main(["convert", str(ours), str(tmp_path / "d"), "--max-shard-size", "lots"])
+        _main.main(["convert", str(ours), str(tmp_path / "d"), "--max-shard-size", "lots"])
     assert e.value.code == 2 and "'lots' is not a size (examples: 5GB, 200MiB, 1000000)" in capsys.readouterr().err
 
 
@@ -362,10 +362,10 @@ def test_convert_refuses_a_fifo_without_blocking(capsys, tmp_path):
 
 
 def test_parse_size():
-    assert _cli.parse_size("5GB") == 5 * 10**9
-    assert _cli.parse_size("200MiB") == 200 << 20
-    assert _cli.parse_size("1000") == 1000
-    assert _cli.parse_size("1.5 KB") == 1500
+    assert _main.parse_size("5GB") == 5 * 10**9
+    assert _main.parse_size("200MiB") == 200 << 20
+    assert _main.parse_size("1000") == 1000
+    assert _main.parse_size("1.5 KB") == 1500
 
 
 # ---------------------------------------------------------------------------------- URLs

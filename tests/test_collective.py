@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import nnx_save
-from nnx_save import _collective
-from nnx_save._collective import Outcome, Sync
+from nnx_save.save import _collective
+from nnx_save.save._collective import Outcome, Sync
 
 
 class FakeStore:

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nnx_save
-from nnx_save import _dtypes
+from nnx_save.format import _dtypes
 
 # The format's codes with their widths, written out independently of the module.
 EXPECTED = {

@@ -10,7 +10,8 @@ import pytest
 from flax import nnx
 
 import nnx_save
-from nnx_save import _cli, _formats
+from nnx_save.cli import _main
+from nnx_save.format import _formats
 
 LEGACY_PICKLE = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19." + bytes(40)  # torch's legacy magic, then junk
 
@@ -30,7 +31,7 @@ def torch_files(tmp_path_factory):
 
 
 def cli(capsys, *args):
-    code = _cli.main([str(a) for a in args])
+    code = _main.main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
 

@@ -19,7 +19,7 @@ import torch
 from safetensors import TensorSpec
 
 import nnx_save
-from nnx_save import _dtypes
+from nnx_save.format import _dtypes
 
 NUMPY_CODES = ["BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "F32", "F64", "C64"]
 TORCH_LOADS = [*NUMPY_CODES, "BF16", "F8_E4M3", "F8_E5M2", "F8_E4M3FNUZ", "F8_E5M2FNUZ"]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save import _lazy
-from nnx_save._plan import PAGE_GAP
+from nnx_save.load._plan import PAGE_GAP
 
 RNG = np.random.default_rng(0)
 ARRAYS = {

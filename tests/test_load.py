@@ -25,7 +25,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save import _assemble, _read, _tree
+from nnx_save import _pytree
+from nnx_save.load import _assemble, _execute
 
 DEV = jax.devices()
 MESH8 = Mesh(np.array(DEV), ("x",))
@@ -421,7 +422,7 @@ class _Reader:
     """A LocalReader that logs each read and how many bytes are being read at once."""
 
     def __init__(self, path: str, log: _Log, table: bool, delay: float) -> None:
-        self.inner, self.log, self.delay = _read.LocalReader(path), log, delay
+        self.inner, self.log, self.delay = _execute.LocalReader(path), log, delay
         self.path, self.table = path, table
 
     @property
@@ -451,7 +452,7 @@ class _Reader:
 
 def _instrument(monkeypatch, table: bool = True, delay: float = 0.0) -> _Log:
     log = _Log()
-    monkeypatch.setattr(_tree, "reader_factory", lambda header: lambda f: _Reader(f, log, table, delay))
+    monkeypatch.setattr(_pytree, "reader_factory", lambda header: lambda f: _Reader(f, log, table, delay))
     return log
 
 

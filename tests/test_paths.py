@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nnx_save
-from nnx_save import _paths
+from nnx_save.format import _paths
 
 names = st.text(min_size=1, max_size=6).filter(lambda s: "/" not in s)
 segments = st.one_of(st.integers(0, 10**6), names)

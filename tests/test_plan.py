@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_save._plan import (
+from nnx_save.load._plan import (
     AUTO_MAX_READS,
     PAGE_GAP,
     FilePlan,
@@ -319,7 +319,7 @@ def test_planning_gpt2_small_split_on_the_last_dim_is_fast():
 def test_docstring_examples_run():
     import doctest
 
-    from nnx_save import _plan
+    from nnx_save.load import _plan
 
     result = doctest.testmod(_plan)
     assert result.attempted >= 5 and result.failed == 0

@@ -22,8 +22,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nnx_save import NnxSaveError, TruncatedFileError, _read
-from nnx_save._plan import FilePlan, Request, plan_file
+from nnx_save import NnxSaveError, TruncatedFileError
+from nnx_save.load import _execute
+from nnx_save.load._plan import FilePlan, Request, plan_file
 
 ITEMSIZES = [1, 2, 3, 4, 8, 16]
 
@@ -56,7 +57,7 @@ class _NoTable:
     """A reader with only ``readv`` (like the remote ones)."""
 
     def __init__(self, path: str) -> None:
-        self.inner = _read.LocalReader(path)
+        self.inner = _execute.LocalReader(path)
         self.readv = self.inner.readv
 
     @property
@@ -87,10 +88,10 @@ METHODS = {  # SMALL_CHUNK 0: no batches, so that small chunks take the forced m
 
 def _run(path: str, plan: FilePlan, sizes: list[int], method: str, monkeypatch, threads: int = 3, reader=None):
     opts = dict(METHODS[method])
-    reader = (opts.pop("reader", None) or reader or _read.LocalReader)(path)
+    reader = (opts.pop("reader", None) or reader or _execute.LocalReader)(path)
     for name, value in opts.items():
-        monkeypatch.setattr(_read, name, value)
-    dests = [_read.aligned_empty(n) for n in sizes]
+        monkeypatch.setattr(_execute, name, value)
+    dests = [_execute.aligned_empty(n) for n in sizes]
     for d in dests:
         d[:] = 0xAB  # poisoned
     seen, got, lock = [], [0], threading.Lock()
@@ -114,7 +115,9 @@ def _run(path: str, plan: FilePlan, sizes: list[int], method: str, monkeypatch, 
 
         reader.read_runs = counted_runs
     try:
-        _read.execute(reader, plan, dests, budget=_read.Budget(1 << 30), num_threads=threads, on_chunk=seen.append)
+        _execute.execute(
+            reader, plan, dests, budget=_execute.Budget(1 << 30), num_threads=threads, on_chunk=seen.append
+        )
     finally:
         reader.close()
     assert sum(seen) == plan.needed_bytes and len(seen) == plan.num_chunks
@@ -167,9 +170,9 @@ def _strided_file(tmp_path, rows: int, cols: int, itemsize: int = 4):
 )
 def test_the_automatic_choice_by_run_length(tmp_path, monkeypatch, kind, rows, cols, method):
     path, data, reqs, sizes = _strided_file(tmp_path, rows, cols)
-    reader = _read.LocalReader(path) if kind == "local" else _NoTable(path)
+    reader = _execute.LocalReader(path) if kind == "local" else _NoTable(path)
     plan = plan_file(reqs)
-    assert _read._method(reader, len(plan.offset), plan.needed_bytes) == method
+    assert _execute._method(reader, len(plan.offset), plan.needed_bytes) == method
     reader.close()
     dests, _requests = _run(path, plan, sizes, "auto", monkeypatch, reader=_NoTable if kind == "no-table" else None)
     for r, d in zip(reqs, dests, strict=False):
@@ -202,13 +205,13 @@ def _rows_file(tmp_path, rows: int = 512, cols: int = 2048):
 
 def _spy_batches(monkeypatch) -> list[int]:
     """Record the bytes of each batch read through ``LocalReader.read_runs``."""
-    batches, real = [], _read.LocalReader.read_runs
+    batches, real = [], _execute.LocalReader.read_runs
 
     def spy(self, addr, length, offset):
         batches.append(sum(length))
         return real(self, addr, length, offset)
 
-    monkeypatch.setattr(_read.LocalReader, "read_runs", spy)
+    monkeypatch.setattr(_execute.LocalReader, "read_runs", spy)
     return batches
 
 
@@ -217,14 +220,14 @@ def test_small_one_run_chunks_are_read_in_batches_one_pread_each(tmp_path, monke
     path, data, reqs, sizes = _rows_file(tmp_path)
     plan = plan_file(reqs, max_over_read_ratio=1.0)
     assert plan.num_chunks == 512 and plan.read_bytes == plan.needed_bytes == 512 * 256
-    monkeypatch.setattr(_read, "BATCH_CHUNKS", 100)
+    monkeypatch.setattr(_execute, "BATCH_CHUNKS", 100)
     batches = _spy_batches(monkeypatch)
-    reader, budget = _read.LocalReader(path), _read.Budget(limit)
-    dests = [_read.aligned_empty(sizes[0])]
+    reader, budget = _execute.LocalReader(path), _execute.Budget(limit)
+    dests = [_execute.aligned_empty(sizes[0])]
     dests[0][:] = 0xAB  # poisoned
     seen: list[int] = []
     try:
-        _read.execute(reader, plan, dests, budget=budget, num_threads=3, on_chunk=seen.append)
+        _execute.execute(reader, plan, dests, budget=budget, num_threads=3, on_chunk=seen.append)
     finally:
         reader.close()
     assert np.array_equal(dests[0], _expected(data, reqs[0]))
@@ -236,7 +239,7 @@ def test_small_one_run_chunks_are_read_in_batches_one_pread_each(tmp_path, monke
 def test_batched_short_reads_and_eintr_resume_where_they_stopped(tmp_path, monkeypatch):
     path, data, reqs, sizes = _rows_file(tmp_path, rows=64)
     plan = plan_file(reqs, max_over_read_ratio=1.0)
-    real, calls = _read._PREAD, {"n": 0}
+    real, calls = _execute._PREAD, {"n": 0}
 
     def fake(fd, addr, n, offset):  # every 3rd call fails with EINTR, the others give at most 100 bytes
         calls["n"] += 1
@@ -245,11 +248,11 @@ def test_batched_short_reads_and_eintr_resume_where_they_stopped(tmp_path, monke
             return -1
         return real(fd, addr, min(n, 100), offset)
 
-    monkeypatch.setattr(_read, "_PREAD", fake)
-    reader, dests = _read.LocalReader(path), [_read.aligned_empty(sizes[0])]
+    monkeypatch.setattr(_execute, "_PREAD", fake)
+    reader, dests = _execute.LocalReader(path), [_execute.aligned_empty(sizes[0])]
     dests[0][:] = 0xAB  # poisoned
     try:
-        _read.execute(reader, plan, dests, budget=_read.Budget(1 << 30), num_threads=1)
+        _execute.execute(reader, plan, dests, budget=_execute.Budget(1 << 30), num_threads=1)
     finally:
         reader.close()
     assert np.array_equal(dests[0], _expected(data, reqs[0]))
@@ -269,7 +272,7 @@ def test_a_batched_run_pointing_outside_its_buffer_is_refused_before_it_is_read(
 def _preadv_at_most(limit: int, fail_first: int = 0):
     """A stand-in for libc preadv that fills at most ``limit`` bytes per call (and
     fails the first ``fail_first`` calls with EINTR)."""
-    real = _read._PREADV
+    real = _execute._PREADV
     calls = {"n": 0}
 
     class Iovec(ctypes.Structure):
@@ -291,7 +294,7 @@ def test_short_reads_and_eintr_resume_where_they_stopped(tmp_path, monkeypatch):
     path, data, reqs, sizes = _strided_file(tmp_path, 64, 256)
     plan = plan_file(reqs)
     fake, calls = _preadv_at_most(100, fail_first=2)
-    monkeypatch.setattr(_read, "_PREADV", fake)
+    monkeypatch.setattr(_execute, "_PREADV", fake)
     dests, requests = _run(path, plan, sizes, "table", monkeypatch, threads=1)
     assert all(np.array_equal(d, _expected(data, r)) for r, d in zip(reqs, dests, strict=False))
     assert calls["n"] == requests > plan.needed_bytes // 100
@@ -305,7 +308,7 @@ def test_a_failing_read_raises_with_the_file_and_offset(tmp_path, monkeypatch):
         ctypes.set_errno(errno.EIO)
         return -1
 
-    monkeypatch.setattr(_read, "_PREADV", fake)
+    monkeypatch.setattr(_execute, "_PREADV", fake)
     with pytest.raises(OSError, match=re.escape(f"reading {path} at byte 0")) as info:
         _run(path, plan, sizes, "table", monkeypatch)
     assert info.value.errno == errno.EIO
@@ -341,7 +344,7 @@ def test_a_run_pointing_outside_its_buffer_is_refused_before_it_is_read(tmp_path
 
 
 def test_budget_never_exceeds_its_limit_and_clamps_larger_holds():
-    budget = _read.Budget(100)
+    budget = _execute.Budget(100)
     inside, peak, lock = [0], [0], threading.Lock()
 
     def hold(n: int) -> None:
@@ -363,14 +366,14 @@ def test_budget_never_exceeds_its_limit_and_clamps_larger_holds():
 
 @pytest.mark.parametrize("nbytes", [0, 1, 63, 64, 4097, 1 << 20])
 def test_aligned_empty_is_aligned_and_sized(nbytes):
-    buf = _read.aligned_empty(nbytes)
+    buf = _execute.aligned_empty(nbytes)
     assert buf.shape == (nbytes,) and buf.dtype == np.uint8
     assert buf.ctypes.data % 64 == 0 or nbytes == 0  # an empty array has no data to align
 
 
 def test_pack_buffers_are_aligned_disjoint_and_share_few_allocations():
     sizes = [3, 100, 0, 64, 5000, 1, 7]
-    bufs = _read.pack_buffers(sizes, slab_bytes=4096)
+    bufs = _execute.pack_buffers(sizes, slab_bytes=4096)
     assert [len(b) for b in bufs] == sizes
     assert all(b.ctypes.data % 64 == 0 for b in bufs if len(b))
     for i, b in enumerate(bufs):
@@ -387,7 +390,7 @@ def test_readv_with_many_buffers_is_linear_and_leaves_the_list_alone(tmp_path):
     out = np.zeros_like(data)
     views = [memoryview(out)[i : i + 16] for i in range(0, len(out), 16)]
     given = list(views)
-    reader = _read.LocalReader(str(tmp_path / "d.bin"))
+    reader = _execute.LocalReader(str(tmp_path / "d.bin"))
     t0 = time.perf_counter()
     reader.readv(views, 0)
     assert time.perf_counter() - t0 < 5  # slicing the list per buffer took minutes
@@ -398,5 +401,5 @@ def test_readv_with_many_buffers_is_linear_and_leaves_the_list_alone(tmp_path):
 def test_docstring_examples_run():
     import doctest
 
-    result = doctest.testmod(_read)
+    result = doctest.testmod(_execute)
     assert result.attempted >= 1 and result.failed == 0

@@ -146,7 +146,7 @@ def test_a_header_keeps_its_files_open_only_while_it_lives(tmp_path):
 def test_a_header_of_many_files_pins_at_most_its_limit(tmp_path, monkeypatch):
     import gc
 
-    import nnx_save._sources as sources
+    import nnx_save.layouts._sources as sources
 
     monkeypatch.setattr(sources, "_max_pinned", lambda: 3)
     for i in range(5):

@@ -22,8 +22,8 @@ import pytest
 from flax import nnx
 
 import nnx_save
-from nnx_save._write import TMP_MARKER
 from nnx_save.checkpoint import CheckpointWriteError, OrbaxCheckpointStore
+from nnx_save.save._write import TMP_MARKER
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:

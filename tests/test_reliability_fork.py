@@ -23,19 +23,19 @@ SCRIPT = textwrap.dedent(
     import json, os, signal, sys, threading, time
     import numpy as np
     import nnx_save
-    from nnx_save import _async
-    from nnx_save._tree import save_file
+    from nnx_save.save import _background
+    from nnx_save._pytree import save_file
 
     out, gate = sys.argv[1], threading.Event()
 
     def slow_write(path, entries):  # the parent's background write waits for the fork
         gate.wait(30)
-        from nnx_save._collective import save
+        from nnx_save.save._collective import save
         save(path, entries, None)
 
-    from nnx_save._tree import flatten, leaf_entry
+    from nnx_save._pytree import flatten, leaf_entry
     pairs, _ = flatten({"w": np.arange(4, dtype=np.float32)})
-    handle = _async.save(os.path.join(out, "parent.safetensors"), [leaf_entry(p, v) for p, v in pairs],
+    handle = _background.save(os.path.join(out, "parent.safetensors"), [leaf_entry(p, v) for p, v in pairs],
                          slow_write, blocking=False)
     pid = os.fork()
     if pid == 0:  # the child: a blocking save, wait_for_saves, the inherited handle, then a normal exit

@@ -37,7 +37,7 @@ import pytest
 from flax import nnx
 
 import nnx_save
-from nnx_save._header import header_size, parse_header
+from nnx_save.format._header import header_size, parse_header
 
 SEED = 1129
 PARSER_INPUTS = 100_000

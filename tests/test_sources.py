@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nnx_save
-from nnx_save._sources import INDEX_NAME
+from nnx_save.layouts._sources import INDEX_NAME
 
 
 def write_raw(path, header: dict | bytes, data: bytes = b"", size: int | None = None):

@@ -27,8 +27,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save import _read, _stream, _tree
-from nnx_save._options import LoadOptions
+from nnx_save import _pytree
+from nnx_save.load import _execute, _stream
+from nnx_save.load._options import LoadOptions
 
 DEV = jax.devices()
 MESH8 = Mesh(np.array(DEV), ("x",))
@@ -162,7 +163,7 @@ class _Tracking:
     lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, path: str, fail_after: int | None = None) -> None:
-        self.inner, self.path, self.fail_after = _read.LocalReader(path), path, fail_after
+        self.inner, self.path, self.fail_after = _execute.LocalReader(path), path, fail_after
         self.closed = False
 
     @property
@@ -223,7 +224,7 @@ def test_several_files_are_read_at_once(four_files, monkeypatch, stream):
 
     monkeypatch.setattr(_Tracking, "live", {})
     monkeypatch.setattr(_Tracking, "most", 0)
-    monkeypatch.setattr(_tree, "reader_factory", factory)
+    monkeypatch.setattr(_pytree, "reader_factory", factory)
     monkeypatch.setattr(_stream, "MAX_STAGING", 4096)
     abstract = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(MESH8, P("x"))) for k, v in data.items()
@@ -246,7 +247,7 @@ def test_a_failure_mid_stream_leaves_nothing_behind(four_files, monkeypatch, poo
 
         return open_reader
 
-    monkeypatch.setattr(_tree, "reader_factory", factory)
+    monkeypatch.setattr(_pytree, "reader_factory", factory)
     monkeypatch.setattr(_stream, "MAX_STAGING", 2048)
     abstract = {
         k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(MESH8, P("x"))) for k, v in data.items()

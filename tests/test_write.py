@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nnx_save
-from nnx_save import _dtypes, _write
-from nnx_save._write import TMP_MARKER
+from nnx_save.format import _dtypes
+from nnx_save.save import _write
+from nnx_save.save._write import TMP_MARKER
 
 
 def header_of(path):

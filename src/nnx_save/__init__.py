@@ -9,81 +9,81 @@ fast. Type checkers see every name below as re-exported (``X as X``).
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._errors import ByteLengthError as ByteLengthError
-from ._errors import ChecksumError as ChecksumError
-from ._errors import ConvertError as ConvertError
-from ._errors import DtypeMismatchError as DtypeMismatchError
-from ._errors import DuplicateKeyError as DuplicateKeyError
-from ._errors import FileSizeError as FileSizeError
-from ._errors import HeaderEncodingError as HeaderEncodingError
-from ._errors import HeaderError as HeaderError
-from ._errors import HeaderJSONError as HeaderJSONError
-from ._errors import HeaderTooLargeError as HeaderTooLargeError
-from ._errors import HeaderTooSmallError as HeaderTooSmallError
-from ._errors import IndexFileError as IndexFileError
-from ._errors import KeyMismatchError as KeyMismatchError
-from ._errors import KeyPathError as KeyPathError
-from ._errors import LoadError as LoadError
-from ._errors import MetadataError as MetadataError
-from ._errors import NnxSaveError as NnxSaveError
-from ._errors import NotSafetensorsError as NotSafetensorsError
-from ._errors import OffsetError as OffsetError
-from ._errors import PieceLayoutError as PieceLayoutError
-from ._errors import SaveError as SaveError
-from ._errors import ShapeMismatchError as ShapeMismatchError
-from ._errors import ShardingError as ShardingError
-from ._errors import SliceError as SliceError
-from ._errors import SourceError as SourceError
-from ._errors import TensorEntryError as TensorEntryError
-from ._errors import TruncatedFileError as TruncatedFileError
-from ._errors import UnknownDtypeError as UnknownDtypeError
-from ._errors import UnsupportedValueError as UnsupportedValueError
-from ._header import FileHeader as FileHeader
-from ._header import TensorInfo as TensorInfo
-from ._report import DtypeCast as DtypeCast
-from ._report import IOStats as IOStats
-from ._report import LoadReport as LoadReport
-from ._report import LoadWarning as LoadWarning
-from ._report import LossyCastWarning as LossyCastWarning
-from ._report import ShapeMismatch as ShapeMismatch
-from ._report import SingleDeviceWarning as SingleDeviceWarning
-from ._sources import Header as Header
-from ._sources import read_header as read_header
 from ._version import __version__ as __version__
+from .errors import ByteLengthError as ByteLengthError
+from .errors import ChecksumError as ChecksumError
+from .errors import ConvertError as ConvertError
+from .errors import DtypeMismatchError as DtypeMismatchError
+from .errors import DuplicateKeyError as DuplicateKeyError
+from .errors import FileSizeError as FileSizeError
+from .errors import HeaderEncodingError as HeaderEncodingError
+from .errors import HeaderError as HeaderError
+from .errors import HeaderJSONError as HeaderJSONError
+from .errors import HeaderTooLargeError as HeaderTooLargeError
+from .errors import HeaderTooSmallError as HeaderTooSmallError
+from .errors import IndexFileError as IndexFileError
+from .errors import KeyMismatchError as KeyMismatchError
+from .errors import KeyPathError as KeyPathError
+from .errors import LoadError as LoadError
+from .errors import MetadataError as MetadataError
+from .errors import NnxSaveError as NnxSaveError
+from .errors import NotSafetensorsError as NotSafetensorsError
+from .errors import OffsetError as OffsetError
+from .errors import PieceLayoutError as PieceLayoutError
+from .errors import SaveError as SaveError
+from .errors import ShapeMismatchError as ShapeMismatchError
+from .errors import ShardingError as ShardingError
+from .errors import SliceError as SliceError
+from .errors import SourceError as SourceError
+from .errors import TensorEntryError as TensorEntryError
+from .errors import TruncatedFileError as TruncatedFileError
+from .errors import UnknownDtypeError as UnknownDtypeError
+from .errors import UnsupportedValueError as UnsupportedValueError
+from .format._header import FileHeader as FileHeader
+from .format._header import TensorInfo as TensorInfo
+from .layouts._sources import Header as Header
+from .layouts._sources import read_header as read_header
+from .load._report import DtypeCast as DtypeCast
+from .load._report import IOStats as IOStats
+from .load._report import LoadReport as LoadReport
+from .load._report import LoadWarning as LoadWarning
+from .load._report import LossyCastWarning as LossyCastWarning
+from .load._report import ShapeMismatch as ShapeMismatch
+from .load._report import SingleDeviceWarning as SingleDeviceWarning
 
 if TYPE_CHECKING:
-    from ._async import SaveHandle as SaveHandle
-    from ._async import wait_for_saves as wait_for_saves
-    from ._convert import Converted as Converted
-    from ._convert import convert as convert
     from ._lazy import LazyCheckpoint as LazyCheckpoint
     from ._lazy import TensorSlice as TensorSlice
     from ._lazy import iter_tensors as iter_tensors
     from ._lazy import safe_open as safe_open
-    from ._load import OverReadWarning as OverReadWarning
     from ._nnx import load_model as load_model
     from ._nnx import save_model as save_model
-    from ._pod import save_pod as save_pod
-    from ._tree import load_file as load_file
-    from ._tree import save_file as save_file
+    from ._pytree import load_file as load_file
+    from ._pytree import save_file as save_file
+    from .cli._convert import Converted as Converted
+    from .cli._convert import convert as convert
+    from .layouts._pod import save_pod as save_pod
+    from .load._engine import OverReadWarning as OverReadWarning
+    from .save._background import SaveHandle as SaveHandle
+    from .save._background import wait_for_saves as wait_for_saves
 
 # Imported when first asked for: the NNX bridge imports flax and jax (~1 s), and the
 # engine and writers are not needed to read a header (``nnx-save inspect``).
 _LAZY = {
-    "SaveHandle": "._async",
-    "wait_for_saves": "._async",
-    "Converted": "._convert",
-    "convert": "._convert",
+    "SaveHandle": ".save._background",
+    "wait_for_saves": ".save._background",
+    "Converted": ".cli._convert",
+    "convert": ".cli._convert",
     "LazyCheckpoint": "._lazy",
     "TensorSlice": "._lazy",
     "iter_tensors": "._lazy",
     "safe_open": "._lazy",
-    "OverReadWarning": "._load",
+    "OverReadWarning": ".load._engine",
     "load_model": "._nnx",
     "save_model": "._nnx",
-    "save_pod": "._pod",
-    "load_file": "._tree",
-    "save_file": "._tree",
+    "save_pod": ".layouts._pod",
+    "load_file": "._pytree",
+    "save_file": "._pytree",
 }
 
 

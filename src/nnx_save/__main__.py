@@ -1,5 +1,5 @@
 """``python -m nnx_save``: the same command line as the ``nnx-save`` script."""
 
-from ._cli import main
+from .cli._main import main
 
 raise SystemExit(main())

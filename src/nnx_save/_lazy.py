@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import NnxSaveError, SliceError, short_repr
-from ._load import load_targets
-from ._options import LoadOptions
-from ._report import IOStats
-from ._sources import Header, read_header, reader_factory
-from ._target import Target
+from .errors import NnxSaveError, SliceError, short_repr
+from .layouts._sources import Header, read_header, reader_factory
+from .load._engine import load_targets
+from .load._options import LoadOptions
+from .load._report import IOStats
+from .load._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 

@@ -22,16 +22,18 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import _async, _collective, _paths, _progress
-from ._errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
-from ._load import load_targets
-from ._options import LoadOptions
-from ._report import LoadReport, warn_single_device
-from ._sources import Header, read_header, reader_factory
-from ._target import Target
-from ._tree import check_metadata, leaf_entry
+from . import _progress
+from ._pytree import check_metadata, leaf_entry
 from ._version import __version__
-from ._write import Entry
+from .errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
+from .format import _paths
+from .layouts._sources import Header, read_header, reader_factory
+from .load._engine import load_targets
+from .load._options import LoadOptions
+from .load._report import LoadReport, warn_single_device
+from .load._target import Target
+from .save import _background, _collective
+from .save._write import Entry
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
 
@@ -137,7 +139,7 @@ def save_model(
     max_shard_size: int | None = None,
     progress: bool | None = None,
     blocking: bool = True,
-) -> _async.SaveHandle | None:
+) -> _background.SaveHandle | None:
     """Save an NNX model's state (or the part ``filter`` selects) as safetensors.
 
     Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal).
@@ -189,14 +191,14 @@ def save_model(
 
     def write(path: str | os.PathLike, entries: Sequence[Entry]) -> None:
         if max_shard_size is not None:
-            from ._multifile import write_sharded
+            from .layouts._hf_index import write_sharded
 
             write_sharded(path, entries, meta, max_shard_size)
         else:
             _collective.save(path, entries, meta)  # one process alone, or all of them together
 
     with _progress.saving(progress):
-        return _async.save(path, entries, write, blocking=blocking)
+        return _background.save(path, entries, write, blocking=blocking)
 
 
 # --------------------------------------------------------------------------- loading

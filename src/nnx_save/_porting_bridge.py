@@ -12,10 +12,10 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from . import _dtypes
-from ._sources import Header
-from ._target import Target
-from ._write import Entry
+from .format import _dtypes
+from .layouts._sources import Header
+from .load._target import Target
+from .save._write import Entry
 
 __all__ = ["export_entries", "load_targets_for"]
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import IO
 
-from ._units import human_bytes
+from .format._units import human_bytes
 
 __all__ = ["MIN_BYTES", "Bar", "NullBar", "bar", "save_setting", "saving"]
 

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save._remote import SPECULATIVE_HEADER_BYTES, RemoteChangedError, RemoteError
+from nnx_save.io._remote import SPECULATIVE_HEADER_BYTES, RemoteChangedError, RemoteError
 
 RNG = np.random.default_rng(0)
 NESTED = {
@@ -79,8 +79,8 @@ def test_sharded_partial_load_requests_only_its_ranges(served):
 def test_multi_file_index_over_http(nginx):
     nginx.clear_log()
     directory = nginx.root / "sharded"
-    from nnx_save._multifile import write_sharded
-    from nnx_save._tree import flatten, leaf_entry
+    from nnx_save._pytree import flatten, leaf_entry
+    from nnx_save.layouts._hf_index import write_sharded
 
     pairs, _ = flatten(NESTED)
     write_sharded(directory, [leaf_entry(p, v) for p, v in pairs], None, 64 << 10)

@@ -3,7 +3,7 @@
 Every class is an :class:`~nnx_save.NnxSaveError` (through :class:`CheckpointError`)
 and also the builtin a caller would naturally catch: a refused write is a
 ``ValueError``, a missing step a ``FileNotFoundError``, a dtype mismatch a
-``TypeError`` (through :class:`~nnx_save._errors.DtypeMismatchError`).
+``TypeError`` (through :class:`~nnx_save.errors.DtypeMismatchError`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple
 
-from .._errors import DtypeMismatchError, KeyMismatchError, NnxSaveError
+from ..errors import DtypeMismatchError, KeyMismatchError, NnxSaveError
 from ._format import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [

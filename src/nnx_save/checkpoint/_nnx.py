@@ -14,7 +14,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from .._errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
+from ..errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
 from ._tree import Path, flatten, is_array, segment, show
 
 __all__ = ["restore_into"]

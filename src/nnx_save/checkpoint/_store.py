@@ -18,8 +18,8 @@ from typing import Any, Literal, Self
 
 from etils import epath
 
-from .._errors import NnxSaveError
-from .._report import DtypeCast
+from ..errors import NnxSaveError
+from ..load._report import DtypeCast
 from . import _orbax
 from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import Location, is_url, store_location

@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from .. import _paths
-from .._errors import KeyPathError, UnsupportedValueError
-from .._paths import format_path
+from ..errors import KeyPathError, UnsupportedValueError
+from ..format import _paths
+from ..format._paths import format_path
 from ._errors import UnsupportedCheckpointError
 from ._format import DTYPES_FORMAT, ITEM_NAMES
 
@@ -48,7 +48,7 @@ class Spec(NamedTuple):
 
 def segment(entry: Any) -> str:
     """One path segment, named as Orbax names it: the package's one segment rule
-    (:func:`nnx_save._paths.segment`), as text."""
+    (:func:`nnx_save.format._paths.segment`), as text."""
     return str(_paths.segment(entry))
 
 

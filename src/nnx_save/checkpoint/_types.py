@@ -7,7 +7,7 @@ import pathlib
 from collections.abc import Mapping
 from typing import Any, Literal, Protocol, Self, runtime_checkable
 
-from .._report import LoadReport
+from ..load._report import LoadReport
 from ._metadata import CheckpointMetadata, Producer
 
 __all__ = ["Checkpoint", "CheckpointStore"]

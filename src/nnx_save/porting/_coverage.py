@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .._errors import KeyMismatchError, ShapeMismatchError
+from ..errors import KeyMismatchError, ShapeMismatchError
 from ._mapping import KeyMapping
 from ._template import compile_pattern
 

@@ -1,13 +1,13 @@
-"""The porting errors: all :class:`~nnx_save._errors.NnxSaveError`.
+"""The porting errors: all :class:`~nnx_save.errors.NnxSaveError`.
 
-They live here rather than in ``nnx_save._errors`` only because this package was
+They live here rather than in ``nnx_save.errors`` only because this package was
 written alongside the core; each one names the rule, the key, what was expected and
 what was found.
 """
 
 from __future__ import annotations
 
-from .._errors import NnxSaveError, ShapeMismatchError
+from ..errors import NnxSaveError, ShapeMismatchError
 
 __all__ = ["NotInvertibleError", "RuleConflictError", "RuleError", "RuleShapeError"]
 

@@ -18,7 +18,7 @@ ctx = mp_boot.init()
 import mp_common as c  # noqa: E402
 
 import nnx_save  # noqa: E402
-from nnx_save import _collective  # noqa: E402
+from nnx_save.save import _collective  # noqa: E402
 
 if ctx.process_id == ctx.args["victim"]:
 

@@ -12,7 +12,7 @@ ctx = mp_boot.init()
 import mp_common as c  # noqa: E402
 
 import nnx_save  # noqa: E402
-from nnx_save import _stage  # noqa: E402
+from nnx_save.save import _stage  # noqa: E402
 
 copies: list[int] = []
 real_copy = _stage._copy_shard

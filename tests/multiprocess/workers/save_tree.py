@@ -21,9 +21,9 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import nnx_save  # noqa: E402
-from nnx_save import _collective  # noqa: E402
-from nnx_save._tree import leaf_entry  # noqa: E402
-from nnx_save._write import write_file  # noqa: E402
+from nnx_save._pytree import leaf_entry  # noqa: E402
+from nnx_save.save import _collective  # noqa: E402
+from nnx_save.save._write import write_file  # noqa: E402
 
 result = {}
 mesh = c.mesh(ctx.args["mesh"])

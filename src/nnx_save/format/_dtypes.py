@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from ._errors import UnknownDtypeError
+from ..errors import UnknownDtypeError
 
 __all__ = ["DTYPES", "RANK", "DtypeInfo", "from_code", "nbytes_for", "to_code"]
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import NnxSaveError, SaveError
+from ..errors import NnxSaveError, SaveError
 
 __all__ = ["BUDGET_ENV", "FORCE_ENV", "HostValue", "Staged", "Window", "budget", "spans_processes", "stage"]
 

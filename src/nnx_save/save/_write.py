@@ -34,9 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from . import _checksum, _dtypes, _progress, _stage
-from ._errors import SaveError
-from ._header import encode_header
+from .. import _progress
+from ..errors import SaveError
+from ..format import _checksum, _dtypes
+from ..format._header import encode_header
+from . import _stage
 
 __all__ = [
     "TMP_MARKER",
@@ -253,9 +255,9 @@ def write_file(
 
     Each tensor is hashed as it is written; the header, encoded first with
     fixed-width placeholder digests, is rewritten in place (same length) with the
-    real ones before the fsync and rename (see :mod:`nnx_save._checksum`). The
+    real ones before the fsync and rename (see :mod:`nnx_save.format._checksum`). The
     device -> host copies of the next tensors run while one is written, at most
-    ``max_inflight_bytes`` of them at once (see :mod:`nnx_save._stage`).
+    ``max_inflight_bytes`` of them at once (see :mod:`nnx_save.save._stage`).
     """
     entries = order_entries(entries)
     names = [(e.key, e.code, e.shape) for e in entries]

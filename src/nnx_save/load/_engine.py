@@ -1,28 +1,28 @@
 """The loading engine: match targets to file tensors, plan, read, assemble.
 
-One engine for every layout. A :class:`~nnx_save._target.Target` says what the
+One engine for every layout. A :class:`~nnx_save.load._target.Target` says what the
 caller wants at one path (shape, dtype, and a jax sharding, or ``None`` for a host
 numpy array) and which file tensor(s) it comes from; the header says where each
 tensor's bytes are, as pieces at (file, byte range, box)
-(:meth:`~nnx_save._sources.Header.pieces_of`: one whole piece for a file, an
+(:meth:`~nnx_save.layouts._sources.Header.pieces_of`: one whole piece for a file, an
 index, a directory, a list or a URL; a pod directory's boxes). :func:`load_targets`
 checks every target against the headers first (so a strict refusal reads
 nothing, and a sharding jax cannot apply is refused before any read).
 
 Each box a process needs (a shard several local devices hold is read once) is one
 destination; each piece overlapping it adds one request that writes its part of
-the destination in place (:class:`~nnx_save._plan.Request` carries the
+the destination in place (:class:`~nnx_save.load._plan.Request` carries the
 destination box). Two ways to land the bytes on devices, picked from the devices'
-platform (:meth:`~nnx_save._options.LoadOptions.streaming`):
+platform (:meth:`~nnx_save.load._options.LoadOptions.streaming`):
 
 - **host buffers** (the CPU backend): several files are read at once under one
   budget, straight into 64-byte aligned shard buffers; each tensor's
   ``jax.Array`` is made as soon as its last file is read, adopting the buffers
   without a copy. Buffers the arrays adopt are carved out of a few large
-  allocations (:func:`~nnx_save._read.pack_buffers`: huge pages fault in five
+  allocations (:func:`~nnx_save.load._execute.pack_buffers`: huge pages fault in five
   times cheaper); buffers that are only a step (a dtype cast, sub-byte
   unpacking, a porting transform's sources) are their own, freed once used.
-- **streaming** (accelerators, or forced): see :mod:`nnx_save._stream`.
+- **streaming** (accelerators, or forced): see :mod:`nnx_save.load._stream`.
 """
 
 from __future__ import annotations
@@ -42,18 +42,20 @@ from typing import Any
 
 import numpy as np
 
-from . import _checksum, _progress, _stream
+from .. import _progress
+from ..errors import NnxSaveError, ShapeMismatchError
+from ..format import _checksum
+from ..format._header import FileHeader, TensorInfo
+from ..format._units import human_bytes
+from ..layouts._pieces import Box, Piece, extents, intersect, request, whole
+from ..layouts._sources import Header
+from . import _stream
 from ._assemble import held_dtype, host_view, place, place_whole
-from ._errors import NnxSaveError, ShapeMismatchError
-from ._header import FileHeader, TensorInfo
-from ._layout import Box, Piece, extents, intersect, request, whole
+from ._execute import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._plan import FilePlan, Request, over_read_by_range, plan_file
-from ._read import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
 from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed, split_allowed_shapes
-from ._sources import Header
 from ._target import Target, shard_boxes
-from ._units import human_bytes
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
 

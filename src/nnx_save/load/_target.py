@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ShardingError
+from ..errors import ShardingError
 
 __all__ = ["Box", "Target", "shard_boxes"]
 

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
-from ._errors import DuplicateKeyError, HeaderError, PieceLayoutError, short_repr
-from ._header import FileHeader, TensorInfo, unique_pairs
-from ._plan import Request
+from ..errors import DuplicateKeyError, HeaderError, PieceLayoutError, short_repr
+from ..format import _dtypes
+from ..format._header import FileHeader, TensorInfo, unique_pairs
+from ..load._plan import Request
 
 __all__ = [
     "FORMAT",
@@ -102,7 +102,7 @@ def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], where: str)
         >>> check_tiling("w", (8,), [((0, 6),), ((1, 3),)], "m.json")
         Traceback (most recent call last):
         ...
-        nnx_save._errors.PieceLayoutError: m.json: tensor 'w': pieces [[0, 6]] and [[1, 3]] overlap
+        nnx_save.errors.PieceLayoutError: m.json: tensor 'w': pieces [[0, 6]] and [[1, 3]] overlap
     """
     distinct = list(dict.fromkeys(boxes))
     for box in distinct:

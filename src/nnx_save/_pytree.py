@@ -8,15 +8,17 @@ from typing import Any
 
 import numpy as np
 
-from . import _async, _collective, _dtypes, _paths, _progress
-from ._errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
-from ._load import load_targets
-from ._options import LoadOptions
-from ._report import LoadReport, ShapeMismatch, matches_any, warn_single_device
-from ._sources import Header, read_header, reader_factory
-from ._stage import HostValue
-from ._target import Target
-from ._write import Entry
+from . import _progress
+from .errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
+from .format import _dtypes, _paths
+from .layouts._sources import Header, read_header, reader_factory
+from .load._engine import load_targets
+from .load._options import LoadOptions
+from .load._report import LoadReport, ShapeMismatch, matches_any, warn_single_device
+from .load._target import Target
+from .save import _background, _collective
+from .save._stage import HostValue
+from .save._write import Entry
 
 __all__ = ["flatten", "leaf_entry", "load_file", "save_file"]
 
@@ -104,7 +106,7 @@ def save_file(
     metadata: Mapping[str, str] | None = None,
     progress: bool | None = None,
     blocking: bool = True,
-) -> _async.SaveHandle | None:
+) -> _background.SaveHandle | None:
     """Save a pytree of arrays as one ``.safetensors`` file, atomically.
 
     Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
@@ -145,7 +147,7 @@ def save_file(
     check_metadata(metadata)
     meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
     with _progress.saving(progress):  # one process alone, or all of them together
-        return _async.save(path, entries, lambda p, es: _collective.save(p, es, meta), blocking=blocking)
+        return _background.save(path, entries, lambda p, es: _collective.save(p, es, meta), blocking=blocking)
 
 
 def check_metadata(metadata: Any) -> None:

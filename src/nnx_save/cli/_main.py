@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._units import human_bytes
+from ..format._units import human_bytes
 
 __all__ = ["main"]
 

@@ -1,4 +1,4 @@
-"""Execute a :class:`~nnx_save._plan.FilePlan`: concurrent positioned reads under a
+"""Execute a :class:`~nnx_save.load._plan.FilePlan`: concurrent positioned reads under a
 byte budget, straight into destination buffers.
 
 Three ways to read a chunk, chosen per chunk by its mean run length:
@@ -46,7 +46,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ._errors import NnxSaveError, TruncatedFileError
+from ..errors import NnxSaveError, TruncatedFileError
 from ._plan import FilePlan, chunk_runs
 
 __all__ = [

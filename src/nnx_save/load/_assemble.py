@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
-from ._header import TensorInfo
-from ._layout import Box, extents
+from ..format import _dtypes
+from ..format._header import TensorInfo
+from ..layouts._pieces import Box, extents
 from ._target import Target
 
 __all__ = ["batched_put", "device_array", "held_dtype", "host_view", "place", "place_whole"]

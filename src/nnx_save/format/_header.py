@@ -15,8 +15,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from . import _dtypes
-from ._errors import (
+from ..errors import (
     ByteLengthError,
     DuplicateKeyError,
     FileSizeError,
@@ -32,6 +31,7 @@ from ._errors import (
     UnsupportedValueError,
     short_repr,
 )
+from . import _dtypes
 
 __all__ = [
     "MAX_HEADER_SIZE",

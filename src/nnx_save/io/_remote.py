@@ -39,8 +39,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
-from ._errors import NnxSaveError
-from ._version import __version__
+from .._version import __version__
+from ..errors import NnxSaveError
 
 __all__ = [
     "FsspecReader",

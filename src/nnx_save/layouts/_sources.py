@@ -28,8 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from . import _formats, _layout, _remote
-from ._errors import (
+from ..errors import (
     DuplicateKeyError,
     HeaderError,
     HeaderTooSmallError,
@@ -38,9 +37,12 @@ from ._errors import (
     SourceError,
     TruncatedFileError,
 )
-from ._header import FileHeader, TensorInfo, header_size, parse_header, unique_pairs
-from ._layout import Piece
-from ._read import LocalReader, Reader
+from ..format import _formats
+from ..format._header import FileHeader, TensorInfo, header_size, parse_header, unique_pairs
+from ..io import _remote
+from ..load._execute import LocalReader, Reader
+from . import _pieces
+from ._pieces import Piece
 
 __all__ = ["INDEX_NAME", "Header", "pread_exact", "read_file_header", "read_header"]
 
@@ -85,7 +87,7 @@ class Header:
         if found is not None:
             return found
         info = self.tensors[key]
-        return (Piece(_layout.whole(info.shape), info),)
+        return (Piece(_pieces.whole(info.shape), info),)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -391,7 +393,7 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         return _many([Path(p) for p in source], "list", "file list")
     path = Path(source)  # type: ignore[arg-type]  # a list or tuple returned above; mypy cannot narrow str from Sequence
     if path.is_dir():
-        if os.path.lexists(path / _layout.MANIFEST):  # a pod directory (nnx_save.save_pod); its kind is checked on open
+        if os.path.lexists(path / _pieces.MANIFEST):  # a pod directory (nnx_save.save_pod); its kind is checked on open
             return _pod_header(path)
         if (path / INDEX_NAME).is_file():
             return _index_header(path)
@@ -469,11 +471,11 @@ def _remote_header(url: str) -> Header:
 def _pod_header(directory: Path) -> Header:
     """A pod directory: the validated manifest, and the header of every shard file
     present (a shard file that is not there is only an error if a load needs it)."""
-    where = directory / _layout.MANIFEST
-    manifest = _layout.parse_manifest(_read_json_file(where, "manifest", HeaderError), where)
+    where = directory / _pieces.MANIFEST
+    manifest = _pieces.parse_manifest(_read_json_file(where, "manifest", HeaderError), where)
     pinned = _Pinned()
     files = {f: read_file_header(directory / f, pinned) if (directory / f).is_file() else None for f in manifest.files}
-    tensors, pieces = _layout.pod_tensors(manifest, files)
+    tensors, pieces = _pieces.pod_tensors(manifest, files)
     return Header(
         tensors,
         dict(manifest.metadata),

@@ -19,10 +19,11 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from . import _checksum, _remote
-from ._errors import SaveError
-from ._header import encode_header
-from ._write import Entry, host_bytes, order_entries
+from ..errors import SaveError
+from ..format import _checksum
+from ..format._header import encode_header
+from ..save._write import Entry, host_bytes, order_entries
+from . import _remote
 
 __all__ = ["is_destination", "write_remote"]
 

@@ -18,12 +18,12 @@ shard files of earlier saves. The ``<token>`` is new for every save, so a crash
 leaves the previous manifest and the files it names intact.
 
 Saving shares the multi-process writer's step protocol
-(:class:`~nnx_save._collective.Sync`, structured JSON outcomes): agree on the tensors,
+(:class:`~nnx_save.save._collective.Sync`, structured JSON outcomes): agree on the tensors,
 take the primary's save token, write and post the piece lists, let the primary commit
 the manifest; any failure raises the same :class:`SaveError` on every process.
 
 Loading is the one loading engine's: the manifest (read and validated by
-:mod:`nnx_save._layout`, its pieces checked to tile every tensor) says which pieces
+:mod:`nnx_save.layouts._pieces`, its pieces checked to tile every tensor) says which pieces
 of which shard files make each tensor; each box a target sharding needs is filled
 in place from the pieces it overlaps, this process's own file first; a needed
 piece in a file that is not there (a host-local disk) is an error naming that file.
@@ -50,16 +50,17 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _nnx, _paths
-from ._collective import Outcome, Sync, agree
-from ._errors import SaveError
-from ._header import encode_header
-from ._layout import FORMAT as POD_FORMAT
-from ._layout import MANIFEST, VERSION, Box
-from ._layout import SHARD_FILE as _SHARD
-from ._stage import HostValue, spans_processes
-from ._tree import flatten, leaf_entry
-from ._write import Entry, atomic_file, order_entries, write_file
+from .. import _nnx
+from .._pytree import flatten, leaf_entry
+from ..errors import SaveError
+from ..format import _dtypes, _paths
+from ..format._header import encode_header
+from ..save._collective import Outcome, Sync, agree
+from ..save._stage import HostValue, spans_processes
+from ..save._write import Entry, atomic_file, order_entries, write_file
+from ._pieces import FORMAT as POD_FORMAT
+from ._pieces import MANIFEST, VERSION, Box
+from ._pieces import SHARD_FILE as _SHARD
 
 __all__ = ["MANIFEST", "save_pod"]
 

@@ -10,13 +10,13 @@ the same header from the global shapes, and each writes only the bytes it owns:
    and sizes it; the others learn its name.
 3. **write**: each process writes the shards of each array it holds with
    ``replica_id == 0`` (exactly one copy of every element in the whole job) at their
-   byte runs (:func:`~nnx_save._plan.box_runs`: one run for a leading-dimension
+   byte runs (:func:`~nnx_save.load._plan.box_runs`: one run for a leading-dimension
    shard, one per row for an inner-dimension split), with positioned writes, then
    fsyncs. Host values (numpy arrays, scalars, arrays every process holds whole)
    are written by the primary alone.
 4. **hash**: every process posts ``ok`` or its error. Each tensor's xxh3_64
    checksum (``nnx_save.checksums`` in ``__metadata__``, see
-   :mod:`~nnx_save._checksum`) covers the whole tensor, which no process holds, so
+   :mod:`~nnx_save.format._checksum`) covers the whole tensor, which no process holds, so
    the cross-process tensors are shared out and each process hashes its share back
    from the file; the primary hashed the host values as it wrote them.
 5. **commit**: the primary rewrites the header in place with the real digests
@@ -54,12 +54,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _checksum, _dtypes, _stage
-from ._errors import SaveError
-from ._header import encode_header
-from ._plan import box_runs
-from ._remote_write import is_destination, write_remote
-from ._sources import pread_exact
+from ..errors import SaveError
+from ..format import _checksum, _dtypes
+from ..format._header import encode_header
+from ..io._remote_write import is_destination, write_remote
+from ..layouts._sources import pread_exact
+from ..load._plan import box_runs
+from . import _stage
 from ._stage import HostValue, spans_processes
 from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
 
@@ -351,7 +352,7 @@ def _write_mine(
     """Write this process's part; the digests of the host values it wrote.
 
     The device -> host copies of the next tensors run while one is written, under
-    the save budget (:mod:`~nnx_save._stage`), as in a single-process save."""
+    the save budget (:mod:`~nnx_save.save._stage`), as in a single-process save."""
     digests = {}
     keys = [e.key for e in entries]
     window = _stage.Window(_staging_sources(entries, sync.pid == 0), keys, _stage.budget(), str(sync.path), True)
@@ -442,7 +443,7 @@ def write_collective(path: str | os.PathLike, entries: Sequence[Entry], metadata
     """Write ``entries`` as one safetensors file at ``path`` from every process.
 
     Every process must call it with the same entries (global shapes) and metadata.
-    The result is byte-identical to a single-process :func:`~nnx_save._write.write_file`
+    The result is byte-identical to a single-process :func:`~nnx_save.save._write.write_file`
     of the same values, checksums included. Raises the same :class:`SaveError` on
     every process when any of them fails; the previous file at ``path`` is then intact.
     """

@@ -11,7 +11,7 @@ The snapshot (:func:`snapshot`):
 
 - **jax arrays** are immutable, so only device memory that may be reused needs
   copying. On accelerators, the device -> host copies of the replica-0 addressable
-  shards are started ahead under the save's byte budget (:mod:`~nnx_save._stage`,
+  shards are started ahead under the save's byte budget (:mod:`~nnx_save.save._stage`,
   ``NNX_SAVE_SAVE_INFLIGHT_BYTES``, default 1 GiB) and completed in order.
   On the CPU backend ``np.asarray(shard)`` aliases the device buffer and takes an
   external reference on it; PJRT then refuses to donate that buffer (the jitted
@@ -24,7 +24,7 @@ The snapshot (:func:`snapshot`):
 A cross-process array keeps only this process's replica-0 shards, in the shape the
 collective writer reads (``addressable_shards``), so a multi-process single-file
 save runs its whole protocol (agree, open, write, hash, commit; see
-:mod:`~nnx_save._collective`) on the background thread: the commit still happens
+:mod:`~nnx_save.save._collective`) on the background thread: the commit still happens
 only once every process has written its part. Saves run one after another in
 program order on every process, and a blocking save first waits for the
 asynchronous ones, so the processes' save ids stay in step.
@@ -56,8 +56,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _progress, _remote, _stage
-from ._errors import NnxSaveError, SaveError
+from .. import _progress
+from ..errors import NnxSaveError, SaveError
+from ..io import _remote
+from . import _stage
 from ._stage import HostValue
 from ._write import Entry
 
@@ -256,7 +258,7 @@ def snapshot(entries: Sequence[Entry], max_inflight_bytes: int | None = None, wh
     """The entries with values that no later step of the caller can change.
 
     Device -> host copies are started ahead under the save budget
-    (:func:`nnx_save._stage.budget`): at most that many bytes of copies are in
+    (:func:`nnx_save.save._stage.budget`): at most that many bytes of copies are in
     flight at once, each completed into the snapshot before more are started.
     """
     sources = [e.value.array if isinstance(e.value, HostValue) else None for e in entries]

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import xxhash
 
-from ._errors import ChecksumError
+from ..errors import ChecksumError
 
 __all__ = [
     "ALGORITHM",

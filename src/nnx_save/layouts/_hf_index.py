@@ -16,9 +16,9 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from . import _dtypes
+from ..format import _dtypes
+from ..save._write import Entry, _write_all, atomic_file, commit_staged, discard_staged, order_entries, write_file
 from ._sources import INDEX_NAME
-from ._write import Entry, _write_all, atomic_file, commit_staged, discard_staged, order_entries, write_file
 
 __all__ = ["shard_groups", "write_sharded"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from ._errors import KeyPathError
+from ..errors import KeyPathError
 
 __all__ = ["Segment", "check_unique", "format_path", "from_key", "segment", "to_key"]
 

@@ -1,7 +1,7 @@
 """Conversion to safetensors: PyTorch state dicts, Orbax checkpoints, safetensors.
 
 :func:`convert` is what ``nnx-save convert`` runs. Sources are told apart by their
-bytes (:mod:`~nnx_save._formats`), never by unpickling: PyTorch files load with
+bytes (:mod:`~nnx_save.format._formats`), never by unpickling: PyTorch files load with
 ``torch.load(weights_only=True)`` (torch is imported only then), Orbax directories
 through :mod:`nnx_save.checkpoint` (the one home of orbax), and safetensors sources
 are read one tensor at a time, checksums verified, so memory stays bounded by the
@@ -21,12 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _formats
-from ._errors import ConvertError, DuplicateKeyError
-from ._multifile import write_sharded
-from ._sources import Header, read_header
-from ._tree import load_file
-from ._write import Entry, write_file
+from .._pytree import load_file
+from ..errors import ConvertError, DuplicateKeyError
+from ..format import _dtypes, _formats
+from ..layouts._hf_index import write_sharded
+from ..layouts._sources import Header, read_header
+from ..save._write import Entry, write_file
 
 __all__ = ["Converted", "convert"]
 
@@ -123,7 +123,7 @@ def _verified(header: Header, key: str) -> np.ndarray:
 
 
 def _orbax_arrays(path: Path) -> dict[str, np.ndarray]:
-    from .checkpoint._arrays import orbax_arrays  # orbax (and jax) only for an Orbax source
+    from ..checkpoint._arrays import orbax_arrays  # orbax (and jax) only for an Orbax source
 
     out: dict[str, np.ndarray] = {}
     for key, array in orbax_arrays(path):

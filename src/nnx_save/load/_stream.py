@@ -39,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from ._layout import Box, extents, request
+from ..layouts._pieces import Box, extents, request
+from ._execute import Cancelled, Reader, aligned_empty, execute
 from ._plan import FilePlan, plan_file
-from ._read import Cancelled, Reader, aligned_empty, execute
 
 __all__ = ["StagingPool", "allocator", "run", "slabs"]
 

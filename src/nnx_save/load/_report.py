@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from ._errors import LoadError
+from ..errors import LoadError
 
 __all__ = [
     "DtypeCast",

@@ -1,0 +1,1 @@
+"""Transports for reading and writing: HTTP and fsspec."""
