@@ -20,7 +20,7 @@ from etils import epath
 
 from ..errors import NnxSaveError
 from ..load._report import DtypeCast
-from . import _orbax
+from . import _exit, _orbax
 from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import Location, is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
@@ -140,6 +140,7 @@ class OrbaxCheckpointStore:
         self._writable = False
         self._closed = False
         self._metadata: dict[int, CheckpointMetadata] = {}
+        self._in_flight: int | None = None  # the step of a save still in flight, if any
 
     @property
     def directory(self) -> pathlib.Path:
@@ -187,6 +188,18 @@ class OrbaxCheckpointStore:
             finally:
                 self._manager = None
                 manager.close()
+                self._landed()
+
+    def _finish_for_exit(self) -> None:
+        # Called by _exit when the process ends with this store's save in flight.
+        self.close()
+
+    def _pending_description(self) -> str:
+        return f"step {self._in_flight} in {self._directory}"
+
+    def _landed(self) -> None:
+        self._in_flight = None
+        _exit.finished(self)
 
     def wait_until_finished(self) -> None:
         """Wait until every pending save is committed (raising the error of one that
@@ -202,6 +215,8 @@ class OrbaxCheckpointStore:
             for step in set(self._disk.load().steps) - set(manager.all_steps()):
                 self._disk.removed(step)  # Orbax dropped the step it failed to write, on every process
             raise
+        finally:
+            self._landed()
         if self._writable:
             for step in self._disk.doomed():
                 manager.delete(step)
@@ -399,6 +414,9 @@ class OrbaxCheckpointStore:
             self._metadata.pop(step, None)
             if blocking:
                 self._settle(manager)
+            else:
+                self._in_flight = step
+                _exit.pending(self)
         self._schedule.saved()
         return self._step_path(step)
 
