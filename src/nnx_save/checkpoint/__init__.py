@@ -15,6 +15,7 @@ from ._errors import CheckpointDirectoryError as CheckpointDirectoryError
 from ._errors import CheckpointDtypeMismatchError as CheckpointDtypeMismatchError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointItemError as CheckpointItemError
+from ._errors import CheckpointLinkError as CheckpointLinkError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ._errors import CheckpointNotWrittenError as CheckpointNotWrittenError
 from ._errors import CheckpointRetentionError as CheckpointRetentionError

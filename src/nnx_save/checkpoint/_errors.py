@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointDtypeMismatchError",
     "CheckpointError",
     "CheckpointItemError",
+    "CheckpointLinkError",
     "CheckpointNotFoundError",
     "CheckpointNotWrittenError",
     "CheckpointRetentionError",
@@ -78,6 +79,29 @@ class CheckpointDirectoryError(CheckpointError, ValueError):
             f"checkpoint directory {directory!r}: {found} is not supported; give a local path, a file:// URL, "
             "or a gs:// or s3:// URL (which Orbax writes through etils epath and tensorstore)"
         )
+
+
+class CheckpointLinkError(CheckpointError, OSError):
+    """An entry of the store's directory that the store may rename or delete (a step,
+    a set-aside step, an Orbax temporary) is a symbolic link. The store never follows
+    one: it refuses to write or delete before changing anything.
+
+    Attributes:
+        entry: The link's path.
+        target: Where it points.
+        directory: The store's directory.
+    """
+
+    def __init__(self, entry: str, target: str, directory: str) -> None:
+        self.entry, self.target, self.directory = entry, target, directory
+        super().__init__(
+            f"{entry}: this entry of the checkpoint store {directory} is a symbolic link (to {target!r}); "
+            "the store renames and deletes its entries and never follows a link, so nothing was written "
+            "or deleted: move the link out of the directory (or put the real directory in its place)"
+        )
+
+    def __str__(self) -> str:  # OSError's own would show the arguments tuple
+        return str(self.args[0])
 
 
 class CheckpointSyncError(CheckpointError, RuntimeError):

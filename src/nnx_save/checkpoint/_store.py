@@ -402,6 +402,8 @@ class OrbaxCheckpointStore:
         ordered = {name: items[name] for name in names}
         record = new_metadata(step, names, epoch, metrics, producer, extra)
         args = _orbax.save_args(ordered, record.to_dict(), dtype_record(ordered))
+        self._open()
+        self._disk.refuse_links()  # every call: the directory may have changed since the last one
         manager = self._writer()  # every process, every time: no branch on what one process sees
         exists = self._refuse_write(step, overwrite)
         self._settle(manager)
@@ -589,6 +591,7 @@ class OrbaxCheckpointStore:
             CheckpointNotFoundError: ``step`` is not stored.
         """
         self._require(step, damaged_ok=True)
+        self._disk.refuse_links()
         self._writer().delete(step)
         self._disk.removed(step)
         self._metadata.pop(step, None)
