@@ -20,7 +20,7 @@ from etils import epath
 
 from ..errors import NnxSaveError
 from ..load._report import DtypeCast
-from . import _exit, _orbax
+from . import _exit, _orbax, _pyleaves
 from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import Location, is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
@@ -550,16 +550,20 @@ class OrbaxCheckpointStore:
         saved = saved_dtypes(self._directory, step, stored)
         options = PartialOptions(strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch))
         given = {n: templates[n] for n in names if n in templates}
+        given, retyped = _pyleaves.prepare(step, given, {n: _orbax.stored_kinds(stored[n]) for n in given})
         whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
         specs = {n: _orbax.stored_specs(stored[n]) for n in given}
         chosen, report = select(step, given, specs, options, str(self._step_path(step)))
-        casts = check_template_dtypes(step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes)
-        report.dtype_casts.extend(DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts)
+        casts = check_template_dtypes(step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped)
+        report.dtype_casts.extend(
+            DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
+        )
         plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in names}
         partial = [n for n, s in chosen.items() if not s.whole]
         plan = {n: p for n, p in plan.items() if n not in chosen or chosen[n].read}  # items with nothing to read
         read = self._read_arrays(manager, step, plan, partial) if plan else {}
         restored = {n: graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names}
+        restored = {n: _pyleaves.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
         if not cast_dtypes:
             check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
