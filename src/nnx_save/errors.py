@@ -12,6 +12,7 @@ __all__ = [
     "ByteLengthError",
     "ChecksumError",
     "ConvertError",
+    "DeviceDtypeError",
     "DtypeMismatchError",
     "DuplicateKeyError",
     "FileSizeError",
@@ -20,6 +21,7 @@ __all__ = [
     "HeaderJSONError",
     "HeaderTooLargeError",
     "HeaderTooSmallError",
+    "HostMemoryError",
     "IndexFileError",
     "KeyMismatchError",
     "KeyPathError",
@@ -144,12 +146,28 @@ class DtypeMismatchError(NnxSaveError, TypeError):
     """A tensor's dtype in the source differs from the target's and casting is refused."""
 
 
+class DeviceDtypeError(NnxSaveError, TypeError):
+    """A tensor would be loaded onto a device whose jax backend cannot hold its dtype
+    (a sub-byte float such as F6 on CPU); refused before any data is read. Load it
+    onto the host (a numpy template) instead."""
+
+
 class LoadError(NnxSaveError, ValueError):
     """A strict load found mismatches; ``report`` holds every one of them."""
 
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class HostMemoryError(NnxSaveError, MemoryError):
+    """The host memory a load needs for a tensor cannot be allocated (a process memory
+    limit, or a tensor larger than the machine). ``file`` and ``key`` name the tensor,
+    ``nbytes`` what was asked for; nothing was read."""
+
+    def __init__(self, message: str, file: str, key: str, nbytes: int) -> None:
+        super().__init__(message)
+        self.file, self.key, self.nbytes = file, key, nbytes
 
 
 class SaveError(NnxSaveError, OSError):

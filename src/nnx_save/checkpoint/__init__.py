@@ -9,6 +9,7 @@ See ``docs/checkpoints.md``. The common case::
 """
 
 from ._directory import resolve_checkpoint_dir as resolve_checkpoint_dir
+from ._errors import CheckpointArgumentError as CheckpointArgumentError
 from ._errors import CheckpointCorruptError as CheckpointCorruptError
 from ._errors import CheckpointDamageWarning as CheckpointDamageWarning
 from ._errors import CheckpointDirectoryError as CheckpointDirectoryError

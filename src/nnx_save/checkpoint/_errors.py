@@ -16,6 +16,7 @@ from ..errors import DtypeMismatchError, KeyMismatchError, NnxSaveError
 from ._format import FORMAT_NAME, FORMAT_VERSION
 
 __all__ = [
+    "CheckpointArgumentError",
     "CheckpointCorruptError",
     "CheckpointDamageWarning",
     "CheckpointDirectoryError",
@@ -44,6 +45,11 @@ _X64_HINT = (
 
 class CheckpointError(NnxSaveError):
     """Base class of every error raised by :mod:`nnx_save.checkpoint`."""
+
+
+class CheckpointArgumentError(CheckpointError, ValueError):
+    """An argument of a store call that cannot be recorded (a metric that is not a
+    real scalar, or too large for a float64); refused before anything is written."""
 
 
 class CheckpointCorruptError(CheckpointError, ValueError):

@@ -17,7 +17,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ._errors import UnsupportedCheckpointError
+from ..errors import short_repr
+from ._errors import CheckpointArgumentError, UnsupportedCheckpointError
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 
 __all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "library_versions"]
@@ -221,18 +222,23 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     """Metrics as ``{str: float}``; numbers and 0-d arrays are accepted, NaN kept.
 
     Raises:
-        ValueError: A key is not a str or a value is not a real scalar.
+        CheckpointArgumentError: A key is not a str, or a value is not a real scalar or
+            is too large for a float64 (a ``ValueError``).
     """
     out: dict[str, float] = {}
     for name, value in (metrics or {}).items():
         if not isinstance(name, str):
-            raise ValueError(f"metrics keys must be str, got {name!r}")
+            raise CheckpointArgumentError(f"metrics keys must be str, got {name!r}")
         if isinstance(value, bool) or getattr(value, "shape", ()) != ():
-            raise ValueError(f"metrics[{name!r}] must be a real scalar, got {value!r}")
+            raise CheckpointArgumentError(f"metrics[{name!r}] must be a real scalar, got {value!r}")
         try:
             out[name] = float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"metrics[{name!r}] must be a real scalar, got {value!r}") from None
+            raise CheckpointArgumentError(f"metrics[{name!r}] must be a real scalar, got {value!r}") from None
+        except OverflowError:  # an int past float64's range
+            raise CheckpointArgumentError(
+                f"metrics[{name!r}] = {short_repr(value)} is too large for a float64 metric"
+            ) from None
     return out
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..format._header import strict_json
 from ..format._units import human_bytes
 
 __all__ = ["main"]
@@ -117,8 +118,8 @@ def _shown_metadata(metadata: dict[str, str]) -> dict[str, str]:
     for k, v in metadata.items():
         if k == _CHECKSUMS:
             try:
-                v = f"<{len(json.loads(v))} xxh3_64 digests>"
-            except (ValueError, TypeError):
+                v = f"<{len(strict_json(v))} xxh3_64 digests>"  # type: ignore[arg-type]
+            except (ValueError, TypeError):  # not JSON, too deep, not a collection
                 v = "<malformed>"
         out[k] = v if len(v) <= 100 else v[:97] + "..."
     return out

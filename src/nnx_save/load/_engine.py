@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .. import _progress
-from ..errors import NnxSaveError, ShapeMismatchError
+from ..errors import HostMemoryError, NnxSaveError, ShapeMismatchError
 from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
@@ -55,7 +55,7 @@ from ._execute import Budget, LocalReader, Reader, aligned_empty, execute, pack_
 from ._options import LoadOptions
 from ._plan import FilePlan, Request, over_read_by_range, plan_file
 from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed, split_allowed_shapes
-from ._target import Target, shard_boxes
+from ._target import Target, check_device_dtype, shard_boxes
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
 
@@ -65,6 +65,20 @@ OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth
 
 class OverReadWarning(LoadWarning):
     """The automatic over-read ratio made this process read much more than it needed."""
+
+
+def _no_memory(file: str, dests: list[Dest]) -> HostMemoryError:
+    """The allocation of ``dests``' host buffers failed: name the largest tensor."""
+    biggest = max(dests, key=lambda d: d.nbytes)
+    total = sum(d.nbytes for d in dests)
+    return HostMemoryError(
+        f"{file}: cannot allocate host memory for tensor {biggest.key!r} ({human_bytes(biggest.nbytes)}; "
+        f"{human_bytes(total)} for the {len(dests)} buffer(s) read from this file); nothing was read from this file. Free memory, "
+        "raise the process's memory limit, or read the tensor in slices (safe_open(...).get_slice)",
+        file,
+        biggest.key,
+        biggest.nbytes,
+    )
 
 
 @dataclass
@@ -248,11 +262,13 @@ class Engine:
         """This file's requests (destinations numbered locally) and buffers, allocating
         destinations first touched here (adopted ones packed together)."""
         indices = self.by_file[file]
-        fresh = [i for i in indices if self.dests[i].buffer is None]
-        packed = iter(pack_buffers([self.dests[i].nbytes for i in fresh if self.dests[i].adopted]))
-        for i in fresh:
-            d = self.dests[i]
-            d.buffer = next(packed) if d.adopted else aligned_empty(d.nbytes)
+        fresh = [self.dests[i] for i in indices if self.dests[i].buffer is None]
+        try:
+            packed = iter(pack_buffers([d.nbytes for d in fresh if d.adopted]))
+            for d in fresh:
+                d.buffer = next(packed) if d.adopted else aligned_empty(d.nbytes)
+        except MemoryError:
+            raise _no_memory(file, fresh) from None
         requests = [
             request(piece, part, self.dests[i].box, local)
             for local, i in enumerate(indices)
@@ -524,6 +540,9 @@ def load_targets(
     )
     if strict:
         report.raise_or_warn(True)
+    for t in loadable:
+        source = header.tensors.get(t.sources[0]) if t.sources else None
+        check_device_dtype(t, source.file if source is not None else str(t.sources))
     bar = _progress_bar(header, loadable, report, progress)
     with _gc_paused():
         try:
