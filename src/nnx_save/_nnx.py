@@ -88,7 +88,12 @@ def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
     kind = _scalar_kind(value)
     if kind is not None:
         scalars[key] = kind
-        value = np.asarray(value, _SCALAR_DTYPES[kind])
+        try:
+            value = np.asarray(value, _SCALAR_DTYPES[kind])
+        except OverflowError:  # an int past int64
+            raise UnsupportedValueError(
+                f"{key}: the int {short_repr(value)} does not fit in {_SCALAR_DTYPES[kind]}", key
+            ) from None
     elif _is_key(value):
         rng[key] = str(jax.random.key_impl(value))
         value = jax.random.key_data(value)

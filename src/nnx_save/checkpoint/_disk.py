@@ -22,7 +22,12 @@ from etils import epath
 from ..save._write import _write_all, atomic_file
 from . import _orbax
 from ._agree import agree
-from ._errors import CheckpointDamageWarning, CheckpointLinkError, CheckpointRetentionError
+from ._errors import (
+    CheckpointDamageWarning,
+    CheckpointLinkError,
+    CheckpointRetentionError,
+    UnsupportedCheckpointError,
+)
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
 from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json
@@ -63,7 +68,10 @@ class Disk:
 
     def _adopt(self, data: Mapping[str, Any]) -> None:
         # Checked before the view is kept, so a refused store stays refused on every call.
-        recorded = None if data["record"] is None else parse_record(data["record"])
+        try:
+            recorded = None if data["record"] is None else parse_record(data["record"])
+        except UnsupportedCheckpointError as error:
+            raise UnsupportedCheckpointError(error.found, directory=self.path) from None
         given = self.given
         if recorded is not None and given is not None and given != recorded and not self.change_retention:
             raise CheckpointRetentionError(recorded.describe(), given.describe(), self.path)

@@ -48,8 +48,8 @@ class CheckpointError(NnxSaveError):
 
 
 class CheckpointArgumentError(CheckpointError, ValueError):
-    """An argument of a store call that cannot be recorded (a metric that is not a
-    real scalar, or too large for a float64); refused before anything is written."""
+    """An argument of a store call that is refused (a bad step, item name, epoch,
+    metric, ``extra`` value, retention argument); raised before anything is written."""
 
 
 class CheckpointCorruptError(CheckpointError, ValueError):
@@ -236,7 +236,7 @@ class UnsupportedCheckpointError(CheckpointError, ValueError):
 
 def _where(step: int | None, directory: str | None) -> str:
     if step is None:
-        return "the checkpoint record "
+        return f"{directory} " if directory else "the checkpoint record "
     return f"step {step}{f' in {directory}' if directory else ''} "
 
 

@@ -43,7 +43,7 @@ class Producer:
         for field in ("name", "version"):
             value = getattr(self, field)
             if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"Producer.{field} must be a non-empty str, got {value!r}")
+                raise CheckpointArgumentError(f"Producer.{field} must be a non-empty str, got {value!r}")
 
     def to_dict(self) -> dict[str, str]:
         """The JSON object stored in the metadata record."""
@@ -254,7 +254,7 @@ def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     extra = dict(extra or {})
     shadowed = sorted(k for k in extra if k in RESERVED_KEYS)
     if shadowed:
-        raise ValueError(
+        raise CheckpointArgumentError(
             f"extra keys {shadowed} shadow metadata fields; reserved: {', '.join(sorted(RESERVED_KEYS))}. "
             "Pass step, epoch, metrics and producer as save() arguments, or rename the key"
         )
@@ -266,15 +266,15 @@ def _check_json(where: str, value: Any) -> None:
     if isinstance(value, Mapping):
         for key, child in value.items():
             if not isinstance(key, str):
-                raise ValueError(f"{where}: key {key!r} is a {type(key).__name__}; JSON keys must be str")
+                raise CheckpointArgumentError(f"{where}: key {key!r} is a {type(key).__name__}; JSON keys must be str")
             _check_json(f"{where}/{key}", child)
     elif isinstance(value, (list, tuple)):
         for i, child in enumerate(value):
             _check_json(f"{where}/{i}", child)
     elif isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{where}: {value!r} is not a finite float; JSON cannot store it")
+        raise CheckpointArgumentError(f"{where}: {value!r} is not a finite float; JSON cannot store it")
     elif value is not None and not isinstance(value, (str, int, float, bool)):
-        raise ValueError(
+        raise CheckpointArgumentError(
             f"{where}: a {type(value).__name__} is not JSON data (str, int, float, bool, None, list, dict)"
         )
 
