@@ -24,12 +24,13 @@ SRC = pathlib.Path(nnx_save.__file__).resolve().parents[1]  # the child imports 
 
 CHILD = textwrap.dedent(
     """
-    import os, sys, time
+    import faulthandler, os, sys, time
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
     from nnx_save.checkpoint import OrbaxCheckpointStore
 
     directory, mode = sys.argv[1], sys.argv[2]
+    faulthandler.dump_traceback_later(40, exit=True)  # a hang shows every thread's stack
     finalize = ocp.CheckpointManager._finalize_checkpoint
 
     def slow_finalize(self, step):
@@ -47,7 +48,8 @@ CHILD = textwrap.dedent(
     if mode == "raise":
         raise RuntimeError("the training loop crashed")
     if mode == "sigterm":
-        time.sleep(60)
+        for _ in range(600):  # a loop running Python, as training does: a signal that reaches another
+            time.sleep(0.1)  # thread interrupts no sleep, Python runs the handler at the next bytecode
     """
 )
 
@@ -70,7 +72,7 @@ def _finish(child: subprocess.Popen[str]) -> tuple[int, str]:
         _, err = child.communicate(timeout=60)
     except subprocess.TimeoutExpired:
         child.kill()
-        pytest.fail(f"the child hung at exit: {child.communicate()[1][-2000:]}")
+        pytest.fail(f"the child hung at exit: {child.communicate()[1][-8000:]}")
     return child.returncode, err
 
 
