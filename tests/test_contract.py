@@ -271,7 +271,7 @@ def hostile_file(draw: st.DrawFn) -> tuple[dict[str, Any], bytes]:
     return header, data
 
 
-@settings(max_examples=40)
+@settings(max_examples=60)
 @given(hostile_file())
 def test_generated_headers_and_metadata_through_every_reader(tmp_path_factory, case):
     header, data = case
@@ -354,6 +354,38 @@ def test_a_dtype_jax_lacks_into_a_device_template_is_typed(tmp_path):
     path = _f6(tmp_path)
     template = {"w": jax.ShapeDtypeStruct((8,), ml_dtypes.float6_e2m3fn)}
     assert holds(lambda: nnx_save.load_file(path, abstract=template), str(path)) is None
+
+
+TORCH_FILES: dict[str, Callable[[], Any]] = {  # sparse and meta tensors: tests/test_cli.py (convert)
+    "bf16, int8, bool": lambda: {"a": _torch().arange(4, dtype=_torch().bfloat16), "b": _torch().tensor([1, -2],
+                                 dtype=_torch().int8), "c": _torch().tensor([True, False])},
+    "views sharing storage": lambda: (lambda t: {"whole": t, "row": t[1], "col": t[:, 2], "t": t.T})(
+        _torch().arange(12.0).reshape(3, 4)),
+    "a value that is not a tensor": lambda: {"w": _torch().ones(2), "step": 7},
+    "a nested training checkpoint": lambda: {"model": {"w": _torch().ones(2)}, "optimizer": {"lr": 0.1}},
+    "an empty state dict": lambda: {},
+    "not a dict": lambda: [_torch().ones(2)],
+}  # fmt: skip
+
+
+def _torch() -> Any:
+    return pytest.importorskip("torch")
+
+
+@pytest.mark.parametrize("name", TORCH_FILES)
+def test_convert_of_odd_torch_files_is_typed_or_exact(tmp_path, name):
+    torch, state = _torch(), TORCH_FILES[name]()
+    source, out = tmp_path / "pytorch_model.bin", tmp_path / "model.safetensors"
+    torch.save(state, source)
+    cli("convert", source, tmp_path / "cli.safetensors")
+    if holds(lambda: nnx_save.convert(source, out), str(source), "step", "model", "optimizer") is None:
+        return
+    loaded = nnx_save.load_file(out)
+    assert sorted(loaded) == sorted(state)
+    for key, tensor in state.items():
+        want = tensor.float().numpy() if tensor.dtype == torch.bfloat16 else tensor.numpy()
+        got = loaded[key].astype(np.float32) if tensor.dtype == torch.bfloat16 else loaded[key]
+        np.testing.assert_array_equal(got, want, err_msg=key)
 
 
 # ----------------------------------------------------------------------- writing odd values
