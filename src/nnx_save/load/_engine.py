@@ -446,9 +446,9 @@ def _gc_paused():
     """No cyclic garbage collection while the engine runs: it allocates tens of
     thousands of small objects (boxes, requests, shard lists), enough to trigger a
     full collection, and a full collection walks every live object of the process
-    (with jax imported, 130K: 0.11-0.14 s measured, a sixth of a 2.2 GB load). What
-    the engine allocates is freed by reference counting; the collector's previous
-    state is restored."""
+    (with jax imported, a noticeable share of a large load: docs/performance.md).
+    What the engine allocates is freed by reference counting; the collector's
+    previous state is restored."""
     enabled = gc.isenabled()
     gc.disable()
     try:
