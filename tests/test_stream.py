@@ -271,7 +271,7 @@ def test_options_choose_the_path_and_the_staging_memory(monkeypatch):
     monkeypatch.setenv("NNX_SAVE_STREAM", "1")
     assert opt.streaming("cpu")
     monkeypatch.setenv("NNX_SAVE_STREAM", "maybe")
-    with pytest.raises(ValueError, match=re.escape("NNX_SAVE_STREAM must be 1, 0 or auto, got 'maybe'")):
+    with pytest.raises(nnx_save.errors.ConfigError, match=re.escape("NNX_SAVE_STREAM='maybe': expected 1, 0 or auto")):
         opt.streaming("cpu")
     assert opt.staging_kind("gpu", ("device", "pinned_host")) == "pinned"
     assert opt.staging_kind("cpu", ("device", "pinned_host")) == "pageable"

@@ -29,10 +29,11 @@ from .errors import NnxSaveError, ShardingError, UnsupportedValueError, short_re
 from .format import _paths
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
-from .load._options import LoadOptions
+from .load._options import DEFAULT, LoadOptions, merge
 from .load._report import LoadReport, warn_single_device
 from .load._target import Target
 from .save import _background, _collective
+from .save._options import SaveOptions
 from .save._write import Entry
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
@@ -136,9 +137,10 @@ def save_model(
     filter: Any = ...,
     metadata: Mapping[str, str] | None = None,
     rules: Any = None,
-    max_shard_size: int | None = None,
-    progress: bool | None = None,
-    blocking: bool = True,
+    max_shard_size: int | None = DEFAULT,
+    progress: bool | None = DEFAULT,
+    blocking: bool = DEFAULT,
+    options: SaveOptions | None = None,
 ) -> _background.SaveHandle | None:
     """Save an NNX model's state (or the part ``filter`` selects) as safetensors.
 
@@ -164,6 +166,9 @@ def save_model(
         blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
             of the state is taken; the file is written in the background (see
             docs/async.md). Training on, donating the model's buffers, is safe.
+        options: a :class:`SaveOptions` (``max_shard_size``, ``progress`` and
+            ``blocking`` are its shortcuts: a keyword may set a field ``options``
+            leaves at its default).
 
     Every tensor's xxh3_64 checksum is recorded in ``__metadata__``.
 
@@ -171,6 +176,8 @@ def save_model(
         UnsupportedValueError: a string or ``None`` in the state (names the path).
         KeyPathError: ``/`` inside an attribute name.
         SaveError: the write failed; the previous file is intact.
+        OptionError: an option out of range, or given both as a keyword and in
+            ``options`` (names it).
 
     Examples:
         >>> from flax import nnx
@@ -180,6 +187,7 @@ def save_model(
         >>> sorted(nnx_save.read_header(path))
         ['bias', 'kernel']
     """
+    how = merge(SaveOptions, options, "save_model", locals())  # first: locals() are the arguments
     entries, rng, scalars = model_entries(model, filter)
     meta = model_metadata(metadata, rng, scalars)
     if rules is not None:
@@ -190,15 +198,15 @@ def save_model(
             meta["format"] = "pt"  # transformers refuses safetensors files without it
 
     def write(path: str | os.PathLike, entries: Sequence[Entry]) -> None:
-        if max_shard_size is not None:
+        if how.max_shard_size is not None:
             from .layouts._hf_index import write_sharded
 
-            write_sharded(path, entries, meta, max_shard_size)
+            write_sharded(path, entries, meta, how.max_shard_size)
         else:
             _collective.save(path, entries, meta)  # one process alone, or all of them together
 
-    with _progress.saving(progress):
-        return _background.save(path, entries, write, blocking=blocking)
+    with _progress.saving(how.progress):
+        return _background.save(path, entries, write, blocking=how.blocking)
 
 
 # --------------------------------------------------------------------------- loading
@@ -375,14 +383,15 @@ def load_model(
     allow_shape_mismatch: Sequence[str] = (),
     rules: Any = None,
     mesh: Any = None,
-    max_over_read_ratio: float | None = None,
-    read_chunk_bytes: int = 128 << 20,
-    max_inflight_bytes: int = 2 << 30,
-    num_threads: int | None = None,
-    verify: bool = False,
-    progress: bool | None = None,
-    stream: bool | None = None,
-    staging: str = "auto",
+    max_over_read_ratio: float | None = DEFAULT,
+    read_chunk_bytes: int = DEFAULT,
+    max_inflight_bytes: int = DEFAULT,
+    num_threads: int | None = DEFAULT,
+    verify: bool = DEFAULT,
+    progress: bool | None = DEFAULT,
+    stream: bool | None = DEFAULT,
+    staging: str = DEFAULT,
+    options: LoadOptions | None = None,
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.
 
@@ -412,6 +421,9 @@ def load_model(
         stream, staging: how bytes reach the devices: adopted host buffers on the
             CPU backend, a bounded pool of reused (pinned) staging buffers elsewhere,
             so host memory stays within ``max_inflight_bytes`` (see :func:`load_file`).
+        options: a :class:`LoadOptions` holding the settings above from
+            ``max_over_read_ratio`` on; those keywords are its shortcuts, each allowed
+            where ``options`` leaves its field at the default.
 
     Returns:
         ``(model, report)``.
@@ -425,6 +437,7 @@ def load_model(
         >>> report.clean, model.kernel.shape
         (True, (2, 3))
     """
+    how = merge(LoadOptions, options, "load_model", locals())  # first: locals() are the arguments
     header = read_header(source)
     meta = _file_meta(header)
     graphdef, full_state, is_builder, scalars = _abstract(model_or_builder, mesh)
@@ -443,7 +456,7 @@ def load_model(
     values, report = load_targets(
         header,
         target_list,
-        LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging),
+        how,
         strict=strict,
         allow_missing=allow_missing,
         allow_unexpected=allow_unexpected,
@@ -451,7 +464,7 @@ def load_model(
         ignore_unexpected=ignore,
         renamed=renamed,
         open_reader=reader_factory(header),
-        progress=progress,
+        progress=how.progress,
     )
     if is_builder:
         # Leaves the file lacks, and those the filter left out, get their initial

@@ -9,14 +9,15 @@ from typing import Any
 import numpy as np
 
 from . import _progress
-from .errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
+from .errors import KeyPathError, NnxSaveError, OptionError, ShapeMismatchError, UnsupportedValueError, short_repr
 from .format import _dtypes, _paths
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
-from .load._options import LoadOptions
+from .load._options import DEFAULT, LoadOptions, merge
 from .load._report import LoadReport, ShapeMismatch, matches_any, warn_single_device
 from .load._target import Target
 from .save import _background, _collective
+from .save._options import SaveOptions
 from .save._stage import HostValue
 from .save._write import Entry
 
@@ -104,8 +105,9 @@ def save_file(
     path: PathLike,
     *,
     metadata: Mapping[str, str] | None = None,
-    progress: bool | None = None,
-    blocking: bool = True,
+    progress: bool | None = DEFAULT,
+    blocking: bool = DEFAULT,
+    options: SaveOptions | None = None,
 ) -> _background.SaveHandle | None:
     """Save a pytree of arrays as one ``.safetensors`` file, atomically.
 
@@ -125,6 +127,8 @@ def save_file(
         blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
             of every tensor is taken; the file is written in the background (see
             docs/async.md). Donating the saved arrays afterwards is safe.
+        options: a :class:`SaveOptions` (``progress`` and ``blocking`` are its
+            shortcuts: a keyword may set a field ``options`` leaves at its default).
 
     Every tensor's xxh3_64 checksum is recorded in ``__metadata__``
     (``nnx_save.checksums``); ``load_file(..., verify=True)`` checks it.
@@ -133,6 +137,8 @@ def save_file(
         UnsupportedValueError: a leaf that is not an array (names its path).
         KeyPathError: a key containing ``/``, or two paths making the same key.
         SaveError: the write failed; the previous file at ``path`` is intact.
+        OptionError: an option out of range, or given both as a keyword and in
+            ``options`` (names it).
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
@@ -141,13 +147,16 @@ def save_file(
         >>> sorted(nnx_save.load_file(path))
         ['layers/0/w']
     """
+    how = merge(SaveOptions, options, "save_file", locals())  # first: locals() are the arguments
+    if how.max_shard_size is not None:
+        raise OptionError("save_file writes one file: max_shard_size is for save_model", "max_shard_size")
     pairs, _ = flatten(tree)
     _paths.check_unique(p for p, _ in pairs)
     entries = [leaf_entry(p, v) for p, v in pairs]
     check_metadata(metadata)
     meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
-    with _progress.saving(progress):  # one process alone, or all of them together
-        return _background.save(path, entries, lambda p, es: _collective.save(p, es, meta), blocking=blocking)
+    with _progress.saving(how.progress):  # one process alone, or all of them together
+        return _background.save(path, entries, lambda p, es: _collective.save(p, es, meta), blocking=how.blocking)
 
 
 def check_metadata(metadata: Any) -> None:
@@ -253,15 +262,16 @@ def load_file(
     allow_missing: Sequence[str] = (),
     allow_unexpected: Sequence[str] = (),
     allow_shape_mismatch: Sequence[str] = (),
-    max_over_read_ratio: float | None = None,
-    read_chunk_bytes: int = 128 << 20,
-    max_inflight_bytes: int = 2 << 30,
-    num_threads: int | None = None,
+    max_over_read_ratio: float | None = DEFAULT,
+    read_chunk_bytes: int = DEFAULT,
+    max_inflight_bytes: int = DEFAULT,
+    num_threads: int | None = DEFAULT,
     return_report: bool = False,
-    verify: bool = False,
-    progress: bool | None = None,
-    stream: bool | None = None,
-    staging: str = "auto",
+    verify: bool = DEFAULT,
+    progress: bool | None = DEFAULT,
+    stream: bool | None = DEFAULT,
+    staging: str = DEFAULT,
+    options: LoadOptions | None = None,
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
 
@@ -298,6 +308,9 @@ def load_file(
         staging: the streaming path's staging memory: ``"pinned"`` (page-locked,
             jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
             (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
+        options: a :class:`LoadOptions` holding the settings above from
+            ``max_over_read_ratio`` on (except ``return_report``); those keywords are
+            its shortcuts, each allowed where ``options`` leaves its field at the default.
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
@@ -309,6 +322,8 @@ def load_file(
             that no ``allow_shape_mismatch`` pattern (with an array to keep) accepts;
             raised before any read.
         ChecksumError: ``verify=True`` and a tensor's bytes do not match its checksum.
+        OptionError: an option out of range, or given both as a keyword and in
+            ``options`` (names it).
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
@@ -317,10 +332,10 @@ def load_file(
         >>> nnx_save.load_file(path)["w"]
         array([0., 1., 2., 3.], dtype=float32)
     """
+    how = merge(LoadOptions, options, "load_file", locals())  # first: locals() are the arguments
     import jax
 
     header = read_header(source)
-    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging)
 
     def load(targets: list[Target]) -> tuple[dict[str, Any], LoadReport]:
         return load_targets(
@@ -332,7 +347,7 @@ def load_file(
             allow_missing=allow_missing,
             allow_unexpected=allow_unexpected,
             allow_shape_mismatch=allow_shape_mismatch,
-            progress=progress,
+            progress=how.progress,
         )
 
     if abstract is None:

@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 from jax._src import distributed  # the only handle on the coordination service's key-value store
 
+from .. import _config
 from ._errors import CheckpointSyncError
 
 __all__ = ["TIMEOUT_ENV", "agree"]
 
-TIMEOUT_ENV = "NNX_SAVE_STORE_TIMEOUT_S"
-_DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = _config.STORE_TIMEOUT_S.name
 _SEQUENCE = itertools.count()  # every process numbers its decisions the same way
 
 T = TypeVar("T")
@@ -35,7 +34,7 @@ T = TypeVar("T")
 
 def timeout_s() -> float:
     """How long a process waits for process 0's decision (``NNX_SAVE_STORE_TIMEOUT_S``)."""
-    return float(os.environ.get(TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
+    return _config.STORE_TIMEOUT_S.get()
 
 
 def agree(name: str, decide: Callable[[], T]) -> T:

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from .. import _progress
-from ..errors import NnxSaveError, ShapeMismatchError
+from ..errors import NnxSaveError, OverReadWarning, ShapeMismatchError
 from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
@@ -54,17 +54,13 @@ from ._assemble import held_dtype, host_view, place, place_whole
 from ._execute import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._plan import FilePlan, Request, over_read_by_range, plan_file
-from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed, split_allowed_shapes
+from ._report import DtypeCast, LoadReport, ShapeMismatch, split_allowed, split_allowed_shapes
 from ._target import Target, shard_boxes
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
 
 log = logging.getLogger("nnx_save")
 OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning
-
-
-class OverReadWarning(LoadWarning):
-    """The automatic over-read ratio made this process read much more than it needed."""
 
 
 @dataclass

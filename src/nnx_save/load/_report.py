@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import ml_dtypes
 import numpy as np
 
-from ..errors import LoadError
+from ..errors import LoadError, LoadWarning, LossyCastWarning, SingleDeviceWarning
 
 __all__ = [
     "DtypeCast",
@@ -35,10 +35,6 @@ __all__ = [
 ]
 
 
-class LoadWarning(UserWarning):
-    """A load finished with mismatches (missing, unexpected, cast ...); see its report."""
-
-
 @dataclass(frozen=True)
 class ShapeMismatch:
     path: str
@@ -49,11 +45,6 @@ class ShapeMismatch:
     def __str__(self) -> str:
         src = f" (file key {self.file_key!r})" if self.file_key and self.file_key != self.path else ""
         return f"{self.path}: shape {self.model_shape} in the model, {self.file_shape} in the file{src}"
-
-
-class SingleDeviceWarning(LoadWarning):
-    """A process with several devices loaded arrays that had no sharding: all of them
-    landed on its first device."""
 
 
 def warn_single_device(paths: Sequence[str], devices: Sequence[object], fix: str, stacklevel: int) -> None:
@@ -67,11 +58,6 @@ def warn_single_device(paths: Sequence[str], devices: Sequence[object], fix: str
         f"process has {len(devices)} devices. {fix}"
     )
     warnings.warn(message, SingleDeviceWarning, stacklevel=stacklevel + 1)
-
-
-class LossyCastWarning(LoadWarning):
-    """A load cast values to a dtype that cannot hold them all (float to int, a
-    narrower float or int): the loaded values differ from the file's."""
 
 
 def is_lossy(source: str, target: str) -> bool:

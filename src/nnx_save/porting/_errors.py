@@ -1,28 +1,17 @@
-"""The porting errors: all :class:`~nnx_save.errors.NnxSaveError`.
-
-They live here rather than in ``nnx_save.errors`` only because this package was
-written alongside the core; each one names the rule, the key, what was expected and
-what was found.
+"""The porting errors, for the porting modules: defined, and documented, in the public
+:mod:`nnx_save.errors`; ``nnx_save.porting`` re-exports them under the same names.
 """
 
 from __future__ import annotations
 
-from ..errors import NnxSaveError, ShapeMismatchError
+from ..errors import NotInvertibleError as NotInvertibleError
+from ..errors import RuleConflictError as RuleConflictError
+from ..errors import RuleError as RuleError
+from ..errors import RuleShapeError as RuleShapeError
 
-__all__ = ["NotInvertibleError", "RuleConflictError", "RuleError", "RuleShapeError"]
-
-
-class RuleError(NnxSaveError, ValueError):
-    """A rule is malformed, or the tensors it matches do not fit it."""
-
-
-class RuleConflictError(RuleError):
-    """A file tensor feeds two rules, or two rules produce the same target."""
-
-
-class RuleShapeError(RuleError, ShapeMismatchError):
-    """A tensor's shape does not fit the rule that transforms it."""
-
-
-class NotInvertibleError(RuleError):
-    """A rule has no automatic inverse; pass ``inverse=`` to give one."""
+__all__ = [
+    "NotInvertibleError",
+    "RuleConflictError",
+    "RuleError",
+    "RuleShapeError",
+]

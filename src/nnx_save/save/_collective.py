@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _config
 from ..errors import SaveError
 from ..format import _checksum, _dtypes
 from ..format._header import encode_header
@@ -66,8 +67,7 @@ from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, writ
 
 __all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "save", "write_collective"]
 
-TIMEOUT_ENV = "NNX_SAVE_COLLECTIVE_TIMEOUT_S"
-_DEFAULT_TIMEOUT_S = 1800.0
+TIMEOUT_ENV = _config.COLLECTIVE_TIMEOUT_S.name
 _HASH_CHUNK = 64 << 20
 _SAVES = itertools.count()  # every process saves in the same order (SPMD), so ids agree
 
@@ -148,7 +148,7 @@ def _allgather(value: str | None) -> dict[int, str]:
 
 
 def _timeout() -> float:
-    return float(os.environ.get(TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
+    return _config.COLLECTIVE_TIMEOUT_S.get()
 
 
 def save(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:

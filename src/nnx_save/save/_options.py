@@ -1,0 +1,46 @@
+"""How a save runs: one public, frozen :class:`SaveOptions`, validated when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..load._options import check, is_int
+
+__all__ = ["SaveOptions"]
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save runs: the settings of :func:`~nnx_save.save_file` and
+    :func:`~nnx_save.save_model` (each also a keyword of theirs).
+
+    Attributes:
+        progress: a progress bar on stderr when it is a terminal: ``None`` above
+            ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
+        blocking: ``False`` returns a :class:`~nnx_save.SaveHandle` once a host
+            snapshot is taken and writes in the background (docs/async.md).
+        max_shard_size: write a HuggingFace multi-file checkpoint (a directory with
+            ``model.safetensors.index.json``) of files of at most this many bytes
+            (``save_model`` only, for now).
+
+    Raises:
+        OptionError: a field out of range or of the wrong type (names it).
+
+    Examples:
+        >>> SaveOptions(blocking=False).blocking
+        False
+        >>> SaveOptions(max_shard_size=0)
+        Traceback (most recent call last):
+        ...
+        nnx_save.errors.OptionError: max_shard_size must be a positive int (bytes), got 0
+    """
+
+    progress: bool | None = None
+    blocking: bool = True
+    max_shard_size: int | None = None
+
+    def __post_init__(self) -> None:
+        check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
+        check(isinstance(self.blocking, bool), "blocking", "True or False", self.blocking)
+        size = self.max_shard_size
+        check(size is None or is_int(size, 1), "max_shard_size", "a positive int (bytes)", size)
