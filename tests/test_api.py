@@ -206,3 +206,8 @@ def test_store_arguments_are_typed_errors():
 
     with pytest.raises(OptionError, match=re.escape("Retention.mode must be 'min' or 'max', got 'mid'")):
         Retention(best=1, metric="loss", mode="mid")
+
+
+def test_a_bad_shard_size_for_convert_is_a_typed_error(saved, tmp_path):
+    with pytest.raises(OptionError, match=re.escape("max_shard_size must be positive, got 0")):
+        nnx_save.convert(saved, tmp_path / "split", max_shard_size=0)

@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from ..errors import OptionError
 from ._errors import UnsupportedCheckpointError
 
 __all__ = ["STORE_RECORD", "Retention", "StepInfo", "doomed"]
@@ -57,23 +58,23 @@ class Retention:
         for name in ("latest", "best", "every"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"Retention.{name} must be an int >= 1 or None, got {value!r}")
+                raise OptionError(f"Retention.{name} must be an int >= 1 or None, got {value!r}")
         if self.newer_than is not None and (
             isinstance(self.newer_than, bool)
             or not isinstance(self.newer_than, (int, float))
             or not self.newer_than > 0
         ):
-            raise ValueError(
+            raise OptionError(
                 f"Retention.newer_than must be a positive number of seconds or None, got {self.newer_than!r}"
             )
         if self.mode not in ("min", "max"):
-            raise ValueError(f"Retention.mode must be 'min' or 'max', got {self.mode!r}")
+            raise OptionError(f"Retention.mode must be 'min' or 'max', got {self.mode!r}")
         if (self.best is None) != (self.metric is None):
-            raise ValueError(
+            raise OptionError(
                 f"Retention.best and Retention.metric go together, got best={self.best!r}, metric={self.metric!r}"
             )
         if self.metric is not None and (not isinstance(self.metric, str) or not self.metric):
-            raise ValueError(f"Retention.metric must be a non-empty str, got {self.metric!r}")
+            raise OptionError(f"Retention.metric must be a non-empty str, got {self.metric!r}")
 
     @classmethod
     def keep_all(cls) -> Retention:

@@ -18,7 +18,7 @@ from typing import Any, Literal, Self
 
 from etils import epath
 
-from ..errors import NnxSaveError
+from ..errors import NnxSaveError, OptionError
 from ..load._report import DtypeCast
 from . import _orbax
 from ._args import check_items, check_step, new_metadata, restore_names
@@ -57,14 +57,14 @@ def _given_retention(max_to_keep: int | _Unset | None, retention: Retention | No
     """The policies the caller asked for, or None when they asked for none."""
     if isinstance(max_to_keep, _Unset):
         if retention is not None and not isinstance(retention, Retention):
-            raise ValueError(f"retention must be a Retention or None, got {retention!r}")
+            raise OptionError(f"retention must be a Retention or None, got {retention!r}")
         return retention
     if retention is not None:
-        raise ValueError("pass max_to_keep or retention, not both (max_to_keep=N is Retention(latest=N))")
+        raise OptionError("pass max_to_keep or retention, not both (max_to_keep=N is Retention(latest=N))")
     if max_to_keep is not None and (
         isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
     ):
-        raise ValueError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
+        raise OptionError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
     return Retention(latest=max_to_keep)
 
 
@@ -132,7 +132,7 @@ class OrbaxCheckpointStore:
     ) -> None:
         self._directory = store_location("directory", directory)
         if not is_url(str(self._directory)) and self._directory.exists() and not self._directory.is_dir():
-            raise ValueError(f"checkpoint directory {self._directory} exists and is not a directory")
+            raise OptionError(f"checkpoint directory {self._directory} exists and is not a directory")
         self._given = _given_retention(max_to_keep, retention)
         self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)
         self._schedule = SaveSchedule(save_interval_steps, save_interval_seconds)
@@ -210,7 +210,7 @@ class OrbaxCheckpointStore:
 
     def _open(self) -> None:
         if self._closed:
-            raise ValueError(f"{self!r} is closed")
+            raise OptionError(f"{self!r} is closed")
         self._disk.load()
 
     def _reader(self) -> Any:
@@ -302,7 +302,7 @@ class OrbaxCheckpointStore:
                 ``metric``.
         """
         if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+            raise OptionError(f"mode must be 'min' or 'max', got {mode!r}")
         steps = self.list_steps()
         if not steps:
             return None
@@ -310,7 +310,7 @@ class OrbaxCheckpointStore:
         best = ranked(infos, metric, mode)
         if not best:
             recorded = sorted({name for info in infos for name in info.metrics})
-            raise ValueError(
+            raise OptionError(
                 f"no checkpoint in {self._directory} records a value for metric {metric!r}; "
                 f"recorded metrics: {', '.join(recorded) or 'none'}"
             )

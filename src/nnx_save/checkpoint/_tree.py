@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..errors import KeyPathError, UnsupportedValueError
+from ..errors import KeyPathError, OptionError, UnsupportedValueError
 from ..format import _paths
 from ..format._paths import format_path
 from ._errors import UnsupportedCheckpointError
@@ -89,7 +89,7 @@ def check_item(name: str, tree: Any) -> None:
             ``{"a": {"b": y}}``), so one would silently overwrite the other.
     """
     if name not in ITEM_NAMES:
-        raise ValueError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
+        raise OptionError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
     names: dict[str, Path] = {}
     for path, leaf in flatten(tree):
         _check_leaf(name, path, leaf)

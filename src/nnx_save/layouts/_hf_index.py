@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ..errors import OptionError
 from ..format import _dtypes
 from ..save._write import Entry, _write_all, atomic_file, commit_staged, discard_staged, order_entries, write_file
 from ._sources import INDEX_NAME
@@ -34,7 +35,7 @@ def shard_groups(entries: Sequence[Entry], max_shard_size: int) -> list[list[Ent
     """Pack entries in order into groups of at most ``max_shard_size`` bytes (a
     tensor larger than the limit gets a file of its own, as transformers does)."""
     if max_shard_size <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+        raise OptionError(f"max_shard_size must be positive, got {max_shard_size}", "max_shard_size")
     groups: list[list[Entry]] = [[]]
     size = 0
     for e in entries:

@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import OptionError
+
 __all__ = [
     "AUTO_MAX_READS",
     "PAGE_GAP",
@@ -373,9 +375,9 @@ def plan_file(
         (96, 96, 1)
     """
     if max_over_read_ratio is not None and not max_over_read_ratio >= 1.0:
-        raise ValueError(f"max_over_read_ratio must be >= 1.0, got {max_over_read_ratio}")
+        raise OptionError(f"max_over_read_ratio must be >= 1.0, got {max_over_read_ratio}", "max_over_read_ratio")
     if chunk_bytes <= 0:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        raise OptionError(f"chunk_bytes must be positive, got {chunk_bytes}", "chunk_bytes")
     runs = _gather_runs(requests)
     offset, length = runs[0], runs[1]
     end = offset + length
