@@ -211,3 +211,10 @@ def test_store_arguments_are_typed_errors():
 def test_a_bad_shard_size_for_convert_is_a_typed_error(saved, tmp_path):
     with pytest.raises(OptionError, match=re.escape("max_shard_size must be positive, got 0")):
         nnx_save.convert(saved, tmp_path / "split", max_shard_size=0)
+
+
+def test_safe_open_refuses_a_bad_setting_when_opened(saved):
+    with pytest.raises(OptionError, match=re.escape("num_threads must be at least 1, got 0")):
+        nnx_save.safe_open(saved, num_threads=0)  # before: a ValueError at the first read
+    with pytest.raises(OptionError, match=re.escape("max_over_read_ratio must be >= 1.0, got 0.5")):
+        nnx_save.safe_open(saved, max_over_read_ratio=0.5)

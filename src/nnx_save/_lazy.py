@@ -125,8 +125,11 @@ class LazyCheckpoint:
                 f"safe_open: framework {framework!r}: this handle gives numpy arrays ('np'); "
                 "use jax.device_put on them, or load_file / load_model for sharded jax arrays"
             )
+        # built here so that a bad setting is refused where it is given, not at the first read
+        self._options = LoadOptions(
+            max_over_read_ratio=max_over_read_ratio, max_inflight_bytes=max_inflight_bytes, num_threads=num_threads
+        )
         self._header: Header | None = read_header(source)
-        self._ratio, self._inflight, self._threads = max_over_read_ratio, max_inflight_bytes, num_threads
         self.io = IOStats()  # every read through this handle, summed
 
     @property
@@ -182,7 +185,7 @@ class LazyCheckpoint:
         values, report = load_targets(
             header,
             targets,
-            LoadOptions(max_over_read_ratio=self._ratio, max_inflight_bytes=self._inflight, num_threads=self._threads),
+            self._options,
             ignore_unexpected=frozenset(header.tensors),  # a handle reads what it is asked for, nothing is "unexpected"
             open_reader=reader_factory(header),
             warn=False,
@@ -227,6 +230,7 @@ def safe_open(
     Raises:
         HeaderError: a malformed checkpoint (nothing is read past the headers).
         SliceError: an unknown key, or an index that is not ints and slices.
+        OptionError: a setting out of range (names it), before anything is read.
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
