@@ -8,7 +8,7 @@ another changed it: one then waits at a barrier the other never reaches. So such
 decision is computed by process 0 alone and read by the others from the JAX
 coordination service's key-value store, in call order (the ``n``-th decision of one
 process is the ``n``-th of every other); a process that asks a different question
-than process 0 answered gets a :class:`~._errors.CheckpointSyncError`, not a hang.
+than process 0 answered gets a :class:`~nnx_save.errors.CheckpointSyncError`, not a hang.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax
 from jax._src import distributed  # the only handle on the coordination service's key-value store
 
 from .. import _config
-from ._errors import CheckpointSyncError
+from ..errors import CheckpointSyncError
 
 __all__ = ["TIMEOUT_ENV", "agree"]
 

@@ -6,8 +6,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..errors import OptionError
-from ._errors import CheckpointItemError
+from ..errors import CheckpointItemError, OptionError
 from ._format import ITEM_NAMES
 from ._metadata import CheckpointMetadata, Producer, check_extra, check_metrics, library_versions, utc_now
 from ._tree import check_item

@@ -17,8 +17,7 @@ from typing import Any
 
 from etils import epath
 
-from ..errors import OptionError, UnsupportedValueError
-from ._errors import CheckpointDirectoryError
+from ..errors import CheckpointDirectoryError, OptionError, UnsupportedValueError
 
 __all__ = ["CLOUD_SCHEMES", "absolute_dir", "is_url", "resolve_checkpoint_dir", "store_location"]
 

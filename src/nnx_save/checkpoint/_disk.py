@@ -17,9 +17,9 @@ from typing import Any
 
 from etils import epath
 
+from ..errors import CheckpointDamageWarning, CheckpointRetentionError
 from . import _orbax
 from ._agree import agree
-from ._errors import CheckpointDamageWarning, CheckpointRetentionError
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
 from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json

@@ -17,8 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import OptionError
-from ._errors import UnsupportedCheckpointError
+from ..errors import OptionError, UnsupportedCheckpointError
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 
 __all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "library_versions"]

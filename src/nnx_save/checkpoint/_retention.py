@@ -15,8 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from ..errors import OptionError
-from ._errors import UnsupportedCheckpointError
+from ..errors import OptionError, UnsupportedCheckpointError
 
 __all__ = ["STORE_RECORD", "Retention", "StepInfo", "doomed"]
 

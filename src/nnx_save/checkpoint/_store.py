@@ -18,18 +18,19 @@ from typing import Any, Literal, Self
 
 from etils import epath
 
-from ..errors import NnxSaveError, OptionError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointNotWrittenError,
+    CheckpointWriteError,
+    NnxSaveError,
+    OptionError,
+)
 from ..load._report import DtypeCast
 from . import _orbax
 from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import Location, is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
-from ._errors import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    CheckpointNotWrittenError,
-    CheckpointWriteError,
-)
 from ._guard import check_restored, check_template_dtypes
 from ._health import corrupt_from, looks_damaged
 from ._metadata import CheckpointMetadata, Producer

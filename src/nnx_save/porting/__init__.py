@@ -107,6 +107,10 @@ __all__ = [
     "unstack",
 ]
 
+from ..errors import NotInvertibleError as NotInvertibleError
+from ..errors import RuleConflictError as RuleConflictError
+from ..errors import RuleError as RuleError
+from ..errors import RuleShapeError as RuleShapeError
 from ._constructors import concat as concat
 from ._constructors import ignore as ignore
 from ._constructors import rename as rename
@@ -117,10 +121,6 @@ from ._constructors import transpose as transpose
 from ._constructors import unstack as unstack
 from ._coverage import Coverage as Coverage
 from ._coverage import coverage as coverage
-from ._errors import NotInvertibleError as NotInvertibleError
-from ._errors import RuleConflictError as RuleConflictError
-from ._errors import RuleError as RuleError
-from ._errors import RuleShapeError as RuleShapeError
 from ._hf import TORCH_LINEAR_AXES as TORCH_LINEAR_AXES
 from ._hf import hf_conv1d as hf_conv1d
 from ._hf import torch_batch_norm as torch_batch_norm

@@ -23,7 +23,7 @@ from typing import Literal, TypeGuard
 
 import numpy as np
 
-from ._errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError
+from ..errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError
 from ._rules import (
     ConcatRule,
     ConstantRule,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ._errors import NotInvertibleError, RuleError
+from ..errors import NotInvertibleError, RuleError
 from ._template import Template, check_refs, compile_pattern, invert
 from ._template import raw as _raw
 from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
