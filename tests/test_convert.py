@@ -131,16 +131,16 @@ def test_torchscript_code_in_the_pickle_is_never_run(capsys, tmp_path):
 
 
 def test_torchscript_tensor_outside_its_storage_is_refused(tmp_path):
-    # a module whose one buffer claims 4 elements of a 2-element storage
+    # a module whose one buffer claims elements 1 and 2 of a 2-element storage
     storage = b"(X\x07\x00\x00\x00storagectorch\nFloatStorage\nX\x01\x00\x00\x000X\x03\x00\x00\x00cpuK\x02tQ"
-    tensor = b"ctorch._utils\n_rebuild_tensor_v2\n(" + storage + b"K\x00K\x04\x85K\x01\x85\x89)tR"
+    tensor = b"ctorch._utils\n_rebuild_tensor_v2\n(" + storage + b"K\x01K\x02\x85K\x01\x85\x89)tR"
     data = b"\x80\x02c__torch__\nNet\n)\x81}(X\x01\x00\x00\x00b" + tensor + b"ub."
     _archive(tmp_path / "bad.pt", data, 'class Net(Module):\n  __parameters__ = []\n  __buffers__ = ["b", ]\n')
     with zipfile.ZipFile(tmp_path / "bad.pt", "a") as z:
         z.writestr("net/data/0", np.zeros(2, np.float32).tobytes())
     with pytest.raises(
         nnx_save.ConvertError,
-        match=re.escape("b: shape [4], strides [1] at offset 0 reach element 3 of a storage of 2"),
+        match=re.escape("b: shape [2], strides [1] at offset 1 reach element 2 of a storage of 2"),
     ):
         nnx_save.convert(tmp_path / "bad.pt", tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()
@@ -159,6 +159,37 @@ def test_torchscript_quantized_tensor_is_refused_with_the_recipe(tmp_path):
         "'q.state_dict.pt') (dequantize() / to_dense() what is not), then: nnx-save convert q.state_dict.pt "
         "q.safetensors"
     )
+
+
+def test_mutated_torchscript_archives_fail_typed(scripted, tmp_path):
+    """Random bytes of data.pkl changed (the zip rebuilt around them, CRCs valid) or of
+    the archive itself: every conversion either succeeds or raises NnxSaveError."""
+    src, _ = scripted
+    with zipfile.ZipFile(src) as z:
+        members = {info.filename: z.read(info) for info in z.infolist()}
+    pkl = next(n for n in members if n.endswith("/data.pkl"))
+    raw = src.read_bytes()
+    rng = np.random.default_rng(0)
+    outcomes = {"converted": 0, "refused": 0}
+    for i in range(150):
+        path = tmp_path / f"m{i}.pt"
+        if i % 3:
+            data = bytearray(members[pkl])
+            for at in rng.integers(0, len(data), size=int(rng.integers(1, 4))):
+                data[at] = int(rng.integers(0, 256))
+            with zipfile.ZipFile(path, "w") as z:
+                for name, body in members.items():
+                    z.writestr(name, bytes(data) if name == pkl else body)
+        else:
+            data = bytearray(raw)
+            data[int(rng.integers(0, len(data)))] ^= 0xFF
+            path.write_bytes(bytes(data))
+        try:
+            nnx_save.convert(path, tmp_path / "o.safetensors")
+            outcomes["converted"] += 1
+        except nnx_save.NnxSaveError:
+            outcomes["refused"] += 1
+    assert outcomes["refused"] > 50 and sum(outcomes.values()) == 150
 
 
 def test_data_pickle_reader_builds_data_only():
@@ -232,15 +263,34 @@ def test_store_optimizer_item_through_the_python_api(store, tmp_path):
     [
         ("sparse", "enc.w: a sparse_coo tensor; make it dense in torch first (tensor.to_dense())"),
         ("meta", "enc.w: a meta tensor (shape [2, 3], torch.float32: no data, only a shape), nothing to convert"),
+        ("nested", "enc.w: a nested (ragged) tensor; unbind it in torch first (tensor.unbind())"),
     ],
 )
 def test_convert_refuses_sparse_and_meta_tensors_by_key(capsys, tmp_path, tensor, what):
     import torch
 
-    value = torch.ones(2, 3).to_sparse() if tensor == "sparse" else torch.empty(2, 3, device="meta")
+    if tensor == "nested":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch: nested tensors are a prototype
+            value = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    else:
+        value = torch.ones(2, 3).to_sparse() if tensor == "sparse" else torch.empty(2, 3, device="meta")
     src = tmp_path / "sd.pt"
     torch.save({"enc": {"w": value}, "b": torch.ones(1)}, src)
     code, out, err = cli(capsys, "convert", src, tmp_path / "o.safetensors")
     assert (code, out) == (2, "")
     assert err == f"nnx-save: error: {src}: {what}; convert takes dense tensors with data\n"
     assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_convert_resolves_lazy_conj_and_neg_bits(tmp_path):
+    import torch
+
+    src = tmp_path / "lazy.pt"
+    conj, neg = torch.tensor([1 + 2j, 3 - 1j]).conj(), torch.tensor([1 + 2j, 3 - 1j]).conj().imag
+    assert conj.is_conj() and neg.is_neg()
+    torch.save({"conj": conj, "neg": neg}, src)  # views with torch's lazy conj / neg bit set
+    nnx_save.convert(src, tmp_path / "o.safetensors")
+    loaded = nnx_save.load_file(tmp_path / "o.safetensors")
+    np.testing.assert_array_equal(loaded["conj"], np.array([1 - 2j, 3 + 1j], np.complex64))
+    np.testing.assert_array_equal(loaded["neg"], np.array([-2.0, 1.0], np.float32))

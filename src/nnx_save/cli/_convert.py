@@ -1,11 +1,13 @@
-"""Conversion to safetensors: PyTorch state dicts, Orbax checkpoints, safetensors.
+"""Conversion to safetensors: PyTorch state dicts, TorchScript archives, Orbax
+checkpoints, safetensors.
 
 :func:`convert` is what ``nnx-save convert`` runs. Sources are told apart by their
 bytes (:mod:`~nnx_save.format._formats`), never by unpickling: PyTorch files load with
-``torch.load(weights_only=True)`` (torch is imported only then), Orbax directories
-through :mod:`nnx_save.checkpoint` (the one home of orbax), and safetensors sources
-are read one tensor at a time, checksums verified, so memory stays bounded by the
-largest tensor.
+``torch.load(weights_only=True)`` (torch is imported only then), TorchScript archives
+are read as data (:mod:`._torchscript`: no torch, none of their code run), Orbax
+directories through :mod:`nnx_save.checkpoint` (the one home of orbax), and
+safetensors sources are read one tensor at a time, checksums verified, so memory
+stays bounded by the largest tensor.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def convert(
 
     Args:
         source: a PyTorch ``.bin`` / ``.pt`` / ``.pth`` file (a state dict of tensors),
-            an Orbax PyTree checkpoint directory, or a safetensors file or directory.
+            a TorchScript archive (its parameters and buffers, keyed as its
+            ``state_dict()``), an Orbax PyTree checkpoint directory or one item of an
+            ``OrbaxCheckpointStore`` step (keyed as ``save_model`` keys a model, so
+            ``load_model`` reads it), or a safetensors file or directory.
         output: a ``.safetensors`` file, or with ``max_shard_size`` a directory that
             gets HuggingFace-style ``model-0000i-of-0000n.safetensors`` files and an index.
         max_shard_size: the most bytes per file (splits the checkpoint over files).
@@ -271,6 +276,8 @@ def _not_dense(t: Any) -> str | None:
     """What keeps a torch tensor from having a plain array form, or ``None``."""
     import torch
 
+    if t.is_nested:
+        return "a nested (ragged) tensor; unbind it in torch first (tensor.unbind())"
     if t.is_meta:
         return f"a meta tensor (shape {list(t.shape)}, {t.dtype}: no data, only a shape), nothing to convert"
     if t.layout != torch.strided:
@@ -287,7 +294,7 @@ def _torch_to_numpy(t: Any, key: str, path: Path) -> np.ndarray:
     problem = _not_dense(t)
     if problem:
         raise ConvertError(f"{path}: {key}: {problem}; convert takes dense tensors with data")
-    t = t.detach().cpu().contiguous()
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()  # lazy conj / neg bits: their values
     views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
     for name, np_name in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
         if hasattr(torch, name):
@@ -298,4 +305,4 @@ def _torch_to_numpy(t: Any, key: str, path: Path) -> np.ndarray:
     try:
         return t.numpy()
     except TypeError as e:
-        raise ConvertError(f"{key}: torch dtype {t.dtype} has no safetensors equivalent here: {e}") from None
+        raise ConvertError(f"{path}: {key}: torch dtype {t.dtype} has no safetensors equivalent here: {e}") from None

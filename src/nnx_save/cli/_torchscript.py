@@ -13,8 +13,10 @@ the ``state_dict()`` names torch gives the loaded module (``encoder.0.weight``).
 from __future__ import annotations
 
 import ast
+import math
 import shlex
 import zipfile
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,17 @@ __all__ = ["Archive", "TensorRecord"]
 
 _REBUILD = Global("torch._utils", "_rebuild_tensor_v2")
 _PARAMETER = Global("torch._utils", "_rebuild_parameter")
-_MAX_PICKLE = 1 << 28  # bytes of data.pkl: module structure, never tensor data
+_MAX_PICKLE = 1 << 26  # bytes of data.pkl or a code file: module structure, never tensor data
+# What zipfile raises on a damaged or unsupported archive (bad CRC, truncation, encryption, methods)
+_ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    OSError,
+    EOFError,
+    NotImplementedError,
+    RuntimeError,
+    ValueError,
+)
 _MAX_DEPTH = 200  # nested modules
 
 
@@ -84,7 +96,7 @@ class Archive:
         self.path = path
         try:
             self.zip = zipfile.ZipFile(path)
-        except (zipfile.BadZipFile, OSError) as e:
+        except _ZIP_ERRORS as e:
             raise ConvertError(f"{path}: not a readable zip archive ({e})") from None
         names = self.zip.namelist()
         roots = [n[: -len("data.pkl")] for n in names if n.count("/") == 1 and n.endswith("/data.pkl")]
@@ -106,7 +118,7 @@ class Archive:
             raise ConvertError(f"{self.path}: {info.filename} is {info.file_size} bytes; at most {limit} expected")
         try:
             return self.zip.read(info)
-        except (zipfile.BadZipFile, OSError, EOFError) as e:  # a bad CRC, a truncated member
+        except (*_ZIP_ERRORS, zlib.error) as e:
             raise ConvertError(f"{self.path}: {info.filename} cannot be read ({e})") from None
 
     def tensors(self) -> list[TensorRecord]:
@@ -253,6 +265,11 @@ def _check_extent(archive: Archive, r: TensorRecord) -> None:
     if 0 in r.shape:
         return
     last = r.offset + sum((n - 1) * s for n, s in zip(r.shape, r.stride, strict=True))
+    if math.prod(r.shape) > r.storage_numel:  # an expanded view: refused rather than materialised unbounded
+        raise ConvertError(
+            f"{archive.path}: {r.key}: shape {list(r.shape)} has more elements than its storage of "
+            f"{r.storage_numel} (strides {list(r.stride)}); {_recipe(archive.path)}"
+        )
     if last >= r.storage_numel:
         raise ConvertError(
             f"{archive.path}: {r.key}: shape {list(r.shape)}, strides {list(r.stride)} at offset {r.offset} "

@@ -132,7 +132,12 @@ class _Reader:
         raw = self.take(n)
         if text is None:
             return int.from_bytes(raw, "little", signed=True)
-        return raw.decode("utf-8", "surrogatepass") if text else raw
+        if not text:
+            return raw
+        try:
+            return raw.decode("utf-8", "surrogatepass")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"a string that is not UTF-8 ({e.reason} at its byte {e.start})") from None
 
 
 def _set_items(reader: _Reader, target: Any, pairs: list[Any]) -> None:
@@ -144,8 +149,8 @@ def _set_items(reader: _Reader, target: Any, pairs: list[Any]) -> None:
     for k, v in zip(pairs[::2], pairs[1::2], strict=True):
         try:
             into[k] = v
-        except TypeError:
-            raise reader.fail(f"a dict key of type {type(k).__name__}") from None
+        except (TypeError, RecursionError):  # unhashable, or a key tuple nested too deep to hash
+            raise reader.fail(f"a dict key of type {type(k).__name__} that cannot be hashed") from None
 
 
 def _append(reader: _Reader, values: list[Any]) -> None:
