@@ -229,8 +229,9 @@ def test_store_step_item_converts_to_a_file_load_model_loads_strictly(capsys, st
         "nnx-save: error: ckpt/1: this is an Orbax checkpoint step (items: model, data_iterator, optimizer), not a "
         f"safetensors checkpoint; convert one item of it: {command}\n"
     )
-    code, _, err = cli(capsys, "inspect", "ckpt")
-    assert code == 2 and err.endswith(f"convert one item of a step: {command}\n")
+    for verb in ("inspect", "convert"):  # the store's root: both name its latest step's item
+        code, _, err = cli(capsys, verb, "ckpt", *(["root.safetensors"] if verb == "convert" else []))
+        assert code == 2 and err.endswith(f"convert one item of a step: {command}\n")
     code, _, err = cli(capsys, "convert", "ckpt/1", "whole.safetensors")  # a step: convert gives the same advice
     assert (
         code == 2 and err.endswith(f"convert one item of it: {command}\n") and not os.path.exists("whole.safetensors")
@@ -242,6 +243,16 @@ def test_store_step_item_converts_to_a_file_load_model_loads_strictly(capsys, st
     assert_differs(snapshot(model), expected)
     nnx_save.load_model(model, "model.safetensors", strict=True)
     assert_same_state(snapshot(model), expected)  # typed rng key, its count and the Python int included
+
+
+def test_damaged_orbax_directory_is_an_error_naming_it(capsys, tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "_METADATA").write_text("")  # truncated to nothing
+    code, _, err = cli(capsys, "convert", tmp_path / "ckpt", tmp_path / "o.safetensors")
+    assert code == 2 and err.startswith(
+        f"nnx-save: error: {tmp_path / 'ckpt'}: Orbax cannot restore this checkpoint (JSONDecodeError: "
+    )
+    assert not (tmp_path / "o.safetensors").exists()
 
 
 def test_store_optimizer_item_through_the_python_api(store, tmp_path):

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._pytree import load_file
-from ..errors import ConvertError, DuplicateKeyError
+from ..errors import ConvertError, DuplicateKeyError, NnxSaveError
 from ..format import _dtypes, _formats
 from ..layouts._hf_index import write_sharded
 from ..layouts._sources import Header, read_header
@@ -155,8 +155,9 @@ def _verified(header: Header, key: str) -> np.ndarray:
 def _orbax_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The arrays of an Orbax checkpoint, keyed as ``save_model`` keys a model's state,
     and the metadata ``load_model`` rebuilds typed rng keys and Python scalars from."""
-    if _formats.step_items(path):  # a store step: a composite of items, each its own checkpoint
-        raise ConvertError(f"{path}: this is {_formats.foreign_directory(path)}; {_formats.step_remedy(str(path))}")
+    advice = _formats.composite_advice(path)  # a store or a step: several items, each its own checkpoint
+    if advice is not None:
+        raise ConvertError(f"{path}: {advice}")
     from .._nnx import model_metadata
     from ..checkpoint._arrays import orbax_arrays  # orbax (and jax) only for an Orbax source
     from ..format._paths import to_key
@@ -164,7 +165,7 @@ def _orbax_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     out: dict[str, np.ndarray] = {}
     rng: dict[str, str] = {}
     scalars: dict[str, str] = {}
-    for leaf in orbax_arrays(path):
+    for leaf in _restored(orbax_arrays, path):
         key = to_key(leaf.path)
         _add_unique(out, key, leaf.array, path, "'/'")
         if leaf.rng_impl is not None:
@@ -172,6 +173,17 @@ def _orbax_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         if leaf.scalar is not None:
             scalars[key] = leaf.scalar
     return out, model_metadata(None, rng, scalars)
+
+
+def _restored(orbax_arrays: Any, path: Path) -> Any:
+    """``orbax_arrays(path)``, whatever Orbax raises on a damaged directory (JSON,
+    tensorstore, file errors) turned into a :class:`ConvertError` naming it."""
+    try:
+        return orbax_arrays(path)
+    except NnxSaveError:
+        raise
+    except Exception as e:  # a foreign library's errors, reported with the path
+        raise ConvertError(f"{path}: Orbax cannot restore this checkpoint ({type(e).__name__}: {e})") from None
 
 
 def _kind(source: Path) -> str:

@@ -17,12 +17,12 @@ from collections.abc import Callable, Iterator
 from ..errors import NotSafetensorsError
 
 __all__ = [
+    "composite_advice",
     "foreign_directory",
     "foreign_file",
     "refuse_directory",
     "refuse_file",
     "step_items",
-    "step_remedy",
     "torchscript_markers",
     "zip_members",
 ]
@@ -188,9 +188,14 @@ def _convert_item(step: str) -> str:
     return f"nnx-save convert {shlex.quote(os.path.join(step, item))} {shlex.quote(item + '.safetensors')}"
 
 
-def step_remedy(path: str) -> str:
-    """The command that converts one item of the store step ``path``."""
-    return f"convert one item of it: {_convert_item(path)}"
+def composite_advice(path: str | os.PathLike) -> str | None:
+    """For a store step or a store's root (Orbax composites: one checkpoint per
+    item), what it is and the command that converts one item; else ``None``."""
+    name = os.fspath(path)
+    what = foreign_directory(name)
+    if what is None or not ("steps" in what or "checkpoint step" in what):
+        return None
+    return f"this is {what}; {_remedy(name, what)}"
 
 
 def _remedy(path: str, what: str) -> str:
@@ -198,7 +203,7 @@ def _remedy(path: str, what: str) -> str:
         latest = what.split("(latest ")[1].split(")")[0]
         return f"convert one item of a step: {_convert_item(os.path.join(path, latest))}"
     if "checkpoint step" in what:
-        return step_remedy(path)
+        return f"convert one item of it: {_convert_item(path)}"
     if "TensorStore" in what:
         return (
             "open it with tensorstore, or save its parent Orbax checkpoint as safetensors "
