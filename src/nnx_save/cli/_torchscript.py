@@ -13,6 +13,7 @@ the ``state_dict()`` names torch gives the loaded module (``encoder.0.weight``).
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import shlex
 import zipfile
@@ -45,6 +46,7 @@ _ZIP_ERRORS = (
 _MAX_DEPTH = 200  # nested modules
 
 
+@functools.cache
 def _storage_dtypes() -> dict[str, np.dtype]:
     import ml_dtypes
 
@@ -98,13 +100,16 @@ class Archive:
             self.zip = zipfile.ZipFile(path)
         except _ZIP_ERRORS as e:
             raise ConvertError(f"{path}: not a readable zip archive ({e})") from None
-        names = self.zip.namelist()
-        roots = [n[: -len("data.pkl")] for n in names if n.count("/") == 1 and n.endswith("/data.pkl")]
-        if len(roots) != 1:
+        try:
+            names = self.zip.namelist()
+            roots = [n[: -len("data.pkl")] for n in names if n.count("/") == 1 and n.endswith("/data.pkl")]
+            if len(roots) != 1:
+                raise ConvertError(f"{path}: a TorchScript archive holds one <name>/data.pkl; found {len(roots)}")
+            self.root = roots[0]
+            self._classes = _declared_state(self, names)
+        except BaseException:
             self.close()
-            raise ConvertError(f"{path}: a TorchScript archive holds one <name>/data.pkl; found {len(roots)}")
-        self.root = roots[0]
-        self._classes = _declared_state(self, names)
+            raise
 
     def close(self) -> None:
         self.zip.close()
