@@ -82,7 +82,10 @@ def test_torchscript_inspect_advice_converts_parameters_and_buffers_without_runn
     code, _, err = cli(capsys, "inspect", src)
     command = f"nnx-save convert {src} net.safetensors"
     assert code == 2 and err.startswith(f"nnx-save: error: {src}: this is a TorchScript archive (torch.jit.save")
-    assert err.endswith(f"convert it first: {command}\n")
+    assert err.endswith(f"convert its parameters and buffers (none of its code runs): {command}\n")
+    with pytest.raises(nnx_save.NotSafetensorsError, match=re.escape(f"{src}: this is a TorchScript archive")) as e:
+        nnx_save.load_file(src)
+    assert e.value.format.startswith("a TorchScript archive (torch.jit.save: tensor storages (net/data/0) before")
     _refuse_running(monkeypatch)
     monkeypatch.chdir(tmp_path)
     code, text, err = cli(capsys, *command.split()[1:])  # the command inspect gave, as given

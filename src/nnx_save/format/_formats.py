@@ -102,7 +102,7 @@ def torchscript_markers(read: Callable[[int, int], bytes], size: int | None) -> 
         return _torchscript_markers(zip_members(read, size))
     parts = _zip_first_member(read).split("/")
     if len(parts) == 3 and parts[1] == "data" and parts[2].isdecimal():
-        return (f"{parts[0]}/data/{parts[2]} before {parts[0]}/data.pkl",)
+        return (f"tensor storages ({parts[0]}/data/{parts[2]}) before {parts[0]}/data.pkl",)
     return None
 
 
@@ -132,7 +132,7 @@ def foreign_file(prefix: bytes, read: Callable[[int, int], bytes], size: int | N
     if zipped:
         script = torchscript_markers(read, size)
         if script is not None:
-            return f"a TorchScript archive (torch.jit.save: it holds {', '.join(script)})"
+            return f"a TorchScript archive (torch.jit.save: {', '.join(script)})"
         member = _zip_first_member(read)
         if member.rsplit("/", 1)[-1] == "data.pkl":  # torch.save: "<stem>/data.pkl" comes first
             return f"a PyTorch checkpoint (torch.save zip archive, {member})"
@@ -208,6 +208,11 @@ def _remedy(path: str, what: str) -> str:
         return (
             "open it with tensorstore, or save its parent Orbax checkpoint as safetensors "
             f"(nnx-save convert ORBAX_DIR {shlex.quote(_stem(path) + '.safetensors')})"
+        )
+    if "TorchScript" in what:
+        return (
+            "convert its parameters and buffers (none of its code runs): "
+            f"nnx-save convert {shlex.quote(path)} {shlex.quote(_stem(path) + '.safetensors')}"
         )
     if "npz" in what:
         return "load it with numpy.load(..., allow_pickle=False) and save it with nnx_save.save_file"
