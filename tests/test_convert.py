@@ -3,7 +3,9 @@ plain state dicts: TorchScript archives (read as data, never run), items of an
 ``OrbaxCheckpointStore`` step (loadable by ``load_model`` exactly), and torch tensors
 without a dense form (refused by key)."""
 
+import _pickle
 import os
+import pickle
 import re
 import warnings
 import zipfile
@@ -71,6 +73,9 @@ def _refuse_running(monkeypatch):
 
     for owner, name in ((torch.jit, "load"), (torch, "load"), (torch._C, "import_ir_module")):
         monkeypatch.setattr(owner, name, refuse)
+    for owner in (pickle, _pickle):
+        for name in ("load", "loads", "Unpickler"):
+            monkeypatch.setattr(owner, name, refuse)
 
 
 def test_torchscript_inspect_advice_converts_parameters_and_buffers_without_running_it(
@@ -246,6 +251,21 @@ def test_store_step_item_converts_to_a_file_load_model_loads_strictly(capsys, st
     assert_differs(snapshot(model), expected)
     nnx_save.load_model(model, "model.safetensors", strict=True)
     assert_same_state(snapshot(model), expected)  # typed rng key, its count and the Python int included
+
+
+def test_plain_orbax_checkpoint_of_an_nnx_state_loads_strictly(tmp_path):
+    import orbax.checkpoint as ocp
+
+    model = _Net(nnx.Rngs(1))
+    expected = snapshot(model)
+    checkpointer = ocp.StandardCheckpointer()  # the Flax NNX guide's way to checkpoint a model
+    checkpointer.save(tmp_path / "ckpt", nnx.state(model))
+    checkpointer.wait_until_finished()
+    checkpointer.close()
+    nnx_save.convert(tmp_path / "ckpt", tmp_path / "m.safetensors")
+    target = poison(_Net(nnx.Rngs(5)))
+    nnx_save.load_model(target, tmp_path / "m.safetensors", strict=True)
+    assert_same_state(snapshot(target), expected)
 
 
 def test_damaged_orbax_directory_is_an_error_naming_it(capsys, tmp_path):
