@@ -4,7 +4,7 @@ One engine for every layout. A :class:`~nnx_save.load._target.Target` says what 
 caller wants at one path (shape, dtype, and a jax sharding, or ``None`` for a host
 numpy array) and which file tensor(s) it comes from; the header says where each
 tensor's bytes are, as pieces at (file, byte range, box)
-(:meth:`~nnx_save.layouts._sources.Header.pieces_of`: one whole piece for a file, an
+(:meth:`~nnx_save.layouts._layout.Header.pieces_of`: one whole piece for a file, an
 index, a directory, a list or a URL; a pod directory's boxes). :func:`load_targets`
 checks every target against the headers first (so a strict refusal reads
 nothing, and a sharding jax cannot apply is refused before any read).
@@ -546,8 +546,7 @@ def _finish(engine: Engine, report: LoadReport) -> None:
     report.verified = sorted(k for k, ok in engine.checked.items() if ok)
     report.unverified = sorted(k for k, ok in engine.checked.items() if not ok)
     report.io.max_inflight_bytes = engine.budget.peak
-    if engine.header.remote is not None:
-        report.io.retries = engine.header.remote.retries
+    report.io.retries = engine.header.placement.retries()
     report.loaded = sorted(engine.results)
     log.debug("loaded %d tensors from %s: %s", len(engine.results), report.source, report.io)
     if engine.over_reads:
