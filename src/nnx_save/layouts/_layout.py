@@ -10,6 +10,8 @@ layout is :func:`nnx_save.layouts._sources.read_header`.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from ..io import _files, _remote
 from ..load._execute import LocalReader, Reader
 from ._pieces import Piece, whole
 
-__all__ = ["Header", "Layout", "LocalFiles", "Placement", "RemoteFiles", "merge"]
+__all__ = ["Header", "Layout", "LocalFiles", "Placement", "RemoteFiles", "gc_paused", "merge"]
 
 
 class Placement(Protocol):
@@ -180,3 +182,19 @@ def merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
                 )
             tensors[name] = info
     return tensors
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block: reading a header of many
+    tensors or pieces, or running the engine, allocates enough small objects to
+    trigger full collections, each walking every live object of the process. What
+    the block allocates is freed by reference counting; the collector's previous
+    state is restored."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

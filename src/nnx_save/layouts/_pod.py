@@ -52,7 +52,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -102,24 +102,36 @@ def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], where: str)
     """
     distinct = list(dict.fromkeys(boxes))
     for box in distinct:
-        if len(box) != len(shape) or not all(0 <= lo <= hi <= d for (lo, hi), d in zip(box, shape, strict=True)):
-            raise PieceLayoutError(
-                f"{where}: tensor {key!r}: piece {_show(box)} does not lie inside shape {list(shape)}"
-            )
-    nonempty = [b for b in distinct if all(lo < hi for lo, hi in b)]
+        if len(box) != len(shape):
+            raise _outside(key, box, shape, where)
+    try:
+        arr = np.array(distinct, np.int64).reshape(len(distinct), len(shape), 2)
+        np.array(shape, np.int64)
+    except OverflowError:
+        raise PieceLayoutError(f"{where}: tensor {key!r}: a shape or piece coordinate exceeds 2**63 - 1") from None
+    lo, hi = arr[..., 0], arr[..., 1]
+    inside = ((lo >= 0) & (lo <= hi) & (hi <= np.array(shape, np.int64))).all(1)
+    if not inside.all():
+        raise _outside(key, distinct[int(np.argmin(inside))], shape, where)
+    keep = (lo < hi).all(1)
+    nonempty = arr[keep]
     if shape and len(nonempty) > 1:
-        pair = _overlap(np.array(nonempty, np.int64), key, where)
+        pair = _overlap(nonempty, key, where)
         if pair is not None:
             i, j = pair
             raise PieceLayoutError(
-                f"{where}: tensor {key!r}: pieces {_show(nonempty[i])} and {_show(nonempty[j])} overlap"
+                f"{where}: tensor {key!r}: pieces {_show(nonempty[i].tolist())} and {_show(nonempty[j].tolist())} overlap"
             )
-    covered, total = sum(_volume(b) for b in nonempty), _volume(whole(shape))
+    covered, total = sum(map(math.prod, (nonempty[:, :, 1] - nonempty[:, :, 0]).tolist())), math.prod(shape)
     if covered != total or (not shape and not distinct):
         raise PieceLayoutError(
             f"{where}: tensor {key!r}: pieces {[_show(b) for b in distinct][:8]} cover {covered} of the "
             f"{total} elements of shape {list(shape)}"
         )
+
+
+def _outside(key: str, box: Box, shape: tuple[int, ...], where: str) -> PieceLayoutError:
+    return PieceLayoutError(f"{where}: tensor {key!r}: piece {_show(box)} does not lie inside shape {list(shape)}")
 
 
 def _overlap(boxes: np.ndarray, key: str, where: str) -> tuple[int, int] | None:
@@ -163,13 +175,6 @@ def _pairwise(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
     return (int(hit[0][1]), int(hit[0][0])) if len(hit) else None
 
 
-def _volume(box: Box) -> int:
-    n = 1
-    for lo, hi in box:
-        n *= hi - lo
-    return n
-
-
 def _show(box: Box) -> list[list[int]]:
     return [[lo, hi] for lo, hi in box]
 
@@ -177,8 +182,7 @@ def _show(box: Box) -> list[list[int]]:
 # --------------------------------------------------------------------------- manifests
 
 
-@dataclass(frozen=True)
-class ManifestPiece:
+class ManifestPiece(NamedTuple):  # a tuple: a manifest may list a hundred thousand
     file: str
     name: str
     box: Box
@@ -250,7 +254,26 @@ def _piece(raw: Any, rank: int, key: str, where: Path) -> ManifestPiece:
     return ManifestPiece(file, name, _box(raw.get("box"), rank, key, where), process if type(process) is int else -1)
 
 
-def _tensor(key: str, spec: Any, where: Path):
+def _listed(raw: list, rank: int, no_bools: bool) -> tuple[ManifestPiece, ...] | None:
+    """The pieces ``raw`` lists, checked in bulk, or ``None`` if any is malformed
+    (:func:`_piece` then names it). ``no_bools``: the manifest has no JSON ``true``
+    or ``false`` anywhere, so numpy cannot have read one of them as an integer."""
+    if not raw or not rank or not no_bools or any(type(p) is not dict for p in raw):
+        return None
+    files, names = [p.get("file") for p in raw], [p.get("name") for p in raw]
+    try:
+        boxes = np.array([p.get("box") for p in raw])
+    except ValueError:  # ragged
+        return None
+    if boxes.shape != (len(raw), rank, 2) or boxes.dtype != np.int64 or {*map(type, names)} != {str}:
+        return None
+    if {*map(type, files)} != {str} or not all(SHARD_FILE.match(f) for f in set(files)):
+        return None
+    procs = [x if type(x) is int else -1 for x in (p.get("process") for p in raw)]
+    return tuple(map(ManifestPiece, files, names, (tuple(map(tuple, b)) for b in boxes.tolist()), procs))
+
+
+def _tensor(key: str, spec: Any, where: Path, no_bools: bool):
     if not isinstance(spec, dict) or not isinstance(spec.get("pieces"), list):
         raise _fail(where, f'tensor {key!r}: expected an object with "dtype", "shape" and "pieces"')
     dtype = _dtypes.from_code(spec.get("dtype"), key)
@@ -258,7 +281,9 @@ def _tensor(key: str, spec: Any, where: Path):
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise _fail(where, f"tensor {key!r}: shape must be a list of non-negative integers")
     shape = tuple(shape)
-    pieces = tuple(_piece(raw, len(shape), key, where) for raw in spec["pieces"])
+    pieces = _listed(spec["pieces"], len(shape), no_bools)
+    if pieces is None:  # something is off: find and name it, one piece at a time
+        pieces = tuple(_piece(raw, len(shape), key, where) for raw in spec["pieces"])
     check_tiling(key, shape, [p.box for p in pieces], str(where))
     if not dtype.byte_aligned and any(p.box != whole(shape) for p in pieces):
         raise _fail(where, f"tensor {key!r}: a {dtype.code} tensor packs several elements per byte; it must be whole")
@@ -269,7 +294,8 @@ def parse_manifest(raw: bytes, where: Path) -> Manifest:
     """Validate the bytes of ``manifest.json`` read from ``where`` (JSON without a
     repeated key, pieces tiling every tensor); reads no file."""
     obj = _load_json(raw, where)
-    tensors = {key: _tensor(key, spec, where) for key, spec in obj["tensors"].items()}
+    no_bools = b"true" not in raw and b"false" not in raw  # then every integer json gave is an int
+    tensors = {key: _tensor(key, spec, where, no_bools) for key, spec in obj["tensors"].items()}
     return Manifest(where, tensors, dict(obj.get("metadata") or {}), obj["num_processes"])
 
 

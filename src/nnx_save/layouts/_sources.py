@@ -34,7 +34,7 @@ from . import _file, _index
 from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout
 from ._index import INDEX_NAME, MAX_INDEX_BYTES, IndexLayout
-from ._layout import Header, Layout
+from ._layout import Header, Layout, gc_paused
 from ._pod import MANIFEST, PodLayout
 
 __all__ = [
@@ -77,12 +77,13 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
     """
     if isinstance(source, Header):
         return source
-    if isinstance(source, str) and _remote.is_url(source):
-        return _remote_header(source)
-    if isinstance(source, (list, tuple)):
-        return read_list([Path(p) for p in source])
-    path = Path(source)  # type: ignore[arg-type]  # a list or tuple returned above; mypy cannot narrow str from Sequence
-    return layout_of(path).read(path)
+    with gc_paused():
+        if isinstance(source, str) and _remote.is_url(source):
+            return _remote_header(source)
+        if isinstance(source, (list, tuple)):
+            return read_list([Path(p) for p in source])
+        path = Path(source)  # type: ignore[arg-type]  # list and tuple returned above; mypy cannot narrow str
+        return layout_of(path).read(path)
 
 
 def layout_of(path: Path) -> Layout:
