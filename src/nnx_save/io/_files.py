@@ -151,13 +151,8 @@ def _close(fd: int) -> None:
 _POOL = _Pool()
 
 
-def _reset_in_child() -> None:  # a forked child must not close its parent's numbers as its own
-    _POOL.fds.clear()
-    _POOL.lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_in_child)
+if hasattr(os, "register_at_fork"):  # a lock another thread held at the fork would never be released in the child
+    os.register_at_fork(after_in_child=lambda: setattr(_POOL, "lock", threading.Lock()))
 
 
 class Pinned:

@@ -9,7 +9,6 @@ tensor byte is read. Every tensor is one whole piece of the file that holds it.
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 from collections.abc import Mapping, Sequence
@@ -17,11 +16,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..errors import DuplicateKeyError, IndexFileError
-from ..format._header import FileHeader, unique_pairs
+from ..errors import IndexFileError
+from ..format._header import FileHeader
 from ..io import _files, _remote
 from ._file import read_file_header, remote_file_header
-from ._layout import Header, LocalFiles, RemoteFiles, merge
+from ._layout import Header, LocalFiles, RemoteFiles, load_record, merge
 
 __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "parse_index", "read_remote"]
 
@@ -79,16 +78,9 @@ def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]
     """
     if len(raw) > MAX_INDEX_BYTES:
         raise IndexFileError(f"{where}: index of {len(raw)} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
-        meta = obj.get("metadata") if isinstance(obj, dict) else None
-        meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
-    except DuplicateKeyError as e:  # a tensor listed twice: json.loads would keep the last in silence
-        raise IndexFileError(f"{where}: {e} in the index JSON") from None
-    except RecursionError:
-        raise IndexFileError(f"{where}: not a valid JSON index: nested too deeply") from None
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise IndexFileError(f"{where}: not a valid JSON index: {e}") from None
+    obj = load_record(raw, where, "index", IndexFileError)
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise IndexFileError(f"{where}: expected an object with a 'weight_map' of tensor name -> file name")

@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import IndexFileError
-from ..format._header import FileHeader, TensorInfo
+from ..errors import DuplicateKeyError, HeaderError, IndexFileError
+from ..format._header import FileHeader, TensorInfo, unique_pairs
 from ..io import _files, _remote
 from ..load._execute import LocalReader, Reader
 from ._pieces import Piece, whole
 
-__all__ = ["Header", "Layout", "LocalFiles", "Placement", "RemoteFiles", "gc_paused", "merge"]
+__all__ = ["Header", "Layout", "LocalFiles", "Placement", "RemoteFiles", "gc_paused", "load_record", "merge"]
 
 
 class Placement(Protocol):
@@ -169,6 +170,23 @@ class Header:
     def nbytes(self) -> int:
         """Bytes of tensor data over all files."""
         return sum(t.nbytes for t in self.tensors.values())
+
+
+def load_record(raw: bytes, where: object, what: str, error: type[HeaderError]) -> Any:
+    """The JSON of the record a layout is named by (an index, a manifest), a key
+    repeated at any level refused: ``json.loads`` alone keeps the last in silence.
+
+    Raises:
+        error: naming ``where`` and what is wrong.
+    """
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
+    except DuplicateKeyError as e:
+        raise error(f"{where}: {e} in the {what} JSON") from None
+    except RecursionError:
+        raise error(f"{where}: not a valid JSON {what}: nested too deeply") from None
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise error(f"{where}: not a valid JSON {what}: {e}") from None
 
 
 def merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:

@@ -57,9 +57,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _progress
-from ..errors import DuplicateKeyError, HeaderError, PieceLayoutError, SaveError, short_repr
+from ..errors import HeaderError, PieceLayoutError, SaveError, short_repr
 from ..format import _dtypes
-from ..format._header import FileHeader, TensorInfo, encode_header, unique_pairs
+from ..format._header import FileHeader, TensorInfo, encode_header
 from ..io import _files
 from ..save import _background
 from ..save._collective import Outcome, Sync, agree
@@ -67,7 +67,7 @@ from ..save._stage import HostValue, spans_processes
 from ..save._write import Entry, _write_all, atomic_file, order_entries, write_file
 from ._file import read_file_header
 from ._index import MAX_INDEX_BYTES
-from ._layout import Header, LocalFiles
+from ._layout import Header, LocalFiles, load_record
 from ._pieces import Box, Piece, whole
 
 __all__ = ["FORMAT", "MANIFEST", "SHARD_FILE", "VERSION", "Manifest", "PodLayout", "check_tiling", "write_pod"]
@@ -208,14 +208,7 @@ def _fail(where: Path, message: str) -> PieceLayoutError:
 
 
 def _load_json(raw: bytes, where: Path) -> dict:
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
-    except DuplicateKeyError as e:  # json.loads alone keeps the last of two in silence
-        raise HeaderError(f"{where}: {e} in the manifest JSON") from None
-    except RecursionError:
-        raise HeaderError(f"{where}: not a valid JSON manifest: nested too deeply") from None
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise HeaderError(f"{where}: not a valid JSON manifest: {e}") from None
+    obj = load_record(raw, where, "manifest", HeaderError)
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise HeaderError(f'{where}: not an nnx_save pod manifest (expected "format": "{FORMAT}")')
     if obj.get("version") != VERSION:
