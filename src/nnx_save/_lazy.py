@@ -126,6 +126,7 @@ class LazyCheckpoint:
                 "use jax.device_put on them, or load_file / load_model for sharded jax arrays"
             )
         self._header: Header | None = read_header(source)
+        self._owned = self._header is not source
         self._ratio, self._inflight, self._threads = max_over_read_ratio, max_inflight_bytes, num_threads
         self.io = IOStats()  # every read through this handle, summed
 
@@ -142,7 +143,10 @@ class LazyCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Let go of the headers (and the files they keep open)."""
+        """Let go of the headers and close the files they keep open (those of a
+        :class:`Header` passed in stay open: its owner closes them)."""
+        if self._header is not None and self._owned:
+            self._header.close()
         self._header = None
 
     def keys(self) -> list[str]:
