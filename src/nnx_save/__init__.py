@@ -34,6 +34,7 @@ from .errors import HeaderTooSmallError as HeaderTooSmallError
 from .errors import IndexFileError as IndexFileError
 from .errors import KeyMismatchError as KeyMismatchError
 from .errors import KeyPathError as KeyPathError
+from .errors import LayoutConflictError as LayoutConflictError
 from .errors import LoadError as LoadError
 from .errors import LoadWarning as LoadWarning
 from .errors import LossyCastWarning as LossyCastWarning
@@ -105,11 +106,11 @@ if _typing.TYPE_CHECKING:
     from ._lazy import safe_open as safe_open
     from ._nnx import load_model as load_model
     from ._nnx import save_model as save_model
+    from ._pod_bridge import save_pod as save_pod
     from ._pytree import load_file as load_file
     from ._pytree import save_file as save_file
     from .cli._convert import Converted as Converted
     from .cli._convert import convert as convert
-    from .layouts._pod import save_pod as save_pod
     from .save._background import SaveHandle as SaveHandle
     from .save._background import wait_for_saves as wait_for_saves
 
@@ -126,7 +127,7 @@ _LAZY = {
     "safe_open": "._lazy",
     "load_model": "._nnx",
     "save_model": "._nnx",
-    "save_pod": ".layouts._pod",
+    "save_pod": "._pod_bridge",
     "load_file": "._pytree",
     "save_file": "._pytree",
 }

@@ -130,6 +130,7 @@ class LazyCheckpoint:
             max_over_read_ratio=max_over_read_ratio, max_inflight_bytes=max_inflight_bytes, num_threads=num_threads
         )
         self._header: Header | None = read_header(source)
+        self._owned = self._header is not source
         self.io = IOStats()  # every read through this handle, summed
 
     @property
@@ -145,7 +146,10 @@ class LazyCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Let go of the headers (and the files they keep open)."""
+        """Let go of the headers and close the files they keep open (those of a
+        :class:`Header` passed in stay open: its owner closes them)."""
+        if self._header is not None and self._owned:
+            self._header.close()
         self._header = None
 
     def keys(self) -> list[str]:
