@@ -175,6 +175,20 @@ def test_bad_save_options_are_typed_errors_and_write_nothing(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_save_pod_takes_options(tmp_path):
+    handle = nnx_save.save_pod({"w": np.arange(4.0)}, tmp_path / "pod", options=nnx_save.SaveOptions(blocking=False))
+    assert isinstance(handle, nnx_save.SaveHandle)
+    handle.result()
+    assert nnx_save.load_file(tmp_path / "pod")["w"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(OptionError, match=re.escape("save_pod writes a pod: max_shard_size is for save_model")):
+        nnx_save.save_pod({"w": np.ones(2)}, tmp_path / "p2", options=nnx_save.SaveOptions(max_shard_size=8))
+    with pytest.raises(OptionError, match=re.escape("save_pod: blocking given both as a keyword and in options=")):
+        nnx_save.save_pod(
+            {"w": np.ones(2)}, tmp_path / "p3", blocking=True, options=nnx_save.SaveOptions(blocking=False)
+        )
+    assert not (tmp_path / "p2").exists() and not (tmp_path / "p3").exists()
+
+
 def test_save_options_reach_the_writers(tmp_path):
     from flax import nnx
 

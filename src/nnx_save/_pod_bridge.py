@@ -12,7 +12,9 @@ from . import _nnx
 from ._pytree import check_metadata, flatten, leaf_entry
 from .format import _paths
 from .layouts._pod import write_pod
+from .load._options import DEFAULT, merge
 from .save._background import SaveHandle
+from .save._options import SaveOptions
 from .save._write import Entry
 
 __all__ = ["save_pod"]
@@ -24,8 +26,9 @@ def save_pod(
     *,
     metadata: Mapping[str, str] | None = None,
     filter: Any = ...,
-    progress: bool | None = None,
-    blocking: bool = True,
+    progress: bool | None = DEFAULT,
+    blocking: bool = DEFAULT,
+    options: SaveOptions | None = None,
 ) -> Path | SaveHandle:
     """Save a pytree of arrays or an NNX model as a pod directory: one shard file per
     process and a ``manifest.json``.
@@ -46,6 +49,8 @@ def save_pod(
         blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
             of this process's pieces is taken; the files are written in the
             background (see docs/async.md), on every process in program order.
+        options: a :class:`SaveOptions` (``progress`` and ``blocking`` are its
+            shortcuts: a keyword may set a field ``options`` leaves at its default).
 
     Returns:
         The path of ``manifest.json`` (``blocking=False``: a :class:`SaveHandle`
@@ -54,6 +59,8 @@ def save_pod(
     Raises:
         SaveError: a process failed or did not arrive in time; the previous pod
             directory content is intact.
+        OptionError: an option out of range, ``max_shard_size``, or a setting given
+            both as a keyword and in ``options`` (names it).
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile
@@ -62,8 +69,9 @@ def save_pod(
         >>> nnx_save.load_file(d)["w"]
         array([0., 1., 2., 3.], dtype=float32)
     """
+    how = merge(SaveOptions, options, "save_pod", locals()).unsharded("save_pod writes a pod")  # locals() first
     entries, meta = _entries(tree_or_model, metadata, filter)
-    return write_pod(directory, entries, meta, progress=progress, blocking=blocking)
+    return write_pod(directory, entries, meta, progress=how.progress, blocking=how.blocking)
 
 
 def _entries(tree_or_model: Any, metadata: Mapping[str, str] | None, filter: Any) -> tuple[list[Entry], dict]:

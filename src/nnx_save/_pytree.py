@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import _progress
-from .errors import KeyPathError, NnxSaveError, OptionError, ShapeMismatchError, UnsupportedValueError, short_repr
+from .errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from .format import _dtypes, _paths
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
@@ -147,9 +147,7 @@ def save_file(
         >>> sorted(nnx_save.load_file(path))
         ['layers/0/w']
     """
-    how = merge(SaveOptions, options, "save_file", locals())  # first: locals() are the arguments
-    if how.max_shard_size is not None:
-        raise OptionError("save_file writes one file: max_shard_size is for save_model", "max_shard_size")
+    how = merge(SaveOptions, options, "save_file", locals()).unsharded("save_file writes one file")  # locals() first
     pairs, _ = flatten(tree)
     _paths.check_unique(p for p, _ in pairs)
     entries = [leaf_entry(p, v) for p, v in pairs]

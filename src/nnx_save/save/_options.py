@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import OptionError
 from ..load._options import check, is_int
 
 __all__ = ["SaveOptions"]
@@ -11,8 +12,9 @@ __all__ = ["SaveOptions"]
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """How a save runs: the settings of :func:`~nnx_save.save_file` and
-    :func:`~nnx_save.save_model` (each also a keyword of theirs).
+    """How a save runs: the settings of :func:`~nnx_save.save_file`,
+    :func:`~nnx_save.save_model` and :func:`~nnx_save.save_pod` (each also a keyword
+    of theirs).
 
     Attributes:
         progress: a progress bar on stderr when it is a terminal: ``None`` above
@@ -44,3 +46,10 @@ class SaveOptions:
         check(isinstance(self.blocking, bool), "blocking", "True or False", self.blocking)
         size = self.max_shard_size
         check(size is None or is_int(size, 1), "max_shard_size", "a positive int (bytes)", size)
+
+    def unsharded(self, writer: str) -> SaveOptions:
+        """``self``, for a writer of another layout than the multi-file one (``writer``
+        says what it writes); ``max_shard_size`` there is refused, not ignored."""
+        if self.max_shard_size is not None:
+            raise OptionError(f"{writer}: max_shard_size is for save_model", "max_shard_size")
+        return self
