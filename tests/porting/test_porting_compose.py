@@ -73,7 +73,7 @@ def test_tie_without_check_reports_the_copy_and_reads_only_the_source() -> None:
 
 
 def test_tie_refuses_a_copy_of_another_shape() -> None:
-    message = "`lm_head.weight`: tie(r\"wte\\.weight\", r\"lm_head.weight\") ties it to `wte.weight`, found (6, 5)"
+    message = '`lm_head.weight`: tie(r"wte\\.weight", r"lm_head.weight") ties it to `wte.weight`, found (6, 5)'
     with pytest.raises(RuleError, match=re.escape(message)):
         TIED.mapping({"wte.weight": ((6, 4), F32), "lm_head.weight": ((6, 5), F32)})
 
@@ -142,7 +142,9 @@ def test_many_conflicts_are_grouped_by_kind_with_a_hint() -> None:
     message = str(caught.value)
     lines = message.splitlines()
     assert lines[0] == "9 porting rule problems, 1 kind(s):"
-    assert lines[1].startswith('  `blocks/a`: produced twice, from `h.0.a` by rename(r"h\\.(\\d+)\\.(\\w+)", r"blocks/\\2")')
+    assert lines[1].startswith(
+        '  `blocks/a`: produced twice, from `h.0.a` by rename(r"h\\.(\\d+)\\.(\\w+)", r"blocks/\\2")'
+    )
     assert lines[1].endswith("(and 8 more like it, on `blocks/a`, `blocks/b`, `blocks/c`)")
     assert lines[2].startswith("hint: a target made twice often means a pattern captures an index")
     assert len(lines) == 3 and len(message) < 700
@@ -184,10 +186,13 @@ def test_torch_lstm_rules_reproduce_torch_lstm(cell: str) -> None:
     model_state = rules.mapping(file).apply(file)
     kind = nnx.LSTMCell if cell == "lstm" else nnx.OptimizedLSTMCell
     flax_cell = kind(3, 5, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(flax_cell)
+    _, state = nnx.split(flax_cell)
     flat = dict(nnx.to_flat_state(state))
     assert sorted("cell/" + "/".join(map(str, p)) for p in flat) == sorted(model_state)
-    nnx.update(flax_cell, nnx.from_flat_state([(p, v.replace(model_state["cell/" + "/".join(map(str, p))])) for p, v in flat.items()]))
+    nnx.update(
+        flax_cell,
+        nnx.from_flat_state([(p, v.replace(model_state["cell/" + "/".join(map(str, p))])) for p, v in flat.items()]),
+    )
     x = RNG.standard_normal((2, 6, 3)).astype(np.float32)
     with torch.no_grad():
         expected = lstm(torch.from_numpy(x))[0].numpy()

@@ -80,6 +80,10 @@ def _param(source: str, target: str, name: str, param: str, shift: Shift = None)
         if shift:
             raise RuleError(f"shift= does not apply to stacked layers ({source!r} -> {target!r})")
         return stack(f"{source}\\.{name}", f"{target}/{param}")
+    return _renamed(source, target, name, param, shift)
+
+
+def _renamed(source: str, target: str, name: str, param: str, shift: Shift = None) -> RenameRule:
     return rename(f"{source}\\.{name}", f"{target}/{param}", shift=shift)
 
 
@@ -181,12 +185,12 @@ def torch_batch_norm(
     """
     if _stacked(source, target):
         raise RuleError(f"torch_batch_norm does not stack layers ({source!r} -> {target!r}): give each its path")
-    params = (_param(source, target, "weight", "scale", shift), *_bias(source, target, True, shift)) if affine else ()
-    running_mean = _param(source, target, "running_mean", "mean", shift)
+    params = (_renamed(source, target, "weight", "scale", shift), _renamed(source, target, "bias", "bias", shift))
+    running_mean = _renamed(source, target, "running_mean", "mean", shift)
     return (
-        *params,
+        *(params if affine else ()),
         running_mean,
-        _param(source, target, "running_var", "var", shift),
+        _renamed(source, target, "running_var", "var", shift),
         IgnoreRule(f"{source}\\.num_batches_tracked", export=_batches_tracked(running_mean)),
     )
 

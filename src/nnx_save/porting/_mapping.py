@@ -43,6 +43,8 @@ __all__ = ["Assignment", "KeyMapping", "Rules", "shapes_of"]
 
 Shape = tuple[int, ...]
 Direction = Literal["load", "export"]
+AnyStructural = StructuralRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule
+AnyRule = Rule | TieRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule
 
 
 @dataclass(frozen=True)
@@ -163,13 +165,13 @@ class Rules:
         (4, 2)
     """
 
-    def __init__(self, *rules: Rule | Rules | Iterable[Rule], direction: Direction = "load") -> None:
+    def __init__(self, *rules: AnyRule | Rules | Iterable[AnyRule], direction: Direction = "load") -> None:
         if direction not in ("load", "export"):
             raise RuleError(f"direction must be 'load' or 'export', got {direction!r}")
-        self.rules: tuple[Rule, ...] = tuple(_flatten(rules))
+        self.rules: tuple[AnyRule, ...] = tuple(_flatten(rules))
         self.direction: Direction = direction
 
-    def __iter__(self) -> Iterator[Rule]:
+    def __iter__(self) -> Iterator[AnyRule]:
         return iter(self.rules)
 
     def __len__(self) -> int:
@@ -215,10 +217,10 @@ class Rules:
         value = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if not _is_structural(r)]
         other: Direction = "export" if self.direction == "load" else "load"
         kept = [r for r in structural if r is not None] + [r for r in reversed(value) if r is not None]
-        return Rules(*kept, direction=other)
+        return Rules(*kept, direction=other)  # type: ignore[arg-type]  # each inverse is a rule
 
 
-def _flatten(items: Iterable[object]) -> Iterator[Rule]:
+def _flatten(items: Iterable[object]) -> Iterator[AnyRule]:
     for item in items:
         if isinstance(item, (*_STRUCTURAL, TransposeRule, ReshapeRule, ConstantRule, TieRule)):
             yield item  # type: ignore[misc]
@@ -231,11 +233,11 @@ def _flatten(items: Iterable[object]) -> Iterator[Rule]:
 _STRUCTURAL = (*StructuralRule.__args__, SplitStackRule, ConcatUnstackRule, SumRule, SumExportRule)
 
 
-def _is_structural(rule: Rule) -> TypeGuard[StructuralRule]:
+def _is_structural(rule: AnyRule) -> TypeGuard[AnyStructural]:
     return isinstance(rule, _STRUCTURAL)
 
 
-def _invert(rule: Rule, index: int, recorded: KeyMapping | None) -> Rule | None:
+def _invert(rule: AnyRule, index: int, recorded: KeyMapping | None) -> object:
     if isinstance(rule, IgnoreRule):
         return rule.export  # what the inverse writes instead (None: nothing)
     if isinstance(rule, ConstantRule):
