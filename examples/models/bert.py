@@ -48,8 +48,7 @@ class BertConfig:
         """Read a ``transformers.BertConfig`` (by attribute; absolute positions, exact GELU)."""
         if hf.hidden_act != "gelu" or getattr(hf, "position_embedding_type", "absolute") != "absolute":
             raise ValueError(f"unsupported BERT variant: {hf.hidden_act=}")
-        names = [f for f in cls.__dataclass_fields__]
-        return cls(**{n: getattr(hf, n) for n in names})
+        return cls(**{n: getattr(hf, n) for n in cls.__dataclass_fields__})
 
 
 def _layer_norm(cfg: BertConfig, rngs: nnx.Rngs) -> nnx.LayerNorm:
