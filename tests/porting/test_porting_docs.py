@@ -57,7 +57,10 @@ FAMILY_RULES = {
     "`examples/models/llama.py` `SCANNED_RULES`": (ROOT / "examples/models/llama.py", "SCANNED_RULES"),
     "`examples/models/bert.py` `RULES`": (ROOT / "examples/models/bert.py", "RULES"),
     "`examples/models/vit.py` `RULES`": (ROOT / "examples/models/vit.py", "RULES"),
-    "`tests/porting/test_porting_lstm.py` `speech_rules`": (ROOT / "tests/porting/test_porting_lstm.py", "speech_rules"),
+    "`tests/porting/test_porting_lstm.py` `speech_rules`": (
+        ROOT / "tests/porting/test_porting_lstm.py",
+        "speech_rules",
+    ),
 }
 
 
