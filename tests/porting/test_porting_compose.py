@@ -210,3 +210,15 @@ def test_a_conv_kernel_kept_as_a_buffer_is_ported_by_torch_conv() -> None:
     model, back = _round_trip(rules, {"frontend.filters": filters})
     np.testing.assert_array_equal(model["frontend/conv/kernel"], np.transpose(filters, (2, 1, 0)))
     np.testing.assert_array_equal(back["frontend.filters"], filters)
+
+
+def test_the_new_rule_kinds_invert_back_to_themselves() -> None:
+    rules = Rules(
+        split(_L + "qkv", ["q", "k"], axis=1, stacked=True),
+        add((r"(\w+)\.bias_ih", r"(\w+)\.bias_hh"), [r"\1/a", r"\1/b"]),
+        tie(r"wte\.weight", "lm_head.weight", check=False),
+        torch_lstm(r"lstm", "cell"),
+    )
+    twice = rules.inverse().inverse()
+    # the same rules (the inverse lists structural rules first, then value rules)
+    assert len(twice) == len(rules) and set(twice) == set(rules) and twice.direction == "load"

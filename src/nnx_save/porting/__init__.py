@@ -40,6 +40,7 @@ The contract the loader calls::
                               applied one target at a time.
     mapping.landed: dict[file_key, tuple[target_path, ...]]    # () = landed nowhere
     mapping.unused: tuple[file_key, ...]                       # dropped by ignore rules
+    mapping.tied: dict[copy_key, source_key]                   # tie rules' copies found
 
 Export uses the same contract the other way: ``rules.inverse().mapping(model_shapes)``
 maps model paths to file keys with the inverse transforms (rename inverted from the
