@@ -62,7 +62,7 @@ from ._report import (
     split_allowed,
     split_allowed_casts,
     split_allowed_shapes,
-    suggest_renames,
+    suggested_renames,
 )
 from ._target import Target, shard_boxes
 
@@ -489,7 +489,8 @@ def _prepare(
     unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
     report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
-    report.suggested_renames = _suggest(header, targets, report)
+    if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
+        report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
     report.sources = {t.path: t.sources for t in loadable}
     landed: dict[str, list[str]] = {k: [] for k in header.tensors}
     for t in loadable:
@@ -497,17 +498,6 @@ def _prepare(
             landed[k].append(t.path)
     report.landed = {k: tuple(v) for k, v in landed.items()}
     return loadable, report
-
-
-def _suggest(header: Header, targets: Sequence[Target], report: LoadReport) -> list[str]:
-    """Renames pairing the report's missing paths with its unexpected keys (those no
-    porting rule renamed: a renamed one already shows the path it became)."""
-    if not (report.missing and report.unexpected):
-        return []
-    wanted = set(report.missing)
-    missing = {t.path: tuple(t.shape) for t in targets if t.path in wanted}
-    plain = [k for k in report.unexpected if report.renamed.get(k, (k,)) == (k,)]
-    return suggest_renames(missing, {k: tuple(header.tensors[k].shape) for k in plain})
 
 
 def _device(targets: Sequence[Target]) -> Any:

@@ -13,6 +13,7 @@ import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -30,7 +31,10 @@ __all__ = [
     "is_lossy",
     "matches_any",
     "split_allowed",
+    "split_allowed_casts",
     "split_allowed_shapes",
+    "suggest_renames",
+    "suggested_renames",
     "warn_single_device",
 ]
 
@@ -320,6 +324,15 @@ def _rename_remedy(renames: Sequence[str]) -> str:
         f"differently. Map them, rather than allowing either:\n  rules=Rules({rules})  "
         "(from nnx_save.porting import Rules, rename; add them to your rules if you pass some)\n"
     )
+
+
+def suggested_renames(report: LoadReport, model: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
+    """:func:`suggest_renames` for ``report``'s missing paths (shapes in ``model``) and
+    its unexpected keys (entries with ``.shape`` in ``file``) that no porting rule
+    renamed (a renamed one already shows the path it became)."""
+    missing = {p: tuple(model[p]) for p in report.missing}
+    plain = [k for k in report.unexpected if report.renamed.get(k, (k,)) == (k,)]
+    return suggest_renames(missing, {k: tuple(file[k].shape) for k in plain})
 
 
 def suggest_renames(missing: Mapping[str, tuple[int, ...]], unexpected: Mapping[str, tuple[int, ...]]) -> list[str]:

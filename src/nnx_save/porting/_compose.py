@@ -150,7 +150,11 @@ class ConcatUnstackRule:
 
     def __str__(self) -> str:
         patterns = ", ".join(_raw(p) for p in self.patterns)
-        return f"concat(({patterns}), {_raw(self.target)}, axis={self.axis}, unstacked=True)"
+        return (
+            f"the inverse of {self.inverse_rule}"
+            if self.inverse_rule
+            else f"concat_unstack(({patterns}), {_raw(self.target)})"
+        )
 
     def match(self, key: str) -> tuple[int, re.Match[str]] | None:
         """``(part, match)`` for ``key``, or ``None``."""
@@ -295,9 +299,8 @@ class SumExportRule:
         _set(self, "_templates", _templates(self.files, self._regexes))
 
     def __str__(self) -> str:
-        patterns = ", ".join(_raw(p) for p in self.patterns)
         files = ", ".join(_raw(f) for f in self.files)
-        return f"add_export(({patterns}), ({files}), axis={self.axis}, into={self.into})"
+        return f"the inverse of {self.inverse_rule}" if self.inverse_rule else f"add_export(({files}))"
 
     def match(self, key: str) -> tuple[int, tuple[str, ...]] | None:
         """``(part, file keys)`` for ``key``, or ``None``."""
