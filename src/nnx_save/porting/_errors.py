@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ..errors import NnxSaveError, ShapeMismatchError
 
-__all__ = ["NotInvertibleError", "RuleConflictError", "RuleError", "RuleShapeError"]
+__all__ = ["NotInvertibleError", "RuleConflictError", "RuleError", "RuleShapeError", "TiedValuesError"]
 
 
 class RuleError(NnxSaveError, ValueError):
@@ -26,3 +26,7 @@ class RuleShapeError(RuleError, ShapeMismatchError):
 
 class NotInvertibleError(RuleError):
     """A rule has no automatic inverse; pass ``inverse=`` to give one."""
+
+
+class TiedValuesError(RuleError):
+    """Copies a ``tie`` rule declares equal hold different values in the file."""
