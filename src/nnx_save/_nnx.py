@@ -381,6 +381,7 @@ def load_model(
     allow_missing: Sequence[str] = (),
     allow_unexpected: Sequence[str] = (),
     allow_shape_mismatch: Sequence[str] = (),
+    allow_casts: str | Sequence[str] = (),
     rules: Any = None,
     mesh: Any = None,
     max_over_read_ratio: float | None = DEFAULT,
@@ -406,6 +407,11 @@ def load_model(
             only; other state in the file is then not "unexpected").
         allow_missing / allow_unexpected: path patterns (glob or regex) the caller
             expects to be missing (a new head) or unused.
+        allow_casts: dtype casts accepted under ``strict=True`` (key and shape
+            checks stay strict): ``"lossless"`` (every cast that cannot change a
+            value: bfloat16 or float16 into float32, int8 into int32) or a list of
+            path patterns (those paths' casts, lossy ones included); listed in
+            ``report.allowed_casts``.
         allow_shape_mismatch: path patterns whose shape in the file may differ
             from the model's (a new head of another size): those parameters keep
             the model's values (a builder's initialisation) and are listed in
@@ -461,6 +467,7 @@ def load_model(
         allow_missing=allow_missing,
         allow_unexpected=allow_unexpected,
         allow_shape_mismatch=allow_shape_mismatch,
+        allow_casts=allow_casts,
         ignore_unexpected=ignore,
         renamed=renamed,
         open_reader=reader_factory(header),

@@ -260,6 +260,7 @@ def load_file(
     allow_missing: Sequence[str] = (),
     allow_unexpected: Sequence[str] = (),
     allow_shape_mismatch: Sequence[str] = (),
+    allow_casts: str | Sequence[str] = (),
     max_over_read_ratio: float | None = DEFAULT,
     read_chunk_bytes: int = DEFAULT,
     max_inflight_bytes: int = DEFAULT,
@@ -283,6 +284,11 @@ def load_file(
         strict: refuse (before reading) on any missing, unexpected, reshaped or
             cast tensor; otherwise those are reported in one ``LoadWarning``.
         allow_missing / allow_unexpected: patterns (glob or regex) the caller expects.
+        allow_casts: dtype casts accepted under ``strict=True`` (key and shape
+            checks stay strict): ``"lossless"`` (every cast that cannot change a
+            value: bfloat16 or float16 into float32, int8 into int32) or a list of
+            path patterns (those paths' casts, lossy ones included); listed in
+            ``report.allowed_casts``.
         allow_shape_mismatch: patterns of paths whose file shape may differ: those
             leaves keep the value ``abstract`` gives them (an array) and are listed in
             ``report.allowed_shape_mismatches``.
@@ -345,6 +351,7 @@ def load_file(
             allow_missing=allow_missing,
             allow_unexpected=allow_unexpected,
             allow_shape_mismatch=allow_shape_mismatch,
+            allow_casts=allow_casts,
             progress=how.progress,
         )
 

@@ -71,6 +71,7 @@ __all__ = [
     "SliceError",
     "SourceError",
     "TensorEntryError",
+    "TiedValuesError",
     "TruncatedFileError",
     "UnknownDtypeError",
     "UnsupportedCheckpointError",
@@ -600,6 +601,10 @@ class RuleShapeError(RuleError, ShapeMismatchError):
 
 class NotInvertibleError(RuleError):
     """A rule has no automatic inverse; pass ``inverse=`` to give one."""
+
+
+class TiedValuesError(RuleError):
+    """Copies a ``tie`` rule declares equal hold different values in the file."""
 
 
 def short_repr(value: object, limit: int = 40) -> str:

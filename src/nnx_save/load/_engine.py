@@ -53,7 +53,15 @@ from ._assemble import held_dtype, host_view, place, place_whole
 from ._execute import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._plan import FilePlan, Request, over_read_by_range, plan_file
-from ._report import DtypeCast, LoadReport, ShapeMismatch, split_allowed, split_allowed_shapes
+from ._report import (
+    DtypeCast,
+    LoadReport,
+    ShapeMismatch,
+    split_allowed,
+    split_allowed_casts,
+    split_allowed_shapes,
+    suggested_renames,
+)
 from ._target import Target, shard_boxes
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
@@ -444,6 +452,7 @@ def _prepare(
     allow_shape_mismatch: Sequence[str],
     ignore_unexpected: frozenset[str],
     renamed: Mapping[str, tuple[str, ...]] | None,
+    allow_casts: str | Sequence[str] = (),
 ) -> tuple[list[Target], LoadReport]:
     """The report of what will and will not load, before any byte is read."""
     report = LoadReport(source=_describe(header))
@@ -453,9 +462,12 @@ def _prepare(
     report.shape_mismatches, report.allowed_shape_mismatches = split_allowed_shapes(
         report.shape_mismatches, allow_shape_mismatch
     )
+    report.dtype_casts, report.allowed_casts = split_allowed_casts(report.dtype_casts, allow_casts)
     unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
     report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
+    if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
+        report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
     report.sources = {t.path: t.sources for t in loadable}
     landed: dict[str, list[str]] = {k: [] for k in header.tensors}
     for t in loadable:
@@ -485,6 +497,7 @@ def load_targets(
     allow_shape_mismatch: Sequence[str] = (),
     ignore_unexpected: frozenset[str] = frozenset(),
     renamed: Mapping[str, tuple[str, ...]] | None = None,
+    allow_casts: str | Sequence[str] = (),
     warn: bool = True,
     progress: bool | None = False,
 ) -> tuple[dict[str, Any], LoadReport]:
@@ -498,7 +511,7 @@ def load_targets(
     """
     opt = options if options is not None else LoadOptions()
     loadable, report = _prepare(
-        header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed
+        header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed, allow_casts
     )
     if strict:
         report.raise_or_warn(True)

@@ -11,8 +11,9 @@ from __future__ import annotations
 import fnmatch
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -30,7 +31,10 @@ __all__ = [
     "is_lossy",
     "matches_any",
     "split_allowed",
+    "split_allowed_casts",
     "split_allowed_shapes",
+    "suggest_renames",
+    "suggested_renames",
     "warn_single_device",
 ]
 
@@ -147,6 +151,11 @@ class LoadReport:
         allowed_missing / allowed_unexpected: mismatches the caller declared.
         allowed_shape_mismatches: shape mismatches the caller declared
             (``allow_shape_mismatch``); those paths keep the model's values.
+        allowed_casts: dtype casts the caller declared (``allow_casts``), done on the
+            host under ``strict=True`` too.
+        suggested_renames: ``rename(...)`` rules that would pair up missing paths
+            with unexpected keys of the same shape and name suffix (shown in the
+            remedy of a strict load, before the allow options).
         renamed: per file key, the model paths porting rules made of it (shown next
             to an unexpected key: the path the model lacks).
         sources: per target path, the file keys it came from.
@@ -165,6 +174,8 @@ class LoadReport:
     allowed_missing: list[str] = field(default_factory=list)
     allowed_unexpected: list[str] = field(default_factory=list)
     allowed_shape_mismatches: list[ShapeMismatch] = field(default_factory=list)
+    allowed_casts: list[DtypeCast] = field(default_factory=list)
+    suggested_renames: list[str] = field(default_factory=list)
     renamed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
     landed: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -215,6 +226,8 @@ class LoadReport:
             parts.append(f"  (allowed missing: {len(self.allowed_missing)})")
         if self.allowed_unexpected:
             parts.append(f"  (allowed unexpected: {len(self.allowed_unexpected)})")
+        if self.allowed_casts:
+            parts.append(f"  (allowed dtype casts: {len(self.allowed_casts)})")
         if self.allowed_shape_mismatches:
             kept = ", ".join(sorted(m.path for m in self.allowed_shape_mismatches)[:10])
             parts.append(f"  (allowed shape mismatches, the model's values kept: {kept})")
@@ -265,7 +278,8 @@ def _listed(paths: Sequence[str], limit: int = 5) -> str:
 
 
 def remedy(report: LoadReport) -> str:
-    """The options that would accept what a strict load refused, one per line."""
+    """The options that would accept what a strict load refused, one per line; first
+    the renames that would pair missing paths with unexpected keys, when some do."""
     lines = []
     if report.missing:
         lines.append(f"allow_missing={_listed(report.missing)} (those paths keep the model's values)")
@@ -275,8 +289,86 @@ def remedy(report: LoadReport) -> str:
         paths = [m.path for m in report.shape_mismatches]
         lines.append(f"allow_shape_mismatch={_listed(paths)} (those paths keep the model's values)")
     if report.dtype_casts:
-        lines.append("strict=False (dtype casts are then done on the host and reported)")
-    return "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
+        lines.append(_cast_remedy(report.dtype_casts))
+    accept = "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
+    return _rename_remedy(report.suggested_renames) + accept
+
+
+def _cast_remedy(casts: Sequence[DtypeCast]) -> str:
+    lossy = sorted(c.path for c in casts if c.lossy)
+    if not lossy:
+        return 'allow_casts="lossless" (every cast here is exact: strict key and shape checks stay on)'
+    return f"allow_casts={_listed(lossy)} (LOSSY casts: the loaded values differ from the file's)"
+
+
+def _rename_remedy(renames: Sequence[str]) -> str:
+    if not renames:
+        return ""
+    rules = ", ".join(renames)
+    return (
+        "Missing paths and unexpected keys pair up (same name suffix and shape): the file names them "
+        f"differently. Map them, rather than allowing either:\n  rules=Rules({rules})  "
+        "(from nnx_save.porting import Rules, rename; add them to your rules if you pass some)\n"
+    )
+
+
+def suggested_renames(report: LoadReport, model: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
+    """:func:`suggest_renames` for ``report``'s missing paths (shapes in ``model``) and
+    its unexpected keys (entries with ``.shape`` in ``file``) that no porting rule
+    renamed (a renamed one already shows the path it became)."""
+    missing = {p: tuple(model[p]) for p in report.missing}
+    plain = [k for k in report.unexpected if report.renamed.get(k, (k,)) == (k,)]
+    return suggest_renames(missing, {k: tuple(file[k].shape) for k in plain})
+
+
+def suggest_renames(missing: Mapping[str, tuple[int, ...]], unexpected: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """``rename(...)`` rules (as source text) mapping unexpected names onto missing
+    paths: each unexpected name pairs with the missing path of the same shape that
+    shares its longest name suffix (whole components); the pairs' differing prefixes
+    make one rule each, the commonest first.
+
+    Examples:
+        >>> suggest_renames({"encoder/0/kernel": (2, 3)}, {"body/0/kernel": (2, 3), "head/b": (3,)})
+        ['rename(r"body/(.*)", r"encoder/\\\\1")']
+    """
+    counts: dict[tuple[str, str], int] = {}
+    free = dict(missing)
+    for name, shape in sorted(unexpected.items()):
+        best = max(((_common_tail(name, m), m) for m, s in free.items() if s == shape), default=(0, ""))
+        if best[0]:
+            pair = (name[: -best[0]], best[1][: -best[0]])
+            counts[pair] = counts.get(pair, 0) + 1
+            del free[best[1]]
+    ranked = sorted(counts, key=lambda p: (-counts[p], p))
+    return [f'rename(r"{re.escape(a)}(.*)", r"{b}\\1")' for a, b in ranked]
+
+
+def _common_tail(a: str, b: str) -> int:
+    """The length of the longest common suffix of ``a`` and ``b`` that starts right
+    after a separator (``/`` or ``.``) in both, leaving both prefixes non-empty."""
+    best = 0
+    for k in range(1, min(len(a), len(b))):
+        if a[-k] != b[-k]:
+            break
+        if a[-k - 1] in "/." and b[-k - 1] in "/.":
+            best = k
+    return best
+
+
+def split_allowed_casts(casts: Sequence[DtypeCast], allow: str | Sequence[str]) -> tuple[list, list]:
+    """Partition casts into (not allowed, allowed): ``"lossless"`` allows every cast
+    that cannot change a value, a sequence of path patterns those paths' casts.
+
+    Raises:
+        LoadError: ``allow`` is another string (a pattern list must be a list).
+    """
+    if isinstance(allow, str):
+        if allow != "lossless":
+            raise LoadError(f'allow_casts takes "lossless" or a list of path patterns, got {allow!r}')
+        return [c for c in casts if c.lossy], [c for c in casts if not c.lossy]
+    patterns = list(allow)
+    allowed = [c for c in casts if matches_any(c.path, patterns)]
+    return [c for c in casts if c not in allowed], allowed
 
 
 def split_allowed_shapes(

@@ -13,7 +13,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Concatenate", "Constant", "Index", "Reshape", "Stack", "Take", "Transform", "Transpose"]
+from ..errors import TiedValuesError
+
+__all__ = [
+    "Chain",
+    "Concatenate",
+    "Constant",
+    "Each",
+    "Index",
+    "Reshape",
+    "Same",
+    "Stack",
+    "Sum",
+    "Take",
+    "Transform",
+    "Transpose",
+]
 
 Shape = tuple[int, ...]
 
@@ -95,17 +110,79 @@ Step = Transpose | Reshape
 
 @dataclass(frozen=True)
 class Constant:
-    """A 0-d ``value`` of ``dtype`` that no source holds (a torch buffer written on
-    export, such as BatchNorm's ``num_batches_tracked``); takes no sources."""
+    """``value`` of ``dtype`` filling ``shape`` (default 0-d) that no source holds (a
+    torch buffer written on export, such as BatchNorm's ``num_batches_tracked``, or
+    the zero second bias of an LSTM); takes no sources."""
 
     value: int | float
     dtype: str
+    shape: Shape = ()
 
     def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
-        return np.asarray(self.value, np.dtype(self.dtype))
+        return np.full(self.shape, self.value, np.dtype(self.dtype))
 
 
-Combine = Take | Index | Concatenate | Stack | Constant
+@dataclass(frozen=True)
+class Sum:
+    """The element-wise sum of the sources (torch's two LSTM biases into one)."""
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        out = np.array(xs[0], copy=True)
+        for x in xs[1:]:
+            out += x
+        return out
+
+
+@dataclass(frozen=True)
+class Same:
+    """The first source, after checking every other source equals it (tied copies).
+
+    ``keys`` name the sources, for the message.
+    """
+
+    keys: tuple[str, ...]
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        first = xs[0]
+        for key, x in zip(self.keys[1:], xs[1:], strict=True):
+            if x.shape != first.shape or not np.array_equal(x, first, equal_nan=first.dtype.kind in "fc"):
+                raise TiedValuesError(_untied(self.keys[0], key, first, x))
+        return first
+
+
+def _untied(source: str, copy: str, a: np.ndarray, b: np.ndarray) -> str:
+    diff = np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))) if a.shape == b.shape else "shape"
+    return (
+        f"`{copy}` is declared tied to `{source}` but holds other values (max |difference| {diff}); "
+        f"the file's copies were trained apart: give the model a separate param for `{copy}`, "
+        "or pass check=False to tie() to keep the source and report the copy"
+    )
+
+
+@dataclass(frozen=True)
+class Each:
+    """``outer([inner([x]) for x in xs])``: a step per source, then one combine
+    (one part of each layer's fused tensor, stacked)."""
+
+    inner: Take | Index
+    outer: Stack | Concatenate
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        return self.outer([self.inner([x]) for x in xs])
+
+
+@dataclass(frozen=True)
+class Chain:
+    """``outer([inner(xs)])``: combine the sources, then cut (a sum, split)."""
+
+    inner: Sum
+    outer: Take
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        return self.outer([self.inner(xs)])
+
+
+Combine = Take | Index | Concatenate | Stack | Constant | Sum | Same | Each | Chain
 
 
 @dataclass(frozen=True)
