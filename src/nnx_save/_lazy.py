@@ -2,23 +2,30 @@
 and :func:`iter_tensors`.
 
 Nothing is read when the handle opens but the headers. ``get_slice(key)[a:b, :, c]``
-turns the index into a box of the tensor and asks the loading engine for that box
-alone (a host target with ``box=``): the engine's planner cuts it into byte runs and
-its readers read exactly those, from a file, an HF index directory, a list, a pod
-directory or a URL alike. Steps and negative steps read the bounding box and are
-applied in memory; integer indices drop their dimension, as in numpy.
+accepts exactly the indices ``safetensors.safe_open`` accepts (ints, slices with a
+positive step, one Ellipsis, an empty list) and refuses what it refuses, with a
+:class:`~nnx_save.errors.SliceError`. A slice of a local file small enough is copied
+out of a memory map of the file (:mod:`nnx_save.load._direct`: no planning, no
+threads); anything larger, remote, or in a pod's pieces asks the loading engine for
+the slice's box (a host target with ``box=``), whose planner cuts it into byte runs
+its readers read exactly. Steps read the bounding box and are applied in memory.
 """
 
 from __future__ import annotations
 
+import importlib
+import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .errors import NnxSaveError, SliceError, short_repr
+from .errors import CheckpointNotFoundError, SafetensorError, SliceError
+from .format._header import TensorInfo
 from .layouts._sources import Header, read_header, reader_factory
+from .load._direct import DIRECT_MAX_BYTES, MappedFiles
 from .load._engine import load_targets
 from .load._options import LoadOptions
 from .load._report import IOStats
@@ -28,28 +35,162 @@ __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 
 PathLike = str | os.PathLike
 Box = tuple[tuple[int, int], ...]
-_FRAMEWORKS = ("np", "numpy")
+_FRAMEWORKS = {"np": "numpy", "numpy": "numpy", "flax": "jax", "jax": "jax", "pt": "torch", "torch": "torch"}
+_BACKENDS = ("mmap", "pread")
+# safetensors code -> torch dtype name (torch is imported only for framework="pt")
+_TORCH = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
+    "F32": "float32", "C64": "complex64", "F64": "float64", "I64": "int64", "U64": "uint64",
+}  # fmt: skip
 
 
-def _dim_index(index: Any, size: int, dim: int, key: str) -> tuple[tuple[int, int], Any]:
-    """``((start, stop), what to apply to the read box)`` for one dimension."""
-    if isinstance(index, slice):
-        start, stop, step = index.indices(size)
-        count = len(range(start, stop, step))
-        if count == 0:
-            return (0, 0), slice(None)
-        last = start + (count - 1) * step
-        lo, hi = (start, last + 1) if step > 0 else (last, start + 1)
-        return (lo, hi), slice(None) if step == 1 else slice(start - lo, None, step)
-    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-        i = int(index) + size if index < 0 else int(index)
-        if not 0 <= i < size:
-            raise SliceError(f"{key}: index {int(index)} is out of range for dimension {dim} of size {size}")
-        return (i, i + 1), 0
-    raise SliceError(
-        f"{key}: dimension {dim}: expected an int or a slice, found {type(index).__name__} {short_repr(index, 40)}; "
-        "read the tensor (get_tensor) for fancy indexing"
-    )
+# --------------------------------------------------------------------------- errors
+
+_COMPAT: dict[type, type] = {}
+
+
+def _compat(cls: type[SafetensorError]) -> type[SafetensorError]:
+    """``cls``, or a subclass that is also ``safetensors.SafetensorError`` when the
+    caller's process has imported safetensors (so ``except SafetensorError`` written
+    for it catches ours); it pickles as ``cls``."""
+    theirs = getattr(sys.modules.get("safetensors"), "SafetensorError", None)
+    if not isinstance(theirs, type) or not issubclass(theirs, Exception):
+        return cls
+    found = _COMPAT.get(cls)
+    if found is None:
+
+        def reduce(self):  # pickles as the plain nnx_save class: safetensors may be absent there
+            return cls, self.args, self.__dict__ or None
+
+        found = type(cls.__name__, (cls, theirs), {"__module__": cls.__module__, "__reduce__": reduce})
+        found.__qualname__ = cls.__qualname__
+        _COMPAT[cls] = found
+    return found
+
+
+def _slice_error(key: str, shape: Sequence[int], index: Any, why: str) -> SliceError:
+    return _compat(SliceError)(f"{key}: cannot slice a tensor of shape {list(shape)} with {_show(index)}: {why}")
+
+
+def _show(index: Any) -> str:
+    items = index if isinstance(index, tuple) else (index,)
+    return "[" + ", ".join(_show_one(i) for i in items) + "]"
+
+
+def _show_one(item: Any) -> str:
+    if isinstance(item, slice):
+        parts = ["" if v is None else str(v) for v in (item.start, item.stop)]
+        return ":".join(parts) + ("" if item.step is None else f":{item.step}")
+    return "..." if item is Ellipsis else repr(item)
+
+
+# --------------------------------------------------------------------------- indices
+
+
+def _int(value: Any) -> int | None:
+    """``value`` as an index int (a bool counts, as in safetensors), else None."""
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    return None
+
+
+def _bound(value: Any, default: int, size: int, fail) -> int:
+    if value is None:
+        return default
+    i = _int(value)
+    if i is None:
+        raise fail(f"a slice bound must be an int, found {type(value).__name__}")
+    # Negative bounds count from the end and clip at 0, as in numpy (safetensors 0.8
+    # fails on every negative bound with an OverflowError, a crash rather than a rule).
+    return max(i + size, 0) if i < 0 else i
+
+
+def _one(item: Any, size: int, dim: int, fail) -> int | slice:
+    """One dimension's index, checked as safetensors checks it, in numpy's terms."""
+    if isinstance(item, slice):
+        step = 1 if item.step is None else _int(item.step)
+        if step is None or step < 1:
+            raise fail(f"the step must be a positive integer (as in safetensors), found {item.step!r}")
+        start, stop = _bound(item.start, 0, size, fail), _bound(item.stop, size, size, fail)
+        if stop > size:  # numpy would clip; safetensors refuses, and so do we
+            raise fail(f"index {stop - 1} is out of bounds for dimension {dim} of size {size}")
+        if start >= size > 0 and item.start is not None:  # [n:], [n:n]: refused by safetensors too
+            raise fail(f"index {start} is out of bounds for dimension {dim} of size {size}")
+        return slice(start, stop, step)
+    i = _int(item)
+    if i is None:
+        raise fail(
+            f"unsupported index at position {dim}: expected a slice, an int or an Ellipsis, "
+            f"found {type(item).__name__}; read the tensor (get_tensor) for fancy indexing"
+        )
+    j = i + size if i < 0 else i
+    if not 0 <= j < size:
+        raise fail(f"index {i} is out of bounds for dimension {dim} of size {size}")
+    return j
+
+
+def normalize_index(index: Any, shape: Sequence[int], key: str = "tensor") -> tuple[int | slice, ...] | None:
+    """``index`` checked as ``safetensors.safe_open`` checks it and made explicit: one
+    int or ``slice(start, stop, step)`` per dimension (bounds in range, step >= 1).
+    ``None`` for the empty list ``[[]]`` (no rows).
+
+    Raises:
+        SliceError: an index safetensors refuses, naming the key, shape and index.
+
+    Examples:
+        >>> normalize_index((slice(1, 3), Ellipsis, -1), (4, 5, 6))
+        (slice(1, 3, 1), slice(0, 5, 1), 5)
+        >>> normalize_index([], (4, 5)) is None
+        True
+    """
+
+    quick = _plain(index, shape)
+    if quick is not None:
+        return quick
+
+    def fail(why: str) -> SliceError:
+        return _slice_error(key, shape, index, why)
+
+    if isinstance(index, list):
+        if index or not shape:
+            raise fail("non-empty lists are not implemented (nor in safetensors); read the tensor (get_tensor)")
+        return None
+    items = index if isinstance(index, tuple) else (index,)
+    at = [n for n, i in enumerate(items) if i is Ellipsis]
+    if len(at) > 1:
+        raise fail("only one Ellipsis (...) is allowed")
+    if at:
+        items = items[: at[0]] + (slice(None),) * (len(shape) - len(items) + 1) + items[at[0] + 1 :]
+    if len(items) > len(shape):
+        raise fail(f"more indices ({len(items)}) than dimensions ({len(shape)})")
+    items = items + (slice(None),) * (len(shape) - len(items))
+    return tuple(_one(i, d, n, fail) for n, (i, d) in enumerate(zip(items, shape, strict=True)))
+
+
+def _plain(index: Any, shape: Sequence[int]) -> tuple[int | slice, ...] | None:
+    """The common index (one in-range int or step-less non-negative slice per
+    dimension) made explicit without the general checks, else None."""
+    if type(index) is not tuple or len(index) != len(shape):
+        index = (index,) if type(index) in (int, slice) and len(shape) == 1 else None
+        if index is None:
+            return None
+    out: list[int | slice] = []
+    for item, size in zip(index, shape):
+        if type(item) is int:
+            if not -size <= item < size:
+                return None
+            out.append(item if item >= 0 else item + size)
+            continue
+        if type(item) is not slice or item.step is not None:
+            return None
+        start = 0 if item.start is None else item.start
+        stop = size if item.stop is None else item.stop
+        if type(start) is not int or type(stop) is not int or not 0 <= start < size or not 0 <= stop <= size:
+            return None
+        out.append(slice(start, stop, 1))
+    return tuple(out)
 
 
 def slice_box(index: Any, shape: Sequence[int], key: str = "tensor") -> tuple[Box, tuple[Any, ...]]:
@@ -60,25 +201,171 @@ def slice_box(index: Any, shape: Sequence[int], key: str = "tensor") -> tuple[Bo
         >>> slice_box((slice(1, 3), Ellipsis, -1), (4, 5, 6))
         (((1, 3), (0, 5), (5, 6)), (slice(None, None, None), slice(None, None, None), 0))
     """
-    items = index if isinstance(index, tuple) else (index,)
-    if sum(i is Ellipsis for i in items) > 1:
-        raise SliceError(f"{key}: an index can hold only one Ellipsis (...)")
-    if Ellipsis in [i for i in items if i is Ellipsis]:
-        at = next(n for n, i in enumerate(items) if i is Ellipsis)
-        items = items[:at] + (slice(None),) * (len(shape) - len(items) + 1) + items[at + 1 :]
-    if len(items) > len(shape):
-        raise SliceError(f"{key}: {len(items)} indices for a tensor of {len(shape)} dimensions, shape {tuple(shape)}")
-    items = items + (slice(None),) * (len(shape) - len(items))
-    pairs = [_dim_index(i, d, n, key) for n, (i, d) in enumerate(zip(items, shape, strict=True))]
-    return tuple(b for b, _ in pairs), tuple(p for _, p in pairs)
+    items = normalize_index(index, shape, key)
+    if items is None:
+        return ((0, 0),) + tuple((0, d) for d in shape[1:]), (slice(None),) * len(shape)
+    return tuple(zip(*(_box_one(i) for i in items), strict=True)) if items else ((), ())  # type: ignore[return-value]
+
+
+def _box_one(item: int | slice) -> tuple[tuple[int, int], Any]:
+    if isinstance(item, int):
+        return (item, item + 1), 0
+    count = len(range(item.start, item.stop, item.step))
+    if count == 0:
+        return (item.start, item.start), slice(None)
+    last = item.start + (count - 1) * item.step
+    return (item.start, last + 1), slice(None) if item.step == 1 else slice(None, None, item.step)
+
+
+def _extents(items: tuple[int | slice, ...]) -> list[int]:
+    return [len(range(i.start, i.stop, i.step)) for i in items if isinstance(i, slice)]
+
+
+# --------------------------------------------------------------------------- frameworks
+
+
+def _refuse(message: str) -> SafetensorError:
+    return _compat(SafetensorError)(message)
+
+
+def _framework(framework: str, device: Any):
+    """``(name, convert)``: ``convert(array, code)`` gives the framework's tensor on
+    ``device``. jax and torch are imported here, only when asked for."""
+    name = _FRAMEWORKS.get(framework) if isinstance(framework, str) else None
+    if name is None:
+        raise _refuse(
+            f"safe_open: framework {framework!r} is not supported: use 'np' / 'numpy', 'flax' / 'jax' or 'pt' / 'torch'"
+        )
+    if name == "numpy":
+        if device != "cpu":
+            raise _refuse(f"safe_open: device {device!r} is not supported for framework numpy (only 'cpu')")
+        return name, lambda array, code: array
+    if name == "jax":
+        return name, _jax_converter(device)
+    return name, _torch_converter(device)
+
+
+def _jax_converter(device: Any):
+    jax = importlib.import_module("jax")
+    if isinstance(device, str):
+        platform, _, n = device.partition(":")
+        try:
+            device = jax.devices({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform))[int(n or 0)]
+        except (RuntimeError, IndexError, ValueError) as e:
+            raise _refuse(f"safe_open: device {device!r} is not available to jax ({e})") from None
+    if not isinstance(device, jax.Device):
+        raise _refuse(f"safe_open: device {device!r} for framework jax: expected 'cpu', 'gpu:N' or a jax.Device")
+    return lambda array, code: jax.device_put(array, device)
+
+
+def _torch_converter(device: Any):
+    torch = importlib.import_module("torch")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise _refuse(f"safe_open: device {device!r} is invalid for framework torch ({e})") from None
+
+    def convert(array: np.ndarray, code: str):
+        dtype = getattr(torch, _TORCH.get(code, ""), None)
+        if dtype is None:
+            raise _refuse(f"safe_open: dtype {code} has no torch dtype in torch {torch.__version__}")
+        try:
+            tensor = torch.from_numpy(array)
+        except TypeError:  # bfloat16, float8 (ml_dtypes types torch does not know): reinterpret the bytes
+            tensor = torch.from_numpy(array.reshape(-1).view(np.uint8)).view(dtype).reshape(array.shape)
+        return tensor if device.type == "cpu" else tensor.to(device)
+
+    return convert
+
+
+# --------------------------------------------------------------------------- the handle
+
+
+class _Open:
+    """What an open handle reads through; slices keep it, so a slice taken before
+    ``close()`` still reads (as in safetensors)."""
+
+    def __init__(self, header: Header, backend: str, options: LoadOptions, convert) -> None:
+        self.header, self.options, self.convert = header, options, convert
+        pinned = header.pinned.fds if header.pinned is not None else {}
+        self.maps = MappedFiles(pinned) if backend == "mmap" else None
+        self.local = header.remote is None
+        self.io = IOStats()  # every read through this handle, summed
+        self.files: set[str] = set()
+        self.views: dict[str, Any] = {}  # tensor -> its array over the map, or None (read by the engine)
+
+    def view(self, info: TensorInfo) -> np.ndarray | None:
+        """Tensor ``info`` over the memory map when its small requests are copied out of
+        it (a local, byte-aligned tensor that is one whole piece), else None."""
+        found = self.views.get(info.name, False)
+        if found is False:
+            found = None
+            if self.maps is not None and info.dtype.byte_aligned and info.name not in self.header.pieces:
+                if self.local or info.file not in self.header.identity:
+                    found = self.maps.view(info)
+            self.views[info.name] = found
+        return found
+
+    def read(self, info: TensorInfo, items: tuple[int | slice, ...]) -> np.ndarray:
+        """``tensor[items]`` (a normalized index) as a fresh numpy array."""
+        view = self.view(info)
+        nbytes = info.nbytes
+        if view is not None and nbytes > DIRECT_MAX_BYTES:
+            nbytes = math.prod(_extents(items)) * info.dtype.itemsize
+        if view is None or nbytes > DIRECT_MAX_BYTES or not nbytes:
+            return self.read_box(info, *slice_box(items, info.shape, info.name))
+        assert self.maps is not None
+        self.maps.check_size(info)
+        out = np.array(view[items])
+        nbytes = out.nbytes
+        io = self.io
+        io.bytes_read += nbytes
+        io.bytes_needed += nbytes
+        if info.file not in self.files:
+            self.files.add(info.file)
+            io.files = len(self.files)
+        return out
+
+    def read_box(self, info: TensorInfo, box: Box, post: tuple[Any, ...]) -> np.ndarray:
+        if any(hi <= lo for lo, hi in box):  # nothing to read
+            block = np.empty(tuple(max(hi - lo, 0) for lo, hi in box), info.dtype.numpy)
+        else:
+            block = self.load([Target(info.name, tuple(info.shape), info.dtype.numpy, None, (info.name,), box=box)])
+            block = block[info.name]
+        if all(p == slice(None) for p in post):
+            return block
+        return np.array(block[post])  # a contiguous copy; 0-d stays an array
+
+    def load(self, targets: list[Target]) -> dict[str, np.ndarray]:
+        header = self.header
+        values, report = load_targets(
+            header,
+            targets,
+            self.options,
+            ignore_unexpected=frozenset(header.tensors),  # a handle reads what it is asked for, nothing is "unexpected"
+            open_reader=reader_factory(header),
+            warn=False,
+        )
+        _add_io(self.io, report.io)
+        self.files.update(report.io.over_read_by_file)
+        self.io.files = len(self.files)
+        return values
+
+
+def _add_io(total: IOStats, io: IOStats) -> None:
+    for name in ("bytes_read", "bytes_needed", "requests", "retries"):
+        setattr(total, name, getattr(total, name) + getattr(io, name))
+    for name in ("plan_seconds", "read_seconds", "assemble_seconds"):
+        setattr(total, name, getattr(total, name) + getattr(io, name))
+    total.max_inflight_bytes = max(total.max_inflight_bytes, io.max_inflight_bytes)
+    total.over_read_by_file.update(io.over_read_by_file)
 
 
 class TensorSlice:
-    """``f.get_slice(key)``: shape and dtype without reading; ``[...]`` reads the box."""
+    """``f.get_slice(key)``: shape and dtype without reading; ``[...]`` reads the slice."""
 
-    def __init__(self, handle: LazyCheckpoint, key: str) -> None:
-        self._handle, self._key = handle, key
-        self._info = handle.header.tensors[key]
+    def __init__(self, state: _Open, info: TensorInfo) -> None:
+        self._state, self._info = state, info
 
     def get_shape(self) -> list[int]:
         return list(self._info.shape)
@@ -97,15 +384,17 @@ class TensorSlice:
 
     def __len__(self) -> int:
         if not self._info.shape:
-            raise TypeError(f"{self._key}: len() of a 0-d tensor")
+            raise TypeError(f"{self._info.name}: len() of a 0-d tensor")
         return self._info.shape[0]
 
-    def __getitem__(self, index: Any) -> np.ndarray:
-        box, post = slice_box(index, self._info.shape, self._key)
-        block = self._handle._read(self._key, box)
-        if all(p == slice(None) for p in post):
-            return block
-        return np.array(block[post])  # a contiguous copy; 0-d stays an array
+    def __getitem__(self, index: Any) -> Any:
+        info = self._info
+        items = normalize_index(index, info.shape, info.name)
+        if items is None:  # [[]]: no rows, as safetensors gives
+            array = np.empty((0, *info.shape[1:]), info.dtype.numpy)
+        else:
+            array = self._state.read(info, items)
+        return self._state.convert(array, info.dtype.code)
 
 
 class LazyCheckpoint:
@@ -115,25 +404,37 @@ class LazyCheckpoint:
         self,
         source: PathLike | Sequence[PathLike] | Header,
         framework: str = "np",
+        device: Any = "cpu",
         *,
+        backend: str = "mmap",
         max_over_read_ratio: float | None = 1.0,
         max_inflight_bytes: int = 1 << 30,
         num_threads: int | None = None,
     ) -> None:
-        if framework not in _FRAMEWORKS:
-            raise NnxSaveError(
-                f"safe_open: framework {framework!r}: this handle gives numpy arrays ('np'); "
-                "use jax.device_put on them, or load_file / load_model for sharded jax arrays"
-            )
-        self._header: Header | None = read_header(source)
-        self._ratio, self._inflight, self._threads = max_over_read_ratio, max_inflight_bytes, num_threads
-        self.io = IOStats()  # every read through this handle, summed
+        if backend not in _BACKENDS:
+            raise _refuse(f"safe_open: backend {backend!r} is invalid (expected one of: 'mmap', 'pread')")
+        self.framework, convert = _framework(framework, device)
+        options = LoadOptions(
+            max_over_read_ratio=max_over_read_ratio, max_inflight_bytes=max_inflight_bytes, num_threads=num_threads
+        )
+        self._source = _where(source)
+        self._state: _Open | None = _Open(_read_header(source), backend, options, convert)
+        self._io = self._state.io
+
+    @property
+    def io(self) -> IOStats:
+        """Bytes read and needed, requests and distinct files of every read so far."""
+        return self._io
+
+    @property
+    def _open(self) -> _Open:
+        if self._state is None:
+            raise _refuse(f"File is closed: {self._source} (this safe_open handle was closed; open it again)")
+        return self._state
 
     @property
     def header(self) -> Header:
-        if self._header is None:
-            raise NnxSaveError("the checkpoint handle is closed")
-        return self._header
+        return self._open.header
 
     def __enter__(self) -> LazyCheckpoint:
         return self
@@ -142,77 +443,112 @@ class LazyCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Let go of the headers (and the files they keep open)."""
-        self._header = None
+        """Let go of the headers, maps and files (slices taken before still read)."""
+        self._state = None
 
     def keys(self) -> list[str]:
         """Every tensor's name, sorted (as ``safetensors.safe_open`` lists them)."""
         return sorted(self.header.tensors)
 
-    def metadata(self) -> dict[str, str]:
-        """The checkpoint's ``__metadata__`` (for several files: the index's over the first file's)."""
-        return dict(self.header.metadata)
+    def offset_keys(self) -> list[str]:
+        """Every tensor's name in storage order: by file, then by byte offset."""
+        header = self.header
+        order = {fh.file: n for n, fh in enumerate(header.files)}
+        return sorted(header.tensors, key=lambda k: (order.get(header.tensors[k].file, -1), header.tensors[k].begin, k))
 
-    def _info(self, key: str):
-        try:
-            return self.header.tensors[key]
-        except KeyError:
-            near = sorted(k for k in self.header.tensors if key.split(".")[-1] in k)[:5]
-            raise SliceError(f"{key!r}: no such tensor in the checkpoint; similar: {near}") from None
+    def metadata(self) -> dict[str, str] | None:
+        """The checkpoint's metadata, ``None`` when it has none (as safetensors).
+
+        One file (or a pod): its ``__metadata__``. Several files (an HF index, a
+        directory, a list): the entries every file's ``__metadata__`` holds with the
+        same value, with the index's ``metadata`` over them; per-file entries such as
+        ``nnx_save.checksums`` are in :meth:`file_metadata`.
+        """
+        header = self.header
+        if header.kind not in ("index", "directory", "list") or len(header.files) < 2:
+            return dict(header.metadata) or None
+        first, rest = header.files[0].metadata, [fh.metadata for fh in header.files[1:]]
+        shared = {k: v for k, v in first.items() if all(m.get(k) == v for m in rest)}
+        from_index = {k: v for k, v in header.metadata.items() if first.get(k) != v}
+        return {**shared, **from_index} or None
+
+    def file_metadata(self) -> dict[str, dict[str, str]]:
+        """Each file's own ``__metadata__``, by file."""
+        return {fh.file: dict(fh.metadata) for fh in self.header.files}
+
+    def _info(self, key: str) -> TensorInfo:
+        tensors = self.header.tensors
+        found = tensors.get(key) if isinstance(key, str) else None
+        if found is None:
+            if not isinstance(key, str):
+                raise TypeError(f"safe_open: a tensor name is a str, found {type(key).__name__} {key!r}")
+            near = sorted(k for k in tensors if key.split(".")[-1] in k)[:5]
+            raise _compat(SliceError)(
+                f"{key!r}: no such tensor in the checkpoint (File does not contain tensor {key}: {self._source}); "
+                f"similar: {near}"
+            )
+        return found
 
     def get_slice(self, key: str) -> TensorSlice:
         """A view of tensor ``key`` whose ``[...]`` reads only the bytes that index needs."""
-        self._info(key)
-        return TensorSlice(self, key)
+        return TensorSlice(self._open, self._info(key))
 
-    def get_tensor(self, key: str) -> np.ndarray:
-        """Tensor ``key``, read whole."""
+    def get_tensor(self, key: str) -> Any:
+        """Tensor ``key``, read whole, in the handle's framework."""
         info = self._info(key)
-        return self._read(key, tuple((0, d) for d in info.shape))
+        state = self._open
+        return state.convert(state.read(info, tuple(slice(0, d, 1) for d in info.shape)), info.dtype.code)
 
-    def _read(self, key: str, box: Box, dtype: Any = None) -> np.ndarray:
-        info = self._info(key)
-        want = info.dtype.numpy if dtype is None else np.dtype(dtype)
-        if any(hi <= lo for lo, hi in box):  # nothing to read
-            return np.empty(tuple(hi - lo for lo, hi in box), want)
-        return self._load([Target(key, tuple(info.shape), want, None, (key,), box=box)])[key]
+    def get_tensors(self) -> dict[str, Any]:
+        """Every tensor, read whole, by name in storage order (:meth:`offset_keys`)."""
+        return {key: self.get_tensor(key) for key in self.offset_keys()}
 
     def _load(self, targets: list[Target]) -> dict[str, np.ndarray]:
-        header = self.header
-        values, report = load_targets(
-            header,
-            targets,
-            LoadOptions(max_over_read_ratio=self._ratio, max_inflight_bytes=self._inflight, num_threads=self._threads),
-            ignore_unexpected=frozenset(header.tensors),  # a handle reads what it is asked for, nothing is "unexpected"
-            open_reader=reader_factory(header),
-            warn=False,
-        )
-        _add_io(self.io, report.io)
-        return values
+        return self._open.load(targets)
 
 
-def _add_io(total: IOStats, io: IOStats) -> None:
-    for name in ("bytes_read", "bytes_needed", "requests", "files", "retries"):
-        setattr(total, name, getattr(total, name) + getattr(io, name))
-    for name in ("plan_seconds", "read_seconds", "assemble_seconds"):
-        setattr(total, name, getattr(total, name) + getattr(io, name))
-    total.max_inflight_bytes = max(total.max_inflight_bytes, io.max_inflight_bytes)
+def _where(source: Any) -> str:
+    if isinstance(source, Header):
+        return source.files[0].file if len(source.files) == 1 else f"{len(source.files)} files"
+    if isinstance(source, (list, tuple)):
+        return f"{len(source)} files"
+    return os.fspath(source)
+
+
+def _read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
+    """The headers; a missing path raises safetensors' ``FileNotFoundError`` text."""
+    if isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source):
+        if not os.path.lexists(source):
+            raise CheckpointNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source))
+    return read_header(source)
 
 
 def safe_open(
-    source: PathLike | Sequence[PathLike] | Header,
+    filename: PathLike | Sequence[PathLike] | Header,
     framework: str = "np",
+    device: Any = "cpu",
     *,
+    backend: str = "mmap",
     max_over_read_ratio: float | None = 1.0,
     max_inflight_bytes: int = 1 << 30,
     num_threads: int | None = None,
 ) -> LazyCheckpoint:
-    """Open a checkpoint lazily, like ``safetensors.safe_open``: only headers are read.
+    """Open a checkpoint lazily, as ``safetensors.safe_open`` does: only headers are read.
+
+    A drop-in for it (same arguments, methods, slicing rules and errors); docs/lazy.md
+    lists where it does more and where it deliberately differs.
 
     Args:
-        source: a ``.safetensors`` file, an HF index directory, a directory or list
+        filename: a ``.safetensors`` file, an HF index directory, a directory or list
             of files, a pod directory (:func:`save_pod`), or an ``http(s)://`` URL.
-        framework: ``"np"`` (numpy arrays; the only one).
+        framework: ``"np"`` / ``"numpy"`` (numpy arrays), ``"flax"`` / ``"jax"`` (jax
+            arrays on ``device``) or ``"pt"`` / ``"torch"`` (torch tensors; torch is
+            imported only then).
+        device: ``"cpu"``; for jax also ``"gpu:N"``, ``"tpu:N"`` or a ``jax.Device``;
+            for torch anything ``torch.device`` takes.
+        backend: ``"mmap"`` (default): small slices of local files are copied out of a
+            memory map of the file, larger or remote ones read by the engine;
+            ``"pread"``: every read goes through the engine's ``preadv`` readers (no map).
         max_over_read_ratio: the engine's cap on bytes read / bytes needed when it
             merges reads; 1.0 reads the bytes a slice needs, plus the gaps under a
             page (4 KiB) between them that the engine always reads through rather
@@ -221,24 +557,30 @@ def safe_open(
         max_inflight_bytes, num_threads: the engine's budget and readers.
 
     Returns:
-        A :class:`LazyCheckpoint` with ``keys()``, ``metadata()``, ``get_tensor(key)``
-        and ``get_slice(key)[...]``; ``.io`` sums what its reads cost.
+        A :class:`LazyCheckpoint` with ``keys()``, ``offset_keys()``, ``metadata()``,
+        ``get_tensor(key)``, ``get_tensors()`` and ``get_slice(key)[...]``; ``.io``
+        sums what its reads cost.
 
     Raises:
+        CheckpointNotFoundError: no such file or directory (a ``FileNotFoundError``).
         HeaderError: a malformed checkpoint (nothing is read past the headers).
-        SliceError: an unknown key, or an index that is not ints and slices.
+        SafetensorError: an unknown framework, device or backend; later, an unknown
+            key or a closed handle.
+        SliceError: an index safetensors refuses too (a ``SafetensorError``).
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
         >>> nnx_save.save_file({"w": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}, path)
-        >>> with nnx_save.safe_open(path) as f:
+        >>> with nnx_save.safe_open(path, framework="np") as f:
         ...     print(f.keys(), f.get_slice("w")[1, :, 1:3].tolist(), f.io.bytes_needed)
         ['w'] [[13.0, 14.0], [17.0, 18.0], [21.0, 22.0]] 24
     """
     return LazyCheckpoint(
-        source,
+        filename,
         framework,
+        device,
+        backend=backend,
         max_over_read_ratio=max_over_read_ratio,
         max_inflight_bytes=max_inflight_bytes,
         num_threads=num_threads,
