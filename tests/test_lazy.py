@@ -80,7 +80,7 @@ def _positive(index, shape):
     """``index`` with negative slice bounds made non-negative as numpy reads them."""
     items = index if isinstance(index, tuple) else (index,)
     at = [n for n, i in enumerate(items) if i is Ellipsis]
-    dims = list(shape) if not at else list(shape[: at[0]]) + [None] + list(shape[len(shape) - len(items) + at[0] + 1 :])
+    dims = list(shape) if not at else [*list(shape[: at[0]]), None, *list(shape[len(shape) - len(items) + at[0] + 1 :])]
 
     def fix(i, d):
         if not isinstance(i, slice) or d is None:
@@ -116,7 +116,6 @@ def test_slices_equal_safetensors_and_numpy(tmp_path_factory, backend, case):
     its values (numpy's); where it refuses (SafetensorError: out-of-range bounds, steps
     below 1), we raise SliceError; where it crashes instead (OverflowError on negative
     bounds, SystemError on start > stop) we follow numpy (docs/lazy.md)."""
-    import safetensors
 
     shape, index = case
     root = tmp_path_factory.mktemp("h")

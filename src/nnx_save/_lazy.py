@@ -17,8 +17,8 @@ import importlib
 import math
 import os
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -48,10 +48,11 @@ _TORCH = {
 
 # --------------------------------------------------------------------------- errors
 
-_COMPAT: dict[type, type] = {}
+_COMPAT: dict[type, Any] = {}
+_E = TypeVar("_E", bound=SafetensorError)
 
 
-def _compat(cls: type[SafetensorError]) -> type[SafetensorError]:
+def _compat(cls: type[_E]) -> type[_E]:
     """``cls``, or a subclass that is also ``safetensors.SafetensorError`` when the
     caller's process has imported safetensors (so ``except SafetensorError`` written
     for it catches ours); it pickles as ``cls``."""
@@ -177,7 +178,7 @@ def _plain(index: Any, shape: Sequence[int]) -> tuple[int | slice, ...] | None:
         if index is None:
             return None
     out: list[int | slice] = []
-    for item, size in zip(index, shape):
+    for item, size in zip(index, shape, strict=False):
         if type(item) is int:
             if not -size <= item < size:
                 return None
@@ -203,7 +204,7 @@ def slice_box(index: Any, shape: Sequence[int], key: str = "tensor") -> tuple[Bo
     """
     items = normalize_index(index, shape, key)
     if items is None:
-        return ((0, 0),) + tuple((0, d) for d in shape[1:]), (slice(None),) * len(shape)
+        return ((0, 0), *tuple((0, d) for d in shape[1:])), (slice(None),) * len(shape)
     return tuple(zip(*(_box_one(i) for i in items), strict=True)) if items else ((), ())  # type: ignore[return-value]
 
 
@@ -299,10 +300,9 @@ class _Open:
         it (a local, byte-aligned tensor that is one whole piece), else None."""
         found = self.views.get(info.name, False)
         if found is False:
-            found = None
-            if self.maps is not None and info.dtype.byte_aligned and info.name not in self.header.pieces:
-                if self.local or info.file not in self.header.identity:
-                    found = self.maps.view(info)
+            mapped = self.maps is not None and info.dtype.byte_aligned and info.name not in self.header.pieces
+            local = self.local or info.file not in self.header.identity
+            found = self.maps.view(info) if mapped and local and self.maps is not None else None
             self.views[info.name] = found
         return found
 
@@ -330,8 +330,8 @@ class _Open:
         if any(hi <= lo for lo, hi in box):  # nothing to read
             block = np.empty(tuple(max(hi - lo, 0) for lo, hi in box), info.dtype.numpy)
         else:
-            block = self.load([Target(info.name, tuple(info.shape), info.dtype.numpy, None, (info.name,), box=box)])
-            block = block[info.name]
+            target = Target(info.name, tuple(info.shape), info.dtype.numpy, None, (info.name,), box=box)
+            block = self.load([target])[info.name]
         if all(p == slice(None) for p in post):
             return block
         return np.array(block[post])  # a contiguous copy; 0-d stays an array
@@ -517,9 +517,8 @@ def _where(source: Any) -> str:
 
 def _read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
     """The headers; a missing path raises safetensors' ``FileNotFoundError`` text."""
-    if isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source):
-        if not os.path.lexists(source):
-            raise CheckpointNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source))
+    if isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source) and not os.path.lexists(source):
+        raise CheckpointNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source))
     return read_header(source)
 
 

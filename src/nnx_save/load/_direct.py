@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+
 import numpy as np
 
 from ..errors import TruncatedFileError
@@ -48,9 +49,9 @@ class MappedFiles:
     def _map(self, file: str) -> mmap.mmap:
         found = self._maps.get(file)
         if found is None:
-            fd = self._fds.get(file)
-            own = fd is None
-            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC) if own else fd
+            pinned = self._fds.get(file)
+            own = pinned is None
+            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC) if pinned is None else pinned
             try:
                 found = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # keeps its own duplicate of fd
             finally:
