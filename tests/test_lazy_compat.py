@@ -3,6 +3,7 @@ the behaviour of safetensors' own Python tests (``bindings/python/tests/``) or o
 installed safetensors it mirrors, and compares against the real ``safetensors.safe_open``
 in the same test where it can."""
 
+import json
 import os
 import pickle
 import re
@@ -192,9 +193,8 @@ def test_directory_metadata(tmp_path):
     one, two = tmp_path / "model-00001-of-00002.safetensors", tmp_path / "model-00002-of-00002.safetensors"
     nnx_save.save_file({"a": np.ones(3, np.float32)}, one, metadata={"format": "pt", "part": "1"})
     nnx_save.save_file({"b": np.ones(4, np.float32)}, two, metadata={"format": "pt", "part": "2"})
-    (tmp_path / "model.safetensors.index.json").write_text(
-        '{"metadata": {"total_size": "28"}, "weight_map": {"a": "%s", "b": "%s"}}' % (one.name, two.name)
-    )
+    index = {"metadata": {"total_size": "28"}, "weight_map": {"a": one.name, "b": two.name}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     with nnx_save.safe_open(tmp_path) as f:
         assert f.metadata() == {"format": "pt", "nnx_save.checksum_algorithm": "xxh3_64", "total_size": "28"}
         per_file = f.file_metadata()
