@@ -315,8 +315,7 @@ class _Open:
         if view is None or nbytes > DIRECT_MAX_BYTES or not nbytes:
             return self.read_box(info, *slice_box(items, info.shape, info.name))
         assert self.maps is not None
-        self.maps.check_size(info)
-        out = np.array(view[items])
+        out = self.maps.copy(info, view, items)
         nbytes = out.nbytes
         io = self.io
         io.bytes_read += nbytes
