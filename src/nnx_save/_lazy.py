@@ -240,7 +240,7 @@ def _framework(framework: str, device: Any):
     if name == "numpy":
         if device != "cpu":
             raise _refuse(f"safe_open: device {device!r} is not supported for framework numpy (only 'cpu')")
-        return name, lambda array, code: array
+        return name, None
     if name == "jax":
         return name, _jax_converter(device)
     return name, _torch_converter(device)
@@ -308,7 +308,9 @@ class _Open:
 
     def read(self, info: TensorInfo, items: tuple[int | slice, ...]) -> np.ndarray:
         """``tensor[items]`` (a normalized index) as a fresh numpy array."""
-        view = self.view(info)
+        view = self.views.get(info.name, False)
+        if view is False:
+            view = self.view(info)
         nbytes = info.nbytes
         if view is not None and nbytes > DIRECT_MAX_BYTES:
             nbytes = math.prod(_extents(items)) * info.dtype.itemsize
@@ -393,7 +395,8 @@ class TensorSlice:
             array = np.empty((0, *info.shape[1:]), info.dtype.numpy)
         else:
             array = self._state.read(info, items)
-        return self._state.convert(array, info.dtype.code)
+        convert = self._state.convert
+        return array if convert is None else convert(array, info.dtype.code)
 
 
 class LazyCheckpoint:
@@ -490,13 +493,18 @@ class LazyCheckpoint:
 
     def get_slice(self, key: str) -> TensorSlice:
         """A view of tensor ``key`` whose ``[...]`` reads only the bytes that index needs."""
-        return TensorSlice(self._open, self._info(key))
+        state = self._state
+        info = state.header.tensors.get(key) if state is not None and isinstance(key, str) else None
+        if state is None or info is None:  # closed, or not a tensor: the error says which
+            return TensorSlice(self._open, self._info(key))
+        return TensorSlice(state, info)
 
     def get_tensor(self, key: str) -> Any:
         """Tensor ``key``, read whole, in the handle's framework."""
         info = self._info(key)
         state = self._open
-        return state.convert(state.read(info, tuple(slice(0, d, 1) for d in info.shape)), info.dtype.code)
+        array = state.read(info, tuple(slice(0, d, 1) for d in info.shape))
+        return array if state.convert is None else state.convert(array, info.dtype.code)
 
     def get_tensors(self) -> dict[str, Any]:
         """Every tensor, read whole, by name in storage order (:meth:`offset_keys`)."""

@@ -28,6 +28,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+try:  # imported with the module, not on a handle's first open (loading a C extension)
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
 from ..errors import (
     DuplicateKeyError,
     HeaderError,
@@ -198,11 +203,11 @@ def read_file_header(path: PathLike, pinned: _Pinned | None = None) -> FileHeade
 
 def _max_pinned() -> int:
     """Files one Header keeps open: a quarter of the descriptor limit, at most 256."""
+    if resource is None:
+        return 64
     try:
-        import resource
-
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
+    except (OSError, ValueError):
         return 64
     return 256 if soft == resource.RLIM_INFINITY else max(0, min(256, soft // 4))
 

@@ -53,8 +53,8 @@ class MappedFiles:
     def __init__(self, fds: dict[str, int] | None = None, resident_bytes: int = RESIDENT_BYTES) -> None:
         self._fds = fds if fds is not None else {}
         self._maps: dict[str, mmap.mmap] = {}
-        self._seen: set[tuple[str, str]] = set()
-        self._resident: dict[tuple[str, str], TensorInfo] = {}  # in admission order
+        self._seen: set[str] = set()  # by tensor name (unique in one handle)
+        self._resident: dict[str, TensorInfo] = {}  # in admission order
         self._resident_bytes, self._limit = 0, resident_bytes
 
     def _map(self, file: str) -> mmap.mmap:
@@ -75,22 +75,21 @@ class MappedFiles:
         raw = np.frombuffer(self._map(info.file), np.uint8, info.nbytes, info.begin)
         return raw.view(info.dtype.numpy).reshape(info.shape)
 
-    def check_size(self, info: TensorInfo) -> None:
-        """Raise if the file no longer holds ``info``'s bytes (truncated in place)."""
-        size = self._maps[info.file].size()  # fstat of the mapped file now
-        if size < info.end:
-            raise TruncatedFileError(
-                f"{info.file}: the file ends at byte {size}, tensor {info.name!r} needs bytes up to {info.end} "
-                "(was it truncated while open?)",
-                info.file,
-                size,
-            )
+    @staticmethod
+    def _truncated(info: TensorInfo, size: int) -> TruncatedFileError:
+        return TruncatedFileError(
+            f"{info.file}: the file ends at byte {size}, tensor {info.name!r} needs bytes up to {info.end} "
+            "(was it truncated while open?)",
+            info.file,
+            size,
+        )
 
     def copy(self, info: TensorInfo, view: np.ndarray, index: tuple[Any, ...]) -> np.ndarray:
         """A C-contiguous copy of ``view[index]`` (``view``: :meth:`view` of ``info``;
         ``index``: one int or slice per dimension)."""
-        self.check_size(info)
-        key = (info.file, info.name)
+        if self._maps[info.file].size() < info.end:  # fstat: the file may have been truncated in place
+            raise self._truncated(info, self._maps[info.file].size())
+        key = info.name
         if key in self._resident:
             return np.array(view[index])
         if key in self._seen:
@@ -99,7 +98,7 @@ class MappedFiles:
         self._seen.add(key)
         return self._copy_released(info, view, index)
 
-    def _admit(self, key: tuple[str, str], info: TensorInfo) -> None:
+    def _admit(self, key: str, info: TensorInfo) -> None:
         self._resident[key] = info
         self._resident_bytes += info.nbytes
         while self._resident_bytes > self._limit and len(self._resident) > 1:
