@@ -390,7 +390,9 @@ class TensorSlice:
 
     def __getitem__(self, index: Any) -> Any:
         info = self._info
-        items = normalize_index(index, info.shape, info.name)
+        items = _plain(index, info.shape)  # the common index, without a call through normalize_index
+        if items is None:
+            items = normalize_index(index, info.shape, info.name)
         if items is None:  # [[]]: no rows, as safetensors gives
             array = np.empty((0, *info.shape[1:]), info.dtype.numpy)
         else:
