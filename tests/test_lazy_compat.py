@@ -7,6 +7,8 @@ import json
 import os
 import pickle
 import re
+import subprocess
+import sys
 
 import jax
 import ml_dtypes
@@ -199,3 +201,38 @@ def test_directory_metadata(tmp_path):
         assert f.metadata() == {"format": "pt", "nnx_save.checksum_algorithm": "xxh3_64", "total_size": "28"}
         per_file = f.file_metadata()
         assert per_file[str(one)]["part"] == "1" and "nnx_save.checksums" in per_file[str(two)]
+
+
+_PEAK = """
+import sys
+import numpy as np
+def status(field):
+    return int(open("/proc/self/status").read().split(field + ":")[1].split()[0])
+lib, path = sys.argv[1], sys.argv[2]
+if lib == "nnx_save":
+    import nnx_save
+    safe_open = nnx_save.safe_open
+else:
+    from safetensors import safe_open
+open("/proc/self/clear_refs", "w").write("5")  # reset the peak (VmHWM) to the current RSS
+before = status("VmRSS")
+with safe_open(path, "np") as f:
+    cols = f.get_slice("w")[:, 1000:1064]
+assert cols.shape == (2048, 64) and cols[1, 0] == 4096 + 1000
+print(status("VmHWM") - before)
+"""
+
+
+def test_first_slice_holds_a_block_of_pages_not_the_tensor(tmp_path):
+    """The peak RSS a fresh process adds for one column slice of a 32 MiB matrix: the
+    slice and one 4 MiB block of mapped pages for nnx_save; the whole matrix's pages
+    for safetensors (the kernel maps 64 KiB around each fault)."""
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file({"w": np.arange(2048 * 4096, dtype=np.float32).reshape(2048, 4096)}, path)
+    path.read_bytes()  # page cache warm
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    added = {
+        lib: int(subprocess.check_output([sys.executable, "-c", _PEAK, lib, str(path)], env=env, text=True)) / 1024
+        for lib in ("nnx_save", "safetensors")
+    }
+    assert added["nnx_save"] < 8 and added["safetensors"] > 16, added

@@ -27,6 +27,7 @@ import contextlib
 import math
 import mmap
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,7 @@ class MappedFiles:
         self._seen: set[str] = set()  # by tensor name (unique in one handle)
         self._resident: dict[str, TensorInfo] = {}  # in admission order
         self._resident_bytes, self._limit = 0, resident_bytes
+        self._lock = threading.Lock()
 
     def _map(self, file: str) -> mmap.mmap:
         found = self._maps.get(file)
@@ -92,13 +94,16 @@ class MappedFiles:
         key = info.name
         if key in self._resident:
             return np.array(view[index])
-        if key in self._seen:
-            self._admit(key, info)
-            return np.array(view[index])
-        self._seen.add(key)
-        return self._copy_released(info, view, index)
+        with self._lock:  # handles are shared between threads; admission is not the per-call path
+            first = key not in self._seen
+            self._seen.add(key)
+            if not first:
+                self._admit(key, info)
+        return self._copy_released(info, view, index) if first else np.array(view[index])
 
     def _admit(self, key: str, info: TensorInfo) -> None:
+        if key in self._resident:
+            return
         self._resident[key] = info
         self._resident_bytes += info.nbytes
         while self._resident_bytes > self._limit and len(self._resident) > 1:
