@@ -23,7 +23,6 @@ raises :class:`~nnx_save.errors.TruncatedFileError` instead.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import mmap
 import os
@@ -48,7 +47,8 @@ class MappedFiles:
     """Read-only maps of the local files of one handle, made on first use.
 
     ``fds`` gives the descriptor a header pinned for a file (the very file whose
-    header was validated); a file without one is opened by name.
+    header was validated); a file without one is opened by name. The maps are unmapped
+    when this object and the arrays viewing them are garbage collected.
     """
 
     def __init__(self, fds: dict[str, int] | None = None, resident_bytes: int = RESIDENT_BYTES) -> None:
@@ -137,10 +137,3 @@ class MappedFiles:
             out[a - first.start : b - first.start] = view[(slice(a, b), *index[1:])]
             self._release(info, info.begin + a * row, info.begin + b * row)
         return out
-
-    def close(self) -> None:
-        """Unmap the files (a map outlives this while an array still views it)."""
-        for m in self._maps.values():
-            with contextlib.suppress(BufferError):  # an array still views it: unmapped when that goes
-                m.close()
-        self._maps.clear()
