@@ -12,7 +12,8 @@ with a small tensor before it; the page cache is warm (the file is read once fir
    local slices copied out of a memory map, large ones by the engine) and with
    ``backend="pread"`` (every read by the engine: the path all reads took before).
 2. **Fresh process**: open + one column slice ``[:, 1000:1064]``, each run in a new
-   process (the libraries alternate), with the peak RSS the phase added.
+   process (the libraries alternate), with the peak RSS the phase added; both
+   libraries are imported before the phase starts.
 
 Every result is checked against the values it must hold. Medians with min-max.
 
