@@ -58,11 +58,11 @@ if TYPE_CHECKING:
     from ._lazy import safe_open as safe_open
     from ._nnx import load_model as load_model
     from ._nnx import save_model as save_model
+    from ._pod_bridge import save_pod as save_pod
     from ._pytree import load_file as load_file
     from ._pytree import save_file as save_file
     from .cli._convert import Converted as Converted
     from .cli._convert import convert as convert
-    from .layouts._pod import save_pod as save_pod
     from .load._engine import OverReadWarning as OverReadWarning
     from .save._background import SaveHandle as SaveHandle
     from .save._background import wait_for_saves as wait_for_saves
@@ -81,7 +81,7 @@ _LAZY = {
     "OverReadWarning": ".load._engine",
     "load_model": "._nnx",
     "save_model": "._nnx",
-    "save_pod": ".layouts._pod",
+    "save_pod": "._pod_bridge",
     "load_file": "._pytree",
     "save_file": "._pytree",
 }

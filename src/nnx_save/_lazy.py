@@ -17,13 +17,14 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .errors import CheckpointNotFoundError, SafetensorError, SliceError
 from .format._header import TensorInfo
+from .layouts._layout import LocalFiles, RemoteFiles
 from .layouts._sources import Header, read_header, reader_factory
 from .load._direct import DIRECT_MAX_BYTES, MappedFiles
 from .load._engine import load_targets
@@ -106,15 +107,23 @@ def _torch_converter(device: Any):
 # --------------------------------------------------------------------------- the handle
 
 
+def _mappable(placement: object) -> LocalFiles | None:
+    """``placement`` when its local files can be mapped, every tensor one whole piece
+    (plain local files, and the local ones of a remote index); not a pod's shards."""
+    if isinstance(placement, LocalFiles) and type(placement) in (LocalFiles, RemoteFiles):
+        return placement
+    return None
+
+
 class _Open:
     """What an open handle reads through; slices keep it, so a slice taken before
     ``close()`` still reads (as in safetensors)."""
 
     def __init__(self, header: Header, backend: str, options: LoadOptions, convert) -> None:
         self.header, self.options, self.convert = header, options, convert
-        pinned = header.pinned.fds if header.pinned is not None else {}
-        self.maps = MappedFiles(pinned) if backend == "mmap" else None
-        self.local = header.remote is None
+        local = _mappable(header.placement) if backend == "mmap" else None
+        self.maps = MappedFiles(local.pinned.open) if local is not None else None
+        self.remote: Mapping[str, Any] = local.identity if isinstance(local, RemoteFiles) else {}
         self.io = IOStats()  # every read through this handle, summed
         self.files: set[str] = set()
         self.views: dict[str, Any] = {}  # tensor -> its array over the map, or None (read by the engine)
@@ -124,9 +133,8 @@ class _Open:
         it (a local, byte-aligned tensor that is one whole piece), else None."""
         found = self.views.get(info.name, False)
         if found is False:
-            mapped = self.maps is not None and info.dtype.byte_aligned and info.name not in self.header.pieces
-            local = self.local or info.file not in self.header.identity
-            found = self.maps.view(info) if mapped and local and self.maps is not None else None
+            mapped = self.maps is not None and info.dtype.byte_aligned and info.file not in self.remote
+            found = self.maps.view(info) if mapped and self.maps is not None else None
             self.views[info.name] = found
         return found
 
@@ -246,7 +254,9 @@ class LazyCheckpoint:
             max_over_read_ratio=max_over_read_ratio, max_inflight_bytes=max_inflight_bytes, num_threads=num_threads
         )
         self._source = _where(source)
-        self._state: _Open | None = _Open(_read_header(source), backend, options, convert)
+        header = _read_header(source)
+        self._owned = header is not source  # a Header passed in is closed by its owner
+        self._state: _Open | None = _Open(header, backend, options, convert)
         self._io = self._state.io
 
     @property
@@ -271,7 +281,12 @@ class LazyCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Let go of the headers, maps and files (slices taken before still read)."""
+        """Let go of the headers and close the files they keep open (those of a
+        :class:`Header` passed in stay open: its owner closes them). Slices taken before
+        still read, as in safetensors: memory maps already made stay, and other files
+        are reopened only if they are still the files whose headers were read."""
+        if self._state is not None and self._owned:
+            self._state.header.close()
         self._state = None
 
     def keys(self) -> list[str]:

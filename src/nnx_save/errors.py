@@ -24,6 +24,7 @@ __all__ = [
     "IndexFileError",
     "KeyMismatchError",
     "KeyPathError",
+    "LayoutConflictError",
     "LoadError",
     "MetadataError",
     "NnxSaveError",
@@ -111,6 +112,16 @@ class FileSizeError(HeaderError):
 class IndexFileError(HeaderError):
     """A multi-file index (``model.safetensors.index.json``) is malformed or disagrees
     with the files it names."""
+
+
+class LayoutConflictError(HeaderError):
+    """A directory that two layouts both claim (an HF index and a pod manifest):
+    nnx_save does not guess which save is current. ``file`` names the directory;
+    the message names both records and the remedy."""
+
+    def __init__(self, message: str, file: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
 
 
 class KeyPathError(NnxSaveError, ValueError):

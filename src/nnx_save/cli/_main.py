@@ -69,8 +69,10 @@ def _one(header: Any, key: str, *, verify: bool = False) -> tuple[np.ndarray, An
     import nnx_save
 
     info = header.tensors[key]
-    files = tuple(fh for fh in header.files if fh.file == info.file)
-    narrowed = dataclasses.replace(header, tensors={key: info}, files=files)
+    held = {p.info.file for p in header.pieces_of(key)}  # a pod tensor's pieces are in its shard files
+    narrowed = dataclasses.replace(
+        header, tensors={key: info}, files=tuple(fh for fh in header.files if fh.file in held)
+    )
     tree, report = nnx_save.load_file(narrowed, verify=verify, progress=False, return_report=True)
     return tree[key], report
 
@@ -219,7 +221,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     total_verified = total_unverified = 0
     for fh in header.files:
         before = len(problems)
-        verified, unverified = _verify_file(header, fh, problems)
+        # A pod's shard file holds pieces, not the pod's tensors: its checksums are checked as the file it is.
+        verified, unverified = _verify_file(
+            nnx_save.read_header(fh.file) if header.kind == "pod" else header, fh, problems
+        )
         total_verified, total_unverified = total_verified + verified, total_unverified + unverified
         status = "OK  " if len(problems) == before else "FAIL"
         print(

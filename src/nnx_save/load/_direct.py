@@ -27,6 +27,7 @@ import math
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,13 +47,13 @@ RESIDENT_BYTES = 1 << 30  # tensors kept mapped per handle once asked for twice
 class MappedFiles:
     """Read-only maps of the local files of one handle, made on first use.
 
-    ``fds`` gives the descriptor a header pinned for a file (the very file whose
-    header was validated); a file without one is opened by name. The maps are unmapped
+    ``open_fd(file)`` gives a new descriptor on the very file whose header was
+    validated (the header's pinned one, duplicated); it is closed once mapped. The maps are unmapped
     when this object and the arrays viewing them are garbage collected.
     """
 
-    def __init__(self, fds: dict[str, int] | None = None, resident_bytes: int = RESIDENT_BYTES) -> None:
-        self._fds = fds if fds is not None else {}
+    def __init__(self, open_fd: Callable[[str], int], resident_bytes: int = RESIDENT_BYTES) -> None:
+        self._open_fd = open_fd
         self._maps: dict[str, mmap.mmap] = {}
         self._seen: set[str] = set()  # by tensor name (unique in one handle)
         self._resident: dict[str, TensorInfo] = {}  # in admission order
@@ -62,13 +63,11 @@ class MappedFiles:
     def _map(self, file: str) -> mmap.mmap:
         found = self._maps.get(file)
         if found is None:
-            pinned = self._fds.get(file)
-            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC) if pinned is None else pinned
+            fd = self._open_fd(file)
             try:
                 found = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # keeps its own duplicate of fd
             finally:
-                if pinned is None:
-                    os.close(fd)
+                os.close(fd)
             self._maps[file] = found
         return found
 

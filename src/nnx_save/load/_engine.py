@@ -4,7 +4,7 @@ One engine for every layout. A :class:`~nnx_save.load._target.Target` says what 
 caller wants at one path (shape, dtype, and a jax sharding, or ``None`` for a host
 numpy array) and which file tensor(s) it comes from; the header says where each
 tensor's bytes are, as pieces at (file, byte range, box)
-(:meth:`~nnx_save.layouts._sources.Header.pieces_of`: one whole piece for a file, an
+(:meth:`~nnx_save.layouts._layout.Header.pieces_of`: one whole piece for a file, an
 index, a directory, a list or a URL; a pod directory's boxes). :func:`load_targets`
 checks every target against the headers first (so a strict refusal reads
 nothing, and a sharding jax cannot apply is refused before any read).
@@ -27,8 +27,6 @@ platform (:meth:`~nnx_save.load._options.LoadOptions.streaming`):
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import math
 import os
@@ -47,6 +45,7 @@ from ..errors import NnxSaveError, ShapeMismatchError
 from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
+from ..layouts._layout import gc_paused
 from ..layouts._pieces import Box, Piece, extents, intersect, request, whole
 from ..layouts._sources import Header
 from . import _stream
@@ -446,23 +445,6 @@ class Engine:
                     del self.wholes[k], self.refs[k]
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """No cyclic garbage collection while the engine runs: it allocates tens of
-    thousands of small objects (boxes, requests, shard lists), enough to trigger a
-    full collection, and a full collection walks every live object of the process
-    (with jax imported, 130K: 0.11-0.14 s measured, a sixth of a 2.2 GB load). What
-    the engine allocates is freed by reference counting; the collector's previous
-    state is restored."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _prepare(
     header: Header,
     targets: Sequence[Target],
@@ -530,7 +512,7 @@ def load_targets(
     if strict:
         report.raise_or_warn(True)
     bar = _progress_bar(header, loadable, report, progress)
-    with _gc_paused():
+    with gc_paused():
         try:
             engine = Engine(header, loadable, report, opt, open_reader, bar)
             device = _device(loadable)
@@ -551,8 +533,7 @@ def _finish(engine: Engine, report: LoadReport) -> None:
     report.verified = sorted(k for k, ok in engine.checked.items() if ok)
     report.unverified = sorted(k for k, ok in engine.checked.items() if not ok)
     report.io.max_inflight_bytes = engine.budget.peak
-    if engine.header.remote is not None:
-        report.io.retries = engine.header.remote.retries
+    report.io.retries = engine.header.placement.retries()
     report.loaded = sorted(engine.results)
     log.debug("loaded %d tensors from %s: %s", len(engine.results), report.source, report.io)
     if engine.over_reads:

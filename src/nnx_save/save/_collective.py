@@ -57,8 +57,8 @@ import numpy as np
 from ..errors import SaveError
 from ..format import _checksum, _dtypes
 from ..format._header import encode_header
+from ..io._files import pread_exact
 from ..io._remote_write import is_destination, write_remote
-from ..layouts._sources import pread_exact
 from ..load._plan import box_runs
 from . import _stage
 from ._stage import HostValue, spans_processes
