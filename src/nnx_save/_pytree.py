@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from . import _progress
-from .errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
+from .errors import KeyMismatchError, KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from .format import _dtypes, _paths
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
@@ -245,6 +245,19 @@ def _source_name(header: Header) -> str:
     return header.files[0].file if len(header.files) == 1 else f"{len(header.files)} files ({header.kind})"
 
 
+def _refuse_missing(header: Header, targets: list[Target]) -> None:
+    """A tree leaf the checkpoint has no tensor for: one typed error before any read
+    (a tree cannot be returned with a hole in it)."""
+    missing = [t.path for t in targets if any(s not in header.tensors for s in t.sources)]
+    if missing:
+        raise KeyMismatchError(
+            f"{_source_name(header)}: {len(missing)} leaves of the abstract tree have no tensor in the checkpoint: {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}; load_file returns the whole tree, so drop these leaves from "
+            "abstract (allow_missing cannot give them a value), or use load_model, which keeps a model's own "
+            "values where the file has none. Nothing was read."
+        )
+
+
 def load_file(
     source: PathLike | Sequence[PathLike] | Header,
     abstract: Any = None,
@@ -311,6 +324,8 @@ def load_file(
     Raises:
         HeaderError: a malformed file or index, before any data is read.
         LoadError: ``strict=True`` and a mismatch.
+        KeyMismatchError: without ``strict``, a leaf of ``abstract`` the checkpoint has
+            no tensor for (a tree has no value to give it); raised before any read.
         ShapeMismatchError: without ``strict``, a leaf whose file shape differs and
             that no ``allow_shape_mismatch`` pattern (with an array to keep) accepts;
             raised before any read.
@@ -355,13 +370,10 @@ def load_file(
     else:
         targets, treedef, keys, leaves = _abstract_targets(abstract)
         _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
+        if not strict:  # strict raises LoadError with the whole report instead
+            _refuse_missing(header, targets)
         values, report = load(targets)
         kept = {m.path for m in report.allowed_shape_mismatches}
         values = {**values, **{k: leaf for k, leaf in zip(keys, leaves, strict=True) if k in kept}}
-        missing = [k for k in keys if k not in values]
-        if missing:  # the report warned; there is nothing to put at these leaves
-            raise NnxSaveError(
-                f"{report.source}: cannot build the tree, {len(missing)} leaves have no value: {missing[:10]}\n{report}"
-            )
         result = jax.tree_util.tree_unflatten(treedef, [values[k] for k in keys])
     return (result, report) if return_report else result

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "ByteLengthError",
+    "CheckpointNotFoundError",
     "ChecksumError",
     "ConvertError",
     "DtypeMismatchError",
@@ -30,6 +31,7 @@ __all__ = [
     "NotSafetensorsError",
     "OffsetError",
     "PieceLayoutError",
+    "SafetensorError",
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
@@ -228,9 +230,24 @@ class ConvertError(NnxSaveError, ValueError):
     unsafe source format, a value that is not a tensor, an output path of the wrong kind."""
 
 
-class SliceError(NnxSaveError, IndexError):
+class SafetensorError(NnxSaveError):
+    """``safe_open`` refused a call where ``safetensors.safe_open`` raises its own
+    ``SafetensorError``: a closed handle, an unknown framework, device or backend,
+    and (as :class:`SliceError`) an unknown tensor or a refused index. When the ``safetensors`` package is imported
+    in the process, the raised error is also an instance of
+    ``safetensors.SafetensorError`` (nnx_save never imports it), so code written
+    against safetensors catches it unchanged."""
+
+
+class SliceError(SafetensorError, IndexError):
     """``safe_open``: a key the checkpoint does not hold, or an index of a tensor that
-    is out of range or not made of ints, slices and one Ellipsis."""
+    safetensors refuses too: out of range, a step below 1, a non-empty list, or
+    anything but ints, slices and one Ellipsis."""
+
+
+class CheckpointNotFoundError(SourceError, FileNotFoundError):
+    """``safe_open``: the file or directory does not exist (``file`` names it); a
+    ``FileNotFoundError``, as safetensors raises."""
 
 
 def short_repr(value: object, limit: int = 40) -> str:
