@@ -41,7 +41,7 @@ from ..format import _formats
 from ..format._header import FileHeader, TensorInfo, header_size, parse_header, unique_pairs
 from ..io import _remote
 from ..load._execute import LocalReader, Reader
-from . import _pieces
+from . import _pieces, _versions
 from ._pieces import Piece
 
 __all__ = ["INDEX_NAME", "Header", "pread_exact", "read_file_header", "read_header"]
@@ -338,11 +338,15 @@ def _index_tensors(weight_map: Mapping[str, str], files: Sequence[FileHeader], f
 
 
 def _index_header(directory: Path) -> Header:
-    index = directory / INDEX_NAME
+    return _versions.one_version(directory / INDEX_NAME, lambda: _read_index(directory, directory / INDEX_NAME))
+
+
+def _read_index(directory: Path, index: Path) -> Header:
     weight_map, meta = parse_index(_read_json_file(index, "index", IndexFileError), str(index))
     file_of = {n: _inside(directory, n, str(index)) for n in sorted(set(weight_map.values()))}
     pinned = _Pinned()
     files = tuple(read_file_header(f, pinned) for f in file_of.values())
+    _versions.check_one_version(str(index), meta, files)
     tensors = _index_tensors(weight_map, files, file_of, str(index))
     return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index", pinned=pinned)
 
@@ -444,6 +448,7 @@ def _remote_index(url: str, stats: Any) -> Header:
     file_of = {n: _member_url(base, n, url) for n in sorted(set(weight_map.values()))}
     pairs = [_remote_member_header(name, f, stats, url) for name, f in file_of.items()]
     files = tuple(fh for fh, _ in pairs)
+    _versions.check_one_version(url, meta, files)
     tensors = _index_tensors(weight_map, files, file_of, url)
     return Header(
         tensors,

@@ -57,14 +57,13 @@ import numpy as np
 from ..errors import SaveError
 from ..format import _checksum, _dtypes
 from ..format._header import encode_header
-from ..io._remote_write import is_destination, write_remote
 from ..layouts._sources import pread_exact
 from ..load._plan import box_runs
 from . import _stage
 from ._stage import HostValue, spans_processes
-from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
+from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path
 
-__all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "save", "write_collective"]
+__all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "write_collective"]
 
 TIMEOUT_ENV = "NNX_SAVE_COLLECTIVE_TIMEOUT_S"
 _DEFAULT_TIMEOUT_S = 1800.0
@@ -149,19 +148,6 @@ def _allgather(value: str | None) -> dict[int, str]:
 
 def _timeout() -> float:
     return float(os.environ.get(TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
-
-
-def save(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
-    """Write one file: alone when this is the only process, together otherwise; a
-    URL (``s3://``, ``gs://``, ``memory://`` ...) through fsspec (:mod:`._remote_write`)."""
-    import jax
-
-    if is_destination(path):
-        write_remote(str(path), entries, metadata)
-    elif jax.process_count() == 1:
-        write_file(path, entries, metadata)
-    else:
-        write_collective(path, entries, metadata)
 
 
 @dataclass
