@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
+from test_reliability_disk import small_fs  # noqa: F401 (the tiny-filesystem fixture)
 
 import nnx_save
 
@@ -277,3 +278,13 @@ def test_a_save_over_quota_keeps_the_previous_version(quota_fs, shard):
         save(tree(2.0), url)
     assert stored(quota_fs) == before  # the same objects, byte for byte: nothing new, no temporary
     assert versions(nnx_save.load_file(url)) == {1.0}
+
+
+def test_a_multi_file_save_over_a_pod_on_a_full_disk_keeps_the_pod(small_fs):  # noqa: F811 (the fixture)
+    directory = small_fs(320 << 10) / "ck"
+    nnx_save.save_pod(Versioned(3.0, n=2, size=25_000), directory)  # 200 KB
+    before = sorted(os.listdir(directory))
+    with pytest.raises(nnx_save.SaveError, match=r"save failed \(no space left on the device\)"):
+        nnx_save.save_model(Versioned(4.0, n=2, size=25_000), directory, max_shard_size=100_000)
+    assert sorted(os.listdir(directory)) == before  # the pod's manifest and shard file, nothing new
+    assert versions(nnx_save.load_file(directory)) == {3.0}
