@@ -22,7 +22,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from ..errors import IndexFileError
 from ..format import _dtypes
 from ..format._units import parse_size
 from ..io import _remote_write
+from ..save._collective import Outcome, Sync, write_collective
 from ..save._write import Entry, _write_all, atomic_file, order_entries, write_file
 from . import _pieces
 from ._sources import INDEX_NAME, parse_index
@@ -155,25 +156,42 @@ def write_sharded(
     """
     groups = shard_groups(order_entries(entries), max_shard_size)
     target = _Remote(str(directory)) if _remote_write.is_destination(directory) else _Local(directory)
-    save_id, previous = new_save_id(), _committed_files(target)
-    names = _names(len(groups), prefix, previous | target.listing(), save_id)
-    meta = {**(metadata or {}), SAVE_ID_KEY: save_id}
+    sync = Sync.open(Path(str(directory)), "multi-file save", "the previous checkpoint there, if any, is intact")
+
+    def plan() -> dict[str, Any]:
+        save_id, previous = new_save_id(), _committed_files(target)
+        names = _names(len(groups), prefix, previous | target.listing(), save_id)
+        return {"id": save_id, "previous": sorted(previous), "names": names}
+
+    agreed = _on_primary(sync, "plan", plan)
+    names, previous, meta = agreed["names"], set(agreed["previous"]), {**(metadata or {}), SAVE_ID_KEY: agreed["id"]}
     index = {
-        "metadata": {"total_size": sum(_nbytes(e) for e in entries), SAVE_ID_KEY: save_id},
+        "metadata": {"total_size": sum(_nbytes(e) for e in entries), SAVE_ID_KEY: agreed["id"]},
         "weight_map": dict(sorted((e.key, name) for name, group in zip(names, groups, strict=True) for e in group)),
     }
     written: list[str] = []
     try:
         for name, group in zip(names, groups, strict=True):
-            target.write_shard(name, group, meta)
+            if sync.n == 1:
+                target.write_shard(name, group, meta)
+            else:  # every process writes its shards of the file's tensors
+                write_collective(Path(target.root) / name, group, meta)
             written.append(name)
-        target.commit_index(json.dumps(index, indent=2).encode() + b"\n")
+        _on_primary(sync, "index", lambda: target.commit_index(json.dumps(index, indent=2).encode() + b"\n"))
     except BaseException:
-        for name in written:
+        for name in written if sync.pid == 0 else ():
             target.remove(name)
         raise
-    _remove_superseded(target, previous, set(names), prefix)
+    if sync.pid == 0:
+        _remove_superseded(target, previous, set(names), prefix)
     return target.index
+
+
+def _on_primary(sync: Sync, stage: str, work: Callable[[], Any]) -> Any:
+    """``work()`` on the primary; its result (or the same :class:`SaveError`) on every process."""
+    if sync.n == 1:
+        return work()
+    return sync.step(stage, Outcome.of(work) if sync.pid == 0 else None, only=0)[0]
 
 
 def _remove_superseded(target: _Local | _Remote, previous: set[str], keep: set[str], prefix: str) -> None:

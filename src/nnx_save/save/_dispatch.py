@@ -4,7 +4,8 @@
   :func:`~nnx_save.save._collective.write_collective` (one shared file) from several,
   :func:`~nnx_save.io._remote_write.write_remote` for an fsspec URL (one process).
 - **HF index** (``max_shard_size``): :func:`~nnx_save.layouts._hf_index.write_sharded`,
-  into a local directory or an fsspec URL, from one process (several: use ``save_pod``).
+  into a local directory or an fsspec URL from one process; from several, each file
+  is written by all of them together and the primary commits the index.
 - **pod** (``save_pod``): one file per process whatever the count, in the same frame
   (:func:`save`: the progress setting, blocking or in the background).
 
@@ -18,7 +19,6 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 
 from .. import _progress
-from ..errors import SaveError
 from ..format._units import parse_size
 from ..io._remote_write import is_destination, write_remote
 from ..layouts._hf_index import write_sharded
@@ -41,7 +41,7 @@ def writer(metadata: Mapping[str, str] | None, *, max_shard_size: int | str | No
     """
     if max_shard_size is None:
         return functools.partial(_one_file, metadata=metadata)
-    return functools.partial(_hf_index, metadata=metadata, max_shard_size=parse_size(max_shard_size))
+    return functools.partial(write_sharded, metadata=metadata, max_shard_size=parse_size(max_shard_size))
 
 
 def _process_count() -> int:
@@ -57,18 +57,6 @@ def _one_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mappi
         write_file(path, entries, metadata)
     else:
         write_collective(path, entries, metadata)
-
-
-def _hf_index(
-    path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None, max_shard_size: int
-) -> None:
-    if _process_count() > 1:
-        raise SaveError(
-            f"{path}: a multi-file (max_shard_size) save from {_process_count()} processes is not supported; "
-            "use save_pod (one file per process) or a single file",
-            str(path),
-        )
-    write_sharded(path, entries, metadata, max_shard_size)
 
 
 def save(
