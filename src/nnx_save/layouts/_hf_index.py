@@ -31,7 +31,7 @@ from ..format import _dtypes
 from ..format._units import parse_size
 from ..io import _remote_write
 from ..save._collective import Outcome, Sync, write_collective
-from ..save._write import Entry, _write_all, atomic_file, order_entries, write_file
+from ..save._write import TMP_MARKER, Entry, _write_all, atomic_file, order_entries, remove_stale_temps, write_file
 from . import _pieces
 from ._sources import INDEX_NAME, parse_index
 from ._versions import SAVE_ID_KEY, new_save_id
@@ -195,13 +195,18 @@ def _on_primary(sync: Sync, stage: str, work: Callable[[], Any]) -> Any:
 
 
 def _remove_superseded(target: _Local | _Remote, previous: set[str], keep: set[str], prefix: str) -> None:
-    """After the commit: the previous version's files, files of interrupted saves of
-    ours (names with a save id), and a pod layout's manifest (first) and shard files."""
-    ours = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?\.[0-9a-f]{{8}}\.safetensors")
+    """After the commit: the previous version's files, files of interrupted saves
+    (this layout's names, the index does not name them; their temporary files when
+    their process is dead), and a pod layout's manifest (first) and shard files."""
+    ours = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?(\.[0-9a-f]{{8}})?\.safetensors")
     listing = target.listing()
     stale = (previous | {n for n in listing if ours.fullmatch(n)}) - keep
-    if _pieces.MANIFEST in listing and isinstance(target, _Local):
-        stale |= {n for n in listing if _pieces.SHARD_FILE.match(n)}
-        target.remove(_pieces.MANIFEST)
+    if isinstance(target, _Local):
+        for name in listing:  # ".<file>.nnx_save-tmp-<host>-<pid>-<random>"
+            if TMP_MARKER in name and ours.fullmatch(name[1 : name.index(TMP_MARKER)]):
+                remove_stale_temps(target.root / name[1 : name.index(TMP_MARKER)])
+        if _pieces.MANIFEST in listing:
+            stale |= {n for n in listing if _pieces.SHARD_FILE.match(n)}
+            target.remove(_pieces.MANIFEST)
     for name in sorted(stale):
         target.remove(name)
