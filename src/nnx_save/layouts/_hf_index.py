@@ -31,7 +31,17 @@ from ..format import _dtypes
 from ..format._units import parse_size
 from ..io import _remote_write
 from ..save._collective import Outcome, Sync, write_collective
-from ..save._write import TMP_MARKER, Entry, _write_all, atomic_file, order_entries, remove_stale_temps, write_file
+from ..save._write import (
+    TMP_MARKER,
+    Entry,
+    _write_all,
+    atomic_file,
+    commit_staged,
+    discard_staged,
+    order_entries,
+    remove_stale_temps,
+    write_file,
+)
 from . import _pieces
 from ._sources import INDEX_NAME, parse_index
 from ._versions import SAVE_ID_KEY, new_save_id
@@ -78,6 +88,7 @@ class _Local:
         self.root = Path(directory)
         self.root.mkdir(parents=True, exist_ok=True)
         self.index = self.root / INDEX_NAME
+        self.staged: list[tuple[Path, Path]] = []  # complete data files, renamed together
 
     def listing(self) -> set[str]:
         return set(os.listdir(self.root))
@@ -86,11 +97,15 @@ class _Local:
         return self.index.read_bytes()
 
     def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str]) -> None:
-        write_file(self.root / name, entries, meta)
+        write_file(self.root / name, entries, meta, staged=self.staged)
 
     def commit_index(self, data: bytes) -> None:
+        commit_staged(self.staged)  # fresh names: one directory fsync for them all, before the index
         with atomic_file(self.index) as fd:
             _write_all(fd, memoryview(data))
+
+    def discard(self) -> None:
+        discard_staged(self.staged)
 
     def remove(self, name: str) -> None:
         try:
@@ -123,6 +138,9 @@ class _Remote:
 
     def commit_index(self, data: bytes) -> None:
         _remote_write.put(self.fs, self.index, lambda f: f.write(data))
+
+    def discard(self) -> None:
+        """Nothing staged: each object is moved into place once complete."""
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(Exception):
@@ -179,6 +197,7 @@ def write_sharded(
             written.append(name)
         _on_primary(sync, "index", lambda: target.commit_index(json.dumps(index, indent=2).encode() + b"\n"))
     except BaseException:
+        target.discard()
         for name in written if sync.pid == 0 else ():
             target.remove(name)
         raise
