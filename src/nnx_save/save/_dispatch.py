@@ -44,16 +44,12 @@ def writer(metadata: Mapping[str, str] | None, *, max_shard_size: int | str | No
     return functools.partial(write_sharded, metadata=metadata, max_shard_size=parse_size(max_shard_size))
 
 
-def _process_count() -> int:
+def _one_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
     import jax
 
-    return jax.process_count()
-
-
-def _one_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
     if is_destination(path):
         write_remote(str(path), entries, metadata)
-    elif _process_count() == 1:
+    elif jax.process_count() == 1:
         write_file(path, entries, metadata)
     else:
         write_collective(path, entries, metadata)
