@@ -21,6 +21,7 @@ from .errors import HeaderError as HeaderError
 from .errors import HeaderJSONError as HeaderJSONError
 from .errors import HeaderTooLargeError as HeaderTooLargeError
 from .errors import HeaderTooSmallError as HeaderTooSmallError
+from .errors import IndexChangedError as IndexChangedError
 from .errors import IndexFileError as IndexFileError
 from .errors import KeyMismatchError as KeyMismatchError
 from .errors import KeyPathError as KeyPathError
@@ -29,6 +30,7 @@ from .errors import MetadataError as MetadataError
 from .errors import NnxSaveError as NnxSaveError
 from .errors import NotSafetensorsError as NotSafetensorsError
 from .errors import OffsetError as OffsetError
+from .errors import OptionError as OptionError
 from .errors import PieceLayoutError as PieceLayoutError
 from .errors import SaveError as SaveError
 from .errors import ShapeMismatchError as ShapeMismatchError

@@ -22,7 +22,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import _progress
 from ._pytree import check_metadata, leaf_entry
 from ._version import __version__
 from .errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
@@ -32,7 +31,7 @@ from .load._engine import load_targets
 from .load._options import LoadOptions
 from .load._report import LoadReport, warn_single_device
 from .load._target import Target
-from .save import _background, _collective
+from .save import _background, _dispatch
 from .save._write import Entry
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
@@ -136,7 +135,7 @@ def save_model(
     filter: Any = ...,
     metadata: Mapping[str, str] | None = None,
     rules: Any = None,
-    max_shard_size: int | None = None,
+    max_shard_size: int | str | None = None,
     progress: bool | None = None,
     blocking: bool = True,
 ) -> _background.SaveHandle | None:
@@ -157,8 +156,9 @@ def save_model(
         rules: porting rules applied on the way out (``rules.inverse()`` of an
             import table writes HuggingFace names and layouts).
         max_shard_size: write a HuggingFace multi-file checkpoint in directory
-            ``path`` (``model.safetensors.index.json``) with files of at most this
-            many bytes.
+            ``path`` (``model.safetensors.index.json``, a local path or an fsspec
+            URL) with files of at most this many bytes: an int or a size such as
+            ``"5GB"`` or ``"200MiB"``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
         blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
@@ -170,6 +170,7 @@ def save_model(
     Raises:
         UnsupportedValueError: a string or ``None`` in the state (names the path).
         KeyPathError: ``/`` inside an attribute name.
+        OptionError: ``max_shard_size`` is not a size.
         SaveError: the write failed; the previous file is intact.
 
     Examples:
@@ -189,16 +190,8 @@ def save_model(
         if "format" not in (metadata or {}):
             meta["format"] = "pt"  # transformers refuses safetensors files without it
 
-    def write(path: str | os.PathLike, entries: Sequence[Entry]) -> None:
-        if max_shard_size is not None:
-            from .layouts._hf_index import write_sharded
-
-            write_sharded(path, entries, meta, max_shard_size)
-        else:
-            _collective.save(path, entries, meta)  # one process alone, or all of them together
-
-    with _progress.saving(progress):
-        return _background.save(path, entries, write, blocking=blocking)
+    write = _dispatch.writer(meta, max_shard_size=max_shard_size)
+    return _dispatch.save(path, entries, write, blocking=blocking, progress=progress)
 
 
 # --------------------------------------------------------------------------- loading

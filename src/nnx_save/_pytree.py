@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from . import _progress
 from .errors import KeyMismatchError, KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from .format import _dtypes, _paths
 from .layouts._sources import Header, read_header, reader_factory
@@ -16,7 +15,7 @@ from .load._engine import load_targets
 from .load._options import LoadOptions
 from .load._report import LoadReport, ShapeMismatch, matches_any, warn_single_device
 from .load._target import Target
-from .save import _background, _collective
+from .save import _background, _dispatch
 from .save._stage import HostValue
 from .save._write import Entry
 
@@ -106,8 +105,10 @@ def save_file(
     metadata: Mapping[str, str] | None = None,
     progress: bool | None = None,
     blocking: bool = True,
+    max_shard_size: int | str | None = None,
 ) -> _background.SaveHandle | None:
-    """Save a pytree of arrays as one ``.safetensors`` file, atomically.
+    """Save a pytree of arrays as one ``.safetensors`` file (or, with ``max_shard_size``,
+    a HuggingFace multi-file checkpoint), atomically.
 
     Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
     written one at a time; from accelerators the device -> host copies of the next
@@ -125,6 +126,10 @@ def save_file(
         blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
             of every tensor is taken; the file is written in the background (see
             docs/async.md). Donating the saved arrays afterwards is safe.
+        max_shard_size: write a HuggingFace multi-file checkpoint in directory
+            ``path`` (``model.safetensors.index.json``, a local path or an fsspec
+            URL) with files of at most this many bytes: an int or a size such as
+            ``"5GB"`` or ``"200MiB"``.
 
     Every tensor's xxh3_64 checksum is recorded in ``__metadata__``
     (``nnx_save.checksums``); ``load_file(..., verify=True)`` checks it.
@@ -132,6 +137,7 @@ def save_file(
     Raises:
         UnsupportedValueError: a leaf that is not an array (names its path).
         KeyPathError: a key containing ``/``, or two paths making the same key.
+        OptionError: ``max_shard_size`` is not a size.
         SaveError: the write failed; the previous file at ``path`` is intact.
 
     Examples:
@@ -146,8 +152,8 @@ def save_file(
     entries = [leaf_entry(p, v) for p, v in pairs]
     check_metadata(metadata)
     meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
-    with _progress.saving(progress):  # one process alone, or all of them together
-        return _background.save(path, entries, lambda p, es: _collective.save(p, es, meta), blocking=blocking)
+    write = _dispatch.writer(meta, max_shard_size=max_shard_size)
+    return _dispatch.save(path, entries, write, blocking=blocking, progress=progress)
 
 
 def check_metadata(metadata: Any) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "HeaderJSONError",
     "HeaderTooLargeError",
     "HeaderTooSmallError",
+    "IndexChangedError",
     "IndexFileError",
     "KeyMismatchError",
     "KeyPathError",
@@ -30,6 +31,7 @@ __all__ = [
     "NnxSaveError",
     "NotSafetensorsError",
     "OffsetError",
+    "OptionError",
     "PieceLayoutError",
     "SafetensorError",
     "SaveError",
@@ -124,6 +126,11 @@ class LayoutConflictError(HeaderError):
         self.file = file
 
 
+class IndexChangedError(IndexFileError):
+    """A multi-file checkpoint was replaced while it was being read: its files come
+    from two saves, or the index changed and a file it named is gone. Load again."""
+
+
 class KeyPathError(NnxSaveError, ValueError):
     """A tree path cannot become a file key (``/`` inside a name, an ambiguous key);
     ``key_path`` names it."""
@@ -191,6 +198,15 @@ class SourceError(NnxSaveError, OSError):
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
         self.file = file
+
+
+class OptionError(NnxSaveError, ValueError):
+    """An argument or option of a call is out of range, of the wrong kind, or given
+    twice (as a keyword and in ``options=``). ``argument`` names it."""
+
+    def __init__(self, message: str, argument: str | None = None) -> None:
+        super().__init__(message)
+        self.argument = argument
 
 
 class ShardingError(NnxSaveError, ValueError):
