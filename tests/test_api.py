@@ -164,14 +164,12 @@ def test_bad_load_options_are_typed_errors_naming_the_argument(saved, kwargs, me
 
 
 def test_bad_save_options_are_typed_errors_and_write_nothing(tmp_path):
-    with pytest.raises(OptionError, match=re.escape("max_shard_size must be a positive int (bytes), got 0")):
+    with pytest.raises(OptionError, match=re.escape("max_shard_size=0: expected a positive number of bytes")):
         nnx_save.SaveOptions(max_shard_size=0)
+    with pytest.raises(OptionError, match=re.escape("max_shard_size='5 parsecs': expected a positive number")):
+        nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w", options=nnx_save.SaveOptions(max_shard_size="5 parsecs"))
     with pytest.raises(OptionError, match=re.escape("blocking must be True or False, got 'no'")):
         nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w.safetensors", blocking="no")
-    with pytest.raises(OptionError, match=re.escape("save_file writes one file: max_shard_size is for save_model")):
-        nnx_save.save_file(
-            {"w": np.ones(2)}, tmp_path / "w.safetensors", options=nnx_save.SaveOptions(max_shard_size=8)
-        )
     assert os.listdir(tmp_path) == []
 
 
@@ -195,6 +193,10 @@ def test_save_options_reach_the_writers(tmp_path):
     model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
     nnx_save.save_model(model, tmp_path / "hf", options=nnx_save.SaveOptions(max_shard_size=16, progress=False))
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    tree = {"a": np.arange(8.0), "b": np.ones(8)}
+    nnx_save.save_file(tree, tmp_path / "tree", options=nnx_save.SaveOptions(max_shard_size="64B"))
+    assert len(list((tmp_path / "tree").glob("*.safetensors"))) == 2
+    assert nnx_save.load_file(tmp_path / "tree")["a"].tolist() == list(range(8))
     handle = nnx_save.save_file(
         {"w": np.ones(2)}, tmp_path / "w.safetensors", options=nnx_save.SaveOptions(blocking=False)
     )
@@ -223,7 +225,7 @@ def test_store_arguments_are_typed_errors():
 
 
 def test_a_bad_shard_size_for_convert_is_a_typed_error(saved, tmp_path):
-    with pytest.raises(OptionError, match=re.escape("max_shard_size must be positive, got 0")):
+    with pytest.raises(OptionError, match=re.escape("max_shard_size=0: expected a positive number of bytes")):
         nnx_save.convert(saved, tmp_path / "split", max_shard_size=0)
 
 

@@ -31,6 +31,7 @@ from .errors import HeaderError as HeaderError
 from .errors import HeaderJSONError as HeaderJSONError
 from .errors import HeaderTooLargeError as HeaderTooLargeError
 from .errors import HeaderTooSmallError as HeaderTooSmallError
+from .errors import IndexChangedError as IndexChangedError
 from .errors import IndexFileError as IndexFileError
 from .errors import KeyMismatchError as KeyMismatchError
 from .errors import KeyPathError as KeyPathError

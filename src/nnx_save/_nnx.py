@@ -22,7 +22,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import _progress
 from ._pytree import check_metadata, leaf_entry
 from ._version import __version__
 from .errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
@@ -32,7 +31,7 @@ from .load._engine import load_targets
 from .load._options import DEFAULT, LoadOptions, merge
 from .load._report import LoadReport, warn_single_device
 from .load._target import Target
-from .save import _background, _collective
+from .save import _background, _dispatch
 from .save._options import SaveOptions
 from .save._write import Entry
 
@@ -137,7 +136,7 @@ def save_model(
     filter: Any = ...,
     metadata: Mapping[str, str] | None = None,
     rules: Any = None,
-    max_shard_size: int | None = DEFAULT,
+    max_shard_size: int | str | None = DEFAULT,
     progress: bool | None = DEFAULT,
     blocking: bool = DEFAULT,
     options: SaveOptions | None = None,
@@ -159,8 +158,9 @@ def save_model(
         rules: porting rules applied on the way out (``rules.inverse()`` of an
             import table writes HuggingFace names and layouts).
         max_shard_size: write a HuggingFace multi-file checkpoint in directory
-            ``path`` (``model.safetensors.index.json``) with files of at most this
-            many bytes.
+            ``path`` (``model.safetensors.index.json``, a local path or an fsspec
+            URL) with files of at most this many bytes: an int or a size such as
+            ``"5GB"`` or ``"200MiB"``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
         blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
@@ -175,6 +175,7 @@ def save_model(
     Raises:
         UnsupportedValueError: a string or ``None`` in the state (names the path).
         KeyPathError: ``/`` inside an attribute name.
+        OptionError: ``max_shard_size`` is not a size.
         SaveError: the write failed; the previous file is intact.
         OptionError: an option out of range, or given both as a keyword and in
             ``options`` (names it).
@@ -197,16 +198,8 @@ def save_model(
         if "format" not in (metadata or {}):
             meta["format"] = "pt"  # transformers refuses safetensors files without it
 
-    def write(path: str | os.PathLike, entries: Sequence[Entry]) -> None:
-        if how.max_shard_size is not None:
-            from .layouts._hf_index import write_sharded
-
-            write_sharded(path, entries, meta, how.max_shard_size)
-        else:
-            _collective.save(path, entries, meta)  # one process alone, or all of them together
-
-    with _progress.saving(how.progress):
-        return _background.save(path, entries, write, blocking=how.blocking)
+    write = _dispatch.writer(meta, max_shard_size=how.max_shard_size)
+    return _dispatch.save(path, entries, write, blocking=how.blocking, progress=how.progress)
 
 
 # --------------------------------------------------------------------------- loading

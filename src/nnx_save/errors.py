@@ -44,6 +44,7 @@ __all__ = [
     "HeaderJSONError",
     "HeaderTooLargeError",
     "HeaderTooSmallError",
+    "IndexChangedError",
     "IndexFileError",
     "KeyMismatchError",
     "KeyPathError",
@@ -64,12 +65,14 @@ __all__ = [
     "RuleConflictError",
     "RuleError",
     "RuleShapeError",
+    "SafetensorError",
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
     "SingleDeviceWarning",
     "SliceError",
     "SourceError",
+    "SourceNotFoundError",
     "TensorEntryError",
     "TiedValuesError",
     "TruncatedFileError",
@@ -160,6 +163,11 @@ class LayoutConflictError(HeaderError):
         self.file = file
 
 
+class IndexChangedError(IndexFileError):
+    """A multi-file checkpoint was replaced while it was being read: its files come
+    from two saves, or the index changed and a file it named is gone. Load again."""
+
+
 class KeyPathError(NnxSaveError, ValueError):
     """A tree path cannot become a file key (``/`` inside a name, an ambiguous key);
     ``key_path`` names it."""
@@ -231,6 +239,15 @@ class SourceError(NnxSaveError, OSError):
         self.file = file
 
 
+class OptionError(NnxSaveError, ValueError):
+    """An argument or option of a call is out of range, of the wrong kind, or given
+    twice (as a keyword and in ``options=``). ``argument`` names it."""
+
+    def __init__(self, message: str, argument: str | None = None) -> None:
+        super().__init__(message)
+        self.argument = argument
+
+
 class ShardingError(NnxSaveError, ValueError):
     """A sharding this process cannot read or write as asked."""
 
@@ -268,9 +285,24 @@ class ConvertError(NnxSaveError, ValueError):
     unsafe source format, a value that is not a tensor, an output path of the wrong kind."""
 
 
-class SliceError(NnxSaveError, IndexError):
+class SafetensorError(NnxSaveError):
+    """``safe_open`` refused a call where ``safetensors.safe_open`` raises its own
+    ``SafetensorError``: a closed handle, an unknown framework, device or backend,
+    and (as :class:`SliceError`) an unknown tensor or a refused index. When the ``safetensors`` package is imported
+    in the process, the raised error is also an instance of
+    ``safetensors.SafetensorError`` (nnx_save never imports it), so code written
+    against safetensors catches it unchanged."""
+
+
+class SliceError(SafetensorError, IndexError):
     """``safe_open``: a key the checkpoint does not hold, or an index of a tensor that
-    is out of range or not made of ints, slices and one Ellipsis."""
+    safetensors refuses too: out of range, a step below 1, a non-empty list, or
+    anything but ints, slices and one Ellipsis."""
+
+
+class SourceNotFoundError(SourceError, FileNotFoundError):
+    """``safe_open``: the file or directory does not exist (``file`` names it); a
+    ``FileNotFoundError``, as safetensors raises."""
 
 
 class RemoteError(NnxSaveError, OSError):
@@ -291,15 +323,6 @@ class ConfigError(NnxSaveError, ValueError):
     def __init__(self, variable: str, expected: str, found: str) -> None:
         super().__init__(f"{variable}={found!r}: expected {expected}")
         self.variable, self.expected, self.found = variable, expected, found
-
-
-class OptionError(NnxSaveError, ValueError):
-    """An argument or option of a call is out of range, of the wrong kind, or given
-    twice (as a keyword and in ``options=``). ``argument`` names it."""
-
-    def __init__(self, message: str, argument: str | None = None) -> None:
-        super().__init__(message)
-        self.argument = argument
 
 
 class LoadWarning(UserWarning):

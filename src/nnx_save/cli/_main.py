@@ -18,35 +18,19 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..errors import OptionError
+from ..format import _units
 from ..format._units import human_bytes
 
 __all__ = ["main"]
 
 _CHECKSUMS = "nnx_save.checksums"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 10**3,
-    "KB": 10**3,
-    "M": 10**6,
-    "MB": 10**6,
-    "G": 10**9,
-    "GB": 10**9,
-    "T": 10**12,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 class CLIError(Exception):
@@ -55,10 +39,10 @@ class CLIError(Exception):
 
 def parse_size(text: str) -> int:
     """``"5GB"`` -> 5_000_000_000, ``"200MiB"`` -> 209_715_200, ``"1000"`` -> 1000."""
-    m = _SIZE.match(text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 5GB, 200MiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    try:
+        return _units.parse_size(text, "--max-shard-size")
+    except OptionError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 5GB, 200MiB, 1000000)") from None
 
 
 # ------------------------------------------------------------------- one tensor at a time

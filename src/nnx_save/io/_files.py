@@ -20,6 +20,11 @@ import weakref
 
 from ..errors import SourceError, TruncatedFileError
 
+try:  # imported with the module, not on the first header read (it loads a C extension)
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
 __all__ = ["Pinned", "max_pinned", "open_regular", "pread_exact", "read_capped"]
 
 _Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
@@ -98,11 +103,11 @@ def read_capped(name: str, what: str, cap: int, error: type[Exception]) -> bytes
 def max_pinned() -> int:
     """Descriptors the whole process keeps pinned: a quarter of the soft descriptor
     limit, at most 4096 (64 where the limit cannot be read)."""
+    if resource is None:
+        return 64
     try:
-        import resource
-
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
+    except (OSError, ValueError):
         return 64
     return 4096 if soft == resource.RLIM_INFINITY else max(0, min(4096, soft // 4))
 

@@ -19,6 +19,7 @@ from urllib.parse import unquote, urlsplit
 from ..errors import IndexFileError
 from ..format._header import FileHeader
 from ..io import _files, _remote
+from . import _versions
 from ._file import read_file_header, remote_file_header
 from ._layout import Header, LocalFiles, RemoteFiles, load_record, merge
 
@@ -122,6 +123,7 @@ def read_remote(url: str, stats: Any) -> Header:
     file_of = {n: _member_url(base, n, url) for n in sorted(set(weight_map.values()))}
     pairs = [_remote_member_header(name, f, stats, url) for name, f in file_of.items()]
     files = tuple(fh for fh, _ in pairs)
+    _versions.check_one_version(url, meta, files)
     tensors = _index_tensors(weight_map, files, file_of, url)
     placement = RemoteFiles(stats, {fh.file: ident for fh, ident in pairs})
     return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index", placement)
@@ -136,11 +138,15 @@ class IndexLayout:
         return (path / INDEX_NAME).is_file()
 
     def read(self, path: Path) -> Header:
+        return _versions.one_version(path / INDEX_NAME, lambda: self._read(path))
+
+    def _read(self, path: Path) -> Header:
         index = path / INDEX_NAME
         raw = _files.read_capped(os.fspath(index), "index", MAX_INDEX_BYTES, IndexFileError)
         weight_map, meta = parse_index(raw, str(index))
         file_of = {n: _inside(path, n, str(index)) for n in sorted(set(weight_map.values()))}
         placement = LocalFiles()
         files = tuple(read_file_header(f, placement.pinned) for f in file_of.values())
+        _versions.check_one_version(str(index), meta, files)
         tensors = _index_tensors(weight_map, files, file_of, str(index))
         return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index", placement)

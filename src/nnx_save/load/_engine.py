@@ -67,7 +67,8 @@ from ._target import Target, shard_boxes
 __all__ = ["OverReadWarning", "Target", "load_targets"]
 
 log = logging.getLogger("nnx_save")
-OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning
+OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning ...
+OVER_READ_MIN_BYTES = 1 << 20  # ... when the bytes it did not need cost something (~1 ms of reading)
 
 
 @dataclass
@@ -310,8 +311,11 @@ class Engine:
 
     def over_read_warns(self, read: int, needed: int) -> bool:
         """Whether reading ``read`` bytes of a file for ``needed`` is worth the warning:
-        only under the automatic ratio (an explicit one is the caller's choice)."""
-        return self.opt.max_over_read_ratio is None and read > OVER_READ_WARN * needed
+        only under the automatic ratio (an explicit one is the caller's choice), and only
+        when the unneeded bytes are many (a skipped 1 KiB tensor costs nothing)."""
+        if self.opt.max_over_read_ratio is not None or read - needed < OVER_READ_MIN_BYTES:
+            return False
+        return read > OVER_READ_WARN * needed
 
     def read_through(self, file: str, plan: FilePlan) -> np.ndarray:
         """Per tensor of ``file`` (header order): bytes ``plan`` read but did not need."""
@@ -326,7 +330,8 @@ class Engine:
         named = ", ".join(f"{name} ({human_bytes(x)})" for x, name in worst[:5])
         self.over_reads.append(
             f"{file}: read {human_bytes(read)} for {human_bytes(needed)} needed "
-            f"(over-read {read / needed:.2f}x under the automatic ratio {ratio:.2f}); "
+            f"(over-read {read / needed:.2f}x; the automatic merge cap for this file was {ratio:.2f}x, "
+            "gaps under 4 KiB are read through whatever the cap); "
             f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}"
         )
 
@@ -542,12 +547,12 @@ def _finish(engine: Engine, report: LoadReport) -> None:
     log.debug("loaded %d tensors from %s: %s", len(engine.results), report.source, report.io)
     if engine.over_reads:
         warnings.warn(
-            "the automatic over-read ratio read far more than this process needed, because the "
-            "shardings want many small strided pieces of these files (fewer, larger requests "
-            "were read instead):\n  "
+            "this load read far more bytes than it needed from these files: to make fewer, larger "
+            "requests, the automatic read merging (max_over_read_ratio=None) read through the bytes "
+            "between the pieces it needed (tensors the load skips, or parts other devices hold):\n  "
             + "\n  ".join(engine.over_reads)
-            + "\nShard the leading dimension, or pass max_over_read_ratio to choose the trade "
-            "(1.0: exact reads, more requests).",
+            + "\nPass max_over_read_ratio=1.0 to read only the needed bytes (more requests), or "
+            "shard the leading dimension so that each device's pieces are contiguous.",
             OverReadWarning,
             stacklevel=4,
         )

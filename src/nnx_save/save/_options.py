@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import OptionError
-from ..load._options import check, is_int
+from ..format._units import parse_size
+from ..load._options import check
 
 __all__ = ["SaveOptions"]
 
@@ -22,8 +23,9 @@ class SaveOptions:
         blocking: ``False`` returns a :class:`~nnx_save.SaveHandle` once a host
             snapshot is taken and writes in the background (docs/async.md).
         max_shard_size: write a HuggingFace multi-file checkpoint (a directory with
-            ``model.safetensors.index.json``) of files of at most this many bytes
-            (``save_model`` only, for now).
+            ``model.safetensors.index.json``) of files of at most this many bytes: an
+            int or a size such as ``"5GB"`` or ``"200MiB"`` (``save_file`` and
+            ``save_model``).
 
     Raises:
         OptionError: a field out of range or of the wrong type (names it).
@@ -31,21 +33,21 @@ class SaveOptions:
     Examples:
         >>> SaveOptions(blocking=False).blocking
         False
-        >>> SaveOptions(max_shard_size=0)
+        >>> SaveOptions(max_shard_size="5 parsecs")
         Traceback (most recent call last):
         ...
-        nnx_save.errors.OptionError: max_shard_size must be a positive int (bytes), got 0
+        nnx_save.errors.OptionError: max_shard_size='5 parsecs': expected a positive number of bytes, an int or a size such as '5GB', '200MiB', '100KB'
     """
 
     progress: bool | None = None
     blocking: bool = True
-    max_shard_size: int | None = None
+    max_shard_size: int | str | None = None
 
     def __post_init__(self) -> None:
         check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
         check(isinstance(self.blocking, bool), "blocking", "True or False", self.blocking)
-        size = self.max_shard_size
-        check(size is None or is_int(size, 1), "max_shard_size", "a positive int (bytes)", size)
+        if self.max_shard_size is not None:
+            parse_size(self.max_shard_size, "max_shard_size")  # an OptionError naming it
 
     def unsharded(self, writer: str) -> SaveOptions:
         """``self``, for a writer of another layout than the multi-file one (``writer``
