@@ -299,7 +299,7 @@ class OrbaxCheckpointStore:
             The step, or None when the store is empty.
 
         Raises:
-            ValueError: ``mode`` is not "min" or "max", or no stored step records
+            OptionError: ``mode`` is not "min" or "max", or no stored step records
                 ``metric``.
         """
         if mode not in ("min", "max"):
@@ -376,8 +376,8 @@ class OrbaxCheckpointStore:
             The step directory.
 
         Raises:
-            ValueError: Bad step, empty ``items``, unknown item name, reserved or
-                non-JSON ``extra``, bad metrics or epoch.
+            OptionError: Bad step, empty ``items``, unknown item name, reserved or
+                non-JSON ``extra``, bad metrics or epoch (also a ``ValueError``).
             UnsupportedValueError: A leaf Orbax cannot store exactly.
             KeyPathError: Two leaves would share one Orbax name.
             CheckpointNotWrittenError: ``reason`` ``"exists"``, ``"below_latest"``
@@ -515,7 +515,7 @@ class OrbaxCheckpointStore:
             CheckpointCorruptError: The step is damaged (found before reading, or
                 an array file is truncated or unreadable).
             UnsupportedCheckpointError: See :meth:`read_metadata`.
-            ValueError: ``templates`` or ``items`` name an unknown item.
+            OptionError: ``templates`` or ``items`` name an unknown item.
             CheckpointItemError: They name an item the step does not hold.
             CheckpointTemplateError: A template's paths or shapes disagree with the
                 checkpoint and ``strict`` (or a leaf's kind differs: always);
