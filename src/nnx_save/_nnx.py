@@ -383,6 +383,7 @@ def load_model(
     progress: bool | None = None,
     stream: bool | None = None,
     staging: str = "auto",
+    share_reads: bool = False,
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.
 
@@ -409,6 +410,8 @@ def load_model(
             (:class:`~nnx_save.ChecksumError` on a mismatch; see :func:`load_file`).
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        share_reads: read what several processes need once per pod and share it
+            over the interconnect (see :func:`load_file`).
         stream, staging: how bytes reach the devices: adopted host buffers on the
             CPU backend, a bounded pool of reused (pinned) staging buffers elsewhere,
             so host memory stays within ``max_inflight_bytes`` (see :func:`load_file`).
@@ -443,7 +446,16 @@ def load_model(
     values, report = load_targets(
         header,
         target_list,
-        LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging),
+        LoadOptions(
+            max_over_read_ratio,
+            read_chunk_bytes,
+            max_inflight_bytes,
+            num_threads,
+            verify,
+            stream,
+            staging,
+            share_reads=share_reads,
+        ),
         strict=strict,
         allow_missing=allow_missing,
         allow_unexpected=allow_unexpected,

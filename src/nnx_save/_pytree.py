@@ -262,6 +262,7 @@ def load_file(
     progress: bool | None = None,
     stream: bool | None = None,
     staging: str = "auto",
+    share_reads: bool = False,
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
 
@@ -299,6 +300,12 @@ def load_file(
             jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
             (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
 
+        share_reads: with several JAX processes, tensors that several of them need
+            (replicated ones) are read in parts, one per process, and shared over the
+            interconnect with JAX's collectives, so the pod reads each byte once;
+            ``report.io.bytes_received`` counts what came from peers. A process whose
+            load fails raises its error, the others :class:`~nnx_save.errors.SharedReadError`.
+
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
 
@@ -320,7 +327,16 @@ def load_file(
     import jax
 
     header = read_header(source)
-    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging)
+    how = LoadOptions(
+        max_over_read_ratio,
+        read_chunk_bytes,
+        max_inflight_bytes,
+        num_threads,
+        verify,
+        stream,
+        staging,
+        share_reads=share_reads,
+    )
 
     def load(targets: list[Target]) -> tuple[dict[str, Any], LoadReport]:
         return load_targets(

@@ -28,6 +28,7 @@ platform (:meth:`~nnx_save.load._options.LoadOptions.streaming`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -37,7 +38,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,7 @@ from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
 from ..layouts._pieces import Box, Piece, extents, intersect, request, whole
 from ..layouts._sources import Header
-from . import _boxed, _stream
+from . import _boxed, _share, _stream
 from ._assemble import held_dtype, host_view, place, place_whole
 from ._execute import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
@@ -527,6 +528,23 @@ def load_targets(
     ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
     """
     opt = options if options is not None else LoadOptions()
+    if opt.share_reads and _share.multi_process():
+        run = functools.partial(
+            load_targets,
+            header,
+            options=replace(opt, share_reads=False),
+            open_reader=open_reader,
+            strict=strict,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            allow_shape_mismatch=allow_shape_mismatch,
+            ignore_unexpected=ignore_unexpected,
+            renamed=renamed,
+            warn=warn,
+            progress=progress,
+        )
+        shapes = {k: info.shape for k, info in header.tensors.items()}
+        return _share.shared_load(list(targets), run, shapes, opt.max_inflight_bytes, _describe(header))
     loadable, report = _prepare(
         header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed
     )

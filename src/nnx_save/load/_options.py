@@ -47,6 +47,9 @@ class LoadOptions:
             (page-locked, jax's ``pinned_host`` memory kind), ``"pageable"``, or
             ``"auto"`` (pinned where the backend offers it, except on CPU).
         staging_bytes: size of one staging buffer (``None``: picked from the budget).
+        share_reads: with several processes, read each byte that several of them
+            need on one process only and share it over the interconnect with JAX's
+            collectives (:mod:`nnx_save.load._share`); off by default.
 
     Examples:
         >>> LoadOptions(max_inflight_bytes=1 << 20).threads >= 2
@@ -65,6 +68,7 @@ class LoadOptions:
     stream: bool | None = None
     staging: str = "auto"
     staging_bytes: int | None = None
+    share_reads: bool = False
 
     def __post_init__(self) -> None:
         if self.max_inflight_bytes <= 0 or self.read_chunk_bytes <= 0:
