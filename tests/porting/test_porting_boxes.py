@@ -175,3 +175,15 @@ def test_a_transform_whose_result_has_the_wrong_shape_is_refused(tmp_path):
         match=re.escape("fc/kernel: rule produced shape (2, 2) for box [[0, 8], [0, 12]]"),
     ):
         load_targets(header, [bad], warn=False)
+
+
+def test_share_reads_on_one_process_reads_as_without(tmp_path):
+    file = str(tmp_path / "w.safetensors")
+    w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
+    nnx_save.save_file({"w": w}, file)
+    sharding = jax.sharding.NamedSharding(jax.make_mesh((8,), ("x",)), jax.sharding.PartitionSpec())
+    abstract = {"w": jax.ShapeDtypeStruct((64, 8), np.float32, sharding=sharding)}
+    tree, report = nnx_save.load_file(file, abstract, share_reads=True, return_report=True)
+    np.testing.assert_array_equal(np.asarray(tree["w"]), w)
+    assert tree["w"].sharding == sharding
+    assert report.io.bytes_read == w.nbytes and report.io.bytes_received == 0
