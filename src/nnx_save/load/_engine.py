@@ -544,7 +544,7 @@ def load_targets(
             progress=progress,
         )
         shapes = {k: info.shape for k, info in header.tensors.items()}
-        return _share.shared_load(list(targets), run, shapes, opt.max_inflight_bytes, _describe(header))
+        return _share.shared_load(list(targets), run, shapes, _describe(header))
     loadable, report = _prepare(
         header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed
     )

@@ -4,10 +4,11 @@ per process, and shared over the interconnect with JAX's own collectives.
 A target whose sharding gives several processes the same elements (a replicated
 tensor, a split inside each process that every process repeats) is loaded under a
 *derived* sharding that partitions it among the processes on one dimension, so each
-process reads only its slice; one jitted identity with the targets' shardings as
-``out_shardings`` then reshards the derived arrays, which JAX runs as collectives
-(gloo on CPU, NCCL, ICI / DCN): no socket code here. Several tensors go through one
-jitted call, in groups of at most the in-flight budget of bytes.
+process reads only its slice; a jitted identity with the target's sharding as
+``out_shardings`` then reshards each derived array, which JAX runs as collectives
+(gloo on CPU, NCCL, ICI / DCN): no socket code here. One executable per target
+sharding, shape and dtype serves every tensor alike; tensors are resharded one at a
+time, so the collective buffers in flight are one tensor's.
 
 Before any collective, every process posts whether its reads succeeded through the
 coordination service's key-value store and waits for the others with a deadline
@@ -19,6 +20,7 @@ bounded time, instead of blocking in a collective.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -118,7 +120,6 @@ def shared_load(
     targets: Sequence[Target],
     run: Callable[[list[Target]], tuple[dict[str, Any], LoadReport]],
     shapes: Mapping[str, tuple[int, ...]],
-    budget: int,
     where: str,
 ) -> tuple[dict[str, Any], LoadReport]:
     """Load ``targets`` through ``run`` with shared reads (see the module docstring);
@@ -133,11 +134,12 @@ def shared_load(
         sync.gather("read", Outcome(False, error=f"{type(e).__name__}: {e}").encode(), only=sync.pid)
         raise
     _agree(sync, Outcome(True), where)
+    sync.forget_previous()  # every process is past the previous exchange by now
     by_path = {t.path: t for t in targets}
     originals = {t.path: t for t in swapped}
-    shared = [p for p in derived if p in values]
-    for group in _groups(shared, by_path, budget):
-        values.update(_reshard({p: values[p] for p in group}, {p: by_path[p].sharding for p in group}))
+    shared = sorted(p for p in derived if p in values)  # one order on every process
+    for p in shared:
+        values[p] = _reshard(values[p], by_path[p].sharding)  # the derived array is freed here
     report.io.bytes_received += sum(_received(by_path[p], originals[p]) for p in shared)
     return values, report
 
@@ -150,25 +152,19 @@ def _agree(sync: Sync, mine: Outcome, where: str) -> None:
         raise SharedReadError(str(e), where) from e
 
 
-def _groups(paths: Sequence[str], by_path: dict[str, Target], budget: int) -> list[list[str]]:
-    """``paths`` in order, cut into groups of at most ``budget`` bytes (one tensor at least)."""
-    groups: list[list[str]] = [[]]
-    held = 0
-    for p in paths:
-        t = by_path[p]
-        nbytes = math.prod(t.shape) * held_dtype(t).itemsize
-        if groups[-1] and held + nbytes > budget:
-            groups.append([])
-            held = 0
-        groups[-1].append(p)
-        held += nbytes
-    return [g for g in groups if g]
-
-
-def _reshard(arrays: dict[str, Any], shardings: dict[str, Any]) -> dict[str, Any]:
-    """``arrays`` under ``shardings``, by one jitted identity (JAX's collectives move the bytes)."""
+@functools.cache
+def _identity(sharding: Any) -> Any:
+    """A jitted identity onto ``sharding``: one per target sharding, compiled once per
+    shape and dtype, so a model's many same-shaped tensors share one executable."""
     import jax
 
-    keys = sorted(arrays)
-    out = jax.jit(lambda *xs: xs, out_shardings=tuple(shardings[k] for k in keys))(*(arrays[k] for k in keys))
-    return dict(zip(keys, out, strict=True))
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+def _reshard(array: Any, sharding: Any) -> Any:
+    """``array`` under ``sharding`` (JAX's collectives move the bytes), waited for:
+    the CPU client may run executables concurrently, and two processes interleaving
+    two collectives in different orders would deadlock, so one runs at a time."""
+    import jax
+
+    return jax.block_until_ready(_identity(sharding)(array))
