@@ -6,8 +6,11 @@ Cases (fp32 1024 x 1024 matrices, ``--size-mb`` in all; a native file with kerne
 ``[out, in]``):
 
 - ``native sharded``: ``load_file`` onto ``P("x", None)`` over every device (FSDP).
-- ``ported sharded``: ``load_model`` through ``torch_linear`` rules, kernels on
-  ``P(None, "x")`` (tensor parallel): each kernel shard is read as weight rows.
+- ``renamed sharded``: ``load_model`` of the native file through rename rules,
+  kernels on ``P("x", None)``: the model-building baseline (the split that reads
+  contiguous rows of the native ``[in, out]`` layout).
+- ``ported sharded``: ``load_model`` of the torch file through ``torch_linear`` rules,
+  kernels on ``P(None, "x")``: each kernel shard is read as weight rows, transposed.
 - ``replicated``: ``load_file`` onto ``P()``: every process reads everything.
 - ``replicated, share_reads``: the same with ``share_reads=True``: each process reads
   1/N and the rest comes from its peers through one jitted reshard (gloo).
@@ -48,7 +51,14 @@ from _common import Phase, fresh_env, page_cache_note, table, warm
 HERE = Path(__file__).resolve().parent
 NGINX_CONF = HERE.parent / "tests" / "remote" / "nginx.conf"
 SIDE = 1024
-LOCAL_CASES = ["native sharded", "ported sharded", "replicated", "replicated, share_reads", "orbax v1 sharded"]
+LOCAL_CASES = [
+    "native sharded",
+    "renamed sharded",
+    "ported sharded",
+    "replicated",
+    "replicated, share_reads",
+    "orbax v1 sharded",
+]
 LOCAL_CASES += ["orbax v1 replicated"]
 HTTP_CASES = ["native sharded", "ported sharded", "replicated", "replicated, share_reads"]
 
@@ -87,7 +97,7 @@ def _load(case: str, source: dict, names: list[str], mesh):
     from jax.sharding import PartitionSpec as P
 
     import nnx_save
-    from nnx_save.porting import Rules, torch_linear
+    from nnx_save.porting import Rules, rename, torch_linear
 
     spec = P() if "replicated" in case else P("x", None)
     abstract = {n: jax.ShapeDtypeStruct((SIDE, SIDE), np.float32, sharding=NamedSharding(mesh, spec)) for n in names}
@@ -98,9 +108,12 @@ def _load(case: str, source: dict, names: list[str], mesh):
         ctx.checkpoint_layout = "safetensors"
         with ctx:
             return dict(ocp.load(source["native"], abstract)), None
-    if case == "ported sharded":
-        rules = Rules(*(torch_linear(n, n, bias=False) for n in names))
-        model, report = nnx_save.load_model(_net(names, (None, "x")), source["torch"], rules=rules, mesh=mesh)
+    if case in ("ported sharded", "renamed sharded"):  # load_model, transposing, or renaming only
+        ported = case == "ported sharded"
+        rules = Rules(*(torch_linear(n, n, bias=False) if ported else rename(n, f"{n}/kernel") for n in names))
+        file = source["torch" if ported else "native"]
+        spec = (None, "x") if ported else ("x", None)  # each the contiguous split of its file's layout
+        model, report = nnx_save.load_model(_net(names, spec), file, rules=rules, mesh=mesh)
         return {n: getattr(model, n).kernel.get_value() for n in names}, report
     share = case.endswith("share_reads")
     return nnx_save.load_file(source["native"], abstract, share_reads=share, return_report=True)

@@ -147,7 +147,12 @@ def test_a_sharded_port_of_torch_linear_weights_loads_the_transposes(tmp_path):
     nnx_save.save_file(weights, file)
     mesh = jax.make_mesh((8,), ("x",))
     model, report = nnx_save.load_model(
-        _Net, file, rules=Rules(torch_linear("rows", "rows"), torch_linear("cols", "cols")), mesh=mesh, strict=True
+        _Net,
+        file,
+        rules=Rules(torch_linear("rows", "rows"), torch_linear("cols", "cols")),
+        mesh=mesh,
+        strict=True,
+        stream=False,
     )
     for n in ("rows", "cols"):
         kernel = getattr(model, n).kernel[...]
