@@ -37,19 +37,20 @@ class _Plan:
 
 
 class BoxedTargets:
-    """The box-mapped targets of one engine run."""
+    """The box-mapped targets of one engine run. Each method takes the engine (which
+    imports this module) rather than holding it: no reference cycle keeps a finished
+    load's arrays alive until the next garbage collection."""
 
-    def __init__(self, engine: Any) -> None:  # the Engine, which imports this module
-        self.engine = engine
+    def __init__(self) -> None:
         self.plans: dict[str, _Plan] = {}
         self.by_box: dict[tuple[str, Box], int] = {}  # (source key, box) -> its destination
         self.feeding: dict[int, list[str]] = {}  # destination -> the targets it feeds
         self.uses: dict[int, int] = {}  # destination -> targets still to be made from it
 
-    def add(self, t: Target) -> bool:
+    def add(self, engine: Any, t: Target) -> bool:
         """Plan ``t`` box by box; False (nothing added) when its transform cannot."""
         assert t.transform is not None
-        infos = [self.engine.header.tensors[k] for k in t.sources]
+        infos = [engine.header.tensors[k] for k in t.sources]
         if not all(info.dtype.byte_aligned for info in infos):
             return False  # packed sub-byte sources: read whole, unpacked after
         shapes = [info.shape for info in infos]
@@ -61,14 +62,14 @@ class BoxedTargets:
             mapped.append((box, devices, feeds))
         plan = _Plan(t, [], set())
         for box, devices, feeds in mapped:
-            plan.boxes.append((box, devices, [self._dest(t, t.sources[i], b, plan) for i, b in feeds]))
+            plan.boxes.append((box, devices, [self._dest(engine, t, t.sources[i], b, plan) for i, b in feeds]))
         self.plans[t.path] = plan
         return True
 
-    def _dest(self, t: Target, key: str, box: Box, plan: _Plan) -> int:
+    def _dest(self, engine: Any, t: Target, key: str, box: Box, plan: _Plan) -> int:
         index = self.by_box.get((key, box))
         if index is None:
-            index = self.engine.add(f"box:{key}{list(box)}", key, box, [None], False)
+            index = engine.add(f"box:{key}{list(box)}", key, box, [None], False)
             self.by_box[(key, box)] = index
         if index not in plan.left:
             plan.left.add(index)
@@ -76,20 +77,20 @@ class BoxedTargets:
             self.uses[index] = self.uses.get(index, 0) + 1
         return index
 
-    def filled(self, index: int) -> None:
+    def filled(self, engine: Any, index: int) -> None:
         """Destination ``index`` is read: make every target it completes."""
         for path in self.feeding.pop(index, ()):
             plan = self.plans[path]
             plan.left.discard(index)
             if not plan.left:
-                self._make(plan)
+                self._make(engine, plan)
 
-    def _make(self, plan: _Plan) -> None:
-        t, engine = plan.target, self.engine
+    def _make(self, engine: Any, plan: _Plan) -> None:
+        t = plan.target
         assert t.transform is not None
         held, pieces = held_dtype(t), []
         for box, devices, feeds in plan.boxes:
-            regions = [self._region(i) for i in feeds]
+            regions = [_region(engine, i) for i in feeds]
             value = np.asarray(t.transform.from_boxes(box, regions))
             if value.shape != extents(box):
                 raise ShapeMismatchError(
@@ -104,6 +105,7 @@ class BoxedTargets:
         engine.results[t.path] = place(t, pieces)
         engine.bar.update(items=1)
 
-    def _region(self, index: int) -> np.ndarray:
-        d = self.engine.dests[index]
-        return host_view(d.buffer, self.engine.header.tensors[d.key], d.box)
+
+def _region(engine: Any, index: int) -> np.ndarray:
+    d = engine.dests[index]
+    return host_view(d.buffer, engine.header.tensors[d.key], d.box)

@@ -144,7 +144,7 @@ class Engine:
         self.waiting: dict[str, int] = {}  # owner -> destinations not filled yet
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
         self._own: int | None = -1  # this process's pod rank (None: another process layout; -1: not looked up)
-        self.boxed = _boxed.BoxedTargets(self)
+        self.boxed = _boxed.BoxedTargets()
         self.pending = []  # transforms read from their whole sources
         for t in targets:
             if t.transform is None:
@@ -152,7 +152,7 @@ class Engine:
                 adopted = info.dtype.byte_aligned and info.dtype.numpy == held_dtype(t)  # the buffer becomes the array
                 for box, devices in shard_boxes(t):  # refusals before any read
                     self.add(t.path, t.sources[0], box, devices, adopted)
-            elif not self.boxed.add(t):
+            elif not self.boxed.add(self, t):
                 self.pending.append(t)
                 report.io.read_whole.append(t.path)
         self.refs: dict[str, int] = {}
@@ -413,7 +413,7 @@ class Engine:
         if self.waiting[owner]:
             return
         if owner.startswith("box:"):
-            self.boxed.filled(index)
+            self.boxed.filled(self, index)
             return
         shards = [self.dests[i] for i in self.shards[owner]]
         if owner.startswith("source:"):
