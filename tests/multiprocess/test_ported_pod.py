@@ -3,7 +3,8 @@
 shard is the shard of the transposed tensor), and replicated tensors loaded with
 ``share_reads=True`` are read once across the processes and shared over gloo.
 
-One launch of 2 processes x 4 devices runs every job (starting JAX dominates)."""
+One launch of 2 processes x 4 devices runs every job (starting JAX dominates), one of
+4 x 2 a tensor-parallel port and shared replicated reads."""
 
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ JOBS = [
 
 
 @pytest.fixture(scope="module")
-def ported(tmp_path_factory):
+def checkpoint(tmp_path_factory):
+    """The torch checkpoint (written by torch), its weights as numpy, and a plain file."""
     torch = pytest.importorskip("torch")
     from safetensors.torch import save_file
 
@@ -44,12 +46,35 @@ def ported(tmp_path_factory):
     np.savez(d / "torch.npz", **{k: v.numpy() for k, v in state.items()})
     plain = d / "plain.safetensors"
     save_file({"w": torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48), "odd": torch.ones(3)}, str(plain))
-    args = {"path": str(d / "model.safetensors"), "torch": str(d / "torch.npz"), "jobs": JOBS, "plain": str(plain)}
-    args["fail"] = True
+    args = {"path": str(d / "model.safetensors"), "torch": str(d / "torch.npz"), "plain": str(plain)}
+    return d, args, sum(v.numel() * 4 for v in state.values())
+
+
+@pytest.fixture(scope="module")
+def ported(checkpoint):
+    """2 processes x 4 devices: every job, and the failure."""
+    d, args, file_bytes = checkpoint
     env = {"NNX_SAVE_COLLECTIVE_TIMEOUT_S": "20"}
-    workers = launch("load_ported.py", 2, 4, d / "run", args, env=env)
-    file_bytes = sum(v.numel() * 4 for v in state.values())
-    return workers, file_bytes
+    return launch("load_ported.py", 2, 4, d / "two", {**args, "jobs": JOBS, "fail": True}, env=env), file_bytes
+
+
+@pytest.fixture(scope="module")
+def ported_four(checkpoint):
+    """4 processes x 2 devices: a tensor-parallel port and shared replicated reads."""
+    d, args, file_bytes = checkpoint
+    jobs = [j for j in JOBS if j["name"] in ("tensor_parallel", "replicated_shared")]
+    return launch("load_ported.py", 4, 2, d / "four", {**args, "jobs": jobs}), file_bytes
+
+
+def test_four_processes_read_a_quarter_each_and_the_checkpoint_once(ported_four):
+    workers, file_bytes = ported_four
+    for job in _jobs(workers, "tensor_parallel"):
+        assert job["checked"] > 0 and job["needed"] <= 0.26 * file_bytes
+        assert job["bytes_read"] <= 1.05 * job["needed"], job
+    shared = _jobs(workers, "replicated_shared")
+    assert sum(j["bytes_read"] for j in shared) <= 1.05 * file_bytes, shared
+    for job in shared:
+        assert job["checked"] > 0 and job["bytes_needed"] + job["bytes_received"] == file_bytes, job
 
 
 def _jobs(workers, name):

@@ -192,3 +192,15 @@ def test_share_reads_on_one_process_reads_as_without(tmp_path):
     np.testing.assert_array_equal(np.asarray(tree["w"]), w)
     assert tree["w"].sharding == sharding
     assert report.io.bytes_read == w.nbytes and report.io.bytes_received == 0
+
+
+def test_shared_reads_split_a_transposed_port_where_the_file_tensor_is_contiguous():
+    from nnx_save.load._share import _cost
+
+    rules, shapes, path = CASES["transpose"]  # fc.weight (12, 8) -> fc/kernel (8, 12)
+    a = rules.mapping({k: (s, np.dtype(np.float32)) for k, s in shapes.items()}).assignments[path]
+    t = Target(path, a.shape, np.dtype(np.float32), sources=a.sources, transform=a.transform, source_shape=a.shape)
+    assert _cost(t, 1, 2, shapes) == 1  # kernel columns are weight rows: one run
+    assert _cost(t, 0, 2, shapes) == 12  # kernel rows are weight columns: one run per weight row
+    plain = Target("w", (12, 8), np.dtype(np.float32), sources=("fc.weight",))
+    assert (_cost(plain, 0, 2, shapes), _cost(plain, 1, 2, shapes)) == (1, 12)
