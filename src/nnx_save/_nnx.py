@@ -385,6 +385,7 @@ def load_model(
     progress: bool | None = DEFAULT,
     stream: bool | None = DEFAULT,
     staging: str = DEFAULT,
+    share_reads: bool = DEFAULT,
     options: LoadOptions | None = None,
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.
@@ -417,6 +418,8 @@ def load_model(
             (:class:`~nnx_save.ChecksumError` on a mismatch; see :func:`load_file`).
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        share_reads: read what several processes need once per pod and share it
+            over the interconnect (see :func:`load_file`).
         stream, staging: how bytes reach the devices: adopted host buffers on the
             CPU backend, a bounded pool of reused (pinned) staging buffers elsewhere,
             so host memory stays within ``max_inflight_bytes`` (see :func:`load_file`).

@@ -290,6 +290,7 @@ def load_file(
     progress: bool | None = DEFAULT,
     stream: bool | None = DEFAULT,
     staging: str = DEFAULT,
+    share_reads: bool = DEFAULT,
     options: LoadOptions | None = None,
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
@@ -335,6 +336,12 @@ def load_file(
         options: a :class:`LoadOptions` holding the settings above from
             ``max_over_read_ratio`` on (except ``return_report``); those keywords are
             its shortcuts, each allowed where ``options`` leaves its field at the default.
+
+        share_reads: with several JAX processes, tensors that several of them need
+            (replicated ones) are read in parts, one per process, and shared over the
+            interconnect with JAX's collectives, so the pod reads each byte once;
+            ``report.io.bytes_received`` counts what came from peers. A process whose
+            load fails raises its error, the others :class:`~nnx_save.errors.SharedReadError`.
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.

@@ -69,7 +69,7 @@ __all__ = [
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
-    "SingleDeviceWarning",
+    "SharedReadError",
     "SliceError",
     "SourceError",
     "SourceNotFoundError",
@@ -218,6 +218,16 @@ class SaveError(NnxSaveError, OSError):
     def __init__(self, message: str, file: str | None = None, key_path: str | None = None) -> None:
         super().__init__(message)
         self.file, self.key_path = file, key_path
+
+
+class SharedReadError(NnxSaveError, OSError):
+    """A load with shared reads failed on some process (its error is named), or a
+    process did not report within the deadline; raised on every process, before any
+    collective. ``file`` names the source."""
+
+    def __init__(self, message: str, file: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
 
 
 class TruncatedFileError(NnxSaveError, OSError):

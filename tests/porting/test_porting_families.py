@@ -308,6 +308,7 @@ def test_load_model_and_save_model_with_rules_round_trip_through_transformers(po
     builder = lambda: family.nnx_model(_hf_config(ported))  # noqa: E731
     model, report = nnx_save.load_model(builder, ported.dirs["sharded"], rules=family.rules, strict=True)
     assert report.clean
+    assert report.io.read_whole == []  # every rule of the family maps boxes: a sharded load reads its shards
     # Bit for bit the values test_port_matches_torch_logits checks against torch (no
     # second compile: the engine's arrays are committed to a device, fill's are not).
     tensors = ported.files["single"]

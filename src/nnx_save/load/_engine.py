@@ -27,6 +27,7 @@ platform (:meth:`~nnx_save.load._options.LoadOptions.streaming`):
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -35,7 +36,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -48,7 +49,7 @@ from ..format._units import human_bytes
 from ..layouts._layout import gc_paused
 from ..layouts._pieces import Box, Piece, extents, intersect, request, whole
 from ..layouts._sources import Header
-from . import _stream
+from . import _boxed, _share, _stream
 from ._assemble import held_dtype, host_view, place, place_whole
 from ._execute import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
@@ -142,31 +143,35 @@ class Engine:
         self.results: dict[str, Any] = {}
         self.wholes: dict[str, np.ndarray] = {}
         self.budget = Budget(opt.max_inflight_bytes)
-        self.pending = [t for t in targets if t.transform is not None]
-        self.refs: dict[str, int] = {}
-        for t in self.pending:
-            for k in t.sources:
-                self.refs[k] = self.refs.get(k, 0) + 1
         self.dests: list[Dest] = []
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.waiting: dict[str, int] = {}  # owner -> destinations not filled yet
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
         self._own: int | None = -1  # this process's pod rank (None: another process layout; -1: not looked up)
+        self.boxed = _boxed.BoxedTargets()
+        self.pending = []  # transforms read from their whole sources
         for t in targets:
             if t.transform is None:
                 info = header.tensors[t.sources[0]]
                 adopted = info.dtype.byte_aligned and info.dtype.numpy == held_dtype(t)  # the buffer becomes the array
                 for box, devices in shard_boxes(t):  # refusals before any read
-                    self._add(t.path, t.sources[0], box, devices, adopted)
+                    self.add(t.path, t.sources[0], box, devices, adopted)
+            elif not self.boxed.add(self, t):
+                self.pending.append(t)
+                report.io.read_whole.append(t.path)
+        self.refs: dict[str, int] = {}
+        for t in self.pending:
+            for k in t.sources:
+                self.refs[k] = self.refs.get(k, 0) + 1
         for key in self.refs:
-            self._add("", key, whole(header.tensors[key].shape), [None], False)
+            self.add("", key, whole(header.tensors[key].shape), [None], False)
         self.over_reads: list[str] = []
         self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
         self._digests: dict[str, dict[str, str]] = {}  # file -> recorded checksums (verify only)
         self._lock = threading.Lock()
         self.staging: Any = None  # the streaming path's staging pool, once it ran
 
-    def _add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> None:
+    def add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> int:
         info = self.header.tensors[key]
         index = len(self.dests)
         owner = owner or f"source:{key}"
@@ -178,6 +183,7 @@ class Engine:
             if piece.info.file not in dest.files:
                 dest.files.add(piece.info.file)
                 self.by_file.setdefault(piece.info.file, []).append(index)
+        return index
 
     def _choose(self, key: str, box: Box) -> list[tuple[Piece, Box]]:
         """The pieces that give ``box`` and the part each gives: one per distinct
@@ -414,6 +420,9 @@ class Engine:
         self.waiting[owner] -= 1
         if self.waiting[owner]:
             return
+        if owner.startswith("box:"):
+            self.boxed.filled(self, index)
+            return
         shards = [self.dests[i] for i in self.shards[owner]]
         if owner.startswith("source:"):
             d = shards[0]
@@ -515,6 +524,23 @@ def load_targets(
     ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
     """
     opt = options if options is not None else LoadOptions()
+    if opt.share_reads and _share.multi_process():
+        run = functools.partial(
+            load_targets,
+            header,
+            options=replace(opt, share_reads=False),
+            open_reader=open_reader,
+            strict=strict,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            allow_shape_mismatch=allow_shape_mismatch,
+            ignore_unexpected=ignore_unexpected,
+            renamed=renamed,
+            warn=warn,
+            progress=progress,
+        )
+        shapes = {k: info.shape for k, info in header.tensors.items()}
+        return _share.shared_load(list(targets), run, shapes, _describe(header))
     loadable, report = _prepare(
         header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed, allow_casts
     )
@@ -524,6 +550,8 @@ def load_targets(
     with gc_paused():
         try:
             engine = Engine(header, loadable, report, opt, open_reader, bar)
+            if isinstance(bar, _progress.Bar):
+                bar.total = sum(d.nbytes for d in engine.dests)  # exact: what this process reads
             device = _device(loadable)
             if device is not None and opt.streaming(device.platform):
                 kinds = tuple(m.kind for m in device.addressable_memories())
@@ -563,14 +591,6 @@ def _progress_bar(header: Header, targets: Sequence[Target], report: LoadReport,
     upper = sum(header.tensors[k].nbytes for k in keys)  # this process may need less: exact below
     label = f"loading {os.path.basename(report.source)}"
     bar = _progress.bar(label, upper, len(targets), progress)
-    if isinstance(bar, _progress.Bar):
-        wholes = {k for t in targets if t.transform is not None for k in t.sources}
-        bar.total = sum(header.tensors[k].nbytes for k in wholes) + sum(
-            box_nbytes(header.tensors[t.sources[0]], box)
-            for t in targets
-            if t.transform is None
-            for box, _ in shard_boxes(t)
-        )
     return bar
 
 

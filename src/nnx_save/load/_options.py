@@ -117,6 +117,9 @@ class LoadOptions:
         staging_bytes: size of one staging buffer (``None``: picked from the budget).
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
+        share_reads: with several processes, read each byte that several of them
+            need on one process only and share it over the interconnect with JAX's
+            collectives (:mod:`nnx_save.load._share`); off by default.
 
     Raises:
         OptionError: a field out of range or of the wrong type (names it).
@@ -139,6 +142,7 @@ class LoadOptions:
     staging: str = "auto"
     staging_bytes: int | None = None
     progress: bool | None = None
+    share_reads: bool = False
 
     def __post_init__(self) -> None:
         ratio = self.max_over_read_ratio
@@ -155,6 +159,7 @@ class LoadOptions:
         size = self.staging_bytes
         check(_optional(size, is_int(size, 1)), "staging_bytes", "a positive int (bytes)", size)
         check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
+        check(isinstance(self.share_reads, bool), "share_reads", "True or False", self.share_reads)
 
     @property
     def threads(self) -> int:

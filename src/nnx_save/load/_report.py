@@ -111,6 +111,8 @@ class IOStats:
     max_inflight_bytes: int = 0
     retries: int = 0
     over_read_by_file: dict[str, float] = field(default_factory=dict)
+    read_whole: list[str] = field(default_factory=list)  # ported targets whose sources were read whole
+    bytes_received: int = 0  # bytes of this process's shards that came from peers (share_reads)
 
     @property
     def over_read(self) -> float:
@@ -120,7 +122,9 @@ class IOStats:
         return (
             f"read {self.bytes_read / 1e6:.1f} MB for {self.bytes_needed / 1e6:.1f} MB needed "
             f"(over-read {self.over_read:.3f}) in {self.requests} requests from {self.files} file(s)"
-            f"{f', {self.retries} retried' if self.retries else ''}; "
+            f"{f', {self.retries} retried' if self.retries else ''}"
+            f"{f', {self.bytes_received / 1e6:.1f} MB received from peers' if self.bytes_received else ''}"
+            f"{f', {len(self.read_whole)} ported tensor(s) read whole' if self.read_whole else ''}; "
             f"plan {self.plan_seconds:.3f}s, read {self.read_seconds:.3f}s, assemble {self.assemble_seconds:.3f}s"
         )
 
