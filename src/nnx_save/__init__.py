@@ -52,6 +52,7 @@ from .errors import SaveError as SaveError
 from .errors import ShapeMismatchError as ShapeMismatchError
 from .errors import ShardingError as ShardingError
 from .errors import SharedReadError as SharedReadError
+from .errors import SingleDeviceWarning as SingleDeviceWarning
 from .errors import SliceError as SliceError
 from .errors import SourceError as SourceError
 from .errors import TensorEntryError as TensorEntryError

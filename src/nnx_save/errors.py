@@ -70,6 +70,7 @@ __all__ = [
     "ShapeMismatchError",
     "ShardingError",
     "SharedReadError",
+    "SingleDeviceWarning",
     "SliceError",
     "SourceError",
     "SourceNotFoundError",
