@@ -43,6 +43,11 @@ CASES = {
         {f"h.{i}.w": (3, 4) for i in range(5)},
         "layers/w",
     ),
+    "split_stacked": (
+        Rules(split(r"h\.(?P<layer>\d+)\.qkv", ["q", "k", "v"], axis=1, stacked=True), transpose("k", (0, 2, 1))),
+        {f"h.{i}.qkv": (4, 9) for i in range(3)},
+        "k",
+    ),
     "unstack": (Rules(unstack(r"experts\.w", r"experts/\g<layer>/w", axis=1)), {"experts.w": (4, 3, 5)}, "experts/2/w"),
     "reshape": (Rules(rename("w", "w"), reshape("w", (4, 3, 2))), {"w": (12, 2)}, "w"),
     "reshape_t": (Rules(rename("w", "w"), transpose("w", (1, 0)), reshape("w", (2, 2, 6))), {"w": (6, 4)}, "w"),

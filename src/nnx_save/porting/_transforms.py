@@ -218,6 +218,13 @@ class Each:
     def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         return self.outer([self.inner([x]) for x in xs])
 
+    def feeds(self, box: Box) -> list[Feed]:
+        """Each part the outer combine names, through the inner step (one feed each)."""
+        return [(i, self.inner.feeds(part)[0][1]) for i, part in self.outer.feeds(box)]
+
+    def on_boxes(self, regions: Sequence[np.ndarray]) -> np.ndarray:
+        return self.outer.on_boxes([self.inner.on_boxes([r]) for r in regions])
+
 
 @dataclass(frozen=True)
 class Chain:
@@ -231,7 +238,7 @@ class Chain:
 
 
 Combine = Take | Index | Concatenate | Stack | Constant | Sum | Same | Each | Chain
-_BOX_COMBINES = (Take, Index, Concatenate, Stack)  # the combines with a per-box map
+_BOX_COMBINES = (Take, Index, Concatenate, Stack, Each)  # the combines with a per-box map
 
 
 @dataclass(frozen=True)
