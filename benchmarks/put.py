@@ -1,6 +1,6 @@
 """Per-tensor cost of placing host shards on devices: jax's internal
 ``pxla.batched_device_put`` (what nnx_save uses when present) against the public
-fallbacks, the figures quoted in ``nnx_save.load._assemble.batched_put``.
+fallbacks, the figures in docs/performance.md (``nnx_save.load._assemble.batched_put``).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 PYTHONPATH=src python benchmarks/put.py
 

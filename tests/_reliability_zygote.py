@@ -72,6 +72,8 @@ def saver(cmd: dict, rank: int) -> None:
     kind = cmd["kind"]
     if kind == "save_file":
         _loop(lambda v: nnx_save.save_file(tree_values(v), target / "tree.safetensors"))
+    elif kind == "multi_file":  # an HF index and three files in the directory itself
+        _loop(lambda v: nnx_save.save_file(tree_values(v), target, max_shard_size=40_000))
     elif kind == "save_model":
         m = model(0)
         params = sorted(nnx.to_flat_state(nnx.state(m, nnx.Param)), key=lambda kv: kv[0])

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save.layouts._pieces import check_tiling
+from nnx_save.layouts._pod import check_tiling
 
 DEV = jax.devices()
 TOKEN = "0123abcd"
@@ -195,7 +195,7 @@ def test_a_manifest_is_read_like_an_index_duplicate_keys_fifo_and_size_refused(t
     # A manifest larger than any index cap is refused before it is read.
     where.unlink()
     where.write_text(text)
-    monkeypatch.setattr(nnx_save.layouts._sources, "MAX_INDEX_BYTES", len(text) - 1)
+    monkeypatch.setattr(nnx_save.layouts._pod, "MAX_INDEX_BYTES", len(text) - 1)
     with pytest.raises(
         nnx_save.HeaderError,
         match=re.escape(f"{where}: manifest of {len(text)} bytes exceeds the cap of {len(text) - 1}"),

@@ -522,7 +522,7 @@ def test_automatic_ratio_over_read_warns_once_naming_files_ratio_and_tensors(tmp
     for f in files:
         ratio = report.io.over_read_by_file[f]
         assert ratio > 900 and f"{f}: read" in message and f"over-read {ratio:.2f}x" in message
-    assert "under the automatic ratio" in message and "one.0000.skip (4.0 KiB)" in message
+    assert "the automatic merge cap for this file was" in message and "one.0000.skip (4.0 KiB)" in message
     assert re.search(r"two.\d{4}.skip \(4\.0 KiB\) and 1094 more", message)  # the last one is not read
     assert all(_same_bits(np.asarray(out[k]), v) for part in kept for k, v in part.items())
     # an explicit ratio is the caller's choice: exact reads and no warning

@@ -146,9 +146,9 @@ def test_a_header_keeps_its_files_open_only_while_it_lives(tmp_path):
 def test_a_header_of_many_files_pins_at_most_its_limit(tmp_path, monkeypatch):
     import gc
 
-    import nnx_save.layouts._sources as sources
+    import nnx_save.io._files as files
 
-    monkeypatch.setattr(sources, "_max_pinned", lambda: 3)
+    monkeypatch.setattr(files, "max_pinned", lambda: 3)
     for i in range(5):
         nnx_save.save_file({f"t{i}": np.full(2, i, np.float32)}, tmp_path / f"{i}.safetensors")
     header = nnx_save.read_header(tmp_path)

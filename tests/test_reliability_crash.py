@@ -1,7 +1,7 @@
 """Crash safety: savers killed with SIGKILL at random moments of a save.
 
-For each way of saving (``save_file``, ``save_model``, a 2-process x 2-device
-``save_file`` of cross-process arrays, ``OrbaxCheckpointStore.save`` of a new step
+For each way of saving (``save_file``, ``save_model``, an HF multi-file ``save_file``,
+a 2-process x 2-device ``save_file`` of cross-process arrays, ``OrbaxCheckpointStore.save`` of a new step
 and with ``overwrite=True``), a saver process saves version 1, 2, 3 ... in a loop,
 reporting when each save starts and ends. The test measures how long a save takes,
 then kills the saver (every process of the job, for the multi-process save) at a
@@ -13,7 +13,7 @@ time drawn uniformly over the next save's duration (seeded), and checks that
   killed process's stale temporary file is removed by the library.
 
 Savers are forked from one process that imported jax once (tests/_reliability_zygote.py),
-so 24 kills cost seconds, not minutes.
+so 28 kills cost seconds, not minutes.
 """
 
 from __future__ import annotations
@@ -190,7 +190,13 @@ def which_model(path: Path, last: int) -> int:
 
 
 def check_file_kind(kind: str, directory: Path, last: int) -> int:
-    if kind == "save_model":
+    if kind == "multi_file":
+        v = which_tree(directory, last)
+        nnx_save.save_file(tree_values(last + 2), directory, max_shard_size=40_000)
+        assert which_tree(directory, last + 2 - 1) == last + 2
+        named = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"].values()
+        assert sorted(os.listdir(directory)) == sorted({"model.safetensors.index.json", *named})  # nothing stale
+    elif kind == "save_model":
         path = directory / "model.safetensors"
         v = which_model(path, last)
         nnx_save.save_model(model(last + 2), path)  # the next save
@@ -227,7 +233,14 @@ def check_store(kind: str, directory: Path, last: int) -> int:
     return v
 
 
-PLAN = [("save_file", 1, 6), ("save_model", 1, 6), ("multiprocess", 2, 4), ("store", 1, 5), ("store_overwrite", 1, 3)]
+PLAN = [
+    ("save_file", 1, 6),
+    ("save_model", 1, 6),
+    ("multi_file", 1, 4),
+    ("multiprocess", 2, 4),
+    ("store", 1, 5),
+    ("store_overwrite", 1, 3),
+]
 
 
 @pytest.mark.slow  # ~30 s of CPU (24 forks, each starting jax); longer on busy cores

@@ -21,8 +21,9 @@ import pytest
 from flax import nnx
 
 import nnx_save
-from nnx_save.checkpoint import CheckpointArgumentError, OrbaxCheckpointStore
+from nnx_save.checkpoint import OrbaxCheckpointStore
 from nnx_save.cli._main import main as cli_main
+from nnx_save.errors import OptionError
 from nnx_save.load import _engine
 from nnx_save.save import _write
 
@@ -181,9 +182,9 @@ def test_store_save_of_a_deleted_jax_array_names_the_leaf(tmp_path):
         assert store.list_steps() == []
 
 
-def test_a_metric_past_float64_is_a_checkpoint_argument_error(tmp_path):
+def test_a_metric_past_float64_is_an_option_error(tmp_path):
     with OrbaxCheckpointStore(tmp_path) as store:
         message = "metrics['loss'] = 1000000000000000000000000000000000000000 ... (401 characters) is too large"
-        with pytest.raises(CheckpointArgumentError, match=re.escape(message)):
+        with pytest.raises(OptionError, match=re.escape(message)):
             store.save(1, {"model": {"w": jnp.ones(2)}}, metrics={"loss": 10**400})
         assert store.list_steps() == []

@@ -30,8 +30,8 @@ SCRIPT = textwrap.dedent(
 
     def slow_write(path, entries):  # the parent's background write waits for the fork
         gate.wait(30)
-        from nnx_save.save._collective import save
-        save(path, entries, None)
+        from nnx_save.save._dispatch import writer
+        writer(None)(path, entries)
 
     from nnx_save._pytree import flatten, leaf_entry
     pairs, _ = flatten({"w": np.arange(4, dtype=np.float32)})

@@ -271,7 +271,7 @@ def test_options_choose_the_path_and_the_staging_memory(monkeypatch):
     monkeypatch.setenv("NNX_SAVE_STREAM", "1")
     assert opt.streaming("cpu")
     monkeypatch.setenv("NNX_SAVE_STREAM", "maybe")
-    with pytest.raises(ValueError, match=re.escape("NNX_SAVE_STREAM must be 1, 0 or auto, got 'maybe'")):
+    with pytest.raises(nnx_save.errors.ConfigError, match=re.escape("NNX_SAVE_STREAM='maybe': expected 1, 0 or auto")):
         opt.streaming("cpu")
     assert opt.staging_kind("gpu", ("device", "pinned_host")) == "pinned"
     assert opt.staging_kind("cpu", ("device", "pinned_host")) == "pageable"
@@ -374,7 +374,9 @@ def test_automatic_ratio_over_read_warns_once_on_the_streaming_path_too(tmp_path
     assert ratio > 900 and f"{path}: read " in message and f"for 9.8 KiB needed (over-read {ratio:.2f}x" in message
     # both batches' read-through counted: every skip tensor but the last one and the one
     # between the batches (t.1299.skip: each batch's reads stop at its last run)
-    assert "under the automatic ratio" in message and re.search(r"t.\d{4}.skip \(4\.0 KiB\) and 2493 more", message)
+    assert "the automatic merge cap for this file was" in message and re.search(
+        r"t.\d{4}.skip \(4\.0 KiB\) and 2493 more", message
+    )
     assert "t.1299.skip" not in message
     assert all(np.asarray(out[k]).tobytes() == v.tobytes() for k, v in kept.items())
     # an explicit ratio is the caller's choice: exact reads and no warning

@@ -1,9 +1,12 @@
-"""Pieces the example models share: attention and the causal mask."""
+"""Pieces the example models share: attention, the causal mask, scanned layers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool) -> jax.Array:
@@ -25,3 +28,25 @@ def heads(x: jax.Array, count: int) -> jax.Array:
 def merge_heads(x: jax.Array) -> jax.Array:
     """``(batch, time, heads, head_dim)`` -> ``(batch, time, heads * head_dim)``."""
     return x.reshape(*x.shape[:-2], x.shape[-2] * x.shape[-1])
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, rngs: nnx.Rngs) -> nnx.Module:
+    """``count`` layers made by ``make`` as one module whose params carry a leading
+    layer axis (what ``jax.lax.scan`` over layers wants)."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def build(layer_rngs: nnx.Rngs) -> nnx.Module:
+        return make(layer_rngs)
+
+    return build(rngs)
+
+
+def scan_layers(layers: nnx.Module, x: jax.Array) -> jax.Array:
+    """Run stacked ``layers`` (see :func:`stacked`) one after another over ``x``."""
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def step(carry: jax.Array, layer: nnx.Module) -> jax.Array:
+        return layer(carry)
+
+    return step(x, layers)

@@ -3,9 +3,13 @@
 The file's fused ``c_attn`` (HF ``Conv1D``, stored (in, 3 * out)) is split into
 separate q / k / v kernels; the other ``Conv1D`` weights are already (in, out), as
 NNX kernels are, so they are only renamed. The language-model head is tied to the
-token embedding: the model has one param for both (``wte/embedding``), and a
+token embedding: the model has one param for both (``wte/embedding``); a
 ``lm_head.weight`` in the file (``save_pretrained`` drops it; older checkpoints keep
-it) is ignored.
+it) is checked equal to the embedding, and the export writes it, as torch's
+``load_state_dict(strict=True)`` expects.
+
+:class:`ScannedGPT2` is the same model with its blocks' params stacked on a leading
+layer axis (run with ``nnx.scan``); ``SCANNED_RULES`` port the same checkpoint into it.
 
 Examples:
     >>> from flax import nnx
@@ -23,11 +27,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from nnx_save.porting import Rules, hf_conv1d, ignore, rename, split, torch_layer_norm
+from nnx_save.porting import Rules, hf_conv1d, ignore, rename, split, tie, torch_layer_norm
 
-from ._common import attention, heads, merge_heads
+from ._common import attention, heads, merge_heads, scan_layers, stacked
 
-__all__ = ["GPT2", "RULES", "GPT2Config"]
+__all__ = ["GPT2", "RULES", "SCANNED_RULES", "GPT2Config", "ScannedGPT2"]
 
 
 @dataclass(frozen=True)
@@ -100,14 +104,31 @@ class GPT2(nnx.Module):
     def __init__(self, cfg: GPT2Config, *, rngs: nnx.Rngs) -> None:
         self.wte = nnx.Embed(cfg.vocab_size, cfg.n_embd, rngs=rngs)
         self.wpe = nnx.Embed(cfg.n_positions, cfg.n_embd, rngs=rngs)
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
+        self.blocks = self._make_blocks(cfg, rngs)
         self.ln_f = _layer_norm(cfg, rngs)
+
+    def _make_blocks(self, cfg: GPT2Config, rngs: nnx.Rngs) -> nnx.Module:
+        return nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layer)])
+
+    def _run_blocks(self, x: jax.Array) -> jax.Array:
+        for block in self.blocks:
+            x = block(x)
+        return x
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         x = self.wte(ids) + self.wpe(jnp.arange(ids.shape[-1]))
-        for block in self.blocks:
-            x = block(x)
-        return self.wte.attend(self.ln_f(x))  # the head is tied to the embedding
+        return self.wte.attend(self.ln_f(self._run_blocks(x)))  # the head is tied to the embedding
+
+
+class ScannedGPT2(GPT2):
+    """:class:`GPT2` with every block param stacked: ``blocks/attn/q/kernel`` is
+    ``(n_layer, n_embd, n_embd)``."""
+
+    def _make_blocks(self, cfg: GPT2Config, rngs: nnx.Rngs) -> nnx.Module:
+        return stacked(lambda r: Block(cfg, rngs=r), cfg.n_layer, rngs)
+
+    def _run_blocks(self, x: jax.Array) -> jax.Array:
+        return scan_layers(self.blocks, x)
 
 
 _H = r"transformer\.h\.(\d+)\."
@@ -124,9 +145,28 @@ RULES = Rules(
     torch_layer_norm(_H + r"ln_1", r"blocks/\1/ln_1"),
     torch_layer_norm(_H + r"ln_2", r"blocks/\1/ln_2"),
     torch_layer_norm(r"transformer\.ln_f", "ln_f"),
-    # Tied to transformer.wte.weight; the model reads wte/embedding for its head.
-    ignore(r"lm_head\.weight"),
+    # The head is tied to the embedding: one param, read from wte; lm_head.weight is
+    # checked equal when the file has it, and written back on export.
+    tie(r"transformer\.wte\.weight", "lm_head.weight"),
     # Causal-mask buffers that older transformers versions wrote into checkpoints.
     ignore(r"transformer\.h\.\d+\.attn\.(?:masked_)?bias"),
 )
 """HF ``GPT2LMHeadModel`` keys -> :class:`GPT2` state paths."""
+
+_S = r"transformer\.h\.(?P<layer>\d+)\."  # a layer pattern: the helpers stack it
+
+SCANNED_RULES = Rules(
+    rename(r"transformer\.wte\.weight", "wte/embedding"),
+    rename(r"transformer\.wpe\.weight", "wpe/embedding"),
+    split(_S + r"attn\.c_attn\.weight", [f"blocks/attn/{n}/kernel" for n in "qkv"], axis=1, stacked=True),
+    split(_S + r"attn\.c_attn\.bias", [f"blocks/attn/{n}/bias" for n in "qkv"], axis=0, stacked=True),
+    hf_conv1d(_S + r"attn\.c_proj", "blocks/attn/proj"),
+    hf_conv1d(_S + r"mlp\.c_fc", "blocks/mlp/fc"),
+    hf_conv1d(_S + r"mlp\.c_proj", "blocks/mlp/proj"),
+    torch_layer_norm(_S + r"ln_1", "blocks/ln_1"),
+    torch_layer_norm(_S + r"ln_2", "blocks/ln_2"),
+    torch_layer_norm(r"transformer\.ln_f", "ln_f"),
+    tie(r"transformer\.wte\.weight", "lm_head.weight"),
+    ignore(r"transformer\.h\.\d+\.attn\.(?:masked_)?bias"),
+)
+"""HF ``GPT2LMHeadModel`` keys -> :class:`ScannedGPT2` state paths."""

@@ -3,7 +3,8 @@
 RMSNorm, rotary position embeddings (HF's half-split "rotate_half" layout),
 grouped-query attention, a SwiGLU MLP and an untied head. Every projection is a torch
 ``nn.Linear`` (out, in) in the file and an NNX ``Linear`` kernel (in, out) in the
-model: the rules transpose them.
+model: the rules transpose them. :class:`ScannedLlama` stacks the layers' params on a
+leading axis (``nnx.scan``); ``SCANNED_RULES`` port the same checkpoint into it.
 
 Examples:
     >>> from flax import nnx
@@ -24,9 +25,9 @@ from flax import nnx
 
 from nnx_save.porting import Rules, torch_embedding, torch_linear, torch_rms_norm
 
-from ._common import attention, heads, merge_heads
+from ._common import attention, heads, merge_heads, scan_layers, stacked
 
-__all__ = ["RULES", "Llama", "LlamaConfig"]
+__all__ = ["RULES", "SCANNED_RULES", "Llama", "LlamaConfig", "ScannedLlama"]
 
 
 @dataclass(frozen=True)
@@ -130,15 +131,31 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs) -> None:
         self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_size, rngs=rngs)
-        self.layers = nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+        self.layers = self._make_layers(cfg, rngs)
         self.norm = nnx.RMSNorm(cfg.hidden_size, epsilon=cfg.rms_norm_eps, rngs=rngs)
         self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, rngs=rngs)
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
-        x = self.embed(ids)
+    def _make_layers(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return nnx.List([Layer(cfg, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
+
+    def _run_layers(self, x: jax.Array) -> jax.Array:
         for layer in self.layers:
             x = layer(x)
-        return self.lm_head(self.norm(x))
+        return x
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return self.lm_head(self.norm(self._run_layers(self.embed(ids))))
+
+
+class ScannedLlama(Llama):
+    """:class:`Llama` with every layer param stacked: ``layers/attn/q/kernel`` is
+    ``(layers, hidden, heads * head_dim)``."""
+
+    def _make_layers(self, cfg: LlamaConfig, rngs: nnx.Rngs) -> nnx.Module:
+        return stacked(lambda r: Layer(cfg, rngs=r), cfg.num_hidden_layers, rngs)
+
+    def _run_layers(self, x: jax.Array) -> jax.Array:
+        return scan_layers(self.layers, x)
 
 
 _L = r"model\.layers\.(\d+)\."
@@ -158,3 +175,16 @@ RULES = Rules(
     torch_linear(r"lm_head", "lm_head", bias=False),
 )
 """HF ``LlamaForCausalLM`` keys -> :class:`Llama` state paths."""
+
+_S = r"model\.layers\.(?P<layer>\d+)\."  # a layer pattern: the helpers stack it
+
+SCANNED_RULES = Rules(
+    torch_embedding(r"model\.embed_tokens", "embed"),
+    *(torch_linear(_S + rf"self_attn\.{n}_proj", f"layers/attn/{n}", bias=False) for n in "qkvo"),
+    *(torch_linear(_S + rf"mlp\.{n}_proj", f"layers/mlp/{n}", bias=False) for n in ("gate", "up", "down")),
+    torch_rms_norm(_S + r"input_layernorm", "layers/attn_norm"),
+    torch_rms_norm(_S + r"post_attention_layernorm", "layers/mlp_norm"),
+    torch_rms_norm(r"model\.norm", "norm"),
+    torch_linear(r"lm_head", "lm_head", bias=False),
+)
+"""HF ``LlamaForCausalLM`` keys -> :class:`ScannedLlama` state paths."""

@@ -1,17 +1,27 @@
 """nnx_save: safe, exact and fast saving and loading of JAX / Flax NNX state.
 
-``import nnx_save`` imports neither jax nor flax: the errors, the header types and
-``read_header`` are imported with the package; the engine, the writers and the NNX
-bridge on first use of their names, so ``read_header`` and ``nnx-save inspect`` start
-fast. Type checkers see every name below as re-exported (``X as X``).
+The API is the names in ``__all__`` (docs/api.md lists them): the save and load
+functions, their options (:class:`LoadOptions`, :class:`SaveOptions`), what they
+return (:class:`LoadReport`, :class:`SaveHandle`, :class:`Header`) and the base
+errors. Every error and warning lives in :mod:`nnx_save.errors`; the more specific
+ones (one per header check, ...) are also reachable here under their own names, and
+the environment variables are listed in docs/configuration.md.
+
+``import nnx_save`` imports neither jax nor flax: the errors, the options, the
+header types and ``read_header`` are imported with the package; the engine, the
+writers and the NNX bridge on first use of their names, so ``read_header`` and
+``nnx-save inspect`` start fast. Type checkers see every name below as re-exported
+(``X as X``).
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+import importlib as _importlib
+import typing as _typing
 
+from . import errors as errors
 from ._version import __version__ as __version__
 from .errors import ByteLengthError as ByteLengthError
 from .errors import ChecksumError as ChecksumError
+from .errors import ConfigError as ConfigError
 from .errors import ConvertError as ConvertError
 from .errors import DeviceDtypeError as DeviceDtypeError
 from .errors import DtypeMismatchError as DtypeMismatchError
@@ -23,18 +33,28 @@ from .errors import HeaderJSONError as HeaderJSONError
 from .errors import HeaderTooLargeError as HeaderTooLargeError
 from .errors import HeaderTooSmallError as HeaderTooSmallError
 from .errors import HostMemoryError as HostMemoryError
+from .errors import IndexChangedError as IndexChangedError
 from .errors import IndexFileError as IndexFileError
 from .errors import KeyMismatchError as KeyMismatchError
 from .errors import KeyPathError as KeyPathError
+from .errors import LayoutConflictError as LayoutConflictError
 from .errors import LoadError as LoadError
+from .errors import LoadWarning as LoadWarning
+from .errors import LossyCastWarning as LossyCastWarning
 from .errors import MetadataError as MetadataError
 from .errors import NnxSaveError as NnxSaveError
 from .errors import NotSafetensorsError as NotSafetensorsError
 from .errors import OffsetError as OffsetError
+from .errors import OptionError as OptionError
+from .errors import OverReadWarning as OverReadWarning
 from .errors import PieceLayoutError as PieceLayoutError
+from .errors import RemoteChangedError as RemoteChangedError
+from .errors import RemoteError as RemoteError
 from .errors import SaveError as SaveError
 from .errors import ShapeMismatchError as ShapeMismatchError
 from .errors import ShardingError as ShardingError
+from .errors import SharedReadError as SharedReadError
+from .errors import SingleDeviceWarning as SingleDeviceWarning
 from .errors import SliceError as SliceError
 from .errors import SourceError as SourceError
 from .errors import TensorEntryError as TensorEntryError
@@ -45,27 +65,56 @@ from .format._header import FileHeader as FileHeader
 from .format._header import TensorInfo as TensorInfo
 from .layouts._sources import Header as Header
 from .layouts._sources import read_header as read_header
+from .load._options import LoadOptions as LoadOptions
 from .load._report import DtypeCast as DtypeCast
 from .load._report import IOStats as IOStats
 from .load._report import LoadReport as LoadReport
-from .load._report import LoadWarning as LoadWarning
-from .load._report import LossyCastWarning as LossyCastWarning
 from .load._report import ShapeMismatch as ShapeMismatch
-from .load._report import SingleDeviceWarning as SingleDeviceWarning
+from .save._options import SaveOptions as SaveOptions
 
-if TYPE_CHECKING:
+__all__ = [
+    # saving and loading
+    "save_file",
+    "load_file",
+    "save_model",
+    "load_model",
+    "save_pod",
+    "safe_open",
+    "iter_tensors",
+    "read_header",
+    "convert",
+    "wait_for_saves",
+    # how they run, and what they return
+    "LoadOptions",
+    "SaveOptions",
+    "LoadReport",
+    "SaveHandle",
+    "Header",
+    # the base errors and warning (all of them: nnx_save.errors)
+    "errors",
+    "NnxSaveError",
+    "HeaderError",
+    "KeyMismatchError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "LoadError",
+    "SaveError",
+    "ChecksumError",
+    "LoadWarning",
+]
+
+if _typing.TYPE_CHECKING:
     from ._lazy import LazyCheckpoint as LazyCheckpoint
     from ._lazy import TensorSlice as TensorSlice
     from ._lazy import iter_tensors as iter_tensors
     from ._lazy import safe_open as safe_open
     from ._nnx import load_model as load_model
     from ._nnx import save_model as save_model
+    from ._pod_bridge import save_pod as save_pod
     from ._pytree import load_file as load_file
     from ._pytree import save_file as save_file
     from .cli._convert import Converted as Converted
     from .cli._convert import convert as convert
-    from .layouts._pod import save_pod as save_pod
-    from .load._engine import OverReadWarning as OverReadWarning
     from .save._background import SaveHandle as SaveHandle
     from .save._background import wait_for_saves as wait_for_saves
 
@@ -80,19 +129,18 @@ _LAZY = {
     "TensorSlice": "._lazy",
     "iter_tensors": "._lazy",
     "safe_open": "._lazy",
-    "OverReadWarning": ".load._engine",
     "load_model": "._nnx",
     "save_model": "._nnx",
-    "save_pod": ".layouts._pod",
+    "save_pod": "._pod_bridge",
     "load_file": "._pytree",
     "save_file": "._pytree",
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    value = getattr(_importlib.import_module(_LAZY[name], __name__), name)
     globals()[name] = value  # later lookups skip this function
     return value
 

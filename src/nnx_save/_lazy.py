@@ -2,83 +2,203 @@
 and :func:`iter_tensors`.
 
 Nothing is read when the handle opens but the headers. ``get_slice(key)[a:b, :, c]``
-turns the index into a box of the tensor and asks the loading engine for that box
-alone (a host target with ``box=``): the engine's planner cuts it into byte runs and
-its readers read exactly those, from a file, an HF index directory, a list, a pod
-directory or a URL alike. Steps and negative steps read the bounding box and are
-applied in memory; integer indices drop their dimension, as in numpy.
+accepts the indices ``safetensors.safe_open`` accepts (ints, slices with a positive
+step, one Ellipsis, an empty list) and refuses what it refuses, with a
+:class:`~nnx_save.errors.SliceError` (:mod:`nnx_save.load._slices`; where safetensors
+crashes instead of refusing, on negative bounds, numpy's meaning holds). A slice of a local file small enough is copied
+out of a memory map of the file (:mod:`nnx_save.load._direct`: no planning, no
+threads); anything larger, remote, or in a pod's pieces asks the loading engine for
+the slice's box (a host target with ``box=``), whose planner cuts it into byte runs
+its readers read exactly (a step reads the bounding box and is applied in memory).
 """
 
 from __future__ import annotations
 
+import importlib
+import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from .errors import NnxSaveError, SliceError, short_repr
+from .errors import SafetensorError, SliceError, SourceNotFoundError
+from .format._header import TensorInfo
+from .layouts._layout import LocalFiles, RemoteFiles
 from .layouts._sources import Header, read_header, reader_factory
+from .load._direct import DIRECT_MAX_BYTES, MappedFiles
 from .load._engine import load_targets
 from .load._options import LoadOptions
 from .load._report import IOStats
+from .load._slices import Box, compat, extents, normalize_index, plain, slice_box
 from .load._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 
 PathLike = str | os.PathLike
-Box = tuple[tuple[int, int], ...]
-_FRAMEWORKS = ("np", "numpy")
+_FRAMEWORKS = {"np": "numpy", "numpy": "numpy", "flax": "jax", "jax": "jax", "pt": "torch", "torch": "torch"}
+_BACKENDS = ("mmap", "pread")
+# safetensors code -> torch dtype name (torch is imported only for framework="pt")
+_TORCH = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
+    "F32": "float32", "C64": "complex64", "F64": "float64", "I64": "int64", "U64": "uint64",
+}  # fmt: skip
 
 
-def _dim_index(index: Any, size: int, dim: int, key: str) -> tuple[tuple[int, int], Any]:
-    """``((start, stop), what to apply to the read box)`` for one dimension."""
-    if isinstance(index, slice):
-        start, stop, step = index.indices(size)
-        count = len(range(start, stop, step))
-        if count == 0:
-            return (0, 0), slice(None)
-        last = start + (count - 1) * step
-        lo, hi = (start, last + 1) if step > 0 else (last, start + 1)
-        return (lo, hi), slice(None) if step == 1 else slice(start - lo, None, step)
-    if isinstance(index, (int, np.integer)) and not isinstance(index, bool):
-        i = int(index) + size if index < 0 else int(index)
-        if not 0 <= i < size:
-            raise SliceError(f"{key}: index {int(index)} is out of range for dimension {dim} of size {size}")
-        return (i, i + 1), 0
-    raise SliceError(
-        f"{key}: dimension {dim}: expected an int or a slice, found {type(index).__name__} {short_repr(index, 40)}; "
-        "read the tensor (get_tensor) for fancy indexing"
-    )
+# --------------------------------------------------------------------------- frameworks
 
 
-def slice_box(index: Any, shape: Sequence[int], key: str = "tensor") -> tuple[Box, tuple[Any, ...]]:
-    """The box ``index`` touches in a tensor of ``shape``, and the index that takes the
-    result out of that box (steps, dropped dimensions).
+def _refuse(message: str) -> SafetensorError:
+    return compat(SafetensorError)(message)
 
-    Examples:
-        >>> slice_box((slice(1, 3), Ellipsis, -1), (4, 5, 6))
-        (((1, 3), (0, 5), (5, 6)), (slice(None, None, None), slice(None, None, None), 0))
-    """
-    items = index if isinstance(index, tuple) else (index,)
-    if sum(i is Ellipsis for i in items) > 1:
-        raise SliceError(f"{key}: an index can hold only one Ellipsis (...)")
-    if Ellipsis in [i for i in items if i is Ellipsis]:
-        at = next(n for n, i in enumerate(items) if i is Ellipsis)
-        items = items[:at] + (slice(None),) * (len(shape) - len(items) + 1) + items[at + 1 :]
-    if len(items) > len(shape):
-        raise SliceError(f"{key}: {len(items)} indices for a tensor of {len(shape)} dimensions, shape {tuple(shape)}")
-    items = items + (slice(None),) * (len(shape) - len(items))
-    pairs = [_dim_index(i, d, n, key) for n, (i, d) in enumerate(zip(items, shape, strict=True))]
-    return tuple(b for b, _ in pairs), tuple(p for _, p in pairs)
+
+def _framework(framework: str, device: Any):
+    """``(name, convert)``: ``convert(array, code)`` gives the framework's tensor on
+    ``device``. jax and torch are imported here, only when asked for."""
+    name = _FRAMEWORKS.get(framework) if isinstance(framework, str) else None
+    if name is None:
+        raise _refuse(
+            f"safe_open: framework {framework!r} is not supported: use 'np' / 'numpy', 'flax' / 'jax' or 'pt' / 'torch'"
+        )
+    if name == "numpy":
+        if device != "cpu":
+            raise _refuse(f"safe_open: device {device!r} is not supported for framework numpy (only 'cpu')")
+        return name, None
+    if name == "jax":
+        return name, _jax_converter(device)
+    return name, _torch_converter(device)
+
+
+def _jax_converter(device: Any):
+    jax = importlib.import_module("jax")
+    if isinstance(device, str):
+        platform, _, n = device.partition(":")
+        try:
+            device = jax.devices({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform))[int(n or 0)]
+        except (RuntimeError, IndexError, ValueError) as e:
+            raise _refuse(f"safe_open: device {device!r} is not available to jax ({e})") from None
+    if not isinstance(device, jax.Device):
+        raise _refuse(f"safe_open: device {device!r} for framework jax: expected 'cpu', 'gpu:N' or a jax.Device")
+    return lambda array, code: jax.device_put(array, device)
+
+
+def _torch_converter(device: Any):
+    torch = importlib.import_module("torch")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise _refuse(f"safe_open: device {device!r} is invalid for framework torch ({e})") from None
+
+    def convert(array: np.ndarray, code: str):
+        dtype = getattr(torch, _TORCH.get(code, ""), None)
+        if dtype is None:
+            raise _refuse(f"safe_open: dtype {code} has no torch dtype in torch {torch.__version__}")
+        try:
+            tensor = torch.from_numpy(array)
+        except TypeError:  # bfloat16, float8 (ml_dtypes types torch does not know): reinterpret the bytes
+            tensor = torch.from_numpy(array.reshape(-1).view(np.uint8)).view(dtype).reshape(array.shape)
+        return tensor if device.type == "cpu" else tensor.to(device)
+
+    return convert
+
+
+# --------------------------------------------------------------------------- the handle
+
+
+def _mappable(placement: object) -> LocalFiles | None:
+    """``placement`` when its local files can be mapped, every tensor one whole piece
+    (plain local files, and the local ones of a remote index); not a pod's shards."""
+    if isinstance(placement, LocalFiles) and type(placement) in (LocalFiles, RemoteFiles):
+        return placement
+    return None
+
+
+class _Open:
+    """What an open handle reads through; slices keep it, so a slice taken before
+    ``close()`` still reads (as in safetensors)."""
+
+    def __init__(self, header: Header, backend: str, options: LoadOptions, convert) -> None:
+        self.header, self.options, self.convert = header, options, convert
+        local = _mappable(header.placement) if backend == "mmap" else None
+        self.maps = MappedFiles(local.pinned.open) if local is not None else None
+        self.remote: Mapping[str, Any] = local.identity if isinstance(local, RemoteFiles) else {}
+        self.io = IOStats()  # every read through this handle, summed
+        self.files: set[str] = set()
+        self.views: dict[str, Any] = {}  # tensor -> its array over the map, or None (read by the engine)
+
+    def view(self, info: TensorInfo) -> np.ndarray | None:
+        """Tensor ``info`` over the memory map when its small requests are copied out of
+        it (a local, byte-aligned tensor that is one whole piece), else None."""
+        found = self.views.get(info.name, False)
+        if found is False:
+            mapped = self.maps is not None and info.dtype.byte_aligned and info.file not in self.remote
+            found = self.maps.view(info) if mapped and self.maps is not None else None
+            self.views[info.name] = found
+        return found
+
+    def read(self, info: TensorInfo, items: tuple[int | slice, ...]) -> np.ndarray:
+        """``tensor[items]`` (a normalized index) as a fresh numpy array."""
+        view = self.views.get(info.name, False)
+        if view is False:
+            view = self.view(info)
+        nbytes = info.nbytes
+        if view is not None and nbytes > DIRECT_MAX_BYTES:
+            nbytes = math.prod(extents(items)) * info.dtype.itemsize
+        if view is None or nbytes > DIRECT_MAX_BYTES or not nbytes:
+            return self.read_box(info, *slice_box(items, info.shape, info.name))
+        assert self.maps is not None
+        out = self.maps.copy(info, view, items)
+        nbytes = out.nbytes
+        io = self.io
+        io.bytes_read += nbytes
+        io.bytes_needed += nbytes
+        if info.file not in self.files:
+            self.files.add(info.file)
+            io.files = len(self.files)
+        return out
+
+    def read_box(self, info: TensorInfo, box: Box, post: tuple[Any, ...]) -> np.ndarray:
+        if any(hi <= lo for lo, hi in box):  # nothing to read
+            block = np.empty(tuple(max(hi - lo, 0) for lo, hi in box), info.dtype.numpy)
+        else:
+            target = Target(info.name, tuple(info.shape), info.dtype.numpy, None, (info.name,), box=box)
+            block = self.load([target])[info.name]
+        if all(p == slice(None) for p in post):
+            return block
+        return np.array(block[post])  # a contiguous copy; 0-d stays an array
+
+    def load(self, targets: list[Target]) -> dict[str, np.ndarray]:
+        header = self.header
+        values, report = load_targets(
+            header,
+            targets,
+            self.options,
+            ignore_unexpected=frozenset(header.tensors),  # a handle reads what it is asked for, nothing is "unexpected"
+            open_reader=reader_factory(header),
+            warn=False,
+        )
+        _add_io(self.io, report.io)
+        self.files.update(report.io.over_read_by_file)
+        self.io.files = len(self.files)
+        return values
+
+
+def _add_io(total: IOStats, io: IOStats) -> None:
+    for name in ("bytes_read", "bytes_needed", "requests", "retries"):
+        setattr(total, name, getattr(total, name) + getattr(io, name))
+    for name in ("plan_seconds", "read_seconds", "assemble_seconds"):
+        setattr(total, name, getattr(total, name) + getattr(io, name))
+    total.max_inflight_bytes = max(total.max_inflight_bytes, io.max_inflight_bytes)
+    total.over_read_by_file.update(io.over_read_by_file)
 
 
 class TensorSlice:
-    """``f.get_slice(key)``: shape and dtype without reading; ``[...]`` reads the box."""
+    """``f.get_slice(key)``: shape and dtype without reading; ``[...]`` reads the slice."""
 
-    def __init__(self, handle: LazyCheckpoint, key: str) -> None:
-        self._handle, self._key = handle, key
-        self._info = handle.header.tensors[key]
+    def __init__(self, state: _Open, info: TensorInfo) -> None:
+        self._state, self._info = state, info
 
     def get_shape(self) -> list[int]:
         return list(self._info.shape)
@@ -97,15 +217,20 @@ class TensorSlice:
 
     def __len__(self) -> int:
         if not self._info.shape:
-            raise TypeError(f"{self._key}: len() of a 0-d tensor")
+            raise TypeError(f"{self._info.name}: len() of a 0-d tensor")
         return self._info.shape[0]
 
-    def __getitem__(self, index: Any) -> np.ndarray:
-        box, post = slice_box(index, self._info.shape, self._key)
-        block = self._handle._read(self._key, box)
-        if all(p == slice(None) for p in post):
-            return block
-        return np.array(block[post])  # a contiguous copy; 0-d stays an array
+    def __getitem__(self, index: Any) -> Any:
+        info = self._info
+        items = plain(index, info.shape)  # the common index, without a call through normalize_index
+        if items is None:
+            items = normalize_index(index, info.shape, info.name)
+        if items is None:  # [[]]: no rows, as safetensors gives
+            array = np.empty((0, *info.shape[1:]), info.dtype.numpy)
+        else:
+            array = self._state.read(info, items)
+        convert = self._state.convert
+        return array if convert is None else convert(array, info.dtype.code)
 
 
 class LazyCheckpoint:
@@ -115,25 +240,39 @@ class LazyCheckpoint:
         self,
         source: PathLike | Sequence[PathLike] | Header,
         framework: str = "np",
+        device: Any = "cpu",
         *,
+        backend: str = "mmap",
         max_over_read_ratio: float | None = 1.0,
         max_inflight_bytes: int = 1 << 30,
         num_threads: int | None = None,
     ) -> None:
-        if framework not in _FRAMEWORKS:
-            raise NnxSaveError(
-                f"safe_open: framework {framework!r}: this handle gives numpy arrays ('np'); "
-                "use jax.device_put on them, or load_file / load_model for sharded jax arrays"
-            )
-        self._header: Header | None = read_header(source)
-        self._ratio, self._inflight, self._threads = max_over_read_ratio, max_inflight_bytes, num_threads
-        self.io = IOStats()  # every read through this handle, summed
+        if backend not in _BACKENDS:
+            raise _refuse(f"safe_open: backend {backend!r} is invalid (expected one of: 'mmap', 'pread')")
+        self.framework, convert = _framework(framework, device)
+        options = LoadOptions(
+            max_over_read_ratio=max_over_read_ratio, max_inflight_bytes=max_inflight_bytes, num_threads=num_threads
+        )
+        self._source = _where(source)
+        header = _read_header(source)
+        self._owned = header is not source  # a Header passed in is closed by its owner
+        self._state: _Open | None = _Open(header, backend, options, convert)
+        self._io = self._state.io
+
+    @property
+    def io(self) -> IOStats:
+        """Bytes read and needed, requests and distinct files of every read so far."""
+        return self._io
+
+    @property
+    def _open(self) -> _Open:
+        if self._state is None:
+            raise _refuse(f"File is closed: {self._source} (this safe_open handle was closed; open it again)")
+        return self._state
 
     @property
     def header(self) -> Header:
-        if self._header is None:
-            raise NnxSaveError("the checkpoint handle is closed")
-        return self._header
+        return self._open.header
 
     def __enter__(self) -> LazyCheckpoint:
         return self
@@ -142,77 +281,121 @@ class LazyCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Let go of the headers (and the files they keep open)."""
-        self._header = None
+        """Let go of the headers and close the files they keep open (those of a
+        :class:`Header` passed in stay open: its owner closes them). Slices taken before
+        still read, as in safetensors: memory maps already made stay, and other files
+        are reopened only if they are still the files whose headers were read."""
+        if self._state is not None and self._owned:
+            self._state.header.close()
+        self._state = None
 
     def keys(self) -> list[str]:
         """Every tensor's name, sorted (as ``safetensors.safe_open`` lists them)."""
         return sorted(self.header.tensors)
 
-    def metadata(self) -> dict[str, str]:
-        """The checkpoint's ``__metadata__`` (for several files: the index's over the first file's)."""
-        return dict(self.header.metadata)
+    def offset_keys(self) -> list[str]:
+        """Every tensor's name in storage order: by file, then by byte offset."""
+        header = self.header
+        order = {fh.file: n for n, fh in enumerate(header.files)}
+        return sorted(header.tensors, key=lambda k: (order.get(header.tensors[k].file, -1), header.tensors[k].begin, k))
 
-    def _info(self, key: str):
-        try:
-            return self.header.tensors[key]
-        except KeyError:
-            near = sorted(k for k in self.header.tensors if key.split(".")[-1] in k)[:5]
-            raise SliceError(f"{key!r}: no such tensor in the checkpoint; similar: {near}") from None
+    def metadata(self) -> dict[str, str] | None:
+        """The checkpoint's metadata, ``None`` when it has none (as safetensors).
+
+        One file (or a pod): its ``__metadata__``. Several files (an HF index, a
+        directory, a list): the entries every file's ``__metadata__`` holds with the
+        same value, with the index's ``metadata`` over them; per-file entries such as
+        ``nnx_save.checksums`` are in :meth:`file_metadata`.
+        """
+        header = self.header
+        if header.kind not in ("index", "directory", "list") or len(header.files) < 2:
+            return dict(header.metadata) or None
+        first, rest = header.files[0].metadata, [fh.metadata for fh in header.files[1:]]
+        shared = {k: v for k, v in first.items() if all(m.get(k) == v for m in rest)}
+        from_index = {k: v for k, v in header.metadata.items() if first.get(k) != v}
+        return {**shared, **from_index} or None
+
+    def file_metadata(self) -> dict[str, dict[str, str]]:
+        """Each file's own ``__metadata__``, by file."""
+        return {fh.file: dict(fh.metadata) for fh in self.header.files}
+
+    def _info(self, key: str) -> TensorInfo:
+        tensors = self.header.tensors
+        found = tensors.get(key) if isinstance(key, str) else None
+        if found is None:
+            if not isinstance(key, str):
+                raise TypeError(f"safe_open: a tensor name is a str, found {type(key).__name__} {key!r}")
+            near = sorted(k for k in tensors if key.split(".")[-1] in k)[:5]
+            raise compat(SliceError)(
+                f"{key!r}: no such tensor in the checkpoint (File does not contain tensor {key}: {self._source}); "
+                f"similar: {near}"
+            )
+        return found
 
     def get_slice(self, key: str) -> TensorSlice:
         """A view of tensor ``key`` whose ``[...]`` reads only the bytes that index needs."""
-        self._info(key)
-        return TensorSlice(self, key)
+        state = self._state
+        info = state.header.tensors.get(key) if state is not None and isinstance(key, str) else None
+        if state is None or info is None:  # closed, or not a tensor: the error says which
+            return TensorSlice(self._open, self._info(key))
+        return TensorSlice(state, info)
 
-    def get_tensor(self, key: str) -> np.ndarray:
-        """Tensor ``key``, read whole."""
+    def get_tensor(self, key: str) -> Any:
+        """Tensor ``key``, read whole, in the handle's framework."""
         info = self._info(key)
-        return self._read(key, tuple((0, d) for d in info.shape))
+        state = self._open
+        array = state.read(info, tuple(slice(0, d, 1) for d in info.shape))
+        return array if state.convert is None else state.convert(array, info.dtype.code)
 
-    def _read(self, key: str, box: Box, dtype: Any = None) -> np.ndarray:
-        info = self._info(key)
-        want = info.dtype.numpy if dtype is None else np.dtype(dtype)
-        if any(hi <= lo for lo, hi in box):  # nothing to read
-            return np.empty(tuple(hi - lo for lo, hi in box), want)
-        return self._load([Target(key, tuple(info.shape), want, None, (key,), box=box)])[key]
+    def get_tensors(self) -> dict[str, Any]:
+        """Every tensor, read whole, by name in storage order (:meth:`offset_keys`)."""
+        return {key: self.get_tensor(key) for key in self.offset_keys()}
 
     def _load(self, targets: list[Target]) -> dict[str, np.ndarray]:
-        header = self.header
-        values, report = load_targets(
-            header,
-            targets,
-            LoadOptions(max_over_read_ratio=self._ratio, max_inflight_bytes=self._inflight, num_threads=self._threads),
-            ignore_unexpected=frozenset(header.tensors),  # a handle reads what it is asked for, nothing is "unexpected"
-            open_reader=reader_factory(header),
-            warn=False,
-        )
-        _add_io(self.io, report.io)
-        return values
+        return self._open.load(targets)
 
 
-def _add_io(total: IOStats, io: IOStats) -> None:
-    for name in ("bytes_read", "bytes_needed", "requests", "files", "retries"):
-        setattr(total, name, getattr(total, name) + getattr(io, name))
-    for name in ("plan_seconds", "read_seconds", "assemble_seconds"):
-        setattr(total, name, getattr(total, name) + getattr(io, name))
-    total.max_inflight_bytes = max(total.max_inflight_bytes, io.max_inflight_bytes)
+def _where(source: Any) -> str:
+    if isinstance(source, Header):
+        return source.files[0].file if len(source.files) == 1 else f"{len(source.files)} files"
+    if isinstance(source, (list, tuple)):
+        return f"{len(source)} files"
+    return os.fspath(source)
+
+
+def _read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
+    """The headers; a missing path raises safetensors' ``FileNotFoundError`` text."""
+    if isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source) and not os.path.lexists(source):
+        raise SourceNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source))
+    return read_header(source)
 
 
 def safe_open(
-    source: PathLike | Sequence[PathLike] | Header,
+    filename: PathLike | Sequence[PathLike] | Header,
     framework: str = "np",
+    device: Any = "cpu",
     *,
+    backend: str = "mmap",
     max_over_read_ratio: float | None = 1.0,
     max_inflight_bytes: int = 1 << 30,
     num_threads: int | None = None,
 ) -> LazyCheckpoint:
-    """Open a checkpoint lazily, like ``safetensors.safe_open``: only headers are read.
+    """Open a checkpoint lazily, as ``safetensors.safe_open`` does: only headers are read.
+
+    A drop-in for it (same arguments, methods, slicing rules and errors); docs/lazy.md
+    lists where it does more and where it deliberately differs.
 
     Args:
-        source: a ``.safetensors`` file, an HF index directory, a directory or list
+        filename: a ``.safetensors`` file, an HF index directory, a directory or list
             of files, a pod directory (:func:`save_pod`), or an ``http(s)://`` URL.
-        framework: ``"np"`` (numpy arrays; the only one).
+        framework: ``"np"`` / ``"numpy"`` (numpy arrays), ``"flax"`` / ``"jax"`` (jax
+            arrays on ``device``) or ``"pt"`` / ``"torch"`` (torch tensors; torch is
+            imported only then).
+        device: ``"cpu"``; for jax also ``"gpu:N"``, ``"tpu:N"`` or a ``jax.Device``;
+            for torch anything ``torch.device`` takes.
+        backend: ``"mmap"`` (default): small slices of local files are copied out of a
+            memory map of the file, larger or remote ones read by the engine;
+            ``"pread"``: every read goes through the engine's ``preadv`` readers (no map).
         max_over_read_ratio: the engine's cap on bytes read / bytes needed when it
             merges reads; 1.0 reads the bytes a slice needs, plus the gaps under a
             page (4 KiB) between them that the engine always reads through rather
@@ -221,24 +404,31 @@ def safe_open(
         max_inflight_bytes, num_threads: the engine's budget and readers.
 
     Returns:
-        A :class:`LazyCheckpoint` with ``keys()``, ``metadata()``, ``get_tensor(key)``
-        and ``get_slice(key)[...]``; ``.io`` sums what its reads cost.
+        A :class:`LazyCheckpoint` with ``keys()``, ``offset_keys()``, ``metadata()``,
+        ``get_tensor(key)``, ``get_tensors()`` and ``get_slice(key)[...]``; ``.io``
+        sums what its reads cost.
 
     Raises:
+        SourceNotFoundError: no such file or directory (a ``FileNotFoundError``).
         HeaderError: a malformed checkpoint (nothing is read past the headers).
-        SliceError: an unknown key, or an index that is not ints and slices.
+        SafetensorError: an unknown framework, device or backend; later, an unknown
+            key or a closed handle.
+        SliceError: an index safetensors refuses too (a ``SafetensorError``).
+        OptionError: a setting out of range (names it), before anything is read.
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
         >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
         >>> nnx_save.save_file({"w": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}, path)
-        >>> with nnx_save.safe_open(path) as f:
+        >>> with nnx_save.safe_open(path, framework="np") as f:
         ...     print(f.keys(), f.get_slice("w")[1, :, 1:3].tolist(), f.io.bytes_needed)
         ['w'] [[13.0, 14.0], [17.0, 18.0], [21.0, 22.0]] 24
     """
     return LazyCheckpoint(
-        source,
+        filename,
         framework,
+        device,
+        backend=backend,
         max_over_read_ratio=max_over_read_ratio,
         max_inflight_bytes=max_inflight_bytes,
         num_threads=num_threads,

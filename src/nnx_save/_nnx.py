@@ -22,7 +22,6 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import _progress
 from ._pytree import check_metadata, leaf_entry
 from ._version import __version__
 from .errors import MetadataError, ShardingError, UnsupportedValueError, short_repr
@@ -30,10 +29,11 @@ from .format import _paths
 from .format._header import strict_json
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
-from .load._options import LoadOptions
+from .load._options import DEFAULT, LoadOptions, merge
 from .load._report import LoadReport, warn_single_device
 from .load._target import Target
-from .save import _background, _collective
+from .save import _background, _dispatch
+from .save._options import SaveOptions
 from .save._write import Entry
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
@@ -142,9 +142,10 @@ def save_model(
     filter: Any = ...,
     metadata: Mapping[str, str] | None = None,
     rules: Any = None,
-    max_shard_size: int | None = None,
-    progress: bool | None = None,
-    blocking: bool = True,
+    max_shard_size: int | str | None = DEFAULT,
+    progress: bool | None = DEFAULT,
+    blocking: bool = DEFAULT,
+    options: SaveOptions | None = None,
 ) -> _background.SaveHandle | None:
     """Save an NNX model's state (or the part ``filter`` selects) as safetensors.
 
@@ -163,20 +164,27 @@ def save_model(
         rules: porting rules applied on the way out (``rules.inverse()`` of an
             import table writes HuggingFace names and layouts).
         max_shard_size: write a HuggingFace multi-file checkpoint in directory
-            ``path`` (``model.safetensors.index.json``) with files of at most this
-            many bytes.
+            ``path`` (``model.safetensors.index.json``, a local path or an fsspec
+            URL) with files of at most this many bytes: an int or a size such as
+            ``"5GB"`` or ``"200MiB"``.
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
         blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
             of the state is taken; the file is written in the background (see
             docs/async.md). Training on, donating the model's buffers, is safe.
+        options: a :class:`SaveOptions` (``max_shard_size``, ``progress`` and
+            ``blocking`` are its shortcuts: a keyword may set a field ``options``
+            leaves at its default).
 
     Every tensor's xxh3_64 checksum is recorded in ``__metadata__``.
 
     Raises:
         UnsupportedValueError: a string or ``None`` in the state (names the path).
         KeyPathError: ``/`` inside an attribute name.
+        OptionError: ``max_shard_size`` is not a size.
         SaveError: the write failed; the previous file is intact.
+        OptionError: an option out of range, or given both as a keyword and in
+            ``options`` (names it).
 
     Examples:
         >>> from flax import nnx
@@ -186,6 +194,7 @@ def save_model(
         >>> sorted(nnx_save.read_header(path))
         ['bias', 'kernel']
     """
+    how = merge(SaveOptions, options, "save_model", locals())  # first: locals() are the arguments
     entries, rng, scalars = model_entries(model, filter)
     meta = model_metadata(metadata, rng, scalars)
     if rules is not None:
@@ -195,16 +204,8 @@ def save_model(
         if "format" not in (metadata or {}):
             meta["format"] = "pt"  # transformers refuses safetensors files without it
 
-    def write(path: str | os.PathLike, entries: Sequence[Entry]) -> None:
-        if max_shard_size is not None:
-            from .layouts._hf_index import write_sharded
-
-            write_sharded(path, entries, meta, max_shard_size)
-        else:
-            _collective.save(path, entries, meta)  # one process alone, or all of them together
-
-    with _progress.saving(progress):
-        return _background.save(path, entries, write, blocking=blocking)
+    write = _dispatch.writer(meta, max_shard_size=how.max_shard_size)
+    return _dispatch.save(path, entries, write, blocking=how.blocking, progress=how.progress)
 
 
 # --------------------------------------------------------------------------- loading
@@ -396,16 +397,19 @@ def load_model(
     allow_missing: Sequence[str] = (),
     allow_unexpected: Sequence[str] = (),
     allow_shape_mismatch: Sequence[str] = (),
+    allow_casts: str | Sequence[str] = (),
     rules: Any = None,
     mesh: Any = None,
-    max_over_read_ratio: float | None = None,
-    read_chunk_bytes: int = 128 << 20,
-    max_inflight_bytes: int = 2 << 30,
-    num_threads: int | None = None,
-    verify: bool = False,
-    progress: bool | None = None,
-    stream: bool | None = None,
-    staging: str = "auto",
+    max_over_read_ratio: float | None = DEFAULT,
+    read_chunk_bytes: int = DEFAULT,
+    max_inflight_bytes: int = DEFAULT,
+    num_threads: int | None = DEFAULT,
+    verify: bool = DEFAULT,
+    progress: bool | None = DEFAULT,
+    stream: bool | None = DEFAULT,
+    staging: str = DEFAULT,
+    share_reads: bool = DEFAULT,
+    options: LoadOptions | None = None,
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.
 
@@ -420,6 +424,11 @@ def load_model(
             only; other state in the file is then not "unexpected").
         allow_missing / allow_unexpected: path patterns (glob or regex) the caller
             expects to be missing (a new head) or unused.
+        allow_casts: dtype casts accepted under ``strict=True`` (key and shape
+            checks stay strict): ``"lossless"`` (every cast that cannot change a
+            value: bfloat16 or float16 into float32, int8 into int32) or a list of
+            path patterns (those paths' casts, lossy ones included); listed in
+            ``report.allowed_casts``.
         allow_shape_mismatch: path patterns whose shape in the file may differ
             from the model's (a new head of another size): those parameters keep
             the model's values (a builder's initialisation) and are listed in
@@ -432,9 +441,14 @@ def load_model(
             (:class:`~nnx_save.ChecksumError` on a mismatch; see :func:`load_file`).
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             256 MiB, ``True`` always, ``False`` never.
+        share_reads: read what several processes need once per pod and share it
+            over the interconnect (see :func:`load_file`).
         stream, staging: how bytes reach the devices: adopted host buffers on the
             CPU backend, a bounded pool of reused (pinned) staging buffers elsewhere,
             so host memory stays within ``max_inflight_bytes`` (see :func:`load_file`).
+        options: a :class:`LoadOptions` holding the settings above from
+            ``max_over_read_ratio`` on; those keywords are its shortcuts, each allowed
+            where ``options`` leaves its field at the default.
 
     Returns:
         ``(model, report)``.
@@ -448,6 +462,7 @@ def load_model(
         >>> report.clean, model.kernel.shape
         (True, (2, 3))
     """
+    how = merge(LoadOptions, options, "load_model", locals())  # first: locals() are the arguments
     header = read_header(source)
     meta = _file_meta(header)
     graphdef, full_state, is_builder, scalars = _abstract(model_or_builder, mesh)
@@ -466,15 +481,16 @@ def load_model(
     values, report = load_targets(
         header,
         target_list,
-        LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging),
+        how,
         strict=strict,
         allow_missing=allow_missing,
         allow_unexpected=allow_unexpected,
         allow_shape_mismatch=allow_shape_mismatch,
+        allow_casts=allow_casts,
         ignore_unexpected=ignore,
         renamed=renamed,
         open_reader=reader_factory(header),
-        progress=progress,
+        progress=how.progress,
     )
     if is_builder:
         # Leaves the file lacks, and those the filter left out, get their initial

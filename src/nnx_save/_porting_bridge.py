@@ -1,9 +1,13 @@
 """Porting rules inside the engine: a :class:`~nnx_save.porting.Rules` mapping turns
 file keys into model paths (load) or model paths into file keys (export).
 
-An assignment that only renames reads its tensor straight from the file, sharded;
-one with a transform reads its source tensors whole, one target at a time, and
-releases them as soon as every target that needs them is built.
+An assignment that only renames reads its tensor straight from the file, sharded.
+One with a transform (a transpose, split, concatenation, stack, unstack or reshape)
+carries it to the engine, which asks it, for each box of the target this process
+needs, which boxes of which source tensors feed it, and reads only those
+(:mod:`nnx_save.load._boxed`); a transform with no per-box map for a box (a reshape
+across a sharded dimension) reads its sources whole, and the report lists it in
+``report.io.read_whole``.
 """
 
 from __future__ import annotations

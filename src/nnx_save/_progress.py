@@ -22,11 +22,12 @@ import time
 from collections.abc import Iterator
 from typing import IO
 
+from . import _config
 from .format._units import human_bytes
 
 __all__ = ["MIN_BYTES", "Bar", "NullBar", "bar", "save_setting", "saving"]
 
-MIN_BYTES = int(os.environ.get("NNX_SAVE_PROGRESS_MIN_BYTES", str(256 << 20)))
+MIN_BYTES = _config.PROGRESS_MIN_BYTES.default  # NNX_SAVE_PROGRESS_MIN_BYTES overrides it, read per bar
 _INTERVAL_S = 0.1
 _SAVE = contextvars.ContextVar[bool | None]("nnx_save_progress", default=None)
 
@@ -119,7 +120,7 @@ def bar(
     """A :class:`Bar` when ``progress`` asks for one and ``stream`` (stderr) is a
     terminal, else a :class:`NullBar`."""
     stream = sys.stderr if stream is None else stream
-    if progress is False or (progress is None and total_bytes < MIN_BYTES):
+    if progress is False or (progress is None and total_bytes < _config.PROGRESS_MIN_BYTES.get()):
         return NullBar()
     isatty = getattr(stream, "isatty", None)
     if isatty is None or not isatty():

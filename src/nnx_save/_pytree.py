@@ -8,15 +8,15 @@ from typing import Any
 
 import numpy as np
 
-from . import _progress
-from .errors import KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
+from .errors import KeyMismatchError, KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from .format import _dtypes, _paths
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
-from .load._options import LoadOptions
+from .load._options import DEFAULT, LoadOptions, merge
 from .load._report import LoadReport, ShapeMismatch, matches_any, warn_single_device
 from .load._target import Target
-from .save import _background, _collective
+from .save import _background, _dispatch
+from .save._options import SaveOptions
 from .save._stage import HostValue
 from .save._write import Entry
 
@@ -112,10 +112,13 @@ def save_file(
     path: PathLike,
     *,
     metadata: Mapping[str, str] | None = None,
-    progress: bool | None = None,
-    blocking: bool = True,
+    progress: bool | None = DEFAULT,
+    blocking: bool = DEFAULT,
+    max_shard_size: int | str | None = DEFAULT,
+    options: SaveOptions | None = None,
 ) -> _background.SaveHandle | None:
-    """Save a pytree of arrays as one ``.safetensors`` file, atomically.
+    """Save a pytree of arrays as one ``.safetensors`` file (or, with ``max_shard_size``,
+    a HuggingFace multi-file checkpoint), atomically.
 
     Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
     written one at a time; from accelerators the device -> host copies of the next
@@ -133,6 +136,13 @@ def save_file(
         blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
             of every tensor is taken; the file is written in the background (see
             docs/async.md). Donating the saved arrays afterwards is safe.
+        max_shard_size: write a HuggingFace multi-file checkpoint in directory
+            ``path`` (``model.safetensors.index.json``, a local path or an fsspec
+            URL) with files of at most this many bytes: an int or a size such as
+            ``"5GB"`` or ``"200MiB"``.
+        options: a :class:`SaveOptions` (``progress``, ``blocking`` and
+            ``max_shard_size`` are its shortcuts: a keyword may set a field ``options``
+            leaves at its default).
 
     Every tensor's xxh3_64 checksum is recorded in ``__metadata__``
     (``nnx_save.checksums``); ``load_file(..., verify=True)`` checks it.
@@ -140,7 +150,10 @@ def save_file(
     Raises:
         UnsupportedValueError: a leaf that is not an array (names its path).
         KeyPathError: a key containing ``/``, or two paths making the same key.
+        OptionError: ``max_shard_size`` is not a size.
         SaveError: the write failed; the previous file at ``path`` is intact.
+        OptionError: an option out of range, or given both as a keyword and in
+            ``options`` (names it).
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
@@ -149,13 +162,14 @@ def save_file(
         >>> sorted(nnx_save.load_file(path))
         ['layers/0/w']
     """
+    how = merge(SaveOptions, options, "save_file", locals())  # first: locals() are the arguments
     pairs, _ = flatten(tree)
     _paths.check_unique(p for p, _ in pairs)
     entries = [leaf_entry(p, v) for p, v in pairs]
     check_metadata(metadata)
     meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
-    with _progress.saving(progress):  # one process alone, or all of them together
-        return _background.save(path, entries, lambda p, es: _collective.save(p, es, meta), blocking=blocking)
+    write = _dispatch.writer(meta, max_shard_size=how.max_shard_size)
+    return _dispatch.save(path, entries, write, blocking=how.blocking, progress=how.progress)
 
 
 def check_metadata(metadata: Any) -> None:
@@ -253,6 +267,19 @@ def _source_name(header: Header) -> str:
     return header.files[0].file if len(header.files) == 1 else f"{len(header.files)} files ({header.kind})"
 
 
+def _refuse_missing(header: Header, targets: list[Target]) -> None:
+    """A tree leaf the checkpoint has no tensor for: one typed error before any read
+    (a tree cannot be returned with a hole in it)."""
+    missing = [t.path for t in targets if any(s not in header.tensors for s in t.sources)]
+    if missing:
+        raise KeyMismatchError(
+            f"{_source_name(header)}: {len(missing)} leaves of the abstract tree have no tensor in the checkpoint: {missing[:10]}"
+            f"{' ...' if len(missing) > 10 else ''}; load_file returns the whole tree, so drop these leaves from "
+            "abstract (allow_missing cannot give them a value), or use load_model, which keeps a model's own "
+            "values where the file has none. Nothing was read."
+        )
+
+
 def load_file(
     source: PathLike | Sequence[PathLike] | Header,
     abstract: Any = None,
@@ -261,15 +288,18 @@ def load_file(
     allow_missing: Sequence[str] = (),
     allow_unexpected: Sequence[str] = (),
     allow_shape_mismatch: Sequence[str] = (),
-    max_over_read_ratio: float | None = None,
-    read_chunk_bytes: int = 128 << 20,
-    max_inflight_bytes: int = 2 << 30,
-    num_threads: int | None = None,
+    allow_casts: str | Sequence[str] = (),
+    max_over_read_ratio: float | None = DEFAULT,
+    read_chunk_bytes: int = DEFAULT,
+    max_inflight_bytes: int = DEFAULT,
+    num_threads: int | None = DEFAULT,
     return_report: bool = False,
-    verify: bool = False,
-    progress: bool | None = None,
-    stream: bool | None = None,
-    staging: str = "auto",
+    verify: bool = DEFAULT,
+    progress: bool | None = DEFAULT,
+    stream: bool | None = DEFAULT,
+    staging: str = DEFAULT,
+    share_reads: bool = DEFAULT,
+    options: LoadOptions | None = None,
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
 
@@ -283,6 +313,11 @@ def load_file(
         strict: refuse (before reading) on any missing, unexpected, reshaped or
             cast tensor; otherwise those are reported in one ``LoadWarning``.
         allow_missing / allow_unexpected: patterns (glob or regex) the caller expects.
+        allow_casts: dtype casts accepted under ``strict=True`` (key and shape
+            checks stay strict): ``"lossless"`` (every cast that cannot change a
+            value: bfloat16 or float16 into float32, int8 into int32) or a list of
+            path patterns (those paths' casts, lossy ones included); listed in
+            ``report.allowed_casts``.
         allow_shape_mismatch: patterns of paths whose file shape may differ: those
             leaves keep the value ``abstract`` gives them (an array) and are listed in
             ``report.allowed_shape_mismatches``.
@@ -306,6 +341,15 @@ def load_file(
         staging: the streaming path's staging memory: ``"pinned"`` (page-locked,
             jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
             (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
+        options: a :class:`LoadOptions` holding the settings above from
+            ``max_over_read_ratio`` on (except ``return_report``); those keywords are
+            its shortcuts, each allowed where ``options`` leaves its field at the default.
+
+        share_reads: with several JAX processes, tensors that several of them need
+            (replicated ones) are read in parts, one per process, and shared over the
+            interconnect with JAX's collectives, so the pod reads each byte once;
+            ``report.io.bytes_received`` counts what came from peers. A process whose
+            load fails raises its error, the others :class:`~nnx_save.errors.SharedReadError`.
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
@@ -313,10 +357,14 @@ def load_file(
     Raises:
         HeaderError: a malformed file or index, before any data is read.
         LoadError: ``strict=True`` and a mismatch.
+        KeyMismatchError: without ``strict``, a leaf of ``abstract`` the checkpoint has
+            no tensor for (a tree has no value to give it); raised before any read.
         ShapeMismatchError: without ``strict``, a leaf whose file shape differs and
             that no ``allow_shape_mismatch`` pattern (with an array to keep) accepts;
             raised before any read.
         ChecksumError: ``verify=True`` and a tensor's bytes do not match its checksum.
+        OptionError: an option out of range, or given both as a keyword and in
+            ``options`` (names it).
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
@@ -325,10 +373,10 @@ def load_file(
         >>> nnx_save.load_file(path)["w"]
         array([0., 1., 2., 3.], dtype=float32)
     """
+    how = merge(LoadOptions, options, "load_file", locals())  # first: locals() are the arguments
     import jax
 
     header = read_header(source)
-    how = LoadOptions(max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads, verify, stream, staging)
 
     def load(targets: list[Target]) -> tuple[dict[str, Any], LoadReport]:
         return load_targets(
@@ -340,7 +388,8 @@ def load_file(
             allow_missing=allow_missing,
             allow_unexpected=allow_unexpected,
             allow_shape_mismatch=allow_shape_mismatch,
-            progress=progress,
+            allow_casts=allow_casts,
+            progress=how.progress,
         )
 
     if abstract is None:
@@ -356,13 +405,10 @@ def load_file(
     else:
         targets, treedef, keys, leaves = _abstract_targets(abstract)
         _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
+        if not strict:  # strict raises LoadError with the whole report instead
+            _refuse_missing(header, targets)
         values, report = load(targets)
         kept = {m.path for m in report.allowed_shape_mismatches}
         values = {**values, **{k: leaf for k, leaf in zip(keys, leaves, strict=True) if k in kept}}
-        missing = [k for k in keys if k not in values]
-        if missing:  # the report warned; there is nothing to put at these leaves
-            raise NnxSaveError(
-                f"{report.source}: cannot build the tree, {len(missing)} leaves have no value: {missing[:10]}\n{report}"
-            )
         result = jax.tree_util.tree_unflatten(treedef, [values[k] for k in keys])
     return (result, report) if return_report else result

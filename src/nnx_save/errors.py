@@ -1,18 +1,43 @@
-"""One hierarchy for every failure nnx_save reports.
+"""Every error and warning nnx_save raises or emits, in one public module.
 
-Every error is an :class:`NnxSaveError`; malformed files are :class:`HeaderError`
-(also a :class:`ValueError`), with one subclass per check so callers and tests can
-tell the cases apart. Messages name the tensor or path, what was expected and what
-was found.
+Every error is an :class:`NnxSaveError`, and also the builtin a caller would naturally
+catch (``ValueError``, ``TypeError``, ``KeyError``, ``OSError``, ...). Malformed files
+are :class:`HeaderError`, with one subclass per check so callers and tests can tell the
+cases apart; a bad ``NNX_SAVE_*`` environment variable is a :class:`ConfigError`, a bad
+argument or option an :class:`OptionError`. The checkpoint store's errors
+(:class:`CheckpointError` and below) and the porting errors (:class:`RuleError` and
+below) are defined here too, and re-exported by ``nnx_save.checkpoint`` and
+``nnx_save.porting``. Warnings: :class:`LoadWarning` and its subclasses,
+:class:`CheckpointDamageWarning`. Messages name the tensor or path, what was expected
+and what was found. docs/errors.md draws the hierarchy.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Sequence
+from typing import Literal, NamedTuple
+
 __all__ = [
     "ByteLengthError",
+    "CheckpointCorruptError",
+    "CheckpointDamageWarning",
+    "CheckpointDirectoryError",
+    "CheckpointDtypeMismatchError",
+    "CheckpointError",
+    "CheckpointItemError",
+    "CheckpointLinkError",
+    "CheckpointNotFoundError",
+    "CheckpointNotWrittenError",
+    "CheckpointRetentionError",
+    "CheckpointSyncError",
+    "CheckpointTemplateError",
+    "CheckpointWriteError",
     "ChecksumError",
+    "ConfigError",
     "ConvertError",
     "DeviceDtypeError",
+    "DtypeMismatch",
     "DtypeMismatchError",
     "DuplicateKeyError",
     "FileSizeError",
@@ -22,24 +47,43 @@ __all__ = [
     "HeaderTooLargeError",
     "HeaderTooSmallError",
     "HostMemoryError",
+    "IndexChangedError",
     "IndexFileError",
     "KeyMismatchError",
     "KeyPathError",
+    "LayoutConflictError",
     "LoadError",
+    "LoadWarning",
+    "LossyCastWarning",
     "MetadataError",
     "NnxSaveError",
+    "NotInvertibleError",
     "NotSafetensorsError",
     "OffsetError",
+    "OptionError",
+    "OverReadWarning",
     "PieceLayoutError",
+    "RemoteChangedError",
+    "RemoteError",
+    "RuleConflictError",
+    "RuleError",
+    "RuleShapeError",
+    "SafetensorError",
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
+    "SharedReadError",
+    "SingleDeviceWarning",
     "SliceError",
     "SourceError",
+    "SourceNotFoundError",
     "TensorEntryError",
+    "TiedValuesError",
     "TruncatedFileError",
     "UnknownDtypeError",
+    "UnsupportedCheckpointError",
     "UnsupportedValueError",
+    "WriteRefusal",
     "short_repr",
 ]
 
@@ -113,6 +157,21 @@ class IndexFileError(HeaderError):
     with the files it names."""
 
 
+class LayoutConflictError(HeaderError):
+    """A directory that two layouts both claim (an HF index and a pod manifest):
+    nnx_save does not guess which save is current. ``file`` names the directory;
+    the message names both records and the remedy."""
+
+    def __init__(self, message: str, file: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+
+
+class IndexChangedError(IndexFileError):
+    """A multi-file checkpoint was replaced while it was being read: its files come
+    from two saves, or the index changed and a file it named is gone. Load again."""
+
+
 class KeyPathError(NnxSaveError, ValueError):
     """A tree path cannot become a file key (``/`` inside a name, an ambiguous key);
     ``key_path`` names it."""
@@ -124,7 +183,9 @@ class KeyPathError(NnxSaveError, ValueError):
 
 class UnsupportedValueError(NnxSaveError, TypeError):
     """A leaf that cannot be stored: a string, ``None``, an object array, ...;
-    ``key_path`` names it."""
+    ``key_path`` names it. Also a value of a kind an argument cannot take (a
+    checkpoint directory that is not a path, a restore template leaf that is not an
+    array)."""
 
     def __init__(self, message: str, key_path: str | None = None) -> None:
         super().__init__(message)
@@ -179,6 +240,16 @@ class SaveError(NnxSaveError, OSError):
         self.file, self.key_path = file, key_path
 
 
+class SharedReadError(NnxSaveError, OSError):
+    """A load with shared reads failed on some process (its error is named), or a
+    process did not report within the deadline; raised on every process, before any
+    collective. ``file`` names the source."""
+
+    def __init__(self, message: str, file: str | None = None) -> None:
+        super().__init__(message)
+        self.file = file
+
+
 class TruncatedFileError(NnxSaveError, OSError):
     """A read of tensor data ended early: the file is shorter than its validated header
     says (truncated after it was opened). ``file`` and ``offset`` say where."""
@@ -196,6 +267,15 @@ class SourceError(NnxSaveError, OSError):
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
         self.file = file
+
+
+class OptionError(NnxSaveError, ValueError):
+    """An argument or option of a call is out of range, of the wrong kind, or given
+    twice (as a keyword and in ``options=``). ``argument`` names it."""
+
+    def __init__(self, message: str, argument: str | None = None) -> None:
+        super().__init__(message)
+        self.argument = argument
 
 
 class ShardingError(NnxSaveError, ValueError):
@@ -235,9 +315,375 @@ class ConvertError(NnxSaveError, ValueError):
     unsafe source format, a value that is not a tensor, an output path of the wrong kind."""
 
 
-class SliceError(NnxSaveError, IndexError):
+class SafetensorError(NnxSaveError):
+    """``safe_open`` refused a call where ``safetensors.safe_open`` raises its own
+    ``SafetensorError``: a closed handle, an unknown framework, device or backend,
+    and (as :class:`SliceError`) an unknown tensor or a refused index. When the ``safetensors`` package is imported
+    in the process, the raised error is also an instance of
+    ``safetensors.SafetensorError`` (nnx_save never imports it), so code written
+    against safetensors catches it unchanged."""
+
+
+class SliceError(SafetensorError, IndexError):
     """``safe_open``: a key the checkpoint does not hold, or an index of a tensor that
-    is out of range or not made of ints, slices and one Ellipsis."""
+    safetensors refuses too: out of range, a step below 1, a non-empty list, or
+    anything but ints, slices and one Ellipsis."""
+
+
+class SourceNotFoundError(SourceError, FileNotFoundError):
+    """``safe_open``: the file or directory does not exist (``file`` names it); a
+    ``FileNotFoundError``, as safetensors raises."""
+
+
+class RemoteError(NnxSaveError, OSError):
+    """A remote read failed after its retries, or the server does not serve ranges."""
+
+
+class RemoteChangedError(RemoteError):
+    """The remote object changed (size or version) while it was being read."""
+
+
+class ConfigError(NnxSaveError, ValueError):
+    """An ``NNX_SAVE_*`` environment variable holds a value nnx_save cannot use.
+
+    Raised where the variable is used, not at import. ``variable`` names it,
+    ``expected`` says what it must hold and ``found`` what it holds.
+    """
+
+    def __init__(self, variable: str, expected: str, found: str) -> None:
+        super().__init__(f"{variable}={found!r}: expected {expected}")
+        self.variable, self.expected, self.found = variable, expected, found
+
+
+class LoadWarning(UserWarning):
+    """A load finished with mismatches (missing, unexpected, cast ...); see its report."""
+
+
+class SingleDeviceWarning(LoadWarning):
+    """A process with several devices loaded arrays that had no sharding: all of them
+    landed on its first device."""
+
+
+class LossyCastWarning(LoadWarning):
+    """A load cast values to a dtype that cannot hold them all (float to int, a
+    narrower float or int): the loaded values differ from the file's."""
+
+
+class OverReadWarning(LoadWarning):
+    """The automatic over-read ratio made this process read much more than it needed."""
+
+
+# --------------------------------------------------------------------------- checkpoint store
+# (``nnx_save.checkpoint`` re-exports these under the same names)
+
+WriteRefusal = Literal["exists", "below_latest", "rejected"]
+
+_X64_HINT = (
+    "jax's x64 mode is off, so 64-bit arrays come back as 32-bit: enable it with "
+    "jax.config.update('jax_enable_x64', True) before restoring"
+)
+
+
+class CheckpointError(NnxSaveError):
+    """Base class of every error raised by :mod:`nnx_save.checkpoint`."""
+
+
+class CheckpointCorruptError(CheckpointError, ValueError):
+    """A stored step is damaged: a file is missing, truncated or unreadable. Nothing
+    was restored; the other steps are unaffected.
+
+    Attributes:
+        step: The damaged step.
+        path: The damaged file or directory (inside the step's directory).
+        problem: What is wrong with it, in words.
+    """
+
+    def __init__(self, step: int, path: str | os.PathLike[str], problem: str) -> None:
+        self.step, self.path, self.problem = step, str(path), problem
+        super().__init__(f"step {step} is damaged: {self.path}: {problem}")
+
+
+class CheckpointDamageWarning(UserWarning):
+    """Steps of a store are damaged and are left out of ``list_steps`` and ``latest_step``
+    (see ``damaged_steps()``)."""
+
+
+class CheckpointDirectoryError(CheckpointError, ValueError):
+    """A checkpoint directory the store cannot use, found before anything runs.
+
+    Attributes:
+        directory: The directory or URL as given.
+    """
+
+    def __init__(self, directory: str, found: str) -> None:
+        self.directory = directory
+        super().__init__(
+            f"checkpoint directory {directory!r}: {found} is not supported; give a local path, a file:// URL, "
+            "or a gs:// or s3:// URL (which Orbax writes through etils epath and tensorstore)"
+        )
+
+
+class CheckpointLinkError(CheckpointError, OSError):
+    """An entry of the store's directory that the store may rename or delete (a step,
+    a set-aside step, an Orbax temporary) is a symbolic link. The store never follows
+    one: it refuses to write or delete before changing anything.
+
+    Attributes:
+        entry: The link's path.
+        target: Where it points.
+        directory: The store's directory.
+    """
+
+    def __init__(self, entry: str, target: str, directory: str) -> None:
+        self.entry, self.target, self.directory = entry, target, directory
+        super().__init__(
+            f"{entry}: this entry of the checkpoint store {directory} is a symbolic link (to {target!r}); "
+            "the store renames and deletes its entries and never follows a link, so nothing was written "
+            "or deleted: move the link out of the directory (or put the real directory in its place)"
+        )
+
+    def __str__(self) -> str:  # OSError's own would show the arguments tuple
+        return str(self.args[0])
+
+
+class CheckpointSyncError(CheckpointError, RuntimeError):
+    """The processes of a multi-process run could not agree on a decision about the
+    store's directory (process 0 failed, did not answer in time, or the processes
+    called the store in different orders)."""
+
+
+class CheckpointRetentionError(CheckpointError, ValueError):
+    """The store was opened with other retention policies than the ones recorded in
+    its directory; pass ``change_retention=True`` to replace them.
+
+    Attributes:
+        recorded: The recorded policies, in words.
+        given: The policies asked for, in words.
+        directory: The store's directory.
+    """
+
+    def __init__(self, recorded: str, given: str, directory: str | os.PathLike[str]) -> None:
+        self.recorded, self.given, self.directory = recorded, given, str(directory)
+        super().__init__(
+            f"{directory} keeps steps by {recorded}, not {given}: changing retention can delete steps at the next "
+            "save, so it must be asked for: pass change_retention=True, or open the store without retention "
+            "arguments to keep the recorded policies"
+        )
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """Writing a step failed (a full disk, an I/O error in Orbax's writer); the steps
+    stored before are intact and the failed step is not listed.
+
+    Attributes:
+        step: The step whose write failed.
+        directory: The store's directory.
+    """
+
+    def __init__(self, step: int, directory: str | os.PathLike[str], cause: BaseException) -> None:
+        text = " ".join(str(cause).split()) or type(cause).__name__
+        if "No space left on device" in text:
+            text = "no space left on the device; " + text
+        detail = text if len(text) <= 400 else f"{text[:160]} ... {text[-200:]}"
+        super().__init__(
+            f"{directory}: step {step} was not written ({type(cause).__name__}: {detail}); "
+            "the steps saved before are intact"
+        )
+        self.step, self.directory = step, directory
+
+
+class CheckpointNotWrittenError(CheckpointError, ValueError):
+    """A save was refused; the store is exactly as it was before the call.
+
+    Attributes:
+        step: The step that was not written.
+        latest_step: The store's latest step at the time (``None`` when empty).
+        reason: ``"exists"`` (the step is already saved and ``overwrite`` is off),
+            ``"below_latest"`` (steps only move forward) or ``"rejected"`` (Orbax's
+            save policy declined the step).
+        directory: The store's directory.
+    """
+
+    def __init__(
+        self,
+        step: int,
+        latest_step: int | None,
+        reason: WriteRefusal,
+        directory: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.step = step
+        self.latest_step = latest_step
+        self.reason = reason
+        self.directory = None if directory is None else str(directory)
+        super().__init__(_not_written_message(step, latest_step, reason, self.directory))
+
+
+def _not_written_message(step: int, latest: int | None, reason: str, directory: str | None) -> str:
+    where = f" in {directory}" if directory else ""
+    if reason == "exists":
+        return f"step {step} already exists{where}; pass overwrite=True to replace it"
+    if reason == "below_latest":
+        return (
+            f"step {step} is below the latest step {latest}{where}; steps only move forward: "
+            f"save at a step above {latest}, or delete the later steps first"
+        )
+    return f"Orbax declined to save step {step}{where} (latest step {latest}); nothing was written"
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No checkpoint is stored at the requested step.
+
+    Attributes:
+        step: The step asked for.
+        directory: The store's directory.
+        available: The steps the store does hold, ascending.
+    """
+
+    def __init__(self, step: int, directory: str | os.PathLike[str], available: Sequence[int] = ()) -> None:
+        self.step = step
+        self.directory = str(directory)
+        self.available = tuple(available)
+        held = ", ".join(map(str, self.available)) if self.available else "none"
+        super().__init__(f"no checkpoint at step {step} in {self.directory} (steps held: {held})")
+
+    def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
+        return str(self.args[0])
+
+
+class UnsupportedCheckpointError(CheckpointError, ValueError):
+    """A checkpoint this version of nnx_save cannot read: another format, a malformed
+    record or a newer format version. Nothing was restored.
+
+    Attributes:
+        found: What the checkpoint holds, in words (e.g. ``"format version 7"``).
+        step: The step, when known.
+        directory: The store's directory, when known.
+    """
+
+    def __init__(self, found: str, *, step: int | None = None, directory: str | os.PathLike[str] | None = None) -> None:
+        self.found = found
+        self.step = step
+        self.directory = None if directory is None else str(directory)
+        where = _where(step, self.directory)
+        # Only the store raises it, so its format module is loaded by then (importing
+        # it at the top would pull the checkpoint package, and orbax, into every import).
+        from .checkpoint._format import FORMAT_NAME, FORMAT_VERSION
+
+        super().__init__(
+            f"{where}holds {found}; this nnx_save reads format {FORMAT_NAME!r} up to version {FORMAT_VERSION}"
+        )
+
+
+def _where(step: int | None, directory: str | None) -> str:
+    if step is None:
+        return f"{directory} " if directory else "the checkpoint record "
+    return f"step {step}{f' in {directory}' if directory else ''} "
+
+
+class CheckpointTemplateError(CheckpointError, ValueError):
+    """Restore templates disagree with what the checkpoint stores (paths, shapes or
+    leaf kinds). Found before any array was read.
+
+    Attributes:
+        step: The step being restored.
+        problems: One line per disagreement, ``item/leaf: ...``, sorted.
+    """
+
+    def __init__(self, step: int, problems: Iterable[str]) -> None:
+        self.step = step
+        self.problems = tuple(sorted(problems))
+        lines = "\n  ".join(self.problems)
+        super().__init__(f"step {step}: {len(self.problems)} template leaves disagree with the checkpoint:\n  {lines}")
+
+
+class CheckpointItemError(CheckpointError, KeyMismatchError):
+    """An item was asked for (by ``items`` or ``templates``) that the step does not hold.
+
+    Attributes:
+        step: The step being restored.
+        missing: The item names asked for and absent.
+        held: The item names the step holds.
+    """
+
+    def __init__(self, step: int, missing: Iterable[str], held: Iterable[str]) -> None:
+        self.step = step
+        self.missing = tuple(missing)
+        self.held = tuple(held)
+        super().__init__(
+            f"step {step} holds no item {', '.join(map(repr, self.missing))}; it holds {', '.join(self.held)}"
+        )
+
+
+class DtypeMismatch(NamedTuple):
+    """One array whose restored dtype would differ from (or differs from) the saved one.
+
+    Attributes:
+        item: The item name (``"model"``, ``"optimizer"``, ...).
+        leaf: The leaf path inside the item, ``/``-joined (``"<root>"`` for a bare array).
+        saved: The dtype recorded at save time.
+        restored: The template's dtype, or the dtype the array came back with.
+    """
+
+    item: str
+    leaf: str
+    saved: str
+    restored: str
+
+
+class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
+    """Arrays would be (or were) restored with another dtype than they were saved with.
+
+    Raised before any array is read when a template disagrees, and after reading for
+    items restored without a template. Pass ``cast_dtypes=True`` to accept the casts.
+
+    Attributes:
+        step: The step being restored.
+        mismatches: Every differing array, sorted by item and leaf.
+        before_read: True when found from the templates, before reading.
+        x64_off: True when jax's x64 mode was off and explains the mismatches.
+    """
+
+    def __init__(
+        self, step: int, mismatches: Iterable[DtypeMismatch], *, before_read: bool = False, x64_off: bool = False
+    ) -> None:
+        self.step = step
+        self.mismatches = tuple(sorted(mismatches))
+        self.before_read = before_read
+        self.x64_off = x64_off
+        got = "in the template" if before_read else "restored"
+        lines = "\n  ".join(f"{m.item}/{m.leaf}: {m.saved} saved, {m.restored} {got}" for m in self.mismatches)
+        remedy = f"{_X64_HINT}, or pass" if x64_off else "Pass"
+        what = (
+            "arrays change dtype" if not any("(Python)" in m.saved for m in self.mismatches) else "leaves change type"
+        )
+        super().__init__(
+            f"step {step}: {len(self.mismatches)} {what} on restore:\n  {lines}\n"
+            f"{remedy} cast_dtypes=True to accept the casts"
+        )
+
+
+# --------------------------------------------------------------------------- porting
+# (``nnx_save.porting`` re-exports these under the same names)
+
+
+class RuleError(NnxSaveError, ValueError):
+    """A rule is malformed, or the tensors it matches do not fit it."""
+
+
+class RuleConflictError(RuleError):
+    """A file tensor feeds two rules, or two rules produce the same target."""
+
+
+class RuleShapeError(RuleError, ShapeMismatchError):
+    """A tensor's shape does not fit the rule that transforms it."""
+
+
+class NotInvertibleError(RuleError):
+    """A rule has no automatic inverse; pass ``inverse=`` to give one."""
+
+
+class TiedValuesError(RuleError):
+    """Copies a ``tie`` rule declares equal hold different values in the file."""
 
 
 def short_repr(value: object, limit: int = 40) -> str:

@@ -166,7 +166,9 @@ def test_a_trickling_server_hits_the_deadline(tmp_path, monkeypatch):
 
 def test_the_deadline_settings_are_checked(monkeypatch):
     monkeypatch.setenv("NNX_SAVE_HTTP_TIMEOUT", "0")
-    with pytest.raises(RemoteError, match=re.escape("NNX_SAVE_HTTP_TIMEOUT='0': expected a positive number")):
+    with pytest.raises(
+        nnx_save.errors.ConfigError, match=re.escape("NNX_SAVE_HTTP_TIMEOUT='0': expected a positive number")
+    ):
         nnx_save.read_header("http://127.0.0.1:9/m.safetensors")
 
 

@@ -8,24 +8,23 @@ See ``docs/checkpoints.md``. The common case::
     restore_into(model, ckpt.items["model"])
 """
 
+from ..errors import CheckpointCorruptError as CheckpointCorruptError
+from ..errors import CheckpointDamageWarning as CheckpointDamageWarning
+from ..errors import CheckpointDirectoryError as CheckpointDirectoryError
+from ..errors import CheckpointDtypeMismatchError as CheckpointDtypeMismatchError
+from ..errors import CheckpointError as CheckpointError
+from ..errors import CheckpointItemError as CheckpointItemError
+from ..errors import CheckpointLinkError as CheckpointLinkError
+from ..errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ..errors import CheckpointNotWrittenError as CheckpointNotWrittenError
+from ..errors import CheckpointRetentionError as CheckpointRetentionError
+from ..errors import CheckpointSyncError as CheckpointSyncError
+from ..errors import CheckpointTemplateError as CheckpointTemplateError
+from ..errors import CheckpointWriteError as CheckpointWriteError
+from ..errors import DtypeMismatch as DtypeMismatch
+from ..errors import UnsupportedCheckpointError as UnsupportedCheckpointError
+from ..errors import WriteRefusal as WriteRefusal
 from ._directory import resolve_checkpoint_dir as resolve_checkpoint_dir
-from ._errors import CheckpointArgumentError as CheckpointArgumentError
-from ._errors import CheckpointCorruptError as CheckpointCorruptError
-from ._errors import CheckpointDamageWarning as CheckpointDamageWarning
-from ._errors import CheckpointDirectoryError as CheckpointDirectoryError
-from ._errors import CheckpointDtypeMismatchError as CheckpointDtypeMismatchError
-from ._errors import CheckpointError as CheckpointError
-from ._errors import CheckpointItemError as CheckpointItemError
-from ._errors import CheckpointLinkError as CheckpointLinkError
-from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
-from ._errors import CheckpointNotWrittenError as CheckpointNotWrittenError
-from ._errors import CheckpointRetentionError as CheckpointRetentionError
-from ._errors import CheckpointSyncError as CheckpointSyncError
-from ._errors import CheckpointTemplateError as CheckpointTemplateError
-from ._errors import CheckpointWriteError as CheckpointWriteError
-from ._errors import DtypeMismatch as DtypeMismatch
-from ._errors import UnsupportedCheckpointError as UnsupportedCheckpointError
-from ._errors import WriteRefusal as WriteRefusal
 from ._format import FORMAT_NAME as FORMAT_NAME
 from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._format import ITEM_NAMES as ITEM_NAMES

@@ -8,26 +8,25 @@ another changed it: one then waits at a barrier the other never reaches. So such
 decision is computed by process 0 alone and read by the others from the JAX
 coordination service's key-value store, in call order (the ``n``-th decision of one
 process is the ``n``-th of every other); a process that asks a different question
-than process 0 answered gets a :class:`~._errors.CheckpointSyncError`, not a hang.
+than process 0 answered gets a :class:`~nnx_save.errors.CheckpointSyncError`, not a hang.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 from jax._src import distributed  # the only handle on the coordination service's key-value store
 
-from ._errors import CheckpointSyncError
+from .. import _config
+from ..errors import CheckpointSyncError
 
 __all__ = ["TIMEOUT_ENV", "agree"]
 
-TIMEOUT_ENV = "NNX_SAVE_STORE_TIMEOUT_S"
-_DEFAULT_TIMEOUT_S = 300.0
+TIMEOUT_ENV = _config.STORE_TIMEOUT_S.name
 _SEQUENCE = itertools.count()  # every process numbers its decisions the same way
 
 T = TypeVar("T")
@@ -35,7 +34,7 @@ T = TypeVar("T")
 
 def timeout_s() -> float:
     """How long a process waits for process 0's decision (``NNX_SAVE_STORE_TIMEOUT_S``)."""
-    return float(os.environ.get(TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
+    return _config.STORE_TIMEOUT_S.get()
 
 
 def agree(name: str, decide: Callable[[], T]) -> T:

@@ -6,7 +6,7 @@ import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ._errors import CheckpointArgumentError, CheckpointItemError
+from ..errors import CheckpointItemError, OptionError
 from ._format import ITEM_NAMES
 from ._metadata import CheckpointMetadata, Producer, check_extra, check_metrics, library_versions, utc_now
 from ._tree import check_item
@@ -17,16 +17,16 @@ __all__ = ["check_items", "check_step", "new_metadata", "restore_names"]
 def check_step(step: Any) -> int:
     """A step as an int in ``[0, 2**63)`` (Orbax and its metadata count steps in int64)."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
-        raise CheckpointArgumentError(f"step must be a non-negative int, got {step!r}")
+        raise OptionError(f"step must be a non-negative int, got {step!r}")
     if int(step) >= 2**63:
-        raise CheckpointArgumentError(f"step must be below 2**63 (Orbax counts steps in int64), got {step!r}")
+        raise OptionError(f"step must be below 2**63 (Orbax counts steps in int64), got {step!r}")
     return int(step)
 
 
 def check_items(items: Mapping[str, Any]) -> tuple[str, ...]:
     """The item names in canonical order, after validating every leaf."""
     if not isinstance(items, Mapping) or not items:
-        raise CheckpointArgumentError(f"items must be a non-empty mapping of {', '.join(ITEM_NAMES)}, got {items!r}")
+        raise OptionError(f"items must be a non-empty mapping of {', '.join(ITEM_NAMES)}, got {items!r}")
     for name, tree in items.items():
         check_item(name, tree)
     return tuple(name for name in ITEM_NAMES if name in items)
@@ -41,9 +41,9 @@ def new_metadata(
     extra: Mapping[str, Any] | None,
 ) -> CheckpointMetadata:
     if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
-        raise CheckpointArgumentError(f"epoch must be a non-negative int or None, got {epoch!r}")
+        raise OptionError(f"epoch must be a non-negative int or None, got {epoch!r}")
     if producer is not None and not isinstance(producer, Producer):
-        raise CheckpointArgumentError(f"producer must be a Producer(name, version) or None, got {producer!r}")
+        raise OptionError(f"producer must be a Producer(name, version) or None, got {producer!r}")
     return CheckpointMetadata(
         step=step,
         items=names,
@@ -60,10 +60,10 @@ def restore_names(metadata: CheckpointMetadata, templates: Mapping[str, Any], it
     wanted = list(metadata.items if items is None else items)
     for name in [*wanted, *templates]:
         if name not in ITEM_NAMES:
-            raise CheckpointArgumentError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
+            raise OptionError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
     unused = sorted(set(templates) - set(wanted))
     if unused:
-        raise CheckpointArgumentError(f"templates given for {unused}, which items={wanted} does not restore")
+        raise OptionError(f"templates given for {unused}, which items={wanted} does not restore")
     absent = [name for name in wanted if name not in metadata.items]
     if absent:
         raise CheckpointItemError(metadata.step, absent, metadata.items)

@@ -1,26 +1,70 @@
-"""Reading a whole Orbax checkpoint as host arrays, for conversion to safetensors."""
+"""Reading a whole Orbax checkpoint as host arrays, for conversion to safetensors.
+
+Leaves are named the way :func:`nnx_save.save_model` names a model's state, so the
+converted file loads with :func:`nnx_save.load_model`: one item of an
+:class:`~nnx_save.checkpoint.OrbaxCheckpointStore` step loses the store's root node
+(:data:`~._format.ROOT`), an NNX state loses the ``value`` node Orbax keeps under each
+variable, typed PRNG keys become their key data plus the implementation's name, and
+Python numbers become 0-d arrays plus their type.
+"""
 
 from __future__ import annotations
 
 import os
 import warnings
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["orbax_arrays"]
+from ..errors import UnsupportedValueError
+from ._format import DTYPES_ITEM, ROOT
+from ._tree import Path, flatten, show
+
+__all__ = ["OrbaxLeaf", "orbax_arrays"]
+
+_PY_KINDS = {bool: "bool", int: "int", float: "float"}
 
 
-def orbax_arrays(path: str | os.PathLike) -> list[tuple[str, np.ndarray]]:
-    """Every array of an Orbax PyTree checkpoint directory, as host numpy arrays keyed
-    with their tree paths joined with ``/`` (what ``nnx_save.convert`` writes; two
-    paths can join to one key, which the caller refuses)."""
+class OrbaxLeaf(NamedTuple):
+    """One converted leaf: its path, its host array, and what it was before."""
+
+    path: Path
+    array: np.ndarray
+    rng_impl: str | None = None  # a typed PRNG key: its implementation's name
+    scalar: str | None = None  # a Python number: "int" | "float" | "bool"
+
+
+def orbax_arrays(path: str | os.PathLike) -> list[OrbaxLeaf]:
+    """Every leaf of an Orbax PyTree checkpoint directory, as host numpy arrays.
+
+    Raises:
+        UnsupportedValueError: a leaf that is no array or number (a string), named.
+    """
+    where = os.path.abspath(path)  # Orbax refuses relative paths
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # orbax warns that no target sharding was given: host arrays are wanted
-        tree = ocp.PyTreeCheckpointer().restore(path)
-    out = []
-    for keypath, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        key = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in keypath)
-        out.append((key, np.asarray(leaf)))
-    return out
+        tree = ocp.PyTreeCheckpointer().restore(where)
+    pairs = flatten(tree)
+    if os.path.isdir(os.path.join(os.path.dirname(where), DTYPES_ITEM)) and all(p[:1] == (ROOT,) for p, _ in pairs):
+        pairs = [(p[1:], leaf) for p, leaf in pairs]  # one item of a store step: drop the store's root node
+    if pairs and all(len(p) > 1 and p[-1] == "value" for p, _ in pairs):
+        pairs = [(p[:-1], leaf) for p, leaf in pairs]  # an NNX state: every leaf is a variable's value
+    name = os.path.basename(os.path.normpath(where))
+    return [_leaf(p or (name,), leaf) for p, leaf in pairs]
+
+
+def _leaf(path: Path, leaf: Any) -> OrbaxLeaf:
+    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return OrbaxLeaf(path, np.asarray(jax.random.key_data(leaf)), rng_impl=str(jax.random.key_impl(leaf)))
+    kind = _PY_KINDS.get(type(leaf))
+    if kind is not None:
+        return OrbaxLeaf(
+            path, np.asarray(leaf, {"bool": np.bool_, "int": np.int64, "float": np.float64}[kind]), scalar=kind
+        )
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
+        raise UnsupportedValueError(
+            f"{show(path)}: a {type(leaf).__name__} leaf; safetensors stores arrays and numbers only", show(path)
+        )
+    return OrbaxLeaf(path, np.asarray(leaf))

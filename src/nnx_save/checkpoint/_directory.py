@@ -17,7 +17,7 @@ from typing import Any
 
 from etils import epath
 
-from ._errors import CheckpointArgumentError, CheckpointDirectoryError
+from ..errors import CheckpointDirectoryError, OptionError, UnsupportedValueError
 
 __all__ = ["CLOUD_SCHEMES", "absolute_dir", "is_url", "resolve_checkpoint_dir", "store_location"]
 
@@ -36,9 +36,9 @@ def is_url(text: str) -> bool:
 def _text(name: str, value: str | os.PathLike[str]) -> str:
     text = os.fspath(value)
     if not isinstance(text, str):
-        raise TypeError(f"{name} must be a str or os.PathLike[str], got {type(value).__name__}")
+        raise UnsupportedValueError(f"{name} must be a str or os.PathLike[str], got {type(value).__name__}")
     if not text.strip():
-        raise CheckpointArgumentError(f"{name} is empty ({text!r}); give a directory path")
+        raise OptionError(f"{name} is empty ({text!r}); give a directory path")
     return text
 
 
@@ -112,4 +112,4 @@ def resolve_checkpoint_dir(
         return store_location("checkpoint_dir", checkpoint_dir)
     if run_dir is not None:
         return store_location("run_dir", run_dir) / "checkpoints"
-    raise CheckpointArgumentError("no checkpoint directory: pass checkpoint_dir, or run_dir to use run_dir/checkpoints")
+    raise OptionError("no checkpoint directory: pass checkpoint_dir, or run_dir to use run_dir/checkpoints")

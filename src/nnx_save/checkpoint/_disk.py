@@ -19,15 +19,15 @@ from typing import Any
 
 from etils import epath
 
-from ..save._write import _write_all, atomic_file
-from . import _orbax
-from ._agree import agree
-from ._errors import (
+from ..errors import (
     CheckpointDamageWarning,
     CheckpointLinkError,
     CheckpointRetentionError,
     UnsupportedCheckpointError,
 )
+from ..save._write import _write_all, atomic_file
+from . import _orbax
+from ._agree import agree
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
 from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json

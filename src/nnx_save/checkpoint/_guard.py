@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._errors import CheckpointDtypeMismatchError, DtypeMismatch
+from ..errors import CheckpointDtypeMismatchError, DtypeMismatch
 from ._tree import Path, Spec, flatten, leaf_spec, show
 
 __all__ = ["check_restored", "check_template_dtypes", "dtype_mismatches", "explained_by_x64", "template_problems"]

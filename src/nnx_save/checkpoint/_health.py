@@ -5,8 +5,8 @@ shared (see :mod:`._agree`). A step is *damaged* when its nnx_save record is
 unreadable, or an item the record names has no directory or no Orbax ``_METADATA``
 file; a truncated array file is only found when the step is read (finding it here
 would mean reading every byte of every step), where it raises
-:class:`~._errors.CheckpointCorruptError` too. A step without any nnx_save record
-is not damaged but foreign (:class:`~._errors.UnsupportedCheckpointError` on read).
+:class:`~nnx_save.errors.CheckpointCorruptError` too. A step without any nnx_save record
+is not damaged but foreign (:class:`~nnx_save.errors.UnsupportedCheckpointError` on read).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 from etils import epath
 
+from ..errors import CheckpointCorruptError
 from ..format._header import strict_json
-from ._errors import CheckpointCorruptError
 from ._format import DTYPES_ITEM, METADATA_ITEM
 
 __all__ = ["DirectoryView", "corrupt_from", "held_items", "looks_damaged", "read_json", "scan"]

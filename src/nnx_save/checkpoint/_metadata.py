@@ -17,8 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import short_repr
-from ._errors import CheckpointArgumentError, UnsupportedCheckpointError
+from ..errors import OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 
 __all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "library_versions"]
@@ -43,7 +42,7 @@ class Producer:
         for field in ("name", "version"):
             value = getattr(self, field)
             if not isinstance(value, str) or not value.strip():
-                raise CheckpointArgumentError(f"Producer.{field} must be a non-empty str, got {value!r}")
+                raise OptionError(f"Producer.{field} must be a non-empty str, got {value!r}")
 
     def to_dict(self) -> dict[str, str]:
         """The JSON object stored in the metadata record."""
@@ -222,23 +221,21 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     """Metrics as ``{str: float}``; numbers and 0-d arrays are accepted, NaN kept.
 
     Raises:
-        CheckpointArgumentError: A key is not a str, or a value is not a real scalar or
+        OptionError: A key is not a str, or a value is not a real scalar or
             is too large for a float64 (a ``ValueError``).
     """
     out: dict[str, float] = {}
     for name, value in (metrics or {}).items():
         if not isinstance(name, str):
-            raise CheckpointArgumentError(f"metrics keys must be str, got {name!r}")
+            raise OptionError(f"metrics keys must be str, got {name!r}")
         if isinstance(value, bool) or getattr(value, "shape", ()) != ():
-            raise CheckpointArgumentError(f"metrics[{name!r}] must be a real scalar, got {value!r}")
+            raise OptionError(f"metrics[{name!r}] must be a real scalar, got {value!r}")
         try:
             out[name] = float(value)
         except (TypeError, ValueError):
-            raise CheckpointArgumentError(f"metrics[{name!r}] must be a real scalar, got {value!r}") from None
+            raise OptionError(f"metrics[{name!r}] must be a real scalar, got {value!r}") from None
         except OverflowError:  # an int past float64's range
-            raise CheckpointArgumentError(
-                f"metrics[{name!r}] = {short_repr(value)} is too large for a float64 metric"
-            ) from None
+            raise OptionError(f"metrics[{name!r}] = {short_repr(value)} is too large for a float64 metric") from None
     return out
 
 
@@ -254,7 +251,7 @@ def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     extra = dict(extra or {})
     shadowed = sorted(k for k in extra if k in RESERVED_KEYS)
     if shadowed:
-        raise CheckpointArgumentError(
+        raise OptionError(
             f"extra keys {shadowed} shadow metadata fields; reserved: {', '.join(sorted(RESERVED_KEYS))}. "
             "Pass step, epoch, metrics and producer as save() arguments, or rename the key"
         )
@@ -266,15 +263,15 @@ def _check_json(where: str, value: Any) -> None:
     if isinstance(value, Mapping):
         for key, child in value.items():
             if not isinstance(key, str):
-                raise CheckpointArgumentError(f"{where}: key {key!r} is a {type(key).__name__}; JSON keys must be str")
+                raise OptionError(f"{where}: key {key!r} is a {type(key).__name__}; JSON keys must be str")
             _check_json(f"{where}/{key}", child)
     elif isinstance(value, (list, tuple)):
         for i, child in enumerate(value):
             _check_json(f"{where}/{i}", child)
     elif isinstance(value, float) and not math.isfinite(value):
-        raise CheckpointArgumentError(f"{where}: {value!r} is not a finite float; JSON cannot store it")
+        raise OptionError(f"{where}: {value!r} is not a finite float; JSON cannot store it")
     elif value is not None and not isinstance(value, (str, int, float, bool)):
-        raise CheckpointArgumentError(
+        raise OptionError(
             f"{where}: a {type(value).__name__} is not JSON data (str, int, float, bool, None, list, dict)"
         )
 

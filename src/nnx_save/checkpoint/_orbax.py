@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from ..errors import UnsupportedValueError
 from ._format import DTYPES_ITEM, ITEM_NAMES, METADATA_ITEM, ROOT
 from ._tree import Path, Spec, flatten, segment, show
 
@@ -135,7 +136,7 @@ def _template_arg(item: str, keypath: Any, leaf: Any) -> ocp.RestoreArgs:
         return ocp.RestoreArgs(restore_type=np.ndarray, dtype=leaf.dtype)
     if isinstance(leaf, (int, float, str)):
         return ocp.RestoreArgs(restore_type=type(leaf))
-    raise TypeError(
+    raise UnsupportedValueError(
         f"templates[{item!r}]: leaf {show(tuple(map(segment, keypath)))} is a {type(leaf).__name__}; template "
         "leaves must be arrays, jax.ShapeDtypeStruct, or ints, floats, bools and strings"
     )

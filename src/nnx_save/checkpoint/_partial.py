@@ -17,8 +17,8 @@ from typing import Any
 
 import jax
 
+from ..errors import CheckpointTemplateError
 from ..load._report import LoadReport, ShapeMismatch, matches_any
-from ._errors import CheckpointTemplateError
 from ._guard import template_problems
 from ._tree import Path, Spec, flatten, leaf_spec, show
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import jax
 
+from ..errors import CheckpointTemplateError, DtypeMismatch
 from ..load._report import DtypeCast, LossyCastWarning
-from ._errors import CheckpointTemplateError, DtypeMismatch
 from ._tree import Path, flatten, segment, show
 
 __all__ = ["PYTHON", "as_stored", "cast_back", "kind_of", "kind_problems", "prepare", "type_mismatches"]

@@ -8,8 +8,8 @@ from typing import Any
 
 from etils import epath
 
+from ..errors import CheckpointCorruptError, UnsupportedCheckpointError
 from . import _orbax
-from ._errors import CheckpointCorruptError, UnsupportedCheckpointError
 from ._format import DTYPES_ITEM, METADATA_ITEM
 from ._health import held_items, read_json
 from ._metadata import CheckpointMetadata

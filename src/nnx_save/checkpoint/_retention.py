@@ -15,8 +15,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from ..errors import OptionError, UnsupportedCheckpointError
 from ..format._header import strict_json
-from ._errors import CheckpointArgumentError, UnsupportedCheckpointError
 
 __all__ = ["STORE_RECORD", "Retention", "StepInfo", "doomed"]
 
@@ -58,23 +58,23 @@ class Retention:
         for name in ("latest", "best", "every"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise CheckpointArgumentError(f"Retention.{name} must be an int >= 1 or None, got {value!r}")
+                raise OptionError(f"Retention.{name} must be an int >= 1 or None, got {value!r}")
         if self.newer_than is not None and (
             isinstance(self.newer_than, bool)
             or not isinstance(self.newer_than, (int, float))
             or not self.newer_than > 0
         ):
-            raise CheckpointArgumentError(
+            raise OptionError(
                 f"Retention.newer_than must be a positive number of seconds or None, got {self.newer_than!r}"
             )
         if self.mode not in ("min", "max"):
-            raise CheckpointArgumentError(f"Retention.mode must be 'min' or 'max', got {self.mode!r}")
+            raise OptionError(f"Retention.mode must be 'min' or 'max', got {self.mode!r}")
         if (self.best is None) != (self.metric is None):
-            raise CheckpointArgumentError(
+            raise OptionError(
                 f"Retention.best and Retention.metric go together, got best={self.best!r}, metric={self.metric!r}"
             )
         if self.metric is not None and (not isinstance(self.metric, str) or not self.metric):
-            raise CheckpointArgumentError(f"Retention.metric must be a non-empty str, got {self.metric!r}")
+            raise OptionError(f"Retention.metric must be a non-empty str, got {self.metric!r}")
 
     @classmethod
     def keep_all(cls) -> Retention:

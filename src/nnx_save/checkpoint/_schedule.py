@@ -26,8 +26,8 @@ from typing import Any
 import jax
 from jax.experimental import multihost_utils
 
+from ..errors import OptionError
 from ._agree import agree
-from ._errors import CheckpointArgumentError
 
 __all__ = ["SaveSchedule"]
 
@@ -61,11 +61,11 @@ class SaveSchedule:
     def __post_init__(self) -> None:
         steps, seconds = self.every_steps, self.every_seconds
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-            raise CheckpointArgumentError(f"save_interval_steps must be an int >= 1 or None, got {steps!r}")
+            raise OptionError(f"save_interval_steps must be an int >= 1 or None, got {steps!r}")
         if seconds is not None and (
             isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
         ):
-            raise CheckpointArgumentError(f"save_interval_seconds must be a positive number or None, got {seconds!r}")
+            raise OptionError(f"save_interval_seconds must be a positive number or None, got {seconds!r}")
 
     def due(self, step: int) -> bool:
         """Whether ``step`` should be saved: preemption first, then the intervals."""

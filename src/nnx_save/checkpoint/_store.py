@@ -18,19 +18,19 @@ from typing import Any, Literal, Self
 
 from etils import epath
 
-from ..errors import NnxSaveError
+from ..errors import (
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    CheckpointNotWrittenError,
+    CheckpointWriteError,
+    NnxSaveError,
+    OptionError,
+)
 from ..load._report import DtypeCast
 from . import _exit, _orbax, _pyleaves
 from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import Location, is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
-from ._errors import (
-    CheckpointArgumentError,
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    CheckpointNotWrittenError,
-    CheckpointWriteError,
-)
 from ._guard import check_restored, check_template_dtypes
 from ._health import corrupt_from, looks_damaged
 from ._metadata import CheckpointMetadata, Producer
@@ -58,14 +58,14 @@ def _given_retention(max_to_keep: int | _Unset | None, retention: Retention | No
     """The policies the caller asked for, or None when they asked for none."""
     if isinstance(max_to_keep, _Unset):
         if retention is not None and not isinstance(retention, Retention):
-            raise CheckpointArgumentError(f"retention must be a Retention or None, got {retention!r}")
+            raise OptionError(f"retention must be a Retention or None, got {retention!r}")
         return retention
     if retention is not None:
-        raise CheckpointArgumentError("pass max_to_keep or retention, not both (max_to_keep=N is Retention(latest=N))")
+        raise OptionError("pass max_to_keep or retention, not both (max_to_keep=N is Retention(latest=N))")
     if max_to_keep is not None and (
         isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
     ):
-        raise CheckpointArgumentError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
+        raise OptionError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
     return Retention(latest=max_to_keep)
 
 
@@ -133,7 +133,7 @@ class OrbaxCheckpointStore:
     ) -> None:
         self._directory = store_location("directory", directory)
         if not is_url(str(self._directory)) and self._directory.exists() and not self._directory.is_dir():
-            raise CheckpointArgumentError(f"checkpoint directory {self._directory} exists and is not a directory")
+            raise OptionError(f"checkpoint directory {self._directory} exists and is not a directory")
         self._given = _given_retention(max_to_keep, retention)
         self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)
         self._schedule = SaveSchedule(save_interval_steps, save_interval_seconds)
@@ -226,7 +226,7 @@ class OrbaxCheckpointStore:
 
     def _open(self) -> None:
         if self._closed:
-            raise CheckpointArgumentError(f"{self!r} is closed")
+            raise OptionError(f"{self!r} is closed")
         self._disk.load()
 
     def _reader(self) -> Any:
@@ -314,11 +314,11 @@ class OrbaxCheckpointStore:
             The step, or None when the store is empty.
 
         Raises:
-            ValueError: ``mode`` is not "min" or "max", or no stored step records
+            OptionError: ``mode`` is not "min" or "max", or no stored step records
                 ``metric``.
         """
         if mode not in ("min", "max"):
-            raise CheckpointArgumentError(f"mode must be 'min' or 'max', got {mode!r}")
+            raise OptionError(f"mode must be 'min' or 'max', got {mode!r}")
         steps = self.list_steps()
         if not steps:
             return None
@@ -326,7 +326,7 @@ class OrbaxCheckpointStore:
         best = ranked(infos, metric, mode)
         if not best:
             recorded = sorted({name for info in infos for name in info.metrics})
-            raise CheckpointArgumentError(
+            raise OptionError(
                 f"no checkpoint in {self._directory} records a value for metric {metric!r}; "
                 f"recorded metrics: {', '.join(recorded) or 'none'}"
             )
@@ -391,8 +391,8 @@ class OrbaxCheckpointStore:
             The step directory.
 
         Raises:
-            ValueError: Bad step, empty ``items``, unknown item name, reserved or
-                non-JSON ``extra``, bad metrics or epoch.
+            OptionError: Bad step, empty ``items``, unknown item name, reserved or
+                non-JSON ``extra``, bad metrics or epoch (also a ``ValueError``).
             UnsupportedValueError: A leaf Orbax cannot store exactly.
             KeyPathError: Two leaves would share one Orbax name.
             CheckpointNotWrittenError: ``reason`` ``"exists"``, ``"below_latest"``
@@ -535,7 +535,7 @@ class OrbaxCheckpointStore:
             CheckpointCorruptError: The step is damaged (found before reading, or
                 an array file is truncated or unreadable).
             UnsupportedCheckpointError: See :meth:`read_metadata`.
-            ValueError: ``templates`` or ``items`` name an unknown item.
+            OptionError: ``templates`` or ``items`` name an unknown item.
             CheckpointItemError: They name an item the step does not hold.
             CheckpointTemplateError: A template's paths or shapes disagree with the
                 checkpoint and ``strict`` (or a leaf's kind differs: always);

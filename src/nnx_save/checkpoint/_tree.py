@@ -15,10 +15,9 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..errors import KeyPathError, UnsupportedValueError
+from ..errors import KeyPathError, OptionError, UnsupportedCheckpointError, UnsupportedValueError
 from ..format import _paths
 from ..format._paths import format_path
-from ._errors import CheckpointArgumentError, UnsupportedCheckpointError
 from ._format import DTYPES_FORMAT, ITEM_NAMES
 
 __all__ = [
@@ -89,7 +88,7 @@ def check_item(name: str, tree: Any) -> None:
             ``{"a": {"b": y}}``), so one would silently overwrite the other.
     """
     if name not in ITEM_NAMES:
-        raise CheckpointArgumentError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
+        raise OptionError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
     names: dict[str, Path] = {}
     for path, leaf in flatten(tree):
         _check_leaf(name, path, leaf)

@@ -1,20 +1,24 @@
-"""Conversion to safetensors: PyTorch state dicts, Orbax checkpoints, safetensors.
+"""Conversion to safetensors: PyTorch state dicts, TorchScript archives, Orbax
+checkpoints, safetensors.
 
 :func:`convert` is what ``nnx-save convert`` runs. Sources are told apart by their
 bytes (:mod:`~nnx_save.format._formats`), never by unpickling: PyTorch files load with
-``torch.load(weights_only=True)`` (torch is imported only then), Orbax directories
-through :mod:`nnx_save.checkpoint` (the one home of orbax), and safetensors sources
-are read one tensor at a time, checksums verified, so memory stays bounded by the
-largest tensor.
+``torch.load(weights_only=True)`` (torch is imported only then), TorchScript archives
+are read as data (:mod:`._torchscript`: no torch, none of their code run), Orbax
+directories through :mod:`nnx_save.checkpoint` (the one home of orbax), and
+safetensors sources are read one tensor at a time, checksums verified, so memory
+stays bounded by the largest tensor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import os
 import shlex
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +26,12 @@ from typing import Any
 import numpy as np
 
 from .._pytree import load_file
-from ..errors import ConvertError, DuplicateKeyError
+from ..errors import ConvertError, DuplicateKeyError, NnxSaveError
 from ..format import _dtypes, _formats
 from ..layouts._hf_index import write_sharded
 from ..layouts._sources import Header, read_header
 from ..save._write import Entry, write_file
+from . import _torchscript
 
 __all__ = ["Converted", "convert"]
 
@@ -51,7 +56,10 @@ def convert(
 
     Args:
         source: a PyTorch ``.bin`` / ``.pt`` / ``.pth`` file (a state dict of tensors),
-            an Orbax PyTree checkpoint directory, or a safetensors file or directory.
+            a TorchScript archive (its parameters and buffers, keyed as its
+            ``state_dict()``), an Orbax PyTree checkpoint directory or one item of an
+            ``OrbaxCheckpointStore`` step (keyed as ``save_model`` keys a model, so
+            ``load_model`` reads it), or a safetensors file or directory.
         output: a ``.safetensors`` file, or with ``max_shard_size`` a directory that
             gets HuggingFace-style ``model-0000i-of-0000n.safetensors`` files and an index.
         max_shard_size: the most bytes per file (splits the checkpoint over files).
@@ -76,7 +84,12 @@ def convert(
     source, out = Path(source), Path(output)
     if not source.exists():
         raise ConvertError(f"{source}: no such file or directory")
-    entries, meta = _entries(source, key)
+    with contextlib.ExitStack() as opened:  # a TorchScript archive stays open while its tensors are written
+        entries, meta = _entries(source, key, opened)
+        return _write(out, entries, meta, max_shard_size)
+
+
+def _write(out: Path, entries: list[Entry], meta: dict[str, str], max_shard_size: int | None) -> Converted:
     if max_shard_size is None:
         if out.is_dir():
             raise ConvertError(
@@ -95,23 +108,40 @@ def convert(
     return Converted(len(entries), tuple(out / f for f in files), index)
 
 
-def _entries(source: Path, key: str | None = None) -> tuple[list[Entry], dict[str, str]]:
-    """Writer entries for ``source``; safetensors sources are read one tensor at a time."""
+def _entries(source: Path, key: str | None, opened: contextlib.ExitStack) -> tuple[list[Entry], dict[str, str]]:
+    """Writer entries for ``source``; safetensors sources and TorchScript archives
+    are read one tensor at a time."""
     kind = _kind(source)
     if key is not None and kind != "torch":
         raise ConvertError(f"{source}: --key picks a sub-dict of a PyTorch checkpoint; this is a {kind} checkpoint")
+    if kind == "TorchScript":
+        return _torchscript_entries(source, opened), {"format": "pt"}
     if kind == "safetensors":
         header = read_header(source)
         meta = dict(header.files[0].metadata) if header.files else {}
         return [
             Entry(k, t.dtype.code, t.shape, functools.partial(_verified, header, k)) for k, t in header.tensors.items()
         ], meta
-    arrays = _torch_tensors(source, key) if kind == "torch" else _orbax_arrays(source)
+    if kind == "torch":
+        arrays, meta = _torch_tensors(source, key), {"format": "pt"}
+    else:
+        arrays, meta = _orbax_arrays(source)
     entries = [
         Entry(k, _dtypes.to_code(a.dtype, k).code, tuple(a.shape), functools.partial(np.asarray, a))
         for k, a in arrays.items()
     ]
-    return entries, {"format": "pt"} if kind == "torch" else {}
+    return entries, meta
+
+
+def _torchscript_entries(source: Path, opened: contextlib.ExitStack) -> list[Entry]:
+    archive = _torchscript.Archive(source)
+    opened.callback(archive.close)
+    entries: dict[str, Entry] = {}
+    for r in archive.tensors():
+        if r.key in entries:
+            raise DuplicateKeyError(f"{source}: two tensors have the state_dict key {r.key!r}")
+        entries[r.key] = Entry(r.key, _dtypes.to_code(r.dtype, r.key).code, r.shape, functools.partial(archive.read, r))
+    return list(entries.values())
 
 
 def _verified(header: Header, key: str) -> np.ndarray:
@@ -122,13 +152,38 @@ def _verified(header: Header, key: str) -> np.ndarray:
     return load_file(dataclasses.replace(header, tensors={key: info}, files=files), verify=True, progress=False)[key]
 
 
-def _orbax_arrays(path: Path) -> dict[str, np.ndarray]:
+def _orbax_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """The arrays of an Orbax checkpoint, keyed as ``save_model`` keys a model's state,
+    and the metadata ``load_model`` rebuilds typed rng keys and Python scalars from."""
+    advice = _formats.composite_advice(path)  # a store or a step: several items, each its own checkpoint
+    if advice is not None:
+        raise ConvertError(f"{path}: {advice}")
+    from .._nnx import model_metadata
     from ..checkpoint._arrays import orbax_arrays  # orbax (and jax) only for an Orbax source
+    from ..format._paths import to_key
 
     out: dict[str, np.ndarray] = {}
-    for key, array in orbax_arrays(path):
-        _add_unique(out, key, array, path, "'/'")
-    return out
+    rng: dict[str, str] = {}
+    scalars: dict[str, str] = {}
+    for leaf in _restored(orbax_arrays, path):
+        key = to_key(leaf.path)
+        _add_unique(out, key, leaf.array, path, "'/'")
+        if leaf.rng_impl is not None:
+            rng[key] = leaf.rng_impl
+        if leaf.scalar is not None:
+            scalars[key] = leaf.scalar
+    return out, model_metadata(None, rng, scalars)
+
+
+def _restored(orbax_arrays: Any, path: Path) -> Any:
+    """``orbax_arrays(path)``, whatever Orbax raises on a damaged directory (JSON,
+    tensorstore, file errors) turned into a :class:`ConvertError` naming it."""
+    try:
+        return orbax_arrays(path)
+    except NnxSaveError:
+        raise
+    except Exception as e:  # a foreign library's errors, reported with the path
+        raise ConvertError(f"{path}: Orbax cannot restore this checkpoint ({type(e).__name__}: {e})") from None
 
 
 def _kind(source: Path) -> str:
@@ -137,8 +192,9 @@ def _kind(source: Path) -> str:
     if not source.is_file():  # a FIFO would block the open below forever, a device never end
         raise ConvertError(f"{source}: not a regular file or directory")
     with open(source, "rb") as f:  # magic bytes decide, whatever the name says
-        if _formats.foreign_file(f.read(8), lambda n, at: (f.seek(at), f.read(n))[1]) is not None:
-            return "torch"
+        what = _formats.foreign_file(f.read(8), lambda n, at: (f.seek(at), f.read(n))[1], os.fstat(f.fileno()).st_size)
+    if what is not None:
+        return "TorchScript" if what.startswith("a TorchScript") else "torch"
     if source.suffix in (".bin", ".pt", ".pth"):
         return "torch"
     if source.suffix == ".safetensors":
@@ -153,7 +209,9 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
     import torch  # only a torch conversion needs torch
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's own notices (TypedStorage, sparse "beta"), not the user's concern
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for unsafe or bad files
         raise ConvertError(f"{path}: not a PyTorch state dict that loads with weights_only=True: {e}") from None
     if key is not None:
@@ -162,7 +220,7 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
 
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, torch.Tensor):
-            _add_unique(out, prefix, _torch_to_numpy(node, prefix), path, "'.'")
+            _add_unique(out, prefix, _torch_to_numpy(node, prefix, path), path, "'.'")
         elif isinstance(node, dict):
             for k, v in node.items():
                 walk(v, f"{prefix}.{k}" if prefix else str(k))
@@ -226,11 +284,29 @@ def _pick(path: Path, state: Any, key: str) -> Any:
     return node
 
 
-def _torch_to_numpy(t: Any, key: str) -> np.ndarray:
+def _not_dense(t: Any) -> str | None:
+    """What keeps a torch tensor from having a plain array form, or ``None``."""
+    import torch
+
+    if t.is_nested:
+        return "a nested (ragged) tensor; unbind it in torch first (tensor.unbind())"
+    if t.is_meta:
+        return f"a meta tensor (shape {list(t.shape)}, {t.dtype}: no data, only a shape), nothing to convert"
+    if t.layout != torch.strided:
+        return f"a {str(t.layout).removeprefix('torch.')} tensor; make it dense in torch first (tensor.to_dense())"
+    if t.is_quantized:
+        return f"a quantized tensor ({t.qscheme()}); dequantize it in torch first (tensor.dequantize())"
+    return None
+
+
+def _torch_to_numpy(t: Any, key: str, path: Path) -> np.ndarray:
     import ml_dtypes
     import torch
 
-    t = t.detach().cpu().contiguous()
+    problem = _not_dense(t)
+    if problem:
+        raise ConvertError(f"{path}: {key}: {problem}; convert takes dense tensors with data")
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()  # lazy conj / neg bits: their values
     views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
     for name, np_name in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
         if hasattr(torch, name):
@@ -241,4 +317,4 @@ def _torch_to_numpy(t: Any, key: str) -> np.ndarray:
     try:
         return t.numpy()
     except TypeError as e:
-        raise ConvertError(f"{key}: torch dtype {t.dtype} has no safetensors equivalent here: {e}") from None
+        raise ConvertError(f"{path}: {key}: torch dtype {t.dtype} has no safetensors equivalent here: {e}") from None

@@ -18,36 +18,20 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from ..errors import OptionError
+from ..format import _units
 from ..format._header import strict_json
 from ..format._units import human_bytes
 
 __all__ = ["main"]
 
 _CHECKSUMS = "nnx_save.checksums"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "K": 10**3,
-    "KB": 10**3,
-    "M": 10**6,
-    "MB": 10**6,
-    "G": 10**9,
-    "GB": 10**9,
-    "T": 10**12,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
 
 
 class CLIError(Exception):
@@ -56,10 +40,10 @@ class CLIError(Exception):
 
 def parse_size(text: str) -> int:
     """``"5GB"`` -> 5_000_000_000, ``"200MiB"`` -> 209_715_200, ``"1000"`` -> 1000."""
-    m = _SIZE.match(text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 5GB, 200MiB, 1000000)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    try:
+        return _units.parse_size(text, "--max-shard-size")
+    except OptionError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 5GB, 200MiB, 1000000)") from None
 
 
 # ------------------------------------------------------------------- one tensor at a time
@@ -70,8 +54,10 @@ def _one(header: Any, key: str, *, verify: bool = False) -> tuple[np.ndarray, An
     import nnx_save
 
     info = header.tensors[key]
-    files = tuple(fh for fh in header.files if fh.file == info.file)
-    narrowed = dataclasses.replace(header, tensors={key: info}, files=files)
+    held = {p.info.file for p in header.pieces_of(key)}  # a pod tensor's pieces are in its shard files
+    narrowed = dataclasses.replace(
+        header, tensors={key: info}, files=tuple(fh for fh in header.files if fh.file in held)
+    )
     tree, report = nnx_save.load_file(narrowed, verify=verify, progress=False, return_report=True)
     return tree[key], report
 
@@ -220,7 +206,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
     total_verified = total_unverified = 0
     for fh in header.files:
         before = len(problems)
-        verified, unverified = _verify_file(header, fh, problems)
+        # A pod's shard file holds pieces, not the pod's tensors: its checksums are checked as the file it is.
+        verified, unverified = _verify_file(
+            nnx_save.read_header(fh.file) if header.kind == "pod" else header, fh, problems
+        )
         total_verified, total_unverified = total_verified + verified, total_unverified + unverified
         status = "OK  " if len(problems) == before else "FAIL"
         print(

@@ -13,11 +13,20 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ..errors import NotSafetensorsError
 
-__all__ = ["foreign_directory", "foreign_file", "refuse_directory", "refuse_file"]
+__all__ = [
+    "composite_advice",
+    "foreign_directory",
+    "foreign_file",
+    "refuse_directory",
+    "refuse_file",
+    "step_items",
+    "torchscript_markers",
+    "zip_members",
+]
 
 ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_PROTOCOLS = range(2, 6)  # \x80 then the protocol byte; protocols 2-5 are what torch.save writes
@@ -25,6 +34,8 @@ _PICKLE_PROTOCOLS = range(2, 6)  # \x80 then the protocol byte; protocols 2-5 ar
 _ASCII_DIGITS = re.compile(r"[0-9]+")
 _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding")
 _TENSORSTORE_MARKERS = (".zarray", "zarr.json", ".zgroup")
+_EOCD_SEARCH = 22 + 65535  # a zip's end record, then at most a 64 KiB comment
+_CD_MAX = 1 << 26  # bytes of central directory read to list an archive's members
 
 
 def _zip_first_member(read: Callable[[int, int], bytes]) -> str:
@@ -37,7 +48,67 @@ def _zip_first_member(read: Callable[[int, int], bytes]) -> str:
     return read(min(n, 512), 30).decode("utf-8", "replace")
 
 
-def foreign_file(prefix: bytes, read: Callable[[int, int], bytes]) -> str | None:
+def _u(raw: bytes, at: int, n: int) -> int:
+    return int.from_bytes(raw[at : at + n], "little")
+
+
+def _central_directory(read: Callable[[int, int], bytes], size: int) -> tuple[int, int] | None:
+    """(offset, size) of a zip's central directory, from its end record (zip64 too)."""
+    tail_at = max(0, size - _EOCD_SEARCH)
+    tail = read(size - tail_at, tail_at)
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or len(tail) - end < 22:
+        return None
+    cd_size, cd_at = _u(tail, end + 12, 4), _u(tail, end + 16, 4)
+    if 0xFFFFFFFF in (cd_size, cd_at) and end >= 20 and tail[end - 20 : end - 16] == b"PK\x06\x07":
+        record = read(56, _u(tail, end - 12, 8))  # the zip64 end record the locator points at
+        if len(record) < 56 or not record.startswith(b"PK\x06\x06"):
+            return None
+        cd_size, cd_at = _u(record, 40, 8), _u(record, 48, 8)
+    return cd_at, cd_size
+
+
+def zip_members(read: Callable[[int, int], bytes], size: int) -> Iterator[str]:
+    """Member names of a zip archive of ``size`` bytes, from its central directory
+    (names only: no member is read); nothing when the directory cannot be read."""
+    where = _central_directory(read, size)
+    if where is None or where[1] > _CD_MAX:
+        return
+    raw = read(where[1], where[0])
+    at = 0
+    while at + 46 <= len(raw) and raw.startswith(b"PK\x01\x02", at):
+        n, m, k = _u(raw, at + 28, 2), _u(raw, at + 30, 2), _u(raw, at + 32, 2)
+        yield raw[at + 46 : at + 46 + n].decode("utf-8", "replace")
+        at += 46 + n + m + k
+
+
+def _torchscript_markers(names: Iterator[str]) -> tuple[str, ...] | None:
+    for name in names:
+        parts = name.split("/")
+        if len(parts) >= 3 and parts[1] == "code":
+            return (f"{parts[0]}/code/", f"{parts[0]}/constants.pkl")
+        if len(parts) == 2 and parts[1] == "constants.pkl":
+            return (name,)
+    return None
+
+
+def torchscript_markers(read: Callable[[int, int], bytes], size: int | None) -> tuple[str, ...] | None:
+    """The members that mark a zip archive as ``torch.jit.save`` writes it (its
+    ``code/`` directory, ``constants.pkl``), or ``None`` for any other archive.
+
+    With the file's ``size`` the central directory's names decide. Without it only
+    the first member can be read (torch writes sizes after each member's data):
+    ``torch.jit.save`` writes its tensors' storages first (``ts/data/0``), where
+    ``torch.save`` always starts with ``data.pkl``."""
+    if size is not None:
+        return _torchscript_markers(zip_members(read, size))
+    parts = _zip_first_member(read).split("/")
+    if len(parts) == 3 and parts[1] == "data" and parts[2].isdecimal():
+        return (f"tensor storages ({parts[0]}/data/{parts[2]}) before {parts[0]}/data.pkl",)
+    return None
+
+
+def foreign_file(prefix: bytes, read: Callable[[int, int], bytes], size: int | None = None) -> str | None:
     """What a file is when its first bytes say it is not safetensors, else ``None``.
 
     A header size can begin with the same bytes as a pickle (640 is ``80 02 00 ..``)
@@ -47,6 +118,8 @@ def foreign_file(prefix: bytes, read: Callable[[int, int], bytes]) -> str | None
     Args:
         prefix: the file's first (up to) 8 bytes.
         read: ``read(size, offset) -> bytes`` for more of the file (zip member names).
+        size: the file's size, when known: a zip's central directory is then read
+            to tell a TorchScript archive from a ``torch.save`` one by every name.
 
     Examples:
         >>> foreign_file(b"\\x80\\x02\\x8a\\nl\\xfc\\x9cF", lambda n, o: b"") is not None
@@ -59,6 +132,9 @@ def foreign_file(prefix: bytes, read: Callable[[int, int], bytes]) -> str | None
     if not (zipped or pickled) or read(1, 8) == b"{":  # a header size only looking like a magic
         return None
     if zipped:
+        script = torchscript_markers(read, size)
+        if script is not None:
+            return f"a TorchScript archive (torch.jit.save: {', '.join(script)})"
         member = _zip_first_member(read)
         if member.rsplit("/", 1)[-1] == "data.pkl":  # torch.save: "<stem>/data.pkl" comes first
             return f"a PyTorch checkpoint (torch.save zip archive, {member})"
@@ -71,6 +147,9 @@ def foreign_file(prefix: bytes, read: Callable[[int, int], bytes]) -> str | None
 def foreign_directory(path: str | os.PathLike) -> str | None:
     """What a directory is when it is an Orbax / TensorStore checkpoint, else ``None``."""
     names = set(os.listdir(path))
+    items = step_items(path)
+    if items:
+        return f"an Orbax checkpoint step (items: {', '.join(items)})"
     for marker in _ORBAX_MARKERS:
         if marker in names:
             return f"an Orbax checkpoint directory (it holds {marker})"
@@ -94,13 +173,48 @@ def foreign_directory(path: str | os.PathLike) -> str | None:
     return None
 
 
+def step_items(path: str | os.PathLike) -> list[str]:
+    """The array items of an Orbax composite checkpoint (a store step: a
+    ``_CHECKPOINT_METADATA`` beside one directory per item, each with its own
+    ``_METADATA``), ``model`` first; ``[]`` for any other directory."""
+    names = os.listdir(path)
+    if "_CHECKPOINT_METADATA" not in names or "_METADATA" in names:
+        return []
+    items = [n for n in names if os.path.isfile(os.path.join(path, n, "_METADATA"))]
+    return sorted(items, key=lambda n: (n != "model", n))
+
+
+def _convert_item(step: str) -> str:
+    items = step_items(step)
+    item = items[0] if items else "ITEM"
+    return f"nnx-save convert {shlex.quote(os.path.join(step, item))} {shlex.quote(item + '.safetensors')}"
+
+
+def composite_advice(path: str | os.PathLike) -> str | None:
+    """For a store step or a store's root (Orbax composites: one checkpoint per
+    item), what it is and the command that converts one item; else ``None``."""
+    name = os.fspath(path)
+    what = foreign_directory(name)
+    if what is None or not ("steps" in what or "checkpoint step" in what):
+        return None
+    return f"this is {what}; {_remedy(name, what)}"
+
+
 def _remedy(path: str, what: str) -> str:
     if "steps" in what:
-        return f"convert one step's item: nnx-save convert {shlex.quote(os.path.join(path, 'STEP', 'ITEM'))} out.safetensors"
+        latest = what.split("(latest ")[1].split(")")[0]
+        return f"convert one item of a step: {_convert_item(os.path.join(path, latest))}"
+    if "checkpoint step" in what:
+        return f"convert one item of it: {_convert_item(path)}"
     if "TensorStore" in what:
         return (
             "open it with tensorstore, or save its parent Orbax checkpoint as safetensors "
             f"(nnx-save convert ORBAX_DIR {shlex.quote(_stem(path) + '.safetensors')})"
+        )
+    if "TorchScript" in what:
+        return (
+            "convert its parameters and buffers (none of its code runs): "
+            f"nnx-save convert {shlex.quote(path)} {shlex.quote(_stem(path) + '.safetensors')}"
         )
     if "npz" in what:
         return "load it with numpy.load(..., allow_pickle=False) and save it with nnx_save.save_file"

@@ -110,11 +110,13 @@ def header_size(prefix: bytes, file_size: int, *, file: str = "<bytes>") -> int:
 def unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
     """A ``json.loads`` object hook refusing a key given twice (``json.loads`` alone
     keeps the last in silence); callers say which JSON it was."""
-    out: dict[str, object] = {}
-    for key, value in pairs:
-        if key in out:
-            raise DuplicateKeyError(f"key {key!r} appears more than once")
-        out[key] = value
+    out = dict(pairs)  # in C: a manifest or index has a hundred thousand objects
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKeyError(f"key {key!r} appears more than once")
+            seen.add(key)
     return out
 
 

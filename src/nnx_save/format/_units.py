@@ -1,6 +1,14 @@
-"""Byte counts for people: one formatter for messages, the command line and progress bars."""
+"""Byte counts for people: one formatter for messages, the command line and progress
+bars, and one parser for the sizes people give (``"5GB"``, ``"200MiB"``, ``1000``)."""
 
-__all__ = ["human_bytes"]
+import re
+
+from ..errors import OptionError
+
+__all__ = ["human_bytes", "parse_size"]
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)(B?)\s*$", re.IGNORECASE)
+_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
 
 
 def human_bytes(n: float) -> str:
@@ -15,3 +23,31 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def parse_size(value: object, argument: str = "max_shard_size") -> int:
+    """A positive byte count from an int or a size string as transformers and the
+    HuggingFace hub write them: ``KB`` / ``MB`` / ``GB`` / ``TB`` are powers of 1000,
+    ``KiB`` / ``MiB`` / ``GiB`` / ``TiB`` powers of 1024 (case is ignored).
+
+    Raises:
+        OptionError: naming ``argument``, for anything else (a bool, a float, zero,
+            a negative count, an unknown unit).
+
+    Examples:
+        >>> parse_size("5GB"), parse_size("200MiB"), parse_size(1000), parse_size("1.5 KB")
+        (5000000000, 209715200, 1000, 1500)
+    """
+    n = None
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)) and (m.group(3) == "" or m.group(2)):
+        base = 1024 if m.group(3) else 1000
+        n = int(float(m.group(1)) * base ** _POWERS[m.group(2).upper()])
+    if n is None or n <= 0:
+        raise OptionError(
+            f"{argument}={value!r}: expected a positive number of bytes, an int or a size such as "
+            "'5GB', '200MiB', '100KB'",
+            argument,
+        )
+    return n

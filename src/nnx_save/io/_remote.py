@@ -39,8 +39,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from urllib.parse import urljoin, urlsplit
 
+from .. import _config
 from .._version import __version__
-from ..errors import NnxSaveError
+from ..errors import RemoteChangedError, RemoteError
 
 __all__ = [
     "FsspecReader",
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 SPECULATIVE_HEADER_BYTES = 64 << 10
-TIMEOUT_ENV, MIN_RATE_ENV = "NNX_SAVE_HTTP_TIMEOUT", "NNX_SAVE_HTTP_MIN_RATE"
+TIMEOUT_ENV, MIN_RATE_ENV = _config.HTTP_TIMEOUT.name, _config.HTTP_MIN_RATE.name
 MAX_REDIRECTS = 5
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -64,14 +65,6 @@ _VERSION_FIELDS = (
     "ETag", "etag", "generation", "VersionId", "version_id", "md5Hash", "crc32c", "checksum",
     "blob_id", "lfs", "last_commit", "LastModified", "last_modified", "updated", "mtime", "created", "ino",
 )  # fmt: skip
-
-
-class RemoteError(NnxSaveError, OSError):
-    """A remote read failed after its retries, or the server does not serve ranges."""
-
-
-class RemoteChangedError(RemoteError):
-    """The remote object changed (size or version) while it was being read."""
 
 
 def is_url(source: object) -> bool:
@@ -94,17 +87,6 @@ class RemoteStats:
             self.retries += retries
 
 
-def _positive_env(name: str, default: float) -> float:
-    value = os.environ.get(name, "")
-    try:
-        number = float(value) if value else default
-    except ValueError:
-        number = -1.0
-    if not number > 0:
-        raise RemoteError(f"{name}={value!r}: expected a positive number")
-    return number
-
-
 @dataclass(frozen=True)
 class HttpLimits:
     """How long one HTTP request may take: ``timeout_s`` plus its length at
@@ -116,7 +98,7 @@ class HttpLimits:
 
     @classmethod
     def from_env(cls) -> HttpLimits:
-        return cls(_positive_env(TIMEOUT_ENV, cls.timeout_s), _positive_env(MIN_RATE_ENV, cls.min_bytes_per_s))
+        return cls(_config.HTTP_TIMEOUT.get(), _config.HTTP_MIN_RATE.get())
 
     def seconds(self, nbytes: int) -> float:
         return self.timeout_s + nbytes / self.min_bytes_per_s

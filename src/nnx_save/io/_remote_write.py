@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import SaveError
@@ -25,7 +25,7 @@ from ..format._header import encode_header
 from ..save._write import Entry, host_bytes, order_entries
 from . import _remote
 
-__all__ = ["is_destination", "write_remote"]
+__all__ = ["filesystem", "is_destination", "put", "write_remote"]
 
 TEMP_MARK = ".nnx_save-tmp-"
 
@@ -44,19 +44,35 @@ def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str]
             tensor changed between the two passes, or the upload failed; nothing
             is left under ``url`` (a previous object there is intact).
     """
-    fs = _filesystem(url)
+    fs = filesystem(url)
     entries = order_entries(entries)
     names = [(e.key, e.code, e.shape) for e in entries]
     first = _checksum.Digests([e.key for e in entries])
     for e in entries:
         first.update(e.key, _bytes(url, e))
     head, offsets = encode_header(names, first.metadata(metadata))
-    temp = f"{url}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
-    try:
-        second = _stream(fs, temp, head, entries, offsets, url)
+
+    def stream(f: Any) -> None:
+        second = _stream(f, head, entries, offsets, url)
         if second.values != first.values:
             changed = sorted(k for k in first.values if first.values[k] != second.values[k])
             raise SaveError(f"{url}: tensors {changed} changed while they were saved; nothing was saved", url)
+
+    put(fs, url, stream)
+
+
+def put(fs: Any, url: str, write: Callable[[Any], None]) -> None:
+    """``write(f)`` into a temporary object beside ``url``, moved under ``url`` only
+    once complete; on any failure the temporary object is removed.
+
+    Raises:
+        SaveError: ``write`` or the upload failed (naming ``url``); a previous object
+            there is intact.
+    """
+    temp = f"{url}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
+    try:
+        with fs.open(temp, "wb") as f:
+            write(f)
         fs.mv(temp, url)
     except BaseException as error:
         with contextlib.suppress(Exception):
@@ -68,20 +84,19 @@ def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str]
         ) from error
 
 
-def _stream(fs: Any, temp: str, head: bytes, entries: Sequence[Entry], offsets: Any, url: str) -> _checksum.Digests:
-    """Write the object at ``temp``; return the digests of what was written."""
+def _stream(f: Any, head: bytes, entries: Sequence[Entry], offsets: Any, url: str) -> _checksum.Digests:
+    """Write the object to ``f``; return the digests of what was written."""
     digests = _checksum.Digests([e.key for e in entries])
-    with fs.open(temp, "wb") as f:
-        f.write(head)
-        for e, (begin, end) in zip(entries, offsets, strict=True):
-            data = _bytes(url, e)
-            if len(data) != end - begin:
-                raise SaveError(
-                    f"{url}: tensor {e.key!r} gave {len(data)} bytes, its header says {end - begin}", url, e.key
-                )
-            digests.update(e.key, data)
-            f.write(data)
-            del data
+    f.write(head)
+    for e, (begin, end) in zip(entries, offsets, strict=True):
+        data = _bytes(url, e)
+        if len(data) != end - begin:
+            raise SaveError(
+                f"{url}: tensor {e.key!r} gave {len(data)} bytes, its header says {end - begin}", url, e.key
+            )
+        digests.update(e.key, data)
+        f.write(data)
+        del data
     return digests
 
 
@@ -89,7 +104,7 @@ def _bytes(url: str, e: Entry) -> memoryview:
     return host_bytes(e.value(), e.code)
 
 
-def _filesystem(url: str) -> Any:
+def filesystem(url: str) -> Any:
     """The fsspec filesystem for ``url``'s scheme, after the checks that need no I/O."""
     import jax
 

@@ -1,26 +1,54 @@
 """HuggingFace multi-file checkpoints: ``model-0000i-of-0000n.safetensors`` files
-plus ``model.safetensors.index.json`` (``metadata.total_size`` and ``weight_map``).
+plus ``model.safetensors.index.json`` (``metadata.total_size`` and ``weight_map``),
+in a local directory or at an fsspec URL (``s3://``, ``memory://`` ...).
 
-Every file is first written complete and fsynced under a temporary name; only then
-are they renamed into place, the index last. A failure while writing (a full disk,
-an error in a value) leaves the previous checkpoint exactly as it was and no
-temporary file. A crash during the final renames (no data is written then) can
-leave some files new and some old; a reader never sees an index naming a file that
-is not complete.
+Written under the one commit rule. The data files come first, each complete under
+a name no committed file has: the HuggingFace names when they are free, otherwise
+the same names with the save id before the extension
+(``model-00001-of-00002.1a2b3c4d.safetensors``). Then the index, replaced
+atomically, commits the save; only after that are the previous version's files (and
+a pod layout's manifest and shard files, in a directory saved over a pod) removed.
+A failure before the commit (a full disk, an error in a value) removes this save's
+files and leaves the previous checkpoint exactly as it was; a crash leaves it
+loadable. The save id is recorded in the index's ``metadata`` and in every file's
+``__metadata__``, so a reader can tell a mix of two saves (see
+:mod:`~nnx_save.layouts._versions`). transformers reads the result as its own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
+from ..errors import IndexFileError
 from ..format import _dtypes
-from ..save._write import Entry, _write_all, atomic_file, commit_staged, discard_staged, order_entries, write_file
-from ._sources import INDEX_NAME
+from ..format._units import parse_size
+from ..io import _remote_write
+from ..save._collective import Outcome, Sync, write_collective
+from ..save._write import (
+    TMP_MARKER,
+    Entry,
+    _write_all,
+    atomic_file,
+    commit_staged,
+    discard_staged,
+    order_entries,
+    remove_stale_temps,
+    write_file,
+)
+from . import _pod
+from ._index import INDEX_NAME, parse_index
+from ._versions import SAVE_ID_KEY, new_save_id
 
 __all__ = ["shard_groups", "write_sharded"]
+
+log = logging.getLogger("nnx_save")
 
 
 def _nbytes(e: Entry) -> int:
@@ -30,16 +58,15 @@ def _nbytes(e: Entry) -> int:
     return _dtypes.nbytes_for(_dtypes.DTYPES[e.code], n)
 
 
-def shard_groups(entries: Sequence[Entry], max_shard_size: int) -> list[list[Entry]]:
+def shard_groups(entries: Sequence[Entry], max_shard_size: int | str) -> list[list[Entry]]:
     """Pack entries in order into groups of at most ``max_shard_size`` bytes (a
     tensor larger than the limit gets a file of its own, as transformers does)."""
-    if max_shard_size <= 0:
-        raise ValueError(f"max_shard_size must be positive, got {max_shard_size}")
+    limit = parse_size(max_shard_size)
     groups: list[list[Entry]] = [[]]
     size = 0
     for e in entries:
         n = _nbytes(e)
-        if groups[-1] and size + n > max_shard_size:
+        if groups[-1] and size + n > limit:
             groups.append([])
             size = 0
         groups[-1].append(e)
@@ -47,33 +74,158 @@ def shard_groups(entries: Sequence[Entry], max_shard_size: int) -> list[list[Ent
     return groups
 
 
+def _names(count: int, prefix: str, taken: set[str], save_id: str) -> list[str]:
+    """The files' names: HuggingFace's when none is taken, else with the save id."""
+    stems = [prefix] if count == 1 else [f"{prefix}-{i:05d}-of-{count:05d}" for i in range(1, count + 1)]
+    plain = [f"{s}.safetensors" for s in stems]
+    return plain if taken.isdisjoint(plain) else [f"{s}.{save_id}.safetensors" for s in stems]
+
+
+class _Local:
+    """A local directory as the target of a multi-file save."""
+
+    def __init__(self, directory: str | os.PathLike) -> None:
+        self.root = Path(directory)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.index = self.root / INDEX_NAME
+        self.staged: list[tuple[Path, Path]] = []  # complete data files, renamed together
+
+    def listing(self) -> set[str]:
+        return set(os.listdir(self.root))
+
+    def read_index(self) -> bytes:
+        return self.index.read_bytes()
+
+    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str]) -> None:
+        write_file(self.root / name, entries, meta, staged=self.staged)
+
+    def commit_index(self, data: bytes) -> None:
+        commit_staged(self.staged)  # fresh names: one directory fsync for them all, before the index
+        with atomic_file(self.index) as fd:
+            _write_all(fd, memoryview(data))
+
+    def discard(self) -> None:
+        discard_staged(self.staged)
+
+    def remove(self, name: str) -> None:
+        try:
+            os.unlink(self.root / name)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # after the commit a leftover file only costs disk space
+            log.warning("%s: could not remove %s (%s)", self.root, name, e.strerror)
+
+
+class _Remote:
+    """An fsspec URL (a "directory" of objects) as the target of a multi-file save."""
+
+    def __init__(self, url: str) -> None:
+        self.root = url.rstrip("/")
+        self.fs = _remote_write.filesystem(self.root)
+        self.index = f"{self.root}/{INDEX_NAME}"
+
+    def listing(self) -> set[str]:
+        try:
+            return {str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)}
+        except FileNotFoundError:
+            return set()
+
+    def read_index(self) -> bytes:
+        return self.fs.cat(self.index)
+
+    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str]) -> None:
+        _remote_write.write_remote(f"{self.root}/{name}", entries, meta)
+
+    def commit_index(self, data: bytes) -> None:
+        _remote_write.put(self.fs, self.index, lambda f: f.write(data))
+
+    def discard(self) -> None:
+        """Nothing staged: each object is moved into place once complete."""
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(Exception):
+            self.fs.rm(f"{self.root}/{name}")
+
+
+def _committed_files(target: _Local | _Remote) -> set[str]:
+    """The plain file names the committed index names (none: no readable index)."""
+    try:
+        weight_map, _ = parse_index(target.read_index(), str(target.index))
+    except (OSError, IndexFileError):
+        return set()
+    return {n for n in weight_map.values() if "/" not in n and "\\" not in n and not n.startswith(".")}
+
+
 def write_sharded(
     directory: str | os.PathLike,
     entries: Sequence[Entry],
     metadata: Mapping[str, str] | None,
-    max_shard_size: int,
+    max_shard_size: int | str,
     *,
     prefix: str = "model",
-) -> Path:
-    """Write ``entries`` as a HuggingFace multi-file checkpoint in ``directory``."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
+) -> Any:
+    """Write ``entries`` as a HuggingFace multi-file checkpoint in ``directory`` (a
+    path or an fsspec URL); returns the index's path (a URL stays a ``str``).
+
+    Raises:
+        SaveError: a file or the index could not be written; the previous
+            checkpoint there is intact and this save's files are removed.
+        OptionError: ``max_shard_size`` is not a size.
+    """
     groups = shard_groups(order_entries(entries), max_shard_size)
-    weight_map: dict[str, str] = {}
-    staged: list = []
+    target = _Remote(str(directory)) if _remote_write.is_destination(directory) else _Local(directory)
+    sync = Sync.open(Path(str(directory)), "multi-file save", "the previous checkpoint there, if any, is intact")
+
+    def plan() -> dict[str, Any]:
+        save_id, previous = new_save_id(), _committed_files(target)
+        names = _names(len(groups), prefix, previous | target.listing(), save_id)
+        return {"id": save_id, "previous": sorted(previous), "names": names}
+
+    agreed = _on_primary(sync, "plan", plan)
+    names, previous, meta = agreed["names"], set(agreed["previous"]), {**(metadata or {}), SAVE_ID_KEY: agreed["id"]}
+    index = {
+        "metadata": {"total_size": sum(_nbytes(e) for e in entries), SAVE_ID_KEY: agreed["id"]},
+        "weight_map": dict(sorted((e.key, name) for name, group in zip(names, groups, strict=True) for e in group)),
+    }
+    written: list[str] = []
     try:
-        for i, group in enumerate(groups, 1):
-            name = f"{prefix}.safetensors" if len(groups) == 1 else f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors"
-            write_file(directory / name, group, metadata, staged=staged)
-            weight_map.update({e.key: name for e in group})
-        index = {
-            "metadata": {"total_size": sum(_nbytes(e) for e in entries)},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        with atomic_file(directory / f"{prefix}.safetensors.index.json", staged=staged) as fd:
-            _write_all(fd, memoryview(json.dumps(index, indent=2).encode() + b"\n"))
+        for name, group in zip(names, groups, strict=True):
+            if sync.n == 1:
+                target.write_shard(name, group, meta)
+            else:  # every process writes its shards of the file's tensors
+                write_collective(Path(target.root) / name, group, meta)
+            written.append(name)
+        _on_primary(sync, "index", lambda: target.commit_index(json.dumps(index, indent=2).encode() + b"\n"))
     except BaseException:
-        discard_staged(staged)
+        target.discard()
+        for name in written if sync.pid == 0 else ():
+            target.remove(name)
         raise
-    commit_staged(staged)  # the index last
-    return directory / INDEX_NAME
+    if sync.pid == 0:
+        _remove_superseded(target, previous, set(names), prefix)
+    return target.index
+
+
+def _on_primary(sync: Sync, stage: str, work: Callable[[], Any]) -> Any:
+    """``work()`` on the primary; its result (or the same :class:`SaveError`) on every process."""
+    if sync.n == 1:
+        return work()
+    return sync.step(stage, Outcome.of(work) if sync.pid == 0 else None, only=0)[0]
+
+
+def _remove_superseded(target: _Local | _Remote, previous: set[str], keep: set[str], prefix: str) -> None:
+    """After the commit: the previous version's files, files of interrupted saves
+    (this layout's names, the index does not name them; their temporary files when
+    their process is dead), and a pod layout's manifest (first) and shard files."""
+    ours = re.compile(rf"{re.escape(prefix)}(-\d{{5}}-of-\d{{5}})?(\.[0-9a-f]{{8}})?\.safetensors")
+    listing = target.listing()
+    stale = (previous | {n for n in listing if ours.fullmatch(n)}) - keep
+    if isinstance(target, _Local):
+        for name in listing:  # ".<file>.nnx_save-tmp-<host>-<pid>-<random>"
+            if TMP_MARKER in name and ours.fullmatch(name[1 : name.index(TMP_MARKER)]):
+                remove_stale_temps(target.root / name[1 : name.index(TMP_MARKER)])
+        if _pod.MANIFEST in listing:
+            stale |= {n for n in listing if _pod.SHARD_FILE.match(n)}
+            target.remove(_pod.MANIFEST)
+    for name in sorted(stale):
+        target.remove(name)

@@ -1,5 +1,6 @@
 """The pod layout: one shard file per process and a manifest, for saves that
-should not funnel a whole model through one file.
+should not funnel a whole model through one file. Its format, reading and
+writing live here.
 
 A pod directory holds::
 
@@ -11,22 +12,23 @@ Each shard file is a standard safetensors file (validated header, checksums): it
 tensors are *pieces*, each one box of a global tensor (``embed[0:32,0:64]``), or a
 whole tensor. A process writes every distinct box its own devices hold (for arrays
 split across processes) and every value it holds whole (host arrays, scalars), so
-a load on the same process layout reads only its own file. The shard file's header
-is the process's sidecar: after every process has written its file, the primary
-merges the piece lists into ``manifest.json`` (written last, atomically) and removes
-shard files of earlier saves. The ``<token>`` is new for every save, so a crash
-leaves the previous manifest and the files it names intact.
+a load on the same process layout reads only its own file.
 
-Saving shares the multi-process writer's step protocol
-(:class:`~nnx_save.save._collective.Sync`, structured JSON outcomes): agree on the tensors,
-take the primary's save token, write and post the piece lists, let the primary commit
-the manifest; any failure raises the same :class:`SaveError` on every process.
+Reading (:class:`PodLayout`): the manifest is validated before any byte is read
+(JSON without a repeated key; for every tensor its pieces lie inside the shape, are
+pairwise disjoint, a box listed by several processes being one replicated piece,
+and cover it exactly: :func:`check_tiling`), then the header of every shard file
+present. The one loading engine fills each box a target sharding needs from the
+pieces it overlaps, this process's own file first; a needed piece in a file that
+is not there (a host-local disk) is an error naming that file.
 
-Loading is the one loading engine's: the manifest (read and validated by
-:mod:`nnx_save.layouts._pieces`, its pieces checked to tile every tensor) says which pieces
-of which shard files make each tensor; each box a target sharding needs is filled
-in place from the pieces it overlaps, this process's own file first; a needed
-piece in a file that is not there (a host-local disk) is an error naming that file.
+Writing (:func:`write_pod`) shares the multi-process writer's step protocol
+(:class:`~nnx_save.save._collective.Sync`, structured JSON outcomes): agree on the
+tensors, take the primary's save token, write and post the piece lists, let the
+primary commit the manifest (written last, looping until complete, atomically) and
+only then remove shard files of earlier saves. The ``<token>`` is new for every
+save, so a crash or a full disk leaves the previous manifest and the files it
+names intact; any failure raises the same :class:`SaveError` on every process.
 
 ``manifest.json``::
 
@@ -41,28 +43,323 @@ piece in a file that is not there (a host-local disk) is an error naming that fi
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import math
 import os
+import re
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _nnx
-from .._pytree import flatten, leaf_entry
-from ..errors import SaveError
-from ..format import _dtypes, _paths
-from ..format._header import encode_header
+from .. import _progress
+from ..errors import HeaderError, PieceLayoutError, SaveError, short_repr
+from ..format import _dtypes
+from ..format._header import FileHeader, TensorInfo, encode_header
+from ..io import _files
+from ..save import _background
 from ..save._collective import Outcome, Sync, agree
 from ..save._stage import HostValue, spans_processes
-from ..save._write import Entry, atomic_file, order_entries, write_file
-from ._pieces import FORMAT as POD_FORMAT
-from ._pieces import MANIFEST, VERSION, Box
-from ._pieces import SHARD_FILE as _SHARD
+from ..save._write import Entry, _write_all, atomic_file, order_entries, write_file
+from ._file import read_file_header
+from ._index import MAX_INDEX_BYTES
+from ._layout import Header, LocalFiles, load_record
+from ._pieces import Box, Piece, whole
 
-__all__ = ["MANIFEST", "save_pod"]
+__all__ = ["FORMAT", "MANIFEST", "SHARD_FILE", "VERSION", "Manifest", "PodLayout", "check_tiling", "write_pod"]
+
+MANIFEST = "manifest.json"
+FORMAT = "nnx_save.pod"
+VERSION = 1
+SHARD_FILE = re.compile(r"^shard_(\d{5})-of-(\d{5})\.([0-9a-f]{8})\.safetensors$")
+# The overlap check paints the grid the pieces' edges cut a tensor into; pieces
+# that cut it into more cells than this (an irregular layout no save makes) are
+# checked pairwise up to MAX_PAIRWISE_PIECES, and refused beyond.
+MAX_GRID_CELLS = 1 << 22
+MAX_PAIRWISE_PIECES = 2048
+
+
+# --------------------------------------------------------------------------- tiling
+
+
+def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], where: str) -> None:
+    """Refuse unless the distinct ``boxes`` lie inside ``shape``, are pairwise
+    disjoint and cover it exactly. O(n log n) in the boxes of a regular grid.
+
+    Raises:
+        PieceLayoutError: naming ``key`` and the offending boxes.
+
+    Examples:
+        >>> check_tiling("w", (8,), [((0, 4),), ((4, 8),), ((0, 4),)], "m.json")  # a replica: fine
+        >>> check_tiling("w", (8,), [((0, 6),), ((1, 3),)], "m.json")
+        Traceback (most recent call last):
+        ...
+        nnx_save.errors.PieceLayoutError: m.json: tensor 'w': pieces [[0, 6]] and [[1, 3]] overlap
+    """
+    distinct = list(dict.fromkeys(boxes))
+    for box in distinct:
+        if len(box) != len(shape):
+            raise _outside(key, box, shape, where)
+    try:
+        arr = np.array(distinct, np.int64).reshape(len(distinct), len(shape), 2)
+        np.array(shape, np.int64)
+    except OverflowError:
+        raise PieceLayoutError(f"{where}: tensor {key!r}: a shape or piece coordinate exceeds 2**63 - 1") from None
+    lo, hi = arr[..., 0], arr[..., 1]
+    inside = ((lo >= 0) & (lo <= hi) & (hi <= np.array(shape, np.int64))).all(1)
+    if not inside.all():
+        raise _outside(key, distinct[int(np.argmin(inside))], shape, where)
+    keep = (lo < hi).all(1)
+    nonempty = arr[keep]
+    if shape and len(nonempty) > 1:
+        pair = _overlap(nonempty, key, where)
+        if pair is not None:
+            i, j = pair
+            raise PieceLayoutError(
+                f"{where}: tensor {key!r}: pieces {_show(nonempty[i].tolist())} and {_show(nonempty[j].tolist())} overlap"
+            )
+    covered, total = sum(map(math.prod, (nonempty[:, :, 1] - nonempty[:, :, 0]).tolist())), math.prod(shape)
+    if covered != total or (not shape and not distinct):
+        raise PieceLayoutError(
+            f"{where}: tensor {key!r}: pieces {[_show(b) for b in distinct][:8]} cover {covered} of the "
+            f"{total} elements of shape {list(shape)}"
+        )
+
+
+def _outside(key: str, box: Box, shape: tuple[int, ...], where: str) -> PieceLayoutError:
+    return PieceLayoutError(f"{where}: tensor {key!r}: piece {_show(box)} does not lie inside shape {list(shape)}")
+
+
+def _overlap(boxes: np.ndarray, key: str, where: str) -> tuple[int, int] | None:
+    """``(i, j)``, ``i < j``, of distinct non-empty ``boxes`` (``[n, rank, 2]``) that
+    share an element: the first ``j`` overlapping an earlier box, and the first such
+    ``i``; or ``None``.
+
+    The edges of all boxes cut the tensor into a grid of cells, and each box is a
+    block of cells. Distinct boxes of one cell each (every regular sharding) cannot
+    overlap; otherwise the boxes are painted on the grid in order.
+    """
+    cuts = [np.unique(boxes[:, k, :]) for k in range(boxes.shape[1])]
+    cells = [(np.searchsorted(c, boxes[:, k, 0]), np.searchsorted(c, boxes[:, k, 1])) for k, c in enumerate(cuts)]
+    if all(bool((hi - lo == 1).all()) for lo, hi in cells):
+        return None
+    if math.prod(len(c) - 1 for c in cuts) <= MAX_GRID_CELLS:
+        return _paint(cells, tuple(len(c) - 1 for c in cuts))
+    if len(boxes) <= MAX_PAIRWISE_PIECES:
+        return _pairwise(boxes[:, :, 0], boxes[:, :, 1])
+    raise PieceLayoutError(
+        f"{where}: tensor {key!r}: {len(boxes)} pieces of irregular sizes (more than {MAX_PAIRWISE_PIECES}, cutting "
+        f"it into more than {MAX_GRID_CELLS} cells); save it again with save_pod, whose pieces form a regular grid"
+    )
+
+
+def _paint(cells: list[tuple[np.ndarray, np.ndarray]], grid_shape: tuple[int, ...]) -> tuple[int, int] | None:
+    # Until the first overlap every cell is painted once, so this costs at most the grid.
+    grid = np.full(grid_shape, -1, np.int32)
+    for j in range(len(cells[0][0])):
+        block = grid[tuple(slice(int(lo[j]), int(hi[j])) for lo, hi in cells)]
+        earlier = block[block >= 0]
+        if earlier.size:
+            return int(earlier.min()), j
+        block[...] = j
+    return None
+
+
+def _pairwise(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
+    share = (np.maximum(lo[:, None], lo[None]) < np.minimum(hi[:, None], hi[None])).all(-1)
+    hit = np.argwhere(np.triu(share, 1).T)  # rows: (j, i) with i < j, in order of j
+    return (int(hit[0][1]), int(hit[0][0])) if len(hit) else None
+
+
+def _show(box: Box) -> list[list[int]]:
+    return [[lo, hi] for lo, hi in box]
+
+
+# --------------------------------------------------------------------------- manifests
+
+
+class ManifestPiece(NamedTuple):  # a tuple: a manifest may list a hundred thousand
+    file: str
+    name: str
+    box: Box
+    process: int
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A validated ``manifest.json``: each tensor's dtype, shape and pieces (by file name)."""
+
+    where: Path
+    tensors: Mapping[str, tuple[_dtypes.DtypeInfo, tuple[int, ...], tuple[ManifestPiece, ...]]]
+    metadata: Mapping[str, str]
+    num_processes: int
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({p.file for _, _, pieces in self.tensors.values() for p in pieces})
+
+
+def _fail(where: Path, message: str) -> PieceLayoutError:
+    return PieceLayoutError(f"{where}: {message}")
+
+
+def _load_json(raw: bytes, where: Path) -> dict:
+    obj = load_record(raw, where, "manifest", HeaderError)
+    if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+        raise HeaderError(f'{where}: not an nnx_save pod manifest (expected "format": "{FORMAT}")')
+    if obj.get("version") != VERSION:
+        raise HeaderError(
+            f"{where}: pod manifest version {obj.get('version')!r}; this nnx_save reads version {VERSION}"
+        )
+    if not isinstance(obj.get("tensors"), dict) or not isinstance(obj.get("num_processes"), int):
+        raise HeaderError(f'{where}: the manifest needs "tensors" (an object) and "num_processes" (an integer)')
+    meta = obj.get("metadata") or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise HeaderError(f'{where}: "metadata" must map strings to strings')
+    return obj
+
+
+def _box(raw: Any, rank: int, key: str, where: Path) -> Box:
+    ok = (
+        isinstance(raw, list)
+        and len(raw) == rank
+        and all(isinstance(b, list) and len(b) == 2 and all(type(x) is int for x in b) for b in raw)
+    )
+    if not ok:
+        raise _fail(
+            where, f"tensor {key!r}: piece box {short_repr(raw, 80)} must be {rank} [start, stop) integer pairs"
+        )
+    return tuple((lo, hi) for lo, hi in raw)
+
+
+def _piece(raw: Any, rank: int, key: str, where: Path) -> ManifestPiece:
+    if not isinstance(raw, dict):
+        raise _fail(where, f"tensor {key!r}: piece {short_repr(raw, 80)} must be an object with file, name and box")
+    name, file, process = raw.get("name"), raw.get("file"), raw.get("process")
+    if not isinstance(file, str) or not SHARD_FILE.match(file) or not isinstance(name, str):
+        raise _fail(
+            where, f"tensor {key!r}: piece {short_repr(raw, 80)} must name a shard_*.safetensors file and a tensor"
+        )
+    return ManifestPiece(file, name, _box(raw.get("box"), rank, key, where), process if type(process) is int else -1)
+
+
+def _listed(raw: list, rank: int, no_bools: bool) -> tuple[ManifestPiece, ...] | None:
+    """The pieces ``raw`` lists, checked in bulk, or ``None`` if any is malformed
+    (:func:`_piece` then names it). ``no_bools``: the manifest has no JSON ``true``
+    or ``false`` anywhere, so numpy cannot have read one of them as an integer."""
+    if not raw or not rank or not no_bools or any(type(p) is not dict for p in raw):
+        return None
+    files, names = [p.get("file") for p in raw], [p.get("name") for p in raw]
+    try:
+        boxes = np.array([p.get("box") for p in raw])
+    except ValueError:  # ragged
+        return None
+    if boxes.shape != (len(raw), rank, 2) or boxes.dtype != np.int64 or {*map(type, names)} != {str}:
+        return None
+    if {*map(type, files)} != {str} or not all(SHARD_FILE.match(f) for f in set(files)):
+        return None
+    procs = [x if type(x) is int else -1 for x in (p.get("process") for p in raw)]
+    return tuple(map(ManifestPiece, files, names, (tuple(map(tuple, b)) for b in boxes.tolist()), procs))
+
+
+def _tensor(key: str, spec: Any, where: Path, no_bools: bool):
+    if not isinstance(spec, dict) or not isinstance(spec.get("pieces"), list):
+        raise _fail(where, f'tensor {key!r}: expected an object with "dtype", "shape" and "pieces"')
+    dtype = _dtypes.from_code(spec.get("dtype"), key)
+    shape = spec.get("shape")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _fail(where, f"tensor {key!r}: shape must be a list of non-negative integers")
+    shape = tuple(shape)
+    pieces = _listed(spec["pieces"], len(shape), no_bools)
+    if pieces is None:  # something is off: find and name it, one piece at a time
+        pieces = tuple(_piece(raw, len(shape), key, where) for raw in spec["pieces"])
+    check_tiling(key, shape, [p.box for p in pieces], str(where))
+    if not dtype.byte_aligned and any(p.box != whole(shape) for p in pieces):
+        raise _fail(where, f"tensor {key!r}: a {dtype.code} tensor packs several elements per byte; it must be whole")
+    return dtype, shape, pieces
+
+
+def parse_manifest(raw: bytes, where: Path) -> Manifest:
+    """Validate the bytes of ``manifest.json`` read from ``where`` (JSON without a
+    repeated key, pieces tiling every tensor); reads no file."""
+    obj = _load_json(raw, where)
+    no_bools = b"true" not in raw and b"false" not in raw  # then every integer json gave is an int
+    tensors = {key: _tensor(key, spec, where, no_bools) for key, spec in obj["tensors"].items()}
+    return Manifest(where, tensors, dict(obj.get("metadata") or {}), obj["num_processes"])
+
+
+def pod_tensors(
+    manifest: Manifest, files: Mapping[str, FileHeader | None]
+) -> tuple[dict[str, TensorInfo], dict[str, tuple[Piece, ...]]]:
+    """Global tensors (whose ``file`` is the manifest) and their pieces in the shard
+    files present (``files[name]`` is ``None`` for a shard file that is not there)."""
+    where, tensors, pieces = manifest.where, {}, {}
+    for key, (dtype, shape, listed) in manifest.tensors.items():
+        found = []
+        for p in listed:
+            fh = files[p.file]
+            if fh is None:
+                continue
+            info = fh.tensors.get(p.name)
+            extents = tuple(hi - lo for lo, hi in p.box)
+            if info is None or info.dtype.code != dtype.code or info.shape != extents:
+                held = "nothing" if info is None else f"{info.dtype.code} {list(info.shape)}"
+                raise _fail(
+                    where,
+                    f"tensor {key!r}: piece {p.name!r} should be {dtype.code} {list(extents)} in {p.file}, "
+                    f"which holds {held}",
+                )
+            found.append(Piece(p.box, info, p.process))
+        nbytes = _dtypes.nbytes_for(dtype, math.prod(shape))
+        tensors[key] = TensorInfo(key, dtype, shape, 0, nbytes, str(where))
+        pieces[key] = tuple(found)
+    return tensors, pieces
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class PodFiles(LocalFiles):
+    """A pod's shard files: each tensor is the pieces its manifest lists in the
+    files present."""
+
+    def __init__(self, processes: int) -> None:
+        super().__init__()
+        self.processes = processes
+        self.pieces: dict[str, tuple[Piece, ...]] = {}
+
+    def pieces_of(self, key: str, info: TensorInfo) -> tuple[Piece, ...]:
+        return self.pieces[key]
+
+
+class PodLayout:
+    """A directory with a ``manifest.json`` (its format is checked when read)."""
+
+    name = "pod"
+
+    def claims(self, path: Path) -> bool:
+        return os.path.lexists(path / MANIFEST)
+
+    def read(self, path: Path) -> Header:
+        """The validated manifest, and the header of every shard file present (a
+        shard file that is not there is only an error if a load needs it)."""
+        where = path / MANIFEST
+        manifest = parse_manifest(_files.read_capped(os.fspath(where), "manifest", MAX_INDEX_BYTES, HeaderError), where)
+        placement = PodFiles(manifest.num_processes)
+        files = {
+            f: read_file_header(path / f, placement.pinned) if (path / f).is_file() else None for f in manifest.files
+        }
+        tensors, placement.pieces = pod_tensors(manifest, files)
+        placement.missing = tuple(sorted(f for f, fh in files.items() if fh is None))
+        present = tuple(fh for _, fh in sorted(files.items()) if fh is not None)
+        return Header(tensors, dict(manifest.metadata), present, "pod", placement)
+
+
+# --------------------------------------------------------------------------- writing
 
 
 def _shard_name(p: int, n: int, token: str) -> str:
@@ -70,7 +367,7 @@ def _shard_name(p: int, n: int, token: str) -> str:
 
 
 def _piece_name(key: str, box: Box, shape: tuple[int, ...]) -> str:
-    if box == tuple((0, d) for d in shape):
+    if box == whole(shape):
         return key
     return f"{key}[{','.join(f'{lo}:{hi}' for lo, hi in box)}]"
 
@@ -88,9 +385,8 @@ def _describe_sharding(array: Any) -> str:
 def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
     """This process's pieces of one entry: ``(sharding text, [(box, host value thunk)])``."""
     array = e.value.array if isinstance(e.value, HostValue) else None
-    whole = tuple((0, d) for d in e.shape)
     if array is None or not spans_processes(array):
-        return _describe_sharding(array), [(whole, e.value)]
+        return _describe_sharding(array), [(whole(e.shape), e.value)]
     if not _dtypes.DTYPES[e.code].byte_aligned:
         raise SaveError(
             f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be saved "
@@ -100,7 +396,7 @@ def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
     boxes: dict[Box, Any] = {}
     for shard in array.addressable_shards:  # every distinct box held here, whatever its replica
         box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
-        boxes.setdefault(box, lambda data=shard.data: np.asarray(data))
+        boxes.setdefault(box, HostValue(shard.data))  # staged and snapshotted like any array
     return _describe_sharding(array), sorted(boxes.items())
 
 
@@ -116,81 +412,59 @@ def _local_entries(entries: Sequence[Entry]) -> tuple[list[Entry], list[list[Any
     return out, listing, shardings
 
 
-def _entries(tree_or_model: Any, metadata: Mapping[str, str] | None, filter: Any) -> tuple[list[Entry], dict]:
-    if _nnx.is_model(tree_or_model):
-        entries, rng, scalars = _nnx.model_entries(tree_or_model, filter)
-        return entries, _nnx.model_metadata(metadata, rng, scalars)
-    pairs, _ = flatten(tree_or_model)
-    _paths.check_unique(p for p, _ in pairs)
-    return [leaf_entry(p, v) for p, v in pairs], dict(metadata or {})
-
-
-def save_pod(
-    tree_or_model: Any,
+def write_pod(
     directory: str | os.PathLike,
+    entries: Sequence[Entry],
+    metadata: Mapping[str, str],
     *,
-    metadata: Mapping[str, str] | None = None,
-    filter: Any = ...,
-) -> Path:
-    """Save a pytree of arrays or an NNX model as a pod directory: one shard file per
-    process and a ``manifest.json``.
-
-    Call it on every process (with the same tree: global shapes). Each process writes
-    only its own file, with every distinct box its devices hold; nothing is gathered.
-    The manifest is written last, atomically, so a crash leaves the previous save
-    readable. :func:`~nnx_save.load_file` and :func:`~nnx_save.load_model` read the
-    directory on any process layout.
-
-    Args:
-        tree_or_model: a pytree of jax / numpy arrays, or an NNX object.
-        directory: the pod directory (created if needed; must be shared by all processes).
-        metadata: string -> string pairs for the manifest and every shard file.
-        filter: an NNX filter, for a model (``nnx.Param``: parameters only).
-
-    Returns:
-        The path of ``manifest.json``.
-
-    Raises:
-        SaveError: a process failed or did not arrive in time; the previous pod
-            directory content is intact.
-
-    Examples:
-        >>> import numpy as np, nnx_save, tempfile
-        >>> d = tempfile.mkdtemp()
-        >>> _ = nnx_save.save_pod({"w": np.arange(4, dtype=np.float32)}, d)
-        >>> nnx_save.load_file(d)["w"]
-        array([0., 1., 2., 3.], dtype=float32)
-    """
+    progress: bool | None = None,
+    blocking: bool = True,
+) -> Path | _background.SaveHandle:
+    """Write ``entries`` (global tensors) as a pod directory from every process:
+    see :func:`nnx_save.save_pod`. This process's pieces are taken now; with
+    ``blocking=False`` they are snapshotted and written in the background, like
+    ``save_file``'s, and a :class:`~nnx_save.SaveHandle` is returned."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    entries, meta = _entries(tree_or_model, metadata, filter)
     entries = order_entries(entries)
+    local, listing, shardings = _local_entries(entries)
+    names = [(e.key, e.code, e.shape) for e in entries]
+    posted = {"pieces": listing, "shardings": shardings}
+    write = functools.partial(_write, names=names, meta=dict(metadata), posted=posted)
+    with _progress.saving(progress):
+        handle = _background.save(directory, local, write, blocking=blocking)
+    return directory / MANIFEST if handle is None else handle
+
+
+def _write(
+    path: str | os.PathLike, local: Sequence[Entry], *, names: list, meta: dict[str, str], posted: dict[str, Any]
+) -> None:
+    """Every process: agree, write this process's shard file, let the primary commit."""
+    directory = Path(path)
     sync = Sync.open(directory, what="pod save", intact="the previous save in it, if any, is intact")
     if sync.n > 1:
-        head, offsets = encode_header([(e.key, e.code, e.shape) for e in entries], meta)
-        agree(sync, head, len(entries), offsets[-1][1] if offsets else 0)
+        head, offsets = encode_header(names, meta)
+        agree(sync, head, len(names), offsets[-1][1] if offsets else 0)
     token = sync.step("token", Outcome(True, secrets.token_hex(4)) if sync.pid == 0 else None, only=0)[0]
     mine = directory / _shard_name(sync.pid, sync.n, token)
 
     def write_mine() -> dict[str, Any]:
-        local, listing, shardings = _local_entries(entries)
         write_file(mine, local, meta)
-        return {"pieces": listing, "shardings": shardings}
+        return posted
 
     try:
-        posted = sync.step("pieces", Outcome.of(write_mine))
-        committed = _commit(directory, entries, meta, posted, sync.n, token) if sync.pid == 0 else None
+        pieces = sync.step("pieces", Outcome.of(write_mine))
+        committed = _commit(directory, names, meta, pieces, sync.n, token) if sync.pid == 0 else None
         sync.step("commit", committed, only=0)
     except SaveError:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(mine)
         raise
-    return directory / MANIFEST
 
 
 def _commit(
     directory: Path,
-    entries: Sequence[Entry],
+    names: Sequence[tuple[str, str, tuple[int, ...]]],
     meta: Mapping[str, str],
     posted: Mapping[int, dict[str, Any]],
     n: int,
@@ -199,26 +473,27 @@ def _commit(
     """Primary: merge the piece lists into the manifest, write it, drop stale shard files."""
     shardings = posted[0]["shardings"]  # the same on every process: they agreed on the tensors
     tensors: dict[str, dict[str, Any]] = {
-        e.key: {"dtype": e.code, "shape": list(e.shape), "sharding": shardings[e.key], "pieces": []} for e in entries
+        key: {"dtype": code, "shape": list(shape), "sharding": shardings[key], "pieces": []}
+        for key, code, shape in names
     }
     for p in sorted(posted):
         for key, name, box in posted[p]["pieces"]:
             tensors[key]["pieces"].append({"file": _shard_name(p, n, token), "name": name, "box": box, "process": p})
     manifest = {
-        "format": POD_FORMAT,
+        "format": FORMAT,
         "version": VERSION,
         "num_processes": n,
         "metadata": dict(meta),
         "tensors": tensors,
     }
     try:
-        with atomic_file(directory / MANIFEST) as fd:
-            os.write(fd, json.dumps(manifest, indent=1).encode() + b"\n")
+        with atomic_file(directory / MANIFEST) as fd:  # a short write loops: a full disk raises, never truncates
+            _write_all(fd, memoryview(json.dumps(manifest, indent=1).encode() + b"\n"))
     except SaveError as e:
         return Outcome(False, error=str(e))
     keep = {_shard_name(p, n, token) for p in range(n)}
     for stale in directory.iterdir():
-        if _SHARD.match(stale.name) and stale.name not in keep:
+        if SHARD_FILE.match(stale.name) and stale.name not in keep:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(stale)
     return Outcome(True)

@@ -66,11 +66,9 @@ def batched_put() -> Callable | None:
     API: ``None`` when absent, and the public path (``jax.device_put`` per device,
     ``jax.make_array_from_single_device_arrays``) is used instead (tested).
 
-    Measured with ``benchmarks/put.py`` (2-core VM, 8 CPU devices, 700 tensors of
-    256 KiB split on dim 0, median of 5 interleaved rounds, 2026-11-30): 0.049 ms per
-    tensor against 0.297 ms for ``device_put`` per device and 0.221 ms for one
-    ``device_put`` of the lists (4.5-6x; 8-11x on the same VM under load): seconds on
-    a large model, so it stays."""
+    Several times cheaper per tensor than the public path, which adds up to seconds
+    on a large model: ``benchmarks/put.py`` measures it (figures in
+    docs/performance.md)."""
     try:
         from jax._src import core
         from jax._src.interpreters import pxla

@@ -4,7 +4,7 @@ One engine for every layout. A :class:`~nnx_save.load._target.Target` says what 
 caller wants at one path (shape, dtype, and a jax sharding, or ``None`` for a host
 numpy array) and which file tensor(s) it comes from; the header says where each
 tensor's bytes are, as pieces at (file, byte range, box)
-(:meth:`~nnx_save.layouts._sources.Header.pieces_of`: one whole piece for a file, an
+(:meth:`~nnx_save.layouts._layout.Header.pieces_of`: one whole piece for a file, an
 index, a directory, a list or a URL; a pod directory's boxes). :func:`load_targets`
 checks every target against the headers first (so a strict refusal reads
 nothing, and a sharding jax cannot apply is refused before any read).
@@ -27,8 +27,7 @@ platform (:meth:`~nnx_save.load._options.LoadOptions.streaming`):
 
 from __future__ import annotations
 
-import contextlib
-import gc
+import functools
 import logging
 import math
 import os
@@ -37,34 +36,40 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from .. import _progress
-from ..errors import HostMemoryError, NnxSaveError, ShapeMismatchError
+from ..errors import HostMemoryError, NnxSaveError, OverReadWarning, ShapeMismatchError
 from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
+from ..layouts._layout import gc_paused
 from ..layouts._pieces import Box, Piece, extents, intersect, request, whole
 from ..layouts._sources import Header
-from . import _stream
+from . import _boxed, _share, _stream
 from ._assemble import held_dtype, host_view, place, place_whole
 from ._execute import Budget, LocalReader, Reader, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._plan import FilePlan, Request, over_read_by_range, plan_file
-from ._report import DtypeCast, LoadReport, LoadWarning, ShapeMismatch, split_allowed, split_allowed_shapes
+from ._report import (
+    DtypeCast,
+    LoadReport,
+    ShapeMismatch,
+    split_allowed,
+    split_allowed_casts,
+    split_allowed_shapes,
+    suggested_renames,
+)
 from ._target import Target, check_device_dtype, shard_boxes
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
 
 log = logging.getLogger("nnx_save")
-OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning
-
-
-class OverReadWarning(LoadWarning):
-    """The automatic over-read ratio made this process read much more than it needed."""
+OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning ...
+OVER_READ_MIN_BYTES = 1 << 20  # ... when the bytes it did not need cost something (~1 ms of reading)
 
 
 def _no_memory(file: str, dests: list[Dest]) -> HostMemoryError:
@@ -152,31 +157,35 @@ class Engine:
         self.results: dict[str, Any] = {}
         self.wholes: dict[str, np.ndarray] = {}
         self.budget = Budget(opt.max_inflight_bytes)
-        self.pending = [t for t in targets if t.transform is not None]
-        self.refs: dict[str, int] = {}
-        for t in self.pending:
-            for k in t.sources:
-                self.refs[k] = self.refs.get(k, 0) + 1
         self.dests: list[Dest] = []
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.waiting: dict[str, int] = {}  # owner -> destinations not filled yet
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
         self._own: int | None = -1  # this process's pod rank (None: another process layout; -1: not looked up)
+        self.boxed = _boxed.BoxedTargets()
+        self.pending = []  # transforms read from their whole sources
         for t in targets:
             if t.transform is None:
                 info = header.tensors[t.sources[0]]
                 adopted = info.dtype.byte_aligned and info.dtype.numpy == held_dtype(t)  # the buffer becomes the array
                 for box, devices in shard_boxes(t):  # refusals before any read
-                    self._add(t.path, t.sources[0], box, devices, adopted)
+                    self.add(t.path, t.sources[0], box, devices, adopted)
+            elif not self.boxed.add(self, t):
+                self.pending.append(t)
+                report.io.read_whole.append(t.path)
+        self.refs: dict[str, int] = {}
+        for t in self.pending:
+            for k in t.sources:
+                self.refs[k] = self.refs.get(k, 0) + 1
         for key in self.refs:
-            self._add("", key, whole(header.tensors[key].shape), [None], False)
+            self.add("", key, whole(header.tensors[key].shape), [None], False)
         self.over_reads: list[str] = []
         self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
         self._digests: dict[str, dict[str, str]] = {}  # file -> recorded checksums (verify only)
         self._lock = threading.Lock()
         self.staging: Any = None  # the streaming path's staging pool, once it ran
 
-    def _add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> None:
+    def add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> int:
         info = self.header.tensors[key]
         index = len(self.dests)
         owner = owner or f"source:{key}"
@@ -188,6 +197,7 @@ class Engine:
             if piece.info.file not in dest.files:
                 dest.files.add(piece.info.file)
                 self.by_file.setdefault(piece.info.file, []).append(index)
+        return index
 
     def _choose(self, key: str, box: Box) -> list[tuple[Piece, Box]]:
         """The pieces that give ``box`` and the part each gives: one per distinct
@@ -323,8 +333,11 @@ class Engine:
 
     def over_read_warns(self, read: int, needed: int) -> bool:
         """Whether reading ``read`` bytes of a file for ``needed`` is worth the warning:
-        only under the automatic ratio (an explicit one is the caller's choice)."""
-        return self.opt.max_over_read_ratio is None and read > OVER_READ_WARN * needed
+        only under the automatic ratio (an explicit one is the caller's choice), and only
+        when the unneeded bytes are many (a skipped 1 KiB tensor costs nothing)."""
+        if self.opt.max_over_read_ratio is not None or read - needed < OVER_READ_MIN_BYTES:
+            return False
+        return read > OVER_READ_WARN * needed
 
     def read_through(self, file: str, plan: FilePlan) -> np.ndarray:
         """Per tensor of ``file`` (header order): bytes ``plan`` read but did not need."""
@@ -339,7 +352,8 @@ class Engine:
         named = ", ".join(f"{name} ({human_bytes(x)})" for x, name in worst[:5])
         self.over_reads.append(
             f"{file}: read {human_bytes(read)} for {human_bytes(needed)} needed "
-            f"(over-read {read / needed:.2f}x under the automatic ratio {ratio:.2f}); "
+            f"(over-read {read / needed:.2f}x; the automatic merge cap for this file was {ratio:.2f}x, "
+            "gaps under 4 KiB are read through whatever the cap); "
             f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}"
         )
 
@@ -422,6 +436,9 @@ class Engine:
         self.waiting[owner] -= 1
         if self.waiting[owner]:
             return
+        if owner.startswith("box:"):
+            self.boxed.filled(self, index)
+            return
         shards = [self.dests[i] for i in self.shards[owner]]
         if owner.startswith("source:"):
             d = shards[0]
@@ -457,23 +474,6 @@ class Engine:
                     del self.wholes[k], self.refs[k]
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """No cyclic garbage collection while the engine runs: it allocates tens of
-    thousands of small objects (boxes, requests, shard lists), enough to trigger a
-    full collection, and a full collection walks every live object of the process
-    (with jax imported, 130K: 0.11-0.14 s measured, a sixth of a 2.2 GB load). What
-    the engine allocates is freed by reference counting; the collector's previous
-    state is restored."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
 def _prepare(
     header: Header,
     targets: Sequence[Target],
@@ -482,6 +482,7 @@ def _prepare(
     allow_shape_mismatch: Sequence[str],
     ignore_unexpected: frozenset[str],
     renamed: Mapping[str, tuple[str, ...]] | None,
+    allow_casts: str | Sequence[str] = (),
 ) -> tuple[list[Target], LoadReport]:
     """The report of what will and will not load, before any byte is read."""
     report = LoadReport(source=_describe(header))
@@ -491,9 +492,12 @@ def _prepare(
     report.shape_mismatches, report.allowed_shape_mismatches = split_allowed_shapes(
         report.shape_mismatches, allow_shape_mismatch
     )
+    report.dtype_casts, report.allowed_casts = split_allowed_casts(report.dtype_casts, allow_casts)
     unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
     report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
+    if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
+        report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
     report.sources = {t.path: t.sources for t in loadable}
     landed: dict[str, list[str]] = {k: [] for k in header.tensors}
     for t in loadable:
@@ -523,6 +527,7 @@ def load_targets(
     allow_shape_mismatch: Sequence[str] = (),
     ignore_unexpected: frozenset[str] = frozenset(),
     renamed: Mapping[str, tuple[str, ...]] | None = None,
+    allow_casts: str | Sequence[str] = (),
     warn: bool = True,
     progress: bool | None = False,
 ) -> tuple[dict[str, Any], LoadReport]:
@@ -535,8 +540,25 @@ def load_targets(
     ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
     """
     opt = options if options is not None else LoadOptions()
+    if opt.share_reads and _share.multi_process():
+        run = functools.partial(
+            load_targets,
+            header,
+            options=replace(opt, share_reads=False),
+            open_reader=open_reader,
+            strict=strict,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            allow_shape_mismatch=allow_shape_mismatch,
+            ignore_unexpected=ignore_unexpected,
+            renamed=renamed,
+            warn=warn,
+            progress=progress,
+        )
+        shapes = {k: info.shape for k, info in header.tensors.items()}
+        return _share.shared_load(list(targets), run, shapes, _describe(header))
     loadable, report = _prepare(
-        header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed
+        header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed, allow_casts
     )
     if strict:
         report.raise_or_warn(True)
@@ -544,9 +566,11 @@ def load_targets(
         source = header.tensors.get(t.sources[0]) if t.sources else None
         check_device_dtype(t, source.file if source is not None else str(t.sources))
     bar = _progress_bar(header, loadable, report, progress)
-    with _gc_paused():
+    with gc_paused():
         try:
             engine = Engine(header, loadable, report, opt, open_reader, bar)
+            if isinstance(bar, _progress.Bar):
+                bar.total = sum(d.nbytes for d in engine.dests)  # exact: what this process reads
             device = _device(loadable)
             if device is not None and opt.streaming(device.platform):
                 kinds = tuple(m.kind for m in device.addressable_memories())
@@ -565,18 +589,17 @@ def _finish(engine: Engine, report: LoadReport) -> None:
     report.verified = sorted(k for k, ok in engine.checked.items() if ok)
     report.unverified = sorted(k for k, ok in engine.checked.items() if not ok)
     report.io.max_inflight_bytes = engine.budget.peak
-    if engine.header.remote is not None:
-        report.io.retries = engine.header.remote.retries
+    report.io.retries = engine.header.placement.retries()
     report.loaded = sorted(engine.results)
     log.debug("loaded %d tensors from %s: %s", len(engine.results), report.source, report.io)
     if engine.over_reads:
         warnings.warn(
-            "the automatic over-read ratio read far more than this process needed, because the "
-            "shardings want many small strided pieces of these files (fewer, larger requests "
-            "were read instead):\n  "
+            "this load read far more bytes than it needed from these files: to make fewer, larger "
+            "requests, the automatic read merging (max_over_read_ratio=None) read through the bytes "
+            "between the pieces it needed (tensors the load skips, or parts other devices hold):\n  "
             + "\n  ".join(engine.over_reads)
-            + "\nShard the leading dimension, or pass max_over_read_ratio to choose the trade "
-            "(1.0: exact reads, more requests).",
+            + "\nPass max_over_read_ratio=1.0 to read only the needed bytes (more requests), or "
+            "shard the leading dimension so that each device's pieces are contiguous.",
             OverReadWarning,
             stacklevel=4,
         )
@@ -587,14 +610,6 @@ def _progress_bar(header: Header, targets: Sequence[Target], report: LoadReport,
     upper = sum(header.tensors[k].nbytes for k in keys)  # this process may need less: exact below
     label = f"loading {os.path.basename(report.source)}"
     bar = _progress.bar(label, upper, len(targets), progress)
-    if isinstance(bar, _progress.Bar):
-        wholes = {k for t in targets if t.transform is not None for k in t.sources}
-        bar.total = sum(header.tensors[k].nbytes for k in wholes) + sum(
-            box_nbytes(header.tensors[t.sources[0]], box)
-            for t in targets
-            if t.transform is None
-            for box, _ in shard_boxes(t)
-        )
     return bar
 
 

@@ -176,18 +176,11 @@ def pack_buffers(sizes: list[int], *, align: int = 64, slab_bytes: int = SLAB_BY
     of its own).
 
     Why: numpy asks the kernel for transparent huge pages on allocations of 4 MiB and
-    more, and faulting memory in 2 MiB pages costs a fifth of faulting it in 4 KiB
-    pages (2.2 GB: 0.3 s of CPU against 1.7 s, measured on the 2-core VM of
-    benchmarks/load.py), while a sharded load makes thousands of buffers far below
-    4 MiB. The price: a slab is freed when the last array using it is.
-
-    The other side, measured on the same VM (issue 14's fresh-process figures): in a
-    process whose memory is *fresh* to the guest, huge pages come from memory the host
-    has not backed yet and cost more, not less (0.98 GB, one device, 5 runs each:
-    huge pages 1.2-3.0 s wall, 1.3-2.1 s CPU; ``NUMPY_MADVISE_HUGEPAGE=0`` 0.32-0.81 s,
-    0.45-0.48 s CPU; no compaction stalls or fallbacks in ``/proc/vmstat``), while
-    after memory was touched once (``benchmarks/load.py --prefault``) huge pages win
-    (0.14-0.20 s against 0.47-1.69 s). Which mode a user's machine is in decides.
+    more, and faulting memory in huge pages costs much less CPU than in 4 KiB pages,
+    while a sharded load makes thousands of buffers far below 4 MiB. The price: a
+    slab is freed when the last array using it is. In a process whose memory is fresh
+    to the guest VM, huge pages can cost more instead; which mode a machine is in
+    decides (``benchmarks/load.py`` and ``--prefault``; figures in docs/performance.md).
 
     Examples:
         >>> bufs = pack_buffers([3, 100, 0, 64])

@@ -1,36 +1,104 @@
-"""How a load runs: one frozen :class:`LoadOptions`, validated once.
+"""How a load runs: one public, frozen :class:`LoadOptions`, validated when it is made.
 
-At the bottom of the import graph (standard library only). The two streaming
-settings can also come from the environment, as a testing and benchmarking aid:
-``NNX_SAVE_STREAM=1`` forces the streaming path (``0`` forbids it) and
-``NNX_SAVE_STAGING=pinned|pageable`` picks the staging memory, when the caller
-left them at their defaults.
+At the bottom of the import graph (the standard library, the errors and
+:mod:`nnx_save._config`). Every entry point takes ``options=`` and keeps the common
+fields as keyword shortcuts; :func:`merge` joins the two, refusing a field given both
+ways. The two streaming settings can also come from the environment, as a testing
+and benchmarking aid (``NNX_SAVE_STREAM``, ``NNX_SAVE_STAGING``; see
+docs/configuration.md), when the caller left them at their defaults.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-__all__ = ["STAGING_KINDS", "LoadOptions"]
+from .. import _config
+from ..errors import OptionError
+
+__all__ = ["DEFAULT", "STAGING_KINDS", "LoadOptions", "check", "is_int", "merge"]
 
 STAGING_KINDS = ("auto", "pinned", "pageable")
+Opts = TypeVar("Opts")
 
 
-def _env_stream() -> bool | None:
-    raw = os.environ.get("NNX_SAVE_STREAM", "").strip().lower()
-    if raw in ("", "auto"):
-        return None
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"NNX_SAVE_STREAM must be 1, 0 or auto, got {raw!r}")
+class _Default:
+    """The default of a keyword shortcut: "not given", so ``options=`` decides."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _Default()
+
+
+def check(ok: bool, argument: str, expected: str, value: object) -> None:
+    """Raise :class:`OptionError` naming ``argument`` unless ``ok``.
+
+    Examples:
+        >>> check(False, "num_threads", "an int of at least 1", 0)
+        Traceback (most recent call last):
+        ...
+        nnx_save.errors.OptionError: num_threads must be an int of at least 1, got 0
+    """
+    if not ok:
+        raise OptionError(f"{argument} must be {expected}, got {value!r}", argument)
+
+
+def is_int(value: object, low: int) -> bool:
+    """An integer (a Python or numpy int, not a bool) of at least ``low``."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= low
+
+
+def _optional(value: object, is_ok: bool) -> bool:
+    return value is None or is_ok
+
+
+def merge(cls: type[Opts], options: Opts | None, call: str, arguments: Mapping[str, Any]) -> Opts:
+    """``options`` (or ``cls()``) with the keyword shortcuts the caller gave applied.
+
+    ``arguments`` maps a call's parameter names to their values (the entry point's
+    ``locals()`` on its first line); those naming a field of ``cls`` are its keyword
+    shortcuts, and one left at :data:`DEFAULT` was not given. A shortcut given for a
+    field that ``options`` also sets (to other than the field's default) is refused,
+    naming it: one call cannot say two things about one setting.
+
+    Raises:
+        OptionError: ``options`` is not a ``cls``, a field is given both ways, or a
+            value is out of range (names the argument).
+
+    Examples:
+        >>> merge(LoadOptions, LoadOptions(verify=True), "load_file", {"num_threads": 2}).num_threads
+        2
+        >>> merge(LoadOptions, LoadOptions(verify=True), "load_file", {"verify": False})
+        Traceback (most recent call last):
+        ...
+        nnx_save.errors.OptionError: load_file: verify given both as a keyword and in options=...; give it once
+    """
+    if options is not None and not isinstance(options, cls):
+        raise OptionError(f"{call}: options must be a {cls.__name__}, got {type(options).__name__}", "options")
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    given = {k: arguments[k] for k in names if k in arguments and arguments[k] is not DEFAULT}
+    if options is None:
+        return cls(**given)
+    defaults = cls()
+    both = [k for k in given if getattr(options, k) != getattr(defaults, k)]
+    if both:
+        raise OptionError(
+            f"{call}: {', '.join(both)} given both as a keyword and in options=...; give it once", both[0]
+        )
+    return dataclasses.replace(options, **given) if given else options  # type: ignore[type-var]
 
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """Settings of one load (see :func:`nnx_save.load_file` for each).
+    """How a load runs: the settings of :func:`~nnx_save.load_file` and
+    :func:`~nnx_save.load_model` (each also a keyword of both; see :func:`load_file`).
 
     Attributes:
         max_over_read_ratio: cap on bytes read / bytes needed when merging reads
@@ -47,6 +115,14 @@ class LoadOptions:
             (page-locked, jax's ``pinned_host`` memory kind), ``"pageable"``, or
             ``"auto"`` (pinned where the backend offers it, except on CPU).
         staging_bytes: size of one staging buffer (``None``: picked from the budget).
+        progress: a progress bar on stderr when it is a terminal: ``None`` above
+            ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
+        share_reads: with several processes, read each byte that several of them
+            need on one process only and share it over the interconnect with JAX's
+            collectives (:mod:`nnx_save.load._share`); off by default.
+
+    Raises:
+        OptionError: a field out of range or of the wrong type (names it).
 
     Examples:
         >>> LoadOptions(max_inflight_bytes=1 << 20).threads >= 2
@@ -54,7 +130,7 @@ class LoadOptions:
         >>> LoadOptions(read_chunk_bytes=0)
         Traceback (most recent call last):
         ...
-        ValueError: max_inflight_bytes and read_chunk_bytes must be positive, got 2147483648, 0
+        nnx_save.errors.OptionError: read_chunk_bytes must be a positive int (bytes), got 0
     """
 
     max_over_read_ratio: float | None = None
@@ -65,21 +141,25 @@ class LoadOptions:
     stream: bool | None = None
     staging: str = "auto"
     staging_bytes: int | None = None
+    progress: bool | None = None
+    share_reads: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_inflight_bytes <= 0 or self.read_chunk_bytes <= 0:
-            raise ValueError(
-                "max_inflight_bytes and read_chunk_bytes must be positive, "
-                f"got {self.max_inflight_bytes}, {self.read_chunk_bytes}"
-            )
-        if self.max_over_read_ratio is not None and not self.max_over_read_ratio >= 1.0:
-            raise ValueError(f"max_over_read_ratio must be >= 1.0, got {self.max_over_read_ratio}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
-        if self.staging not in STAGING_KINDS:
-            raise ValueError(f"staging must be one of {STAGING_KINDS}, got {self.staging!r}")
-        if self.staging_bytes is not None and self.staging_bytes <= 0:
-            raise ValueError(f"staging_bytes must be positive, got {self.staging_bytes}")
+        ratio = self.max_over_read_ratio
+        check(is_int(self.read_chunk_bytes, 1), "read_chunk_bytes", "a positive int (bytes)", self.read_chunk_bytes)
+        check(
+            is_int(self.max_inflight_bytes, 1), "max_inflight_bytes", "a positive int (bytes)", self.max_inflight_bytes
+        )
+        ok = isinstance(ratio, numbers.Real) and not isinstance(ratio, bool) and not math.isnan(ratio) and ratio >= 1.0
+        check(_optional(ratio, ok), "max_over_read_ratio", ">= 1.0", ratio)
+        check(_optional(self.num_threads, is_int(self.num_threads, 1)), "num_threads", "at least 1", self.num_threads)
+        check(isinstance(self.verify, bool), "verify", "True or False", self.verify)
+        check(self.stream in (None, True, False), "stream", "None, True or False", self.stream)
+        check(self.staging in STAGING_KINDS, "staging", f"one of {STAGING_KINDS}", self.staging)
+        size = self.staging_bytes
+        check(_optional(size, is_int(size, 1)), "staging_bytes", "a positive int (bytes)", size)
+        check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
+        check(isinstance(self.share_reads, bool), "share_reads", "True or False", self.share_reads)
 
     @property
     def threads(self) -> int:
@@ -93,16 +173,12 @@ class LoadOptions:
 
     def streaming(self, platform: str) -> bool:
         """Whether a load onto devices of ``platform`` streams (see ``stream``)."""
-        forced = self.stream if self.stream is not None else _env_stream()
+        forced = self.stream if self.stream is not None else _config.STREAM.get()
         return forced if forced is not None else platform != "cpu"
 
     def staging_kind(self, platform: str, memory_kinds: tuple[str, ...]) -> str:
         """``"pinned"`` or ``"pageable"`` for devices of ``platform`` offering ``memory_kinds``."""
-        kind = self.staging
-        if kind == "auto":
-            kind = os.environ.get("NNX_SAVE_STAGING", "auto").strip().lower() or "auto"
-            if kind not in STAGING_KINDS:
-                raise ValueError(f"NNX_SAVE_STAGING must be one of {STAGING_KINDS}, got {kind!r}")
+        kind = self.staging if self.staging != "auto" else _config.STAGING.get()
         if kind == "auto":
             kind = "pinned" if platform != "cpu" and "pinned_host" in memory_kinds else "pageable"
         return kind

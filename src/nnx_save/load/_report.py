@@ -11,13 +11,14 @@ from __future__ import annotations
 import fnmatch
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import ml_dtypes
 import numpy as np
 
-from ..errors import LoadError
+from ..errors import LoadError, LoadWarning, LossyCastWarning, SingleDeviceWarning
 
 __all__ = [
     "DtypeCast",
@@ -30,13 +31,12 @@ __all__ = [
     "is_lossy",
     "matches_any",
     "split_allowed",
+    "split_allowed_casts",
     "split_allowed_shapes",
+    "suggest_renames",
+    "suggested_renames",
     "warn_single_device",
 ]
-
-
-class LoadWarning(UserWarning):
-    """A load finished with mismatches (missing, unexpected, cast ...); see its report."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +51,6 @@ class ShapeMismatch:
         return f"{self.path}: shape {self.model_shape} in the model, {self.file_shape} in the file{src}"
 
 
-class SingleDeviceWarning(LoadWarning):
-    """A process with several devices loaded arrays that had no sharding: all of them
-    landed on its first device."""
-
-
 def warn_single_device(paths: Sequence[str], devices: Sequence[object], fix: str, stacklevel: int) -> None:
     """Warn (:class:`SingleDeviceWarning`) when this process has several ``devices``
     and ``paths`` have no sharding: how many, which, where they land, and the remedy."""
@@ -67,11 +62,6 @@ def warn_single_device(paths: Sequence[str], devices: Sequence[object], fix: str
         f"process has {len(devices)} devices. {fix}"
     )
     warnings.warn(message, SingleDeviceWarning, stacklevel=stacklevel + 1)
-
-
-class LossyCastWarning(LoadWarning):
-    """A load cast values to a dtype that cannot hold them all (float to int, a
-    narrower float or int): the loaded values differ from the file's."""
 
 
 def is_lossy(source: str, target: str) -> bool:
@@ -121,6 +111,8 @@ class IOStats:
     max_inflight_bytes: int = 0
     retries: int = 0
     over_read_by_file: dict[str, float] = field(default_factory=dict)
+    read_whole: list[str] = field(default_factory=list)  # ported targets whose sources were read whole
+    bytes_received: int = 0  # bytes of this process's shards that came from peers (share_reads)
 
     @property
     def over_read(self) -> float:
@@ -130,7 +122,9 @@ class IOStats:
         return (
             f"read {self.bytes_read / 1e6:.1f} MB for {self.bytes_needed / 1e6:.1f} MB needed "
             f"(over-read {self.over_read:.3f}) in {self.requests} requests from {self.files} file(s)"
-            f"{f', {self.retries} retried' if self.retries else ''}; "
+            f"{f', {self.retries} retried' if self.retries else ''}"
+            f"{f', {self.bytes_received / 1e6:.1f} MB received from peers' if self.bytes_received else ''}"
+            f"{f', {len(self.read_whole)} ported tensor(s) read whole' if self.read_whole else ''}; "
             f"plan {self.plan_seconds:.3f}s, read {self.read_seconds:.3f}s, assemble {self.assemble_seconds:.3f}s"
         )
 
@@ -161,6 +155,11 @@ class LoadReport:
         allowed_missing / allowed_unexpected: mismatches the caller declared.
         allowed_shape_mismatches: shape mismatches the caller declared
             (``allow_shape_mismatch``); those paths keep the model's values.
+        allowed_casts: dtype casts the caller declared (``allow_casts``), done on the
+            host under ``strict=True`` too.
+        suggested_renames: ``rename(...)`` rules that would pair up missing paths
+            with unexpected keys of the same shape and name suffix (shown in the
+            remedy of a strict load, before the allow options).
         renamed: per file key, the model paths porting rules made of it (shown next
             to an unexpected key: the path the model lacks).
         sources: per target path, the file keys it came from.
@@ -179,6 +178,8 @@ class LoadReport:
     allowed_missing: list[str] = field(default_factory=list)
     allowed_unexpected: list[str] = field(default_factory=list)
     allowed_shape_mismatches: list[ShapeMismatch] = field(default_factory=list)
+    allowed_casts: list[DtypeCast] = field(default_factory=list)
+    suggested_renames: list[str] = field(default_factory=list)
     renamed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
     landed: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -229,6 +230,8 @@ class LoadReport:
             parts.append(f"  (allowed missing: {len(self.allowed_missing)})")
         if self.allowed_unexpected:
             parts.append(f"  (allowed unexpected: {len(self.allowed_unexpected)})")
+        if self.allowed_casts:
+            parts.append(f"  (allowed dtype casts: {len(self.allowed_casts)})")
         if self.allowed_shape_mismatches:
             kept = ", ".join(sorted(m.path for m in self.allowed_shape_mismatches)[:10])
             parts.append(f"  (allowed shape mismatches, the model's values kept: {kept})")
@@ -279,7 +282,8 @@ def _listed(paths: Sequence[str], limit: int = 5) -> str:
 
 
 def remedy(report: LoadReport) -> str:
-    """The options that would accept what a strict load refused, one per line."""
+    """The options that would accept what a strict load refused, one per line; first
+    the renames that would pair missing paths with unexpected keys, when some do."""
     lines = []
     if report.missing:
         lines.append(f"allow_missing={_listed(report.missing)} (those paths keep the model's values)")
@@ -289,8 +293,86 @@ def remedy(report: LoadReport) -> str:
         paths = [m.path for m in report.shape_mismatches]
         lines.append(f"allow_shape_mismatch={_listed(paths)} (those paths keep the model's values)")
     if report.dtype_casts:
-        lines.append("strict=False (dtype casts are then done on the host and reported)")
-    return "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
+        lines.append(_cast_remedy(report.dtype_casts))
+    accept = "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
+    return _rename_remedy(report.suggested_renames) + accept
+
+
+def _cast_remedy(casts: Sequence[DtypeCast]) -> str:
+    lossy = sorted(c.path for c in casts if c.lossy)
+    if not lossy:
+        return 'allow_casts="lossless" (every cast here is exact: strict key and shape checks stay on)'
+    return f"allow_casts={_listed(lossy)} (LOSSY casts: the loaded values differ from the file's)"
+
+
+def _rename_remedy(renames: Sequence[str]) -> str:
+    if not renames:
+        return ""
+    rules = ", ".join(renames)
+    return (
+        "Missing paths and unexpected keys pair up (same name suffix and shape): the file names them "
+        f"differently. Map them, rather than allowing either:\n  rules=Rules({rules})  "
+        "(from nnx_save.porting import Rules, rename; add them to your rules if you pass some)\n"
+    )
+
+
+def suggested_renames(report: LoadReport, model: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
+    """:func:`suggest_renames` for ``report``'s missing paths (shapes in ``model``) and
+    its unexpected keys (entries with ``.shape`` in ``file``) that no porting rule
+    renamed (a renamed one already shows the path it became)."""
+    missing = {p: tuple(model[p]) for p in report.missing}
+    plain = [k for k in report.unexpected if report.renamed.get(k, (k,)) == (k,)]
+    return suggest_renames(missing, {k: tuple(file[k].shape) for k in plain})
+
+
+def suggest_renames(missing: Mapping[str, tuple[int, ...]], unexpected: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """``rename(...)`` rules (as source text) mapping unexpected names onto missing
+    paths: each unexpected name pairs with the missing path of the same shape that
+    shares its longest name suffix (whole components); the pairs' differing prefixes
+    make one rule each, the commonest first.
+
+    Examples:
+        >>> suggest_renames({"encoder/0/kernel": (2, 3)}, {"body/0/kernel": (2, 3), "head/b": (3,)})
+        ['rename(r"body/(.*)", r"encoder/\\\\1")']
+    """
+    counts: dict[tuple[str, str], int] = {}
+    free = dict(missing)
+    for name, shape in sorted(unexpected.items()):
+        best = max(((_common_tail(name, m), m) for m, s in free.items() if s == shape), default=(0, ""))
+        if best[0]:
+            pair = (name[: -best[0]], best[1][: -best[0]])
+            counts[pair] = counts.get(pair, 0) + 1
+            del free[best[1]]
+    ranked = sorted(counts, key=lambda p: (-counts[p], p))
+    return [f'rename(r"{re.escape(a)}(.*)", r"{b}\\1")' for a, b in ranked]
+
+
+def _common_tail(a: str, b: str) -> int:
+    """The length of the longest common suffix of ``a`` and ``b`` that starts right
+    after a separator (``/`` or ``.``) in both, leaving both prefixes non-empty."""
+    best = 0
+    for k in range(1, min(len(a), len(b))):
+        if a[-k] != b[-k]:
+            break
+        if a[-k - 1] in "/." and b[-k - 1] in "/.":
+            best = k
+    return best
+
+
+def split_allowed_casts(casts: Sequence[DtypeCast], allow: str | Sequence[str]) -> tuple[list, list]:
+    """Partition casts into (not allowed, allowed): ``"lossless"`` allows every cast
+    that cannot change a value, a sequence of path patterns those paths' casts.
+
+    Raises:
+        LoadError: ``allow`` is another string (a pattern list must be a list).
+    """
+    if isinstance(allow, str):
+        if allow != "lossless":
+            raise LoadError(f'allow_casts takes "lossless" or a list of path patterns, got {allow!r}')
+        return [c for c in casts if c.lossy], [c for c in casts if not c.lossy]
+    patterns = list(allow)
+    allowed = [c for c in casts if matches_any(c.path, patterns)]
+    return [c for c in casts if c not in allowed], allowed
 
 
 def split_allowed_shapes(

@@ -7,17 +7,34 @@ models, porting rules) can build targets without importing the engine.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import DeviceDtypeError, ShardingError
 
-__all__ = ["Box", "Target", "check_device_dtype", "shard_boxes"]
+__all__ = ["Box", "SourceTransform", "Target", "check_device_dtype", "shard_boxes"]
 
 Box = tuple[tuple[int, int], ...]
+
+
+class SourceTransform(Protocol):
+    """How a porting rule makes a target from file tensors, whole or box by box."""
+
+    def __call__(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """The whole target from the whole source arrays."""
+        ...
+
+    def source_boxes(self, box: Box, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, Box]] | None:
+        """``(source index, source box)`` reads that make ``box`` of the target, given
+        the sources' ``shapes``; ``None`` when ``box`` has no per-box preimage."""
+        ...
+
+    def from_boxes(self, box: Box, regions: Sequence[np.ndarray]) -> np.ndarray:
+        """Box ``box`` of the target from the regions read for :meth:`source_boxes`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -29,8 +46,9 @@ class Target:
         shape, dtype: what the caller expects.
         sharding: a ``jax.sharding.Sharding``, or ``None`` for a host numpy array.
         sources: the file key(s) it is made from (one, unless ``transform``).
-        transform: for porting rules: full source arrays -> the value; ``None``
-            reads the single source directly, sharded.
+        transform: for porting rules: how the sources make the value, box by box
+            where it can (each shard reads only the source boxes that feed it),
+            else from the whole sources; ``None`` reads the single source directly.
         source_shape: the shape ``transform`` produces (checked before reading).
         box: for a host target (``sharding=None``), the region ``((start, stop), ...)``
             to read, ``None`` for all of it; the value then has the box's shape
@@ -47,7 +65,7 @@ class Target:
     dtype: np.dtype
     sharding: Any = None
     sources: tuple[str, ...] = ()
-    transform: Callable[[list[np.ndarray]], np.ndarray] | None = None
+    transform: SourceTransform | None = None
     source_shape: tuple[int, ...] | None = None
     box: tuple[tuple[int, int], ...] | None = None
 

@@ -14,7 +14,13 @@ Rule kinds (constructors in :mod:`nnx_save.porting`):
 - ``stack(pattern, target, axis=0)``: per-layer file tensors stacked into one param
   (scanned layers); the layer index is the named group ``(?P<layer>\\d+)``.
 - ``unstack(pattern, target, axis=0)``: the reverse; ``target`` uses ``\\g<layer>``.
-- ``ignore(pattern)``: file tensors dropped on purpose (a tied head, a buffer).
+- ``split(..., stacked=True)``: each layer's tensor cut, each part stacked over the
+  layers (separate q / k / v in a scanned model).
+- ``add(patterns, targets, axis=0, into=0)``: file tensors summed (torch's two LSTM
+  biases); on export the sum goes to part ``into``, zeros to the others.
+- ``tie(source, *copies, check=True)``: tied copies of one file tensor (a tied head):
+  checked equal on load, all written on export.
+- ``ignore(pattern)``: file tensors dropped on purpose (a buffer).
 - ``transpose(pattern, axes)`` and ``reshape(pattern, shape, source_shape=None)``:
   value transforms selected by a regex on the **model path**.
 
@@ -34,6 +40,7 @@ The contract the loader calls::
                               applied one target at a time.
     mapping.landed: dict[file_key, tuple[target_path, ...]]    # () = landed nowhere
     mapping.unused: tuple[file_key, ...]                       # dropped by ignore rules
+    mapping.tied: dict[copy_key, source_key]                   # tie rules' copies found
 
 Export uses the same contract the other way: ``rules.inverse().mapping(model_shapes)``
 maps model paths to file keys with the inverse transforms (rename inverted from the
@@ -63,11 +70,14 @@ Examples:
 __all__ = [
     "TORCH_LINEAR_AXES",
     "Assignment",
+    "Chain",
     "ConcatRule",
+    "ConcatUnstackRule",
     "Concatenate",
     "Constant",
     "ConstantRule",
     "Coverage",
+    "Each",
     "IgnoreRule",
     "Index",
     "KeyMapping",
@@ -79,14 +89,22 @@ __all__ = [
     "RuleError",
     "RuleShapeError",
     "Rules",
+    "Same",
     "SplitRule",
+    "SplitStackRule",
     "Stack",
     "StackRule",
+    "Sum",
+    "SumExportRule",
+    "SumRule",
     "Take",
+    "TieRule",
+    "TiedValuesError",
     "Transform",
     "Transpose",
     "TransposeRule",
     "UnstackRule",
+    "add",
     "concat",
     "coverage",
     "hf_conv1d",
@@ -96,31 +114,41 @@ __all__ = [
     "shapes_of",
     "split",
     "stack",
+    "tie",
     "torch_batch_norm",
     "torch_conv",
     "torch_conv_axes",
     "torch_embedding",
     "torch_layer_norm",
     "torch_linear",
+    "torch_lstm",
     "torch_rms_norm",
     "transpose",
     "unstack",
 ]
 
+from ..errors import NotInvertibleError as NotInvertibleError
+from ..errors import RuleConflictError as RuleConflictError
+from ..errors import RuleError as RuleError
+from ..errors import RuleShapeError as RuleShapeError
+from ..errors import TiedValuesError as TiedValuesError
+from ._compose import ConcatUnstackRule as ConcatUnstackRule
+from ._compose import SplitStackRule as SplitStackRule
+from ._compose import SumExportRule as SumExportRule
+from ._compose import SumRule as SumRule
+from ._compose import TieRule as TieRule
+from ._constructors import add as add
 from ._constructors import concat as concat
 from ._constructors import ignore as ignore
 from ._constructors import rename as rename
 from ._constructors import reshape as reshape
 from ._constructors import split as split
 from ._constructors import stack as stack
+from ._constructors import tie as tie
 from ._constructors import transpose as transpose
 from ._constructors import unstack as unstack
 from ._coverage import Coverage as Coverage
 from ._coverage import coverage as coverage
-from ._errors import NotInvertibleError as NotInvertibleError
-from ._errors import RuleConflictError as RuleConflictError
-from ._errors import RuleError as RuleError
-from ._errors import RuleShapeError as RuleShapeError
 from ._hf import TORCH_LINEAR_AXES as TORCH_LINEAR_AXES
 from ._hf import hf_conv1d as hf_conv1d
 from ._hf import torch_batch_norm as torch_batch_norm
@@ -129,6 +157,7 @@ from ._hf import torch_conv_axes as torch_conv_axes
 from ._hf import torch_embedding as torch_embedding
 from ._hf import torch_layer_norm as torch_layer_norm
 from ._hf import torch_linear as torch_linear
+from ._hf import torch_lstm as torch_lstm
 from ._hf import torch_rms_norm as torch_rms_norm
 from ._mapping import Assignment as Assignment
 from ._mapping import KeyMapping as KeyMapping
@@ -143,11 +172,15 @@ from ._rules import SplitRule as SplitRule
 from ._rules import StackRule as StackRule
 from ._rules import TransposeRule as TransposeRule
 from ._rules import UnstackRule as UnstackRule
+from ._transforms import Chain as Chain
 from ._transforms import Concatenate as Concatenate
 from ._transforms import Constant as Constant
+from ._transforms import Each as Each
 from ._transforms import Index as Index
 from ._transforms import Reshape as Reshape
+from ._transforms import Same as Same
 from ._transforms import Stack as Stack
+from ._transforms import Sum as Sum
 from ._transforms import Take as Take
 from ._transforms import Transform as Transform
 from ._transforms import Transpose as Transpose

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ._compose import SplitStackRule, SumRule, TieRule
 from ._rules import (
     ConcatRule,
     IgnoreRule,
@@ -21,7 +22,7 @@ from ._rules import (
     UnstackRule,
 )
 
-__all__ = ["concat", "ignore", "rename", "reshape", "split", "stack", "transpose", "unstack"]
+__all__ = ["add", "concat", "ignore", "rename", "reshape", "split", "stack", "tie", "transpose", "unstack"]
 
 
 def rename(
@@ -69,8 +70,9 @@ def split(
     axis: int = 0,
     *,
     sizes: Sequence[int] | None = None,
+    stacked: bool = False,
     inverse: StructuralRule | None = None,
-) -> SplitRule:
+) -> SplitRule | SplitStackRule:
     """One file tensor cut along ``axis`` into the model params ``targets``.
 
     Args:
@@ -78,14 +80,72 @@ def split(
         targets: one model path template per part, in order along ``axis``.
         axis: the axis to cut (negative counts from the end).
         sizes: the parts' sizes on ``axis``; equal parts when omitted.
+        stacked: the pattern's named group ``(?P<layer>\\d+)`` is a layer index the
+            targets do not reference: each layer's tensor is cut and each part stacked
+            over the layers on a new leading axis (separate q / k / v in a scanned
+            model). Without it such a pattern is refused (every layer would make the
+            same targets).
         inverse: the rule to use on export, when the automatic inverse is refused.
 
     Examples:
         >>> rule = split(r"(\\d+)\\.qkv", (r"\\1/q", r"\\1/k", r"\\1/v"), axis=1)
         >>> rule.match("0.qkv")
         ('0/q', '0/k', '0/v')
+        >>> scanned = split(r"h\\.(?P<layer>\\d+)\\.qkv", ("q", "k", "v"), axis=1, stacked=True)
+        >>> scanned.match("h.3.qkv")
+        ('3', ('q', 'k', 'v'))
     """
-    return SplitRule(pattern, tuple(targets), axis, None if sizes is None else tuple(sizes), inverse_rule=inverse)
+    cut = None if sizes is None else tuple(sizes)
+    if stacked:
+        return SplitStackRule(pattern, tuple(targets), axis, cut)
+    return SplitRule(pattern, tuple(targets), axis, cut, inverse_rule=inverse)
+
+
+def add(patterns: Sequence[str], targets: str | Sequence[str], axis: int = 0, *, into: int = 0) -> SumRule:
+    """File tensors matching ``patterns`` (one each, of one shape) added into ``targets``.
+
+    torch's LSTMs keep two biases (``bias_ih``, ``bias_hh``) that are only ever added;
+    flax's cells keep one. A sum cannot be undone, so on export the whole sum goes
+    into part ``into`` and the other parts are written as zeros: loading the export
+    back (in torch or here) gives the same numbers.
+
+    Args:
+        patterns: one regex per summed part (they must capture the same groups).
+        targets: the model path template; several cut the sum along ``axis`` in
+            equal parts (one bias per gate).
+        axis: the axis to cut when there are several targets.
+        into: the part that holds the sum on export.
+
+    Examples:
+        >>> rule = add((r"(\\w+)\\.bias_ih", r"(\\w+)\\.bias_hh"), r"\\1/bias")
+        >>> rule.match("rnn.bias_hh")
+        (1, ('rnn/bias',))
+    """
+    names = (targets,) if isinstance(targets, str) else tuple(targets)
+    return SumRule(tuple(patterns), names, axis, into)
+
+
+def tie(source: str, *copies: str, check: bool = True) -> TieRule:
+    """The file keys ``copies`` hold the same tensor as ``source`` (a tied head).
+
+    The model keeps one param, read from ``source`` (by the rule that renames it).
+    On load each copy in the file is read too and checked equal to the source
+    (:class:`~nnx_save.porting.TiedValuesError` naming both keys if not); with
+    ``check=False`` it is not read, only listed in ``KeyMapping.tied`` (and
+    ``unused``). On export (``rules.inverse()``) the source is written under every
+    copy's name as well, so ``load_state_dict(strict=True)`` finds them all.
+
+    Args:
+        source: regex of the file key the model reads.
+        copies: templates of the tied keys (``\\1`` etc. from ``source``'s groups).
+        check: read the copies on load and check them equal to the source.
+
+    Examples:
+        >>> rule = tie(r"transformer\\.wte\\.weight", "lm_head.weight")
+        >>> rule.copies_of("transformer.wte.weight"), rule.inverse().writes
+        (('lm_head.weight',), True)
+    """
+    return TieRule(source, tuple(copies), check)
 
 
 def concat(

@@ -20,15 +20,23 @@ RMS norms          ``weight``               ``scale``
 
 The transposes select the model path by inverting the rename, so ``source`` and
 ``target`` must be of the simple invertible form (each group referenced once).
+
+A *layer pattern* makes stacked rules: when ``source`` captures the layer index as
+``(?P<layer>\\d+)`` and ``target`` does not reference it, every helper stacks the
+layers' tensors on a new leading axis (``stack``), as a scanned model keeps them
+(``torch_linear(r"h\\.(?P<layer>\\d+)\\.fc", "blocks/fc")``: ``blocks/fc/kernel`` of
+shape (layers, in, out)).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ._constructors import rename, transpose
-from ._rules import ConstantRule, IgnoreRule, RenameRule, TransposeRule
-from ._template import invert
+from ..errors import RuleError
+from ._compose import SumRule
+from ._constructors import add, rename, split, stack, transpose
+from ._rules import ConstantRule, IgnoreRule, RenameRule, SplitRule, StackRule, TransposeRule
+from ._template import Template, compile_pattern, invert
 
 __all__ = [
     "TORCH_LINEAR_AXES",
@@ -39,10 +47,12 @@ __all__ = [
     "torch_embedding",
     "torch_layer_norm",
     "torch_linear",
+    "torch_lstm",
     "torch_rms_norm",
 ]
 
 Shift = Mapping[int | str, int] | None
+LAYER = "layer"  # the named group of a layer pattern
 TORCH_LINEAR_AXES = (1, 0)
 """torch ``Linear.weight`` (out, in) -> NNX ``Linear.kernel`` (in, out)."""
 
@@ -57,45 +67,78 @@ def torch_conv_axes(spatial_dims: int) -> tuple[int, ...]:
     return (*range(2, 2 + spatial_dims), 1, 0)
 
 
-def _param(source: str, target: str, name: str, param: str, shift: Shift = None) -> RenameRule:
+def _stacked(source: str, target: str) -> bool:
+    """A layer pattern: ``source`` captures ``(?P<layer>...)`` and ``target`` ignores it,
+    so the helper stacks the layers into one param (scanned layers)."""
+    regex = compile_pattern(source)
+    number = regex.groupindex.get(LAYER)
+    return number is not None and not {LAYER, number} & set(Template.parse(target).refs)
+
+
+def _param(source: str, target: str, name: str, param: str, shift: Shift = None) -> RenameRule | StackRule:
+    if _stacked(source, target):
+        if shift:
+            raise RuleError(f"shift= does not apply to stacked layers ({source!r} -> {target!r})")
+        return stack(f"{source}\\.{name}", f"{target}/{param}")
+    return _renamed(source, target, name, param, shift)
+
+
+def _renamed(source: str, target: str, name: str, param: str, shift: Shift = None) -> RenameRule:
     return rename(f"{source}\\.{name}", f"{target}/{param}", shift=shift)
 
 
 def _transposed(
-    source: str, target: str, axes: tuple[int, ...], shift: Shift = None
-) -> tuple[RenameRule, TransposeRule]:
-    weight = _param(source, target, "weight", "kernel", shift)
+    source: str, target: str, axes: tuple[int, ...], shift: Shift = None, names: tuple[str, str] = ("weight", "kernel")
+) -> tuple[RenameRule | StackRule, TransposeRule]:
+    weight = _param(source, target, *names, shift)
+    if isinstance(weight, StackRule):  # the layer axis leads and stays put
+        model_pattern, _ = invert(weight.pattern, weight.target, consumed=LAYER)
+        return weight, transpose(model_pattern, (0, *(a + 1 for a in axes)))
     model_pattern, _ = invert(weight.pattern, weight.replacement)
     return weight, transpose(model_pattern, axes)
 
 
-def _bias(source: str, target: str, bias: bool, shift: Shift = None) -> tuple[RenameRule, ...]:
+def _bias(source: str, target: str, bias: bool, shift: Shift = None) -> tuple[RenameRule | StackRule, ...]:
     return (_param(source, target, "bias", "bias", shift),) if bias else ()
 
 
 def torch_linear(
     source: str, target: str, *, bias: bool = True, shift: Shift = None
-) -> tuple[RenameRule | TransposeRule, ...]:
+) -> tuple[RenameRule | StackRule | TransposeRule, ...]:
     """``nn.Linear``: ``weight`` transposed into ``kernel``, ``bias`` as is
-    (``shift``: as in :func:`~nnx_save.porting.rename`).
+    (``shift``: as in :func:`~nnx_save.porting.rename`; a layer pattern stacks).
 
     Examples:
         >>> [str(r) for r in torch_linear(r"fc", "fc", bias=False)]
         ['rename(r"fc\\\\.weight", r"fc/kernel")', 'transpose(r"fc/kernel", (1, 0))']
+        >>> [str(r) for r in torch_linear(r"h\\.(?P<layer>\\d+)\\.fc", "blocks/fc", bias=False)]
+        ['stack(r"h\\\\.(?P<layer>\\\\d+)\\\\.fc\\\\.weight", r"blocks/fc/kernel", axis=0)', 'transpose(r"blocks/fc/kernel", (0, 2, 1))']
     """
     return (*_transposed(source, target, TORCH_LINEAR_AXES, shift), *_bias(source, target, bias, shift))
 
 
-def hf_conv1d(source: str, target: str, *, bias: bool = True) -> tuple[RenameRule, ...]:
+def hf_conv1d(source: str, target: str, *, bias: bool = True) -> tuple[RenameRule | StackRule, ...]:
     """HF ``Conv1D`` (GPT-2 family) already stores (in, out): renamed, not transposed."""
     return (_param(source, target, "weight", "kernel"), *_bias(source, target, bias))
 
 
 def torch_conv(
-    source: str, target: str, *, spatial_dims: int = 2, bias: bool = True, shift: Shift = None
-) -> tuple[RenameRule | TransposeRule, ...]:
+    source: str,
+    target: str,
+    *,
+    spatial_dims: int = 2,
+    bias: bool = True,
+    shift: Shift = None,
+    weight: str = "weight",
+    kernel: str = "kernel",
+) -> tuple[RenameRule | StackRule | TransposeRule, ...]:
     """``nn.Conv{n}d``: ``weight`` (out, in, *k) into ``kernel`` (*k, in, out)
-    (``shift``: as in :func:`~nnx_save.porting.rename`).
+    (``shift``: as in :func:`~nnx_save.porting.rename`; a layer pattern stacks).
+
+    ``weight`` / ``kernel`` name the tensors when they are not a conv module's: a
+    fixed filter bank that a torch model keeps as a buffer and applies with
+    ``F.conv1d`` (``torch_conv(r"frontend", "frontend/conv", weight="filters",
+    spatial_dims=1, bias=False)``) is transposed like any conv weight.
 
     torch pads symmetrically (``padding=1`` on a 3x3 kernel: one row / column on
     each side); give the NNX conv the same explicit padding, ``padding=((1, 1), (1, 1))``.
@@ -103,20 +146,20 @@ def torch_conv(
     bottom / right more than the top / left, and the outputs differ.
     """
     axes = torch_conv_axes(spatial_dims)
-    return (*_transposed(source, target, axes, shift), *_bias(source, target, bias, shift))
+    return (*_transposed(source, target, axes, shift, (weight, kernel)), *_bias(source, target, bias, shift))
 
 
-def torch_embedding(source: str, target: str) -> tuple[RenameRule, ...]:
+def torch_embedding(source: str, target: str) -> tuple[RenameRule | StackRule, ...]:
     """``nn.Embedding``: ``weight`` into ``embedding``."""
     return (_param(source, target, "weight", "embedding"),)
 
 
-def torch_layer_norm(source: str, target: str, *, bias: bool = True) -> tuple[RenameRule, ...]:
-    """``nn.LayerNorm``: ``weight`` into ``scale``, ``bias`` as is."""
+def torch_layer_norm(source: str, target: str, *, bias: bool = True) -> tuple[RenameRule | StackRule, ...]:
+    """``nn.LayerNorm``: ``weight`` into ``scale``, ``bias`` as is (a layer pattern stacks)."""
     return (_param(source, target, "weight", "scale"), *_bias(source, target, bias))
 
 
-def torch_rms_norm(source: str, target: str) -> tuple[RenameRule, ...]:
+def torch_rms_norm(source: str, target: str) -> tuple[RenameRule | StackRule, ...]:
     """RMS norms (Llama's ``LlamaRMSNorm``): ``weight`` into ``scale``.
 
     Some families (Gemma) store ``weight`` as ``scale - 1``; that is a value change,
@@ -140,12 +183,14 @@ def torch_batch_norm(
         >>> [r.match("features.0.1.running_var") for r in torch_batch_norm(r"features\\.0\\.1", "stem/bn")][3]
         'stem/bn/var'
     """
-    params = (_param(source, target, "weight", "scale", shift), *_bias(source, target, True, shift)) if affine else ()
-    running_mean = _param(source, target, "running_mean", "mean", shift)
+    if _stacked(source, target):
+        raise RuleError(f"torch_batch_norm does not stack layers ({source!r} -> {target!r}): give each its path")
+    params = (_renamed(source, target, "weight", "scale", shift), _renamed(source, target, "bias", "bias", shift))
+    running_mean = _renamed(source, target, "running_mean", "mean", shift)
     return (
-        *params,
+        *(params if affine else ()),
         running_mean,
-        _param(source, target, "running_var", "var", shift),
+        _renamed(source, target, "running_var", "var", shift),
         IgnoreRule(f"{source}\\.num_batches_tracked", export=_batches_tracked(running_mean)),
     )
 
@@ -157,3 +202,58 @@ def _batches_tracked(running_mean: RenameRule) -> ConstantRule:
     assert isinstance(inverse, RenameRule)
     key = inverse.replacement.removesuffix("running_mean") + "num_batches_tracked"
     return ConstantRule(RenameRule(inverse.pattern, key, shift=inverse.shift), 0, "int64")
+
+
+LSTM_GATES = (("ii", "if_", "ig", "io"), ("hi", "hf", "hg", "ho"))
+"""``nnx.LSTMCell``'s input and hidden Linear layers, in torch's gate order (i, f, g, o)."""
+
+
+def torch_lstm(
+    source: str, target: str, *, layer: int | None = 0, reverse: bool = False, cell: str = "lstm"
+) -> tuple[RenameRule | SplitRule | TransposeRule | SumRule, ...]:
+    """One layer of torch's ``nn.LSTM`` (or an ``nn.LSTMCell``) into a flax LSTM cell.
+
+    torch keeps ``weight_ih`` (4H, in), ``weight_hh`` (4H, H) and two biases
+    ``bias_ih`` / ``bias_hh`` (4H), gates stacked in the order i, f, g, o, and adds the
+    biases; flax keeps one bias. For ``cell="lstm"`` (``nnx.LSTMCell``) each weight is
+    cut into the gates' Linear kernels (``ii`` ... ``io``, ``hi`` ... ``ho``, transposed)
+    and the summed bias into ``hi/bias`` ... ``ho/bias``; for ``cell="optimized"``
+    (``nnx.OptimizedLSTMCell``) the weights go to ``dense_i/kernel`` and
+    ``dense_h/kernel`` and the sum to ``dense_h/bias``. On export the whole bias is
+    written as ``bias_ih`` and ``bias_hh`` as zeros (torch computes the same).
+
+    Args:
+        source: regex of the torch module's key prefix (``r"rnn"``).
+        target: the flax cell's path template (``"rnn/cell"``).
+        layer: the ``nn.LSTM`` layer (keys ``weight_ih_l{layer}``); ``None`` for an
+            ``nn.LSTMCell`` (keys ``weight_ih``).
+        reverse: the backward direction of a bidirectional layer (``..._reverse``).
+        cell: ``"lstm"`` or ``"optimized"``.
+
+    Examples:
+        >>> rules = torch_lstm(r"rnn", "rnn/cell", cell="optimized")
+        >>> [str(r) for r in rules][-1]
+        'add((r"rnn\\\\.bias_ih_l0", r"rnn\\\\.bias_hh_l0"), (r"rnn/cell/dense_h/bias"), axis=0, into=0)'
+    """
+    if cell not in ("lstm", "optimized"):
+        raise RuleError(f"torch_lstm: cell must be 'lstm' or 'optimized', got {cell!r}")
+    tail = ("" if layer is None else f"_l{int(layer)}") + ("_reverse" if reverse else "")
+    key = {n: f"{source}\\.{n}{tail}" for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
+    biases = (key["bias_ih"], key["bias_hh"])
+    if cell == "optimized":
+        weights = [
+            _linear_kernel(key[n], f"{target}/{d}/kernel")
+            for n, d in (("weight_ih", "dense_i"), ("weight_hh", "dense_h"))
+        ]
+        return (*weights[0], *weights[1], add(biases, f"{target}/dense_h/bias"))
+    rules: list[RenameRule | SplitRule | TransposeRule | SumRule] = []
+    for name, gates in zip(("weight_ih", "weight_hh"), LSTM_GATES, strict=True):
+        cut = split(key[name], [f"{target}/{g}/kernel" for g in gates], axis=0)
+        assert isinstance(cut, SplitRule)
+        rules += [cut, *(transpose(invert(cut.pattern, t)[0], TORCH_LINEAR_AXES) for t in cut.targets)]
+    return (*rules, add(biases, [f"{target}/{g}/bias" for g in LSTM_GATES[1]], axis=0))
+
+
+def _linear_kernel(key: str, path: str) -> tuple[RenameRule, TransposeRule]:
+    weight = rename(key, path)
+    return weight, transpose(invert(weight.pattern, weight.replacement)[0], TORCH_LINEAR_AXES)

@@ -16,14 +16,16 @@ Planning runs in three passes, each collecting every problem before raising once
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal, TypeGuard
 
 import numpy as np
 
-from ._errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError
+from ..errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError
+from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule, tie_checked
 from ._rules import (
     ConcatRule,
     ConstantRule,
@@ -41,6 +43,8 @@ __all__ = ["Assignment", "KeyMapping", "Rules", "shapes_of"]
 
 Shape = tuple[int, ...]
 Direction = Literal["load", "export"]
+AnyStructural = StructuralRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule
+AnyRule = Rule | TieRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,15 @@ class KeyMapping:
     Attributes:
         assignments: target name -> :class:`Assignment`, sorted by target.
         landed: source key -> the targets it went into (``()``: nowhere), sorted.
-        unused: the source keys dropped on purpose by ``ignore`` rules, sorted.
+        unused: the source keys dropped on purpose by ``ignore`` rules (and tied
+            copies not checked), sorted.
+        tied: tied copy -> its source key (``tie`` rules), checked or not.
     """
 
     assignments: dict[str, Assignment]
     landed: dict[str, tuple[str, ...]]
     unused: tuple[str, ...]
+    tied: dict[str, str] = field(default_factory=dict)
 
     def apply(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every target's value (all in memory: for small models, tests and tools).
@@ -158,13 +165,13 @@ class Rules:
         (4, 2)
     """
 
-    def __init__(self, *rules: Rule | Rules | Iterable[Rule], direction: Direction = "load") -> None:
+    def __init__(self, *rules: AnyRule | Rules | Iterable[AnyRule], direction: Direction = "load") -> None:
         if direction not in ("load", "export"):
             raise RuleError(f"direction must be 'load' or 'export', got {direction!r}")
-        self.rules: tuple[Rule, ...] = tuple(_flatten(rules))
+        self.rules: tuple[AnyRule, ...] = tuple(_flatten(rules))
         self.direction: Direction = direction
 
-    def __iter__(self) -> Iterator[Rule]:
+    def __iter__(self) -> Iterator[AnyRule]:
         return iter(self.rules)
 
     def __len__(self) -> int:
@@ -210,12 +217,12 @@ class Rules:
         value = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if not _is_structural(r)]
         other: Direction = "export" if self.direction == "load" else "load"
         kept = [r for r in structural if r is not None] + [r for r in reversed(value) if r is not None]
-        return Rules(*kept, direction=other)
+        return Rules(*kept, direction=other)  # type: ignore[arg-type]  # each inverse is a rule
 
 
-def _flatten(items: Iterable[object]) -> Iterator[Rule]:
+def _flatten(items: Iterable[object]) -> Iterator[AnyRule]:
     for item in items:
-        if isinstance(item, (*_STRUCTURAL, TransposeRule, ReshapeRule, ConstantRule)):
+        if isinstance(item, (*_STRUCTURAL, TransposeRule, ReshapeRule, ConstantRule, TieRule)):
             yield item  # type: ignore[misc]
         elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
             yield from _flatten(item)
@@ -223,14 +230,14 @@ def _flatten(items: Iterable[object]) -> Iterator[Rule]:
             raise RuleError(f"Rules takes rules, found {item!r} of type {type(item).__name__}")
 
 
-_STRUCTURAL = tuple(StructuralRule.__args__)
+_STRUCTURAL = (*StructuralRule.__args__, SplitStackRule, ConcatUnstackRule, SumRule, SumExportRule)
 
 
-def _is_structural(rule: Rule) -> TypeGuard[StructuralRule]:
+def _is_structural(rule: AnyRule) -> TypeGuard[AnyStructural]:
     return isinstance(rule, _STRUCTURAL)
 
 
-def _invert(rule: Rule, index: int, recorded: KeyMapping | None) -> Rule | None:
+def _invert(rule: AnyRule, index: int, recorded: KeyMapping | None) -> object:
     if isinstance(rule, IgnoreRule):
         return rule.export  # what the inverse writes instead (None: nothing)
     if isinstance(rule, ConstantRule):
@@ -267,6 +274,9 @@ class _Mapper:
     def __init__(self, rules: Rules, info: dict[str, tuple[Shape, np.dtype]]) -> None:
         self.rules, self.info = rules, info
         self.value_rules = [(i, r) for i, r in enumerate(rules) if isinstance(r, (TransposeRule, ReshapeRule))]
+        self.ties = [r for r in rules if isinstance(r, TieRule)]
+        self.tied: dict[str, str] = {}
+        self.checked: set[str] = set()
         self.errors: list[str] = []
         self.conflicts: list[str] = []
 
@@ -285,15 +295,18 @@ class _Mapper:
 
     def _raise(self, messages: list[str], kind: type[RuleError]) -> None:
         if messages:
-            lines = sorted(set(messages))
-            message = lines[0] if len(lines) == 1 else "\n  ".join([f"{len(lines)} porting rule problems:", *lines])
-            raise kind(message)
+            raise kind(problems_message(sorted(set(messages))))
 
     def _claim(self) -> tuple[dict[int, dict[str, object]], dict[str, str]]:
         """Each source key to its one structural rule (``claims[rule index][key]``)."""
         claims: dict[int, dict[str, object]] = defaultdict(dict)
         renamed: dict[str, str] = {}
-        for key in sorted(self.info):
+        for tie in self.ties:
+            if not tie.writes:
+                found = tie.tied(self.info, self.errors)
+                self.tied.update(found)
+                self.checked.update(found if tie.check else ())
+        for key in sorted(set(self.info) - set(self.tied)):
             hit = self._claim_one(key)
             if hit is None:
                 renamed[key] = key
@@ -325,8 +338,32 @@ class _Mapper:
         for rule in self.rules.rules:
             if isinstance(rule, ConstantRule):
                 nodes.extend(rule.nodes_for(info))
+        nodes = self._tie(nodes)
         self._check_unique(nodes, claims)
         return nodes
+
+    def _tie(self, nodes: list[Node]) -> list[Node]:
+        """Export: every tied copy written; load: checked copies read with their source."""
+        for tie in self.ties:
+            if tie.writes:
+                nodes = nodes + tie.written(nodes)
+        checked: dict[str, list[str]] = defaultdict(list)
+        for copy, source in self.tied.items():
+            if copy in self.checked:
+                checked[source].append(copy)
+        out = []
+        for node in nodes:
+            copies = checked.pop(node.sources[0], None) if len(node.sources) == 1 else None
+            if copies and node.combine is None:
+                node = tie_checked(node, copies)
+            elif copies:
+                self.errors.append(
+                    f"`{copies[0]}`: tied to `{node.sources[0]}`, which no plain rename reads; "
+                    "tie(..., check=False) keeps the source and reports the copy"
+                )
+            out.append(node)
+        self.errors.extend(f"`{c[0]}`: tied to `{s}`, which lands nowhere" for s, c in checked.items())
+        return out
 
     def _check_unique(self, nodes: Sequence[Node], claims: Mapping[int, dict[str, object]]) -> None:
         """Record a conflict for every target made twice, naming both origins."""
@@ -378,8 +415,38 @@ class _Mapper:
             for key in a.sources:
                 landed[key].append(target)
         ignored = {k for i, c in claims.items() if isinstance(self.rules.rules[i], IgnoreRule) for k in c}
-        unused = tuple(sorted(ignored))
-        return KeyMapping(assignments, {k: tuple(v) for k, v in landed.items()}, unused)
+        unused = tuple(sorted(ignored | {k for k in self.tied if not landed[k]}))
+        return KeyMapping(
+            assignments, {k: tuple(v) for k, v in landed.items()}, unused, dict(sorted(self.tied.items()))
+        )
+
+
+_GROUPED = 5  # more problems than this are shown one line per kind, with a hint
+_HINTS = {
+    "produced twice": "a target made twice often means a pattern captures an index (a layer) that the "
+    "target does not use: reference it (\\g<layer>), or stack the layers (stack(), split(..., "
+    "stacked=True), a helper given a (?P<layer>\\d+) pattern)",
+    "matched by both": "a file key feeds one rule: narrow the broader pattern, or drop the rename",
+}
+
+
+def problems_message(lines: Sequence[str]) -> str:
+    """One line per problem; past a few, one line per kind of problem (the same text
+    but for the names in backticks) with the count and the first names, and a hint."""
+    if len(lines) == 1:
+        return lines[0]
+    if len(lines) <= _GROUPED:
+        return "\n  ".join([f"{len(lines)} porting rule problems:", *lines])
+    kinds: dict[str, list[str]] = defaultdict(list)
+    for line in lines:
+        kinds[re.sub(r"`[^`]*`", "``", line)].append(line)
+    out = [f"{len(lines)} porting rule problems, {len(kinds)} kind(s):"]
+    for same in kinds.values():
+        names = list(dict.fromkeys(m.group(0) for line in same[1:] if (m := re.match(r"`[^`]*`", line))))
+        more = f" (and {len(same) - 1} more like it, on {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
+        out.append(same[0] + (more if len(same) > 1 else ""))
+    hints = [hint for marker, hint in _HINTS.items() if any(marker in line for line in lines)]
+    return "\n  ".join(out) + "".join(f"\nhint: {h}" for h in hints)
 
 
 def _tagged(node: Node, index: int) -> Node:

@@ -17,12 +17,15 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ._errors import NotInvertibleError, RuleError
+from ..errors import NotInvertibleError, RuleError
+from ._parts import axis_of as _axis
+from ._parts import complete_layers, layer_groups, refuse_shared_layer, split_bounds
+from ._parts import same_dtype as _same_dtype
 from ._template import Template, check_refs, compile_pattern, invert
 from ._template import raw as _raw
 from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
@@ -62,25 +65,12 @@ def _fullmatch(regex: re.Pattern[str], key: str) -> re.Match[str] | None:
     return regex.fullmatch(key)
 
 
-def _axis(axis: int, ndim: int) -> int | None:
-    return axis + ndim if -ndim <= axis < 0 else (axis if 0 <= axis < ndim else None)
-
-
 def _set(obj: object, name: str, value: object) -> None:
     object.__setattr__(obj, name, value)
 
 
 def _with_inverse(rule: StructuralRule, inverse: StructuralRule) -> StructuralRule:
     return replace(inverse, inverse_rule=rule)  # type: ignore[arg-type]  # mypy cannot replace() over a union
-
-
-def _same_dtype(keys: Sequence[str], info: Info, target: str, errors: list[str]) -> np.dtype | None:
-    dtypes = {info[k][1] for k in keys}
-    if len(dtypes) == 1:
-        return dtypes.pop()
-    found = ", ".join(f"`{k}` {info[k][1]}" for k in keys)
-    errors.append(f"`{target}`: its sources must share one dtype, found {found}")
-    return None
 
 
 # --- rename / ignore ----------------------------------------------------------------
@@ -208,6 +198,7 @@ class SplitRule:
         _set(self, "_templates", tuple(Template.parse(t) for t in self.targets))
         for template in self._templates:
             check_refs(template, self._regex)
+        refuse_shared_layer(self, self._regex, self._templates, "layer")
         if len(self.targets) < 2:
             raise RuleError(f"{self}: a split needs at least two targets, got {len(self.targets)}")
         if self.sizes is not None and (len(self.sizes) != len(self.targets) or min(self.sizes) < 0):
@@ -238,19 +229,7 @@ class SplitRule:
         return nodes
 
     def _bounds(self, key: str, shape: Shape, errors: list[str]) -> tuple[int, list[int]] | None:
-        axis = _axis(self.axis, len(shape))
-        count = len(self.targets)
-        if axis is None:
-            errors.append(f"`{key}`: {self} needs axis {self.axis}, found shape {shape}")
-            return None
-        sizes = self.sizes
-        if sizes is None and shape[axis] % count == 0:
-            sizes = (shape[axis] // count,) * count
-        if sizes is None or sum(sizes) != shape[axis]:
-            want = f"sizes {self.sizes} (sum {sum(self.sizes)})" if self.sizes else f"a multiple of {count}"
-            errors.append(f"`{key}`: {self} needs {want} on axis {self.axis}, found shape {shape}")
-            return None
-        return axis, [0, *np.cumsum(sizes).tolist()]
+        return split_bounds(self, key, shape, (self.axis, self.sizes, len(self.targets)), errors)
 
     def inverse(self) -> StructuralRule:
         """A :class:`ConcatRule` joining the targets back into the source."""
@@ -399,28 +378,14 @@ class StackRule(_LayerRule):
 
     def nodes(self, claims: Mapping[str, tuple[str, str]], info: Info, errors: list[str]) -> list[Node]:
         """One stacked node per target whose layers are exactly ``0 .. L-1``."""
-        groups: dict[str, dict[int, str]] = defaultdict(dict)
-        for key, (layer, target) in sorted(claims.items()):
-            if not layer.isdigit():
-                errors.append(f"`{key}`: {self} needs a decimal layer index, found {layer!r}")
-            elif int(layer) in groups[target]:
-                errors.append(f"`{target}`: produced twice by {self}, from `{groups[target][int(layer)]}` and `{key}`")
-            else:
-                groups[target][int(layer)] = key
+        groups = layer_groups(self, claims, errors)
         return [n for t, layers in groups.items() if (n := self._node(t, layers, info, errors)) is not None]
 
     def _node(self, target: str, layers: Mapping[int, str], info: Info, errors: list[str]) -> Node | None:
-        missing = sorted(set(range(max(layers) + 1)) - set(layers))
-        if missing:
-            errors.append(f"`{target}`: {self} found layers {sorted(layers)}, missing layers {missing}")
+        found = complete_layers(self, target, layers, info, errors)
+        if found is None:
             return None
-        keys = tuple(layers[i] for i in range(len(layers)))
-        shapes = {info[k][0] for k in keys}
-        if len(shapes) != 1:
-            found = ", ".join(f"`{k}` {info[k][0]}" for k in keys)
-            errors.append(f"`{target}`: {self} needs layers of one shape, found {found}")
-            return None
-        (shape,) = shapes
+        keys, shape = found
         axis = _axis(self.axis, len(shape) + 1)
         if axis is None:
             errors.append(f"`{target}`: {self} cannot stack shape {shape} on axis {self.axis}")

@@ -19,7 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ._errors import NotInvertibleError, RuleError
+from ..errors import NotInvertibleError, RuleError
 
 __all__ = ["Group", "Template", "compile_pattern", "invert", "parse_pattern", "raw"]
 

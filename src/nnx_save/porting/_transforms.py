@@ -13,9 +13,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Concatenate", "Constant", "Index", "Reshape", "Stack", "Take", "Transform", "Transpose"]
+from ..errors import TiedValuesError
+from ._boxes import Feed, concat_feeds, extents, inside, reshape_back, with_extent
+
+__all__ = [
+    "Chain",
+    "Concatenate",
+    "Constant",
+    "Each",
+    "Index",
+    "Reshape",
+    "Same",
+    "Stack",
+    "Sum",
+    "Take",
+    "Transform",
+    "Transpose",
+]
 
 Shape = tuple[int, ...]
+Box = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -26,6 +43,17 @@ class Transpose:
     rule: int = -1  # position of the rule that made it in its Rules, for messages
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
+        return np.transpose(x, self.axes)
+
+    def box_before(self, box: Box) -> Box | None:
+        """The input box whose transpose is ``box``."""
+        before = [(0, 0)] * len(self.axes)
+        for i, axis in enumerate(self.axes):
+            before[axis] = box[i]
+        return tuple(before)
+
+    def on_box(self, x: np.ndarray, box: Box) -> np.ndarray:
+        """Output box ``box`` from the region :meth:`box_before` named."""
         return np.transpose(x, self.axes)
 
 
@@ -39,6 +67,13 @@ class Reshape:
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         return x.reshape(self.shape)
+
+    def box_before(self, box: Box) -> Box | None:
+        """The input box whose reshape is ``box``, if it is rectangular."""
+        return reshape_back(self.source_shape, self.shape, box)
+
+    def on_box(self, x: np.ndarray, box: Box) -> np.ndarray:
+        return x.reshape(extents(box))
 
 
 @dataclass(frozen=True)
@@ -55,6 +90,15 @@ class Take:
         index[self.axis] = slice(self.start, self.stop)
         return x[tuple(index)]
 
+    def feeds(self, box: Box) -> list[Feed]:
+        """The source boxes that make ``box`` of the result."""
+        lo, hi = box[self.axis]
+        return [(0, with_extent(box, self.axis, (lo + self.start, hi + self.start)))]
+
+    def on_boxes(self, regions: Sequence[np.ndarray]) -> np.ndarray:
+        """The result's box from the regions :meth:`feeds` named."""
+        return regions[0]
+
 
 @dataclass(frozen=True)
 class Index:
@@ -66,6 +110,12 @@ class Index:
     def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         (x,) = xs
         return np.take(x, self.index, axis=self.axis)
+
+    def feeds(self, box: Box) -> list[Feed]:
+        return [(0, (*box[: self.axis], (self.index, self.index + 1), *box[self.axis :]))]
+
+    def on_boxes(self, regions: Sequence[np.ndarray]) -> np.ndarray:
+        return np.take(regions[0], 0, axis=self.axis)
 
 
 @dataclass(frozen=True)
@@ -79,6 +129,12 @@ class Concatenate:
     def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         return np.concatenate(list(xs), axis=self.axis)
 
+    def feeds(self, box: Box) -> list[Feed]:
+        return concat_feeds(self.axis, self.sizes, box)
+
+    def on_boxes(self, regions: Sequence[np.ndarray]) -> np.ndarray:
+        return regions[0] if len(regions) == 1 else np.concatenate(list(regions), axis=self.axis)
+
 
 @dataclass(frozen=True)
 class Stack:
@@ -89,23 +145,100 @@ class Stack:
     def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         return np.stack(list(xs), axis=self.axis)
 
+    def feeds(self, box: Box) -> list[Feed]:
+        lo, hi = box[self.axis]
+        return [(i, (*box[: self.axis], *box[self.axis + 1 :])) for i in range(lo, hi)]
+
+    def on_boxes(self, regions: Sequence[np.ndarray]) -> np.ndarray:
+        return np.stack(list(regions), axis=self.axis)
+
 
 Step = Transpose | Reshape
 
 
 @dataclass(frozen=True)
 class Constant:
-    """A 0-d ``value`` of ``dtype`` that no source holds (a torch buffer written on
-    export, such as BatchNorm's ``num_batches_tracked``); takes no sources."""
+    """``value`` of ``dtype`` filling ``shape`` (default 0-d) that no source holds (a
+    torch buffer written on export, such as BatchNorm's ``num_batches_tracked``, or
+    the zero second bias of an LSTM); takes no sources."""
 
     value: int | float
     dtype: str
+    shape: Shape = ()
 
     def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
-        return np.asarray(self.value, np.dtype(self.dtype))
+        return np.full(self.shape, self.value, np.dtype(self.dtype))
 
 
-Combine = Take | Index | Concatenate | Stack | Constant
+@dataclass(frozen=True)
+class Sum:
+    """The element-wise sum of the sources (torch's two LSTM biases into one)."""
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        out = np.array(xs[0], copy=True)
+        for x in xs[1:]:
+            out += x
+        return out
+
+
+@dataclass(frozen=True)
+class Same:
+    """The first source, after checking every other source equals it (tied copies).
+
+    ``keys`` name the sources, for the message.
+    """
+
+    keys: tuple[str, ...]
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        first = xs[0]
+        for key, x in zip(self.keys[1:], xs[1:], strict=True):
+            if x.shape != first.shape or not np.array_equal(x, first, equal_nan=first.dtype.kind in "fc"):
+                raise TiedValuesError(_untied(self.keys[0], key, first, x))
+        return first
+
+
+def _untied(source: str, copy: str, a: np.ndarray, b: np.ndarray) -> str:
+    diff = np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))) if a.shape == b.shape else "shape"
+    return (
+        f"`{copy}` is declared tied to `{source}` but holds other values (max |difference| {diff}); "
+        f"the file's copies were trained apart: give the model a separate param for `{copy}`, "
+        "or pass check=False to tie() to keep the source and report the copy"
+    )
+
+
+@dataclass(frozen=True)
+class Each:
+    """``outer([inner([x]) for x in xs])``: a step per source, then one combine
+    (one part of each layer's fused tensor, stacked)."""
+
+    inner: Take | Index
+    outer: Stack | Concatenate
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        return self.outer([self.inner([x]) for x in xs])
+
+    def feeds(self, box: Box) -> list[Feed]:
+        """Each part the outer combine names, through the inner step (one feed each)."""
+        return [(i, self.inner.feeds(part)[0][1]) for i, part in self.outer.feeds(box)]
+
+    def on_boxes(self, regions: Sequence[np.ndarray]) -> np.ndarray:
+        return self.outer.on_boxes([self.inner.on_boxes([r]) for r in regions])
+
+
+@dataclass(frozen=True)
+class Chain:
+    """``outer([inner(xs)])``: combine the sources, then cut (a sum, split)."""
+
+    inner: Sum
+    outer: Take
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        return self.outer([self.inner(xs)])
+
+
+Combine = Take | Index | Concatenate | Stack | Constant | Sum | Same | Each | Chain
+_BOX_COMBINES = (Take, Index, Concatenate, Stack, Each)  # the combines with a per-box map
 
 
 @dataclass(frozen=True)
@@ -133,6 +266,53 @@ class Transform:
         else:
             x = self.combine(xs)
         return _contiguous(_chain(self.post, x))
+
+    def source_boxes(self, box: Box, shapes: Sequence[Shape]) -> list[Feed] | None:
+        """The ``(source index, source box)`` reads that make ``box`` of the result,
+        in the order :meth:`from_boxes` takes their regions, for sources of
+        ``shapes``; ``None`` when ``box`` has no per-box preimage (a reshape across
+        it, a combine with no box map, export-direction source steps): read whole.
+
+        Examples:
+            >>> t = Transform((), None, (Transpose((1, 0)),))
+            >>> t.source_boxes(((0, 4), (2, 3)), [(3, 4)])  # kernel column 2: weight row 2
+            [(0, ((2, 3), (0, 4)))]
+        """
+        chain = None if self.pre or not all(lo < hi for lo, hi in box) else self._boxes_before(box)
+        if chain is None:
+            return None
+        if self.combine is None:
+            feeds = [(0, chain[0])]
+        elif isinstance(self.combine, _BOX_COMBINES):
+            feeds = self.combine.feeds(chain[0])
+        else:
+            return None
+        return feeds if all(inside(b, shapes[i]) for i, b in feeds) else None
+
+    def from_boxes(self, box: Box, regions: Sequence[np.ndarray]) -> np.ndarray:
+        """Box ``box`` of the result from the regions read for :meth:`source_boxes`.
+
+        Examples:
+            >>> t = Transform((), None, (Transpose((1, 0)),))
+            >>> t.from_boxes(((0, 2), (1, 2)), [np.array([[5, 6]])]).tolist()
+            [[5], [6]]
+        """
+        chain = self._boxes_before(box)
+        assert chain is not None, "from_boxes of a box source_boxes refused"
+        x = self.combine.on_boxes(regions) if isinstance(self.combine, _BOX_COMBINES) else regions[0]
+        for step, out in zip(self.post, chain[1:], strict=True):
+            x = step.on_box(x, out)
+        return x
+
+    def _boxes_before(self, box: Box) -> list[Box] | None:
+        """The box before each post step, then ``box``: ``[combined box, ..., box]``."""
+        chain = [box]
+        for step in reversed(self.post):
+            before = step.box_before(chain[0]) if isinstance(step, (Transpose, Reshape)) else None
+            if before is None:
+                return None
+            chain.insert(0, before)
+        return chain
 
 
 def _contiguous(x: np.ndarray) -> np.ndarray:

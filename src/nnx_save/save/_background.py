@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _progress
+from .. import _config, _progress
 from ..errors import NnxSaveError, SaveError
 from ..io import _remote
 from . import _stage
@@ -65,8 +65,7 @@ from ._write import Entry
 
 __all__ = ["MAX_IN_FLIGHT_ENV", "SaveHandle", "max_in_flight", "save", "snapshot", "wait_for_saves"]
 
-MAX_IN_FLIGHT_ENV = "NNX_SAVE_MAX_ASYNC_SAVES"
-_DEFAULT_MAX_IN_FLIGHT = 2
+MAX_IN_FLIGHT_ENV = _config.MAX_ASYNC_SAVES.name
 log = logging.getLogger("nnx_save")
 
 _lock = threading.Lock()
@@ -127,14 +126,7 @@ class SaveHandle:
 
 def max_in_flight() -> int:
     """How many asynchronous saves may be in flight (``NNX_SAVE_MAX_ASYNC_SAVES``, default 2)."""
-    value = os.environ.get(MAX_IN_FLIGHT_ENV, "")
-    try:
-        n = int(value) if value else _DEFAULT_MAX_IN_FLIGHT
-    except ValueError:
-        raise NnxSaveError(f"{MAX_IN_FLIGHT_ENV}={value!r}: expected a positive integer") from None
-    if n < 1:
-        raise NnxSaveError(f"{MAX_IN_FLIGHT_ENV}={value!r}: expected a positive integer")
-    return n
+    return _config.MAX_ASYNC_SAVES.get()
 
 
 def save(

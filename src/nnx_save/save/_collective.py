@@ -54,20 +54,19 @@ from typing import Any
 
 import numpy as np
 
+from .. import _config
 from ..errors import SaveError
 from ..format import _checksum, _dtypes
 from ..format._header import encode_header
-from ..io._remote_write import is_destination, write_remote
-from ..layouts._sources import pread_exact
+from ..io._files import pread_exact
 from ..load._plan import box_runs
 from . import _stage
 from ._stage import HostValue, spans_processes
-from ._write import Entry, fsync_dir, host_bytes, order_entries, temp_path, write_file
+from ._write import Entry, _write_all, fsync_dir, host_bytes, order_entries, temp_path
 
-__all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "save", "write_collective"]
+__all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "write_collective"]
 
-TIMEOUT_ENV = "NNX_SAVE_COLLECTIVE_TIMEOUT_S"
-_DEFAULT_TIMEOUT_S = 1800.0
+TIMEOUT_ENV = _config.COLLECTIVE_TIMEOUT_S.name
 _HASH_CHUNK = 64 << 20
 _SAVES = itertools.count()  # every process saves in the same order (SPMD), so ids agree
 
@@ -148,20 +147,7 @@ def _allgather(value: str | None) -> dict[int, str]:
 
 
 def _timeout() -> float:
-    return float(os.environ.get(TIMEOUT_ENV, _DEFAULT_TIMEOUT_S))
-
-
-def save(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
-    """Write one file: alone when this is the only process, together otherwise; a
-    URL (``s3://``, ``gs://``, ``memory://`` ...) through fsspec (:mod:`._remote_write`)."""
-    import jax
-
-    if is_destination(path):
-        write_remote(str(path), entries, metadata)
-    elif jax.process_count() == 1:
-        write_file(path, entries, metadata)
-    else:
-        write_collective(path, entries, metadata)
+    return _config.COLLECTIVE_TIMEOUT_S.get()
 
 
 @dataclass
@@ -295,12 +281,6 @@ def _create(path: Path, size: int) -> Outcome:
     return Outcome(True, tmp.name)
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
-
-
 def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: int) -> None:
     """Write this process's replica-0 shards of a tensor, ``(shard, host array)`` pairs, at their byte runs."""
     row = _dtypes.DTYPES[e.code]
@@ -321,7 +301,7 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
                 f"{e.key}: shard {box} gave {len(data)} bytes, expected {len(offsets) * length}", key_path=e.key
             )
         for i, off in enumerate(offsets.tolist()):
-            _pwrite_all(fd, data[i * length : (i + 1) * length], off)
+            _write_all(fd, data[i * length : (i + 1) * length], off)
 
 
 def _local_shards(array: Any) -> list[tuple[Any, np.ndarray]]:
@@ -359,7 +339,7 @@ def _write_mine(
     fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
     try:
         if sync.pid == 0:
-            _pwrite_all(fd, memoryview(head), 0)
+            _write_all(fd, memoryview(head), 0)
         for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
             array = _cross(e)
             if array is not None:
@@ -374,7 +354,7 @@ def _write_mine(
                         f"{list(e.shape)} says {end - begin}",
                         key_path=e.key,
                     )
-                _pwrite_all(fd, data, len(head) + begin)
+                _write_all(fd, data, len(head) + begin)
                 digests[e.key] = _checksum.digest([data])
                 del data
         os.fsync(fd)
@@ -426,7 +406,7 @@ def _commit(sync: Sync, tmp: Path, head: bytes) -> Outcome:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            _pwrite_all(fd, memoryview(head), 0)
+            _write_all(fd, memoryview(head), 0)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -25,20 +25,19 @@ bounded path runs, and can be measured, without an accelerator.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..errors import NnxSaveError, SaveError
+from .. import _config
+from ..errors import NnxSaveError, OptionError, SaveError
 
 __all__ = ["BUDGET_ENV", "FORCE_ENV", "HostValue", "Staged", "Window", "budget", "spans_processes", "stage"]
 
-BUDGET_ENV = "NNX_SAVE_SAVE_INFLIGHT_BYTES"
-FORCE_ENV = "NNX_SAVE_FORCE_HOST_STAGING"
-DEFAULT_BUDGET = 1 << 30
+BUDGET_ENV = _config.SAVE_INFLIGHT_BYTES.name
+FORCE_ENV = _config.FORCE_HOST_STAGING.name
 # Host memory kinds a device -> host copy may land in, the fastest first.
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
@@ -76,18 +75,13 @@ def budget(value: int | None = None) -> int:
     """The byte budget for host copies in flight: ``value``, else ``NNX_SAVE_SAVE_INFLIGHT_BYTES``, else 1 GiB."""
     if value is not None:
         if value < 1:
-            raise NnxSaveError(f"max_inflight_bytes={value}: expected a positive number of bytes")
+            raise OptionError(f"max_inflight_bytes={value}: expected a positive number of bytes", "max_inflight_bytes")
         return value
-    text = os.environ.get(BUDGET_ENV, "")
-    if not text:
-        return DEFAULT_BUDGET
-    if not text.isdigit() or int(text) < 1:
-        raise NnxSaveError(f"{BUDGET_ENV}={text!r}: expected a positive number of bytes")
-    return int(text)
+    return _config.SAVE_INFLIGHT_BYTES.get()
 
 
 def _forced() -> bool:
-    return os.environ.get(FORCE_ENV, "") not in ("", "0")
+    return _config.FORCE_HOST_STAGING.get()
 
 
 def _own_shards(array: Any) -> list[Any]:

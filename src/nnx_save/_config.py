@@ -1,0 +1,216 @@
+"""Every ``NNX_SAVE_*`` environment variable: read, validated and documented here only.
+
+Each variable is one :class:`Variable`; the modules that need one call its
+:meth:`~Variable.get` where the value is used, never at import, so a test or a
+program may set the variable at any time before the operation it tunes. A value
+that cannot be used is a :class:`~nnx_save.errors.ConfigError` naming the variable,
+what it must hold and what it holds. An unset or empty variable means its default.
+docs/configuration.md shows :data:`VARIABLES` as a table (tests/test_config.py
+keeps the two equal).
+
+Examples:
+    >>> import os
+    >>> os.environ["NNX_SAVE_MAX_ASYNC_SAVES"] = "4"
+    >>> MAX_ASYNC_SAVES.get()
+    4
+    >>> os.environ["NNX_SAVE_MAX_ASYNC_SAVES"] = "many"
+    >>> MAX_ASYNC_SAVES.get()
+    Traceback (most recent call last):
+    ...
+    nnx_save.errors.ConfigError: NNX_SAVE_MAX_ASYNC_SAVES='many': expected a positive integer
+    >>> del os.environ["NNX_SAVE_MAX_ASYNC_SAVES"]
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from .errors import ConfigError
+
+__all__ = [
+    "COLLECTIVE_TIMEOUT_S",
+    "FORCE_HOST_STAGING",
+    "HTTP_MIN_RATE",
+    "HTTP_TIMEOUT",
+    "MAX_ASYNC_SAVES",
+    "PROGRESS_MIN_BYTES",
+    "SAVE_INFLIGHT_BYTES",
+    "STAGING",
+    "STORE_TIMEOUT_S",
+    "STREAM",
+    "VARIABLES",
+    "Variable",
+]
+
+T = TypeVar("T")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Variable(Generic[T]):
+    """One environment variable: its name, default, accepted values and meaning.
+
+    Attributes:
+        name: the variable (``NNX_SAVE_...``).
+        default: the value when it is unset or empty.
+        expected: what a value must be, in words (said by the error).
+        meaning: what it tunes, in one sentence (the docs table's last column).
+        parse: text -> value; raises ``ValueError`` for a value it refuses.
+    """
+
+    name: str
+    default: T
+    expected: str
+    meaning: str
+    parse: Callable[[str], T]
+
+    def get(self) -> T:
+        """The variable's value now: parsed, or the default when unset or empty.
+
+        Raises:
+            ConfigError: the value is not one :attr:`expected` allows.
+        """
+        raw = os.environ.get(self.name, "")
+        if not raw.strip():
+            return self.default
+        try:
+            return self.parse(raw.strip())
+        except ValueError:
+            raise ConfigError(self.name, self.expected, raw) from None
+
+    @property
+    def default_text(self) -> str:
+        """The default as the docs table shows it (``auto`` for ``None``)."""
+        value: object = self.default
+        if value is None:
+            return "auto"
+        if isinstance(value, bool):
+            return "1" if value else "0"
+        if isinstance(value, float) and value.is_integer():
+            return str(int(value))
+        return str(value)
+
+
+def _flag(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ValueError(text)
+
+
+def _flag_or_auto(text: str) -> bool | None:
+    return None if text.lower() == "auto" else _flag(text)
+
+
+def _staging(text: str) -> str:
+    if text.lower() not in ("auto", "pinned", "pageable"):
+        raise ValueError(text)
+    return text.lower()
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise ValueError(text)
+    return value
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise ValueError(text)
+        return value
+
+    return parse
+
+
+STREAM: Variable[bool | None] = Variable(
+    "NNX_SAVE_STREAM",
+    None,
+    "1, 0 or auto",
+    "1 forces the streaming load path (staging buffers, also on the CPU backend), 0 forbids it; "
+    "used when a load leaves `stream` unset",
+    _flag_or_auto,
+)
+STAGING: Variable[str] = Variable(
+    "NNX_SAVE_STAGING",
+    "auto",
+    "auto, pinned or pageable",
+    "the streaming path's staging memory, when a load leaves `staging` at auto",
+    _staging,
+)
+HTTP_TIMEOUT: Variable[float] = Variable(
+    "NNX_SAVE_HTTP_TIMEOUT",
+    60.0,
+    "a positive number of seconds",
+    "seconds every HTTP range request may take, plus its length at NNX_SAVE_HTTP_MIN_RATE",
+    _positive_float,
+)
+HTTP_MIN_RATE: Variable[float] = Variable(
+    "NNX_SAVE_HTTP_MIN_RATE",
+    float(256 << 10),
+    "a positive number of bytes per second",
+    "the slowest transfer rate (bytes per second) an HTTP request's deadline allows for",
+    _positive_float,
+)
+COLLECTIVE_TIMEOUT_S: Variable[float] = Variable(
+    "NNX_SAVE_COLLECTIVE_TIMEOUT_S",
+    1800.0,
+    "a positive number of seconds",
+    "seconds a process of a multi-process save or pod save waits for the others at each step",
+    _positive_float,
+)
+STORE_TIMEOUT_S: Variable[float] = Variable(
+    "NNX_SAVE_STORE_TIMEOUT_S",
+    300.0,
+    "a positive number of seconds",
+    "seconds a process of the checkpoint store waits for process 0's decision about the directory",
+    _positive_float,
+)
+MAX_ASYNC_SAVES: Variable[int] = Variable(
+    "NNX_SAVE_MAX_ASYNC_SAVES",
+    2,
+    "a positive integer",
+    "saves with `blocking=False` in flight at once; the next one waits for the oldest",
+    _int_at_least(1),
+)
+SAVE_INFLIGHT_BYTES: Variable[int] = Variable(
+    "NNX_SAVE_SAVE_INFLIGHT_BYTES",
+    1 << 30,
+    "a positive number of bytes",
+    "host bytes of device -> host copies a save holds at once",
+    _int_at_least(1),
+)
+FORCE_HOST_STAGING: Variable[bool] = Variable(
+    "NNX_SAVE_FORCE_HOST_STAGING",
+    False,
+    "1 or 0",
+    "1 makes saves stage device -> host copies on the CPU backend too (a testing aid)",
+    _flag,
+)
+PROGRESS_MIN_BYTES: Variable[int] = Variable(
+    "NNX_SAVE_PROGRESS_MIN_BYTES",
+    256 << 20,
+    "a number of bytes, 0 or more",
+    "bytes an operation must move for `progress=None` to show a bar",
+    _int_at_least(0),
+)
+
+VARIABLES: tuple[Variable, ...] = (
+    STREAM,
+    STAGING,
+    HTTP_TIMEOUT,
+    HTTP_MIN_RATE,
+    COLLECTIVE_TIMEOUT_S,
+    STORE_TIMEOUT_S,
+    MAX_ASYNC_SAVES,
+    SAVE_INFLIGHT_BYTES,
+    FORCE_HOST_STAGING,
+    PROGRESS_MIN_BYTES,
+)

@@ -1,0 +1,84 @@
+"""``save_pod``: a pytree or an NNX model, flattened into entries for the pod writer
+(:func:`nnx_save.layouts._pod.write_pod`, which owns the format)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from . import _nnx
+from ._pytree import check_metadata, flatten, leaf_entry
+from .format import _paths
+from .layouts._pod import write_pod
+from .load._options import DEFAULT, merge
+from .save._background import SaveHandle
+from .save._options import SaveOptions
+from .save._write import Entry
+
+__all__ = ["save_pod"]
+
+
+def save_pod(
+    tree_or_model: Any,
+    directory: str | os.PathLike,
+    *,
+    metadata: Mapping[str, str] | None = None,
+    filter: Any = ...,
+    progress: bool | None = DEFAULT,
+    blocking: bool = DEFAULT,
+    options: SaveOptions | None = None,
+) -> Path | SaveHandle:
+    """Save a pytree of arrays or an NNX model as a pod directory: one shard file per
+    process and a ``manifest.json``.
+
+    Call it on every process (with the same tree: global shapes). Each process writes
+    only its own file, with every distinct box its devices hold; nothing is gathered.
+    The manifest is written last, atomically, so a crash or a full disk leaves the
+    previous save readable. :func:`~nnx_save.load_file` and
+    :func:`~nnx_save.load_model` read the directory on any process layout.
+
+    Args:
+        tree_or_model: a pytree of jax / numpy arrays, or an NNX object.
+        directory: the pod directory (created if needed; must be shared by all processes).
+        metadata: string -> string pairs for the manifest and every shard file.
+        filter: an NNX filter, for a model (``nnx.Param``: parameters only).
+        progress: a progress bar on stderr when it is a terminal: ``None`` above
+            256 MiB, ``True`` always, ``False`` never.
+        blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
+            of this process's pieces is taken; the files are written in the
+            background (see docs/async.md), on every process in program order.
+        options: a :class:`SaveOptions` (``progress`` and ``blocking`` are its
+            shortcuts: a keyword may set a field ``options`` leaves at its default).
+
+    Returns:
+        The path of ``manifest.json`` (``blocking=False``: a :class:`SaveHandle`
+        whose ``result()`` is the directory).
+
+    Raises:
+        SaveError: a process failed or did not arrive in time; the previous pod
+            directory content is intact.
+        OptionError: an option out of range, ``max_shard_size``, or a setting given
+            both as a keyword and in ``options`` (names it).
+
+    Examples:
+        >>> import numpy as np, nnx_save, tempfile
+        >>> d = tempfile.mkdtemp()
+        >>> _ = nnx_save.save_pod({"w": np.arange(4, dtype=np.float32)}, d)
+        >>> nnx_save.load_file(d)["w"]
+        array([0., 1., 2., 3.], dtype=float32)
+    """
+    how = merge(SaveOptions, options, "save_pod", locals()).unsharded("save_pod writes a pod")  # locals() first
+    entries, meta = _entries(tree_or_model, metadata, filter)
+    return write_pod(directory, entries, meta, progress=how.progress, blocking=how.blocking)
+
+
+def _entries(tree_or_model: Any, metadata: Mapping[str, str] | None, filter: Any) -> tuple[list[Entry], dict]:
+    if _nnx.is_model(tree_or_model):
+        entries, rng, scalars = _nnx.model_entries(tree_or_model, filter)
+        return entries, _nnx.model_metadata(metadata, rng, scalars)
+    check_metadata(metadata)
+    pairs, _ = flatten(tree_or_model)
+    _paths.check_unique(p for p, _ in pairs)
+    return [leaf_entry(p, v) for p, v in pairs], dict(metadata or {})

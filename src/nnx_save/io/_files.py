@@ -1,0 +1,202 @@
+"""Local files: opening only regular files, exact positioned reads, and the one
+process-wide pool of pinned descriptors.
+
+A header read from local files pins each file's descriptor here, so a load reads
+the very file whose header it validated even when a writer renames a new version
+over it meanwhile. The pool is bounded for the whole process (a quarter of the
+soft ``RLIMIT_NOFILE``): beyond it the least recently used descriptor is closed,
+and that file is reopened by name when next read, refused with a typed error if it
+is no longer the file the header was read from.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import stat
+import threading
+import weakref
+
+from ..errors import SourceError, TruncatedFileError
+
+try:  # imported with the module, not on the first header read (it loads a C extension)
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
+
+__all__ = ["Pinned", "max_pinned", "open_regular", "pread_exact", "read_capped"]
+
+_Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+
+
+def pread_exact(fd: int, size: int, offset: int, file: str) -> bytes:
+    """Read exactly ``size`` bytes at ``offset``.
+
+    Raises:
+        TruncatedFileError: the file ends first; names the file and both offsets.
+    """
+    chunks, got = [], 0
+    while got < size:
+        chunk = os.pread(fd, size - got, offset + got)
+        if not chunk:
+            raise TruncatedFileError(
+                f"{file}: expected {size} bytes at byte {offset}, the file ends at byte {offset + got}",
+                file,
+                offset + got,
+            )
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return f"not a regular file (mode {mode:o})"
+
+
+def open_regular(name: str) -> int:
+    """Open ``name`` for reading, refusing anything but a regular file.
+
+    Opened without blocking (a FIFO would otherwise wait for a writer forever), then
+    checked with ``fstat`` on the descriptor itself, then set back to blocking.
+
+    Raises:
+        SourceError: a directory, FIFO, device or socket, or an unreadable path.
+        FileNotFoundError: no such file.
+    """
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise SourceError(f"{name}: cannot open the file ({e.strerror})", name) from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise SourceError(f"{name}: is {_kind(mode)}, not a regular file; checkpoint files must be regular files", name)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def read_capped(name: str, what: str, cap: int, error: type[Exception]) -> bytes:
+    """The bytes of a small record (an index, a manifest): a regular file (never a
+    FIFO or device) of at most ``cap`` bytes, sized before it is read."""
+    fd = open_regular(name)
+    try:
+        size = os.fstat(fd).st_size
+        if size > cap:
+            raise error(f"{name}: {what} of {size} bytes exceeds the cap of {cap} bytes")
+        return pread_exact(fd, size, 0, name)
+    finally:
+        os.close(fd)
+
+
+def max_pinned() -> int:
+    """Descriptors the whole process keeps pinned: a quarter of the soft descriptor
+    limit, at most 4096 (64 where the limit cannot be read)."""
+    if resource is None:
+        return 64
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return 64
+    return 4096 if soft == resource.RLIM_INFINITY else max(0, min(4096, soft // 4))
+
+
+def _identity(fd: int) -> _Identity:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class _Pool:
+    """The process's pinned descriptors, least recently used first."""
+
+    def __init__(self) -> None:
+        self.fds: collections.OrderedDict[tuple[int, str], int] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def add(self, key: tuple[int, str], fd: int) -> None:
+        with self.lock:
+            limit = max_pinned()
+            while self.fds and len(self.fds) >= limit:
+                _close(self.fds.popitem(last=False)[1])
+            if limit:
+                self.fds[key] = fd
+                return
+        _close(fd)
+
+    def dup(self, key: tuple[int, str]) -> int | None:
+        with self.lock:  # never dup a number another thread has just closed (and the OS reused)
+            fd = self.fds.get(key)
+            if fd is None:
+                return None
+            self.fds.move_to_end(key)
+            return os.dup(fd)
+
+    def drop(self, owner: int) -> None:
+        with self.lock:
+            for key in [k for k in self.fds if k[0] == owner]:
+                _close(self.fds.pop(key))
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+_POOL = _Pool()
+
+
+if hasattr(os, "register_at_fork"):  # a lock another thread held at the fork would never be released in the child
+    os.register_at_fork(after_in_child=lambda: setattr(_POOL, "lock", threading.Lock()))
+
+
+class Pinned:
+    """The files whose headers one header holds: their descriptors, kept in the
+    process-wide pool while it has room, and each file's identity, so a file whose
+    descriptor was let go is reopened only if it is still the same file. Released by
+    :meth:`close` or when garbage collected."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, _Identity] = {}
+        self._finalizer = weakref.finalize(self, _POOL.drop, id(self))
+
+    def keep(self, name: str, fd: int) -> None:
+        """Take ``fd``, open on ``name`` (closed here if ``name`` is already held)."""
+        if name in self.seen:
+            os.close(fd)
+            return
+        self.seen[name] = _identity(fd)
+        _POOL.add((id(self), name), fd)
+
+    def open(self, name: str) -> int:
+        """A new descriptor on the file ``name`` was when its header was read.
+
+        Raises:
+            SourceError: the file was replaced or changed since; read the header again.
+        """
+        fd = _POOL.dup((id(self), name))
+        if fd is not None or name not in self.seen:
+            return os.open(name, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd
+        fd = open_regular(name)
+        if _identity(fd) != self.seen[name]:
+            os.close(fd)
+            raise SourceError(
+                f"{name}: replaced or changed since its header was read (its descriptor was released: more "
+                "files are open than the descriptor limit allows pinned); read the header again and reload",
+                name,
+            )
+        return fd
+
+    def close(self) -> None:
+        """Release every pinned descriptor now."""
+        self._finalizer()

@@ -1,0 +1,52 @@
+"""The directory and list layouts: the ``*.safetensors`` files of a directory that
+has no index or manifest, or an explicit list of files, read as the parts of one
+checkpoint. Every tensor is one whole piece of the file that holds it; a tensor
+name held by two files is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import HeaderError, IndexFileError
+from ..format import _formats
+from ._file import read_file_header
+from ._index import INDEX_NAME
+from ._layout import Header, LocalFiles, merge
+
+__all__ = ["DirectoryLayout", "read_list"]
+
+
+def read_list(paths: Sequence[Path], kind: str = "list", where: str = "file list") -> Header:
+    """The header of the checkpoint made of ``paths`` (each a safetensors file)."""
+    placement = LocalFiles()
+    files = tuple(read_file_header(p, placement.pinned) for p in paths)
+    meta = dict(files[0].metadata) if files else {}
+    try:
+        tensors = merge(files, where)
+    except IndexFileError as e:
+        if kind != "directory":
+            raise
+        raise IndexFileError(
+            f"{e}. {where} has no {INDEX_NAME}, so all its *.safetensors files are read as the parts of one "
+            "checkpoint; files holding the same tensor names are separate checkpoints (copies, or different "
+            f"steps): load one file, move the others out, or write the {INDEX_NAME} of a sharded checkpoint"
+        ) from None
+    return Header(tensors, meta, files, kind, placement)
+
+
+class DirectoryLayout:
+    """Any directory: its ``*.safetensors`` files (the registry asks it last)."""
+
+    name = "directory"
+
+    def claims(self, path: Path) -> bool:
+        return path.is_dir()
+
+    def read(self, path: Path) -> Header:
+        _formats.refuse_directory(path)  # Orbax / TensorStore: say what it is and what to run
+        found = sorted(path.glob("*.safetensors"))
+        if not found:
+            raise HeaderError(f"{path}: directory holds neither {INDEX_NAME} nor any *.safetensors file")
+        return read_list(found, "directory", str(path))

@@ -1,0 +1,88 @@
+"""The single-file layout: one ``.safetensors`` file, local or at a URL.
+
+Each header is read with two positioned reads (the 8-byte prefix, then the JSON;
+a URL in at most two ranged requests) and validated whole before any tensor byte
+is read. Every tensor is one whole piece of that file. The other layouts read their
+member files with :func:`read_file_header` too.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import HeaderTooSmallError, SourceError, TruncatedFileError
+from ..format import _formats
+from ..format._header import FileHeader, header_size, parse_header
+from ..io import _files, _remote
+from ._layout import Header, LocalFiles, RemoteFiles
+
+__all__ = ["FileLayout", "read_file_header", "remote_file_header"]
+
+
+def _read_prefix_and_header(fd: int, size: int, name: str) -> FileHeader:
+    # The size is checked before any read: /proc files report 0 and some (/proc/self/mem) fail to read.
+    prefix = os.pread(fd, 8, 0) if size >= 8 else b""
+    _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at))  # torch zip / pickle: say so
+    n = header_size(prefix, size, file=name)
+    try:
+        raw = _files.pread_exact(fd, n, 8, name)
+    except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
+        raise HeaderTooSmallError(str(e)) from None
+    return parse_header(raw, size, file=name)
+
+
+def read_file_header(path: str | os.PathLike, pinned: _files.Pinned | None = None) -> FileHeader:
+    """Read and validate one file's header (two positioned reads). With ``pinned``,
+    the file stays open there (see :class:`nnx_save.io._files.Pinned`)."""
+    name = os.fspath(path)
+    fd = _files.open_regular(name)
+    try:
+        header = _read_prefix_and_header(fd, os.fstat(fd).st_size, name)
+    except OSError as e:
+        os.close(fd)
+        raise SourceError(f"{name}: reading the header failed ({e.strerror or e})", name) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    if pinned is None:
+        os.close(fd)
+    else:
+        pinned.keep(name, fd)
+    return header
+
+
+def remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, str | None]]:
+    """A remote file's header and its ``(size, ETag)`` in at most two requests: a
+    speculative first range, then the rest of the header if it is larger."""
+    reader = _remote.open_remote(url, stats)
+    head = reader.probe()
+    _formats.refuse_file(url, head[:8], lambda n, at: head[at : at + n])
+    n = header_size(head[:8], reader.size, file=url)
+    raw = head[8 : 8 + n]
+    if len(raw) < n:
+        raw += reader.read(len(head), 8 + n - len(head))
+    return parse_header(raw, reader.size, file=url), reader.identity
+
+
+def read_remote(url: str, stats: Any) -> Header:
+    """The header of the single file at ``url``."""
+    fh, ident = remote_file_header(url, stats)
+    return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", RemoteFiles(stats, {url: ident}))
+
+
+class FileLayout:
+    """A path that is not a directory: one safetensors file."""
+
+    name = "file"
+
+    def claims(self, path: Path) -> bool:
+        return not path.is_dir()
+
+    def read(self, path: Path) -> Header:
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
+        placement = LocalFiles()
+        fh = read_file_header(path, placement.pinned)
+        return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", placement)

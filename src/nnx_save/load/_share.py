@@ -1,0 +1,170 @@
+"""Read once per pod: tensors several processes need are read in parts, one part
+per process, and shared over the interconnect with JAX's own collectives.
+
+A target whose sharding gives several processes the same elements (a replicated
+tensor, a split inside each process that every process repeats) is loaded under a
+*derived* sharding that partitions it among the processes on one dimension, so each
+process reads only its slice; a jitted identity with the target's sharding as
+``out_shardings`` then reshards each derived array, which JAX runs as collectives
+(gloo on CPU, NCCL, ICI / DCN): no socket code here. One executable per target
+sharding, shape and dtype serves every tensor alike; tensors are resharded one at a
+time, so the collective buffers in flight are one tensor's.
+
+Before any collective, every process posts whether its reads succeeded through the
+coordination service's key-value store and waits for the others with a deadline
+(``NNX_SAVE_COLLECTIVE_TIMEOUT_S``): a process whose load failed raises its own
+error, and every other one :class:`~nnx_save.errors.SharedReadError` naming it, in
+bounded time, instead of blocking in a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import SaveError, SharedReadError
+from ..layouts._pieces import Box, extents, intersect, whole
+from ..save._collective import Outcome, Sync
+from ._assemble import held_dtype
+from ._report import LoadReport
+from ._target import Target, shard_boxes
+
+__all__ = ["derived_sharding", "multi_process", "shared_load"]
+
+
+def multi_process() -> bool:
+    """Whether this JAX job has several processes (sharing needs peers)."""
+    import jax
+
+    return jax.process_count() > 1
+
+
+def _volume(box: Box) -> int:
+    return math.prod(extents(box))
+
+
+def _overlaps_across_processes(t: Target) -> bool:
+    """Whether some element of ``t`` is held by devices of two processes."""
+    boxes: dict[int, set[Box]] = {}
+    for device, index in t.sharding.devices_indices_map(t.shape).items():
+        box = tuple(s.indices(d)[:2] for s, d in zip(index, t.shape, strict=True))
+        boxes.setdefault(device.process_index, set()).add(box)
+    return sum(_volume(b) for held in boxes.values() for b in held) > _volume(whole(t.shape))
+
+
+def _runs(box: Box, shape: tuple[int, ...]) -> int:
+    """How many contiguous runs of a C-ordered tensor of ``shape`` make ``box``."""
+    partial = [d for d, (b, n) in enumerate(zip(box, shape, strict=True)) if b != (0, n)]
+    return math.prod(extents(box[: partial[-1]])) if partial else 1
+
+
+def _cost(t: Target, dim: int, parts: int, shapes: Mapping[str, tuple[int, ...]]) -> int:
+    """Contiguous source runs of one part of ``t`` split in ``parts`` on ``dim`` (fewer:
+    cheaper reads; a transposed port prefers the target dimension that is the
+    source's first)."""
+    box = tuple((0, n // parts) if d == dim else (0, n) for d, n in enumerate(t.shape))
+    if t.transform is None:
+        return _runs(box, shapes[t.sources[0]])
+    feeds = t.transform.source_boxes(box, [shapes[k] for k in t.sources])
+    if feeds is None:
+        return math.prod(t.shape)  # read whole anyway: any dimension will do
+    return sum(_runs(b, shapes[t.sources[i]]) for i, b in feeds)
+
+
+def derived_sharding(t: Target, shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    """A sharding over ``t``'s devices that splits it among their processes (each
+    process's devices splitting its part further where the dimension allows) on the
+    dimension cheapest to read from the sources of ``shapes``, or ``None`` when no
+    process shares an element with another, or no dimension divides."""
+    import jax
+
+    if t.sharding is None or not t.shape or not math.prod(t.shape):
+        return None
+    try:
+        if not _overlaps_across_processes(t):
+            return None
+    except ValueError:  # jax refuses the sharding: the engine says so, inside the agreed run
+        return None
+    devices = sorted(t.sharding.device_set, key=lambda d: (d.process_index, d.id))
+    per: dict[int, int] = {}
+    for d in devices:
+        per[d.process_index] = per.get(d.process_index, 0) + 1
+    if len(set(per.values())) != 1:
+        return None  # uneven devices per process: no process x local grid
+    grid = np.array(devices, dtype=object).reshape(len(per), -1)
+    mesh = jax.sharding.Mesh(grid, ("p", "l"))
+    for axes, parts in ((("p", "l"), grid.size), ("p", len(per))):
+        dims = [d for d, size in enumerate(t.shape) if size % parts == 0]
+        if dims:
+            dim = min(dims, key=lambda d: (_cost(t, d, parts, shapes), d))
+            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*([None] * dim), axes))
+    return None
+
+
+def _received(t: Target, derived: Target) -> int:
+    """Bytes of the boxes this process needs of ``t`` that its own part does not hold."""
+    own = [box for box, _ in shard_boxes(derived)]
+    missing = 0
+    for box, _ in shard_boxes(t):
+        missing += _volume(box) - sum(_volume(part) for o in own if (part := intersect(box, o)) is not None)
+    return missing * held_dtype(t).itemsize
+
+
+def shared_load(
+    targets: Sequence[Target],
+    run: Callable[[list[Target]], tuple[dict[str, Any], LoadReport]],
+    shapes: Mapping[str, tuple[int, ...]],
+    where: str,
+) -> tuple[dict[str, Any], LoadReport]:
+    """Load ``targets`` through ``run`` with shared reads (see the module docstring);
+    ``shapes``: the file tensors' shapes."""
+    loadable = [t for t in targets if t.sources and all(k in shapes for k in t.sources)]
+    derived = {t.path: s for t in loadable if (s := derived_sharding(t, shapes)) is not None}
+    swapped = [dataclasses.replace(t, sharding=derived[t.path]) if t.path in derived else t for t in targets]
+    sync = Sync.open(Path(where), what="shared-read load", intact="nothing was loaded")
+    try:
+        values, report = run(swapped)
+    except Exception as e:  # posted, so no peer waits for this process in a collective; raised here as it is
+        sync.gather("read", Outcome(False, error=f"{type(e).__name__}: {e}").encode(), only=sync.pid)
+        raise
+    _agree(sync, Outcome(True), where)
+    sync.forget_previous()  # every process is past the previous exchange by now
+    by_path = {t.path: t for t in targets}
+    originals = {t.path: t for t in swapped}
+    shared = sorted(p for p in derived if p in values)  # one order on every process
+    for p in shared:
+        values[p] = _reshard(values[p], by_path[p].sharding)  # the derived array is freed here
+    report.io.bytes_received += sum(_received(by_path[p], originals[p]) for p in shared)
+    return values, report
+
+
+def _agree(sync: Sync, mine: Outcome, where: str) -> None:
+    """Every process's outcome of its reads (bounded wait); the same error on all if one failed."""
+    try:
+        sync.step("read", mine)
+    except SaveError as e:
+        raise SharedReadError(str(e), where) from e
+
+
+@functools.cache
+def _identity(sharding: Any) -> Any:
+    """A jitted identity onto ``sharding``: one per target sharding, compiled once per
+    shape and dtype, so a model's many same-shaped tensors share one executable."""
+    import jax
+
+    return jax.jit(lambda x: x, out_shardings=sharding)
+
+
+def _reshard(array: Any, sharding: Any) -> Any:
+    """``array`` under ``sharding`` (JAX's collectives move the bytes), waited for:
+    the CPU client may run executables concurrently, and two processes interleaving
+    two collectives in different orders would deadlock, so one runs at a time."""
+    import jax
+
+    return jax.block_until_ready(_identity(sharding)(array))

@@ -1,0 +1,403 @@
+"""Rule kinds that compose two moves on one tensor, and ties.
+
+- :class:`SplitStackRule`: each layer's fused tensor is cut into parts, and each part
+  stacked over the layers (separate q / k / v in a scanned model); its inverse
+  :class:`ConcatUnstackRule` joins each layer's parts back.
+- :class:`SumRule`: several tensors added into one (torch's two LSTM biases into the
+  one flax keeps), optionally cut into parts; its inverse :class:`SumExportRule` writes
+  the whole sum into one part and zeros into the others.
+- :class:`TieRule`: copies of one tensor (a tied language-model head) declared once:
+  on load each copy is checked equal to its source (or reported, ``check=False``),
+  on export every copy is written.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..errors import RuleError
+from ._parts import axis_of, complete_layers, layer_groups, same_dtype, split_bounds
+from ._rules import Node, _set
+from ._template import Template, check_refs, compile_pattern, invert
+from ._template import raw as _raw
+from ._transforms import Chain, Concatenate, Constant, Each, Index, Same, Stack, Sum, Take
+
+__all__ = ["ConcatUnstackRule", "SplitStackRule", "SumExportRule", "SumRule", "TieRule", "tie_checked"]
+
+Shape = tuple[int, ...]
+Info = Mapping[str, tuple[Shape, np.dtype]]
+
+
+def _templates(texts: Sequence[str], regexes: Sequence[re.Pattern[str]], extra: Sequence[str] = ()) -> tuple:
+    templates = tuple(Template.parse(t) for t in texts)
+    for regex in regexes:
+        for template in templates:
+            check_refs(template, regex, extra=extra)
+    return templates
+
+
+def _part_hit(rule: object, regexes: Sequence[re.Pattern[str]], key: str) -> tuple[int, re.Match[str]] | None:
+    """``(part, match)`` of the one pattern ``key`` matches; two is a refusal."""
+    hits = [(i, m) for i, r in enumerate(regexes) if (m := r.fullmatch(key)) is not None]
+    if len(hits) > 1:
+        raise RuleError(f"`{key}`: matches several parts of {rule}; each key must match one part")
+    return hits[0] if hits else None
+
+
+def _complete_parts(rule: object, name: object, parts: Mapping[int, str], count: int, errors: list[str]) -> bool:
+    absent = [i for i in range(count) if i not in parts]
+    if absent:
+        have = ", ".join(f"`{parts[i]}`" for i in sorted(parts))
+        errors.append(f"`{name}`: {rule} found {have} but not part(s) {absent}")
+    return not absent
+
+
+# --- split each layer, stack each part ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitStackRule:
+    """Per-layer tensors matching ``pattern`` (layer index in the named group
+    ``group``) cut along ``axis`` into ``targets``, each part stacked over the layers
+    on ``stack_axis`` (the targets must not reference the layer group)."""
+
+    pattern: str
+    targets: tuple[str, ...]
+    axis: int = 0
+    sizes: tuple[int, ...] | None = None
+    group: str = "layer"
+    stack_axis: int = 0
+    inverse_rule: object = field(default=None, compare=False, repr=False)
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
+    def __post_init__(self) -> None:
+        _set(self, "_regex", compile_pattern(self.pattern))
+        _set(self, "_templates", _templates(self.targets, (self._regex,)))
+        number = self._regex.groupindex.get(self.group)
+        if number is None or any(self.group in t.refs or number in t.refs for t in self._templates):
+            raise RuleError(
+                f"{self}: stacked=True needs a named group (?P<{self.group}>...) in the pattern that no target references"
+            )
+        if len(self.targets) < 2:
+            raise RuleError(f"{self}: a split needs at least two targets, got {len(self.targets)}")
+
+    def __str__(self) -> str:
+        targets = ", ".join(_raw(t) for t in self.targets)
+        return f"split({_raw(self.pattern)}, ({targets}), axis={self.axis}, stacked=True)"
+
+    def match(self, key: str) -> tuple[str, tuple[str, ...]] | None:
+        """``(layer text, targets)`` for ``key``, or ``None``."""
+        m = self._regex.fullmatch(key)
+        return None if m is None else (m.group(self.group), tuple(t.expand_match(m) for t in self._templates))
+
+    def nodes(self, claims: Mapping[str, tuple[str, tuple[str, ...]]], info: Info, errors: list[str]) -> list[Node]:
+        """One stacked node per part, for each group of complete layers."""
+        nodes: list[Node] = []
+        for targets, layers in layer_groups(self, claims, errors).items():
+            found = complete_layers(self, targets[0], layers, info, errors)
+            if found is None:
+                continue
+            keys, shape = found
+            bounds = split_bounds(self, keys[0], shape, (self.axis, self.sizes, len(self.targets)), errors)
+            stack_at = axis_of(self.stack_axis, len(shape) + 1)
+            dtype = same_dtype(keys, info, targets[0], errors)
+            if bounds is None or stack_at is None or dtype is None:
+                continue
+            axis, starts = bounds
+            for target, start, stop in zip(targets, starts, starts[1:], strict=False):
+                part = [*shape[:axis], stop - start, *shape[axis + 1 :]]
+                part.insert(stack_at, len(keys))
+                nodes.append(Node(target, keys, tuple(part), dtype, Each(Take(axis, start, stop), Stack(stack_at))))
+        return nodes
+
+    def inverse(self) -> object:
+        """A :class:`ConcatUnstackRule` giving each layer its fused tensor back."""
+        if self.inverse_rule is not None:
+            return replace(self.inverse_rule, inverse_rule=self)  # type: ignore[type-var]
+        pairs = [invert(self.pattern, t, consumed=self.group) for t in self.targets]
+        return ConcatUnstackRule(
+            tuple(p for p, _ in pairs), pairs[0][1], self.axis, self.sizes, self.group, self.stack_axis, self
+        )
+
+
+@dataclass(frozen=True)
+class ConcatUnstackRule:
+    """Stacked parts (one pattern each, same groups) joined layer by layer along
+    ``axis`` into the per-layer key ``target`` (which references ``\\g<group>``)."""
+
+    patterns: tuple[str, ...]
+    target: str
+    axis: int = 0
+    sizes: tuple[int, ...] | None = None
+    group: str = "layer"
+    stack_axis: int = 0
+    inverse_rule: object = field(default=None, compare=False, repr=False)
+
+    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
+    def __post_init__(self) -> None:
+        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
+        (template,) = _templates((self.target,), self._regexes, extra=(self.group,))
+        _set(self, "_template", template)
+
+    def __str__(self) -> str:
+        patterns = ", ".join(_raw(p) for p in self.patterns)
+        return (
+            f"the inverse of {self.inverse_rule}"
+            if self.inverse_rule
+            else f"concat_unstack(({patterns}), {_raw(self.target)})"
+        )
+
+    def match(self, key: str) -> tuple[int, re.Match[str]] | None:
+        """``(part, match)`` for ``key``, or ``None``."""
+        return _part_hit(self, self._regexes, key)
+
+    def nodes(self, claims: Mapping[str, tuple[int, re.Match[str]]], info: Info, errors: list[str]) -> list[Node]:
+        """One node per layer of each complete group of parts."""
+        groups: dict[str, dict[int, tuple[str, re.Match[str]]]] = defaultdict(dict)
+        for key, (part, m) in sorted(claims.items()):
+            groups[self._template.expand_match(m, **{self.group: "*"})][part] = (key, m)
+        nodes: list[Node] = []
+        for name, parts in groups.items():
+            keys = {i: k for i, (k, _) in parts.items()}
+            if _complete_parts(self, name, keys, len(self.patterns), errors):
+                nodes.extend(self._layers(name, [parts[i] for i in range(len(self.patterns))], info, errors))
+        return nodes
+
+    def _layers(self, name: str, parts: list, info: Info, errors: list[str]) -> list[Node]:
+        keys = tuple(k for k, _ in parts)
+        shapes = [info[k][0] for k in keys]
+        at = axis_of(self.stack_axis, len(shapes[0]))
+        layer_shapes = {s[:at] + s[at + 1 :] for s in shapes} if at is not None else set()
+        axis = axis_of(self.axis, len(shapes[0]) - 1)
+        dtype = same_dtype(keys, info, name, errors)
+        if at is None or axis is None or len({s[at] for s in shapes}) != 1 or len({len(s) for s in shapes}) != 1:
+            errors.append(f"`{name}`: {self} needs parts with one layer count, found {shapes}")
+            return []
+        rest = {s[:axis] + s[axis + 1 :] for s in layer_shapes}
+        if len(rest) != 1 or dtype is None:
+            errors.append(f"`{name}`: {self} needs parts that agree off axis {self.axis}, found {shapes}")
+            return []
+        sizes = tuple((s[:at] + s[at + 1 :])[axis] for s in shapes)
+        one = shapes[0][:at] + shapes[0][at + 1 :]
+        shape = (*one[:axis], sum(sizes), *one[axis + 1 :])
+        combine = Concatenate(axis, sizes)
+        m = parts[0][1]
+        return [
+            Node(
+                self._template.expand_match(m, **{self.group: str(i)}), keys, shape, dtype, Each(Index(at, i), combine)
+            )
+            for i in range(shapes[0][at])
+        ]
+
+    def inverse(self) -> object:
+        """The :class:`SplitStackRule` it came from."""
+        if self.inverse_rule is None:
+            raise RuleError(f"{self} is the inverse of a stacked split; invert that rule instead")
+        return self.inverse_rule
+
+
+# --- sum ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SumRule:
+    """Tensors matching ``patterns`` (one each) added into ``targets``: one target,
+    or several that cut the sum along ``axis`` in equal parts. ``into``: the part
+    that holds the whole sum on export (the others are written as zeros)."""
+
+    patterns: tuple[str, ...]
+    targets: tuple[str, ...]
+    axis: int = 0
+    into: int = 0
+    inverse_rule: object = field(default=None, compare=False, repr=False)
+
+    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
+    def __post_init__(self) -> None:
+        if len(self.patterns) < 2 or not self.targets:
+            raise RuleError(f"{self}: a sum needs at least two patterns and a target")
+        if not 0 <= self.into < len(self.patterns):
+            raise RuleError(f"{self}: into={self.into} must name one of the {len(self.patterns)} parts")
+        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
+        _set(self, "_templates", _templates(self.targets, self._regexes))
+
+    def __str__(self) -> str:
+        patterns = ", ".join(_raw(p) for p in self.patterns)
+        targets = ", ".join(_raw(t) for t in self.targets)
+        return f"add(({patterns}), ({targets}), axis={self.axis}, into={self.into})"
+
+    def match(self, key: str) -> tuple[int, tuple[str, ...]] | None:
+        """``(part, targets)`` for ``key``, or ``None``."""
+        hit = _part_hit(self, self._regexes, key)
+        return None if hit is None else (hit[0], tuple(t.expand_match(hit[1]) for t in self._templates))
+
+    def nodes(self, claims: Mapping[str, tuple[int, tuple[str, ...]]], info: Info, errors: list[str]) -> list[Node]:
+        """The summed node(s) of each group whose parts are all present."""
+        groups: dict[tuple[str, ...], dict[int, str]] = defaultdict(dict)
+        for key, (part, targets) in sorted(claims.items()):
+            groups[targets][part] = key
+        nodes: list[Node] = []
+        for targets, parts in groups.items():
+            if _complete_parts(self, targets[0], parts, len(self.patterns), errors):
+                nodes.extend(self._summed(targets, tuple(parts[i] for i in range(len(parts))), info, errors))
+        return nodes
+
+    def _summed(self, targets: tuple[str, ...], keys: tuple[str, ...], info: Info, errors: list[str]) -> list[Node]:
+        shapes = {info[k][0] for k in keys}
+        dtype = same_dtype(keys, info, targets[0], errors)
+        if len(shapes) != 1 or dtype is None:
+            errors.append(f"`{targets[0]}`: {self} adds tensors of one shape, found {[info[k][0] for k in keys]}")
+            return []
+        (shape,) = shapes
+        if len(targets) == 1:
+            return [Node(targets[0], keys, shape, dtype, Sum())]
+        bounds = split_bounds(self, keys[0], shape, (self.axis, None, len(targets)), errors)
+        if bounds is None:
+            return []
+        axis, starts = bounds
+        return [
+            Node(t, keys, (*shape[:axis], b - a, *shape[axis + 1 :]), dtype, Chain(Sum(), Take(axis, a, b)))
+            for t, a, b in zip(targets, starts, starts[1:], strict=False)
+        ]
+
+    def inverse(self) -> object:
+        """A :class:`SumExportRule`: the sum into part ``into``, zeros into the rest."""
+        if self.inverse_rule is not None:
+            return replace(self.inverse_rule, inverse_rule=self)  # type: ignore[type-var]
+        model = tuple(invert(self.patterns[self.into], t)[0] for t in self.targets)
+        files = tuple(invert(p, self.targets[0])[1] for p in self.patterns)
+        return SumExportRule(model, files, self.axis, self.into, self)
+
+
+@dataclass(frozen=True)
+class SumExportRule:
+    """Model params matching ``patterns`` (one per part of the sum, joined along
+    ``axis``) written to the file key ``files[into]``; the other ``files`` are zeros of
+    its shape, so the sum on load gives the params back exactly."""
+
+    patterns: tuple[str, ...]
+    files: tuple[str, ...]
+    axis: int = 0
+    into: int = 0
+    inverse_rule: object = field(default=None, compare=False, repr=False)
+
+    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
+    def __post_init__(self) -> None:
+        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
+        _set(self, "_templates", _templates(self.files, self._regexes))
+
+    def __str__(self) -> str:
+        files = ", ".join(_raw(f) for f in self.files)
+        return f"the inverse of {self.inverse_rule}" if self.inverse_rule else f"add_export(({files}))"
+
+    def match(self, key: str) -> tuple[int, tuple[str, ...]] | None:
+        """``(part, file keys)`` for ``key``, or ``None``."""
+        hit = _part_hit(self, self._regexes, key)
+        return None if hit is None else (hit[0], tuple(t.expand_match(hit[1]) for t in self._templates))
+
+    def nodes(self, claims: Mapping[str, tuple[int, tuple[str, ...]]], info: Info, errors: list[str]) -> list[Node]:
+        """The joined node and its zero companions, per complete group."""
+        groups: dict[tuple[str, ...], dict[int, str]] = defaultdict(dict)
+        for key, (part, files) in sorted(claims.items()):
+            groups[files][part] = key
+        nodes: list[Node] = []
+        for files, parts in groups.items():
+            if _complete_parts(self, files[self.into], parts, len(self.patterns), errors):
+                nodes.extend(self._written(files, tuple(parts[i] for i in range(len(parts))), info, errors))
+        return nodes
+
+    def _written(self, files: tuple[str, ...], keys: tuple[str, ...], info: Info, errors: list[str]) -> list[Node]:
+        dtype = same_dtype(keys, info, files[self.into], errors)
+        shapes = [info[k][0] for k in keys]
+        axis = axis_of(self.axis, len(shapes[0]))
+        if dtype is None or axis is None or len({s[:axis] + s[axis + 1 :] for s in shapes}) != 1:
+            errors.append(f"`{files[self.into]}`: {self} needs parts that agree off axis {self.axis}, found {shapes}")
+            return []
+        sizes = tuple(s[axis] for s in shapes)
+        shape = (*shapes[0][:axis], sum(sizes), *shapes[0][axis + 1 :])
+        joined = Node(files[self.into], keys, shape, dtype, Concatenate(axis, sizes) if len(keys) > 1 else None)
+        zeros = Constant(0, str(dtype), shape)
+        return [joined, *(Node(f, (), shape, dtype, zeros) for i, f in enumerate(files) if i != self.into)]
+
+    def inverse(self) -> object:
+        """The :class:`SumRule` it came from."""
+        if self.inverse_rule is None:
+            raise RuleError(f"{self} is the inverse of a sum; invert that rule instead")
+        return self.inverse_rule
+
+
+# --- tie ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TieRule:
+    """File keys ``copies`` (templates expanded from a ``source`` match) hold the same
+    tensor as the key matching ``source``.
+
+    On load (``writes=False``) each copy present in the file is checked equal to its
+    source when the source's target is read (``check``), or dropped and listed in
+    ``KeyMapping.tied``; on export (``writes=True``, the inverse) every target
+    matching ``source`` is also written under each copy's name.
+    """
+
+    source: str
+    copies: tuple[str, ...]
+    check: bool = True
+    writes: bool = False
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
+    def __post_init__(self) -> None:
+        if not self.copies:
+            raise RuleError(f"{self}: a tie needs at least one copy")
+        _set(self, "_regex", compile_pattern(self.source))
+        _set(self, "_templates", _templates(self.copies, (self._regex,)))
+
+    def __str__(self) -> str:
+        copies = ", ".join(_raw(c) for c in self.copies)
+        return f"tie({_raw(self.source)}, {copies}{'' if self.check else ', check=False'})"
+
+    def copies_of(self, key: str) -> tuple[str, ...]:
+        """The copies' names for a source ``key`` (``()`` when it is no source)."""
+        m = self._regex.fullmatch(key)
+        return () if m is None else tuple(t.expand_match(m) for t in self._templates)
+
+    def tied(self, info: Info, errors: list[str]) -> dict[str, str]:
+        """On load: ``{copy key: source key}`` for the copies present in ``info``."""
+        out = {}
+        for key in sorted(info):
+            for copy in self.copies_of(key):
+                if copy in info and info[copy] != info[key]:
+                    found = f"{info[copy][0]} {info[copy][1]}, the source {info[key][0]} {info[key][1]}"
+                    errors.append(f"`{copy}`: {self} ties it to `{key}`, found {found}")
+                elif copy in info:
+                    out[copy] = key
+        return out
+
+    def written(self, nodes: Sequence[Node]) -> list[Node]:
+        """On export: a copy of each node whose target is a source, under each copy's name."""
+        return [replace(n, target=c) for n in nodes for c in self.copies_of(n.target)]
+
+    def inverse(self) -> TieRule:
+        """The same tie for the other direction."""
+        return replace(self, writes=not self.writes)
+
+
+def tie_checked(node: Node, copies: Sequence[str]) -> Node:
+    """On load with ``check``: ``node`` (a plain rename of the source) also reads the
+    copies and checks them equal."""
+    keys = (*node.sources, *copies)
+    return replace(node, sources=keys, combine=Same(keys))

@@ -1,0 +1,101 @@
+"""Checks the part-making rules share: split bounds, layer groups, one dtype.
+
+Each records what does not fit in ``errors`` (so that every problem of a mapping is
+raised at once) and returns ``None`` for it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import RuleError
+from ._template import Template
+
+__all__ = ["axis_of", "complete_layers", "layer_groups", "refuse_shared_layer", "same_dtype", "split_bounds"]
+
+Shape = tuple[int, ...]
+Info = Mapping[str, tuple[Shape, np.dtype]]
+
+
+def axis_of(axis: int, ndim: int) -> int | None:
+    """``axis`` made non-negative for ``ndim`` dimensions, or ``None`` out of range."""
+    return axis + ndim if -ndim <= axis < 0 else (axis if 0 <= axis < ndim else None)
+
+
+def same_dtype(keys: Sequence[str], info: Info, target: str, errors: list[str]) -> np.dtype | None:
+    """The one dtype of ``keys``, or ``None`` (recorded in ``errors``)."""
+    dtypes = {info[k][1] for k in keys}
+    if len(dtypes) == 1:
+        return dtypes.pop()
+    found = ", ".join(f"`{k}` {info[k][1]}" for k in keys)
+    errors.append(f"`{target}`: its sources must share one dtype, found {found}")
+    return None
+
+
+def split_bounds(
+    rule: object, key: str, shape: Shape, cut: tuple[int, tuple[int, ...] | None, int], errors: list[str]
+) -> tuple[int, list[int]] | None:
+    """``(axis, part starts and the end)`` cutting ``shape`` by ``cut`` = ``(axis, sizes,
+    count)`` (equal parts when ``sizes`` is ``None``); a problem goes to ``errors``."""
+    axis_given, given, count = cut
+    axis = axis_of(axis_given, len(shape))
+    if axis is None:
+        errors.append(f"`{key}`: {rule} needs axis {axis_given}, found shape {shape}")
+        return None
+    sizes = given
+    if sizes is None and shape[axis] % count == 0:
+        sizes = (shape[axis] // count,) * count
+    if sizes is None or sum(sizes) != shape[axis]:
+        want = f"sizes {given} (sum {sum(given)})" if given else f"a multiple of {count}"
+        errors.append(f"`{key}`: {rule} needs {want} on axis {axis_given}, found shape {shape}")
+        return None
+    return axis, [0, *np.cumsum(sizes).tolist()]
+
+
+def refuse_shared_layer(rule: object, regex: re.Pattern[str], templates: Sequence[Template], group: str) -> None:
+    """Refuse a pattern whose layer group no target references: every layer would
+    make the same targets (a model path made L times)."""
+    number = regex.groupindex.get(group)
+    if number is None or any(group in t.refs or number in t.refs for t in templates):
+        return
+    raise RuleError(
+        f"{rule}: the pattern captures the layer index (?P<{group}>...) but no target references it, so "
+        f"every layer would make the same targets; reference \\g<{group}> in each target (one param per "
+        "layer), or pass stacked=True to stack the layers into one param per target (scanned layers)"
+    )
+
+
+def layer_groups(rule: object, claims: Mapping[str, tuple[str, object]], errors: list[str]) -> dict:
+    """``{target: {layer: key}}`` from claims of ``(layer text, target)``; a bad or
+    repeated layer index goes to ``errors``."""
+    groups: dict[object, dict[int, str]] = defaultdict(dict)
+    for key, (layer, target) in sorted(claims.items()):
+        if not layer.isdigit():
+            errors.append(f"`{key}`: {rule} needs a decimal layer index, found {layer!r}")
+        elif int(layer) in groups[target]:
+            errors.append(f"`{target}`: produced twice by {rule}, from `{groups[target][int(layer)]}` and `{key}`")
+        else:
+            groups[target][int(layer)] = key
+    return groups
+
+
+def complete_layers(
+    rule: object, target: object, layers: Mapping[int, str], info: Info, errors: list[str]
+) -> tuple[tuple[str, ...], Shape] | None:
+    """The keys of layers ``0 .. L-1`` in order and their one shape, or ``None`` (a
+    missing layer or two shapes, recorded in ``errors``)."""
+    missing = sorted(set(range(max(layers) + 1)) - set(layers))
+    if missing:
+        errors.append(f"`{target}`: {rule} found layers {sorted(layers)}, missing layers {missing}")
+        return None
+    keys = tuple(layers[i] for i in range(len(layers)))
+    shapes = {info[k][0] for k in keys}
+    if len(shapes) != 1:
+        found = ", ".join(f"`{k}` {info[k][0]}" for k in keys)
+        errors.append(f"`{target}`: {rule} needs layers of one shape, found {found}")
+        return None
+    return keys, shapes.pop()

@@ -1,0 +1,69 @@
+"""The one place that chooses a save's writer: layout x number of processes x transport.
+
+- **one file**: :func:`~nnx_save.save._write.write_file` from one process,
+  :func:`~nnx_save.save._collective.write_collective` (one shared file) from several,
+  :func:`~nnx_save.io._remote_write.write_remote` for an fsspec URL (one process).
+- **HF index** (``max_shard_size``): :func:`~nnx_save.layouts._hf_index.write_sharded`,
+  into a local directory or an fsspec URL from one process; from several, each file
+  is written by all of them together and the primary commits the index.
+- **pod** (``save_pod``): one file per process whatever the count, in the same frame
+  (:func:`save`: the progress setting, blocking or in the background).
+
+Every writer follows the one commit rule (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable, Mapping, Sequence
+
+from .. import _progress
+from ..format._units import parse_size
+from ..io._remote_write import is_destination, write_remote
+from ..layouts._hf_index import write_sharded
+from . import _background
+from ._collective import write_collective
+from ._write import Entry, write_file
+
+__all__ = ["Writer", "save", "writer"]
+
+Writer = Callable[[str | os.PathLike, Sequence[Entry]], None]
+
+
+def writer(metadata: Mapping[str, str] | None, *, max_shard_size: int | str | None = None) -> Writer:
+    """The writer for a save: ``writer(path, entries)``, chosen when it runs (the
+    process count and the path's transport). ``max_shard_size`` asks for an HF
+    multi-file checkpoint; it is parsed here, where it is given.
+
+    Raises:
+        OptionError: ``max_shard_size`` is not a size.
+    """
+    if max_shard_size is None:
+        return functools.partial(_one_file, metadata=metadata)
+    return functools.partial(write_sharded, metadata=metadata, max_shard_size=parse_size(max_shard_size))
+
+
+def _one_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
+    import jax
+
+    if is_destination(path):
+        write_remote(str(path), entries, metadata)
+    elif jax.process_count() == 1:
+        write_file(path, entries, metadata)
+    else:
+        write_collective(path, entries, metadata)
+
+
+def save(
+    path: str | os.PathLike,
+    entries: Sequence[Entry],
+    write: Writer,
+    *,
+    blocking: bool = True,
+    progress: bool | None = None,
+) -> _background.SaveHandle | None:
+    """Run ``write(path, entries)`` with ``progress`` in force: now (``blocking``), or
+    on a host snapshot in the background (see :mod:`._background`)."""
+    with _progress.saving(progress):
+        return _background.save(path, entries, write, blocking=blocking)

@@ -1,0 +1,57 @@
+"""How a save runs: one public, frozen :class:`SaveOptions`, validated when it is made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import OptionError
+from ..format._units import parse_size
+from ..load._options import check
+
+__all__ = ["SaveOptions"]
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save runs: the settings of :func:`~nnx_save.save_file`,
+    :func:`~nnx_save.save_model` and :func:`~nnx_save.save_pod` (each also a keyword
+    of theirs).
+
+    Attributes:
+        progress: a progress bar on stderr when it is a terminal: ``None`` above
+            ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
+        blocking: ``False`` returns a :class:`~nnx_save.SaveHandle` once a host
+            snapshot is taken and writes in the background (docs/async.md).
+        max_shard_size: write a HuggingFace multi-file checkpoint (a directory with
+            ``model.safetensors.index.json``) of files of at most this many bytes: an
+            int or a size such as ``"5GB"`` or ``"200MiB"`` (``save_file`` and
+            ``save_model``).
+
+    Raises:
+        OptionError: a field out of range or of the wrong type (names it).
+
+    Examples:
+        >>> SaveOptions(blocking=False).blocking
+        False
+        >>> SaveOptions(max_shard_size="5 parsecs")
+        Traceback (most recent call last):
+        ...
+        nnx_save.errors.OptionError: max_shard_size='5 parsecs': expected a positive number of bytes, an int or a size such as '5GB', '200MiB', '100KB'
+    """
+
+    progress: bool | None = None
+    blocking: bool = True
+    max_shard_size: int | str | None = None
+
+    def __post_init__(self) -> None:
+        check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
+        check(isinstance(self.blocking, bool), "blocking", "True or False", self.blocking)
+        if self.max_shard_size is not None:
+            parse_size(self.max_shard_size, "max_shard_size")  # an OptionError naming it
+
+    def unsharded(self, writer: str) -> SaveOptions:
+        """``self``, for a writer of another layout than the multi-file one (``writer``
+        says what it writes); ``max_shard_size`` there is refused, not ignored."""
+        if self.max_shard_size is not None:
+            raise OptionError(f"{writer}: max_shard_size is for save_model", "max_shard_size")
+        return self

@@ -1,0 +1,236 @@
+"""The public surface: ``__all__`` is the API (star-import, help(), docs/api.md agree),
+every error and warning lives in ``nnx_save.errors``, and options are typed data."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import pydoc
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import nnx_save
+from nnx_save import errors
+from nnx_save.errors import NnxSaveError, OptionError
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "nnx_save"
+
+
+def test_star_import_binds_exactly_all():
+    namespace: dict = {}
+    exec("from nnx_save import *", namespace)
+    assert sorted(set(namespace) - {"__builtins__"}) == sorted(nnx_save.__all__)
+    assert {"load_file", "save_model", "LoadOptions", "SaveOptions", "NnxSaveError"} <= set(namespace)
+    assert 20 <= len(nnx_save.__all__) <= 30 and len(set(nnx_save.__all__)) == len(nnx_save.__all__)
+
+
+def test_all_is_the_docs_api_page():
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    listed = re.findall(r"^\| `(\w+)` \|", text, re.M)
+    assert sorted(listed) == sorted(nnx_save.__all__)
+
+
+def test_help_shows_the_api_and_nothing_else():
+    text = pydoc.render_doc(nnx_save, renderer=pydoc.plaintext)
+    functions = text.split("\nFUNCTIONS\n")[1].split("\nDATA\n")[0]
+    shown = {n for n in re.findall(r"^    (\w+)\(", functions, re.M) if not n.startswith("__")}
+    assert shown == {n for n in nnx_save.__all__ if n[0].islower() and n != "errors"}
+    classes = text.split("\nCLASSES\n")[1].split("\nFUNCTIONS\n")[0]
+    for name in ("LoadOptions", "SaveOptions", "LoadReport", "SaveHandle", "NnxSaveError"):
+        assert f"class {name}" in classes
+    assert "importlib" not in text and "TYPE_CHECKING" not in text
+
+
+def test_the_surface_itself_pulls_no_jax():
+    """``__all__``, ``dir()``, the options and the errors are there without jax; the
+    functions import it on first use (``from nnx_save import *`` binds them, so it does)."""
+    code = "import nnx_save\nnnx_save.__all__, dir(nnx_save), nnx_save.LoadOptions(), nnx_save.SaveOptions()\n"
+    code += "nnx_save.errors.ConfigError, nnx_save.errors.CheckpointError, nnx_save.RemoteError\n"
+    probe = code + "import sys, json\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert set(json.loads(done.stdout.splitlines()[-1])).isdisjoint({"jax", "jaxlib", "flax", "orbax"})
+
+
+def _classes_defined(file: Path) -> list[tuple[str, list[str]]]:
+    tree = ast.parse(file.read_text(encoding="utf-8"))
+    return [(n.name, [ast.unparse(b) for b in n.bases]) for n in tree.body if isinstance(n, ast.ClassDef)]
+
+
+# Exceptions that never leave the package: control flow between its own parts.
+INTERNAL_SIGNALS = {
+    "load/_execute.py: Cancelled",  # stops a load's other reads once one failed; the failure is raised
+    "cli/_main.py: CLIError",  # printed by nnx-save's main() as "nnx-save: error: ...", exit status 2
+}
+
+
+def test_every_error_and_warning_is_defined_in_the_errors_module():
+    defined_in_errors = {name for name, _ in _classes_defined(SRC / "errors.py")}
+    elsewhere = []
+    for file in SRC.rglob("*.py"):
+        if file.name == "errors.py":
+            continue
+        for name, bases in _classes_defined(file):
+            is_error = any(b.endswith(("Error", "Warning", "Exception")) for b in bases)
+            where = f"{file.relative_to(SRC)}: {name}"
+            if is_error and not name.startswith("_") and where not in INTERNAL_SIGNALS:
+                elsewhere.append(where)
+    assert elsewhere == []
+    assert set(errors.__all__) >= defined_in_errors - {"_X64_HINT"}
+
+
+def test_every_public_error_is_an_nnx_save_error_and_documented():
+    page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
+    exceptions = [c for c in classes if issubclass(c, BaseException)]
+    assert len(exceptions) > 40
+    for cls in exceptions:
+        assert issubclass(cls, (NnxSaveError, Warning)), cls
+        assert cls.__module__ == "nnx_save.errors" and cls.__doc__, cls
+        assert cls.__name__ in page, cls
+    assert nnx_save.RemoteError is errors.RemoteError  # drawn in docs/errors.md, and reachable
+
+
+def test_checkpoint_and_porting_errors_are_the_same_classes():
+    import nnx_save.checkpoint
+    import nnx_save.porting
+
+    for module in (nnx_save.checkpoint, nnx_save.porting):
+        names = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, (Exception, Warning))]
+        assert names and all(getattr(module, n) is getattr(errors, n) for n in names), module
+    with pytest.raises(errors.CheckpointNotFoundError, match=re.escape("no checkpoint at step 3 in d (steps held: 1)")):
+        raise nnx_save.checkpoint.CheckpointNotFoundError(3, "d", [1])
+    with pytest.raises(errors.UnsupportedCheckpointError, match=re.escape("reads format 'nnx_save.checkpoint' up to")):
+        raise errors.UnsupportedCheckpointError("format version 7")
+
+
+# --- options ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def saved(tmp_path):
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file({"w": np.arange(4, dtype=np.float32)}, path)
+    return path
+
+
+def test_options_and_keywords_load_the_same(saved):
+    opts = nnx_save.LoadOptions(num_threads=1, verify=True, progress=False)
+    tree, report = nnx_save.load_file(saved, options=opts, return_report=True)
+    assert report.verified == ["w"] and tree["w"].tolist() == [0, 1, 2, 3]
+    tree, report = nnx_save.load_file(saved, options=opts, max_inflight_bytes=1 << 20, return_report=True)
+    assert report.verified == ["w"] and report.io.max_inflight_bytes <= 1 << 20
+
+
+def test_a_setting_given_twice_is_refused_naming_it(saved, tmp_path):
+    opts = nnx_save.LoadOptions(verify=True, num_threads=2)
+    with pytest.raises(OptionError, match=re.escape("load_file: verify given both as a keyword and in options=")) as e:
+        nnx_save.load_file(saved, options=opts, verify=False)
+    assert e.value.argument == "verify" and isinstance(e.value, ValueError)
+    with pytest.raises(OptionError, match=re.escape("save_file: progress given both as a keyword and in options=")):
+        nnx_save.save_file(
+            {"w": np.ones(2)}, tmp_path / "x.safetensors", progress=True, options=nnx_save.SaveOptions(progress=False)
+        )
+    assert not (tmp_path / "x.safetensors").exists()
+    with pytest.raises(OptionError, match=re.escape("load_file: options must be a LoadOptions, got SaveOptions")):
+        nnx_save.load_file(saved, options=nnx_save.SaveOptions())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_threads": 0}, "num_threads must be at least 1, got 0"),
+        ({"read_chunk_bytes": -1}, "read_chunk_bytes must be a positive int (bytes), got -1"),
+        ({"max_over_read_ratio": 0.5}, "max_over_read_ratio must be >= 1.0, got 0.5"),
+        ({"verify": "yes"}, "verify must be True or False, got 'yes'"),
+        ({"staging": "fast"}, "staging must be one of ('auto', 'pinned', 'pageable'), got 'fast'"),
+    ],
+)
+def test_bad_load_options_are_typed_errors_naming_the_argument(saved, kwargs, message):
+    with pytest.raises(OptionError, match=re.escape(message)) as e:
+        nnx_save.load_file(saved, **kwargs)
+    assert e.value.argument == next(iter(kwargs))
+    with pytest.raises(OptionError, match=re.escape(message)):
+        nnx_save.LoadOptions(**kwargs)
+
+
+def test_bad_save_options_are_typed_errors_and_write_nothing(tmp_path):
+    with pytest.raises(OptionError, match=re.escape("max_shard_size=0: expected a positive number of bytes")):
+        nnx_save.SaveOptions(max_shard_size=0)
+    with pytest.raises(OptionError, match=re.escape("max_shard_size='5 parsecs': expected a positive number")):
+        nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w", options=nnx_save.SaveOptions(max_shard_size="5 parsecs"))
+    with pytest.raises(OptionError, match=re.escape("blocking must be True or False, got 'no'")):
+        nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w.safetensors", blocking="no")
+    assert os.listdir(tmp_path) == []
+
+
+def test_save_pod_takes_options(tmp_path):
+    handle = nnx_save.save_pod({"w": np.arange(4.0)}, tmp_path / "pod", options=nnx_save.SaveOptions(blocking=False))
+    assert isinstance(handle, nnx_save.SaveHandle)
+    handle.result()
+    assert nnx_save.load_file(tmp_path / "pod")["w"].tolist() == [0, 1, 2, 3]
+    with pytest.raises(OptionError, match=re.escape("save_pod writes a pod: max_shard_size is for save_model")):
+        nnx_save.save_pod({"w": np.ones(2)}, tmp_path / "p2", options=nnx_save.SaveOptions(max_shard_size=8))
+    with pytest.raises(OptionError, match=re.escape("save_pod: blocking given both as a keyword and in options=")):
+        nnx_save.save_pod(
+            {"w": np.ones(2)}, tmp_path / "p3", blocking=True, options=nnx_save.SaveOptions(blocking=False)
+        )
+    assert not (tmp_path / "p2").exists() and not (tmp_path / "p3").exists()
+
+
+def test_save_options_reach_the_writers(tmp_path):
+    from flax import nnx
+
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    nnx_save.save_model(model, tmp_path / "hf", options=nnx_save.SaveOptions(max_shard_size=16, progress=False))
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    tree = {"a": np.arange(8.0), "b": np.ones(8)}
+    nnx_save.save_file(tree, tmp_path / "tree", options=nnx_save.SaveOptions(max_shard_size="64B"))
+    assert len(list((tmp_path / "tree").glob("*.safetensors"))) == 2
+    assert nnx_save.load_file(tmp_path / "tree")["a"].tolist() == list(range(8))
+    handle = nnx_save.save_file(
+        {"w": np.ones(2)}, tmp_path / "w.safetensors", options=nnx_save.SaveOptions(blocking=False)
+    )
+    assert isinstance(handle, nnx_save.SaveHandle) and handle.result() == tmp_path / "w.safetensors"
+
+
+def test_load_model_takes_options(tmp_path):
+    from flax import nnx
+
+    path = tmp_path / "m.safetensors"
+    nnx_save.save_model(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), path)
+    model = nnx.Linear(2, 3, rngs=nnx.Rngs(1))
+    nnx.update(model, jax.tree.map(lambda x: x * 0 + 7, nnx.state(model)))  # poisoned: a no-op load would keep 7s
+    model, report = nnx_save.load_model(model, path, options=nnx_save.LoadOptions(verify=True))
+    assert not (model.kernel.get_value() == 7).any()
+    assert sorted(report.verified) == ["bias", "kernel"]
+    with pytest.raises(OptionError, match=re.escape("load_model: verify given both")):
+        nnx_save.load_model(model, path, verify=False, options=nnx_save.LoadOptions(verify=True))
+
+
+def test_store_arguments_are_typed_errors():
+    from nnx_save.checkpoint import Retention
+
+    with pytest.raises(OptionError, match=re.escape("Retention.mode must be 'min' or 'max', got 'mid'")):
+        Retention(best=1, metric="loss", mode="mid")
+
+
+def test_a_bad_shard_size_for_convert_is_a_typed_error(saved, tmp_path):
+    with pytest.raises(OptionError, match=re.escape("max_shard_size=0: expected a positive number of bytes")):
+        nnx_save.convert(saved, tmp_path / "split", max_shard_size=0)
+
+
+def test_safe_open_refuses_a_bad_setting_when_opened(saved):
+    with pytest.raises(OptionError, match=re.escape("num_threads must be at least 1, got 0")):
+        nnx_save.safe_open(saved, num_threads=0)  # before: a ValueError at the first read
+    with pytest.raises(OptionError, match=re.escape("max_over_read_ratio must be >= 1.0, got 0.5")):
+        nnx_save.safe_open(saved, max_over_read_ratio=0.5)
