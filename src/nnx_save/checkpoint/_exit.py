@@ -17,6 +17,7 @@ its signal status).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -49,7 +50,8 @@ def pending(store: _Settles) -> None:
         if not _hooked:
             # Registered late (at the first asynchronous save), so it runs before the
             # hooks registered at import (concurrent.futures'): the latest runs first.
-            getattr(threading, "_register_atexit", atexit.register)(_at_exit)
+            with contextlib.suppress(RuntimeError):  # a save made while the interpreter already ends
+                getattr(threading, "_register_atexit", atexit.register)(_at_exit)
             _hooked = True
     _install_sigterm()
 
