@@ -550,6 +550,7 @@ def load_targets(
             allow_missing=allow_missing,
             allow_unexpected=allow_unexpected,
             allow_shape_mismatch=allow_shape_mismatch,
+            allow_casts=allow_casts,
             ignore_unexpected=ignore_unexpected,
             renamed=renamed,
             warn=warn,
