@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import re
 
 import jax.numpy as jnp
@@ -163,3 +164,36 @@ def test_an_unreadable_store_record_is_refused_typed(tmp_path):
     message = "holds a store record _nnx_save_store.json that cannot be read (Expecting property name"
     with pytest.raises(UnsupportedCheckpointError, match=re.escape(message)):
         OrbaxCheckpointStore(tmp_path).list_steps()
+
+
+def test_a_crash_while_retention_deletes_a_step_leaves_no_damaged_step(tmp_path, monkeypatch):
+    """Retention renames a step away before deleting it: a crash mid-delete (here, the
+    removal fails after its first file) leaves a hidden leftover, never a half-deleted
+    step that lists as damaged; the next store opened for writing removes the leftover."""
+    from etils import epath
+
+    directory = tmp_path / "ckpt"
+    with OrbaxCheckpointStore(directory, max_to_keep=2) as store:
+        store.save(1, {"model": {"w": jnp.ones(4)}})
+        store.save(2, {"model": {"w": jnp.full(4, 2.0)}})
+    kind = type(epath.Path(directory))  # the concrete path class the store uses
+
+    def crash_after_one_file(self, *args, **kwargs):
+        top, _, files = next((w for w in os.walk(str(self)) if w[2]))
+        os.unlink(os.path.join(top, files[0]))  # part of the step is gone
+        raise OSError("killed mid-delete")
+
+    monkeypatch.setattr(kind, "rmtree", crash_after_one_file)
+    with pytest.raises(OSError, match="killed mid-delete"):
+        with OrbaxCheckpointStore(directory, max_to_keep=2) as store:
+            store.save(3, {"model": {"w": jnp.full(4, 3.0)}})
+    monkeypatch.undo()
+    assert sorted(p.name for p in directory.iterdir() if p.name.startswith(".nnx_save-deleting-")) == [
+        ".nnx_save-deleting-1"
+    ]
+    with OrbaxCheckpointStore(directory, max_to_keep=2) as store:  # warnings are errors: no damaged step
+        assert store.list_steps() == [2, 3] and store.damaged_steps() == {}
+        store.save(4, {"model": {"w": jnp.full(4, 4.0)}})
+        assert store.list_steps() == [3, 4]
+        assert float(store.restore(4).items["model"]["w"][0]) == 4.0
+    assert sorted(p.name for p in directory.iterdir() if p.name.startswith(".nnx")) == []

@@ -32,15 +32,21 @@ from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
 from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json
 
-__all__ = ["ASIDE_PREFIX", "Disk"]
+__all__ = ["ASIDE_PREFIX", "RETIRED_PREFIX", "Disk"]
 
 # A step being overwritten is renamed to this (plus the step) until its replacement
 # is complete, so a crash mid-overwrite never loses the step.
 ASIDE_PREFIX = ".nnx_save-overwriting-"
+# A step that retention lets go is renamed to this (plus the step) first, then deleted:
+# a crash mid-delete leaves a hidden leftover (removed on the next open for writing),
+# never a half-deleted step that lists as damaged.
+RETIRED_PREFIX = ".nnx_save-deleting-"
 
-# The entries the store (or Orbax for it) renames or deletes: steps, set-aside steps,
-# Orbax's temporary step directories.
-_MANAGED = re.compile(rf"[0-9]+|{re.escape(ASIDE_PREFIX)}.*|.*\.orbax-checkpoint-tmp.*", re.DOTALL)
+# The entries the store (or Orbax for it) renames or deletes: steps, set-aside and
+# retired steps, Orbax's temporary step directories.
+_MANAGED = re.compile(
+    rf"[0-9]+|{re.escape(ASIDE_PREFIX)}.*|{re.escape(RETIRED_PREFIX)}.*|.*\.orbax-checkpoint-tmp.*", re.DOTALL
+)
 
 
 @dataclasses.dataclass
@@ -111,6 +117,8 @@ class Disk:
     def _recover(self) -> None:
         if not self.path.is_dir():
             return
+        for retired in self.path.glob(f"{RETIRED_PREFIX}*"):
+            retired.rmtree()  # its step was already gone from the directory
         for aside in self.path.glob(f"{ASIDE_PREFIX}*"):
             step_dir = self.path / aside.name.removeprefix(ASIDE_PREFIX)
             if step_dir.exists():
@@ -162,6 +170,17 @@ class Disk:
         view = self.load()
         damaged = {s: d for s, d in view.damaged.items() if s != step}
         self.view = DirectoryView(True, tuple(sorted({*view.steps, step})), damaged)
+
+    def retire(self, step: int) -> None:
+        """Delete step ``step``'s directory: renamed away first (one atomic step), then
+        removed, so a crash in between leaves no half-deleted step behind."""
+        retired, step_dir = self.path / f"{RETIRED_PREFIX}{step}", self.path / str(step)
+        if step_dir.exists():
+            if retired.exists():  # left by a crash while this step number was deleted before
+                retired.rmtree()
+            step_dir.rename(retired)
+        if retired.exists():
+            retired.rmtree()
 
     def removed(self, step: int) -> None:
         """``step`` was deleted by this store, on every process."""

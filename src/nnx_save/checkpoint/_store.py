@@ -9,6 +9,7 @@ shapes compared against the templates before a single array is read).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import pathlib
 import shutil
@@ -219,10 +220,13 @@ class OrbaxCheckpointStore:
         finally:
             self._landed()
         if self._writable:
-            for step in self._disk.doomed():
-                manager.delete(step)
+            doomed = self._disk.doomed()
+            for step in doomed:
+                _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
                 self._disk.removed(step)
                 self._metadata.pop(step, None)
+            if doomed:
+                manager.reload()  # Orbax forgets the steps retired behind its back
 
     def _open(self) -> None:
         if self._closed:
@@ -597,7 +601,9 @@ class OrbaxCheckpointStore:
         """
         self._require(step, damaged_ok=True)
         self._disk.refuse_links()
-        self._writer().delete(step)
+        writer = self._writer()
+        _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
+        writer.reload()
         self._disk.removed(step)
         self._metadata.pop(step, None)
 
