@@ -179,14 +179,13 @@ def test_a_crash_while_retention_deletes_a_step_leaves_no_damaged_step(tmp_path,
     kind = type(epath.Path(directory))  # the concrete path class the store uses
 
     def crash_after_one_file(self, *args, **kwargs):
-        top, _, files = next((w for w in os.walk(str(self)) if w[2]))
+        top, _, files = next(w for w in os.walk(str(self)) if w[2])
         os.unlink(os.path.join(top, files[0]))  # part of the step is gone
         raise OSError("killed mid-delete")
 
     monkeypatch.setattr(kind, "rmtree", crash_after_one_file)
-    with pytest.raises(OSError, match="killed mid-delete"):
-        with OrbaxCheckpointStore(directory, max_to_keep=2) as store:
-            store.save(3, {"model": {"w": jnp.full(4, 3.0)}})
+    with pytest.raises(OSError, match="killed mid-delete"), OrbaxCheckpointStore(directory, max_to_keep=2) as store:
+        store.save(3, {"model": {"w": jnp.full(4, 3.0)}})
     monkeypatch.undo()
     assert sorted(p.name for p in directory.iterdir() if p.name.startswith(".nnx_save-deleting-")) == [
         ".nnx_save-deleting-1"
