@@ -229,7 +229,26 @@ def _socket_of(response) -> socket.socket | None:
     return getattr(connection, "sock", None)
 
 
-class HttpReader:
+class _Views:
+    """What a remote reader cannot do: no raw addresses over the network (iovec
+    tables, batched runs), so it fills one ``memoryview`` per run (``readv``)."""
+
+    url: str
+
+    def can_read_tables(self) -> bool:
+        return False
+
+    def can_read_runs(self) -> bool:
+        return False
+
+    def readv_table(self, table: object, offset: int) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
+
+    def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not raw runs")
+
+
+class HttpReader(_Views):
     """Ranged GETs against one URL; the identity (size, version) is pinned by the
     first response and checked on every later one (see the module docstring)."""
 
@@ -259,12 +278,6 @@ class HttpReader:
 
     def close(self) -> None:
         pass
-
-    def can_read_tables(self) -> bool:
-        return False  # no raw-address iovecs over the network: one memoryview per run
-
-    def readv_table(self, table: object, offset: int) -> None:
-        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
 
     def _changed(self, total: int, version: str | None) -> RemoteChangedError:
         return RemoteChangedError(
@@ -460,7 +473,7 @@ def _fsspec_version(info: Mapping[str, object]) -> str | None:
     return "; ".join(found) or None
 
 
-class FsspecReader:
+class FsspecReader(_Views):
     """Ranged reads through fsspec (``s3://``, ``gs://``, ``hf://`` ...), pinned to
     the object's size and version (see the module docstring)."""
 
@@ -515,12 +528,6 @@ class FsspecReader:
         """Check the object is still the version read (a replacement during the load
         would have mixed versions)."""
         self._check(self.identity)
-
-    def can_read_tables(self) -> bool:
-        return False  # no raw-address iovecs over the network: one memoryview per run
-
-    def readv_table(self, table: object, offset: int) -> None:
-        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         total = sum(len(b) for b in buffers)

@@ -57,12 +57,13 @@ import numpy as np
 from .. import _config
 from ..errors import SaveError
 from ..format import _checksum, _dtypes
+from ..format._boxes import whole
 from ..format._header import encode_header
 from ..io._files import pread_exact
 from ..load._plan import box_runs
 from . import _stage
-from ._stage import HostValue, spans_processes
-from ._write import Entry, _write_all, fsync_dir, host_bytes, order_entries, temp_path
+from ._stage import spans_processes
+from ._write import Entry, _write_all, fsync_dir, host_bytes, host_data, order_entries, temp_path
 
 __all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "write_collective"]
 
@@ -286,7 +287,7 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
     row = _dtypes.DTYPES[e.code]
     for shard, host in parts:
         box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
-        if not row.byte_aligned and box != tuple((0, d) for d in e.shape):
+        if not row.byte_aligned and box != whole(e.shape):
             raise SaveError(
                 f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be written "
                 "shard by shard. Replicate it before saving",
@@ -304,15 +305,9 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
             _write_all(fd, data[i * length : (i + 1) * length], off)
 
 
-def _local_shards(array: Any) -> list[tuple[Any, np.ndarray]]:
-    """This process's replica-0 shards of ``array`` (a jax array or a host snapshot) on the host."""
-    return [(s, np.asarray(s.data)) for s in array.addressable_shards if s.replica_id == 0]
-
-
 def _cross(e: Entry) -> Any:
     """The array whose shards several processes write, or ``None`` (a host value)."""
-    array = e.value.array if isinstance(e.value, HostValue) else None
-    return array if spans_processes(array) else None
+    return e.array if spans_processes(e.array) else None
 
 
 def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
@@ -321,7 +316,7 @@ def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
     out = []
     for e in entries:
         cross = _cross(e)
-        host = e.value.array if primary and isinstance(e.value, HostValue) else None
+        host = e.array if primary else None
         out.append(cross if cross is not None else host)
     return out
 
@@ -343,17 +338,11 @@ def _write_mine(
         for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
             array = _cross(e)
             if array is not None:
-                parts = window.take(i, _stage.Staged.host_shards, functools.partial(_local_shards, array))
+                parts = window.take(i, _stage.Staged.host_shards, functools.partial(_stage.host_shards, array))
                 _write_shards(fd, e, parts, len(head) + begin)
                 del parts
             elif sync.pid == 0:
-                data = host_bytes(window.take(i, _stage.Staged.assemble, e.value), e.code)
-                if len(data) != end - begin:
-                    raise SaveError(
-                        f"{e.key}: gave {len(data)} bytes, its header entry {e.code} "
-                        f"{list(e.shape)} says {end - begin}",
-                        key_path=e.key,
-                    )
+                data = host_data(window, i, e, sync.path, end - begin)
                 _write_all(fd, data, len(head) + begin)
                 digests[e.key] = _checksum.digest([data])
                 del data
