@@ -48,7 +48,6 @@ if TYPE_CHECKING:
 
     from ..layouts._pieces import Piece
     from ..layouts._sources import Header
-    from ._engine import Dest
     from ._options import LoadOptions
     from ._report import LoadReport
 
@@ -69,7 +68,7 @@ class StreamEngine(Protocol):
     opt: LoadOptions
     bar: Any
     budget: Budget
-    dests: list[Dest]
+    dests: list[Any]  # the engine's Dest (key, owner, box, parts): its module imports this one
     staging: Any  # set to the staging pool (tests look at it after a load)
 
     def open_reader(self, file: str) -> Reader: ...
