@@ -103,6 +103,19 @@ def test_a_step_only_the_primary_posts(tmp_path):
     assert str(e0) == str(e1) == f"{tmp_path / 'd'}: {refused.error}; the previous save in it, if any, is intact"
 
 
+def test_a_decision_is_read_by_one_wait_and_deleted_by_its_last_reader():
+    store = FakeStore()
+    primary, readers = _kv.Channel(0, 3, store), [_kv.Channel(p, 3, store) for p in (1, 2)]
+    assert primary.gather("nnx_save/d/4", "yes", {0}, 1.0) == {0: "yes"}  # the poster does not wait
+    assert [r.gather("nnx_save/d/4", None, {0}, 1.0) for r in readers] == [{0: "yes"}] * 2
+    readers[0].read_once("nnx_save/d/4", 2)
+    assert sorted(store.values) == ["nnx_save/d/4/0", "nnx_save/d/4/done"]  # one reader still to read it
+    readers[1].read_once("nnx_save/d/4", 2)
+    assert store.values == {}
+    with pytest.raises(_kv.Unanswered, match=re.escape("nnx_save/d/5: process(es) [0] posted nothing")):
+        readers[0].gather("nnx_save/d/5", None, {0}, 0.05)
+
+
 def test_a_single_process_exchanges_nothing(tmp_path):
     solo = Sync.open(tmp_path / "w.safetensors")
     assert (solo.n, solo.kv.client) == (1, None)

@@ -30,11 +30,6 @@ _SEQUENCE = itertools.count()  # every process numbers its decisions the same wa
 T = TypeVar("T")
 
 
-def timeout_s() -> float:
-    """How long a process waits for process 0's decision (``NNX_SAVE_STORE_TIMEOUT_S``)."""
-    return _config.STORE_TIMEOUT_S.get()
-
-
 def agree(name: str, decide: Callable[[], T]) -> T:
     """``decide()`` as computed on process 0, on every process.
 
@@ -77,10 +72,11 @@ def agree(name: str, decide: Callable[[], T]) -> T:
 
 def _exchange(kv: _kv.Channel, key: str, name: str, mine: dict | None) -> dict:
     """Post process 0's decision ``mine``, or wait (bounded) for it."""
+    timeout = _config.STORE_TIMEOUT_S.get()
     try:
-        return json.loads(kv.gather(key, None if mine is None else json.dumps(mine), {0}, timeout_s())[0])
+        return json.loads(kv.gather(key, None if mine is None else json.dumps(mine), {0}, timeout)[0])
     except _kv.Unanswered as error:
         raise CheckpointSyncError(
-            f"process {kv.pid} waited {timeout_s():g} s ({TIMEOUT_ENV}) for process 0 to decide {name!r} "
+            f"process {kv.pid} waited {timeout:g} s ({TIMEOUT_ENV}) for process 0 to decide {name!r} "
             f"and got no answer ({error}); did process 0 die, or stop calling the store?"
         ) from error

@@ -73,17 +73,14 @@ def is_url(source: object) -> bool:
 
 @dataclass
 class RemoteStats:
-    """Counters shared by every reader of one load (thread-safe)."""
+    """The retries of every reader of one load, for its report (thread-safe; each
+    reader counts its own requests, and the engine its bytes, in ``IOStats``)."""
 
-    requests: int = 0
-    bytes: int = 0
     retries: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, requests: int = 0, nbytes: int = 0, retries: int = 0) -> None:
+    def add(self, retries: int = 0) -> None:
         with self._lock:
-            self.requests += requests
-            self.bytes += nbytes
             self.retries += retries
 
 
@@ -230,10 +227,18 @@ def _socket_of(response) -> socket.socket | None:
 
 
 class _Views:
-    """What a remote reader cannot do: no raw addresses over the network (iovec
-    tables, batched runs), so it fills one ``memoryview`` per run (``readv``)."""
+    """What remote readers share: no raw addresses over the network (iovec tables,
+    batched runs), so they fill one ``memoryview`` per run (``readv``)."""
 
     url: str
+
+    def readv(self, buffers: list[memoryview], offset: int) -> None:
+        raise NotImplementedError
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.readv([memoryview(out)], offset)
+        return bytes(out)
 
     def can_read_tables(self) -> bool:
         return False
@@ -320,7 +325,6 @@ class HttpReader(_Views):
             except urllib3.exceptions.HTTPError as e:
                 raise _Retry(f"connection failed: {e}") from None
             self.requests += 1
-            self.stats.add(requests=1)
             if r.status not in _REDIRECTS:
                 self.final_url = url
                 return r
@@ -424,14 +428,8 @@ class HttpReader(_Views):
         def sink(response, nbytes: int) -> None:
             for buf in buffers:
                 _read_exact(response, buf)
-            self.stats.add(nbytes=total)
 
         self._with_retries(offset, total, sink)
-
-    def read(self, offset: int, length: int) -> bytes:
-        out = bytearray(length)
-        self.readv([memoryview(out)], offset)
-        return bytes(out)
 
     def probe(self) -> bytes:
         """The first bytes of the object (speculatively enough for most headers),
@@ -540,16 +538,10 @@ class FsspecReader(_Views):
         if len(data) != total:
             raise RemoteError(f"{self.url}: asked for {total} bytes at {offset}, got {len(data)}")
         self.requests += 1
-        self.stats.add(requests=1, nbytes=total)
         pos = 0
         for b in buffers:
             b.cast("B")[:] = data[pos : pos + len(b)]
             pos += len(b)
-
-    def read(self, offset: int, length: int) -> bytes:
-        out = bytearray(length)
-        self.readv([memoryview(out)], offset)
-        return bytes(out)
 
     def probe(self) -> bytes:
         return self.read(0, min(SPECULATIVE_HEADER_BYTES, self.size))

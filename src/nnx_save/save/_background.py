@@ -227,16 +227,6 @@ class _HostShard:
     data: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
-class _SnapshotValue:
-    """The host value of a :class:`HostSnapshot` or of a private numpy copy."""
-
-    array: Any
-
-    def __call__(self) -> np.ndarray:
-        return self.array.assemble() if isinstance(self.array, HostSnapshot) else self.array
-
-
 def snapshot(entries: Sequence[Entry], max_inflight_bytes: int | None = None, where: str = "") -> list[Entry]:
     """The entries with values that no later step of the caller can change.
 
@@ -250,7 +240,8 @@ def snapshot(entries: Sequence[Entry], max_inflight_bytes: int | None = None, wh
     try:
         for i, (e, source) in enumerate(zip(entries, sources, strict=False)):
             value = window.take(i, functools.partial(_from_copy, source), functools.partial(_own, e))
-            out.append(dataclasses.replace(e, value=_SnapshotValue(value), array=value))
+            host = value.assemble if isinstance(value, HostSnapshot) else functools.partial(np.asarray, value)
+            out.append(dataclasses.replace(e, value=host, array=value))
     finally:
         window.close()
     return out

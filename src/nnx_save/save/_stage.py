@@ -49,12 +49,9 @@ def spans_processes(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class HostValue:
-    """An entry's value callable that keeps the array it came from.
-
-    The single-process writer calls it to get the whole host value (or stages it,
-    see :func:`stage`); the collective writer reads ``array`` to write only this
-    process's shards.
-    """
+    """The value callable of an array's entry (:meth:`~._write.Entry.of`): the whole
+    array on the host, refusing one that spans processes (only the collective writer,
+    which reads ``Entry.array`` shard by shard, can save that)."""
 
     array: Any
 
