@@ -356,7 +356,7 @@ def test_a_dtype_jax_lacks_into_a_device_template_is_typed(tmp_path):
     assert holds(lambda: nnx_save.load_file(path, abstract=template), str(path)) is None
 
 
-TORCH_FILES: dict[str, Callable[[], Any]] = {  # sparse and meta tensors: tests/test_cli.py (convert)
+TORCH_FILES: dict[str, Callable[[], Any]] = {  # sparse and meta tensors: tests/cli/test_cli.py (convert)
     "bf16, int8, bool": lambda: {"a": _torch().arange(4, dtype=_torch().bfloat16), "b": _torch().tensor([1, -2],
                                  dtype=_torch().int8), "c": _torch().tensor([True, False])},
     "views sharing storage": lambda: (lambda t: {"whole": t, "row": t[1], "col": t[:, 2], "t": t.T})(
