@@ -121,11 +121,13 @@ def test_a_bad_value_is_refused_where_it_is_used_not_at_import(tmp_path):
 
 
 def test_the_modules_read_their_variables_through_config(tmp_path, monkeypatch):
+    from nnx_save.io import _kv
     from nnx_save.save import _background, _collective
 
     monkeypatch.setenv("NNX_SAVE_COLLECTIVE_TIMEOUT_S", "soon")
+    sync = _collective.Sync(tmp_path / "w.safetensors", _kv.Channel(0, 2, object()))  # read before any wait
     with pytest.raises(ConfigError, match=re.escape("NNX_SAVE_COLLECTIVE_TIMEOUT_S='soon'")):
-        _collective._timeout()
+        sync.gather("agree", None)
     monkeypatch.setenv("NNX_SAVE_MAX_ASYNC_SAVES", "-2")
     with pytest.raises(ConfigError, match=re.escape("NNX_SAVE_MAX_ASYNC_SAVES='-2': expected a positive integer")):
         nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w.safetensors", blocking=False)

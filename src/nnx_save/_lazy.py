@@ -179,19 +179,10 @@ class _Open:
             open_reader=reader_factory(header),
             warn=False,
         )
-        _add_io(self.io, report.io)
+        self.io.add(report.io)
         self.files.update(report.io.over_read_by_file)
         self.io.files = len(self.files)
         return values
-
-
-def _add_io(total: IOStats, io: IOStats) -> None:
-    for name in ("bytes_read", "bytes_needed", "requests", "retries"):
-        setattr(total, name, getattr(total, name) + getattr(io, name))
-    for name in ("plan_seconds", "read_seconds", "assemble_seconds"):
-        setattr(total, name, getattr(total, name) + getattr(io, name))
-    total.max_inflight_bytes = max(total.max_inflight_bytes, io.max_inflight_bytes)
-    total.over_read_by_file.update(io.over_read_by_file)
 
 
 class TensorSlice:

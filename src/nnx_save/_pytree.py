@@ -17,7 +17,6 @@ from .load._report import LoadReport, ShapeMismatch, matches_any, warn_single_de
 from .load._target import Target
 from .save import _background, _dispatch
 from .save._options import SaveOptions
-from .save._stage import HostValue
 from .save._write import Entry
 
 __all__ = ["flatten", "leaf_entry", "load_file", "save_file"]
@@ -104,7 +103,7 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
     if value.dtype.kind in "OUS":
         raise UnsupportedValueError(f"{key}: {_describe(value)} has no safetensors dtype", key)
     code = _dtypes.to_code(value.dtype, key).code
-    return Entry(key, code, tuple(int(d) for d in value.shape), HostValue(value))
+    return Entry.of(key, code, tuple(int(d) for d in value.shape), value)
 
 
 def save_file(

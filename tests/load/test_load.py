@@ -435,6 +435,9 @@ class _Reader:
     def can_read_tables(self) -> bool:
         return self.table and self.inner.can_read_tables()
 
+    def can_read_runs(self) -> bool:
+        return False  # batches of raw-address preads are the local reader's own
+
     def _timed(self, n: int, offset: int, read) -> None:
         self.log.enter(self.path, offset, n)
         try:

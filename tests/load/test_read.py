@@ -70,6 +70,9 @@ class _NoTable:
     def can_read_tables(self) -> bool:
         return False
 
+    def can_read_runs(self) -> bool:
+        return False  # batches of raw-address preads are the local reader's own
+
     def readv_table(self, table, offset):
         raise AssertionError("a reader without tables was given one")
 

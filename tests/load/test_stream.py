@@ -173,6 +173,9 @@ class _Tracking:
     def can_read_tables(self) -> bool:
         return self.inner.can_read_tables()
 
+    def can_read_runs(self) -> bool:
+        return False  # batches of raw-address preads are the local reader's own
+
     def close(self) -> None:
         self.closed = True
         self.inner.close()

@@ -71,6 +71,17 @@ def test_damaged_steps_are_reported_alike_on_every_process(run_workers, tmp_path
         assert len(w.result["warned"]) == 1 and "2 damaged steps are left out of list_steps()" in w.result["warned"][0]
 
 
+def test_a_decision_every_step_leaves_no_keys_behind(run_workers, tmp_path):
+    """should_save(every_seconds=...) asks process 0 at every step; the last process
+    to read each decision deletes its keys, so the coordination service's store does
+    not grow with the steps."""
+    args = {"scenario": "interval_keys", "dir": str(tmp_path / "k"), "mesh": [4, 2], "steps": 40}
+    workers = run_workers("store_ops.py", 4, 2, args, timeout=300)
+    assert _same_on_every_process(workers, "due") == [False] * 40  # the interval (an hour) never passed
+    for w in workers:
+        assert w.result["keys"] == [], w.result["keys"][:5]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=IDS)
 def test_preemption_saves_one_step_on_every_process(run_workers, tmp_path, layout):
     n, devices, mesh, _ = layout

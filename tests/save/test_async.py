@@ -144,7 +144,7 @@ def test_cpu_snapshot_aliases_the_buffer_and_donation_then_copies():
     jax.block_until_ready(x)
     entry = nnx_save._pytree.leaf_entry(("x",), x)
     (snap,) = _background.snapshot([entry])
-    host = snap.value.array.addressable_shards[0].data
+    host = snap.array.addressable_shards[0].data
     assert host.ctypes.data == x.unsafe_buffer_pointer()  # no copy
     y = jax.jit(lambda a: a + 1, donate_argnums=0)(x)
     jax.block_until_ready(y)

@@ -6,22 +6,37 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 import nnx_save
-from nnx_save.save import _collective
+from nnx_save.io import _kv
 from nnx_save.save._collective import Outcome, Sync
 
 
 class FakeStore:
-    """The three calls the protocol makes on jax's key-value client."""
+    """The calls the protocol makes on jax's key-value client."""
 
     def __init__(self) -> None:
         self.values: dict[str, str] = {}
         self.lock = threading.Lock()
+
+    def blocking_key_value_get(self, key: str, timeout_ms: int) -> str:
+        deadline = time.monotonic() + timeout_ms / 1000
+        while time.monotonic() < deadline:
+            with self.lock:
+                if key in self.values:
+                    return self.values[key]
+            time.sleep(0.001)
+        raise TimeoutError(f"DEADLINE_EXCEEDED: {key}")
+
+    def key_value_increment(self, key: str, by: int) -> int:
+        with self.lock:
+            self.values[key] = str(int(self.values.get(key, "0")) + by)
+            return int(self.values[key])
 
     def key_value_set(self, key: str, value: str) -> None:
         with self.lock:
@@ -41,8 +56,8 @@ class FakeStore:
 def _pair(path: Path) -> tuple[Sync, Sync, FakeStore]:
     store = FakeStore()
     return (
-        Sync(path, 0, 2, store, "nnx_save/save/7", 7),
-        Sync(path, 1, 2, store, "nnx_save/save/7", 7),
+        Sync(path, _kv.Channel(0, 2, store), "nnx_save/save/7", 7),
+        Sync(path, _kv.Channel(1, 2, store), "nnx_save/save/7", 7),
         store,
     )
 
@@ -88,9 +103,22 @@ def test_a_step_only_the_primary_posts(tmp_path):
     assert str(e0) == str(e1) == f"{tmp_path / 'd'}: {refused.error}; the previous save in it, if any, is intact"
 
 
+def test_a_decision_is_read_by_one_wait_and_deleted_by_its_last_reader():
+    store = FakeStore()
+    primary, readers = _kv.Channel(0, 3, store), [_kv.Channel(p, 3, store) for p in (1, 2)]
+    assert primary.gather("nnx_save/d/4", "yes", {0}, 1.0) == {0: "yes"}  # the poster does not wait
+    assert [r.gather("nnx_save/d/4", None, {0}, 1.0) for r in readers] == [{0: "yes"}] * 2
+    readers[0].read_once("nnx_save/d/4", 2)
+    assert sorted(store.values) == ["nnx_save/d/4/0", "nnx_save/d/4/done"]  # one reader still to read it
+    readers[1].read_once("nnx_save/d/4", 2)
+    assert store.values == {}
+    with pytest.raises(_kv.Unanswered, match=re.escape("nnx_save/d/5: process(es) [0] posted nothing")):
+        readers[0].gather("nnx_save/d/5", None, {0}, 0.05)
+
+
 def test_a_single_process_exchanges_nothing(tmp_path):
     solo = Sync.open(tmp_path / "w.safetensors")
-    assert (solo.n, solo.client) == (1, None)
+    assert (solo.n, solo.kv.client) == (1, None)
     assert solo.step("write", Outcome(True, {"w": "01"})) == {0: {"w": "01"}}
 
 
@@ -98,12 +126,12 @@ def test_a_jax_without_the_key_value_store_falls_back_to_the_public_collective(t
     from jax._src import distributed
 
     monkeypatch.setattr(distributed, "global_state", None)
-    assert _collective._kv_client(tmp_path / "w.safetensors") is None
-    sync = Sync(tmp_path / "w.safetensors", 0, 1, None)  # one process, forced through the collective
+    assert _kv.client(str(tmp_path / "w.safetensors"), nnx_save.SaveError) is None
+    sync = Sync(tmp_path / "w.safetensors", _kv.Channel(0, 1, None))  # one process, forced through the collective
     assert sync.gather("write", Outcome(True, {"w": "01"}).encode()) == {
         0: '{"ok": true, "value": {"w": "01"}, "error": ""}'
     }
-    assert _collective._allgather(None) == {}
+    assert _kv.allgather(None) == {}
     with pytest.raises(nnx_save.SaveError, match=re.escape("process(es) [0] posted nothing for the 'open' step")):
         sync.gather("open", None, only=0)
 
@@ -111,4 +139,4 @@ def test_a_jax_without_the_key_value_store_falls_back_to_the_public_collective(t
 def test_without_jax_distributed_initialize_the_error_says_so(tmp_path):
     path = tmp_path / "w.safetensors"
     with pytest.raises(nnx_save.SaveError, match=re.escape("call jax.distributed.initialize() first")):
-        _collective._kv_client(path)
+        _kv.client(str(path), nnx_save.SaveError)

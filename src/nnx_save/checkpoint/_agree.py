@@ -16,13 +16,11 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
-
-import jax
-from jax._src import distributed  # the only handle on the coordination service's key-value store
+from typing import TypeVar
 
 from .. import _config
 from ..errors import CheckpointSyncError
+from ..io import _kv
 
 __all__ = ["TIMEOUT_ENV", "agree"]
 
@@ -32,17 +30,13 @@ _SEQUENCE = itertools.count()  # every process numbers its decisions the same wa
 T = TypeVar("T")
 
 
-def timeout_s() -> float:
-    """How long a process waits for process 0's decision (``NNX_SAVE_STORE_TIMEOUT_S``)."""
-    return _config.STORE_TIMEOUT_S.get()
-
-
 def agree(name: str, decide: Callable[[], T]) -> T:
     """``decide()`` as computed on process 0, on every process.
 
     The value must be JSON data (it travels as JSON, so tuples come back as lists).
     With one process this is ``decide()``. Every process must call ``agree`` the same
-    number of times, in the same order; ``name`` checks that they do.
+    number of times, in the same order; ``name`` checks that they do. The decision's
+    keys are deleted by the last process to read them (:mod:`~nnx_save.io._kv`).
 
     Raises:
         CheckpointSyncError: Process 0's decision failed, did not come within the
@@ -52,40 +46,37 @@ def agree(name: str, decide: Callable[[], T]) -> T:
         >>> agree("answer", lambda: {"steps": [1, 2]})
         {'steps': [1, 2]}
     """
-    if jax.process_count() == 1:
+    kv = _kv.Channel.open("the checkpoint store", CheckpointSyncError)
+    if kv.n == 1:
         return decide()
     key = f"nnx_save/checkpoint/decision/{next(_SEQUENCE)}"
-    client = distributed.global_state.client
-    if jax.process_index() == 0:
-        return _post(client, key, name, decide)
-    return _read(client, key, name)
-
-
-def _post(client: Any, key: str, name: str, decide: Callable[[], T]) -> T:
-    try:
-        value = decide()
-    except BaseException as error:
-        client.key_value_set(key, json.dumps({"name": name, "error": f"{type(error).__name__}: {error}"}))
-        raise
-    client.key_value_set(key, json.dumps({"name": name, "value": value}))
-    return value
-
-
-def _read(client: Any, key: str, name: str) -> Any:
-    pid = jax.process_index()
-    try:
-        posted = json.loads(client.blocking_key_value_get(key, int(timeout_s() * 1000)))
-    except Exception as error:
-        raise CheckpointSyncError(
-            f"process {pid} waited {timeout_s():g} s ({TIMEOUT_ENV}) for process 0 to decide {name!r} "
-            f"and got no answer ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
-            "did process 0 die, or stop calling the store?"
-        ) from error
+    if kv.pid == 0:
+        try:
+            value = decide()
+        except BaseException as error:
+            _exchange(kv, key, name, {"name": name, "error": f"{type(error).__name__}: {error}"})
+            raise
+        _exchange(kv, key, name, {"name": name, "value": value})
+        return value
+    posted = _exchange(kv, key, name, None)
+    kv.read_once(key, kv.n - 1)
     if posted["name"] != name:
         raise CheckpointSyncError(
-            f"the processes diverged: process 0 decided {posted['name']!r} where process {pid} asks {name!r}; "
+            f"the processes diverged: process 0 decided {posted['name']!r} where process {kv.pid} asks {name!r}; "
             "call every store method on every process, in the same order"
         )
     if "error" in posted:
         raise CheckpointSyncError(f"process 0 failed to decide {name!r}: {posted['error']}")
     return posted["value"]
+
+
+def _exchange(kv: _kv.Channel, key: str, name: str, mine: dict | None) -> dict:
+    """Post process 0's decision ``mine``, or wait (bounded) for it."""
+    timeout = _config.STORE_TIMEOUT_S.get()
+    try:
+        return json.loads(kv.gather(key, None if mine is None else json.dumps(mine), {0}, timeout)[0])
+    except _kv.Unanswered as error:
+        raise CheckpointSyncError(
+            f"process {kv.pid} waited {timeout:g} s ({TIMEOUT_ENV}) for process 0 to decide {name!r} "
+            f"and got no answer ({error}); did process 0 die, or stop calling the store?"
+        ) from error

@@ -25,6 +25,7 @@ import xxhash
 
 from ..errors import ChecksumError
 from . import _header
+from ._boxes import Box, whole
 
 __all__ = [
     "ALGORITHM",
@@ -124,9 +125,6 @@ def check_all(jobs: Sequence[tuple[str, str, str, Sequence[memoryview]]], num_th
         f.result()
 
 
-Box = tuple[tuple[int, int], ...]
-
-
 def full_buffers(shape: tuple[int, ...], pieces: Sequence[tuple[Box, object]]) -> list[object] | None:
     """The buffers that hold the whole tensor in file order, or ``None``.
 
@@ -135,16 +133,16 @@ def full_buffers(shape: tuple[int, ...], pieces: Sequence[tuple[Box, object]]) -
     (their bytes are consecutive ranges of the file). Anything else is a partial
     read this process cannot check.
     """
-    whole = tuple((0, d) for d in shape)
+    full = whole(shape)
     for box, buf in pieces:
-        if box == whole:
+        if box == full:
             return [buf]
     if not shape or not pieces:
         return None
     ordered = sorted(pieces, key=lambda p: p[0][0])
     position = 0
     for box, _ in ordered:
-        if box[1:] != whole[1:] or box[0][0] != position:
+        if box[1:] != full[1:] or box[0][0] != position:
             return None
         position = box[0][1]
     return [buf for _, buf in ordered] if position == shape[0] else None

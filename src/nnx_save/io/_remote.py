@@ -73,17 +73,14 @@ def is_url(source: object) -> bool:
 
 @dataclass
 class RemoteStats:
-    """Counters shared by every reader of one load (thread-safe)."""
+    """The retries of every reader of one load, for its report (thread-safe; each
+    reader counts its own requests, and the engine its bytes, in ``IOStats``)."""
 
-    requests: int = 0
-    bytes: int = 0
     retries: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, requests: int = 0, nbytes: int = 0, retries: int = 0) -> None:
+    def add(self, retries: int = 0) -> None:
         with self._lock:
-            self.requests += requests
-            self.bytes += nbytes
             self.retries += retries
 
 
@@ -229,7 +226,34 @@ def _socket_of(response) -> socket.socket | None:
     return getattr(connection, "sock", None)
 
 
-class HttpReader:
+class _Views:
+    """What remote readers share: no raw addresses over the network (iovec tables,
+    batched runs), so they fill one ``memoryview`` per run (``readv``)."""
+
+    url: str
+
+    def readv(self, buffers: list[memoryview], offset: int) -> None:
+        raise NotImplementedError
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.readv([memoryview(out)], offset)
+        return bytes(out)
+
+    def can_read_tables(self) -> bool:
+        return False
+
+    def can_read_runs(self) -> bool:
+        return False
+
+    def readv_table(self, table: object, offset: int) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
+
+    def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:
+        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not raw runs")
+
+
+class HttpReader(_Views):
     """Ranged GETs against one URL; the identity (size, version) is pinned by the
     first response and checked on every later one (see the module docstring)."""
 
@@ -259,12 +283,6 @@ class HttpReader:
 
     def close(self) -> None:
         pass
-
-    def can_read_tables(self) -> bool:
-        return False  # no raw-address iovecs over the network: one memoryview per run
-
-    def readv_table(self, table: object, offset: int) -> None:
-        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
 
     def _changed(self, total: int, version: str | None) -> RemoteChangedError:
         return RemoteChangedError(
@@ -307,7 +325,6 @@ class HttpReader:
             except urllib3.exceptions.HTTPError as e:
                 raise _Retry(f"connection failed: {e}") from None
             self.requests += 1
-            self.stats.add(requests=1)
             if r.status not in _REDIRECTS:
                 self.final_url = url
                 return r
@@ -411,14 +428,8 @@ class HttpReader:
         def sink(response, nbytes: int) -> None:
             for buf in buffers:
                 _read_exact(response, buf)
-            self.stats.add(nbytes=total)
 
         self._with_retries(offset, total, sink)
-
-    def read(self, offset: int, length: int) -> bytes:
-        out = bytearray(length)
-        self.readv([memoryview(out)], offset)
-        return bytes(out)
 
     def probe(self) -> bytes:
         """The first bytes of the object (speculatively enough for most headers),
@@ -460,7 +471,7 @@ def _fsspec_version(info: Mapping[str, object]) -> str | None:
     return "; ".join(found) or None
 
 
-class FsspecReader:
+class FsspecReader(_Views):
     """Ranged reads through fsspec (``s3://``, ``gs://``, ``hf://`` ...), pinned to
     the object's size and version (see the module docstring)."""
 
@@ -516,12 +527,6 @@ class FsspecReader:
         would have mixed versions)."""
         self._check(self.identity)
 
-    def can_read_tables(self) -> bool:
-        return False  # no raw-address iovecs over the network: one memoryview per run
-
-    def readv_table(self, table: object, offset: int) -> None:
-        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
-
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         total = sum(len(b) for b in buffers)
         try:
@@ -533,16 +538,10 @@ class FsspecReader:
         if len(data) != total:
             raise RemoteError(f"{self.url}: asked for {total} bytes at {offset}, got {len(data)}")
         self.requests += 1
-        self.stats.add(requests=1, nbytes=total)
         pos = 0
         for b in buffers:
             b.cast("B")[:] = data[pos : pos + len(b)]
             pos += len(b)
-
-    def read(self, offset: int, length: int) -> bytes:
-        out = bytearray(length)
-        self.readv([memoryview(out)], offset)
-        return bytes(out)
 
     def probe(self) -> bytes:
         return self.read(0, min(SPECULATIVE_HEADER_BYTES, self.size))

@@ -11,23 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..format._boxes import Box, extents, intersect, whole
 from ..format._header import TensorInfo
 from ..load._plan import Request
 
 __all__ = ["Box", "Piece", "extents", "intersect", "request", "whole"]
-
-Box = tuple[tuple[int, int], ...]
-
-
-def whole(shape: tuple[int, ...]) -> Box:
-    """The box of a whole tensor of ``shape``."""
-    return tuple((0, d) for d in shape)
-
-
-def intersect(a: Box, b: Box) -> Box | None:
-    """The common box of ``a`` and ``b``, or ``None`` when they share no element."""
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
-    return out if all(lo < hi for lo, hi in out) else None
 
 
 @dataclass(frozen=True)
@@ -52,7 +40,3 @@ def request(piece: Piece, part: Box, box: Box, dest: int) -> Request:
         return Request(dest, info.begin, info.shape, info.dtype.itemsize, local)
     at = tuple(lo - b for (lo, _), (b, _) in zip(part, box, strict=True))
     return Request(dest, info.begin, info.shape, info.dtype.itemsize, local, extents(box), at)
-
-
-def extents(box: Box) -> tuple[int, ...]:
-    return tuple(hi - lo for lo, hi in box)

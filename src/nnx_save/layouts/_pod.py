@@ -43,6 +43,7 @@ names intact; any failure raises the same :class:`SaveError` on every process.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import math
@@ -63,12 +64,12 @@ from ..format._header import FileHeader, TensorInfo, encode_header
 from ..io import _files
 from ..save import _background
 from ..save._collective import Outcome, Sync, agree
-from ..save._stage import HostValue, spans_processes
+from ..save._stage import spans_processes
 from ..save._write import Entry, _write_all, atomic_file, order_entries, write_file
 from ._file import read_file_header
 from ._index import MAX_INDEX_BYTES
 from ._layout import Header, LocalFiles, load_record
-from ._pieces import Box, Piece, whole
+from ._pieces import Box, Piece, extents, whole
 
 __all__ = ["FORMAT", "MANIFEST", "SHARD_FILE", "VERSION", "Manifest", "PodLayout", "check_tiling", "write_pod"]
 
@@ -305,12 +306,11 @@ def pod_tensors(
             if fh is None:
                 continue
             info = fh.tensors.get(p.name)
-            extents = tuple(hi - lo for lo, hi in p.box)
-            if info is None or info.dtype.code != dtype.code or info.shape != extents:
+            if info is None or info.dtype.code != dtype.code or info.shape != extents(p.box):
                 held = "nothing" if info is None else f"{info.dtype.code} {list(info.shape)}"
                 raise _fail(
                     where,
-                    f"tensor {key!r}: piece {p.name!r} should be {dtype.code} {list(extents)} in {p.file}, "
+                    f"tensor {key!r}: piece {p.name!r} should be {dtype.code} {list(extents(p.box))} in {p.file}, "
                     f"which holds {held}",
                 )
             found.append(Piece(p.box, info, p.process))
@@ -383,10 +383,10 @@ def _describe_sharding(array: Any) -> str:
 
 
 def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
-    """This process's pieces of one entry: ``(sharding text, [(box, host value thunk)])``."""
-    array = e.value.array if isinstance(e.value, HostValue) else None
+    """This process's pieces of one entry: ``(sharding text, [(box, entry of the piece's value)])``."""
+    array = e.array
     if array is None or not spans_processes(array):
-        return _describe_sharding(array), [(whole(e.shape), e.value)]
+        return _describe_sharding(array), [(whole(e.shape), e)]
     if not _dtypes.DTYPES[e.code].byte_aligned:
         raise SaveError(
             f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be saved "
@@ -396,7 +396,7 @@ def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
     boxes: dict[Box, Any] = {}
     for shard in array.addressable_shards:  # every distinct box held here, whatever its replica
         box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
-        boxes.setdefault(box, HostValue(shard.data))  # staged and snapshotted like any array
+        boxes.setdefault(box, Entry.of(e.key, e.code, extents(box), shard.data))  # staged, snapshotted as any
     return _describe_sharding(array), sorted(boxes.items())
 
 
@@ -405,9 +405,9 @@ def _local_entries(entries: Sequence[Entry]) -> tuple[list[Entry], list[list[Any
     out, listing, shardings = [], [], {}
     for e in entries:
         shardings[e.key], pieces = _pieces_of(e)
-        for box, value in pieces:
+        for box, piece in pieces:
             name = _piece_name(e.key, box, e.shape)
-            out.append(Entry(name, e.code, tuple(hi - lo for lo, hi in box), value))
+            out.append(dataclasses.replace(piece, key=name, shape=extents(box)))
             listing.append([e.key, name, [list(b) for b in box]])
     return out, listing, shardings
 

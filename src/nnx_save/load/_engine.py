@@ -318,12 +318,7 @@ class Engine:
         log.debug("%s: %r, %d requests; plan %.3fs, read %.3fs", file, plan, requests, plan_s, read_s)
 
     def note_io(self, file: str, plan: FilePlan, requests: int) -> None:
-        io = self.report.io
-        io.files += 1
-        io.bytes_read += plan.read_bytes
-        io.bytes_needed += plan.needed_bytes
-        io.requests += requests
-        io.over_read_by_file[file] = plan.read_bytes / plan.needed_bytes if plan.needed_bytes else 1.0
+        self.report.io.add_file(file, plan.read_bytes, plan.needed_bytes, requests)
         self._note_over_read(file, plan)
 
     def _note_over_read(self, file: str, plan: FilePlan) -> None:

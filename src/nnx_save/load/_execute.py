@@ -105,8 +105,10 @@ class Reader(Protocol):
     """Positioned reads from one file or object (local, HTTP, fsspec).
 
     ``requests`` counts the requests made so far. :meth:`can_read_tables` says
-    whether :meth:`readv_table` works: local files read iovec tables through
-    ``preadv`` with raw addresses; other readers get one ``memoryview`` per run.
+    whether :meth:`readv_table` works, :meth:`can_read_runs` whether
+    :meth:`read_runs` does: local files read iovec tables through ``preadv`` and
+    batches of small runs through ``pread``, with raw addresses; other readers get
+    one ``memoryview`` per run.
     """
 
     requests: int
@@ -123,6 +125,14 @@ class Reader(Protocol):
 
     def readv_table(self, table: np.ndarray, offset: int) -> None:
         """Fill the ``(address, length)`` rows of ``table`` in order from ``offset``."""
+        ...
+
+    def can_read_runs(self) -> bool:
+        """Whether :meth:`read_runs` may be called."""
+        ...
+
+    def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:
+        """Fill ``length[k]`` bytes at raw address ``addr[k]`` from byte ``offset[k]``."""
         ...
 
 
@@ -219,6 +229,9 @@ class LocalReader:
 
     def can_read_tables(self) -> bool:
         return _PREADV is not None
+
+    def can_read_runs(self) -> bool:
+        return _PREAD is not None
 
     def _count(self) -> None:
         with self._lock:
@@ -476,7 +489,7 @@ class _Scratch:
 def _small_chunks(reader: Reader, plan: FilePlan) -> np.ndarray:
     """Per chunk: whether it is one run's part of at most :data:`SMALL_CHUNK` bytes
     that a local reader can batch (all False for other readers)."""
-    if not isinstance(reader, LocalReader) or _PREAD is None or not len(plan.offset):
+    if not reader.can_read_runs() or not len(plan.offset):
         return np.zeros(plan.num_chunks, bool)
     cs, ce, lo, hi = plan.chunk_start, plan.chunk_end, plan.chunk_lo, plan.chunk_hi
     valid = (lo >= 0) & (hi <= len(plan.offset))  # a bad index takes the chunk path, whose checks refuse it
@@ -499,7 +512,7 @@ def _batch_bounds(small: list[bool], span: list[int], max_bytes: int) -> list[tu
     return units
 
 
-def _read_batch(reader: LocalReader, plan: FilePlan, a: int, b: int, dest_ptr: np.ndarray, sizes: np.ndarray) -> None:
+def _read_batch(reader: Reader, plan: FilePlan, a: int, b: int, dest_ptr: np.ndarray, sizes: np.ndarray) -> None:
     """Small chunks ``[a, b)`` (see :func:`_small_chunks`), one ``pread`` each, after
     checking that every run lands inside its destination (``pread`` writes through
     raw addresses, as the table path does)."""
@@ -564,7 +577,7 @@ def execute(
         if cancel is not None and cancel.is_set():
             raise Cancelled
         with budget(int(span[a:b].sum())):
-            _read_batch(reader, plan, a, b, dest_ptr, sizes)  # type: ignore[arg-type]  # LocalReader: see _small_chunks
+            _read_batch(reader, plan, a, b, dest_ptr, sizes)
         if on_chunk is not None:
             for n in needed[a:b].tolist():
                 on_chunk(n)

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import OptionError
+from ..format._boxes import Box, extents, intersect
 
 __all__ = [
     "AUTO_MAX_READS",
@@ -50,8 +51,6 @@ __all__ = [
 
 PAGE_GAP = 4096  # gaps below a page are always read through: cheaper than another request
 AUTO_MAX_READS = 1024  # the automatic ratio keeps exact reads while they stay this few
-
-Box = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -92,7 +91,7 @@ def _geometry(
     dimensions before it: the runs are the C-order grid over them.
     """
     if dest_shape is None:
-        dest_shape = tuple(hi - lo for lo, hi in box)
+        dest_shape = extents(box)
     if dest_at is None:
         dest_at = (0,) * len(shape)
     k, stride, dstride = len(shape) - 1, itemsize, itemsize
@@ -326,7 +325,8 @@ def _disjoint_layers(requests: Sequence[Request]) -> list[list[Request]]:
     for r in requests:
         per_layer = seen.setdefault((r.base, r.shape, r.itemsize), [])
         k = next(
-            (i for i, boxes in enumerate(per_layer) if not any(_intersect(r.box, b) for b in boxes)), len(per_layer)
+            (i for i, boxes in enumerate(per_layer) if not any(intersect(r.box, b) is not None for b in boxes)),
+            len(per_layer),
         )
         if k == len(per_layer):
             per_layer.append([])
@@ -335,10 +335,6 @@ def _disjoint_layers(requests: Sequence[Request]) -> list[list[Request]]:
             layers.append([])
         layers[k].append(r)
     return layers
-
-
-def _intersect(a: Box, b: Box) -> bool:
-    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b, strict=False))
 
 
 def plan_file(

@@ -118,6 +118,22 @@ class IOStats:
     def over_read(self) -> float:
         return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
 
+    def add_file(self, file: str, read: int, needed: int, requests: int = 0) -> None:
+        """Count one file read: ``read`` bytes for ``needed``, in ``requests`` requests."""
+        self.files += 1
+        self.bytes_read += read
+        self.bytes_needed += needed
+        self.requests += requests
+        self.over_read_by_file[file] = read / needed if needed else 1.0
+
+    def add(self, other: IOStats) -> None:
+        """Add ``other``'s bytes, requests, retries and times (``files`` is the caller's count)."""
+        for name in ("bytes_read", "bytes_needed", "requests", "retries", "plan_seconds", "read_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.assemble_seconds += other.assemble_seconds
+        self.max_inflight_bytes = max(self.max_inflight_bytes, other.max_inflight_bytes)
+        self.over_read_by_file.update(other.over_read_by_file)
+
     def __str__(self) -> str:
         return (
             f"read {self.bytes_read / 1e6:.1f} MB for {self.bytes_needed / 1e6:.1f} MB needed "

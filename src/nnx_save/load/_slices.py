@@ -16,10 +16,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..errors import SafetensorError, SliceError
+from ..format._boxes import Box
 
 __all__ = ["compat", "extents", "normalize_index", "plain", "slice_box"]
-
-Box = tuple[tuple[int, int], ...]
 
 
 # --------------------------------------------------------------------------- errors

@@ -35,19 +35,49 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..layouts._pieces import Box, extents, request
-from ._execute import Cancelled, Reader, aligned_empty, execute
+from ..layouts._pieces import Box, extents, intersect, request
+from ._execute import Budget, Cancelled, Reader, aligned_empty, execute
 from ._plan import FilePlan, plan_file
 
-__all__ = ["StagingPool", "allocator", "run", "slabs"]
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from ..layouts._pieces import Piece
+    from ..layouts._sources import Header
+    from ._options import LoadOptions
+    from ._report import LoadReport
+
+__all__ = ["StagingPool", "StreamEngine", "allocator", "run", "slabs"]
 
 ALIGN = 64
 MIN_STAGING = 1 << 20
 MAX_STAGING = 64 << 20  # per buffer: small enough that transfers overlap the next reads
+
+
+class StreamEngine(Protocol):
+    """What streaming needs of the engine (:class:`~nnx_save.load._engine.Engine`):
+    its destinations, options, budget and readers, and the host path's over-read,
+    checksum and dtype rules, so that both paths read, check and report alike."""
+
+    header: Header
+    report: LoadReport
+    opt: LoadOptions
+    bar: Any
+    budget: Budget
+    dests: list[Any]  # the engine's Dest (key, owner, box, parts): its module imports this one
+    staging: Any  # set to the staging pool (tests look at it after a load)
+
+    def open_reader(self, file: str) -> Reader: ...
+    def held(self, owner: str) -> np.dtype: ...
+    def read_through(self, file: str, plan: FilePlan) -> np.ndarray: ...
+    def over_read_warns(self, read: int, needed: int) -> bool: ...
+    def note_over_read(self, file: str, read: int, needed: int, ratio: float, extra: np.ndarray) -> None: ...
+    def piece_bytes(self, box: Box, buffer: np.ndarray, piece: Piece, part: Box) -> tuple[Box, np.ndarray]: ...
+    def checked_piece(self, key: str, piece: Piece, buffers: Iterable[memoryview] | None) -> None: ...
 
 
 def slabs(box: Box, itemsize: int, size: int) -> list[Box]:
@@ -165,7 +195,7 @@ class _Shard:
     left: int = 0  # slabs not sent yet
 
 
-def _plan_batches(engine: Any, streamed: list[int], size: int) -> list[_Batch]:
+def _plan_batches(engine: StreamEngine, streamed: list[int], size: int) -> list[_Batch]:
     """Slabs in file order, grouped into batches of at most ``size`` bytes; the
     batches of different files interleave (files read at once)."""
     per_file: dict[str, list[tuple[int, _Slab]]] = {}
@@ -220,7 +250,7 @@ def _updater():
 
 
 class _Streamer:
-    def __init__(self, engine: Any, streamed: list[int], pool: StagingPool, workers: int) -> None:
+    def __init__(self, engine: StreamEngine, streamed: list[int], pool: StagingPool, workers: int) -> None:
         self.engine, self.pool, self.workers = engine, pool, workers
         batches = _plan_batches(engine, streamed, pool.size)
         self.count = len(batches)
@@ -272,7 +302,7 @@ class _Streamer:
         for n, slab in enumerate(batch.slabs):
             d = self.engine.dests[slab.dest]
             for piece, part in d.parts:
-                sub = _clip(part, slab.box)
+                sub = intersect(part, slab.box)
                 if sub is not None:
                     by_file.setdefault(piece.info.file, []).append(request(piece, sub, slab.box, n))
         opt = self.engine.opt
@@ -349,7 +379,7 @@ class _Streamer:
             d = self.engine.dests[slab.dest]
             for piece, part in d.parts:
                 name = (piece.info.file, piece.info.name)
-                if part == piece.box and _clip(part, slab.box) == part:
+                if part == piece.box and intersect(part, slab.box) == part:
                     _, region = self.engine.piece_bytes(slab.box, view, piece, part)
                     self.engine.checked_piece(d.key, piece, [np.ascontiguousarray(region).data.cast("B")])
                     with self.lock:
@@ -386,11 +416,6 @@ def _chunks(reader: Reader, info: Any, scratch: np.ndarray) -> Iterator[memoryvi
         yield scratch.data[:n]
 
 
-def _clip(part: Box, box: Box) -> Box | None:
-    out = tuple((max(a, c), min(b, e)) for (a, b), (c, e) in zip(part, box, strict=True))
-    return out if all(lo < hi for lo, hi in out) else None
-
-
 def _shape(opt: Any, host_devices: bool) -> tuple[int, int]:
     """``(workers, staging bytes)``: one staging buffer per worker, all within the budget.
 
@@ -405,7 +430,7 @@ def _shape(opt: Any, host_devices: bool) -> tuple[int, int]:
     return max(1, min(workers, budget // size)), size
 
 
-def run(engine: Any, streamed: list[int], kind: str, device: Any) -> dict[int, dict[Any, Any]]:
+def run(engine: StreamEngine, streamed: list[int], kind: str, device: Any) -> dict[int, dict[Any, Any]]:
     """Stream destinations ``streamed`` of ``engine`` through ``kind`` staging buffers
     (allocated for ``device``'s backend). Returns each one's array per device.
 
@@ -432,10 +457,7 @@ def run(engine: Any, streamed: list[int], kind: str, device: Any) -> dict[int, d
         pool.close()
     io = engine.report.io
     for file, (read, needed) in streamer.stats.items():
-        io.files += 1
-        io.bytes_read += read
-        io.bytes_needed += needed
-        io.over_read_by_file[file] = read / needed if needed else 1.0
+        io.add_file(file, read, needed)
         if file in streamer.through and engine.over_read_warns(read, needed):  # one warning per load, as hosted
             engine.note_over_read(file, read, needed, *streamer.through[file])
     io.requests += sum(r.requests for r in streamer.readers.values())

@@ -14,10 +14,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import DeviceDtypeError, ShardingError
+from ..format._boxes import Box, whole
 
 __all__ = ["Box", "SourceTransform", "Target", "check_device_dtype", "shard_boxes"]
-
-Box = tuple[tuple[int, int], ...]
 
 
 class SourceTransform(Protocol):
@@ -74,7 +73,7 @@ def shard_boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     """Unique index boxes this process needs, each with the local devices that hold it."""
     shape = target.shape
     if target.sharding is None:
-        return [(target.box if target.box is not None else tuple((0, d) for d in shape), [None])]
+        return [(target.box if target.box is not None else whole(shape), [None])]
     groups: dict[Box, list[Any]] = {}
     try:
         indices = target.sharding.addressable_devices_indices_map(shape)

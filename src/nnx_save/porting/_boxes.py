@@ -14,15 +14,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from ..format._boxes import Box, extents
+
 __all__ = ["Box", "concat_feeds", "extents", "inside", "reshape_back", "with_extent"]
-
-Box = tuple[tuple[int, int], ...]
 Feed = tuple[int, Box]  # (source index, box of that source)
-
-
-def extents(box: Box) -> tuple[int, ...]:
-    """The box's shape."""
-    return tuple(hi - lo for lo, hi in box)
 
 
 def inside(box: Box, shape: tuple[int, ...]) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import TiedValuesError
+from ..format._boxes import Box
 from ._boxes import Feed, concat_feeds, extents, inside, reshape_back, with_extent
 
 __all__ = [
@@ -32,7 +33,6 @@ __all__ = [
 ]
 
 Shape = tuple[int, ...]
-Box = tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True)

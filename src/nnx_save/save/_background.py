@@ -60,7 +60,6 @@ from .. import _config, _progress
 from ..errors import NnxSaveError, SaveError
 from ..io import _remote
 from . import _stage
-from ._stage import HostValue
 from ._write import Entry
 
 __all__ = ["MAX_IN_FLIGHT_ENV", "SaveHandle", "max_in_flight", "save", "snapshot", "wait_for_saves"]
@@ -218,13 +217,7 @@ class HostSnapshot:
 
     def assemble(self) -> np.ndarray:
         """The whole array on the host (a fully addressable array only)."""
-        shards = self.addressable_shards
-        if len(shards) == 1 and shards[0].data.shape == self.shape:
-            return shards[0].data
-        out = np.empty(self.shape, self.dtype)
-        for s in shards:
-            out[s.index] = s.data
-        return out
+        return _stage.assemble(self.shape, self.dtype, [(s, s.data) for s in self.addressable_shards])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,18 +227,6 @@ class _HostShard:
     data: np.ndarray
 
 
-@dataclasses.dataclass(frozen=True)
-class _SnapshotValue(HostValue):
-    """A :class:`HostValue` over a :class:`HostSnapshot` or a private numpy copy."""
-
-    def __call__(self) -> np.ndarray:
-        return self.array.assemble() if isinstance(self.array, HostSnapshot) else self.array
-
-
-def _own_shards(array: Any) -> list[Any]:
-    return [s for s in array.addressable_shards if s.replica_id == 0]
-
-
 def snapshot(entries: Sequence[Entry], max_inflight_bytes: int | None = None, where: str = "") -> list[Entry]:
     """The entries with values that no later step of the caller can change.
 
@@ -253,13 +234,14 @@ def snapshot(entries: Sequence[Entry], max_inflight_bytes: int | None = None, wh
     (:func:`nnx_save.save._stage.budget`): at most that many bytes of copies are in
     flight at once, each completed into the snapshot before more are started.
     """
-    sources = [e.value.array if isinstance(e.value, HostValue) else None for e in entries]
+    sources = [e.array for e in entries]
     window = _stage.Window(sources, [e.key for e in entries], _stage.budget(max_inflight_bytes), where)
     out = []
     try:
         for i, (e, source) in enumerate(zip(entries, sources, strict=False)):
             value = window.take(i, functools.partial(_from_copy, source), functools.partial(_own, e))
-            out.append(dataclasses.replace(e, value=_SnapshotValue(value)))
+            host = value.assemble if isinstance(value, HostSnapshot) else functools.partial(np.asarray, value)
+            out.append(dataclasses.replace(e, value=host, array=value))
     finally:
         window.close()
     return out
@@ -273,9 +255,9 @@ def _own(e: Entry) -> Any:
     """A value no later step of the caller can change, for an entry that needed no device copy."""
     import jax
 
-    source = e.value.array if isinstance(e.value, HostValue) else None
+    source = e.array
     if isinstance(source, jax.Array):  # CPU backend: the alias pins the buffer (see above)
-        return HostSnapshot(source, [(s, np.asarray(s.data)) for s in _own_shards(source)])
+        return HostSnapshot(source, _stage.host_shards(source))
     if source is not None:
         return np.array(source)  # numpy: the caller may write to it after we return
     return np.array(e.value())  # computed lazily (porting export): compute and own it now

@@ -25,14 +25,12 @@ the same header from the global shapes, and each writes only the bytes it owns:
 
 The file is byte-identical to a single-process save of the same values.
 
-The steps synchronise through the JAX coordination service's key-value store,
-polled with a deadline, rather than through device collectives: a collective
+The steps synchronise through the JAX coordination service's key-value store
+(:mod:`~nnx_save.io._kv`) rather than through device collectives: a collective
 blocks without a timeout, while every wait here is bounded
 (``NNX_SAVE_COLLECTIVE_TIMEOUT_S``, default 1800 s), and a dead peer leaves the
 previous file at the path intact. (With JAX's default settings, the coordination
-service also terminates every process once a peer misses its heartbeats.) jax offers
-that store only through a private module; a jax without it makes the steps go through
-the public ``multihost_utils.process_allgather`` instead, without the deadline.
+service also terminates every process once a peer misses its heartbeats.)
 
 The filesystem must be shared between the processes (a local disk on one machine,
 NFS, Lustre, GPFS ...).
@@ -46,7 +44,6 @@ import hashlib
 import itertools
 import json
 import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,12 +54,14 @@ import numpy as np
 from .. import _config
 from ..errors import SaveError
 from ..format import _checksum, _dtypes
+from ..format._boxes import whole
 from ..format._header import encode_header
+from ..io import _kv
 from ..io._files import pread_exact
 from ..load._plan import box_runs
 from . import _stage
-from ._stage import HostValue, spans_processes
-from ._write import Entry, _write_all, fsync_dir, host_bytes, order_entries, temp_path
+from ._stage import spans_processes
+from ._write import Entry, _write_all, fsync_dir, host_bytes, host_data, order_entries, temp_path
 
 __all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "write_collective"]
 
@@ -105,77 +104,37 @@ class Outcome:
         return cls(bool(obj["ok"]), obj.get("value"), str(obj.get("error", "")))
 
 
-def _kv_client(path: Path) -> Any:
-    """The JAX coordination service's key-value client (the steps' channel), or
-    ``None`` when this jax has none where nnx_save looks.
-
-    jax has no public handle on it; ``jax._src.distributed.global_state.client`` has
-    been the one since jax 0.4. Should a jax release move it, the steps go through
-    the public :func:`_allgather` instead (a device collective: no deadline).
-    """
-    import jax
-
-    private: Any
-    try:
-        from jax._src import distributed as private
-    except ImportError:
-        private = None
-    state = getattr(private, "global_state", None)
-    if state is None or not hasattr(state, "client"):
-        return None
-    if state.client is None:
-        raise SaveError(
-            f"{path}: {jax.process_count()} processes but no jax.distributed client; "
-            "call jax.distributed.initialize() first",
-            str(path),
-        )
-    return state.client
-
-
-def _allgather(value: str | None) -> dict[int, str]:
-    """Every process's ``value`` (those that posted one) through jax's public
-    ``process_allgather``: the channel when jax offers no key-value store. It is a
-    device collective, so a peer that never arrives blocks instead of timing out."""
-    from jax.experimental import multihost_utils
-
-    raw = np.frombuffer((value or "").encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.array([raw.size, value is not None], np.int64)))
-    padded = np.zeros(max(int(sizes[:, 0].max()), 1), np.uint8)
-    padded[: raw.size] = raw
-    rows = np.asarray(multihost_utils.process_allgather(padded))
-    return {p: rows[p, : sizes[p, 0]].tobytes().decode() for p in range(len(sizes)) if sizes[p, 1]}
-
-
-def _timeout() -> float:
-    return _config.COLLECTIVE_TIMEOUT_S.get()
-
-
 @dataclass
 class Sync:
     """The step protocol between the processes of one save: each step, every process
-    (or one) posts an :class:`Outcome`; all wait for them (bounded) and all raise the
-    same :class:`SaveError` if any failed. With one process, steps exchange nothing."""
+    (or one) posts an :class:`Outcome`; all wait for them (bounded, see
+    :mod:`~nnx_save.io._kv`) and all raise the same :class:`SaveError` if any failed.
+    With one process, steps exchange nothing."""
 
     path: Path
-    pid: int = 0
-    n: int = 1
-    client: Any = field(default=None, repr=False)
+    kv: _kv.Channel = field(default_factory=_kv.Channel)
     prefix: str = ""
     save_id: int = 0
     what: str = "multi-process save"  # how failures name the save, and what they say survived
     intact: str = "the previous file, if any, is intact"
 
+    @property
+    def pid(self) -> int:
+        return self.kv.pid
+
+    @property
+    def n(self) -> int:
+        return self.kv.n
+
     @classmethod
     def open(cls, path: Path, what: str = "multi-process save", intact: str = "") -> Sync:
         """The protocol for one save at ``path`` by every process of the job."""
-        import jax
-
         intact = intact or "the previous file, if any, is intact"
-        if jax.process_count() == 1:
-            return cls(path, what=what, intact=intact)
-        client, save_id = _kv_client(path), next(_SAVES)
-        pid, n = jax.process_index(), jax.process_count()
-        return cls(path, pid, n, client, f"nnx_save/save/{save_id}", save_id, what, intact)
+        kv = _kv.Channel.open(str(path), SaveError)
+        if kv.n == 1:
+            return cls(path, kv, what=what, intact=intact)
+        save_id = next(_SAVES)
+        return cls(path, kv, f"nnx_save/save/{save_id}", save_id, what, intact)
 
     def exchange(self, stage: str, mine: Outcome | None, only: int | None = None) -> dict[int, Outcome]:
         """Post ``mine`` (unless ``None``) for ``stage``; every process's outcome, or ``only``'s."""
@@ -201,44 +160,28 @@ class Sync:
         """Post ``value`` (unless ``None``) for ``stage``; wait (bounded) for every
         process's value, or only process ``only``'s."""
         want = set(range(self.n)) if only is None else {only}
-        if self.client is None:  # no key-value store in this jax: the public collective
-            got = _allgather(value)
-            if want <= set(got):
-                return {p: got[p] for p in sorted(want)}
-            raise SaveError(f"{self.path}: process(es) {sorted(want - set(got))} posted nothing for the {stage!r} step")
-        deadline, delay, got = time.monotonic() + _timeout(), 0.002, {}
         try:
-            if value is not None:
-                self.client.key_value_set(f"{self.prefix}/{stage}/{self.pid}", value)
-            while True:
-                for key, v in self.client.key_value_dir_get(f"{self.prefix}/{stage}/"):
-                    got[int(key.rsplit("/", 1)[1])] = v
-                if want <= set(got):
-                    return {p: got[p] for p in sorted(want)}
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(delay)
-                delay = min(delay * 2, 0.1)
-        except Exception as e:  # the coordination service is gone (process 0 died) or refused
+            return self.kv.gather(f"{self.prefix}/{stage}", value, want, _config.COLLECTIVE_TIMEOUT_S.get())
+        except _kv.Unanswered as e:
+            if e.late is None:
+                raise SaveError(
+                    f"{self.path}: lost the JAX coordination service during the {stage!r} step of the {self.what} "
+                    f"({e.reason}); the previous file at the path, if any, is intact",
+                    str(self.path),
+                ) from e
+            if e.seconds is None:
+                raise SaveError(f"{self.path}: process(es) {e.late} posted nothing for the {stage!r} step") from e
             raise SaveError(
-                f"{self.path}: lost the JAX coordination service during the {stage!r} step of the multi-process "
-                f"save ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); the previous file at the "
-                "path, if any, is intact",
+                f"{self.path}: process(es) {e.late} did not reach the {stage!r} step of the {self.what} "
+                f"within {e.seconds:g} s ({TIMEOUT_ENV}); did one of them die or save something else? "
+                "The previous file at the path, if any, is intact",
                 str(self.path),
             ) from e
-        late = sorted(want - set(got))
-        raise SaveError(
-            f"{self.path}: process(es) {late} did not reach the {stage!r} step of the multi-process save "
-            f"within {_timeout():g} s ({TIMEOUT_ENV}); did one of them die or save something else? "
-            "The previous file at the path, if any, is intact",
-            str(self.path),
-        )
 
     def forget_previous(self) -> None:
         """Drop the keys of the previous save: every process has passed it by now."""
-        if self.pid == 0 and self.save_id and self.client is not None:
-            with contextlib.suppress(Exception):
-                self.client.key_value_delete(f"nnx_save/save/{self.save_id - 1}/")
+        if self.pid == 0 and self.save_id:
+            self.kv.forget(f"nnx_save/save/{self.save_id - 1}/")
 
 
 def _digest(head: bytes) -> str:
@@ -286,7 +229,7 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
     row = _dtypes.DTYPES[e.code]
     for shard, host in parts:
         box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
-        if not row.byte_aligned and box != tuple((0, d) for d in e.shape):
+        if not row.byte_aligned and box != whole(e.shape):
             raise SaveError(
                 f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be written "
                 "shard by shard. Replicate it before saving",
@@ -304,26 +247,15 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
             _write_all(fd, data[i * length : (i + 1) * length], off)
 
 
-def _local_shards(array: Any) -> list[tuple[Any, np.ndarray]]:
-    """This process's replica-0 shards of ``array`` (a jax array or a host snapshot) on the host."""
-    return [(s, np.asarray(s.data)) for s in array.addressable_shards if s.replica_id == 0]
-
-
 def _cross(e: Entry) -> Any:
     """The array whose shards several processes write, or ``None`` (a host value)."""
-    array = e.value.array if isinstance(e.value, HostValue) else None
-    return array if spans_processes(array) else None
+    return e.array if spans_processes(e.array) else None
 
 
 def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
     """What this process copies from its devices: the shards it writes of every
     cross-process tensor, and on the primary the host values' arrays."""
-    out = []
-    for e in entries:
-        cross = _cross(e)
-        host = e.value.array if primary and isinstance(e.value, HostValue) else None
-        out.append(cross if cross is not None else host)
-    return out
+    return [e.array if primary or _cross(e) is not None else None for e in entries]
 
 
 def _write_mine(
@@ -343,17 +275,11 @@ def _write_mine(
         for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
             array = _cross(e)
             if array is not None:
-                parts = window.take(i, _stage.Staged.host_shards, functools.partial(_local_shards, array))
+                parts = window.take(i, _stage.Staged.host_shards, functools.partial(_stage.host_shards, array))
                 _write_shards(fd, e, parts, len(head) + begin)
                 del parts
             elif sync.pid == 0:
-                data = host_bytes(window.take(i, _stage.Staged.assemble, e.value), e.code)
-                if len(data) != end - begin:
-                    raise SaveError(
-                        f"{e.key}: gave {len(data)} bytes, its header entry {e.code} "
-                        f"{list(e.shape)} says {end - begin}",
-                        key_path=e.key,
-                    )
+                data = host_data(window, i, e, sync.path, end - begin)
                 _write_all(fd, data, len(head) + begin)
                 digests[e.key] = _checksum.digest([data])
                 del data
@@ -394,13 +320,6 @@ def _hash_back(
     return digests
 
 
-def _merged(values: Mapping[int, dict[str, str]]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for v in values.values():
-        out.update(v)
-    return out
-
-
 def _commit(sync: Sync, tmp: Path, head: bytes) -> Outcome:
     """Primary: the final header in place, fsync, rename; the outcome to post."""
     try:
@@ -439,7 +358,7 @@ def write_collective(path: str | os.PathLike, entries: Sequence[Entry], metadata
     try:
         written = sync.step("write", Outcome.of(lambda: _write_mine(sync, tmp, entries, offsets, head)))
         hashed = sync.step("hash", Outcome.of(lambda: _hash_back(sync, tmp, entries, offsets, len(head))))
-        digests.values.update(_merged(written) | _merged(hashed))
+        digests.values.update({k: v for part in (*written.values(), *hashed.values()) for k, v in part.items()})
         final, _ = encode_header(names, digests.metadata(metadata))
         if len(final) != len(head):  # cannot happen: hex digits replace hex digits
             raise SaveError(f"{path}: the checksummed header changed length; nothing was saved", str(path))

@@ -49,12 +49,9 @@ def spans_processes(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class HostValue:
-    """An entry's value callable that keeps the array it came from.
-
-    The single-process writer calls it to get the whole host value (or stages it,
-    see :func:`stage`); the collective writer reads ``array`` to write only this
-    process's shards.
-    """
+    """The value callable of an array's entry (:meth:`~._write.Entry.of`): the whole
+    array on the host, refusing one that spans processes (only the collective writer,
+    which reads ``Entry.array`` shard by shard, can save that)."""
 
     array: Any
 
@@ -84,8 +81,27 @@ def _forced() -> bool:
     return _config.FORCE_HOST_STAGING.get()
 
 
-def _own_shards(array: Any) -> list[Any]:
+def own_shards(array: Any) -> list[Any]:
+    """The addressable shards of ``array`` this process writes: those of replica 0
+    (exactly one copy of every element in the whole job)."""
     return [s for s in array.addressable_shards if s.replica_id == 0]
+
+
+def host_shards(array: Any) -> list[tuple[Any, np.ndarray]]:
+    """``(shard, host array)`` for each of :func:`own_shards`, without staging (the
+    CPU backend: ``np.asarray`` aliases the device buffer)."""
+    return [(s, np.asarray(s.data)) for s in own_shards(array)]
+
+
+def assemble(shape: tuple[int, ...], dtype: np.dtype, parts: Sequence[tuple[Any, np.ndarray]]) -> np.ndarray:
+    """The whole array of ``shape`` on the host from ``(shard, host array)`` pairs
+    that cover it (a shard named by its ``index``)."""
+    if len(parts) == 1 and parts[0][1].shape == shape:
+        return parts[0][1]
+    out = np.empty(shape, dtype)
+    for shard, host in parts:
+        out[shard.index] = host
+    return out
 
 
 def staging_bytes(array: Any, spanning: bool = False) -> int:
@@ -98,7 +114,7 @@ def staging_bytes(array: Any, spanning: bool = False) -> int:
         return 0
     if not spanning and not array.is_fully_addressable:  # HostValue() refuses it with the reason
         return 0
-    shards = _own_shards(array)
+    shards = own_shards(array)
     if not _forced() and all(s.device.platform == "cpu" for s in shards):
         return 0
     return sum(int(s.data.nbytes) for s in shards)
@@ -130,7 +146,7 @@ class Staged:
     def __init__(self, array: Any) -> None:
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
-        self.shards = _own_shards(array)
+        self.shards = own_shards(array)
         self.copies = [_copy_shard(s.data) for s in self.shards]
         self.nbytes = sum(int(s.data.nbytes) for s in self.shards)
 
@@ -140,13 +156,7 @@ class Staged:
 
     def assemble(self) -> np.ndarray:
         """The whole array on the host, waiting for the copies."""
-        parts = self.host_shards()
-        if len(parts) == 1 and parts[0][1].shape == self.shape:
-            return parts[0][1]
-        out = np.empty(self.shape, self.dtype)
-        for shard, host in parts:
-            out[shard.index] = host
-        return out
+        return assemble(self.shape, self.dtype, self.host_shards())
 
 
 def stage(array: Any, spanning: bool = False) -> Staged | None:

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,13 +64,21 @@ log = logging.getLogger("nnx_save")
 
 @dataclass(frozen=True)
 class Entry:
-    """One tensor to write: its key, dtype code, shape, and a callable giving its
-    host value (called once, when its turn comes)."""
+    """One tensor to write: its key, dtype code, shape, a callable giving its host
+    value (called once, when its turn comes) and ``array``, the array that value
+    comes from when the caller holds one (numpy or jax: what is staged to the host,
+    snapshotted, or written shard by shard); ``None`` for a value computed lazily."""
 
     key: str
     code: str
     shape: tuple[int, ...]
     value: Callable[[], np.ndarray]
+    array: Any = None
+
+    @classmethod
+    def of(cls, key: str, code: str, shape: tuple[int, ...], array: Any) -> Entry:
+        """The entry of ``array``: its value is the array on the host (:class:`~._stage.HostValue`)."""
+        return cls(key, code, shape, _stage.HostValue(array), array)
 
 
 def host_bytes(array: np.ndarray, code: str) -> memoryview:
@@ -273,7 +282,7 @@ def write_file(
     total = offsets[-1][1] if offsets else 0
     bar = _progress.bar(f"saving {Path(path).name}", total, len(entries), _progress.save_setting())
     window = _stage.Window(
-        [_source(e) for e in entries], [e.key for e in entries], _stage.budget(max_inflight_bytes), str(path)
+        [e.array for e in entries], [e.key for e in entries], _stage.budget(max_inflight_bytes), str(path)
     )
     t0 = time.perf_counter()
     try:
@@ -283,9 +292,7 @@ def write_file(
         with atomic_file(path, staged=staged) as fd, ThreadPoolExecutor(1, "nnx_save-hash") as hasher:
             _write_all(fd, memoryview(head))
             for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
-                data = _checked(
-                    path, e, host_bytes(window.take(i, _stage.Staged.assemble, e.value), e.code), end - begin
-                )
+                data = host_data(window, i, e, path, end - begin)
                 if len(data) >= HASH_THREAD_MIN_BYTES:
                     hashed = hasher.submit(digests.update, e.key, data)
                     _write_all(fd, data)
@@ -315,13 +322,9 @@ def write_file(
     )
 
 
-def _source(e: Entry) -> object:
-    """The array an entry's value comes from, for staging (``None``: a computed value)."""
-    return e.value.array if isinstance(e.value, _stage.HostValue) else None
-
-
-def _checked(path: str | os.PathLike, e: Entry, data: memoryview, size: int) -> memoryview:
-    """``data``, once its length is the header's for ``e``."""
+def host_data(window: _stage.Window, i: int, e: Entry, path: str | os.PathLike, size: int) -> memoryview:
+    """Entry ``i``'s bytes (staged by ``window``), once their length is the header's ``size``."""
+    data = host_bytes(window.take(i, _stage.Staged.assemble, e.value), e.code)
     if len(data) != size:  # the header is already written: never let it lie
         raise SaveError(
             f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "

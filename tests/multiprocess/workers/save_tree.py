@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 import nnx_save  # noqa: E402
 from nnx_save._pytree import leaf_entry  # noqa: E402
-from nnx_save.save import _collective  # noqa: E402
+from nnx_save.io import _kv  # noqa: E402
 from nnx_save.save._write import write_file  # noqa: E402
 
 result = {}
@@ -71,10 +71,10 @@ result["no_abstract"] = refused(lambda: nnx_save.load_file(ctx.args["path"]))
 # A save after refusals still works: the processes are still in step.
 nnx_save.save_file({"after": c.flat(tree)["embed"]}, os.path.join(scratch, "after.safetensors"))
 # Without jax's private key-value store the steps go through the public process_allgather.
-kv_client, _collective._kv_client = _collective._kv_client, lambda path: None
+kv_client, _kv.client = _kv.client, lambda where, error: None
 fallback = os.path.join(scratch, "fallback.safetensors")
 nnx_save.save_file(tree, fallback, metadata={"made_by": "save_tree"})
-_collective._kv_client = kv_client
+_kv.client = kv_client
 with open(fallback, "rb") as a, open(ctx.args["path"], "rb") as b:
     result["fallback_identical"] = a.read() == b.read()
 if ctx.args.get("pod"):  # the pod layout: one shard file per process, and a manifest

@@ -13,6 +13,9 @@ scenario returns what this process saw, for the test to compare across processes
   step and stop; a reopened store restores it onto the mesh.
 - ``damaged``: process 0 damages saved steps between two barriers; a reopened
   store lists, reports and refuses them the same way on every process.
+- ``interval_keys``: ``steps`` calls of ``should_save`` under a seconds interval
+  (each one a decision of process 0, shared through the key-value store); then the
+  store's keys left in the coordination service, as process 0 lists them.
 """
 
 import os
@@ -147,6 +150,16 @@ def preemption() -> dict:
         steps = store.list_steps()
         checked = restore_checked(store, saved, MESH) if saved is not None else 0
     return {"saved": saved, "steps": steps, "checked": checked}
+
+
+def interval_keys() -> dict:
+    from jax._src import distributed
+
+    with OrbaxCheckpointStore(ctx.args["dir"], save_interval_seconds=3600) as store:
+        due = [store.should_save(step) for step in range(1, ctx.args["steps"] + 1)]
+    multihost_utils.sync_global_devices("interval_keys")  # every process has read every decision
+    keys = distributed.global_state.client.key_value_dir_get("nnx_save/checkpoint/")
+    return {"due": due, "keys": sorted(k for k, _ in keys)}
 
 
 ctx.write(globals()[ctx.args["scenario"]]())
