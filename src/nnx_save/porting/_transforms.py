@@ -304,6 +304,32 @@ class Transform:
             x = step.on_box(x, out)
         return x
 
+    def image(self, i: int, box: Box, x: np.ndarray) -> tuple[Box, np.ndarray] | None:
+        """Where box ``box`` of source ``i`` (holding ``x``) lands in the result, with
+        its values there: how an export writes each shard of a model tensor into its
+        file tensor. ``None`` when a step or the combine has no box map forward
+        (a reshape across the box, a sum, a tie's check, a split of a source).
+
+        Examples:
+            >>> t = Transform(((Transpose((1, 0)),), ()), Concatenate(0, (2, 3)), ())
+            >>> box, x = t.image(1, ((0, 4), (1, 3)), np.zeros((4, 2)))  # kernel columns 1-2
+            >>> box, x.shape  # rows 3-4 of the concatenated weight
+            (((3, 5), (0, 4)), (2, 4))
+        """
+        moved = _forward(self.pre[i] if self.pre else (), box, x)
+        if moved is None:
+            return None
+        box, x = moved
+        if isinstance(self.combine, Concatenate):
+            lo = sum(self.combine.sizes[:i])
+            box = with_extent(box, self.combine.axis, (box[self.combine.axis][0] + lo, box[self.combine.axis][1] + lo))
+        elif isinstance(self.combine, Stack):
+            box = (*box[: self.combine.axis], (i, i + 1), *box[self.combine.axis :])
+            x = np.expand_dims(x, self.combine.axis)
+        elif self.combine is not None:
+            return None
+        return _forward(self.post, box, x)
+
     def _boxes_before(self, box: Box) -> list[Box] | None:
         """The box before each post step, then ``box``: ``[combined box, ..., box]``."""
         chain = [box]
@@ -325,3 +351,18 @@ def _chain(steps: Sequence[Step], x: np.ndarray) -> np.ndarray:
     for step in steps:
         x = step(x)
     return x
+
+
+def _forward(steps: Sequence[Step], box: Box, x: np.ndarray) -> tuple[Box, np.ndarray] | None:
+    """``box`` (holding ``x``) through ``steps``: its box and values after them, or
+    ``None`` where a reshape does not keep it rectangular."""
+    for step in steps:
+        if isinstance(step, Transpose):
+            box = tuple(box[a] for a in step.axes)
+        else:
+            after = reshape_back(step.shape, step.source_shape, box)
+            if after is None:
+                return None
+            box = after
+        x = step.on_box(x, box)
+    return box, x

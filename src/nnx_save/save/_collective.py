@@ -61,7 +61,7 @@ from ..format._header import encode_header
 from ..io._files import pread_exact
 from ..load._plan import box_runs
 from . import _stage
-from ._stage import HostValue, spans_processes
+from ._stage import BoxedValue, HostValue, spans_processes
 from ._write import Entry, _write_all, fsync_dir, host_bytes, order_entries, temp_path
 
 __all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "write_collective"]
@@ -282,10 +282,9 @@ def _create(path: Path, size: int) -> Outcome:
 
 
 def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: int) -> None:
-    """Write this process's replica-0 shards of a tensor, ``(shard, host array)`` pairs, at their byte runs."""
+    """Write this process's part of a tensor, ``(box, host array)`` pairs, at their byte runs."""
     row = _dtypes.DTYPES[e.code]
-    for shard, host in parts:
-        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
+    for box, host in parts:
         if not row.byte_aligned and box != tuple((0, d) for d in e.shape):
             raise SaveError(
                 f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be written "
@@ -304,15 +303,29 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
             _write_all(fd, data[i * length : (i + 1) * length], off)
 
 
+def _boxed(pairs: list[tuple[Any, np.ndarray]], shape: tuple[int, ...]) -> list[tuple[Any, np.ndarray]]:
+    """``(shard, host array)`` pairs as ``(box, host array)`` pairs."""
+    return [(tuple(s.indices(d)[:2] for s, d in zip(shard.index, shape, strict=False)), h) for shard, h in pairs]
+
+
 def _local_shards(array: Any) -> list[tuple[Any, np.ndarray]]:
-    """This process's replica-0 shards of ``array`` (a jax array or a host snapshot) on the host."""
-    return [(s, np.asarray(s.data)) for s in array.addressable_shards if s.replica_id == 0]
+    """This process's replica-0 shards of ``array`` (a jax array or a host snapshot) on the host, by box."""
+    return _boxed([(s, np.asarray(s.data)) for s in array.addressable_shards if s.replica_id == 0], array.shape)
 
 
 def _cross(e: Entry) -> Any:
-    """The array whose shards several processes write, or ``None`` (a host value)."""
+    """The array (or boxed value) whose parts several processes write, or ``None`` (a host value)."""
+    if isinstance(e.value, BoxedValue):
+        return e.value if e.value.spanning else None
     array = e.value.array if isinstance(e.value, HostValue) else None
     return array if spans_processes(array) else None
+
+
+def _parts(window: _stage.Window, i: int, e: Entry, cross: Any) -> list[tuple[Any, np.ndarray]]:
+    """This process's ``(box, host array)`` parts of cross-process entry ``i``."""
+    if isinstance(cross, BoxedValue):
+        return cross.boxes()
+    return window.take(i, lambda c: _boxed(c.host_shards(), e.shape), functools.partial(_local_shards, cross))
 
 
 def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
@@ -321,6 +334,7 @@ def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
     out = []
     for e in entries:
         cross = _cross(e)
+        cross = None if isinstance(cross, BoxedValue) else cross  # made from other arrays: nothing to stage
         host = e.value.array if primary and isinstance(e.value, HostValue) else None
         out.append(cross if cross is not None else host)
     return out
@@ -343,7 +357,7 @@ def _write_mine(
         for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
             array = _cross(e)
             if array is not None:
-                parts = window.take(i, _stage.Staged.host_shards, functools.partial(_local_shards, array))
+                parts = _parts(window, i, e, array)
                 _write_shards(fd, e, parts, len(head) + begin)
                 del parts
             elif sync.pid == 0:
