@@ -80,8 +80,9 @@ def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
     shard of the job (a sum, a split of a model tensor, a reshape across a shard),
     every process gathers the sources and the primary makes the whole tensor (see
     docs/multihost.md): the same decision on every process, from the global shardings."""
-    arrays = [getattr(v, "array", None) for v in sources]
-    if not all(spans_processes(x) for x in arrays) or not all(_maps(a, i, x) for i, x in enumerate(arrays)):
+    arrays: list[Any] = [getattr(v, "array", None) for v in sources]
+    mapped = a.transform is not None and all(spans_processes(x) for x in arrays)
+    if not mapped or not all(_maps(a, i, x) for i, x in enumerate(arrays)):
         return _gathered(a, sources)
     parts = []
     for i, array in enumerate(arrays):

@@ -311,7 +311,7 @@ class Transform:
         (a reshape across the box, a sum, a tie's check, a split of a source).
 
         Examples:
-            >>> t = Transform(((Transpose((1, 0)),), ()), Concatenate(0, (2, 3)), ())
+            >>> t = Transform(((Transpose((1, 0)),),) * 2, Concatenate(0, (2, 3)), ())  # two kernels, one weight
             >>> box, x = t.image(1, ((0, 4), (1, 3)), np.zeros((4, 2)))  # kernel columns 1-2
             >>> box, x.shape  # rows 3-4 of the concatenated weight
             (((3, 5), (0, 4)), (2, 4))

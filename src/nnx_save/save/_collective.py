@@ -226,11 +226,12 @@ class Sync:
                 "path, if any, is intact",
                 str(self.path),
             ) from e
-        late = sorted(want - set(got))
+        late, verb = sorted(want - set(got)), "load" if "load" in self.what else "save"
+        default = self.what == "multi-process save"
+        intact = "The previous file at the path, if any, is intact" if default else self.intact.capitalize()
         raise SaveError(
-            f"{self.path}: process(es) {late} did not reach the {stage!r} step of the multi-process save "
-            f"within {_timeout():g} s ({TIMEOUT_ENV}); did one of them die or save something else? "
-            "The previous file at the path, if any, is intact",
+            f"{self.path}: process(es) {late} did not reach the {stage!r} step of the {self.what} "
+            f"within {_timeout():g} s ({TIMEOUT_ENV}); did one of them die or {verb} something else? {intact}",
             str(self.path),
         )
 
