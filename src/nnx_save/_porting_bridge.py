@@ -77,7 +77,7 @@ def _whole(a: Any, sources: Sequence[Any]) -> np.ndarray:
 def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
     """This process's parts of ``a``'s file tensor: the image of each replica-0 shard
     it holds of each source. Where the transform has no box map forward for some
-    shard of the job (a sum, a split of a model tensor, a reshape across a shard),
+    shard of the job (a sum, a tie's check, a reshape across a shard),
     every process gathers the sources and the primary makes the whole tensor (see
     docs/multihost.md): the same decision on every process, from the global shardings."""
     arrays: list[Any] = [getattr(v, "array", None) for v in sources]
@@ -90,7 +90,7 @@ def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
             if shard.replica_id == 0:
                 moved = a.transform.image(i, _box(shard.index, array.shape), np.asarray(shard.data))
                 assert moved is not None, "image of a box _maps accepted"
-                parts.append(moved)
+                parts.extend(moved)
     return parts
 
 
@@ -103,7 +103,7 @@ def _maps(a: Any, i: int, array: Any) -> bool:
     placeholders that take no memory)."""
     boxes = {_box(index, array.shape) for index in array.sharding.devices_indices_map(array.shape).values()}
     blank = np.zeros((), array.dtype)
-    return all(a.transform.image(i, b, np.broadcast_to(blank, [hi - lo for lo, hi in b])) for b in boxes)
+    return all(a.transform.image(i, b, np.broadcast_to(blank, [hi - lo for lo, hi in b])) is not None for b in boxes)
 
 
 def _gathered(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
