@@ -1,6 +1,7 @@
 """The automatic ``share_reads`` decision (``None``, the default): on for several
-processes reading a remote source or spread over several hosts, off otherwise;
-``True`` / ``False`` honoured, and nothing shared on one process."""
+processes that hold the same elements, reading a remote source or spread over
+several hosts, off otherwise; ``True`` / ``False`` honoured, nothing shared on one
+process."""
 
 from __future__ import annotations
 
@@ -19,21 +20,21 @@ def _no_hosts() -> int:
 
 
 @pytest.mark.parametrize(
-    ("setting", "processes", "spanning", "remote", "hosts", "expected"),
+    ("setting", "processes", "shared", "remote", "hosts", "expected"),
     [
         (None, 2, True, True, None, True),  # a URL: read once per pod
         (None, 4, True, False, 1, False),  # local files on one host: one page cache
         (None, 2, True, False, 2, True),  # local paths on several hosts: a network filesystem
-        (None, 2, False, True, None, False),  # a load on some processes only: no peer to wait for
+        (None, 2, False, True, None, False),  # nothing held by several processes (or a load on some only)
         (None, 1, True, True, None, False),  # one process: no peers to share with
         (True, 2, False, False, None, True),
         (False, 2, True, True, None, False),
         (True, 1, True, False, None, False),
     ],
 )
-def test_the_decision(setting, processes, spanning, remote, hosts, expected):
+def test_the_decision(setting, processes, shared, remote, hosts, expected):
     count = _no_hosts if hosts is None else (lambda: hosts)
-    assert decide(setting, processes, spanning, remote, count) is expected
+    assert decide(setting, processes, shared, remote, count) is expected
 
 
 def test_the_default_is_automatic_and_a_bad_value_is_refused():

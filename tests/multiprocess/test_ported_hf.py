@@ -22,6 +22,7 @@ holds it to that geometry's over-read (:func:`_c_attn_read_through`) instead.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -43,7 +44,16 @@ LLAMA = {
     "num_attention_heads": 16,
     "num_key_value_heads": 4,
 }
+SCANNED = {  # a scanned Llama: its export unstacks each layer (Index), only saved back here
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 GPT2 = {"vocab_size": 128, "n_positions": 64, "n_embd": 1024, "n_layer": 1, "n_head": 8}
+CONFIGS = {"llama": LLAMA, "gpt2": GPT2, "scanned_llama": SCANNED}
 JOBS = [
     # strided kernel reads (torch rows split across processes) are read exactly under ratio 1.0; the automatic
     # ratio reads through their gaps, as it does for the same pattern in a native file
@@ -58,8 +68,8 @@ def _hf_model(family: str):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    if family == "llama":
-        cfg = transformers.LlamaConfig(**LLAMA, tie_word_embeddings=False, rope_theta=10000.0)
+    if family in ("llama", "scanned_llama"):
+        cfg = transformers.LlamaConfig(**CONFIGS[family], tie_word_embeddings=False, rope_theta=10000.0)
         return transformers.LlamaForCausalLM(cfg)
     cfg = transformers.GPT2Config(**GPT2, activation_function="gelu_new")
     return transformers.GPT2LMHeadModel(cfg)
@@ -71,32 +81,37 @@ def _single_process_state(family: str, path: Path) -> dict[str, np.ndarray]:
 
     from examples.models import gpt2, llama
 
-    cls, cfg, rules = (llama.Llama, llama.LlamaConfig(**LLAMA), llama.RULES)
-    if family == "gpt2":
-        cls, cfg, rules = (gpt2.GPT2, gpt2.GPT2Config(**GPT2), gpt2.RULES)
+    cls, cfg, rules = {
+        "llama": (llama.Llama, llama.LlamaConfig(**LLAMA), llama.RULES),
+        "gpt2": (gpt2.GPT2, gpt2.GPT2Config(**GPT2), gpt2.RULES),
+        "scanned_llama": (llama.ScannedLlama, llama.LlamaConfig(**SCANNED), llama.SCANNED_RULES),
+    }[family]
     model, _ = nnx_save.load_model(lambda: cls(cfg, rngs=nnx.Rngs(1)), path, rules=rules, strict=True)
     return {"/".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
 
 
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory):
-    """Both checkpoints, loaded and saved back by 2 processes x 4 devices."""
+    """The checkpoints, loaded and saved back by 2 processes x 4 devices (the scanned
+    Llama loaded tensor-parallel only, to be saved back)."""
     d = tmp_path_factory.mktemp("ported_hf")
     models = []
-    for family in ("llama", "gpt2"):
+    for family in ("llama", "gpt2", "scanned_llama"):
         hf = _hf_model(family)
-        hf.save_pretrained(d / family, safe_serialization=True, max_shard_size="20MB")
+        hf.save_pretrained(
+            d / family, safe_serialization=True, max_shard_size="20MB" if family != "scanned_llama" else "200KB"
+        )
         assert len(list((d / family).glob("*.safetensors"))) > 1
         np.savez(d / f"{family}.npz", **_single_process_state(family, d / family))
-        config = LLAMA if family == "llama" else GPT2
         models.append(
             {
                 "family": family,
-                "config": config,
+                "config": CONFIGS[family],
                 "path": str(d / family),
                 "expected": str(d / f"{family}.npz"),
                 "save": str(d / f"{family}.export.safetensors"),
                 "save_from": "tensor_parallel",
+                **({"jobs": ["tensor_parallel"]} if family == "scanned_llama" else {}),
             }
         )
     workers = launch("ported_hf.py", 2, 4, d / "run", {"models": models, "jobs": JOBS}, timeout=150)
@@ -143,7 +158,7 @@ def test_replicated_tensors_are_read_once_per_pod_and_shared(pod, family):
         assert job["bytes_needed"] + job["bytes_received"] == job["needed"], job
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "scanned_llama"])
 def test_a_ported_export_writes_each_byte_once_from_the_process_holding_it(pod, family):
     from porting_support import read_checkpoint
 
@@ -152,11 +167,13 @@ def test_a_ported_export_writes_each_byte_once_from_the_process_holding_it(pod, 
     exported, original = read_checkpoint(Path(m["save"])), read_checkpoint(Path(m["path"]))
     if family == "gpt2":  # transformers drops the tied head from its file; the tie rule writes it back
         original["lm_head.weight"] = original["transformer.wte.weight"]
-    assert exported and set(exported) <= set(original)
+    assert sorted(exported) == sorted(original)
     for key, value in exported.items():  # transformers' own bytes, not ours
         assert value.dtype == original[key].dtype and value.tobytes() == original[key].tobytes(), key
     data = _file_bytes(m["save"])
+    header = os.path.getsize(m["save"]) - data  # the primary writes it twice: placeholder digests, then final
+    slack = 2 * header + 64 * 1024  # and a little logging
     written = [next(s for s in w.result["saves"] if s["name"] == family)["written"] for w in workers]
-    assert sum(written) <= 1.02 * data + 2 * 1024 * 1024, written  # each byte once (plus headers)
+    assert data <= sum(written) <= data + slack, written  # each byte once
     for w in written:
-        assert w <= 0.55 * data, written  # each process its own half
+        assert w <= 0.55 * data + slack, written  # each process its own half

@@ -11,12 +11,13 @@ sharding, shape and dtype serves every tensor alike; tensors are resharded one a
 time, so the collective buffers in flight are one tensor's.
 
 ``share_reads=None`` (the default) decides per load, the same way on every process
-(:func:`decide`): on where several processes load arrays that span them and the
-source is remote (a URL) or the processes run on more than one host (a network
-filesystem then stands between each of them and the bytes); off for local files on
-one host, where the processes share one page cache and reading for oneself costs
-little, and for a load that only some processes run (its arrays are all on their
-own devices), which must not wait for peers. The host count is asked once per job
+(:func:`decide`): on where several processes load a tensor that devices of more
+than one of them hold and the source is remote (a URL) or the processes run on more
+than one host (a network filesystem then stands between each of them and the
+bytes); off for local files on one host, where the processes share one page cache
+and reading for oneself costs little, for a load with nothing to share (every
+element on one process's devices: no exchange at all), and so for a load that only
+some processes run (its arrays all on their own devices), which must not wait for peers. The host count is asked once per job
 through the coordination service's key-value store.
 
 Before any collective, every process posts whether its reads succeeded through the
@@ -54,11 +55,11 @@ def multi_process() -> bool:
     return jax.process_count() > 1
 
 
-def decide(setting: bool | None, processes: int, spanning: bool, remote: bool, hosts: Callable[[], int]) -> bool:
+def decide(setting: bool | None, processes: int, shared: bool, remote: bool, hosts: Callable[[], int]) -> bool:
     """Whether a load shares its reads: ``setting`` when given (sharing needs peers);
-    else on where several processes load arrays ``spanning`` them (a load every
-    process takes part in) from a ``remote`` source or from several ``hosts()``
-    (called only when it decides).
+    else on where several processes load a tensor that devices of more than one of
+    them hold (``shared``: a load they all take part in, with bytes to share) from a
+    ``remote`` source or from several ``hosts()`` (called only when it decides).
 
     Examples:
         >>> decide(None, 2, True, True, lambda: 1), decide(None, 2, True, False, lambda: 1)
@@ -72,15 +73,27 @@ def decide(setting: bool | None, processes: int, spanning: bool, remote: bool, h
         return False
     if setting is not None:
         return setting
-    return spanning and (remote or hosts() > 1)
+    return shared and (remote or hosts() > 1)
 
 
 def enabled(setting: bool | None, targets: Sequence[Target], remote: bool, where: str) -> bool:
     """:func:`decide` for this JAX job loading ``targets`` from ``where``."""
     import jax
 
-    spanning = any(t.sharding is not None and not t.sharding.is_fully_addressable for t in targets)
-    return decide(setting, jax.process_count(), spanning, remote, functools.partial(host_count, where))
+    processes = jax.process_count()
+    shared = setting is None and processes > 1 and any(_held_by_several(t) for t in targets)
+    return decide(setting, processes, shared, remote, functools.partial(host_count, where))
+
+
+def _held_by_several(t: Target) -> bool:
+    """Whether devices of several processes hold some element of ``t`` (the same
+    answer on every process: it reads the global sharding)."""
+    if t.sharding is None or t.sharding.is_fully_addressable or not t.shape:
+        return False
+    try:
+        return _overlaps_across_processes(t)
+    except ValueError:  # jax refuses the sharding: the engine says so
+        return False
 
 
 _HOSTS: list[int] = []  # this job's host count, once known
