@@ -9,7 +9,8 @@ process into one file; the parent compares that file with transformers' tensors.
 
 args: {"models": [{"family", "config": LlamaConfig / GPT2Config fields, "path",
         "expected", "save": the export to write, "save_from": the job whose model it saves,
-        "jobs": the job names to run (default all)}], "jobs": [{"name", "layout", "share", "ratio"}]}
+        "jobs": the job names to run (default all)}], "jobs": [{"name", "layout", "share", "ratio"}],
+       "fallback": a file for an export that has no box map (optional)}
 """
 
 import functools
@@ -126,6 +127,22 @@ def save(m: dict, model) -> dict:
     return {"name": m["family"], "written": counter("wchar") - before}
 
 
+def fallback(path: str) -> dict:
+    """An export whose transform has no box map for these shards (a (4, 16) kernel split
+    on its columns, flattened): every process takes part, the primary writes it whole."""
+    from nnx_save.porting import Rules, reshape
+
+    sharding = c.sharding(c.mesh([jax.device_count()]), (None, "x"))
+    value = jax.make_array_from_callback((4, 16), sharding, lambda i: np.arange(64, dtype=np.float32).reshape(4, 16)[i])
+
+    class Flat(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(value)
+
+    nnx_save.save_model(Flat(), path, rules=Rules(reshape("w", (4, 16), source_shape=(64,))).inverse())
+    return {"saved": path}
+
+
 result: dict = {"jobs": [], "saves": []}
 for m in ctx.args["models"]:
     for job in (j for j in ctx.args["jobs"] if j["name"] in m.get("jobs", [j["name"]])):
@@ -134,4 +151,6 @@ for m in ctx.args["models"]:
         if job["name"] == m["save_from"]:
             result["saves"].append(save(m, model))
         del model
+if ctx.args.get("fallback"):
+    result["fallback"] = fallback(ctx.args["fallback"])
 ctx.write(result)
