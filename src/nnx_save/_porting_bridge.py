@@ -77,7 +77,7 @@ def _whole(a: Any, sources: Sequence[Any]) -> np.ndarray:
 def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
     """This process's parts of ``a``'s file tensor: the image of each replica-0 shard
     it holds of each source. Where the transform has no box map forward for some
-    shard of the job (a sum, a tie's check, a reshape across a shard),
+    shard of the job (a sum, a reshape across a shard),
     every process gathers the sources and the primary makes the whole tensor (see
     docs/multihost.md): the same decision on every process, from the global shardings."""
     arrays: list[Any] = [getattr(v, "array", None) for v in sources]

@@ -309,7 +309,7 @@ class Transform:
         its values there: how an export writes each shard of a model tensor into its
         file tensor. One part, or none where a split's part lies outside the box;
         ``None`` when a step or the combine has no box map forward (a reshape
-        across the box, a sum, a tie's check).
+        across the box, a sum, a tie's check on load).
 
         Examples:
             >>> t = Transform(((Transpose((1, 0)),),) * 2, Concatenate(0, (2, 3)), ())  # two kernels, one weight
