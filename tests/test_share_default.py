@@ -52,3 +52,14 @@ def test_one_process_never_shares():
     t = Target("w", (8,), np.dtype(np.float32), sharding, sources=("w",))
     assert enabled(None, [t], True, "x.safetensors") is False
     assert enabled(True, [t], False, "x.safetensors") is False
+
+
+def test_a_load_on_some_processes_only_is_not_shared():
+    import jax
+
+    from nnx_save.load._share import _every_process
+    from nnx_save.load._target import Target
+
+    sharding = jax.sharding.NamedSharding(jax.make_mesh((8,), ("x",)), jax.sharding.PartitionSpec())
+    t = Target("w", (8,), np.dtype(np.float32), sharding, sources=("w",))
+    assert _every_process([t], 1) and not _every_process([t], 2)  # these devices are all process 0's

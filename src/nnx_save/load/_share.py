@@ -16,8 +16,9 @@ than one of them hold and the source is remote (a URL) or the processes run on m
 than one host (a network filesystem then stands between each of them and the
 bytes); off for local files on one host, where the processes share one page cache
 and reading for oneself costs little, for a load with nothing to share (every
-element on one process's devices: no exchange at all), and so for a load that only
-some processes run (its arrays all on their own devices), which must not wait for peers. The host count is asked once per job
+element on one process's devices: no exchange at all), and for a load whose arrays
+are not on every process's devices (a load that only some processes run), which must
+not wait for peers. The host count is asked once per job
 through the coordination service's key-value store.
 
 Before any collective, every process posts whether its reads succeeded through the
@@ -81,8 +82,16 @@ def enabled(setting: bool | None, targets: Sequence[Target], remote: bool, where
     import jax
 
     processes = jax.process_count()
-    shared = setting is None and processes > 1 and any(_held_by_several(t) for t in targets)
+    shared = setting is None and processes > 1 and _every_process(targets, processes)
+    shared = shared and any(_held_by_several(t) for t in targets)
     return decide(setting, processes, shared, remote, functools.partial(host_count, where))
+
+
+def _every_process(targets: Sequence[Target], processes: int) -> bool:
+    """Whether the targets' devices are on every process: the exchanges wait for all
+    of them, so a load on a sub-mesh of some processes only does not share."""
+    held = {d.process_index for t in targets if t.sharding is not None for d in t.sharding.device_set}
+    return len(held) == processes
 
 
 def _held_by_several(t: Target) -> bool:
