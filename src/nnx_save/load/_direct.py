@@ -23,6 +23,7 @@ raises :class:`~nnx_save.errors.TruncatedFileError` instead.
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TruncatedFileError
+from ..errors import HostMemoryError, TruncatedFileError
 from ..format._header import TensorInfo
 
 __all__ = ["BLOCK_BYTES", "DIRECT_MAX_BYTES", "RESIDENT_BYTES", "MappedFiles"]
@@ -73,7 +74,18 @@ class MappedFiles:
 
     def view(self, info: TensorInfo) -> np.ndarray:
         """Tensor ``info`` as an array over the mapped file (no bytes read yet)."""
-        raw = np.frombuffer(self._map(info.file), np.uint8, info.nbytes, info.begin)
+        try:
+            mapped = self._map(info.file)
+        except OSError as e:  # ENOMEM: the address space (a memory limit) cannot hold the map
+            if e.errno != errno.ENOMEM:
+                raise
+            raise HostMemoryError(
+                f"{info.file}: cannot map the file to read tensor {info.name!r} ({e.strerror}); nothing was read",
+                info.file,
+                info.name,
+                info.nbytes,
+            ) from None
+        raw = np.frombuffer(mapped, np.uint8, info.nbytes, info.begin)
         return raw.view(info.dtype.numpy).reshape(info.shape)
 
     @staticmethod
