@@ -408,7 +408,7 @@ def load_model(
     progress: bool | None = DEFAULT,
     stream: bool | None = DEFAULT,
     staging: str = DEFAULT,
-    share_reads: bool = DEFAULT,
+    share_reads: bool | None = DEFAULT,
     options: LoadOptions | None = None,
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.

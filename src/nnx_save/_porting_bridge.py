@@ -13,12 +13,17 @@ across a sharded dimension) reads its sources whole, and the report lists it in
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .format import _dtypes
+from .layouts._pieces import Box
 from .layouts._sources import Header
 from .load._target import Target
+from .save._stage import BoxedValue, spans_processes
 from .save._write import Entry
 
 __all__ = ["export_entries", "load_targets_for"]
@@ -43,14 +48,73 @@ def load_targets_for(
 
 
 def export_entries(rules: Any, entries: Sequence[Entry]) -> list[Entry]:
-    """The entries under their exported names and layouts (values made lazily)."""
+    """The entries under their exported names and layouts (values made lazily).
+
+    A renamed tensor keeps its value, so a collective save writes its shards where
+    they are; a transformed one becomes a :class:`~nnx_save.save._stage.BoxedValue`
+    that makes each process's part of the file tensor from the shards it holds."""
     by_key = {e.key: e for e in entries}
     mapping = rules.mapping({e.key: (e.shape, _dtypes.DTYPES[e.code].numpy) for e in entries})
     out = []
     for name, a in mapping.assignments.items():
-
-        def value(a=a):
-            return a.materialize({k: by_key[k].value() for k in a.sources})
-
-        out.append(Entry(name, _dtypes.to_code(a.dtype, name).code, tuple(a.shape), value))
+        code = _dtypes.to_code(a.dtype, name).code
+        if a.transform is None and by_key[a.sources[0]].code == code:
+            out.append(dataclasses.replace(by_key[a.sources[0]], key=name))  # its value and array, as they are
+            continue
+        sources = [by_key[k].value for k in a.sources]
+        whole = functools.partial(_whole, a, sources)
+        spanning = any(spans_processes(by_key[k].array) for k in a.sources)
+        out.append(
+            Entry(name, code, tuple(a.shape), BoxedValue(whole, functools.partial(_boxes, a, sources), spanning))
+        )
     return out
+
+
+def _whole(a: Any, sources: Sequence[Any]) -> np.ndarray:
+    return a.materialize({k: v() for k, v in zip(a.sources, sources, strict=True)})
+
+
+def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
+    """This process's parts of ``a``'s file tensor: the image of each replica-0 shard
+    it holds of each source. Where the transform has no box map forward for some
+    shard of the job (a sum, a reshape across a shard),
+    every process gathers the sources and the primary makes the whole tensor (see
+    docs/multihost.md): the same decision on every process, from the global shardings."""
+    arrays: list[Any] = [getattr(v, "array", None) for v in sources]
+    mapped = a.transform is not None and all(spans_processes(x) for x in arrays)
+    if not mapped or not all(_maps(a, i, x) for i, x in enumerate(arrays)):
+        return _gathered(a, sources)
+    parts = []
+    for i, array in enumerate(arrays):
+        for shard in array.addressable_shards:
+            if shard.replica_id == 0:
+                moved = a.transform.image(i, _box(shard.index, array.shape), np.asarray(shard.data))
+                assert moved is not None, "image of a box _maps accepted"
+                parts.extend(moved)
+    return parts
+
+
+def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
+
+
+def _maps(a: Any, i: int, array: Any) -> bool:
+    """Whether every shard of source ``i`` (on any process) has an image (checked on
+    placeholders that take no memory)."""
+    boxes = {_box(index, array.shape) for index in array.sharding.devices_indices_map(array.shape).values()}
+    blank = np.zeros((), array.dtype)
+    return all(a.transform.image(i, b, np.broadcast_to(blank, [hi - lo for lo, hi in b])) is not None for b in boxes)
+
+
+def _gathered(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
+    """The whole file tensor on the primary (every process takes part in the gathers)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    arrays = {}
+    for k, v in zip(a.sources, sources, strict=True):
+        array = getattr(v, "array", None)
+        arrays[k] = np.asarray(multihost_utils.process_allgather(array, tiled=True)) if spans_processes(array) else v()
+    if jax.process_index() != 0:
+        return []
+    return [(tuple((0, d) for d in a.shape), a.materialize(arrays))]

@@ -297,7 +297,7 @@ def load_file(
     progress: bool | None = DEFAULT,
     stream: bool | None = DEFAULT,
     staging: str = DEFAULT,
-    share_reads: bool = DEFAULT,
+    share_reads: bool | None = DEFAULT,
     options: LoadOptions | None = None,
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
@@ -349,6 +349,9 @@ def load_file(
             interconnect with JAX's collectives, so the pod reads each byte once;
             ``report.io.bytes_received`` counts what came from peers. A process whose
             load fails raises its error, the others :class:`~nnx_save.errors.SharedReadError`.
+            ``None`` (the default) turns it on for a remote source (a URL) or
+            processes on several hosts, off for local files on one host
+            (docs/multihost.md); ``True`` / ``False`` force it.
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.

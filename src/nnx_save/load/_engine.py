@@ -46,7 +46,7 @@ from ..errors import HostMemoryError, NnxSaveError, OverReadWarning, ShapeMismat
 from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
-from ..layouts._layout import gc_paused
+from ..layouts._layout import RemoteFiles, gc_paused
 from ..layouts._pieces import Box, Piece, extents, intersect, request, whole
 from ..layouts._sources import Header
 from . import _boxed, _share, _stream
@@ -535,7 +535,8 @@ def load_targets(
     ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
     """
     opt = options if options is not None else LoadOptions()
-    if opt.share_reads and _share.multi_process():
+    remote = isinstance(header.placement, RemoteFiles)
+    if _share.enabled(opt.share_reads, targets, remote, _describe(header)):
         run = functools.partial(
             load_targets,
             header,

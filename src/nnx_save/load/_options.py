@@ -119,7 +119,9 @@ class LoadOptions:
             ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
         share_reads: with several processes, read each byte that several of them
             need on one process only and share it over the interconnect with JAX's
-            collectives (:mod:`nnx_save.load._share`); off by default.
+            collectives (:mod:`nnx_save.load._share`). ``None`` (the default): on
+            for a remote source (a URL) or processes on several hosts, off for local
+            files on one host; ``True`` / ``False`` force it.
 
     Raises:
         OptionError: a field out of range or of the wrong type (names it).
@@ -142,7 +144,7 @@ class LoadOptions:
     staging: str = "auto"
     staging_bytes: int | None = None
     progress: bool | None = None
-    share_reads: bool = False
+    share_reads: bool | None = None
 
     def __post_init__(self) -> None:
         ratio = self.max_over_read_ratio
@@ -159,7 +161,12 @@ class LoadOptions:
         size = self.staging_bytes
         check(_optional(size, is_int(size, 1)), "staging_bytes", "a positive int (bytes)", size)
         check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
-        check(isinstance(self.share_reads, bool), "share_reads", "True or False", self.share_reads)
+        check(
+            self.share_reads is None or isinstance(self.share_reads, bool),
+            "share_reads",
+            "None, True or False",
+            self.share_reads,
+        )
 
     @property
     def threads(self) -> int:

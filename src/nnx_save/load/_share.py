@@ -10,6 +10,17 @@ process reads only its slice; a jitted identity with the target's sharding as
 sharding, shape and dtype serves every tensor alike; tensors are resharded one at a
 time, so the collective buffers in flight are one tensor's.
 
+``share_reads=None`` (the default) decides per load, the same way on every process
+(:func:`decide`): on where several processes load a tensor that devices of more
+than one of them hold and the source is remote (a URL) or the processes run on more
+than one host (a network filesystem then stands between each of them and the
+bytes); off for local files on one host, where the processes share one page cache
+and reading for oneself costs little, for a load with nothing to share (every
+element on one process's devices: no exchange at all), and for a load whose arrays
+are not on every process's devices (a load that only some processes run), which must
+not wait for peers. The host count is asked once per job
+through the coordination service's key-value store.
+
 Before any collective, every process posts whether its reads succeeded through the
 coordination service's key-value store and waits for the others with a deadline
 (``NNX_SAVE_COLLECTIVE_TIMEOUT_S``): a process whose load failed raises its own
@@ -35,7 +46,7 @@ from ._assemble import held_dtype
 from ._report import LoadReport
 from ._target import Target, shard_boxes
 
-__all__ = ["derived_sharding", "multi_process", "shared_load"]
+__all__ = ["decide", "derived_sharding", "enabled", "multi_process", "shared_load"]
 
 
 def multi_process() -> bool:
@@ -43,6 +54,78 @@ def multi_process() -> bool:
     import jax
 
     return jax.process_count() > 1
+
+
+def decide(setting: bool | None, processes: int, shared: bool, remote: bool, hosts: Callable[[], int]) -> bool:
+    """Whether a load shares its reads: ``setting`` when given (sharing needs peers);
+    else on where several processes load a tensor that devices of more than one of
+    them hold (``shared``: a load they all take part in, with bytes to share) from a
+    ``remote`` source or from several ``hosts()`` (called only when it decides).
+
+    Examples:
+        >>> decide(None, 2, True, True, lambda: 1), decide(None, 2, True, False, lambda: 1)
+        (True, False)
+        >>> decide(None, 2, True, False, lambda: 2), decide(None, 2, False, True, lambda: 2)
+        (True, False)
+        >>> decide(True, 2, False, False, lambda: 1), decide(False, 2, True, True, lambda: 2)
+        (True, False)
+    """
+    if processes < 2:
+        return False
+    if setting is not None:
+        return setting
+    return shared and (remote or hosts() > 1)
+
+
+def enabled(setting: bool | None, targets: Sequence[Target], remote: bool, where: str) -> bool:
+    """:func:`decide` for this JAX job loading ``targets`` from ``where``."""
+    import jax
+
+    processes = jax.process_count()
+    shared = setting is None and processes > 1 and _every_process(targets, processes)
+    shared = shared and any(_held_by_several(t) for t in targets)
+    return decide(setting, processes, shared, remote, functools.partial(host_count, where))
+
+
+def _every_process(targets: Sequence[Target], processes: int) -> bool:
+    """Whether the targets' devices are on every process: the exchanges wait for all
+    of them, so a load on a sub-mesh of some processes only does not share."""
+    held = {d.process_index for t in targets if t.sharding is not None for d in t.sharding.device_set}
+    return len(held) == processes
+
+
+def _held_by_several(t: Target) -> bool:
+    """Whether devices of several processes hold some element of ``t`` (the same
+    answer on every process: it reads the global sharding)."""
+    if t.sharding is None or t.sharding.is_fully_addressable or not t.shape:
+        return False
+    try:
+        return _overlaps_across_processes(t)
+    except ValueError:  # jax refuses the sharding: the engine says so
+        return False
+
+
+_HOSTS: list[int] = []  # this job's host count, once known
+
+
+def host_count(where: str) -> int:
+    """How many hosts this job's processes run on: their host names, exchanged once
+    per job (every process asks at the same point of the program, its first
+    automatic decision on a local source); ``where`` names the load in errors."""
+    if not _HOSTS:
+        _HOSTS.append(_exchange_hosts(where))
+    return _HOSTS[0]
+
+
+def _exchange_hosts(where: str) -> int:
+    import socket
+
+    sync = Sync.open(Path(where), what="shared-read load", intact="nothing was loaded")
+    try:
+        names = sync.step("hosts", Outcome(True, socket.gethostname()))
+    except SaveError as e:
+        raise SharedReadError(str(e), where) from e
+    return len(set(names.values()))
 
 
 def _volume(box: Box) -> int:

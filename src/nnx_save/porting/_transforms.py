@@ -304,6 +304,29 @@ class Transform:
             x = step.on_box(x, out)
         return x
 
+    def image(self, i: int, box: Box, x: np.ndarray) -> list[tuple[Box, np.ndarray]] | None:
+        """Where box ``box`` of source ``i`` (holding ``x``) lands in the result, with
+        its values there: how an export writes each shard of a model tensor into its
+        file tensor. One part, or none where a split's part lies outside the box;
+        ``None`` when a step or the combine has no box map forward (a reshape
+        across the box, a sum, a tie's check on load).
+
+        Examples:
+            >>> t = Transform(((Transpose((1, 0)),),) * 2, Concatenate(0, (2, 3)), ())  # two kernels, one weight
+            >>> [(box, x.shape) for box, x in t.image(1, ((0, 4), (1, 3)), np.zeros((4, 2)))]  # kernel columns 1-2
+            [(((3, 5), (0, 4)), (2, 4))]
+            >>> Transform((), Take(0, 4, 8), ()).image(0, ((0, 4), (0, 2)), np.zeros((4, 2)))  # rows 4-7 only
+            []
+        """
+        moved = _forward(self.pre[i] if self.pre else (), box, x)
+        if moved is None:
+            return None
+        parts = _combine_forward(self.combine, i, *moved)
+        if parts is None:
+            return None
+        out = [_forward(self.post, b, v) for b, v in parts]
+        return None if any(part is None for part in out) else [part for part in out if part is not None]
+
     def _boxes_before(self, box: Box) -> list[Box] | None:
         """The box before each post step, then ``box``: ``[combined box, ..., box]``."""
         chain = [box]
@@ -325,3 +348,42 @@ def _chain(steps: Sequence[Step], x: np.ndarray) -> np.ndarray:
     for step in steps:
         x = step(x)
     return x
+
+
+def _combine_forward(combine: Combine | None, i: int, box: Box, x: np.ndarray) -> list[tuple[Box, np.ndarray]] | None:
+    """Box ``box`` of the ``i``-th combined array (holding ``x``) in the combine's result."""
+    if combine is None:
+        return [(box, x)]
+    if isinstance(combine, Concatenate):
+        lo = sum(combine.sizes[:i])
+        return [(with_extent(box, combine.axis, (box[combine.axis][0] + lo, box[combine.axis][1] + lo)), x)]
+    if isinstance(combine, Stack):
+        return [((*box[: combine.axis], (i, i + 1), *box[combine.axis :]), np.expand_dims(x, combine.axis))]
+    if isinstance(combine, Take):
+        (lo, hi), (start, stop) = box[combine.axis], (combine.start, combine.stop)
+        a, b = max(lo, start), min(hi, stop)
+        index = [slice(None)] * x.ndim
+        index[combine.axis] = slice(a - lo, b - lo)
+        return [(with_extent(box, combine.axis, (a - start, b - start)), x[tuple(index)])] if a < b else []
+    if isinstance(combine, Index):
+        lo, hi = box[combine.axis]
+        if not lo <= combine.index < hi:
+            return []
+        at = (slice(None),) * combine.axis + (combine.index - lo,)  # a view: the placeholders take no memory
+        return [((*box[: combine.axis], *box[combine.axis + 1 :]), x[at])]
+    return None
+
+
+def _forward(steps: Sequence[Step], box: Box, x: np.ndarray) -> tuple[Box, np.ndarray] | None:
+    """``box`` (holding ``x``) through ``steps``: its box and values after them, or
+    ``None`` where a reshape does not keep it rectangular."""
+    for step in steps:
+        if isinstance(step, Transpose):
+            box = tuple(box[a] for a in step.axes)
+        else:
+            after = reshape_back(step.shape, step.source_shape, box)
+            if after is None:
+                return None
+            box = after
+        x = step.on_box(x, box)
+    return box, x

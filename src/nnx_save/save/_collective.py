@@ -39,7 +39,6 @@ NFS, Lustre, GPFS ...).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import itertools
 import json
@@ -60,7 +59,7 @@ from ..io import _kv
 from ..io._files import pread_exact
 from ..load._plan import box_runs
 from . import _stage
-from ._stage import spans_processes
+from ._stage import BoxedValue, spans_processes
 from ._write import Entry, _write_all, fsync_dir, host_bytes, host_data, order_entries, temp_path
 
 __all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "write_collective"]
@@ -171,10 +170,12 @@ class Sync:
                 ) from e
             if e.seconds is None:
                 raise SaveError(f"{self.path}: process(es) {e.late} posted nothing for the {stage!r} step") from e
+            verb = "load" if "load" in self.what else "save"
+            default = self.what == "multi-process save"
+            intact = "The previous file at the path, if any, is intact" if default else self.intact.capitalize()
             raise SaveError(
                 f"{self.path}: process(es) {e.late} did not reach the {stage!r} step of the {self.what} "
-                f"within {e.seconds:g} s ({TIMEOUT_ENV}); did one of them die or save something else? "
-                "The previous file at the path, if any, is intact",
+                f"within {e.seconds:g} s ({TIMEOUT_ENV}); did one of them die or {verb} something else? {intact}",
                 str(self.path),
             ) from e
 
@@ -225,10 +226,9 @@ def _create(path: Path, size: int) -> Outcome:
 
 
 def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: int) -> None:
-    """Write this process's replica-0 shards of a tensor, ``(shard, host array)`` pairs, at their byte runs."""
+    """Write this process's part of a tensor, ``(box, host array)`` pairs, at their byte runs."""
     row = _dtypes.DTYPES[e.code]
-    for shard, host in parts:
-        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
+    for box, host in parts:
         if not row.byte_aligned and box != whole(e.shape):
             raise SaveError(
                 f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be written "
@@ -247,9 +247,25 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
             _write_all(fd, data[i * length : (i + 1) * length], off)
 
 
+def _boxed(pairs: list[tuple[Any, np.ndarray]], shape: tuple[int, ...]) -> list[tuple[Any, np.ndarray]]:
+    """``(shard, host array)`` pairs as ``(box, host array)`` pairs."""
+    return [(tuple(s.indices(d)[:2] for s, d in zip(shard.index, shape, strict=False)), h) for shard, h in pairs]
+
+
 def _cross(e: Entry) -> Any:
-    """The array whose shards several processes write, or ``None`` (a host value)."""
+    """The array (or boxed value) whose parts several processes write, or ``None`` (a host value)."""
+    if isinstance(e.value, BoxedValue):
+        return e.value if e.value.spanning else None
     return e.array if spans_processes(e.array) else None
+
+
+def _parts(window: _stage.Window, i: int, e: Entry, cross: Any) -> list[tuple[Any, np.ndarray]]:
+    """This process's ``(box, host array)`` parts of cross-process entry ``i``."""
+    if isinstance(cross, BoxedValue):
+        return cross.boxes()
+    return window.take(
+        i, lambda c: _boxed(c.host_shards(), e.shape), lambda: _boxed(_stage.host_shards(cross), e.shape)
+    )
 
 
 def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
@@ -275,7 +291,7 @@ def _write_mine(
         for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
             array = _cross(e)
             if array is not None:
-                parts = window.take(i, _stage.Staged.host_shards, functools.partial(_stage.host_shards, array))
+                parts = _parts(window, i, e, array)
                 _write_shards(fd, e, parts, len(head) + begin)
                 del parts
             elif sync.pid == 0:

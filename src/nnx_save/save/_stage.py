@@ -34,7 +34,17 @@ import numpy as np
 from .. import _config
 from ..errors import NnxSaveError, OptionError, SaveError
 
-__all__ = ["BUDGET_ENV", "FORCE_ENV", "HostValue", "Staged", "Window", "budget", "spans_processes", "stage"]
+__all__ = [
+    "BUDGET_ENV",
+    "FORCE_ENV",
+    "BoxedValue",
+    "HostValue",
+    "Staged",
+    "Window",
+    "budget",
+    "spans_processes",
+    "stage",
+]
 
 BUDGET_ENV = _config.SAVE_INFLIGHT_BYTES.name
 FORCE_ENV = _config.FORCE_HOST_STAGING.name
@@ -66,6 +76,29 @@ class HostValue:
                 "save_model called on every process (one file), or gather it first"
             )
         return np.asarray(self.array)
+
+
+Box = tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True)
+class BoxedValue:
+    """An entry's value made from other arrays (a ported export), for a tensor that
+    no process may hold whole.
+
+    ``whole()`` makes the whole host value (the single-process writers call the entry);
+    ``boxes()`` this process's ``(box, host array)`` parts, which over every process
+    hold each element exactly once (the collective writer writes them where they
+    land). ``spanning``: its sources have shards on several processes. Every process
+    calls ``boxes()`` for the same entries in the same order: a fallback may gather.
+    """
+
+    whole: Callable[[], np.ndarray]
+    boxes: Callable[[], list[tuple[Box, np.ndarray]]]
+    spanning: bool
+
+    def __call__(self) -> np.ndarray:
+        return self.whole()
 
 
 def budget(value: int | None = None) -> int:

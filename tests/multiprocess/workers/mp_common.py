@@ -130,7 +130,8 @@ def run_load_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Load each job's file into sharded arrays, check every local shard, and
     report the bytes this process read: the library's count and the kernel's.
 
-    A job: ``{"path", "suite", "mesh": [..], "ratio": float | None, "host": bool}``.
+    A job: ``{"path", "suite", "mesh": [..], "ratio": float | None, "host": bool,
+    "share": share_reads (default None: automatic)}``.
     """
     import nnx_save
 
@@ -141,7 +142,13 @@ def run_load_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         )
 
         def load(job=job, abstract=abstract):
-            return nnx_save.load_file(job["path"], abstract, max_over_read_ratio=job.get("ratio"), return_report=True)
+            return nnx_save.load_file(
+                job["path"],
+                abstract,
+                max_over_read_ratio=job.get("ratio"),
+                share_reads=job.get("share"),
+                return_report=True,
+            )
 
         load()  # warm: imports and first calls read files too; measure the second load
         before = rchar()
@@ -156,6 +163,7 @@ def run_load_jobs(jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "rchar": read,
                 "bytes_read": report.io.bytes_read,
                 "bytes_needed": report.io.bytes_needed,
+                "bytes_received": report.io.bytes_received,
                 "requests": report.io.requests,
                 "checked": checked,
                 "clean": report.clean,
