@@ -77,6 +77,13 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
     """
     if isinstance(source, Header):
         return source
+    if isinstance(source, (str, os.PathLike)) and not _remote.is_url(os.fspath(source)):
+        try:  # a local file, the common case, in one open and one fstat
+            local = _file.read_local(os.fspath(source))
+        except FileNotFoundError:
+            local = None  # the layout below says what is missing, in its words
+        if local is not None:
+            return local
     with gc_paused():
         if isinstance(source, str) and _remote.is_url(source):
             return _remote_header(source)
