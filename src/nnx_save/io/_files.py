@@ -16,7 +16,6 @@ import contextlib
 import os
 import stat
 import threading
-import weakref
 
 from ..errors import SourceError, TruncatedFileError
 
@@ -192,7 +191,11 @@ class Pinned:
 
     def __init__(self) -> None:
         self.seen: dict[str, _Identity] = {}
-        self._finalizer = weakref.finalize(self, _POOL.drop, id(self))
+        self._open = True
+
+    def __del__(self) -> None:  # not weakref.finalize: this is on every open's path, and costs nothing until then
+        with contextlib.suppress(Exception):  # at interpreter exit the pool may be gone first
+            self.close()
 
     def keep(self, name: str, fd: int, st: os.stat_result | None = None) -> None:
         """Take ``fd``, open on ``name`` (closed here if ``name`` is already held);
@@ -223,5 +226,7 @@ class Pinned:
         return fd
 
     def close(self) -> None:
-        """Release every pinned descriptor now."""
-        self._finalizer()
+        """Release every pinned descriptor now (and no later than when garbage collected)."""
+        if self._open:
+            self._open = False
+            _POOL.drop(id(self))

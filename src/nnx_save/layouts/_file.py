@@ -8,6 +8,7 @@ member files with :func:`read_file_header` too.
 
 from __future__ import annotations
 
+import gc
 import os
 import stat
 from pathlib import Path
@@ -17,7 +18,7 @@ from ..errors import HeaderTooSmallError, SourceError, TruncatedFileError
 from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _remote
-from ._layout import Header, LocalFiles, RemoteFiles, gc_paused
+from ._layout import Header, LocalFiles, RemoteFiles
 
 __all__ = ["FileLayout", "read_file_header", "read_local", "remote_file_header"]
 
@@ -25,7 +26,7 @@ __all__ = ["FileLayout", "read_file_header", "read_local", "remote_file_header"]
 def _read_prefix_and_header(fd: int, size: int, name: str) -> FileHeader:
     # The size is checked before any read: /proc files report 0 and some (/proc/self/mem) fail to read.
     prefix = os.pread(fd, 8, 0) if size >= 8 else b""
-    _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at))  # torch zip / pickle: say so
+    _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at), size)  # torch zip / pickle: say so
     n = header_size(prefix, size, file=name)
     try:
         raw = _files.pread_exact(fd, n, 8, name)
@@ -77,8 +78,13 @@ def read_local(name: str) -> Header | None:
         return None
     _files.require_regular(fd, st, name)
     placement = LocalFiles()
-    with gc_paused():
+    collecting = gc.isenabled()  # paused as gc_paused() does, without a generator's cost on the per-open path
+    gc.disable()
+    try:
         fh = _read_open(fd, st, name, placement.pinned)
+    finally:
+        if collecting:
+            gc.enable()
     return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", placement)
 
 
