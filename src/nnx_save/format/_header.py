@@ -275,8 +275,8 @@ def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHe
     header that passes them all: ``None`` as soon as one fails (or a key might
     repeat), and :func:`_parse_exact` says which. The JSON is parsed without a hook;
     that no key repeats is proven after (:func:`_keys_unique`)."""
-    obj = json.loads(text)
-    if type(obj) is not dict:
+    obj, end = _PLAIN.raw_decode(text)  # json.loads less its wrappers: leading space and a BOM go the exact way
+    if type(obj) is not dict or (end != len(text) and text[end:].strip(" \t\n\r")):
         return None
     has_meta = "__metadata__" in obj
     meta = obj.pop("__metadata__", None)
@@ -296,6 +296,7 @@ def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHe
     return FileHeader(file, tensors, dict(meta), data_start - 8, file_size)
 
 
+_PLAIN = json.JSONDecoder()
 _STR = frozenset({str})
 _INT = frozenset({int})  # a JSON number is an int or a float; bool is its own type
 _FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")

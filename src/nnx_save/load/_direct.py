@@ -73,8 +73,8 @@ class MappedFiles:
 
     def view(self, info: TensorInfo) -> np.ndarray:
         """Tensor ``info`` as an array over the mapped file (no bytes read yet)."""
-        raw = np.frombuffer(self._map(info.file), np.uint8, info.nbytes, info.begin)
-        return raw.view(info.dtype.numpy).reshape(info.shape)
+        # np.ndarray over the buffer in one call, not frombuffer + view + reshape: each is dear in a fresh process
+        return np.ndarray(info.shape, info.dtype.numpy, self._map(info.file), info.begin)
 
     @staticmethod
     def _truncated(info: TensorInfo, size: int) -> TruncatedFileError:
