@@ -5,6 +5,12 @@ A safetensors file is ``[8-byte little-endian N][N bytes of UTF-8 JSON][data]``.
 offset: each failed check raises its own :class:`~nnx_save.HeaderError` subclass with
 the tensor and the numbers involved. Nothing is allocated in proportion to a size the
 file declares until every check has passed.
+
+Every header is first checked the fast way: the JSON parsed without a Python hook, each
+check run over all tensors at once in C-level builtins, unique keys proven by counting
+(:func:`_keys_unique`). That path only answers "valid" or "ask the exact one": on any
+doubt the exact path (one check at a time, a hook refusing a repeated key as it is
+parsed) runs and raises the error it always raised.
 """
 
 from __future__ import annotations
