@@ -1,4 +1,4 @@
-"""A fork server for the crash tests (tests/test_reliability_crash.py).
+"""A fork server for the crash tests (tests/reliability/test_reliability_crash.py).
 
 Starting a Python process that imports jax costs seconds; killing twenty of them
 would cost minutes. This process imports jax, flax, orbax and nnx_save once, never

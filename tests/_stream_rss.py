@@ -1,4 +1,4 @@
-"""Run in a fresh process by tests/test_stream.py: load a checkpoint onto one device
+"""Run in a fresh process by tests/load/test_stream.py: load a checkpoint onto one device
 (streamed or on the host path) and print host memory figures as JSON.
 
 argv: path, "stream" | "host", max_inflight_bytes, "warm" | "cold". Warm: the load

@@ -23,6 +23,7 @@ from .errors import ByteLengthError as ByteLengthError
 from .errors import ChecksumError as ChecksumError
 from .errors import ConfigError as ConfigError
 from .errors import ConvertError as ConvertError
+from .errors import DeviceDtypeError as DeviceDtypeError
 from .errors import DtypeMismatchError as DtypeMismatchError
 from .errors import DuplicateKeyError as DuplicateKeyError
 from .errors import FileSizeError as FileSizeError
@@ -31,6 +32,7 @@ from .errors import HeaderError as HeaderError
 from .errors import HeaderJSONError as HeaderJSONError
 from .errors import HeaderTooLargeError as HeaderTooLargeError
 from .errors import HeaderTooSmallError as HeaderTooSmallError
+from .errors import HostMemoryError as HostMemoryError
 from .errors import IndexChangedError as IndexChangedError
 from .errors import IndexFileError as IndexFileError
 from .errors import KeyMismatchError as KeyMismatchError

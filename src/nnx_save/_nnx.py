@@ -24,8 +24,9 @@ from flax import nnx
 
 from ._pytree import check_metadata, leaf_entry
 from ._version import __version__
-from .errors import NnxSaveError, ShardingError, UnsupportedValueError, short_repr
+from .errors import MetadataError, ShardingError, UnsupportedValueError, short_repr
 from .format import _paths
+from .format._header import strict_json
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
 from .load._options import DEFAULT, LoadOptions, merge
@@ -87,7 +88,12 @@ def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
     kind = _scalar_kind(value)
     if kind is not None:
         scalars[key] = kind
-        value = np.asarray(value, _SCALAR_DTYPES[kind])
+        try:
+            value = np.asarray(value, _SCALAR_DTYPES[kind])
+        except OverflowError:  # an int past int64
+            raise UnsupportedValueError(
+                f"{key}: the int {short_repr(value)} does not fit in {_SCALAR_DTYPES[kind]}", key
+            ) from None
     elif _is_key(value):
         rng[key] = str(jax.random.key_impl(value))
         value = jax.random.key_data(value)
@@ -297,14 +303,31 @@ def _finish(leaf: _Leaf, loaded: Any, meta: dict) -> Any:
 
 
 def _file_meta(header: Header) -> dict:
+    """The library's JSON metadata, checked before anything is read."""
+    where = header.files[0].file if header.files else "the checkpoint"
+
     def parse(name: str) -> dict:
         try:
-            value = json.loads(header.metadata.get(name, "{}"))
-        except json.JSONDecodeError as e:
-            raise NnxSaveError(f"__metadata__[{name!r}] is not valid JSON: {e}") from None
+            value = strict_json(header.metadata.get(name, "{}"))
+        except ValueError as e:  # not JSON, nested too deeply, a duplicate key
+            raise MetadataError(f"{where}: __metadata__[{name!r}] is not valid JSON: {e}") from None
         return value if isinstance(value, dict) else {}
 
-    return {"rng": parse(RNG_KEY), "scalars": parse(SCALAR_KEY)}
+    meta = {"rng": parse(RNG_KEY), "scalars": parse(SCALAR_KEY)}
+    for key, impl in meta["rng"].items():
+        _check_impl(where, key, impl)
+    return meta
+
+
+def _check_impl(where: str, key: str, impl: Any) -> None:
+    """Refuse a recorded PRNG implementation this jax does not know."""
+    try:
+        jax.random.key(0, impl=impl if isinstance(impl, str) else repr(impl))
+    except (ValueError, TypeError) as e:
+        raise MetadataError(
+            f"{where}: __metadata__[{RNG_KEY!r}] names the PRNG implementation {impl!r} for {key!r}, "
+            f"which this jax does not know ({e})"
+        ) from None
 
 
 def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool, dict[str, Any]]:

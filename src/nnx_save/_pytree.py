@@ -76,6 +76,12 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__} ({short_repr(value, 40)})"
 
 
+_DELETED = (
+    "the jax array has been deleted (donated to a jitted call, or .delete()d), so its values are gone; "
+    "save it before the call that donates it"
+)
+
+
 def leaf_entry(path: tuple, value: Any) -> Entry:
     """Check one leaf and describe it for the writer, without copying it yet."""
     import jax
@@ -89,6 +95,8 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
             "(use save_model for NNX scalars and rng keys)",
             key,
         )
+    if isinstance(value, jax.Array) and value.is_deleted():
+        raise UnsupportedValueError(f"{key}: {_DELETED}", key)
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
         raise UnsupportedValueError(
             f"{key}: a typed PRNG key array; store jax.random.key_data(key) or use save_model", key

@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointDtypeMismatchError",
     "CheckpointError",
     "CheckpointItemError",
+    "CheckpointLinkError",
     "CheckpointNotFoundError",
     "CheckpointNotWrittenError",
     "CheckpointRetentionError",
@@ -35,6 +36,7 @@ __all__ = [
     "ChecksumError",
     "ConfigError",
     "ConvertError",
+    "DeviceDtypeError",
     "DtypeMismatch",
     "DtypeMismatchError",
     "DuplicateKeyError",
@@ -44,6 +46,7 @@ __all__ = [
     "HeaderJSONError",
     "HeaderTooLargeError",
     "HeaderTooSmallError",
+    "HostMemoryError",
     "IndexChangedError",
     "IndexFileError",
     "KeyMismatchError",
@@ -204,12 +207,28 @@ class DtypeMismatchError(NnxSaveError, TypeError):
     """A tensor's dtype in the source differs from the target's and casting is refused."""
 
 
+class DeviceDtypeError(NnxSaveError, TypeError):
+    """A tensor would be loaded onto a device whose jax backend cannot hold its dtype
+    (a sub-byte float such as F6 on CPU); refused before any data is read. Load it
+    onto the host (a numpy template) instead."""
+
+
 class LoadError(NnxSaveError, ValueError):
     """A strict load found mismatches; ``report`` holds every one of them."""
 
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)
         self.report = report
+
+
+class HostMemoryError(NnxSaveError, MemoryError):
+    """The host memory a load needs for a tensor cannot be allocated (a process memory
+    limit, or a tensor larger than the machine). ``file`` and ``key`` name the tensor,
+    ``nbytes`` what was asked for; nothing was read."""
+
+    def __init__(self, message: str, file: str, key: str, nbytes: int) -> None:
+        super().__init__(message)
+        self.file, self.key, self.nbytes = file, key, nbytes
 
 
 class SaveError(NnxSaveError, OSError):
@@ -404,6 +423,29 @@ class CheckpointDirectoryError(CheckpointError, ValueError):
         )
 
 
+class CheckpointLinkError(CheckpointError, OSError):
+    """An entry of the store's directory that the store may rename or delete (a step,
+    a set-aside step, an Orbax temporary) is a symbolic link. The store never follows
+    one: it refuses to write or delete before changing anything.
+
+    Attributes:
+        entry: The link's path.
+        target: Where it points.
+        directory: The store's directory.
+    """
+
+    def __init__(self, entry: str, target: str, directory: str) -> None:
+        self.entry, self.target, self.directory = entry, target, directory
+        super().__init__(
+            f"{entry}: this entry of the checkpoint store {directory} is a symbolic link (to {target!r}); "
+            "the store renames and deletes its entries and never follows a link, so nothing was written "
+            "or deleted: move the link out of the directory (or put the real directory in its place)"
+        )
+
+    def __str__(self) -> str:  # OSError's own would show the arguments tuple
+        return str(self.args[0])
+
+
 class CheckpointSyncError(CheckpointError, RuntimeError):
     """The processes of a multi-process run could not agree on a decision about the
     store's directory (process 0 failed, did not answer in time, or the processes
@@ -534,7 +576,7 @@ class UnsupportedCheckpointError(CheckpointError, ValueError):
 
 def _where(step: int | None, directory: str | None) -> str:
     if step is None:
-        return "the checkpoint record "
+        return f"{directory} " if directory else "the checkpoint record "
     return f"step {step}{f' in {directory}' if directory else ''} "
 
 
@@ -611,8 +653,11 @@ class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
         got = "in the template" if before_read else "restored"
         lines = "\n  ".join(f"{m.item}/{m.leaf}: {m.saved} saved, {m.restored} {got}" for m in self.mismatches)
         remedy = f"{_X64_HINT}, or pass" if x64_off else "Pass"
+        what = (
+            "arrays change dtype" if not any("(Python)" in m.saved for m in self.mismatches) else "leaves change type"
+        )
         super().__init__(
-            f"step {step}: {len(self.mismatches)} arrays change dtype on restore:\n  {lines}\n"
+            f"step {step}: {len(self.mismatches)} {what} on restore:\n  {lines}\n"
             f"{remedy} cast_dtypes=True to accept the casts"
         )
 

@@ -291,6 +291,14 @@ def test_stack_orders_layers_by_index_not_by_name() -> None:
     np.testing.assert_array_equal(out[0, :, 0], np.arange(11))
 
 
+def test_a_layer_index_of_unicode_digits_is_a_rule_error_not_a_value_error() -> None:
+    # "²".isdigit() is true, but int("²") raises ValueError; a layer group wider than \d+ can capture it.
+    rules = Rules(stack(r"h\.(?P<layer>[^.]+)\.w", "w"))
+    message = '`h.².w`: stack(r"h\\.(?P<layer>[^.]+)\\.w", r"w", axis=0) needs a decimal layer index, found \'²\''
+    with raises(RuleError, message):
+        rules.mapping({"h.0.w": ((2,), F32), "h.².w": ((2,), F32)})
+
+
 def test_stack_names_missing_layers() -> None:
     rules = Rules(stack(r"h\.(?P<layer>\d+)\.w", "w"))
     message = '`w`: stack(r"h\\.(?P<layer>\\d+)\\.w", r"w", axis=0) found layers [0, 3], missing layers [1, 2]'

@@ -14,6 +14,7 @@ from ..errors import CheckpointDirectoryError as CheckpointDirectoryError
 from ..errors import CheckpointDtypeMismatchError as CheckpointDtypeMismatchError
 from ..errors import CheckpointError as CheckpointError
 from ..errors import CheckpointItemError as CheckpointItemError
+from ..errors import CheckpointLinkError as CheckpointLinkError
 from ..errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ..errors import CheckpointNotWrittenError as CheckpointNotWrittenError
 from ..errors import CheckpointRetentionError as CheckpointRetentionError

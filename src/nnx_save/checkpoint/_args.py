@@ -15,8 +15,11 @@ __all__ = ["check_items", "check_step", "new_metadata", "restore_names"]
 
 
 def check_step(step: Any) -> int:
+    """A step as an int in ``[0, 2**63)`` (Orbax and its metadata count steps in int64)."""
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
         raise OptionError(f"step must be a non-negative int, got {step!r}")
+    if int(step) >= 2**63:
+        raise OptionError(f"step must be below 2**63 (Orbax counts steps in int64), got {step!r}")
     return int(step)
 
 

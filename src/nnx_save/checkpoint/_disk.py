@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
+import re
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointDamageWarning, CheckpointRetentionError
+from ..errors import (
+    CheckpointDamageWarning,
+    CheckpointLinkError,
+    CheckpointRetentionError,
+    UnsupportedCheckpointError,
+)
+from ..save._write import _write_all, atomic_file
 from . import _orbax
 from ._agree import agree
 from ._format import METADATA_ITEM
@@ -29,6 +37,10 @@ __all__ = ["ASIDE_PREFIX", "Disk"]
 # A step being overwritten is renamed to this (plus the step) until its replacement
 # is complete, so a crash mid-overwrite never loses the step.
 ASIDE_PREFIX = ".nnx_save-overwriting-"
+
+# The entries the store (or Orbax for it) renames or deletes: steps, set-aside steps,
+# Orbax's temporary step directories.
+_MANAGED = re.compile(rf"[0-9]+|{re.escape(ASIDE_PREFIX)}.*|.*\.orbax-checkpoint-tmp.*", re.DOTALL)
 
 
 @dataclasses.dataclass
@@ -55,11 +67,15 @@ class Disk:
         return {"view": scan(self.path).to_json(), "record": text}
 
     def _adopt(self, data: Mapping[str, Any]) -> None:
-        self.view = DirectoryView.from_json(data["view"])
-        self.recorded = None if data["record"] is None else parse_record(data["record"])
+        # Checked before the view is kept, so a refused store stays refused on every call.
+        try:
+            recorded = None if data["record"] is None else parse_record(data["record"])
+        except UnsupportedCheckpointError as error:
+            raise UnsupportedCheckpointError(error.found, directory=self.path) from None
         given = self.given
-        if self.recorded is not None and given is not None and given != self.recorded and not self.change_retention:
-            raise CheckpointRetentionError(self.recorded.describe(), given.describe(), self.path)
+        if recorded is not None and given is not None and given != recorded and not self.change_retention:
+            raise CheckpointRetentionError(recorded.describe(), given.describe(), self.path)
+        self.view, self.recorded = DirectoryView.from_json(data["view"]), recorded
 
     @property
     def retention(self) -> Retention:
@@ -104,9 +120,25 @@ class Disk:
 
     def _record(self, retention: Retention) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        tmp = self.path / f".{STORE_RECORD}.tmp"
-        tmp.write_text(record_json(retention))
-        tmp.replace(self.path / STORE_RECORD)
+        if _is_local(self.path):
+            with atomic_file(os.fspath(self.path / STORE_RECORD)) as fd:  # a unique, exclusively created temporary
+                _write_all(fd, memoryview(record_json(retention).encode()))
+        else:  # an object store: a write is atomic and there are no links to follow
+            (self.path / STORE_RECORD).write_text(record_json(retention))
+
+    def refuse_links(self) -> None:
+        """Raise :class:`CheckpointLinkError` when an entry the store may rename or
+        delete is a symbolic link (decided on process 0), before anything changes."""
+        links = agree("links", self._links)
+        if links:
+            name, target = links[0]
+            raise CheckpointLinkError(str(self.path / name), target, str(self.path))
+
+    def _links(self) -> list[list[str]]:
+        if not _is_local(self.path) or not self.path.is_dir():
+            return []
+        names = sorted(n for n in os.listdir(os.fspath(self.path)) if _MANAGED.fullmatch(n))
+        return [[n, os.readlink(self.path / n)] for n in names if os.path.islink(self.path / n)]
 
     def doomed(self) -> list[int]:
         """The intact steps the retention policies let go, decided on process 0."""
@@ -136,6 +168,10 @@ class Disk:
         view = self.load()
         damaged = {s: d for s, d in view.damaged.items() if s != step}
         self.view = DirectoryView(view.exists, tuple(s for s in view.steps if s != step), damaged)
+
+
+def _is_local(path: epath.Path) -> bool:
+    return "://" not in str(path)
 
 
 def _is_number(value: Any) -> bool:

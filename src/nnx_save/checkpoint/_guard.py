@@ -79,10 +79,12 @@ def check_template_dtypes(
     read: Mapping[str, Sequence[tuple[Path, Any]]],
     saved: Mapping[str, Mapping[Path, str]],
     cast_dtypes: bool,
+    python: Sequence[DtypeMismatch] = (),
 ) -> list[DtypeMismatch]:
-    """The template leaves to be read whose dtype differs from the saved one; raise
-    before any array is read unless ``cast_dtypes``."""
+    """The template leaves to be read whose dtype differs from the saved one (and the
+    ``python`` leaves of another type); raise before anything is read unless ``cast_dtypes``."""
     mismatches = [m for name, pairs in read.items() for m in dtype_mismatches(name, pairs, saved[name])]
+    mismatches += python
     if mismatches and not cast_dtypes:
         raise CheckpointDtypeMismatchError(step, mismatches, before_read=True)
     return mismatches

@@ -12,7 +12,6 @@ is not damaged but foreign (:class:`~nnx_save.errors.UnsupportedCheckpointError`
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from etils import epath
 
 from ..errors import CheckpointCorruptError
+from ..format._header import strict_json
 from ._format import DTYPES_ITEM, METADATA_ITEM
 
 __all__ = ["DirectoryView", "corrupt_from", "held_items", "looks_damaged", "read_json", "scan"]
@@ -102,9 +102,11 @@ def read_json(path: epath.Path) -> tuple[Any, str | None]:
         return None, "the file is missing"
     except OSError as error:
         return None, f"cannot be read ({type(error).__name__}: {error})"
+    except UnicodeDecodeError as error:
+        return None, f"not UTF-8 text ({error})"
     try:
-        return json.loads(text), None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return strict_json(text), None
+    except ValueError as error:  # not JSON, nested too deeply, a duplicate key
         return None, f"not valid JSON ({error}); {len(text)} characters"
 
 

@@ -17,7 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import OptionError, UnsupportedCheckpointError
+from ..errors import OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 
 __all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "library_versions"]
@@ -221,7 +221,8 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     """Metrics as ``{str: float}``; numbers and 0-d arrays are accepted, NaN kept.
 
     Raises:
-        ValueError: A key is not a str or a value is not a real scalar.
+        OptionError: A key is not a str, or a value is not a real scalar or
+            is too large for a float64 (a ``ValueError``).
     """
     out: dict[str, float] = {}
     for name, value in (metrics or {}).items():
@@ -233,6 +234,8 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
             out[name] = float(value)
         except (TypeError, ValueError):
             raise OptionError(f"metrics[{name!r}] must be a real scalar, got {value!r}") from None
+        except OverflowError:  # an int past float64's range
+            raise OptionError(f"metrics[{name!r}] = {short_repr(value)} is too large for a float64 metric") from None
     return out
 
 

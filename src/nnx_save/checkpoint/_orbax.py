@@ -27,6 +27,7 @@ __all__ = [
     "on_primary",
     "restore_items",
     "save_args",
+    "stored_kinds",
     "stored_restore_args",
     "stored_specs",
     "stored_trees",
@@ -100,6 +101,19 @@ def stored_specs(tree: Any) -> dict[Path, Spec | None]:
 def _spec(leaf: Any) -> Spec | None:
     if isinstance(leaf, ocp.metadata.ArrayMetadata) and not isinstance(leaf, ocp.metadata.ScalarMetadata):
         return Spec(tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+    return None
+
+
+def stored_kinds(tree: Any) -> dict[Path, str]:
+    """The Python type of each stored Python leaf: ``"bool"``, ``"int"``, ``"float"`` or ``"str"``."""
+    return {path: kind for path, leaf in flatten(tree) if (kind := _kind(leaf)) is not None}
+
+
+def _kind(leaf: Any) -> str | None:
+    if isinstance(leaf, ocp.metadata.StringMetadata):
+        return "str"
+    if isinstance(leaf, ocp.metadata.ScalarMetadata):
+        return {"b": "bool", "i": "int", "u": "int", "f": "float"}.get(np.dtype(leaf.dtype).kind)
     return None
 
 

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from ..errors import OptionError, UnsupportedCheckpointError
+from ..format._header import strict_json
 
 __all__ = ["STORE_RECORD", "Retention", "StepInfo", "doomed"]
 
@@ -153,7 +154,7 @@ def parse_record(text: str) -> Retention:
         UnsupportedCheckpointError: Not a record this version reads.
     """
     try:
-        data = json.loads(text)
+        data = strict_json(text)
         if (
             not isinstance(data, dict)
             or data.get("format") != STORE_FORMAT

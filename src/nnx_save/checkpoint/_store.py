@@ -27,7 +27,7 @@ from ..errors import (
     OptionError,
 )
 from ..load._report import DtypeCast
-from . import _orbax
+from . import _exit, _orbax, _pyleaves
 from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import Location, is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
@@ -141,6 +141,7 @@ class OrbaxCheckpointStore:
         self._writable = False
         self._closed = False
         self._metadata: dict[int, CheckpointMetadata] = {}
+        self._in_flight: int | None = None  # the step of a save still in flight, if any
 
     @property
     def directory(self) -> pathlib.Path:
@@ -188,6 +189,18 @@ class OrbaxCheckpointStore:
             finally:
                 self._manager = None
                 manager.close()
+                self._landed()
+
+    def _finish_for_exit(self) -> None:
+        # Called by _exit when the process ends with this store's save in flight.
+        self.close()
+
+    def _pending_description(self) -> str:
+        return f"step {self._in_flight} in {self._directory}"
+
+    def _landed(self) -> None:
+        self._in_flight = None
+        _exit.finished(self)
 
     def wait_until_finished(self) -> None:
         """Wait until every pending save is committed (raising the error of one that
@@ -203,6 +216,8 @@ class OrbaxCheckpointStore:
             for step in set(self._disk.load().steps) - set(manager.all_steps()):
                 self._disk.removed(step)  # Orbax dropped the step it failed to write, on every process
             raise
+        finally:
+            self._landed()
         if self._writable:
             for step in self._disk.doomed():
                 manager.delete(step)
@@ -388,6 +403,8 @@ class OrbaxCheckpointStore:
         ordered = {name: items[name] for name in names}
         record = new_metadata(step, names, epoch, metrics, producer, extra)
         args = _orbax.save_args(ordered, record.to_dict(), dtype_record(ordered))
+        self._open()
+        self._disk.refuse_links()  # every call: the directory may have changed since the last one
         manager = self._writer()  # every process, every time: no branch on what one process sees
         exists = self._refuse_write(step, overwrite)
         self._settle(manager)
@@ -400,6 +417,9 @@ class OrbaxCheckpointStore:
             self._metadata.pop(step, None)
             if blocking:
                 self._settle(manager)
+            else:
+                self._in_flight = step
+                _exit.pending(self)
         self._schedule.saved()
         return self._step_path(step)
 
@@ -531,16 +551,20 @@ class OrbaxCheckpointStore:
         saved = saved_dtypes(self._directory, step, stored)
         options = PartialOptions(strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch))
         given = {n: templates[n] for n in names if n in templates}
+        given, retyped = _pyleaves.prepare(step, given, {n: _orbax.stored_kinds(stored[n]) for n in given})
         whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
         specs = {n: _orbax.stored_specs(stored[n]) for n in given}
         chosen, report = select(step, given, specs, options, str(self._step_path(step)))
-        casts = check_template_dtypes(step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes)
-        report.dtype_casts.extend(DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts)
+        casts = check_template_dtypes(step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped)
+        report.dtype_casts.extend(
+            DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
+        )
         plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in names}
         partial = [n for n, s in chosen.items() if not s.whole]
         plan = {n: p for n, p in plan.items() if n not in chosen or chosen[n].read}  # items with nothing to read
         read = self._read_arrays(manager, step, plan, partial) if plan else {}
         restored = {n: graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names}
+        restored = {n: _pyleaves.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
         if not cast_dtypes:
             check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
@@ -572,6 +596,7 @@ class OrbaxCheckpointStore:
             CheckpointNotFoundError: ``step`` is not stored.
         """
         self._require(step, damaged_ok=True)
+        self._disk.refuse_links()
         self._writer().delete(step)
         self._disk.removed(step)
         self._metadata.pop(step, None)

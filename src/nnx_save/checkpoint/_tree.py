@@ -105,6 +105,12 @@ def check_item(name: str, tree: Any) -> None:
 def _check_leaf(item: str, path: Path, leaf: Any) -> None:
     where = f"{item}/{show(path)}"
     if isinstance(leaf, (jax.Array, np.ndarray)):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+            raise UnsupportedValueError(
+                f"{where}: the jax array has been deleted (donated to a jitted call, or .delete()d); "
+                "save it before the call that donates it",
+                where,
+            )
         if leaf.size == 0:
             raise UnsupportedValueError(f"{where}: Orbax cannot store the empty array of shape {leaf.shape}", where)
         return

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import OptionError
 from ..format import _units
+from ..format._header import strict_json
 from ..format._units import human_bytes
 
 __all__ = ["main"]
@@ -103,8 +104,8 @@ def _shown_metadata(metadata: dict[str, str]) -> dict[str, str]:
     for k, v in metadata.items():
         if k == _CHECKSUMS:
             try:
-                v = f"<{len(json.loads(v))} xxh3_64 digests>"
-            except (ValueError, TypeError):
+                v = f"<{len(strict_json(v))} xxh3_64 digests>"  # type: ignore[arg-type]
+            except (ValueError, TypeError):  # not JSON, too deep, not a collection
                 v = "<malformed>"
         out[k] = v if len(v) <= 100 else v[:97] + "..."
     return out
@@ -230,63 +231,141 @@ def cmd_verify(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- diff
 
 
-def max_abs_diff(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 22) -> float:
-    """``max |a - b|`` in float64, NaN where only one side is NaN; equal values
-    (including equal infinities and NaN against NaN) count as 0. Works in chunks so
-    the float64 temporaries stay small."""
+@dataclasses.dataclass(frozen=True)
+class ValueDiff:
+    """How two same-shape tensors differ.
+
+    Attributes:
+        worst: ``max |a - b|``: an exact ``int`` for integer (and bool) tensors, a
+            float otherwise; NaN where only one side is NaN.
+        differing: How many elements differ by more than ``atol`` (NaN on one side
+            only counts).
+        size: How many elements were compared.
+    """
+
+    worst: float | int
+    differing: int
+    size: int
+
+
+def compare_values(a: np.ndarray, b: np.ndarray, atol: float = 0.0, chunk: int = 1 << 22) -> ValueDiff:
+    """Compare ``a`` and ``b`` element by element, exactly: integers as integers (no
+    float64 rounding, so ``2**60`` and ``2**60 + 1`` differ), complex numbers in both
+    parts, floats in float64 (every float dtype of 64 bits or fewer converts exactly).
+    Equal values, equal infinities and NaN against NaN count as equal. Works in chunks
+    so the temporaries stay small.
+
+    Examples:
+        >>> compare_values(np.array([2**60, 5]), np.array([2**60 + 1, 5]))
+        ValueDiff(worst=1, differing=1, size=2)
+        >>> compare_values(np.array([1 + 1j], np.complex64), np.array([1 + 2j], np.complex64))
+        ValueDiff(worst=1.0, differing=1, size=1)
+    """
     fa, fb = a.reshape(-1), b.reshape(-1)
-    worst = 0.0
+    measure = _measure(fa.dtype, fb.dtype)
+    worst: float | int = 0 if measure is _int_abs else 0.0
+    differing = 0
     for i in range(0, fa.size, chunk):
-        x = fa[i : i + chunk].astype(np.float64)
-        y = fb[i : i + chunk].astype(np.float64)
-        same = (x == y) | (np.isnan(x) & np.isnan(y))
-        with np.errstate(invalid="ignore"):
-            d = np.where(same, 0.0, np.abs(x - y))
-        if np.isnan(d).any():
-            return math.nan
+        d = measure(fa[i : i + chunk], fb[i : i + chunk])
+        differing += int(np.count_nonzero(~np.asarray(d <= atol, dtype=bool)))  # NaN is never <= atol
         if d.size:
-            worst = max(worst, float(d.max()))
-    return worst
+            worst = _worse(worst, d)
+    return ValueDiff(worst, differing, int(fa.size))
 
 
-def _diff_lines(ha: Any, hb: Any, atol: float) -> Iterator[tuple[str, str]]:
+def _worse(worst: float | int, d: np.ndarray) -> float | int:
+    if isinstance(worst, float) and math.isnan(worst):
+        return worst
+    if d.dtype == np.float64 and np.isnan(d).any():
+        return math.nan
+    top = d.max()
+    return max(worst, top.item() if isinstance(top, np.generic) else top)
+
+
+def max_abs_diff(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 22) -> float | int:
+    """``max |a - b|`` as :func:`compare_values` measures it."""
+    return compare_values(a, b, chunk=chunk).worst
+
+
+def _measure(x: np.dtype, y: np.dtype) -> Any:
+    """The element-wise ``|a - b|`` for this pair of dtypes (0 where equal)."""
+    if x.kind in "iub" and y.kind in "iub":
+        return _int_abs
+    if x.kind == "c" or y.kind == "c":
+        return _complex_abs
+    return _float_abs
+
+
+def _int_abs(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Exact ``|x - y|`` of integers, as uint64 (it always fits), or Python ints when
+    a uint64 meets a signed type (no common numpy type holds both)."""
+    if np.uint64 in (x.dtype, y.dtype) and not (x.dtype.kind in "ub" and y.dtype.kind in "ub"):
+        return np.abs(x.astype(object) - y.astype(object))
+    if x.dtype.kind in "ub" and y.dtype.kind in "ub":
+        ux, uy = x.astype(np.uint64), y.astype(np.uint64)
+        return np.where(ux >= uy, ux - uy, uy - ux)
+    sx, sy = x.astype(np.int64), y.astype(np.int64)
+    ux, uy = sx.view(np.uint64), sy.view(np.uint64)
+    return np.where(sx >= sy, ux - uy, uy - ux)  # modulo 2**64, exact since 0 <= |x - y| < 2**64
+
+
+def _float_abs(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    fx, fy = x.astype(np.float64), y.astype(np.float64)
+    same = (fx == fy) | (np.isnan(fx) & np.isnan(fy))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.where(same, 0.0, np.abs(fx - fy))
+
+
+def _complex_abs(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    cx, cy = x.astype(np.complex128), y.astype(np.complex128)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.hypot(_float_abs(cx.real, cy.real), _float_abs(cx.imag, cy.imag))
+
+
+def _shown(worst: float | int) -> str:
+    return str(worst) if isinstance(worst, int) else f"{worst:.6g}"
+
+
+def _diff_lines(ha: Any, hb: Any, atol: float) -> Iterator[tuple[str, str, str]]:
+    """``(kind, key, text)`` per finding; kind ``"same"`` for an equal tensor."""
     for key in sorted(set(ha.tensors) - set(hb.tensors)):
-        yield "only in A", key
+        yield "only in A", key, key
     for key in sorted(set(hb.tensors) - set(ha.tensors)):
-        yield "only in B", key
+        yield "only in B", key, key
     for key in sorted(set(ha.tensors) & set(hb.tensors)):
         ta, tb = ha.tensors[key], hb.tensors[key]
         if ta.shape != tb.shape:
-            yield "shape", f"{key}: {list(ta.shape)} vs {list(tb.shape)}"
+            yield "shape", key, f"{key}: {list(ta.shape)} vs {list(tb.shape)}"
             continue
         if ta.dtype.code != tb.dtype.code:
-            yield "dtype", f"{key}: {ta.dtype.code} vs {tb.dtype.code}"
+            yield "dtype", key, f"{key}: {ta.dtype.code} vs {tb.dtype.code}"
         a, _ = _one(ha, key)
         b, _ = _one(hb, key)
-        worst = max_abs_diff(a, b)
+        found = compare_values(a, b, atol)
         del a, b
-        if not worst <= atol:  # NaN counts as a difference
-            yield "values", f"{key}: max |a - b| = {worst:.6g}"
-        else:
-            yield "same", key
+        if found.differing:
+            text = f"{key}: max |a - b| = {_shown(found.worst)}, {found.differing} of {found.size} elements differ"
+            yield "values", key, text
+        elif ta.dtype.code == tb.dtype.code:
+            yield "same", key, key
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     import nnx_save
 
     ha, hb = nnx_save.read_header(args.a), nnx_save.read_header(args.b)
-    counts: dict[str, int] = {}
-    for kind, text in _diff_lines(ha, hb, args.atol):
-        counts[kind] = counts.get(kind, 0) + 1
+    equal: set[str] = set()
+    differ: set[str] = set()
+    for kind, key, text in _diff_lines(ha, hb, args.atol):
+        (equal if kind == "same" else differ).add(key)
         if kind != "same":
             print(f"{kind}: {text}")
-    differences = sum(n for k, n in counts.items() if k != "same")
     print(
-        f"diff: {len(ha.tensors)} tensors in A, {len(hb.tensors)} in B, {counts.get('same', 0)} equal"
+        f"diff: {len(ha.tensors)} tensors in A, {len(hb.tensors)} in B, {len(equal)} equal"
         + (f" (atol {args.atol:g})" if args.atol else "")
-        + f", {differences} difference(s)"
+        + f", {len(differ)} differ"
     )
-    return 1 if differences else 0
+    return 1 if differ else 0
 
 
 # ------------------------------------------------------------------------------- convert

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import xxhash
 
 from ..errors import ChecksumError
+from . import _header
 
 __all__ = [
     "ALGORITHM",
@@ -88,8 +89,8 @@ def read_digests(metadata: Mapping[str, str], file: str) -> dict[str, str]:
             file=file,
         )
     try:
-        value = json.loads(raw)
-    except json.JSONDecodeError as e:
+        value = _header.strict_json(raw)
+    except ValueError as e:  # not JSON, too deep, a duplicate key
         raise ChecksumError(f"{file}: __metadata__[{KEY!r}] is not valid JSON: {e}", file=file) from None
     if not isinstance(value, dict) or not all(isinstance(v, str) and len(v) == _WIDTH for v in value.values()):
         raise ChecksumError(f"{file}: __metadata__[{KEY!r}] must map tensor names to {_WIDTH} hex digits", file=file)

@@ -11,6 +11,7 @@ Pure: no jax, no numpy; :mod:`nnx_save.layouts._sources` calls them before parsi
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from collections.abc import Callable, Iterator
 
@@ -30,6 +31,7 @@ __all__ = [
 ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_PROTOCOLS = range(2, 6)  # \x80 then the protocol byte; protocols 2-5 are what torch.save writes
 # A file or directory one of these names, found in a directory, makes it an Orbax checkpoint.
+_ASCII_DIGITS = re.compile(r"[0-9]+")
 _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_sharding")
 _TENSORSTORE_MARKERS = (".zarray", "zarr.json", ".zgroup")
 _EOCD_SEARCH = 22 + 65535  # a zip's end record, then at most a 64 KiB comment
@@ -156,7 +158,7 @@ def foreign_directory(path: str | os.PathLike) -> str | None:
     for marker in _TENSORSTORE_MARKERS:
         if marker in names:
             return f"a TensorStore / zarr array directory (it holds {marker})"
-    steps = sorted((n for n in names if n.isdigit()), key=int)
+    steps = sorted((n for n in names if _ASCII_DIGITS.fullmatch(n)), key=int)  # not isdigit(): "²" is a digit
     for step in steps[-1:]:  # a step store: numbered step directories, each an Orbax checkpoint
         inner = os.path.join(path, step)
         if os.path.isdir(inner) and (

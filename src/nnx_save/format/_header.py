@@ -129,6 +129,30 @@ def unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return out
 
 
+def strict_json(text: str) -> object:
+    """``json.loads`` refusing a key given twice (:class:`DuplicateKeyError`) and
+    nesting deeper than the interpreter's recursion limit allows; every JSON the
+    library reads from a file goes through here (a safetensors header the fast way
+    first, :func:`parse_header`, and here on any doubt).
+
+    Raises:
+        ValueError: Not JSON (``JSONDecodeError``), an int over 4300 digits, nested
+            too deeply, or a duplicate key (:class:`DuplicateKeyError`, a ``ValueError``).
+
+    Examples:
+        >>> strict_json('{"a": [1, 2]}')
+        {'a': [1, 2]}
+        >>> strict_json("[" * 100_000)
+        Traceback (most recent call last):
+        ...
+        ValueError: nested too deeply (the depth is capped by the interpreter's recursion limit)
+    """
+    try:
+        return json.loads(text, object_pairs_hook=unique_pairs)
+    except RecursionError:
+        raise ValueError("nested too deeply (the depth is capped by the interpreter's recursion limit)") from None
+
+
 def _text(raw: bytes, file: str) -> str:
     try:
         return raw.decode("utf-8")
@@ -141,10 +165,10 @@ def _text(raw: bytes, file: str) -> str:
 def _decode_json(text: str, file: str) -> dict[str, object]:
     """The header's JSON object, every key at every level checked unique as it is parsed."""
     try:
-        obj = json.loads(text, object_pairs_hook=unique_pairs)
+        obj = strict_json(text)
     except DuplicateKeyError as e:
         raise DuplicateKeyError(f"{file}: {e} in the header JSON") from None
-    except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or an int over 4300 digits
+    except ValueError as e:  # JSONDecodeError, an int over 4300 digits, too deep
         raise HeaderJSONError(f"{file}: header is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise HeaderJSONError(f"{file}: header must be a JSON object, found a JSON {type(obj).__name__}")

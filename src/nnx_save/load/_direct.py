@@ -23,6 +23,7 @@ raises :class:`~nnx_save.errors.TruncatedFileError` instead.
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -32,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TruncatedFileError
+from ..errors import HostMemoryError, TruncatedFileError
 from ..format._header import TensorInfo
 
 __all__ = ["BLOCK_BYTES", "DIRECT_MAX_BYTES", "RESIDENT_BYTES", "MappedFiles"]
@@ -73,8 +74,19 @@ class MappedFiles:
 
     def view(self, info: TensorInfo) -> np.ndarray:
         """Tensor ``info`` as an array over the mapped file (no bytes read yet)."""
+        try:
+            mapped = self._map(info.file)
+        except OSError as e:  # ENOMEM: the address space (a memory limit) cannot hold the map
+            if e.errno != errno.ENOMEM:
+                raise
+            raise HostMemoryError(
+                f"{info.file}: cannot map the file to read tensor {info.name!r} ({e.strerror}); nothing was read",
+                info.file,
+                info.name,
+                info.nbytes,
+            ) from None
         # np.ndarray over the buffer in one call, not frombuffer + view + reshape: each is dear in a fresh process
-        return np.ndarray(info.shape, info.dtype.numpy, self._map(info.file), info.begin)
+        return np.ndarray(info.shape, info.dtype.numpy, mapped, info.begin)
 
     @staticmethod
     def _truncated(info: TensorInfo, size: int) -> TruncatedFileError:

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .. import _progress
-from ..errors import NnxSaveError, OverReadWarning, ShapeMismatchError
+from ..errors import HostMemoryError, NnxSaveError, OverReadWarning, ShapeMismatchError
 from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
@@ -63,13 +63,27 @@ from ._report import (
     split_allowed_shapes,
     suggested_renames,
 )
-from ._target import Target, shard_boxes
+from ._target import Target, check_device_dtype, shard_boxes
 
 __all__ = ["OverReadWarning", "Target", "load_targets"]
 
 log = logging.getLogger("nnx_save")
 OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning ...
 OVER_READ_MIN_BYTES = 1 << 20  # ... when the bytes it did not need cost something (~1 ms of reading)
+
+
+def _no_memory(file: str, dests: list[Dest]) -> HostMemoryError:
+    """The allocation of ``dests``' host buffers failed: name the largest tensor."""
+    biggest = max(dests, key=lambda d: d.nbytes)
+    total = sum(d.nbytes for d in dests)
+    return HostMemoryError(
+        f"{file}: cannot allocate host memory for tensor {biggest.key!r} ({human_bytes(biggest.nbytes)}; "
+        f"{human_bytes(total)} for the {len(dests)} buffer(s) read from this file); nothing was read from this file. Free memory, "
+        "raise the process's memory limit, or read the tensor in slices (safe_open(...).get_slice)",
+        file,
+        biggest.key,
+        biggest.nbytes,
+    )
 
 
 @dataclass
@@ -258,11 +272,13 @@ class Engine:
         """This file's requests (destinations numbered locally) and buffers, allocating
         destinations first touched here (adopted ones packed together)."""
         indices = self.by_file[file]
-        fresh = [i for i in indices if self.dests[i].buffer is None]
-        packed = iter(pack_buffers([self.dests[i].nbytes for i in fresh if self.dests[i].adopted]))
-        for i in fresh:
-            d = self.dests[i]
-            d.buffer = next(packed) if d.adopted else aligned_empty(d.nbytes)
+        fresh = [self.dests[i] for i in indices if self.dests[i].buffer is None]
+        try:
+            packed = iter(pack_buffers([d.nbytes for d in fresh if d.adopted]))
+            for d in fresh:
+                d.buffer = next(packed) if d.adopted else aligned_empty(d.nbytes)
+        except MemoryError:
+            raise _no_memory(file, fresh) from None
         requests = [
             request(piece, part, self.dests[i].box, local)
             for local, i in enumerate(indices)
@@ -534,6 +550,7 @@ def load_targets(
             allow_missing=allow_missing,
             allow_unexpected=allow_unexpected,
             allow_shape_mismatch=allow_shape_mismatch,
+            allow_casts=allow_casts,
             ignore_unexpected=ignore_unexpected,
             renamed=renamed,
             warn=warn,
@@ -546,6 +563,9 @@ def load_targets(
     )
     if strict:
         report.raise_or_warn(True)
+    for t in loadable:
+        source = header.tensors.get(t.sources[0]) if t.sources else None
+        check_device_dtype(t, source.file if source is not None else str(t.sources))
     bar = _progress_bar(header, loadable, report, progress)
     with gc_paused():
         try:

@@ -5,7 +5,7 @@ of this tensor go to destination buffer ``dest``"; :func:`plan_file` turns all t
 requests of one file into numpy arrays of runs (file offset, length, destination,
 destination offset), merges them into blocks and splits blocks into chunks. The
 result is plain data that can be printed, compared and property-tested against
-numpy slicing (tests/test_plan.py). Everything is vectorised: a shard split on its
+numpy slicing (tests/load/test_plan.py). Everything is vectorised: a shard split on its
 last dimension makes one run per row, millions of them, without a Python object
 each (figures for GPT-2 small over 8 devices on its last dimension in
 docs/performance.md).

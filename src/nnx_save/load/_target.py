@@ -6,15 +6,16 @@ models, porting rules) can build targets without importing the engine.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import ShardingError
+from ..errors import DeviceDtypeError, ShardingError
 
-__all__ = ["Box", "SourceTransform", "Target", "shard_boxes"]
+__all__ = ["Box", "SourceTransform", "Target", "check_device_dtype", "shard_boxes"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -91,3 +92,33 @@ def shard_boxes(target: Target) -> list[tuple[Box, list[Any]]]:
             "load with a sharding over devices it can address (a mesh over jax.devices(), or jax.local_devices())"
         )
     return list(groups.items())
+
+
+def check_device_dtype(target: Target, file: str) -> None:
+    """Refuse a device target whose dtype the device's jax backend cannot hold, so
+    the load fails before reading rather than at the transfer after it.
+
+    Raises:
+        DeviceDtypeError: Names the file, the tensor, the dtype and the platform.
+    """
+    local = target.sharding.addressable_devices if target.sharding is not None else ()
+    if not local:
+        return  # a host target, or no shard here (refused by shard_boxes)
+    device = min(local, key=lambda d: d.id)
+    if not _holds(device, target.dtype):
+        raise DeviceDtypeError(
+            f"{file}: tensor {target.path!r}: jax on {device.platform} cannot hold dtype {target.dtype} "
+            "(nothing was read); load it onto the host instead (a numpy array or no template for it)"
+        )
+
+
+@functools.cache
+def _holds(device: Any, dtype: np.dtype) -> bool:
+    """Whether ``device`` takes an array of ``dtype`` (tried once with an empty one)."""
+    import jax
+
+    try:
+        jax.device_put(np.zeros(0, dtype), device).block_until_ready()
+    except Exception:  # jax's JaxRuntimeError "Unknown NumPy dtype", or a TypeError
+        return False
+    return True

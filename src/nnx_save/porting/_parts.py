@@ -74,7 +74,7 @@ def layer_groups(rule: object, claims: Mapping[str, tuple[str, object]], errors:
     repeated layer index goes to ``errors``."""
     groups: dict[object, dict[int, str]] = defaultdict(dict)
     for key, (layer, target) in sorted(claims.items()):
-        if not layer.isdigit():
+        if not (layer.isascii() and layer.isdigit()):  # a regex \d also matches "²"
             errors.append(f"`{key}`: {rule} needs a decimal layer index, found {layer!r}")
         elif int(layer) in groups[target]:
             errors.append(f"`{target}`: produced twice by {rule}, from `{groups[target][int(layer)]}` and `{key}`")

@@ -144,7 +144,7 @@ def _group_index(regex: re.Pattern[str], group: int | str, rule: object) -> int:
 
 def _shifted(key: str, text: str | None, delta: int, rule: object) -> str | None:
     """The shifted index, or ``None`` below zero."""
-    if text is None or not text.isdigit():
+    if text is None or not (text.isascii() and text.isdigit()):  # "²".isdigit() is true, int("²") fails
         raise RuleError(f"`{key}`: {rule} shifts group text {text!r}, which is not a decimal index")
     return str(int(text) + delta) if int(text) + delta >= 0 else None
 

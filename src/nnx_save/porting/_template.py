@@ -89,7 +89,7 @@ class Group:
 
 
 def _ref(token: str, text: str) -> _Ref:
-    if token.isdigit():
+    if token.isascii() and token.isdigit():
         return _Ref(int(token))
     if not token.isidentifier():
         raise RuleError(f"template {raw(text)}: bad group reference \\g<{token}>")

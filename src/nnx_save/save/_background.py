@@ -16,7 +16,7 @@ The snapshot (:func:`snapshot`):
   On the CPU backend ``np.asarray(shard)`` aliases the device buffer and takes an
   external reference on it; PJRT then refuses to donate that buffer (the jitted
   step silently allocates a new output instead), so the alias keeps the saved
-  values without any copy (``tests/test_async.py`` pins this). The buffer lives
+  values without any copy (``tests/save/test_async.py`` pins this). The buffer lives
   until the background write has finished with it.
 - **numpy arrays** are mutable by the caller after the call returns: copied.
 - **lazily computed values** (porting exports) are computed now and copied.

@@ -109,7 +109,7 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # it exists, under another user
+    except (OSError, OverflowError):  # PermissionError: it exists, under another user; else: cannot tell
         return True
     return True
 
@@ -128,19 +128,26 @@ def remove_stale_temps(path: Path) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        if not name.startswith(prefix):
-            continue
-        parts = name[len(prefix) :].rsplit("-", 2)
-        if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
-            continue
-        pid = int(parts[1])
-        if pid == os.getpid() or _pid_alive(pid):
+        pid = _stale_pid(name, prefix, host)
+        if pid is None or pid == os.getpid() or _pid_alive(pid):
             continue
         with contextlib.suppress(OSError):
             os.unlink(path.parent / name)
             removed.append(name)
             log.info("removed %s, left by process %d (dead) during an interrupted save", path.parent / name, pid)
     return removed
+
+
+def _stale_pid(name: str, prefix: str, host: str) -> int | None:
+    """The process id in a temporary name of this target and host, or None when the
+    name is not one (another host, a pid field that is not a plausible pid)."""
+    if not name.startswith(prefix):
+        return None
+    parts = name[len(prefix) :].rsplit("-", 2)
+    # ASCII digits only ("²".isdigit() is true) and at most 9 of them: a pid os.kill can take.
+    if len(parts) != 3 or parts[0] != host or not re.fullmatch(r"[0-9]{1,9}", parts[1]):
+        return None
+    return int(parts[1])
 
 
 def _temp_prefix(path: Path) -> str:

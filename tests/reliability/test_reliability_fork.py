@@ -16,7 +16,7 @@ import numpy as np
 
 import nnx_save
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 SCRIPT = textwrap.dedent(
     """

@@ -13,7 +13,7 @@ import pytest
 
 from nnx_save.checkpoint import _agree, _directory, _guard, _metadata, _nnx, _retention, _schedule, _store, _tree
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(

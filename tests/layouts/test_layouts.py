@@ -12,7 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from test_reliability_concurrent import open_in
+from reliability.test_reliability_concurrent import open_in
 
 import nnx_save
 
@@ -27,7 +27,7 @@ def test_four_headers_of_64_files_under_a_limit_of_256_descriptors(tmp_path):
         import nnx_save
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
         d = {str(tmp_path)!r}
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        sys.path.insert(0, {os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reliability")!r})
         from test_reliability_concurrent import open_in
         headers = [nnx_save.read_header(d) for _ in range(4)]
         assert open_in(d) == 64, open_in(d)  # a quarter of the limit, for the whole process

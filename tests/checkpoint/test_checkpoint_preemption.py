@@ -17,7 +17,7 @@ import pytest
 
 from nnx_save.checkpoint import OrbaxCheckpointStore
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_resume.py"
 
 

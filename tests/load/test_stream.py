@@ -308,7 +308,7 @@ def test_slabs_tile_the_box_within_the_size():
         assert np.array_equal(seen, want), (box, itemsize, size)
 
 
-RSS_SCRIPT = Path(__file__).with_name("_stream_rss.py")
+RSS_SCRIPT = Path(__file__).parents[1] / "_stream_rss.py"
 
 
 def _rss(path: Path, mode: str, budget: int, warm: str) -> dict:

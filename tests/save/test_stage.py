@@ -23,7 +23,7 @@ import nnx_save
 from nnx_save.save import _background, _stage, _write
 from nnx_save.save._write import TMP_MARKER
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KIB = 1 << 10
 
 

@@ -38,7 +38,7 @@ import nnx_save
 from nnx_save.checkpoint import OrbaxCheckpointStore
 from nnx_save.save._write import TMP_MARKER
 
-ZYGOTE = Path(__file__).parent / "_reliability_zygote.py"
+ZYGOTE = Path(__file__).parents[1] / "_reliability_zygote.py"
 SEED = 20261129
 
 

@@ -245,7 +245,7 @@ _MP_WORKER = textwrap.dedent(
 def test_multi_process_save_into_a_full_filesystem(small_fs, tmp_path):
     import importlib.util
 
-    harness_path = Path(__file__).parent / "multiprocess" / "conftest.py"
+    harness_path = Path(__file__).parents[1] / "multiprocess" / "conftest.py"
     spec = importlib.util.spec_from_file_location("reliability_mp_harness", harness_path)
     harness = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(harness)

@@ -232,18 +232,50 @@ def test_diff_reports_every_kind_of_difference(capsys, tmp_path):
         "only in B: new",
         "dtype: dtype: F32 vs F16",
         "shape: shape: [6] vs [2, 3]",
-        "values: vals: max |a - b| = 0.25",
-        "diff: 5 tensors in A, 5 in B, 2 equal, 5 difference(s)",
+        "values: vals: max |a - b| = 0.25, 6 of 6 elements differ",
+        "diff: 5 tensors in A, 5 in B, 1 equal, 5 differ",
     ]
     code, out, _ = cli(capsys, "diff", a, a)
-    assert code == 0 and out == "diff: 5 tensors in A, 5 in B, 5 equal, 0 difference(s)\n"
+    assert code == 0 and out == "diff: 5 tensors in A, 5 in B, 5 equal, 0 differ\n"
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "line"),
+    [
+        (np.array([1 + 1j], np.complex64), np.array([1 + 2j], np.complex64), "max |a - b| = 1, 1 of 1 elements"),
+        (np.array([2**60, 7], np.int64), np.array([2**60 + 1, 7], np.int64), "max |a - b| = 1, 1 of 2 elements"),
+        (np.array([2**64 - 1], np.uint64), np.array([2**64 - 2], np.uint64), "max |a - b| = 1, 1 of 1 elements"),
+        (np.array([-(2**63)], np.int64), np.array([2**63 - 1], np.int64), f"max |a - b| = {2**64 - 1}, 1 of 1"),
+    ],
+)
+def test_diff_compares_integers_and_complex_numbers_exactly(capsys, tmp_path, a, b, line):
+    nnx_save.save_file({"t": a}, tmp_path / "a.safetensors")
+    nnx_save.save_file({"t": b}, tmp_path / "b.safetensors")
+    code, out, _ = cli(capsys, "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert code == 1
+    assert out.splitlines()[0].startswith(f"values: t: {line}")
+    assert out.splitlines()[1] == "diff: 1 tensors in A, 1 in B, 0 equal, 1 differ"
+
+
+def test_diff_counts_tensors_not_lines(capsys, tmp_path):
+    base = np.arange(4, dtype=np.float32)
+    nnx_save.save_file({"w": base}, tmp_path / "a.safetensors")
+    nnx_save.save_file({"w": (base + 1).astype(np.float16)}, tmp_path / "b.safetensors")  # dtype and values differ
+    code, out, _ = cli(capsys, "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert code == 1
+    assert out.splitlines() == [
+        "dtype: w: F32 vs F16",
+        "values: w: max |a - b| = 1, 4 of 4 elements differ",
+        "diff: 1 tensors in A, 1 in B, 0 equal, 1 differ",
+    ]
 
 
 def test_diff_atol_and_nan():
     assert _main.max_abs_diff(np.array([1.0, np.nan, np.inf]), np.array([1.5, np.nan, np.inf])) == 0.5
     assert np.isnan(_main.max_abs_diff(np.array([1.0, np.nan]), np.array([1.0, 2.0])))
     a = np.arange(10, dtype=np.int8)
-    assert _main.max_abs_diff(a, a[::-1].copy(), chunk=3) == 9.0
+    assert _main.max_abs_diff(a, a[::-1].copy(), chunk=3) == 9
+    assert _main.compare_values(a, a[::-1].copy(), atol=5, chunk=3) == _main.ValueDiff(9, 4, 10)
 
 
 # ------------------------------------------------------------------------------ convert
@@ -265,7 +297,7 @@ def test_convert_resplit_loads_in_transformers_and_back(capsys, hf, tmp_path):
     back = tmp_path / "back.safetensors"
     assert cli(capsys, "convert", out, back)[0] == 0
     code, text, _ = cli(capsys, "diff", hf["file"], back)
-    assert code == 0 and text.endswith(", 0 difference(s)\n")
+    assert code == 0 and text.endswith(", 0 differ\n")
 
 
 def test_convert_orbax_checkpoint(capsys, tmp_path):

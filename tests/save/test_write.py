@@ -369,14 +369,23 @@ def test_metadata_argument_is_not_mutated(tmp_path):
 # --- atomicity -----------------------------------------------------------------------------------
 
 
-def test_failure_mid_write_keeps_the_previous_file_and_leaves_no_temp(tmp_path):
+def test_failure_mid_write_keeps_the_previous_file_and_leaves_no_temp(tmp_path, monkeypatch):
     path = tmp_path / "m.safetensors"
     nnx_save.save_file({"w": np.arange(4, dtype=np.float32)}, path)
     before = path.read_bytes()
-    dead = jnp.ones(3, jnp.float32)
-    dead.delete()  # shape and dtype still known; converting it to host raises
+    real, calls = _write.host_bytes, []
+
+    def dies(array, code):  # the second tensor's host copy fails once the first is written
+        calls.append(code)
+        if len(calls) == 2:
+            raise RuntimeError("Array has been deleted")
+        return real(array, code)
+
+    # (A deleted jax array is now refused before writing: test_reliability_edges.py.)
+    monkeypatch.setattr(_write, "host_bytes", dies)
     with pytest.raises(RuntimeError, match=re.escape("Array has been deleted")):
-        nnx_save.save_file({"a": np.zeros(1 << 16, np.float32), "z": dead}, path)
+        nnx_save.save_file({"a": np.zeros(1 << 16, np.float32), "z": jnp.ones(3, jnp.float32)}, path)
+    assert len(calls) == 2
     assert path.read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
 

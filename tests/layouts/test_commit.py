@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
-from test_reliability_disk import small_fs  # noqa: F401 (the tiny-filesystem fixture)
+from reliability.test_reliability_disk import small_fs  # noqa: F401 (the tiny-filesystem fixture)
 
 import nnx_save
 

@@ -1,6 +1,6 @@
 """Fuzzing the index and pod-manifest parsers and HTTP responses (issue 18, "Also").
 
-Same contract as tests/test_reliability_fuzz.py, now with "exact data" checked: every
+Same contract as tests/reliability/test_reliability_fuzz.py, now with "exact data" checked: every
 input either raises a library error (an :class:`~nnx_save.NnxSaveError`;
 ``FileNotFoundError`` for a missing file) or loads, and a load must return exactly
 the tensors that were saved (the shard files and served bytes are real; only the
@@ -35,7 +35,7 @@ import pytest
 
 import nnx_save
 
-sys.path.insert(0, str(Path(__file__).parent / "remote"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "remote"))
 from hostile_server import Answer, HostileServer, Request
 
 SEED = 1830

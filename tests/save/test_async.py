@@ -27,7 +27,7 @@ import nnx_save
 from nnx_save.save import _background, _dispatch
 from nnx_save.save._write import TMP_MARKER
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 class Gate:

@@ -18,7 +18,7 @@ import pytest
 
 import nnx_save
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tour() -> str:

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from reliability.test_reliability_disk import small_fs, snapshot  # noqa: F401 (small_fs: a fixture, shared)
 from test_layout import _write_pod
-from test_reliability_disk import small_fs, snapshot  # noqa: F401 (small_fs: a fixture, shared)
 
 import nnx_save
 from nnx_save.cli._main import main as cli

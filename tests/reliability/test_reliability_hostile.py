@@ -3,8 +3,8 @@
 tensor byte is read, and nothing is allocated in proportion to a size the file
 declares.
 
-The header parser's own checks are pinned one by one in tests/test_header.py
-(``parse_header``) and through ``read_header`` in tests/test_sources.py; this module
+The header parser's own checks are pinned one by one in tests/format/test_header.py
+(``parse_header``) and through ``read_header`` in tests/layouts/test_sources.py; this module
 proves the same refusals reach the user through both loaders, adds the memory bound
 for each, and covers a file truncated or rewritten *after* its header was read.
 """
