@@ -241,9 +241,7 @@ class LazyCheckpoint:
         if backend not in _BACKENDS:
             raise _refuse(f"safe_open: backend {backend!r} is invalid (expected one of: 'mmap', 'pread')")
         self.framework, convert = _framework(framework, device)
-        options = LoadOptions(
-            max_over_read_ratio=max_over_read_ratio, max_inflight_bytes=max_inflight_bytes, num_threads=num_threads
-        )
+        options = _options(max_over_read_ratio, max_inflight_bytes, num_threads)
         self._source = _where(source)
         header = _read_header(source)
         self._owned = header is not source  # a Header passed in is closed by its owner
@@ -346,6 +344,19 @@ class LazyCheckpoint:
         return self._open.load(targets)
 
 
+_DEFAULTS = (1.0, 1 << 30, None)
+_DEFAULT_OPTIONS = LoadOptions(max_over_read_ratio=1.0, max_inflight_bytes=1 << 30, num_threads=None)
+
+
+def _options(ratio: float | None, inflight: int, threads: int | None) -> LoadOptions:
+    """The engine's options, validated; the defaults' (a frozen dataclass) are
+    validated once, at import. Types are compared too: ``True == 1.0``."""
+    given = (ratio, inflight, threads)
+    if given == _DEFAULTS and tuple(map(type, given)) == (float, int, type(None)):
+        return _DEFAULT_OPTIONS
+    return LoadOptions(max_over_read_ratio=ratio, max_inflight_bytes=inflight, num_threads=threads)
+
+
 def _where(source: Any) -> str:
     if isinstance(source, Header):
         return source.files[0].file if len(source.files) == 1 else f"{len(source.files)} files"
@@ -356,9 +367,12 @@ def _where(source: Any) -> str:
 
 def _read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
     """The headers; a missing path raises safetensors' ``FileNotFoundError`` text."""
-    if isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source) and not os.path.lexists(source):
-        raise SourceNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source))
-    return read_header(source)
+    try:
+        return read_header(source)
+    except FileNotFoundError:
+        if isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source) and not os.path.lexists(source):
+            raise SourceNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source)) from None
+        raise
 
 
 def safe_open(

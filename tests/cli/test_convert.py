@@ -90,7 +90,7 @@ def test_torchscript_inspect_advice_converts_parameters_and_buffers_without_runn
     assert err.endswith(f"convert its parameters and buffers (none of its code runs): {command}\n")
     with pytest.raises(nnx_save.NotSafetensorsError, match=re.escape(f"{src}: this is a TorchScript archive")) as e:
         nnx_save.load_file(src)
-    assert e.value.format.startswith("a TorchScript archive (torch.jit.save: tensor storages (net/data/0) before")
+    assert e.value.format == "a TorchScript archive (torch.jit.save: net/code/, net/constants.pkl)"  # by every name
     _refuse_running(monkeypatch)
     monkeypatch.chdir(tmp_path)
     code, text, err = cli(capsys, *command.split()[1:])  # the command inspect gave, as given
@@ -104,6 +104,32 @@ def test_torchscript_inspect_advice_converts_parameters_and_buffers_without_runn
         assert got.dtype == expected.dtype and got.shape == expected.shape, key
         np.testing.assert_array_equal(got, expected, err_msg=key)
     assert str(loaded["scale"].dtype) == "bfloat16" and int(loaded["norm.num_batches_tracked"]) == 7
+
+
+def test_torchscript_without_tensors_is_told_by_its_member_names(capsys, tmp_path):
+    # With no tensor storages the first member is data.pkl, as torch.save writes: only the central
+    # directory's names (code/, constants.pkl) tell the two apart, so the header read passes the size.
+    import torch
+
+    class Plain(torch.nn.Module):
+        def forward(self, x):
+            return x + 1
+
+    src = tmp_path / "plain.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated, still what users have
+        torch.jit.script(Plain()).save(str(src))
+    assert zipfile.ZipFile(src).namelist()[0] == "plain/data.pkl"  # what made the first-member guess wrong
+    code, _, err = cli(capsys, "inspect", src)
+    what = "a TorchScript archive (torch.jit.save: plain/code/, plain/constants.pkl)"
+    assert code == 2 and err.startswith(f"nnx-save: error: {src}: this is {what}, not a safetensors file")
+    assert err.endswith(
+        f"convert its parameters and buffers (none of its code runs): nnx-save convert {src} plain.safetensors\n"
+    )
+    for read in (nnx_save.read_header, nnx_save.load_file, nnx_save.safe_open):
+        with pytest.raises(nnx_save.NotSafetensorsError, match=re.escape(f"{src}: this is {what}")) as e:
+            read(src)
+        assert e.value.format == what
 
 
 def test_torchscript_through_the_python_api_sharded(scripted, tmp_path):

@@ -7,6 +7,7 @@ import re
 import struct
 import tracemalloc
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -605,3 +606,112 @@ def test_encode_refuses_subbyte_tensor_ending_inside_a_byte():
 def test_encode_refuses_unknown_code():
     with pytest.raises(nnx_save.UnknownDtypeError, match=re.escape("tensor 'w': unknown dtype code 'F128'")):
         encode_header([("w", "F128", (1,))])
+
+
+# --- the fast path: the same checks over every tensor at once, the exact path replayed when one declines ---
+
+
+def _pairs(pairs, escape=False) -> str:
+    """A JSON object written from ``pairs`` as given (a key may repeat), values nested the same way."""
+
+    def value(v):
+        return _pairs(v, escape) if isinstance(v, tuple) else json.dumps(v, ensure_ascii=escape)
+
+    return "{" + ",".join(f"{json.dumps(k, ensure_ascii=escape)}:{value(v)}" for k, v in pairs) + "}"
+
+
+def _outcome(parse, *args):
+    try:
+        return parse(*args)
+    except nnx_save.HeaderError as e:
+        return type(e), str(e)
+
+
+def _agree(raw: str, data: int):
+    """``parse_header`` gives what the exact path gives, error for error; returns both
+    outcomes, the fast path's (a header, or None where it declines) first."""
+    from nnx_save.format import _header
+
+    size = 8 + len(raw.encode()) + data
+    fast = _outcome(_header._parse_fast, raw, 8 + len(raw.encode()), size, F)
+    exact = _outcome(_header._parse_exact, raw, 8 + len(raw.encode()), size, F)
+    assert _outcome(parse_header, raw.encode(), size) == exact
+    if isinstance(fast, FileHeader):  # the fast path never accepts what the exact path refuses
+        assert fast == exact
+        assert list(fast.tensors) == list(exact.tensors) and fast.tensors == exact.tensors
+    return fast, exact
+
+
+E8 = (("dtype", "F32"), ("shape", [2]), ("data_offsets", [0, 8]))
+E8b = (("dtype", "F32"), ("shape", [2]), ("data_offsets", [8, 16]))
+
+
+@pytest.mark.parametrize(
+    "raw, data",
+    [
+        (_pairs([("a", E8), ("a", E8)]), 8),  # a repeated tensor whose last copy alone is a valid header
+        (_pairs([("a", E8), ("b", E8b), ("a", E8)]), 16),
+        (_pairs([("a", (*E8, ("dtype", "F32")))]), 8),  # a repeated field with the same value
+        (_pairs([("a", E8), ("__metadata__", (("k", "v"), ("k", "v")))]), 8),
+        (_pairs([("__metadata__", ()), ("a", E8), ("__metadata__", ())]), 8),
+        (_pairs([("a", E8), ("a", (("x", (("p", 1), ("q", 2))),)), ("a", E8)]), 8),  # colons in a dropped value
+        ('{"\u00e9":' + _pairs(E8) + ',"\\u00e9":' + _pairs(E8) + "}", 8),  # one key, spelled twice
+    ],
+)
+def test_fast_path_refuses_every_repeated_key(raw, data):
+    fast, exact = _agree(raw, data)
+    assert fast is None and exact[0] is nnx_save.DuplicateKeyError
+
+
+@pytest.mark.parametrize(
+    "pairs, data",
+    [
+        ([("a:b", E8), ("__metadata__", (("x:y", "1:2:3"), ("", ":")))], 8),  # colons inside strings are counted
+        ([("a", E8), ("b", (("dtype", "F32"), ("shape", [0, 3]), ("data_offsets", [8, 8])))], 8),
+        ([("b", E8b), ("a", E8)], 16),  # out of JSON order on disk
+        ([("__metadata__", None)], 0),
+        ([], 0),
+    ],
+)
+def test_fast_path_takes_valid_headers(pairs, data):
+    assert isinstance(_agree(_pairs(pairs), data)[0], FileHeader)
+
+
+def test_fast_path_declines_an_escaped_colon_and_the_exact_path_parses_it():
+    raw = '{"a\\u003ab":' + _pairs(E8) + "}"
+    assert _agree(raw, 8)[0] is None and parse_header(raw.encode(), 8 + len(raw) + 8).tensors["a:b"].shape == (2,)
+
+
+_keys = st.sampled_from(["a", "b", "a:b", "__metadata__", "dtype", "\u00e9", ":"])
+_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 20) | st.sampled_from(["F32", "F16", "U8", "F4", "X", "k:v"]),
+    lambda inner: st.lists(inner, max_size=3) | st.lists(st.tuples(_keys, inner), max_size=3).map(tuple),
+    max_leaves=8,
+)
+
+
+@st.composite
+def _texts(draw):
+    """Headers near valid ones: real entries, then repeated, reordered, mistyped or misplaced members."""
+    pairs, position = [], 0
+    for name in draw(st.lists(_keys, max_size=4, unique=draw(st.booleans()))):
+        code = draw(st.sampled_from(["F32", "U8", "F4", "X"]))
+        shape = draw(st.lists(st.integers(-1, 3), max_size=2))
+        n = int(np.prod(shape)) * {"F32": 4, "U8": 1, "F4": 1, "X": 1}[code] if all(d >= 0 for d in shape) else 1
+        fields = [("dtype", code), ("shape", shape), ("data_offsets", [position, position + max(n, 0)])]
+        if draw(st.integers(0, 3)) == 0:  # a member too many: repeated or unknown
+            fields.append((draw(st.sampled_from(["dtype", "shape", "data_offsets", "x"])), draw(_values)))
+        pairs.append((name, tuple(draw(st.permutations(fields)))))
+        position += max(n, 0)
+    if draw(st.booleans()):
+        pairs.append(
+            ("__metadata__", tuple(draw(st.lists(st.tuples(_keys, st.sampled_from(["v", "1:2"])), max_size=2))))
+        )
+    return _pairs(pairs, draw(st.booleans())), position + draw(st.sampled_from([0, 0, 1, -1]))
+
+
+@settings(max_examples=400)
+@given(case=_texts())
+def test_fast_path_agrees_with_the_exact_path(case):
+    raw, data = case
+    _agree(raw, max(data, 0))

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nnx_save
+from nnx_save import errors
 from nnx_save.layouts._sources import INDEX_NAME
 
 
@@ -343,3 +344,33 @@ def test_load_file_uses_positioned_reads_only(tmp_path, monkeypatch):
     (n,) = struct.unpack("<Q", path.read_bytes()[:8])
     assert preads == [(8, 0), (n, 8)]  # the header: prefix, then JSON; nothing else through os.pread
     assert report.io.requests >= 1 and report.io.bytes_read == 4010
+
+
+def test_a_local_file_opens_in_one_open_and_one_fstat(tmp_path, monkeypatch):
+    # The registry's look at a path (Path.is_dir, exists, os.path.lexists) costs a stat each in a
+    # fresh process's open; a plain file is told by the fstat of the descriptor its header is read from.
+    path = save(tmp_path / "m.safetensors", w=np.arange(6, dtype=np.float32))
+    real_open, opened = os.open, []
+
+    def no_stat(*a, **k):
+        raise AssertionError("a stat of the path: the descriptor's fstat says what it is")
+
+    def counted_open(name, *a, **k):
+        opened.append(os.fspath(name))
+        return real_open(name, *a, **k)
+
+    with monkeypatch.context() as m:  # undone before pytest reports a failure (it stats files too)
+        m.setattr(os, "stat", no_stat)
+        m.setattr(os, "lstat", no_stat)
+        m.setattr(os, "open", counted_open)
+        with nnx_save.safe_open(str(path)) as f:
+            values = f.get_slice("w")[1:3].tolist()
+    assert values == [1.0, 2.0] and opened == [str(path)]
+    for spelled in (f"{tmp_path}//m.safetensors", f"{tmp_path}/./m.safetensors"):  # spelled as Path spells it
+        assert nnx_save.read_header(spelled).files[0].file == str(path)
+    with pytest.raises(errors.SourceNotFoundError, match=re.escape(f"No such file or directory: {tmp_path}/x")):
+        nnx_save.safe_open(f"{tmp_path}/x")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(nnx_save.HeaderError, match=re.escape(f"{empty}: directory holds neither")):
+        nnx_save.read_header(str(empty))  # a directory still goes to the layouts, which say what it lacks

@@ -226,9 +226,10 @@ def _stem(path: str) -> str:
     return os.path.splitext(base)[0] or "model"
 
 
-def refuse_file(name: str, prefix: bytes, read: Callable[[int, int], bytes]) -> None:
-    """Raise :class:`NotSafetensorsError` when ``prefix`` marks another format."""
-    what = foreign_file(prefix, read)
+def refuse_file(name: str, prefix: bytes, read: Callable[[int, int], bytes], size: int | None = None) -> None:
+    """Raise :class:`NotSafetensorsError` when ``prefix`` marks another format
+    (``size``: the file's, when known, as :func:`foreign_file` takes it)."""
+    what = foreign_file(prefix, read, size)
     if what is not None:
         raise NotSafetensorsError(
             f"{name}: this is {what}, not a safetensors file (told by its first bytes; nothing was unpickled); "

@@ -5,15 +5,24 @@ A safetensors file is ``[8-byte little-endian N][N bytes of UTF-8 JSON][data]``.
 offset: each failed check raises its own :class:`~nnx_save.HeaderError` subclass with
 the tensor and the numbers involved. Nothing is allocated in proportion to a size the
 file declares until every check has passed.
+
+Every header is first checked the fast way: the JSON parsed without a Python hook, each
+check run over all tensors at once in C-level builtins, unique keys proven by counting
+(:func:`_keys_unique`). That path only answers "valid" or "ask the exact one": on any
+doubt the exact path (one check at a time, a hook refusing a repeated key as it is
+parsed) runs and raises the error it always raised.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import operator
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import (
     ByteLengthError,
@@ -123,7 +132,8 @@ def unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
 def strict_json(text: str) -> object:
     """``json.loads`` refusing a key given twice (:class:`DuplicateKeyError`) and
     nesting deeper than the interpreter's recursion limit allows; every JSON the
-    library reads from a file goes through here.
+    library reads from a file goes through here (a safetensors header the fast way
+    first, :func:`parse_header`, and here on any doubt).
 
     Raises:
         ValueError: Not JSON (``JSONDecodeError``), an int over 4300 digits, nested
@@ -143,13 +153,17 @@ def strict_json(text: str) -> object:
         raise ValueError("nested too deeply (the depth is capped by the interpreter's recursion limit)") from None
 
 
-def _decode_json(raw: bytes, file: str) -> dict[str, object]:
+def _text(raw: bytes, file: str) -> str:
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise HeaderEncodingError(
             f"{file}: header is not valid UTF-8 (byte {8 + e.start} of the file: {raw[e.start : e.start + 1]!r})"
         ) from None
+
+
+def _decode_json(text: str, file: str) -> dict[str, object]:
+    """The header's JSON object, every key at every level checked unique as it is parsed."""
     try:
         obj = strict_json(text)
     except DuplicateKeyError as e:
@@ -263,9 +277,18 @@ def parse_header(raw: bytes, file_size: int, *, file: str = "<bytes>") -> FileHe
         >>> h.tensors["a"].shape, h.tensors["a"].begin
         ((2,), 62)
     """
-    obj = _decode_json(raw, file)
+    text = _text(raw, file)
+    try:
+        found = _parse_fast(text, 8 + len(raw), file_size, file)
+    except (ValueError, RecursionError):  # not JSON (or too deep): the exact path names what is wrong
+        found = None
+    return _parse_exact(text, 8 + len(raw), file_size, file) if found is None else found
+
+
+def _parse_exact(text: str, data_start: int, file_size: int, file: str) -> FileHeader:
+    """Every check in turn, each failure raised as its own error (the reference path)."""
+    obj = _decode_json(text, file)
     metadata = _parse_metadata(obj.pop("__metadata__", None), file)
-    data_start = 8 + len(raw)
     parsed = []
     for name, entry in obj.items():
         dtype, shape, begin, end = _parse_entry(name, entry, file)
@@ -274,7 +297,107 @@ def parse_header(raw: bytes, file_size: int, *, file: str = "<bytes>") -> FileHe
     _check_layout([(n, b, e) for n, _, _, b, e in parsed], file_size - data_start, file)
     parsed.sort(key=lambda p: (p[3], p[4]))
     tensors = {n: TensorInfo(n, dt, sh, data_start + b, data_start + e, file) for n, dt, sh, b, e in parsed}
-    return FileHeader(file, tensors, metadata, len(raw), file_size)
+    return FileHeader(file, tensors, metadata, data_start - 8, file_size)
+
+
+def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHeader | None:
+    """The same checks, each over every tensor at once in C-level builtins, for a
+    header that passes them all: ``None`` as soon as one fails (or a key might
+    repeat), and :func:`_parse_exact` says which. The JSON is parsed without a hook;
+    that no key repeats is proven after (:func:`_keys_unique`)."""
+    obj, end = _PLAIN.raw_decode(text)  # json.loads less its wrappers: leading space and a BOM go the exact way
+    if type(obj) is not dict or (end != len(text) and text[end:].strip(" \t\n\r")):
+        return None
+    has_meta = "__metadata__" in obj
+    meta = obj.pop("__metadata__", None)
+    meta = {} if meta is None else meta
+    if type(meta) is not dict or not _STR.issuperset(map(type, meta.values())):
+        return None
+    rows = _fast_rows(list(obj.values()))
+    if rows is None or not _keys_unique(text, list(obj), meta, has_meta):
+        return None
+    names, (order, begins, ends, dtypes, shapes) = list(obj), rows
+    if not _tiles([begins[i] for i in order], [ends[i] for i in order], file_size - data_start):
+        return None
+    tensors = {
+        names[i]: TensorInfo(names[i], dtypes[i], shapes[i], data_start + begins[i], data_start + ends[i], file)
+        for i in order
+    }
+    return FileHeader(file, tensors, dict(meta), data_start - 8, file_size)
+
+
+_PLAIN = json.JSONDecoder()
+_STR = frozenset({str})
+_INT = frozenset({int})  # a JSON number is an int or a float; bool is its own type
+_FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
+_ITEMSIZE = {code: -(-row.bits // 8) for code, row in _dtypes.DTYPES.items()}  # bytes one element spans
+
+
+def _fast_rows(entries: list[Any]) -> tuple[list[int], tuple, tuple, list, list] | None:
+    """``(order, begins, ends, dtypes, shapes)`` of tensor entries that pass every
+    check of :func:`_parse_entry` and :func:`_check_length` (``order``: by
+    ``(begin, end)``, then position), else ``None``."""
+    if not entries:
+        return [], (), (), [], []
+    if set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
+        return None
+    try:  # three members, each of the fields: exactly the fields
+        codes, shapes, offsets = zip(*map(_FIELDS, entries), strict=True)
+        dtypes = list(map(_dtypes.DTYPES.__getitem__, codes))
+    except (KeyError, TypeError):  # KeyError: a field missing or an unknown dtype; TypeError: an unhashable one
+        return None
+    if set(map(type, shapes)) | set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
+        return None
+    begins, ends = zip(*offsets, strict=True)
+    dims = list(itertools.chain.from_iterable(shapes))
+    if not _INT.issuperset(map(type, itertools.chain(dims, begins, ends))):
+        return None
+    if min(dims, default=0) < 0 or max(dims, default=0) > _MAX_NUMEL or max(map(len, shapes)) > 64:
+        return None  # bounded: each product below is of at most 64 numbers under 2**63
+    if min(begins) < 0 or not all(map(operator.le, begins, ends)):
+        return None
+    numels = list(map(math.prod, shapes))
+    if max(map(operator.mul, numels, map(_ITEMSIZE.__getitem__, codes))) > _MAX_NUMEL or (
+        0 in numels
+        and any(
+            _ITEMSIZE[c] * math.prod(d or 1 for d in s) > _MAX_NUMEL
+            for c, s, n in zip(codes, shapes, numels, strict=True)
+            if not n
+        )
+    ):
+        return None  # numpy refuses a shape whose non-zero dimensions overflow, even if one is 0
+    bits = map(operator.attrgetter("bits"), dtypes)  # whole bytes, exactly the bytes the offsets hold:
+    if list(map(operator.mul, numels, bits)) != list(
+        map(operator.mul, map(operator.sub, ends, begins), itertools.repeat(8))
+    ):
+        return None
+    order = [i for _, _, i in sorted(zip(begins, ends, range(len(begins)), strict=True))]
+    return order, begins, ends, dtypes, list(map(tuple, shapes))
+
+
+def _tiles(begins: list[int], ends: list[int], data_size: int) -> bool:
+    """Whether sorted ranges tile ``[0, data_size)`` exactly (as :func:`_check_layout`)."""
+    if not begins:
+        return data_size == 0
+    return begins[0] == 0 and ends[-1] == data_size and begins[1:] == ends[:-1]
+
+
+def _keys_unique(text: str, names: list[str], meta: dict[str, str], has_meta: bool) -> bool:
+    """Whether no key of the JSON ``text`` repeats at any level, for a text that
+    parsed into valid entries of tensors ``names`` (three members each, no ``:`` in
+    their fields or dtype codes) and metadata ``meta`` (present if ``has_meta``).
+
+    Every member of a JSON object is written with one ``:`` outside strings, and a
+    repeated key drops a member (and whatever its value held) from the parsed
+    objects; so the text's ``:`` count equals the parsed objects' members plus the
+    ``:`` inside their strings exactly when no key repeats. An escaped colon
+    (``\\u003a``) would break the count: such a text goes to the hook instead.
+    """
+    if "u003a" in text or "u003A" in text:
+        return False
+    members = len(names) * 4 + has_meta + len(meta)  # a tensor: its name's member and its entry's three
+    colons = "".join(names).count(":") + "".join(meta).count(":") + "".join(meta.values()).count(":")
+    return text.count(":") == members + colons
 
 
 def encode_header(

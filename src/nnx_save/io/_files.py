@@ -16,7 +16,6 @@ import contextlib
 import os
 import stat
 import threading
-import weakref
 
 from ..errors import SourceError, TruncatedFileError
 
@@ -25,7 +24,7 @@ try:  # imported with the module, not on the first header read (it loads a C ext
 except ImportError:  # not on Windows
     resource = None  # type: ignore[assignment]
 
-__all__ = ["Pinned", "max_pinned", "open_regular", "pread_exact", "read_capped"]
+__all__ = ["Pinned", "max_pinned", "open_regular", "open_stat", "pread_exact", "read_capped", "require_regular"]
 
 _Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
@@ -63,14 +62,13 @@ def _kind(mode: int) -> str:
     return f"not a regular file (mode {mode:o})"
 
 
-def open_regular(name: str) -> int:
-    """Open ``name`` for reading, refusing anything but a regular file.
-
-    Opened without blocking (a FIFO would otherwise wait for a writer forever), then
-    checked with ``fstat`` on the descriptor itself, then set back to blocking.
+def open_stat(name: str) -> tuple[int, os.stat_result]:
+    """Open ``name`` for reading without blocking (a FIFO would otherwise wait for a
+    writer forever) and ``fstat`` the descriptor itself: ``(fd, stat)``, whatever
+    the file is (a directory too: the caller decides).
 
     Raises:
-        SourceError: a directory, FIFO, device or socket, or an unreadable path.
+        SourceError: an unreadable path.
         FileNotFoundError: no such file.
     """
     try:
@@ -79,11 +77,36 @@ def open_regular(name: str) -> int:
         raise
     except OSError as e:
         raise SourceError(f"{name}: cannot open the file ({e.strerror})", name) from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    try:
+        return fd, os.fstat(fd)
+    except BaseException:
         os.close(fd)
-        raise SourceError(f"{name}: is {_kind(mode)}, not a regular file; checkpoint files must be regular files", name)
+        raise
+
+
+def require_regular(fd: int, st: os.stat_result, name: str) -> None:
+    """Set ``fd`` (from :func:`open_stat`) back to blocking if it is a regular file;
+    else close it and raise :class:`SourceError` naming what it is."""
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise SourceError(
+            f"{name}: is {_kind(st.st_mode)}, not a regular file; checkpoint files must be regular files", name
+        )
     os.set_blocking(fd, True)
+
+
+def open_regular(name: str) -> int:
+    """Open ``name`` for reading, refusing anything but a regular file.
+
+    Opened without blocking, then checked with ``fstat`` on the descriptor itself,
+    then set back to blocking (:func:`open_stat`, :func:`require_regular`).
+
+    Raises:
+        SourceError: a directory, FIFO, device or socket, or an unreadable path.
+        FileNotFoundError: no such file.
+    """
+    fd, st = open_stat(name)
+    require_regular(fd, st, name)
     return fd
 
 
@@ -112,8 +135,8 @@ def max_pinned() -> int:
     return 4096 if soft == resource.RLIM_INFINITY else max(0, min(4096, soft // 4))
 
 
-def _identity(fd: int) -> _Identity:
-    st = os.fstat(fd)
+def _identity(fd: int, st: os.stat_result | None = None) -> _Identity:
+    st = os.fstat(fd) if st is None else st
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
@@ -168,14 +191,19 @@ class Pinned:
 
     def __init__(self) -> None:
         self.seen: dict[str, _Identity] = {}
-        self._finalizer = weakref.finalize(self, _POOL.drop, id(self))
+        self._open = True
 
-    def keep(self, name: str, fd: int) -> None:
-        """Take ``fd``, open on ``name`` (closed here if ``name`` is already held)."""
+    def __del__(self) -> None:  # not weakref.finalize: this is on every open's path, and costs nothing until then
+        with contextlib.suppress(Exception):  # at interpreter exit the pool may be gone first
+            self.close()
+
+    def keep(self, name: str, fd: int, st: os.stat_result | None = None) -> None:
+        """Take ``fd``, open on ``name`` (closed here if ``name`` is already held);
+        ``st``: its ``fstat``, when the caller has it."""
         if name in self.seen:
             os.close(fd)
             return
-        self.seen[name] = _identity(fd)
+        self.seen[name] = _identity(fd, st)
         _POOL.add((id(self), name), fd)
 
     def open(self, name: str) -> int:
@@ -198,5 +226,7 @@ class Pinned:
         return fd
 
     def close(self) -> None:
-        """Release every pinned descriptor now."""
-        self._finalizer()
+        """Release every pinned descriptor now (and no later than when garbage collected)."""
+        if self._open:
+            self._open = False
+            _POOL.drop(id(self))

@@ -3,12 +3,15 @@
 Each header is read with two positioned reads (the 8-byte prefix, then the JSON;
 a URL in at most two ranged requests) and validated whole before any tensor byte
 is read. Every tensor is one whole piece of that file. The other layouts read their
-member files with :func:`read_file_header` too.
+member files with :func:`read_file_header` too; the registry tries a local path with
+:func:`read_local` first (one ``open`` and ``fstat`` for the file's whole open).
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +21,13 @@ from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _remote
 from ._layout import Header, LocalFiles, RemoteFiles
 
-__all__ = ["FileLayout", "read_file_header", "remote_file_header"]
+__all__ = ["FileLayout", "read_file_header", "read_local", "remote_file_header"]
 
 
 def _read_prefix_and_header(fd: int, size: int, name: str) -> FileHeader:
     # The size is checked before any read: /proc files report 0 and some (/proc/self/mem) fail to read.
     prefix = os.pread(fd, 8, 0) if size >= 8 else b""
-    _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at))  # torch zip / pickle: say so
+    _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at), size)  # torch zip / pickle: say so
     n = header_size(prefix, size, file=name)
     try:
         raw = _files.pread_exact(fd, n, 8, name)
@@ -37,9 +40,16 @@ def read_file_header(path: str | os.PathLike, pinned: _files.Pinned | None = Non
     """Read and validate one file's header (two positioned reads). With ``pinned``,
     the file stays open there (see :class:`nnx_save.io._files.Pinned`)."""
     name = os.fspath(path)
-    fd = _files.open_regular(name)
+    fd, st = _files.open_stat(name)
+    _files.require_regular(fd, st, name)
+    return _read_open(fd, st, name, pinned)
+
+
+def _read_open(fd: int, st: os.stat_result, name: str, pinned: _files.Pinned | None) -> FileHeader:
+    """The header of the regular file open as ``fd`` (``st``: its ``fstat``); ``fd``
+    is kept in ``pinned``, or closed."""
     try:
-        header = _read_prefix_and_header(fd, os.fstat(fd).st_size, name)
+        header = _read_prefix_and_header(fd, st.st_size, name)
     except OSError as e:
         os.close(fd)
         raise SourceError(f"{name}: reading the header failed ({e.strerror or e})", name) from None
@@ -49,8 +59,34 @@ def read_file_header(path: str | os.PathLike, pinned: _files.Pinned | None = Non
     if pinned is None:
         os.close(fd)
     else:
-        pinned.keep(name, fd)
+        pinned.keep(name, fd, st)
     return header
+
+
+def read_local(name: str) -> Header | None:
+    """The :class:`Header` of local path ``name`` when it is not a directory (one
+    ``open`` and one ``fstat``, where the registry's look at the path takes several
+    ``stat`` calls first); ``None`` for a directory, whose layout the registry picks.
+
+    Raises:
+        FileNotFoundError: no such file.
+        SourceError: a FIFO, device or socket, or an unreadable path.
+        HeaderError: a malformed header.
+    """
+    fd, st = _files.open_stat(name)
+    if stat.S_ISDIR(st.st_mode):
+        os.close(fd)
+        return None
+    _files.require_regular(fd, st, name)
+    placement = LocalFiles()
+    collecting = gc.isenabled()  # paused as gc_paused() does, without a generator's cost on the per-open path
+    gc.disable()
+    try:
+        fh = _read_open(fd, st, name, placement.pinned)
+    finally:
+        if collecting:
+            gc.enable()
+    return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", placement)
 
 
 def remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, str | None]]:

@@ -77,6 +77,14 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
     """
     if isinstance(source, Header):
         return source
+    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+    if isinstance(name, str) and _as_path_spells_it(name) and not _remote.is_url(name):
+        try:  # a local file, the common case, in one open and one fstat
+            local = _file.read_local(name)
+        except FileNotFoundError:
+            local = None  # the layout below says what is missing, in its words
+        if local is not None:
+            return local
     with gc_paused():
         if isinstance(source, str) and _remote.is_url(source):
             return _remote_header(source)
@@ -84,6 +92,13 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
             return read_list([Path(p) for p in source])
         path = Path(source)  # type: ignore[arg-type]  # list and tuple returned above; mypy cannot narrow str
         return layout_of(path).read(path)
+
+
+def _as_path_spells_it(name: str) -> bool:
+    """Whether ``str(Path(name)) == name`` surely holds (no empty or ``.`` part), so
+    the files a header names are spelled as the layouts below spell them; the
+    others (``a//b``, ``./a``, ``a/``) take that way."""
+    return bool(name) and "//" not in name and "/." not in name and not name.startswith("./") and name[-1] != "/"
 
 
 def layout_of(path: Path) -> Layout:

@@ -85,8 +85,8 @@ class MappedFiles:
                 info.name,
                 info.nbytes,
             ) from None
-        raw = np.frombuffer(mapped, np.uint8, info.nbytes, info.begin)
-        return raw.view(info.dtype.numpy).reshape(info.shape)
+        # np.ndarray over the buffer in one call, not frombuffer + view + reshape: each is dear in a fresh process
+        return np.ndarray(info.shape, info.dtype.numpy, mapped, info.begin)
 
     @staticmethod
     def _truncated(info: TensorInfo, size: int) -> TruncatedFileError:
