@@ -534,24 +534,13 @@ def load_targets(
     (:class:`~nnx_save.ChecksumError` on a mismatch) and lists the rest in
     ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
     """
+    # The call's own arguments, for a shared load that re-enters with a part of the
+    # targets: every keyword travels, including any added later.
+    given = {k: v for k, v in locals().items() if k not in ("header", "targets", "options")}
     opt = options if options is not None else LoadOptions()
     remote = isinstance(header.placement, RemoteFiles)
     if _share.enabled(opt.share_reads, targets, remote, _describe(header)):
-        run = functools.partial(
-            load_targets,
-            header,
-            options=replace(opt, share_reads=False),
-            open_reader=open_reader,
-            strict=strict,
-            allow_missing=allow_missing,
-            allow_unexpected=allow_unexpected,
-            allow_shape_mismatch=allow_shape_mismatch,
-            allow_casts=allow_casts,
-            ignore_unexpected=ignore_unexpected,
-            renamed=renamed,
-            warn=warn,
-            progress=progress,
-        )
+        run = functools.partial(load_targets, header, options=replace(opt, share_reads=False), **given)
         shapes = {k: info.shape for k, info in header.tensors.items()}
         return _share.shared_load(list(targets), run, shapes, _describe(header))
     loadable, report = _prepare(
