@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_save
 from nnx_save import _pytree
-from nnx_save.load import _assemble, _execute
+from nnx_save.io import _reader
+from nnx_save.load import _assemble
 
 DEV = jax.devices()
 MESH8 = Mesh(np.array(DEV), ("x",))
@@ -422,7 +423,7 @@ class _Reader:
     """A LocalReader that logs each read and how many bytes are being read at once."""
 
     def __init__(self, path: str, log: _Log, table: bool, delay: float) -> None:
-        self.inner, self.log, self.delay = _execute.LocalReader(path), log, delay
+        self.inner, self.log, self.delay = _reader.LocalReader(path), log, delay
         self.path, self.table = path, table
 
     @property

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nnx_save import NnxSaveError, TruncatedFileError
+from nnx_save.io import _reader
 from nnx_save.load import _execute
 from nnx_save.load._plan import FilePlan, Request, plan_file
 
@@ -57,7 +58,7 @@ class _NoTable:
     """A reader with only ``readv`` (like the remote ones)."""
 
     def __init__(self, path: str) -> None:
-        self.inner = _execute.LocalReader(path)
+        self.inner = _reader.LocalReader(path)
         self.readv = self.inner.readv
 
     @property
@@ -91,7 +92,7 @@ METHODS = {  # SMALL_CHUNK 0: no batches, so that small chunks take the forced m
 
 def _run(path: str, plan: FilePlan, sizes: list[int], method: str, monkeypatch, threads: int = 3, reader=None):
     opts = dict(METHODS[method])
-    reader = (opts.pop("reader", None) or reader or _execute.LocalReader)(path)
+    reader = (opts.pop("reader", None) or reader or _reader.LocalReader)(path)
     for name, value in opts.items():
         monkeypatch.setattr(_execute, name, value)
     dests = [_execute.aligned_empty(n) for n in sizes]
@@ -173,7 +174,7 @@ def _strided_file(tmp_path, rows: int, cols: int, itemsize: int = 4):
 )
 def test_the_automatic_choice_by_run_length(tmp_path, monkeypatch, kind, rows, cols, method):
     path, data, reqs, sizes = _strided_file(tmp_path, rows, cols)
-    reader = _execute.LocalReader(path) if kind == "local" else _NoTable(path)
+    reader = _reader.LocalReader(path) if kind == "local" else _NoTable(path)
     plan = plan_file(reqs)
     assert _execute._method(reader, len(plan.offset), plan.needed_bytes) == method
     reader.close()
@@ -208,13 +209,13 @@ def _rows_file(tmp_path, rows: int = 512, cols: int = 2048):
 
 def _spy_batches(monkeypatch) -> list[int]:
     """Record the bytes of each batch read through ``LocalReader.read_runs``."""
-    batches, real = [], _execute.LocalReader.read_runs
+    batches, real = [], _reader.LocalReader.read_runs
 
     def spy(self, addr, length, offset):
         batches.append(sum(length))
         return real(self, addr, length, offset)
 
-    monkeypatch.setattr(_execute.LocalReader, "read_runs", spy)
+    monkeypatch.setattr(_reader.LocalReader, "read_runs", spy)
     return batches
 
 
@@ -225,7 +226,7 @@ def test_small_one_run_chunks_are_read_in_batches_one_pread_each(tmp_path, monke
     assert plan.num_chunks == 512 and plan.read_bytes == plan.needed_bytes == 512 * 256
     monkeypatch.setattr(_execute, "BATCH_CHUNKS", 100)
     batches = _spy_batches(monkeypatch)
-    reader, budget = _execute.LocalReader(path), _execute.Budget(limit)
+    reader, budget = _reader.LocalReader(path), _execute.Budget(limit)
     dests = [_execute.aligned_empty(sizes[0])]
     dests[0][:] = 0xAB  # poisoned
     seen: list[int] = []
@@ -242,7 +243,7 @@ def test_small_one_run_chunks_are_read_in_batches_one_pread_each(tmp_path, monke
 def test_batched_short_reads_and_eintr_resume_where_they_stopped(tmp_path, monkeypatch):
     path, data, reqs, sizes = _rows_file(tmp_path, rows=64)
     plan = plan_file(reqs, max_over_read_ratio=1.0)
-    real, calls = _execute._PREAD, {"n": 0}
+    real, calls = _reader._PREAD, {"n": 0}
 
     def fake(fd, addr, n, offset):  # every 3rd call fails with EINTR, the others give at most 100 bytes
         calls["n"] += 1
@@ -251,8 +252,8 @@ def test_batched_short_reads_and_eintr_resume_where_they_stopped(tmp_path, monke
             return -1
         return real(fd, addr, min(n, 100), offset)
 
-    monkeypatch.setattr(_execute, "_PREAD", fake)
-    reader, dests = _execute.LocalReader(path), [_execute.aligned_empty(sizes[0])]
+    monkeypatch.setattr(_reader, "_PREAD", fake)
+    reader, dests = _reader.LocalReader(path), [_execute.aligned_empty(sizes[0])]
     dests[0][:] = 0xAB  # poisoned
     try:
         _execute.execute(reader, plan, dests, budget=_execute.Budget(1 << 30), num_threads=1)
@@ -275,7 +276,7 @@ def test_a_batched_run_pointing_outside_its_buffer_is_refused_before_it_is_read(
 def _preadv_at_most(limit: int, fail_first: int = 0):
     """A stand-in for libc preadv that fills at most ``limit`` bytes per call (and
     fails the first ``fail_first`` calls with EINTR)."""
-    real = _execute._PREADV
+    real = _reader._PREADV
     calls = {"n": 0}
 
     class Iovec(ctypes.Structure):
@@ -297,7 +298,7 @@ def test_short_reads_and_eintr_resume_where_they_stopped(tmp_path, monkeypatch):
     path, data, reqs, sizes = _strided_file(tmp_path, 64, 256)
     plan = plan_file(reqs)
     fake, calls = _preadv_at_most(100, fail_first=2)
-    monkeypatch.setattr(_execute, "_PREADV", fake)
+    monkeypatch.setattr(_reader, "_PREADV", fake)
     dests, requests = _run(path, plan, sizes, "table", monkeypatch, threads=1)
     assert all(np.array_equal(d, _expected(data, r)) for r, d in zip(reqs, dests, strict=False))
     assert calls["n"] == requests > plan.needed_bytes // 100
@@ -311,7 +312,7 @@ def test_a_failing_read_raises_with_the_file_and_offset(tmp_path, monkeypatch):
         ctypes.set_errno(errno.EIO)
         return -1
 
-    monkeypatch.setattr(_execute, "_PREADV", fake)
+    monkeypatch.setattr(_reader, "_PREADV", fake)
     with pytest.raises(OSError, match=re.escape(f"reading {path} at byte 0")) as info:
         _run(path, plan, sizes, "table", monkeypatch)
     assert info.value.errno == errno.EIO
@@ -393,7 +394,7 @@ def test_readv_with_many_buffers_is_linear_and_leaves_the_list_alone(tmp_path):
     out = np.zeros_like(data)
     views = [memoryview(out)[i : i + 16] for i in range(0, len(out), 16)]
     given = list(views)
-    reader = _execute.LocalReader(str(tmp_path / "d.bin"))
+    reader = _reader.LocalReader(str(tmp_path / "d.bin"))
     t0 = time.perf_counter()
     reader.readv(views, 0)
     assert time.perf_counter() - t0 < 5  # slicing the list per buffer took minutes

@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_save
 from nnx_save import _pytree
-from nnx_save.load import _execute, _stream
+from nnx_save.io import _reader
+from nnx_save.load import _stream
 from nnx_save.load._options import LoadOptions
 
 DEV = jax.devices()
@@ -163,7 +164,7 @@ class _Tracking:
     lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, path: str, fail_after: int | None = None) -> None:
-        self.inner, self.path, self.fail_after = _execute.LocalReader(path), path, fail_after
+        self.inner, self.path, self.fail_after = _reader.LocalReader(path), path, fail_after
         self.closed = False
 
     @property

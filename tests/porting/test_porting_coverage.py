@@ -83,7 +83,7 @@ def test_check_lists_every_problem_in_one_key_error() -> None:
 def test_mapping_and_coverage_from_a_header_read_no_tensor_data(tmp_path, monkeypatch) -> None:
     import ml_dtypes
 
-    from nnx_save.load import _execute
+    from nnx_save.io import _reader
     from nnx_save.porting import shapes_of
 
     arrays = {k: np.zeros(shape, F32) for k, (shape, _) in FILE.items()}
@@ -93,7 +93,7 @@ def test_mapping_and_coverage_from_a_header_read_no_tensor_data(tmp_path, monkey
     def no_reads(*args, **kwargs):
         raise AssertionError("mapping opened a tensor reader")
 
-    monkeypatch.setattr(_execute, "LocalReader", no_reads)
+    monkeypatch.setattr(_reader, "LocalReader", no_reads)
     header = nnx_save.read_header(tmp_path / "model.safetensors")
     shapes = shapes_of(header)
     assert shapes == {**FILE, "fc.weight": ((3, 2), np.dtype(ml_dtypes.bfloat16))}

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from ..errors import DuplicateKeyError, HeaderError, IndexFileError
 from ..format._header import FileHeader, TensorInfo, unique_pairs
 from ..io import _files, _remote
-from ..load._execute import LocalReader, Reader
+from ..io._reader import LocalReader, Reader
 from ._pieces import Piece, whole
 
 __all__ = ["Header", "Layout", "LocalFiles", "Placement", "RemoteFiles", "gc_paused", "load_record", "merge"]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..errors import LayoutConflictError
 from ..io import _remote
-from ..load._execute import Reader
+from ..io._reader import Reader
 from . import _file, _index
 from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout

@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..io._reader import Reader
 from ..layouts._pieces import Box, extents, intersect, request
-from ._execute import Budget, Cancelled, Reader, aligned_empty, execute
+from ._execute import Budget, Cancelled, aligned_empty, execute
 from ._plan import FilePlan, plan_file
 
 if TYPE_CHECKING:

@@ -1,0 +1,173 @@
+"""Positioned reads from local files: the :class:`Reader` protocol every transport
+implements, and :class:`LocalReader`, whose ``preadv`` / ``pread`` calls go through
+ctypes and release the GIL."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import threading
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from ..errors import TruncatedFileError
+
+__all__ = ["IOV_MAX", "LocalReader", "Reader"]
+
+IOV_MAX = 1024  # the POSIX minimum of the kernel's iovec limit (Linux: exactly 1024)
+
+
+def _libc(name: str, *argtypes):
+    """``name`` from the C library via ctypes (releases the GIL), or None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = getattr(libc, name)
+    except (OSError, AttributeError):  # no such C function (Windows): the memoryview path
+        return None
+    fn.argtypes = list(argtypes)
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_PREADV = _libc("preadv", ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong)
+_PREAD = _libc("pread", ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_longlong)
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """Positioned reads from one file or object (local, HTTP, fsspec).
+
+    ``requests`` counts the requests made so far. :meth:`can_read_tables` says
+    whether :meth:`readv_table` works, :meth:`can_read_runs` whether
+    :meth:`read_runs` does: local files read iovec tables through ``preadv`` and
+    batches of small runs through ``pread``, with raw addresses; other readers get
+    one ``memoryview`` per run.
+    """
+
+    requests: int
+
+    def readv(self, buffers: list[memoryview], offset: int) -> None:
+        """Fill ``buffers`` in order from byte ``offset``, or raise naming the offset."""
+        ...
+
+    def close(self) -> None: ...
+
+    def can_read_tables(self) -> bool:
+        """Whether :meth:`readv_table` may be called."""
+        ...
+
+    def readv_table(self, table: np.ndarray, offset: int) -> None:
+        """Fill the ``(address, length)`` rows of ``table`` in order from ``offset``."""
+        ...
+
+    def can_read_runs(self) -> bool:
+        """Whether :meth:`read_runs` may be called."""
+        ...
+
+    def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:
+        """Fill ``length[k]`` bytes at raw address ``addr[k]`` from byte ``offset[k]``."""
+        ...
+
+
+class LocalReader:
+    """Positioned reads from a local file; ``preadv`` releases the GIL."""
+
+    def __init__(self, path: str, fd: int | None = None) -> None:
+        self.path = path
+        # ``fd``: a descriptor the caller holds on the very file whose header it read
+        # (duplicated here), so a file replaced since then is still read whole.
+        self.fd = os.open(path, os.O_RDONLY) if fd is None else os.dup(fd)
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def can_read_tables(self) -> bool:
+        return _PREADV is not None
+
+    def can_read_runs(self) -> bool:
+        return _PREAD is not None
+
+    def _count(self) -> None:
+        with self._lock:
+            self.requests += 1
+
+    def _ended(self, at: int, missing: int) -> TruncatedFileError:
+        return TruncatedFileError(
+            f"{self.path}: file ended at byte {at}, expected {missing} more bytes (was it truncated while loading?)",
+            self.path,
+            at,
+        )
+
+    def readv(self, buffers: list[memoryview], offset: int) -> None:
+        """Fill ``buffers`` in order from ``offset``, or raise naming the offset."""
+        total = sum(len(b) for b in buffers)
+        buffers = list(buffers)  # the caller's list is not modified
+        done, i = 0, 0
+        while i < len(buffers):
+            n = os.preadv(self.fd, buffers[i : i + IOV_MAX], offset + done)
+            self._count()
+            if n == 0:
+                raise self._ended(offset + done, total - done)
+            done += n
+            while i < len(buffers) and n >= len(buffers[i]):  # an index, not list slicing: O(n)
+                n -= len(buffers[i])
+                i += 1
+            if n:
+                buffers[i] = buffers[i][n:]
+
+    def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:
+        """Fill ``length[k]`` bytes at raw address ``addr[k]`` from file byte
+        ``offset[k]``, one ``pread`` per run (many small, scattered runs).
+
+        The caller guarantees every run is writable memory it keeps alive.
+        """
+        if _PREAD is None:
+            raise NotImplementedError(f"{self.path}: no pread in this C library; use readv")
+        pread, fd, calls = _PREAD, self.fd, 0
+        try:
+            for a, n, off in zip(addr, length, offset, strict=True):
+                got = pread(fd, a, n, off)
+                calls += 1
+                if got != n:  # short, interrupted or failed: the table path retries or raises naming the byte
+                    got = max(got, 0)
+                    self.readv_table(np.array([[a + got, n - got]], np.uint64), off + got)
+        finally:
+            with self._lock:
+                self.requests += calls
+
+    def readv_table(self, table: np.ndarray, offset: int) -> None:
+        """Fill the ``(address, length)`` rows of ``table`` (uint64, C-contiguous,
+        modified on short reads) in order from ``offset``.
+
+        The caller guarantees every row is writable memory it keeps alive.
+        """
+        if _PREADV is None:
+            raise NotImplementedError(f"{self.path}: no preadv in this C library; use readv")
+        i, pos = 0, offset
+        while i < len(table):
+            batch = table[i : i + IOV_MAX]
+            want = int(batch[:, 1].sum())
+            got = _PREADV(self.fd, batch.ctypes.data, len(batch), pos)
+            self._count()
+            if got < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                raise OSError(err, f"{os.strerror(err)} reading {self.path} at byte {pos}")
+            if got == 0:
+                raise self._ended(pos, int(table[i:, 1].sum()))
+            pos += got
+            if got == want:
+                i += len(batch)
+                continue
+            ends = np.cumsum(batch[:, 1])
+            k = int(np.searchsorted(ends, got, "right"))  # rows [0, k) are full
+            into = got - (int(ends[k - 1]) if k else 0)
+            i += k
+            table[i, 0] += into
+            table[i, 1] -= into
