@@ -27,6 +27,7 @@ from ._version import __version__
 from .errors import MetadataError, ShardingError, UnsupportedValueError, short_repr
 from .format import _paths
 from .format._header import strict_json
+from .io._write import Entry
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
 from .load._options import DEFAULT, LoadOptions, merge
@@ -34,7 +35,6 @@ from .load._report import LoadReport, warn_single_device
 from .load._target import Target
 from .save import _background, _dispatch
 from .save._options import SaveOptions
-from .save._write import Entry
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
 

@@ -11,11 +11,11 @@ from typing import Any
 from . import _nnx
 from ._pytree import check_metadata, flatten, leaf_entry
 from .format import _paths
+from .io._write import Entry
 from .layouts._pod import write_pod
 from .load._options import DEFAULT, merge
 from .save._background import SaveHandle
 from .save._options import SaveOptions
-from .save._write import Entry
 
 __all__ = ["save_pod"]
 

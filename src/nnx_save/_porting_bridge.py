@@ -20,11 +20,11 @@ from typing import Any
 import numpy as np
 
 from .format import _dtypes
+from .io._write import Entry, spans_processes
 from .layouts._pieces import Box
 from .layouts._sources import Header
 from .load._target import Target
-from .save._stage import BoxedValue, spans_processes
-from .save._write import Entry
+from .save._stage import BoxedValue
 
 __all__ = ["export_entries", "load_targets_for"]
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from .errors import KeyMismatchError, KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from .format import _dtypes, _paths
+from .io._write import Entry
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
 from .load._options import DEFAULT, LoadOptions, merge
@@ -17,7 +18,6 @@ from .load._report import LoadReport, ShapeMismatch, matches_any, warn_single_de
 from .load._target import Target
 from .save import _background, _dispatch
 from .save._options import SaveOptions
-from .save._write import Entry
 
 __all__ = ["flatten", "leaf_entry", "load_file", "save_file"]
 

@@ -36,7 +36,7 @@ from flax import nnx
 
 import nnx_save
 from nnx_save.checkpoint import OrbaxCheckpointStore
-from nnx_save.save._write import TMP_MARKER
+from nnx_save.io._write import TMP_MARKER
 
 ZYGOTE = Path(__file__).parents[1] / "_reliability_zygote.py"
 SEED = 20261129
@@ -281,7 +281,7 @@ def dead_pid() -> int:
 
 
 def test_the_next_save_removes_only_temporaries_of_dead_processes_of_this_host(tmp_path):
-    from nnx_save.save._write import _host
+    from nnx_save.io._write import _host
 
     path = tmp_path / "m.safetensors"
     host, dead, prefix = _host(), dead_pid(), f".m.safetensors{TMP_MARKER}"
@@ -304,7 +304,7 @@ def test_the_next_save_removes_only_temporaries_of_dead_processes_of_this_host(t
 
 
 def test_temporary_names_carry_host_and_pid(tmp_path):
-    from nnx_save.save._write import _host, temp_path
+    from nnx_save.io._write import _host, temp_path
 
     name = temp_path(tmp_path / "m.safetensors").name
     host, pid, token = name.removeprefix(f".m.safetensors{TMP_MARKER}").rsplit("-", 2)

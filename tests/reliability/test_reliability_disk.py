@@ -23,7 +23,7 @@ from flax import nnx
 
 import nnx_save
 from nnx_save.checkpoint import CheckpointWriteError, OrbaxCheckpointStore
-from nnx_save.save._write import TMP_MARKER
+from nnx_save.io._write import TMP_MARKER
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:

@@ -24,8 +24,8 @@ import nnx_save
 from nnx_save.checkpoint import OrbaxCheckpointStore
 from nnx_save.cli._main import main as cli_main
 from nnx_save.errors import OptionError
+from nnx_save.io import _write
 from nnx_save.load import _engine
-from nnx_save.save import _write
 
 DEEP = "[" * 200_000 + "]" * 200_000
 

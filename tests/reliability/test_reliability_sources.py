@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import nnx_save
-from nnx_save.save._write import NAME_MAX, TMP_MARKER, temp_path
+from nnx_save.io._write import NAME_MAX, TMP_MARKER, temp_path
 
 LOADERS = {"read_header": nnx_save.read_header, "load_file": nnx_save.load_file}
 

@@ -20,7 +20,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 import nnx_save
 from nnx_save import SaveError
 from nnx_save.io._remote_write import TEMP_MARK, write_remote
-from nnx_save.save._write import Entry
+from nnx_save.io._write import Entry
 
 MEMORY = fsspec.filesystem("memory")
 

@@ -24,8 +24,8 @@ import pytest
 from flax import nnx
 
 import nnx_save
+from nnx_save.io._write import TMP_MARKER
 from nnx_save.save import _background, _dispatch
-from nnx_save.save._write import TMP_MARKER
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

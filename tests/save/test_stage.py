@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import nnx_save
+from nnx_save.io._write import TMP_MARKER
 from nnx_save.save import _background, _stage, _write
-from nnx_save.save._write import TMP_MARKER
 
 ROOT = Path(__file__).resolve().parents[2]
 KIB = 1 << 10

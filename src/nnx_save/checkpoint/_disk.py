@@ -25,7 +25,7 @@ from ..errors import (
     CheckpointRetentionError,
     UnsupportedCheckpointError,
 )
-from ..save._write import _write_all, atomic_file
+from ..io._write import _write_all, atomic_file
 from . import _orbax
 from ._agree import agree
 from ._format import METADATA_ITEM

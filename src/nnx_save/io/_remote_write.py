@@ -22,8 +22,8 @@ from typing import Any
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ..save._write import Entry, host_bytes, order_entries
 from . import _remote
+from ._write import Entry, host_bytes, order_entries
 
 __all__ = ["filesystem", "is_destination", "put", "write_remote"]
 

@@ -30,8 +30,7 @@ from ..errors import IndexFileError
 from ..format import _dtypes
 from ..format._units import parse_size
 from ..io import _remote_write
-from ..save._collective import Outcome, Sync, write_collective
-from ..save._write import (
+from ..io._write import (
     TMP_MARKER,
     Entry,
     _write_all,
@@ -40,8 +39,9 @@ from ..save._write import (
     discard_staged,
     order_entries,
     remove_stale_temps,
-    write_file,
 )
+from ..save._collective import Outcome, Sync, write_collective
+from ..save._write import write_file
 from . import _pod
 from ._index import INDEX_NAME, parse_index
 from ._versions import SAVE_ID_KEY, new_save_id

@@ -57,10 +57,11 @@ from ..format._boxes import whole
 from ..format._header import encode_header
 from ..io import _kv
 from ..io._files import pread_exact
+from ..io._write import Entry, _write_all, fsync_dir, host_bytes, order_entries, spans_processes, temp_path
 from ..load._plan import box_runs
 from . import _stage
-from ._stage import BoxedValue, spans_processes
-from ._write import Entry, _write_all, fsync_dir, host_bytes, host_data, order_entries, temp_path
+from ._stage import BoxedValue
+from ._write import host_data
 
 __all__ = ["TIMEOUT_ENV", "Outcome", "Sync", "agree", "write_collective"]
 

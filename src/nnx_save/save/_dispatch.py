@@ -21,10 +21,11 @@ from collections.abc import Callable, Mapping, Sequence
 from .. import _progress
 from ..format._units import parse_size
 from ..io._remote_write import is_destination, write_remote
+from ..io._write import Entry
 from ..layouts._hf_index import write_sharded
 from . import _background
 from ._collective import write_collective
-from ._write import Entry, write_file
+from ._write import write_file
 
 __all__ = ["Writer", "save", "writer"]
 

@@ -38,11 +38,9 @@ __all__ = [
     "BUDGET_ENV",
     "FORCE_ENV",
     "BoxedValue",
-    "HostValue",
     "Staged",
     "Window",
     "budget",
-    "spans_processes",
     "stage",
 ]
 
@@ -50,32 +48,6 @@ BUDGET_ENV = _config.SAVE_INFLIGHT_BYTES.name
 FORCE_ENV = _config.FORCE_HOST_STAGING.name
 # Host memory kinds a device -> host copy may land in, the fastest first.
 _HOST_KINDS = ("pinned_host", "unpinned_host")
-
-
-def spans_processes(value: Any) -> bool:
-    """A jax.Array with shards on devices of other processes."""
-    return not isinstance(value, np.ndarray) and not getattr(value, "is_fully_addressable", True)
-
-
-@dataclass(frozen=True)
-class HostValue:
-    """The value callable of an array's entry (:meth:`~._write.Entry.of`): the whole
-    array on the host, refusing one that spans processes (only the collective writer,
-    which reads ``Entry.array`` shard by shard, can save that)."""
-
-    array: Any
-
-    def __call__(self) -> np.ndarray:
-        if isinstance(self.array, np.ndarray):
-            return self.array
-        if spans_processes(self.array) and not self.array.is_fully_replicated:
-            raise SaveError(
-                f"an array of shape {tuple(self.array.shape)} with sharding {self.array.sharding} spans "
-                f"{len({d.process_index for d in self.array.sharding.device_set})} processes; this process holds "
-                "only its shards, and writing them alone would save a partial tensor. Save it with save_file / "
-                "save_model called on every process (one file), or gather it first"
-            )
-        return np.asarray(self.array)
 
 
 Box = tuple[tuple[int, int], ...]
