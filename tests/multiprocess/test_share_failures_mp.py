@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import nnx_save
-from nnx_save.save._collective import TIMEOUT_ENV
+from nnx_save.io._kv import TIMEOUT_ENV
 
 pytestmark = pytest.mark.multiprocess
 

@@ -14,7 +14,7 @@ import pytest
 
 import nnx_save
 from nnx_save.io import _kv
-from nnx_save.save._collective import Outcome, Sync
+from nnx_save.io._kv import Outcome, Sync
 
 
 class FakeStore:

@@ -14,15 +14,23 @@ device collective: no deadline, no keys).
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import NnxSaveError
+from .. import _config
+from ..errors import NnxSaveError, SaveError
 
-__all__ = ["Channel", "Unanswered", "allgather", "client"]
+__all__ = ["TIMEOUT_ENV", "Channel", "Outcome", "Sync", "Unanswered", "allgather", "client"]
+
+TIMEOUT_ENV = _config.COLLECTIVE_TIMEOUT_S.name
+_SAVES = itertools.count()  # every process saves in the same order (SPMD), so ids agree
 
 
 class Unanswered(Exception):
@@ -133,3 +141,119 @@ class Channel:
         deletes it (the poster need not wait for anyone to clean up)."""
         if self.client is not None and self.client.key_value_increment(f"{key}/done", 1) >= readers:
             self.forget(key)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One process's result of one step, as the processes exchange it (a JSON object).
+
+    ``value`` is the step's JSON result when ``ok``; ``error`` says what failed otherwise.
+
+    Examples:
+        >>> Outcome.decode(Outcome(True, {"w": "00ff"}).encode())
+        Outcome(ok=True, value={'w': '00ff'}, error='')
+        >>> Outcome.of(lambda: 1 // 0).error
+        'ZeroDivisionError: integer division or modulo by zero'
+    """
+
+    ok: bool
+    value: Any = None
+    error: str = ""
+
+    @classmethod
+    def of(cls, work: Callable[[], Any]) -> Outcome:
+        """Run ``work``: its result, or the error it raised (reported to every process)."""
+        try:
+            return cls(True, work())
+        except Exception as e:  # raised on every process by Sync.step, not lost
+            return cls(False, error=f"{type(e).__name__}: {e}")
+
+    def encode(self) -> str:
+        return json.dumps({"ok": self.ok, "value": self.value, "error": self.error})
+
+    @classmethod
+    def decode(cls, text: str) -> Outcome:
+        obj = json.loads(text)
+        return cls(bool(obj["ok"]), obj.get("value"), str(obj.get("error", "")))
+
+
+@dataclass
+class Sync:
+    """The step protocol between the processes of one save: each step, every process
+    (or one) posts an :class:`Outcome`; all wait for them (bounded, see
+    below) and all raise the same :class:`SaveError` if any failed.
+    With one process, steps exchange nothing."""
+
+    path: Path
+    kv: Channel = field(default_factory=Channel)
+    prefix: str = ""
+    save_id: int = 0
+    what: str = "multi-process save"  # how failures name the save, and what they say survived
+    intact: str = "the previous file, if any, is intact"
+
+    @property
+    def pid(self) -> int:
+        return self.kv.pid
+
+    @property
+    def n(self) -> int:
+        return self.kv.n
+
+    @classmethod
+    def open(cls, path: Path, what: str = "multi-process save", intact: str = "") -> Sync:
+        """The protocol for one save at ``path`` by every process of the job."""
+        intact = intact or "the previous file, if any, is intact"
+        kv = Channel.open(str(path), SaveError)
+        if kv.n == 1:
+            return cls(path, kv, what=what, intact=intact)
+        save_id = next(_SAVES)
+        return cls(path, kv, f"nnx_save/save/{save_id}", save_id, what, intact)
+
+    def exchange(self, stage: str, mine: Outcome | None, only: int | None = None) -> dict[int, Outcome]:
+        """Post ``mine`` (unless ``None``) for ``stage``; every process's outcome, or ``only``'s."""
+        if self.n == 1:
+            return {0: mine} if mine is not None else {}
+        raw = self.gather(stage, None if mine is None else mine.encode(), only)
+        return {p: Outcome.decode(v) for p, v in raw.items()}
+
+    def step(self, stage: str, mine: Outcome | None, only: int | None = None) -> dict[int, Any]:
+        """Post this process's outcome of ``stage`` (``None``: nothing here, process
+        ``only`` posts for all) and return every process's value; raise the same
+        :class:`SaveError` on every process if any failed."""
+        outcomes = self.exchange(stage, mine, only)
+        failures = {p: o.error for p, o in outcomes.items() if not o.ok}
+        if failures and only is not None:
+            raise SaveError(f"{self.path}: {failures[only]}; {self.intact}", str(self.path))
+        if failures:
+            detail = "; ".join(f"process {p}: {msg}" for p, msg in failures.items())
+            raise SaveError(f"{self.path}: the {self.what} failed ({detail}); {self.intact}", str(self.path))
+        return {p: o.value for p, o in outcomes.items()}
+
+    def gather(self, stage: str, value: str | None, only: int | None = None) -> dict[int, str]:
+        """Post ``value`` (unless ``None``) for ``stage``; wait (bounded) for every
+        process's value, or only process ``only``'s."""
+        want = set(range(self.n)) if only is None else {only}
+        try:
+            return self.kv.gather(f"{self.prefix}/{stage}", value, want, _config.COLLECTIVE_TIMEOUT_S.get())
+        except Unanswered as e:
+            if e.late is None:
+                raise SaveError(
+                    f"{self.path}: lost the JAX coordination service during the {stage!r} step of the {self.what} "
+                    f"({e.reason}); the previous file at the path, if any, is intact",
+                    str(self.path),
+                ) from e
+            if e.seconds is None:
+                raise SaveError(f"{self.path}: process(es) {e.late} posted nothing for the {stage!r} step") from e
+            verb = "load" if "load" in self.what else "save"
+            default = self.what == "multi-process save"
+            intact = "The previous file at the path, if any, is intact" if default else self.intact.capitalize()
+            raise SaveError(
+                f"{self.path}: process(es) {e.late} did not reach the {stage!r} step of the {self.what} "
+                f"within {e.seconds:g} s ({TIMEOUT_ENV}); did one of them die or {verb} something else? {intact}",
+                str(self.path),
+            ) from e
+
+    def forget_previous(self) -> None:
+        """Drop the keys of the previous save: every process has passed it by now."""
+        if self.pid == 0 and self.save_id:
+            self.kv.forget(f"nnx_save/save/{self.save_id - 1}/")

@@ -30,6 +30,7 @@ from ..errors import IndexFileError
 from ..format import _dtypes
 from ..format._units import parse_size
 from ..io import _remote_write
+from ..io._kv import Outcome, Sync
 from ..io._write import (
     TMP_MARKER,
     Entry,
@@ -40,7 +41,7 @@ from ..io._write import (
     order_entries,
     remove_stale_temps,
 )
-from ..save._collective import Outcome, Sync, write_collective
+from ..save._collective import write_collective
 from ..save._write import write_file
 from . import _pod
 from ._index import INDEX_NAME, parse_index

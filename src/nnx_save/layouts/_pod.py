@@ -62,9 +62,10 @@ from ..errors import HeaderError, PieceLayoutError, SaveError, short_repr
 from ..format import _dtypes
 from ..format._header import FileHeader, TensorInfo, encode_header
 from ..io import _files
+from ..io._kv import Outcome, Sync
 from ..io._write import Entry, _write_all, atomic_file, order_entries, spans_processes
 from ..save import _background
-from ..save._collective import Outcome, Sync, agree
+from ..save._collective import agree
 from ..save._write import write_file
 from ._file import read_file_header
 from ._index import MAX_INDEX_BYTES

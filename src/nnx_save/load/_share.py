@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import SaveError, SharedReadError
+from ..io._kv import Outcome, Sync
 from ..layouts._pieces import Box, extents, intersect, whole
-from ..save._collective import Outcome, Sync
 from ._assemble import held_dtype
 from ._report import LoadReport
 from ._target import Target, shard_boxes
