@@ -26,11 +26,11 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from nnx_save.layouts._pieces import Request
 from nnx_save.load._plan import (
     AUTO_MAX_READS,
     PAGE_GAP,
     FilePlan,
-    Request,
     box_runs,
     chunk_runs,
     over_read_by_range,

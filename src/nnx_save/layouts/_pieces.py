@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 from ..format._boxes import Box, extents, intersect, whole
 from ..format._header import TensorInfo
-from ..load._plan import Request
 
-__all__ = ["Box", "Piece", "extents", "intersect", "request", "whole"]
+__all__ = ["Box", "Piece", "Request", "extents", "intersect", "request", "whole"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +26,27 @@ class Piece:
     box: Box
     info: TensorInfo
     process: int = -1
+
+
+@dataclass(frozen=True)
+class Request:
+    """Elements ``box`` (per-dimension ``[start, stop)``) of a C-ordered tensor whose
+    data starts at byte ``base`` of its file, into destination ``dest`` (C-ordered).
+
+    By default the destination is the box itself (shape: the box's extents). A
+    destination of shape ``dest_shape`` takes the box as a sub-box at ``dest_at``
+    (the destination index of the box's first element): the pieces of a tensor
+    stored in several boxes each fill their part of one shard buffer, their runs
+    landing at strided destination offsets.
+    """
+
+    dest: int
+    base: int
+    shape: tuple[int, ...]
+    itemsize: int
+    box: Box
+    dest_shape: tuple[int, ...] | None = None
+    dest_at: tuple[int, ...] | None = None
 
 
 def request(piece: Piece, part: Box, box: Box, dest: int) -> Request:

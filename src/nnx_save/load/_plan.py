@@ -37,12 +37,12 @@ import numpy as np
 
 from ..errors import OptionError
 from ..format._boxes import Box, extents, intersect
+from ..layouts._pieces import Request
 
 __all__ = [
     "AUTO_MAX_READS",
     "PAGE_GAP",
     "FilePlan",
-    "Request",
     "box_runs",
     "chunk_runs",
     "over_read_by_range",
@@ -51,27 +51,6 @@ __all__ = [
 
 PAGE_GAP = 4096  # gaps below a page are always read through: cheaper than another request
 AUTO_MAX_READS = 1024  # the automatic ratio keeps exact reads while they stay this few
-
-
-@dataclass(frozen=True)
-class Request:
-    """Elements ``box`` (per-dimension ``[start, stop)``) of a C-ordered tensor whose
-    data starts at byte ``base`` of its file, into destination ``dest`` (C-ordered).
-
-    By default the destination is the box itself (shape: the box's extents). A
-    destination of shape ``dest_shape`` takes the box as a sub-box at ``dest_at``
-    (the destination index of the box's first element): the pieces of a tensor
-    stored in several boxes each fill their part of one shard buffer, their runs
-    landing at strided destination offsets.
-    """
-
-    dest: int
-    base: int
-    shape: tuple[int, ...]
-    itemsize: int
-    box: Box
-    dest_shape: tuple[int, ...] | None = None
-    dest_at: tuple[int, ...] | None = None
 
 
 def _geometry(
