@@ -29,8 +29,8 @@ from .._pytree import load_file
 from ..errors import ConvertError, DuplicateKeyError, NnxSaveError
 from ..format import _dtypes, _formats
 from ..io._write import Entry
-from ..layouts._hf_index import write_sharded
 from ..layouts._sources import Header, read_header
+from ..save._sharded import write_sharded
 from ..save._write import write_file
 from . import _torchscript
 

@@ -1,5 +1,5 @@
 """The HuggingFace index layout: ``model.safetensors.index.json`` and the files it
-names, local or at a URL (the writer is :mod:`nnx_save.layouts._hf_index`).
+names, local or at a URL (the writer is :mod:`nnx_save.save._sharded`).
 
 The index is validated (:func:`parse_index`: capped size, JSON without a repeated
 key, a ``weight_map`` of plain relative file names under the index's directory),
@@ -9,6 +9,7 @@ tensor byte is read. Every tensor is one whole piece of the file that holds it.
 
 from __future__ import annotations
 
+import json
 import os
 import posixpath
 from collections.abc import Mapping, Sequence
@@ -22,8 +23,9 @@ from ..io import _files, _remote
 from . import _versions
 from ._file import read_file_header, remote_file_header
 from ._layout import Header, LocalFiles, RemoteFiles, load_record, merge
+from ._versions import SAVE_ID_KEY
 
-__all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "parse_index", "read_remote"]
+__all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "file_names", "index_record", "parse_index", "read_remote"]
 
 INDEX_NAME = "model.safetensors.index.json"
 # DeepSeek-scale indexes (tens of thousands of tensors) are a few MiB.
@@ -67,6 +69,22 @@ def _member_url(base: str, name: str, index: str) -> str:
     if (got.scheme, got.netloc) != (want.scheme, want.netloc) or not path.startswith(unquote(want.path)):
         raise IndexFileError(f"{index}: file {name!r} points outside the checkpoint directory {base}/")
     return url
+
+
+def file_names(count: int, prefix: str, taken: set[str], save_id: str) -> list[str]:
+    """The files' names: HuggingFace's when none is taken, else with the save id."""
+    stems = [prefix] if count == 1 else [f"{prefix}-{i:05d}-of-{count:05d}" for i in range(1, count + 1)]
+    plain = [f"{s}.safetensors" for s in stems]
+    return plain if taken.isdisjoint(plain) else [f"{s}.{save_id}.safetensors" for s in stems]
+
+
+def index_record(weight_map: Mapping[str, str], total_size: int, save_id: str) -> bytes:
+    """The bytes of the index naming ``weight_map``'s files, of save ``save_id``."""
+    record = {
+        "metadata": {"total_size": total_size, SAVE_ID_KEY: save_id},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
+    return json.dumps(record, indent=2).encode() + b"\n"
 
 
 def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]:

@@ -3,7 +3,7 @@
 - **one file**: :func:`~nnx_save.save._write.write_file` from one process,
   :func:`~nnx_save.save._collective.write_collective` (one shared file) from several,
   :func:`~nnx_save.io._remote_write.write_remote` for an fsspec URL (one process).
-- **HF index** (``max_shard_size``): :func:`~nnx_save.layouts._hf_index.write_sharded`,
+- **HF index** (``max_shard_size``): :func:`~nnx_save.save._sharded.write_sharded`,
   into a local directory or an fsspec URL from one process; from several, each file
   is written by all of them together and the primary commits the index.
 - **pod** (``save_pod``): one file per process whatever the count, in the same frame
@@ -22,9 +22,9 @@ from .. import _progress
 from ..format._units import parse_size
 from ..io._remote_write import is_destination, write_remote
 from ..io._write import Entry
-from ..layouts._hf_index import write_sharded
 from . import _background
 from ._collective import write_collective
+from ._sharded import write_sharded
 from ._write import write_file
 
 __all__ = ["Writer", "save", "writer"]

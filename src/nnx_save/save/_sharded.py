@@ -18,7 +18,6 @@ loadable. The save id is recorded in the index's ``metadata`` and in every file'
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
@@ -41,11 +40,11 @@ from ..io._write import (
     order_entries,
     remove_stale_temps,
 )
-from ..save._collective import write_collective
-from ..save._write import write_file
-from . import _pod
-from ._index import INDEX_NAME, parse_index
-from ._versions import SAVE_ID_KEY, new_save_id
+from ..layouts import _pod
+from ..layouts._index import INDEX_NAME, file_names, index_record, parse_index
+from ..layouts._versions import SAVE_ID_KEY, new_save_id
+from ._collective import write_collective
+from ._write import write_file
 
 __all__ = ["shard_groups", "write_sharded"]
 
@@ -73,13 +72,6 @@ def shard_groups(entries: Sequence[Entry], max_shard_size: int | str) -> list[li
         groups[-1].append(e)
         size += n
     return groups
-
-
-def _names(count: int, prefix: str, taken: set[str], save_id: str) -> list[str]:
-    """The files' names: HuggingFace's when none is taken, else with the save id."""
-    stems = [prefix] if count == 1 else [f"{prefix}-{i:05d}-of-{count:05d}" for i in range(1, count + 1)]
-    plain = [f"{s}.safetensors" for s in stems]
-    return plain if taken.isdisjoint(plain) else [f"{s}.{save_id}.safetensors" for s in stems]
 
 
 class _Local:
@@ -179,15 +171,13 @@ def write_sharded(
 
     def plan() -> dict[str, Any]:
         save_id, previous = new_save_id(), _committed_files(target)
-        names = _names(len(groups), prefix, previous | target.listing(), save_id)
+        names = file_names(len(groups), prefix, previous | target.listing(), save_id)
         return {"id": save_id, "previous": sorted(previous), "names": names}
 
     agreed = _on_primary(sync, "plan", plan)
     names, previous, meta = agreed["names"], set(agreed["previous"]), {**(metadata or {}), SAVE_ID_KEY: agreed["id"]}
-    index = {
-        "metadata": {"total_size": sum(_nbytes(e) for e in entries), SAVE_ID_KEY: agreed["id"]},
-        "weight_map": dict(sorted((e.key, name) for name, group in zip(names, groups, strict=True) for e in group)),
-    }
+    weight_map = {e.key: name for name, group in zip(names, groups, strict=True) for e in group}
+    index = index_record(weight_map, sum(_nbytes(e) for e in entries), agreed["id"])
     written: list[str] = []
     try:
         for name, group in zip(names, groups, strict=True):
@@ -196,7 +186,7 @@ def write_sharded(
             else:  # every process writes its shards of the file's tensors
                 write_collective(Path(target.root) / name, group, meta)
             written.append(name)
-        _on_primary(sync, "index", lambda: target.commit_index(json.dumps(index, indent=2).encode() + b"\n"))
+        _on_primary(sync, "index", lambda: target.commit_index(index))
     except BaseException:
         target.discard()
         for name in written if sync.pid == 0 else ():
