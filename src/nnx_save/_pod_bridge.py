@@ -1,5 +1,5 @@
 """``save_pod``: a pytree or an NNX model, flattened into entries for the pod writer
-(:func:`nnx_save.layouts._pod.write_pod`, which owns the format)."""
+that :func:`nnx_save.save._dispatch.writer` chooses."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from . import _nnx
 from ._pytree import check_metadata, flatten, leaf_entry
 from .format import _paths
 from .io._write import Entry
-from .layouts._pod import write_pod
+from .layouts._pod import MANIFEST
 from .load._options import DEFAULT, merge
+from .save import _dispatch
 from .save._background import SaveHandle
 from .save._options import SaveOptions
 
@@ -71,7 +72,9 @@ def save_pod(
     """
     how = merge(SaveOptions, options, "save_pod", locals()).unsharded("save_pod writes a pod")  # locals() first
     entries, meta = _entries(tree_or_model, metadata, filter)
-    return write_pod(directory, entries, meta, progress=how.progress, blocking=how.blocking)
+    write = _dispatch.writer(meta, pod=True)
+    handle = _dispatch.save(directory, entries, write, blocking=how.blocking, progress=how.progress)
+    return Path(directory) / MANIFEST if handle is None else handle
 
 
 def _entries(tree_or_model: Any, metadata: Mapping[str, str] | None, filter: Any) -> tuple[list[Entry], dict]:

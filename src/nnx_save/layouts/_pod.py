@@ -1,6 +1,6 @@
 """The pod layout: one shard file per process and a manifest, for saves that
-should not funnel a whole model through one file. Its format, reading and
-writing live here.
+should not funnel a whole model through one file. Its format, reading and the
+commit of its manifest live here; :mod:`nnx_save.save._pod` writes it.
 
 A pod directory holds::
 
@@ -22,13 +22,8 @@ present. The one loading engine fills each box a target sharding needs from the
 pieces it overlaps, this process's own file first; a needed piece in a file that
 is not there (a host-local disk) is an error naming that file.
 
-Writing (:func:`write_pod`) shares the multi-process writer's step protocol
-(:class:`~nnx_save.save._collective.Sync`, structured JSON outcomes): agree on the
-tensors, take the primary's save token, write and post the piece lists, let the
-primary commit the manifest (written last, looping until complete, atomically) and
-only then remove shard files of earlier saves. The ``<token>`` is new for every
-save, so a crash or a full disk leaves the previous manifest and the files it
-names intact; any failure raises the same :class:`SaveError` on every process.
+The manifest is written last (:func:`commit_manifest`), atomically, and only then
+are shard files of earlier saves removed: the ``<token>`` is new for every save.
 
 ``manifest.json``::
 
@@ -43,13 +38,10 @@ names intact; any failure raises the same :class:`SaveError` on every process.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import json
 import math
 import os
 import re
-import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,22 +49,29 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _progress
 from ..errors import HeaderError, PieceLayoutError, SaveError, short_repr
 from ..format import _dtypes
-from ..format._header import FileHeader, TensorInfo, encode_header
+from ..format._header import FileHeader, TensorInfo
 from ..io import _files
-from ..io._kv import Outcome, Sync
-from ..io._write import Entry, _write_all, atomic_file, order_entries, spans_processes
-from ..save import _background
-from ..save._collective import agree
-from ..save._write import write_file
+from ..io._kv import Outcome
+from ..io._write import _write_all, atomic_file
 from ._file import read_file_header
 from ._index import MAX_INDEX_BYTES
 from ._layout import Header, LocalFiles, load_record
 from ._pieces import Box, Piece, extents, whole
 
-__all__ = ["FORMAT", "MANIFEST", "SHARD_FILE", "VERSION", "Manifest", "PodLayout", "check_tiling", "write_pod"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "SHARD_FILE",
+    "VERSION",
+    "Manifest",
+    "PodLayout",
+    "check_tiling",
+    "commit_manifest",
+    "piece_name",
+    "shard_name",
+]
 
 MANIFEST = "manifest.json"
 FORMAT = "nnx_save.pod"
@@ -363,115 +362,27 @@ class PodLayout:
 # --------------------------------------------------------------------------- writing
 
 
-def _shard_name(p: int, n: int, token: str) -> str:
+def shard_name(p: int, n: int, token: str) -> str:
     return f"shard_{p:05d}-of-{n:05d}.{token}.safetensors"
 
 
-def _piece_name(key: str, box: Box, shape: tuple[int, ...]) -> str:
+def piece_name(key: str, box: Box, shape: tuple[int, ...]) -> str:
+    """The name of box ``box`` of tensor ``key`` in a shard file (the key itself when whole)."""
     if box == whole(shape):
         return key
     return f"{key}[{','.join(f'{lo}:{hi}' for lo, hi in box)}]"
 
 
-def _describe_sharding(array: Any) -> str:
-    sharding = getattr(array, "sharding", None)
-    if sharding is None:
-        return "host"
-    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
-    if mesh is not None and spec is not None:
-        return f"NamedSharding(mesh={dict(mesh.shape)}, spec={spec})"
-    return type(sharding).__name__
-
-
-def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
-    """This process's pieces of one entry: ``(sharding text, [(box, entry of the piece's value)])``."""
-    array = e.array
-    if array is None or not spans_processes(array):
-        return _describe_sharding(array), [(whole(e.shape), e)]
-    if not _dtypes.DTYPES[e.code].byte_aligned:
-        raise SaveError(
-            f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be saved "
-            "in pieces. Replicate it before saving",
-            key_path=e.key,
-        )
-    boxes: dict[Box, Any] = {}
-    for shard in array.addressable_shards:  # every distinct box held here, whatever its replica
-        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
-        boxes.setdefault(box, Entry.of(e.key, e.code, extents(box), shard.data))  # staged, snapshotted as any
-    return _describe_sharding(array), sorted(boxes.items())
-
-
-def _local_entries(entries: Sequence[Entry]) -> tuple[list[Entry], list[list[Any]], dict[str, str]]:
-    """Entries of this process's shard file, its piece list, and each tensor's sharding."""
-    out, listing, shardings = [], [], {}
-    for e in entries:
-        shardings[e.key], pieces = _pieces_of(e)
-        for box, piece in pieces:
-            name = _piece_name(e.key, box, e.shape)
-            out.append(dataclasses.replace(piece, key=name, shape=extents(box)))
-            listing.append([e.key, name, [list(b) for b in box]])
-    return out, listing, shardings
-
-
-def write_pod(
-    directory: str | os.PathLike,
-    entries: Sequence[Entry],
-    metadata: Mapping[str, str],
-    *,
-    progress: bool | None = None,
-    blocking: bool = True,
-) -> Path | _background.SaveHandle:
-    """Write ``entries`` (global tensors) as a pod directory from every process:
-    see :func:`nnx_save.save_pod`. This process's pieces are taken now; with
-    ``blocking=False`` they are snapshotted and written in the background, like
-    ``save_file``'s, and a :class:`~nnx_save.SaveHandle` is returned."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    entries = order_entries(entries)
-    local, listing, shardings = _local_entries(entries)
-    names = [(e.key, e.code, e.shape) for e in entries]
-    posted = {"pieces": listing, "shardings": shardings}
-    write = functools.partial(_write, names=names, meta=dict(metadata), posted=posted)
-    with _progress.saving(progress):
-        handle = _background.save(directory, local, write, blocking=blocking)
-    return directory / MANIFEST if handle is None else handle
-
-
-def _write(
-    path: str | os.PathLike, local: Sequence[Entry], *, names: list, meta: dict[str, str], posted: dict[str, Any]
-) -> None:
-    """Every process: agree, write this process's shard file, let the primary commit."""
-    directory = Path(path)
-    sync = Sync.open(directory, what="pod save", intact="the previous save in it, if any, is intact")
-    if sync.n > 1:
-        head, offsets = encode_header(names, meta)
-        agree(sync, head, len(names), offsets[-1][1] if offsets else 0)
-    token = sync.step("token", Outcome(True, secrets.token_hex(4)) if sync.pid == 0 else None, only=0)[0]
-    mine = directory / _shard_name(sync.pid, sync.n, token)
-
-    def write_mine() -> dict[str, Any]:
-        write_file(mine, local, meta)
-        return posted
-
-    try:
-        pieces = sync.step("pieces", Outcome.of(write_mine))
-        committed = _commit(directory, names, meta, pieces, sync.n, token) if sync.pid == 0 else None
-        sync.step("commit", committed, only=0)
-    except SaveError:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(mine)
-        raise
-
-
-def _commit(
+def commit_manifest(
     directory: Path,
     names: Sequence[tuple[str, str, tuple[int, ...]]],
     meta: Mapping[str, str],
     posted: Mapping[int, dict[str, Any]],
-    n: int,
     token: str,
 ) -> Outcome:
-    """Primary: merge the piece lists into the manifest, write it, drop stale shard files."""
+    """Primary: merge the processes' piece lists (``posted``) into the manifest, write
+    it atomically, then remove shard files of earlier saves; the outcome to post."""
+    n = len(posted)
     shardings = posted[0]["shardings"]  # the same on every process: they agreed on the tensors
     tensors: dict[str, dict[str, Any]] = {
         key: {"dtype": code, "shape": list(shape), "sharding": shardings[key], "pieces": []}
@@ -479,20 +390,14 @@ def _commit(
     }
     for p in sorted(posted):
         for key, name, box in posted[p]["pieces"]:
-            tensors[key]["pieces"].append({"file": _shard_name(p, n, token), "name": name, "box": box, "process": p})
-    manifest = {
-        "format": FORMAT,
-        "version": VERSION,
-        "num_processes": n,
-        "metadata": dict(meta),
-        "tensors": tensors,
-    }
+            tensors[key]["pieces"].append({"file": shard_name(p, n, token), "name": name, "box": box, "process": p})
+    manifest = {"format": FORMAT, "version": VERSION, "num_processes": n, "metadata": dict(meta), "tensors": tensors}
     try:
         with atomic_file(directory / MANIFEST) as fd:  # a short write loops: a full disk raises, never truncates
             _write_all(fd, memoryview(json.dumps(manifest, indent=1).encode() + b"\n"))
     except SaveError as e:
         return Outcome(False, error=str(e))
-    keep = {_shard_name(p, n, token) for p in range(n)}
+    keep = {shard_name(p, n, token) for p in range(n)}
     for stale in directory.iterdir():
         if SHARD_FILE.match(stale.name) and stale.name not in keep:
             with contextlib.suppress(FileNotFoundError):

@@ -6,10 +6,11 @@
 - **HF index** (``max_shard_size``): :func:`~nnx_save.save._sharded.write_sharded`,
   into a local directory or an fsspec URL from one process; from several, each file
   is written by all of them together and the primary commits the index.
-- **pod** (``save_pod``): one file per process whatever the count, in the same frame
-  (:func:`save`: the progress setting, blocking or in the background).
+- **pod** (``pod=True``, ``save_pod``): :class:`~nnx_save.save._pod.PodWriter`, one
+  file per process whatever the count, and a manifest.
 
-Every writer follows the one commit rule (DESIGN.md).
+:func:`save` runs the chosen writer in one frame for all: the progress setting,
+blocking or in the background. Every writer follows the one commit rule (DESIGN.md).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ..io._remote_write import is_destination, write_remote
 from ..io._write import Entry
 from . import _background
 from ._collective import write_collective
+from ._pod import PodWriter
 from ._sharded import write_sharded
 from ._write import write_file
 
@@ -32,14 +34,17 @@ __all__ = ["Writer", "save", "writer"]
 Writer = Callable[[str | os.PathLike, Sequence[Entry]], None]
 
 
-def writer(metadata: Mapping[str, str] | None, *, max_shard_size: int | str | None = None) -> Writer:
+def writer(metadata: Mapping[str, str] | None, *, max_shard_size: int | str | None = None, pod: bool = False) -> Writer:
     """The writer for a save: ``writer(path, entries)``, chosen when it runs (the
     process count and the path's transport). ``max_shard_size`` asks for an HF
-    multi-file checkpoint; it is parsed here, where it is given.
+    multi-file checkpoint; it is parsed here, where it is given. ``pod`` asks for a
+    pod directory (``metadata`` then is the manifest's and every shard file's).
 
     Raises:
         OptionError: ``max_shard_size`` is not a size.
     """
+    if pod:
+        return PodWriter(dict(metadata or {}))
     if max_shard_size is None:
         return functools.partial(_one_file, metadata=metadata)
     return functools.partial(write_sharded, metadata=metadata, max_shard_size=parse_size(max_shard_size))
@@ -65,6 +70,9 @@ def save(
     progress: bool | None = None,
 ) -> _background.SaveHandle | None:
     """Run ``write(path, entries)`` with ``progress`` in force: now (``blocking``), or
-    on a host snapshot in the background (see :mod:`._background`)."""
+    on a host snapshot in the background (see :mod:`._background`). A pod writer's
+    pieces are taken first, from the caller's arrays."""
+    if isinstance(write, PodWriter):
+        entries, write = write.pieces(path, entries)
     with _progress.saving(progress):
         return _background.save(path, entries, write, blocking=blocking)
