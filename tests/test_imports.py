@@ -130,6 +130,57 @@ def test_the_package_has_no_import_cycle():
     )
 
 
+# The layers, first to last (DESIGN.md): a module imports only its own layer and
+# earlier ones. errors, _config and _version are the base every module may import.
+# _progress formats byte counts with format._units, so it sits after format (nothing
+# in format draws a progress bar). The package top (the public API) sits with cli,
+# which works on that API only.
+LAYERS = (
+    ("errors", "_config", "_version"),
+    ("format",),
+    ("io", "_progress"),
+    ("layouts",),
+    ("load",),
+    ("save",),
+    ("_pytree", "_nnx", "_lazy", "_pod_bridge", "_porting_bridge"),
+    ("checkpoint", "porting"),
+    ("", "cli", "__main__"),
+)
+# Waived until the branch that owns it lands: errors.py imports checkpoint._format
+# inside UnsupportedCheckpointError (tckpt is removing it this round).
+WAIVED = {("nnx_save.errors", "nnx_save.checkpoint._format")}
+
+
+def layer(module: str) -> int:
+    """The index in :data:`LAYERS` of a module of the package (``nnx_save.io._kv`` -> 2)."""
+    part = module.split(".")[1] if "." in module else ""
+    (rank,) = [i for i, names in enumerate(LAYERS) if part in names]
+    return rank
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for each import of a later layer, sorted."""
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets if layer(t) > layer(m))
+
+
+def test_every_module_has_a_layer_and_imports_point_one_way():
+    graph = import_graph()
+    found = upward_imports({m: {t for t in ts if (m, t) not in WAIVED} for m, ts in graph.items()})
+    assert found == [], "imports of a later layer (LAYERS, DESIGN.md):\n" + "\n".join(found)
+
+
+def test_the_layer_check_sees_a_lazy_upward_import(tmp_path):
+    pkg = tmp_path / "nnx_save"
+    (pkg / "io").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "io" / "__init__.py").write_text("")
+    (pkg / "io" / "_x.py").write_text("def f():\n    from ..save import _write\n    return _write\n")
+    (pkg / "save").mkdir()
+    (pkg / "save" / "__init__.py").write_text("")
+    (pkg / "save" / "_write.py").write_text("from ..io import _x\n")
+    assert upward_imports(import_graph(pkg)) == ["nnx_save.io._x -> nnx_save.save._write"]
+
+
 def _imports_after(code: str) -> set[str]:
     """The top-level modules a fresh interpreter has imported after running ``code``."""
     probe = f"{code}\nimport sys, json\nprint(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"

@@ -17,6 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from .._version import __version__
 from ..errors import OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 
@@ -206,9 +207,7 @@ def _metrics(value: Any) -> dict[str, float]:
 
 def library_versions() -> dict[str, str]:
     """The versions of nnx_save and the libraries it saves through, for the record."""
-    import nnx_save
-
-    versions = {"nnx_save": nnx_save.__version__}
+    versions = {"nnx_save": __version__}
     for dist in _DISTRIBUTIONS:
         try:
             versions[dist] = importlib.metadata.version(dist)
