@@ -179,10 +179,10 @@ class Outcome:
 
 @dataclass
 class Sync:
-    """The step protocol between the processes of one save: each step, every process
-    (or one) posts an :class:`Outcome`; all wait for them (bounded, see
-    below) and all raise the same :class:`SaveError` if any failed.
-    With one process, steps exchange nothing."""
+    """The step protocol between the processes of one save (or shared load): each
+    step, every process (or one) posts an :class:`Outcome`; all wait for them
+    (bounded) and all raise the same :class:`SaveError` if any failed. With one
+    process, steps exchange nothing."""
 
     path: Path
     kv: Channel = field(default_factory=Channel)
@@ -209,18 +209,15 @@ class Sync:
         save_id = next(_SAVES)
         return cls(path, kv, f"nnx_save/save/{save_id}", save_id, what, intact)
 
-    def exchange(self, stage: str, mine: Outcome | None, only: int | None = None) -> dict[int, Outcome]:
-        """Post ``mine`` (unless ``None``) for ``stage``; every process's outcome, or ``only``'s."""
-        if self.n == 1:
-            return {0: mine} if mine is not None else {}
-        raw = self.gather(stage, None if mine is None else mine.encode(), only)
-        return {p: Outcome.decode(v) for p, v in raw.items()}
-
     def step(self, stage: str, mine: Outcome | None, only: int | None = None) -> dict[int, Any]:
         """Post this process's outcome of ``stage`` (``None``: nothing here, process
         ``only`` posts for all) and return every process's value; raise the same
         :class:`SaveError` on every process if any failed."""
-        outcomes = self.exchange(stage, mine, only)
+        if self.n == 1:
+            outcomes = {0: mine} if mine is not None else {}
+        else:
+            raw = self.gather(stage, None if mine is None else mine.encode(), only)
+            outcomes = {p: Outcome.decode(v) for p, v in raw.items()}
         failures = {p: o.error for p, o in outcomes.items() if not o.ok}
         if failures and only is not None:
             raise SaveError(f"{self.path}: {failures[only]}; {self.intact}", str(self.path))
@@ -228,6 +225,13 @@ class Sync:
             detail = "; ".join(f"process {p}: {msg}" for p, msg in failures.items())
             raise SaveError(f"{self.path}: the {self.what} failed ({detail}); {self.intact}", str(self.path))
         return {p: o.value for p, o in outcomes.items()}
+
+    def on_primary(self, stage: str, work: Callable[[], Any]) -> Any:
+        """``work()`` on the primary; its result (or the same :class:`SaveError`) on
+        every process. With one process, ``work()`` itself."""
+        if self.n == 1:
+            return work()
+        return self.step(stage, Outcome.of(work) if self.pid == 0 else None, only=0)[0]
 
     def gather(self, stage: str, value: str | None, only: int | None = None) -> dict[int, str]:
         """Post ``value`` (unless ``None``) for ``stage``; wait (bounded) for every

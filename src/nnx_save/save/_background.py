@@ -2,40 +2,29 @@
 ``save_model(..., blocking=False)``.
 
 The call returns a :class:`SaveHandle` once a consistent host snapshot of every
-tensor exists; writing, hashing, fsync and the atomic rename then run on one
-background thread, in submission order. The caller may continue at once, even with
-jitted steps that donate the saved arrays' buffers: the file holds the values at
-the time of the call.
+tensor exists (:func:`snapshot`); writing, hashing, fsync and the atomic rename then
+run on one background thread, in submission order, so the caller may go on at
+once, even with jitted steps that donate the saved arrays' buffers.
 
-The snapshot (:func:`snapshot`):
+- **jax arrays**: on accelerators the replica-0 addressable shards are copied to the
+  host under the save's byte budget (:mod:`~nnx_save.save._stage`). On the CPU
+  backend ``np.asarray(shard)`` aliases the device buffer and takes an external
+  reference on it, so PJRT refuses to donate that buffer (the step allocates a new
+  output instead): the alias keeps the saved values without a copy
+  (``tests/save/test_async.py`` pins this).
+- **numpy arrays** (the caller may change them later) are copied; **lazily
+  computed values** (porting exports) are computed now.
 
-- **jax arrays** are immutable, so only device memory that may be reused needs
-  copying. On accelerators, the device -> host copies of the replica-0 addressable
-  shards are started ahead under the save's byte budget (:mod:`~nnx_save.save._stage`,
-  ``NNX_SAVE_SAVE_INFLIGHT_BYTES``, default 1 GiB) and completed in order.
-  On the CPU backend ``np.asarray(shard)`` aliases the device buffer and takes an
-  external reference on it; PJRT then refuses to donate that buffer (the jitted
-  step silently allocates a new output instead), so the alias keeps the saved
-  values without any copy (``tests/save/test_async.py`` pins this). The buffer lives
-  until the background write has finished with it.
-- **numpy arrays** are mutable by the caller after the call returns: copied.
-- **lazily computed values** (porting exports) are computed now and copied.
+A cross-process array keeps only this process's replica-0 shards, which is what the
+collective writer reads, so a multi-process save runs its whole protocol on the
+background thread. Saves run in program order on every process and a blocking save
+first waits for the asynchronous ones, so the processes' save ids stay in step.
 
-A cross-process array keeps only this process's replica-0 shards, in the shape the
-collective writer reads (``addressable_shards``), so a multi-process single-file
-save runs its whole protocol (agree, open, write, hash, commit; see
-:mod:`~nnx_save.save._collective`) on the background thread: the commit still happens
-only once every process has written its part. Saves run one after another in
-program order on every process, and a blocking save first waits for the
-asynchronous ones, so the processes' save ids stay in step.
-
-At most :func:`max_in_flight` saves (``NNX_SAVE_MAX_ASYNC_SAVES``, default 2) are
-in flight: a new one first waits for the oldest beyond the bound, which bounds the
-host memory held by snapshots. Errors are never lost: ``result()`` raises them,
-:func:`wait_for_saves` raises those nobody collected, and at interpreter exit the
-unfinished saves are waited for and uncollected failures are logged to the
-``nnx_save`` logger (stderr when logging is not configured). A failed save leaves
-the previous file at its path intact, as a blocking one does.
+At most :func:`max_in_flight` saves are in flight (a new one first waits for the
+oldest), which bounds the host memory snapshots hold. Errors are never lost:
+``result()`` raises them, :func:`wait_for_saves` raises those nobody collected, and
+at interpreter exit unfinished saves are waited for and uncollected failures logged
+to the ``nnx_save`` logger. A failed save leaves the previous file intact.
 """
 
 from __future__ import annotations
@@ -92,7 +81,6 @@ class SaveHandle:
         self.path: Path | str = str(path) if _remote.is_url(path) else Path(path)  # a URL (s3://...) stays a str
         self._finished = threading.Event()
         self._error: BaseException | None = None
-        self._collected = False
 
     def done(self) -> bool:
         """True once the save has finished, successfully or not."""
@@ -135,12 +123,9 @@ def save(
     *,
     blocking: bool,
 ) -> SaveHandle | None:
-    """Run ``write(path, entries)`` now (``blocking``), or on a snapshot in the background.
-
-    A blocking save first waits for every asynchronous one (files at one path land
-    in program order; multi-process saves stay in step). The background one gets
-    the absolute path: the caller may change directory meanwhile.
-    """
+    """Run ``write(path, entries)`` now (``blocking``, after every asynchronous save),
+    or on a snapshot in the background, given the absolute path (the caller may
+    change directory meanwhile)."""
     if blocking:
         _wait_all(None)
         write(path, entries)
@@ -184,8 +169,6 @@ def wait_for_saves(timeout: float | None = None) -> None:
     with _lock:
         failed = list(_uncollected)
         _uncollected.clear()
-    for h in failed:
-        h._collected = True
     if failed:
         error = failed[0]._error
         if len(failed) > 1:
@@ -200,12 +183,8 @@ def wait_for_saves(timeout: float | None = None) -> None:
 
 
 class HostSnapshot:
-    """Host copies of the replica-0 addressable shards of a ``jax.Array``, shaped
-    like the parts of ``jax.Array`` the writers read (``addressable_shards``,
-    ``is_fully_addressable``, ``shape``, ``sharding``).
-
-    ``shards`` are ``(shard, host array)`` pairs: the shard for its index and
-    replica id, the host array for the values."""
+    """Host copies of a ``jax.Array``'s replica-0 addressable shards (``(shard, host
+    array)`` pairs), with the attributes of ``jax.Array`` the writers read."""
 
     def __init__(self, array: Any, shards: list[tuple[Any, np.ndarray]]) -> None:
         self.shape = tuple(array.shape)
@@ -228,12 +207,8 @@ class _HostShard:
 
 
 def snapshot(entries: Sequence[Entry], max_inflight_bytes: int | None = None, where: str = "") -> list[Entry]:
-    """The entries with values that no later step of the caller can change.
-
-    Device -> host copies are started ahead under the save budget
-    (:func:`nnx_save.save._stage.budget`): at most that many bytes of copies are in
-    flight at once, each completed into the snapshot before more are started.
-    """
+    """The entries with values that no later step of the caller can change (device
+    -> host copies in flight bounded by :func:`nnx_save.save._stage.budget`)."""
     sources = [e.array for e in entries]
     window = _stage.Window(sources, [e.key for e in entries], _stage.budget(max_inflight_bytes), where)
     out = []
@@ -300,9 +275,8 @@ def _work() -> None:
 
 
 def _drop_locals(error: BaseException | None) -> None:
-    """Clear the locals of the writer's frames that an error's tracebacks keep
-    (they hold the snapshot), so an error nobody collects does not pin the state
-    in memory; the tracebacks themselves (files, lines) stay."""
+    """Clear the locals (the snapshot) of the frames an error's tracebacks keep, so
+    an uncollected error does not pin the state in memory."""
     seen: set[int] = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
@@ -323,7 +297,6 @@ def _with_path(e: BaseException, path: Path | str) -> BaseException:
 
 def _collect(handle: SaveHandle) -> None:
     with _lock:
-        handle._collected = True
         if handle in _uncollected:
             _uncollected.remove(handle)
 
@@ -347,10 +320,9 @@ def _wait_all(timeout: float | None) -> bool:
 
 
 def _reset_in_child() -> None:
-    """After ``fork``: the child has the parent's pending handles but not its writer
-    thread, so waiting on them (at the next blocking save, ``wait_for_saves`` or
-    exit) would hang forever. Those saves belong to the parent, which finishes them;
-    in the child their handles fail at once, and the queue starts empty."""
+    """After ``fork`` the child has the parent's pending handles but not its writer
+    thread: waiting on them would hang. The parent finishes those saves; in the
+    child their handles fail at once (nothing to report at exit), the queue starts empty."""
     global _lock, _jobs, _worker, _pending, _uncollected
     forked = [h for h in _pending if not h.done()]
     _lock, _jobs, _worker = threading.Lock(), queue.Queue(), None
@@ -361,7 +333,6 @@ def _reset_in_child() -> None:
             "finishes it, this one cannot wait for it",
             str(h.path),
         )
-        h._collected = True  # nothing to report at the child's exit: the parent owns the save
         h._finished = threading.Event()  # a parent thread may have held the old one's lock at the fork
         h._finished.set()
 

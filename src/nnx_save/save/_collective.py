@@ -1,39 +1,27 @@
-"""One standard safetensors file written by many JAX processes at once.
+"""One standard safetensors file written by many JAX processes at once, on a
+filesystem they share (one machine's disk, NFS, Lustre, GPFS ...).
 
 Offsets are a pure function of names, dtypes and shapes, so every process computes
 the same header from the global shapes, and each writes only the bytes it owns:
 
-1. **agree**: every process posts a digest of its header; all compare them, so a
-   process saving different keys, shapes, dtypes or metadata is caught before any
-   byte is written.
-2. **open**: the primary (process 0) creates the temporary file next to the target
-   and sizes it; the others learn its name.
-3. **write**: each process writes the shards of each array it holds with
-   ``replica_id == 0`` (exactly one copy of every element in the whole job) at their
-   byte runs (:func:`~nnx_save.load._plan.box_runs`: one run for a leading-dimension
-   shard, one per row for an inner-dimension split), with positioned writes, then
-   fsyncs. Host values (numpy arrays, scalars, arrays every process holds whole)
-   are written by the primary alone.
-4. **hash**: every process posts ``ok`` or its error. Each tensor's xxh3_64
-   checksum (``nnx_save.checksums`` in ``__metadata__``, see
-   :mod:`~nnx_save.format._checksum`) covers the whole tensor, which no process holds, so
-   the cross-process tensors are shared out and each process hashes its share back
-   from the file; the primary hashed the host values as it wrote them.
+1. **agree**: every process posts a digest of its header, so one saving different
+   keys, shapes, dtypes or metadata is caught before any byte is written.
+2. **open**: the primary (process 0) creates and sizes the temporary file.
+3. **write**: each process writes its replica-0 shards (one copy of every element in
+   the job) at their byte runs (:func:`~nnx_save.load._plan.box_runs`), then fsyncs;
+   host values (numpy arrays, scalars, arrays every process holds whole) are
+   written by the primary alone.
+4. **hash**: a tensor's xxh3_64 checksum (:mod:`~nnx_save.format._checksum`) covers
+   the whole tensor, which no process holds, so the cross-process tensors are shared
+   out and each process hashes its share back from the file.
 5. **commit**: the primary rewrites the header in place with the real digests
    (same length), fsyncs and renames the file over the target. On any failure it
    removes the temporary file and every process raises the same :class:`SaveError`.
 
-The file is byte-identical to a single-process save of the same values.
-
-The steps synchronise through the JAX coordination service's key-value store
-(:mod:`~nnx_save.io._kv`) rather than through device collectives: a collective
-blocks without a timeout, while every wait here is bounded
-(``NNX_SAVE_COLLECTIVE_TIMEOUT_S``, default 1800 s), and a dead peer leaves the
-previous file at the path intact. (With JAX's default settings, the coordination
-service also terminates every process once a peer misses its heartbeats.)
-
-The filesystem must be shared between the processes (a local disk on one machine,
-NFS, Lustre, GPFS ...).
+The file is byte-identical to a single-process save of the same values. The steps
+run over :class:`~nnx_save.io._kv.Sync` rather than device collectives, which block
+without a timeout: every wait is bounded (``NNX_SAVE_COLLECTIVE_TIMEOUT_S``) and a
+dead peer leaves the previous file at the path intact.
 """
 
 from __future__ import annotations
@@ -64,14 +52,10 @@ __all__ = ["agree", "write_collective"]
 _HASH_CHUNK = 64 << 20
 
 
-def _digest(head: bytes) -> str:
-    return hashlib.sha256(head).hexdigest()
-
-
 def agree(sync: Sync, head: bytes, count: int, nbytes: int) -> None:
     """Every process computed the same header (same keys, dtypes, shapes, metadata), or
     every process raises naming what differs; nothing is written before."""
-    mine = {"digest": _digest(head), "tensors": count, "bytes": nbytes, "header": len(head)}
+    mine = {"digest": hashlib.sha256(head).hexdigest(), "tensors": count, "bytes": nbytes, "header": len(head)}
     values = sync.step("agree", Outcome(True, mine))
     sync.forget_previous()
     differ = {p: v for p, v in values.items() if v != values[0]}
@@ -156,10 +140,8 @@ def _staging_sources(entries: Sequence[Entry], primary: bool) -> list[Any]:
 def _write_mine(
     sync: Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]], head: bytes
 ) -> dict[str, str]:
-    """Write this process's part; the digests of the host values it wrote.
-
-    The device -> host copies of the next tensors run while one is written, under
-    the save budget (:mod:`~nnx_save.save._stage`), as in a single-process save."""
+    """Write this process's part (device -> host copies overlapped, under the save
+    budget); the digests of the host values it wrote."""
     digests = {}
     keys = [e.key for e in entries]
     window = _stage.Window(_staging_sources(entries, sync.pid == 0), keys, _stage.budget(), str(sync.path), True)
@@ -199,8 +181,7 @@ def _assign(entries: Sequence[Entry], offsets: list[tuple[int, int]], n: int) ->
 def _hash_back(
     sync: Sync, tmp: Path, entries: Sequence[Entry], offsets: list[tuple[int, int]], data_start: int
 ) -> dict[str, str]:
-    """Digest this process's share of the cross-process tensors, read back from the
-    file: no process holds such a tensor whole, and its checksum covers all of it."""
+    """Digest this process's share of the cross-process tensors, read back from the file."""
     digests = {}
     fd = os.open(tmp, os.O_RDONLY | os.O_CLOEXEC)
     try:

@@ -102,7 +102,7 @@ def _write(
     if sync.n > 1:
         head, offsets = encode_header(names, meta)
         agree(sync, head, len(names), offsets[-1][1] if offsets else 0)
-    token = sync.step("token", Outcome(True, secrets.token_hex(4)) if sync.pid == 0 else None, only=0)[0]
+    token = sync.on_primary("token", lambda: secrets.token_hex(4))
     mine = directory / shard_name(sync.pid, sync.n, token)
 
     def write_mine() -> dict[str, Any]:

@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from ..errors import IndexFileError
 from ..format import _dtypes
 from ..format._units import parse_size
 from ..io import _remote_write
-from ..io._kv import Outcome, Sync
+from ..io._kv import Sync
 from ..io._write import (
     TMP_MARKER,
     Entry,
@@ -174,7 +174,7 @@ def write_sharded(
         names = file_names(len(groups), prefix, previous | target.listing(), save_id)
         return {"id": save_id, "previous": sorted(previous), "names": names}
 
-    agreed = _on_primary(sync, "plan", plan)
+    agreed = sync.on_primary("plan", plan)
     names, previous, meta = agreed["names"], set(agreed["previous"]), {**(metadata or {}), SAVE_ID_KEY: agreed["id"]}
     weight_map = {e.key: name for name, group in zip(names, groups, strict=True) for e in group}
     index = index_record(weight_map, sum(_nbytes(e) for e in entries), agreed["id"])
@@ -186,7 +186,7 @@ def write_sharded(
             else:  # every process writes its shards of the file's tensors
                 write_collective(Path(target.root) / name, group, meta)
             written.append(name)
-        _on_primary(sync, "index", lambda: target.commit_index(index))
+        sync.on_primary("index", lambda: target.commit_index(index))
     except BaseException:
         target.discard()
         for name in written if sync.pid == 0 else ():
@@ -195,13 +195,6 @@ def write_sharded(
     if sync.pid == 0:
         _remove_superseded(target, previous, set(names), prefix)
     return target.index
-
-
-def _on_primary(sync: Sync, stage: str, work: Callable[[], Any]) -> Any:
-    """``work()`` on the primary; its result (or the same :class:`SaveError`) on every process."""
-    if sync.n == 1:
-        return work()
-    return sync.step(stage, Outcome.of(work) if sync.pid == 0 else None, only=0)[0]
 
 
 def _remove_superseded(target: _Local | _Remote, previous: set[str], keep: set[str], prefix: str) -> None:

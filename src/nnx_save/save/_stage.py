@@ -1,25 +1,19 @@
 """Device -> host copies for saving, overlapped with writing, under a byte budget.
 
-On the CPU backend ``np.asarray`` of a single-device ``jax.Array`` aliases its buffer:
-nothing is copied and nothing needs staging. On accelerators every tensor must cross
-to the host before it is written. The writers therefore walk their tensors with a
-:class:`Window`: before writing tensor ``i`` they start the device -> host copies of
-the tensors after it, as many as fit in the byte budget, so the copies run while
-tensor ``i`` goes to the disk. A tensor's host copy is dropped as soon as it is
-written, so the host holds at most ``max(budget, largest tensor)`` bytes of copies
-beyond the caller's arrays, never the whole checkpoint.
+On the CPU backend ``np.asarray`` of a single-device ``jax.Array`` aliases its
+buffer: nothing needs staging. On accelerators the writers walk their tensors with
+a :class:`Window`: before writing tensor ``i`` they start the copies of the tensors
+after it that fit in the budget, so copies run while tensor ``i`` goes to the disk,
+and the host holds at most ``max(budget, largest tensor)`` bytes of copies.
 
-A copy lands in a new array of the device's ``pinned_host`` memory (page-locked: the
-copy engine writes it directly), or ``unpinned_host`` where that is all the device
-offers, made with ``jax.device_put`` (asynchronous: it returns before the copy is
-done). Host-memory copies are new arrays that die with the save; ``copy_to_host_async``
-would instead cache the host copy on the caller's array for as long as the caller
-keeps it (the whole checkpoint after a save), so it is only the fallback for devices
-without host memory spaces.
+A copy lands in a new array of the device's ``pinned_host`` memory (or
+``unpinned_host``), made with an asynchronous ``jax.device_put``: it dies with the
+save. ``copy_to_host_async`` would cache the host copy on the caller's array for as
+long as the caller keeps it, so it is only the fallback for devices without host
+memory spaces.
 
-Testing aid: ``NNX_SAVE_FORCE_HOST_STAGING=1`` stages on the CPU backend too (its
-``pinned_host`` memory is ordinary memory and the copy is real), so the overlapped,
-bounded path runs, and can be measured, without an accelerator.
+``NNX_SAVE_FORCE_HOST_STAGING=1`` stages on the CPU backend too (a testing aid: the
+overlapped, bounded path runs, and can be measured, without an accelerator).
 """
 
 from __future__ import annotations
@@ -55,15 +49,12 @@ Box = tuple[tuple[int, int], ...]
 
 @dataclass(frozen=True)
 class BoxedValue:
-    """An entry's value made from other arrays (a ported export), for a tensor that
-    no process may hold whole.
-
-    ``whole()`` makes the whole host value (the single-process writers call the entry);
-    ``boxes()`` this process's ``(box, host array)`` parts, which over every process
-    hold each element exactly once (the collective writer writes them where they
-    land). ``spanning``: its sources have shards on several processes. Every process
-    calls ``boxes()`` for the same entries in the same order: a fallback may gather.
-    """
+    """An entry's value made from other arrays (a ported export), for a tensor no
+    process may hold whole: ``whole()`` the whole host value (the single-process
+    writers call the entry); ``boxes()`` this process's ``(box, host array)`` parts,
+    over every process each element exactly once (the collective writer's; every
+    process calls it for the same entries in order: a fallback may gather);
+    ``spanning``: its sources have shards on several processes."""
 
     whole: Callable[[], np.ndarray]
     boxes: Callable[[], list[tuple[Box, np.ndarray]]]
@@ -87,20 +78,17 @@ def _forced() -> bool:
 
 
 def own_shards(array: Any) -> list[Any]:
-    """The addressable shards of ``array`` this process writes: those of replica 0
-    (exactly one copy of every element in the whole job)."""
+    """The addressable shards of replica 0: one copy of every element in the job."""
     return [s for s in array.addressable_shards if s.replica_id == 0]
 
 
 def host_shards(array: Any) -> list[tuple[Any, np.ndarray]]:
-    """``(shard, host array)`` for each of :func:`own_shards`, without staging (the
-    CPU backend: ``np.asarray`` aliases the device buffer)."""
+    """``(shard, host array)`` for each of :func:`own_shards`, without staging."""
     return [(s, np.asarray(s.data)) for s in own_shards(array)]
 
 
 def assemble(shape: tuple[int, ...], dtype: np.dtype, parts: Sequence[tuple[Any, np.ndarray]]) -> np.ndarray:
-    """The whole array of ``shape`` on the host from ``(shard, host array)`` pairs
-    that cover it (a shard named by its ``index``)."""
+    """The whole array on the host from ``(shard, host array)`` pairs that cover it."""
     if len(parts) == 1 and parts[0][1].shape == shape:
         return parts[0][1]
     out = np.empty(shape, dtype)
@@ -110,9 +98,8 @@ def assemble(shape: tuple[int, ...], dtype: np.dtype, parts: Sequence[tuple[Any,
 
 
 def staging_bytes(array: Any, spanning: bool = False) -> int:
-    """Host bytes :func:`stage` would copy for ``array``; 0 when it copies nothing
-    (numpy, a CPU-backed jax array, an array spanning processes unless ``spanning``:
-    the collective writer, which writes this process's shards only)."""
+    """Host bytes :func:`stage` would copy for ``array``: 0 for numpy, a CPU-backed
+    jax array, or one spanning processes unless ``spanning`` (the collective writer)."""
     import jax
 
     if not isinstance(array, jax.Array) or array.is_deleted():
@@ -170,16 +157,10 @@ def stage(array: Any, spanning: bool = False) -> Staged | None:
 
 
 class Window:
-    """Copies of the tensors of a sequence started ahead, under a byte budget.
-
-    ``take(i)`` (``i`` increasing) releases the copy taken before, starts the copies
-    of the next tensors while the bytes held stay within ``limit`` (a tensor larger
-    than ``limit`` is copied alone), then returns tensor ``i``'s host value:
-    ``fallback()`` when nothing needed copying (``spanning``: see
-    :func:`staging_bytes`). ``held`` is the bytes of copies
-    started and not yet released, ``peak`` its maximum. A failed copy raises a
-    :class:`SaveError` naming ``where`` and the tensor's key.
-    """
+    """Copies of a sequence of tensors started ahead, under a byte budget ``limit``
+    (a larger tensor is copied alone). ``held``: bytes of copies started and not yet
+    released, ``peak`` its maximum. A failed copy raises a :class:`SaveError` naming
+    ``where`` and the tensor's key."""
 
     def __init__(
         self, arrays: Sequence[Any], keys: Sequence[str], limit: int, where: str, spanning: bool = False
@@ -193,7 +174,9 @@ class Window:
         self.taken: int | None = None
 
     def take(self, i: int, complete: Callable[[Staged], Any], fallback: Callable[[], Any]) -> Any:
-        """Tensor ``i``'s host value: ``complete(staged copy)``, or ``fallback()`` when it needed no copy."""
+        """Tensor ``i``'s host value (``i`` increasing): ``complete(staged copy)``, or
+        ``fallback()`` when it needed no copy; releases the copy taken before and
+        starts the next ones that fit."""
         self._release()
         while self.next < len(self.arrays) and (self.next <= i or self._fits(self.sizes[self.next])):
             if self.sizes[self.next]:
