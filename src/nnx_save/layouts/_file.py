@@ -46,8 +46,7 @@ def read_file_header(path: str | os.PathLike, pinned: _files.Pinned | None = Non
 
 
 def _read_open(fd: int, st: os.stat_result, name: str, pinned: _files.Pinned | None) -> FileHeader:
-    """The header of the regular file open as ``fd`` (``st``: its ``fstat``); ``fd``
-    is kept in ``pinned``, or closed."""
+    """The header of the regular file open as ``fd``; ``fd`` is kept in ``pinned``, or closed."""
     try:
         header = _read_prefix_and_header(fd, st.st_size, name)
     except OSError as e:
@@ -64,9 +63,8 @@ def _read_open(fd: int, st: os.stat_result, name: str, pinned: _files.Pinned | N
 
 
 def read_local(name: str) -> Header | None:
-    """The :class:`Header` of local path ``name`` when it is not a directory (one
-    ``open`` and one ``fstat``, where the registry's look at the path takes several
-    ``stat`` calls first); ``None`` for a directory, whose layout the registry picks.
+    """The :class:`Header` of local path ``name`` in one ``open`` and one ``fstat``;
+    ``None`` for a directory, whose layout the registry picks.
 
     Raises:
         FileNotFoundError: no such file.
@@ -86,6 +84,10 @@ def read_local(name: str) -> Header | None:
     finally:
         if collecting:
             gc.enable()
+    return _header(fh, placement)
+
+
+def _header(fh: FileHeader, placement: LocalFiles) -> Header:
     return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", placement)
 
 
@@ -105,7 +107,7 @@ def remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, str
 def read_remote(url: str, stats: Any) -> Header:
     """The header of the single file at ``url``."""
     fh, ident = remote_file_header(url, stats)
-    return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", RemoteFiles(stats, {url: ident}))
+    return _header(fh, RemoteFiles(stats, {url: ident}))
 
 
 class FileLayout:
@@ -120,5 +122,4 @@ class FileLayout:
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
         placement = LocalFiles()
-        fh = read_file_header(path, placement.pinned)
-        return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", placement)
+        return _header(read_file_header(path, placement.pinned), placement)

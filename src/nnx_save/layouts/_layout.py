@@ -173,8 +173,8 @@ class Header:
 
 
 def load_record(raw: bytes, where: object, what: str, error: type[HeaderError]) -> Any:
-    """The JSON of the record a layout is named by (an index, a manifest), a key
-    repeated at any level refused: ``json.loads`` alone keeps the last in silence.
+    """The JSON of a layout's record (an index, a manifest), refusing a key repeated
+    at any level (``json.loads`` alone keeps the last in silence).
 
     Raises:
         error: naming ``where`` and what is wrong.
@@ -204,11 +204,9 @@ def merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside the block: reading a header of many
-    tensors or pieces, or running the engine, allocates enough small objects to
-    trigger full collections, each walking every live object of the process. What
-    the block allocates is freed by reference counting; the collector's previous
-    state is restored."""
+    """No cyclic garbage collection inside the block: reading many tensors or pieces
+    allocates enough small objects to trigger full collections, each walking every
+    live object of the process; reference counting frees what the block allocates."""
     enabled = gc.isenabled()
     gc.disable()
     try:

@@ -1,24 +1,20 @@
 """The layout registry: which layout a source is, and its validated header.
 
 A source is one ``.safetensors`` file, a directory with a HuggingFace
-``model.safetensors.index.json``, a pod directory (``manifest.json``, see
-:func:`nnx_save.save_pod`), a directory of ``*.safetensors`` files, an explicit
-list of files, or an ``http(s)://`` URL of a file or an index. Each layout is one
-module behind :class:`~nnx_save.layouts._layout.Layout`; :func:`read_header` asks
-them in this order:
+``model.safetensors.index.json``, a pod directory (``manifest.json``), a directory
+of ``*.safetensors`` files, a list of files, or an ``http(s)://`` URL of a file or
+an index. :func:`read_header` asks the layouts in this order:
 
-1. the layouts a directory names by one record, :data:`RECORDS`: a pod manifest,
-   an HF index. At most one may claim a directory: one holding both is refused
-   (:class:`~nnx_save.errors.LayoutConflictError`), never resolved by a rule
-   that would load a stale version in silence;
+1. :data:`RECORDS`, the layouts a directory names by one record (a pod manifest, an
+   HF index). A directory two of them claim is refused
+   (:class:`~nnx_save.errors.LayoutConflictError`), never resolved by a rule that
+   would load a stale version in silence;
 2. any other directory: its ``*.safetensors`` files;
 3. anything else: one file.
 
-A :class:`Header` of local files keeps each file open (in the process-wide pool
-of :mod:`nnx_save.io._files`), and loads from it read through those descriptors:
-when a writer replaces a file between the header read and the data reads, the
-load still reads the file whose header it validated, never the header of one
-version with the bytes of another.
+A :class:`Header` of local files keeps each file open (:mod:`nnx_save.io._files`),
+so a load reads the very files whose headers it validated, even when a writer
+replaces one meanwhile.
 """
 
 from __future__ import annotations
@@ -95,9 +91,8 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
 
 
 def _as_path_spells_it(name: str) -> bool:
-    """Whether ``str(Path(name)) == name`` surely holds (no empty or ``.`` part), so
-    the files a header names are spelled as the layouts below spell them; the
-    others (``a//b``, ``./a``, ``a/``) take that way."""
+    """Whether ``str(Path(name)) == name`` surely holds, so the fast path names files
+    as the layouts below do (``a//b``, ``./a``, ``a/`` take that way)."""
     return bool(name) and "//" not in name and "/." not in name and not name.startswith("./") and name[-1] != "/"
 
 
@@ -128,6 +123,5 @@ def _remote_header(url: str) -> Header:
 
 
 def reader_factory(header: Header) -> Callable[[str], Reader]:
-    """``open_reader(file)`` for the engine: the header's own files (pinned local
-    descriptors, or remote readers pinned to the size and version seen)."""
+    """``open_reader(file)`` for the engine, of the header's own (pinned) files."""
     return header.placement.open_reader

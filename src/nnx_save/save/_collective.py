@@ -45,7 +45,7 @@ from ..io._write import Entry, _write_all, fsync_dir, host_bytes, order_entries,
 from ..load._plan import box_runs
 from . import _stage
 from ._stage import BoxedValue
-from ._write import host_data
+from ._write import final_header, host_data
 
 __all__ = ["agree", "write_collective"]
 
@@ -235,9 +235,7 @@ def write_collective(path: str | os.PathLike, entries: Sequence[Entry], metadata
         written = sync.step("write", Outcome.of(lambda: _write_mine(sync, tmp, entries, offsets, head)))
         hashed = sync.step("hash", Outcome.of(lambda: _hash_back(sync, tmp, entries, offsets, len(head))))
         digests.values.update({k: v for part in (*written.values(), *hashed.values()) for k, v in part.items()})
-        final, _ = encode_header(names, digests.metadata(metadata))
-        if len(final) != len(head):  # cannot happen: hex digits replace hex digits
-            raise SaveError(f"{path}: the checksummed header changed length; nothing was saved", str(path))
+        final = final_header(path, names, digests, metadata, head)
         sync.step("commit", _commit(sync, tmp, final) if sync.pid == 0 else None, only=0)
     except BaseException:
         if sync.pid == 0:

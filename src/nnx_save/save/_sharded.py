@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -52,10 +53,7 @@ log = logging.getLogger("nnx_save")
 
 
 def _nbytes(e: Entry) -> int:
-    n = 1
-    for d in e.shape:
-        n *= d
-    return _dtypes.nbytes_for(_dtypes.DTYPES[e.code], n)
+    return _dtypes.nbytes_for(_dtypes.DTYPES[e.code], math.prod(e.shape))
 
 
 def shard_groups(entries: Sequence[Entry], max_shard_size: int | str) -> list[list[Entry]]:
@@ -65,12 +63,11 @@ def shard_groups(entries: Sequence[Entry], max_shard_size: int | str) -> list[li
     groups: list[list[Entry]] = [[]]
     size = 0
     for e in entries:
-        n = _nbytes(e)
-        if groups[-1] and size + n > limit:
+        if groups[-1] and size + _nbytes(e) > limit:
             groups.append([])
             size = 0
         groups[-1].append(e)
-        size += n
+        size += _nbytes(e)
     return groups
 
 
@@ -132,8 +129,8 @@ class _Remote:
     def commit_index(self, data: bytes) -> None:
         _remote_write.put(self.fs, self.index, lambda f: f.write(data))
 
-    def discard(self) -> None:
-        """Nothing staged: each object is moved into place once complete."""
+    def discard(self) -> None:  # nothing staged: each object is moved into place once complete
+        pass
 
     def remove(self, name: str) -> None:
         with contextlib.suppress(Exception):

@@ -22,7 +22,7 @@ from ..format._header import encode_header
 from ..io._write import Entry, _write_all, atomic_file, host_bytes, order_entries
 from . import _stage
 
-__all__ = ["host_data", "write_file"]
+__all__ = ["final_header", "host_data", "write_file"]
 
 # Below this a tensor is hashed on the writing thread: waking a helper thread costs
 # more than hashing a small tensor (most tensors of a model: norms, biases).
@@ -74,10 +74,7 @@ def write_file(
                     _write_all(fd, data)
                 bar.update(len(data), 1)
                 del data
-            final, _ = encode_header(names, digests.metadata(metadata))
-            if len(final) != len(head):  # cannot happen: hex digits replace hex digits
-                raise SaveError(f"{path}: the checksummed header changed length; nothing was saved", str(path))
-            _write_all(fd, memoryview(final), 0)
+            _write_all(fd, memoryview(final_header(path, names, digests, metadata, head)), 0)
     finally:
         window.close()
         bar.close()
@@ -92,6 +89,16 @@ def write_file(
         total / seconds / 1e6 if seconds else 0.0,
         window.peak,
     )
+
+
+def final_header(
+    path: str | os.PathLike, names: list, digests: _checksum.Digests, metadata: Mapping[str, str] | None, head: bytes
+) -> bytes:
+    """The header with the real digests, as long as ``head`` (its placeholder twin)."""
+    final, _ = encode_header(names, digests.metadata(metadata))
+    if len(final) != len(head):  # cannot happen: hex digits replace hex digits
+        raise SaveError(f"{path}: the checksummed header changed length; nothing was saved", str(path))
+    return final
 
 
 def host_data(window: _stage.Window, i: int, e: Entry, path: str | os.PathLike, size: int) -> memoryview:
