@@ -45,11 +45,9 @@ def save_pod(
         directory: the pod directory (created if needed; must be shared by all processes).
         metadata: string -> string pairs for the manifest and every shard file.
         filter: an NNX filter, for a model (``nnx.Param``: parameters only).
-        progress: a progress bar on stderr when it is a terminal: ``None`` above
-            256 MiB, ``True`` always, ``False`` never.
-        blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
-            of this process's pieces is taken; the files are written in the
-            background (see docs/async.md), on every process in program order.
+        progress: a progress bar on stderr (see :class:`SaveOptions`).
+        blocking: ``False`` returns a :class:`SaveHandle` once a host snapshot of this
+            process's pieces is taken, and writes in the background (docs/async.md).
         options: a :class:`SaveOptions` (``progress`` and ``blocking`` are its
             shortcuts: a keyword may set a field ``options`` leaves at its default).
 

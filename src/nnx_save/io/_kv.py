@@ -8,7 +8,8 @@ a timeout). Keys are deleted once every reader is done with them, so a job that
 agrees on something every training step does not grow the store. jax has no public
 handle on that store (``jax._src.distributed.global_state.client`` since jax 0.4):
 a jax without it exchanges through the public ``process_allgather`` instead (a
-device collective: no deadline, no keys).
+device collective: no deadline, no keys). :class:`Sync` runs the steps of one
+save or shared load over a :class:`Channel`.
 """
 
 from __future__ import annotations

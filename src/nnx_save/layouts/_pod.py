@@ -8,19 +8,15 @@ A pod directory holds::
     shard_00000-of-00002.<token>.safetensors    process 0's pieces
     shard_00001-of-00002.<token>.safetensors    process 1's pieces
 
-Each shard file is a standard safetensors file (validated header, checksums): its
-tensors are *pieces*, each one box of a global tensor (``embed[0:32,0:64]``), or a
-whole tensor. A process writes every distinct box its own devices hold (for arrays
-split across processes) and every value it holds whole (host arrays, scalars), so
-a load on the same process layout reads only its own file.
+Each shard file is a standard safetensors file whose tensors are *pieces*: one box
+of a global tensor (``embed[0:32,0:64]``) or a whole tensor. A process writes every
+distinct box its devices hold and every value it holds whole, so a load on the same
+process layout reads only its own file.
 
-Reading (:class:`PodLayout`): the manifest is validated before any byte is read
-(JSON without a repeated key; for every tensor its pieces lie inside the shape, are
-pairwise disjoint, a box listed by several processes being one replicated piece,
-and cover it exactly: :func:`check_tiling`), then the header of every shard file
-present. The one loading engine fills each box a target sharding needs from the
-pieces it overlaps, this process's own file first; a needed piece in a file that
-is not there (a host-local disk) is an error naming that file.
+:class:`PodLayout` validates the manifest before any byte is read (no repeated JSON
+key; every tensor's distinct pieces inside its shape, disjoint, covering it:
+:func:`check_tiling`), then the header of every shard file present. A needed piece
+in a file that is not there (a host-local disk) is an error naming that file.
 
 The manifest is written last (:func:`commit_manifest`), atomically, and only then
 are shard files of earlier saves removed: the ``<token>`` is new for every save.

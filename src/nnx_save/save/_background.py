@@ -166,9 +166,7 @@ def wait_for_saves(timeout: float | None = None) -> None:
         raise TimeoutError(
             f"asynchronous saves still running after {timeout:g} s: {[str(h.path) for h in _unfinished()]}"
         )
-    with _lock:
-        failed = list(_uncollected)
-        _uncollected.clear()
+    failed = _take_uncollected()
     if failed:
         error = failed[0]._error
         if len(failed) > 1:
@@ -295,6 +293,14 @@ def _with_path(e: BaseException, path: Path | str) -> BaseException:
     return error
 
 
+def _take_uncollected() -> list[SaveHandle]:
+    """The failed saves nobody collected, each handed out once."""
+    with _lock:
+        failed = list(_uncollected)
+        _uncollected.clear()
+    return failed
+
+
 def _collect(handle: SaveHandle) -> None:
     with _lock:
         if handle in _uncollected:
@@ -350,9 +356,7 @@ def _at_exit() -> None:
             ", ".join(str(h.path) for h in running),
         )
         _wait_all(None)
-    with _lock:
-        failed = list(_uncollected)
-        _uncollected.clear()
+    failed = _take_uncollected()
     for h in failed:
         log.error(
             "nnx_save: the asynchronous save to %s failed and nobody collected its error "

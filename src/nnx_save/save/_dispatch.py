@@ -9,8 +9,8 @@
 - **pod** (``pod=True``, ``save_pod``): :class:`~nnx_save.save._pod.PodWriter`, one
   file per process whatever the count, and a manifest.
 
-:func:`save` runs the chosen writer in one frame for all: the progress setting,
-blocking or in the background. Every writer follows the one commit rule (DESIGN.md).
+:func:`save` runs it (progress, blocking or in the background). Every writer
+follows the one commit rule (DESIGN.md).
 """
 
 from __future__ import annotations

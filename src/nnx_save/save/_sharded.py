@@ -2,17 +2,13 @@
 plus ``model.safetensors.index.json`` (``metadata.total_size`` and ``weight_map``),
 in a local directory or at an fsspec URL (``s3://``, ``memory://`` ...).
 
-Written under the one commit rule. The data files come first, each complete under
-a name no committed file has: the HuggingFace names when they are free, otherwise
-the same names with the save id before the extension
-(``model-00001-of-00002.1a2b3c4d.safetensors``). Then the index, replaced
-atomically, commits the save; only after that are the previous version's files (and
-a pod layout's manifest and shard files, in a directory saved over a pod) removed.
-A failure before the commit (a full disk, an error in a value) removes this save's
-files and leaves the previous checkpoint exactly as it was; a crash leaves it
-loadable. The save id is recorded in the index's ``metadata`` and in every file's
-``__metadata__``, so a reader can tell a mix of two saves (see
-:mod:`~nnx_save.layouts._versions`). transformers reads the result as its own.
+Written under the one commit rule: the data files first, under names no committed
+file has (:func:`~nnx_save.layouts._index.file_names`); then the index, replaced
+atomically; only then the previous version's files (and a pod's manifest and shard
+files, in a directory saved over a pod) are removed. A failure before the commit
+removes this save's files and leaves the previous checkpoint as it was. The save id
+in the index and every file lets a reader tell a mix of two saves
+(:mod:`~nnx_save.layouts._versions`). transformers reads the result as its own.
 """
 
 from __future__ import annotations
