@@ -73,10 +73,6 @@ def budget(value: int | None = None) -> int:
     return _config.SAVE_INFLIGHT_BYTES.get()
 
 
-def _forced() -> bool:
-    return _config.FORCE_HOST_STAGING.get()
-
-
 def own_shards(array: Any) -> list[Any]:
     """The addressable shards of replica 0: one copy of every element in the job."""
     return [s for s in array.addressable_shards if s.replica_id == 0]
@@ -107,7 +103,7 @@ def staging_bytes(array: Any, spanning: bool = False) -> int:
     if not spanning and not array.is_fully_addressable:  # HostValue() refuses it with the reason
         return 0
     shards = own_shards(array)
-    if not _forced() and all(s.device.platform == "cpu" for s in shards):
+    if not _config.FORCE_HOST_STAGING.get() and all(s.device.platform == "cpu" for s in shards):
         return 0
     return sum(int(s.data.nbytes) for s in shards)
 
