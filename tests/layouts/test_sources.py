@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save import errors
-from nnx_save.layouts._sources import INDEX_NAME
+from nnx_save.layouts._index import INDEX_NAME
 
 
 def write_raw(path, header: dict | bytes, data: bytes = b"", size: int | None = None):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import nnx_save
-from nnx_save.layouts._sources import MAX_INDEX_BYTES
+from nnx_save.layouts._index import MAX_INDEX_BYTES
 
 INDEX = "model.safetensors.index.json"
 

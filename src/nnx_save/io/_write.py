@@ -2,19 +2,14 @@
 bytes as the format stores them, the write-everything loop, temporary names and the
 atomic replace.
 
-A file is written under a temporary name in the target's directory, fsynced,
-renamed over the target and the directory fsynced: a crash at any moment leaves
-either the previous file or the new one. The temporary file is created with mode
-0o666 under the caller's umask, so the final file has the mode a plain ``open()``
-would give it. Saving makes a new inode: when an existing file is replaced, its
-mode, owner and hard links are not carried over (the umask decides, as for a new
-file), unlike ``open(path, "w")`` on it.
+A file is written under a temporary name beside its target, fsynced, renamed over
+it and the directory fsynced: a crash leaves the previous file or the new one. The
+new inode gets mode 0o666 under the umask, as a plain ``open()`` would (the old
+file's mode, owner and hard links are not carried over).
 
-Temporary names carry the host name (with the PID namespace on Linux) and the
-process id (``.<name>.nnx_save-tmp-<host>-<pid>-<random>``). A process killed mid-save
-(SIGKILL, OOM killer, power loss) cannot remove its temporary file, so the next
-save of the same target removes the ones whose process is dead on this host;
-those of other hosts (a shared filesystem) and of live processes are left alone.
+Temporary names (``.<name>.nnx_save-tmp-<host>-<pid>-<random>``) carry the host (with
+its PID namespace) and process id, so the next save of a target removes those of
+dead processes of this host; other hosts' and live processes' are left alone.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The single-file layout: one ``.safetensors`` file, local or at a URL.
-
-Each header is read with two positioned reads (the 8-byte prefix, then the JSON;
-a URL in at most two ranged requests) and validated whole before any tensor byte
-is read. Every tensor is one whole piece of that file. The other layouts read their
-member files with :func:`read_file_header` too; the registry tries a local path with
-:func:`read_local` first (one ``open`` and ``fstat`` for the file's whole open).
+"""The single-file layout: one ``.safetensors`` file, local or at a URL, its header
+read in two positioned reads (a URL: at most two ranged requests) and validated
+whole before any tensor byte; every tensor is one whole piece of it.
 """
 
 from __future__ import annotations

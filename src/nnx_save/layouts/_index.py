@@ -1,10 +1,7 @@
 """The HuggingFace index layout: ``model.safetensors.index.json`` and the files it
-names, local or at a URL (the writer is :mod:`nnx_save.save._sharded`).
-
-The index is validated (:func:`parse_index`: capped size, JSON without a repeated
-key, a ``weight_map`` of plain relative file names under the index's directory),
-then every file's header, then the index against the files both ways, before any
-tensor byte is read. Every tensor is one whole piece of the file that holds it.
+names, local or at a URL (written by :mod:`nnx_save.save._sharded`). The index
+(:func:`parse_index`), every file's header, and the index against the files both
+ways are validated before any tensor byte is read.
 """
 
 from __future__ import annotations

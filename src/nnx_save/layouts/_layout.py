@@ -1,11 +1,6 @@
-"""The layout contract: what every on-disk layout tells the one loading engine.
-
-A :class:`Layout` (single file, HF index, directory, list, pod) recognises its
-sources and reads them into a :class:`Header`: every tensor validated, and a
-:class:`Placement` that says which pieces of which files make each tensor and how
-to open those files. A layout never reads tensor data itself: the engine plans,
-reads and assembles pieces for every layout alike. The registry that picks the
-layout is :func:`nnx_save.layouts._sources.read_header`.
+"""The layout contract: a :class:`Layout` reads its sources into a :class:`Header`
+(every tensor validated) whose :class:`Placement` says which pieces of which files
+make each tensor and how to open them; the one engine reads pieces for all.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""What a layout says: "this tensor is these pieces at (file, byte range, box)".
-
-Every layout (a single file, an HF index, a directory, a list, a pod manifest, a
-URL) reduces to :class:`Piece` s: a box of a global tensor, stored as one tensor
-of one file. A single-file tensor is one piece whose box is the whole tensor; a
-pod directory's tensors are the boxes each process wrote. The loading engine
-plans, reads and assembles pieces and nothing else.
+"""What a layout says: "this tensor is these pieces at (file, byte range, box)", and
+the :class:`Request` that reads part of a piece (the planner's input).
 """
 
 from __future__ import annotations

@@ -29,13 +29,11 @@ from ..io._reader import Reader
 from . import _file, _index
 from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout
-from ._index import INDEX_NAME, MAX_INDEX_BYTES, IndexLayout
+from ._index import INDEX_NAME, IndexLayout
 from ._layout import Header, Layout, gc_paused
 from ._pod import MANIFEST, PodLayout
 
 __all__ = [
-    "INDEX_NAME",
-    "MAX_INDEX_BYTES",
     "RECORDS",
     "Header",
     "layout_of",

@@ -1,11 +1,8 @@
-"""One version per load of a multi-file checkpoint.
-
-Every save of a multi-file layout draws a fresh save id and records it in the record
-that names the files (the index's ``metadata``) and in each file's ``__metadata__``.
-A reader that finds files of another save than its index's, or a file gone that the
-index names while the index was replaced under it, raced a writer: it gets an
-:class:`~nnx_save.errors.IndexChangedError` telling it to load again, never a mix.
-Files written by other tools carry no save id and are not checked.
+"""One version per load of a multi-file checkpoint: every save draws a fresh save id,
+recorded in the index's ``metadata`` and each file's ``__metadata__``. A reader that
+finds files of another save, or a file gone while the index was replaced, raced a
+writer: an :class:`~nnx_save.errors.IndexChangedError` tells it to load again,
+never a mix. Files of other tools carry no save id and are not checked.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Device -> host copies for saving, overlapped with writing, under a byte budget.
 
-On the CPU backend ``np.asarray`` of a single-device ``jax.Array`` aliases its
-buffer: nothing needs staging. On accelerators the writers walk their tensors with
-a :class:`Window`: before writing tensor ``i`` they start the copies of the tensors
-after it that fit in the budget, so copies run while tensor ``i`` goes to the disk,
-and the host holds at most ``max(budget, largest tensor)`` bytes of copies.
-
-A copy lands in a new array of the device's ``pinned_host`` memory (or
-``unpinned_host``), made with an asynchronous ``jax.device_put``: it dies with the
-save. ``copy_to_host_async`` would cache the host copy on the caller's array for as
-long as the caller keeps it, so it is only the fallback for devices without host
-memory spaces.
-
-``NNX_SAVE_FORCE_HOST_STAGING=1`` stages on the CPU backend too (a testing aid: the
-overlapped, bounded path runs, and can be measured, without an accelerator).
+On the CPU backend ``np.asarray`` of a jax array aliases its buffer: nothing is
+staged. On accelerators a :class:`Window` starts the copies of the next tensors
+that fit the budget while one is written, so the host holds at most
+``max(budget, largest tensor)`` bytes of copies. A copy is a new ``pinned_host``
+(or ``unpinned_host``) array made by an asynchronous ``jax.device_put``, dying with
+the save (``copy_to_host_async`` would cache it on the caller's array: only the
+fallback). ``NNX_SAVE_FORCE_HOST_STAGING=1`` stages on CPU too (a testing aid).
 """
 
 from __future__ import annotations
