@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ShapeMismatchError
 from ..layouts._pieces import Box, extents
-from ._assemble import held_dtype, host_view, place
+from ._assemble import held_dtype, place
 from ._target import Target, shard_boxes
 
 __all__ = ["BoxedTargets"]
@@ -90,7 +90,7 @@ class BoxedTargets:
         assert t.transform is not None
         held, pieces = held_dtype(t), []
         for box, devices, feeds in plan.boxes:
-            regions = [_region(engine, i) for i in feeds]
+            regions = [engine.host(i) for i in feeds]
             value = np.asarray(t.transform.from_boxes(box, regions))
             if value.shape != extents(box):
                 raise ShapeMismatchError(
@@ -104,8 +104,3 @@ class BoxedTargets:
                 engine.dests[index].buffer = None  # released once every target it feeds exists
         engine.results[t.path] = place(t, pieces)
         engine.bar.update(items=1)
-
-
-def _region(engine: Any, index: int) -> np.ndarray:
-    d = engine.dests[index]
-    return host_view(d.buffer, engine.header.tensors[d.key], d.box)
