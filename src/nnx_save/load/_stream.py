@@ -1,29 +1,22 @@
 """Streaming onto accelerators: bounded, reused staging buffers; host memory is the
 in-flight budget, not the checkpoint.
 
-On backends whose arrays do not adopt host memory (every accelerator), reading a
-whole shard into a host buffer and then putting it on its device would hold the
-checkpoint in host memory. Instead each destination shard is cut into *slabs*
-(boxes of at most one staging buffer, cut on its leading dimensions), slabs are
-grouped into *batches* in file order, and a few workers each take a batch, read it
-into a staging buffer from a bounded pool, send every slab to its device(s) as
-soon as the reads complete, wait for those transfers (``block_until_ready``) and
-hand the buffer back for the next batch, while the other workers read. Batches of
-different files interleave, so several files are read at once under one budget.
+Each destination shard is cut into *slabs* (boxes of at most one staging buffer, cut
+on its leading dimensions), slabs are grouped into *batches* in file order, and a few
+workers each take a batch, read it into a staging buffer from a bounded pool, send
+every slab to its device(s), wait for those transfers and hand the buffer back, while
+the other workers read. Batches of different files interleave, so several files are
+read at once under one budget.
 
-A shard that fits one slab is its transfer (cast to the held dtype on the device).
-A larger shard is assembled on its device: a device buffer updated in place, under
-donation, by ``jax.lax.dynamic_update_slice`` at each slab's offset.
+A shard that fits one slab is its transfer (cast to the held dtype on the device); a
+larger one is assembled on its device, ``jax.lax.dynamic_update_slice`` at each slab's
+offset into a donated buffer.
 
-Staging memory is pluggable (:func:`allocator`): ``"pinned"`` buffers live in jax's
-``pinned_host`` memory kind (page-locked, so the DMA engine reads them directly);
-``"pageable"`` ones are ordinary aligned numpy memory. Host memory beyond the
-results is the pool (``max_inflight_bytes`` at most) plus, read on the host path
-as before, sub-byte (packed) tensors, porting transforms' whole sources and numpy
-targets.
-
-Forced on the CPU backend (``stream=True`` or ``NNX_SAVE_STREAM=1``) the same path
-runs there: a testing aid, since on CPU the arrays themselves are host memory.
+Staging memory (:func:`allocator`) is ``"pinned"`` (jax's page-locked ``pinned_host``
+memory kind, which the DMA engine reads directly) or ``"pageable"`` (aligned numpy
+memory). Sub-byte tensors, porting transforms' whole sources and numpy targets are read
+on the host path. Forced on the CPU backend (``stream=True`` or ``NNX_SAVE_STREAM=1``),
+the same path runs there: a testing aid.
 """
 
 from __future__ import annotations
@@ -54,7 +47,6 @@ if TYPE_CHECKING:
 __all__ = ["StagingPool", "StreamEngine", "allocator", "run", "slabs"]
 
 ALIGN = 64
-MIN_STAGING = 1 << 20
 MAX_STAGING = 64 << 20  # per buffer: small enough that transfers overlap the next reads
 
 
@@ -305,29 +297,19 @@ class _Streamer:
                 sub = intersect(part, slab.box)
                 if sub is not None:
                     by_file.setdefault(piece.info.file, []).append(request(piece, sub, slab.box, n))
-        opt = self.engine.opt
+        opt, bar, budget = self.engine.opt, self.engine.bar, self.engine.budget
+        on_chunk = bar.update if bar.active else None
         for file, requests in by_file.items():
             plan = plan_file(requests, max_over_read_ratio=opt.max_over_read_ratio, chunk_bytes=opt.chunk_bytes)
-            bar = self.engine.bar
-            execute(
-                self.reader(file),
-                plan,
-                views,
-                budget=self.engine.budget,
-                num_threads=1,
-                on_chunk=bar.update if bar.active else None,
-                cancel=self.cancel,
-            )
+            execute(self.reader(file), plan, views, budget=budget, num_threads=1, on_chunk=on_chunk, cancel=self.cancel)
             self.note(file, plan)
         if opt.verify:
             self.verify(batch, views)
 
     def note(self, file: str, plan: FilePlan) -> None:
-        """Add one batch's plan to its file's statistics; where the automatic ratio
-        chose to read through (above 1), also the bytes it read through per tensor,
-        for the over-read warning. Plans at ratio 1 only read through gaps under a
-        page, which small staging buffers (slabs cut mid-page) repeat batch after
-        batch: the staging size's cost, not the ratio's trade the warning names."""
+        """Add one batch's plan to its file's statistics, and where the automatic ratio
+        read through (above 1) the bytes per tensor, for the over-read warning (at ratio
+        1 only sub-page gaps are read: the staging size's cost, not the ratio's)."""
         extra = None
         if self.engine.opt.max_over_read_ratio is None and plan.ratio > 1.0 and plan.read_bytes > plan.needed_bytes:
             extra = self.engine.read_through(file, plan)
