@@ -21,6 +21,7 @@ the destination in place. The devices' platform picks how bytes land
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -95,8 +96,7 @@ class Dest:
 
 def _check(header: Header, t: Target, report: LoadReport) -> bool:
     """Record what is wrong with ``t``; True if it can be loaded."""
-    absent = [k for k in t.sources if k not in header.tensors]
-    if absent or not t.sources:
+    if not t.sources or any(k not in header.tensors for k in t.sources):
         report.missing.append(t.path)
         return False
     if t.transform is None:
@@ -108,13 +108,9 @@ def _check(header: Header, t: Target, report: LoadReport) -> bool:
     if tuple(shape) != tuple(t.shape):
         report.shape_mismatches.append(ShapeMismatch(t.path, tuple(t.shape), tuple(shape), t.sources[0]))
         return False
-    held = held_dtype(t)
+    held, wanted = held_dtype(t), np.dtype(t.dtype)
     if np.dtype(dtype) != held:
-        model = (
-            str(held)
-            if held == np.dtype(t.dtype)
-            else f"{held} (the model's {np.dtype(t.dtype)}: jax_enable_x64 is off)"
-        )
+        model = str(held) if held == wanted else f"{held} (the model's {wanted}: jax_enable_x64 is off)"
         report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
     return True
 
@@ -153,10 +149,7 @@ class Engine:
             elif not self.boxed.add(self, t):
                 self.pending.append(t)
                 report.io.read_whole.append(t.path)
-        self.refs: dict[str, int] = {}
-        for t in self.pending:
-            for k in t.sources:
-                self.refs[k] = self.refs.get(k, 0) + 1
+        self.refs = collections.Counter(k for t in self.pending for k in t.sources)  # source -> transforms to run
         for key in self.refs:
             self.add("", key, whole(header.tensors[key].shape), [None], False)
         self.over_reads: list[str] = []

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from .. import _config
 from ..errors import OptionError
 
-__all__ = ["DEFAULT", "STAGING_KINDS", "LoadOptions", "check", "is_int", "merge"]
+__all__ = ["DEFAULT", "LoadOptions", "check", "merge"]
 
 STAGING_KINDS = ("auto", "pinned", "pageable")
 Opts = TypeVar("Opts")
@@ -161,12 +161,8 @@ class LoadOptions:
         size = self.staging_bytes
         check(_optional(size, is_int(size, 1)), "staging_bytes", "a positive int (bytes)", size)
         check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
-        check(
-            self.share_reads is None or isinstance(self.share_reads, bool),
-            "share_reads",
-            "None, True or False",
-            self.share_reads,
-        )
+        shared = self.share_reads
+        check(_optional(shared, isinstance(shared, bool)), "share_reads", "None, True or False", shared)
 
     @property
     def threads(self) -> int:

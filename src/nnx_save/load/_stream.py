@@ -101,10 +101,6 @@ def slabs(box: Box, itemsize: int, size: int) -> list[Box]:
 # --------------------------------------------------------------------------- staging memory
 
 
-def _pageable(nbytes: int) -> tuple[np.ndarray, Any]:
-    return aligned_empty(nbytes, ALIGN), None
-
-
 def _pinned(device: Any) -> Callable[[int], tuple[np.ndarray, Any]]:
     """Staging buffers in jax's ``pinned_host`` memory of ``device``'s backend: a jax
     array kept alive as the owner, written through its host address."""
@@ -125,8 +121,8 @@ def _pinned(device: Any) -> Callable[[int], tuple[np.ndarray, Any]]:
 
 def allocator(kind: str, device: Any) -> Callable[[int], tuple[np.ndarray, Any]]:
     """``allocate(nbytes) -> (writable uint8 buffer, owner to keep alive)`` for staging
-    ``kind`` (``"pinned"`` or ``"pageable"``)."""
-    return _pinned(device) if kind == "pinned" else _pageable
+    ``kind`` (``"pinned"`` or ``"pageable"``: aligned numpy memory, no owner)."""
+    return _pinned(device) if kind == "pinned" else lambda nbytes: (aligned_empty(nbytes, ALIGN), None)
 
 
 class StagingPool:
@@ -242,10 +238,9 @@ def _updater():
 
 
 class _Streamer:
-    def __init__(self, engine: StreamEngine, streamed: list[int], pool: StagingPool, workers: int) -> None:
-        self.engine, self.pool, self.workers = engine, pool, workers
+    def __init__(self, engine: StreamEngine, streamed: list[int], pool: StagingPool) -> None:
+        self.engine, self.pool = engine, pool
         batches = _plan_batches(engine, streamed, pool.size)
-        self.count = len(batches)
         self.batches = iter(batches)
         self.shards = {i: _Shard() for i in streamed}
         for batch in batches:
@@ -422,7 +417,7 @@ def run(engine: StreamEngine, streamed: list[int], kind: str, device: Any) -> di
     workers, size = _shape(engine.opt, host_devices=device.platform == "cpu")
     pool = StagingPool(workers, size, allocator(kind, device))
     engine.staging = pool
-    streamer = _Streamer(engine, streamed, pool, workers)
+    streamer = _Streamer(engine, streamed, pool)
     try:
         threads = [threading.Thread(target=streamer.guarded, name=f"nnx_save-stream-{n}") for n in range(workers)]
         for t in threads:
