@@ -19,14 +19,11 @@ batched for local files: one task checks consecutive ones with a few numpy
 operations and reads each with one ``pread``, holding the batch's bytes against the
 budget. (The crossover figures: docs/performance.md.)
 
-Each chunk is one sequential read of exactly ``[chunk_start, chunk_end)``; a run a
-chunk boundary cuts is clipped to each chunk's part. Before a chunk is read its
-runs are checked against their destination buffers (the table path writes through
-raw addresses). Every chunk holds its byte count against the shared
-:class:`Budget` while it is being read, so bytes in flight never exceed
-``max_inflight_bytes``; host memory beyond the destination buffers is the
-per-thread scratch and iovec tables (a few MiB) and, for scatter reads from
-remote readers, the chunk being read.
+Each chunk is one sequential read of exactly ``[chunk_start, chunk_end)``, its runs
+checked against their destination buffers first (reads write through raw addresses),
+its byte count held against the shared :class:`Budget` while it is read: host memory
+beyond the destination buffers is the per-thread scratch and iovec tables (a few MiB)
+and, for scatter reads from remote readers, the chunk being read.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """Pure planning: shard boxes -> byte runs -> coalesced blocks -> read chunks.
 
-Nothing here knows about files or devices. A :class:`Request` says "these elements
-of this tensor go to destination buffer ``dest``"; :func:`plan_file` turns all the
-requests of one file into numpy arrays of runs (file offset, length, destination,
-destination offset), merges them into blocks and splits blocks into chunks. The
-result is plain data that can be printed, compared and property-tested against
-numpy slicing (tests/load/test_plan.py). Everything is vectorised: a shard split on its
-last dimension makes one run per row, millions of them, without a Python object each.
+Nothing here knows about files or devices: :func:`plan_file` turns the
+:class:`Request` s of one file into numpy arrays of runs (file offset, length,
+destination, destination offset; no Python object per run), then:
 
-The steps:
-
-1. runs: each box is one run (split only on its leading dimensions) or a grid of
-   equally spaced runs; a sharding's boxes interleave row by row and come out
-   sorted without a sort (:func:`_gather_runs`);
-2. page blocks: runs less than :data:`PAGE_GAP` apart always share a read;
-3. blocks: neighbouring page blocks merge while (span / needed bytes) stays within
+1. page blocks: runs less than :data:`PAGE_GAP` apart always share a read;
+2. blocks: neighbouring page blocks merge while (span / needed bytes) stays within
    the over-read ratio, given or picked per file by :func:`auto_ratio`;
-4. chunks: blocks are cut at the chunk size (a run a cut falls in is served by
+3. chunks: blocks are cut at the chunk size (a run a cut falls in is served by
    both chunks), chunks holding no run are dropped and each is trimmed to its runs.
 
 Boxes that overlap (one tensor wanted twice) are planned in separate passes, so
-each chunk is one sequential read whose runs are sorted and disjoint.
+each chunk is one sequential read whose runs are sorted and disjoint. The result is
+plain data, property-tested against numpy slicing (tests/load/test_plan.py).
 """
 
 from __future__ import annotations
@@ -89,10 +81,8 @@ def _geometry(
     ``outer`` lists ``(count, byte stride, destination byte stride)`` of the
     dimensions before it: the runs are the C-order grid over them.
     """
-    if dest_shape is None:
-        dest_shape = extents(box)
-    if dest_at is None:
-        dest_at = (0,) * len(shape)
+    dest_shape = extents(box) if dest_shape is None else dest_shape
+    dest_at = (0,) * len(shape) if dest_at is None else dest_at
     k, stride, dstride = len(shape) - 1, itemsize, itemsize
     while k >= 0 and box[k] == (0, shape[k]) and dest_shape[k] == shape[k]:  # trailing dimensions read whole
         stride *= shape[k]

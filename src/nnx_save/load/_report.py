@@ -71,9 +71,7 @@ def is_lossy(source: str, target: str) -> bool:
     if a.kind == "f" and b.kind == "f":
         fa, fb = ml_dtypes.finfo(a), ml_dtypes.finfo(b)
         return fb.nmant < fa.nmant or fb.maxexp < fa.maxexp or fb.minexp > fa.minexp
-    if a.kind in "fc" and b.kind in "iub":
-        return True
-    return not np.can_cast(a, b, "safe")
+    return (a.kind in "fc" and b.kind in "iub") or not np.can_cast(a, b, "safe")
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,6 @@ class _Shard:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     arrays: dict[Any, Any] = field(default_factory=dict)
-    left: int = 0  # slabs not sent yet
 
 
 def _plan_batches(engine: StreamEngine, streamed: list[int], size: int) -> list[_Batch]:
@@ -240,12 +239,8 @@ def _updater():
 class _Streamer:
     def __init__(self, engine: StreamEngine, streamed: list[int], pool: StagingPool) -> None:
         self.engine, self.pool = engine, pool
-        batches = _plan_batches(engine, streamed, pool.size)
-        self.batches = iter(batches)
+        self.batches = iter(_plan_batches(engine, streamed, pool.size))
         self.shards = {i: _Shard() for i in streamed}
-        for batch in batches:
-            for slab in batch.slabs:
-                self.shards[slab.dest].left += 1
         self.lock = threading.Lock()
         self.cancel = threading.Event()
         self.readers: dict[str, Reader] = {}
@@ -253,7 +248,6 @@ class _Streamer:
         self.hashed: set[tuple[str, str]] = set()  # pieces verified from a staging buffer
         self.stats: dict[str, list[int]] = {}  # file -> [read, needed]
         self.through: dict[str, tuple[float, np.ndarray]] = {}  # file -> (top ratio, bytes read through per tensor)
-        self.done: list[int] = []  # destinations complete, to place on the calling thread
 
     def reader(self, file: str) -> Reader:
         with self.lock:
@@ -345,10 +339,6 @@ class _Streamer:
 
                     shard.arrays[device] = jnp.zeros(extents(d.box), held, device=device)
                 shard.arrays[device] = _updater()(shard.arrays[device], array, *slab.at)
-            shard.left -= 1
-            if shard.left == 0:
-                with self.lock:
-                    self.done.append(slab.dest)
 
     def verify(self, batch: _Batch, views: list[np.ndarray]) -> None:
         """Hash every whole piece a slab holds, from the staging buffer."""
