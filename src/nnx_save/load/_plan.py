@@ -327,14 +327,7 @@ def plan_file(
     max_over_read_ratio: float | None = None,
     chunk_bytes: int = 128 << 20,
 ) -> FilePlan:
-    """Plan every read of one file.
-
-    Runs are sorted by offset; runs separated by less than :data:`PAGE_GAP` bytes
-    always share a read; beyond that, neighbouring blocks merge while (block span /
-    needed bytes) stays within ``max_over_read_ratio``. Blocks are cut into chunks
-    of at most ``chunk_bytes``, each trimmed to the runs it holds. Requests whose
-    boxes overlap are planned in separate passes (see :func:`_disjoint_layers`);
-    each chunk's runs are sorted and disjoint.
+    """Plan every read of one file (the steps of the module docstring).
 
     Args:
         requests: the destinations to fill from this file.
@@ -346,7 +339,7 @@ def plan_file(
         A :class:`FilePlan`.
 
     Raises:
-        ValueError: ``max_over_read_ratio`` below 1 or ``chunk_bytes`` not positive.
+        OptionError: ``max_over_read_ratio`` below 1 or ``chunk_bytes`` not positive.
 
     Examples:
         >>> reqs = [Request(0, 100, (4, 6), 4, ((0, 4), (0, 3))), Request(1, 100, (4, 6), 4, ((0, 4), (3, 6)))]

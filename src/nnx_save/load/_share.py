@@ -46,10 +46,9 @@ __all__ = ["decide", "enabled", "shared_load"]
 
 
 def decide(setting: bool | None, processes: int, shared: bool, remote: bool, hosts: Callable[[], int]) -> bool:
-    """Whether a load shares its reads: ``setting`` when given (sharing needs peers);
-    else on where several processes load a tensor that devices of more than one of
-    them hold (``shared``: a load they all take part in, with bytes to share) from a
-    ``remote`` source or from several ``hosts()`` (called only when it decides).
+    """Whether a load shares its reads (the rule of the module docstring): ``shared``
+    says there are bytes to share in a load every process takes part in; ``hosts()``
+    is called only when it decides.
 
     Examples:
         >>> decide(None, 2, True, True, lambda: 1), decide(None, 2, True, False, lambda: 1)
