@@ -46,8 +46,8 @@ class MappedFiles:
     """Read-only maps of the local files of one handle, made on first use.
 
     ``open_fd(file)`` gives a new descriptor on the very file whose header was
-    validated (the header's pinned one, duplicated); it is closed once mapped. The maps are unmapped
-    when this object and the arrays viewing them are garbage collected.
+    validated (the header's pinned one, duplicated); it is closed once mapped. The maps
+    are unmapped when this object and the arrays viewing them are garbage collected.
     """
 
     def __init__(self, open_fd: Callable[[str], int], resident_bytes: int = RESIDENT_BYTES) -> None:
@@ -85,20 +85,17 @@ class MappedFiles:
         # np.ndarray over the buffer in one call, not frombuffer + view + reshape: each is dear in a fresh process
         return np.ndarray(info.shape, info.dtype.numpy, mapped, info.begin)
 
-    @staticmethod
-    def _truncated(info: TensorInfo, size: int) -> TruncatedFileError:
-        return TruncatedFileError(
-            f"{info.file}: the file ends at byte {size}, tensor {info.name!r} needs bytes up to {info.end} "
-            "(was it truncated while open?)",
-            info.file,
-            size,
-        )
-
     def copy(self, info: TensorInfo, view: np.ndarray, index: tuple[Any, ...]) -> np.ndarray:
         """A C-contiguous copy of ``view[index]`` (``view``: :meth:`view` of ``info``;
         ``index``: one int or slice per dimension)."""
-        if self._maps[info.file].size() < info.end:  # fstat: the file may have been truncated in place
-            raise self._truncated(info, self._maps[info.file].size())
+        size = self._maps[info.file].size()  # fstat: the file may have been truncated in place
+        if size < info.end:
+            raise TruncatedFileError(
+                f"{info.file}: the file ends at byte {size}, tensor {info.name!r} needs bytes up to {info.end} "
+                "(was it truncated while open?)",
+                info.file,
+                size,
+            )
         key = info.name
         if key in self._resident:
             return np.array(view[index])

@@ -26,6 +26,7 @@ bounded time, instead of blocking in a collective.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -163,9 +164,7 @@ def derived_sharding(t: Target, shapes: Mapping[str, tuple[int, ...]]) -> Any:
     if not _held_by_several(t):
         return None
     devices = sorted(t.sharding.device_set, key=lambda d: (d.process_index, d.id))
-    per: dict[int, int] = {}
-    for d in devices:
-        per[d.process_index] = per.get(d.process_index, 0) + 1
+    per = collections.Counter(d.process_index for d in devices)  # process -> its devices
     if len(set(per.values())) != 1:
         return None  # uneven devices per process: no process x local grid
     grid = np.array(devices, dtype=object).reshape(len(per), -1)
