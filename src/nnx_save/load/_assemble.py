@@ -18,7 +18,7 @@ from ..format._header import TensorInfo
 from ..layouts._pieces import Box, extents
 from ._target import Target
 
-__all__ = ["batched_put", "device_array", "held_dtype", "host_view", "place", "place_whole"]
+__all__ = ["batched_put", "held_dtype", "host_view", "place", "place_whole"]
 
 
 def held_dtype(t: Target) -> np.dtype:
@@ -44,31 +44,24 @@ def place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):
     not copied, by every local device that holds it when jax runs on CPU)."""
     if t.sharding is None:
         return pieces[0][0]
-    by_device = {d: host for host, devices in pieces for d in devices}
-    devices = list(t.sharding.addressable_devices_indices_map(t.shape))
-    return device_array(t.shape, t.sharding, [by_device[d] for d in devices], devices)
-
-
-def device_array(shape: tuple[int, ...], sharding: Any, hosts: list[np.ndarray], devices: list[Any]):
     import jax
 
+    by_device = {d: host for host, devices in pieces for d in devices}
+    devices = list(t.sharding.addressable_devices_indices_map(t.shape))
+    hosts = [by_device[d] for d in devices]
     put = batched_put()
     if put is not None and hosts[0].dtype == jax.dtypes.canonicalize_dtype(hosts[0].dtype):
-        return put(shape, sharding, hosts, devices)
-    arrays = [jax.device_put(h, d) for h, d in zip(hosts, devices, strict=False)]
-    return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+        return put(t.shape, t.sharding, hosts, devices)
+    arrays = [jax.device_put(h, d) for h, d in zip(hosts, devices, strict=True)]
+    return jax.make_array_from_single_device_arrays(t.shape, t.sharding, arrays)
 
 
 @functools.cache
 def batched_put() -> Callable | None:
     """jax's one-call path from per-device host arrays to a sharded array: what
-    ``jax.make_array_from_callback`` ends in, without its per-shard checks. Internal
-    API: ``None`` when absent, and the public path (``jax.device_put`` per device,
-    ``jax.make_array_from_single_device_arrays``) is used instead (tested).
-
-    Several times cheaper per tensor than the public path, which adds up to seconds
-    on a large model: ``benchmarks/put.py`` measures it (figures in
-    docs/performance.md)."""
+    ``jax.make_array_from_callback`` ends in, without its per-shard checks, several
+    times cheaper per tensor (docs/performance.md). Internal API: ``None`` when
+    absent, and the public path (``jax.device_put`` per device) is used instead."""
     try:
         from jax._src import core
         from jax._src.interpreters import pxla

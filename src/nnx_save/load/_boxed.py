@@ -1,15 +1,12 @@
 """Targets made by a porting transform, read box by box.
 
-For each box of a target that this process needs, the transform names the boxes of
-its source tensors that feed it (:meth:`~nnx_save.load._target.SourceTransform.source_boxes`);
-each distinct ``(source key, source box)`` becomes one engine destination, read like
-any shard (one destination can feed several targets, or several boxes of one).
-Once a target's last source box is read, each of its boxes is made from the regions
-(:meth:`~nnx_save.load._target.SourceTransform.from_boxes`) and the target placed;
-a source box's buffer is released when the last target it feeds is made.
-
-A transform that cannot map one of the target's boxes returns ``None``, and the
-engine reads that target's sources whole instead (listed in ``report.io.read_whole``).
+For each box of a target this process needs, the transform names the source boxes
+that feed it (:meth:`~nnx_save.load._target.SourceTransform.source_boxes`); each
+distinct ``(source key, source box)`` is one engine destination, read like any shard,
+that may feed several targets. Once a target's last source box is read, its boxes are
+made (:meth:`~nnx_save.load._target.SourceTransform.from_boxes`) and it is placed; a
+source box's buffer is released when the last target it feeds is made. A transform
+with no per-box map reads its sources whole instead (``report.io.read_whole``).
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ import numpy as np
 
 from ..errors import ShapeMismatchError
 from ..layouts._pieces import Box, extents
-from ._assemble import held_dtype, host_view, place
+from ._assemble import held_dtype, place
 from ._target import Target, shard_boxes
 
 __all__ = ["BoxedTargets"]
@@ -90,7 +87,7 @@ class BoxedTargets:
         assert t.transform is not None
         held, pieces = held_dtype(t), []
         for box, devices, feeds in plan.boxes:
-            regions = [_region(engine, i) for i in feeds]
+            regions = [engine.host(i) for i in feeds]
             value = np.asarray(t.transform.from_boxes(box, regions))
             if value.shape != extents(box):
                 raise ShapeMismatchError(
@@ -104,8 +101,3 @@ class BoxedTargets:
                 engine.dests[index].buffer = None  # released once every target it feeds exists
         engine.results[t.path] = place(t, pieces)
         engine.bar.update(items=1)
-
-
-def _region(engine: Any, index: int) -> np.ndarray:
-    d = engine.dests[index]
-    return host_view(d.buffer, engine.header.tensors[d.key], d.box)

@@ -1,24 +1,21 @@
 """Small reads of one local tensor without the engine: what a ``safe_open`` handle
 does for a slice of a few runs.
 
-The engine plans, budgets and reads on a pool of threads; for a slice of a few
-kilobytes that machinery costs a hundred times the copy. Here a local file is
-memory-mapped once per handle (the map itself reads nothing) and a request is a
-numpy copy out of the mapped tensor. Large requests still go to the engine, whose
-concurrent ``preadv`` into fresh buffers beats one thread copying out of a map.
+For a slice of a few kilobytes the engine's planning, budget and thread pool cost a
+hundred times the copy. Here a local file is memory-mapped once per handle (the map
+reads nothing) and a request is a numpy copy out of the mapped tensor; large requests
+still go to the engine, whose concurrent ``preadv`` beats one thread copying.
 
-Memory. Pages a copy touches become resident in this process (the kernel maps up
-to 64 KiB around each fault, whatever ``madvise`` says), so a column slice of a big
-matrix would make the whole matrix resident. The first request of a tensor
-therefore copies in blocks of rows and drops each block's pages from the map as
-soon as it is copied (``MADV_DONTNEED``: the data stays in the page cache), so it
-holds one block of pages at a time. A tensor asked for again is kept mapped, up
-to ``resident_bytes`` of tensors per handle (the oldest released first), so slices
-of a tensor read repeatedly cost a copy and no page faults.
+Pages a copy touches become resident in this process (the kernel maps up to 64 KiB
+around each fault, whatever ``madvise`` says), so a column slice of a big matrix would
+make the whole matrix resident: the first request of a tensor copies in blocks of rows
+and drops each block's pages from the map once copied (``MADV_DONTNEED``: the data
+stays in the page cache). A tensor asked for again stays mapped, up to
+``resident_bytes`` of tensors per handle (the oldest released first).
 
-A map of a file that another process truncates in place would fault (SIGBUS) on
-the missing pages; each request first checks the file's size (one ``fstat``) and
-raises :class:`~nnx_save.errors.TruncatedFileError` instead.
+A map of a file another process truncates in place would fault (SIGBUS); each request
+first checks the file's size (one ``fstat``) and raises
+:class:`~nnx_save.errors.TruncatedFileError` instead.
 """
 
 from __future__ import annotations
@@ -36,7 +33,7 @@ import numpy as np
 from ..errors import HostMemoryError, TruncatedFileError
 from ..format._header import TensorInfo
 
-__all__ = ["BLOCK_BYTES", "DIRECT_MAX_BYTES", "RESIDENT_BYTES", "MappedFiles"]
+__all__ = ["DIRECT_MAX_BYTES", "MappedFiles"]
 
 # Above this, the engine's threads beat one thread's copy out of a map (a whole
 # large tensor); under it, the engine's start-up dominates (benchmarks/lazy.py).
@@ -49,8 +46,8 @@ class MappedFiles:
     """Read-only maps of the local files of one handle, made on first use.
 
     ``open_fd(file)`` gives a new descriptor on the very file whose header was
-    validated (the header's pinned one, duplicated); it is closed once mapped. The maps are unmapped
-    when this object and the arrays viewing them are garbage collected.
+    validated (the header's pinned one, duplicated); it is closed once mapped. The maps
+    are unmapped when this object and the arrays viewing them are garbage collected.
     """
 
     def __init__(self, open_fd: Callable[[str], int], resident_bytes: int = RESIDENT_BYTES) -> None:
@@ -88,20 +85,17 @@ class MappedFiles:
         # np.ndarray over the buffer in one call, not frombuffer + view + reshape: each is dear in a fresh process
         return np.ndarray(info.shape, info.dtype.numpy, mapped, info.begin)
 
-    @staticmethod
-    def _truncated(info: TensorInfo, size: int) -> TruncatedFileError:
-        return TruncatedFileError(
-            f"{info.file}: the file ends at byte {size}, tensor {info.name!r} needs bytes up to {info.end} "
-            "(was it truncated while open?)",
-            info.file,
-            size,
-        )
-
     def copy(self, info: TensorInfo, view: np.ndarray, index: tuple[Any, ...]) -> np.ndarray:
         """A C-contiguous copy of ``view[index]`` (``view``: :meth:`view` of ``info``;
         ``index``: one int or slice per dimension)."""
-        if self._maps[info.file].size() < info.end:  # fstat: the file may have been truncated in place
-            raise self._truncated(info, self._maps[info.file].size())
+        size = self._maps[info.file].size()  # fstat: the file may have been truncated in place
+        if size < info.end:
+            raise TruncatedFileError(
+                f"{info.file}: the file ends at byte {size}, tensor {info.name!r} needs bytes up to {info.end} "
+                "(was it truncated while open?)",
+                info.file,
+                size,
+            )
         key = info.name
         if key in self._resident:
             return np.array(view[index])

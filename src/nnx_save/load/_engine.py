@@ -1,33 +1,29 @@
 """The loading engine: match targets to file tensors, plan, read, assemble.
 
-One engine for every layout. A :class:`~nnx_save.load._target.Target` says what the
-caller wants at one path (shape, dtype, and a jax sharding, or ``None`` for a host
-numpy array) and which file tensor(s) it comes from; the header says where each
-tensor's bytes are, as pieces at (file, byte range, box)
-(:meth:`~nnx_save.layouts._layout.Header.pieces_of`: one whole piece for a file, an
-index, a directory, a list or a URL; a pod directory's boxes). :func:`load_targets`
-checks every target against the headers first (so a strict refusal reads
-nothing, and a sharding jax cannot apply is refused before any read).
+One engine for every layout: a :class:`~nnx_save.load._target.Target` says what the
+caller wants at one path and which file tensor(s) it comes from; the header says
+where each tensor's bytes are, as pieces at (file, byte range, box).
+:func:`load_targets` checks every target against the headers first, so a strict
+refusal, or a sharding jax cannot apply, reads nothing.
 
 Each box a process needs (a shard several local devices hold is read once) is one
 destination; each piece overlapping it adds one request that writes its part of
-the destination in place (:class:`~nnx_save.load._plan.Request` carries the
-destination box). Two ways to land the bytes on devices, picked from the devices'
-platform (:meth:`~nnx_save.load._options.LoadOptions.streaming`):
+the destination in place. The devices' platform picks how bytes land
+(:meth:`~nnx_save.load._options.LoadOptions.streaming`):
 
 - **host buffers** (the CPU backend): several files are read at once under one
-  budget, straight into 64-byte aligned shard buffers; each tensor's
-  ``jax.Array`` is made as soon as its last file is read, adopting the buffers
-  without a copy. Buffers the arrays adopt are carved out of a few large
-  allocations (:func:`~nnx_save.load._execute.pack_buffers`: huge pages fault in five
-  times cheaper); buffers that are only a step (a dtype cast, sub-byte
-  unpacking, a porting transform's sources) are their own, freed once used.
+  budget, straight into aligned shard buffers (those the arrays adopt packed by
+  :func:`~nnx_save.load._execute.pack_buffers`); each tensor's ``jax.Array`` is made,
+  without a copy, as soon as its last file is read. Buffers that are only a step
+  (a dtype cast, sub-byte unpacking, a transform's sources) are freed once used.
 - **streaming** (accelerators, or forced): see :mod:`nnx_save.load._stream`.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import itertools
 import logging
 import math
 import os
@@ -55,18 +51,10 @@ from ._assemble import held_dtype, host_view, place, place_whole
 from ._execute import Budget, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._plan import FilePlan, over_read_by_range, plan_file
-from ._report import (
-    DtypeCast,
-    LoadReport,
-    ShapeMismatch,
-    split_allowed,
-    split_allowed_casts,
-    split_allowed_shapes,
-    suggested_renames,
-)
+from ._report import DtypeCast, LoadReport, ShapeMismatch, split_allowed, split_allowed_casts, suggested_renames
 from ._target import Target, check_device_dtype, shard_boxes
 
-__all__ = ["OverReadWarning", "Target", "load_targets"]
+__all__ = ["load_targets"]
 
 log = logging.getLogger("nnx_save")
 OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning ...
@@ -107,16 +95,9 @@ class Dest:
     buffer: Any = None
 
 
-def box_nbytes(info: TensorInfo, box: Box) -> int:
-    if not info.dtype.byte_aligned:
-        return info.nbytes
-    return math.prod(extents(box)) * info.dtype.itemsize
-
-
 def _check(header: Header, t: Target, report: LoadReport) -> bool:
     """Record what is wrong with ``t``; True if it can be loaded."""
-    absent = [k for k in t.sources if k not in header.tensors]
-    if absent or not t.sources:
+    if not t.sources or any(k not in header.tensors for k in t.sources):
         report.missing.append(t.path)
         return False
     if t.transform is None:
@@ -128,13 +109,9 @@ def _check(header: Header, t: Target, report: LoadReport) -> bool:
     if tuple(shape) != tuple(t.shape):
         report.shape_mismatches.append(ShapeMismatch(t.path, tuple(t.shape), tuple(shape), t.sources[0]))
         return False
-    held = held_dtype(t)
+    held, wanted = held_dtype(t), np.dtype(t.dtype)
     if np.dtype(dtype) != held:
-        model = (
-            str(held)
-            if held == np.dtype(t.dtype)
-            else f"{held} (the model's {np.dtype(t.dtype)}: jax_enable_x64 is off)"
-        )
+        model = str(held) if held == wanted else f"{held} (the model's {wanted}: jax_enable_x64 is off)"
         report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
     return True
 
@@ -162,7 +139,6 @@ class Engine:
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.waiting: dict[str, int] = {}  # owner -> destinations not filled yet
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
-        self._own: int | None = -1  # this process's pod rank (None: another process layout; -1: not looked up)
         self.boxed = _boxed.BoxedTargets()
         self.pending = []  # transforms read from their whole sources
         for t in targets:
@@ -174,10 +150,7 @@ class Engine:
             elif not self.boxed.add(self, t):
                 self.pending.append(t)
                 report.io.read_whole.append(t.path)
-        self.refs: dict[str, int] = {}
-        for t in self.pending:
-            for k in t.sources:
-                self.refs[k] = self.refs.get(k, 0) + 1
+        self.refs = collections.Counter(k for t in self.pending for k in t.sources)  # source -> transforms to run
         for key in self.refs:
             self.add("", key, whole(header.tensors[key].shape), [None], False)
         self.over_reads: list[str] = []
@@ -189,8 +162,8 @@ class Engine:
     def add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> int:
         info = self.header.tensors[key]
         index = len(self.dests)
-        owner = owner or f"source:{key}"
-        dest = Dest(owner, key, box, devices, box_nbytes(info, box), adopted, self._choose(key, box))
+        nbytes = math.prod(extents(box)) * info.dtype.itemsize if info.dtype.byte_aligned else info.nbytes
+        dest = Dest(owner or f"source:{key}", key, box, devices, nbytes, adopted, self._choose(key, box))
         self.dests.append(dest)
         self.shards.setdefault(dest.owner, []).append(index)
         self.waiting[dest.owner] = self.waiting.get(dest.owner, 0) + 1
@@ -208,13 +181,12 @@ class Engine:
         if not info.dtype.byte_aligned or (len(pieces) == 1 and pieces[0].box == whole(info.shape)):
             part = intersect(pieces[0].box, box) if info.dtype.byte_aligned else pieces[0].box
             return [(pieces[0], part)] if part is not None and pieces[0].info.nbytes else []
-        best: dict[Box, Piece] = {}
-        for piece in pieces:
-            if intersect(piece.box, box) is not None:
-                rank = (piece.process != self.own, piece.process)
-                if piece.box not in best or rank < (best[piece.box].process != self.own, best[piece.box].process):
-                    best[piece.box] = piece
-        parts = [(p, part) for p in best.values() if (part := intersect(p.box, box)) is not None]
+        best: dict[Box, tuple[Piece, Box]] = {}
+        own = self.own
+        for piece in sorted(pieces, key=lambda p: (p.process != own, p.process)):
+            if (part := intersect(piece.box, box)) is not None:
+                best.setdefault(piece.box, (piece, part))
+        parts = list(best.values())
         if sum((math.prod(extents(part)) for _, part in parts), start=0) != math.prod(extents(box)):
             raise NnxSaveError(
                 f"{info.file}: tensor {key!r}: the part {[list(b) for b in box]} this process needs is in "
@@ -223,13 +195,12 @@ class Engine:
             )
         return parts
 
-    @property
+    @functools.cached_property
     def own(self) -> int | None:
-        if self._own == -1:
-            import jax
+        """This process's pod rank, or None for files another process layout wrote."""
+        import jax
 
-            self._own = jax.process_index() if self.header.num_processes == jax.process_count() else None
-        return self._own
+        return jax.process_index() if self.header.num_processes == jax.process_count() else None
 
     # ----------------------------------------------------------------- host path
 
@@ -252,18 +223,18 @@ class Engine:
         running: dict[Future, str] = {}
         todo = iter(files)
         with ThreadPoolExecutor(at_once, thread_name_prefix="nnx_save-file") as pool:
-            try:
-                for file in todo:
+
+            def submit(count: int) -> None:  # the next ``count`` files, their buffers allocated here
+                for file in itertools.islice(todo, count):
                     running[pool.submit(self._read_file, file, self._requests(file), threads, cancel)] = file
-                    if len(running) == at_once:
-                        break
+
+            try:
+                submit(at_once)
                 while running:
                     done, _ = wait(running, return_when=FIRST_COMPLETED)
                     for f in done:
                         self._file_read(running.pop(f), *f.result())
-                        nxt = next(todo, None)
-                        if nxt is not None:
-                            running[pool.submit(self._read_file, nxt, self._requests(nxt), threads, cancel)] = nxt
+                        submit(1)
             except BaseException:
                 cancel.set()
                 wait(running)
@@ -305,7 +276,9 @@ class Engine:
 
     def _file_read(self, file: str, plan: FilePlan, requests: int, plan_s: float, read_s: float) -> None:
         t0 = time.perf_counter()
-        self.note_io(file, plan, requests)
+        self.report.io.add_file(file, plan.read_bytes, plan.needed_bytes, requests)
+        if self.over_read_warns(plan.read_bytes, plan.needed_bytes):
+            self.note_over_read(file, plan.read_bytes, plan.needed_bytes, plan.ratio, self.read_through(file, plan))
         if self.opt.verify:
             self._verify(file)
         for i in self.by_file[file]:
@@ -317,15 +290,6 @@ class Engine:
         io.read_seconds += read_s
         io.assemble_seconds += time.perf_counter() - t0
         log.debug("%s: %r, %d requests; plan %.3fs, read %.3fs", file, plan, requests, plan_s, read_s)
-
-    def note_io(self, file: str, plan: FilePlan, requests: int) -> None:
-        self.report.io.add_file(file, plan.read_bytes, plan.needed_bytes, requests)
-        self._note_over_read(file, plan)
-
-    def _note_over_read(self, file: str, plan: FilePlan) -> None:
-        """Remember a file the automatic ratio made this process over-read (host path)."""
-        if self.over_read_warns(plan.read_bytes, plan.needed_bytes):
-            self.note_over_read(file, plan.read_bytes, plan.needed_bytes, plan.ratio, self.read_through(file, plan))
 
     def over_read_warns(self, read: int, needed: int) -> bool:
         """Whether reading ``read`` bytes of a file for ``needed`` is worth the warning:
@@ -355,8 +319,7 @@ class Engine:
 
     def _verify(self, file: str) -> None:
         """Check the recorded checksum of every piece this file read gave in full."""
-        fh = self.file_headers[file]
-        digests = _checksum.read_digests(fh.metadata, file)
+        digests = self._expected(file)
         got: dict[str, tuple[str, TensorInfo, dict[Box, np.ndarray]]] = {}
         for i in self.by_file[file]:
             d = self.dests[i]
@@ -365,15 +328,24 @@ class Engine:
                     entry = got.setdefault(piece.info.name, (d.key, piece.info, {}))
                     entry[2].update([self.piece_bytes(d.box, d.buffer, piece, part)])
         jobs: list[tuple[str, str, str, list[memoryview]]] = []
-        keys: dict[str, bool] = {}
         for name, (key, info, regions) in got.items():
             expected = digests.get(name)
             buffers = _checksum.full_buffers(info.shape, list(regions.items())) if expected else None
-            keys[key] = keys.get(key, True) and buffers is not None
+            self._mark(key, buffers is not None)
             if expected is not None and buffers is not None:
                 jobs.append((name, file, expected, [np.ascontiguousarray(b).data.cast("B") for b in buffers]))
         _checksum.check_all(jobs, self.opt.threads)  # xxhash releases the GIL: hash in parallel
-        for key, ok in keys.items():
+
+    def _expected(self, file: str) -> dict[str, str]:
+        """``file``'s recorded checksums, read once."""
+        with self._lock:
+            if file not in self._digests:
+                self._digests[file] = _checksum.read_digests(self.file_headers[file].metadata, file)
+            return self._digests[file]
+
+    def _mark(self, key: str, ok: bool) -> None:
+        """Record whether every piece of ``key`` checked so far was verified."""
+        with self._lock:
             self.checked[key] = self.checked.get(key, True) and ok
 
     @staticmethod
@@ -390,18 +362,18 @@ class Engine:
         """Check ``piece`` (of tensor ``key``) against its recorded checksum when
         ``buffers`` (its bytes in file order) are given; ``None``: not verifiable here."""
         info = piece.info
-        with self._lock:
-            if info.file not in self._digests:
-                self._digests[info.file] = _checksum.read_digests(self.file_headers[info.file].metadata, info.file)
-            expected = self._digests[info.file].get(info.name)
+        expected = self._expected(info.file).get(info.name)
         if expected is not None and buffers is not None:
             _checksum.check(info.name, info.file, expected, buffers)
-        ok = expected is not None and buffers is not None
-        with self._lock:
-            self.checked[key] = self.checked.get(key, True) and ok
+        self._mark(key, expected is not None and buffers is not None)
 
     def held(self, owner: str) -> np.dtype:
         return held_dtype(self.by_path[owner])
+
+    def host(self, index: int) -> np.ndarray:
+        """Destination ``index``'s bytes as an array of the file's dtype and its box's shape."""
+        d = self.dests[index]
+        return host_view(d.buffer, self.header.tensors[d.key], d.box)
 
     def streamable(self, index: int) -> bool:
         """Destinations a device array is made of, whose bytes need no host step."""
@@ -435,21 +407,17 @@ class Engine:
         if owner.startswith("box:"):
             self.boxed.filled(self, index)
             return
-        shards = [self.dests[i] for i in self.shards[owner]]
-        if owner.startswith("source:"):
-            d = shards[0]
-            self.wholes[d.key] = host_view(d.buffer, self.header.tensors[d.key], d.box)
-            d.buffer = None
+        if owner.startswith("source:"):  # a transform's whole source: one destination
+            self.wholes[self.dests[index].key] = self.host(index)
+            self.dests[index].buffer = None
             self.run_transforms()
             return
-        t = self.by_path[owner]
-        info, held = self.header.tensors[t.sources[0]], held_dtype(t)
-        pieces = []
-        for d in shards:
-            host = host_view(d.buffer, info, d.box)
-            pieces.append((host if host.dtype == held else host.astype(held), d.devices))
-            d.buffer = None  # released as soon as the array exists
-        self.results[owner] = place(t, pieces)
+        held, pieces = self.held(owner), []
+        for i in self.shards[owner]:
+            host = self.host(i)
+            pieces.append((host if host.dtype == held else host.astype(held), self.dests[i].devices))
+            self.dests[i].buffer = None  # released as soon as the array exists
+        self.results[owner] = place(self.by_path[owner], pieces)
         self.bar.update(items=1)
 
     def run_transforms(self) -> None:
@@ -478,14 +446,14 @@ def _prepare(
     allow_shape_mismatch: Sequence[str],
     ignore_unexpected: frozenset[str],
     renamed: Mapping[str, tuple[str, ...]] | None,
-    allow_casts: str | Sequence[str] = (),
+    allow_casts: str | Sequence[str],
 ) -> tuple[list[Target], LoadReport]:
     """The report of what will and will not load, before any byte is read."""
     report = LoadReport(source=_describe(header))
     loadable = [t for t in targets if _check(header, t, report)]
     used = {k for t in targets for k in t.sources}
     report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
-    report.shape_mismatches, report.allowed_shape_mismatches = split_allowed_shapes(
+    report.shape_mismatches, report.allowed_shape_mismatches = split_allowed(
         report.shape_mismatches, allow_shape_mismatch
     )
     report.dtype_casts, report.allowed_casts = split_allowed_casts(report.dtype_casts, allow_casts)
@@ -505,10 +473,7 @@ def _prepare(
 
 def _device(targets: Sequence[Target]) -> Any:
     """A device this load puts arrays on (its platform decides how), or None."""
-    for t in targets:
-        if t.sharding is not None:
-            return next(iter(t.sharding.addressable_devices))
-    return None
+    return next((next(iter(t.sharding.addressable_devices)) for t in targets if t.sharding is not None), None)
 
 
 def load_targets(
@@ -549,10 +514,11 @@ def load_targets(
     )
     if strict:
         report.raise_or_warn(True)
-    for t in loadable:
-        source = header.tensors.get(t.sources[0]) if t.sources else None
-        check_device_dtype(t, source.file if source is not None else str(t.sources))
-    bar = _progress_bar(header, loadable, report, progress)
+    for t in loadable:  # each has sources, all in the header (_check)
+        check_device_dtype(t, header.tensors[t.sources[0]].file)
+    keys = {k for t in loadable for k in t.sources}  # this process may need less: the total is made exact below
+    label = f"loading {os.path.basename(report.source)}"
+    bar = _progress.bar(label, sum(header.tensors[k].nbytes for k in keys), len(loadable), progress)
     with gc_paused():
         try:
             engine = Engine(header, loadable, report, opt, open_reader, bar)
@@ -590,14 +556,6 @@ def _finish(engine: Engine, report: LoadReport) -> None:
             OverReadWarning,
             stacklevel=4,
         )
-
-
-def _progress_bar(header: Header, targets: Sequence[Target], report: LoadReport, progress: bool | None):
-    keys = {k for t in targets for k in t.sources}
-    upper = sum(header.tensors[k].nbytes for k in keys)  # this process may need less: exact below
-    label = f"loading {os.path.basename(report.source)}"
-    bar = _progress.bar(label, upper, len(targets), progress)
-    return bar
 
 
 def _describe(header: Header) -> str:

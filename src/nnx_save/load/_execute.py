@@ -3,32 +3,27 @@ byte budget, straight into destination buffers.
 
 Three ways to read a chunk, chosen per chunk by its mean run length:
 
-- **table** (local files): the chunk's iovecs are built as one numpy array of
-  ``(address, length)`` rows (one per destination slice, gaps pointed at a small
-  per-thread scratch) and handed to ``preadv(2)`` 1024 rows at a time through
-  ctypes, which releases the GIL. One kernel copy, no Python object per run: a
-  GPT-2 split on its last dimension (926K runs of 384 bytes) costs ~900 calls.
+- **table** (local files): the chunk's iovecs as one numpy array of ``(address,
+  length)`` rows (one per destination slice, gaps pointed at a small per-thread
+  scratch), handed to ``preadv(2)`` 1024 rows at a time through ctypes, which
+  releases the GIL: one kernel copy, no Python object per run.
 - **direct** (other readers): one ``memoryview`` per destination slice, given to
   the reader's ``readv`` (a remote reader turns it into one ranged request).
-- **scatter**: for runs so short that the per-iovec cost exceeds a second copy
-  (measured: under ~128 bytes), read a contiguous block into a reusable scratch
-  and copy the runs out with one strided numpy copy per regular group. Local
-  files use 1 MiB blocks (they stay in cache); other readers read the whole chunk
-  in one request.
+- **scatter**: for runs so short that the per-iovec cost exceeds a second copy, a
+  contiguous block is read into a reusable scratch and the runs copied out with one
+  strided numpy copy per regular group (local files: 1 MiB blocks, which stay in
+  cache; other readers: the whole chunk in one request).
 
 Chunks of one short run (a last-dim slice of a big matrix is one per row) are
-batched for local files: consecutive ones form one task that checks them with a
-few numpy operations and reads each with one ``pread`` (about 1 us of Python per
-chunk instead of ~90 us), holding the batch's bytes against the budget.
+batched for local files: one task checks consecutive ones with a few numpy
+operations and reads each with one ``pread``, holding the batch's bytes against the
+budget. (The crossover figures: docs/performance.md.)
 
-Each chunk is one sequential read of exactly ``[chunk_start, chunk_end)``; a run a
-chunk boundary cuts is clipped to each chunk's part. Before a chunk is read its
-runs are checked against their destination buffers (the table path writes through
-raw addresses). Every chunk holds its byte count against the shared
-:class:`Budget` while it is being read, so bytes in flight never exceed
-``max_inflight_bytes``; host memory beyond the destination buffers is the
-per-thread scratch and iovec tables (a few MiB) and, for scatter reads from
-remote readers, the chunk being read.
+Each chunk is one sequential read of exactly ``[chunk_start, chunk_end)``, its runs
+checked against their destination buffers first (reads write through raw addresses),
+its byte count held against the shared :class:`Budget` while it is read: host memory
+beyond the destination buffers is the per-thread scratch and iovec tables (a few MiB)
+and, for scatter reads from remote readers, the chunk being read.
 """
 
 from __future__ import annotations
@@ -56,22 +51,16 @@ __all__ = [
 ]
 
 # Mean run length (bytes) at or above which a chunk is read with one iovec per run.
-# Measured on the 2-core EPYC VM, 8 interleaved destinations, in GB per CPU-second
-# (table preadv / 1 MiB-block scatter): 64 B 0.62 / 0.90, 128 B 1.43 / 1.14,
-# 384 B 2.71 / 1.66, 1 KiB 2.37 / 1.03.
 DIRECT_MIN_RUN = 128
-# The same for readers without tables (one memoryview per run, a Python object
-# each), against a whole-chunk scatter: 1 KiB 0.17 / 0.65, 4 KiB 1.03 / 0.89,
-# 16 KiB 2.39 / 0.98.
+# The same for readers without tables (one memoryview, a Python object, per run).
 DIRECT_MIN_RUN_PY = 4 << 10
 DIRECT_MAX_RUNS = 64  # a chunk of this few runs is always read directly
 GAP_SCRATCH = 1 << 20  # bytes a gap iovec may cover; longer gaps take several
 TABLE_RUNS = 1 << 16  # runs per iovec table (~2.5 MiB of table and temporaries)
 SCATTER_BLOCK = 1 << 20  # local scatter reads: cache-sized blocks
 # A chunk of one run and at most this many bytes is "small": local readers read runs
-# of consecutive small chunks in batches, one task and one ``pread`` per chunk (a
-# last-dim slice of a big matrix is one small chunk per row). Each chunk alone costs
-# ~90 us of Python (checks, iovec table, budget, a pool task); in a batch, ~1 us.
+# of consecutive small chunks in batches (alone, each would cost a pool task, checks,
+# an iovec table and a budget hold).
 SMALL_CHUNK = 64 << 10
 BATCH_CHUNKS = 1024  # chunks per batch: enough batches remain to keep threads busy
 BATCH_BYTES = 4 << 20  # bytes per batch (held against the budget while it is read)
@@ -126,12 +115,10 @@ def pack_buffers(sizes: list[int], *, align: int = 64, slab_bytes: int = SLAB_BY
     a few large allocations: slabs of up to ``slab_bytes`` (a larger buffer is a slab
     of its own).
 
-    Why: numpy asks the kernel for transparent huge pages on allocations of 4 MiB and
-    more, and faulting memory in huge pages costs much less CPU than in 4 KiB pages,
-    while a sharded load makes thousands of buffers far below 4 MiB. The price: a
-    slab is freed when the last array using it is. In a process whose memory is fresh
-    to the guest VM, huge pages can cost more instead; which mode a machine is in
-    decides (``benchmarks/load.py`` and ``--prefault``; figures in docs/performance.md).
+    Why: numpy asks for transparent huge pages on allocations of 4 MiB and more, which
+    usually fault in far cheaper (docs/performance.md), while a sharded load makes
+    thousands of buffers far below 4 MiB. The price: a slab is freed when the last
+    array using it is.
 
     Examples:
         >>> bufs = pack_buffers([3, 100, 0, 64])
@@ -286,24 +273,29 @@ def _scatter(
         start = stop
 
 
+_PLAN_BUG = "internal error: a planned read falls outside its chunk or destination buffer"
+
+
+def _check_dests(dest: np.ndarray, doff: np.ndarray, length: np.ndarray, sizes: np.ndarray) -> None:
+    """Every run must land inside its destination buffer: reads write through raw
+    addresses, so a planning bug must stop here, not corrupt memory."""
+    if dest.min() < 0 or dest.max() >= len(sizes) or doff.min() < 0 or (doff + length > sizes[dest]).any():
+        raise NnxSaveError(_PLAN_BUG)
+
+
 def _check_runs(plan: FilePlan, i: int, sizes: np.ndarray) -> None:
-    """Chunk ``i``'s runs must meet the chunk, be sorted and disjoint, and land
-    inside their destinations: the table path writes through raw addresses, so a
-    planning bug must stop here, not corrupt memory."""
+    """Chunk ``i``'s runs must meet the chunk, be sorted and disjoint, and land inside their destinations."""
     cs, ce, lo, hi = _runs(plan, i)
-    off, length, dest, doff = plan.offset[lo:hi], plan.length[lo:hi], plan.dest[lo:hi], plan.dest_offset[lo:hi]
+    off, length = plan.offset[lo:hi], plan.length[lo:hi]
     if (
         not (0 <= lo < hi <= len(plan.offset))
         or off[0] + length[0] <= cs
         or off[-1] >= ce
-        or dest.min() < 0
-        or dest.max() >= len(sizes)
-        or doff.min() < 0
         or length.min() <= 0
-        or (doff + length > sizes[dest]).any()
         or (off[1:] < off[:-1] + length[:-1]).any()
     ):
-        raise NnxSaveError("internal error: a planned read falls outside its chunk or destination buffer")
+        raise NnxSaveError(_PLAN_BUG)
+    _check_dests(plan.dest[lo:hi], plan.dest_offset[lo:hi], length, sizes)
 
 
 class _Scratch:
@@ -353,13 +345,11 @@ def _batch_bounds(small: list[bool], span: list[int], max_bytes: int) -> list[tu
 
 
 def _read_batch(reader: Reader, plan: FilePlan, a: int, b: int, dest_ptr: np.ndarray, sizes: np.ndarray) -> None:
-    """Small chunks ``[a, b)`` (see :func:`_small_chunks`), one ``pread`` each, after
-    checking that every run lands inside its destination (``pread`` writes through
-    raw addresses, as the table path does)."""
+    """Small chunks ``[a, b)`` (see :func:`_small_chunks`), one ``pread`` each, once
+    their runs are checked against their destinations."""
     cs, ce, run = plan.chunk_start[a:b], plan.chunk_end[a:b], plan.chunk_lo[a:b]
     dest, doff, off, length = plan.dest[run], plan.dest_offset[run], plan.offset[run], plan.length[run]
-    if dest.min() < 0 or dest.max() >= len(sizes) or doff.min() < 0 or (doff + length > sizes[dest]).any():
-        raise NnxSaveError("internal error: a planned read falls outside its chunk or destination buffer")
+    _check_dests(dest, doff, length, sizes)
     addr = dest_ptr[dest] + (doff + cs - off).astype(np.uint64)
     reader.read_runs(addr.tolist(), (ce - cs).tolist(), cs.tolist())
 
@@ -390,46 +380,37 @@ def execute(
     sizes = np.array([len(d) for d in dests], np.int64)
     dest_ptr = np.array([d.ctypes.data for d in dests], np.uint64)
     local = reader.can_read_tables()
-    needed = plan.chunk_needed
-    gap_bytes = (plan.chunk_end - plan.chunk_start) - needed  # per chunk: 0 when its runs touch
+    needed, span = plan.chunk_needed, plan.chunk_end - plan.chunk_start
+    gap_bytes = span - needed  # per chunk: 0 when its runs touch
     scratch = _Scratch(min(int(gap_bytes.max()), GAP_SCRATCH))
-
-    def run(i: int) -> None:
-        cs, ce, lo, hi = _runs(plan, i)
-        _check_runs(plan, i, sizes)
-        if cancel is not None and cancel.is_set():
-            raise Cancelled
-        with budget(ce - cs):
-            how = _method(reader, hi - lo, int(needed[i]))
-            if how == "table":
-                _read_table(reader, plan, i, dest_ptr, scratch.gap(), gapless=not gap_bytes[i])
-            elif how == "direct":
-                _direct(reader, plan, dests, i, scratch.gap())
-            else:
-                _scatter(reader, plan, dests, i, scratch.block, SCATTER_BLOCK if local else ce - cs)
-        if on_chunk is not None:
-            on_chunk(int(needed[i]))
-
     small = _small_chunks(reader, plan)
-    span = plan.chunk_end - plan.chunk_start
 
-    def run_batch(a: int, b: int) -> None:
+    def run(a: int, b: int) -> None:
+        """Chunk ``a`` alone, or the batch of small chunks ``[a, b)``."""
+        if not small[a]:
+            _check_runs(plan, a, sizes)
         if cancel is not None and cancel.is_set():
             raise Cancelled
         with budget(int(span[a:b].sum())):
-            _read_batch(reader, plan, a, b, dest_ptr, sizes)
+            if small[a]:
+                _read_batch(reader, plan, a, b, dest_ptr, sizes)
+            elif (how := _method(reader, int(plan.chunk_hi[a] - plan.chunk_lo[a]), int(needed[a]))) == "table":
+                _read_table(reader, plan, a, dest_ptr, scratch.gap(), gapless=not gap_bytes[a])
+            elif how == "direct":
+                _direct(reader, plan, dests, a, scratch.gap())
+            else:
+                _scatter(reader, plan, dests, a, scratch.block, SCATTER_BLOCK if local else int(span[a]))
         if on_chunk is not None:
             for n in needed[a:b].tolist():
                 on_chunk(n)
 
-    units = _batch_bounds(small.tolist(), span.tolist(), min(BATCH_BYTES, budget.limit))
-    tasks = [(run_batch, a, b) if small[a] else (run, a) for a, b in units]
+    tasks = _batch_bounds(small.tolist(), span.tolist(), min(BATCH_BYTES, budget.limit))
     if len(tasks) <= 1 or num_threads <= 1:
-        for fn, *args in tasks:
-            fn(*args)
+        for a, b in tasks:
+            run(a, b)
         return
     with ThreadPoolExecutor(min(num_threads, len(tasks)), thread_name_prefix="nnx_save-read") as pool:
-        futures = [pool.submit(*task) for task in tasks]
+        futures = [pool.submit(run, a, b) for a, b in tasks]
         try:
             for f in futures:
                 f.result()

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from .. import _config
 from ..errors import OptionError
 
-__all__ = ["DEFAULT", "STAGING_KINDS", "LoadOptions", "check", "is_int", "merge"]
+__all__ = ["DEFAULT", "LoadOptions", "check", "merge"]
 
 STAGING_KINDS = ("auto", "pinned", "pageable")
 Opts = TypeVar("Opts")
@@ -148,10 +148,8 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         ratio = self.max_over_read_ratio
-        check(is_int(self.read_chunk_bytes, 1), "read_chunk_bytes", "a positive int (bytes)", self.read_chunk_bytes)
-        check(
-            is_int(self.max_inflight_bytes, 1), "max_inflight_bytes", "a positive int (bytes)", self.max_inflight_bytes
-        )
+        for name in ("read_chunk_bytes", "max_inflight_bytes"):
+            check(is_int(getattr(self, name), 1), name, "a positive int (bytes)", getattr(self, name))
         ok = isinstance(ratio, numbers.Real) and not isinstance(ratio, bool) and not math.isnan(ratio) and ratio >= 1.0
         check(_optional(ratio, ok), "max_over_read_ratio", ">= 1.0", ratio)
         check(_optional(self.num_threads, is_int(self.num_threads, 1)), "num_threads", "at least 1", self.num_threads)
@@ -161,12 +159,8 @@ class LoadOptions:
         size = self.staging_bytes
         check(_optional(size, is_int(size, 1)), "staging_bytes", "a positive int (bytes)", size)
         check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
-        check(
-            self.share_reads is None or isinstance(self.share_reads, bool),
-            "share_reads",
-            "None, True or False",
-            self.share_reads,
-        )
+        shared = self.share_reads
+        check(_optional(shared, isinstance(shared, bool)), "share_reads", "None, True or False", shared)
 
     @property
     def threads(self) -> int:

@@ -1,32 +1,23 @@
 """Pure planning: shard boxes -> byte runs -> coalesced blocks -> read chunks.
 
-Nothing here knows about files or devices. A :class:`Request` says "these elements
-of this tensor go to destination buffer ``dest``"; :func:`plan_file` turns all the
-requests of one file into numpy arrays of runs (file offset, length, destination,
-destination offset), merges them into blocks and splits blocks into chunks. The
-result is plain data that can be printed, compared and property-tested against
-numpy slicing (tests/load/test_plan.py). Everything is vectorised: a shard split on its
-last dimension makes one run per row, millions of them, without a Python object
-each (figures for GPT-2 small over 8 devices on its last dimension in
-docs/performance.md).
+Nothing here knows about files or devices: :func:`plan_file` turns the
+:class:`Request` s of one file into numpy arrays of runs (file offset, length,
+destination, destination offset; no Python object per run), then:
 
-The steps:
-
-1. runs: each box is one run (split only on its leading dimensions) or a grid of
-   equally spaced runs; a sharding's boxes interleave row by row and come out
-   sorted without a sort (:func:`_gather_runs`);
-2. page blocks: runs less than :data:`PAGE_GAP` apart always share a read;
-3. blocks: neighbouring page blocks merge while (span / needed bytes) stays within
+1. page blocks: runs less than :data:`PAGE_GAP` apart always share a read;
+2. blocks: neighbouring page blocks merge while (span / needed bytes) stays within
    the over-read ratio, given or picked per file by :func:`auto_ratio`;
-4. chunks: blocks are cut at the chunk size (a run a cut falls in is served by
+3. chunks: blocks are cut at the chunk size (a run a cut falls in is served by
    both chunks), chunks holding no run are dropped and each is trimmed to its runs.
 
 Boxes that overlap (one tensor wanted twice) are planned in separate passes, so
-each chunk is one sequential read whose runs are sorted and disjoint.
+each chunk is one sequential read whose runs are sorted and disjoint. The result is
+plain data, property-tested against numpy slicing (tests/load/test_plan.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -69,10 +60,8 @@ def _geometry(
     ``outer`` lists ``(count, byte stride, destination byte stride)`` of the
     dimensions before it: the runs are the C-order grid over them.
     """
-    if dest_shape is None:
-        dest_shape = extents(box)
-    if dest_at is None:
-        dest_at = (0,) * len(shape)
+    dest_shape = extents(box) if dest_shape is None else dest_shape
+    dest_at = (0,) * len(shape) if dest_at is None else dest_at
     k, stride, dstride = len(shape) - 1, itemsize, itemsize
     while k >= 0 and box[k] == (0, shape[k]) and dest_shape[k] == shape[k]:  # trailing dimensions read whole
         stride *= shape[k]
@@ -171,12 +160,8 @@ class FilePlan:
 def _gather_runs(requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
     """Every run of every request, sorted by file offset: offset, length, dest, dest_offset.
 
-    Boxes read in one run (leading-dimension splits, whole tensors) are collected as
-    plain numbers and sorted once. The strided boxes of a tensor are built together,
-    straight into the output columns: boxes that differ only on the dimension their
-    runs are cut on (a last-dimension split) interleave row by row, so their runs
-    come out sorted from one broadcast, without a sort or a gather; anything else
-    (2-D splits, overlapping boxes) is sorted within its tensor.
+    One-run boxes are sorted as plain numbers; each tensor's strided boxes are built
+    straight into the output columns (:func:`_tensor_runs`), between them.
     """
     flat: list[tuple[int, int, int, int]] = []  # (offset, length, dest, dest offset) of one-run boxes
     strided: dict[tuple, list] = {}  # tensor -> its strided boxes
@@ -254,8 +239,7 @@ def _tensor_runs(boxes: list, out: tuple[np.ndarray, ...]) -> None:
 def _page_blocks(offset: np.ndarray, end: np.ndarray, gap: np.ndarray, length: np.ndarray):
     """Merge sorted, disjoint runs whose gap is under a page: block starts, ends and
     needed bytes (``gap[i]`` is the gap before run ``i + 1``)."""
-    first = np.flatnonzero(gap >= PAGE_GAP) + 1
-    first = np.concatenate([[0], first])
+    first = np.concatenate([[0], np.flatnonzero(gap >= PAGE_GAP) + 1])
     last = np.append(first[1:], len(offset)) - 1
     return offset[first], end[last], np.add.reduceat(length, first)
 
@@ -322,14 +306,7 @@ def plan_file(
     max_over_read_ratio: float | None = None,
     chunk_bytes: int = 128 << 20,
 ) -> FilePlan:
-    """Plan every read of one file.
-
-    Runs are sorted by offset; runs separated by less than :data:`PAGE_GAP` bytes
-    always share a read; beyond that, neighbouring blocks merge while (block span /
-    needed bytes) stays within ``max_over_read_ratio``. Blocks are cut into chunks
-    of at most ``chunk_bytes``, each trimmed to the runs it holds. Requests whose
-    boxes overlap are planned in separate passes (see :func:`_disjoint_layers`);
-    each chunk's runs are sorted and disjoint.
+    """Plan every read of one file (the steps of the module docstring).
 
     Args:
         requests: the destinations to fill from this file.
@@ -341,7 +318,7 @@ def plan_file(
         A :class:`FilePlan`.
 
     Raises:
-        ValueError: ``max_over_read_ratio`` below 1 or ``chunk_bytes`` not positive.
+        OptionError: ``max_over_read_ratio`` below 1 or ``chunk_bytes`` not positive.
 
     Examples:
         >>> reqs = [Request(0, 100, (4, 6), 4, ((0, 4), (0, 3))), Request(1, 100, (4, 6), 4, ((0, 4), (3, 6)))]
@@ -396,16 +373,13 @@ def _plan_runs(
 
 
 def _concat(plans: list[FilePlan]) -> FilePlan:
-    shift = np.cumsum([0] + [len(p.offset) for p in plans[:-1]])
-    cols = [
-        np.concatenate([getattr(p, f) for p in plans])
-        for f in ("offset", "length", "dest", "dest_offset", "chunk_start", "chunk_end")
-    ]
-    lo = np.concatenate([p.chunk_lo + k for p, k in zip(plans, shift, strict=False)])
-    hi = np.concatenate([p.chunk_hi + k for p, k in zip(plans, shift, strict=False)])
-    needed = np.concatenate([p.chunk_needed for p in plans])
-    ratio, page_blocks = max(p.ratio for p in plans), sum(p.page_blocks for p in plans)
-    return FilePlan(cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], lo, hi, needed, ratio, page_blocks)
+    """One plan of the passes' plans (run indices shifted past the earlier passes' runs)."""
+    names = [f.name for f in dataclasses.fields(FilePlan) if f.name not in ("ratio", "page_blocks")]
+    cat = {name: np.concatenate([getattr(p, name) for p in plans]) for name in names}
+    first = np.repeat(np.cumsum([0] + [len(p.offset) for p in plans[:-1]]), [p.num_chunks for p in plans])
+    cat["chunk_lo"] += first
+    cat["chunk_hi"] += first
+    return FilePlan(**cat, ratio=max(p.ratio for p in plans), page_blocks=sum(p.page_blocks for p in plans))
 
 
 def chunk_runs(plan: FilePlan, i: int) -> tuple[np.ndarray, ...]:
@@ -450,9 +424,8 @@ def over_read_by_range(plan: FilePlan, begin: np.ndarray, end: np.ndarray) -> np
     begin, end = np.asarray(begin, np.int64), np.asarray(end, np.int64)
     if not plan.num_chunks:
         return np.zeros(len(begin), np.int64)
-    read = _covered_below(plan.chunk_start, plan.chunk_end, end) - _covered_below(
-        plan.chunk_start, plan.chunk_end, begin
-    )
-    run_end = plan.offset + plan.length
-    need = _covered_below(plan.offset, run_end, end) - _covered_below(plan.offset, run_end, begin)
-    return read - need
+
+    def within(start: np.ndarray, stop: np.ndarray) -> np.ndarray:  # per range, bytes of these intervals in it
+        return _covered_below(start, stop, end) - _covered_below(start, stop, begin)
+
+    return within(plan.chunk_start, plan.chunk_end) - within(plan.offset, plan.offset + plan.length)

@@ -24,16 +24,10 @@ __all__ = [
     "DtypeCast",
     "IOStats",
     "LoadReport",
-    "LoadWarning",
-    "LossyCastWarning",
     "ShapeMismatch",
-    "SingleDeviceWarning",
-    "is_lossy",
     "matches_any",
     "split_allowed",
     "split_allowed_casts",
-    "split_allowed_shapes",
-    "suggest_renames",
     "suggested_renames",
     "warn_single_device",
 ]
@@ -77,9 +71,7 @@ def is_lossy(source: str, target: str) -> bool:
     if a.kind == "f" and b.kind == "f":
         fa, fb = ml_dtypes.finfo(a), ml_dtypes.finfo(b)
         return fb.nmant < fa.nmant or fb.maxexp < fa.maxexp or fb.minexp > fa.minexp
-    if a.kind in "fc" and b.kind in "iub":
-        return True
-    return not np.can_cast(a, b, "safe")
+    return (a.kind in "fc" and b.kind in "iub") or not np.can_cast(a, b, "safe")
 
 
 @dataclass(frozen=True)
@@ -257,8 +249,20 @@ class LoadReport:
         return "\n".join(parts)
 
     def remedy(self) -> str:
-        """The options that would accept this report's mismatches (empty when clean)."""
-        return remedy(self)
+        """The options that would accept what a strict load refused, one per line; first
+        the renames that would pair missing paths with unexpected keys, when some do."""
+        lines = []
+        if self.missing:
+            lines.append(f"allow_missing={_listed(self.missing)} (those paths keep the model's values)")
+        if self.unexpected:
+            lines.append(f"allow_unexpected={_listed(self.unexpected)} (those file tensors are not read)")
+        if self.shape_mismatches:
+            paths = [m.path for m in self.shape_mismatches]
+            lines.append(f"allow_shape_mismatch={_listed(paths)} (those paths keep the model's values)")
+        if self.dtype_casts:
+            lines.append(_cast_remedy(self.dtype_casts))
+        accept = "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
+        return _rename_remedy(self.suggested_renames) + accept
 
     def raise_or_warn(self, strict: bool, *, limit: int = 20, stacklevel: int = 3) -> None:
         """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`, showing up
@@ -295,23 +299,6 @@ def _cut(lines: list[str], limit: int) -> list[str]:
 def _listed(paths: Sequence[str], limit: int = 5) -> str:
     shown = sorted(paths)[:limit]
     return repr(shown)[:-1] + (", ...]" if len(paths) > limit else "]")
-
-
-def remedy(report: LoadReport) -> str:
-    """The options that would accept what a strict load refused, one per line; first
-    the renames that would pair missing paths with unexpected keys, when some do."""
-    lines = []
-    if report.missing:
-        lines.append(f"allow_missing={_listed(report.missing)} (those paths keep the model's values)")
-    if report.unexpected:
-        lines.append(f"allow_unexpected={_listed(report.unexpected)} (those file tensors are not read)")
-    if report.shape_mismatches:
-        paths = [m.path for m in report.shape_mismatches]
-        lines.append(f"allow_shape_mismatch={_listed(paths)} (those paths keep the model's values)")
-    if report.dtype_casts:
-        lines.append(_cast_remedy(report.dtype_casts))
-    accept = "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
-    return _rename_remedy(report.suggested_renames) + accept
 
 
 def _cast_remedy(casts: Sequence[DtypeCast]) -> str:
@@ -386,22 +373,11 @@ def split_allowed_casts(casts: Sequence[DtypeCast], allow: str | Sequence[str]) 
         if allow != "lossless":
             raise LoadError(f'allow_casts takes "lossless" or a list of path patterns, got {allow!r}')
         return [c for c in casts if c.lossy], [c for c in casts if not c.lossy]
-    patterns = list(allow)
-    allowed = [c for c in casts if matches_any(c.path, patterns)]
-    return [c for c in casts if c not in allowed], allowed
+    return split_allowed(casts, allow)
 
 
-def split_allowed_shapes(
-    mismatches: Sequence[ShapeMismatch], patterns: Iterable[str]
-) -> tuple[list[ShapeMismatch], list[ShapeMismatch]]:
-    """Partition shape mismatches into (not allowed, allowed) by model path patterns."""
+def split_allowed(items: Sequence[Any], patterns: Iterable[str]) -> tuple[list, list]:
+    """Partition ``items`` (paths, or entries with a ``.path``) into (not allowed, allowed) by ``patterns``."""
     patterns = list(patterns)
-    allowed = [m for m in mismatches if matches_any(m.path, patterns)]
-    return [m for m in mismatches if m not in allowed], allowed
-
-
-def split_allowed(items: Sequence[str], patterns: Iterable[str]) -> tuple[list[str], list[str]]:
-    """Partition ``items`` into (not allowed, allowed) by ``patterns``."""
-    patterns = list(patterns)
-    kept = [i for i in items if not matches_any(i, patterns)]
-    return kept, [i for i in items if matches_any(i, patterns)]
+    ok = [matches_any(i if isinstance(i, str) else i.path, patterns) for i in items]
+    return [i for i, a in zip(items, ok, strict=True) if not a], [i for i, a in zip(items, ok, strict=True) if a]

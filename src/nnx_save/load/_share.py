@@ -6,20 +6,16 @@ tensor, a split inside each process that every process repeats) is loaded under 
 *derived* sharding that partitions it among the processes on one dimension, so each
 process reads only its slice; a jitted identity with the target's sharding as
 ``out_shardings`` then reshards each derived array, which JAX runs as collectives
-(gloo on CPU, NCCL, ICI / DCN): no socket code here. One executable per target
-sharding, shape and dtype serves every tensor alike; tensors are resharded one at a
-time, so the collective buffers in flight are one tensor's.
+(gloo on CPU, NCCL, ICI / DCN). Tensors are resharded one at a time, so the
+collective buffers in flight are one tensor's.
 
 ``share_reads=None`` (the default) decides per load, the same way on every process
 (:func:`decide`): on where several processes load a tensor that devices of more
 than one of them hold and the source is remote (a URL) or the processes run on more
-than one host (a network filesystem then stands between each of them and the
-bytes); off for local files on one host, where the processes share one page cache
-and reading for oneself costs little, for a load with nothing to share (every
-element on one process's devices: no exchange at all), and for a load whose arrays
-are not on every process's devices (a load that only some processes run), which must
-not wait for peers. The host count is asked once per job
-through the coordination service's key-value store.
+than one host (a network filesystem then stands between each and the bytes); off for
+local files on one host (one page cache: reading for oneself costs little), for a
+load with nothing to share, and for a load that only some processes run, which must
+not wait for peers. The host count is asked once per job.
 
 Before any collective, every process posts whether its reads succeeded through the
 coordination service's key-value store and waits for the others with a deadline
@@ -30,6 +26,7 @@ bounded time, instead of blocking in a collective.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -46,21 +43,13 @@ from ._assemble import held_dtype
 from ._report import LoadReport
 from ._target import Target, shard_boxes
 
-__all__ = ["decide", "derived_sharding", "enabled", "multi_process", "shared_load"]
-
-
-def multi_process() -> bool:
-    """Whether this JAX job has several processes (sharing needs peers)."""
-    import jax
-
-    return jax.process_count() > 1
+__all__ = ["decide", "enabled", "shared_load"]
 
 
 def decide(setting: bool | None, processes: int, shared: bool, remote: bool, hosts: Callable[[], int]) -> bool:
-    """Whether a load shares its reads: ``setting`` when given (sharing needs peers);
-    else on where several processes load a tensor that devices of more than one of
-    them hold (``shared``: a load they all take part in, with bytes to share) from a
-    ``remote`` source or from several ``hosts()`` (called only when it decides).
+    """Whether a load shares its reads (the rule of the module docstring): ``shared``
+    says there are bytes to share in a load every process takes part in; ``hosts()``
+    is called only when it decides.
 
     Examples:
         >>> decide(None, 2, True, True, lambda: 1), decide(None, 2, True, False, lambda: 1)
@@ -113,19 +102,24 @@ def host_count(where: str) -> int:
     per job (every process asks at the same point of the program, its first
     automatic decision on a local source); ``where`` names the load in errors."""
     if not _HOSTS:
-        _HOSTS.append(_exchange_hosts(where))
+        import socket
+
+        names = _step(_sync(where), "hosts", Outcome(True, socket.gethostname()), where)
+        _HOSTS.append(len(set(names.values())))
     return _HOSTS[0]
 
 
-def _exchange_hosts(where: str) -> int:
-    import socket
+def _sync(where: str) -> Sync:
+    return Sync.open(Path(where), what="shared-read load", intact="nothing was loaded")
 
-    sync = Sync.open(Path(where), what="shared-read load", intact="nothing was loaded")
+
+def _step(sync: Sync, name: str, mine: Outcome, where: str) -> dict[int, Any]:
+    """Every process's outcome of step ``name`` (bounded wait); a failed or silent peer
+    raises :class:`SharedReadError` on all."""
     try:
-        names = sync.step("hosts", Outcome(True, socket.gethostname()))
+        return sync.step(name, mine)
     except SaveError as e:
         raise SharedReadError(str(e), where) from e
-    return len(set(names.values()))
 
 
 def _volume(box: Box) -> int:
@@ -167,17 +161,10 @@ def derived_sharding(t: Target, shapes: Mapping[str, tuple[int, ...]]) -> Any:
     process shares an element with another, or no dimension divides."""
     import jax
 
-    if t.sharding is None or not t.shape or not math.prod(t.shape):
-        return None
-    try:
-        if not _overlaps_across_processes(t):
-            return None
-    except ValueError:  # jax refuses the sharding: the engine says so, inside the agreed run
+    if not _held_by_several(t):
         return None
     devices = sorted(t.sharding.device_set, key=lambda d: (d.process_index, d.id))
-    per: dict[int, int] = {}
-    for d in devices:
-        per[d.process_index] = per.get(d.process_index, 0) + 1
+    per = collections.Counter(d.process_index for d in devices)  # process -> its devices
     if len(set(per.values())) != 1:
         return None  # uneven devices per process: no process x local grid
     grid = np.array(devices, dtype=object).reshape(len(per), -1)
@@ -210,13 +197,13 @@ def shared_load(
     loadable = [t for t in targets if t.sources and all(k in shapes for k in t.sources)]
     derived = {t.path: s for t in loadable if (s := derived_sharding(t, shapes)) is not None}
     swapped = [dataclasses.replace(t, sharding=derived[t.path]) if t.path in derived else t for t in targets]
-    sync = Sync.open(Path(where), what="shared-read load", intact="nothing was loaded")
+    sync = _sync(where)
     try:
         values, report = run(swapped)
     except Exception as e:  # posted, so no peer waits for this process in a collective; raised here as it is
         sync.gather("read", Outcome(False, error=f"{type(e).__name__}: {e}").encode(), only=sync.pid)
         raise
-    _agree(sync, Outcome(True), where)
+    _step(sync, "read", Outcome(True), where)
     sync.forget_previous()  # every process is past the previous exchange by now
     by_path = {t.path: t for t in targets}
     originals = {t.path: t for t in swapped}
@@ -225,14 +212,6 @@ def shared_load(
         values[p] = _reshard(values[p], by_path[p].sharding)  # the derived array is freed here
     report.io.bytes_received += sum(_received(by_path[p], originals[p]) for p in shared)
     return values, report
-
-
-def _agree(sync: Sync, mine: Outcome, where: str) -> None:
-    """Every process's outcome of its reads (bounded wait); the same error on all if one failed."""
-    try:
-        sync.step("read", mine)
-    except SaveError as e:
-        raise SharedReadError(str(e), where) from e
 
 
 @functools.cache

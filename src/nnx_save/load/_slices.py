@@ -46,10 +46,6 @@ def compat(cls: type[_E]) -> type[_E]:
     return found
 
 
-def _slice_error(key: str, shape: Sequence[int], index: Any, why: str) -> SliceError:
-    return compat(SliceError)(f"{key}: cannot slice a tensor of shape {list(shape)} with {_show(index)}: {why}")
-
-
 def _show(index: Any) -> str:
     items = index if isinstance(index, tuple) else (index,)
     return "[" + ", ".join(_show_one(i) for i in items) + "]"
@@ -67,9 +63,7 @@ def _show_one(item: Any) -> str:
 
 def _int(value: Any) -> int | None:
     """``value`` as an index int (a bool counts, as in safetensors), else None."""
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    return None
+    return int(value) if isinstance(value, (int, np.integer)) else None
 
 
 def _bound(value: Any, default: int, size: int, fail) -> int:
@@ -127,7 +121,7 @@ def normalize_index(index: Any, shape: Sequence[int], key: str = "tensor") -> tu
         return quick
 
     def fail(why: str) -> SliceError:
-        return _slice_error(key, shape, index, why)
+        return compat(SliceError)(f"{key}: cannot slice a tensor of shape {list(shape)} with {_show(index)}: {why}")
 
     if isinstance(index, list):
         if index or not shape:

@@ -1,29 +1,22 @@
 """Streaming onto accelerators: bounded, reused staging buffers; host memory is the
 in-flight budget, not the checkpoint.
 
-On backends whose arrays do not adopt host memory (every accelerator), reading a
-whole shard into a host buffer and then putting it on its device would hold the
-checkpoint in host memory. Instead each destination shard is cut into *slabs*
-(boxes of at most one staging buffer, cut on its leading dimensions), slabs are
-grouped into *batches* in file order, and a few workers each take a batch, read it
-into a staging buffer from a bounded pool, send every slab to its device(s) as
-soon as the reads complete, wait for those transfers (``block_until_ready``) and
-hand the buffer back for the next batch, while the other workers read. Batches of
-different files interleave, so several files are read at once under one budget.
+Each destination shard is cut into *slabs* (boxes of at most one staging buffer, cut
+on its leading dimensions), slabs are grouped into *batches* in file order, and a few
+workers each take a batch, read it into a staging buffer from a bounded pool, send
+every slab to its device(s), wait for those transfers and hand the buffer back, while
+the other workers read. Batches of different files interleave, so several files are
+read at once under one budget.
 
-A shard that fits one slab is its transfer (cast to the held dtype on the device).
-A larger shard is assembled on its device: a device buffer updated in place, under
-donation, by ``jax.lax.dynamic_update_slice`` at each slab's offset.
+A shard that fits one slab is its transfer (cast to the held dtype on the device); a
+larger one is assembled on its device, ``jax.lax.dynamic_update_slice`` at each slab's
+offset into a donated buffer.
 
-Staging memory is pluggable (:func:`allocator`): ``"pinned"`` buffers live in jax's
-``pinned_host`` memory kind (page-locked, so the DMA engine reads them directly);
-``"pageable"`` ones are ordinary aligned numpy memory. Host memory beyond the
-results is the pool (``max_inflight_bytes`` at most) plus, read on the host path
-as before, sub-byte (packed) tensors, porting transforms' whole sources and numpy
-targets.
-
-Forced on the CPU backend (``stream=True`` or ``NNX_SAVE_STREAM=1``) the same path
-runs there: a testing aid, since on CPU the arrays themselves are host memory.
+Staging memory (:func:`allocator`) is ``"pinned"`` (jax's page-locked ``pinned_host``
+memory kind, which the DMA engine reads directly) or ``"pageable"`` (aligned numpy
+memory). Sub-byte tensors, porting transforms' whole sources and numpy targets are read
+on the host path. Forced on the CPU backend (``stream=True`` or ``NNX_SAVE_STREAM=1``),
+the same path runs there: a testing aid.
 """
 
 from __future__ import annotations
@@ -55,7 +48,6 @@ if TYPE_CHECKING:
 __all__ = ["StagingPool", "StreamEngine", "allocator", "run", "slabs"]
 
 ALIGN = 64
-MIN_STAGING = 1 << 20
 MAX_STAGING = 64 << 20  # per buffer: small enough that transfers overlap the next reads
 
 
@@ -110,10 +102,6 @@ def slabs(box: Box, itemsize: int, size: int) -> list[Box]:
 # --------------------------------------------------------------------------- staging memory
 
 
-def _pageable(nbytes: int) -> tuple[np.ndarray, Any]:
-    return aligned_empty(nbytes, ALIGN), None
-
-
 def _pinned(device: Any) -> Callable[[int], tuple[np.ndarray, Any]]:
     """Staging buffers in jax's ``pinned_host`` memory of ``device``'s backend: a jax
     array kept alive as the owner, written through its host address."""
@@ -134,8 +122,8 @@ def _pinned(device: Any) -> Callable[[int], tuple[np.ndarray, Any]]:
 
 def allocator(kind: str, device: Any) -> Callable[[int], tuple[np.ndarray, Any]]:
     """``allocate(nbytes) -> (writable uint8 buffer, owner to keep alive)`` for staging
-    ``kind`` (``"pinned"`` or ``"pageable"``)."""
-    return _pinned(device) if kind == "pinned" else _pageable
+    ``kind`` (``"pinned"`` or ``"pageable"``: aligned numpy memory, no owner)."""
+    return _pinned(device) if kind == "pinned" else lambda nbytes: (aligned_empty(nbytes, ALIGN), None)
 
 
 class StagingPool:
@@ -193,7 +181,6 @@ class _Shard:
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     arrays: dict[Any, Any] = field(default_factory=dict)
-    left: int = 0  # slabs not sent yet
 
 
 def _plan_batches(engine: StreamEngine, streamed: list[int], size: int) -> list[_Batch]:
@@ -251,15 +238,10 @@ def _updater():
 
 
 class _Streamer:
-    def __init__(self, engine: StreamEngine, streamed: list[int], pool: StagingPool, workers: int) -> None:
-        self.engine, self.pool, self.workers = engine, pool, workers
-        batches = _plan_batches(engine, streamed, pool.size)
-        self.count = len(batches)
-        self.batches = iter(batches)
+    def __init__(self, engine: StreamEngine, streamed: list[int], pool: StagingPool) -> None:
+        self.engine, self.pool = engine, pool
+        self.batches = iter(_plan_batches(engine, streamed, pool.size))
         self.shards = {i: _Shard() for i in streamed}
-        for batch in batches:
-            for slab in batch.slabs:
-                self.shards[slab.dest].left += 1
         self.lock = threading.Lock()
         self.cancel = threading.Event()
         self.readers: dict[str, Reader] = {}
@@ -267,7 +249,6 @@ class _Streamer:
         self.hashed: set[tuple[str, str]] = set()  # pieces verified from a staging buffer
         self.stats: dict[str, list[int]] = {}  # file -> [read, needed]
         self.through: dict[str, tuple[float, np.ndarray]] = {}  # file -> (top ratio, bytes read through per tensor)
-        self.done: list[int] = []  # destinations complete, to place on the calling thread
 
     def reader(self, file: str) -> Reader:
         with self.lock:
@@ -306,29 +287,19 @@ class _Streamer:
                 sub = intersect(part, slab.box)
                 if sub is not None:
                     by_file.setdefault(piece.info.file, []).append(request(piece, sub, slab.box, n))
-        opt = self.engine.opt
+        opt, bar, budget = self.engine.opt, self.engine.bar, self.engine.budget
+        on_chunk = bar.update if bar.active else None
         for file, requests in by_file.items():
             plan = plan_file(requests, max_over_read_ratio=opt.max_over_read_ratio, chunk_bytes=opt.chunk_bytes)
-            bar = self.engine.bar
-            execute(
-                self.reader(file),
-                plan,
-                views,
-                budget=self.engine.budget,
-                num_threads=1,
-                on_chunk=bar.update if bar.active else None,
-                cancel=self.cancel,
-            )
+            execute(self.reader(file), plan, views, budget=budget, num_threads=1, on_chunk=on_chunk, cancel=self.cancel)
             self.note(file, plan)
         if opt.verify:
             self.verify(batch, views)
 
     def note(self, file: str, plan: FilePlan) -> None:
-        """Add one batch's plan to its file's statistics; where the automatic ratio
-        chose to read through (above 1), also the bytes it read through per tensor,
-        for the over-read warning. Plans at ratio 1 only read through gaps under a
-        page, which small staging buffers (slabs cut mid-page) repeat batch after
-        batch: the staging size's cost, not the ratio's trade the warning names."""
+        """Add one batch's plan to its file's statistics, and where the automatic ratio
+        read through (above 1) the bytes per tensor, for the over-read warning (at ratio
+        1 only sub-page gaps are read: the staging size's cost, not the ratio's)."""
         extra = None
         if self.engine.opt.max_over_read_ratio is None and plan.ratio > 1.0 and plan.read_bytes > plan.needed_bytes:
             extra = self.engine.read_through(file, plan)
@@ -369,10 +340,6 @@ class _Streamer:
 
                     shard.arrays[device] = jnp.zeros(extents(d.box), held, device=device)
                 shard.arrays[device] = _updater()(shard.arrays[device], array, *slab.at)
-            shard.left -= 1
-            if shard.left == 0:
-                with self.lock:
-                    self.done.append(slab.dest)
 
     def verify(self, batch: _Batch, views: list[np.ndarray]) -> None:
         """Hash every whole piece a slab holds, from the staging buffer."""
@@ -441,7 +408,7 @@ def run(engine: StreamEngine, streamed: list[int], kind: str, device: Any) -> di
     workers, size = _shape(engine.opt, host_devices=device.platform == "cpu")
     pool = StagingPool(workers, size, allocator(kind, device))
     engine.staging = pool
-    streamer = _Streamer(engine, streamed, pool, workers)
+    streamer = _Streamer(engine, streamed, pool)
     try:
         threads = [threading.Thread(target=streamer.guarded, name=f"nnx_save-stream-{n}") for n in range(workers)]
         for t in threads:

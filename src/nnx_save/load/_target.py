@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import DeviceDtypeError, ShardingError
 from ..format._boxes import Box, whole
 
-__all__ = ["Box", "SourceTransform", "Target", "check_device_dtype", "shard_boxes"]
+__all__ = ["SourceTransform", "Target", "check_device_dtype", "shard_boxes"]
 
 
 class SourceTransform(Protocol):
