@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .errors import SafetensorError, SliceError, SourceNotFoundError
+from .format._dtypes import DTYPES
 from .format._header import TensorInfo
 from .layouts._layout import LocalFiles, RemoteFiles
 from .layouts._sources import Header, read_header, reader_factory
@@ -33,13 +34,6 @@ __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 PathLike = str | os.PathLike
 _FRAMEWORKS = {"np": "numpy", "numpy": "numpy", "flax": "jax", "jax": "jax", "pt": "torch", "torch": "torch"}
 _BACKENDS = ("mmap", "pread")
-# safetensors code -> torch dtype name (torch is imported only for framework="pt")
-_TORCH = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
-    "F32": "float32", "C64": "complex64", "F64": "float64", "I64": "int64", "U64": "uint64",
-}  # fmt: skip
 
 
 def _refuse(message: str) -> SafetensorError:
@@ -84,7 +78,8 @@ def _torch_converter(device: Any):
         raise _refuse(f"safe_open: device {device!r} is invalid for framework torch ({e})") from None
 
     def convert(array: np.ndarray, code: str):
-        dtype = getattr(torch, _TORCH.get(code, ""), None)
+        row = DTYPES[code]  # torch names its dtypes as numpy and ml_dtypes do; it packs no sub-byte ones
+        dtype = getattr(torch, row.numpy.name, None) if row.byte_aligned else None
         if dtype is None:
             raise _refuse(f"safe_open: dtype {code} has no torch dtype in torch {torch.__version__}")
         try:
