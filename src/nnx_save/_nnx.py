@@ -42,6 +42,7 @@ __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
 RNG_KEY = "nnx_save.rng_impl"  # {path: PRNG implementation name}
 SCALAR_KEY = "nnx_save.scalars"  # {path: "int" | "float" | "bool"}
 _PY_SCALARS = {"int": int, "float": float, "bool": bool}
+_KIND_OF = {typ: kind for kind, typ in _PY_SCALARS.items()}
 _SCALAR_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
 _SCALAR_KINDS = {"int": "iu", "float": "f", "bool": "b"}  # numpy dtype kinds that hold each losslessly
 
@@ -66,7 +67,7 @@ def _flat(state: Any) -> list[tuple[tuple, Any]]:
 
 
 def _scalar_kind(value: Any) -> str | None:
-    return {bool: "bool", int: "int", float: "float"}.get(type(value))
+    return _KIND_OF.get(type(value))  # exactly these types: numpy scalars and arrays are not Python scalars
 
 
 def _refuse_unstorable(key: str, value: Any) -> None:
@@ -240,7 +241,7 @@ def _scalar_dtype(kind: str, info: Any) -> np.dtype:
     return np.dtype(_SCALAR_DTYPES[kind])
 
 
-def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
+def _target(leaf: _Leaf, header: Header, rng: dict, mesh: Any) -> Target:
     value, key = leaf.value, leaf.key
     _refuse_unstorable(key, value)
     kind = _scalar_kind(value)
@@ -252,7 +253,7 @@ def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
     if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if _is_key(value):
-        impl = meta["rng"].get(key) or _impl_name(value)
+        impl = rng.get(key) or _impl_name(value)
         key_shape = jax.random.key_data(jax.random.key(0, impl=impl)).shape
         return Target(
             key,
@@ -264,7 +265,7 @@ def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
     return Target(key, tuple(value.shape), np.dtype(value.dtype), sharding, (key,))
 
 
-def _finish(leaf: _Leaf, loaded: Any, meta: dict) -> Any:
+def _finish(leaf: _Leaf, loaded: Any, rng: dict) -> Any:
     """Turn a loaded array back into what the model declares."""
     kind = _scalar_kind(leaf.value)
     if kind is not None:
@@ -272,12 +273,14 @@ def _finish(leaf: _Leaf, loaded: Any, meta: dict) -> Any:
     if isinstance(leaf.value, np.generic):
         return loaded[()]  # a numpy scalar, as declared
     if _is_key(leaf.value) and not _is_key(loaded):
-        return jax.random.wrap_key_data(loaded, impl=meta["rng"].get(leaf.key) or _impl_name(leaf.value))
+        return jax.random.wrap_key_data(loaded, impl=rng.get(leaf.key) or _impl_name(leaf.value))
     return loaded
 
 
-def _file_meta(header: Header) -> dict:
-    """The library's JSON metadata, checked before anything is read."""
+def _file_rng(header: Header) -> dict:
+    """The PRNG implementations the file records by key; the library's JSON records
+    are checked before anything is read (the scalars' only for validity: the model's
+    declaration decides a scalar's type)."""
     where = header.files[0].file if header.files else "the checkpoint"
 
     def parse(name: str) -> dict:
@@ -287,10 +290,11 @@ def _file_meta(header: Header) -> dict:
             raise MetadataError(f"{where}: __metadata__[{name!r}] is not valid JSON: {e}") from None
         return value if isinstance(value, dict) else {}
 
-    meta = {"rng": parse(RNG_KEY), "scalars": parse(SCALAR_KEY)}
-    for key, impl in meta["rng"].items():
+    rng = parse(RNG_KEY)
+    parse(SCALAR_KEY)
+    for key, impl in rng.items():
         _check_impl(where, key, impl)
-    return meta
+    return rng
 
 
 def _check_impl(where: str, key: str, impl: Any) -> None:
@@ -420,12 +424,12 @@ def load_model(
     """
     how = load_options("load_model", options, keywords)
     header = read_header(source)
-    meta = _file_meta(header)
+    rng = _file_rng(header)
     graphdef, full_state, is_builder, scalars = _abstract(model_or_builder, mesh)
     selected = nnx.state(nnx.merge(graphdef, full_state), filter) if filter is not ... else full_state
     leaves = _leaves(selected, scalars)
     _paths.check_unique(leaf.path for leaf in leaves)
-    targets = {leaf.key: _target(leaf, header, meta, mesh) for leaf in leaves}
+    targets = {leaf.key: _target(leaf, header, rng, mesh) for leaf in leaves}
     fix = (
         "Annotate the builder's parameters with shardings (nnx.with_partitioning) and pass mesh=, "
         "or load into a model instance already placed where you want it"
@@ -462,7 +466,7 @@ def load_model(
             values = {**values, **_init_missing(model_or_builder, absent, targets, mesh)}
         leaves = everything
     updates = [
-        (leaf.path, leaf.variable.replace(_finish(leaf, values[leaf.key], meta)))
+        (leaf.path, leaf.variable.replace(_finish(leaf, values[leaf.key], rng)))
         for leaf in leaves
         if leaf.key in values
     ]

@@ -98,12 +98,6 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__} ({short_repr(value, 40)})"
 
 
-_DELETED = (
-    "the jax array has been deleted (donated to a jitted call, or .delete()d), so its values are gone; "
-    "save it before the call that donates it"
-)
-
-
 def leaf_entry(path: tuple, value: Any) -> Entry:
     """Check one leaf and describe it for the writer, without copying it yet."""
     import jax
@@ -118,7 +112,11 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
             key,
         )
     if isinstance(value, jax.Array) and value.is_deleted():
-        raise UnsupportedValueError(f"{key}: {_DELETED}", key)
+        raise UnsupportedValueError(
+            f"{key}: the jax array has been deleted (donated to a jitted call, or .delete()d), so its values are "
+            "gone; save it before the call that donates it",
+            key,
+        )
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
         raise UnsupportedValueError(
             f"{key}: a typed PRNG key array; store jax.random.key_data(key) or use save_model", key
