@@ -164,6 +164,20 @@ def test_bad_load_options_are_typed_errors_naming_the_argument(saved, kwargs, me
         nnx_save.LoadOptions(**kwargs)
 
 
+def test_the_load_shortcuts_are_every_option_the_functions_take_and_no_other(saved):
+    """load_file and load_model take the LoadOptions fields as keywords (one TypedDict,
+    LoadKeywords); a misspelt one is a TypeError, as for any Python function."""
+    from flax import nnx
+
+    from nnx_save._pytree import LoadKeywords
+
+    assert set(LoadKeywords.__annotations__) < set(nnx_save.LoadOptions.__dataclass_fields__)
+    with pytest.raises(TypeError, match=re.escape("load_file() got an unexpected keyword argument 'verfy'")):
+        nnx_save.load_file(saved, verfy=True)
+    with pytest.raises(TypeError, match=re.escape("load_model() got an unexpected keyword argument 'threads'")):
+        nnx_save.load_model(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), saved, threads=2)
+
+
 def test_bad_save_options_are_typed_errors_and_write_nothing(tmp_path):
     with pytest.raises(OptionError, match=re.escape("max_shard_size=0: expected a positive number of bytes")):
         nnx_save.SaveOptions(max_shard_size=0)

@@ -1,17 +1,13 @@
 """nnx_save: safe, exact and fast saving and loading of JAX / Flax NNX state.
 
 The API is the names in ``__all__`` (docs/api.md lists them): the save and load
-functions, their options (:class:`LoadOptions`, :class:`SaveOptions`), what they
-return (:class:`LoadReport`, :class:`SaveHandle`, :class:`Header`) and the base
-errors. Every error and warning lives in :mod:`nnx_save.errors`; the more specific
-ones (one per header check, ...) are also reachable here under their own names, and
-the environment variables are listed in docs/configuration.md.
+functions, their options, what they return and the base errors. Every error and
+warning lives in :mod:`nnx_save.errors`; the more specific ones are also reachable
+here under their own names. The environment variables: docs/configuration.md.
 
-``import nnx_save`` imports neither jax nor flax: the errors, the options, the
-header types and ``read_header`` are imported with the package; the engine, the
-writers and the NNX bridge on first use of their names, so ``read_header`` and
-``nnx-save inspect`` start fast. Type checkers see every name below as re-exported
-(``X as X``).
+``import nnx_save`` imports neither jax nor flax: the engine, the writers and the NNX
+bridge are imported on first use of their names, so ``read_header`` and ``nnx-save
+inspect`` start fast. ``X as X``: type checkers see every name as re-exported.
 """
 
 import importlib as _importlib
@@ -118,23 +114,17 @@ if _typing.TYPE_CHECKING:
     from .save._background import SaveHandle as SaveHandle
     from .save._background import wait_for_saves as wait_for_saves
 
-# Imported when first asked for: the NNX bridge imports flax and jax (~1 s), and the
+# Imported when first asked for: the NNX bridge imports flax and jax, and the
 # engine and writers are not needed to read a header (``nnx-save inspect``).
-_LAZY = {
-    "SaveHandle": ".save._background",
-    "wait_for_saves": ".save._background",
-    "Converted": ".cli._convert",
-    "convert": ".cli._convert",
-    "LazyCheckpoint": "._lazy",
-    "TensorSlice": "._lazy",
-    "iter_tensors": "._lazy",
-    "safe_open": "._lazy",
-    "load_model": "._nnx",
-    "save_model": "._nnx",
-    "save_pod": "._pod_bridge",
-    "load_file": "._pytree",
-    "save_file": "._pytree",
+_MODULES = {
+    ".save._background": ("SaveHandle", "wait_for_saves"),
+    ".cli._convert": ("Converted", "convert"),
+    "._lazy": ("LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"),
+    "._nnx": ("load_model", "save_model"),
+    "._pod_bridge": ("save_pod",),
+    "._pytree": ("load_file", "save_file"),
 }
+_LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str) -> _typing.Any:

@@ -1,15 +1,10 @@
 """A lazy handle on a checkpoint, as safetensors users know it: :func:`safe_open`
 and :func:`iter_tensors`.
 
-Nothing is read when the handle opens but the headers. ``get_slice(key)[a:b, :, c]``
-accepts the indices ``safetensors.safe_open`` accepts (ints, slices with a positive
-step, one Ellipsis, an empty list) and refuses what it refuses, with a
-:class:`~nnx_save.errors.SliceError` (:mod:`nnx_save.load._slices`; where safetensors
-crashes instead of refusing, on negative bounds, numpy's meaning holds). A slice of a local file small enough is copied
-out of a memory map of the file (:mod:`nnx_save.load._direct`: no planning, no
-threads); anything larger, remote, or in a pod's pieces asks the loading engine for
-the slice's box (a host target with ``box=``), whose planner cuts it into byte runs
-its readers read exactly (a step reads the bounding box and is applied in memory).
+Only headers are read when the handle opens. ``get_slice(key)[...]`` takes the indices
+``safetensors.safe_open`` takes and refuses what it refuses (:mod:`nnx_save.load._slices`).
+A small slice of a local file is copied out of a memory map (:mod:`nnx_save.load._direct`);
+anything larger, remote, or in a pod's pieces asks the loading engine for the slice's box.
 """
 
 from __future__ import annotations
@@ -23,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .errors import SafetensorError, SliceError, SourceNotFoundError
+from .format._dtypes import DTYPES
 from .format._header import TensorInfo
 from .layouts._layout import LocalFiles, RemoteFiles
 from .layouts._sources import Header, read_header, reader_factory
@@ -38,16 +34,6 @@ __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 PathLike = str | os.PathLike
 _FRAMEWORKS = {"np": "numpy", "numpy": "numpy", "flax": "jax", "jax": "jax", "pt": "torch", "torch": "torch"}
 _BACKENDS = ("mmap", "pread")
-# safetensors code -> torch dtype name (torch is imported only for framework="pt")
-_TORCH = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
-    "F8_E8M0": "float8_e8m0fnu", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "I16": "int16", "U16": "uint16", "F16": "float16", "BF16": "bfloat16", "I32": "int32", "U32": "uint32",
-    "F32": "float32", "C64": "complex64", "F64": "float64", "I64": "int64", "U64": "uint64",
-}  # fmt: skip
-
-
-# --------------------------------------------------------------------------- frameworks
 
 
 def _refuse(message: str) -> SafetensorError:
@@ -92,7 +78,8 @@ def _torch_converter(device: Any):
         raise _refuse(f"safe_open: device {device!r} is invalid for framework torch ({e})") from None
 
     def convert(array: np.ndarray, code: str):
-        dtype = getattr(torch, _TORCH.get(code, ""), None)
+        row = DTYPES[code]  # torch names its dtypes as numpy and ml_dtypes do; it packs no sub-byte ones
+        dtype = getattr(torch, row.numpy.name, None) if row.byte_aligned else None
         if dtype is None:
             raise _refuse(f"safe_open: dtype {code} has no torch dtype in torch {torch.__version__}")
         try:
@@ -104,9 +91,6 @@ def _torch_converter(device: Any):
     return convert
 
 
-# --------------------------------------------------------------------------- the handle
-
-
 def _mappable(placement: object) -> LocalFiles | None:
     """``placement`` when its local files can be mapped, every tensor one whole piece
     (plain local files, and the local ones of a remote index); not a pod's shards."""
@@ -116,8 +100,8 @@ def _mappable(placement: object) -> LocalFiles | None:
 
 
 class _Open:
-    """What an open handle reads through; slices keep it, so a slice taken before
-    ``close()`` still reads (as in safetensors)."""
+    """What an open handle reads through; slices keep it, so they still read after
+    ``close()`` (as in safetensors)."""
 
     def __init__(self, header: Header, backend: str, options: LoadOptions, convert) -> None:
         self.header, self.options, self.convert = header, options, convert
@@ -129,8 +113,7 @@ class _Open:
         self.views: dict[str, Any] = {}  # tensor -> its array over the map, or None (read by the engine)
 
     def view(self, info: TensorInfo) -> np.ndarray | None:
-        """Tensor ``info`` over the memory map when its small requests are copied out of
-        it (a local, byte-aligned tensor that is one whole piece), else None."""
+        """Tensor ``info`` over the memory map (a local, byte-aligned, whole tensor), else None."""
         found = self.views.get(info.name, False)
         if found is False:
             mapped = self.maps is not None and info.dtype.byte_aligned and info.file not in self.remote
@@ -140,9 +123,7 @@ class _Open:
 
     def read(self, info: TensorInfo, items: tuple[int | slice, ...]) -> np.ndarray:
         """``tensor[items]`` (a normalized index) as a fresh numpy array."""
-        view = self.views.get(info.name, False)
-        if view is False:
-            view = self.view(info)
+        view = self.view(info)
         nbytes = info.nbytes
         if view is not None and nbytes > DIRECT_MAX_BYTES:
             nbytes = math.prod(extents(items)) * info.dtype.itemsize
@@ -150,13 +131,10 @@ class _Open:
             return self.read_box(info, *slice_box(items, info.shape, info.name))
         assert self.maps is not None
         out = self.maps.copy(info, view, items)
-        nbytes = out.nbytes
-        io = self.io
-        io.bytes_read += nbytes
-        io.bytes_needed += nbytes
-        if info.file not in self.files:
-            self.files.add(info.file)
-            io.files = len(self.files)
+        self.io.bytes_read += out.nbytes
+        self.io.bytes_needed += out.nbytes
+        self.files.add(info.file)
+        self.io.files = len(self.files)
         return out
 
     def read_box(self, info: TensorInfo, box: Box, post: tuple[Any, ...]) -> np.ndarray:
@@ -170,13 +148,12 @@ class _Open:
         return np.array(block[post])  # a contiguous copy; 0-d stays an array
 
     def load(self, targets: list[Target]) -> dict[str, np.ndarray]:
-        header = self.header
         values, report = load_targets(
-            header,
+            self.header,
             targets,
             self.options,
-            ignore_unexpected=frozenset(header.tensors),  # a handle reads what it is asked for, nothing is "unexpected"
-            open_reader=reader_factory(header),
+            ignore_unexpected=frozenset(self.header.tensors),  # a handle reads what it is asked for
+            open_reader=reader_factory(self.header),
             warn=False,
         )
         self.io.add(report.io)
@@ -227,26 +204,12 @@ class TensorSlice:
 class LazyCheckpoint:
     """An open checkpoint: headers read, tensors read on demand (see :func:`safe_open`)."""
 
-    def __init__(
-        self,
-        source: PathLike | Sequence[PathLike] | Header,
-        framework: str = "np",
-        device: Any = "cpu",
-        *,
-        backend: str = "mmap",
-        max_over_read_ratio: float | None = 1.0,
-        max_inflight_bytes: int = 1 << 30,
-        num_threads: int | None = None,
-    ) -> None:
-        if backend not in _BACKENDS:
-            raise _refuse(f"safe_open: backend {backend!r} is invalid (expected one of: 'mmap', 'pread')")
-        self.framework, convert = _framework(framework, device)
-        options = _options(max_over_read_ratio, max_inflight_bytes, num_threads)
-        self._source = _where(source)
-        header = _read_header(source)
-        self._owned = header is not source  # a Header passed in is closed by its owner
-        self._state: _Open | None = _Open(header, backend, options, convert)
-        self._io = self._state.io
+    def __init__(self, state: _Open, framework: str, source: str, owned: bool) -> None:
+        self.framework = framework
+        self._source = source
+        self._owned = owned  # a Header passed in is closed by its owner
+        self._state: _Open | None = state
+        self._io = state.io
 
     @property
     def io(self) -> IOStats:
@@ -323,11 +286,7 @@ class LazyCheckpoint:
 
     def get_slice(self, key: str) -> TensorSlice:
         """A view of tensor ``key`` whose ``[...]`` reads only the bytes that index needs."""
-        state = self._state
-        info = state.header.tensors.get(key) if state is not None and isinstance(key, str) else None
-        if state is None or info is None:  # closed, or not a tensor: the error says which
-            return TensorSlice(self._open, self._info(key))
-        return TensorSlice(state, info)
+        return TensorSlice(self._open, self._info(key))
 
     def get_tensor(self, key: str) -> Any:
         """Tensor ``key``, read whole, in the handle's framework."""
@@ -339,9 +298,6 @@ class LazyCheckpoint:
     def get_tensors(self) -> dict[str, Any]:
         """Every tensor, read whole, by name in storage order (:meth:`offset_keys`)."""
         return {key: self.get_tensor(key) for key in self.offset_keys()}
-
-    def _load(self, targets: list[Target]) -> dict[str, np.ndarray]:
-        return self._open.load(targets)
 
 
 _DEFAULTS = (1.0, 1 << 30, None)
@@ -402,11 +358,10 @@ def safe_open(
             memory map of the file, larger or remote ones read by the engine;
             ``"pread"``: every read goes through the engine's ``preadv`` readers (no map).
         max_over_read_ratio: the engine's cap on bytes read / bytes needed when it
-            merges reads; 1.0 reads the bytes a slice needs, plus the gaps under a
-            page (4 KiB) between them that the engine always reads through rather
-            than pay another request. Over HTTP a larger ratio or ``None`` trades
-            bytes for fewer requests.
-        max_inflight_bytes, num_threads: the engine's budget and readers.
+            merges reads (gaps under a page are always read through); over HTTP a
+            larger ratio or ``None`` trades bytes for fewer requests.
+        max_inflight_bytes, num_threads: the engine's budget and readers
+            (:class:`LoadOptions`).
 
     Returns:
         A :class:`LazyCheckpoint` with ``keys()``, ``offset_keys()``, ``metadata()``,
@@ -429,15 +384,13 @@ def safe_open(
         ...     print(f.keys(), f.get_slice("w")[1, :, 1:3].tolist(), f.io.bytes_needed)
         ['w'] [[13.0, 14.0], [17.0, 18.0], [21.0, 22.0]] 24
     """
-    return LazyCheckpoint(
-        filename,
-        framework,
-        device,
-        backend=backend,
-        max_over_read_ratio=max_over_read_ratio,
-        max_inflight_bytes=max_inflight_bytes,
-        num_threads=num_threads,
-    )
+    if backend not in _BACKENDS:
+        raise _refuse(f"safe_open: backend {backend!r} is invalid (expected one of: 'mmap', 'pread')")
+    name, convert = _framework(framework, device)
+    options = _options(max_over_read_ratio, max_inflight_bytes, num_threads)
+    source = _where(filename)
+    header = _read_header(filename)
+    return LazyCheckpoint(_Open(header, backend, options, convert), name, source, header is not filename)
 
 
 def _batches(header: Header, keys: Iterable[str], max_batch_bytes: int) -> Iterator[list[str]]:
@@ -485,22 +438,19 @@ def iter_tensors(
         >>> [(k, v.dtype.name, v.shape) for k, v in nnx_save.iter_tensors(path, dtype=np.float16)]
         [('a', 'float16', (2,)), ('b', 'float16', (3,))]
     """
-    handle = LazyCheckpoint(source, num_threads=num_threads, max_inflight_bytes=max(max_batch_bytes, 1))
-    header = handle.header
+    handle = safe_open(source, num_threads=num_threads, max_inflight_bytes=max(max_batch_bytes, 1))
+    tensors = handle.header.tensors
     if keys is None:
-        order = sorted(header.tensors.values(), key=lambda t: (t.file, t.begin))
-        names = [t.name for t in order]
+        names = [t.name for t in sorted(tensors.values(), key=lambda t: (t.file, t.begin))]
     else:
-        names = list(keys)
-        for key in names:
-            handle._info(key)
-    for batch in _batches(header, names, max_batch_bytes):
-        targets = []
-        for key in dict.fromkeys(batch):  # a key asked for twice is read once
-            info = header.tensors[key]
-            want = info.dtype.numpy if dtype is None else np.dtype(dtype)
-            targets.append(Target(key, tuple(info.shape), want, None, (key,)))
-        values = handle._load(targets)
+        names = [handle._info(key).name for key in keys]
+    cast = None if dtype is None else np.dtype(dtype)
+    for batch in _batches(handle.header, names, max_batch_bytes):
+        targets = [
+            Target(key, tuple(tensors[key].shape), tensors[key].dtype.numpy if cast is None else cast, None, (key,))
+            for key in dict.fromkeys(batch)  # a key asked for twice is read once
+        ]
+        values = handle._open.load(targets)
         for key in batch:
             yield key, values[key]
         del values  # the batch is released before the next one is read

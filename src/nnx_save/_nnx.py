@@ -12,17 +12,18 @@ without that record, load the same way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import numpy as np
 from flax import nnx
 
-from ._pytree import check_metadata, leaf_entry
+from ._pytree import LoadKeywords, check_metadata, leaf_entry, load_options
 from ._version import __version__
 from .errors import MetadataError, ShardingError, UnsupportedValueError, short_repr
 from .format import _paths
@@ -41,6 +42,7 @@ __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
 RNG_KEY = "nnx_save.rng_impl"  # {path: PRNG implementation name}
 SCALAR_KEY = "nnx_save.scalars"  # {path: "int" | "float" | "bool"}
 _PY_SCALARS = {"int": int, "float": float, "bool": bool}
+_KIND_OF = {typ: kind for kind, typ in _PY_SCALARS.items()}
 _SCALAR_DTYPES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
 _SCALAR_KINDS = {"int": "iu", "float": "f", "bool": "b"}  # numpy dtype kinds that hold each losslessly
 
@@ -65,10 +67,7 @@ def _flat(state: Any) -> list[tuple[tuple, Any]]:
 
 
 def _scalar_kind(value: Any) -> str | None:
-    for name, typ in (("bool", bool), ("int", int), ("float", float)):
-        if type(value) is typ:
-            return name
-    return None
+    return _KIND_OF.get(type(value))  # exactly these types: numpy scalars and arrays are not Python scalars
 
 
 def _refuse_unstorable(key: str, value: Any) -> None:
@@ -103,15 +102,14 @@ def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
 def model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict) -> dict[str, str]:
     """The file metadata of a model save: the caller's, checked, plus the rng / scalar records."""
     check_metadata(metadata)
-    metadata = dict(metadata or {})
-    reserved = sorted(k for k in metadata if k.startswith("nnx_save."))
+    out = dict(metadata or {})
+    reserved = sorted(k for k in out if k.startswith("nnx_save."))
     if reserved:
         raise UnsupportedValueError(
             f"metadata keys {reserved} are reserved: the 'nnx_save.' prefix holds what load_model "
             "needs to rebuild rng keys and scalars; use another name",
             "__metadata__",
         )
-    out = metadata
     out.setdefault("format", "nnx_save")
     out["nnx_save.version"] = __version__
     if rng:
@@ -151,10 +149,8 @@ def save_model(
 
     Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal).
     Typed PRNG keys are stored as key data with their implementation in the
-    metadata; Python scalar variables keep their type. The model is not modified;
-    beyond the model the host holds the tensor being written and, from accelerators,
-    the device -> host copies started ahead of it (``NNX_SAVE_SAVE_INFLIGHT_BYTES``,
-    default 1 GiB).
+    metadata; Python scalar variables keep their type. The model is not modified.
+    Writing is as :func:`save_file` does it (checksums, atomic commit, host memory).
 
     Args:
         model: any NNX object graph (``nnx.Module``, ``nnx.Optimizer``, ...).
@@ -164,27 +160,19 @@ def save_model(
         rules: porting rules applied on the way out (``rules.inverse()`` of an
             import table writes HuggingFace names and layouts).
         max_shard_size: write a HuggingFace multi-file checkpoint in directory
-            ``path`` (``model.safetensors.index.json``, a local path or an fsspec
-            URL) with files of at most this many bytes: an int or a size such as
-            ``"5GB"`` or ``"200MiB"``.
-        progress: a progress bar on stderr when it is a terminal: ``None`` above
-            256 MiB, ``True`` always, ``False`` never.
-        blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
-            of the state is taken; the file is written in the background (see
-            docs/async.md). Training on, donating the model's buffers, is safe.
-        options: a :class:`SaveOptions` (``max_shard_size``, ``progress`` and
-            ``blocking`` are its shortcuts: a keyword may set a field ``options``
-            leaves at its default).
-
-    Every tensor's xxh3_64 checksum is recorded in ``__metadata__``.
+            ``path``, files of at most this many bytes (``"5GB"``, ``"200MiB"``, an int).
+        progress: a progress bar on stderr (:class:`SaveOptions`).
+        blocking: ``False`` returns a :class:`SaveHandle` once a host snapshot of the
+            state is taken and writes in the background; training on is then safe.
+        options: a :class:`SaveOptions`; the three keywords above are its shortcuts,
+            each allowed where ``options`` leaves its field at the default.
 
     Raises:
         UnsupportedValueError: a string or ``None`` in the state (names the path).
         KeyPathError: ``/`` inside an attribute name.
-        OptionError: ``max_shard_size`` is not a size.
         SaveError: the write failed; the previous file is intact.
-        OptionError: an option out of range, or given both as a keyword and in
-            ``options`` (names it).
+        OptionError: an option out of range (``max_shard_size`` not a size), or given
+            both as a keyword and in ``options`` (names it).
 
     Examples:
         >>> from flax import nnx
@@ -206,9 +194,6 @@ def save_model(
 
     write = _dispatch.writer(meta, max_shard_size=how.max_shard_size)
     return _dispatch.save(path, entries, write, blocking=how.blocking, progress=how.progress)
-
-
-# --------------------------------------------------------------------------- loading
 
 
 @dataclass(frozen=True)
@@ -241,18 +226,6 @@ def _unsharded(leaf: _Leaf, mesh: Any) -> bool:
     return _concrete(getattr(value, "sharding", None), mesh, leaf.key) is None
 
 
-def _warn_unsharded(keys: list[str]) -> None:
-    fix = (
-        "Annotate the builder's parameters with shardings (nnx.with_partitioning) and pass mesh=, "
-        "or load into a model instance already placed where you want it"
-    )
-    warn_single_device(keys, jax.local_devices(), fix, stacklevel=3)
-
-
-def _default_sharding() -> Any:
-    return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-
-
 def _key_data_sharding(sharding: Any, ndim: int) -> Any:
     if isinstance(sharding, jax.sharding.NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (ndim + 1 - len(tuple(sharding.spec)))
@@ -268,7 +241,7 @@ def _scalar_dtype(kind: str, info: Any) -> np.dtype:
     return np.dtype(_SCALAR_DTYPES[kind])
 
 
-def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
+def _target(leaf: _Leaf, header: Header, rng: dict, mesh: Any) -> Target:
     value, key = leaf.value, leaf.key
     _refuse_unstorable(key, value)
     kind = _scalar_kind(value)
@@ -276,9 +249,11 @@ def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
         return Target(key, (), _scalar_dtype(kind, header.tensors.get(key)), None, (key,))
     if isinstance(value, (np.ndarray, np.generic)):  # a host array stays on the host
         return Target(key, tuple(value.shape), value.dtype, None, (key,))
-    sharding = _concrete(getattr(value, "sharding", None), mesh, key) or _default_sharding()
+    sharding = _concrete(getattr(value, "sharding", None), mesh, key)
+    if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if _is_key(value):
-        impl = meta["rng"].get(key) or _impl_name(value)
+        impl = rng.get(key) or _impl_name(value)
         key_shape = jax.random.key_data(jax.random.key(0, impl=impl)).shape
         return Target(
             key,
@@ -290,7 +265,7 @@ def _target(leaf: _Leaf, header: Header, meta: dict, mesh: Any) -> Target:
     return Target(key, tuple(value.shape), np.dtype(value.dtype), sharding, (key,))
 
 
-def _finish(leaf: _Leaf, loaded: Any, meta: dict) -> Any:
+def _finish(leaf: _Leaf, loaded: Any, rng: dict) -> Any:
     """Turn a loaded array back into what the model declares."""
     kind = _scalar_kind(leaf.value)
     if kind is not None:
@@ -298,12 +273,14 @@ def _finish(leaf: _Leaf, loaded: Any, meta: dict) -> Any:
     if isinstance(leaf.value, np.generic):
         return loaded[()]  # a numpy scalar, as declared
     if _is_key(leaf.value) and not _is_key(loaded):
-        return jax.random.wrap_key_data(loaded, impl=meta["rng"].get(leaf.key) or _impl_name(leaf.value))
+        return jax.random.wrap_key_data(loaded, impl=rng.get(leaf.key) or _impl_name(leaf.value))
     return loaded
 
 
-def _file_meta(header: Header) -> dict:
-    """The library's JSON metadata, checked before anything is read."""
+def _file_rng(header: Header) -> dict:
+    """The PRNG implementations the file records by key; the library's JSON records
+    are checked before anything is read (the scalars' only for validity: the model's
+    declaration decides a scalar's type)."""
     where = header.files[0].file if header.files else "the checkpoint"
 
     def parse(name: str) -> dict:
@@ -313,10 +290,11 @@ def _file_meta(header: Header) -> dict:
             raise MetadataError(f"{where}: __metadata__[{name!r}] is not valid JSON: {e}") from None
         return value if isinstance(value, dict) else {}
 
-    meta = {"rng": parse(RNG_KEY), "scalars": parse(SCALAR_KEY)}
-    for key, impl in meta["rng"].items():
+    rng = parse(RNG_KEY)
+    parse(SCALAR_KEY)
+    for key, impl in rng.items():
         _check_impl(where, key, impl)
-    return meta
+    return rng
 
 
 def _check_impl(where: str, key: str, impl: Any) -> None:
@@ -348,13 +326,15 @@ def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool, dict[st
                 scalars[_paths.to_key(path)] = value
         return model
 
-    if mesh is not None:
-        with jax.set_mesh(mesh):
-            abstract = nnx.eval_shape(build)
-    else:
+    with _under(mesh):
         abstract = nnx.eval_shape(build)
     graphdef, state = nnx.split(abstract)
     return graphdef, state, True, scalars
+
+
+def _under(mesh: Any) -> Any:
+    """``jax.set_mesh(mesh)``, or nothing without a mesh."""
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
 def _leaves(state: Any, scalars: dict[str, Any]) -> list[_Leaf]:
@@ -400,16 +380,8 @@ def load_model(
     allow_casts: str | Sequence[str] = (),
     rules: Any = None,
     mesh: Any = None,
-    max_over_read_ratio: float | None = DEFAULT,
-    read_chunk_bytes: int = DEFAULT,
-    max_inflight_bytes: int = DEFAULT,
-    num_threads: int | None = DEFAULT,
-    verify: bool = DEFAULT,
-    progress: bool | None = DEFAULT,
-    stream: bool | None = DEFAULT,
-    staging: str = DEFAULT,
-    share_reads: bool | None = DEFAULT,
     options: LoadOptions | None = None,
+    **keywords: Unpack[LoadKeywords],
 ) -> tuple[Any, LoadReport]:
     """Load a checkpoint into an NNX model, driven by the model's own structure.
 
@@ -424,31 +396,19 @@ def load_model(
             only; other state in the file is then not "unexpected").
         allow_missing / allow_unexpected: path patterns (glob or regex) the caller
             expects to be missing (a new head) or unused.
-        allow_casts: dtype casts accepted under ``strict=True`` (key and shape
-            checks stay strict): ``"lossless"`` (every cast that cannot change a
-            value: bfloat16 or float16 into float32, int8 into int32) or a list of
-            path patterns (those paths' casts, lossy ones included); listed in
-            ``report.allowed_casts``.
+        allow_casts: dtype casts accepted under ``strict=True``: ``"lossless"`` or a
+            list of path patterns (as for :func:`load_file`).
         allow_shape_mismatch: path patterns whose shape in the file may differ
             from the model's (a new head of another size): those parameters keep
             the model's values (a builder's initialisation) and are listed in
             ``report.allowed_shape_mismatches``.
         rules: porting rules (:mod:`nnx_save.porting`) mapping file keys to paths.
         mesh: the concrete mesh for a builder's sharding annotations.
-        max_over_read_ratio, read_chunk_bytes, max_inflight_bytes, num_threads:
-            the loading engine's knobs (see :func:`load_file`).
-        verify: check recorded checksums of the tensors read in full
-            (:class:`~nnx_save.ChecksumError` on a mismatch; see :func:`load_file`).
-        progress: a progress bar on stderr when it is a terminal: ``None`` above
-            256 MiB, ``True`` always, ``False`` never.
-        share_reads: read what several processes need once per pod and share it
-            over the interconnect (see :func:`load_file`).
-        stream, staging: how bytes reach the devices: adopted host buffers on the
-            CPU backend, a bounded pool of reused (pinned) staging buffers elsewhere,
-            so host memory stays within ``max_inflight_bytes`` (see :func:`load_file`).
-        options: a :class:`LoadOptions` holding the settings above from
-            ``max_over_read_ratio`` on; those keywords are its shortcuts, each allowed
-            where ``options`` leaves its field at the default.
+        options: a :class:`LoadOptions`. Its fields are also keywords, as for
+            :func:`load_file`, which describes each: ``max_over_read_ratio``,
+            ``read_chunk_bytes``, ``max_inflight_bytes``, ``num_threads``, ``verify``
+            (checksums; :class:`~nnx_save.ChecksumError` on a mismatch), ``progress``,
+            ``stream``, ``staging`` and ``share_reads``.
 
     Returns:
         ``(model, report)``.
@@ -462,15 +422,19 @@ def load_model(
         >>> report.clean, model.kernel.shape
         (True, (2, 3))
     """
-    how = merge(LoadOptions, options, "load_model", locals())  # first: locals() are the arguments
+    how = load_options("load_model", options, keywords)
     header = read_header(source)
-    meta = _file_meta(header)
+    rng = _file_rng(header)
     graphdef, full_state, is_builder, scalars = _abstract(model_or_builder, mesh)
     selected = nnx.state(nnx.merge(graphdef, full_state), filter) if filter is not ... else full_state
     leaves = _leaves(selected, scalars)
     _paths.check_unique(leaf.path for leaf in leaves)
-    targets = {leaf.key: _target(leaf, header, meta, mesh) for leaf in leaves}
-    _warn_unsharded([leaf.key for leaf in leaves if _unsharded(leaf, mesh)])
+    targets = {leaf.key: _target(leaf, header, rng, mesh) for leaf in leaves}
+    fix = (
+        "Annotate the builder's parameters with shardings (nnx.with_partitioning) and pass mesh=, "
+        "or load into a model instance already placed where you want it"
+    )
+    warn_single_device([leaf.key for leaf in leaves if _unsharded(leaf, mesh)], jax.local_devices(), fix, stacklevel=2)
     ignore = frozenset(_paths.to_key(p) for p, _ in _flat(full_state)) - set(targets)
     target_list, renamed = list(targets.values()), None
     if rules is not None:
@@ -502,7 +466,7 @@ def load_model(
             values = {**values, **_init_missing(model_or_builder, absent, targets, mesh)}
         leaves = everything
     updates = [
-        (leaf.path, leaf.variable.replace(_finish(leaf, values[leaf.key], meta)))
+        (leaf.path, leaf.variable.replace(_finish(leaf, values[leaf.key], rng)))
         for leaf in leaves
         if leaf.key in values
     ]

@@ -1,13 +1,9 @@
 """A small progress bar for long loads and saves, on stderr when it is a terminal.
 
-``progress=None`` (the default of every entry point) shows a bar when stderr is a
-TTY and the operation moves at least :data:`MIN_BYTES`; ``True`` shows it on a TTY
-whatever the size; ``False`` never. Nothing is ever written to a pipe or a file:
-diagnostics go through the ``nnx_save`` logger instead.
-
-The save path reaches the writer through the multi-process dispatcher, whose
-signature is shared with other writers; the setting travels there in a context
-variable (:func:`saving`) rather than as one more argument on every layer.
+``progress=None`` shows a bar when stderr is a TTY and the operation moves at least
+:data:`MIN_BYTES`; ``True`` shows it on a TTY whatever the size; ``False`` never.
+Nothing is written to a pipe or a file. The save path's setting reaches the writer in
+a context variable (:func:`saving`), not as one more argument on every writer layer.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
@@ -14,14 +14,37 @@ from .io._write import Entry
 from .layouts._sources import Header, read_header, reader_factory
 from .load._engine import load_targets
 from .load._options import DEFAULT, LoadOptions, merge
-from .load._report import LoadReport, ShapeMismatch, matches_any, warn_single_device
+from .load._report import ShapeMismatch, matches_any, warn_single_device
 from .load._target import Target
 from .save import _background, _dispatch
 from .save._options import SaveOptions
 
-__all__ = ["flatten", "leaf_entry", "load_file", "save_file"]
+__all__ = ["LoadKeywords", "flatten", "leaf_entry", "load_file", "load_options", "save_file"]
 
 PathLike = str | os.PathLike
+
+
+class LoadKeywords(TypedDict, total=False):
+    """The :class:`LoadOptions` fields that :func:`load_file` and :func:`load_model` take as keywords."""
+
+    max_over_read_ratio: float | None
+    read_chunk_bytes: int
+    max_inflight_bytes: int
+    num_threads: int | None
+    verify: bool
+    progress: bool | None
+    stream: bool | None
+    staging: str
+    share_reads: bool | None
+
+
+def load_options(call: str, options: LoadOptions | None, keywords: Mapping[str, Any]) -> LoadOptions:
+    """``options`` with the keyword shortcuts applied (:func:`merge`); a keyword that is
+    not one of :class:`LoadKeywords` is a ``TypeError``, as for any other function."""
+    for name in keywords:
+        if name not in LoadKeywords.__annotations__:
+            raise TypeError(f"{call}() got an unexpected keyword argument {name!r}")
+    return merge(LoadOptions, options, call, keywords)
 
 
 def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[tuple[tuple, Any]], Any]:
@@ -75,12 +98,6 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__} ({short_repr(value, 40)})"
 
 
-_DELETED = (
-    "the jax array has been deleted (donated to a jitted call, or .delete()d), so its values are gone; "
-    "save it before the call that donates it"
-)
-
-
 def leaf_entry(path: tuple, value: Any) -> Entry:
     """Check one leaf and describe it for the writer, without copying it yet."""
     import jax
@@ -95,7 +112,11 @@ def leaf_entry(path: tuple, value: Any) -> Entry:
             key,
         )
     if isinstance(value, jax.Array) and value.is_deleted():
-        raise UnsupportedValueError(f"{key}: {_DELETED}", key)
+        raise UnsupportedValueError(
+            f"{key}: the jax array has been deleted (donated to a jitted call, or .delete()d), so its values are "
+            "gone; save it before the call that donates it",
+            key,
+        )
     if isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
         raise UnsupportedValueError(
             f"{key}: a typed PRNG key array; store jax.random.key_data(key) or use save_model", key
@@ -120,39 +141,30 @@ def save_file(
     a HuggingFace multi-file checkpoint), atomically.
 
     Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
-    written one at a time; from accelerators the device -> host copies of the next
-    ones run meanwhile, at most ``NNX_SAVE_SAVE_INFLIGHT_BYTES`` (default 1 GiB) of
-    them held at once (see docs/async.md). The file appears under ``path`` only once
-    complete and fsynced. ``tree`` is not modified.
+    written one at a time, at most ``NNX_SAVE_SAVE_INFLIGHT_BYTES`` of device -> host
+    copies ahead (docs/async.md); the file appears under ``path`` only once complete
+    and fsynced, with every tensor's xxh3_64 checksum in ``__metadata__``. ``tree`` is
+    not modified.
 
     Args:
         tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.
         path: the file to write; its directory must exist. An fsspec URL (``s3://``,
             ``memory://`` ...) is streamed to a temporary object and moved into place.
         metadata: string -> string pairs stored in ``__metadata__``.
-        progress: a progress bar on stderr when it is a terminal: ``None`` above
-            256 MiB, ``True`` always, ``False`` never.
-        blocking: ``False`` returns a :class:`SaveHandle` as soon as a host snapshot
-            of every tensor is taken; the file is written in the background (see
-            docs/async.md). Donating the saved arrays afterwards is safe.
+        progress: a progress bar on stderr (:class:`SaveOptions`).
+        blocking: ``False`` returns a :class:`SaveHandle` once a host snapshot is
+            taken and writes in the background; donating the arrays then is safe.
         max_shard_size: write a HuggingFace multi-file checkpoint in directory
-            ``path`` (``model.safetensors.index.json``, a local path or an fsspec
-            URL) with files of at most this many bytes: an int or a size such as
-            ``"5GB"`` or ``"200MiB"``.
-        options: a :class:`SaveOptions` (``progress``, ``blocking`` and
-            ``max_shard_size`` are its shortcuts: a keyword may set a field ``options``
-            leaves at its default).
-
-    Every tensor's xxh3_64 checksum is recorded in ``__metadata__``
-    (``nnx_save.checksums``); ``load_file(..., verify=True)`` checks it.
+            ``path``, files of at most this many bytes (``"5GB"``, ``"200MiB"``, an int).
+        options: a :class:`SaveOptions`; the three keywords above are its shortcuts,
+            each allowed where ``options`` leaves its field at the default.
 
     Raises:
         UnsupportedValueError: a leaf that is not an array (names its path).
         KeyPathError: a key containing ``/``, or two paths making the same key.
-        OptionError: ``max_shard_size`` is not a size.
         SaveError: the write failed; the previous file at ``path`` is intact.
-        OptionError: an option out of range, or given both as a keyword and in
-            ``options`` (names it).
+        OptionError: an option out of range (``max_shard_size`` not a size), or given
+            both as a keyword and in ``options`` (names it).
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
@@ -192,11 +204,11 @@ def check_metadata(metadata: Any) -> None:
             ) from None
 
 
-def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str], list[Any]]:
+def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:
     import jax
 
     pairs, treedef = flatten(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    targets, keys, leaves, unsharded = [], [], [], []
+    targets, leaves, unsharded = [], [], []
     for path, leaf in pairs:
         key = _paths.to_key(path)
         if leaf is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
@@ -208,27 +220,13 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[str], list
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             unsharded.append(key)
         targets.append(Target(key, tuple(leaf.shape), np.dtype(leaf.dtype), sharding, (key,)))
-        keys.append(key)
         leaves.append(leaf)
-    _warn_unsharded(unsharded)
-    return targets, treedef, keys, leaves
-
-
-def _warn_unsharded(keys: list[str]) -> None:
-    """Several local devices and ShapeDtypeStructs without a sharding: say where they go."""
-    import jax
-
     fix = (
         "Give each jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec) to spread it, or "
         "SingleDeviceSharding(device) to mean one device), or pass numpy arrays to load on the host"
     )
-    warn_single_device(keys, jax.local_devices(), fix, stacklevel=4)
-
-
-def _has_value(leaf: Any) -> bool:
-    import jax
-
-    return isinstance(leaf, (np.ndarray, jax.Array))
+    warn_single_device(unsharded, jax.local_devices(), fix, stacklevel=3)
+    return targets, treedef, leaves
 
 
 def _refuse_shape_mismatches(
@@ -238,13 +236,15 @@ def _refuse_shape_mismatches(
     differs and that would be left without a value: not allowed (unless ``strict``,
     whose :class:`LoadError` lists it with the rest), or allowed on a leaf that holds no
     value to keep (a ``ShapeDtypeStruct``)."""
+    import jax
+
     lines, refused = [], []
     for t, leaf in zip(targets, leaves, strict=True):
         info = header.tensors.get(t.path)
         if info is None or tuple(info.shape) == tuple(t.shape):
             continue
         ok = matches_any(t.path, allowed)
-        if ok and not _has_value(leaf):
+        if ok and not isinstance(leaf, (np.ndarray, jax.Array)):
             refused.append(t.path)
             lines.append(
                 f"{ShapeMismatch(t.path, t.shape, info.shape)} (allowed, but the leaf is a "
@@ -288,23 +288,15 @@ def load_file(
     allow_unexpected: Sequence[str] = (),
     allow_shape_mismatch: Sequence[str] = (),
     allow_casts: str | Sequence[str] = (),
-    max_over_read_ratio: float | None = DEFAULT,
-    read_chunk_bytes: int = DEFAULT,
-    max_inflight_bytes: int = DEFAULT,
-    num_threads: int | None = DEFAULT,
     return_report: bool = False,
-    verify: bool = DEFAULT,
-    progress: bool | None = DEFAULT,
-    stream: bool | None = DEFAULT,
-    staging: str = DEFAULT,
-    share_reads: bool | None = DEFAULT,
     options: LoadOptions | None = None,
+    **keywords: Unpack[LoadKeywords],
 ) -> Any:
     """Load a checkpoint: into the structure of ``abstract``, or as a flat dict.
 
     Args:
         source: a ``.safetensors`` file, a directory (HF index or ``*.safetensors``),
-            or a list of files.
+            a list of files, an ``http(s)://`` or fsspec URL, or a :class:`Header`.
         abstract: a pytree whose leaves are ``jax.ShapeDtypeStruct`` (with a
             ``sharding``) or arrays whose shape, dtype and sharding are adopted.
             Each process reads only the bytes its addressable devices need. Numpy
@@ -312,46 +304,31 @@ def load_file(
         strict: refuse (before reading) on any missing, unexpected, reshaped or
             cast tensor; otherwise those are reported in one ``LoadWarning``.
         allow_missing / allow_unexpected: patterns (glob or regex) the caller expects.
+        allow_shape_mismatch: patterns of paths whose file shape may differ: those
+            leaves keep the value ``abstract`` gives them (an array) and are listed in
+            ``report.allowed_shape_mismatches``.
         allow_casts: dtype casts accepted under ``strict=True`` (key and shape
             checks stay strict): ``"lossless"`` (every cast that cannot change a
             value: bfloat16 or float16 into float32, int8 into int32) or a list of
             path patterns (those paths' casts, lossy ones included); listed in
             ``report.allowed_casts``.
-        allow_shape_mismatch: patterns of paths whose file shape may differ: those
-            leaves keep the value ``abstract`` gives them (an array) and are listed in
-            ``report.allowed_shape_mismatches``.
-        max_over_read_ratio: cap on bytes read / bytes needed when merging reads
-            (``None``: exact reads while few, else big sequential ones).
-        read_chunk_bytes: the largest single read.
-        max_inflight_bytes: bytes being read at once, never exceeded.
-        num_threads: concurrent readers (default: 2 to 8 by CPU count).
         return_report: also return the :class:`LoadReport`.
-        verify: check each tensor read in full against the checksum recorded when
-            it was saved; tensors without one, or read only in part by this
-            process, are listed in ``report.unverified``.
-        progress: a progress bar on stderr when it is a terminal: ``None`` above
-            256 MiB, ``True`` always, ``False`` never.
-        stream: how bytes reach the devices. ``None`` (default) decides from their
-            platform: on the CPU backend arrays adopt the host buffers read (zero
-            copy); elsewhere reads stream through a bounded pool of reused staging
-            buffers, so host memory stays within ``max_inflight_bytes`` whatever the
-            checkpoint size. ``True`` forces streaming (a testing aid on CPU; also
-            ``NNX_SAVE_STREAM=1``), ``False`` forbids it.
-        staging: the streaming path's staging memory: ``"pinned"`` (page-locked,
-            jax's ``pinned_host`` memory kind), ``"pageable"``, or ``"auto"``
-            (pinned where the backend offers it; also ``NNX_SAVE_STAGING``).
-        options: a :class:`LoadOptions` holding the settings above from
-            ``max_over_read_ratio`` on (except ``return_report``); those keywords are
-            its shortcuts, each allowed where ``options`` leaves its field at the default.
-
-        share_reads: with several JAX processes, tensors that several of them need
-            (replicated ones) are read in parts, one per process, and shared over the
-            interconnect with JAX's collectives, so the pod reads each byte once;
-            ``report.io.bytes_received`` counts what came from peers. A process whose
-            load fails raises its error, the others :class:`~nnx_save.errors.SharedReadError`.
-            ``None`` (the default) turns it on for a remote source (a URL) or
-            processes on several hosts, off for local files on one host
-            (docs/multihost.md); ``True`` / ``False`` force it.
+        options: a :class:`LoadOptions`. Its fields are also keywords, each allowed
+            where ``options`` leaves it at the default (:class:`LoadOptions` says more):
+        max_over_read_ratio: cap on bytes read / bytes needed when merging reads.
+        read_chunk_bytes: the largest single read.
+        max_inflight_bytes: bytes being read (and staged) at once, never exceeded.
+        num_threads: concurrent readers (default: 2 to 8 by CPU count).
+        verify: check each tensor read in full against its recorded checksum; the
+            others are listed in ``report.unverified``.
+        progress: a progress bar on stderr when it is a terminal.
+        stream: ``None`` streams through a bounded pool of staging buffers except on
+            the CPU backend (whose arrays adopt the host buffers read); ``True`` /
+            ``False`` force it on / off.
+        staging: the streaming path's memory: ``"pinned"``, ``"pageable"`` or ``"auto"``.
+        share_reads: with several JAX processes, read what several need once per
+            pod and share it over the interconnect; ``None``: on for a URL or several
+            hosts (docs/multihost.md).
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
@@ -375,25 +352,10 @@ def load_file(
         >>> nnx_save.load_file(path)["w"]
         array([0., 1., 2., 3.], dtype=float32)
     """
-    how = merge(LoadOptions, options, "load_file", locals())  # first: locals() are the arguments
+    how = load_options("load_file", options, keywords)
     import jax
 
     header = read_header(source)
-
-    def load(targets: list[Target]) -> tuple[dict[str, Any], LoadReport]:
-        return load_targets(
-            header,
-            targets,
-            how,
-            open_reader=reader_factory(header),
-            strict=strict,
-            allow_missing=allow_missing,
-            allow_unexpected=allow_unexpected,
-            allow_shape_mismatch=allow_shape_mismatch,
-            allow_casts=allow_casts,
-            progress=how.progress,
-        )
-
     if abstract is None:
         if jax.process_count() > 1:
             raise NnxSaveError(
@@ -402,15 +364,27 @@ def load_file(
                 "the shardings each process should load"
             )
         targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
-        values, report = load(targets)
-        result = {k: values[k] for k in header.tensors}
     else:
-        targets, treedef, keys, leaves = _abstract_targets(abstract)
+        targets, treedef, leaves = _abstract_targets(abstract)
         _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
         if not strict:  # strict raises LoadError with the whole report instead
             _refuse_missing(header, targets)
-        values, report = load(targets)
+    values, report = load_targets(
+        header,
+        targets,
+        how,
+        open_reader=reader_factory(header),
+        strict=strict,
+        allow_missing=allow_missing,
+        allow_unexpected=allow_unexpected,
+        allow_shape_mismatch=allow_shape_mismatch,
+        allow_casts=allow_casts,
+        progress=how.progress,
+    )
+    if abstract is None:
+        result = {k: values[k] for k in header.tensors}
+    else:
         kept = {m.path for m in report.allowed_shape_mismatches}
-        values = {**values, **{k: leaf for k, leaf in zip(keys, leaves, strict=True) if k in kept}}
-        result = jax.tree_util.tree_unflatten(treedef, [values[k] for k in keys])
+        values = {**values, **{t.path: leaf for t, leaf in zip(targets, leaves, strict=True) if t.path in kept}}
+        result = jax.tree_util.tree_unflatten(treedef, [values[t.path] for t in targets])
     return (result, report) if return_report else result

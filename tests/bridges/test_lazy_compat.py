@@ -88,6 +88,25 @@ def test_flax_device_and_torch_bfloat16(tmp_path):
             assert torch.equal(ours.get_tensor(key), theirs.get_tensor(key))
 
 
+def test_torch_gets_every_byte_aligned_dtype_and_refuses_sub_byte_ones(tmp_path):
+    """Each byte-aligned code becomes the torch dtype of its numpy / ml_dtypes name with
+    the same bytes; F4 (which torch has only packed in pairs) is refused, naming it."""
+    from nnx_save.format._dtypes import DTYPES
+
+    raw = bytes([1, 0, 1, 1, 0, 0, 1, 0])  # a valid value of every dtype (bool included)
+    rows = [r for r in DTYPES.values() if r.byte_aligned]
+    values = {r.code: np.frombuffer(raw, r.numpy) for r in rows}
+    values["F4"] = np.zeros(2, ml_dtypes.float4_e2m1fn)
+    nnx_save.save_file(values, tmp_path / "all.safetensors")
+    with nnx_save.safe_open(tmp_path / "all.safetensors", "pt") as f:
+        for r in rows:
+            tensor = f.get_tensor(r.code)
+            assert tensor.dtype == getattr(torch, r.numpy.name), r.code
+            assert tensor.view(torch.uint8).numpy().tobytes() == raw, r.code
+        with pytest.raises(errors.SafetensorError, match=re.escape("safe_open: dtype F4 has no torch dtype in torch")):
+            f.get_tensor("F4")
+
+
 def test_errors_are_safetensor_errors(plain):
     """The errors safetensors' callers catch: ``except safetensors.SafetensorError``
     catches ours (unknown tensor, refused index, closed handle, bad framework, device,

@@ -1,18 +1,11 @@
 """Per-tensor integrity checksums, kept inside the file's ``__metadata__``.
 
-A saved file records ``__metadata__["nnx_save.checksums"]``: a JSON object
-``{tensor key: 16 hex digits}`` of the xxh3_64 digest of each tensor's bytes as
-stored, and ``__metadata__["nnx_save.checksum_algorithm"] = "xxh3_64"``. The file
-stays a standard safetensors file: every reader ignores metadata it does not know.
-
-The header precedes the data, so the writer stays one-pass: it encodes the header
-with fixed-width placeholder digests, hashes each tensor while writing it, and
-rewrites the header in place at the end (hex digits replace hex digits, so the
-header keeps its length) before the fsync and rename.
-
-A tensor without an entry simply has no checksum: the multi-process writer cannot
-hash a tensor whose shards other processes write, and files written by other tools
-have none. Readers check what they can and report the rest as unverified.
+``__metadata__["nnx_save.checksums"]`` is a JSON object ``{tensor key: 16 hex digits}``
+of the xxh3_64 digest of each tensor's bytes as stored (``nnx_save.checksum_algorithm``
+names the algorithm); other readers ignore metadata they do not know. The writer stays
+one-pass: it encodes the header with placeholder digests and rewrites them in place at
+the end (same length) before the fsync and rename. A tensor may have no entry (one whose
+shards other processes wrote, files of other tools): readers report it unverified.
 """
 
 from __future__ import annotations

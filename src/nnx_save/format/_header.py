@@ -6,11 +6,9 @@ offset: each failed check raises its own :class:`~nnx_save.HeaderError` subclass
 the tensor and the numbers involved. Nothing is allocated in proportion to a size the
 file declares until every check has passed.
 
-Every header is first checked the fast way: the JSON parsed without a Python hook, each
-check run over all tensors at once in C-level builtins, unique keys proven by counting
-(:func:`_keys_unique`). That path only answers "valid" or "ask the exact one": on any
-doubt the exact path (one check at a time, a hook refusing a repeated key as it is
-parsed) runs and raises the error it always raised.
+Every header is first checked the fast way (:func:`_parse_fast`), which only answers
+"valid" or "ask the exact one": on any doubt the exact path (:func:`_parse_exact`)
+runs and raises the error it always raised.
 """
 
 from __future__ import annotations
@@ -131,9 +129,7 @@ def unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
 
 def strict_json(text: str) -> object:
     """``json.loads`` refusing a key given twice (:class:`DuplicateKeyError`) and
-    nesting deeper than the interpreter's recursion limit allows; every JSON the
-    library reads from a file goes through here (a safetensors header the fast way
-    first, :func:`parse_header`, and here on any doubt).
+    nesting deeper than the recursion limit allows: every JSON read from a file.
 
     Raises:
         ValueError: Not JSON (``JSONDecodeError``), an int over 4300 digits, nested
@@ -301,10 +297,9 @@ def _parse_exact(text: str, data_start: int, file_size: int, file: str) -> FileH
 
 
 def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHeader | None:
-    """The same checks, each over every tensor at once in C-level builtins, for a
-    header that passes them all: ``None`` as soon as one fails (or a key might
-    repeat), and :func:`_parse_exact` says which. The JSON is parsed without a hook;
-    that no key repeats is proven after (:func:`_keys_unique`)."""
+    """The same checks, each over every tensor at once in C-level builtins, the JSON
+    parsed without a hook (:func:`_keys_unique` proves no key repeats): ``None`` as
+    soon as one fails or might, and :func:`_parse_exact` says which."""
     obj, end = _PLAIN.raw_decode(text)  # json.loads less its wrappers: leading space and a BOM go the exact way
     if type(obj) is not dict or (end != len(text) and text[end:].strip(" \t\n\r")):
         return None

@@ -80,6 +80,7 @@ _SIZED = {  # opcode -> (length format, length size, text?) of a length-prefixed
     b"\x8b": ("<I", 4, None),  # LONG4
 }
 _CONSTANTS = {b"N": None, b"\x88": True, b"\x89": False}
+_MEMO_OPS = frozenset((b"q", b"r", b"\x94", b"h", b"j", b"0", b"1", b"2"))  # PUT, GET, POP, DUP
 _MAX_LONG = 64  # bytes; a longer integer is no tensor size, and huge ones cost quadratic time
 
 
@@ -163,7 +164,7 @@ def _append(reader: _Reader, values: list[Any]) -> None:
 def _structural(reader: _Reader, op: bytes) -> bool:
     """Run one opcode that builds containers, calls or memo entries; False if unknown."""
     s = reader.stack
-    if op in (b"(",):
+    if op == b"(":
         s.append(_MARK)
     elif op in (b")", b"}", b"]"):
         s.append({b")": (), b"}": {}, b"]": []}[op])
@@ -204,7 +205,8 @@ def _structural(reader: _Reader, op: bytes) -> bool:
     return True
 
 
-def _memo(reader: _Reader, op: bytes) -> bool:
+def _memo(reader: _Reader, op: bytes) -> None:
+    """Run one of the memo and stack opcodes ``_MEMO_OPS``."""
     s = reader.stack
     if op in (b"q", b"r"):
         reader.memo[reader.argument(op)] = s[-1] if s else reader.pop()
@@ -221,9 +223,6 @@ def _memo(reader: _Reader, op: bytes) -> bool:
         reader.pop_mark()
     elif op == b"2":
         s.append(s[-1] if s else reader.pop())
-    else:
-        return False
-    return True
 
 
 def read_data_pickle(data: bytes, name: str) -> Any:
@@ -256,7 +255,7 @@ def read_data_pickle(data: bytes, name: str) -> Any:
             reader.stack.append(_CONSTANTS[op])
         elif op in (b"\x80", b"\x95"):  # PROTO, FRAME: nothing to build
             reader.argument(op)
-        elif op in (b"q", b"r", b"\x94", b"h", b"j", b"0", b"1", b"2"):
+        elif op in _MEMO_OPS:
             _memo(reader, op)
         elif op in _FIXED or op in _SIZED:
             reader.stack.append(reader.argument(op))

@@ -49,17 +49,13 @@ def pread_exact(fd: int, size: int, offset: int, file: str) -> bytes:
     return b"".join(chunks)
 
 
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return f"not a regular file (mode {mode:o})"
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
 
 
 def open_stat(name: str) -> tuple[int, os.stat_result]:
@@ -89,17 +85,14 @@ def require_regular(fd: int, st: os.stat_result, name: str) -> None:
     else close it and raise :class:`SourceError` naming what it is."""
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise SourceError(
-            f"{name}: is {_kind(st.st_mode)}, not a regular file; checkpoint files must be regular files", name
-        )
+        kind = _KINDS.get(stat.S_IFMT(st.st_mode), f"not a regular file (mode {st.st_mode:o})")
+        raise SourceError(f"{name}: is {kind}, not a regular file; checkpoint files must be regular files", name)
     os.set_blocking(fd, True)
 
 
 def open_regular(name: str) -> int:
-    """Open ``name`` for reading, refusing anything but a regular file.
-
-    Opened without blocking, then checked with ``fstat`` on the descriptor itself,
-    then set back to blocking (:func:`open_stat`, :func:`require_regular`).
+    """Open ``name`` for reading, refusing anything but a regular file
+    (:func:`open_stat`, then :func:`require_regular`).
 
     Raises:
         SourceError: a directory, FIFO, device or socket, or an unreadable path.

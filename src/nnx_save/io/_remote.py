@@ -43,20 +43,11 @@ from .. import _config
 from .._version import __version__
 from ..errors import RemoteChangedError, RemoteError
 
-__all__ = [
-    "FsspecReader",
-    "HttpLimits",
-    "HttpReader",
-    "RemoteChangedError",
-    "RemoteError",
-    "RemoteStats",
-    "is_url",
-    "open_remote",
-]
+__all__ = ["FsspecReader", "HttpLimits", "HttpReader", "RemoteStats", "is_url", "open_remote"]
 
 SPECULATIVE_HEADER_BYTES = 64 << 10
-TIMEOUT_ENV, MIN_RATE_ENV = _config.HTTP_TIMEOUT.name, _config.HTTP_MIN_RATE.name
 MAX_REDIRECTS = 5
+_MAX_RETRIES, _BACKOFF_S = 5, 0.05  # a failed range is retried whole, after 50 ms, 100 ms, ... (jittered)
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
 # info() fields that name a version of an object, over the fsspec implementations
@@ -202,11 +193,15 @@ def _content_range(headers, url: str) -> tuple[int, int, int]:
 
 def _version(headers) -> str | None:
     """The response's validator: its ETag, else its Last-Modified date."""
-    etag = headers.get("ETag")
-    if etag:
-        return etag
     modified = headers.get("Last-Modified")
-    return f"Last-Modified: {modified}" if modified else None
+    return headers.get("ETag") or (f"Last-Modified: {modified}" if modified else None)
+
+
+def _changed(url: str, pinned: tuple[int | None, str | None], now: tuple[int, str | None]) -> RemoteChangedError:
+    return RemoteChangedError(
+        f"{url}: the object changed during the load (size {pinned[0]} -> {now[0]}, "
+        f"version {pinned[1]} -> {now[1]}); reload from the start"
+    )
 
 
 def _check_body_headers(headers, url: str, span: str, length: int) -> None:
@@ -219,11 +214,6 @@ def _check_body_headers(headers, url: str, span: str, length: int) -> None:
     declared = headers.get("Content-Length")
     if declared is not None and declared.strip() != str(length):
         raise RemoteError(f"{url}: bytes {span} ({length} bytes) came with Content-Length {declared!r}")
-
-
-def _socket_of(response) -> socket.socket | None:
-    connection = getattr(response, "connection", None)
-    return getattr(connection, "sock", None)
 
 
 class _Views:
@@ -257,22 +247,11 @@ class HttpReader(_Views):
     """Ranged GETs against one URL; the identity (size, version) is pinned by the
     first response and checked on every later one (see the module docstring)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        stats: RemoteStats | None = None,
-        max_retries: int = 5,
-        backoff: float = 0.05,
-        size: int | None = None,
-        etag: str | None = None,
-        limits: HttpLimits | None = None,
-    ) -> None:
-        self.url, self.path = url, url
+    def __init__(self, url: str, stats: RemoteStats | None, size: int | None, etag: str | None) -> None:
+        self.url = url
         self.stats = stats or RemoteStats()
-        self.max_retries, self.backoff = max_retries, backoff
         self.size, self.etag = size, etag
-        self.limits = limits or HttpLimits.from_env()
+        self.limits = HttpLimits.from_env()
         self.final_url: str | None = None  # where redirects led, once a response came
         self.requests = 0
 
@@ -283,18 +262,6 @@ class HttpReader(_Views):
 
     def close(self) -> None:
         pass
-
-    def _changed(self, total: int, version: str | None) -> RemoteChangedError:
-        return RemoteChangedError(
-            f"{self.url}: the object changed during the load (size {self.size} -> {total}, "
-            f"version {self.etag} -> {version}); reload from the start"
-        )
-
-    def _check_identity(self, total: int, version: str | None) -> None:
-        if self.size is None:
-            self.size, self.etag = total, version
-        elif total != self.size or version != self.etag:  # a validator that vanished is a change too
-            raise self._changed(total, version)
 
     def _headers(self, begin: int, length: int) -> dict[str, str]:
         headers = {
@@ -343,7 +310,9 @@ class HttpReader(_Views):
         if r.status == 404:
             raise FileNotFoundError(f"{self.url}: not found (HTTP 404)")
         if r.status == 412 and self.etag:  # If-Match failed: no longer the pinned version
-            raise self._changed(self.size or 0, f"not {self.etag} (HTTP 412 to If-Match)")
+            raise _changed(
+                self.url, (self.size, self.etag), (self.size or 0, f"not {self.etag} (HTTP 412 to If-Match)")
+            )
         if r.status >= 400:
             raise RemoteError(f"{self.url}: HTTP {r.status} for bytes {span}")
         if r.status != 206:
@@ -357,7 +326,11 @@ class HttpReader(_Views):
         """Check the response's range and identity; return its body's length."""
         span = f"{begin}-{begin + length - 1}"
         got_begin, got_end, total = _content_range(r.headers, self.url)
-        self._check_identity(total, _version(r.headers))
+        version = _version(r.headers)
+        if self.size is None:
+            self.size, self.etag = total, version
+        elif total != self.size or version != self.etag:  # a validator that vanished is a change too
+            raise _changed(self.url, (self.size, self.etag), (total, version))
         if to_end and got_begin == begin and got_end == total - 1 < begin + length - 1:
             pass  # a speculative range past the end of a small object
         elif got_begin != begin or got_end != begin + length - 1:
@@ -373,7 +346,7 @@ class HttpReader(_Views):
         deadline = time.monotonic() + seconds
         r = self._request(self._headers(begin, length), span, min(seconds, self.limits.timeout_s))
         expired = threading.Event()
-        sock = _socket_of(r)
+        sock: socket.socket | None = getattr(getattr(r, "connection", None), "sock", None)
 
         def stop() -> None:
             expired.set()
@@ -403,21 +376,21 @@ class HttpReader(_Views):
     def _too_slow(self, span: str, seconds: float) -> RemoteError:
         return RemoteError(
             f"{self.url}: bytes {span} not received within {seconds:.1f} s (the deadline is "
-            f"{TIMEOUT_ENV}={self.limits.timeout_s:g} s plus the length at {MIN_RATE_ENV}="
+            f"{_config.HTTP_TIMEOUT.name}={self.limits.timeout_s:g} s plus the length at {_config.HTTP_MIN_RATE.name}="
             f"{self.limits.min_bytes_per_s:g} bytes/s)"
         )
 
     def _with_retries(self, begin: int, length: int, sink: Callable[[object, int], None], to_end: bool = False) -> None:
-        for attempt in range(self.max_retries + 1):
+        for attempt in range(_MAX_RETRIES + 1):
             try:
                 return self._once(begin, length, sink, to_end)
             except _Retry as e:
-                if attempt == self.max_retries:
+                if attempt == _MAX_RETRIES:
                     raise RemoteError(
                         f"{self.url}: bytes {begin}-{begin + length - 1} failed after {attempt + 1} attempts: {e}"
                     ) from None
                 self.stats.add(retries=1)
-                time.sleep(self.backoff * (2**attempt) * (0.5 + random.random()))
+                time.sleep(_BACKOFF_S * (2**attempt) * (0.5 + random.random()))
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         """Fill ``buffers`` in order from ``offset`` with one ranged GET (retried whole)."""
@@ -434,6 +407,8 @@ class HttpReader(_Views):
     def probe(self) -> bytes:
         """The first bytes of the object (speculatively enough for most headers),
         pinning its size and version. One request; never reads more than it asked."""
+        if self.size is not None:
+            return self.read(0, min(SPECULATIVE_HEADER_BYTES, self.size))
         chunks: list[bytes] = []
 
         def sink(response, nbytes: int) -> None:
@@ -441,8 +416,6 @@ class HttpReader(_Views):
             _read_exact(response, memoryview(out))
             chunks.append(bytes(out))
 
-        if self.size is not None:
-            return self.read(0, min(SPECULATIVE_HEADER_BYTES, self.size))
         self._with_retries(0, SPECULATIVE_HEADER_BYTES, sink, to_end=True)
         return chunks[-1]
 
@@ -475,9 +448,7 @@ class FsspecReader(_Views):
     """Ranged reads through fsspec (``s3://``, ``gs://``, ``hf://`` ...), pinned to
     the object's size and version (see the module docstring)."""
 
-    def __init__(
-        self, url: str, *, stats: RemoteStats | None = None, identity: tuple[int, str | None] | None = None
-    ) -> None:
+    def __init__(self, url: str, identity: tuple[int, str | None] | None) -> None:
         try:
             import fsspec
         except ImportError:
@@ -490,8 +461,7 @@ class FsspecReader(_Views):
                 protocol, f"an fsspec implementation for {protocol}"
             )
             raise RemoteError(f"{url}: no fsspec implementation for {protocol}:// ({e}); install {extra}") from None
-        self.url, self.path = url, url
-        self.stats = stats or RemoteStats()
+        self.url = url
         self.requests = 0
         self.size, self.version = self._current()
         if identity is not None:
@@ -517,10 +487,7 @@ class FsspecReader(_Views):
     def _check(self, pinned: tuple[int, str | None]) -> None:
         now = self._current()
         if now != tuple(pinned):
-            raise RemoteChangedError(
-                f"{self.url}: the object changed during the load (size {pinned[0]} -> {now[0]}, "
-                f"version {pinned[1]} -> {now[1]}); reload from the start"
-            )
+            raise _changed(self.url, pinned, now)
 
     def close(self) -> None:
         """Check the object is still the version read (a replacement during the load
@@ -552,5 +519,5 @@ def open_remote(url: str, stats: RemoteStats | None = None, identity: tuple[int,
     header was read), pinned to that size and version."""
     if url.startswith(("http://", "https://")):
         size, etag = identity if identity is not None else (None, None)
-        return HttpReader(url, stats=stats, size=size, etag=etag)
-    return FsspecReader(url, stats=stats, identity=identity)
+        return HttpReader(url, stats, size, etag)
+    return FsspecReader(url, identity)

@@ -46,14 +46,24 @@ def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str]
     """
     fs = filesystem(url)
     entries = order_entries(entries)
-    names = [(e.key, e.code, e.shape) for e in entries]
     first = _checksum.Digests([e.key for e in entries])
     for e in entries:
-        first.update(e.key, _bytes(url, e))
-    head, offsets = encode_header(names, first.metadata(metadata))
+        first.update(e.key, host_bytes(e.value(), e.code))
+    head, offsets = encode_header([(e.key, e.code, e.shape) for e in entries], first.metadata(metadata))
 
     def stream(f: Any) -> None:
-        second = _stream(f, head, entries, offsets, url)
+        """The object, hashed again as it is written: a tensor changed since is refused."""
+        second = _checksum.Digests([e.key for e in entries])
+        f.write(head)
+        for e, (begin, end) in zip(entries, offsets, strict=True):
+            data = host_bytes(e.value(), e.code)
+            if len(data) != end - begin:
+                raise SaveError(
+                    f"{url}: tensor {e.key!r} gave {len(data)} bytes, its header says {end - begin}", url, e.key
+                )
+            second.update(e.key, data)
+            f.write(data)
+            del data
         if second.values != first.values:
             changed = sorted(k for k in first.values if first.values[k] != second.values[k])
             raise SaveError(f"{url}: tensors {changed} changed while they were saved; nothing was saved", url)
@@ -82,26 +92,6 @@ def put(fs: Any, url: str, write: Callable[[Any], None]) -> None:
         raise SaveError(
             f"{url}: the upload failed ({type(error).__name__}: {error}); nothing was saved", url
         ) from error
-
-
-def _stream(f: Any, head: bytes, entries: Sequence[Entry], offsets: Any, url: str) -> _checksum.Digests:
-    """Write the object to ``f``; return the digests of what was written."""
-    digests = _checksum.Digests([e.key for e in entries])
-    f.write(head)
-    for e, (begin, end) in zip(entries, offsets, strict=True):
-        data = _bytes(url, e)
-        if len(data) != end - begin:
-            raise SaveError(
-                f"{url}: tensor {e.key!r} gave {len(data)} bytes, its header says {end - begin}", url, e.key
-            )
-        digests.update(e.key, data)
-        f.write(data)
-        del data
-    return digests
-
-
-def _bytes(url: str, e: Entry) -> memoryview:
-    return host_bytes(e.value(), e.code)
 
 
 def filesystem(url: str) -> Any:
