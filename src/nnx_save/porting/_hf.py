@@ -38,19 +38,6 @@ from ._constructors import add, rename, split, stack, transpose
 from ._rules import ConstantRule, IgnoreRule, RenameRule, SplitRule, StackRule, TransposeRule
 from ._template import Template, compile_pattern, invert
 
-__all__ = [
-    "TORCH_LINEAR_AXES",
-    "hf_conv1d",
-    "torch_batch_norm",
-    "torch_conv",
-    "torch_conv_axes",
-    "torch_embedding",
-    "torch_layer_norm",
-    "torch_linear",
-    "torch_lstm",
-    "torch_rms_norm",
-]
-
 Shift = Mapping[int | str, int] | None
 LAYER = "layer"  # the named group of a layer pattern
 TORCH_LINEAR_AXES = (1, 0)
