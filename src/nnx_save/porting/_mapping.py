@@ -379,11 +379,7 @@ class _Mapper:
             first.setdefault(node.target, node)
 
     def _pre_steps(self) -> dict[str, tuple[tuple[Step, ...], Shape, np.dtype]]:
-        out = {}
-        for key, (shape, dtype) in self.info.items():
-            steps, shape = self._value_steps(key, shape)
-            out[key] = (steps, shape, dtype)
-        return out
+        return {key: (*self._value_steps(key, shape), dtype) for key, (shape, dtype) in self.info.items()}
 
     def _value_steps(self, path: str, shape: Shape) -> tuple[tuple[Step, ...], Shape]:
         steps: list[Step] = []
@@ -397,16 +393,10 @@ class _Mapper:
         return tuple(steps), shape
 
     def _assign(self, node: Node, pre: Mapping[str, tuple[tuple[Step, ...], Shape, np.dtype]]) -> Assignment:
-        if pre:
-            pre_steps = tuple(pre[k][0] for k in node.sources)
-            post: tuple[Step, ...] = ()
-            shape = node.shape
-        else:
-            pre_steps = ()
-            post, shape = self._value_steps(node.target, node.shape)
-        if node.combine is None and not post and not any(pre_steps):
-            return Assignment(node.target, node.sources, shape, node.dtype, None)
-        transform = Transform(pre_steps if any(pre_steps) else (), node.combine, post)
+        pre_steps = tuple(pre[k][0] for k in node.sources) if pre else ()
+        post, shape = ((), node.shape) if pre else self._value_steps(node.target, node.shape)
+        plain = node.combine is None and not post and not any(pre_steps)
+        transform = None if plain else Transform(pre_steps if any(pre_steps) else (), node.combine, post)
         return Assignment(node.target, node.sources, shape, node.dtype, transform)
 
     def _finish(self, assignments: dict[str, Assignment], claims: Mapping[int, dict[str, object]]) -> KeyMapping:
