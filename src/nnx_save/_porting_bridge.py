@@ -38,12 +38,8 @@ def load_targets_for(
     out = []
     for t in targets:
         a = mapping.assignments.get(t.path)
-        if a is None:
-            out.append(dataclasses.replace(t, sources=()))
-        elif a.transform is None:
-            out.append(dataclasses.replace(t, sources=a.sources))
-        else:
-            out.append(dataclasses.replace(t, sources=a.sources, transform=a.transform, source_shape=tuple(a.shape)))
+        made = {} if a is None or a.transform is None else {"transform": a.transform, "source_shape": tuple(a.shape)}
+        out.append(dataclasses.replace(t, sources=() if a is None else a.sources, **made))
     return out, frozenset(mapping.unused), dict(mapping.landed)
 
 
@@ -76,10 +72,10 @@ def _whole(a: Any, sources: Sequence[Any]) -> np.ndarray:
 
 def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
     """This process's parts of ``a``'s file tensor: the image of each replica-0 shard
-    it holds of each source. Where the transform has no box map forward for some
-    shard of the job (a sum, a reshape across a shard),
-    every process gathers the sources and the primary makes the whole tensor (see
-    docs/multihost.md): the same decision on every process, from the global shardings."""
+    it holds of each source. Where the transform has no box map forward for some shard
+    of the job (a sum, a reshape across a shard), every process gathers the sources and
+    the primary makes the whole tensor (docs/multihost.md): the same decision on every
+    process, from the global shardings."""
     arrays: list[Any] = [getattr(v, "array", None) for v in sources]
     mapped = a.transform is not None and all(spans_processes(x) for x in arrays)
     if not mapped or not all(_maps(a, i, x) for i, x in enumerate(arrays)):

@@ -235,9 +235,8 @@ def _record(archive: Archive, key: str, value: Any) -> TensorRecord:
         )
     storage, offset, shape, stride = value.args[:4]
     fields = _storage_fields(archive, key, storage)
-    if not (_ints(offset) and isinstance(shape, tuple) and isinstance(stride, tuple) and len(shape) == len(stride)):
-        raise ConvertError(f"{archive.path}: {key}: a malformed tensor record in data.pkl")
-    if not _ints(*shape, *stride):
+    tuples = isinstance(shape, tuple) and isinstance(stride, tuple) and len(shape) == len(stride)
+    if not (tuples and _ints(offset, *shape, *stride)):
         raise ConvertError(f"{archive.path}: {key}: a malformed tensor record in data.pkl")
     dtype = _storage_dtypes().get(fields[1].name)
     if dtype is None:
