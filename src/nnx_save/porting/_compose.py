@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import RuleError
-from ._parts import axis_of, complete_layers, layer_groups, same_dtype, split_bounds
+from ._parts import axis_of, complete_layers, joined, layer_groups, same_dtype, split_bounds
 from ._rules import Node, _set, _with_inverse
-from ._template import Template, compile_pattern, invert, parse_templates, raw, raws
+from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, ticked
 from ._transforms import Chain, Concatenate, Constant, Each, Index, Same, Stack, Sum, Take
 
 __all__ = ["ConcatUnstackRule", "SplitStackRule", "SumExportRule", "SumRule", "TieRule", "tie_checked"]
@@ -44,8 +44,7 @@ def _part_hit(rule: object, regexes: Sequence[re.Pattern[str]], key: str) -> tup
 def _complete_parts(rule: object, name: object, parts: Mapping[int, str], count: int, errors: list[str]) -> bool:
     absent = [i for i in range(count) if i not in parts]
     if absent:
-        have = ", ".join(f"`{parts[i]}`" for i in sorted(parts))
-        errors.append(f"`{name}`: {rule} found {have} but not part(s) {absent}")
+        errors.append(f"`{name}`: {rule} found {ticked(parts[i] for i in sorted(parts))} but not part(s) {absent}")
     return not absent
 
 
@@ -185,19 +184,16 @@ class ConcatUnstackRule:
         keys = tuple(k for k, _ in parts)
         shapes = [info[k][0] for k in keys]
         at = axis_of(self.stack_axis, len(shapes[0]))
-        layer_shapes = {s[:at] + s[at + 1 :] for s in shapes} if at is not None else set()
-        axis = axis_of(self.axis, len(shapes[0]) - 1)
+        axis_in_range = axis_of(self.axis, len(shapes[0]) - 1) is not None
         dtype = same_dtype(keys, info, name, errors)
-        if at is None or axis is None or len({s[at] for s in shapes}) != 1 or len({len(s) for s in shapes}) != 1:
+        if at is None or not axis_in_range or len({s[at] for s in shapes}) != 1 or len({len(s) for s in shapes}) != 1:
             errors.append(f"`{name}`: {self} needs parts with one layer count, found {shapes}")
             return []
-        rest = {s[:axis] + s[axis + 1 :] for s in layer_shapes}
-        if len(rest) != 1 or dtype is None:
+        made = joined([s[:at] + s[at + 1 :] for s in shapes], self.axis)
+        if made is None or dtype is None:
             errors.append(f"`{name}`: {self} needs parts that agree off axis {self.axis}, found {shapes}")
             return []
-        sizes = tuple((s[:at] + s[at + 1 :])[axis] for s in shapes)
-        one = shapes[0][:at] + shapes[0][at + 1 :]
-        shape = (*one[:axis], sum(sizes), *one[axis + 1 :])
+        axis, sizes, shape = made
         combine = Concatenate(axis, sizes)
         m = parts[0][1]
         return [
@@ -313,15 +309,14 @@ class SumExportRule(_Parts):
     def _written(self, files: tuple[str, ...], keys: tuple[str, ...], info: Info, errors: list[str]) -> list[Node]:
         dtype = same_dtype(keys, info, files[self.into], errors)
         shapes = [info[k][0] for k in keys]
-        axis = axis_of(self.axis, len(shapes[0]))
-        if dtype is None or axis is None or len({s[:axis] + s[axis + 1 :] for s in shapes}) != 1:
+        made = joined(shapes, self.axis)
+        if dtype is None or made is None:
             errors.append(f"`{files[self.into]}`: {self} needs parts that agree off axis {self.axis}, found {shapes}")
             return []
-        sizes = tuple(s[axis] for s in shapes)
-        shape = (*shapes[0][:axis], sum(sizes), *shapes[0][axis + 1 :])
-        joined = Node(files[self.into], keys, shape, dtype, Concatenate(axis, sizes) if len(keys) > 1 else None)
+        axis, sizes, shape = made
+        whole = Node(files[self.into], keys, shape, dtype, Concatenate(axis, sizes) if len(keys) > 1 else None)
         zeros = Constant(0, str(dtype), shape)
-        return [joined, *(Node(f, (), shape, dtype, zeros) for i, f in enumerate(files) if i != self.into)]
+        return [whole, *(Node(f, (), shape, dtype, zeros) for i, f in enumerate(files) if i != self.into)]
 
     def inverse(self) -> object:
         """The :class:`SumRule` it came from."""

@@ -37,6 +37,7 @@ from ._rules import (
     StructuralRule,
     TransposeRule,
 )
+from ._template import ticked
 from ._transforms import Concatenate, Reshape, Step, Transform
 
 __all__ = ["Assignment", "KeyMapping", "Rules", "shapes_of"]
@@ -78,7 +79,7 @@ class Assignment:
         if out.shape != self.shape or out.dtype != self.dtype:
             raise RuleShapeError(
                 f"`{self.target}`: planned {self.shape} {self.dtype}, made {out.shape} {out.dtype} "
-                f"from {', '.join(f'`{k}`' for k in self.sources)}"
+                f"from {ticked(self.sources)}"
             )
         return out
 
@@ -372,7 +373,7 @@ class _Mapper:
         for node in nodes:
             if node.target in first:
                 made = [
-                    f"from {_sources(n)} by {rule_of.get(n.sources[0], 'no rule (name kept)') if n.sources else 'a constant'}"
+                    f"from {ticked(n.sources)} by {rule_of.get(n.sources[0], 'no rule (name kept)') if n.sources else 'a constant'}"
                     for n in (first[node.target], node)
                 ]
                 self.conflicts.append(f"`{node.target}`: produced twice, {made[0]} and {made[1]}")
@@ -444,7 +445,3 @@ def _tagged(node: Node, index: int) -> Node:
     if isinstance(node.combine, Concatenate):
         return replace(node, combine=replace(node.combine, rule=index))
     return node
-
-
-def _sources(node: Node) -> str:
-    return ", ".join(f"`{k}`" for k in node.sources)

@@ -24,8 +24,8 @@ from typing import TypeVar
 import numpy as np
 
 from ..errors import NotInvertibleError, RuleError
-from ._parts import axis_of, complete_layers, layer_groups, refuse_shared_layer, same_dtype, split_bounds
-from ._template import Template, check_refs, compile_pattern, invert, parse_templates, raw, raws
+from ._parts import axis_of, complete_layers, joined, layer_groups, refuse_shared_layer, same_dtype, split_bounds
+from ._template import Template, check_refs, compile_pattern, invert, parse_templates, raw, raws, ticked
 from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
 
 __all__ = [
@@ -287,23 +287,21 @@ class ConcatRule:
     def _node(self, target: str, parts: Mapping[int, str], info: Info, errors: list[str]) -> Node | None:
         absent = [raw(self.patterns[i]) for i in range(len(self.patterns)) if i not in parts]
         if absent:
-            have = ", ".join(f"`{parts[i]}`" for i in sorted(parts))
+            have = ticked(parts[i] for i in sorted(parts))
             errors.append(f"`{target}`: {self} found {have} but no key matching {', '.join(absent)}")
             return None
         keys = tuple(parts[i] for i in range(len(self.patterns)))
         shapes = [info[k][0] for k in keys]
-        axis = axis_of(self.axis, len(shapes[0]))
-        rest = {s[:axis] + s[axis + 1 :] for s in shapes} if axis is not None else set()
-        if axis is None or len(rest) != 1 or any(len(s) != len(shapes[0]) for s in shapes):
+        made = joined(shapes, self.axis)
+        if made is None:
             found = ", ".join(f"`{k}` {s}" for k, s in zip(keys, shapes, strict=True))
             errors.append(f"`{target}`: {self} needs shapes that agree off axis {self.axis}, found {found}")
             return None
-        sizes = tuple(s[axis] for s in shapes)
+        axis, sizes, shape = made
         if self.sizes is not None and sizes != self.sizes:
             errors.append(f"`{target}`: {self} expects part sizes {self.sizes} on axis {self.axis}, found {sizes}")
             return None
         dtype = same_dtype(keys, info, target, errors)
-        shape = (*shapes[0][:axis], sum(sizes), *shapes[0][axis + 1 :])
         return None if dtype is None else Node(target, keys, shape, dtype, Concatenate(axis, sizes))
 
     def inverse(self, sizes: tuple[int, ...] | None = None) -> StructuralRule:

@@ -31,6 +31,7 @@ __all__ = [
     "parse_templates",
     "raw",
     "raws",
+    "ticked",
 ]
 
 _META = set(".^$*+?{}[]|)")
@@ -46,6 +47,11 @@ def raw(text: str) -> str:
 def raws(texts: Iterable[str]) -> str:
     """``texts`` as raw string literals joined by commas, for messages."""
     return ", ".join(raw(t) for t in texts)
+
+
+def ticked(names: Iterable[str]) -> str:
+    """``names`` in backticks joined by commas, for messages."""
+    return ", ".join(f"`{n}`" for n in names)
 
 
 @dataclass(frozen=True)
