@@ -1,13 +1,10 @@
 """Porting rules inside the engine: a :class:`~nnx_save.porting.Rules` mapping turns
 file keys into model paths (load) or model paths into file keys (export).
 
-An assignment that only renames reads its tensor straight from the file, sharded.
-One with a transform (a transpose, split, concatenation, stack, unstack or reshape)
-carries it to the engine, which asks it, for each box of the target this process
-needs, which boxes of which source tensors feed it, and reads only those
-(:mod:`nnx_save.load._boxed`); a transform with no per-box map for a box (a reshape
-across a sharded dimension) reads its sources whole, and the report lists it in
-``report.io.read_whole``.
+A renamed tensor is read straight from the file, sharded; a transformed one is read
+box by box, only the source boxes that feed what this process needs
+(:mod:`nnx_save.load._boxed`), or whole where its transform has no per-box map
+(``report.io.read_whole`` lists it).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ def load_targets_for(
 ) -> tuple[list[Target], frozenset[str], dict[str, tuple[str, ...]]]:
     """Rewrite model targets to read through ``rules``; also the keys rules ignore, and
     each file key's model paths (to name what an unexpected key became)."""
-    mapping = rules.mapping({k: (t.shape, t.dtype.numpy) for k, t in header.tensors.items()})
+    mapping = rules.mapping(header)
     out = []
     for t in targets:
         a = mapping.assignments.get(t.path)

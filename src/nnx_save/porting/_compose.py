@@ -1,15 +1,5 @@
-"""Rule kinds that compose two moves on one tensor, and ties.
-
-- :class:`SplitStackRule`: each layer's fused tensor is cut into parts, and each part
-  stacked over the layers (separate q / k / v in a scanned model); its inverse
-  :class:`ConcatUnstackRule` joins each layer's parts back.
-- :class:`SumRule`: several tensors added into one (torch's two LSTM biases into the
-  one flax keeps), optionally cut into parts; its inverse :class:`SumExportRule` writes
-  the whole sum into one part and zeros into the others.
-- :class:`TieRule`: copies of one tensor (a tied language-model head) declared once:
-  on load each copy is checked equal to its source (or reported, ``check=False``),
-  on export every copy is written.
-"""
+"""Rule kinds that compose two moves on one tensor (each layer cut and its parts
+stacked; a sum, optionally cut) and ties of copies of one tensor, with their inverses."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
 """The rule kinds: frozen dataclasses that say where each source tensor goes.
 
-*Structural* rules match a source key (``re.fullmatch``) and say which target(s) it
-makes: :class:`RenameRule`, :class:`IgnoreRule`, :class:`SplitRule`,
-:class:`ConcatRule`, :class:`StackRule`, :class:`UnstackRule`. *Value* rules match a
-model path and change the tensor's layout: :class:`TransposeRule`,
-:class:`ReshapeRule`. Each rule knows its inverse.
-
-The planner (``_mapping.py``) calls :meth:`match` on every source key and
-:meth:`nodes` once per rule with everything the rule claimed; a rule reports what
-does not fit by appending messages to ``errors`` so that all problems are raised at
-once.
+*Structural* rules match a source key and make its target(s); *value* rules
+(transpose, reshape) match a model path and change a tensor's layout. The planner
+(``_mapping.py``) calls ``match`` on every source key, then ``nodes`` once per rule
+with all it claimed; a rule appends what does not fit to ``errors``, so that every
+problem is raised at once.
 """
 
 from __future__ import annotations
