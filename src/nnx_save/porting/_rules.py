@@ -75,9 +75,14 @@ class _Patterned:
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
 
-    def matches(self, name: str) -> bool:
-        """Whether ``name`` (a file key, or a model path for value rules) matches the pattern."""
-        return self._regex.fullmatch(name) is not None
+
+@dataclass(frozen=True)
+class _ValueRule(_Patterned):
+    """A value rule: it changes the layout of the model paths its pattern matches."""
+
+    def matches(self, path: str) -> bool:
+        """Whether this rule applies to the model path ``path``."""
+        return self._regex.fullmatch(path) is not None
 
 
 # --- rename / ignore ----------------------------------------------------------------
@@ -169,7 +174,7 @@ class IgnoreRule(_Patterned):
 
     def match(self, key: str) -> bool | None:
         """``True`` for a key to drop, else ``None``."""
-        return True if self.matches(key) else None
+        return True if self._regex.fullmatch(key) else None
 
     def nodes(self, claims: Mapping[str, object], info: Info, errors: list[str]) -> list[Node]:
         """No target at all."""
@@ -436,7 +441,7 @@ class UnstackRule(_LayerRule):
 
 
 @dataclass(frozen=True)
-class TransposeRule(_Patterned):
+class TransposeRule(_ValueRule):
     """Model paths matching ``pattern`` hold the source tensor transposed by ``axes``."""
 
     axes: tuple[int, ...]
@@ -462,7 +467,7 @@ class TransposeRule(_Patterned):
 
 
 @dataclass(frozen=True)
-class ReshapeRule(_Patterned):
+class ReshapeRule(_ValueRule):
     """Model paths matching ``pattern`` hold the source tensor reshaped to ``shape``.
 
     ``shape`` may hold one ``-1``. ``source_shape`` (optional, may hold one ``-1``)
