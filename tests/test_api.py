@@ -69,7 +69,6 @@ def _classes_defined(file: Path) -> list[tuple[str, list[str]]]:
 # Exceptions that never leave the package: control flow between its own parts.
 INTERNAL_SIGNALS = {
     "load/_execute.py: Cancelled",  # stops a load's other reads once one failed; the failure is raised
-    "cli/_main.py: CLIError",  # printed by nnx-save's main() as "nnx-save: error: ...", exit status 2
     "io/_kv.py: Unanswered",  # a wait with no answer: Sync and the store's agree raise their typed errors from it
 }
 

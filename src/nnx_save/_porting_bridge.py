@@ -1,13 +1,10 @@
 """Porting rules inside the engine: a :class:`~nnx_save.porting.Rules` mapping turns
 file keys into model paths (load) or model paths into file keys (export).
 
-An assignment that only renames reads its tensor straight from the file, sharded.
-One with a transform (a transpose, split, concatenation, stack, unstack or reshape)
-carries it to the engine, which asks it, for each box of the target this process
-needs, which boxes of which source tensors feed it, and reads only those
-(:mod:`nnx_save.load._boxed`); a transform with no per-box map for a box (a reshape
-across a sharded dimension) reads its sources whole, and the report lists it in
-``report.io.read_whole``.
+A renamed tensor is read straight from the file, sharded; a transformed one is read
+box by box, only the source boxes that feed what this process needs
+(:mod:`nnx_save.load._boxed`), or whole where its transform has no per-box map
+(``report.io.read_whole`` lists it).
 """
 
 from __future__ import annotations
@@ -34,16 +31,12 @@ def load_targets_for(
 ) -> tuple[list[Target], frozenset[str], dict[str, tuple[str, ...]]]:
     """Rewrite model targets to read through ``rules``; also the keys rules ignore, and
     each file key's model paths (to name what an unexpected key became)."""
-    mapping = rules.mapping({k: (t.shape, t.dtype.numpy) for k, t in header.tensors.items()})
+    mapping = rules.mapping(header)
     out = []
     for t in targets:
         a = mapping.assignments.get(t.path)
-        if a is None:
-            out.append(dataclasses.replace(t, sources=()))
-        elif a.transform is None:
-            out.append(dataclasses.replace(t, sources=a.sources))
-        else:
-            out.append(dataclasses.replace(t, sources=a.sources, transform=a.transform, source_shape=tuple(a.shape)))
+        made = {} if a is None or a.transform is None else {"transform": a.transform, "source_shape": tuple(a.shape)}
+        out.append(dataclasses.replace(t, sources=() if a is None else a.sources, **made))
     return out, frozenset(mapping.unused), dict(mapping.landed)
 
 
@@ -76,10 +69,10 @@ def _whole(a: Any, sources: Sequence[Any]) -> np.ndarray:
 
 def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
     """This process's parts of ``a``'s file tensor: the image of each replica-0 shard
-    it holds of each source. Where the transform has no box map forward for some
-    shard of the job (a sum, a reshape across a shard),
-    every process gathers the sources and the primary makes the whole tensor (see
-    docs/multihost.md): the same decision on every process, from the global shardings."""
+    it holds of each source. Where the transform has no box map forward for some shard
+    of the job (a sum, a reshape across a shard), every process gathers the sources and
+    the primary makes the whole tensor (docs/multihost.md): the same decision on every
+    process, from the global shardings."""
     arrays: list[Any] = [getattr(v, "array", None) for v in sources]
     mapped = a.transform is not None and all(spans_processes(x) for x in arrays)
     if not mapped or not all(_maps(a, i, x) for i, x in enumerate(arrays)):

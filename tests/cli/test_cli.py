@@ -271,10 +271,10 @@ def test_diff_counts_tensors_not_lines(capsys, tmp_path):
 
 
 def test_diff_atol_and_nan():
-    assert _main.max_abs_diff(np.array([1.0, np.nan, np.inf]), np.array([1.5, np.nan, np.inf])) == 0.5
-    assert np.isnan(_main.max_abs_diff(np.array([1.0, np.nan]), np.array([1.0, 2.0])))
+    assert _main.compare_values(np.array([1.0, np.nan, np.inf]), np.array([1.5, np.nan, np.inf])).worst == 0.5
+    assert np.isnan(_main.compare_values(np.array([1.0, np.nan]), np.array([1.0, 2.0])).worst)
     a = np.arange(10, dtype=np.int8)
-    assert _main.max_abs_diff(a, a[::-1].copy(), chunk=3) == 9
+    assert _main.compare_values(a, a[::-1].copy(), chunk=3).worst == 9
     assert _main.compare_values(a, a[::-1].copy(), atol=5, chunk=3) == _main.ValueDiff(9, 4, 10)
 
 
@@ -313,6 +313,16 @@ def test_convert_orbax_checkpoint(capsys, tmp_path):
     loaded = nnx_save.load_file(tmp_path / "o.safetensors", verify=True)
     np.testing.assert_array_equal(loaded["layers/0/w"], tree["layers"][0]["w"])
     assert loaded["step"] == 7
+
+
+def test_convert_a_pod_directory(capsys, tmp_path):
+    # A pod tensor's file is its manifest; its bytes are in the shard files (this was a KeyError).
+    tree = {"a": np.arange(6, dtype=np.float32), "b": np.ones((2, 3), np.int32)}
+    nnx_save.save_pod(tree, tmp_path / "pod")
+    code, text, _ = cli(capsys, "convert", tmp_path / "pod", tmp_path / "o.safetensors")
+    assert code == 0 and text.endswith(": 2 tensors\n")
+    loaded = nnx_save.load_file(tmp_path / "o.safetensors", verify=True)
+    assert sorted(loaded) == ["a", "b"] and all(np.array_equal(loaded[k], tree[k]) for k in tree)
 
 
 # --------------------------------------------------------------------------- error paths

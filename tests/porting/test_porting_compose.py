@@ -171,6 +171,14 @@ def test_add_names_a_missing_part() -> None:
         rules.mapping({"rnn.bias_ih": ((8,), F32)})
 
 
+def test_add_export_refuses_parts_of_different_ranks() -> None:
+    # the export once indexed past the shorter shape (an IndexError) instead of naming the parts
+    rules = Rules(add((r"(\w+)\.bias_ih", r"(\w+)\.bias_hh"), (r"\1/a", r"\1/b"), axis=-1))
+    message = "`rnn.bias_ih`: the inverse of add(("
+    with pytest.raises(RuleError, match=re.escape(message) + ".*agree off axis -1, found \\[\\(2, 3\\), \\(2,\\)\\]"):
+        rules.inverse().mapping({"rnn/a": ((2, 3), F32), "rnn/b": ((2,), F32)})
+
+
 torch = pytest.importorskip("torch")
 
 

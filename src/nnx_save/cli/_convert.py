@@ -34,7 +34,7 @@ from ..save._sharded import write_sharded
 from ..save._write import write_file
 from . import _torchscript
 
-__all__ = ["Converted", "convert"]
+__all__ = ["Converted", "convert", "read_one"]
 
 
 @dataclass(frozen=True)
@@ -145,12 +145,22 @@ def _torchscript_entries(source: Path, opened: contextlib.ExitStack) -> list[Ent
     return list(entries.values())
 
 
+def read_one(header: Header, key: str, *, verify: bool = False) -> tuple[np.ndarray, Any]:
+    """Tensor ``key`` of ``header`` as a host array, and the load report: ``header``
+    narrowed to that tensor and the files holding its pieces (a pod tensor's are
+    shard files, not its manifest), so memory stays bounded by one tensor."""
+    held = {p.info.file for p in header.pieces_of(key)}
+    narrowed = dataclasses.replace(
+        header, tensors={key: header.tensors[key]}, files=tuple(fh for fh in header.files if fh.file in held)
+    )
+    tree, report = load_file(narrowed, verify=verify, progress=False, return_report=True)
+    return tree[key], report
+
+
 def _verified(header: Header, key: str) -> np.ndarray:
-    """One tensor of ``header``, its checksum verified: a corrupted source stops the
-    conversion instead of getting fresh checksums."""
-    info = header.tensors[key]
-    files = tuple(fh for fh in header.files if fh.file == info.file)
-    return load_file(dataclasses.replace(header, tensors={key: info}, files=files), verify=True, progress=False)[key]
+    """One tensor, its checksum verified: a corrupted source stops the conversion
+    instead of getting fresh checksums."""
+    return read_one(header, key, verify=True)[0]
 
 
 def _orbax_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -166,7 +176,13 @@ def _orbax_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     out: dict[str, np.ndarray] = {}
     rng: dict[str, str] = {}
     scalars: dict[str, str] = {}
-    for leaf in _restored(orbax_arrays, path):
+    try:
+        leaves = orbax_arrays(path)
+    except NnxSaveError:
+        raise
+    except Exception as e:  # a foreign library's errors (JSON, tensorstore, files), reported with the path
+        raise ConvertError(f"{path}: Orbax cannot restore this checkpoint ({type(e).__name__}: {e})") from None
+    for leaf in leaves:
         key = to_key(leaf.path)
         _add_unique(out, key, leaf.array, path, "'/'")
         if leaf.rng_impl is not None:
@@ -174,17 +190,6 @@ def _orbax_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         if leaf.scalar is not None:
             scalars[key] = leaf.scalar
     return out, model_metadata(None, rng, scalars)
-
-
-def _restored(orbax_arrays: Any, path: Path) -> Any:
-    """``orbax_arrays(path)``, whatever Orbax raises on a damaged directory (JSON,
-    tensorstore, file errors) turned into a :class:`ConvertError` naming it."""
-    try:
-        return orbax_arrays(path)
-    except NnxSaveError:
-        raise
-    except Exception as e:  # a foreign library's errors, reported with the path
-        raise ConvertError(f"{path}: Orbax cannot restore this checkpoint ({type(e).__name__}: {e})") from None
 
 
 def _kind(source: Path) -> str:
@@ -309,9 +314,8 @@ def _torch_to_numpy(t: Any, key: str, path: Path) -> np.ndarray:
         raise ConvertError(f"{path}: {key}: {problem}; convert takes dense tensors with data")
     t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()  # lazy conj / neg bits: their values
     views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
-    for name, np_name in (("float8_e4m3fn", "float8_e4m3fn"), ("float8_e5m2", "float8_e5m2")):
-        if hasattr(torch, name):
-            views[getattr(torch, name)] = (torch.uint8, getattr(ml_dtypes, np_name))
+    float8 = [name for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)]
+    views.update({getattr(torch, name): (torch.uint8, getattr(ml_dtypes, name)) for name in float8})
     if t.dtype in views:
         as_int, np_dtype = views[t.dtype]
         return t.view(as_int).numpy().view(np_dtype)

@@ -28,14 +28,11 @@ from ..errors import OptionError
 from ..format import _units
 from ..format._header import strict_json
 from ..format._units import human_bytes
+from ._convert import read_one
 
 __all__ = ["main"]
 
 _CHECKSUMS = "nnx_save.checksums"
-
-
-class CLIError(Exception):
-    """A usage or input problem: printed as ``nnx-save: error: ...``, exit status 2."""
 
 
 def parse_size(text: str) -> int:
@@ -46,47 +43,24 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 5GB, 200MiB, 1000000)") from None
 
 
-# ------------------------------------------------------------------- one tensor at a time
-
-
-def _one(header: Any, key: str, *, verify: bool = False) -> tuple[np.ndarray, Any]:
-    """Read one tensor (and the load report) of ``header`` as a host numpy array."""
-    import nnx_save
-
-    info = header.tensors[key]
-    held = {p.info.file for p in header.pieces_of(key)}  # a pod tensor's pieces are in its shard files
-    narrowed = dataclasses.replace(
-        header, tensors={key: info}, files=tuple(fh for fh in header.files if fh.file in held)
-    )
-    tree, report = nnx_save.load_file(narrowed, verify=verify, progress=False, return_report=True)
-    return tree[key], report
-
-
-def _display_file(header: Any, file: str) -> str:
-    return os.path.basename(file) if header.kind != "file" else file
-
-
 # ------------------------------------------------------------------------------- inspect
 
 
 def _rows(header: Any, pattern: str | None) -> list[dict[str, Any]]:
-    rows = []
-    for name, t in header.tensors.items():
-        if pattern and not fnmatch.fnmatchcase(name, pattern):
-            continue
-        rows.append(
-            {
-                "name": name,
-                "dtype": t.dtype.code,
-                "shape": list(t.shape),
-                "numel": t.numel,
-                "nbytes": t.nbytes,
-                "file": _display_file(header, t.file),
-                "begin": t.begin,
-                "end": t.end,
-            }
-        )
-    return rows
+    return [
+        {
+            "name": name,
+            "dtype": t.dtype.code,
+            "shape": list(t.shape),
+            "numel": t.numel,
+            "nbytes": t.nbytes,
+            "file": t.file if header.kind == "file" else os.path.basename(t.file),
+            "begin": t.begin,
+            "end": t.end,
+        }
+        for name, t in header.tensors.items()
+        if not pattern or fnmatch.fnmatchcase(name, pattern)
+    ]
 
 
 def _totals(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -113,17 +87,10 @@ def _shown_metadata(metadata: dict[str, str]) -> dict[str, str]:
 
 def _table(rows: Sequence[dict[str, Any]]) -> list[str]:
     cells = [["name", "dtype", "shape", "size", "file", "bytes"]]
-    for r in rows:
-        cells.append(
-            [
-                r["name"],
-                r["dtype"],
-                "[" + ", ".join(map(str, r["shape"])) + "]",
-                human_bytes(r["nbytes"]),
-                r["file"],
-                f"[{r['begin']}, {r['end']})",
-            ]
-        )
+    cells += [
+        [r["name"], r["dtype"], str(r["shape"]), human_bytes(r["nbytes"]), r["file"], f"[{r['begin']}, {r['end']})"]
+        for r in rows
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     return ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in cells]
 
@@ -182,7 +149,7 @@ def _verify_file(header: Any, fh: Any, problems: list[str]) -> tuple[int, int]:
     verified = unverified = 0
     for key in fh.tensors:
         try:
-            _, report = _one(header, key, verify=True)
+            _, report = read_one(header, key, verify=True)
         except nnx_save.ChecksumError as e:
             problems.append(str(e))
             if e.key is None:  # the checksum record itself is unreadable: nothing more to check here
@@ -282,11 +249,6 @@ def _worse(worst: float | int, d: np.ndarray) -> float | int:
     return max(worst, top.item() if isinstance(top, np.generic) else top)
 
 
-def max_abs_diff(a: np.ndarray, b: np.ndarray, chunk: int = 1 << 22) -> float | int:
-    """``max |a - b|`` as :func:`compare_values` measures it."""
-    return compare_values(a, b, chunk=chunk).worst
-
-
 def _measure(x: np.dtype, y: np.dtype) -> Any:
     """The element-wise ``|a - b|`` for this pair of dtypes (0 where equal)."""
     if x.kind in "iub" and y.kind in "iub":
@@ -339,8 +301,8 @@ def _diff_lines(ha: Any, hb: Any, atol: float) -> Iterator[tuple[str, str, str]]
             continue
         if ta.dtype.code != tb.dtype.code:
             yield "dtype", key, f"{key}: {ta.dtype.code} vs {tb.dtype.code}"
-        a, _ = _one(ha, key)
-        b, _ = _one(hb, key)
+        a, _ = read_one(ha, key)
+        b, _ = read_one(hb, key)
         found = compare_values(a, b, atol)
         del a, b
         if found.differing:
@@ -436,6 +398,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `nnx-save inspect big | head`
         sys.stderr.close()
         return 0
-    except (CLIError, nnx_save.NnxSaveError, OSError) as e:  # OSError: a path that cannot be read or made
+    except (nnx_save.NnxSaveError, OSError) as e:  # OSError: a path that cannot be read or made
         print(f"nnx-save: error: {e}", file=sys.stderr)
         return 2

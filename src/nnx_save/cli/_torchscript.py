@@ -13,7 +13,6 @@ the ``state_dict()`` names torch gives the loaded module (``encoder.0.weight``).
 from __future__ import annotations
 
 import ast
-import functools
 import math
 import shlex
 import zipfile
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConvertError
+from ..format._dtypes import DTYPES
 from ..format._torch_pickle import Call, Global, PersistentId, read_data_pickle
 
 __all__ = ["Archive", "TensorRecord"]
@@ -46,31 +46,28 @@ _ZIP_ERRORS = (
 _MAX_DEPTH = 200  # nested modules
 
 
-@functools.cache
-def _storage_dtypes() -> dict[str, np.dtype]:
-    import ml_dtypes
-
-    table = {
-        "Float": np.float32,
-        "Double": np.float64,
-        "Half": np.float16,
-        "BFloat16": ml_dtypes.bfloat16,
-        "Long": np.int64,
-        "Int": np.int32,
-        "Short": np.int16,
-        "Char": np.int8,
-        "Byte": np.uint8,
-        "Bool": np.bool_,
-        "UInt16": np.uint16,
-        "UInt32": np.uint32,
-        "UInt64": np.uint64,
-        "ComplexFloat": np.complex64,
-        "Float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-        "Float8_e5m2": ml_dtypes.float8_e5m2,
-        "Float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
-        "Float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
-    }
-    return {f"{k}Storage": np.dtype(v) for k, v in table.items()}
+# torch's storage classes (``torch.FloatStorage``, ...) and the safetensors dtype codes of their elements
+_STORAGE_CODES = {
+    "Float": "F32",
+    "Double": "F64",
+    "Half": "F16",
+    "BFloat16": "BF16",
+    "Long": "I64",
+    "Int": "I32",
+    "Short": "I16",
+    "Char": "I8",
+    "Byte": "U8",
+    "Bool": "BOOL",
+    "UInt16": "U16",
+    "UInt32": "U32",
+    "UInt64": "U64",
+    "ComplexFloat": "C64",
+    "Float8_e4m3fn": "F8_E4M3",
+    "Float8_e5m2": "F8_E5M2",
+    "Float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "Float8_e5m2fnuz": "F8_E5M2FNUZ",
+}
+_STORAGE_DTYPES = {f"{name}Storage": DTYPES[code].numpy for name, code in _STORAGE_CODES.items()}
 
 
 @dataclass(frozen=True)
@@ -235,11 +232,10 @@ def _record(archive: Archive, key: str, value: Any) -> TensorRecord:
         )
     storage, offset, shape, stride = value.args[:4]
     fields = _storage_fields(archive, key, storage)
-    if not (_ints(offset) and isinstance(shape, tuple) and isinstance(stride, tuple) and len(shape) == len(stride)):
+    tuples = isinstance(shape, tuple) and isinstance(stride, tuple) and len(shape) == len(stride)
+    if not (tuples and _ints(offset, *shape, *stride)):
         raise ConvertError(f"{archive.path}: {key}: a malformed tensor record in data.pkl")
-    if not _ints(*shape, *stride):
-        raise ConvertError(f"{archive.path}: {key}: a malformed tensor record in data.pkl")
-    dtype = _storage_dtypes().get(fields[1].name)
+    dtype = _STORAGE_DTYPES.get(fields[1].name)
     if dtype is None:
         raise ConvertError(f"{archive.path}: {key}: storage type {fields[1]} has no safetensors dtype here")
     record = TensorRecord(key, f"data/{fields[2]}", dtype, offset, shape, stride, fields[4])

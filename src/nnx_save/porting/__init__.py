@@ -127,60 +127,45 @@ __all__ = [
     "unstack",
 ]
 
-from ..errors import NotInvertibleError as NotInvertibleError
-from ..errors import RuleConflictError as RuleConflictError
-from ..errors import RuleError as RuleError
-from ..errors import RuleShapeError as RuleShapeError
-from ..errors import TiedValuesError as TiedValuesError
-from ._compose import ConcatUnstackRule as ConcatUnstackRule
-from ._compose import SplitStackRule as SplitStackRule
-from ._compose import SumExportRule as SumExportRule
-from ._compose import SumRule as SumRule
-from ._compose import TieRule as TieRule
-from ._constructors import add as add
-from ._constructors import concat as concat
-from ._constructors import ignore as ignore
-from ._constructors import rename as rename
-from ._constructors import reshape as reshape
-from ._constructors import split as split
-from ._constructors import stack as stack
-from ._constructors import tie as tie
-from ._constructors import transpose as transpose
-from ._constructors import unstack as unstack
-from ._coverage import Coverage as Coverage
-from ._coverage import coverage as coverage
-from ._hf import TORCH_LINEAR_AXES as TORCH_LINEAR_AXES
-from ._hf import hf_conv1d as hf_conv1d
-from ._hf import torch_batch_norm as torch_batch_norm
-from ._hf import torch_conv as torch_conv
-from ._hf import torch_conv_axes as torch_conv_axes
-from ._hf import torch_embedding as torch_embedding
-from ._hf import torch_layer_norm as torch_layer_norm
-from ._hf import torch_linear as torch_linear
-from ._hf import torch_lstm as torch_lstm
-from ._hf import torch_rms_norm as torch_rms_norm
-from ._mapping import Assignment as Assignment
-from ._mapping import KeyMapping as KeyMapping
-from ._mapping import Rules as Rules
-from ._mapping import shapes_of as shapes_of
-from ._rules import ConcatRule as ConcatRule
-from ._rules import ConstantRule as ConstantRule
-from ._rules import IgnoreRule as IgnoreRule
-from ._rules import RenameRule as RenameRule
-from ._rules import ReshapeRule as ReshapeRule
-from ._rules import SplitRule as SplitRule
-from ._rules import StackRule as StackRule
-from ._rules import TransposeRule as TransposeRule
-from ._rules import UnstackRule as UnstackRule
-from ._transforms import Chain as Chain
-from ._transforms import Concatenate as Concatenate
-from ._transforms import Constant as Constant
-from ._transforms import Each as Each
-from ._transforms import Index as Index
-from ._transforms import Reshape as Reshape
-from ._transforms import Same as Same
-from ._transforms import Stack as Stack
-from ._transforms import Sum as Sum
-from ._transforms import Take as Take
-from ._transforms import Transform as Transform
-from ._transforms import Transpose as Transpose
+from ..errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError, TiedValuesError
+from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule
+from ._constructors import add, concat, ignore, rename, reshape, split, stack, tie, transpose, unstack
+from ._coverage import Coverage, coverage
+from ._hf import (
+    TORCH_LINEAR_AXES,
+    hf_conv1d,
+    torch_batch_norm,
+    torch_conv,
+    torch_conv_axes,
+    torch_embedding,
+    torch_layer_norm,
+    torch_linear,
+    torch_lstm,
+    torch_rms_norm,
+)
+from ._mapping import Assignment, KeyMapping, Rules, shapes_of
+from ._rules import (
+    ConcatRule,
+    ConstantRule,
+    IgnoreRule,
+    RenameRule,
+    ReshapeRule,
+    SplitRule,
+    StackRule,
+    TransposeRule,
+    UnstackRule,
+)
+from ._transforms import (
+    Chain,
+    Concatenate,
+    Constant,
+    Each,
+    Index,
+    Reshape,
+    Same,
+    Stack,
+    Sum,
+    Take,
+    Transform,
+    Transpose,
+)

@@ -1,12 +1,10 @@
 """Box geometry for porting transforms: pure functions on boxes and shapes.
 
-A box is ``((start, stop), ...)`` per dimension, in a tensor's own coordinates. The
-transform steps of :mod:`._transforms` use these to say which box of their input
-makes a given box of their output: a transpose permutes the box, a split shifts it,
-an unstack fixes one index, a concatenation or a stack keeps the parts the box
-meets, and a reshape maps a box whose every group of merged or split dimensions is
-one contiguous run of elements (:func:`reshape_back`; any other box has no
-rectangular preimage, and the caller reads the whole tensor).
+A box is ``((start, stop), ...)`` per dimension, in a tensor's own coordinates; the
+steps of :mod:`._transforms` use these to say which box of their input makes a box of
+their output. A reshape has one only where each group of merged or split dimensions
+is one contiguous run of elements (:func:`reshape_back`); elsewhere the caller reads
+the whole tensor.
 """
 
 from __future__ import annotations

@@ -1,15 +1,5 @@
-"""Rule kinds that compose two moves on one tensor, and ties.
-
-- :class:`SplitStackRule`: each layer's fused tensor is cut into parts, and each part
-  stacked over the layers (separate q / k / v in a scanned model); its inverse
-  :class:`ConcatUnstackRule` joins each layer's parts back.
-- :class:`SumRule`: several tensors added into one (torch's two LSTM biases into the
-  one flax keeps), optionally cut into parts; its inverse :class:`SumExportRule` writes
-  the whole sum into one part and zeros into the others.
-- :class:`TieRule`: copies of one tensor (a tied language-model head) declared once:
-  on load each copy is checked equal to its source (or reported, ``check=False``),
-  on export every copy is written.
-"""
+"""Rule kinds that compose two moves on one tensor (each layer cut and its parts
+stacked; a sum, optionally cut) and ties of copies of one tensor, with their inverses."""
 
 from __future__ import annotations
 
@@ -17,28 +7,20 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from ..errors import RuleError
-from ._parts import axis_of, complete_layers, layer_groups, same_dtype, split_bounds
-from ._rules import Node, _set
-from ._template import Template, check_refs, compile_pattern, invert
-from ._template import raw as _raw
+from ._parts import axis_of, complete_layers, joined, layer_groups, same_dtype, split_bounds
+from ._rules import Node, _set, _with_inverse
+from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, ticked
 from ._transforms import Chain, Concatenate, Constant, Each, Index, Same, Stack, Sum, Take
 
 __all__ = ["ConcatUnstackRule", "SplitStackRule", "SumExportRule", "SumRule", "TieRule", "tie_checked"]
 
 Shape = tuple[int, ...]
 Info = Mapping[str, tuple[Shape, np.dtype]]
-
-
-def _templates(texts: Sequence[str], regexes: Sequence[re.Pattern[str]], extra: Sequence[str] = ()) -> tuple:
-    templates = tuple(Template.parse(t) for t in texts)
-    for regex in regexes:
-        for template in templates:
-            check_refs(template, regex, extra=extra)
-    return templates
 
 
 def _part_hit(rule: object, regexes: Sequence[re.Pattern[str]], key: str) -> tuple[int, re.Match[str]] | None:
@@ -52,9 +34,29 @@ def _part_hit(rule: object, regexes: Sequence[re.Pattern[str]], key: str) -> tup
 def _complete_parts(rule: object, name: object, parts: Mapping[int, str], count: int, errors: list[str]) -> bool:
     absent = [i for i in range(count) if i not in parts]
     if absent:
-        have = ", ".join(f"`{parts[i]}`" for i in sorted(parts))
-        errors.append(f"`{name}`: {rule} found {have} but not part(s) {absent}")
+        errors.append(f"`{name}`: {rule} found {ticked(parts[i] for i in sorted(parts))} but not part(s) {absent}")
     return not absent
+
+
+def _complete_groups(
+    rule: object, count: int, claims: Mapping[str, tuple[int, tuple[str, ...]]], lead: int, errors: list[str]
+) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """``(names, keys in part order)`` of each group of claims ``(part, names)`` whose
+    ``count`` parts are all present; the others go to ``errors``, named by ``names[lead]``."""
+    groups: dict[tuple[str, ...], dict[int, str]] = defaultdict(dict)
+    for key, (part, names) in sorted(claims.items()):
+        groups[names][part] = key
+    complete = [
+        (names, parts) for names, parts in groups.items() if _complete_parts(rule, names[lead], parts, count, errors)
+    ]
+    return [(names, tuple(parts[i] for i in range(count))) for names, parts in complete]
+
+
+def _origin(rule: Any, what: str) -> object:
+    """The inverse of an export-only rule: the rule it was made from."""
+    if rule.inverse_rule is None:
+        raise RuleError(f"{rule} is the inverse of {what}; invert that rule instead")
+    return rule.inverse_rule
 
 
 # --- split each layer, stack each part ----------------------------------------------
@@ -79,7 +81,7 @@ class SplitStackRule:
 
     def __post_init__(self) -> None:
         _set(self, "_regex", compile_pattern(self.pattern))
-        _set(self, "_templates", _templates(self.targets, (self._regex,)))
+        _set(self, "_templates", parse_templates(self.targets, (self._regex,)))
         number = self._regex.groupindex.get(self.group)
         if number is None or any(self.group in t.refs or number in t.refs for t in self._templates):
             raise RuleError(
@@ -89,8 +91,7 @@ class SplitStackRule:
             raise RuleError(f"{self}: a split needs at least two targets, got {len(self.targets)}")
 
     def __str__(self) -> str:
-        targets = ", ".join(_raw(t) for t in self.targets)
-        return f"split({_raw(self.pattern)}, ({targets}), axis={self.axis}, stacked=True)"
+        return f"split({raw(self.pattern)}, ({raws(self.targets)}), axis={self.axis}, stacked=True)"
 
     def match(self, key: str) -> tuple[str, tuple[str, ...]] | None:
         """``(layer text, targets)`` for ``key``, or ``None``."""
@@ -120,7 +121,7 @@ class SplitStackRule:
     def inverse(self) -> object:
         """A :class:`ConcatUnstackRule` giving each layer its fused tensor back."""
         if self.inverse_rule is not None:
-            return replace(self.inverse_rule, inverse_rule=self)  # type: ignore[type-var]
+            return _with_inverse(self, self.inverse_rule)
         pairs = [invert(self.pattern, t, consumed=self.group) for t in self.targets]
         return ConcatUnstackRule(
             tuple(p for p, _ in pairs), pairs[0][1], self.axis, self.sizes, self.group, self.stack_axis, self
@@ -145,16 +146,13 @@ class ConcatUnstackRule:
 
     def __post_init__(self) -> None:
         _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
-        (template,) = _templates((self.target,), self._regexes, extra=(self.group,))
+        (template,) = parse_templates((self.target,), self._regexes, extra=(self.group,))
         _set(self, "_template", template)
 
     def __str__(self) -> str:
-        patterns = ", ".join(_raw(p) for p in self.patterns)
-        return (
-            f"the inverse of {self.inverse_rule}"
-            if self.inverse_rule
-            else f"concat_unstack(({patterns}), {_raw(self.target)})"
-        )
+        if self.inverse_rule:
+            return f"the inverse of {self.inverse_rule}"
+        return f"concat_unstack(({raws(self.patterns)}), {raw(self.target)})"
 
     def match(self, key: str) -> tuple[int, re.Match[str]] | None:
         """``(part, match)`` for ``key``, or ``None``."""
@@ -176,19 +174,16 @@ class ConcatUnstackRule:
         keys = tuple(k for k, _ in parts)
         shapes = [info[k][0] for k in keys]
         at = axis_of(self.stack_axis, len(shapes[0]))
-        layer_shapes = {s[:at] + s[at + 1 :] for s in shapes} if at is not None else set()
-        axis = axis_of(self.axis, len(shapes[0]) - 1)
+        axis_in_range = axis_of(self.axis, len(shapes[0]) - 1) is not None
         dtype = same_dtype(keys, info, name, errors)
-        if at is None or axis is None or len({s[at] for s in shapes}) != 1 or len({len(s) for s in shapes}) != 1:
+        if at is None or not axis_in_range or len({s[at] for s in shapes}) != 1 or len({len(s) for s in shapes}) != 1:
             errors.append(f"`{name}`: {self} needs parts with one layer count, found {shapes}")
             return []
-        rest = {s[:axis] + s[axis + 1 :] for s in layer_shapes}
-        if len(rest) != 1 or dtype is None:
+        made = joined([s[:at] + s[at + 1 :] for s in shapes], self.axis)
+        if made is None or dtype is None:
             errors.append(f"`{name}`: {self} needs parts that agree off axis {self.axis}, found {shapes}")
             return []
-        sizes = tuple((s[:at] + s[at + 1 :])[axis] for s in shapes)
-        one = shapes[0][:at] + shapes[0][at + 1 :]
-        shape = (*one[:axis], sum(sizes), *one[axis + 1 :])
+        axis, sizes, shape = made
         combine = Concatenate(axis, sizes)
         m = parts[0][1]
         return [
@@ -200,57 +195,57 @@ class ConcatUnstackRule:
 
     def inverse(self) -> object:
         """The :class:`SplitStackRule` it came from."""
-        if self.inverse_rule is None:
-            raise RuleError(f"{self} is the inverse of a stacked split; invert that rule instead")
-        return self.inverse_rule
+        return _origin(self, "a stacked split")
 
 
 # --- sum ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class SumRule:
+class _Parts:
+    """What a sum and its export share: one pattern per part, each part's match
+    expanding the same names (targets, or file keys)."""
+
+    patterns: tuple[str, ...]
+
+    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)  # derived in _compile
+    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in _compile
+
+    def _compile(self, names: Sequence[str]) -> None:
+        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
+        _set(self, "_templates", parse_templates(names, self._regexes))
+
+    def match(self, key: str) -> tuple[int, tuple[str, ...]] | None:
+        """``(part, names)`` for ``key``, or ``None``."""
+        hit = _part_hit(self, self._regexes, key)
+        return None if hit is None else (hit[0], tuple(t.expand_match(hit[1]) for t in self._templates))
+
+
+@dataclass(frozen=True)
+class SumRule(_Parts):
     """Tensors matching ``patterns`` (one each) added into ``targets``: one target,
     or several that cut the sum along ``axis`` in equal parts. ``into``: the part
     that holds the whole sum on export (the others are written as zeros)."""
 
-    patterns: tuple[str, ...]
     targets: tuple[str, ...]
     axis: int = 0
     into: int = 0
     inverse_rule: object = field(default=None, compare=False, repr=False)
-
-    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
-    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         if len(self.patterns) < 2 or not self.targets:
             raise RuleError(f"{self}: a sum needs at least two patterns and a target")
         if not 0 <= self.into < len(self.patterns):
             raise RuleError(f"{self}: into={self.into} must name one of the {len(self.patterns)} parts")
-        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
-        _set(self, "_templates", _templates(self.targets, self._regexes))
+        self._compile(self.targets)
 
     def __str__(self) -> str:
-        patterns = ", ".join(_raw(p) for p in self.patterns)
-        targets = ", ".join(_raw(t) for t in self.targets)
-        return f"add(({patterns}), ({targets}), axis={self.axis}, into={self.into})"
-
-    def match(self, key: str) -> tuple[int, tuple[str, ...]] | None:
-        """``(part, targets)`` for ``key``, or ``None``."""
-        hit = _part_hit(self, self._regexes, key)
-        return None if hit is None else (hit[0], tuple(t.expand_match(hit[1]) for t in self._templates))
+        return f"add(({raws(self.patterns)}), ({raws(self.targets)}), axis={self.axis}, into={self.into})"
 
     def nodes(self, claims: Mapping[str, tuple[int, tuple[str, ...]]], info: Info, errors: list[str]) -> list[Node]:
         """The summed node(s) of each group whose parts are all present."""
-        groups: dict[tuple[str, ...], dict[int, str]] = defaultdict(dict)
-        for key, (part, targets) in sorted(claims.items()):
-            groups[targets][part] = key
-        nodes: list[Node] = []
-        for targets, parts in groups.items():
-            if _complete_parts(self, targets[0], parts, len(self.patterns), errors):
-                nodes.extend(self._summed(targets, tuple(parts[i] for i in range(len(parts))), info, errors))
-        return nodes
+        groups = _complete_groups(self, len(self.patterns), claims, 0, errors)
+        return [n for targets, keys in groups for n in self._summed(targets, keys, info, errors)]
 
     def _summed(self, targets: tuple[str, ...], keys: tuple[str, ...], info: Info, errors: list[str]) -> list[Node]:
         shapes = {info[k][0] for k in keys}
@@ -273,69 +268,49 @@ class SumRule:
     def inverse(self) -> object:
         """A :class:`SumExportRule`: the sum into part ``into``, zeros into the rest."""
         if self.inverse_rule is not None:
-            return replace(self.inverse_rule, inverse_rule=self)  # type: ignore[type-var]
+            return _with_inverse(self, self.inverse_rule)
         model = tuple(invert(self.patterns[self.into], t)[0] for t in self.targets)
         files = tuple(invert(p, self.targets[0])[1] for p in self.patterns)
         return SumExportRule(model, files, self.axis, self.into, self)
 
 
 @dataclass(frozen=True)
-class SumExportRule:
+class SumExportRule(_Parts):
     """Model params matching ``patterns`` (one per part of the sum, joined along
     ``axis``) written to the file key ``files[into]``; the other ``files`` are zeros of
     its shape, so the sum on load gives the params back exactly."""
 
-    patterns: tuple[str, ...]
     files: tuple[str, ...]
     axis: int = 0
     into: int = 0
     inverse_rule: object = field(default=None, compare=False, repr=False)
 
-    _regexes: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
-    _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
-
     def __post_init__(self) -> None:
-        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
-        _set(self, "_templates", _templates(self.files, self._regexes))
+        self._compile(self.files)
 
     def __str__(self) -> str:
-        files = ", ".join(_raw(f) for f in self.files)
-        return f"the inverse of {self.inverse_rule}" if self.inverse_rule else f"add_export(({files}))"
-
-    def match(self, key: str) -> tuple[int, tuple[str, ...]] | None:
-        """``(part, file keys)`` for ``key``, or ``None``."""
-        hit = _part_hit(self, self._regexes, key)
-        return None if hit is None else (hit[0], tuple(t.expand_match(hit[1]) for t in self._templates))
+        return f"the inverse of {self.inverse_rule}" if self.inverse_rule else f"add_export(({raws(self.files)}))"
 
     def nodes(self, claims: Mapping[str, tuple[int, tuple[str, ...]]], info: Info, errors: list[str]) -> list[Node]:
         """The joined node and its zero companions, per complete group."""
-        groups: dict[tuple[str, ...], dict[int, str]] = defaultdict(dict)
-        for key, (part, files) in sorted(claims.items()):
-            groups[files][part] = key
-        nodes: list[Node] = []
-        for files, parts in groups.items():
-            if _complete_parts(self, files[self.into], parts, len(self.patterns), errors):
-                nodes.extend(self._written(files, tuple(parts[i] for i in range(len(parts))), info, errors))
-        return nodes
+        groups = _complete_groups(self, len(self.patterns), claims, self.into, errors)
+        return [n for files, keys in groups for n in self._written(files, keys, info, errors)]
 
     def _written(self, files: tuple[str, ...], keys: tuple[str, ...], info: Info, errors: list[str]) -> list[Node]:
         dtype = same_dtype(keys, info, files[self.into], errors)
         shapes = [info[k][0] for k in keys]
-        axis = axis_of(self.axis, len(shapes[0]))
-        if dtype is None or axis is None or len({s[:axis] + s[axis + 1 :] for s in shapes}) != 1:
+        made = joined(shapes, self.axis)
+        if dtype is None or made is None:
             errors.append(f"`{files[self.into]}`: {self} needs parts that agree off axis {self.axis}, found {shapes}")
             return []
-        sizes = tuple(s[axis] for s in shapes)
-        shape = (*shapes[0][:axis], sum(sizes), *shapes[0][axis + 1 :])
-        joined = Node(files[self.into], keys, shape, dtype, Concatenate(axis, sizes) if len(keys) > 1 else None)
+        axis, sizes, shape = made
+        whole = Node(files[self.into], keys, shape, dtype, Concatenate(axis, sizes) if len(keys) > 1 else None)
         zeros = Constant(0, str(dtype), shape)
-        return [joined, *(Node(f, (), shape, dtype, zeros) for i, f in enumerate(files) if i != self.into)]
+        return [whole, *(Node(f, (), shape, dtype, zeros) for i, f in enumerate(files) if i != self.into)]
 
     def inverse(self) -> object:
         """The :class:`SumRule` it came from."""
-        if self.inverse_rule is None:
-            raise RuleError(f"{self} is the inverse of a sum; invert that rule instead")
-        return self.inverse_rule
+        return _origin(self, "a sum")
 
 
 # --- tie ----------------------------------------------------------------------------
@@ -364,11 +339,10 @@ class TieRule:
         if not self.copies:
             raise RuleError(f"{self}: a tie needs at least one copy")
         _set(self, "_regex", compile_pattern(self.source))
-        _set(self, "_templates", _templates(self.copies, (self._regex,)))
+        _set(self, "_templates", parse_templates(self.copies, (self._regex,)))
 
     def __str__(self) -> str:
-        copies = ", ".join(_raw(c) for c in self.copies)
-        return f"tie({_raw(self.source)}, {copies}{'' if self.check else ', check=False'})"
+        return f"tie({raw(self.source)}, {raws(self.copies)}{'' if self.check else ', check=False'})"
 
     def copies_of(self, key: str) -> tuple[str, ...]:
         """The copies' names for a source ``key`` (``()`` when it is no source)."""

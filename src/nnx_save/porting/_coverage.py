@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..errors import KeyMismatchError, ShapeMismatchError
 from ._mapping import KeyMapping
-from ._template import compile_pattern
+from ._template import compile_pattern, ticked
 
 __all__ = ["Coverage", "coverage"]
 
@@ -55,28 +55,22 @@ class Coverage:
                 message also lists any shape mismatch).
             ShapeMismatchError: only shapes disagree.
         """
-        lines = [*self._missing_lines(source), *self._unexpected_lines(source), *self._shape_lines(source)]
+        lines = [
+            *(f"`{p}`: in the model, not in {source} (allow_missing= to keep its value)" for p in self.missing),
+            *(
+                f"`{key}`: in {source}, goes to {ticked(targets)}, which the model does not have"
+                for key, targets in self.unexpected.items()
+            ),
+            *(
+                f"`{p}`: shape {model} in the model, {made} from {source} ({ticked(self.filled[p])})"
+                for p, (model, made) in self.mismatched.items()
+            ),
+        ]
         if not lines:
             return
         kind = KeyMismatchError if self.missing or self.unexpected else ShapeMismatchError
         head = f"{len(lines)} mismatch{'es' if len(lines) > 1 else ''} between the model and {source}:"
         raise kind("\n  ".join([head, *lines]))
-
-    def _missing_lines(self, source: str) -> list[str]:
-        return [f"`{p}`: in the model, not in {source} (allow_missing= to keep its value)" for p in self.missing]
-
-    def _unexpected_lines(self, source: str) -> list[str]:
-        out = []
-        for key, targets in self.unexpected.items():
-            where = ", ".join(f"`{t}`" for t in targets)
-            out.append(f"`{key}`: in {source}, goes to {where}, which the model does not have")
-        return out
-
-    def _shape_lines(self, source: str) -> list[str]:
-        return [
-            f"`{p}`: shape {model} in the model, {made} from {source} ({', '.join(f'`{k}`' for k in self.filled[p])})"
-            for p, (model, made) in self.mismatched.items()
-        ]
 
 
 def coverage(
@@ -129,12 +123,9 @@ def coverage(
 
 
 def _dangling(mapping: KeyMapping, shapes: Mapping[str, object]) -> dict[str, tuple[str, ...]]:
-    out = {}
-    for key, targets in sorted(mapping.landed.items()):
-        extra = tuple(t for t in targets if t not in shapes)
-        if extra:
-            out[key] = extra
-    return out
+    """``{file key: its targets the model lacks}``, for the keys with any."""
+    extra = {key: tuple(t for t in targets if t not in shapes) for key, targets in sorted(mapping.landed.items())}
+    return {key: targets for key, targets in extra.items() if targets}
 
 
 def _compile(patterns: Iterable[str]) -> list[re.Pattern[str]]:

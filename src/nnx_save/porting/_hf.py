@@ -1,31 +1,12 @@
-"""HuggingFace / PyTorch layer conventions as ready-made rule pairs.
+"""HuggingFace / PyTorch layer conventions as ready-made rules (the table of
+docs/porting.md, "HF / torch conventions").
 
 Each helper takes ``source``, a regex for a torch module's key prefix (without the
 trailing ``.weight``), and ``target``, the NNX module's path template (without the
-trailing ``/kernel``), and returns the rules for that module's parameters:
-
-=================  =======================  ==================================
-torch module       file tensor              NNX param
-=================  =======================  ==================================
-``nn.Linear``      ``weight`` (out, in)     ``kernel`` (in, out), transposed
-HF ``Conv1D``      ``weight`` (in, out)     ``kernel`` (in, out), as is
-``nn.Conv{1,2,3}d`` ``weight`` (out, in, *k) ``kernel`` (*k, in, out)
-``nn.Embedding``   ``weight`` (vocab, dim)  ``embedding`` (vocab, dim)
-``nn.LayerNorm``   ``weight``, ``bias``     ``scale``, ``bias``
-RMS norms          ``weight``               ``scale``
-``nn.BatchNorm*``  ``weight``, ``bias``,    ``scale``, ``bias``, ``mean``,
-                   ``running_mean/var``     ``var``; ``num_batches_tracked``
-                                            ignored on load
-=================  =======================  ==================================
-
-The transposes select the model path by inverting the rename, so ``source`` and
-``target`` must be of the simple invertible form (each group referenced once).
-
-A *layer pattern* makes stacked rules: when ``source`` captures the layer index as
-``(?P<layer>\\d+)`` and ``target`` does not reference it, every helper stacks the
-layers' tensors on a new leading axis (``stack``), as a scanned model keeps them
-(``torch_linear(r"h\\.(?P<layer>\\d+)\\.fc", "blocks/fc")``: ``blocks/fc/kernel`` of
-shape (layers, in, out)).
+trailing ``/kernel``). The transposes select the model path by inverting the rename,
+so both must be of the simple invertible form (each group referenced once). Given a
+*layer pattern* (``source`` captures ``(?P<layer>\\d+)``, ``target`` does not use it)
+a helper stacks the layers on a new leading axis, as a scanned model keeps them.
 """
 
 from __future__ import annotations
@@ -37,19 +18,6 @@ from ._compose import SumRule
 from ._constructors import add, rename, split, stack, transpose
 from ._rules import ConstantRule, IgnoreRule, RenameRule, SplitRule, StackRule, TransposeRule
 from ._template import Template, compile_pattern, invert
-
-__all__ = [
-    "TORCH_LINEAR_AXES",
-    "hf_conv1d",
-    "torch_batch_norm",
-    "torch_conv",
-    "torch_conv_axes",
-    "torch_embedding",
-    "torch_layer_norm",
-    "torch_linear",
-    "torch_lstm",
-    "torch_rms_norm",
-]
 
 Shift = Mapping[int | str, int] | None
 LAYER = "layer"  # the named group of a layer pattern

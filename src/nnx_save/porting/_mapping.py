@@ -37,6 +37,7 @@ from ._rules import (
     StructuralRule,
     TransposeRule,
 )
+from ._template import ticked
 from ._transforms import Concatenate, Reshape, Step, Transform
 
 __all__ = ["Assignment", "KeyMapping", "Rules", "shapes_of"]
@@ -78,7 +79,7 @@ class Assignment:
         if out.shape != self.shape or out.dtype != self.dtype:
             raise RuleShapeError(
                 f"`{self.target}`: planned {self.shape} {self.dtype}, made {out.shape} {out.dtype} "
-                f"from {', '.join(f'`{k}`' for k in self.sources)}"
+                f"from {ticked(self.sources)}"
             )
         return out
 
@@ -372,18 +373,14 @@ class _Mapper:
         for node in nodes:
             if node.target in first:
                 made = [
-                    f"from {_sources(n)} by {rule_of.get(n.sources[0], 'no rule (name kept)') if n.sources else 'a constant'}"
+                    f"from {ticked(n.sources)} by {rule_of.get(n.sources[0], 'no rule (name kept)') if n.sources else 'a constant'}"
                     for n in (first[node.target], node)
                 ]
                 self.conflicts.append(f"`{node.target}`: produced twice, {made[0]} and {made[1]}")
             first.setdefault(node.target, node)
 
     def _pre_steps(self) -> dict[str, tuple[tuple[Step, ...], Shape, np.dtype]]:
-        out = {}
-        for key, (shape, dtype) in self.info.items():
-            steps, shape = self._value_steps(key, shape)
-            out[key] = (steps, shape, dtype)
-        return out
+        return {key: (*self._value_steps(key, shape), dtype) for key, (shape, dtype) in self.info.items()}
 
     def _value_steps(self, path: str, shape: Shape) -> tuple[tuple[Step, ...], Shape]:
         steps: list[Step] = []
@@ -397,16 +394,10 @@ class _Mapper:
         return tuple(steps), shape
 
     def _assign(self, node: Node, pre: Mapping[str, tuple[tuple[Step, ...], Shape, np.dtype]]) -> Assignment:
-        if pre:
-            pre_steps = tuple(pre[k][0] for k in node.sources)
-            post: tuple[Step, ...] = ()
-            shape = node.shape
-        else:
-            pre_steps = ()
-            post, shape = self._value_steps(node.target, node.shape)
-        if node.combine is None and not post and not any(pre_steps):
-            return Assignment(node.target, node.sources, shape, node.dtype, None)
-        transform = Transform(pre_steps if any(pre_steps) else (), node.combine, post)
+        pre_steps = tuple(pre[k][0] for k in node.sources) if pre else ()
+        post, shape = ((), node.shape) if pre else self._value_steps(node.target, node.shape)
+        plain = node.combine is None and not post and not any(pre_steps)
+        transform = None if plain else Transform(pre_steps if any(pre_steps) else (), node.combine, post)
         return Assignment(node.target, node.sources, shape, node.dtype, transform)
 
     def _finish(self, assignments: dict[str, Assignment], claims: Mapping[int, dict[str, object]]) -> KeyMapping:
@@ -454,7 +445,3 @@ def _tagged(node: Node, index: int) -> Node:
     if isinstance(node.combine, Concatenate):
         return replace(node, combine=replace(node.combine, rule=index))
     return node
-
-
-def _sources(node: Node) -> str:
-    return ", ".join(f"`{k}`" for k in node.sources)

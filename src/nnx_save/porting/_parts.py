@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import RuleError
 from ._template import Template
 
-__all__ = ["axis_of", "complete_layers", "layer_groups", "refuse_shared_layer", "same_dtype", "split_bounds"]
+__all__ = ["axis_of", "complete_layers", "joined", "layer_groups", "refuse_shared_layer", "same_dtype", "split_bounds"]
 
 Shape = tuple[int, ...]
 Info = Mapping[str, tuple[Shape, np.dtype]]
@@ -24,6 +24,16 @@ Info = Mapping[str, tuple[Shape, np.dtype]]
 def axis_of(axis: int, ndim: int) -> int | None:
     """``axis`` made non-negative for ``ndim`` dimensions, or ``None`` out of range."""
     return axis + ndim if -ndim <= axis < 0 else (axis if 0 <= axis < ndim else None)
+
+
+def joined(shapes: Sequence[Shape], axis: int) -> tuple[int, tuple[int, ...], Shape] | None:
+    """``(axis, part sizes, shape)`` of parts of ``shapes`` concatenated along ``axis``,
+    or ``None`` where they differ in rank or off that axis."""
+    at = axis_of(axis, len(shapes[0]))
+    if at is None or len({len(s) for s in shapes}) != 1 or len({s[:at] + s[at + 1 :] for s in shapes}) != 1:
+        return None
+    sizes = tuple(s[at] for s in shapes)
+    return at, sizes, (*shapes[0][:at], sum(sizes), *shapes[0][at + 1 :])
 
 
 def same_dtype(keys: Sequence[str], info: Info, target: str, errors: list[str]) -> np.dtype | None:

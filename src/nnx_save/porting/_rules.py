@@ -1,15 +1,10 @@
 """The rule kinds: frozen dataclasses that say where each source tensor goes.
 
-*Structural* rules match a source key (``re.fullmatch``) and say which target(s) it
-makes: :class:`RenameRule`, :class:`IgnoreRule`, :class:`SplitRule`,
-:class:`ConcatRule`, :class:`StackRule`, :class:`UnstackRule`. *Value* rules match a
-model path and change the tensor's layout: :class:`TransposeRule`,
-:class:`ReshapeRule`. Each rule knows its inverse.
-
-The planner (``_mapping.py``) calls :meth:`match` on every source key and
-:meth:`nodes` once per rule with everything the rule claimed; a rule reports what
-does not fit by appending messages to ``errors`` so that all problems are raised at
-once.
+*Structural* rules match a source key and make its target(s); *value* rules
+(transpose, reshape) match a model path and change a tensor's layout. The planner
+(``_mapping.py``) calls ``match`` on every source key, then ``nodes`` once per rule
+with all it claimed; a rule appends what does not fit to ``errors``, so that every
+problem is raised at once.
 """
 
 from __future__ import annotations
@@ -19,15 +14,13 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 
 from ..errors import NotInvertibleError, RuleError
-from ._parts import axis_of as _axis
-from ._parts import complete_layers, layer_groups, refuse_shared_layer, split_bounds
-from ._parts import same_dtype as _same_dtype
-from ._template import Template, check_refs, compile_pattern, invert
-from ._template import raw as _raw
+from ._parts import axis_of, complete_layers, joined, layer_groups, refuse_shared_layer, same_dtype, split_bounds
+from ._template import Template, check_refs, compile_pattern, invert, parse_templates, raw, raws, ticked
 from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
 
 __all__ = [
@@ -48,6 +41,7 @@ __all__ = [
 
 Shape = tuple[int, ...]
 Info = Mapping[str, tuple[Shape, np.dtype]]
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True)
@@ -61,23 +55,41 @@ class Node:
     combine: Combine | None
 
 
-def _fullmatch(regex: re.Pattern[str], key: str) -> re.Match[str] | None:
-    return regex.fullmatch(key)
-
-
 def _set(obj: object, name: str, value: object) -> None:
     object.__setattr__(obj, name, value)
 
 
-def _with_inverse(rule: StructuralRule, inverse: StructuralRule) -> StructuralRule:
-    return replace(inverse, inverse_rule=rule)  # type: ignore[arg-type]  # mypy cannot replace() over a union
+def _with_inverse(rule: object, inverse: _R) -> _R:
+    """The inverse given (or derived before), pointing back to ``rule``."""
+    return replace(inverse, inverse_rule=rule)  # type: ignore[type-var]  # every rule with an inverse_rule is a dataclass
+
+
+@dataclass(frozen=True)
+class _Patterned:
+    """A rule's regex ``pattern``, matched against whole names."""
+
+    pattern: str
+
+    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+
+    def __post_init__(self) -> None:
+        _set(self, "_regex", compile_pattern(self.pattern))
+
+
+@dataclass(frozen=True)
+class _ValueRule(_Patterned):
+    """A value rule: it changes the layout of the model paths its pattern matches."""
+
+    def matches(self, path: str) -> bool:
+        """Whether this rule applies to the model path ``path``."""
+        return self._regex.fullmatch(path) is not None
 
 
 # --- rename / ignore ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class RenameRule:
+class RenameRule(_Patterned):
     """Source keys matching ``pattern`` become ``replacement`` (first rename wins).
 
     ``shift`` adds an integer to a captured index before it is substituted
@@ -86,28 +98,26 @@ class RenameRule:
     so an earlier or later rule can take it.
     """
 
-    pattern: str
     replacement: str
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
     shift: tuple[tuple[int | str, int], ...] = ()
 
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
     _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
     _shift: dict[int, int] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
+        super().__post_init__()
         _set(self, "_template", Template.parse(self.replacement))
         check_refs(self._template, self._regex)
         _set(self, "_shift", {_group_index(self._regex, g, self): int(d) for g, d in self.shift})
 
     def __str__(self) -> str:
         shift = f", shift={dict(self.shift)!r}" if self.shift else ""
-        return f"rename({_raw(self.pattern)}, {_raw(self.replacement)}{shift})"
+        return f"rename({raw(self.pattern)}, {raw(self.replacement)}{shift})"
 
     def match(self, key: str) -> str | None:
         """The target for ``key``, or ``None``."""
-        m = _fullmatch(self._regex, key)
+        m = self._regex.fullmatch(key)
         if m is None:
             return None
         if not self._shift:
@@ -150,27 +160,21 @@ def _shifted(key: str, text: str | None, delta: int, rule: object) -> str | None
 
 
 @dataclass(frozen=True)
-class IgnoreRule:
+class IgnoreRule(_Patterned):
     """Source keys matching ``pattern`` are dropped on purpose (``KeyMapping.unused``).
 
     ``export``: what the inverse writes back instead of nothing (a
     :class:`ConstantRule`: torch buffers such as ``num_batches_tracked``).
     """
 
-    pattern: str
     export: ConstantRule | None = field(default=None, compare=False, repr=False)
 
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
-
-    def __post_init__(self) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
-
     def __str__(self) -> str:
-        return f"ignore({_raw(self.pattern)})"
+        return f"ignore({raw(self.pattern)})"
 
     def match(self, key: str) -> bool | None:
         """``True`` for a key to drop, else ``None``."""
-        return True if _fullmatch(self._regex, key) else None
+        return True if self._regex.fullmatch(key) else None
 
     def nodes(self, claims: Mapping[str, object], info: Info, errors: list[str]) -> list[Node]:
         """No target at all."""
@@ -181,23 +185,19 @@ class IgnoreRule:
 
 
 @dataclass(frozen=True)
-class SplitRule:
+class SplitRule(_Patterned):
     """One source tensor cut along ``axis`` into ``len(targets)`` targets."""
 
-    pattern: str
     targets: tuple[str, ...]
     axis: int = 0
     sizes: tuple[int, ...] | None = None
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
 
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
     _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
-        _set(self, "_templates", tuple(Template.parse(t) for t in self.targets))
-        for template in self._templates:
-            check_refs(template, self._regex)
+        super().__post_init__()
+        _set(self, "_templates", parse_templates(self.targets, (self._regex,)))
         refuse_shared_layer(self, self._regex, self._templates, "layer")
         if len(self.targets) < 2:
             raise RuleError(f"{self}: a split needs at least two targets, got {len(self.targets)}")
@@ -205,13 +205,12 @@ class SplitRule:
             raise RuleError(f"{self}: sizes must be {len(self.targets)} non-negative ints, got {self.sizes}")
 
     def __str__(self) -> str:
-        targets = ", ".join(_raw(t) for t in self.targets)
         sizes = "" if self.sizes is None else f", sizes={self.sizes}"
-        return f"split({_raw(self.pattern)}, ({targets}), axis={self.axis}{sizes})"
+        return f"split({raw(self.pattern)}, ({raws(self.targets)}), axis={self.axis}{sizes})"
 
     def match(self, key: str) -> tuple[str, ...] | None:
         """The targets for ``key``, or ``None``."""
-        m = _fullmatch(self._regex, key)
+        m = self._regex.fullmatch(key)
         return None if m is None else tuple(t.expand_match(m) for t in self._templates)
 
     def nodes(self, claims: Mapping[str, tuple[str, ...]], info: Info, errors: list[str]) -> list[Node]:
@@ -219,7 +218,7 @@ class SplitRule:
         nodes: list[Node] = []
         for key, targets in claims.items():
             shape, dtype = info[key]
-            bounds = self._bounds(key, shape, errors)
+            bounds = split_bounds(self, key, shape, (self.axis, self.sizes, len(self.targets)), errors)
             if bounds is None:
                 continue
             axis, starts = bounds
@@ -227,9 +226,6 @@ class SplitRule:
                 part = (*shape[:axis], stop - start, *shape[axis + 1 :])
                 nodes.append(Node(target, (key,), part, dtype, Take(axis, start, stop)))
         return nodes
-
-    def _bounds(self, key: str, shape: Shape, errors: list[str]) -> tuple[int, list[int]] | None:
-        return split_bounds(self, key, shape, (self.axis, self.sizes, len(self.targets)), errors)
 
     def inverse(self) -> StructuralRule:
         """A :class:`ConcatRule` joining the targets back into the source."""
@@ -267,16 +263,15 @@ class ConcatRule:
             check_refs(template, regex)
 
     def __str__(self) -> str:
-        patterns = ", ".join(_raw(p) for p in self.patterns)
-        target = _raw(self.targets[0]) if len(set(self.targets)) == 1 else str(tuple(self.targets))
-        return f"concat(({patterns}), {target}, axis={self.axis})"
+        target = raw(self.targets[0]) if len(set(self.targets)) == 1 else str(tuple(self.targets))
+        return f"concat(({raws(self.patterns)}), {target}, axis={self.axis})"
 
     def match(self, key: str) -> tuple[int, str] | None:
         """``(part, target)`` for ``key``; a key matching two parts is refused."""
         found = [(i, r.fullmatch(key)) for i, r in enumerate(self._regexes)]
         hits = [(i, self._templates[i].expand_match(m)) for i, m in found if m is not None]
         if len(hits) > 1:
-            parts = " and ".join(_raw(self.patterns[i]) for i, _ in hits)
+            parts = " and ".join(raw(self.patterns[i]) for i, _ in hits)
             raise RuleError(f"`{key}`: matches parts {parts} of {self}; each key must match one part")
         return hits[0] if hits else None
 
@@ -290,25 +285,23 @@ class ConcatRule:
         return [n for t, parts in groups.items() if (n := self._node(t, parts, info, errors)) is not None]
 
     def _node(self, target: str, parts: Mapping[int, str], info: Info, errors: list[str]) -> Node | None:
-        absent = [_raw(self.patterns[i]) for i in range(len(self.patterns)) if i not in parts]
+        absent = [raw(self.patterns[i]) for i in range(len(self.patterns)) if i not in parts]
         if absent:
-            have = ", ".join(f"`{parts[i]}`" for i in sorted(parts))
+            have = ticked(parts[i] for i in sorted(parts))
             errors.append(f"`{target}`: {self} found {have} but no key matching {', '.join(absent)}")
             return None
         keys = tuple(parts[i] for i in range(len(self.patterns)))
         shapes = [info[k][0] for k in keys]
-        axis = _axis(self.axis, len(shapes[0]))
-        rest = {s[:axis] + s[axis + 1 :] for s in shapes} if axis is not None else set()
-        if axis is None or len(rest) != 1 or any(len(s) != len(shapes[0]) for s in shapes):
+        made = joined(shapes, self.axis)
+        if made is None:
             found = ", ".join(f"`{k}` {s}" for k, s in zip(keys, shapes, strict=True))
             errors.append(f"`{target}`: {self} needs shapes that agree off axis {self.axis}, found {found}")
             return None
-        sizes = tuple(s[axis] for s in shapes)
+        axis, sizes, shape = made
         if self.sizes is not None and sizes != self.sizes:
             errors.append(f"`{target}`: {self} expects part sizes {self.sizes} on axis {self.axis}, found {sizes}")
             return None
-        dtype = _same_dtype(keys, info, target, errors)
-        shape = (*shapes[0][:axis], sum(sizes), *shapes[0][axis + 1 :])
+        dtype = same_dtype(keys, info, target, errors)
         return None if dtype is None else Node(target, keys, shape, dtype, Concatenate(axis, sizes))
 
     def inverse(self, sizes: tuple[int, ...] | None = None) -> StructuralRule:
@@ -325,7 +318,7 @@ class ConcatRule:
         if len({p for p, _ in pairs}) != 1:
             raise NotInvertibleError(
                 f"{self} cannot be inverted automatically: its parts give different target patterns "
-                f"{', '.join(sorted({_raw(p) for p, _ in pairs}))}; pass inverse= with an explicit rule"
+                f"{', '.join(sorted({raw(p) for p, _ in pairs}))}; pass inverse= with an explicit rule"
             )
         return SplitRule(pairs[0][0], tuple(t for _, t in pairs), self.axis, sizes, inverse_rule=self)
 
@@ -334,20 +327,18 @@ class ConcatRule:
 
 
 @dataclass(frozen=True)
-class _LayerRule:
+class _LayerRule(_Patterned):
     """What stack and unstack share: a pattern, a target, an axis and the layer group."""
 
-    pattern: str
     target: str
     axis: int = 0
     group: str = "layer"
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
 
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
-    _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _template: Template = field(init=False, repr=False, compare=False)  # derived in _compile
 
     def _compile(self, extra: tuple[str, ...] = ()) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
+        super().__post_init__()
         _set(self, "_template", Template.parse(self.target))
         check_refs(self._template, self._regex, extra=extra)
 
@@ -369,11 +360,11 @@ class StackRule(_LayerRule):
             raise RuleError(f"{self}: the target must not reference the layer group {self.group!r}")
 
     def __str__(self) -> str:
-        return f"stack({_raw(self.pattern)}, {_raw(self.target)}, axis={self.axis})"
+        return f"stack({raw(self.pattern)}, {raw(self.target)}, axis={self.axis})"
 
     def match(self, key: str) -> tuple[str, str] | None:
         """``(layer text, target)`` for ``key``, or ``None``."""
-        m = _fullmatch(self._regex, key)
+        m = self._regex.fullmatch(key)
         return None if m is None else (m.group(self.group), self._template.expand_match(m))
 
     def nodes(self, claims: Mapping[str, tuple[str, str]], info: Info, errors: list[str]) -> list[Node]:
@@ -386,11 +377,11 @@ class StackRule(_LayerRule):
         if found is None:
             return None
         keys, shape = found
-        axis = _axis(self.axis, len(shape) + 1)
+        axis = axis_of(self.axis, len(shape) + 1)
         if axis is None:
             errors.append(f"`{target}`: {self} cannot stack shape {shape} on axis {self.axis}")
             return None
-        dtype = _same_dtype(keys, info, target, errors)
+        dtype = same_dtype(keys, info, target, errors)
         stacked = (*shape[:axis], len(keys), *shape[axis:])
         return None if dtype is None else Node(target, keys, stacked, dtype, Stack(axis))
 
@@ -417,18 +408,18 @@ class UnstackRule(_LayerRule):
             raise RuleError(f"{self}: the target must reference \\g<{self.group}> for the entry index")
 
     def __str__(self) -> str:
-        return f"unstack({_raw(self.pattern)}, {_raw(self.target)}, axis={self.axis})"
+        return f"unstack({raw(self.pattern)}, {raw(self.target)}, axis={self.axis})"
 
     def match(self, key: str) -> re.Match[str] | None:
         """The match of ``key``, or ``None``."""
-        return _fullmatch(self._regex, key)
+        return self._regex.fullmatch(key)
 
     def nodes(self, claims: Mapping[str, re.Match[str]], info: Info, errors: list[str]) -> list[Node]:
         """One node per entry along ``axis``."""
         nodes: list[Node] = []
         for key, m in claims.items():
             shape, dtype = info[key]
-            axis = _axis(self.axis, len(shape))
+            axis = axis_of(self.axis, len(shape))
             if axis is None:
                 errors.append(f"`{key}`: {self} needs axis {self.axis}, found shape {shape}")
                 continue
@@ -450,25 +441,18 @@ class UnstackRule(_LayerRule):
 
 
 @dataclass(frozen=True)
-class TransposeRule:
+class TransposeRule(_ValueRule):
     """Model paths matching ``pattern`` hold the source tensor transposed by ``axes``."""
 
-    pattern: str
     axes: tuple[int, ...]
 
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
-
     def __post_init__(self) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
+        super().__post_init__()
         if sorted(self.axes) != list(range(len(self.axes))):
             raise RuleError(f"{self}: axes must be a permutation of 0..{len(self.axes) - 1}, got {self.axes}")
 
     def __str__(self) -> str:
-        return f"transpose({_raw(self.pattern)}, {self.axes})"
-
-    def matches(self, path: str) -> bool:
-        """Whether this rule applies to the model path ``path``."""
-        return self._regex.fullmatch(path) is not None
+        return f"transpose({raw(self.pattern)}, {self.axes})"
 
     def step(self, path: str, shape: Shape, index: int, errors: list[str]) -> tuple[Transpose, Shape] | None:
         """The step for a tensor of ``shape`` and the shape it gives."""
@@ -483,31 +467,24 @@ class TransposeRule:
 
 
 @dataclass(frozen=True)
-class ReshapeRule:
+class ReshapeRule(_ValueRule):
     """Model paths matching ``pattern`` hold the source tensor reshaped to ``shape``.
 
     ``shape`` may hold one ``-1``. ``source_shape`` (optional, may hold one ``-1``)
     is the shape to reshape back to on export.
     """
 
-    pattern: str
     shape: Shape
     source_shape: Shape | None = None
 
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
-
     def __post_init__(self) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
+        super().__post_init__()
         for shape in (self.shape, self.source_shape or ()):
             if shape.count(-1) > 1 or any(s < -1 for s in shape):
                 raise RuleError(f"{self}: a shape takes sizes >= 0 and at most one -1, got {shape}")
 
     def __str__(self) -> str:
-        return f"reshape({_raw(self.pattern)}, {self.shape})"
-
-    def matches(self, path: str) -> bool:
-        """Whether this rule applies to the model path ``path``."""
-        return self._regex.fullmatch(path) is not None
+        return f"reshape({raw(self.pattern)}, {self.shape})"
 
     def step(self, path: str, shape: Shape, index: int, errors: list[str]) -> tuple[Reshape, Shape] | None:
         """The step for a tensor of ``shape`` and the shape it gives."""

@@ -16,12 +16,23 @@ quantified, and the template references each group exactly once.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import NotInvertibleError, RuleError
 
-__all__ = ["Group", "Template", "compile_pattern", "invert", "parse_pattern", "raw"]
+__all__ = [
+    "Group",
+    "Template",
+    "check_refs",
+    "compile_pattern",
+    "invert",
+    "parse_pattern",
+    "parse_templates",
+    "raw",
+    "raws",
+    "ticked",
+]
 
 _META = set(".^$*+?{}[]|)")
 _QUANTIFIERS = set("*+?{")
@@ -31,6 +42,16 @@ _TEMPLATE_REF = re.compile(r"\\(?:g<([^>]*)>|(\d{1,2})|(\\))")
 def raw(text: str) -> str:
     """``text`` as a raw string literal, for messages: ``r"h\\.(\\d+)"``."""
     return f'r"{text}"' if '"' not in text and not text.endswith("\\") else repr(text)
+
+
+def raws(texts: Iterable[str]) -> str:
+    """``texts`` as raw string literals joined by commas, for messages."""
+    return ", ".join(raw(t) for t in texts)
+
+
+def ticked(names: Iterable[str]) -> str:
+    """``names`` in backticks joined by commas, for messages."""
+    return ", ".join(f"`{n}`" for n in names)
 
 
 @dataclass(frozen=True)
@@ -131,6 +152,17 @@ def check_refs(template: Template, pattern: re.Pattern[str], extra: Sequence[str
                 f"template {raw(template.source)} references group {ref!r}, which pattern "
                 f"{raw(pattern.pattern)} does not define"
             )
+
+
+def parse_templates(
+    texts: Sequence[str], regexes: Sequence[re.Pattern[str]], extra: Sequence[str] = ()
+) -> tuple[Template, ...]:
+    """Parse ``texts``, each checked to reference only groups every one of ``regexes`` defines."""
+    templates = tuple(Template.parse(t) for t in texts)
+    for regex in regexes:
+        for template in templates:
+            check_refs(template, regex, extra=extra)
+    return templates
 
 
 # --- pattern parsing ----------------------------------------------------------------

@@ -86,9 +86,7 @@ class Take:
 
     def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
         (x,) = xs
-        index = [slice(None)] * x.ndim
-        index[self.axis] = slice(self.start, self.stop)
-        return x[tuple(index)]
+        return x[(slice(None),) * self.axis + (slice(self.start, self.stop),)]
 
     def feeds(self, box: Box) -> list[Feed]:
         """The source boxes that make ``box`` of the result."""
@@ -362,9 +360,8 @@ def _combine_forward(combine: Combine | None, i: int, box: Box, x: np.ndarray) -
     if isinstance(combine, Take):
         (lo, hi), (start, stop) = box[combine.axis], (combine.start, combine.stop)
         a, b = max(lo, start), min(hi, stop)
-        index = [slice(None)] * x.ndim
-        index[combine.axis] = slice(a - lo, b - lo)
-        return [(with_extent(box, combine.axis, (a - start, b - start)), x[tuple(index)])] if a < b else []
+        part = x[(slice(None),) * combine.axis + (slice(a - lo, b - lo),)]
+        return [(with_extent(box, combine.axis, (a - start, b - start)), part)] if a < b else []
     if isinstance(combine, Index):
         lo, hi = box[combine.axis]
         if not lo <= combine.index < hi:
