@@ -40,7 +40,6 @@ __all__ = [
     "PROGRESS_MIN_BYTES",
     "SAVE_INFLIGHT_BYTES",
     "STAGING",
-    "STORE_TIMEOUT_S",
     "STREAM",
     "VARIABLES",
     "Variable",
@@ -60,6 +59,8 @@ class Variable(Generic[T]):
         expected: what a value must be, in words (said by the error).
         meaning: what it tunes, in one sentence (the docs table's last column).
         parse: text -> value; raises ``ValueError`` for a value it refuses.
+        replaces: retired variables this one took over; setting one is an error,
+            never silently ignored.
     """
 
     name: str
@@ -67,13 +68,18 @@ class Variable(Generic[T]):
     expected: str
     meaning: str
     parse: Callable[[str], T]
+    replaces: tuple[str, ...] = ()
 
     def get(self) -> T:
         """The variable's value now: parsed, or the default when unset or empty.
 
         Raises:
-            ConfigError: the value is not one :attr:`expected` allows.
+            ConfigError: the value is not one :attr:`expected` allows, or a
+                variable this one replaces is set.
         """
+        for old in self.replaces:
+            if os.environ.get(old, "").strip():
+                raise ConfigError(old, f"it unset: {self.name} replaces it ({self.meaning})", os.environ[old])
         raw = os.environ.get(self.name, "")
         if not raw.strip():
             return self.default
@@ -163,15 +169,10 @@ COLLECTIVE_TIMEOUT_S: Variable[float] = Variable(
     "NNX_SAVE_COLLECTIVE_TIMEOUT_S",
     1800.0,
     "a positive number of seconds",
-    "seconds a process of a multi-process save or pod save waits for the others at each step",
+    "seconds a process waits for the others at each step of every multi-process exchange: collective "
+    "and pod saves, shared reads, the checkpoint store's decisions",
     _positive_float,
-)
-STORE_TIMEOUT_S: Variable[float] = Variable(
-    "NNX_SAVE_STORE_TIMEOUT_S",
-    300.0,
-    "a positive number of seconds",
-    "seconds a process of the checkpoint store waits for process 0's decision about the directory",
-    _positive_float,
+    replaces=("NNX_SAVE_STORE_TIMEOUT_S",),
 )
 MAX_ASYNC_SAVES: Variable[int] = Variable(
     "NNX_SAVE_MAX_ASYNC_SAVES",
@@ -208,7 +209,6 @@ VARIABLES: tuple[Variable, ...] = (
     HTTP_TIMEOUT,
     HTTP_MIN_RATE,
     COLLECTIVE_TIMEOUT_S,
-    STORE_TIMEOUT_S,
     MAX_ASYNC_SAVES,
     SAVE_INFLIGHT_BYTES,
     FORCE_HOST_STAGING,

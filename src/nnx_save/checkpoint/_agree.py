@@ -22,9 +22,8 @@ from .. import _config
 from ..errors import CheckpointSyncError
 from ..io import _kv
 
-__all__ = ["TIMEOUT_ENV", "agree"]
+__all__ = ["agree"]
 
-TIMEOUT_ENV = _config.STORE_TIMEOUT_S.name
 _SEQUENCE = itertools.count()  # every process numbers its decisions the same way
 
 T = TypeVar("T")
@@ -71,12 +70,12 @@ def agree(name: str, decide: Callable[[], T]) -> T:
 
 
 def _exchange(kv: _kv.Channel, key: str, name: str, mine: dict | None) -> dict:
-    """Post process 0's decision ``mine``, or wait (bounded) for it."""
-    timeout = _config.STORE_TIMEOUT_S.get()
+    """Post process 0's decision ``mine``, or wait for it (bounded as every wait on another process is)."""
+    timeout = _config.COLLECTIVE_TIMEOUT_S.get()
     try:
         return json.loads(kv.gather(key, None if mine is None else json.dumps(mine), {0}, timeout)[0])
     except _kv.Unanswered as error:
         raise CheckpointSyncError(
-            f"process {kv.pid} waited {timeout:g} s ({TIMEOUT_ENV}) for process 0 to decide {name!r} "
+            f"process {kv.pid} waited {timeout:g} s ({_config.COLLECTIVE_TIMEOUT_S.name}) for process 0 to decide {name!r} "
             f"and got no answer ({error}); did process 0 die, or stop calling the store?"
         ) from error
