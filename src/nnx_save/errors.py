@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple
 
+from ._version import CHECKPOINT_FORMAT_NAME, CHECKPOINT_FORMAT_VERSION
+
 __all__ = [
     "ByteLengthError",
     "CheckpointCorruptError",
@@ -564,13 +566,9 @@ class UnsupportedCheckpointError(CheckpointError, ValueError):
         self.found = found
         self.step = step
         self.directory = None if directory is None else str(directory)
-        where = _where(step, self.directory)
-        # Only the store raises it, so its format module is loaded by then (importing
-        # it at the top would pull the checkpoint package, and orbax, into every import).
-        from .checkpoint._format import FORMAT_NAME, FORMAT_VERSION
-
         super().__init__(
-            f"{where}holds {found}; this nnx_save reads format {FORMAT_NAME!r} up to version {FORMAT_VERSION}"
+            f"{_where(step, self.directory)}holds {found}; this nnx_save reads format "
+            f"{CHECKPOINT_FORMAT_NAME!r} up to version {CHECKPOINT_FORMAT_VERSION}"
         )
 
 
