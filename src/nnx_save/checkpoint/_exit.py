@@ -1,17 +1,11 @@
 """No asynchronous step is lost when the process ends.
 
-A store with a save still in flight (``save(..., blocking=False)``) is registered
-here until the save is settled. At interpreter exit (a normal end, ``sys.exit``, an
-uncaught exception) the registered stores are settled from a hook of
-``threading._register_atexit``: those run before the interpreter joins non-daemon
-threads and before ``concurrent.futures`` refuses new work, while Orbax's writer
-still can finish (an ``atexit`` hook runs after both, too late). ``SIGTERM``
-(one-process run, default handler in place) finishes the pending saves, then ends
-the process by the signal as before.
-
-When a pending save cannot be finished, stderr names the step and the directory
-and the process exits with status 1 (from the exit hook; a ``SIGTERM`` death keeps
-its signal status).
+A store with a save in flight is registered here until the save settles. At interpreter
+exit the registered stores are closed from a ``threading._register_atexit`` hook: those
+run before the interpreter joins non-daemon threads and before ``concurrent.futures``
+refuses new work, so Orbax's writer can still finish (an ``atexit`` hook runs too late).
+``SIGTERM`` (one process, default handler in place) finishes them, then ends the process
+by the signal. A save that cannot finish is named on stderr; the exit hook then exits 1.
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ __all__ = ["finished", "pending"]
 class _Settles(Protocol):
     """What the exit hook needs of a store."""
 
-    def _finish_for_exit(self) -> None: ...
+    def close(self) -> None: ...
 
     def _pending_description(self) -> str: ...
 
@@ -73,7 +67,7 @@ def _settle_all() -> list[str]:
     for store in stores:
         what = store._pending_description()
         try:
-            store._finish_for_exit()
+            store.close()
         except BaseException as error:  # reported below: nothing may stop the other stores
             failures.append(f"{what} was not committed ({type(error).__name__}: {error})")
         finished(store)

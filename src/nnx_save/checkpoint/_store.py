@@ -1,10 +1,6 @@
-"""The step-addressed checkpoint store: the :class:`CheckpointStore` protocol and its
-Orbax implementation.
-
-Writes are strict (a step is written once, steps only move forward, a refused save
-changes nothing) and reads are guarded (metadata validated first; dtypes, paths and
-shapes compared against the templates before a single array is read).
-"""
+"""The Orbax implementation of :class:`CheckpointStore`. Writes are strict (a step is
+written once, steps only move forward, a refused save changes nothing); reads are guarded
+(metadata validated first; dtypes, paths and shapes compared before any array is read)."""
 
 from __future__ import annotations
 
@@ -12,9 +8,7 @@ import contextlib
 import functools
 import os
 import pathlib
-import shutil
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any, Literal, Self
 
 from etils import epath
@@ -30,7 +24,7 @@ from ..errors import (
 from ..load._report import DtypeCast
 from . import _exit, _orbax, _pyleaves
 from ._args import check_items, check_step, new_metadata, restore_names
-from ._directory import Location, is_url, store_location
+from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._guard import check_restored, check_template_dtypes
 from ._health import corrupt_from, looks_damaged
@@ -173,9 +167,7 @@ class OrbaxCheckpointStore:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -191,10 +183,6 @@ class OrbaxCheckpointStore:
                 self._manager = None
                 manager.close()
                 self._landed()
-
-    def _finish_for_exit(self) -> None:
-        # Called by _exit when the process ends with this store's save in flight.
-        self.close()
 
     def _pending_description(self) -> str:
         return f"step {self._in_flight} in {self._directory}"
@@ -459,7 +447,7 @@ class OrbaxCheckpointStore:
             raise CheckpointNotWrittenError(step, latest, "rejected", self._directory)
 
     def _replace(self, manager: Any, step: int, args: Any) -> None:
-        step_dir, aside = self._step_path(step), self._directory / f"{ASIDE_PREFIX}{step}"
+        step_dir, aside = self._disk.path / str(step), self._disk.path / f"{ASIDE_PREFIX}{step}"
         manager.wait_until_finished()  # the step being replaced may still be in flight
         _orbax.on_primary("set_aside", lambda: step_dir.rename(aside))
         manager.reload()
@@ -470,7 +458,7 @@ class OrbaxCheckpointStore:
             _orbax.on_primary("put_back", lambda: step_dir.exists() or aside.rename(step_dir))
             manager.reload()
             raise
-        _orbax.on_primary("drop_aside", lambda: _rmtree(aside))
+        _orbax.on_primary("drop_aside", aside.rmtree)
         manager.reload()  # Orbax appends the step last; re-read the sorted list
 
     # -- reading -----------------------------------------------------------------
@@ -551,7 +539,8 @@ class OrbaxCheckpointStore:
         templates = dict(templates or {})
         names = restore_names(metadata, templates, items)
         manager = self._reader()
-        stored = self._stored_trees(manager, step, names)
+        with self._corrupt_on_failure(step, any_error=True):  # Orbax's metadata of an item is unreadable
+            stored = _orbax.stored_trees(manager, step, names)
         saved = saved_dtypes(self._directory, step, stored)
         options = PartialOptions(strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch))
         given = {n: templates[n] for n in names if n in templates}
@@ -566,28 +555,26 @@ class OrbaxCheckpointStore:
         plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in names}
         partial = [n for n, s in chosen.items() if not s.whole]
         plan = {n: p for n, p in plan.items() if n not in chosen or chosen[n].read}  # items with nothing to read
-        read = self._read_arrays(manager, step, plan, partial) if plan else {}
+        read: dict[str, Any] = {}
+        if plan:
+            with self._corrupt_on_failure(step, any_error=False):
+                read = _orbax.restore_items(manager, step, plan, partial)
         restored = {n: graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names}
         restored = {n: _pyleaves.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
         if not cast_dtypes:
             check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
-    def _stored_trees(self, manager: Any, step: int, names: list[str]) -> dict[str, Any]:
+    @contextlib.contextmanager
+    def _corrupt_on_failure(self, step: int, *, any_error: bool) -> Iterator[None]:
+        """Orbax's read failures (all, or only those that look like damage: tensorstore's
+        DATA_LOSS for a truncated file) as :class:`CheckpointCorruptError` naming the file."""
         try:
-            return _orbax.stored_trees(manager, step, names)
+            yield
         except NnxSaveError:
             raise
-        except Exception as error:  # Orbax's metadata of an item is unreadable
-            raise corrupt_from(step, str(self._step_path(step)), error) from error
-
-    def _read_arrays(self, manager: Any, step: int, plan: Mapping[str, Any], partial: list[str]) -> dict[str, Any]:
-        try:
-            return _orbax.restore_items(manager, step, plan, partial)
-        except NnxSaveError:
-            raise
-        except Exception as error:  # tensorstore's DATA_LOSS / OUT_OF_RANGE for a truncated file
-            if not looks_damaged(error):
+        except Exception as error:
+            if not (any_error or looks_damaged(error)):
                 raise
             raise corrupt_from(step, str(self._step_path(step)), error) from error
 
@@ -608,16 +595,12 @@ class OrbaxCheckpointStore:
         self._metadata.pop(step, None)
 
 
+_CONTRACT: type[CheckpointStore] = OrbaxCheckpointStore  # mypy checks here that the store keeps the contract
+
+
 def _plan(name: str, whole: tuple[Any, Any] | None, selection: Selection | None, stored: Any) -> tuple[Any, Any]:
     """``(template, restore_args)`` for one item: as stored, the whole template, or
     the template's leaves that are read."""
     if whole is None or selection is None:
         return None, _orbax.stored_restore_args(stored)
     return whole if selection.whole else _orbax.subset_plan(name, selection.read_pairs())
-
-
-def _rmtree(path: Location) -> None:
-    if isinstance(path, pathlib.Path):
-        shutil.rmtree(path)
-    else:
-        path.rmtree()  # an etils epath (gs://, s3://)
