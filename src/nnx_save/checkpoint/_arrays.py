@@ -24,7 +24,7 @@ from ._tree import Path, flatten, show
 
 __all__ = ["OrbaxLeaf", "orbax_arrays"]
 
-_PY_KINDS = {bool: "bool", int: "int", float: "float"}
+_PY_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64}
 
 
 class OrbaxLeaf(NamedTuple):
@@ -58,11 +58,8 @@ def orbax_arrays(path: str | os.PathLike) -> list[OrbaxLeaf]:
 def _leaf(path: Path, leaf: Any) -> OrbaxLeaf:
     if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         return OrbaxLeaf(path, np.asarray(jax.random.key_data(leaf)), rng_impl=str(jax.random.key_impl(leaf)))
-    kind = _PY_KINDS.get(type(leaf))
-    if kind is not None:
-        return OrbaxLeaf(
-            path, np.asarray(leaf, {"bool": np.bool_, "int": np.int64, "float": np.float64}[kind]), scalar=kind
-        )
+    if type(leaf) in _PY_DTYPES:
+        return OrbaxLeaf(path, np.asarray(leaf, _PY_DTYPES[type(leaf)]), scalar=type(leaf).__name__)
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         raise UnsupportedValueError(
             f"{show(path)}: a {type(leaf).__name__} leaf; safetensors stores arrays and numbers only", show(path)

@@ -1,11 +1,7 @@
-"""A store's directory as every process sees it: decided on process 0, then shared.
-
-:class:`Disk` holds the store's view of its directory (the steps, the damaged ones,
-the recorded retention policies) and makes every directory-level decision through
-:func:`._agree.agree` or :func:`._orbax.on_primary`, so each process of a
-multi-process run takes the same branch and reaches Orbax's barriers in the same
-order. Nothing here reads or writes arrays.
-"""
+"""A store's directory as every process sees it: its steps, the damaged ones and the
+recorded retention policies. Every directory-level decision goes through
+:func:`._agree.agree` or :func:`._orbax.on_primary`, so each process of a multi-process
+run takes the same branch and reaches Orbax's barriers in the same order."""
 
 from __future__ import annotations
 
@@ -30,6 +26,7 @@ from . import _orbax
 from ._agree import agree
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
+from ._metadata import is_number
 from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json
 
 __all__ = ["ASIDE_PREFIX", "RETIRED_PREFIX", "Disk"]
@@ -161,15 +158,16 @@ class Disk:
         for step in steps:
             record, _ = read_json(self.path / str(step) / METADATA_ITEM / "metadata")
             record = record if isinstance(record, dict) else {}
-            metrics = {k: float(v) for k, v in (record.get("metrics") or {}).items() if _is_number(v)}
+            metrics = {k: float(v) for k, v in (record.get("metrics") or {}).items() if is_number(v)}
             infos.append(StepInfo(step, metrics, age_s(record.get("created_at", ""), now)))
         return infos
 
-    def added(self, step: int) -> None:
-        """``step`` was saved (or replaced) by this store, on every process."""
+    def changed(self, step: int, *, saved: bool) -> None:
+        """``step`` was saved (or replaced) or else deleted by this store, on every process."""
         view = self.load()
+        steps = {*view.steps, step} if saved else set(view.steps) - {step}
         damaged = {s: d for s, d in view.damaged.items() if s != step}
-        self.view = DirectoryView(True, tuple(sorted({*view.steps, step})), damaged)
+        self.view = DirectoryView(view.exists or saved, tuple(sorted(steps)), damaged)
 
     def retire(self, step: int) -> None:
         """Delete step ``step``'s directory: renamed away first (one atomic step), then
@@ -182,16 +180,6 @@ class Disk:
         if retired.exists():
             retired.rmtree()
 
-    def removed(self, step: int) -> None:
-        """``step`` was deleted by this store, on every process."""
-        view = self.load()
-        damaged = {s: d for s, d in view.damaged.items() if s != step}
-        self.view = DirectoryView(view.exists, tuple(s for s in view.steps if s != step), damaged)
-
 
 def _is_local(path: epath.Path) -> bool:
     return "://" not in str(path)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,9 +1,6 @@
-"""Pure comparisons run before (and right after) a restore reads arrays.
-
-The store turns each item into ``(path, leaf)`` pairs and the checkpoint into
-``{path: Spec | None}`` (``None`` for a Python leaf); these functions list every
-disagreement so the caller can raise once, with all of them.
-"""
+"""Pure comparisons of templates (``(path, leaf)`` pairs) with the checkpoint
+(``{path: Spec | None}``, ``None`` for a Python leaf), before and right after a restore
+reads arrays; each lists every disagreement, so the caller raises once with all of them."""
 
 from __future__ import annotations
 
@@ -56,12 +53,11 @@ def dtype_mismatches(item: str, leaves: Sequence[tuple[Path, Any]], saved: Mappi
         >>> dtype_mismatches("model", [(("w",), np.zeros(2, np.float16))], {("w",): "float32"})
         [DtypeMismatch(item='model', leaf='w', saved='float32', restored='float16')]
     """
-    found = []
-    for path, leaf in leaves:
-        spec = leaf_spec(leaf)
-        if spec is not None and path in saved and saved[path] != spec.dtype:
-            found.append(DtypeMismatch(item, show(path), saved[path], spec.dtype))
-    return found
+    return [
+        DtypeMismatch(item, show(path), saved[path], spec.dtype)
+        for path, leaf in leaves
+        if (spec := leaf_spec(leaf)) is not None and path in saved and saved[path] != spec.dtype
+    ]
 
 
 def explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:

@@ -1,12 +1,10 @@
 """What a store's directory holds: its steps, and which of them are damaged.
 
-A pure look at the files (no Orbax manager, so no barrier): run on process 0 and
-shared (see :mod:`._agree`). A step is *damaged* when its nnx_save record is
-unreadable, or an item the record names has no directory or no Orbax ``_METADATA``
-file; a truncated array file is only found when the step is read (finding it here
-would mean reading every byte of every step), where it raises
-:class:`~nnx_save.errors.CheckpointCorruptError` too. A step without any nnx_save record
-is not damaged but foreign (:class:`~nnx_save.errors.UnsupportedCheckpointError` on read).
+A look at the files only (no Orbax manager, so no barrier), run on process 0 and shared.
+A step is *damaged* when its nnx_save record is unreadable, or an item the record names
+has no directory or no Orbax ``_METADATA`` file. A truncated array file is found only
+when the step is read (finding it here would read every byte of every step). A step
+without an nnx_save record is foreign, not damaged (refused on read).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ class DirectoryView:
         return {
             "exists": self.exists,
             "steps": list(self.steps),
-            "damaged": {str(s): list(d) for s, d in self.damaged.items()},
+            "damaged": {str(s): d for s, d in self.damaged.items()},
         }
 
     @classmethod
@@ -64,11 +62,7 @@ def scan(directory: epath.Path) -> DirectoryView:
     if not directory.is_dir():
         return DirectoryView(exists=False)
     steps = sorted(int(p.name) for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and p.is_dir())
-    damaged = {}
-    for step in steps:
-        found = _damage(directory / str(step))
-        if found is not None:
-            damaged[step] = found
+    damaged = {step: found for step in steps if (found := _damage(directory / str(step))) is not None}
     return DirectoryView(True, tuple(steps), damaged)
 
 
@@ -112,8 +106,6 @@ def read_json(path: epath.Path) -> tuple[Any, str | None]:
 
 _TS_FILE = re.compile(r'local file "([^"]+)"')
 _TS_KEY = re.compile(r'Error reading "([^"]+)"')
-
-
 _STATUS = re.compile(r"(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|INVALID_ARGUMENT|FAILED_PRECONDITION): ")
 
 
@@ -128,15 +120,10 @@ def corrupt_from(step: int, step_dir: str, error: BaseException) -> CheckpointCo
     """A read failure of Orbax / tensorstore as a :class:`CheckpointCorruptError`
     naming the file (or item directory) and the array key tensorstore reported."""
     text = " ".join(f"{error} {error.__cause__ or ''}".split())
-    where = _TS_FILE.search(text)
-    key = _TS_KEY.search(text)
-    status = _STATUS.search(text)
-    detail = text[status.start() :] if status else text
-    detail = detail.split(" [source locations")[0][:300]
-    problem = "an array file is truncated or unreadable"
-    if key:
-        problem += f" (array {key.group(1)!r})"
-    problem += f": {detail}"
+    where, key, status = _TS_FILE.search(text), _TS_KEY.search(text), _STATUS.search(text)
+    detail = (text[status.start() :] if status else text).split(" [source locations")[0][:300]
+    array = f" (array {key.group(1)!r})" if key else ""
+    problem = f"an array file is truncated or unreadable{array}: {detail}"
     return CheckpointCorruptError(step, where.group(1) if where else step_dir, problem)
 
 

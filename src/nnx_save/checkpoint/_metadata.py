@@ -1,11 +1,6 @@
-"""The metadata record stored (as JSON) with every checkpoint step.
-
-:class:`CheckpointMetadata` is plain data: :meth:`~CheckpointMetadata.to_dict` gives
-the JSON object written beside the items and :meth:`~CheckpointMetadata.from_dict`
-validates one read back, refusing any record this version cannot read with
-:class:`UnsupportedCheckpointError` (another format, a newer version, a malformed
-field) before anything else is restored.
-"""
+"""The metadata record stored (as JSON) with every checkpoint step, and the checks of
+what a save puts in it. A record this version cannot read is refused with
+:class:`UnsupportedCheckpointError` before anything else is restored."""
 
 from __future__ import annotations
 
@@ -14,13 +9,14 @@ import datetime
 import importlib.metadata
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._version import __version__
 from ..errors import OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 
-__all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "library_versions"]
+__all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "is_number", "library_versions"]
 
 # Distributions whose versions every checkpoint records, for reproducing a run.
 _DISTRIBUTIONS = ("jax", "jaxlib", "flax", "orbax-checkpoint", "optax", "numpy")
@@ -122,26 +118,28 @@ class CheckpointMetadata:
                 format version, or has a missing, unknown or malformed field.
         """
         _check_format(data)
-        _check_fields(data)
+        missing, unknown = sorted(_FIELDS - set(data)), sorted(set(data) - _FIELDS)
+        if missing or unknown:
+            raise UnsupportedCheckpointError(
+                f"a metadata record with missing fields {missing} and unknown fields {unknown}"
+            )
         producer = data["producer"]
         return cls(
-            step=_int(data, "step", minimum=0),
-            items=_items(data["items"]),
-            epoch=None if data["epoch"] is None else _int(data, "epoch", minimum=0),
-            metrics=_metrics(data["metrics"]),
-            extra=_mapping(data, "extra"),
+            step=_field(data, "step"),
+            items=tuple(_field(data, "items")),
+            epoch=_field(data, "epoch"),
+            metrics={k: float(v) for k, v in _field(data, "metrics").items()},
+            extra=dict(_field(data, "extra")),
             producer=None if producer is None else Producer.from_dict(producer),
-            library_versions=_str_mapping(data, "library_versions"),
-            created_at=_str(data, "created_at"),
+            library_versions=dict(_field(data, "library_versions")),
+            created_at=_field(data, "created_at"),
             format=data["format"],
             format_version=data["format_version"],
         )
 
 
+# The record's own fields (``extra`` may not use these names).
 _FIELDS = frozenset(f.name for f in dataclasses.fields(CheckpointMetadata))
-
-# ``extra`` may not use these names: they are the record's own fields.
-RESERVED_KEYS = _FIELDS
 
 
 def _check_format(data: Any) -> None:
@@ -156,59 +154,43 @@ def _check_format(data: Any) -> None:
         raise UnsupportedCheckpointError(f"format version {version}, newer than this nnx_save; upgrade nnx_save")
 
 
-def _check_fields(data: Mapping[str, Any]) -> None:
-    missing, unknown = sorted(_FIELDS - set(data)), sorted(set(data) - _FIELDS)
-    if missing or unknown:
-        raise UnsupportedCheckpointError(
-            f"a metadata record with missing fields {missing} and unknown fields {unknown}"
-        )
+def is_number(value: Any) -> bool:
+    """True for an int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _int(data: Mapping[str, Any], key: str, *, minimum: int) -> int:
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UnsupportedCheckpointError(f"{key} {value!r} (expected an int >= {minimum})")
-    return value
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _str(data: Mapping[str, Any], key: str) -> str:
-    if not isinstance(data[key], str):
-        raise UnsupportedCheckpointError(f"{key} {data[key]!r} (expected a str)")
+# What a stored field must hold: a test, and the words the error says it in.
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "step": (_is_count, "an int >= 0"),
+    "epoch": (lambda v: v is None or _is_count(v), "an int >= 0"),
+    "items": (
+        lambda v: isinstance(v, list) and bool(v) and all(name in ITEM_NAMES for name in v),
+        f"a non-empty list of {', '.join(ITEM_NAMES)}",
+    ),
+    "metrics": (lambda v: isinstance(v, Mapping) and all(map(is_number, v.values())), "numbers"),
+    "extra": (lambda v: isinstance(v, Mapping), "a JSON object"),
+    "library_versions": (
+        lambda v: isinstance(v, Mapping) and all(isinstance(x, str) for x in v.values()),
+        "str values",
+    ),
+    "created_at": (lambda v: isinstance(v, str), "a str"),
+}
+
+
+def _field(data: Mapping[str, Any], key: str) -> Any:
+    ok, expected = _CHECKS[key]
+    if not ok(data[key]):
+        raise UnsupportedCheckpointError(f"{key} {data[key]!r} (expected {expected})")
     return data[key]
-
-
-def _mapping(data: Mapping[str, Any], key: str) -> dict[str, Any]:
-    if not isinstance(data[key], Mapping):
-        raise UnsupportedCheckpointError(f"{key} {data[key]!r} (expected a JSON object)")
-    return dict(data[key])
-
-
-def _str_mapping(data: Mapping[str, Any], key: str) -> dict[str, str]:
-    value = _mapping(data, key)
-    if not all(isinstance(v, str) for v in value.values()):
-        raise UnsupportedCheckpointError(f"{key} {value!r} (expected str values)")
-    return value
-
-
-def _items(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value or any(v not in ITEM_NAMES for v in value):
-        raise UnsupportedCheckpointError(f"items {value!r} (expected a non-empty list of {', '.join(ITEM_NAMES)})")
-    return tuple(value)
-
-
-def _metrics(value: Any) -> dict[str, float]:
-    if not isinstance(value, Mapping) or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()
-    ):
-        raise UnsupportedCheckpointError(f"metrics {value!r} (expected numbers)")
-    return {k: float(v) for k, v in value.items()}
 
 
 def library_versions() -> dict[str, str]:
     """The versions of nnx_save and the libraries it saves through, for the record."""
-    import nnx_save
-
-    versions = {"nnx_save": nnx_save.__version__}
+    versions = {"nnx_save": __version__}
     for dist in _DISTRIBUTIONS:
         try:
             versions[dist] = importlib.metadata.version(dist)
@@ -249,10 +231,10 @@ def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
         ValueError: A key shadows a metadata field, or a value is not JSON data.
     """
     extra = dict(extra or {})
-    shadowed = sorted(k for k in extra if k in RESERVED_KEYS)
+    shadowed = sorted(k for k in extra if k in _FIELDS)
     if shadowed:
         raise OptionError(
-            f"extra keys {shadowed} shadow metadata fields; reserved: {', '.join(sorted(RESERVED_KEYS))}. "
+            f"extra keys {shadowed} shadow metadata fields; reserved: {', '.join(sorted(_FIELDS))}. "
             "Pass step, epoch, metrics and producer as save() arguments, or rename the key"
         )
     _check_json("extra", extra)

@@ -1,12 +1,10 @@
 """Python leaves (bools, ints, floats, strings) restored through a template.
 
-A template's Python leaf says which type the caller wants back. Orbax would cast
-the stored value to that type silently (``2.5`` onto an ``int`` template comes back
-``2``), so the store compares types first, as it compares array dtypes: another
-number type is a :class:`~._errors.DtypeMismatch` (refused unless ``cast_dtypes``),
-a string against a number is a template error (never a cast). Accepted casts are
-done here, after Orbax read the value as stored, so a cast that changes the value
-is known and reported.
+A template's Python leaf says which type the caller wants back. Orbax would cast the
+stored value silently (``2.5`` onto an ``int`` template comes back ``2``), so types are
+compared first, as dtypes are: another number type is a ``DtypeMismatch`` (refused
+unless ``cast_dtypes``), a string against a number a template error. Accepted casts are
+done here, after Orbax read the value as stored, so a cast that changes it is reported.
 """
 
 from __future__ import annotations
@@ -21,10 +19,10 @@ from ..errors import CheckpointTemplateError, DtypeMismatch
 from ..load._report import DtypeCast, LossyCastWarning
 from ._tree import Path, flatten, segment, show
 
-__all__ = ["PYTHON", "as_stored", "cast_back", "kind_of", "kind_problems", "prepare", "type_mismatches"]
+__all__ = ["PYTHON", "cast_back", "kind_of", "prepare"]
 
 PYTHON = " (Python)"  # the suffix naming a Python type in a DtypeMismatch ("float (Python)")
-_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}
+_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}  # bool first: a bool is an int
 _EXAMPLES: dict[str, Any] = {"bool": False, "int": 0, "float": 0.0, "str": ""}
 
 
@@ -35,46 +33,10 @@ def kind_of(leaf: Any) -> str | None:
         >>> [kind_of(v) for v in (True, 3, 2.5, "x", [1])]
         ['bool', 'int', 'float', 'str', None]
     """
-    for name in ("bool", "int", "float", "str"):  # bool first: a bool is an int
-        if isinstance(leaf, _TYPES[name]):
-            return name
-    return None
+    return next((name for name, kind in _TYPES.items() if isinstance(leaf, kind)), None)
 
 
-def _pairs(template: Any, stored: Mapping[Path, str]) -> list[tuple[Path, str, str]]:
-    """``(path, template kind, stored kind)`` for each Python leaf stored as a Python value."""
-    found = []
-    for path, leaf in flatten(template):
-        kind = kind_of(leaf)
-        if kind is not None and path in stored:
-            found.append((path, kind, stored[path]))
-    return found
-
-
-def kind_problems(item: str, template: Any, stored: Mapping[Path, str]) -> list[str]:
-    """Template lines where a string meets a number (a wrong template, never a cast)."""
-    return [
-        f"{item}/{show(path)}: {_article(want)} in the template, {_article(have)} in the checkpoint"
-        for path, want, have in _pairs(template, stored)
-        if want != have and "str" in (want, have)
-    ]
-
-
-def type_mismatches(item: str, template: Any, stored: Mapping[Path, str]) -> list[DtypeMismatch]:
-    """Python number leaves whose template type differs from the stored one.
-
-    Examples:
-        >>> type_mismatches("extensions", {"lr": 1, "n": 7}, {("lr",): "float", ("n",): "int"})
-        [DtypeMismatch(item='extensions', leaf='lr', saved='float (Python)', restored='int (Python)')]
-    """
-    return [
-        DtypeMismatch(item, show(path), have + PYTHON, want + PYTHON)
-        for path, want, have in _pairs(template, stored)
-        if want != have and "str" not in (want, have)
-    ]
-
-
-def as_stored(template: Any, stored: Mapping[Path, str]) -> Any:
+def _as_stored(template: Any, stored: Mapping[Path, str]) -> Any:
     """The template with each Python leaf replaced by one of its stored type, so
     Orbax reads the value exactly as it was saved."""
 
@@ -89,17 +51,31 @@ def prepare(
     step: int, templates: Mapping[str, Any], stored: Mapping[str, Mapping[Path, str]]
 ) -> tuple[dict[str, Any], list[DtypeMismatch]]:
     """The templates to hand Orbax (Python leaves of the stored type) and the Python
-    leaves whose type differs from the stored one.
+    number leaves whose template type differs from the stored one.
 
     Raises:
         CheckpointTemplateError: A string in the template meets a stored number, or
-            the reverse; before anything is read.
+            the reverse (a wrong template, never a cast); before anything is read.
+
+    Examples:
+        >>> prepare(1, {"extensions": {"lr": 1, "n": 7}}, {"extensions": {("lr",): "float", ("n",): "int"}})[1]
+        [DtypeMismatch(item='extensions', leaf='lr', saved='float (Python)', restored='int (Python)')]
     """
-    problems = [line for name, tree in templates.items() for line in kind_problems(name, tree, stored[name])]
+    differ = [
+        (name, show(path), want, stored[name][path])
+        for name, tree in templates.items()
+        for path, leaf in flatten(tree)
+        if (want := kind_of(leaf)) is not None and path in stored[name] and want != stored[name][path]
+    ]
+    problems = [
+        f"{name}/{where}: {_article(want)} in the template, {_article(have)} in the checkpoint"
+        for name, where, want, have in differ
+        if "str" in (want, have)
+    ]
     if problems:
         raise CheckpointTemplateError(step, problems)
-    mismatches = [m for name, tree in templates.items() for m in type_mismatches(name, tree, stored[name])]
-    return {name: as_stored(tree, stored[name]) for name, tree in templates.items()}, mismatches
+    mismatches = [DtypeMismatch(name, where, have + PYTHON, want + PYTHON) for name, where, want, have in differ]
+    return {name: _as_stored(tree, stored[name]) for name, tree in templates.items()}, mismatches
 
 
 def cast_back(step: int, item: str, restored: Any, casts: Sequence[DtypeMismatch], report: list[DtypeCast]) -> Any:

@@ -203,7 +203,7 @@ class OrbaxCheckpointStore:
                 manager.wait_until_finished()
         except CheckpointWriteError:
             for step in set(self._disk.load().steps) - set(manager.all_steps()):
-                self._disk.removed(step)  # Orbax dropped the step it failed to write, on every process
+                self._disk.changed(step, saved=False)  # Orbax dropped the step it failed to write, on every process
             raise
         finally:
             self._landed()
@@ -211,7 +211,7 @@ class OrbaxCheckpointStore:
             doomed = self._disk.doomed()
             for step in doomed:
                 _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
-                self._disk.removed(step)
+                self._disk.changed(step, saved=False)
                 self._metadata.pop(step, None)
             if doomed:
                 manager.reload()  # Orbax forgets the steps retired behind its back
@@ -405,7 +405,7 @@ class OrbaxCheckpointStore:
                 self._replace(manager, step, args)
             else:
                 self._write(manager, step, args)
-            self._disk.added(step)
+            self._disk.changed(step, saved=True)
             self._metadata.pop(step, None)
             if blocking:
                 self._settle(manager)
@@ -591,7 +591,7 @@ class OrbaxCheckpointStore:
         writer = self._writer()
         _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
         writer.reload()
-        self._disk.removed(step)
+        self._disk.changed(step, saved=False)
         self._metadata.pop(step, None)
 
 
