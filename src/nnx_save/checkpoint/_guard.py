@@ -1,5 +1,4 @@
-"""Pure comparisons of templates (``(path, leaf)`` pairs) with the checkpoint
-(``{path: Spec | None}``, ``None`` for a Python leaf), before and right after a restore
+"""Dtype comparisons of a restore with the saved dtype record, before and right after it
 reads arrays; each lists every disagreement, so the caller raises once with all of them."""
 
 from __future__ import annotations
@@ -11,39 +10,9 @@ import jax
 import numpy as np
 
 from ..errors import CheckpointDtypeMismatchError, DtypeMismatch
-from ._tree import Path, Spec, flatten, leaf_spec, show
+from ._tree import Path, flatten, leaf_spec, show
 
-__all__ = ["check_restored", "check_template_dtypes", "dtype_mismatches", "explained_by_x64", "template_problems"]
-
-
-def template_problems(item: str, template: Sequence[tuple[Path, Any]], stored: Mapping[Path, Spec | None]) -> list[str]:
-    """Paths, leaf kinds and shapes on which a template and the checkpoint disagree.
-
-    Examples:
-        >>> template_problems("model", [(("w",), np.zeros((2, 3)))], {("w",): Spec((3, 3), "float64")})
-        ['model/w: shape (2, 3) in the template, (3, 3) in the checkpoint']
-    """
-    given = dict(template)
-    problems = [
-        f"{item}/{show(p)}: stored in the checkpoint, absent from the template" for p in stored if p not in given
-    ]
-    problems += [f"{item}/{show(p)}: in the template, not stored in the checkpoint" for p in given if p not in stored]
-    for path in given.keys() & stored.keys():
-        problem = _leaf_problem(leaf_spec(given[path]), stored[path])
-        if problem:
-            problems.append(f"{item}/{show(path)}: {problem}")
-    return problems
-
-
-def _leaf_problem(wanted: Spec | None, stored: Spec | None) -> str | None:
-    if wanted is None and stored is None:
-        return None
-    if wanted is None or stored is None:
-        kinds = ("an array", "a Python value") if stored is None else ("a Python value", "an array")
-        return f"{kinds[0]} in the template, {kinds[1]} in the checkpoint"
-    if wanted.shape != stored.shape:
-        return f"shape {wanted.shape} in the template, {stored.shape} in the checkpoint"
-    return None
+__all__ = ["check_restored", "check_template_dtypes", "dtype_mismatches", "explained_by_x64"]
 
 
 def dtype_mismatches(item: str, leaves: Sequence[tuple[Path, Any]], saved: Mapping[Path, str]) -> list[DtypeMismatch]:

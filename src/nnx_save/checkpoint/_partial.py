@@ -1,12 +1,8 @@
 """Partial restore: which template leaves are read, and the :class:`~nnx_save.LoadReport`
-of that choice (the report ``load_model`` gives).
-
-A template drives the restore, as a model drives ``load_model``: its leaves that the
-checkpoint stores with the same shape are read; a leaf the checkpoint lacks is
-*missing*, a stored leaf the template lacks is *unexpected* (not read), a leaf of
-another shape is a *shape mismatch* (not read). Leaves not read keep the template's
-value. Strict (the store's default) refuses any of these the caller did not allow,
-before reading; otherwise one :class:`~nnx_save.LoadWarning` sums them up.
+of that choice. A template drives the restore as a model drives ``load_model``: leaves
+stored with the same shape are read; *missing*, *unexpected* and *shape mismatch* leaves
+are not, and keep the template's value. Strict refuses those not allowed, before reading;
+otherwise one :class:`~nnx_save.LoadWarning` sums them up.
 """
 
 from __future__ import annotations
@@ -19,13 +15,9 @@ import jax
 
 from ..errors import CheckpointTemplateError
 from ..load._report import LoadReport, ShapeMismatch, matches_any
-from ._guard import template_problems
 from ._tree import Path, Spec, flatten, leaf_spec, show
 
 __all__ = ["PartialOptions", "Selection", "graft", "select"]
-
-# How template_problems words a leaf that is an array on one side, a Python value on the other.
-_KIND_ENDINGS = ("a Python value in the checkpoint", "an array in the checkpoint")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,51 +61,58 @@ def select(
         CheckpointTemplateError: A leaf is an array on one side and a Python value on
             the other (always), or, under ``strict``, any mismatch not allowed.
     """
-    report, selections, problems = LoadReport(source=source), {}, []
+    report, selections = LoadReport(source=source), {}
+    problems: list[str] = []
+    kinds: list[str] = []
     for name, tree in templates.items():
-        selection, item_problems = _select_item(name, tree, specs[name], options, report)
-        selections[name] = selection
-        problems += item_problems
-    kinds = [p for p in problems if p.endswith(_KIND_ENDINGS)]  # a wrong template, never accepted
+        selections[name] = _select_item(name, tree, specs[name], options, report, problems, kinds)
     if kinds or (options.strict and problems):
-        raise CheckpointTemplateError(step, problems if options.strict else kinds)
+        raise CheckpointTemplateError(step, problems + kinds if options.strict else kinds)
     report.raise_or_warn(False, stacklevel=4)
     return selections, report
 
 
 def _select_item(
-    name: str, tree: Any, stored: Mapping[Path, Spec | None], options: PartialOptions, report: LoadReport
-) -> tuple[Selection, list[str]]:
-    treedef = jax.tree_util.tree_structure(tree)
+    name: str,
+    tree: Any,
+    stored: Mapping[Path, Spec | None],
+    options: PartialOptions,
+    report: LoadReport,
+    problems: list[str],
+    kinds: list[str],
+) -> Selection:
+    """One item's selection; its disagreements go to ``report``, those not allowed to
+    ``problems``, leaf-kind ones (a wrong template, whatever the options) to ``kinds``."""
     pairs = flatten(tree)
     given = dict(pairs)
-    shown = {p: f"{name}/{show(p)}" for p in {*given, *stored}}
-    allowed = {
-        "missing": {p for p in given if p not in stored and matches_any(shown[p], options.allow_missing)},
-        "unexpected": {p for p in stored if p not in given and matches_any(shown[p], options.allow_unexpected)},
-        "shape": {p for p in given if p in stored and matches_any(shown[p], options.allow_shape_mismatch)},
-    }
     read = set()
     for path, leaf in pairs:
-        wanted, have = leaf_spec(leaf), stored.get(path)
+        where, wanted, have = f"{name}/{show(path)}", leaf_spec(leaf), stored.get(path)
         if path not in stored:
-            (report.allowed_missing if path in allowed["missing"] else report.missing).append(shown[path])
+            if _refused(report, "missing", where, options.allow_missing, where):
+                problems.append(f"{where}: in the template, not stored in the checkpoint")
         elif (wanted is None) != (have is None):
-            continue  # refused below, whatever the options
+            sides = ("an array", "a Python value") if have is None else ("a Python value", "an array")
+            kinds.append(f"{where}: {sides[0]} in the template, {sides[1]} in the checkpoint")
         elif wanted is not None and have is not None and wanted.shape != have.shape:
-            mismatch = ShapeMismatch(shown[path], wanted.shape, have.shape)
-            (report.allowed_shape_mismatches if path in allowed["shape"] else report.shape_mismatches).append(mismatch)
+            mismatch = ShapeMismatch(where, wanted.shape, have.shape)
+            if _refused(report, "shape_mismatches", where, options.allow_shape_mismatch, mismatch):
+                problems.append(f"{where}: shape {wanted.shape} in the template, {have.shape} in the checkpoint")
         else:
             read.add(path)
-            report.loaded.append(shown[path])
-    for path in stored:
-        if path not in given:
-            (report.allowed_unexpected if path in allowed["unexpected"] else report.unexpected).append(shown[path])
-    skip = allowed["missing"] | allowed["unexpected"] | {p for p in allowed["shape"] if p not in read}
-    problems = template_problems(
-        name, [(p, leaf) for p, leaf in pairs if p not in skip], {p: s for p, s in stored.items() if p not in skip}
-    )
-    return Selection(pairs, treedef, frozenset(read), len(stored)), problems
+            report.loaded.append(where)
+    for where in [f"{name}/{show(p)}" for p in stored if p not in given]:
+        if _refused(report, "unexpected", where, options.allow_unexpected, where):
+            problems.append(f"{where}: stored in the checkpoint, absent from the template")
+    return Selection(pairs, jax.tree_util.tree_structure(tree), frozenset(read), len(stored))
+
+
+def _refused(report: LoadReport, field: str, where: str, patterns: Sequence[str], entry: Any) -> bool:
+    """Put ``entry`` on the report's ``allowed_<field>`` list when a pattern allows
+    ``where``, else on its ``<field>`` list; True when it was not allowed."""
+    allowed = matches_any(where, patterns)
+    getattr(report, f"allowed_{field}" if allowed else field).append(entry)
+    return not allowed
 
 
 def graft(selection: Selection, read: Mapping[Path, Any]) -> Any:
