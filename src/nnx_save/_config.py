@@ -1,12 +1,10 @@
 """Every ``NNX_SAVE_*`` environment variable: read, validated and documented here only.
 
-Each variable is one :class:`Variable`; the modules that need one call its
-:meth:`~Variable.get` where the value is used, never at import, so a test or a
-program may set the variable at any time before the operation it tunes. A value
-that cannot be used is a :class:`~nnx_save.errors.ConfigError` naming the variable,
-what it must hold and what it holds. An unset or empty variable means its default.
-docs/configuration.md shows :data:`VARIABLES` as a table (tests/test_config.py
-keeps the two equal).
+Each is one :class:`Variable`, read by :meth:`~Variable.get` where the value is used,
+never at import, so it may be set any time before the operation it tunes. An unset or
+empty variable means its default; a value that cannot be used is a
+:class:`~nnx_save.errors.ConfigError` naming the variable, what it must hold and what
+it holds. docs/configuration.md shows :data:`VARIABLES` as a table.
 
 Examples:
     >>> import os

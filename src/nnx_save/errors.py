@@ -1,15 +1,11 @@
 """Every error and warning nnx_save raises or emits, in one public module.
 
-Every error is an :class:`NnxSaveError`, and also the builtin a caller would naturally
-catch (``ValueError``, ``TypeError``, ``KeyError``, ``OSError``, ...). Malformed files
-are :class:`HeaderError`, with one subclass per check so callers and tests can tell the
-cases apart; a bad ``NNX_SAVE_*`` environment variable is a :class:`ConfigError`, a bad
-argument or option an :class:`OptionError`. The checkpoint store's errors
-(:class:`CheckpointError` and below) and the porting errors (:class:`RuleError` and
-below) are defined here too, and re-exported by ``nnx_save.checkpoint`` and
-``nnx_save.porting``. Warnings: :class:`LoadWarning` and its subclasses,
-:class:`CheckpointDamageWarning`. Messages name the tensor or path, what was expected
-and what was found. docs/errors.md draws the hierarchy.
+Every error is an :class:`NnxSaveError` and also the builtin a caller would naturally
+catch (``ValueError``, ``TypeError``, ``KeyError``, ``OSError``, ...). Malformed files are
+:class:`HeaderError`, one subclass per check. The checkpoint store's errors and porting's
+are here too, re-exported by ``nnx_save.checkpoint`` and ``nnx_save.porting``. Messages
+name the tensor or path, what was expected and what was found; docs/errors.md draws the
+hierarchy.
 """
 
 from __future__ import annotations
@@ -391,14 +387,9 @@ class CheckpointError(NnxSaveError):
 
 
 class CheckpointCorruptError(CheckpointError, ValueError):
-    """A stored step is damaged: a file is missing, truncated or unreadable. Nothing
-    was restored; the other steps are unaffected.
-
-    Attributes:
-        step: The damaged step.
-        path: The damaged file or directory (inside the step's directory).
-        problem: What is wrong with it, in words.
-    """
+    """A stored step is damaged: a file is missing, truncated or unreadable; nothing was
+    restored, the other steps are unaffected. ``step``, ``path`` (the damaged file or
+    directory) and ``problem`` (in words) say which and what."""
 
     def __init__(self, step: int, path: str | os.PathLike[str], problem: str) -> None:
         self.step, self.path, self.problem = step, str(path), problem
@@ -411,11 +402,8 @@ class CheckpointDamageWarning(UserWarning):
 
 
 class CheckpointDirectoryError(CheckpointError, ValueError):
-    """A checkpoint directory the store cannot use, found before anything runs.
-
-    Attributes:
-        directory: The directory or URL as given.
-    """
+    """A checkpoint directory (``directory``, as given) the store cannot use, found
+    before anything runs."""
 
     def __init__(self, directory: str, found: str) -> None:
         self.directory = directory
@@ -426,15 +414,9 @@ class CheckpointDirectoryError(CheckpointError, ValueError):
 
 
 class CheckpointLinkError(CheckpointError, OSError):
-    """An entry of the store's directory that the store may rename or delete (a step,
-    a set-aside step, an Orbax temporary) is a symbolic link. The store never follows
-    one: it refuses to write or delete before changing anything.
-
-    Attributes:
-        entry: The link's path.
-        target: Where it points.
-        directory: The store's directory.
-    """
+    """An entry of the store's ``directory`` that it may rename or delete (a step, a
+    set-aside step, an Orbax temporary) is a symbolic link (``entry``, to ``target``):
+    the store never follows one, so it refuses before changing anything."""
 
     def __init__(self, entry: str, target: str, directory: str) -> None:
         self.entry, self.target, self.directory = entry, target, directory
@@ -455,14 +437,9 @@ class CheckpointSyncError(CheckpointError, RuntimeError):
 
 
 class CheckpointRetentionError(CheckpointError, ValueError):
-    """The store was opened with other retention policies than the ones recorded in
-    its directory; pass ``change_retention=True`` to replace them.
-
-    Attributes:
-        recorded: The recorded policies, in words.
-        given: The policies asked for, in words.
-        directory: The store's directory.
-    """
+    """The store was opened with other retention policies (``given``, in words) than
+    the ones recorded in its ``directory`` (``recorded``); ``change_retention=True``
+    replaces them."""
 
     def __init__(self, recorded: str, given: str, directory: str | os.PathLike[str]) -> None:
         self.recorded, self.given, self.directory = recorded, given, str(directory)
@@ -474,13 +451,8 @@ class CheckpointRetentionError(CheckpointError, ValueError):
 
 
 class CheckpointWriteError(CheckpointError, OSError):
-    """Writing a step failed (a full disk, an I/O error in Orbax's writer); the steps
-    stored before are intact and the failed step is not listed.
-
-    Attributes:
-        step: The step whose write failed.
-        directory: The store's directory.
-    """
+    """Writing ``step`` failed (a full disk, an I/O error in Orbax's writer); the steps
+    stored before in ``directory`` are intact and the failed step is not listed."""
 
     def __init__(self, step: int, directory: str | os.PathLike[str], cause: BaseException) -> None:
         text = " ".join(str(cause).split()) or type(cause).__name__
@@ -495,16 +467,10 @@ class CheckpointWriteError(CheckpointError, OSError):
 
 
 class CheckpointNotWrittenError(CheckpointError, ValueError):
-    """A save was refused; the store is exactly as it was before the call.
-
-    Attributes:
-        step: The step that was not written.
-        latest_step: The store's latest step at the time (``None`` when empty).
-        reason: ``"exists"`` (the step is already saved and ``overwrite`` is off),
-            ``"below_latest"`` (steps only move forward) or ``"rejected"`` (Orbax's
-            save policy declined the step).
-        directory: The store's directory.
-    """
+    """A save of ``step`` was refused; the store (``directory``) is exactly as before.
+    ``latest_step`` is its latest step then (``None`` when empty); ``reason`` is
+    ``"exists"`` (saved already, ``overwrite`` off), ``"below_latest"`` (steps only
+    move forward) or ``"rejected"`` (Orbax's save policy declined the step)."""
 
     def __init__(
         self,
@@ -513,9 +479,7 @@ class CheckpointNotWrittenError(CheckpointError, ValueError):
         reason: WriteRefusal,
         directory: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.step = step
-        self.latest_step = latest_step
-        self.reason = reason
+        self.step, self.latest_step, self.reason = step, latest_step, reason
         self.directory = None if directory is None else str(directory)
         super().__init__(_not_written_message(step, latest_step, reason, self.directory))
 
@@ -533,18 +497,11 @@ def _not_written_message(step: int, latest: int | None, reason: str, directory: 
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No checkpoint is stored at the requested step.
-
-    Attributes:
-        step: The step asked for.
-        directory: The store's directory.
-        available: The steps the store does hold, ascending.
-    """
+    """No checkpoint is stored at ``step`` in ``directory``; ``available`` lists the
+    steps it holds, ascending."""
 
     def __init__(self, step: int, directory: str | os.PathLike[str], available: Sequence[int] = ()) -> None:
-        self.step = step
-        self.directory = str(directory)
-        self.available = tuple(available)
+        self.step, self.directory, self.available = step, str(directory), tuple(available)
         held = ", ".join(map(str, self.available)) if self.available else "none"
         super().__init__(f"no checkpoint at step {step} in {self.directory} (steps held: {held})")
 
@@ -553,18 +510,12 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class UnsupportedCheckpointError(CheckpointError, ValueError):
-    """A checkpoint this version of nnx_save cannot read: another format, a malformed
-    record or a newer format version. Nothing was restored.
-
-    Attributes:
-        found: What the checkpoint holds, in words (e.g. ``"format version 7"``).
-        step: The step, when known.
-        directory: The store's directory, when known.
-    """
+    """A checkpoint this nnx_save cannot read: another format, a malformed record or a
+    newer format version; nothing was restored. ``found`` says what it holds, in words
+    (``"format version 7"``); ``step`` and ``directory`` where, when known."""
 
     def __init__(self, found: str, *, step: int | None = None, directory: str | os.PathLike[str] | None = None) -> None:
-        self.found = found
-        self.step = step
+        self.found, self.step = found, step
         self.directory = None if directory is None else str(directory)
         super().__init__(
             f"{_where(step, self.directory)}holds {found}; this nnx_save reads format "
@@ -579,48 +530,31 @@ def _where(step: int | None, directory: str | None) -> str:
 
 
 class CheckpointTemplateError(CheckpointError, ValueError):
-    """Restore templates disagree with what the checkpoint stores (paths, shapes or
-    leaf kinds). Found before any array was read.
-
-    Attributes:
-        step: The step being restored.
-        problems: One line per disagreement, ``item/leaf: ...``, sorted.
-    """
+    """Restore templates disagree with what ``step`` stores (paths, shapes or leaf
+    kinds), found before any array was read; ``problems`` has one sorted line per
+    disagreement (``item/leaf: ...``)."""
 
     def __init__(self, step: int, problems: Iterable[str]) -> None:
-        self.step = step
-        self.problems = tuple(sorted(problems))
+        self.step, self.problems = step, tuple(sorted(problems))
         lines = "\n  ".join(self.problems)
         super().__init__(f"step {step}: {len(self.problems)} template leaves disagree with the checkpoint:\n  {lines}")
 
 
 class CheckpointItemError(CheckpointError, KeyMismatchError):
-    """An item was asked for (by ``items`` or ``templates``) that the step does not hold.
-
-    Attributes:
-        step: The step being restored.
-        missing: The item names asked for and absent.
-        held: The item names the step holds.
-    """
+    """Items were asked for (by ``items`` or ``templates``) that ``step`` does not
+    hold: ``missing`` names them, ``held`` the ones it holds."""
 
     def __init__(self, step: int, missing: Iterable[str], held: Iterable[str]) -> None:
-        self.step = step
-        self.missing = tuple(missing)
-        self.held = tuple(held)
+        self.step, self.missing, self.held = step, tuple(missing), tuple(held)
         super().__init__(
             f"step {step} holds no item {', '.join(map(repr, self.missing))}; it holds {', '.join(self.held)}"
         )
 
 
 class DtypeMismatch(NamedTuple):
-    """One array whose restored dtype would differ from (or differs from) the saved one.
-
-    Attributes:
-        item: The item name (``"model"``, ``"optimizer"``, ...).
-        leaf: The leaf path inside the item, ``/``-joined (``"<root>"`` for a bare array).
-        saved: The dtype recorded at save time.
-        restored: The template's dtype, or the dtype the array came back with.
-    """
+    """One array whose restored dtype would differ (or differs) from the saved one: the
+    ``item``, the ``/``-joined ``leaf`` path in it (``"<root>"`` for a bare array), the
+    ``saved`` dtype and the ``restored`` one (the template's, or what came back)."""
 
     item: str
     leaf: str
@@ -629,25 +563,16 @@ class DtypeMismatch(NamedTuple):
 
 
 class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
-    """Arrays would be (or were) restored with another dtype than they were saved with.
-
-    Raised before any array is read when a template disagrees, and after reading for
-    items restored without a template. Pass ``cast_dtypes=True`` to accept the casts.
-
-    Attributes:
-        step: The step being restored.
-        mismatches: Every differing array, sorted by item and leaf.
-        before_read: True when found from the templates, before reading.
-        x64_off: True when jax's x64 mode was off and explains the mismatches.
-    """
+    """Arrays of ``step`` would be (or were) restored with another dtype than saved:
+    before any array is read when a template disagrees (``before_read``), after reading
+    for items without one. ``mismatches`` lists them sorted; ``x64_off`` says jax's x64
+    mode was off and explains them. ``cast_dtypes=True`` accepts the casts."""
 
     def __init__(
         self, step: int, mismatches: Iterable[DtypeMismatch], *, before_read: bool = False, x64_off: bool = False
     ) -> None:
-        self.step = step
-        self.mismatches = tuple(sorted(mismatches))
-        self.before_read = before_read
-        self.x64_off = x64_off
+        self.step, self.mismatches = step, tuple(sorted(mismatches))
+        self.before_read, self.x64_off = before_read, x64_off
         got = "in the template" if before_read else "restored"
         lines = "\n  ".join(f"{m.item}/{m.leaf}: {m.saved} saved, {m.restored} {got}" for m in self.mismatches)
         remedy = f"{_X64_HINT}, or pass" if x64_off else "Pass"

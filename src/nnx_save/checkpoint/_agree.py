@@ -1,14 +1,12 @@
 """Decisions about the disk, made once on process 0 and shared with every process.
 
-In a multi-process run every process drives its own store object, and each Orbax
-barrier must be reached by all of them in the same order. A decision taken from the
-disk on each process (does the directory exist yet? which steps are there? which are
-too old to keep?) can come out differently when one process looks a moment after
-another changed it: one then waits at a barrier the other never reaches. So such a
-decision is computed by process 0 alone and read by the others from the JAX
-coordination service's key-value store, in call order (the ``n``-th decision of one
-process is the ``n``-th of every other); a process that asks a different question
-than process 0 answered gets a :class:`~nnx_save.errors.CheckpointSyncError`, not a hang.
+Every process drives its own store, and each Orbax barrier must be reached by all of
+them in the same order. A decision each took from the disk (which steps are there?
+which are too old?) could differ when one looks a moment after another changed it, and
+one would then wait at a barrier the other never reaches. So process 0 decides and the
+others read its answer from the JAX coordination service's key-value store, in call
+order; a process that asks another question than process 0 answered gets a
+:class:`~nnx_save.errors.CheckpointSyncError`, not a hang.
 """
 
 from __future__ import annotations

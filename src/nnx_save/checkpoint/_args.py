@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CheckpointItemError, OptionError
 from ._format import ITEM_NAMES
-from ._metadata import CheckpointMetadata, Producer, check_extra, check_metrics, library_versions, utc_now
+from ._metadata import CheckpointMetadata, Producer, check_extra, check_metrics, is_int, library_versions, utc_now
 from ._tree import check_item
 
 __all__ = ["check_items", "check_step", "new_metadata", "restore_names"]
@@ -40,7 +40,7 @@ def new_metadata(
     producer: Producer | None,
     extra: Mapping[str, Any] | None,
 ) -> CheckpointMetadata:
-    if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0):
+    if epoch is not None and not is_int(epoch):
         raise OptionError(f"epoch must be a non-negative int or None, got {epoch!r}")
     if producer is not None and not isinstance(producer, Producer):
         raise OptionError(f"producer must be a Producer(name, version) or None, got {producer!r}")

@@ -1,11 +1,9 @@
 """Reading a whole Orbax checkpoint as host arrays, for conversion to safetensors.
 
-Leaves are named the way :func:`nnx_save.save_model` names a model's state, so the
-converted file loads with :func:`nnx_save.load_model`: one item of an
-:class:`~nnx_save.checkpoint.OrbaxCheckpointStore` step loses the store's root node
-(:data:`~._format.ROOT`), an NNX state loses the ``value`` node Orbax keeps under each
-variable, typed PRNG keys become their key data plus the implementation's name, and
-Python numbers become 0-d arrays plus their type.
+Leaves are named as :func:`nnx_save.save_model` names a model's state, so the file loads
+with :func:`nnx_save.load_model`: a store item loses the store's root node, an NNX state
+the ``value`` node under each variable; typed PRNG keys become their key data plus the
+implementation's name, Python numbers 0-d arrays plus their type.
 """
 
 from __future__ import annotations

@@ -10,13 +10,13 @@ import importlib.metadata
 import json
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from .._version import __version__
 from ..errors import OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 
-__all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "is_number", "library_versions"]
+__all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "is_int", "is_number", "library_versions"]
 
 # Distributions whose versions every checkpoint records, for reproducing a run.
 _DISTRIBUTIONS = ("jax", "jaxlib", "flax", "orbax-checkpoint", "optax", "numpy")
@@ -148,25 +148,26 @@ def _check_format(data: Any) -> None:
     if data.get("format") != FORMAT_NAME:
         raise UnsupportedCheckpointError(f"format {data.get('format')!r}")
     version = data.get("format_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if not is_int(version, 1):
         raise UnsupportedCheckpointError(f"format version {version!r}")
     if version > FORMAT_VERSION:
         raise UnsupportedCheckpointError(f"format version {version}, newer than this nnx_save; upgrade nnx_save")
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[int | float]:
     """True for an int or a float, not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def is_int(value: Any, low: int = 0) -> TypeGuard[int]:
+    """True for an int (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
 # What a stored field must hold: a test, and the words the error says it in.
 _CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "step": (_is_count, "an int >= 0"),
-    "epoch": (lambda v: v is None or _is_count(v), "an int >= 0"),
+    "step": (is_int, "an int >= 0"),
+    "epoch": (lambda v: v is None or is_int(v), "an int >= 0"),
     "items": (
         lambda v: isinstance(v, list) and bool(v) and all(name in ITEM_NAMES for name in v),
         f"a non-empty list of {', '.join(ITEM_NAMES)}",

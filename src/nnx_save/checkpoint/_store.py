@@ -28,7 +28,7 @@ from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._guard import check_restored, check_template_dtypes
 from ._health import corrupt_from, looks_damaged
-from ._metadata import CheckpointMetadata, Producer
+from ._metadata import CheckpointMetadata, Producer, is_int
 from ._partial import PartialOptions, Selection, graft, select
 from ._records import load_metadata, saved_dtypes
 from ._retention import Retention, StepInfo, ranked
@@ -57,9 +57,7 @@ def _given_retention(max_to_keep: int | _Unset | None, retention: Retention | No
         return retention
     if retention is not None:
         raise OptionError("pass max_to_keep or retention, not both (max_to_keep=N is Retention(latest=N))")
-    if max_to_keep is not None and (
-        isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-    ):
+    if max_to_keep is not None and not is_int(max_to_keep, 1):
         raise OptionError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
     return Retention(latest=max_to_keep)
 

@@ -1,10 +1,8 @@
 """Pytree leaves as the checkpoint sees them: paths, storable kinds, dtypes.
 
-A leaf path is a tuple of ``str`` segments named the way Orbax names them (a dict
-key or an ``nnx.List`` index ``0`` becomes ``"0"``), so paths from a template, from
-the saved dtype record and from Orbax's own metadata compare directly. Typed PRNG
-keys are described by their key data (``uint32`` with a trailing dimension), which
-is what Orbax stores.
+A leaf path is a tuple of ``str`` segments named as Orbax names them (an ``nnx.List``
+index ``0`` becomes ``"0"``), so paths from a template, the dtype record and Orbax's
+metadata compare directly. Typed PRNG keys are described by their key data, as stored.
 """
 
 from __future__ import annotations
