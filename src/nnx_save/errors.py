@@ -156,9 +156,8 @@ class IndexFileError(HeaderError):
 
 
 class LayoutConflictError(HeaderError):
-    """A directory that two layouts both claim (an HF index and a pod manifest):
-    nnx_save does not guess which save is current. ``file`` names the directory;
-    the message names both records and the remedy."""
+    """A directory (``file``) that two layouts both claim (an HF index and a pod
+    manifest): nnx_save does not guess which save is current."""
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -166,8 +165,8 @@ class LayoutConflictError(HeaderError):
 
 
 class IndexChangedError(IndexFileError):
-    """A multi-file checkpoint was replaced while it was being read: its files come
-    from two saves, or the index changed and a file it named is gone. Load again."""
+    """A multi-file checkpoint was replaced while it was read (files of two saves, or a
+    file the index named gone). Load again."""
 
 
 class KeyPathError(NnxSaveError, ValueError):
@@ -180,10 +179,8 @@ class KeyPathError(NnxSaveError, ValueError):
 
 
 class UnsupportedValueError(NnxSaveError, TypeError):
-    """A leaf that cannot be stored: a string, ``None``, an object array, ...;
-    ``key_path`` names it. Also a value of a kind an argument cannot take (a
-    checkpoint directory that is not a path, a restore template leaf that is not an
-    array)."""
+    """A leaf that cannot be stored (a string, ``None``, an object array; ``key_path``
+    names it), or a value of a kind an argument cannot take."""
 
     def __init__(self, message: str, key_path: str | None = None) -> None:
         super().__init__(message)
@@ -206,9 +203,8 @@ class DtypeMismatchError(NnxSaveError, TypeError):
 
 
 class DeviceDtypeError(NnxSaveError, TypeError):
-    """A tensor would be loaded onto a device whose jax backend cannot hold its dtype
-    (a sub-byte float such as F6 on CPU); refused before any data is read. Load it
-    onto the host (a numpy template) instead."""
+    """A tensor would land on a device whose jax backend cannot hold its dtype (F6 on
+    CPU); refused before any data is read. Load it onto the host (a numpy template)."""
 
 
 class LoadError(NnxSaveError, ValueError):
@@ -220,9 +216,8 @@ class LoadError(NnxSaveError, ValueError):
 
 
 class HostMemoryError(NnxSaveError, MemoryError):
-    """The host memory a load needs for a tensor cannot be allocated (a process memory
-    limit, or a tensor larger than the machine). ``file`` and ``key`` name the tensor,
-    ``nbytes`` what was asked for; nothing was read."""
+    """The host memory a load needs for a tensor (``file``, ``key``) cannot be allocated
+    (``nbytes``: a process limit, a tensor larger than the machine); nothing was read."""
 
     def __init__(self, message: str, file: str, key: str, nbytes: int) -> None:
         super().__init__(message)
@@ -239,9 +234,8 @@ class SaveError(NnxSaveError, OSError):
 
 
 class SharedReadError(NnxSaveError, OSError):
-    """A load with shared reads failed on some process (its error is named), or a
-    process did not report within the deadline; raised on every process, before any
-    collective. ``file`` names the source."""
+    """A load of ``file`` with shared reads failed on some process (named), or one did
+    not report within the deadline; raised on every process, before any collective."""
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -258,9 +252,8 @@ class TruncatedFileError(NnxSaveError, OSError):
 
 
 class SourceError(NnxSaveError, OSError):
-    """A source path cannot be read as a checkpoint file: it is not a regular file
-    (a directory, a FIFO, a device) or the system refused to read it. ``file``
-    names it."""
+    """A source path (``file``) is not a regular file (a directory, a FIFO, a device)
+    or the system refused to read it."""
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -281,9 +274,9 @@ class ShardingError(NnxSaveError, ValueError):
 
 
 class ChecksumError(NnxSaveError, ValueError):
-    """A tensor's bytes do not match the checksum recorded when it was saved: the
-    file was modified or corrupted after writing. ``key``, ``file``, ``expected``
-    and ``found`` say which tensor, where, and the two digests."""
+    """A tensor's bytes do not match the checksum recorded when it was saved (the file
+    changed after writing); ``key``, ``file``, ``expected`` and ``found`` say which,
+    where, and the two digests."""
 
     def __init__(
         self,
@@ -299,9 +292,8 @@ class ChecksumError(NnxSaveError, ValueError):
 
 
 class NotSafetensorsError(HeaderError):
-    """The source is another checkpoint format (PyTorch zip or pickle, Orbax,
-    TensorStore), recognised by its magic bytes or directory entries; nothing was
-    unpickled. ``format`` says what it is; the message says what to run."""
+    """The source is another format (PyTorch zip or pickle, Orbax, TensorStore), told by
+    its bytes or entries, nothing unpickled; ``format`` says which, the message what to run."""
 
     def __init__(self, message: str, format: str = "") -> None:
         super().__init__(message)
@@ -315,17 +307,14 @@ class ConvertError(NnxSaveError, ValueError):
 
 class SafetensorError(NnxSaveError):
     """``safe_open`` refused a call where ``safetensors.safe_open`` raises its own
-    ``SafetensorError``: a closed handle, an unknown framework, device or backend,
-    and (as :class:`SliceError`) an unknown tensor or a refused index. When the ``safetensors`` package is imported
-    in the process, the raised error is also an instance of
-    ``safetensors.SafetensorError`` (nnx_save never imports it), so code written
-    against safetensors catches it unchanged."""
+    ``SafetensorError`` (a closed handle, an unknown framework, device or backend). When
+    ``safetensors`` is imported in the process, the error is also a
+    ``safetensors.SafetensorError``, so code written against safetensors catches it."""
 
 
 class SliceError(SafetensorError, IndexError):
-    """``safe_open``: a key the checkpoint does not hold, or an index of a tensor that
-    safetensors refuses too: out of range, a step below 1, a non-empty list, or
-    anything but ints, slices and one Ellipsis."""
+    """``safe_open``: a key the checkpoint does not hold, or an index safetensors refuses
+    too: out of range, a step below 1, a non-empty list, anything but ints, slices, one ``...``."""
 
 
 class SourceNotFoundError(SourceError, FileNotFoundError):

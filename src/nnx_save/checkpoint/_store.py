@@ -8,7 +8,7 @@ import contextlib
 import functools
 import os
 import pathlib
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Self
 
 from etils import epath
@@ -208,9 +208,7 @@ class OrbaxCheckpointStore:
         if self._writable:
             doomed = self._disk.doomed()
             for step in doomed:
-                _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
-                self._disk.changed(step, saved=False)
-                self._metadata.pop(step, None)
+                self._retire(step)
             if doomed:
                 manager.reload()  # Orbax forgets the steps retired behind its back
 
@@ -413,16 +411,10 @@ class OrbaxCheckpointStore:
         self._schedule.saved()
         return self._step_path(step)
 
-    @contextlib.contextmanager
-    def _write_failures(self, step: int | None) -> Iterator[None]:
-        """Orbax's own write failures (tensorstore's ``ValueError`` for a full disk,
-        ``OSError`` ...) become :class:`CheckpointWriteError` naming the store."""
-        try:
-            yield
-        except NnxSaveError:
-            raise
-        except Exception as e:
-            raise CheckpointWriteError(step if step is not None else -1, self._directory, e) from e
+    def _write_failures(self, step: int | None) -> contextlib.AbstractContextManager[None]:
+        """Orbax's write failures (tensorstore's ``ValueError`` for a full disk, ``OSError``
+        ...) as :class:`CheckpointWriteError` naming the store."""
+        return _typed(lambda e: CheckpointWriteError(-1 if step is None else step, self._directory, e))
 
     def _refuse_write(self, step: int, overwrite: bool) -> bool:
         """Raise if ``step`` may not be written; return whether it already exists.
@@ -563,18 +555,11 @@ class OrbaxCheckpointStore:
             check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
-    @contextlib.contextmanager
-    def _corrupt_on_failure(self, step: int, *, any_error: bool) -> Iterator[None]:
+    def _corrupt_on_failure(self, step: int, *, any_error: bool) -> contextlib.AbstractContextManager[None]:
         """Orbax's read failures (all, or only those that look like damage: tensorstore's
         DATA_LOSS for a truncated file) as :class:`CheckpointCorruptError` naming the file."""
-        try:
-            yield
-        except NnxSaveError:
-            raise
-        except Exception as error:
-            if not (any_error or looks_damaged(error)):
-                raise
-            raise corrupt_from(step, str(self._step_path(step)), error) from error
+        where = str(self._step_path(step))
+        return _typed(lambda e: corrupt_from(step, where, e) if any_error or looks_damaged(e) else None)
 
     # -- deleting ----------------------------------------------------------------
 
@@ -587,10 +572,29 @@ class OrbaxCheckpointStore:
         self._require(step, damaged_ok=True)
         self._disk.refuse_links()
         writer = self._writer()
-        _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
+        self._retire(step)
         writer.reload()
+
+    def _retire(self, step: int) -> None:
+        """Delete ``step`` (process 0 renames it away, then removes it) and forget it."""
+        _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
         self._disk.changed(step, saved=False)
         self._metadata.pop(step, None)
+
+
+@contextlib.contextmanager
+def _typed(convert: Callable[[Exception], NnxSaveError | None]) -> Iterator[None]:
+    """An Orbax failure (not one of nnx_save's own) as the error ``convert`` makes of it
+    (``None``: raised as it is)."""
+    try:
+        yield
+    except NnxSaveError:
+        raise
+    except Exception as error:
+        typed = convert(error)
+        if typed is None:
+            raise
+        raise typed from error
 
 
 _CONTRACT: type[CheckpointStore] = OrbaxCheckpointStore  # mypy checks here that the store keeps the contract
