@@ -49,17 +49,11 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Variable(Generic[T]):
-    """One environment variable: its name, default, accepted values and meaning.
-
-    Attributes:
-        name: the variable (``NNX_SAVE_...``).
-        default: the value when it is unset or empty.
-        expected: what a value must be, in words (said by the error).
-        meaning: what it tunes, in one sentence (the docs table's last column).
-        parse: text -> value; raises ``ValueError`` for a value it refuses.
-        replaces: retired variables this one took over; setting one is an error,
-            never silently ignored.
-    """
+    """One environment variable: its ``name``, its ``default`` (when unset or empty),
+    what a value must be in words (``expected``, said by the error), what it tunes
+    (``meaning``, the docs table's last column), ``parse`` (text -> value, ``ValueError``
+    for a value it refuses), and the retired variables it ``replaces`` (setting one is an
+    error, never silently ignored)."""
 
     name: str
     default: T

@@ -331,11 +331,9 @@ class RemoteChangedError(RemoteError):
 
 
 class ConfigError(NnxSaveError, ValueError):
-    """An ``NNX_SAVE_*`` environment variable holds a value nnx_save cannot use.
-
-    Raised where the variable is used, not at import. ``variable`` names it,
-    ``expected`` says what it must hold and ``found`` what it holds.
-    """
+    """An ``NNX_SAVE_*`` environment variable holds a value nnx_save cannot use, raised
+    where it is used (not at import); ``variable``, ``expected`` and ``found`` say which,
+    what it must hold and what it holds."""
 
     def __init__(self, variable: str, expected: str, found: str) -> None:
         super().__init__(f"{variable}={found!r}: expected {expected}")

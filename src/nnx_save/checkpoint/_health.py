@@ -1,4 +1,5 @@
-"""What a store's directory holds: its steps, and which of them are damaged.
+"""What a store's directory holds: its steps, which of them are damaged, and each step's
+JSON records (metadata, dtypes), read as files and validated.
 
 A look at the files only (no Orbax manager, so no barrier), run on process 0 and shared.
 A step is *damaged* when its nnx_save record is unreadable, or an item the record names
@@ -10,17 +11,31 @@ without an nnx_save record is foreign, not damaged (refused on read).
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, UnsupportedCheckpointError
 from ..format._header import strict_json
+from . import _orbax
 from ._format import DTYPES_ITEM, METADATA_ITEM
+from ._metadata import CheckpointMetadata
+from ._tree import Path, parse_dtype_record
 
-__all__ = ["DirectoryView", "corrupt_from", "held_items", "looks_damaged", "read_json", "scan"]
+__all__ = [
+    "DirectoryView",
+    "corrupt_from",
+    "held_items",
+    "load_metadata",
+    "looks_damaged",
+    "read_json",
+    "read_record",
+    "saved_dtypes",
+    "scan",
+]
 
 _RECORD_FILE = "metadata"  # the file Orbax's JSON handler writes in an item directory
 _ARRAY_METADATA = "_METADATA"  # the file Orbax's pytree handler writes in an item directory
@@ -130,3 +145,54 @@ def corrupt_from(step: int, step_dir: str, error: BaseException) -> CheckpointCo
 def held_items(step_dir: epath.Path) -> set[str]:
     """The Orbax item names a step directory holds (its subdirectories)."""
     return {p.name for p in step_dir.iterdir() if p.is_dir()} if step_dir.is_dir() else set()
+
+
+def load_metadata(directory: pathlib.Path, step: int) -> CheckpointMetadata:
+    """The validated metadata record of a step (read as a file: no Orbax call, so no barrier)."""
+    step_dir = epath.Path(str(directory / str(step)))
+    held = held_items(step_dir)
+    if METADATA_ITEM not in held:
+        raise UnsupportedCheckpointError(
+            f"no nnx_save metadata record (Orbax items: {', '.join(sorted(held)) or 'none'})",
+            step=step,
+            directory=directory,
+        )
+    data = read_record(directory, step, METADATA_ITEM)
+    try:
+        record = CheckpointMetadata.from_dict(data)
+    except UnsupportedCheckpointError as error:
+        raise UnsupportedCheckpointError(error.found, step=step, directory=directory) from None
+    if record.step != step or not set(record.items) <= held:
+        raise UnsupportedCheckpointError(
+            f"a record for step {record.step} naming items {list(record.items)} "
+            f"(Orbax items: {', '.join(sorted(held))})",
+            step=step,
+            directory=directory,
+        )
+    return record
+
+
+def read_record(directory: pathlib.Path, step: int, item: str) -> Any:
+    """A JSON record of the step, read as a file (no Orbax call, so no barrier)."""
+    path = epath.Path(str(directory / str(step))) / item / "metadata"
+    data, problem = read_json(path)
+    if problem is not None:
+        raise CheckpointCorruptError(step, path, problem)
+    return data
+
+
+def saved_dtypes(directory: pathlib.Path, step: int, stored: Mapping[str, Any]) -> dict[str, dict[Path, str]]:
+    """The dtype record, or (for checkpoints without one) Orbax's array metadata."""
+    if DTYPES_ITEM in held_items(epath.Path(str(directory / str(step)))):
+        try:
+            record = parse_dtype_record(read_record(directory, step, DTYPES_ITEM))
+        except UnsupportedCheckpointError as error:
+            raise UnsupportedCheckpointError(error.found, step=step, directory=directory) from None
+        absent = sorted(set(stored) - set(record))
+        if absent:
+            raise UnsupportedCheckpointError(f"a dtype record without items {absent}", step=step, directory=directory)
+        return {name: record[name] for name in stored}
+    return {
+        name: {path: spec.dtype for path, spec in _orbax.stored_specs(tree).items() if spec is not None}
+        for name, tree in stored.items()
+    }

@@ -201,12 +201,7 @@ def library_versions() -> dict[str, str]:
 
 
 def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """Metrics as ``{str: float}``; numbers and 0-d arrays are accepted, NaN kept.
-
-    Raises:
-        OptionError: A key is not a str, or a value is not a real scalar or
-            is too large for a float64 (a ``ValueError``).
-    """
+    """Metrics as ``{str: float}``: numbers and 0-d arrays, NaN kept (else ``OptionError``)."""
     out: dict[str, float] = {}
     for name, value in (metrics or {}).items():
         if not isinstance(name, str):
@@ -223,14 +218,9 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
 
 
 def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``extra`` as a JSON-ready copy; refuses reserved names and lossy values.
-
-    Dict keys must be ``str`` (JSON would silently turn ``1`` into ``"1"``) and
-    floats finite. Tuples are stored as JSON arrays and come back as lists.
-
-    Raises:
-        ValueError: A key shadows a metadata field, or a value is not JSON data.
-    """
+    """``extra`` as a JSON-ready copy; ``OptionError`` for a name the record uses, and for
+    what JSON would change: a key that is not a ``str`` (``1`` would become ``"1"``), a
+    float that is not finite. Tuples are stored as JSON arrays and come back as lists."""
     extra = dict(extra or {})
     shadowed = sorted(k for k in extra if k in _FIELDS)
     if shadowed:

@@ -103,11 +103,8 @@ def _kind(leaf: Any) -> str | None:
 
 
 def template_restore_args(item: str, template: Any) -> Any:
-    """Restore arguments placing every array on its template leaf's sharding and dtype.
-
-    A ``ShapeDtypeStruct`` without a sharding lands on the default device; a numpy
-    leaf restores as numpy; a Python leaf restores as its own type.
-    """
+    """Restore arguments placing every array on its template leaf's sharding and dtype
+    (no sharding: the default device); numpy and Python leaves restore as their type."""
     return jax.tree_util.tree_map_with_path(lambda keypath, leaf: _template_arg(item, keypath, leaf), template)
 
 

@@ -79,16 +79,13 @@ class Retention:
 
     def describe(self) -> str:
         """The policies in words."""
-        parts = []
-        if self.latest is not None:
-            parts.append(f"the latest {self.latest} steps")
-        if self.best is not None:
-            parts.append(f"the best {self.best} by {self.mode} {self.metric}")
-        if self.every is not None:
-            parts.append(f"every step divisible by {self.every}")
-        if self.newer_than is not None:
-            parts.append(f"steps newer than {self.newer_than:g} s")
-        return " + ".join(parts) or "every step (no retention policy)"
+        parts = [
+            f"the latest {self.latest} steps" if self.latest is not None else "",
+            f"the best {self.best} by {self.mode} {self.metric}" if self.best is not None else "",
+            f"every step divisible by {self.every}" if self.every is not None else "",
+            f"steps newer than {self.newer_than:g} s" if self.newer_than is not None else "",
+        ]
+        return " + ".join(p for p in parts if p) or "every step (no retention policy)"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -22,15 +22,12 @@ from ..errors import (
     OptionError,
 )
 from ..load._report import DtypeCast
-from . import _exit, _orbax, _pyleaves
+from . import _exit, _orbax, _partial
 from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
-from ._guard import check_restored, check_template_dtypes
-from ._health import corrupt_from, looks_damaged
+from ._health import corrupt_from, load_metadata, looks_damaged, saved_dtypes
 from ._metadata import CheckpointMetadata, Producer, is_int
-from ._partial import PartialOptions, Selection, graft, select
-from ._records import load_metadata, saved_dtypes
 from ._retention import Retention, StepInfo, ranked
 from ._schedule import SaveSchedule
 from ._tree import dtype_record, flatten
@@ -67,26 +64,21 @@ class OrbaxCheckpointStore:
 
     Each step holds up to five named items (``model``, ``optimizer``, ``rng``,
     ``data_iterator``, ``extensions``), each a pytree of arrays, typed PRNG keys and
-    plain Python values, plus a JSON metadata record and a JSON record of every
-    array's dtype. Saves use Orbax's asynchronous checkpointing: with
-    ``save(..., blocking=False)`` the call returns once the state is copied to the
-    host (training may go on, donating the saved buffers) and the step is written
-    in the background; reading a step, the next save, :meth:`wait_until_finished`,
-    :meth:`close` and leaving the ``with`` block wait for pending saves and raise
-    their errors. Refused saves raise at the ``save`` call either way. Nothing is
-    created on disk before the first save. Restoring never executes code: Orbax
-    reads arrays, numbers, strings and JSON.
+    Python values, plus JSON records of its metadata and of every array's dtype. With
+    ``save(..., blocking=False)`` the call returns once the state is on the host
+    (training may go on, donating the saved buffers) and Orbax writes the step in the
+    background; reading a step, the next save, :meth:`wait_until_finished`, :meth:`close`
+    and leaving the ``with`` block wait for it and raise its error. Refused saves raise
+    at the call. Nothing is created before the first save; restoring never runs code.
 
-    **Retention.** After each committed save, steps that no policy of ``retention``
-    keeps are deleted (see :class:`Retention`; default: the latest 5). The policies
-    are recorded in the directory at the first save; reopening adopts them, and
-    opening with other policies raises :class:`CheckpointRetentionError` unless
-    ``change_retention=True``, since a changed policy can delete steps.
+    **Retention.** After each committed save, steps no policy of ``retention`` keeps are
+    deleted (:class:`Retention`; default: the latest 5). The policies are recorded at
+    the first save and adopted on reopening; other policies (which could delete steps)
+    raise :class:`CheckpointRetentionError` unless ``change_retention=True``.
 
-    **Several processes.** In a multi-process JAX run every process opens the store
-    and calls each method in the same order; decisions about the directory (which
-    steps exist, which are damaged, which retention deletes, whether a save is due)
-    are made on process 0 and shared, so every process takes the same path.
+    **Several processes.** Every process opens the store and calls each method in the
+    same order; decisions about the directory (steps, damage, retention, whether a save
+    is due) are made on process 0 and shared, so every process takes the same path.
 
     Args:
         directory: The checkpoint directory (relative paths against the working
@@ -237,15 +229,12 @@ class OrbaxCheckpointStore:
     # -- when to save ------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether the loop should save ``step`` now: at a preemption (``SIGTERM``;
-        with several processes, JAX's preemption sync point, the same step on every
-        process), else by the intervals (with none, every step). A step the store
-        already holds is never due. Call it at every step, on every process.
-
-        The first call installs a ``SIGTERM`` handler in a one-process run (from the
-        main thread; :meth:`close` puts the previous one back), so the signal asks
-        for a save instead of ending the process: check :attr:`preemption_requested`
-        after saving and stop.
+        """Whether the loop should save ``step`` now: at a preemption (``SIGTERM``; with
+        several processes, JAX's preemption sync point), else by the intervals (with none,
+        every step). A step the store holds is never due. Call it at every step, on every
+        process. In a one-process run the first call installs a ``SIGTERM`` handler
+        (:meth:`close` puts the previous one back), so the signal asks for a save instead of
+        ending the process: check :attr:`preemption_requested` after saving and stop.
 
         Examples:
             >>> import tempfile
@@ -482,15 +471,12 @@ class OrbaxCheckpointStore:
         allow_shape_mismatch: Sequence[str] = (),
     ) -> Checkpoint:
         """Read ``step``. Items with a template come back in its structure, on its
-        shardings; items without one come back as stored (nested dicts and lists,
-        string keys, the stored shardings).
-
-        A template also says which leaves to read: with ``strict=False`` or the
-        ``allow_*`` patterns (glob or regex over ``item/leaf`` paths, e.g.
-        ``"model/head/*"``), a template may leave out stored leaves (params only)
-        or hold leaves the step lacks or stores in another shape (a new head):
-        only the matching leaves are read, the others keep the template's value,
-        and ``checkpoint.report`` lists them as ``load_model``'s report does.
+        shardings; items without one as stored (nested dicts and lists, string keys, the
+        stored shardings). With ``strict=False`` or the ``allow_*`` patterns (glob or
+        regex over ``item/leaf`` paths, e.g. ``"model/head/*"``) a template may leave out
+        stored leaves or hold leaves the step lacks or stores in another shape: only the
+        matching leaves are read, the others keep the template's value, and
+        ``checkpoint.report`` lists them as ``load_model``'s report does.
 
         Args:
             step: The step to read.
@@ -532,13 +518,17 @@ class OrbaxCheckpointStore:
         with self._corrupt_on_failure(step, any_error=True):  # Orbax's metadata of an item is unreadable
             stored = _orbax.stored_trees(manager, step, names)
         saved = saved_dtypes(self._directory, step, stored)
-        options = PartialOptions(strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch))
+        options = _partial.PartialOptions(
+            strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
+        )
         given = {n: templates[n] for n in names if n in templates}
-        given, retyped = _pyleaves.prepare(step, given, {n: _orbax.stored_kinds(stored[n]) for n in given})
+        given, retyped = _partial.prepare(step, given, {n: _orbax.stored_kinds(stored[n]) for n in given})
         whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
         specs = {n: _orbax.stored_specs(stored[n]) for n in given}
-        chosen, report = select(step, given, specs, options, str(self._step_path(step)))
-        casts = check_template_dtypes(step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped)
+        chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
+        casts = _partial.check_template_dtypes(
+            step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
+        )
         report.dtype_casts.extend(
             DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
         )
@@ -549,10 +539,12 @@ class OrbaxCheckpointStore:
         if plan:
             with self._corrupt_on_failure(step, any_error=False):
                 read = _orbax.restore_items(manager, step, plan, partial)
-        restored = {n: graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names}
-        restored = {n: _pyleaves.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
+        restored = {
+            n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
+        }
+        restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
         if not cast_dtypes:
-            check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
+            _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
     def _corrupt_on_failure(self, step: int, *, any_error: bool) -> contextlib.AbstractContextManager[None]:
@@ -600,7 +592,9 @@ def _typed(convert: Callable[[Exception], NnxSaveError | None]) -> Iterator[None
 _CONTRACT: type[CheckpointStore] = OrbaxCheckpointStore  # mypy checks here that the store keeps the contract
 
 
-def _plan(name: str, whole: tuple[Any, Any] | None, selection: Selection | None, stored: Any) -> tuple[Any, Any]:
+def _plan(
+    name: str, whole: tuple[Any, Any] | None, selection: _partial.Selection | None, stored: Any
+) -> tuple[Any, Any]:
     """``(template, restore_args)`` for one item: as stored, the whole template, or
     the template's leaves that are read."""
     if whole is None or selection is None:
