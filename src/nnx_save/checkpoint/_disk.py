@@ -24,6 +24,7 @@ from ..errors import (
 from ..save._write import _write_all, atomic_file
 from . import _orbax
 from ._agree import agree
+from ._directory import is_url
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
 from ._metadata import is_number
@@ -125,7 +126,7 @@ class Disk:
 
     def _record(self, retention: Retention) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        if _is_local(self.path):
+        if not is_url(str(self.path)):
             with atomic_file(os.fspath(self.path / STORE_RECORD)) as fd:  # a unique, exclusively created temporary
                 _write_all(fd, memoryview(record_json(retention).encode()))
         else:  # an object store: a write is atomic and there are no links to follow
@@ -140,7 +141,7 @@ class Disk:
             raise CheckpointLinkError(str(self.path / name), target, str(self.path))
 
     def _links(self) -> list[list[str]]:
-        if not _is_local(self.path) or not self.path.is_dir():
+        if is_url(str(self.path)) or not self.path.is_dir():
             return []
         names = sorted(n for n in os.listdir(os.fspath(self.path)) if _MANAGED.fullmatch(n))
         return [[n, os.readlink(self.path / n)] for n in names if os.path.islink(self.path / n)]
@@ -179,7 +180,3 @@ class Disk:
             step_dir.rename(retired)
         if retired.exists():
             retired.rmtree()
-
-
-def _is_local(path: epath.Path) -> bool:
-    return "://" not in str(path)

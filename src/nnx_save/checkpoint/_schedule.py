@@ -27,14 +27,9 @@ __all__ = ["SaveSchedule"]
 
 @dataclasses.dataclass
 class SaveSchedule:
-    """Save intervals and the preemption state of one store.
-
-    Attributes:
-        every_steps: A step divisible by this is due (None: no step interval).
-        every_seconds: A step is due once this many seconds passed since the last
-            save, or since the schedule started (None: no time interval).
-
-    With neither interval every step is due.
+    """Save intervals and the preemption state of one store: a step is due when
+    divisible by ``every_steps``, or once ``every_seconds`` passed since the last save
+    (or the start); with neither interval every step is due.
 
     Examples:
         >>> schedule = SaveSchedule(every_steps=100)

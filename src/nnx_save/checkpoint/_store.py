@@ -309,7 +309,8 @@ class OrbaxCheckpointStore:
             )
         return best[0]
 
-    def _require(self, step: int, *, damaged_ok: bool = False) -> Any:
+    def _require(self, step: int, *, damaged_ok: bool = False) -> None:
+        """Raise unless ``step`` is stored (and undamaged, unless ``damaged_ok``), once pending saves landed."""
         step = check_step(step)
         manager = self._reader()
         if manager is not None:
@@ -319,7 +320,6 @@ class OrbaxCheckpointStore:
             raise view.corrupt_error(step)
         if manager is None or step not in view.steps:
             raise CheckpointNotFoundError(step, self._directory, self.list_steps())
-        return manager
 
     def _step_path(self, step: int) -> pathlib.Path:
         return self._directory / str(step)
