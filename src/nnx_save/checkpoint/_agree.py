@@ -28,12 +28,9 @@ T = TypeVar("T")
 
 
 def agree(name: str, decide: Callable[[], T]) -> T:
-    """``decide()`` as computed on process 0, on every process.
-
-    The value must be JSON data (it travels as JSON, so tuples come back as lists).
-    With one process this is ``decide()``. Every process must call ``agree`` the same
-    number of times, in the same order; ``name`` checks that they do. The decision's
-    keys are deleted by the last process to read them (:mod:`~nnx_save.io._kv`).
+    """``decide()`` as computed on process 0, on every process: JSON data (tuples come
+    back as lists). Every process calls ``agree`` as often, in the same order (``name``
+    checks it); the last to read a decision deletes its keys.
 
     Raises:
         CheckpointSyncError: Process 0's decision failed, did not come within the

@@ -35,11 +35,8 @@ class OrbaxLeaf(NamedTuple):
 
 
 def orbax_arrays(path: str | os.PathLike) -> list[OrbaxLeaf]:
-    """Every leaf of an Orbax PyTree checkpoint directory, as host numpy arrays.
-
-    Raises:
-        UnsupportedValueError: a leaf that is no array or number (a string), named.
-    """
+    """Every leaf of an Orbax PyTree checkpoint directory, as host numpy arrays (a leaf
+    that is no array or number is an :class:`UnsupportedValueError` naming it)."""
     where = os.path.abspath(path)  # Orbax refuses relative paths
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # orbax warns that no target sharding was given: host arrays are wanted

@@ -32,8 +32,7 @@ class _Settles(Protocol):
 _lock = threading.Lock()
 _stores: dict[int, _Settles] = {}  # id -> store with a save in flight (kept alive until settled)
 _hooked = False
-_previous_sigterm: Any = None
-_sigterm_installed = False
+_sigterm_installed = False  # the handler is only ever installed over SIG_DFL, so SIG_DFL is what it replaced
 
 
 def pending(store: _Settles) -> None:
@@ -89,13 +88,12 @@ def _at_exit() -> None:
 
 
 def _install_sigterm() -> None:
-    global _previous_sigterm, _sigterm_installed
+    global _sigterm_installed
     if _sigterm_installed or threading.current_thread() is not threading.main_thread() or not _one_process():
         return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return  # the caller's handler (or the store's preemption handler) decides what SIGTERM does
-    _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-    _sigterm_installed = True
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # else the caller's (or preemption) handler decides
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _sigterm_installed = True
 
 
 def _uninstall_sigterm() -> None:
@@ -103,14 +101,14 @@ def _uninstall_sigterm() -> None:
     if not _sigterm_installed or threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-        signal.signal(signal.SIGTERM, _previous_sigterm)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _sigterm_installed = False
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     failures = _settle_all()
     _report(failures)
-    signal.signal(signal.SIGTERM, _previous_sigterm if _previous_sigterm is not None else signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.raise_signal(signal.SIGTERM)  # end as the signal would have, once the steps are on disk
 
 

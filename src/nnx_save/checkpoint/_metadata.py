@@ -1,6 +1,7 @@
-"""The metadata record stored (as JSON) with every checkpoint step, and the checks of
-what a save puts in it. A record this version cannot read is refused with
-:class:`UnsupportedCheckpointError` before anything else is restored."""
+"""The metadata record stored (as JSON) with every checkpoint step, and the checks of a
+store call's arguments (steps, items, metadata fields, restore names). A record this
+version cannot read is refused with :class:`UnsupportedCheckpointError` before anything
+else is restored."""
 
 from __future__ import annotations
 
@@ -9,14 +10,25 @@ import datetime
 import importlib.metadata
 import json
 import math
-from collections.abc import Callable, Mapping
+import numbers
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeGuard
 
 from .._version import __version__
-from ..errors import OptionError, UnsupportedCheckpointError, short_repr
+from ..errors import CheckpointItemError, OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
+from ._tree import check_item
 
-__all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "is_int", "is_number", "library_versions"]
+__all__ = [
+    "CheckpointMetadata",
+    "Producer",
+    "check_items",
+    "check_step",
+    "is_int",
+    "is_number",
+    "new_metadata",
+    "restore_names",
+]
 
 # Distributions whose versions every checkpoint records, for reproducing a run.
 _DISTRIBUTIONS = ("jax", "jaxlib", "flax", "orbax-checkpoint", "optax", "numpy")
@@ -249,6 +261,57 @@ def _check_json(where: str, value: Any) -> None:
         )
 
 
-def utc_now() -> str:
-    """The current time, ISO 8601 with an explicit UTC offset."""
-    return datetime.datetime.now(datetime.UTC).isoformat()
+def check_step(step: Any) -> int:
+    """A step as an int in ``[0, 2**63)`` (Orbax and its metadata count steps in int64)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise OptionError(f"step must be a non-negative int, got {step!r}")
+    if int(step) >= 2**63:
+        raise OptionError(f"step must be below 2**63 (Orbax counts steps in int64), got {step!r}")
+    return int(step)
+
+
+def check_items(items: Mapping[str, Any]) -> tuple[str, ...]:
+    """The item names in canonical order, after validating every leaf."""
+    if not isinstance(items, Mapping) or not items:
+        raise OptionError(f"items must be a non-empty mapping of {', '.join(ITEM_NAMES)}, got {items!r}")
+    for name, tree in items.items():
+        check_item(name, tree)
+    return tuple(name for name in ITEM_NAMES if name in items)
+
+
+def new_metadata(
+    step: int,
+    names: tuple[str, ...],
+    epoch: int | None,
+    metrics: Mapping[str, Any] | None,
+    producer: Producer | None,
+    extra: Mapping[str, Any] | None,
+) -> CheckpointMetadata:
+    if epoch is not None and not is_int(epoch):
+        raise OptionError(f"epoch must be a non-negative int or None, got {epoch!r}")
+    if producer is not None and not isinstance(producer, Producer):
+        raise OptionError(f"producer must be a Producer(name, version) or None, got {producer!r}")
+    return CheckpointMetadata(
+        step=step,
+        items=names,
+        epoch=epoch,
+        metrics=check_metrics(metrics),
+        extra=check_extra(extra),
+        producer=producer,
+        library_versions=library_versions(),
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(),  # with an explicit UTC offset
+    )
+
+
+def restore_names(metadata: CheckpointMetadata, templates: Mapping[str, Any], items: Iterable[str] | None) -> list[str]:
+    wanted = list(metadata.items if items is None else items)
+    for name in [*wanted, *templates]:
+        if name not in ITEM_NAMES:
+            raise OptionError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
+    unused = sorted(set(templates) - set(wanted))
+    if unused:
+        raise OptionError(f"templates given for {unused}, which items={wanted} does not restore")
+    absent = [name for name in wanted if name not in metadata.items]
+    if absent:
+        raise CheckpointItemError(metadata.step, absent, metadata.items)
+    return [name for name in metadata.items if name in wanted]

@@ -77,12 +77,9 @@ def select(
     options: PartialOptions,
     source: str,
 ) -> tuple[dict[str, Selection], LoadReport]:
-    """Compare each template with the stored specs; raise or warn as ``options`` say.
-
-    Raises:
-        CheckpointTemplateError: A leaf is an array on one side and a Python value on
-            the other (always), or, under ``strict``, any mismatch not allowed.
-    """
+    """Compare each template with the stored specs; raise :class:`CheckpointTemplateError`
+    for a leaf that is an array on one side, a Python value on the other (always), or any
+    mismatch not allowed under ``strict``; else warn once."""
     report, selections = LoadReport(source=source), {}
     problems: list[str] = []
     kinds: list[str] = []
@@ -253,13 +250,9 @@ def prepare(
 
 
 def cast_back(step: int, item: str, restored: Any, casts: Sequence[DtypeMismatch], report: list[DtypeCast]) -> Any:
-    """Cast the restored values named in ``casts`` (of ``item``) to their template's
-    type; record each cast in ``report`` and warn for a value the cast changed.
-
-    Raises:
-        CheckpointTemplateError: A value the template's type cannot hold (NaN or an
-            infinity onto an ``int``).
-    """
+    """Cast the restored values named in ``casts`` (of ``item``) to their template's type,
+    each recorded in ``report``, a warning for a value the cast changed, and a
+    :class:`CheckpointTemplateError` for one the type cannot hold (NaN onto an ``int``)."""
     wanted = {m.leaf: m for m in casts if m.item == item}
     if not wanted:
         return restored

@@ -141,11 +141,7 @@ def record_json(retention: Retention) -> str:
 
 
 def parse_record(text: str) -> Retention:
-    """Read a retention record back.
-
-    Raises:
-        UnsupportedCheckpointError: Not a record this version reads.
-    """
+    """Read a retention record back (:class:`UnsupportedCheckpointError`: not one this version reads)."""
     try:
         data = strict_json(text)
         if (

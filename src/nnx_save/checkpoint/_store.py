@@ -23,11 +23,10 @@ from ..errors import (
 )
 from ..load._report import DtypeCast
 from . import _exit, _orbax, _partial
-from ._args import check_items, check_step, new_metadata, restore_names
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._health import corrupt_from, load_metadata, looks_damaged, saved_dtypes
-from ._metadata import CheckpointMetadata, Producer, is_int
+from ._metadata import CheckpointMetadata, Producer, check_items, check_step, is_int, new_metadata, restore_names
 from ._retention import Retention, StepInfo, ranked
 from ._schedule import SaveSchedule
 from ._tree import dtype_record, flatten
