@@ -563,9 +563,7 @@ class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
         got = "in the template" if before_read else "restored"
         lines = "\n  ".join(f"{m.item}/{m.leaf}: {m.saved} saved, {m.restored} {got}" for m in self.mismatches)
         remedy = f"{_X64_HINT}, or pass" if x64_off else "Pass"
-        what = (
-            "arrays change dtype" if not any("(Python)" in m.saved for m in self.mismatches) else "leaves change type"
-        )
+        what = "leaves change type" if any("(Python)" in m.saved for m in self.mismatches) else "arrays change dtype"
         super().__init__(
             f"step {step}: {len(self.mismatches)} {what} on restore:\n  {lines}\n"
             f"{remedy} cast_dtypes=True to accept the casts"

@@ -25,17 +25,7 @@ from ._format import DTYPES_ITEM, METADATA_ITEM
 from ._metadata import CheckpointMetadata
 from ._tree import Path, parse_dtype_record
 
-__all__ = [
-    "DirectoryView",
-    "corrupt_from",
-    "held_items",
-    "load_metadata",
-    "looks_damaged",
-    "read_json",
-    "read_record",
-    "saved_dtypes",
-    "scan",
-]
+__all__ = ["DirectoryView", "corrupt_from", "load_metadata", "looks_damaged", "read_json", "saved_dtypes", "scan"]
 
 _RECORD_FILE = "metadata"  # the file Orbax's JSON handler writes in an item directory
 _ARRAY_METADATA = "_METADATA"  # the file Orbax's pytree handler writes in an item directory
@@ -142,7 +132,7 @@ def corrupt_from(step: int, step_dir: str, error: BaseException) -> CheckpointCo
     return CheckpointCorruptError(step, where.group(1) if where else step_dir, problem)
 
 
-def held_items(step_dir: epath.Path) -> set[str]:
+def _held_items(step_dir: epath.Path) -> set[str]:
     """The Orbax item names a step directory holds (its subdirectories)."""
     return {p.name for p in step_dir.iterdir() if p.is_dir()} if step_dir.is_dir() else set()
 
@@ -150,14 +140,14 @@ def held_items(step_dir: epath.Path) -> set[str]:
 def load_metadata(directory: pathlib.Path, step: int) -> CheckpointMetadata:
     """The validated metadata record of a step (read as a file: no Orbax call, so no barrier)."""
     step_dir = epath.Path(str(directory / str(step)))
-    held = held_items(step_dir)
+    held = _held_items(step_dir)
     if METADATA_ITEM not in held:
         raise UnsupportedCheckpointError(
             f"no nnx_save metadata record (Orbax items: {', '.join(sorted(held)) or 'none'})",
             step=step,
             directory=directory,
         )
-    data = read_record(directory, step, METADATA_ITEM)
+    data = _read_record(directory, step, METADATA_ITEM)
     try:
         record = CheckpointMetadata.from_dict(data)
     except UnsupportedCheckpointError as error:
@@ -172,7 +162,7 @@ def load_metadata(directory: pathlib.Path, step: int) -> CheckpointMetadata:
     return record
 
 
-def read_record(directory: pathlib.Path, step: int, item: str) -> Any:
+def _read_record(directory: pathlib.Path, step: int, item: str) -> Any:
     """A JSON record of the step, read as a file (no Orbax call, so no barrier)."""
     path = epath.Path(str(directory / str(step))) / item / "metadata"
     data, problem = read_json(path)
@@ -183,9 +173,9 @@ def read_record(directory: pathlib.Path, step: int, item: str) -> Any:
 
 def saved_dtypes(directory: pathlib.Path, step: int, stored: Mapping[str, Any]) -> dict[str, dict[Path, str]]:
     """The dtype record, or (for checkpoints without one) Orbax's array metadata."""
-    if DTYPES_ITEM in held_items(epath.Path(str(directory / str(step)))):
+    if DTYPES_ITEM in _held_items(epath.Path(str(directory / str(step)))):
         try:
-            record = parse_dtype_record(read_record(directory, step, DTYPES_ITEM))
+            record = parse_dtype_record(_read_record(directory, step, DTYPES_ITEM))
         except UnsupportedCheckpointError as error:
             raise UnsupportedCheckpointError(error.found, step=step, directory=directory) from None
         absent = sorted(set(stored) - set(record))

@@ -27,16 +27,12 @@ from ..load._report import DtypeCast, LoadReport, LossyCastWarning, ShapeMismatc
 from ._tree import Path, Spec, flatten, leaf_spec, segment, show
 
 __all__ = [
-    "PYTHON",
     "PartialOptions",
     "Selection",
     "cast_back",
     "check_restored",
     "check_template_dtypes",
-    "dtype_mismatches",
-    "explained_by_x64",
     "graft",
-    "kind_of",
     "prepare",
     "select",
 ]
@@ -143,11 +139,11 @@ def graft(selection: Selection, read: Mapping[Path, Any]) -> Any:
 # -- dtypes ------------------------------------------------------------------------------
 
 
-def dtype_mismatches(item: str, leaves: Sequence[tuple[Path, Any]], saved: Mapping[Path, str]) -> list[DtypeMismatch]:
+def _dtype_mismatches(item: str, leaves: Sequence[tuple[Path, Any]], saved: Mapping[Path, str]) -> list[DtypeMismatch]:
     """Array leaves whose dtype differs from the saved one (Python leaves are skipped).
 
     Examples:
-        >>> dtype_mismatches("model", [(("w",), np.zeros(2, np.float16))], {("w",): "float32"})
+        >>> _dtype_mismatches("model", [(("w",), np.zeros(2, np.float16))], {("w",): "float32"})
         [DtypeMismatch(item='model', leaf='w', saved='float32', restored='float16')]
     """
     return [
@@ -157,7 +153,7 @@ def dtype_mismatches(item: str, leaves: Sequence[tuple[Path, Any]], saved: Mappi
     ]
 
 
-def explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
+def _explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
     """True when jax's x64 mode is off and it narrowed a 64-bit array to 32 bits."""
     if jax.config.read("jax_enable_x64"):
         return False
@@ -176,7 +172,7 @@ def check_template_dtypes(
 ) -> list[DtypeMismatch]:
     """The template leaves to be read whose dtype differs from the saved one (and the
     ``python`` leaves of another type); raise before anything is read unless ``cast_dtypes``."""
-    mismatches = [m for name, pairs in read.items() for m in dtype_mismatches(name, pairs, saved[name])]
+    mismatches = [m for name, pairs in read.items() for m in _dtype_mismatches(name, pairs, saved[name])]
     mismatches += python
     if mismatches and not cast_dtypes:
         raise CheckpointDtypeMismatchError(step, mismatches, before_read=True)
@@ -185,23 +181,23 @@ def check_template_dtypes(
 
 def check_restored(step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]]) -> None:
     """Compare items restored without a template with the saved dtypes."""
-    mismatches = [m for name, tree in restored.items() for m in dtype_mismatches(name, flatten(tree), saved[name])]
+    mismatches = [m for name, tree in restored.items() for m in _dtype_mismatches(name, flatten(tree), saved[name])]
     if mismatches:
-        raise CheckpointDtypeMismatchError(step, mismatches, x64_off=explained_by_x64(mismatches))
+        raise CheckpointDtypeMismatchError(step, mismatches, x64_off=_explained_by_x64(mismatches))
 
 
 # -- Python leaves -----------------------------------------------------------------------
 
-PYTHON = " (Python)"  # the suffix naming a Python type in a DtypeMismatch ("float (Python)")
+_PYTHON = " (Python)"  # the suffix naming a Python type in a DtypeMismatch ("float (Python)")
 _TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}  # bool first: a bool is an int
 _EXAMPLES: dict[str, Any] = {"bool": False, "int": 0, "float": 0.0, "str": ""}
 
 
-def kind_of(leaf: Any) -> str | None:
+def _kind_of(leaf: Any) -> str | None:
     """``"bool"``, ``"int"``, ``"float"`` or ``"str"`` for a Python leaf, else None.
 
     Examples:
-        >>> [kind_of(v) for v in (True, 3, 2.5, "x", [1])]
+        >>> [_kind_of(v) for v in (True, 3, 2.5, "x", [1])]
         ['bool', 'int', 'float', 'str', None]
     """
     return next((name for name, kind in _TYPES.items() if isinstance(leaf, kind)), None)
@@ -213,7 +209,7 @@ def _as_stored(template: Any, stored: Mapping[Path, str]) -> Any:
 
     def leaf(keypath: Any, value: Any) -> Any:
         have = stored.get(tuple(segment(e) for e in keypath))
-        return _EXAMPLES[have] if kind_of(value) is not None and have is not None else value
+        return _EXAMPLES[have] if _kind_of(value) is not None and have is not None else value
 
     return jax.tree_util.tree_map_with_path(leaf, template)
 
@@ -236,7 +232,7 @@ def prepare(
         (name, show(path), want, stored[name][path])
         for name, tree in templates.items()
         for path, leaf in flatten(tree)
-        if (want := kind_of(leaf)) is not None and path in stored[name] and want != stored[name][path]
+        if (want := _kind_of(leaf)) is not None and path in stored[name] and want != stored[name][path]
     ]
     problems = [
         f"{name}/{where}: {_article(want)} in the template, {_article(have)} in the checkpoint"
@@ -245,7 +241,7 @@ def prepare(
     ]
     if problems:
         raise CheckpointTemplateError(step, problems)
-    mismatches = [DtypeMismatch(name, where, have + PYTHON, want + PYTHON) for name, where, want, have in differ]
+    mismatches = [DtypeMismatch(name, where, have + _PYTHON, want + _PYTHON) for name, where, want, have in differ]
     return {name: _as_stored(tree, stored[name]) for name, tree in templates.items()}, mismatches
 
 
@@ -263,7 +259,7 @@ def cast_back(step: int, item: str, restored: Any, casts: Sequence[DtypeMismatch
             return value
         mismatch = wanted[where]
         try:
-            cast = _TYPES[mismatch.restored.removesuffix(PYTHON)](value)
+            cast = _TYPES[mismatch.restored.removesuffix(_PYTHON)](value)
         except (ValueError, OverflowError):  # int(nan), int(inf)
             problem = f"{item}/{where}: the stored {mismatch.saved} {value!r} cannot be restored as {mismatch.restored}"
             raise CheckpointTemplateError(step, [problem]) from None
