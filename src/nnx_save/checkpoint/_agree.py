@@ -65,12 +65,12 @@ def agree(name: str, decide: Callable[[], T]) -> T:
 
 
 def _exchange(kv: _kv.Channel, key: str, name: str, mine: dict | None) -> dict:
-    """Post process 0's decision ``mine``, or wait for it (bounded as every wait on another process is)."""
+    """Post process 0's decision ``mine``, or wait for it (bounded like every wait on another process)."""
     timeout = _config.COLLECTIVE_TIMEOUT_S.get()
     try:
         return json.loads(kv.gather(key, None if mine is None else json.dumps(mine), {0}, timeout)[0])
     except _kv.Unanswered as error:
         raise CheckpointSyncError(
-            f"process {kv.pid} waited {timeout:g} s ({_config.COLLECTIVE_TIMEOUT_S.name}) for process 0 to decide {name!r} "
-            f"and got no answer ({error}); did process 0 die, or stop calling the store?"
+            f"process {kv.pid} waited {timeout:g} s ({_config.COLLECTIVE_TIMEOUT_S.name}) for process 0 to "
+            f"decide {name!r} and got no answer ({error}); did process 0 die, or stop calling the store?"
         ) from error
