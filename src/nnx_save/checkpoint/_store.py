@@ -32,7 +32,7 @@ from ._schedule import SaveSchedule
 from ._tree import dtype_record, flatten
 from ._types import Checkpoint, CheckpointStore
 
-__all__ = ["Checkpoint", "CheckpointStore", "OrbaxCheckpointStore"]  # the first two from ._types
+__all__ = ["OrbaxCheckpointStore"]
 
 
 class _Unset:
@@ -168,10 +168,9 @@ class OrbaxCheckpointStore:
         if manager is not None:
             try:
                 self._settle(manager)
-            finally:
+            finally:  # _settle has marked the pending save landed, even when it raised
                 self._manager = None
                 manager.close()
-                self._landed()
 
     def _pending_description(self) -> str:
         return f"step {self._in_flight} in {self._directory}"
