@@ -32,12 +32,12 @@ def _table_rows() -> list[tuple[str, ...]]:
 def test_the_docs_table_is_the_config_module():
     expected = [(f"`{v.name}`", f"`{v.default_text}`", v.expected, v.meaning) for v in _config.VARIABLES]
     assert _table_rows() == expected
-    assert len(NAMES) == len(set(NAMES)) == 10
+    assert len(NAMES) == len(set(NAMES)) == 9
 
 
 def test_every_variable_named_in_the_package_is_in_the_table():
     named = {m for file in SRC.rglob("*.py") for m in re.findall(r"NNX_SAVE_[A-Z0-9_]+", file.read_text())}
-    assert named == set(NAMES)
+    assert named == set(NAMES) | {old for v in _config.VARIABLES for old in v.replaces}
 
 
 def test_only_the_config_module_reads_the_environment():
@@ -86,7 +86,7 @@ def test_good_values_parse(variable, text, value, monkeypatch):
         (_config.HTTP_TIMEOUT, "0"),
         (_config.HTTP_TIMEOUT, "inf"),
         (_config.COLLECTIVE_TIMEOUT_S, "-1"),
-        (_config.STORE_TIMEOUT_S, "nan"),
+        (_config.COLLECTIVE_TIMEOUT_S, "nan"),
         (_config.MAX_ASYNC_SAVES, "1.5"),
         (_config.SAVE_INFLIGHT_BYTES, "0"),
         (_config.PROGRESS_MIN_BYTES, "-1"),
@@ -142,3 +142,25 @@ def test_the_modules_read_their_variables_through_config(tmp_path, monkeypatch):
     nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w.safetensors")
     with pytest.raises(ConfigError, match=re.escape("NNX_SAVE_STAGING='fast': expected auto, pinned or pageable")):
         nnx_save.load_file(tmp_path / "w.safetensors", {"w": jnp.zeros(2)}, stream=True)
+
+
+def test_the_store_waits_as_long_as_every_other_exchange(monkeypatch):
+    """One timeout bounds every wait on another process, the store's decisions included;
+    the variable the store once read is refused, naming its replacement, not ignored."""
+    from nnx_save.checkpoint import _agree
+    from nnx_save.io import _kv
+
+    channel = _kv.Channel(1, 2, object())  # read before any wait
+    monkeypatch.setenv("NNX_SAVE_COLLECTIVE_TIMEOUT_S", "soon")
+    with pytest.raises(ConfigError, match=re.escape("NNX_SAVE_COLLECTIVE_TIMEOUT_S='soon'")):
+        _agree._exchange(channel, "k", "open", None)
+    monkeypatch.delenv("NNX_SAVE_COLLECTIVE_TIMEOUT_S")
+    monkeypatch.setenv("NNX_SAVE_STORE_TIMEOUT_S", "60")
+    expected = "NNX_SAVE_STORE_TIMEOUT_S='60': expected it unset: NNX_SAVE_COLLECTIVE_TIMEOUT_S replaces it ("
+    with pytest.raises(ConfigError, match=re.escape(expected)) as info:
+        _agree._exchange(channel, "k", "open", None)
+    assert (info.value.variable, info.value.found) == ("NNX_SAVE_STORE_TIMEOUT_S", "60")
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        _config.COLLECTIVE_TIMEOUT_S.get()  # the collective saves and shared reads refuse it too
+    monkeypatch.setenv("NNX_SAVE_STORE_TIMEOUT_S", " ")
+    assert _config.COLLECTIVE_TIMEOUT_S.get() == 1800.0  # empty means unset, as for every variable

@@ -1,12 +1,10 @@
 """Every ``NNX_SAVE_*`` environment variable: read, validated and documented here only.
 
-Each variable is one :class:`Variable`; the modules that need one call its
-:meth:`~Variable.get` where the value is used, never at import, so a test or a
-program may set the variable at any time before the operation it tunes. A value
-that cannot be used is a :class:`~nnx_save.errors.ConfigError` naming the variable,
-what it must hold and what it holds. An unset or empty variable means its default.
-docs/configuration.md shows :data:`VARIABLES` as a table (tests/test_config.py
-keeps the two equal).
+Each is one :class:`Variable`, read by :meth:`~Variable.get` where the value is used,
+never at import, so it may be set any time before the operation it tunes. An unset or
+empty variable means its default; a value that cannot be used is a
+:class:`~nnx_save.errors.ConfigError` naming the variable, what it must hold and what
+it holds. docs/configuration.md shows :data:`VARIABLES` as a table.
 
 Examples:
     >>> import os
@@ -40,7 +38,6 @@ __all__ = [
     "PROGRESS_MIN_BYTES",
     "SAVE_INFLIGHT_BYTES",
     "STAGING",
-    "STORE_TIMEOUT_S",
     "STREAM",
     "VARIABLES",
     "Variable",
@@ -52,28 +49,29 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 @dataclass(frozen=True)
 class Variable(Generic[T]):
-    """One environment variable: its name, default, accepted values and meaning.
-
-    Attributes:
-        name: the variable (``NNX_SAVE_...``).
-        default: the value when it is unset or empty.
-        expected: what a value must be, in words (said by the error).
-        meaning: what it tunes, in one sentence (the docs table's last column).
-        parse: text -> value; raises ``ValueError`` for a value it refuses.
-    """
+    """One environment variable: its ``name``, its ``default`` (when unset or empty),
+    what a value must be in words (``expected``, said by the error), what it tunes
+    (``meaning``, the docs table's last column), ``parse`` (text -> value, ``ValueError``
+    for a value it refuses), and the retired variables it ``replaces`` (setting one is an
+    error, never silently ignored)."""
 
     name: str
     default: T
     expected: str
     meaning: str
     parse: Callable[[str], T]
+    replaces: tuple[str, ...] = ()
 
     def get(self) -> T:
         """The variable's value now: parsed, or the default when unset or empty.
 
         Raises:
-            ConfigError: the value is not one :attr:`expected` allows.
+            ConfigError: the value is not one :attr:`expected` allows, or a
+                variable this one replaces is set.
         """
+        for old in self.replaces:
+            if os.environ.get(old, "").strip():
+                raise ConfigError(old, f"it unset: {self.name} replaces it ({self.meaning})", os.environ[old])
         raw = os.environ.get(self.name, "")
         if not raw.strip():
             return self.default
@@ -163,15 +161,10 @@ COLLECTIVE_TIMEOUT_S: Variable[float] = Variable(
     "NNX_SAVE_COLLECTIVE_TIMEOUT_S",
     1800.0,
     "a positive number of seconds",
-    "seconds a process of a multi-process save or pod save waits for the others at each step",
+    "seconds a process waits for the others at each step of every multi-process exchange: collective "
+    "and pod saves, shared reads, the checkpoint store's decisions",
     _positive_float,
-)
-STORE_TIMEOUT_S: Variable[float] = Variable(
-    "NNX_SAVE_STORE_TIMEOUT_S",
-    300.0,
-    "a positive number of seconds",
-    "seconds a process of the checkpoint store waits for process 0's decision about the directory",
-    _positive_float,
+    replaces=("NNX_SAVE_STORE_TIMEOUT_S",),
 )
 MAX_ASYNC_SAVES: Variable[int] = Variable(
     "NNX_SAVE_MAX_ASYNC_SAVES",
@@ -208,7 +201,6 @@ VARIABLES: tuple[Variable, ...] = (
     HTTP_TIMEOUT,
     HTTP_MIN_RATE,
     COLLECTIVE_TIMEOUT_S,
-    STORE_TIMEOUT_S,
     MAX_ASYNC_SAVES,
     SAVE_INFLIGHT_BYTES,
     FORCE_HOST_STAGING,

@@ -1,15 +1,11 @@
 """Every error and warning nnx_save raises or emits, in one public module.
 
-Every error is an :class:`NnxSaveError`, and also the builtin a caller would naturally
-catch (``ValueError``, ``TypeError``, ``KeyError``, ``OSError``, ...). Malformed files
-are :class:`HeaderError`, with one subclass per check so callers and tests can tell the
-cases apart; a bad ``NNX_SAVE_*`` environment variable is a :class:`ConfigError`, a bad
-argument or option an :class:`OptionError`. The checkpoint store's errors
-(:class:`CheckpointError` and below) and the porting errors (:class:`RuleError` and
-below) are defined here too, and re-exported by ``nnx_save.checkpoint`` and
-``nnx_save.porting``. Warnings: :class:`LoadWarning` and its subclasses,
-:class:`CheckpointDamageWarning`. Messages name the tensor or path, what was expected
-and what was found. docs/errors.md draws the hierarchy.
+Every error is an :class:`NnxSaveError` and also the builtin a caller would naturally
+catch (``ValueError``, ``TypeError``, ``KeyError``, ``OSError``, ...). Malformed files are
+:class:`HeaderError`, one subclass per check. The checkpoint store's errors and porting's
+are here too, re-exported by ``nnx_save.checkpoint`` and ``nnx_save.porting``. Messages
+name the tensor or path, what was expected and what was found; docs/errors.md draws the
+hierarchy.
 """
 
 from __future__ import annotations
@@ -17,6 +13,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from typing import Literal, NamedTuple
+
+from ._version import CHECKPOINT_FORMAT_NAME, CHECKPOINT_FORMAT_VERSION
 
 __all__ = [
     "ByteLengthError",
@@ -158,9 +156,8 @@ class IndexFileError(HeaderError):
 
 
 class LayoutConflictError(HeaderError):
-    """A directory that two layouts both claim (an HF index and a pod manifest):
-    nnx_save does not guess which save is current. ``file`` names the directory;
-    the message names both records and the remedy."""
+    """A directory (``file``) that two layouts both claim (an HF index and a pod
+    manifest): nnx_save does not guess which save is current."""
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -168,8 +165,8 @@ class LayoutConflictError(HeaderError):
 
 
 class IndexChangedError(IndexFileError):
-    """A multi-file checkpoint was replaced while it was being read: its files come
-    from two saves, or the index changed and a file it named is gone. Load again."""
+    """A multi-file checkpoint was replaced while it was read (files of two saves, or a
+    file the index named gone). Load again."""
 
 
 class KeyPathError(NnxSaveError, ValueError):
@@ -182,10 +179,8 @@ class KeyPathError(NnxSaveError, ValueError):
 
 
 class UnsupportedValueError(NnxSaveError, TypeError):
-    """A leaf that cannot be stored: a string, ``None``, an object array, ...;
-    ``key_path`` names it. Also a value of a kind an argument cannot take (a
-    checkpoint directory that is not a path, a restore template leaf that is not an
-    array)."""
+    """A leaf that cannot be stored (a string, ``None``, an object array; ``key_path``
+    names it), or a value of a kind an argument cannot take."""
 
     def __init__(self, message: str, key_path: str | None = None) -> None:
         super().__init__(message)
@@ -208,9 +203,8 @@ class DtypeMismatchError(NnxSaveError, TypeError):
 
 
 class DeviceDtypeError(NnxSaveError, TypeError):
-    """A tensor would be loaded onto a device whose jax backend cannot hold its dtype
-    (a sub-byte float such as F6 on CPU); refused before any data is read. Load it
-    onto the host (a numpy template) instead."""
+    """A tensor would land on a device whose jax backend cannot hold its dtype (F6 on
+    CPU); refused before any data is read. Load it onto the host (a numpy template)."""
 
 
 class LoadError(NnxSaveError, ValueError):
@@ -222,9 +216,8 @@ class LoadError(NnxSaveError, ValueError):
 
 
 class HostMemoryError(NnxSaveError, MemoryError):
-    """The host memory a load needs for a tensor cannot be allocated (a process memory
-    limit, or a tensor larger than the machine). ``file`` and ``key`` name the tensor,
-    ``nbytes`` what was asked for; nothing was read."""
+    """The host memory a load needs for a tensor (``file``, ``key``) cannot be allocated
+    (``nbytes``: a process limit, a tensor larger than the machine); nothing was read."""
 
     def __init__(self, message: str, file: str, key: str, nbytes: int) -> None:
         super().__init__(message)
@@ -241,9 +234,8 @@ class SaveError(NnxSaveError, OSError):
 
 
 class SharedReadError(NnxSaveError, OSError):
-    """A load with shared reads failed on some process (its error is named), or a
-    process did not report within the deadline; raised on every process, before any
-    collective. ``file`` names the source."""
+    """A load of ``file`` with shared reads failed on some process (named), or one did
+    not report within the deadline; raised on every process, before any collective."""
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -260,9 +252,8 @@ class TruncatedFileError(NnxSaveError, OSError):
 
 
 class SourceError(NnxSaveError, OSError):
-    """A source path cannot be read as a checkpoint file: it is not a regular file
-    (a directory, a FIFO, a device) or the system refused to read it. ``file``
-    names it."""
+    """A source path (``file``) is not a regular file (a directory, a FIFO, a device)
+    or the system refused to read it."""
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -283,9 +274,9 @@ class ShardingError(NnxSaveError, ValueError):
 
 
 class ChecksumError(NnxSaveError, ValueError):
-    """A tensor's bytes do not match the checksum recorded when it was saved: the
-    file was modified or corrupted after writing. ``key``, ``file``, ``expected``
-    and ``found`` say which tensor, where, and the two digests."""
+    """A tensor's bytes do not match the checksum recorded when it was saved (the file
+    changed after writing); ``key``, ``file``, ``expected`` and ``found`` say which,
+    where, and the two digests."""
 
     def __init__(
         self,
@@ -301,9 +292,8 @@ class ChecksumError(NnxSaveError, ValueError):
 
 
 class NotSafetensorsError(HeaderError):
-    """The source is another checkpoint format (PyTorch zip or pickle, Orbax,
-    TensorStore), recognised by its magic bytes or directory entries; nothing was
-    unpickled. ``format`` says what it is; the message says what to run."""
+    """The source is another format (PyTorch zip or pickle, Orbax, TensorStore), told by
+    its bytes or entries, nothing unpickled; ``format`` says which, the message what to run."""
 
     def __init__(self, message: str, format: str = "") -> None:
         super().__init__(message)
@@ -317,17 +307,14 @@ class ConvertError(NnxSaveError, ValueError):
 
 class SafetensorError(NnxSaveError):
     """``safe_open`` refused a call where ``safetensors.safe_open`` raises its own
-    ``SafetensorError``: a closed handle, an unknown framework, device or backend,
-    and (as :class:`SliceError`) an unknown tensor or a refused index. When the ``safetensors`` package is imported
-    in the process, the raised error is also an instance of
-    ``safetensors.SafetensorError`` (nnx_save never imports it), so code written
-    against safetensors catches it unchanged."""
+    ``SafetensorError`` (a closed handle, an unknown framework, device or backend). When
+    ``safetensors`` is imported in the process, the error is also a
+    ``safetensors.SafetensorError``, so code written against safetensors catches it."""
 
 
 class SliceError(SafetensorError, IndexError):
-    """``safe_open``: a key the checkpoint does not hold, or an index of a tensor that
-    safetensors refuses too: out of range, a step below 1, a non-empty list, or
-    anything but ints, slices and one Ellipsis."""
+    """``safe_open``: a key the checkpoint does not hold, or an index safetensors refuses
+    too: out of range, a step below 1, a non-empty list, anything but ints, slices, one ``...``."""
 
 
 class SourceNotFoundError(SourceError, FileNotFoundError):
@@ -344,11 +331,9 @@ class RemoteChangedError(RemoteError):
 
 
 class ConfigError(NnxSaveError, ValueError):
-    """An ``NNX_SAVE_*`` environment variable holds a value nnx_save cannot use.
-
-    Raised where the variable is used, not at import. ``variable`` names it,
-    ``expected`` says what it must hold and ``found`` what it holds.
-    """
+    """An ``NNX_SAVE_*`` environment variable holds a value nnx_save cannot use, raised
+    where it is used (not at import); ``variable``, ``expected`` and ``found`` say which,
+    what it must hold and what it holds."""
 
     def __init__(self, variable: str, expected: str, found: str) -> None:
         super().__init__(f"{variable}={found!r}: expected {expected}")
@@ -389,14 +374,9 @@ class CheckpointError(NnxSaveError):
 
 
 class CheckpointCorruptError(CheckpointError, ValueError):
-    """A stored step is damaged: a file is missing, truncated or unreadable. Nothing
-    was restored; the other steps are unaffected.
-
-    Attributes:
-        step: The damaged step.
-        path: The damaged file or directory (inside the step's directory).
-        problem: What is wrong with it, in words.
-    """
+    """A stored step is damaged: a file is missing, truncated or unreadable; nothing was
+    restored, the other steps are unaffected. ``step``, ``path`` (the damaged file or
+    directory) and ``problem`` (in words) say which and what."""
 
     def __init__(self, step: int, path: str | os.PathLike[str], problem: str) -> None:
         self.step, self.path, self.problem = step, str(path), problem
@@ -409,11 +389,8 @@ class CheckpointDamageWarning(UserWarning):
 
 
 class CheckpointDirectoryError(CheckpointError, ValueError):
-    """A checkpoint directory the store cannot use, found before anything runs.
-
-    Attributes:
-        directory: The directory or URL as given.
-    """
+    """A checkpoint directory (``directory``, as given) the store cannot use, found
+    before anything runs."""
 
     def __init__(self, directory: str, found: str) -> None:
         self.directory = directory
@@ -424,15 +401,9 @@ class CheckpointDirectoryError(CheckpointError, ValueError):
 
 
 class CheckpointLinkError(CheckpointError, OSError):
-    """An entry of the store's directory that the store may rename or delete (a step,
-    a set-aside step, an Orbax temporary) is a symbolic link. The store never follows
-    one: it refuses to write or delete before changing anything.
-
-    Attributes:
-        entry: The link's path.
-        target: Where it points.
-        directory: The store's directory.
-    """
+    """An entry of the store's ``directory`` that it may rename or delete (a step, a
+    set-aside step, an Orbax temporary) is a symbolic link (``entry``, to ``target``):
+    the store never follows one, so it refuses before changing anything."""
 
     def __init__(self, entry: str, target: str, directory: str) -> None:
         self.entry, self.target, self.directory = entry, target, directory
@@ -453,14 +424,9 @@ class CheckpointSyncError(CheckpointError, RuntimeError):
 
 
 class CheckpointRetentionError(CheckpointError, ValueError):
-    """The store was opened with other retention policies than the ones recorded in
-    its directory; pass ``change_retention=True`` to replace them.
-
-    Attributes:
-        recorded: The recorded policies, in words.
-        given: The policies asked for, in words.
-        directory: The store's directory.
-    """
+    """The store was opened with other retention policies (``given``, in words) than
+    the ones recorded in its ``directory`` (``recorded``); ``change_retention=True``
+    replaces them."""
 
     def __init__(self, recorded: str, given: str, directory: str | os.PathLike[str]) -> None:
         self.recorded, self.given, self.directory = recorded, given, str(directory)
@@ -472,13 +438,8 @@ class CheckpointRetentionError(CheckpointError, ValueError):
 
 
 class CheckpointWriteError(CheckpointError, OSError):
-    """Writing a step failed (a full disk, an I/O error in Orbax's writer); the steps
-    stored before are intact and the failed step is not listed.
-
-    Attributes:
-        step: The step whose write failed.
-        directory: The store's directory.
-    """
+    """Writing ``step`` failed (a full disk, an I/O error in Orbax's writer); the steps
+    stored before in ``directory`` are intact and the failed step is not listed."""
 
     def __init__(self, step: int, directory: str | os.PathLike[str], cause: BaseException) -> None:
         text = " ".join(str(cause).split()) or type(cause).__name__
@@ -493,16 +454,10 @@ class CheckpointWriteError(CheckpointError, OSError):
 
 
 class CheckpointNotWrittenError(CheckpointError, ValueError):
-    """A save was refused; the store is exactly as it was before the call.
-
-    Attributes:
-        step: The step that was not written.
-        latest_step: The store's latest step at the time (``None`` when empty).
-        reason: ``"exists"`` (the step is already saved and ``overwrite`` is off),
-            ``"below_latest"`` (steps only move forward) or ``"rejected"`` (Orbax's
-            save policy declined the step).
-        directory: The store's directory.
-    """
+    """A save of ``step`` was refused; the store (``directory``) is exactly as before.
+    ``latest_step`` is its latest step then (``None`` when empty); ``reason`` is
+    ``"exists"`` (saved already, ``overwrite`` off), ``"below_latest"`` (steps only
+    move forward) or ``"rejected"`` (Orbax's save policy declined the step)."""
 
     def __init__(
         self,
@@ -511,9 +466,7 @@ class CheckpointNotWrittenError(CheckpointError, ValueError):
         reason: WriteRefusal,
         directory: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.step = step
-        self.latest_step = latest_step
-        self.reason = reason
+        self.step, self.latest_step, self.reason = step, latest_step, reason
         self.directory = None if directory is None else str(directory)
         super().__init__(_not_written_message(step, latest_step, reason, self.directory))
 
@@ -531,18 +484,11 @@ def _not_written_message(step: int, latest: int | None, reason: str, directory: 
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No checkpoint is stored at the requested step.
-
-    Attributes:
-        step: The step asked for.
-        directory: The store's directory.
-        available: The steps the store does hold, ascending.
-    """
+    """No checkpoint is stored at ``step`` in ``directory``; ``available`` lists the
+    steps it holds, ascending."""
 
     def __init__(self, step: int, directory: str | os.PathLike[str], available: Sequence[int] = ()) -> None:
-        self.step = step
-        self.directory = str(directory)
-        self.available = tuple(available)
+        self.step, self.directory, self.available = step, str(directory), tuple(available)
         held = ", ".join(map(str, self.available)) if self.available else "none"
         super().__init__(f"no checkpoint at step {step} in {self.directory} (steps held: {held})")
 
@@ -551,26 +497,16 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class UnsupportedCheckpointError(CheckpointError, ValueError):
-    """A checkpoint this version of nnx_save cannot read: another format, a malformed
-    record or a newer format version. Nothing was restored.
-
-    Attributes:
-        found: What the checkpoint holds, in words (e.g. ``"format version 7"``).
-        step: The step, when known.
-        directory: The store's directory, when known.
-    """
+    """A checkpoint this nnx_save cannot read: another format, a malformed record or a
+    newer format version; nothing was restored. ``found`` says what it holds, in words
+    (``"format version 7"``); ``step`` and ``directory`` where, when known."""
 
     def __init__(self, found: str, *, step: int | None = None, directory: str | os.PathLike[str] | None = None) -> None:
-        self.found = found
-        self.step = step
+        self.found, self.step = found, step
         self.directory = None if directory is None else str(directory)
-        where = _where(step, self.directory)
-        # Only the store raises it, so its format module is loaded by then (importing
-        # it at the top would pull the checkpoint package, and orbax, into every import).
-        from .checkpoint._format import FORMAT_NAME, FORMAT_VERSION
-
         super().__init__(
-            f"{where}holds {found}; this nnx_save reads format {FORMAT_NAME!r} up to version {FORMAT_VERSION}"
+            f"{_where(step, self.directory)}holds {found}; this nnx_save reads format "
+            f"{CHECKPOINT_FORMAT_NAME!r} up to version {CHECKPOINT_FORMAT_VERSION}"
         )
 
 
@@ -581,48 +517,31 @@ def _where(step: int | None, directory: str | None) -> str:
 
 
 class CheckpointTemplateError(CheckpointError, ValueError):
-    """Restore templates disagree with what the checkpoint stores (paths, shapes or
-    leaf kinds). Found before any array was read.
-
-    Attributes:
-        step: The step being restored.
-        problems: One line per disagreement, ``item/leaf: ...``, sorted.
-    """
+    """Restore templates disagree with what ``step`` stores (paths, shapes or leaf
+    kinds), found before any array was read; ``problems`` has one sorted line per
+    disagreement (``item/leaf: ...``)."""
 
     def __init__(self, step: int, problems: Iterable[str]) -> None:
-        self.step = step
-        self.problems = tuple(sorted(problems))
+        self.step, self.problems = step, tuple(sorted(problems))
         lines = "\n  ".join(self.problems)
         super().__init__(f"step {step}: {len(self.problems)} template leaves disagree with the checkpoint:\n  {lines}")
 
 
 class CheckpointItemError(CheckpointError, KeyMismatchError):
-    """An item was asked for (by ``items`` or ``templates``) that the step does not hold.
-
-    Attributes:
-        step: The step being restored.
-        missing: The item names asked for and absent.
-        held: The item names the step holds.
-    """
+    """Items were asked for (by ``items`` or ``templates``) that ``step`` does not
+    hold: ``missing`` names them, ``held`` the ones it holds."""
 
     def __init__(self, step: int, missing: Iterable[str], held: Iterable[str]) -> None:
-        self.step = step
-        self.missing = tuple(missing)
-        self.held = tuple(held)
+        self.step, self.missing, self.held = step, tuple(missing), tuple(held)
         super().__init__(
             f"step {step} holds no item {', '.join(map(repr, self.missing))}; it holds {', '.join(self.held)}"
         )
 
 
 class DtypeMismatch(NamedTuple):
-    """One array whose restored dtype would differ from (or differs from) the saved one.
-
-    Attributes:
-        item: The item name (``"model"``, ``"optimizer"``, ...).
-        leaf: The leaf path inside the item, ``/``-joined (``"<root>"`` for a bare array).
-        saved: The dtype recorded at save time.
-        restored: The template's dtype, or the dtype the array came back with.
-    """
+    """One array whose restored dtype would differ (or differs) from the saved one: the
+    ``item``, the ``/``-joined ``leaf`` path in it (``"<root>"`` for a bare array), the
+    ``saved`` dtype and the ``restored`` one (the template's, or what came back)."""
 
     item: str
     leaf: str
@@ -631,31 +550,20 @@ class DtypeMismatch(NamedTuple):
 
 
 class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
-    """Arrays would be (or were) restored with another dtype than they were saved with.
-
-    Raised before any array is read when a template disagrees, and after reading for
-    items restored without a template. Pass ``cast_dtypes=True`` to accept the casts.
-
-    Attributes:
-        step: The step being restored.
-        mismatches: Every differing array, sorted by item and leaf.
-        before_read: True when found from the templates, before reading.
-        x64_off: True when jax's x64 mode was off and explains the mismatches.
-    """
+    """Arrays of ``step`` would be (or were) restored with another dtype than saved:
+    before any array is read when a template disagrees (``before_read``), after reading
+    for items without one. ``mismatches`` lists them sorted; ``x64_off`` says jax's x64
+    mode was off and explains them. ``cast_dtypes=True`` accepts the casts."""
 
     def __init__(
         self, step: int, mismatches: Iterable[DtypeMismatch], *, before_read: bool = False, x64_off: bool = False
     ) -> None:
-        self.step = step
-        self.mismatches = tuple(sorted(mismatches))
-        self.before_read = before_read
-        self.x64_off = x64_off
+        self.step, self.mismatches = step, tuple(sorted(mismatches))
+        self.before_read, self.x64_off = before_read, x64_off
         got = "in the template" if before_read else "restored"
         lines = "\n  ".join(f"{m.item}/{m.leaf}: {m.saved} saved, {m.restored} {got}" for m in self.mismatches)
         remedy = f"{_X64_HINT}, or pass" if x64_off else "Pass"
-        what = (
-            "arrays change dtype" if not any("(Python)" in m.saved for m in self.mismatches) else "leaves change type"
-        )
+        what = "leaves change type" if any("(Python)" in m.saved for m in self.mismatches) else "arrays change dtype"
         super().__init__(
             f"step {step}: {len(self.mismatches)} {what} on restore:\n  {lines}\n"
             f"{remedy} cast_dtypes=True to accept the casts"

@@ -130,6 +130,19 @@ def test_a_leaf_of_another_kind_is_refused_even_when_not_strict(tmp_path):
         OrbaxCheckpointStore(tmp_path).restore(1, templates=template, strict=False)
 
 
+def test_allowing_a_shape_mismatch_does_not_hide_a_leaf_of_another_kind(tmp_path):
+    """A leaf stored as a Python value, an array in the template, whose path an
+    allow_shape_mismatch pattern matched, was once neither read nor reported: the template's
+    value came back in silence."""
+    with OrbaxCheckpointStore(tmp_path) as store:
+        store.save(1, {"model": {"w": jnp.ones(3), "n": 5}})
+    template = {"model": {"w": jnp.zeros(3), "n": jnp.zeros(2)}}
+    message = "model/n: an array in the template, a Python value in the checkpoint"
+    for options in ({"allow_shape_mismatch": ["model/n"]}, {"allow_shape_mismatch": ["model/*"], "strict": False}):
+        with pytest.raises(CheckpointTemplateError, match=re.escape(message)):
+            OrbaxCheckpointStore(tmp_path).restore(1, templates=template, **options)
+
+
 def test_an_item_with_nothing_to_read(tmp_path):
     with OrbaxCheckpointStore(tmp_path) as store:
         store.save(1, {"model": {"w": jnp.ones(2)}, "data_iterator": {"position": 3}})

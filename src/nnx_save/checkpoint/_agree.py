@@ -1,14 +1,12 @@
 """Decisions about the disk, made once on process 0 and shared with every process.
 
-In a multi-process run every process drives its own store object, and each Orbax
-barrier must be reached by all of them in the same order. A decision taken from the
-disk on each process (does the directory exist yet? which steps are there? which are
-too old to keep?) can come out differently when one process looks a moment after
-another changed it: one then waits at a barrier the other never reaches. So such a
-decision is computed by process 0 alone and read by the others from the JAX
-coordination service's key-value store, in call order (the ``n``-th decision of one
-process is the ``n``-th of every other); a process that asks a different question
-than process 0 answered gets a :class:`~nnx_save.errors.CheckpointSyncError`, not a hang.
+Every process drives its own store, and each Orbax barrier must be reached by all of
+them in the same order. A decision each took from the disk (which steps are there?
+which are too old?) could differ when one looks a moment after another changed it, and
+one would then wait at a barrier the other never reaches. So process 0 decides and the
+others read its answer from the JAX coordination service's key-value store, in call
+order; a process that asks another question than process 0 answered gets a
+:class:`~nnx_save.errors.CheckpointSyncError`, not a hang.
 """
 
 from __future__ import annotations
@@ -22,21 +20,17 @@ from .. import _config
 from ..errors import CheckpointSyncError
 from ..io import _kv
 
-__all__ = ["TIMEOUT_ENV", "agree"]
+__all__ = ["agree"]
 
-TIMEOUT_ENV = _config.STORE_TIMEOUT_S.name
 _SEQUENCE = itertools.count()  # every process numbers its decisions the same way
 
 T = TypeVar("T")
 
 
 def agree(name: str, decide: Callable[[], T]) -> T:
-    """``decide()`` as computed on process 0, on every process.
-
-    The value must be JSON data (it travels as JSON, so tuples come back as lists).
-    With one process this is ``decide()``. Every process must call ``agree`` the same
-    number of times, in the same order; ``name`` checks that they do. The decision's
-    keys are deleted by the last process to read them (:mod:`~nnx_save.io._kv`).
+    """``decide()`` as computed on process 0, on every process: JSON data (tuples come
+    back as lists). Every process calls ``agree`` as often, in the same order (``name``
+    checks it); the last to read a decision deletes its keys.
 
     Raises:
         CheckpointSyncError: Process 0's decision failed, did not come within the
@@ -71,12 +65,12 @@ def agree(name: str, decide: Callable[[], T]) -> T:
 
 
 def _exchange(kv: _kv.Channel, key: str, name: str, mine: dict | None) -> dict:
-    """Post process 0's decision ``mine``, or wait (bounded) for it."""
-    timeout = _config.STORE_TIMEOUT_S.get()
+    """Post process 0's decision ``mine``, or wait for it (bounded like every wait on another process)."""
+    timeout = _config.COLLECTIVE_TIMEOUT_S.get()
     try:
         return json.loads(kv.gather(key, None if mine is None else json.dumps(mine), {0}, timeout)[0])
     except _kv.Unanswered as error:
         raise CheckpointSyncError(
-            f"process {kv.pid} waited {timeout:g} s ({TIMEOUT_ENV}) for process 0 to decide {name!r} "
-            f"and got no answer ({error}); did process 0 die, or stop calling the store?"
+            f"process {kv.pid} waited {timeout:g} s ({_config.COLLECTIVE_TIMEOUT_S.name}) for process 0 to "
+            f"decide {name!r} and got no answer ({error}); did process 0 die, or stop calling the store?"
         ) from error

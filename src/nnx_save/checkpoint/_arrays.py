@@ -1,11 +1,9 @@
 """Reading a whole Orbax checkpoint as host arrays, for conversion to safetensors.
 
-Leaves are named the way :func:`nnx_save.save_model` names a model's state, so the
-converted file loads with :func:`nnx_save.load_model`: one item of an
-:class:`~nnx_save.checkpoint.OrbaxCheckpointStore` step loses the store's root node
-(:data:`~._format.ROOT`), an NNX state loses the ``value`` node Orbax keeps under each
-variable, typed PRNG keys become their key data plus the implementation's name, and
-Python numbers become 0-d arrays plus their type.
+Leaves are named as :func:`nnx_save.save_model` names a model's state, so the file loads
+with :func:`nnx_save.load_model`: a store item loses the store's root node, an NNX state
+the ``value`` node under each variable; typed PRNG keys become their key data plus the
+implementation's name, Python numbers 0-d arrays plus their type.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from ._tree import Path, flatten, show
 
 __all__ = ["OrbaxLeaf", "orbax_arrays"]
 
-_PY_KINDS = {bool: "bool", int: "int", float: "float"}
+_PY_DTYPES = {bool: np.bool_, int: np.int64, float: np.float64}
 
 
 class OrbaxLeaf(NamedTuple):
@@ -37,11 +35,8 @@ class OrbaxLeaf(NamedTuple):
 
 
 def orbax_arrays(path: str | os.PathLike) -> list[OrbaxLeaf]:
-    """Every leaf of an Orbax PyTree checkpoint directory, as host numpy arrays.
-
-    Raises:
-        UnsupportedValueError: a leaf that is no array or number (a string), named.
-    """
+    """Every leaf of an Orbax PyTree checkpoint directory, as host numpy arrays (a leaf
+    that is no array or number is an :class:`UnsupportedValueError` naming it)."""
     where = os.path.abspath(path)  # Orbax refuses relative paths
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # orbax warns that no target sharding was given: host arrays are wanted
@@ -58,11 +53,8 @@ def orbax_arrays(path: str | os.PathLike) -> list[OrbaxLeaf]:
 def _leaf(path: Path, leaf: Any) -> OrbaxLeaf:
     if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
         return OrbaxLeaf(path, np.asarray(jax.random.key_data(leaf)), rng_impl=str(jax.random.key_impl(leaf)))
-    kind = _PY_KINDS.get(type(leaf))
-    if kind is not None:
-        return OrbaxLeaf(
-            path, np.asarray(leaf, {"bool": np.bool_, "int": np.int64, "float": np.float64}[kind]), scalar=kind
-        )
+    if type(leaf) in _PY_DTYPES:
+        return OrbaxLeaf(path, np.asarray(leaf, _PY_DTYPES[type(leaf)]), scalar=type(leaf).__name__)
     if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
         raise UnsupportedValueError(
             f"{show(path)}: a {type(leaf).__name__} leaf; safetensors stores arrays and numbers only", show(path)

@@ -1,11 +1,6 @@
-"""Where a run's checkpoints live: a local directory or an object-store URL.
-
-Pure path logic: nothing is created or read here. A local path is made absolute;
-``gs://`` and ``s3://`` URLs (which Orbax writes through etils ``epath`` and
-tensorstore) are kept exactly as given, never turned into a local directory named
-``gs:``; ``file://`` URLs are local paths; any other scheme is refused at once,
-naming the ones that work.
-"""
+"""Where a run's checkpoints live: a local directory or an object-store URL (pure path
+logic: nothing is created or read). ``gs://`` and ``s3://`` URLs are kept as given, never
+turned into a local directory named ``gs:``; any other scheme is refused at once."""
 
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ from etils import epath
 
 from ..errors import CheckpointDirectoryError, OptionError, UnsupportedValueError
 
-__all__ = ["CLOUD_SCHEMES", "absolute_dir", "is_url", "resolve_checkpoint_dir", "store_location"]
+__all__ = ["CLOUD_SCHEMES", "is_url", "resolve_checkpoint_dir", "store_location"]
 
 # Schemes both Orbax's paths (etils epath) and its array writer (tensorstore) handle.
 CLOUD_SCHEMES = ("gs", "s3")
@@ -42,22 +37,13 @@ def _text(name: str, value: str | os.PathLike[str]) -> str:
     return text
 
 
-def absolute_dir(name: str, value: str | os.PathLike[str]) -> pathlib.Path:
-    """``value`` as an absolute local path (relative to the working directory).
-
-    Raises:
-        ValueError: ``value`` is empty or only whitespace.
-        TypeError: ``value`` is not a str or ``os.PathLike[str]``.
-    """
-    return pathlib.Path(_text(name, value)).absolute()
-
-
 def store_location(name: str, value: str | os.PathLike[str]) -> Location:
-    """A local absolute path, or the URL unchanged (as an etils ``epath.Path``).
+    """A local absolute path (``file://`` URLs too), or the URL unchanged (an etils ``epath.Path``).
 
     Raises:
         CheckpointDirectoryError: A URL scheme Orbax cannot write to.
         ValueError: ``value`` is empty.
+        TypeError: ``value`` is not a str or ``os.PathLike[str]``.
 
     Examples:
         >>> str(store_location("directory", "gs://bucket/run"))

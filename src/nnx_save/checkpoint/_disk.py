@@ -1,11 +1,7 @@
-"""A store's directory as every process sees it: decided on process 0, then shared.
-
-:class:`Disk` holds the store's view of its directory (the steps, the damaged ones,
-the recorded retention policies) and makes every directory-level decision through
-:func:`._agree.agree` or :func:`._orbax.on_primary`, so each process of a
-multi-process run takes the same branch and reaches Orbax's barriers in the same
-order. Nothing here reads or writes arrays.
-"""
+"""A store's directory as every process sees it: its steps, the damaged ones and the
+recorded retention policies. Every directory-level decision goes through
+:func:`._agree.agree` or :func:`._orbax.on_primary`, so each process of a multi-process
+run takes the same branch and reaches Orbax's barriers in the same order."""
 
 from __future__ import annotations
 
@@ -28,8 +24,10 @@ from ..errors import (
 from ..io._write import _write_all, atomic_file
 from . import _orbax
 from ._agree import agree
+from ._directory import is_url
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
+from ._metadata import is_number
 from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json
 
 __all__ = ["ASIDE_PREFIX", "RETIRED_PREFIX", "Disk"]
@@ -128,7 +126,7 @@ class Disk:
 
     def _record(self, retention: Retention) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        if _is_local(self.path):
+        if not is_url(str(self.path)):
             with atomic_file(os.fspath(self.path / STORE_RECORD)) as fd:  # a unique, exclusively created temporary
                 _write_all(fd, memoryview(record_json(retention).encode()))
         else:  # an object store: a write is atomic and there are no links to follow
@@ -143,7 +141,7 @@ class Disk:
             raise CheckpointLinkError(str(self.path / name), target, str(self.path))
 
     def _links(self) -> list[list[str]]:
-        if not _is_local(self.path) or not self.path.is_dir():
+        if is_url(str(self.path)) or not self.path.is_dir():
             return []
         names = sorted(n for n in os.listdir(os.fspath(self.path)) if _MANAGED.fullmatch(n))
         return [[n, os.readlink(self.path / n)] for n in names if os.path.islink(self.path / n)]
@@ -161,15 +159,16 @@ class Disk:
         for step in steps:
             record, _ = read_json(self.path / str(step) / METADATA_ITEM / "metadata")
             record = record if isinstance(record, dict) else {}
-            metrics = {k: float(v) for k, v in (record.get("metrics") or {}).items() if _is_number(v)}
+            metrics = {k: float(v) for k, v in (record.get("metrics") or {}).items() if is_number(v)}
             infos.append(StepInfo(step, metrics, age_s(record.get("created_at", ""), now)))
         return infos
 
-    def added(self, step: int) -> None:
-        """``step`` was saved (or replaced) by this store, on every process."""
+    def changed(self, step: int, *, saved: bool) -> None:
+        """``step`` was saved (or replaced) or else deleted by this store, on every process."""
         view = self.load()
+        steps = {*view.steps, step} if saved else set(view.steps) - {step}
         damaged = {s: d for s, d in view.damaged.items() if s != step}
-        self.view = DirectoryView(True, tuple(sorted({*view.steps, step})), damaged)
+        self.view = DirectoryView(view.exists or saved, tuple(sorted(steps)), damaged)
 
     def retire(self, step: int) -> None:
         """Delete step ``step``'s directory: renamed away first (one atomic step), then
@@ -181,17 +180,3 @@ class Disk:
             step_dir.rename(retired)
         if retired.exists():
             retired.rmtree()
-
-    def removed(self, step: int) -> None:
-        """``step`` was deleted by this store, on every process."""
-        view = self.load()
-        damaged = {s: d for s, d in view.damaged.items() if s != step}
-        self.view = DirectoryView(view.exists, tuple(s for s in view.steps if s != step), damaged)
-
-
-def _is_local(path: epath.Path) -> bool:
-    return "://" not in str(path)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)

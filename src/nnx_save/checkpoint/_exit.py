@@ -1,17 +1,11 @@
 """No asynchronous step is lost when the process ends.
 
-A store with a save still in flight (``save(..., blocking=False)``) is registered
-here until the save is settled. At interpreter exit (a normal end, ``sys.exit``, an
-uncaught exception) the registered stores are settled from a hook of
-``threading._register_atexit``: those run before the interpreter joins non-daemon
-threads and before ``concurrent.futures`` refuses new work, while Orbax's writer
-still can finish (an ``atexit`` hook runs after both, too late). ``SIGTERM``
-(one-process run, default handler in place) finishes the pending saves, then ends
-the process by the signal as before.
-
-When a pending save cannot be finished, stderr names the step and the directory
-and the process exits with status 1 (from the exit hook; a ``SIGTERM`` death keeps
-its signal status).
+A store with a save in flight is registered here until the save settles. At interpreter
+exit the registered stores are closed from a ``threading._register_atexit`` hook: those
+run before the interpreter joins non-daemon threads and before ``concurrent.futures``
+refuses new work, so Orbax's writer can still finish (an ``atexit`` hook runs too late).
+``SIGTERM`` (one process, default handler in place) finishes them, then ends the process
+by the signal. A save that cannot finish is named on stderr; the exit hook then exits 1.
 """
 
 from __future__ import annotations
@@ -30,7 +24,7 @@ __all__ = ["finished", "pending"]
 class _Settles(Protocol):
     """What the exit hook needs of a store."""
 
-    def _finish_for_exit(self) -> None: ...
+    def close(self) -> None: ...
 
     def _pending_description(self) -> str: ...
 
@@ -38,8 +32,7 @@ class _Settles(Protocol):
 _lock = threading.Lock()
 _stores: dict[int, _Settles] = {}  # id -> store with a save in flight (kept alive until settled)
 _hooked = False
-_previous_sigterm: Any = None
-_sigterm_installed = False
+_sigterm_installed = False  # the handler is only ever installed over SIG_DFL, so SIG_DFL is what it replaced
 
 
 def pending(store: _Settles) -> None:
@@ -73,7 +66,7 @@ def _settle_all() -> list[str]:
     for store in stores:
         what = store._pending_description()
         try:
-            store._finish_for_exit()
+            store.close()
         except BaseException as error:  # reported below: nothing may stop the other stores
             failures.append(f"{what} was not committed ({type(error).__name__}: {error})")
         finished(store)
@@ -95,13 +88,12 @@ def _at_exit() -> None:
 
 
 def _install_sigterm() -> None:
-    global _previous_sigterm, _sigterm_installed
+    global _sigterm_installed
     if _sigterm_installed or threading.current_thread() is not threading.main_thread() or not _one_process():
         return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return  # the caller's handler (or the store's preemption handler) decides what SIGTERM does
-    _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-    _sigterm_installed = True
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # else the caller's (or preemption) handler decides
+        signal.signal(signal.SIGTERM, _on_sigterm)
+        _sigterm_installed = True
 
 
 def _uninstall_sigterm() -> None:
@@ -109,14 +101,14 @@ def _uninstall_sigterm() -> None:
     if not _sigterm_installed or threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGTERM) is _on_sigterm:
-        signal.signal(signal.SIGTERM, _previous_sigterm)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _sigterm_installed = False
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     failures = _settle_all()
     _report(failures)
-    signal.signal(signal.SIGTERM, _previous_sigterm if _previous_sigterm is not None else signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.raise_signal(signal.SIGTERM)  # end as the signal would have, once the steps are on disk
 
 

@@ -4,23 +4,16 @@ A step directory is an Orbax composite checkpoint with one Orbax item per stored
 item (each a pytree under the single node :data:`ROOT`, so a bare array such as an
 rng key is a valid item), plus two JSON items: the metadata record and the dtype
 record. Changing any of these names or the record layouts needs a new
-:data:`FORMAT_VERSION`.
+:data:`FORMAT_VERSION` (kept in ``nnx_save._version``, where errors.py can name it).
 """
 
 from __future__ import annotations
 
-__all__ = [
-    "DTYPES_FORMAT",
-    "DTYPES_ITEM",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "ITEM_NAMES",
-    "METADATA_ITEM",
-    "ROOT",
-]
+from .._version import CHECKPOINT_FORMAT_NAME as FORMAT_NAME
+from .._version import CHECKPOINT_FORMAT_VERSION as FORMAT_VERSION
 
-FORMAT_NAME = "nnx_save.checkpoint"
-FORMAT_VERSION = 1
+__all__ = ["DTYPES_FORMAT", "DTYPES_ITEM", "FORMAT_NAME", "FORMAT_VERSION", "ITEM_NAMES", "METADATA_ITEM", "ROOT"]
+
 DTYPES_FORMAT = "nnx_save.checkpoint.dtypes"
 
 # The items a step may hold, in the order they are recorded.

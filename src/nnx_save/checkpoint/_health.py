@@ -1,28 +1,31 @@
-"""What a store's directory holds: its steps, and which of them are damaged.
+"""What a store's directory holds: its steps, which of them are damaged, and each step's
+JSON records (metadata, dtypes), read as files and validated.
 
-A pure look at the files (no Orbax manager, so no barrier): run on process 0 and
-shared (see :mod:`._agree`). A step is *damaged* when its nnx_save record is
-unreadable, or an item the record names has no directory or no Orbax ``_METADATA``
-file; a truncated array file is only found when the step is read (finding it here
-would mean reading every byte of every step), where it raises
-:class:`~nnx_save.errors.CheckpointCorruptError` too. A step without any nnx_save record
-is not damaged but foreign (:class:`~nnx_save.errors.UnsupportedCheckpointError` on read).
+A look at the files only (no Orbax manager, so no barrier), run on process 0 and shared.
+A step is *damaged* when its nnx_save record is unreadable, or an item the record names
+has no directory or no Orbax ``_METADATA`` file. A truncated array file is found only
+when the step is read (finding it here would read every byte of every step). A step
+without an nnx_save record is foreign, not damaged (refused on read).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 from collections.abc import Mapping
 from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointCorruptError
+from ..errors import CheckpointCorruptError, UnsupportedCheckpointError
 from ..format._header import strict_json
+from . import _orbax
 from ._format import DTYPES_ITEM, METADATA_ITEM
+from ._metadata import CheckpointMetadata
+from ._tree import Path, parse_dtype_record
 
-__all__ = ["DirectoryView", "corrupt_from", "held_items", "looks_damaged", "read_json", "scan"]
+__all__ = ["DirectoryView", "corrupt_from", "load_metadata", "looks_damaged", "read_json", "saved_dtypes", "scan"]
 
 _RECORD_FILE = "metadata"  # the file Orbax's JSON handler writes in an item directory
 _ARRAY_METADATA = "_METADATA"  # the file Orbax's pytree handler writes in an item directory
@@ -41,7 +44,7 @@ class DirectoryView:
         return {
             "exists": self.exists,
             "steps": list(self.steps),
-            "damaged": {str(s): list(d) for s, d in self.damaged.items()},
+            "damaged": {str(s): d for s, d in self.damaged.items()},
         }
 
     @classmethod
@@ -64,11 +67,7 @@ def scan(directory: epath.Path) -> DirectoryView:
     if not directory.is_dir():
         return DirectoryView(exists=False)
     steps = sorted(int(p.name) for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and p.is_dir())
-    damaged = {}
-    for step in steps:
-        found = _damage(directory / str(step))
-        if found is not None:
-            damaged[step] = found
+    damaged = {step: found for step in steps if (found := _damage(directory / str(step))) is not None}
     return DirectoryView(True, tuple(steps), damaged)
 
 
@@ -112,8 +111,6 @@ def read_json(path: epath.Path) -> tuple[Any, str | None]:
 
 _TS_FILE = re.compile(r'local file "([^"]+)"')
 _TS_KEY = re.compile(r'Error reading "([^"]+)"')
-
-
 _STATUS = re.compile(r"(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|INVALID_ARGUMENT|FAILED_PRECONDITION): ")
 
 
@@ -128,18 +125,64 @@ def corrupt_from(step: int, step_dir: str, error: BaseException) -> CheckpointCo
     """A read failure of Orbax / tensorstore as a :class:`CheckpointCorruptError`
     naming the file (or item directory) and the array key tensorstore reported."""
     text = " ".join(f"{error} {error.__cause__ or ''}".split())
-    where = _TS_FILE.search(text)
-    key = _TS_KEY.search(text)
-    status = _STATUS.search(text)
-    detail = text[status.start() :] if status else text
-    detail = detail.split(" [source locations")[0][:300]
-    problem = "an array file is truncated or unreadable"
-    if key:
-        problem += f" (array {key.group(1)!r})"
-    problem += f": {detail}"
+    where, key, status = _TS_FILE.search(text), _TS_KEY.search(text), _STATUS.search(text)
+    detail = (text[status.start() :] if status else text).split(" [source locations")[0][:300]
+    array = f" (array {key.group(1)!r})" if key else ""
+    problem = f"an array file is truncated or unreadable{array}: {detail}"
     return CheckpointCorruptError(step, where.group(1) if where else step_dir, problem)
 
 
-def held_items(step_dir: epath.Path) -> set[str]:
+def _held_items(step_dir: epath.Path) -> set[str]:
     """The Orbax item names a step directory holds (its subdirectories)."""
     return {p.name for p in step_dir.iterdir() if p.is_dir()} if step_dir.is_dir() else set()
+
+
+def load_metadata(directory: pathlib.Path, step: int) -> CheckpointMetadata:
+    """The validated metadata record of a step (read as a file: no Orbax call, so no barrier)."""
+    step_dir = epath.Path(str(directory / str(step)))
+    held = _held_items(step_dir)
+    if METADATA_ITEM not in held:
+        raise UnsupportedCheckpointError(
+            f"no nnx_save metadata record (Orbax items: {', '.join(sorted(held)) or 'none'})",
+            step=step,
+            directory=directory,
+        )
+    data = _read_record(directory, step, METADATA_ITEM)
+    try:
+        record = CheckpointMetadata.from_dict(data)
+    except UnsupportedCheckpointError as error:
+        raise UnsupportedCheckpointError(error.found, step=step, directory=directory) from None
+    if record.step != step or not set(record.items) <= held:
+        raise UnsupportedCheckpointError(
+            f"a record for step {record.step} naming items {list(record.items)} "
+            f"(Orbax items: {', '.join(sorted(held))})",
+            step=step,
+            directory=directory,
+        )
+    return record
+
+
+def _read_record(directory: pathlib.Path, step: int, item: str) -> Any:
+    """A JSON record of the step, read as a file (no Orbax call, so no barrier)."""
+    path = epath.Path(str(directory / str(step))) / item / "metadata"
+    data, problem = read_json(path)
+    if problem is not None:
+        raise CheckpointCorruptError(step, path, problem)
+    return data
+
+
+def saved_dtypes(directory: pathlib.Path, step: int, stored: Mapping[str, Any]) -> dict[str, dict[Path, str]]:
+    """The dtype record, or (for checkpoints without one) Orbax's array metadata."""
+    if DTYPES_ITEM in _held_items(epath.Path(str(directory / str(step)))):
+        try:
+            record = parse_dtype_record(_read_record(directory, step, DTYPES_ITEM))
+        except UnsupportedCheckpointError as error:
+            raise UnsupportedCheckpointError(error.found, step=step, directory=directory) from None
+        absent = sorted(set(stored) - set(record))
+        if absent:
+            raise UnsupportedCheckpointError(f"a dtype record without items {absent}", step=step, directory=directory)
+        return {name: record[name] for name in stored}
+    return {
+        name: {path: spec.dtype for path, spec in _orbax.stored_specs(tree).items() if spec is not None}
+        for name, tree in stored.items()
+    }

@@ -1,11 +1,7 @@
-"""The metadata record stored (as JSON) with every checkpoint step.
-
-:class:`CheckpointMetadata` is plain data: :meth:`~CheckpointMetadata.to_dict` gives
-the JSON object written beside the items and :meth:`~CheckpointMetadata.from_dict`
-validates one read back, refusing any record this version cannot read with
-:class:`UnsupportedCheckpointError` (another format, a newer version, a malformed
-field) before anything else is restored.
-"""
+"""The metadata record stored (as JSON) with every checkpoint step, and the checks of a
+store call's arguments (steps, items, metadata fields, restore names). A record this
+version cannot read is refused with :class:`UnsupportedCheckpointError` before anything
+else is restored."""
 
 from __future__ import annotations
 
@@ -14,14 +10,25 @@ import datetime
 import importlib.metadata
 import json
 import math
-from collections.abc import Mapping
-from typing import Any
+import numbers
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeGuard
 
 from .._version import __version__
-from ..errors import OptionError, UnsupportedCheckpointError, short_repr
+from ..errors import CheckpointItemError, OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
+from ._tree import check_item
 
-__all__ = ["CheckpointMetadata", "Producer", "check_extra", "check_metrics", "library_versions"]
+__all__ = [
+    "CheckpointMetadata",
+    "Producer",
+    "check_items",
+    "check_step",
+    "is_int",
+    "is_number",
+    "new_metadata",
+    "restore_names",
+]
 
 # Distributions whose versions every checkpoint records, for reproducing a run.
 _DISTRIBUTIONS = ("jax", "jaxlib", "flax", "orbax-checkpoint", "optax", "numpy")
@@ -123,26 +130,28 @@ class CheckpointMetadata:
                 format version, or has a missing, unknown or malformed field.
         """
         _check_format(data)
-        _check_fields(data)
+        missing, unknown = sorted(_FIELDS - set(data)), sorted(set(data) - _FIELDS)
+        if missing or unknown:
+            raise UnsupportedCheckpointError(
+                f"a metadata record with missing fields {missing} and unknown fields {unknown}"
+            )
         producer = data["producer"]
         return cls(
-            step=_int(data, "step", minimum=0),
-            items=_items(data["items"]),
-            epoch=None if data["epoch"] is None else _int(data, "epoch", minimum=0),
-            metrics=_metrics(data["metrics"]),
-            extra=_mapping(data, "extra"),
+            step=_field(data, "step"),
+            items=tuple(_field(data, "items")),
+            epoch=_field(data, "epoch"),
+            metrics={k: float(v) for k, v in _field(data, "metrics").items()},
+            extra=dict(_field(data, "extra")),
             producer=None if producer is None else Producer.from_dict(producer),
-            library_versions=_str_mapping(data, "library_versions"),
-            created_at=_str(data, "created_at"),
+            library_versions=dict(_field(data, "library_versions")),
+            created_at=_field(data, "created_at"),
             format=data["format"],
             format_version=data["format_version"],
         )
 
 
+# The record's own fields (``extra`` may not use these names).
 _FIELDS = frozenset(f.name for f in dataclasses.fields(CheckpointMetadata))
-
-# ``extra`` may not use these names: they are the record's own fields.
-RESERVED_KEYS = _FIELDS
 
 
 def _check_format(data: Any) -> None:
@@ -151,58 +160,45 @@ def _check_format(data: Any) -> None:
     if data.get("format") != FORMAT_NAME:
         raise UnsupportedCheckpointError(f"format {data.get('format')!r}")
     version = data.get("format_version")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if not is_int(version, 1):
         raise UnsupportedCheckpointError(f"format version {version!r}")
     if version > FORMAT_VERSION:
         raise UnsupportedCheckpointError(f"format version {version}, newer than this nnx_save; upgrade nnx_save")
 
 
-def _check_fields(data: Mapping[str, Any]) -> None:
-    missing, unknown = sorted(_FIELDS - set(data)), sorted(set(data) - _FIELDS)
-    if missing or unknown:
-        raise UnsupportedCheckpointError(
-            f"a metadata record with missing fields {missing} and unknown fields {unknown}"
-        )
+def is_number(value: Any) -> TypeGuard[int | float]:
+    """True for an int or a float, not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _int(data: Mapping[str, Any], key: str, *, minimum: int) -> int:
-    value = data[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise UnsupportedCheckpointError(f"{key} {value!r} (expected an int >= {minimum})")
-    return value
+def is_int(value: Any, low: int = 0) -> TypeGuard[int]:
+    """True for an int (not a bool) of at least ``low``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
 
 
-def _str(data: Mapping[str, Any], key: str) -> str:
-    if not isinstance(data[key], str):
-        raise UnsupportedCheckpointError(f"{key} {data[key]!r} (expected a str)")
+# What a stored field must hold: a test, and the words the error says it in.
+_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "step": (is_int, "an int >= 0"),
+    "epoch": (lambda v: v is None or is_int(v), "an int >= 0"),
+    "items": (
+        lambda v: isinstance(v, list) and bool(v) and all(name in ITEM_NAMES for name in v),
+        f"a non-empty list of {', '.join(ITEM_NAMES)}",
+    ),
+    "metrics": (lambda v: isinstance(v, Mapping) and all(map(is_number, v.values())), "numbers"),
+    "extra": (lambda v: isinstance(v, Mapping), "a JSON object"),
+    "library_versions": (
+        lambda v: isinstance(v, Mapping) and all(isinstance(x, str) for x in v.values()),
+        "str values",
+    ),
+    "created_at": (lambda v: isinstance(v, str), "a str"),
+}
+
+
+def _field(data: Mapping[str, Any], key: str) -> Any:
+    ok, expected = _CHECKS[key]
+    if not ok(data[key]):
+        raise UnsupportedCheckpointError(f"{key} {data[key]!r} (expected {expected})")
     return data[key]
-
-
-def _mapping(data: Mapping[str, Any], key: str) -> dict[str, Any]:
-    if not isinstance(data[key], Mapping):
-        raise UnsupportedCheckpointError(f"{key} {data[key]!r} (expected a JSON object)")
-    return dict(data[key])
-
-
-def _str_mapping(data: Mapping[str, Any], key: str) -> dict[str, str]:
-    value = _mapping(data, key)
-    if not all(isinstance(v, str) for v in value.values()):
-        raise UnsupportedCheckpointError(f"{key} {value!r} (expected str values)")
-    return value
-
-
-def _items(value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list) or not value or any(v not in ITEM_NAMES for v in value):
-        raise UnsupportedCheckpointError(f"items {value!r} (expected a non-empty list of {', '.join(ITEM_NAMES)})")
-    return tuple(value)
-
-
-def _metrics(value: Any) -> dict[str, float]:
-    if not isinstance(value, Mapping) or not all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()
-    ):
-        raise UnsupportedCheckpointError(f"metrics {value!r} (expected numbers)")
-    return {k: float(v) for k, v in value.items()}
 
 
 def library_versions() -> dict[str, str]:
@@ -217,12 +213,7 @@ def library_versions() -> dict[str, str]:
 
 
 def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
-    """Metrics as ``{str: float}``; numbers and 0-d arrays are accepted, NaN kept.
-
-    Raises:
-        OptionError: A key is not a str, or a value is not a real scalar or
-            is too large for a float64 (a ``ValueError``).
-    """
+    """Metrics as ``{str: float}``: numbers and 0-d arrays, NaN kept (else ``OptionError``)."""
     out: dict[str, float] = {}
     for name, value in (metrics or {}).items():
         if not isinstance(name, str):
@@ -239,19 +230,14 @@ def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
 
 
 def check_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``extra`` as a JSON-ready copy; refuses reserved names and lossy values.
-
-    Dict keys must be ``str`` (JSON would silently turn ``1`` into ``"1"``) and
-    floats finite. Tuples are stored as JSON arrays and come back as lists.
-
-    Raises:
-        ValueError: A key shadows a metadata field, or a value is not JSON data.
-    """
+    """``extra`` as a JSON-ready copy; ``OptionError`` for a name the record uses, and for
+    what JSON would change: a key that is not a ``str`` (``1`` would become ``"1"``), a
+    float that is not finite. Tuples are stored as JSON arrays and come back as lists."""
     extra = dict(extra or {})
-    shadowed = sorted(k for k in extra if k in RESERVED_KEYS)
+    shadowed = sorted(k for k in extra if k in _FIELDS)
     if shadowed:
         raise OptionError(
-            f"extra keys {shadowed} shadow metadata fields; reserved: {', '.join(sorted(RESERVED_KEYS))}. "
+            f"extra keys {shadowed} shadow metadata fields; reserved: {', '.join(sorted(_FIELDS))}. "
             "Pass step, epoch, metrics and producer as save() arguments, or rename the key"
         )
     _check_json("extra", extra)
@@ -275,6 +261,57 @@ def _check_json(where: str, value: Any) -> None:
         )
 
 
-def utc_now() -> str:
-    """The current time, ISO 8601 with an explicit UTC offset."""
-    return datetime.datetime.now(datetime.UTC).isoformat()
+def check_step(step: Any) -> int:
+    """A step as an int in ``[0, 2**63)`` (Orbax and its metadata count steps in int64)."""
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise OptionError(f"step must be a non-negative int, got {step!r}")
+    if int(step) >= 2**63:
+        raise OptionError(f"step must be below 2**63 (Orbax counts steps in int64), got {step!r}")
+    return int(step)
+
+
+def check_items(items: Mapping[str, Any]) -> tuple[str, ...]:
+    """The item names in canonical order, after validating every leaf."""
+    if not isinstance(items, Mapping) or not items:
+        raise OptionError(f"items must be a non-empty mapping of {', '.join(ITEM_NAMES)}, got {items!r}")
+    for name, tree in items.items():
+        check_item(name, tree)
+    return tuple(name for name in ITEM_NAMES if name in items)
+
+
+def new_metadata(
+    step: int,
+    names: tuple[str, ...],
+    epoch: int | None,
+    metrics: Mapping[str, Any] | None,
+    producer: Producer | None,
+    extra: Mapping[str, Any] | None,
+) -> CheckpointMetadata:
+    if epoch is not None and not is_int(epoch):
+        raise OptionError(f"epoch must be a non-negative int or None, got {epoch!r}")
+    if producer is not None and not isinstance(producer, Producer):
+        raise OptionError(f"producer must be a Producer(name, version) or None, got {producer!r}")
+    return CheckpointMetadata(
+        step=step,
+        items=names,
+        epoch=epoch,
+        metrics=check_metrics(metrics),
+        extra=check_extra(extra),
+        producer=producer,
+        library_versions=library_versions(),
+        created_at=datetime.datetime.now(datetime.UTC).isoformat(),  # with an explicit UTC offset
+    )
+
+
+def restore_names(metadata: CheckpointMetadata, templates: Mapping[str, Any], items: Iterable[str] | None) -> list[str]:
+    wanted = list(metadata.items if items is None else items)
+    for name in [*wanted, *templates]:
+        if name not in ITEM_NAMES:
+            raise OptionError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
+    unused = sorted(set(templates) - set(wanted))
+    if unused:
+        raise OptionError(f"templates given for {unused}, which items={wanted} does not restore")
+    absent = [name for name in wanted if name not in metadata.items]
+    if absent:
+        raise CheckpointItemError(metadata.step, absent, metadata.items)
+    return [name for name in metadata.items if name in wanted]

@@ -1,9 +1,8 @@
 """NNX glue: put a restored state back into a Module, an Optimizer or any graph node.
 
-Orbax stores dict keys as strings, so a state restored without a template has
-``"0"`` where the model's ``nnx.List`` has ``0``. :func:`restore_into` is driven by
-the target's own structure: every target leaf is looked up by its Orbax name, so
-int keys come back exactly as the target has them, and nothing is left unfilled.
+Orbax stores dict keys as strings (``"0"`` where an ``nnx.List`` has ``0``), so
+:func:`restore_into` is driven by the target's structure: each target leaf is looked up
+by its Orbax name, int keys come back as the target has them, and nothing is left unfilled.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Everything that speaks Orbax: the manager, save arguments, metadata, restore arguments.
 
-This is the one module of nnx_save that imports ``orbax.checkpoint``. It knows how
-an nnx_save step maps onto an Orbax composite checkpoint (see :mod:`._format`) and
-translates Orbax's metadata into the neutral ``{path: Spec | None}`` form the guard
-compares.
+It maps an nnx_save step onto an Orbax composite checkpoint (see :mod:`._format`) and
+Orbax's metadata onto the neutral ``{path: Spec | None}`` form the guard compares.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from ._tree import Path, Spec, flatten, segment, show
 
 __all__ = [
     "StepAlreadyExistsError",
-    "is_primary",
     "make_manager",
     "on_primary",
     "restore_items",
@@ -48,16 +45,9 @@ def _registry() -> ocp.handlers.CheckpointHandlerRegistry:
 
 
 def make_manager(directory: pathlib.Path, *, create: bool) -> ocp.CheckpointManager:
-    """An asynchronous manager that keeps every step (the store applies its own
-    retention policies, decided on process 0: see :mod:`._disk`).
-
-    ``save`` returns once Orbax has copied the arrays to the host; the files are
-    written, and the step committed, on Orbax's background thread
-    (``wait_until_finished`` waits; the next ``save`` waits for the previous one).
-
-    ``create`` (only for writing) makes the directory and removes temporary step
-    directories left behind by a save that was killed midway.
-    """
+    """An asynchronous manager that keeps every step (the store applies its own retention,
+    decided on process 0). ``create`` (only for writing) makes the directory and removes
+    the temporary step directories of a save killed midway."""
     options = ocp.CheckpointManagerOptions(
         create=create,
         cleanup_tmp_directories=create,
@@ -67,14 +57,9 @@ def make_manager(directory: pathlib.Path, *, create: bool) -> ocp.CheckpointMana
     return ocp.CheckpointManager(directory, options=options, handler_registry=_registry())
 
 
-def is_primary() -> bool:
-    """True on the process that makes directory-level changes (process 0)."""
-    return ocp.multihost.is_primary_host(0)
-
-
 def on_primary(name: str, action: Callable[[], object]) -> None:
     """Run a directory-level change on process 0 only; every process waits for it."""
-    if is_primary():
+    if ocp.multihost.is_primary_host(0):
         action()
     ocp.multihost.sync_global_processes(f"nnx_save:{name}")
 
@@ -118,11 +103,8 @@ def _kind(leaf: Any) -> str | None:
 
 
 def template_restore_args(item: str, template: Any) -> Any:
-    """Restore arguments placing every array on its template leaf's sharding and dtype.
-
-    A ``ShapeDtypeStruct`` without a sharding lands on the default device; a numpy
-    leaf restores as numpy; a Python leaf restores as its own type.
-    """
+    """Restore arguments placing every array on its template leaf's sharding and dtype
+    (no sharding: the default device); numpy and Python leaves restore as their type."""
     return jax.tree_util.tree_map_with_path(lambda keypath, leaf: _template_arg(item, keypath, leaf), template)
 
 

@@ -1,31 +1,41 @@
-"""Partial restore: which template leaves are read, and the :class:`~nnx_save.LoadReport`
-of that choice (the report ``load_model`` gives).
+"""How a restore's templates meet the checkpoint, before and right after arrays are read.
 
-A template drives the restore, as a model drives ``load_model``: its leaves that the
-checkpoint stores with the same shape are read; a leaf the checkpoint lacks is
-*missing*, a stored leaf the template lacks is *unexpected* (not read), a leaf of
-another shape is a *shape mismatch* (not read). Leaves not read keep the template's
-value. Strict (the store's default) refuses any of these the caller did not allow,
-before reading; otherwise one :class:`~nnx_save.LoadWarning` sums them up.
+A template drives the restore as a model drives ``load_model``: leaves stored with the
+same shape are read; *missing*, *unexpected* and *shape mismatch* leaves are not, and keep
+the template's value. Strict refuses those not allowed, before reading; otherwise one
+:class:`~nnx_save.LoadWarning` sums them up. Dtypes are compared with the saved record.
+
+A template's Python leaf says which type the caller wants back. Orbax would cast the
+stored value silently (``2.5`` onto an ``int`` template comes back ``2``), so types are
+compared first, as dtypes are: another number type is a ``DtypeMismatch`` (refused
+unless ``cast_dtypes``), a string against a number a template error. Accepted casts are
+done here, after Orbax read the value as stored, so a cast that changes it is reported.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
-from ..errors import CheckpointTemplateError
-from ..load._report import LoadReport, ShapeMismatch, matches_any
-from ._guard import template_problems
-from ._tree import Path, Spec, flatten, leaf_spec, show
+from ..errors import CheckpointDtypeMismatchError, CheckpointTemplateError, DtypeMismatch
+from ..load._report import DtypeCast, LoadReport, LossyCastWarning, ShapeMismatch, matches_any
+from ._tree import Path, Spec, flatten, leaf_spec, segment, show
 
-__all__ = ["PartialOptions", "Selection", "graft", "select"]
-
-# How template_problems words a leaf that is an array on one side, a Python value on the other.
-_KIND_ENDINGS = ("a Python value in the checkpoint", "an array in the checkpoint")
+__all__ = [
+    "PartialOptions",
+    "Selection",
+    "cast_back",
+    "check_restored",
+    "check_template_dtypes",
+    "graft",
+    "prepare",
+    "select",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,60 +73,208 @@ def select(
     options: PartialOptions,
     source: str,
 ) -> tuple[dict[str, Selection], LoadReport]:
-    """Compare each template with the stored specs; raise or warn as ``options`` say.
-
-    Raises:
-        CheckpointTemplateError: A leaf is an array on one side and a Python value on
-            the other (always), or, under ``strict``, any mismatch not allowed.
-    """
-    report, selections, problems = LoadReport(source=source), {}, []
+    """Compare each template with the stored specs; raise :class:`CheckpointTemplateError`
+    for a leaf that is an array on one side, a Python value on the other (always), or any
+    mismatch not allowed under ``strict``; else warn once."""
+    report, selections = LoadReport(source=source), {}
+    problems: list[str] = []
+    kinds: list[str] = []
     for name, tree in templates.items():
-        selection, item_problems = _select_item(name, tree, specs[name], options, report)
-        selections[name] = selection
-        problems += item_problems
-    kinds = [p for p in problems if p.endswith(_KIND_ENDINGS)]  # a wrong template, never accepted
+        selections[name] = _select_item(name, tree, specs[name], options, report, problems, kinds)
     if kinds or (options.strict and problems):
-        raise CheckpointTemplateError(step, problems if options.strict else kinds)
+        raise CheckpointTemplateError(step, problems + kinds if options.strict else kinds)
     report.raise_or_warn(False, stacklevel=4)
     return selections, report
 
 
 def _select_item(
-    name: str, tree: Any, stored: Mapping[Path, Spec | None], options: PartialOptions, report: LoadReport
-) -> tuple[Selection, list[str]]:
-    treedef = jax.tree_util.tree_structure(tree)
+    name: str,
+    tree: Any,
+    stored: Mapping[Path, Spec | None],
+    options: PartialOptions,
+    report: LoadReport,
+    problems: list[str],
+    kinds: list[str],
+) -> Selection:
+    """One item's selection; its disagreements go to ``report``, those not allowed to
+    ``problems``, leaf-kind ones (a wrong template, whatever the options) to ``kinds``."""
     pairs = flatten(tree)
     given = dict(pairs)
-    shown = {p: f"{name}/{show(p)}" for p in {*given, *stored}}
-    allowed = {
-        "missing": {p for p in given if p not in stored and matches_any(shown[p], options.allow_missing)},
-        "unexpected": {p for p in stored if p not in given and matches_any(shown[p], options.allow_unexpected)},
-        "shape": {p for p in given if p in stored and matches_any(shown[p], options.allow_shape_mismatch)},
-    }
     read = set()
     for path, leaf in pairs:
-        wanted, have = leaf_spec(leaf), stored.get(path)
+        where, wanted, have = f"{name}/{show(path)}", leaf_spec(leaf), stored.get(path)
         if path not in stored:
-            (report.allowed_missing if path in allowed["missing"] else report.missing).append(shown[path])
+            if _refused(report, "missing", where, options.allow_missing, where):
+                problems.append(f"{where}: in the template, not stored in the checkpoint")
         elif (wanted is None) != (have is None):
-            continue  # refused below, whatever the options
+            sides = ("an array", "a Python value") if have is None else ("a Python value", "an array")
+            kinds.append(f"{where}: {sides[0]} in the template, {sides[1]} in the checkpoint")
         elif wanted is not None and have is not None and wanted.shape != have.shape:
-            mismatch = ShapeMismatch(shown[path], wanted.shape, have.shape)
-            (report.allowed_shape_mismatches if path in allowed["shape"] else report.shape_mismatches).append(mismatch)
+            mismatch = ShapeMismatch(where, wanted.shape, have.shape)
+            if _refused(report, "shape_mismatches", where, options.allow_shape_mismatch, mismatch):
+                problems.append(f"{where}: shape {wanted.shape} in the template, {have.shape} in the checkpoint")
         else:
             read.add(path)
-            report.loaded.append(shown[path])
-    for path in stored:
-        if path not in given:
-            (report.allowed_unexpected if path in allowed["unexpected"] else report.unexpected).append(shown[path])
-    skip = allowed["missing"] | allowed["unexpected"] | {p for p in allowed["shape"] if p not in read}
-    problems = template_problems(
-        name, [(p, leaf) for p, leaf in pairs if p not in skip], {p: s for p, s in stored.items() if p not in skip}
-    )
-    return Selection(pairs, treedef, frozenset(read), len(stored)), problems
+            report.loaded.append(where)
+    for where in [f"{name}/{show(p)}" for p in stored if p not in given]:
+        if _refused(report, "unexpected", where, options.allow_unexpected, where):
+            problems.append(f"{where}: stored in the checkpoint, absent from the template")
+    return Selection(pairs, jax.tree_util.tree_structure(tree), frozenset(read), len(stored))
+
+
+def _refused(report: LoadReport, field: str, where: str, patterns: Sequence[str], entry: Any) -> bool:
+    """Put ``entry`` on the report's ``allowed_<field>`` list when a pattern allows
+    ``where``, else on its ``<field>`` list; True when it was not allowed."""
+    allowed = matches_any(where, patterns)
+    getattr(report, f"allowed_{field}" if allowed else field).append(entry)
+    return not allowed
 
 
 def graft(selection: Selection, read: Mapping[Path, Any]) -> Any:
     """The template's structure, with the values read where they were read."""
     leaves = [read.get(path, leaf) if path in selection.read else leaf for path, leaf in selection.pairs]
     return jax.tree_util.tree_unflatten(selection.treedef, leaves)
+
+
+# -- dtypes ------------------------------------------------------------------------------
+
+
+def _dtype_mismatches(item: str, leaves: Sequence[tuple[Path, Any]], saved: Mapping[Path, str]) -> list[DtypeMismatch]:
+    """Array leaves whose dtype differs from the saved one (Python leaves are skipped).
+
+    Examples:
+        >>> _dtype_mismatches("model", [(("w",), np.zeros(2, np.float16))], {("w",): "float32"})
+        [DtypeMismatch(item='model', leaf='w', saved='float32', restored='float16')]
+    """
+    return [
+        DtypeMismatch(item, show(path), saved[path], spec.dtype)
+        for path, leaf in leaves
+        if (spec := leaf_spec(leaf)) is not None and path in saved and saved[path] != spec.dtype
+    ]
+
+
+def _explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
+    """True when jax's x64 mode is off and it narrowed a 64-bit array to 32 bits."""
+    if jax.config.read("jax_enable_x64"):
+        return False
+    return any(
+        m.saved != m.restored and str(jax.dtypes.canonicalize_dtype(np.dtype(m.saved))) == m.restored
+        for m in mismatches
+    )
+
+
+def check_template_dtypes(
+    step: int,
+    read: Mapping[str, Sequence[tuple[Path, Any]]],
+    saved: Mapping[str, Mapping[Path, str]],
+    cast_dtypes: bool,
+    python: Sequence[DtypeMismatch] = (),
+) -> list[DtypeMismatch]:
+    """The template leaves to be read whose dtype differs from the saved one (and the
+    ``python`` leaves of another type); raise before anything is read unless ``cast_dtypes``."""
+    mismatches = [m for name, pairs in read.items() for m in _dtype_mismatches(name, pairs, saved[name])]
+    mismatches += python
+    if mismatches and not cast_dtypes:
+        raise CheckpointDtypeMismatchError(step, mismatches, before_read=True)
+    return mismatches
+
+
+def check_restored(step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]]) -> None:
+    """Compare items restored without a template with the saved dtypes."""
+    mismatches = [m for name, tree in restored.items() for m in _dtype_mismatches(name, flatten(tree), saved[name])]
+    if mismatches:
+        raise CheckpointDtypeMismatchError(step, mismatches, x64_off=_explained_by_x64(mismatches))
+
+
+# -- Python leaves -----------------------------------------------------------------------
+
+_PYTHON = " (Python)"  # the suffix naming a Python type in a DtypeMismatch ("float (Python)")
+_TYPES: dict[str, type] = {"bool": bool, "int": int, "float": float, "str": str}  # bool first: a bool is an int
+_EXAMPLES: dict[str, Any] = {"bool": False, "int": 0, "float": 0.0, "str": ""}
+
+
+def _kind_of(leaf: Any) -> str | None:
+    """``"bool"``, ``"int"``, ``"float"`` or ``"str"`` for a Python leaf, else None.
+
+    Examples:
+        >>> [_kind_of(v) for v in (True, 3, 2.5, "x", [1])]
+        ['bool', 'int', 'float', 'str', None]
+    """
+    return next((name for name, kind in _TYPES.items() if isinstance(leaf, kind)), None)
+
+
+def _as_stored(template: Any, stored: Mapping[Path, str]) -> Any:
+    """The template with each Python leaf replaced by one of its stored type, so
+    Orbax reads the value exactly as it was saved."""
+
+    def leaf(keypath: Any, value: Any) -> Any:
+        have = stored.get(tuple(segment(e) for e in keypath))
+        return _EXAMPLES[have] if _kind_of(value) is not None and have is not None else value
+
+    return jax.tree_util.tree_map_with_path(leaf, template)
+
+
+def prepare(
+    step: int, templates: Mapping[str, Any], stored: Mapping[str, Mapping[Path, str]]
+) -> tuple[dict[str, Any], list[DtypeMismatch]]:
+    """The templates to hand Orbax (Python leaves of the stored type) and the Python
+    number leaves whose template type differs from the stored one.
+
+    Raises:
+        CheckpointTemplateError: A string in the template meets a stored number, or
+            the reverse (a wrong template, never a cast); before anything is read.
+
+    Examples:
+        >>> prepare(1, {"extensions": {"lr": 1, "n": 7}}, {"extensions": {("lr",): "float", ("n",): "int"}})[1]
+        [DtypeMismatch(item='extensions', leaf='lr', saved='float (Python)', restored='int (Python)')]
+    """
+    differ = [
+        (name, show(path), want, stored[name][path])
+        for name, tree in templates.items()
+        for path, leaf in flatten(tree)
+        if (want := _kind_of(leaf)) is not None and path in stored[name] and want != stored[name][path]
+    ]
+    problems = [
+        f"{name}/{where}: {_article(want)} in the template, {_article(have)} in the checkpoint"
+        for name, where, want, have in differ
+        if "str" in (want, have)
+    ]
+    if problems:
+        raise CheckpointTemplateError(step, problems)
+    mismatches = [DtypeMismatch(name, where, have + _PYTHON, want + _PYTHON) for name, where, want, have in differ]
+    return {name: _as_stored(tree, stored[name]) for name, tree in templates.items()}, mismatches
+
+
+def cast_back(step: int, item: str, restored: Any, casts: Sequence[DtypeMismatch], report: list[DtypeCast]) -> Any:
+    """Cast the restored values named in ``casts`` (of ``item``) to their template's type,
+    each recorded in ``report``, a warning for a value the cast changed, and a
+    :class:`CheckpointTemplateError` for one the type cannot hold (NaN onto an ``int``)."""
+    wanted = {m.leaf: m for m in casts if m.item == item}
+    if not wanted:
+        return restored
+
+    def leaf(keypath: Any, value: Any) -> Any:
+        where = show(tuple(segment(e) for e in keypath))
+        if where not in wanted:
+            return value
+        mismatch = wanted[where]
+        try:
+            cast = _TYPES[mismatch.restored.removesuffix(_PYTHON)](value)
+        except (ValueError, OverflowError):  # int(nan), int(inf)
+            problem = f"{item}/{where}: the stored {mismatch.saved} {value!r} cannot be restored as {mismatch.restored}"
+            raise CheckpointTemplateError(step, [problem]) from None
+        report.append(DtypeCast(f"{item}/{where}", mismatch.saved, mismatch.restored))
+        if cast != value:
+            warnings.warn(
+                f"{item}/{where}: the stored {mismatch.saved} {value!r} is restored as {cast!r} "
+                f"({mismatch.restored}, as the template asks)",
+                LossyCastWarning,
+                stacklevel=4,
+            )
+        return cast
+
+    return jax.tree_util.tree_map_with_path(leaf, restored)
+
+
+def _article(kind: str) -> str:
+    return f"an {kind}" if kind == "int" else f"a {kind}"

@@ -1,9 +1,8 @@
 """Which steps a store keeps: combinable retention policies, as plain data.
 
-A step is kept when *any* policy keeps it (so a best-K step is never deleted by
-another policy), and the latest step is always kept (a run resumes from it). With
-no policy set nothing is deleted. :func:`doomed` is a pure function of the steps,
-their records and the time, so process 0 can decide and share it.
+A step is kept when *any* policy keeps it, and the latest step always (a run resumes
+from it). :func:`doomed` is a pure function of the steps, their records and the time,
+so process 0 can decide and share it.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from typing import Any, Literal
 
 from ..errors import OptionError, UnsupportedCheckpointError
 from ..format._header import strict_json
+from ._metadata import is_int, is_number
 
 __all__ = ["STORE_RECORD", "Retention", "StepInfo", "doomed"]
 
@@ -57,13 +57,9 @@ class Retention:
     def __post_init__(self) -> None:
         for name in ("latest", "best", "every"):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            if value is not None and not is_int(value, 1):
                 raise OptionError(f"Retention.{name} must be an int >= 1 or None, got {value!r}")
-        if self.newer_than is not None and (
-            isinstance(self.newer_than, bool)
-            or not isinstance(self.newer_than, (int, float))
-            or not self.newer_than > 0
-        ):
+        if self.newer_than is not None and not (is_number(self.newer_than) and self.newer_than > 0):
             raise OptionError(
                 f"Retention.newer_than must be a positive number of seconds or None, got {self.newer_than!r}"
             )
@@ -83,16 +79,13 @@ class Retention:
 
     def describe(self) -> str:
         """The policies in words."""
-        parts = []
-        if self.latest is not None:
-            parts.append(f"the latest {self.latest} steps")
-        if self.best is not None:
-            parts.append(f"the best {self.best} by {self.mode} {self.metric}")
-        if self.every is not None:
-            parts.append(f"every step divisible by {self.every}")
-        if self.newer_than is not None:
-            parts.append(f"steps newer than {self.newer_than:g} s")
-        return " + ".join(parts) or "every step (no retention policy)"
+        parts = [
+            f"the latest {self.latest} steps" if self.latest is not None else "",
+            f"the best {self.best} by {self.mode} {self.metric}" if self.best is not None else "",
+            f"every step divisible by {self.every}" if self.every is not None else "",
+            f"steps newer than {self.newer_than:g} s" if self.newer_than is not None else "",
+        ]
+        return " + ".join(p for p in parts if p) or "every step (no retention policy)"
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -148,11 +141,7 @@ def record_json(retention: Retention) -> str:
 
 
 def parse_record(text: str) -> Retention:
-    """Read a retention record back.
-
-    Raises:
-        UnsupportedCheckpointError: Not a record this version reads.
-    """
+    """Read a retention record back (:class:`UnsupportedCheckpointError`: not one this version reads)."""
     try:
         data = strict_json(text)
         if (

@@ -1,18 +1,10 @@
 """When to save: an interval in steps and/or seconds, and preemption.
 
-:class:`SaveSchedule` answers ``due(step)`` for a training loop. A preemption makes
-the next asked step due whatever the intervals say:
-
-- one process: the first ``due`` call installs a ``SIGTERM`` handler (from the main
-  thread) that records the signal instead of ending the process; the previous
-  handler is put back by :meth:`SaveSchedule.close`;
-- several processes: JAX's preemption service (started by
-  ``jax.distributed.initialize``) catches the signal on any process and picks one
-  step at which every process's
-  :func:`jax.experimental.multihost_utils.reached_preemption_sync_point` is true,
-  so every process saves the same step.
-
-A seconds interval is measured on process 0 and shared, so the processes agree.
+A preemption makes the next step asked about due, whatever the intervals say. With one
+process, the first ``due`` call installs a ``SIGTERM`` handler (from the main thread)
+that records the signal instead of ending the process. With several, JAX's preemption
+service picks one step at which ``reached_preemption_sync_point`` is true on every
+process, so all save the same step. A seconds interval is measured on process 0 and shared.
 """
 
 from __future__ import annotations
@@ -28,20 +20,16 @@ from jax.experimental import multihost_utils
 
 from ..errors import OptionError
 from ._agree import agree
+from ._metadata import is_int, is_number
 
 __all__ = ["SaveSchedule"]
 
 
 @dataclasses.dataclass
 class SaveSchedule:
-    """Save intervals and the preemption state of one store.
-
-    Attributes:
-        every_steps: A step divisible by this is due (None: no step interval).
-        every_seconds: A step is due once this many seconds passed since the last
-            save, or since the schedule started (None: no time interval).
-
-    With neither interval every step is due.
+    """Save intervals and the preemption state of one store: a step is due when
+    divisible by ``every_steps``, or once ``every_seconds`` passed since the last save
+    (or the start); with neither interval every step is due.
 
     Examples:
         >>> schedule = SaveSchedule(every_steps=100)
@@ -60,11 +48,9 @@ class SaveSchedule:
 
     def __post_init__(self) -> None:
         steps, seconds = self.every_steps, self.every_seconds
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        if steps is not None and not is_int(steps, 1):
             raise OptionError(f"save_interval_steps must be an int >= 1 or None, got {steps!r}")
-        if seconds is not None and (
-            isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not seconds > 0
-        ):
+        if seconds is not None and not (is_number(seconds) and seconds > 0):
             raise OptionError(f"save_interval_seconds must be a positive number or None, got {seconds!r}")
 
     def due(self, step: int) -> bool:

@@ -1,10 +1,6 @@
-"""The step-addressed checkpoint store: the :class:`CheckpointStore` protocol and its
-Orbax implementation.
-
-Writes are strict (a step is written once, steps only move forward, a refused save
-changes nothing) and reads are guarded (metadata validated first; dtypes, paths and
-shapes compared against the templates before a single array is read).
-"""
+"""The Orbax implementation of :class:`CheckpointStore`. Writes are strict (a step is
+written once, steps only move forward, a refused save changes nothing); reads are guarded
+(metadata validated first; dtypes, paths and shapes compared before any array is read)."""
 
 from __future__ import annotations
 
@@ -12,9 +8,7 @@ import contextlib
 import functools
 import os
 import pathlib
-import shutil
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from types import TracebackType
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Self
 
 from etils import epath
@@ -28,21 +22,17 @@ from ..errors import (
     OptionError,
 )
 from ..load._report import DtypeCast
-from . import _exit, _orbax, _pyleaves
-from ._args import check_items, check_step, new_metadata, restore_names
-from ._directory import Location, is_url, store_location
+from . import _exit, _orbax, _partial
+from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
-from ._guard import check_restored, check_template_dtypes
-from ._health import corrupt_from, looks_damaged
-from ._metadata import CheckpointMetadata, Producer
-from ._partial import PartialOptions, Selection, graft, select
-from ._records import load_metadata, saved_dtypes
+from ._health import corrupt_from, load_metadata, looks_damaged, saved_dtypes
+from ._metadata import CheckpointMetadata, Producer, check_items, check_step, is_int, new_metadata, restore_names
 from ._retention import Retention, StepInfo, ranked
 from ._schedule import SaveSchedule
 from ._tree import dtype_record, flatten
 from ._types import Checkpoint, CheckpointStore
 
-__all__ = ["Checkpoint", "CheckpointStore", "OrbaxCheckpointStore"]  # the first two from ._types
+__all__ = ["OrbaxCheckpointStore"]
 
 
 class _Unset:
@@ -63,9 +53,7 @@ def _given_retention(max_to_keep: int | _Unset | None, retention: Retention | No
         return retention
     if retention is not None:
         raise OptionError("pass max_to_keep or retention, not both (max_to_keep=N is Retention(latest=N))")
-    if max_to_keep is not None and (
-        isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-    ):
+    if max_to_keep is not None and not is_int(max_to_keep, 1):
         raise OptionError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
     return Retention(latest=max_to_keep)
 
@@ -75,26 +63,21 @@ class OrbaxCheckpointStore:
 
     Each step holds up to five named items (``model``, ``optimizer``, ``rng``,
     ``data_iterator``, ``extensions``), each a pytree of arrays, typed PRNG keys and
-    plain Python values, plus a JSON metadata record and a JSON record of every
-    array's dtype. Saves use Orbax's asynchronous checkpointing: with
-    ``save(..., blocking=False)`` the call returns once the state is copied to the
-    host (training may go on, donating the saved buffers) and the step is written
-    in the background; reading a step, the next save, :meth:`wait_until_finished`,
-    :meth:`close` and leaving the ``with`` block wait for pending saves and raise
-    their errors. Refused saves raise at the ``save`` call either way. Nothing is
-    created on disk before the first save. Restoring never executes code: Orbax
-    reads arrays, numbers, strings and JSON.
+    Python values, plus JSON records of its metadata and of every array's dtype. With
+    ``save(..., blocking=False)`` the call returns once the state is on the host
+    (training may go on, donating the saved buffers) and Orbax writes the step in the
+    background; reading a step, the next save, :meth:`wait_until_finished`, :meth:`close`
+    and leaving the ``with`` block wait for it and raise its error. Refused saves raise
+    at the call. Nothing is created before the first save; restoring never runs code.
 
-    **Retention.** After each committed save, steps that no policy of ``retention``
-    keeps are deleted (see :class:`Retention`; default: the latest 5). The policies
-    are recorded in the directory at the first save; reopening adopts them, and
-    opening with other policies raises :class:`CheckpointRetentionError` unless
-    ``change_retention=True``, since a changed policy can delete steps.
+    **Retention.** After each committed save, steps no policy of ``retention`` keeps are
+    deleted (:class:`Retention`; default: the latest 5). The policies are recorded at
+    the first save and adopted on reopening; other policies (which could delete steps)
+    raise :class:`CheckpointRetentionError` unless ``change_retention=True``.
 
-    **Several processes.** In a multi-process JAX run every process opens the store
-    and calls each method in the same order; decisions about the directory (which
-    steps exist, which are damaged, which retention deletes, whether a save is due)
-    are made on process 0 and shared, so every process takes the same path.
+    **Several processes.** Every process opens the store and calls each method in the
+    same order; decisions about the directory (steps, damage, retention, whether a save
+    is due) are made on process 0 and shared, so every process takes the same path.
 
     Args:
         directory: The checkpoint directory (relative paths against the working
@@ -173,9 +156,7 @@ class OrbaxCheckpointStore:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -187,14 +168,9 @@ class OrbaxCheckpointStore:
         if manager is not None:
             try:
                 self._settle(manager)
-            finally:
+            finally:  # _settle has marked the pending save landed, even when it raised
                 self._manager = None
                 manager.close()
-                self._landed()
-
-    def _finish_for_exit(self) -> None:
-        # Called by _exit when the process ends with this store's save in flight.
-        self.close()
 
     def _pending_description(self) -> str:
         return f"step {self._in_flight} in {self._directory}"
@@ -215,16 +191,14 @@ class OrbaxCheckpointStore:
                 manager.wait_until_finished()
         except CheckpointWriteError:
             for step in set(self._disk.load().steps) - set(manager.all_steps()):
-                self._disk.removed(step)  # Orbax dropped the step it failed to write, on every process
+                self._disk.changed(step, saved=False)  # Orbax dropped the step it failed to write, on every process
             raise
         finally:
             self._landed()
         if self._writable:
             doomed = self._disk.doomed()
             for step in doomed:
-                _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
-                self._disk.removed(step)
-                self._metadata.pop(step, None)
+                self._retire(step)
             if doomed:
                 manager.reload()  # Orbax forgets the steps retired behind its back
 
@@ -253,15 +227,12 @@ class OrbaxCheckpointStore:
     # -- when to save ------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether the loop should save ``step`` now: at a preemption (``SIGTERM``;
-        with several processes, JAX's preemption sync point, the same step on every
-        process), else by the intervals (with none, every step). A step the store
-        already holds is never due. Call it at every step, on every process.
-
-        The first call installs a ``SIGTERM`` handler in a one-process run (from the
-        main thread; :meth:`close` puts the previous one back), so the signal asks
-        for a save instead of ending the process: check :attr:`preemption_requested`
-        after saving and stop.
+        """Whether the loop should save ``step`` now: at a preemption (``SIGTERM``; with
+        several processes, JAX's preemption sync point), else by the intervals (with none,
+        every step). A step the store holds is never due. Call it at every step, on every
+        process. In a one-process run the first call installs a ``SIGTERM`` handler
+        (:meth:`close` puts the previous one back), so the signal asks for a save instead of
+        ending the process: check :attr:`preemption_requested` after saving and stop.
 
         Examples:
             >>> import tempfile
@@ -336,7 +307,8 @@ class OrbaxCheckpointStore:
             )
         return best[0]
 
-    def _require(self, step: int, *, damaged_ok: bool = False) -> Any:
+    def _require(self, step: int, *, damaged_ok: bool = False) -> None:
+        """Raise unless ``step`` is stored (and undamaged, unless ``damaged_ok``), once pending saves landed."""
         step = check_step(step)
         manager = self._reader()
         if manager is not None:
@@ -346,7 +318,6 @@ class OrbaxCheckpointStore:
             raise view.corrupt_error(step)
         if manager is None or step not in view.steps:
             raise CheckpointNotFoundError(step, self._directory, self.list_steps())
-        return manager
 
     def _step_path(self, step: int) -> pathlib.Path:
         return self._directory / str(step)
@@ -417,7 +388,7 @@ class OrbaxCheckpointStore:
                 self._replace(manager, step, args)
             else:
                 self._write(manager, step, args)
-            self._disk.added(step)
+            self._disk.changed(step, saved=True)
             self._metadata.pop(step, None)
             if blocking:
                 self._settle(manager)
@@ -427,16 +398,10 @@ class OrbaxCheckpointStore:
         self._schedule.saved()
         return self._step_path(step)
 
-    @contextlib.contextmanager
-    def _write_failures(self, step: int | None) -> Iterator[None]:
-        """Orbax's own write failures (tensorstore's ``ValueError`` for a full disk,
-        ``OSError`` ...) become :class:`CheckpointWriteError` naming the store."""
-        try:
-            yield
-        except NnxSaveError:
-            raise
-        except Exception as e:
-            raise CheckpointWriteError(step if step is not None else -1, self._directory, e) from e
+    def _write_failures(self, step: int | None) -> contextlib.AbstractContextManager[None]:
+        """Orbax's write failures (tensorstore's ``ValueError`` for a full disk, ``OSError``
+        ...) as :class:`CheckpointWriteError` naming the store."""
+        return _typed(lambda e: CheckpointWriteError(-1 if step is None else step, self._directory, e))
 
     def _refuse_write(self, step: int, overwrite: bool) -> bool:
         """Raise if ``step`` may not be written; return whether it already exists.
@@ -459,7 +424,7 @@ class OrbaxCheckpointStore:
             raise CheckpointNotWrittenError(step, latest, "rejected", self._directory)
 
     def _replace(self, manager: Any, step: int, args: Any) -> None:
-        step_dir, aside = self._step_path(step), self._directory / f"{ASIDE_PREFIX}{step}"
+        step_dir, aside = self._disk.path / str(step), self._disk.path / f"{ASIDE_PREFIX}{step}"
         manager.wait_until_finished()  # the step being replaced may still be in flight
         _orbax.on_primary("set_aside", lambda: step_dir.rename(aside))
         manager.reload()
@@ -470,7 +435,7 @@ class OrbaxCheckpointStore:
             _orbax.on_primary("put_back", lambda: step_dir.exists() or aside.rename(step_dir))
             manager.reload()
             raise
-        _orbax.on_primary("drop_aside", lambda: _rmtree(aside))
+        _orbax.on_primary("drop_aside", aside.rmtree)
         manager.reload()  # Orbax appends the step last; re-read the sorted list
 
     # -- reading -----------------------------------------------------------------
@@ -504,15 +469,12 @@ class OrbaxCheckpointStore:
         allow_shape_mismatch: Sequence[str] = (),
     ) -> Checkpoint:
         """Read ``step``. Items with a template come back in its structure, on its
-        shardings; items without one come back as stored (nested dicts and lists,
-        string keys, the stored shardings).
-
-        A template also says which leaves to read: with ``strict=False`` or the
-        ``allow_*`` patterns (glob or regex over ``item/leaf`` paths, e.g.
-        ``"model/head/*"``), a template may leave out stored leaves (params only)
-        or hold leaves the step lacks or stores in another shape (a new head):
-        only the matching leaves are read, the others keep the template's value,
-        and ``checkpoint.report`` lists them as ``load_model``'s report does.
+        shardings; items without one as stored (nested dicts and lists, string keys, the
+        stored shardings). With ``strict=False`` or the ``allow_*`` patterns (glob or
+        regex over ``item/leaf`` paths, e.g. ``"model/head/*"``) a template may leave out
+        stored leaves or hold leaves the step lacks or stores in another shape: only the
+        matching leaves are read, the others keep the template's value, and
+        ``checkpoint.report`` lists them as ``load_model``'s report does.
 
         Args:
             step: The step to read.
@@ -551,45 +513,43 @@ class OrbaxCheckpointStore:
         templates = dict(templates or {})
         names = restore_names(metadata, templates, items)
         manager = self._reader()
-        stored = self._stored_trees(manager, step, names)
+        with self._corrupt_on_failure(step, any_error=True):  # Orbax's metadata of an item is unreadable
+            stored = _orbax.stored_trees(manager, step, names)
         saved = saved_dtypes(self._directory, step, stored)
-        options = PartialOptions(strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch))
+        options = _partial.PartialOptions(
+            strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
+        )
         given = {n: templates[n] for n in names if n in templates}
-        given, retyped = _pyleaves.prepare(step, given, {n: _orbax.stored_kinds(stored[n]) for n in given})
+        given, retyped = _partial.prepare(step, given, {n: _orbax.stored_kinds(stored[n]) for n in given})
         whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
         specs = {n: _orbax.stored_specs(stored[n]) for n in given}
-        chosen, report = select(step, given, specs, options, str(self._step_path(step)))
-        casts = check_template_dtypes(step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped)
+        chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
+        casts = _partial.check_template_dtypes(
+            step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
+        )
         report.dtype_casts.extend(
             DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
         )
         plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in names}
         partial = [n for n, s in chosen.items() if not s.whole]
         plan = {n: p for n, p in plan.items() if n not in chosen or chosen[n].read}  # items with nothing to read
-        read = self._read_arrays(manager, step, plan, partial) if plan else {}
-        restored = {n: graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names}
-        restored = {n: _pyleaves.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
+        read: dict[str, Any] = {}
+        if plan:
+            with self._corrupt_on_failure(step, any_error=False):
+                read = _orbax.restore_items(manager, step, plan, partial)
+        restored = {
+            n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
+        }
+        restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
         if not cast_dtypes:
-            check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
+            _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
-    def _stored_trees(self, manager: Any, step: int, names: list[str]) -> dict[str, Any]:
-        try:
-            return _orbax.stored_trees(manager, step, names)
-        except NnxSaveError:
-            raise
-        except Exception as error:  # Orbax's metadata of an item is unreadable
-            raise corrupt_from(step, str(self._step_path(step)), error) from error
-
-    def _read_arrays(self, manager: Any, step: int, plan: Mapping[str, Any], partial: list[str]) -> dict[str, Any]:
-        try:
-            return _orbax.restore_items(manager, step, plan, partial)
-        except NnxSaveError:
-            raise
-        except Exception as error:  # tensorstore's DATA_LOSS / OUT_OF_RANGE for a truncated file
-            if not looks_damaged(error):
-                raise
-            raise corrupt_from(step, str(self._step_path(step)), error) from error
+    def _corrupt_on_failure(self, step: int, *, any_error: bool) -> contextlib.AbstractContextManager[None]:
+        """Orbax's read failures (all, or only those that look like damage: tensorstore's
+        DATA_LOSS for a truncated file) as :class:`CheckpointCorruptError` naming the file."""
+        where = str(self._step_path(step))
+        return _typed(lambda e: corrupt_from(step, where, e) if any_error or looks_damaged(e) else None)
 
     # -- deleting ----------------------------------------------------------------
 
@@ -602,22 +562,39 @@ class OrbaxCheckpointStore:
         self._require(step, damaged_ok=True)
         self._disk.refuse_links()
         writer = self._writer()
-        _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
+        self._retire(step)
         writer.reload()
-        self._disk.removed(step)
+
+    def _retire(self, step: int) -> None:
+        """Delete ``step`` (process 0 renames it away, then removes it) and forget it."""
+        _orbax.on_primary("retire", functools.partial(self._disk.retire, step))
+        self._disk.changed(step, saved=False)
         self._metadata.pop(step, None)
 
 
-def _plan(name: str, whole: tuple[Any, Any] | None, selection: Selection | None, stored: Any) -> tuple[Any, Any]:
+@contextlib.contextmanager
+def _typed(convert: Callable[[Exception], NnxSaveError | None]) -> Iterator[None]:
+    """An Orbax failure (not one of nnx_save's own) as the error ``convert`` makes of it
+    (``None``: raised as it is)."""
+    try:
+        yield
+    except NnxSaveError:
+        raise
+    except Exception as error:
+        typed = convert(error)
+        if typed is None:
+            raise
+        raise typed from error
+
+
+_CONTRACT: type[CheckpointStore] = OrbaxCheckpointStore  # mypy checks here that the store keeps the contract
+
+
+def _plan(
+    name: str, whole: tuple[Any, Any] | None, selection: _partial.Selection | None, stored: Any
+) -> tuple[Any, Any]:
     """``(template, restore_args)`` for one item: as stored, the whole template, or
     the template's leaves that are read."""
     if whole is None or selection is None:
         return None, _orbax.stored_restore_args(stored)
     return whole if selection.whole else _orbax.subset_plan(name, selection.read_pairs())
-
-
-def _rmtree(path: Location) -> None:
-    if isinstance(path, pathlib.Path):
-        shutil.rmtree(path)
-    else:
-        path.rmtree()  # an etils epath (gs://, s3://)

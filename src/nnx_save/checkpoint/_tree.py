@@ -1,10 +1,8 @@
 """Pytree leaves as the checkpoint sees them: paths, storable kinds, dtypes.
 
-A leaf path is a tuple of ``str`` segments named the way Orbax names them (a dict
-key or an ``nnx.List`` index ``0`` becomes ``"0"``), so paths from a template, from
-the saved dtype record and from Orbax's own metadata compare directly. Typed PRNG
-keys are described by their key data (``uint32`` with a trailing dimension), which
-is what Orbax stores.
+A leaf path is a tuple of ``str`` segments named as Orbax names them (an ``nnx.List``
+index ``0`` becomes ``"0"``), so paths from a template, the dtype record and Orbax's
+metadata compare directly. Typed PRNG keys are described by their key data, as stored.
 """
 
 from __future__ import annotations
@@ -78,15 +76,10 @@ def leaf_spec(leaf: Any) -> Spec | None:
 
 
 def check_item(name: str, tree: Any) -> None:
-    """Refuse an item Orbax could not store exactly, before anything is written.
-
-    Raises:
-        ValueError: ``name`` is not one of :data:`ITEM_NAMES`.
-        UnsupportedValueError: A leaf is not an array, typed key, int, float, bool
-            or str; an int exceeds int64; an array is empty.
-        KeyPathError: Two leaves would get the same Orbax name (``{"a.b": x}`` and
-            ``{"a": {"b": y}}``), so one would silently overwrite the other.
-    """
+    """Refuse an item Orbax could not store exactly, before anything is written: an
+    unknown name (``OptionError``), a leaf that is no array, typed key, int, float, bool or
+    str, an int past int64, an empty or deleted array (``UnsupportedValueError``), or two
+    leaves Orbax would name alike, ``{"a.b": x}`` and ``{"a": {"b": y}}`` (``KeyPathError``)."""
     if name not in ITEM_NAMES:
         raise OptionError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
     names: dict[str, Path] = {}
@@ -145,11 +138,8 @@ def dtype_record(items: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def parse_dtype_record(data: Any) -> dict[str, dict[Path, str]]:
-    """Read a dtype record back as ``{item: {path: dtype}}``.
-
-    Raises:
-        UnsupportedCheckpointError: ``data`` is not a dtype record this version reads.
-    """
+    """Read a dtype record back as ``{item: {path: dtype}}`` (or refuse it:
+    :class:`UnsupportedCheckpointError`)."""
     items = data.get("items") if isinstance(data, Mapping) and data.get("format") == DTYPES_FORMAT else None
     if not isinstance(items, Mapping) or not all(_is_pairs(pairs) for pairs in items.values()):
         raise UnsupportedCheckpointError(f"a malformed dtype record {str(data)[:200]!r}")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 from collections.abc import Mapping
-from typing import Any, Literal, Protocol, Self, runtime_checkable
+from typing import Any, Literal, Protocol, Self, TypedDict, Unpack, runtime_checkable
 
 from ..load._report import LoadReport
 from ._metadata import CheckpointMetadata, Producer
 
-__all__ = ["Checkpoint", "CheckpointStore"]
+__all__ = ["Checkpoint", "CheckpointStore", "SaveRecord"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,15 @@ class Checkpoint:
     report: LoadReport = dataclasses.field(default_factory=LoadReport)
 
 
+class SaveRecord(TypedDict, total=False):
+    """The keyword arguments of ``save`` that go into the step's metadata record."""
+
+    epoch: int | None
+    metrics: Mapping[str, Any] | None
+    producer: Producer | None
+    extra: Mapping[str, Any] | None
+
+
 @runtime_checkable
 class CheckpointStore(Protocol):
     """A step-addressed store of training state; see :class:`OrbaxCheckpointStore`."""
@@ -43,12 +52,9 @@ class CheckpointStore(Protocol):
         step: int,
         items: Mapping[str, Any],
         *,
-        epoch: int | None = None,
-        metrics: Mapping[str, Any] | None = None,
-        producer: Producer | None = None,
-        extra: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         blocking: bool = True,
+        **record: Unpack[SaveRecord],
     ) -> pathlib.Path: ...
 
     def restore(
