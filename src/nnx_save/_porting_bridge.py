@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from .format import _dtypes
+from .format._boxes import Box, of_index
 from .io._write import Entry, spans_processes
-from .layouts._pieces import Box
 from .layouts._sources import Header
 from .load._target import Target
 from .save._stage import BoxedValue
@@ -81,20 +81,16 @@ def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
     for i, array in enumerate(arrays):
         for shard in array.addressable_shards:
             if shard.replica_id == 0:
-                moved = a.transform.image(i, _box(shard.index, array.shape), np.asarray(shard.data))
+                moved = a.transform.image(i, of_index(shard.index, array.shape), np.asarray(shard.data))
                 assert moved is not None, "image of a box _maps accepted"
                 parts.extend(moved)
     return parts
 
 
-def _box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
-    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
-
-
 def _maps(a: Any, i: int, array: Any) -> bool:
     """Whether every shard of source ``i`` (on any process) has an image (checked on
     placeholders that take no memory)."""
-    boxes = {_box(index, array.shape) for index in array.sharding.devices_indices_map(array.shape).values()}
+    boxes = {of_index(index, array.shape) for index in array.sharding.devices_indices_map(array.shape).values()}
     blank = np.zeros((), array.dtype)
     return all(a.transform.image(i, b, np.broadcast_to(blank, [hi - lo for lo, hi in b])) is not None for b in boxes)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Box", "extents", "intersect", "whole"]
+__all__ = ["Box", "extents", "intersect", "of_index", "whole"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -15,6 +15,16 @@ def whole(shape: tuple[int, ...]) -> Box:
         ((0, 2), (0, 3))
     """
     return tuple((0, d) for d in shape)
+
+
+def of_index(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    """The box that the slices ``index`` (a jax shard's index) select from a tensor of ``shape``.
+
+    Examples:
+        >>> of_index((slice(None), slice(2, 4)), (2, 6))
+        ((0, 2), (2, 4))
+    """
+    return tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
 
 
 def intersect(a: Box, b: Box) -> Box | None:

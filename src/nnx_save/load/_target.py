@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..errors import DeviceDtypeError, ShardingError
-from ..format._boxes import Box, whole
+from ..format._boxes import Box, of_index, whole
 
 __all__ = ["SourceTransform", "Target", "check_device_dtype", "shard_boxes"]
 
@@ -80,8 +80,7 @@ def shard_boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     except ValueError as e:  # jax refuses it (a split that does not divide the dimension, ...)
         raise ShardingError(f"{target.path}: sharding {target.sharding} cannot hold shape {shape}: {e}") from None
     for device, index in indices.items():
-        box = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=False)) if shape else ()
-        groups.setdefault(box, []).append(device)
+        groups.setdefault(of_index(index, shape), []).append(device)
     if not groups:  # an array with no shard here: this process could never use or save it
         import jax
 
