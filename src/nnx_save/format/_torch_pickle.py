@@ -1,14 +1,9 @@
-"""A data-only reader of the pickle opcodes ``torch.jit.save`` writes.
+"""A data-only reader of the pickle opcodes ``torch.jit.save`` writes (``data.pkl``).
 
-A TorchScript archive describes its modules and tensors as a pickle (``data.pkl``).
-Unpickling it would import and call whatever it names; this reader never does. It
-interprets the opcodes on a stack of its own and builds plain data: numbers, strings,
-bytes, tuples, lists and dicts as themselves, a ``GLOBAL`` as a :class:`Global` (a
-name, never imported), a call (``REDUCE`` / ``NEWOBJ``) as a :class:`Call` that
-records the callable and its arguments (never called; ``BUILD`` and ``SETITEMS`` on it
-are recorded too), and a persistent id (a storage record) as a :class:`PersistentId`.
-Any other opcode is refused with its byte offset.
-
+Unpickling would import and call whatever the pickle names; this reader interprets the
+opcodes on its own stack and builds plain data: a ``GLOBAL`` is a :class:`Global`
+(never imported), a ``REDUCE`` / ``NEWOBJ`` a :class:`Call` (never called), a storage
+record a :class:`PersistentId`. Any other opcode is refused with its byte offset.
 Pure: no I/O, no numpy, no torch.
 """
 

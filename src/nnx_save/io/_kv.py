@@ -1,15 +1,12 @@
 """The one key-value protocol between the processes of a JAX job.
 
-Multi-process saves (a file, an HF index, a pod), shared reads and the checkpoint
-store's decisions post small strings under ``<key>/<process>`` in the JAX
-coordination service's key-value store and wait, bounded by the caller's
-``_config`` variable, for those they need (a device collective would block without
-a timeout). Keys are deleted once every reader is done with them, so a job that
-agrees on something every training step does not grow the store. jax has no public
-handle on that store (``jax._src.distributed.global_state.client`` since jax 0.4):
-a jax without it exchanges through the public ``process_allgather`` instead (a
-device collective: no deadline, no keys). :class:`Sync` runs the steps of one
-save or shared load over a :class:`Channel`.
+Multi-process saves, shared reads and the checkpoint store post small strings under
+``<key>/<process>`` in the coordination service's key-value store and wait for those
+they need with a deadline (a device collective would block without one); keys are
+deleted once every reader is done. jax has no public handle on that store: a jax
+without ``jax._src.distributed.global_state.client`` falls back to the public
+``process_allgather`` (no deadline, no keys). :class:`Sync` runs one save's or shared
+load's steps over a :class:`Channel`.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Remote sources: ranged reads over HTTP(S), and fsspec URLs (``s3://``, ``gs://``,
 ``hf://``) when the matching fsspec implementation is installed.
 
-The engine already knows the exact byte ranges each process needs; a remote reader
-fetches just those, one ranged GET per chunk, many at once over a pooled connection
-set, under the engine's in-flight byte budget. A failed or short range is retried
-whole (with backoff), so partial data is never returned.
-
-What a hostile or changing server cannot do:
-
-- **Change the object under a load.** The first response pins the size and the
-  version (the ETag, else ``Last-Modified``); every later response must carry the
-  same pair (a validator that disappears is a change) and, when an ETag is pinned,
-  is asked with ``If-Match``. fsspec sources pin the size and every version field
-  ``info()`` exposes (ETag, generation, version id, checksum, mtime ...), checked
-  when a reader opens and when it closes. Either way: :class:`RemoteChangedError`.
-- **Send other bytes than the range.** Ranges are asked with ``Accept-Encoding:
-  identity``; any other ``Content-Encoding`` is refused, and each body must be
-  exactly the range's length (a longer chunked body is refused, not truncated).
-- **Hang a load.** Each request has a deadline: ``NNX_SAVE_HTTP_TIMEOUT`` seconds
-  (default 60) plus its length at ``NNX_SAVE_HTTP_MIN_RATE`` bytes per second
-  (default 256 KiB/s); past it the connection is shut and :class:`RemoteError`
-  raised. A header probe reads at most the bytes it asked for.
-- **Redirect silently.** Redirects (301, 302, 303, 307, 308) are followed, at most
-  five, to ``http(s)`` URLs only; the identity is pinned at the final response.
+A remote reader fetches just the byte ranges the engine planned, one ranged GET per
+chunk, many at once over a pooled connection set; a failed or short range is retried
+whole, so partial data is never returned. What a hostile or changing server cannot do
+(change the object under a load, send other bytes, hang, redirect silently) and how
+each is refused: docs/reliability.md, "Hostile servers and odd sources".
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
-"""Weights files written to an object store through fsspec (``s3://``, ``gs://``,
-``memory://`` ... : any fsspec filesystem that can write).
+"""Weights files written to an object store through fsspec (any fsspec filesystem that
+can write: ``s3://``, ``gs://``, ``memory://`` ...).
 
-A safetensors header records every tensor's checksum, and an object cannot be
-rewritten in place once streamed, so a remote save passes over the tensors twice,
-one tensor in host memory at a time: the first pass hashes each, the second streams
-the header (with the real checksums) and the tensors into a temporary object beside
-the destination, hashing them again. The temporary object is moved under its final
-name only when it is complete and the two passes agree, so a failed or interrupted
-save never leaves a partial object under that name (object stores publish an object
-on close; a failure removes the temporary one). Memory stays at one tensor plus the
-filesystem's write buffer, whatever the file's size.
+An object cannot be rewritten in place once streamed, but the header records every
+tensor's checksum, so the save makes two passes, one tensor in host memory at a time:
+the first hashes, the second streams header and tensors into a temporary object beside
+the destination, hashing again. It is moved under its final name only when complete
+and both passes agree, so a failed save never leaves a partial object there.
 """
 
 from __future__ import annotations

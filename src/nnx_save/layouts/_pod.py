@@ -1,34 +1,11 @@
-"""The pod layout: one shard file per process and a manifest, for saves that
-should not funnel a whole model through one file. Its format, reading and the
-commit of its manifest live here; :mod:`nnx_save.save._pod` writes it.
+"""The pod layout: one shard file per process (standard safetensors whose tensors are
+pieces, ``embed[0:32,0:64]``, or whole values) and a ``manifest.json`` naming each
+tensor's dtype, shape, sharding and pieces. Format, reading and the manifest's commit
+live here; :mod:`nnx_save.save._pod` writes it; docs/multihost.md tells the rest.
 
-A pod directory holds::
-
-    manifest.json                               what every tensor is, and where its pieces are
-    shard_00000-of-00002.<token>.safetensors    process 0's pieces
-    shard_00001-of-00002.<token>.safetensors    process 1's pieces
-
-Each shard file is a standard safetensors file whose tensors are *pieces*: one box
-of a global tensor (``embed[0:32,0:64]``) or a whole tensor. A process writes every
-distinct box its devices hold and every value it holds whole, so a load on the same
-process layout reads only its own file.
-
-:class:`PodLayout` validates the manifest before any byte is read (no repeated JSON
-key; every tensor's distinct pieces inside its shape, disjoint, covering it:
-:func:`check_tiling`), then the header of every shard file present. A needed piece
-in a file that is not there (a host-local disk) is an error naming that file.
-
-The manifest is written last (:func:`commit_manifest`), atomically, and only then
-are shard files of earlier saves removed: the ``<token>`` is new for every save.
-
-``manifest.json``::
-
-    {"format": "nnx_save.pod", "version": 1, "num_processes": 2, "metadata": {...},
-     "tensors": {"embed": {"dtype": "F32", "shape": [64, 32],
-                           "sharding": "NamedSharding(mesh={'a': 2}, spec=P('a', None))",
-                           "pieces": [{"file": "shard_00000-of-00002.1a2b3c4d.safetensors",
-                                       "name": "embed[0:32,0:32]", "box": [[0, 32], [0, 32]],
-                                       "process": 0}, ...]}}}
+:class:`PodLayout` validates the manifest (:func:`check_tiling`) before any byte is
+read. The manifest is written last and atomically, and only then are earlier saves'
+shard files (another ``<token>`` in their names) removed.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """The layout registry: which layout a source is, and its validated header.
 
-A source is one ``.safetensors`` file, a directory with a HuggingFace
-``model.safetensors.index.json``, a pod directory (``manifest.json``), a directory
-of ``*.safetensors`` files, a list of files, or an ``http(s)://`` URL of a file or
-an index. :func:`read_header` asks the layouts in this order:
-
-1. :data:`RECORDS`, the layouts a directory names by one record (a pod manifest, an
-   HF index). A directory two of them claim is refused
-   (:class:`~nnx_save.errors.LayoutConflictError`), never resolved by a rule that
-   would load a stale version in silence;
-2. any other directory: its ``*.safetensors`` files;
-3. anything else: one file.
-
-A :class:`Header` of local files keeps each file open (:mod:`nnx_save.io._files`),
-so a load reads the very files whose headers it validated, even when a writer
-replaces one meanwhile.
+:func:`read_header` asks, in order: :data:`RECORDS` (layouts a directory names by one
+record, a pod manifest or an HF index; a directory two of them claim is refused with
+:class:`~nnx_save.errors.LayoutConflictError`, never resolved in silence), then any
+other directory's ``*.safetensors`` files, then one file or URL. A :class:`Header` of
+local files keeps each file open, so a load reads the very files it validated.
 """
 
 from __future__ import annotations

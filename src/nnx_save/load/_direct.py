@@ -1,21 +1,10 @@
-"""Small reads of one local tensor without the engine: what a ``safe_open`` handle
-does for a slice of a few runs.
+"""Small reads of one local tensor without the engine (whose planning and threads cost a
+hundred times a few-KiB copy): what a ``safe_open`` handle does for a small slice.
 
-For a slice of a few kilobytes the engine's planning, budget and thread pool cost a
-hundred times the copy. Here a local file is memory-mapped once per handle (the map
-reads nothing) and a request is a numpy copy out of the mapped tensor; large requests
-still go to the engine, whose concurrent ``preadv`` beats one thread copying.
-
-Pages a copy touches become resident in this process (the kernel maps up to 64 KiB
-around each fault, whatever ``madvise`` says), so a column slice of a big matrix would
-make the whole matrix resident: the first request of a tensor copies in blocks of rows
-and drops each block's pages from the map once copied (``MADV_DONTNEED``: the data
-stays in the page cache). A tensor asked for again stays mapped, up to
-``resident_bytes`` of tensors per handle (the oldest released first).
-
-A map of a file another process truncates in place would fault (SIGBUS); each request
-first checks the file's size (one ``fstat``) and raises
-:class:`~nnx_save.errors.TruncatedFileError` instead.
+A file is memory-mapped once per handle; a first request copies in blocks of rows and
+drops each block's pages (``MADV_DONTNEED``), so a column slice does not make the whole
+matrix resident (docs/lazy.md). Each request first ``fstat``-s the file, so a file
+truncated in place raises :class:`~nnx_save.errors.TruncatedFileError`, not SIGBUS.
 """
 
 from __future__ import annotations

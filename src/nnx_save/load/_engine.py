@@ -1,22 +1,12 @@
-"""The loading engine: match targets to file tensors, plan, read, assemble.
+"""The loading engine, one for every layout: match targets to file tensors, plan, read,
+assemble.
 
-One engine for every layout: a :class:`~nnx_save.load._target.Target` says what the
-caller wants at one path and which file tensor(s) it comes from; the header says
-where each tensor's bytes are, as pieces at (file, byte range, box).
 :func:`load_targets` checks every target against the headers first, so a strict
-refusal, or a sharding jax cannot apply, reads nothing.
-
-Each box a process needs (a shard several local devices hold is read once) is one
-destination; each piece overlapping it adds one request that writes its part of
-the destination in place. The devices' platform picks how bytes land
-(:meth:`~nnx_save.load._options.LoadOptions.streaming`):
-
-- **host buffers** (the CPU backend): several files are read at once under one
-  budget, straight into aligned shard buffers (those the arrays adopt packed by
-  :func:`~nnx_save.load._execute.pack_buffers`); each tensor's ``jax.Array`` is made,
-  without a copy, as soon as its last file is read. Buffers that are only a step
-  (a dtype cast, sub-byte unpacking, a transform's sources) are freed once used.
-- **streaming** (accelerators, or forced): see :mod:`nnx_save.load._stream`.
+refusal, or a sharding jax cannot apply, reads nothing. Each box a process needs is
+one destination, and each piece overlapping it one request writing its part in place.
+On the CPU backend reads land in the aligned buffers the arrays adopt without a copy
+(a buffer that is only a step, such as a dtype cast, is freed once used); elsewhere
+:mod:`nnx_save.load._stream` streams them.
 """
 
 from __future__ import annotations

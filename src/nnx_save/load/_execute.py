@@ -1,29 +1,12 @@
 """Execute a :class:`~nnx_save.load._plan.FilePlan`: concurrent positioned reads under a
 byte budget, straight into destination buffers.
 
-Three ways to read a chunk, chosen per chunk by its mean run length:
-
-- **table** (local files): the chunk's iovecs as one numpy array of ``(address,
-  length)`` rows (one per destination slice, gaps pointed at a small per-thread
-  scratch), handed to ``preadv(2)`` 1024 rows at a time through ctypes, which
-  releases the GIL: one kernel copy, no Python object per run.
-- **direct** (other readers): one ``memoryview`` per destination slice, given to
-  the reader's ``readv`` (a remote reader turns it into one ranged request).
-- **scatter**: for runs so short that the per-iovec cost exceeds a second copy, a
-  contiguous block is read into a reusable scratch and the runs copied out with one
-  strided numpy copy per regular group (local files: 1 MiB blocks, which stay in
-  cache; other readers: the whole chunk in one request).
-
-Chunks of one short run (a last-dim slice of a big matrix is one per row) are
-batched for local files: one task checks consecutive ones with a few numpy
-operations and reads each with one ``pread``, holding the batch's bytes against the
-budget. (The crossover figures: docs/performance.md.)
-
 Each chunk is one sequential read of exactly ``[chunk_start, chunk_end)``, its runs
 checked against their destination buffers first (reads write through raw addresses),
-its byte count held against the shared :class:`Budget` while it is read: host memory
-beyond the destination buffers is the per-thread scratch and iovec tables (a few MiB)
-and, for scatter reads from remote readers, the chunk being read.
+its bytes held against the shared :class:`Budget`. Per chunk, by its mean run length:
+a ``preadv`` iovec **table** (local files), a **direct** ``memoryview`` per run (other
+readers), or a **scatter** through a scratch block; chunks of one short run are batched
+(local files). How each works and the crossovers: docs/performance.md.
 """
 
 from __future__ import annotations

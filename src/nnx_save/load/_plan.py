@@ -1,18 +1,11 @@
 """Pure planning: shard boxes -> byte runs -> coalesced blocks -> read chunks.
 
-Nothing here knows about files or devices: :func:`plan_file` turns the
-:class:`Request` s of one file into numpy arrays of runs (file offset, length,
-destination, destination offset; no Python object per run), then:
-
-1. page blocks: runs less than :data:`PAGE_GAP` apart always share a read;
-2. blocks: neighbouring page blocks merge while (span / needed bytes) stays within
-   the over-read ratio, given or picked per file by :func:`auto_ratio`;
-3. chunks: blocks are cut at the chunk size (a run a cut falls in is served by
-   both chunks), chunks holding no run are dropped and each is trimmed to its runs.
-
-Boxes that overlap (one tensor wanted twice) are planned in separate passes, so
-each chunk is one sequential read whose runs are sorted and disjoint. The result is
-plain data, property-tested against numpy slicing (tests/load/test_plan.py).
+:func:`plan_file` turns one file's :class:`Request` s into numpy arrays of runs (no
+Python object per run), then merges runs less than :data:`PAGE_GAP` apart, merges
+neighbouring blocks while the over-read ratio allows (:func:`auto_ratio`), and cuts
+blocks into chunks trimmed to their runs. Overlapping boxes are planned in separate
+passes, so each chunk is one sequential read of sorted, disjoint runs. Property-tested
+against numpy slicing (tests/load/test_plan.py).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
-"""Read once per pod: tensors several processes need are read in parts, one part
-per process, and shared over the interconnect with JAX's own collectives.
-
-A target whose sharding gives several processes the same elements (a replicated
-tensor, a split inside each process that every process repeats) is loaded under a
-*derived* sharding that partitions it among the processes on one dimension, so each
-process reads only its slice; a jitted identity with the target's sharding as
-``out_shardings`` then reshards each derived array, which JAX runs as collectives
-(gloo on CPU, NCCL, ICI / DCN). Tensors are resharded one at a time, so the
-collective buffers in flight are one tensor's.
-
-``share_reads=None`` (the default) decides per load, the same way on every process
-(:func:`decide`): on where several processes load a tensor that devices of more
-than one of them hold and the source is remote (a URL) or the processes run on more
-than one host (a network filesystem then stands between each and the bytes); off for
-local files on one host (one page cache: reading for oneself costs little), for a
-load with nothing to share, and for a load that only some processes run, which must
-not wait for peers. The host count is asked once per job.
+"""Read once per pod: a tensor several processes need is loaded under a *derived*
+sharding that splits it among them on one dimension, then resharded to the target by a
+jitted identity (JAX's own collectives), one tensor at a time. docs/multihost.md
+tells when ``share_reads=None`` turns it on (:func:`decide`, the same on every process).
 
 Before any collective, every process posts whether its reads succeeded through the
-coordination service's key-value store and waits for the others with a deadline
-(``NNX_SAVE_COLLECTIVE_TIMEOUT_S``): a process whose load failed raises its own
-error, and every other one :class:`~nnx_save.errors.SharedReadError` naming it, in
-bounded time, instead of blocking in a collective.
+key-value store and waits with a deadline: a failed process raises its own error, every
+other one :class:`~nnx_save.errors.SharedReadError` naming it, instead of blocking.
 """
 
 from __future__ import annotations
@@ -37,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import SaveError, SharedReadError
+from ..format._boxes import Box, extents, intersect, of_index, whole
 from ..io._kv import Outcome, Sync
-from ..layouts._pieces import Box, extents, intersect, whole
 from ._assemble import held_dtype
 from ._report import LoadReport
 from ._target import Target, shard_boxes
@@ -130,7 +114,7 @@ def _overlaps_across_processes(t: Target) -> bool:
     """Whether some element of ``t`` is held by devices of two processes."""
     boxes: dict[int, set[Box]] = {}
     for device, index in t.sharding.devices_indices_map(t.shape).items():
-        box = tuple(s.indices(d)[:2] for s, d in zip(index, t.shape, strict=True))
+        box = of_index(index, t.shape)
         boxes.setdefault(device.process_index, set()).add(box)
     return sum(_volume(b) for held in boxes.values() for b in held) > _volume(whole(t.shape))
 

@@ -1,22 +1,12 @@
-"""Streaming onto accelerators: bounded, reused staging buffers; host memory is the
-in-flight budget, not the checkpoint.
+"""Streaming onto accelerators (docs/accelerators.md): host memory is the in-flight
+budget, not the checkpoint.
 
-Each destination shard is cut into *slabs* (boxes of at most one staging buffer, cut
-on its leading dimensions), slabs are grouped into *batches* in file order, and a few
-workers each take a batch, read it into a staging buffer from a bounded pool, send
-every slab to its device(s), wait for those transfers and hand the buffer back, while
-the other workers read. Batches of different files interleave, so several files are
-read at once under one budget.
-
-A shard that fits one slab is its transfer (cast to the held dtype on the device); a
-larger one is assembled on its device, ``jax.lax.dynamic_update_slice`` at each slab's
-offset into a donated buffer.
-
-Staging memory (:func:`allocator`) is ``"pinned"`` (jax's page-locked ``pinned_host``
-memory kind, which the DMA engine reads directly) or ``"pageable"`` (aligned numpy
-memory). Sub-byte tensors, porting transforms' whole sources and numpy targets are read
-on the host path. Forced on the CPU backend (``stream=True`` or ``NNX_SAVE_STREAM=1``),
-the same path runs there: a testing aid.
+Each destination shard is cut into *slabs* (at most one staging buffer, cut on its
+leading dimensions), grouped into *batches* in file order; a few workers each read a
+batch into a pooled staging buffer, send every slab to its device(s), wait for those
+transfers and return the buffer. A shard larger than one slab is assembled on its
+device by ``jax.lax.dynamic_update_slice`` into a donated buffer. Sub-byte tensors,
+porting transforms' whole sources and numpy targets take the host path.
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
-"""Saves that do not stall training: ``save_file(..., blocking=False)`` and
-``save_model(..., blocking=False)``.
+"""Saves that do not stall training (``blocking=False``); docs/async.md is the contract.
 
-The call returns a :class:`SaveHandle` once a consistent host snapshot of every
-tensor exists (:func:`snapshot`); writing, hashing, fsync and the atomic rename then
-run on one background thread, in submission order, so the caller may go on at
-once, even with jitted steps that donate the saved arrays' buffers.
-
-- **jax arrays**: on accelerators the replica-0 addressable shards are copied to the
-  host under the save's byte budget (:mod:`~nnx_save.save._stage`). On the CPU
-  backend ``np.asarray(shard)`` aliases the device buffer and takes an external
-  reference on it, so PJRT refuses to donate that buffer (the step allocates a new
-  output instead): the alias keeps the saved values without a copy
-  (``tests/save/test_async.py`` pins this).
-- **numpy arrays** (the caller may change them later) are copied; **lazily
-  computed values** (porting exports) are computed now.
-
-A cross-process array keeps only this process's replica-0 shards, which is what the
-collective writer reads, so a multi-process save runs its whole protocol on the
-background thread. Saves run in program order on every process and a blocking save
-first waits for the asynchronous ones, so the processes' save ids stay in step.
-
-At most :func:`max_in_flight` saves are in flight (a new one first waits for the
-oldest), which bounds the host memory snapshots hold. Errors are never lost:
-``result()`` raises them, :func:`wait_for_saves` raises those nobody collected, and
-at interpreter exit unfinished saves are waited for and uncollected failures logged
-to the ``nnx_save`` logger. A failed save leaves the previous file intact.
+The call returns a :class:`SaveHandle` once a host snapshot of every tensor exists
+(:func:`snapshot`); writing, hashing, fsync and the rename run on one background thread
+in submission order. On the CPU backend the snapshot aliases device buffers, which
+PJRT then refuses to donate, so no copy is needed (``tests/save/test_async.py``).
+A blocking save first waits for the asynchronous ones, so every process's save ids
+stay in step; at most :func:`max_in_flight` saves are in flight.
 """
 
 from __future__ import annotations

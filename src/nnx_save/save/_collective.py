@@ -1,27 +1,11 @@
-"""One standard safetensors file written by many JAX processes at once, on a
-filesystem they share (one machine's disk, NFS, Lustre, GPFS ...).
+"""One standard safetensors file written by many JAX processes at once, on a filesystem
+they share; the steps (agree, open, write, hash, commit) are told in docs/multihost.md.
 
-Offsets are a pure function of names, dtypes and shapes, so every process computes
-the same header from the global shapes, and each writes only the bytes it owns:
-
-1. **agree**: every process posts a digest of its header, so one saving different
-   keys, shapes, dtypes or metadata is caught before any byte is written.
-2. **open**: the primary (process 0) creates and sizes the temporary file.
-3. **write**: each process writes its replica-0 shards (one copy of every element in
-   the job) at their byte runs (:func:`~nnx_save.load._plan.box_runs`), then fsyncs;
-   host values (numpy arrays, scalars, arrays every process holds whole) are
-   written by the primary alone.
-4. **hash**: a tensor's xxh3_64 checksum (:mod:`~nnx_save.format._checksum`) covers
-   the whole tensor, which no process holds, so the cross-process tensors are shared
-   out and each process hashes its share back from the file.
-5. **commit**: the primary rewrites the header in place with the real digests
-   (same length), fsyncs and renames the file over the target. On any failure it
-   removes the temporary file and every process raises the same :class:`SaveError`.
-
-The file is byte-identical to a single-process save of the same values. The steps
-run over :class:`~nnx_save.io._kv.Sync` rather than device collectives, which block
-without a timeout: every wait is bounded (``NNX_SAVE_COLLECTIVE_TIMEOUT_S``) and a
-dead peer leaves the previous file at the path intact.
+Offsets are a pure function of names, dtypes and shapes, so every process computes the
+same header and writes only the bytes it owns; the file is byte-identical to a
+single-process save. The steps run over :class:`~nnx_save.io._kv.Sync`, not device
+collectives (which block without a timeout), so every wait is bounded and a dead peer
+leaves the previous file at the path intact.
 """
 
 from __future__ import annotations
@@ -37,7 +21,7 @@ import numpy as np
 
 from ..errors import SaveError
 from ..format import _checksum, _dtypes
-from ..format._boxes import whole
+from ..format._boxes import of_index, whole
 from ..format._header import encode_header
 from ..io._files import pread_exact
 from ..io._kv import Outcome, Sync
@@ -112,7 +96,7 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
 
 def _boxed(pairs: list[tuple[Any, np.ndarray]], shape: tuple[int, ...]) -> list[tuple[Any, np.ndarray]]:
     """``(shard, host array)`` pairs as ``(box, host array)`` pairs."""
-    return [(tuple(s.indices(d)[:2] for s, d in zip(shard.index, shape, strict=False)), h) for shard, h in pairs]
+    return [(of_index(shard.index, shape), h) for shard, h in pairs]
 
 
 def _cross(e: Entry) -> Any:

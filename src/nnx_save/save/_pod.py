@@ -23,10 +23,10 @@ from typing import Any
 
 from ..errors import SaveError
 from ..format import _dtypes
+from ..format._boxes import Box, extents, of_index, whole
 from ..format._header import encode_header
 from ..io._kv import Outcome, Sync
 from ..io._write import Entry, order_entries, spans_processes
-from ..layouts._pieces import Box, extents, whole
 from ..layouts._pod import commit_manifest, piece_name, shard_name
 from ._collective import agree
 from ._write import write_file
@@ -88,7 +88,7 @@ def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
         )
     boxes: dict[Box, Any] = {}
     for shard in array.addressable_shards:  # every distinct box held here, whatever its replica
-        box = tuple(s.indices(d)[:2] for s, d in zip(shard.index, e.shape, strict=False))
+        box = of_index(shard.index, e.shape)
         boxes.setdefault(box, Entry.of(e.key, e.code, extents(box), shard.data))  # staged, snapshotted as any
     return _describe_sharding(array), sorted(boxes.items())
 

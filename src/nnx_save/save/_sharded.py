@@ -1,14 +1,10 @@
-"""HuggingFace multi-file checkpoints: ``model-0000i-of-0000n.safetensors`` files
-plus ``model.safetensors.index.json`` (``metadata.total_size`` and ``weight_map``),
-in a local directory or at an fsspec URL (``s3://``, ``memory://`` ...).
+"""HuggingFace multi-file checkpoints (``model-0000i-of-0000n.safetensors`` plus
+``model.safetensors.index.json``), in a local directory or at an fsspec URL.
 
-Written under the one commit rule: the data files first, under names no committed
-file has (:func:`~nnx_save.layouts._index.file_names`); then the index, replaced
-atomically; only then the previous version's files (and a pod's manifest and shard
-files, in a directory saved over a pod) are removed. A failure before the commit
-removes this save's files and leaves the previous checkpoint as it was. The save id
-in the index and every file lets a reader tell a mix of two saves
-(:mod:`~nnx_save.layouts._versions`). transformers reads the result as its own.
+Written under the one commit rule: the data files first, under names no committed file
+has; then the index, replaced atomically; only then the previous version's files (and
+a pod's, in a directory saved over a pod) are removed. The save id in the index and
+every file lets a reader tell a mix of two saves (:mod:`~nnx_save.layouts._versions`).
 """
 
 from __future__ import annotations
