@@ -1,12 +1,10 @@
 """Local files: opening only regular files, exact positioned reads, and the one
 process-wide pool of pinned descriptors.
 
-A header read from local files pins each file's descriptor here, so a load reads
-the very file whose header it validated even when a writer renames a new version
-over it meanwhile. The pool is bounded for the whole process (a quarter of the
-soft ``RLIMIT_NOFILE``): beyond it the least recently used descriptor is closed,
-and that file is reopened by name when next read, refused with a typed error if it
-is no longer the file the header was read from.
+A header read from local files pins each descriptor, so a load reads the very file it
+validated even when a writer renames a new version over it. The pool holds a quarter of
+the soft ``RLIMIT_NOFILE``; beyond it the least recently used descriptor is closed, and
+reopened by name when next read (a typed error if it is no longer the same file).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Targets made by a porting transform, read box by box.
 
-For each box of a target this process needs, the transform names the source boxes
-that feed it (:meth:`~nnx_save.load._target.SourceTransform.source_boxes`); each
-distinct ``(source key, source box)`` is one engine destination, read like any shard,
-that may feed several targets. Once a target's last source box is read, its boxes are
-made (:meth:`~nnx_save.load._target.SourceTransform.from_boxes`) and it is placed; a
-source box's buffer is released when the last target it feeds is made. A transform
-with no per-box map reads its sources whole instead (``report.io.read_whole``).
+Each distinct ``(source key, source box)`` that the transform's
+:meth:`~nnx_save.load._target.SourceTransform.source_boxes` names is one engine
+destination, which may feed several targets; a target is made once its last source box
+is read, and a source box's buffer is released when the last target it feeds is made.
+A transform with no per-box map reads its sources whole (``report.io.read_whole``).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
-"""Writing a pod directory (:mod:`nnx_save.layouts._pod` owns the format): every
-process writes one shard file with every distinct box its devices hold, then the
-primary commits the manifest.
-
-The processes share the step protocol of :class:`~nnx_save.io._kv.Sync`: agree on
-the tensors, take the primary's save token, write and post the piece lists, let the
-primary commit the manifest (written last, atomically) and only then remove shard
-files of earlier saves. The token is new for every save, so a crash or a full disk
-leaves the previous manifest and the files it names intact; any failure raises the
-same :class:`SaveError` on every process.
+"""Writing a pod directory (:mod:`nnx_save.layouts._pod` owns the format): every process
+writes one shard file with every distinct box its devices hold, then the primary
+commits the manifest, last and atomically, and only then removes earlier saves' shard
+files. The steps run over :class:`~nnx_save.io._kv.Sync`; the save token is new for
+every save, so a crash leaves the previous manifest and its files intact, and any
+failure raises the same :class:`SaveError` on every process.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Device -> host copies for saving, overlapped with writing, under a byte budget.
 
-On the CPU backend ``np.asarray`` of a jax array aliases its buffer: nothing is
-staged. On accelerators a :class:`Window` starts the copies of the next tensors
-that fit the budget while one is written, so the host holds at most
-``max(budget, largest tensor)`` bytes of copies. A copy is a new ``pinned_host``
-(or ``unpinned_host``) array made by an asynchronous ``jax.device_put``, dying with
-the save (``copy_to_host_async`` would cache it on the caller's array: only the
-fallback). ``NNX_SAVE_FORCE_HOST_STAGING=1`` stages on CPU too (a testing aid).
+On the CPU backend ``np.asarray`` aliases a jax array's buffer: nothing is staged. On
+accelerators a :class:`Window` starts the copies of the next tensors that fit the budget
+while one is written (at most ``max(budget, largest tensor)`` bytes of copies). A copy
+is a new host array from an asynchronous ``jax.device_put``, dying with the save
+(``copy_to_host_async`` would cache it on the caller's array: only the fallback).
 """
 
 from __future__ import annotations
