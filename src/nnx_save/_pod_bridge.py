@@ -1,5 +1,4 @@
-"""``save_pod``: a pytree or an NNX model, flattened into entries for the pod writer
-that :func:`nnx_save.save._dispatch.writer` chooses."""
+"""``save_pod``: a pytree or an NNX model, flattened into entries for the pod writer."""
 
 from __future__ import annotations
 
@@ -45,11 +44,9 @@ def save_pod(
         directory: the pod directory (created if needed; must be shared by all processes).
         metadata: string -> string pairs for the manifest and every shard file.
         filter: an NNX filter, for a model (``nnx.Param``: parameters only).
-        progress: a progress bar on stderr (see :class:`SaveOptions`).
-        blocking: ``False`` returns a :class:`SaveHandle` once a host snapshot of this
-            process's pieces is taken, and writes in the background (docs/async.md).
-        options: a :class:`SaveOptions` (``progress`` and ``blocking`` are its
-            shortcuts: a keyword may set a field ``options`` leaves at its default).
+        progress: a progress bar on stderr.
+        blocking: ``False`` writes in the background and returns a :class:`SaveHandle`.
+        options: a :class:`SaveOptions` (it explains the two keywords above, its shortcuts).
 
     Returns:
         The path of ``manifest.json`` (``blocking=False``: a :class:`SaveHandle`
