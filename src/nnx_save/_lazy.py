@@ -352,9 +352,8 @@ def safe_open(
         num_threads: the engine's concurrent readers.
 
     Returns:
-        A :class:`LazyCheckpoint` with ``keys()``, ``offset_keys()``, ``metadata()``,
-        ``get_tensor(key)``, ``get_tensors()`` and ``get_slice(key)[...]``; ``.io``
-        sums what its reads cost.
+        A :class:`LazyCheckpoint` (the methods of safetensors' handle; ``.io`` sums what
+        its reads cost).
 
     Raises:
         SourceNotFoundError: no such file or directory (a ``FileNotFoundError``).

@@ -143,10 +143,9 @@ def save_model(
 ) -> _background.SaveHandle | None:
     """Save an NNX model's state (or the part ``filter`` selects) as safetensors.
 
-    Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal).
-    Typed PRNG keys are stored as key data with their implementation in the
-    metadata; Python scalar variables keep their type. The model is not modified.
-    Writing is as :func:`save_file` does it (checksums, atomic commit).
+    Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal); typed
+    PRNG keys and Python scalars round-trip exactly (docs/models.md). The model is not
+    modified; the file is written as :func:`save_file` writes it.
 
     Args:
         model: any NNX object graph (``nnx.Module``, ``nnx.Optimizer``, ...).

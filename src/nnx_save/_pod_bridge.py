@@ -33,11 +33,9 @@ def save_pod(
     """Save a pytree of arrays or an NNX model as a pod directory: one shard file per
     process and a ``manifest.json``.
 
-    Call it on every process (with the same tree: global shapes). Each process writes
-    only its own file, with every distinct box its devices hold; nothing is gathered.
-    The manifest is written last, atomically, so a crash or a full disk leaves the
-    previous save readable. :func:`~nnx_save.load_file` and
-    :func:`~nnx_save.load_model` read the directory on any process layout.
+    Call it on every process with the same tree. Each writes only the boxes its devices
+    hold (nothing is gathered); the manifest is written last, atomically, so a crash
+    leaves the previous save readable. Any loader reads it on any process layout.
 
     Args:
         tree_or_model: a pytree of jax / numpy arrays, or an NNX object.

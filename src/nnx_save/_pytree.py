@@ -289,21 +289,18 @@ def load_file(
     Args:
         source: a ``.safetensors`` file, a directory (HF index or ``*.safetensors``),
             a list of files, an ``http(s)://`` or fsspec URL, or a :class:`Header`.
-        abstract: a pytree whose leaves are ``jax.ShapeDtypeStruct`` (with a
-            ``sharding``) or arrays whose shape, dtype and sharding are adopted.
-            Each process reads only the bytes its addressable devices need. Numpy
-            leaves load as numpy. ``None``: a flat ``{key: np.ndarray}`` of everything.
+        abstract: a pytree of ``jax.ShapeDtypeStruct`` (with a ``sharding``) or arrays,
+            whose shape, dtype and sharding are adopted (numpy leaves load as numpy;
+            each process reads only its devices' bytes). ``None``: a flat ``{key: np.ndarray}``.
         strict: refuse (before reading) on any missing, unexpected, reshaped or
             cast tensor; otherwise those are reported in one ``LoadWarning``.
         allow_missing / allow_unexpected: patterns (glob or regex) the caller expects.
         allow_shape_mismatch: patterns of paths whose file shape may differ: those
             leaves keep the value ``abstract`` gives them (an array) and are listed in
             ``report.allowed_shape_mismatches``.
-        allow_casts: dtype casts accepted under ``strict=True`` (key and shape
-            checks stay strict): ``"lossless"`` (every cast that cannot change a
-            value: bfloat16 or float16 into float32, int8 into int32) or a list of
-            path patterns (those paths' casts, lossy ones included); listed in
-            ``report.allowed_casts``.
+        allow_casts: dtype casts accepted under ``strict=True`` (listed in
+            ``report.allowed_casts``): ``"lossless"`` (every cast that cannot change a
+            value, such as bfloat16 into float32) or path patterns (lossy casts included).
         return_report: also return the :class:`LoadReport`.
         options: a :class:`LoadOptions` (it explains each field); these are its shortcuts:
         max_over_read_ratio: cap on bytes read / bytes needed when merging reads.

@@ -113,11 +113,10 @@ class LoadOptions:
         staging_bytes: size of one staging buffer (``None``: picked from the budget).
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
-        share_reads: with several processes, read each byte that several of them
-            need on one process only and share it over the interconnect with JAX's
-            collectives (:mod:`nnx_save.load._share`). ``None`` (the default): on
-            for a remote source (a URL) or processes on several hosts, off for local
-            files on one host; ``True`` / ``False`` force it (docs/multihost.md).
+        share_reads: with several processes, read each byte that several need on one
+            of them and share it over the interconnect with JAX's collectives. ``None``:
+            on for a URL or processes on several hosts, off for local files on one
+            host; ``True`` / ``False`` force it (docs/multihost.md).
 
     Raises:
         OptionError: a field out of range or of the wrong type (names it).
