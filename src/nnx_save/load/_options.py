@@ -59,11 +59,8 @@ def _optional(value: object, is_ok: bool) -> bool:
 def merge(cls: type[Opts], options: Opts | None, call: str, arguments: Mapping[str, Any]) -> Opts:
     """``options`` (or ``cls()``) with the keyword shortcuts in ``arguments`` (the entry
     point's ``locals()``; :data:`DEFAULT`: not given) applied. A shortcut for a field that
-    ``options`` also sets is refused, naming it: one call cannot say two things.
-
-    Raises:
-        OptionError: ``options`` is not a ``cls``, a field is given both ways, or a
-            value is out of range (names the argument).
+    ``options`` also sets is refused (an :class:`OptionError` naming it, as are an
+    ``options`` of another class and a value out of range): one call cannot say two things.
 
     Examples:
         >>> merge(LoadOptions, LoadOptions(verify=True), "load_file", {"num_threads": 2}).num_threads

@@ -355,11 +355,8 @@ def _common_tail(a: str, b: str) -> int:
 
 
 def split_allowed_casts(casts: Sequence[DtypeCast], allow: str | Sequence[str]) -> tuple[list, list]:
-    """Partition casts into (not allowed, allowed) by ``"lossless"`` or path patterns.
-
-    Raises:
-        LoadError: ``allow`` is another string (a pattern list must be a list).
-    """
+    """Partition casts into (not allowed, allowed) by ``"lossless"`` or path patterns; any
+    other string is a :class:`LoadError` (a pattern list must be a list)."""
     if isinstance(allow, str):
         if allow != "lossless":
             raise LoadError(f'allow_casts takes "lossless" or a list of path patterns, got {allow!r}')
