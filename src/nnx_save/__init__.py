@@ -1,13 +1,11 @@
 """nnx_save: safe, exact and fast saving and loading of JAX / Flax NNX state.
 
-The API is the names in ``__all__`` (docs/api.md lists them): the save and load
-functions, their options, what they return and the base errors. Every error and
-warning lives in :mod:`nnx_save.errors`; the more specific ones are also reachable
-here under their own names. The environment variables: docs/configuration.md.
+The API is the names in ``__all__`` (docs/api.md lists them). Every error and warning
+lives in :mod:`nnx_save.errors`; the more specific ones are also reachable here. The
+environment variables: docs/configuration.md.
 
-``import nnx_save`` imports neither jax nor flax: the engine, the writers and the NNX
-bridge are imported on first use of their names, so ``read_header`` and ``nnx-save
-inspect`` start fast. ``X as X``: type checkers see every name as re-exported.
+``import nnx_save`` imports neither jax nor flax: the bridges are imported on first use
+of their names. ``X as X``: type checkers see every name as re-exported.
 """
 
 import importlib as _importlib
@@ -114,8 +112,8 @@ if _typing.TYPE_CHECKING:
     from .save._background import SaveHandle as SaveHandle
     from .save._background import wait_for_saves as wait_for_saves
 
-# Imported when first asked for: the NNX bridge imports flax and jax, and the
-# engine and writers are not needed to read a header (``nnx-save inspect``).
+# Imported when first asked for: the bridges import jax (and flax), which reading a
+# header (``nnx-save inspect``) does not need.
 _MODULES = {
     ".save._background": ("SaveHandle", "wait_for_saves"),
     ".cli._convert": ("Converted", "convert"),

@@ -1,10 +1,7 @@
 """A lazy handle on a checkpoint, as safetensors users know it: :func:`safe_open`
-and :func:`iter_tensors`.
-
-Only headers are read when the handle opens. ``get_slice(key)[...]`` takes the indices
-``safetensors.safe_open`` takes and refuses what it refuses (:mod:`nnx_save.load._slices`).
-A small slice of a local file is copied out of a memory map (:mod:`nnx_save.load._direct`);
-anything larger, remote, or in a pod's pieces asks the loading engine for the slice's box.
+and :func:`iter_tensors` (docs/lazy.md). A small slice of a local file is copied out of a
+memory map (:mod:`nnx_save.load._direct`); anything larger, remote, or in a pod's pieces
+asks the loading engine for the slice's box.
 """
 
 from __future__ import annotations
@@ -233,10 +230,8 @@ class LazyCheckpoint:
         self.close()
 
     def close(self) -> None:
-        """Let go of the headers and close the files they keep open (those of a
-        :class:`Header` passed in stay open: its owner closes them). Slices taken before
-        still read, as in safetensors: memory maps already made stay, and other files
-        are reopened only if they are still the files whose headers were read."""
+        """Close the files the headers keep open (a :class:`Header` passed in: its owner
+        does). Slices taken before still read, as in safetensors."""
         if self._state is not None and self._owned:
             self._state.header.close()
         self._state = None
@@ -252,13 +247,9 @@ class LazyCheckpoint:
         return sorted(header.tensors, key=lambda k: (order.get(header.tensors[k].file, -1), header.tensors[k].begin, k))
 
     def metadata(self) -> dict[str, str] | None:
-        """The checkpoint's metadata, ``None`` when it has none (as safetensors).
-
-        One file (or a pod): its ``__metadata__``. Several files (an HF index, a
-        directory, a list): the entries every file's ``__metadata__`` holds with the
-        same value, with the index's ``metadata`` over them; per-file entries such as
-        ``nnx_save.checksums`` are in :meth:`file_metadata`.
-        """
+        """The checkpoint's metadata, ``None`` when it has none (as safetensors): of several
+        files, the entries all share, with the index's over them (the others:
+        :meth:`file_metadata`)."""
         header = self.header
         if header.kind not in ("index", "directory", "list") or len(header.files) < 2:
             return dict(header.metadata) or None
@@ -305,8 +296,8 @@ _DEFAULT_OPTIONS = LoadOptions(max_over_read_ratio=1.0, max_inflight_bytes=1 << 
 
 
 def _options(ratio: float | None, inflight: int, threads: int | None) -> LoadOptions:
-    """The engine's options, validated; the defaults' (a frozen dataclass) are
-    validated once, at import. Types are compared too: ``True == 1.0``."""
+    """The engine's options, validated (the defaults' once, at import; types are compared
+    too: ``True == 1.0``)."""
     given = (ratio, inflight, threads)
     if given == _DEFAULTS and tuple(map(type, given)) == (float, int, type(None)):
         return _DEFAULT_OPTIONS
@@ -349,24 +340,20 @@ def safe_open(
     Args:
         filename: a ``.safetensors`` file, an HF index directory, a directory or list
             of files, a pod directory (:func:`save_pod`), or an ``http(s)://`` URL.
-        framework: ``"np"`` / ``"numpy"`` (numpy arrays), ``"flax"`` / ``"jax"`` (jax
-            arrays on ``device``) or ``"pt"`` / ``"torch"`` (torch tensors; torch is
-            imported only then).
+        framework: ``"np"`` / ``"numpy"``, ``"flax"`` / ``"jax"`` (arrays on ``device``)
+            or ``"pt"`` / ``"torch"`` (torch is imported only then).
         device: ``"cpu"``; for jax also ``"gpu:N"``, ``"tpu:N"`` or a ``jax.Device``;
             for torch anything ``torch.device`` takes.
-        backend: ``"mmap"`` (default): small slices of local files are copied out of a
-            memory map of the file, larger or remote ones read by the engine;
-            ``"pread"``: every read goes through the engine's ``preadv`` readers (no map).
+        backend: ``"mmap"``: small slices of local files are copied out of a memory map;
+            ``"pread"``: every read goes through the engine's readers.
         max_over_read_ratio: the engine's cap on bytes read / bytes needed when it
-            merges reads (gaps under a page are always read through); over HTTP a
-            larger ratio or ``None`` trades bytes for fewer requests.
-        max_inflight_bytes, num_threads: the engine's budget and readers
-            (:class:`LoadOptions`).
+            merges reads; over HTTP a larger one or ``None`` means fewer requests.
+        max_inflight_bytes: the engine's budget (:class:`LoadOptions`).
+        num_threads: the engine's concurrent readers.
 
     Returns:
-        A :class:`LazyCheckpoint` with ``keys()``, ``offset_keys()``, ``metadata()``,
-        ``get_tensor(key)``, ``get_tensors()`` and ``get_slice(key)[...]``; ``.io``
-        sums what its reads cost.
+        A :class:`LazyCheckpoint` (the methods of safetensors' handle; ``.io`` sums what
+        its reads cost).
 
     Raises:
         SourceNotFoundError: no such file or directory (a ``FileNotFoundError``).
@@ -415,11 +402,8 @@ def iter_tensors(
     max_batch_bytes: int = 256 << 20,
     num_threads: int | None = None,
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """Stream ``(key, array)`` pairs one tensor at a time, with bounded host memory.
-
-    Tensors are read in batches of at most ``max_batch_bytes`` (a larger tensor alone)
-    in file order, so memory held by the iterator stays under one batch plus what the
-    caller keeps; convert or quantize each array as it comes.
+    """Stream ``(key, array)`` pairs one tensor at a time, with bounded host memory: one
+    batch of at most ``max_batch_bytes`` (a larger tensor alone) plus what the caller keeps.
 
     Args:
         source: as :func:`safe_open`.

@@ -1,13 +1,9 @@
 """The NNX bridge: :func:`save_model` and :func:`load_model`.
 
-Loading is driven by the model: its abstract state (from the instance, or from
-``nnx.eval_shape`` of a builder, so the random model never exists) says which paths,
-shapes, dtypes and shardings to fill; each is looked up in the file by its own key.
-Typed PRNG keys travel as uint32 key data plus their implementation's name, Python
-scalars as 0-d arrays plus their Python type, both recorded in ``__metadata__``. On
-load the model's declaration decides a scalar's type (a builder's Python scalars are
-constants of its ``eval_shape`` trace and are read off it), so files from other tools,
-without that record, load the same way.
+Loading is driven by the model's abstract state (a builder's comes from
+``nnx.eval_shape``, so the random model never exists). On load the model's declaration
+decides a Python scalar's type (a builder's are read off its ``eval_shape`` trace), so
+files without this library's ``__metadata__`` records load the same way.
 """
 
 from __future__ import annotations
@@ -53,8 +49,8 @@ def _is_key(value: Any) -> bool:
 
 
 def _impl_name(value: Any) -> str:
-    """The PRNG implementation of a typed key array or its ShapeDtypeStruct, through
-    the public ``jax.random.key_impl`` (traced for an abstract key: it takes arrays only)."""
+    """The PRNG implementation of a typed key array or its ShapeDtypeStruct (traced:
+    ``jax.random.key_impl`` takes arrays only)."""
     if isinstance(value, jax.Array):
         return str(jax.random.key_impl(value))
     names: list[str] = []
@@ -147,10 +143,9 @@ def save_model(
 ) -> _background.SaveHandle | None:
     """Save an NNX model's state (or the part ``filter`` selects) as safetensors.
 
-    Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal).
-    Typed PRNG keys are stored as key data with their implementation in the
-    metadata; Python scalar variables keep their type. The model is not modified.
-    Writing is as :func:`save_file` does it (checksums, atomic commit, host memory).
+    Keys are the state paths joined with ``/`` (``nnx.List`` indices in decimal); typed
+    PRNG keys and Python scalars round-trip exactly (docs/models.md). The model is not
+    modified; the file is written as :func:`save_file` writes it.
 
     Args:
         model: any NNX object graph (``nnx.Module``, ``nnx.Optimizer``, ...).
@@ -159,13 +154,10 @@ def save_model(
         metadata: extra string -> string pairs for ``__metadata__``.
         rules: porting rules applied on the way out (``rules.inverse()`` of an
             import table writes HuggingFace names and layouts).
-        max_shard_size: write a HuggingFace multi-file checkpoint in directory
-            ``path``, files of at most this many bytes (``"5GB"``, ``"200MiB"``, an int).
-        progress: a progress bar on stderr (:class:`SaveOptions`).
-        blocking: ``False`` returns a :class:`SaveHandle` once a host snapshot of the
-            state is taken and writes in the background; training on is then safe.
-        options: a :class:`SaveOptions`; the three keywords above are its shortcuts,
-            each allowed where ``options`` leaves its field at the default.
+        max_shard_size: write a HuggingFace multi-file checkpoint in directory ``path``.
+        progress: a progress bar on stderr.
+        blocking: ``False`` writes in the background and returns a :class:`SaveHandle`.
+        options: a :class:`SaveOptions` (it explains the three keywords above, its shortcuts).
 
     Raises:
         UnsupportedValueError: a string or ``None`` in the state (names the path).
@@ -278,9 +270,8 @@ def _finish(leaf: _Leaf, loaded: Any, rng: dict) -> Any:
 
 
 def _file_rng(header: Header) -> dict:
-    """The PRNG implementations the file records by key; the library's JSON records
-    are checked before anything is read (the scalars' only for validity: the model's
-    declaration decides a scalar's type)."""
+    """The file's PRNG implementations by key; both JSON records are checked before any
+    read (the scalars' only for validity: the model's declaration decides their type)."""
     where = header.files[0].file if header.files else "the checkpoint"
 
     def parse(name: str) -> dict:
@@ -309,10 +300,8 @@ def _check_impl(where: str, key: str, impl: Any) -> None:
 
 
 def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool, dict[str, Any]]:
-    """(graphdef, abstract or concrete state, is_builder, the builder's Python scalars).
-
-    ``eval_shape`` turns a builder's ``nnx.Variable(0)`` into a ShapeDtypeStruct; its
-    declared Python value is a constant of the trace, so it is recorded on the way."""
+    """(graphdef, state, is_builder, the builder's Python scalars): ``eval_shape`` makes
+    those ShapeDtypeStructs, so their declared values are recorded during the trace."""
     if isinstance(model_or_builder, nnx.Pytree) or not callable(model_or_builder):
         graphdef, state = nnx.split(model_or_builder)
         return graphdef, state, False, {}
@@ -396,22 +385,27 @@ def load_model(
             only; other state in the file is then not "unexpected").
         allow_missing / allow_unexpected: path patterns (glob or regex) the caller
             expects to be missing (a new head) or unused.
-        allow_casts: dtype casts accepted under ``strict=True``: ``"lossless"`` or a
-            list of path patterns (as for :func:`load_file`).
-        allow_shape_mismatch: path patterns whose shape in the file may differ
-            from the model's (a new head of another size): those parameters keep
-            the model's values (a builder's initialisation) and are listed in
-            ``report.allowed_shape_mismatches``.
+        allow_shape_mismatch: path patterns whose file shape may differ (a new head
+            of another size): those keep the model's values (a builder's initialisation).
+        allow_casts: dtype casts accepted under ``strict=True`` (as for :func:`load_file`).
         rules: porting rules (:mod:`nnx_save.porting`) mapping file keys to paths.
         mesh: the concrete mesh for a builder's sharding annotations.
-        options: a :class:`LoadOptions`. Its fields are also keywords, as for
-            :func:`load_file`, which describes each: ``max_over_read_ratio``,
-            ``read_chunk_bytes``, ``max_inflight_bytes``, ``num_threads``, ``verify``
-            (checksums; :class:`~nnx_save.ChecksumError` on a mismatch), ``progress``,
+        options: a :class:`LoadOptions`; its fields are also keywords, as for
+            :func:`load_file`: ``max_over_read_ratio``, ``read_chunk_bytes``,
+            ``max_inflight_bytes``, ``num_threads``, ``verify``, ``progress``,
             ``stream``, ``staging`` and ``share_reads``.
 
     Returns:
         ``(model, report)``.
+
+    Raises:
+        HeaderError: a malformed file or index, before any data is read.
+        LoadError: ``strict=True`` and a mismatch; the model is not touched.
+        MetadataError: the file's PRNG or scalar record is not valid JSON, or names
+            a PRNG implementation this jax does not know.
+        ShardingError: a builder's sharding is on an abstract mesh and no mesh is given or set.
+        ChecksumError: ``verify=True`` and a tensor's bytes do not match its checksum.
+        OptionError: an option out of range, or given both ways (names it).
 
     Examples:
         >>> from flax import nnx

@@ -1,5 +1,4 @@
-"""``save_pod``: a pytree or an NNX model, flattened into entries for the pod writer
-that :func:`nnx_save.save._dispatch.writer` chooses."""
+"""``save_pod``: a pytree or an NNX model, flattened into entries for the pod writer."""
 
 from __future__ import annotations
 
@@ -34,22 +33,18 @@ def save_pod(
     """Save a pytree of arrays or an NNX model as a pod directory: one shard file per
     process and a ``manifest.json``.
 
-    Call it on every process (with the same tree: global shapes). Each process writes
-    only its own file, with every distinct box its devices hold; nothing is gathered.
-    The manifest is written last, atomically, so a crash or a full disk leaves the
-    previous save readable. :func:`~nnx_save.load_file` and
-    :func:`~nnx_save.load_model` read the directory on any process layout.
+    Call it on every process with the same tree. Each writes only the boxes its devices
+    hold (nothing is gathered); the manifest is written last, atomically, so a crash
+    leaves the previous save readable. Any loader reads it on any process layout.
 
     Args:
         tree_or_model: a pytree of jax / numpy arrays, or an NNX object.
         directory: the pod directory (created if needed; must be shared by all processes).
         metadata: string -> string pairs for the manifest and every shard file.
         filter: an NNX filter, for a model (``nnx.Param``: parameters only).
-        progress: a progress bar on stderr (see :class:`SaveOptions`).
-        blocking: ``False`` returns a :class:`SaveHandle` once a host snapshot of this
-            process's pieces is taken, and writes in the background (docs/async.md).
-        options: a :class:`SaveOptions` (``progress`` and ``blocking`` are its
-            shortcuts: a keyword may set a field ``options`` leaves at its default).
+        progress: a progress bar on stderr.
+        blocking: ``False`` writes in the background and returns a :class:`SaveHandle`.
+        options: a :class:`SaveOptions` (it explains the two keywords above, its shortcuts).
 
     Returns:
         The path of ``manifest.json`` (``blocking=False``: a :class:`SaveHandle`

@@ -1,10 +1,6 @@
 """Porting rules inside the engine: a :class:`~nnx_save.porting.Rules` mapping turns
-file keys into model paths (load) or model paths into file keys (export).
-
-A renamed tensor is read straight from the file, sharded; a transformed one is read
-box by box, only the source boxes that feed what this process needs
-(:mod:`nnx_save.load._boxed`), or whole where its transform has no per-box map
-(``report.io.read_whole`` lists it).
+file keys into model paths (load) or model paths into file keys (export); how ported
+tensors are read and written sharded: docs/porting.md and docs/multihost.md.
 """
 
 from __future__ import annotations
@@ -41,11 +37,8 @@ def load_targets_for(
 
 
 def export_entries(rules: Any, entries: Sequence[Entry]) -> list[Entry]:
-    """The entries under their exported names and layouts (values made lazily).
-
-    A renamed tensor keeps its value, so a collective save writes its shards where
-    they are; a transformed one becomes a :class:`~nnx_save.save._stage.BoxedValue`
-    that makes each process's part of the file tensor from the shards it holds."""
+    """The entries under their exported names and layouts (values made lazily): a renamed
+    one keeps its value and shards, a transformed one becomes a :class:`BoxedValue`."""
     by_key = {e.key: e for e in entries}
     mapping = rules.mapping({e.key: (e.shape, _dtypes.DTYPES[e.code].numpy) for e in entries})
     out = []
@@ -68,11 +61,9 @@ def _whole(a: Any, sources: Sequence[Any]) -> np.ndarray:
 
 
 def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
-    """This process's parts of ``a``'s file tensor: the image of each replica-0 shard
-    it holds of each source. Where the transform has no box map forward for some shard
-    of the job (a sum, a reshape across a shard), every process gathers the sources and
-    the primary makes the whole tensor (docs/multihost.md): the same decision on every
-    process, from the global shardings."""
+    """This process's parts of ``a``'s file tensor: the image of each replica-0 shard it
+    holds. Without a box map for some shard of the job, the sources are gathered; every
+    process decides the same, from the global shardings."""
     arrays: list[Any] = [getattr(v, "array", None) for v in sources]
     mapped = a.transform is not None and all(spans_processes(x) for x in arrays)
     if not mapped or not all(_maps(a, i, x) for i, x in enumerate(arrays)):

@@ -140,24 +140,19 @@ def save_file(
     """Save a pytree of arrays as one ``.safetensors`` file (or, with ``max_shard_size``,
     a HuggingFace multi-file checkpoint), atomically.
 
-    Keys are the tree paths joined with ``/`` (list indices in decimal). Tensors are
-    written one at a time, at most ``NNX_SAVE_SAVE_INFLIGHT_BYTES`` of device -> host
-    copies ahead (docs/async.md); the file appears under ``path`` only once complete
-    and fsynced, with every tensor's xxh3_64 checksum in ``__metadata__``. ``tree`` is
-    not modified.
+    Keys are the tree paths joined with ``/`` (list indices in decimal). The file appears
+    under ``path`` only once complete and fsynced, with every tensor's xxh3_64 checksum
+    in ``__metadata__``. ``tree`` is not modified.
 
     Args:
         tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.
         path: the file to write; its directory must exist. An fsspec URL (``s3://``,
             ``memory://`` ...) is streamed to a temporary object and moved into place.
         metadata: string -> string pairs stored in ``__metadata__``.
-        progress: a progress bar on stderr (:class:`SaveOptions`).
-        blocking: ``False`` returns a :class:`SaveHandle` once a host snapshot is
-            taken and writes in the background; donating the arrays then is safe.
-        max_shard_size: write a HuggingFace multi-file checkpoint in directory
-            ``path``, files of at most this many bytes (``"5GB"``, ``"200MiB"``, an int).
-        options: a :class:`SaveOptions`; the three keywords above are its shortcuts,
-            each allowed where ``options`` leaves its field at the default.
+        progress: a progress bar on stderr.
+        blocking: ``False`` writes in the background and returns a :class:`SaveHandle`.
+        max_shard_size: write a HuggingFace multi-file checkpoint in directory ``path``.
+        options: a :class:`SaveOptions` (it explains the three keywords above, its shortcuts).
 
     Raises:
         UnsupportedValueError: a leaf that is not an array (names its path).
@@ -232,10 +227,8 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:
 def _refuse_shape_mismatches(
     header: Header, targets: list[Target], leaves: list[Any], allowed: Sequence[str], strict: bool
 ) -> None:
-    """One :class:`ShapeMismatchError` before any read, for every leaf whose file shape
-    differs and that would be left without a value: not allowed (unless ``strict``,
-    whose :class:`LoadError` lists it with the rest), or allowed on a leaf that holds no
-    value to keep (a ``ShapeDtypeStruct``)."""
+    """One :class:`ShapeMismatchError` before any read for the reshaped leaves left without
+    a value: not allowed (``strict``'s LoadError lists those), or a ``ShapeDtypeStruct``."""
     import jax
 
     lines, refused = [], []
@@ -267,8 +260,7 @@ def _source_name(header: Header) -> str:
 
 
 def _refuse_missing(header: Header, targets: list[Target]) -> None:
-    """A tree leaf the checkpoint has no tensor for: one typed error before any read
-    (a tree cannot be returned with a hole in it)."""
+    """Refuse, before any read, leaves the checkpoint has no tensor for: a tree has no holes."""
     missing = [t.path for t in targets if any(s not in header.tensors for s in t.sources)]
     if missing:
         raise KeyMismatchError(
@@ -297,38 +289,29 @@ def load_file(
     Args:
         source: a ``.safetensors`` file, a directory (HF index or ``*.safetensors``),
             a list of files, an ``http(s)://`` or fsspec URL, or a :class:`Header`.
-        abstract: a pytree whose leaves are ``jax.ShapeDtypeStruct`` (with a
-            ``sharding``) or arrays whose shape, dtype and sharding are adopted.
-            Each process reads only the bytes its addressable devices need. Numpy
-            leaves load as numpy. ``None``: a flat ``{key: np.ndarray}`` of everything.
+        abstract: a pytree of ``jax.ShapeDtypeStruct`` (with a ``sharding``) or arrays,
+            whose shape, dtype and sharding are adopted (numpy leaves load as numpy;
+            each process reads only its devices' bytes). ``None``: a flat ``{key: np.ndarray}``.
         strict: refuse (before reading) on any missing, unexpected, reshaped or
             cast tensor; otherwise those are reported in one ``LoadWarning``.
         allow_missing / allow_unexpected: patterns (glob or regex) the caller expects.
         allow_shape_mismatch: patterns of paths whose file shape may differ: those
             leaves keep the value ``abstract`` gives them (an array) and are listed in
             ``report.allowed_shape_mismatches``.
-        allow_casts: dtype casts accepted under ``strict=True`` (key and shape
-            checks stay strict): ``"lossless"`` (every cast that cannot change a
-            value: bfloat16 or float16 into float32, int8 into int32) or a list of
-            path patterns (those paths' casts, lossy ones included); listed in
-            ``report.allowed_casts``.
+        allow_casts: dtype casts accepted under ``strict=True`` (listed in
+            ``report.allowed_casts``): ``"lossless"`` (every cast that cannot change a
+            value, such as bfloat16 into float32) or path patterns (lossy casts included).
         return_report: also return the :class:`LoadReport`.
-        options: a :class:`LoadOptions`. Its fields are also keywords, each allowed
-            where ``options`` leaves it at the default (:class:`LoadOptions` says more):
+        options: a :class:`LoadOptions` (it explains each field); these are its shortcuts:
         max_over_read_ratio: cap on bytes read / bytes needed when merging reads.
         read_chunk_bytes: the largest single read.
         max_inflight_bytes: bytes being read (and staged) at once, never exceeded.
-        num_threads: concurrent readers (default: 2 to 8 by CPU count).
-        verify: check each tensor read in full against its recorded checksum; the
-            others are listed in ``report.unverified``.
-        progress: a progress bar on stderr when it is a terminal.
-        stream: ``None`` streams through a bounded pool of staging buffers except on
-            the CPU backend (whose arrays adopt the host buffers read); ``True`` /
-            ``False`` force it on / off.
+        num_threads: concurrent readers.
+        verify: check each tensor read in full against its recorded checksum.
+        progress: a progress bar on stderr.
+        stream: stream through staging buffers (``None``: except on the CPU backend).
         staging: the streaming path's memory: ``"pinned"``, ``"pageable"`` or ``"auto"``.
-        share_reads: with several JAX processes, read what several need once per
-            pod and share it over the interconnect; ``None``: on for a URL or several
-            hosts (docs/multihost.md).
+        share_reads: read what several JAX processes need once, and share it.
 
     Returns:
         The loaded tree (same structure as ``abstract``), or ``(tree, report)``.
@@ -336,11 +319,10 @@ def load_file(
     Raises:
         HeaderError: a malformed file or index, before any data is read.
         LoadError: ``strict=True`` and a mismatch.
-        KeyMismatchError: without ``strict``, a leaf of ``abstract`` the checkpoint has
-            no tensor for (a tree has no value to give it); raised before any read.
-        ShapeMismatchError: without ``strict``, a leaf whose file shape differs and
-            that no ``allow_shape_mismatch`` pattern (with an array to keep) accepts;
-            raised before any read.
+        KeyMismatchError: without ``strict``, before any read, a leaf of ``abstract``
+            the checkpoint has no tensor for (a tree has no value to give it).
+        ShapeMismatchError: without ``strict``, before any read, a reshaped leaf that
+            no ``allow_shape_mismatch`` pattern (with an array to keep) accepts.
         ChecksumError: ``verify=True`` and a tensor's bytes do not match its checksum.
         OptionError: an option out of range, or given both as a keyword and in
             ``options`` (names it).

@@ -1,11 +1,8 @@
 """How a load runs: one public, frozen :class:`LoadOptions`, validated when it is made.
 
-At the bottom of the import graph (the standard library, the errors and
-:mod:`nnx_save._config`). Every entry point takes ``options=`` and keeps the common
-fields as keyword shortcuts; :func:`merge` joins the two, refusing a field given both
-ways. The two streaming settings can also come from the environment, as a testing
-and benchmarking aid (``NNX_SAVE_STREAM``, ``NNX_SAVE_STAGING``; see
-docs/configuration.md), when the caller left them at their defaults.
+Every entry point takes ``options=`` and keeps the common fields as keyword shortcuts;
+:func:`merge` joins the two. ``NNX_SAVE_STREAM`` and ``NNX_SAVE_STAGING`` (testing aids,
+docs/configuration.md) apply where the caller left those fields at their defaults.
 """
 
 from __future__ import annotations
@@ -60,17 +57,10 @@ def _optional(value: object, is_ok: bool) -> bool:
 
 
 def merge(cls: type[Opts], options: Opts | None, call: str, arguments: Mapping[str, Any]) -> Opts:
-    """``options`` (or ``cls()``) with the keyword shortcuts the caller gave applied.
-
-    ``arguments`` maps a call's parameter names to their values (the entry point's
-    ``locals()`` on its first line); those naming a field of ``cls`` are its keyword
-    shortcuts, and one left at :data:`DEFAULT` was not given. A shortcut given for a
-    field that ``options`` also sets (to other than the field's default) is refused,
-    naming it: one call cannot say two things about one setting.
-
-    Raises:
-        OptionError: ``options`` is not a ``cls``, a field is given both ways, or a
-            value is out of range (names the argument).
+    """``options`` (or ``cls()``) with the keyword shortcuts in ``arguments`` (the entry
+    point's ``locals()``; :data:`DEFAULT`: not given) applied. A shortcut for a field that
+    ``options`` also sets is refused (an :class:`OptionError` naming it, as are an
+    ``options`` of another class and a value out of range): one call cannot say two things.
 
     Examples:
         >>> merge(LoadOptions, LoadOptions(verify=True), "load_file", {"num_threads": 2}).num_threads
@@ -98,7 +88,8 @@ def merge(cls: type[Opts], options: Opts | None, call: str, arguments: Mapping[s
 @dataclass(frozen=True)
 class LoadOptions:
     """How a load runs: the settings of :func:`~nnx_save.load_file` and
-    :func:`~nnx_save.load_model` (each also a keyword of both; see :func:`load_file`).
+    :func:`~nnx_save.load_model`, each also a keyword of both that may set a field
+    ``options=`` leaves at its default (not ``staging_bytes``).
 
     Attributes:
         max_over_read_ratio: cap on bytes read / bytes needed when merging reads
@@ -107,7 +98,9 @@ class LoadOptions:
         max_inflight_bytes: host bytes being read (and, when streaming, staged)
             at once, never exceeded.
         num_threads: concurrent readers (``None``: 2 to 8 by CPU count).
-        verify: check recorded checksums of the tensors read in full.
+        verify: check each tensor read in full against its recorded checksum
+            (:class:`~nnx_save.ChecksumError` on a mismatch); the others are listed
+            in ``report.unverified``.
         stream: ``None`` decides from the devices' platform (stream everywhere
             but on the CPU backend, whose arrays adopt host buffers); ``True``
             forces the streaming path (a testing aid on CPU), ``False`` forbids it.
@@ -117,11 +110,10 @@ class LoadOptions:
         staging_bytes: size of one staging buffer (``None``: picked from the budget).
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
-        share_reads: with several processes, read each byte that several of them
-            need on one process only and share it over the interconnect with JAX's
-            collectives (:mod:`nnx_save.load._share`). ``None`` (the default): on
-            for a remote source (a URL) or processes on several hosts, off for local
-            files on one host; ``True`` / ``False`` force it.
+        share_reads: with several processes, read each byte that several need on one
+            of them and share it over the interconnect with JAX's collectives. ``None``:
+            on for a URL or processes on several hosts, off for local files on one
+            host; ``True`` / ``False`` force it (docs/multihost.md).
 
     Raises:
         OptionError: a field out of range or of the wrong type (names it).

@@ -1,9 +1,7 @@
 """What a load did: filled, missing, unexpected, reshaped, cast, and the I/O it took.
 
-A :class:`LoadReport` is built from headers before any value is read, so a strict
-load can refuse without touching the target. By default mismatches are summarised in
-one :class:`LoadWarning`; ``strict=True`` raises one :class:`~nnx_save.LoadError`
-listing every entry, grouped and sorted.
+A :class:`LoadReport` is built from headers before any value is read, so a strict load
+can refuse (one :class:`~nnx_save.LoadError`, grouped and sorted) without touching the target.
 """
 
 from __future__ import annotations
@@ -46,8 +44,8 @@ class ShapeMismatch:
 
 
 def warn_single_device(paths: Sequence[str], devices: Sequence[object], fix: str, stacklevel: int) -> None:
-    """Warn (:class:`SingleDeviceWarning`) when this process has several ``devices``
-    and ``paths`` have no sharding: how many, which, where they land, and the remedy."""
+    """Warn (:class:`SingleDeviceWarning`) that ``paths`` have no sharding although this
+    process has several ``devices``: how many, which, where they land, and ``fix``."""
     if not paths or len(devices) < 2:
         return
     shown = ", ".join(sorted(paths)[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
@@ -59,9 +57,9 @@ def warn_single_device(paths: Sequence[str], devices: Sequence[object], fix: str
 
 
 def is_lossy(source: str, target: str) -> bool:
-    """Whether casting dtype ``source`` to ``target`` can change values: float to
-    int or bool, a float with fewer mantissa bits or a smaller exponent range, an
-    int that does not fit. (Names as numpy / ml_dtypes spell them; the first word.)
+    """Whether casting dtype ``source`` to ``target`` (numpy / ml_dtypes names; the first
+    word) can change values: float to int or bool, a float with fewer mantissa bits or a
+    smaller exponent range, an int that does not fit.
 
     Examples:
         >>> is_lossy("float32", "bfloat16"), is_lossy("bfloat16", "float32"), is_lossy("float32", "int32")
@@ -161,18 +159,16 @@ class LoadReport:
         shape_mismatches: paths whose shapes differ (not loaded).
         dtype_casts: paths cast on the host from the file dtype.
         allowed_missing / allowed_unexpected: mismatches the caller declared.
-        allowed_shape_mismatches: shape mismatches the caller declared
-            (``allow_shape_mismatch``); those paths keep the model's values.
-        allowed_casts: dtype casts the caller declared (``allow_casts``), done on the
-            host under ``strict=True`` too.
-        suggested_renames: ``rename(...)`` rules that would pair up missing paths
-            with unexpected keys of the same shape and name suffix (shown in the
-            remedy of a strict load, before the allow options).
-        renamed: per file key, the model paths porting rules made of it (shown next
-            to an unexpected key: the path the model lacks).
+        allowed_shape_mismatches: those declared by ``allow_shape_mismatch``; those
+            paths keep the model's values.
+        allowed_casts: those declared by ``allow_casts`` (done under ``strict=True`` too).
+        suggested_renames: ``rename(...)`` rules pairing missing paths with unexpected
+            keys of the same shape and name suffix (shown in a strict load's remedy).
+        renamed: per file key, the model paths porting rules made of it.
         sources: per target path, the file keys it came from.
         landed: per file key, the target paths it went to (empty: nowhere).
         io: the engine's I/O statistics.
+        source: the checkpoint's name, as the summary shows it.
         verified: file keys whose checksum was checked (``verify=True``).
         unverified: file keys loaded under ``verify=True`` whose checksum could not
             be checked: none recorded, or this process read only part of the tensor.
@@ -249,8 +245,8 @@ class LoadReport:
         return "\n".join(parts)
 
     def remedy(self) -> str:
-        """The options that would accept what a strict load refused, one per line; first
-        the renames that would pair missing paths with unexpected keys, when some do."""
+        """The renames that would pair missing paths with unexpected keys, then the
+        options that would accept what a strict load refused, one per line."""
         lines = []
         if self.missing:
             lines.append(f"allow_missing={_listed(self.missing)} (those paths keep the model's values)")
@@ -265,9 +261,8 @@ class LoadReport:
         return _rename_remedy(self.suggested_renames) + accept
 
     def raise_or_warn(self, strict: bool, *, limit: int = 20, stacklevel: int = 3) -> None:
-        """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`, showing up
-        to ``limit`` lines of each kind (a long missing list never hides the unexpected
-        keys that explain it)."""
+        """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`, with up to
+        ``limit`` lines of each kind (a long missing list never hides the unexpected keys)."""
         if self.clean:
             return
         shown = "\n  ".join(line for group in self._groups() for line in _cut(group, limit))
@@ -321,18 +316,15 @@ def _rename_remedy(renames: Sequence[str]) -> str:
 
 def suggested_renames(report: LoadReport, model: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
     """:func:`suggest_renames` for ``report``'s missing paths (shapes in ``model``) and
-    its unexpected keys (entries with ``.shape`` in ``file``) that no porting rule
-    renamed (a renamed one already shows the path it became)."""
+    its unexpected keys (shapes in ``file``) that no porting rule renamed."""
     missing = {p: tuple(model[p]) for p in report.missing}
     plain = [k for k in report.unexpected if report.renamed.get(k, (k,)) == (k,)]
     return suggest_renames(missing, {k: tuple(file[k].shape) for k in plain})
 
 
 def suggest_renames(missing: Mapping[str, tuple[int, ...]], unexpected: Mapping[str, tuple[int, ...]]) -> list[str]:
-    """``rename(...)`` rules (as source text) mapping unexpected names onto missing
-    paths: each unexpected name pairs with the missing path of the same shape that
-    shares its longest name suffix (whole components); the pairs' differing prefixes
-    make one rule each, the commonest first.
+    """``rename(...)`` rules (source text), the commonest first: each unexpected name pairs
+    with the missing path of its shape sharing its longest whole-component name suffix.
 
     Examples:
         >>> suggest_renames({"encoder/0/kernel": (2, 3)}, {"body/0/kernel": (2, 3), "head/b": (3,)})
@@ -363,12 +355,8 @@ def _common_tail(a: str, b: str) -> int:
 
 
 def split_allowed_casts(casts: Sequence[DtypeCast], allow: str | Sequence[str]) -> tuple[list, list]:
-    """Partition casts into (not allowed, allowed): ``"lossless"`` allows every cast
-    that cannot change a value, a sequence of path patterns those paths' casts.
-
-    Raises:
-        LoadError: ``allow`` is another string (a pattern list must be a list).
-    """
+    """Partition casts into (not allowed, allowed) by ``"lossless"`` or path patterns; any
+    other string is a :class:`LoadError` (a pattern list must be a list)."""
     if isinstance(allow, str):
         if allow != "lossless":
             raise LoadError(f'allow_casts takes "lossless" or a list of path patterns, got {allow!r}')

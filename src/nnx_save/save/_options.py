@@ -14,18 +14,20 @@ __all__ = ["SaveOptions"]
 @dataclass(frozen=True)
 class SaveOptions:
     """How a save runs: the settings of :func:`~nnx_save.save_file`,
-    :func:`~nnx_save.save_model` and :func:`~nnx_save.save_pod` (each also a keyword
-    of theirs).
+    :func:`~nnx_save.save_model` and :func:`~nnx_save.save_pod`, each also a keyword of
+    theirs that may set a field ``options=`` leaves at its default.
 
     Attributes:
         progress: a progress bar on stderr when it is a terminal: ``None`` above
             ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
         blocking: ``False`` returns a :class:`~nnx_save.SaveHandle` once a host
-            snapshot is taken and writes in the background (docs/async.md).
+            snapshot is taken (of this process's pieces, for ``save_pod``) and writes
+            in the background: training on, or donating the arrays, is then safe
+            (docs/async.md).
         max_shard_size: write a HuggingFace multi-file checkpoint (a directory with
             ``model.safetensors.index.json``) of files of at most this many bytes: an
             int or a size such as ``"5GB"`` or ``"200MiB"`` (``save_file`` and
-            ``save_model``).
+            ``save_model``; ``save_pod`` refuses it).
 
     Raises:
         OptionError: a field out of range or of the wrong type (names it).
@@ -50,8 +52,7 @@ class SaveOptions:
             parse_size(self.max_shard_size, "max_shard_size")  # an OptionError naming it
 
     def unsharded(self, writer: str) -> SaveOptions:
-        """``self``, for a writer of another layout than the multi-file one (``writer``
-        says what it writes); ``max_shard_size`` there is refused, not ignored."""
+        """``self``, for a ``writer`` of another layout: ``max_shard_size`` is refused, not ignored."""
         if self.max_shard_size is not None:
             raise OptionError(f"{writer}: max_shard_size is for save_model", "max_shard_size")
         return self
