@@ -534,7 +534,7 @@ class DtypeMismatch(NamedTuple):
 class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
     """Arrays of ``step`` would be (``before_read``: a template disagrees) or were restored
     with another dtype than saved; ``mismatches`` lists them, ``x64_off`` says jax's x64
-    mode explains them. ``cast_dtypes=True`` accepts the casts."""
+    mode, off, explains them. ``cast_dtypes=True`` accepts the casts."""
 
     def __init__(
         self, step: int, mismatches: Iterable[DtypeMismatch], *, before_read: bool = False, x64_off: bool = False

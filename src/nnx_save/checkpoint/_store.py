@@ -330,7 +330,7 @@ class OrbaxCheckpointStore:
             epoch: The epoch, recorded in the metadata.
             metrics: Scalar metrics by name (``best_step`` and retention rank by these).
             producer: The program writing the checkpoint.
-            extra: JSON data (str keys), such as the run's config; no metadata field name.
+            extra: JSON data (str keys), such as the run's config; not a metadata field name.
             overwrite: Replace ``step`` if it is already stored (always blocking).
             blocking: ``False`` returns once the state is on the host; Orbax writes
                 the step in the background (see the class docstring).
@@ -372,7 +372,8 @@ class OrbaxCheckpointStore:
         return self._step_path(step)
 
     def _write_failures(self, step: int | None) -> contextlib.AbstractContextManager[None]:
-        """Orbax's write failures (a full disk, ``OSError`` ...) as :class:`CheckpointWriteError`."""
+        """Orbax's write failures (tensorstore's ``ValueError`` for a full disk, ``OSError``
+        ...) as :class:`CheckpointWriteError`."""
         return _typed(lambda e: CheckpointWriteError(-1 if step is None else step, self._directory, e))
 
     def _refuse_write(self, step: int, overwrite: bool) -> bool:

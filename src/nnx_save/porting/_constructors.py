@@ -81,7 +81,7 @@ def split(
         sizes: the parts' sizes on ``axis``; equal parts when omitted.
         stacked: the pattern's ``(?P<layer>\\d+)`` is a layer index the targets do not
             use: each layer's tensor is cut and each part stacked over the layers on a
-            new leading axis (separate q / k / v in a scanned model).
+            new leading axis (separate q / k / v in a scanned model); refused without it.
         inverse: the rule to use on export, when the automatic inverse is refused.
 
     Examples:
