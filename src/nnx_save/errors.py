@@ -1,11 +1,9 @@
 """Every error and warning nnx_save raises or emits, in one public module.
 
-Every error is an :class:`NnxSaveError` and also the builtin a caller would naturally
-catch (``ValueError``, ``TypeError``, ``KeyError``, ``OSError``, ...). Malformed files are
-:class:`HeaderError`, one subclass per check. The checkpoint store's errors and porting's
-are here too, re-exported by ``nnx_save.checkpoint`` and ``nnx_save.porting``. Messages
-name the tensor or path, what was expected and what was found; docs/errors.md draws the
-hierarchy.
+Every error is an :class:`NnxSaveError` and also the builtin a caller would naturally catch
+(``ValueError``, ``OSError``, ...); malformed files are :class:`HeaderError`, one subclass per
+check. ``nnx_save.checkpoint`` and ``nnx_save.porting`` re-export theirs; docs/errors.md
+draws the hierarchy.
 """
 
 from __future__ import annotations
@@ -87,12 +85,9 @@ __all__ = [
 
 
 class NnxSaveError(Exception):
-    """Base class of every error raised by nnx_save.
-
-    ``key_path`` is the one tree-path attribute every error carries: the flat key
-    (``"layers/0/kernel"``) of the tree leaf the failure concerns, or ``None`` when
-    it concerns no single leaf. Errors about a file name it in ``file`` instead.
-    """
+    """Base class of every error raised by nnx_save. ``key_path`` is the flat key
+    (``"layers/0/kernel"``) of the leaf the failure concerns, or ``None``; errors about a
+    file name it in ``file``."""
 
     key_path: str | None = None
 
@@ -130,8 +125,8 @@ class TensorEntryError(HeaderError):
 
 
 class PieceLayoutError(HeaderError):
-    """A layout's pieces of a tensor (a pod manifest's boxes) are malformed, leave a
-    hole, overlap, or fall outside the tensor's shape."""
+    """A layout's pieces of a tensor (a pod manifest's boxes) are malformed, leave a hole,
+    overlap, or fall outside its shape."""
 
 
 class UnknownDtypeError(HeaderError):
@@ -204,7 +199,7 @@ class DtypeMismatchError(NnxSaveError, TypeError):
 
 class DeviceDtypeError(NnxSaveError, TypeError):
     """A tensor would land on a device whose jax backend cannot hold its dtype (F6 on
-    CPU); refused before any data is read. Load it onto the host (a numpy template)."""
+    CPU); refused before any data is read."""
 
 
 class LoadError(NnxSaveError, ValueError):
@@ -234,8 +229,8 @@ class SaveError(NnxSaveError, OSError):
 
 
 class SharedReadError(NnxSaveError, OSError):
-    """A load of ``file`` with shared reads failed on some process (named), or one did
-    not report within the deadline; raised on every process, before any collective."""
+    """A load of ``file`` with shared reads failed on some process (named) or timed out;
+    raised on every process, before any collective."""
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -243,8 +238,8 @@ class SharedReadError(NnxSaveError, OSError):
 
 
 class TruncatedFileError(NnxSaveError, OSError):
-    """A read of tensor data ended early: the file is shorter than its validated header
-    says (truncated after it was opened). ``file`` and ``offset`` say where."""
+    """A read of tensor data ended early: ``file`` was truncated after its header was
+    validated; ``offset`` says where."""
 
     def __init__(self, message: str, file: str | None = None, offset: int | None = None) -> None:
         super().__init__(message)
@@ -274,9 +269,8 @@ class ShardingError(NnxSaveError, ValueError):
 
 
 class ChecksumError(NnxSaveError, ValueError):
-    """A tensor's bytes do not match the checksum recorded when it was saved (the file
-    changed after writing); ``key``, ``file``, ``expected`` and ``found`` say which,
-    where, and the two digests."""
+    """A tensor's bytes do not match the checksum recorded at save time; ``key``, ``file``,
+    ``expected`` and ``found`` say which, where, and the two digests."""
 
     def __init__(
         self,
@@ -292,8 +286,8 @@ class ChecksumError(NnxSaveError, ValueError):
 
 
 class NotSafetensorsError(HeaderError):
-    """The source is another format (PyTorch zip or pickle, Orbax, TensorStore), told by
-    its bytes or entries, nothing unpickled; ``format`` says which, the message what to run."""
+    """The source is another format (PyTorch, Orbax, TensorStore), told by its bytes, nothing
+    unpickled; ``format`` says which, the message what to run."""
 
     def __init__(self, message: str, format: str = "") -> None:
         super().__init__(message)
@@ -307,19 +301,17 @@ class ConvertError(NnxSaveError, ValueError):
 
 class SafetensorError(NnxSaveError):
     """``safe_open`` refused a call where ``safetensors.safe_open`` raises its own
-    ``SafetensorError`` (a closed handle, an unknown framework, device or backend). When
-    ``safetensors`` is imported in the process, the error is also a
-    ``safetensors.SafetensorError``, so code written against safetensors catches it."""
+    ``SafetensorError`` (a closed handle, an unknown framework, device or backend); also a
+    ``safetensors.SafetensorError`` when ``safetensors`` is imported in the process."""
 
 
 class SliceError(SafetensorError, IndexError):
     """``safe_open``: a key the checkpoint does not hold, or an index safetensors refuses
-    too: out of range, a step below 1, a non-empty list, anything but ints, slices, one ``...``."""
+    too (docs/lazy.md)."""
 
 
 class SourceNotFoundError(SourceError, FileNotFoundError):
-    """``safe_open``: the file or directory does not exist (``file`` names it); a
-    ``FileNotFoundError``, as safetensors raises."""
+    """``safe_open``: the file or directory ``file`` does not exist."""
 
 
 class RemoteError(NnxSaveError, OSError):
@@ -331,9 +323,8 @@ class RemoteChangedError(RemoteError):
 
 
 class ConfigError(NnxSaveError, ValueError):
-    """An ``NNX_SAVE_*`` environment variable holds a value nnx_save cannot use, raised
-    where it is used (not at import); ``variable``, ``expected`` and ``found`` say which,
-    what it must hold and what it holds."""
+    """An ``NNX_SAVE_*`` environment variable holds a value nnx_save cannot use (raised where
+    it is used); ``variable``, ``expected`` and ``found`` say which, what it must hold, what it holds."""
 
     def __init__(self, variable: str, expected: str, found: str) -> None:
         super().__init__(f"{variable}={found!r}: expected {expected}")
@@ -374,9 +365,8 @@ class CheckpointError(NnxSaveError):
 
 
 class CheckpointCorruptError(CheckpointError, ValueError):
-    """A stored step is damaged: a file is missing, truncated or unreadable; nothing was
-    restored, the other steps are unaffected. ``step``, ``path`` (the damaged file or
-    directory) and ``problem`` (in words) say which and what."""
+    """A stored step is damaged (a file missing, truncated or unreadable); nothing was
+    restored. ``step``, ``path`` (the damaged file) and ``problem`` say which and what."""
 
     def __init__(self, step: int, path: str | os.PathLike[str], problem: str) -> None:
         self.step, self.path, self.problem = step, str(path), problem
@@ -401,9 +391,8 @@ class CheckpointDirectoryError(CheckpointError, ValueError):
 
 
 class CheckpointLinkError(CheckpointError, OSError):
-    """An entry of the store's ``directory`` that it may rename or delete (a step, a
-    set-aside step, an Orbax temporary) is a symbolic link (``entry``, to ``target``):
-    the store never follows one, so it refuses before changing anything."""
+    """An entry (``entry``, linking to ``target``) of the store's ``directory`` that it may
+    rename or delete is a symbolic link; refused before anything changes."""
 
     def __init__(self, entry: str, target: str, directory: str) -> None:
         self.entry, self.target, self.directory = entry, target, directory
@@ -418,15 +407,13 @@ class CheckpointLinkError(CheckpointError, OSError):
 
 
 class CheckpointSyncError(CheckpointError, RuntimeError):
-    """The processes of a multi-process run could not agree on a decision about the
-    store's directory (process 0 failed, did not answer in time, or the processes
-    called the store in different orders)."""
+    """The processes could not agree on a decision about the store's directory (process 0
+    failed or timed out, or the processes called the store in different orders)."""
 
 
 class CheckpointRetentionError(CheckpointError, ValueError):
-    """The store was opened with other retention policies (``given``, in words) than
-    the ones recorded in its ``directory`` (``recorded``); ``change_retention=True``
-    replaces them."""
+    """The store was opened with retention policies (``given``) other than those recorded
+    in its ``directory`` (``recorded``); ``change_retention=True`` replaces them."""
 
     def __init__(self, recorded: str, given: str, directory: str | os.PathLike[str]) -> None:
         self.recorded, self.given, self.directory = recorded, given, str(directory)
@@ -438,8 +425,8 @@ class CheckpointRetentionError(CheckpointError, ValueError):
 
 
 class CheckpointWriteError(CheckpointError, OSError):
-    """Writing ``step`` failed (a full disk, an I/O error in Orbax's writer); the steps
-    stored before in ``directory`` are intact and the failed step is not listed."""
+    """Writing ``step`` failed (a full disk, an I/O error); the steps stored before in
+    ``directory`` are intact and the failed step is not listed."""
 
     def __init__(self, step: int, directory: str | os.PathLike[str], cause: BaseException) -> None:
         text = " ".join(str(cause).split()) or type(cause).__name__
@@ -454,10 +441,8 @@ class CheckpointWriteError(CheckpointError, OSError):
 
 
 class CheckpointNotWrittenError(CheckpointError, ValueError):
-    """A save of ``step`` was refused; the store (``directory``) is exactly as before.
-    ``latest_step`` is its latest step then (``None`` when empty); ``reason`` is
-    ``"exists"`` (saved already, ``overwrite`` off), ``"below_latest"`` (steps only
-    move forward) or ``"rejected"`` (Orbax's save policy declined the step)."""
+    """A save of ``step`` was refused; ``directory`` is as before, ``latest_step`` its latest
+    step. ``reason``: ``"exists"`` (``overwrite`` off), ``"below_latest"`` or ``"rejected"`` (by Orbax)."""
 
     def __init__(
         self,
@@ -497,9 +482,8 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 
 class UnsupportedCheckpointError(CheckpointError, ValueError):
-    """A checkpoint this nnx_save cannot read: another format, a malformed record or a
-    newer format version; nothing was restored. ``found`` says what it holds, in words
-    (``"format version 7"``); ``step`` and ``directory`` where, when known."""
+    """A checkpoint this nnx_save cannot read (another format, a malformed record, a newer
+    version); ``found`` says what it holds, ``step`` and ``directory`` where, when known."""
 
     def __init__(self, found: str, *, step: int | None = None, directory: str | os.PathLike[str] | None = None) -> None:
         self.found, self.step = found, step
@@ -517,9 +501,8 @@ def _where(step: int | None, directory: str | None) -> str:
 
 
 class CheckpointTemplateError(CheckpointError, ValueError):
-    """Restore templates disagree with what ``step`` stores (paths, shapes or leaf
-    kinds), found before any array was read; ``problems`` has one sorted line per
-    disagreement (``item/leaf: ...``)."""
+    """Restore templates disagree with what ``step`` stores (paths, shapes, leaf kinds),
+    before any read; ``problems`` has one sorted line per disagreement."""
 
     def __init__(self, step: int, problems: Iterable[str]) -> None:
         self.step, self.problems = step, tuple(sorted(problems))
@@ -539,9 +522,8 @@ class CheckpointItemError(CheckpointError, KeyMismatchError):
 
 
 class DtypeMismatch(NamedTuple):
-    """One array whose restored dtype would differ (or differs) from the saved one: the
-    ``item``, the ``/``-joined ``leaf`` path in it (``"<root>"`` for a bare array), the
-    ``saved`` dtype and the ``restored`` one (the template's, or what came back)."""
+    """One array whose restored dtype differs from the ``saved`` one: ``item``, the
+    ``/``-joined ``leaf`` path (``"<root>"`` for a bare array), and the ``restored`` dtype."""
 
     item: str
     leaf: str
@@ -550,10 +532,9 @@ class DtypeMismatch(NamedTuple):
 
 
 class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
-    """Arrays of ``step`` would be (or were) restored with another dtype than saved:
-    before any array is read when a template disagrees (``before_read``), after reading
-    for items without one. ``mismatches`` lists them sorted; ``x64_off`` says jax's x64
-    mode was off and explains them. ``cast_dtypes=True`` accepts the casts."""
+    """Arrays of ``step`` would be (``before_read``: a template disagrees) or were restored
+    with another dtype than saved; ``mismatches`` lists them, ``x64_off`` says jax's x64
+    mode, off, explains them. ``cast_dtypes=True`` accepts the casts."""
 
     def __init__(
         self, step: int, mismatches: Iterable[DtypeMismatch], *, before_read: bool = False, x64_off: bool = False
@@ -595,8 +576,8 @@ class TiedValuesError(RuleError):
 
 
 def short_repr(value: object, limit: int = 40) -> str:
-    """``repr(value)``, cut to about ``limit`` characters at a word boundary (never in
-    the middle of a word or number), the cut marked with ``...`` and the full length.
+    """``repr(value)``, cut to about ``limit`` characters at a word boundary, the cut
+    marked with ``...`` and the full length.
 
     Examples:
         >>> short_repr("a sentence of several words, longer than the limit", 30)

@@ -1,12 +1,9 @@
 """Decisions about the disk, made once on process 0 and shared with every process.
 
-Every process drives its own store, and each Orbax barrier must be reached by all of
-them in the same order. A decision each took from the disk (which steps are there?
-which are too old?) could differ when one looks a moment after another changed it, and
-one would then wait at a barrier the other never reaches. So process 0 decides and the
-others read its answer from the JAX coordination service's key-value store, in call
-order; a process that asks another question than process 0 answered gets a
-:class:`~nnx_save.errors.CheckpointSyncError`, not a hang.
+Two processes reading the disk a moment apart could decide differently and then wait at
+Orbax barriers the other never reaches; so process 0 decides and the others read its
+answer from the JAX coordination service's key-value store, in call order. A process that
+asks another question than process 0 answered gets a ``CheckpointSyncError``, not a hang.
 """
 
 from __future__ import annotations
@@ -28,9 +25,8 @@ T = TypeVar("T")
 
 
 def agree(name: str, decide: Callable[[], T]) -> T:
-    """``decide()`` as computed on process 0, on every process: JSON data (tuples come
-    back as lists). Every process calls ``agree`` as often, in the same order (``name``
-    checks it); the last to read a decision deletes its keys.
+    """``decide()`` as computed on process 0, on every process (JSON data: tuples come back
+    as lists); ``name`` checks the call order. The last reader deletes the decision's keys.
 
     Raises:
         CheckpointSyncError: Process 0's decision failed, did not come within the

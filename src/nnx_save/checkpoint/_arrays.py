@@ -1,9 +1,8 @@
 """Reading a whole Orbax checkpoint as host arrays, for conversion to safetensors.
 
-Leaves are named as :func:`nnx_save.save_model` names a model's state, so the file loads
-with :func:`nnx_save.load_model`: a store item loses the store's root node, an NNX state
-the ``value`` node under each variable; typed PRNG keys become their key data plus the
-implementation's name, Python numbers 0-d arrays plus their type.
+Leaves are named as :func:`nnx_save.save_model` names a model's state (no store root
+node, no NNX ``value`` node), so :func:`nnx_save.load_model` reads the file; typed PRNG
+keys become their key data, Python numbers 0-d arrays, each with its type recorded.
 """
 
 from __future__ import annotations

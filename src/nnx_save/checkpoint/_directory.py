@@ -1,6 +1,5 @@
-"""Where a run's checkpoints live: a local directory or an object-store URL (pure path
-logic: nothing is created or read). ``gs://`` and ``s3://`` URLs are kept as given, never
-turned into a local directory named ``gs:``; any other scheme is refused at once."""
+"""Where a run's checkpoints live (pure path logic): a local directory, or a ``gs://`` /
+``s3://`` URL kept as given (never a local directory named ``gs:``); other schemes are refused."""
 
 from __future__ import annotations
 
@@ -40,11 +39,6 @@ def _text(name: str, value: str | os.PathLike[str]) -> str:
 def store_location(name: str, value: str | os.PathLike[str]) -> Location:
     """A local absolute path (``file://`` URLs too), or the URL unchanged (an etils ``epath.Path``).
 
-    Raises:
-        CheckpointDirectoryError: A URL scheme Orbax cannot write to.
-        ValueError: ``value`` is empty.
-        TypeError: ``value`` is not a str or ``os.PathLike[str]``.
-
     Examples:
         >>> str(store_location("directory", "gs://bucket/run"))
         'gs://bucket/run'
@@ -69,11 +63,8 @@ def store_location(name: str, value: str | os.PathLike[str]) -> Location:
 def resolve_checkpoint_dir(
     checkpoint_dir: str | os.PathLike[str] | None, run_dir: str | os.PathLike[str] | None = None
 ) -> Location:
-    """Pick a run's checkpoint directory without creating it.
-
-    An explicit ``checkpoint_dir`` wins; otherwise ``run_dir / "checkpoints"``.
-    Relative paths are taken against the current working directory; ``gs://`` and
-    ``s3://`` URLs are kept as given.
+    """Pick a run's checkpoint directory without creating it: an explicit ``checkpoint_dir``
+    wins, else ``run_dir / "checkpoints"``; relative paths against the working directory.
 
     Args:
         checkpoint_dir: The directory asked for explicitly, or None.

@@ -1,7 +1,5 @@
-"""A store's directory as every process sees it: its steps, the damaged ones and the
-recorded retention policies. Every directory-level decision goes through
-:func:`._agree.agree` or :func:`._orbax.on_primary`, so each process of a multi-process
-run takes the same branch and reaches Orbax's barriers in the same order."""
+"""A store's directory as every process sees it: its steps, the damaged ones, the recorded
+retention. Every decision goes through :func:`._agree.agree` or :func:`._orbax.on_primary`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The constants that define the on-disk layout of an nnx_save checkpoint step.
 
-A step directory is an Orbax composite checkpoint with one Orbax item per stored
-item (each a pytree under the single node :data:`ROOT`, so a bare array such as an
-rng key is a valid item), plus two JSON items: the metadata record and the dtype
-record. Changing any of these names or the record layouts needs a new
-:data:`FORMAT_VERSION` (kept in ``nnx_save._version``, where errors.py can name it).
+A step is an Orbax composite checkpoint: one Orbax item per stored item (a pytree under
+the single node :data:`ROOT`, so a bare rng key is a valid item) plus the metadata and
+dtype JSON records. Changing any name or record layout needs a new :data:`FORMAT_VERSION`.
 """
 
 from __future__ import annotations

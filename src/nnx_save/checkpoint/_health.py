@@ -1,11 +1,8 @@
-"""What a store's directory holds: its steps, which of them are damaged, and each step's
-JSON records (metadata, dtypes), read as files and validated.
+"""What a store's directory holds: its steps, the damaged ones, each step's JSON records.
 
-A look at the files only (no Orbax manager, so no barrier), run on process 0 and shared.
-A step is *damaged* when its nnx_save record is unreadable, or an item the record names
-has no directory or no Orbax ``_METADATA`` file. A truncated array file is found only
-when the step is read (finding it here would read every byte of every step). A step
-without an nnx_save record is foreign, not damaged (refused on read).
+Files only (no Orbax manager, so no barrier), run on process 0 and shared. A truncated
+array file is found only when the step is read (here it would mean reading every byte);
+a step without an nnx_save record is foreign, not damaged (refused on read).
 """
 
 from __future__ import annotations

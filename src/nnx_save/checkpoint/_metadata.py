@@ -1,7 +1,5 @@
-"""The metadata record stored (as JSON) with every checkpoint step, and the checks of a
-store call's arguments (steps, items, metadata fields, restore names). A record this
-version cannot read is refused with :class:`UnsupportedCheckpointError` before anything
-else is restored."""
+"""The metadata record stored (as JSON) with every step, and the checks of a store call's
+arguments (steps, items, metadata fields, restore names)."""
 
 from __future__ import annotations
 

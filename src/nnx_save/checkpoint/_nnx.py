@@ -1,8 +1,7 @@
 """NNX glue: put a restored state back into a Module, an Optimizer or any graph node.
 
-Orbax stores dict keys as strings (``"0"`` where an ``nnx.List`` has ``0``), so
-:func:`restore_into` is driven by the target's structure: each target leaf is looked up
-by its Orbax name, int keys come back as the target has them, and nothing is left unfilled.
+Orbax stores dict keys as strings (``"0"`` for an ``nnx.List``'s ``0``), so
+:func:`restore_into` walks the target's structure and looks each leaf up by its Orbax name.
 """
 
 from __future__ import annotations
@@ -20,12 +19,10 @@ __all__ = ["restore_into"]
 
 
 def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False) -> None:
-    """Update ``target`` in place with a restored state, exactly.
+    """Update ``target`` in place with a restored state (templated or not), exactly.
 
-    Works with a state restored with a template (``nnx.State``, int keys) or
-    without one (nested dicts with string keys). Checks everything before changing
-    anything: every leaf of the target must be restored and nothing else, with the
-    same shape and dtype. Arrays are placed on the target leaf's sharding.
+    Everything is checked before anything changes: every target leaf restored and
+    nothing else, same shapes and dtypes. Arrays go on the target leaf's sharding.
 
     Args:
         target: An NNX graph node (``nnx.Module``, ``nnx.Optimizer``), possibly

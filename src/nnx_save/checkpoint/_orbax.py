@@ -1,7 +1,6 @@
 """Everything that speaks Orbax: the manager, save arguments, metadata, restore arguments.
 
-It maps an nnx_save step onto an Orbax composite checkpoint (see :mod:`._format`) and
-Orbax's metadata onto the neutral ``{path: Spec | None}`` form the guard compares.
+Orbax's metadata becomes the neutral ``{path: Spec | None}`` form the guard compares.
 """
 
 from __future__ import annotations

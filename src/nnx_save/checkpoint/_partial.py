@@ -1,15 +1,9 @@
 """How a restore's templates meet the checkpoint, before and right after arrays are read.
 
-A template drives the restore as a model drives ``load_model``: leaves stored with the
-same shape are read; *missing*, *unexpected* and *shape mismatch* leaves are not, and keep
-the template's value. Strict refuses those not allowed, before reading; otherwise one
-:class:`~nnx_save.LoadWarning` sums them up. Dtypes are compared with the saved record.
-
-A template's Python leaf says which type the caller wants back. Orbax would cast the
-stored value silently (``2.5`` onto an ``int`` template comes back ``2``), so types are
-compared first, as dtypes are: another number type is a ``DtypeMismatch`` (refused
-unless ``cast_dtypes``), a string against a number a template error. Accepted casts are
-done here, after Orbax read the value as stored, so a cast that changes it is reported.
+A template drives the restore as a model drives ``load_model``. A template's Python leaf
+names the type wanted back; Orbax would cast silently (``2.5`` onto an ``int`` comes back
+``2``), so Python types are compared first, like dtypes, and accepted casts are done here,
+after Orbax read the stored value, so a cast that changes it is reported.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""Which steps a store keeps: combinable retention policies, as plain data.
-
-A step is kept when *any* policy keeps it, and the latest step always (a run resumes
-from it). :func:`doomed` is a pure function of the steps, their records and the time,
-so process 0 can decide and share it.
-"""
+"""Which steps a store keeps: combinable retention policies, as plain data. :func:`doomed`
+is a pure function of the steps, their records and the time, so process 0 can decide it."""
 
 from __future__ import annotations
 
@@ -38,7 +34,7 @@ class Retention:
         every: Keep every step divisible by ``every`` (e.g. 1000: a long-term trail).
         newer_than: Keep steps saved less than this many seconds ago.
 
-    The default keeps the latest 5 steps. The latest step is always kept.
+    The default keeps the latest 5 steps; the latest step is always kept (a run resumes from it).
 
     Examples:
         >>> Retention(latest=2, best=1, metric="loss").describe()

@@ -1,10 +1,8 @@
 """When to save: an interval in steps and/or seconds, and preemption.
 
-A preemption makes the next step asked about due, whatever the intervals say. With one
-process, the first ``due`` call installs a ``SIGTERM`` handler (from the main thread)
-that records the signal instead of ending the process. With several, JAX's preemption
-service picks one step at which ``reached_preemption_sync_point`` is true on every
-process, so all save the same step. A seconds interval is measured on process 0 and shared.
+A preemption makes the next step due: with one process a ``SIGTERM`` handler (installed
+by the first ``due`` call) records it; with several, JAX's ``reached_preemption_sync_point``
+names one step for all. A seconds interval is measured on process 0 and shared.
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ __all__ = ["SaveSchedule"]
 
 @dataclasses.dataclass
 class SaveSchedule:
-    """Save intervals and the preemption state of one store: a step is due when
-    divisible by ``every_steps``, or once ``every_seconds`` passed since the last save
-    (or the start); with neither interval every step is due.
+    """Save intervals and the preemption state of one store (due: divisible by
+    ``every_steps``, or ``every_seconds`` after the last save; with neither, always).
 
     Examples:
         >>> schedule = SaveSchedule(every_steps=100)

@@ -1,6 +1,4 @@
-"""The Orbax implementation of :class:`CheckpointStore`. Writes are strict (a step is
-written once, steps only move forward, a refused save changes nothing); reads are guarded
-(metadata validated first; dtypes, paths and shapes compared before any array is read)."""
+"""The Orbax implementation of :class:`CheckpointStore`: strict writes, guarded reads."""
 
 from __future__ import annotations
 
@@ -63,30 +61,22 @@ class OrbaxCheckpointStore:
 
     Each step holds up to five named items (``model``, ``optimizer``, ``rng``,
     ``data_iterator``, ``extensions``), each a pytree of arrays, typed PRNG keys and
-    Python values, plus JSON records of its metadata and of every array's dtype. With
-    ``save(..., blocking=False)`` the call returns once the state is on the host
-    (training may go on, donating the saved buffers) and Orbax writes the step in the
-    background; reading a step, the next save, :meth:`wait_until_finished`, :meth:`close`
-    and leaving the ``with`` block wait for it and raise its error. Refused saves raise
-    at the call. Nothing is created before the first save; restoring never runs code.
-
-    **Retention.** After each committed save, steps no policy of ``retention`` keeps are
-    deleted (:class:`Retention`; default: the latest 5). The policies are recorded at
-    the first save and adopted on reopening; other policies (which could delete steps)
-    raise :class:`CheckpointRetentionError` unless ``change_retention=True``.
-
-    **Several processes.** Every process opens the store and calls each method in the
-    same order; decisions about the directory (steps, damage, retention, whether a save
-    is due) are made on process 0 and shared, so every process takes the same path.
+    Python values, plus JSON records of its metadata and every array's dtype. A
+    background save (``blocking=False``) is waited for, and its error raised, by the next
+    read or save, :meth:`wait_until_finished` and :meth:`close`. Nothing is created before
+    the first save; restoring never runs code. With several processes, every process
+    calls each method in the same order (docs/checkpoints.md tells retention, preemption
+    and multi-process use).
 
     Args:
         directory: The checkpoint directory (relative paths against the working
             directory); see :func:`resolve_checkpoint_dir`.
         max_to_keep: Shorthand for ``retention=Retention(latest=max_to_keep)``;
             None keeps every step.
-        retention: The retention policies (default: the recorded ones, else the
-            latest 5 steps).
-        change_retention: Replace the policies recorded in the directory.
+        retention: The retention policies, applied after each committed save
+            (default: the ones recorded at the first save, else the latest 5 steps).
+        change_retention: Replace the recorded policies; other policies without it
+            raise :class:`CheckpointRetentionError`.
         save_interval_steps: :meth:`should_save` is true at steps divisible by this.
         save_interval_seconds: :meth:`should_save` is true once this many seconds
             passed since the last save (measured on process 0).
@@ -161,8 +151,8 @@ class OrbaxCheckpointStore:
 
     def close(self) -> None:
         """Wait for pending saves and apply retention, then release Orbax's resources
-        (even when a save failed: its error is raised after). Idempotent; any later
-        call raises ``ValueError``."""
+        (even when a save failed: its error is raised after). Idempotent; any later call
+        raises ``OptionError``."""
         manager, self._closed = self._manager, True
         self._schedule.close()
         if manager is not None:
@@ -227,12 +217,9 @@ class OrbaxCheckpointStore:
     # -- when to save ------------------------------------------------------------
 
     def should_save(self, step: int) -> bool:
-        """Whether the loop should save ``step`` now: at a preemption (``SIGTERM``; with
-        several processes, JAX's preemption sync point), else by the intervals (with none,
-        every step). A step the store holds is never due. Call it at every step, on every
-        process. In a one-process run the first call installs a ``SIGTERM`` handler
-        (:meth:`close` puts the previous one back), so the signal asks for a save instead of
-        ending the process: check :attr:`preemption_requested` after saving and stop.
+        """Whether the loop should save ``step`` now: at a preemption (``SIGTERM``), else
+        by the intervals (with none, every step); a stored step is never due. Call it at
+        every step, on every process; check :attr:`preemption_requested` after saving.
 
         Examples:
             >>> import tempfile
@@ -255,11 +242,8 @@ class OrbaxCheckpointStore:
     # -- listing -----------------------------------------------------------------
 
     def list_steps(self) -> list[int]:
-        """Every stored, undamaged step, ascending (an empty list before the first save).
-
-        Damaged steps are left out, with a :class:`CheckpointDamageWarning` naming
-        them (once per store); see :meth:`damaged_steps`.
-        """
+        """Every stored, undamaged step, ascending; damaged steps are left out, with a
+        :class:`CheckpointDamageWarning` (once per store)."""
         self._open()
         return self._disk.intact()
 
@@ -269,21 +253,16 @@ class OrbaxCheckpointStore:
         return steps[-1] if steps else None
 
     def damaged_steps(self) -> dict[int, CheckpointCorruptError]:
-        """The damaged steps, each with the error reading it raises (naming the file).
-
-        A damaged step has an unreadable nnx_save record, or an item without its
-        directory or its Orbax ``_METADATA`` file. Truncated array files are found
-        when the step is read (:class:`CheckpointCorruptError` then too).
-        """
+        """The damaged steps (an unreadable record, an item without its directory or
+        ``_METADATA``), each with the error reading it raises; truncated array files are
+        found only when the step is read."""
         self._open()
         view = self._disk.load()
         return {step: view.corrupt_error(step) for step in sorted(view.damaged)}
 
     def best_step(self, metric: str, *, mode: Literal["min", "max"] = "min") -> int | None:
-        """The kept step with the lowest (``"min"``) or highest (``"max"``) ``metric``.
-
-        Steps without the metric, or where it is NaN, are skipped; ties go to the
-        latest step. Every kept step is ranked, whichever policy kept it.
+        """The kept step with the lowest (``"min"``) or highest (``"max"``) ``metric``;
+        steps without it (or NaN) are skipped, ties go to the latest step.
 
         Returns:
             The step, or None when the store is empty.
@@ -336,14 +315,11 @@ class OrbaxCheckpointStore:
         overwrite: bool = False,
         blocking: bool = True,
     ) -> pathlib.Path:
-        """Write ``items`` as ``step``; return the step's directory once it is committed
-        (with ``blocking=False``: once the state is on the host; the directory
-        appears when the background write commits it).
+        """Write ``items`` as ``step``; return the step's directory once it is committed.
 
-        Everything is validated before anything is written; a refused save leaves
-        the store exactly as it was. An overwrite keeps the old step (set aside)
-        until the new one is committed. The caller's objects are never modified.
-        Once the step is committed, retention deletes the steps no policy keeps.
+        Everything is validated first: a refused save leaves the store as it was, and an
+        overwrite keeps the old step until the new one is committed. Then retention runs.
+        The caller's objects are never modified.
 
         Args:
             step: A non-negative int, above the latest stored step (or equal to an
@@ -352,15 +328,12 @@ class OrbaxCheckpointStore:
                 ``data_iterator``, ``extensions`` (any non-empty subset). Pass NNX
                 objects as ``nnx.state(obj)``.
             epoch: The epoch, recorded in the metadata.
-            metrics: Scalar metrics by name (``best_step`` and best-K retention
-                rank by these).
+            metrics: Scalar metrics by name (``best_step`` and retention rank by these).
             producer: The program writing the checkpoint.
-            extra: JSON data (str keys) such as the run's config; may not reuse a
-                metadata field name.
-            overwrite: Replace ``step`` if it is already stored (always waits
-                for the replacement to be committed).
-            blocking: ``False`` returns before the step is written; see
-                :meth:`wait_until_finished`.
+            extra: JSON data (str keys), such as the run's config; not a metadata field name.
+            overwrite: Replace ``step`` if it is already stored (always blocking).
+            blocking: ``False`` returns once the state is on the host; Orbax writes
+                the step in the background (see the class docstring).
 
         Returns:
             The step directory.
@@ -400,7 +373,7 @@ class OrbaxCheckpointStore:
 
     def _write_failures(self, step: int | None) -> contextlib.AbstractContextManager[None]:
         """Orbax's write failures (tensorstore's ``ValueError`` for a full disk, ``OSError``
-        ...) as :class:`CheckpointWriteError` naming the store."""
+        ...) as :class:`CheckpointWriteError`."""
         return _typed(lambda e: CheckpointWriteError(-1 if step is None else step, self._directory, e))
 
     def _refuse_write(self, step: int, overwrite: bool) -> bool:
@@ -469,12 +442,9 @@ class OrbaxCheckpointStore:
         allow_shape_mismatch: Sequence[str] = (),
     ) -> Checkpoint:
         """Read ``step``. Items with a template come back in its structure, on its
-        shardings; items without one as stored (nested dicts and lists, string keys, the
-        stored shardings). With ``strict=False`` or the ``allow_*`` patterns (glob or
-        regex over ``item/leaf`` paths, e.g. ``"model/head/*"``) a template may leave out
-        stored leaves or hold leaves the step lacks or stores in another shape: only the
-        matching leaves are read, the others keep the template's value, and
-        ``checkpoint.report`` lists them as ``load_model``'s report does.
+        shardings; items without one as stored (nested dicts and lists, string keys).
+        Leaves excused by ``strict=False`` or ``allow_*`` are not read and keep the
+        template's value; ``checkpoint.report`` lists them as ``load_model``'s does.
 
         Args:
             step: The step to read.
@@ -487,11 +457,10 @@ class OrbaxCheckpointStore:
             items: Restore only these items (default: all the step holds).
             strict: Refuse (before reading) any missing, unexpected or reshaped
                 leaf not allowed below; ``False`` warns once (``LoadWarning``).
-            allow_missing: Template leaves the step may lack (they keep the
-                template's value).
-            allow_unexpected: Stored leaves the template may leave out (not read).
-            allow_shape_mismatch: Leaves whose stored shape may differ (not read;
-                they keep the template's value).
+            allow_missing: Glob or regex patterns over ``item/leaf`` paths
+                (``"model/head/*"``): template leaves the step may lack.
+            allow_unexpected: Patterns: stored leaves the template may leave out.
+            allow_shape_mismatch: Patterns: leaves whose stored shape may differ.
 
         Returns:
             The :class:`Checkpoint`, with its ``report``.
@@ -504,10 +473,8 @@ class OrbaxCheckpointStore:
             OptionError: ``templates`` or ``items`` name an unknown item.
             CheckpointItemError: They name an item the step does not hold.
             CheckpointTemplateError: A template's paths or shapes disagree with the
-                checkpoint and ``strict`` (or a leaf's kind differs: always);
-                raised before reading any array.
-            CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off
-                (before reading for templates; after reading otherwise).
+                step under ``strict`` (a leaf's kind: always), before any read.
+            CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
         """
         metadata = self.read_metadata(step)
         templates = dict(templates or {})
@@ -574,8 +541,7 @@ class OrbaxCheckpointStore:
 
 @contextlib.contextmanager
 def _typed(convert: Callable[[Exception], NnxSaveError | None]) -> Iterator[None]:
-    """An Orbax failure (not one of nnx_save's own) as the error ``convert`` makes of it
-    (``None``: raised as it is)."""
+    """An Orbax failure as the error ``convert`` makes of it (``None``: raised as it is)."""
     try:
         yield
     except NnxSaveError:
@@ -593,8 +559,7 @@ _CONTRACT: type[CheckpointStore] = OrbaxCheckpointStore  # mypy checks here that
 def _plan(
     name: str, whole: tuple[Any, Any] | None, selection: _partial.Selection | None, stored: Any
 ) -> tuple[Any, Any]:
-    """``(template, restore_args)`` for one item: as stored, the whole template, or
-    the template's leaves that are read."""
+    """``(template, restore_args)`` for one item: as stored, whole, or the leaves read."""
     if whole is None or selection is None:
         return None, _orbax.stored_restore_args(stored)
     return whole if selection.whole else _orbax.subset_plan(name, selection.read_pairs())

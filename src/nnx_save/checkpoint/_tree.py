@@ -1,8 +1,7 @@
 """Pytree leaves as the checkpoint sees them: paths, storable kinds, dtypes.
 
-A leaf path is a tuple of ``str`` segments named as Orbax names them (an ``nnx.List``
-index ``0`` becomes ``"0"``), so paths from a template, the dtype record and Orbax's
-metadata compare directly. Typed PRNG keys are described by their key data, as stored.
+A leaf path is a tuple of ``str`` segments as Orbax names them (``nnx.List`` index ``0``
+is ``"0"``), so template, dtype-record and Orbax paths compare directly.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
-"""Conversion to safetensors: PyTorch state dicts, TorchScript archives, Orbax
-checkpoints, safetensors.
+"""Conversion to safetensors (what ``nnx-save convert`` runs).
 
-:func:`convert` is what ``nnx-save convert`` runs. Sources are told apart by their
-bytes (:mod:`~nnx_save.format._formats`), never by unpickling: PyTorch files load with
-``torch.load(weights_only=True)`` (torch is imported only then), TorchScript archives
-are read as data (:mod:`._torchscript`: no torch, none of their code run), Orbax
-directories through :mod:`nnx_save.checkpoint` (the one home of orbax), and
-safetensors sources are read one tensor at a time, checksums verified, so memory
-stays bounded by the largest tensor.
+Sources are told apart by their bytes, never by unpickling: PyTorch files load with
+``torch.load(weights_only=True)``, TorchScript archives are read as data (none of their
+code run), and safetensors sources one tensor at a time, checksums verified.
 """
 
 from __future__ import annotations
@@ -110,8 +105,7 @@ def _write(out: Path, entries: list[Entry], meta: dict[str, str], max_shard_size
 
 
 def _entries(source: Path, key: str | None, opened: contextlib.ExitStack) -> tuple[list[Entry], dict[str, str]]:
-    """Writer entries for ``source``; safetensors sources and TorchScript archives
-    are read one tensor at a time."""
+    """Writer entries for ``source``; safetensors and TorchScript sources read one tensor at a time."""
     kind = _kind(source)
     if key is not None and kind != "torch":
         raise ConvertError(f"{source}: --key picks a sub-dict of a PyTorch checkpoint; this is a {kind} checkpoint")
@@ -146,9 +140,8 @@ def _torchscript_entries(source: Path, opened: contextlib.ExitStack) -> list[Ent
 
 
 def read_one(header: Header, key: str, *, verify: bool = False) -> tuple[np.ndarray, Any]:
-    """Tensor ``key`` of ``header`` as a host array, and the load report: ``header``
-    narrowed to that tensor and the files holding its pieces (a pod tensor's are
-    shard files, not its manifest), so memory stays bounded by one tensor."""
+    """Tensor ``key`` of ``header`` as a host array, and the load report; only the files
+    holding its pieces are read, so memory stays bounded by one tensor."""
     held = {p.info.file for p in header.pieces_of(key)}
     narrowed = dataclasses.replace(
         header, tensors={key: header.tensors[key]}, files=tuple(fh for fh in header.files if fh.file in held)
@@ -158,8 +151,7 @@ def read_one(header: Header, key: str, *, verify: bool = False) -> tuple[np.ndar
 
 
 def _verified(header: Header, key: str) -> np.ndarray:
-    """One tensor, its checksum verified: a corrupted source stops the conversion
-    instead of getting fresh checksums."""
+    """One tensor, checksum verified: a corrupted source must not get fresh checksums."""
     return read_one(header, key, verify=True)[0]
 
 
@@ -242,8 +234,7 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
 
 def _add_unique(out: dict[str, np.ndarray], key: str, value: np.ndarray, path: Path, joiner: str) -> None:
     """``out[key] = value``, refusing a key already there: nested keys joined with
-    ``joiner`` can meet a flat key (``{"a": {"b": t}, "a.b": u}``), and keeping one
-    would drop the other in silence."""
+    ``joiner`` can meet a flat key (``{"a": {"b": t}, "a.b": u}``)."""
     if key in out:
         raise DuplicateKeyError(
             f"{path}: two tensors become the key {key!r} (nested keys are joined with {joiner}); "

@@ -1,12 +1,8 @@
 """The ``nnx-save`` command line: ``inspect``, ``verify``, ``diff`` and ``convert``.
 
-Built on the public API (:func:`read_header`, :func:`load_file`) plus the
-streaming writer for ``convert``. Tensor data is read one tensor at a time (a
-:class:`Header` narrowed to one tensor is a source ``load_file`` reads alone), so
-memory stays bounded by the largest tensor whatever the checkpoint's size.
-
-Exit status: 0 when all holds, 1 when ``verify`` finds a problem or ``diff`` a
-difference, 2 on a usage error or a checkpoint that cannot be read.
+Tensor data is read one tensor at a time, so memory stays bounded by the largest
+tensor. Exit status: 0 when all holds, 1 when ``verify`` finds a problem or ``diff`` a
+difference, 2 on a usage error or a checkpoint that cannot be read (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -200,15 +196,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ValueDiff:
-    """How two same-shape tensors differ.
-
-    Attributes:
-        worst: ``max |a - b|``: an exact ``int`` for integer (and bool) tensors, a
-            float otherwise; NaN where only one side is NaN.
-        differing: How many elements differ by more than ``atol`` (NaN on one side
-            only counts).
-        size: How many elements were compared.
-    """
+    """How two same-shape tensors differ: ``worst`` is ``max |a - b|`` (an exact int for
+    integer tensors; NaN where only one side is NaN), ``differing`` the count of elements
+    beyond ``atol``, ``size`` the count compared."""
 
     worst: float | int
     differing: int
@@ -216,11 +206,9 @@ class ValueDiff:
 
 
 def compare_values(a: np.ndarray, b: np.ndarray, atol: float = 0.0, chunk: int = 1 << 22) -> ValueDiff:
-    """Compare ``a`` and ``b`` element by element, exactly: integers as integers (no
-    float64 rounding, so ``2**60`` and ``2**60 + 1`` differ), complex numbers in both
-    parts, floats in float64 (every float dtype of 64 bits or fewer converts exactly).
-    Equal values, equal infinities and NaN against NaN count as equal. Works in chunks
-    so the temporaries stay small.
+    """Compare ``a`` and ``b`` exactly, in chunks: integers as integers (no float64
+    rounding), complex numbers in both parts, floats in float64 (exact for every float of
+    64 bits or fewer). Equal infinities and NaN against NaN count as equal.
 
     Examples:
         >>> compare_values(np.array([2**60, 5]), np.array([2**60 + 1, 5]))

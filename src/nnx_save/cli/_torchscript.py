@@ -1,13 +1,8 @@
-"""The parameters and buffers of a TorchScript archive, read without running it.
+"""The parameters and buffers of a TorchScript archive, read as data without running it.
 
-``torch.jit.load`` compiles and runs the archive's code, and ``torch.load`` refuses
-TorchScript under ``weights_only=True``. This module reads the archive as data: the
-module tree from ``data.pkl`` through the data-only opcode reader
-(:mod:`~nnx_save.format._torch_pickle`: nothing imported or called), which attributes
-are parameters and buffers from the ``__parameters__`` / ``__buffers__`` lists of the
-class definitions in ``code/`` (parsed with :mod:`ast`, never executed), and each
-tensor from its storage record in ``data/`` (CRC checked by :mod:`zipfile`). Keys are
-the ``state_dict()`` names torch gives the loaded module (``encoder.0.weight``).
+``data.pkl`` goes through the data-only opcode reader (nothing imported or called), the
+parameter and buffer names come from the class definitions in ``code/`` (parsed with
+:mod:`ast`, never executed); keys are the ``state_dict()`` names (docs/cli.md tells more).
 """
 
 from __future__ import annotations

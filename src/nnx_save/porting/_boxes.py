@@ -1,10 +1,8 @@
 """Box geometry for porting transforms: pure functions on boxes and shapes.
 
-A box is ``((start, stop), ...)`` per dimension, in a tensor's own coordinates; the
-steps of :mod:`._transforms` use these to say which box of their input makes a box of
-their output. A reshape has one only where each group of merged or split dimensions
-is one contiguous run of elements (:func:`reshape_back`); elsewhere the caller reads
-the whole tensor.
+A box is ``((start, stop), ...)`` per dimension. A reshape maps boxes only where each
+group of merged or split dimensions is one contiguous run (:func:`reshape_back`);
+elsewhere the caller reads the whole tensor.
 """
 
 from __future__ import annotations

@@ -319,13 +319,8 @@ class SumExportRule(_Parts):
 @dataclass(frozen=True)
 class TieRule:
     """File keys ``copies`` (templates expanded from a ``source`` match) hold the same
-    tensor as the key matching ``source``.
-
-    On load (``writes=False``) each copy present in the file is checked equal to its
-    source when the source's target is read (``check``), or dropped and listed in
-    ``KeyMapping.tied``; on export (``writes=True``, the inverse) every target
-    matching ``source`` is also written under each copy's name.
-    """
+    tensor as the key matching ``source``: on load (``writes=False``) checked equal or only
+    listed (``check``), on export (``writes=True``) written under each copy's name too."""
 
     source: str
     copies: tuple[str, ...]

@@ -1,8 +1,7 @@
 """The rule constructors users write: ``rename``, ``split``, ``stack`` and the rest.
 
-Patterns are regexes matched against the whole key (``re.fullmatch``); targets are
-replacement templates (``\\1``, ``\\g<1>``, ``\\g<name>``). Structural rules match
-file keys on load; ``transpose`` and ``reshape`` match model paths.
+Patterns are regexes matched against the whole key (``re.fullmatch``), targets replacement
+templates (``\\1``, ``\\g<name>``); only ``transpose`` and ``reshape`` match model paths.
 """
 
 from __future__ import annotations
@@ -80,11 +79,9 @@ def split(
         targets: one model path template per part, in order along ``axis``.
         axis: the axis to cut (negative counts from the end).
         sizes: the parts' sizes on ``axis``; equal parts when omitted.
-        stacked: the pattern's named group ``(?P<layer>\\d+)`` is a layer index the
-            targets do not reference: each layer's tensor is cut and each part stacked
-            over the layers on a new leading axis (separate q / k / v in a scanned
-            model). Without it such a pattern is refused (every layer would make the
-            same targets).
+        stacked: the pattern's ``(?P<layer>\\d+)`` is a layer index the targets do not
+            use: each layer's tensor is cut and each part stacked over the layers on a
+            new leading axis (separate q / k / v in a scanned model); refused without it.
         inverse: the rule to use on export, when the automatic inverse is refused.
 
     Examples:
@@ -104,10 +101,8 @@ def split(
 def add(patterns: Sequence[str], targets: str | Sequence[str], axis: int = 0, *, into: int = 0) -> SumRule:
     """File tensors matching ``patterns`` (one each, of one shape) added into ``targets``.
 
-    torch's LSTMs keep two biases (``bias_ih``, ``bias_hh``) that are only ever added;
-    flax's cells keep one. A sum cannot be undone, so on export the whole sum goes
-    into part ``into`` and the other parts are written as zeros: loading the export
-    back (in torch or here) gives the same numbers.
+    For torch's two LSTM biases, only ever added. A sum cannot be undone: on export the
+    whole sum goes into part ``into``, zeros into the others, which add back the same.
 
     Args:
         patterns: one regex per summed part (they must capture the same groups).
@@ -128,12 +123,9 @@ def add(patterns: Sequence[str], targets: str | Sequence[str], axis: int = 0, *,
 def tie(source: str, *copies: str, check: bool = True) -> TieRule:
     """The file keys ``copies`` hold the same tensor as ``source`` (a tied head).
 
-    The model keeps one param, read from ``source`` (by the rule that renames it).
-    On load each copy in the file is read too and checked equal to the source
-    (:class:`~nnx_save.porting.TiedValuesError` naming both keys if not); with
-    ``check=False`` it is not read, only listed in ``KeyMapping.tied`` (and
-    ``unused``). On export (``rules.inverse()``) the source is written under every
-    copy's name as well, so ``load_state_dict(strict=True)`` finds them all.
+    The model keeps one param, read from ``source``. On load each copy is checked equal
+    to it (:class:`~nnx_save.porting.TiedValuesError` if not) or, with ``check=False``,
+    only listed in ``KeyMapping.tied`` and ``unused``; on export every copy is written too.
 
     Args:
         source: regex of the file key the model reads.

@@ -1,9 +1,4 @@
-"""Coverage: which model params a mapping fills, from where, and what it leaves out.
-
-``allow_missing`` and ``allow_unexpected`` are regexes matched against the whole name
-(``re.fullmatch``, as every pattern in this package): ``allow_missing`` against model
-paths, ``allow_unexpected`` against the file key or the path it would land on.
-"""
+"""Coverage: which model params a mapping fills, from where, and what it leaves out."""
 
 from __future__ import annotations
 
@@ -85,7 +80,7 @@ def coverage(
     Args:
         mapping: a key mapping (``rules.mapping(file_shapes)``).
         expected: the model's paths, or ``{path: shape}`` to also compare shapes.
-        allow_missing: regexes of model paths that may stay unfilled.
+        allow_missing: regexes (``re.fullmatch``) of model paths that may stay unfilled.
         allow_unexpected: regexes of file keys (or their targets) the model may lack.
 
     Returns:

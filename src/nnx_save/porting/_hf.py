@@ -1,12 +1,9 @@
-"""HuggingFace / PyTorch layer conventions as ready-made rules (the table of
-docs/porting.md, "HF / torch conventions").
+"""HuggingFace / PyTorch layer conventions as ready-made rules (docs/porting.md, "HF / torch
+conventions"): ``source`` is a torch module's key prefix regex, ``target`` the NNX module's path.
 
-Each helper takes ``source``, a regex for a torch module's key prefix (without the
-trailing ``.weight``), and ``target``, the NNX module's path template (without the
-trailing ``/kernel``). The transposes select the model path by inverting the rename,
-so both must be of the simple invertible form (each group referenced once). Given a
-*layer pattern* (``source`` captures ``(?P<layer>\\d+)``, ``target`` does not use it)
-a helper stacks the layers on a new leading axis, as a scanned model keeps them.
+The transposes find the model path by inverting the rename, so both must be of the simple
+invertible form (each group referenced once). A *layer pattern* (``source`` captures
+``(?P<layer>\\d+)``, ``target`` does not use it) stacks the layers on a new leading axis.
 """
 
 from __future__ import annotations
@@ -103,15 +100,9 @@ def torch_conv(
     """``nn.Conv{n}d``: ``weight`` (out, in, *k) into ``kernel`` (*k, in, out)
     (``shift``: as in :func:`~nnx_save.porting.rename`; a layer pattern stacks).
 
-    ``weight`` / ``kernel`` name the tensors when they are not a conv module's: a
-    fixed filter bank that a torch model keeps as a buffer and applies with
-    ``F.conv1d`` (``torch_conv(r"frontend", "frontend/conv", weight="filters",
-    spatial_dims=1, bias=False)``) is transposed like any conv weight.
-
-    torch pads symmetrically (``padding=1`` on a 3x3 kernel: one row / column on
-    each side); give the NNX conv the same explicit padding, ``padding=((1, 1), (1, 1))``.
-    ``'SAME'`` agrees for stride 1 and odd kernels, but with stride 2 it pads the
-    bottom / right more than the top / left, and the outputs differ.
+    ``weight`` / ``kernel`` name the tensors when they are not a conv module's (a filter
+    bank kept as a buffer). Give the NNX conv torch's explicit padding, not ``'SAME'``
+    (docs/porting.md, "CNNs").
     """
     axes = torch_conv_axes(spatial_dims)
     return (*_transposed(source, target, axes, shift, (weight, kernel)), *_bias(source, target, bias, shift))
@@ -128,11 +119,8 @@ def torch_layer_norm(source: str, target: str, *, bias: bool = True) -> tuple[Re
 
 
 def torch_rms_norm(source: str, target: str) -> tuple[RenameRule | StackRule, ...]:
-    """RMS norms (Llama's ``LlamaRMSNorm``): ``weight`` into ``scale``.
-
-    Some families (Gemma) store ``weight`` as ``scale - 1``; that is a value change,
-    not a layout change, and these rules do not do it.
-    """
+    """RMS norms (Llama's ``LlamaRMSNorm``): ``weight`` into ``scale``; Gemma's
+    ``weight = scale - 1`` is a value change these rules do not make."""
     return (_param(source, target, "weight", "scale"),)
 
 
@@ -140,12 +128,9 @@ def torch_batch_norm(
     source: str, target: str, *, affine: bool = True, shift: Shift = None
 ) -> tuple[RenameRule | IgnoreRule, ...]:
     """``nn.BatchNorm{1,2,3}d``: ``weight`` / ``bias`` into ``scale`` / ``bias``,
-    ``running_mean`` / ``running_var`` into ``mean`` / ``var`` (``nnx.BatchNorm``'s
-    batch statistics); ``num_batches_tracked`` is ignored (NNX keeps no such count),
-    and written as 0 on export (``rules.inverse()``), as torch expects the buffer.
-
-    torch's ``eps`` (1e-5) and ``momentum`` (0.1, weighting the *new* batch) are
-    ``nnx.BatchNorm(..., epsilon=1e-5, momentum=0.9)`` (weighting the running value).
+    ``running_mean`` / ``running_var`` into ``mean`` / ``var``; ``num_batches_tracked``
+    is ignored (NNX keeps no such count) and written as 0 on export. torch's defaults
+    are ``nnx.BatchNorm(..., epsilon=1e-5, momentum=0.9)``.
 
     Examples:
         >>> [r.match("features.0.1.running_var") for r in torch_batch_norm(r"features\\.0\\.1", "stem/bn")][3]
@@ -164,8 +149,7 @@ def torch_batch_norm(
 
 
 def _batches_tracked(running_mean: RenameRule) -> ConstantRule:
-    """On export: ``num_batches_tracked`` = 0 next to each ``running_mean``, so torch's
-    ``load_state_dict(strict=True)`` and transformers find every buffer they expect."""
+    """On export: ``num_batches_tracked`` = 0 next to each ``running_mean``, as torch expects."""
     inverse = running_mean.inverse()
     assert isinstance(inverse, RenameRule)
     key = inverse.replacement.removesuffix("running_mean") + "num_batches_tracked"
@@ -181,14 +165,10 @@ def torch_lstm(
 ) -> tuple[RenameRule | SplitRule | TransposeRule | SumRule, ...]:
     """One layer of torch's ``nn.LSTM`` (or an ``nn.LSTMCell``) into a flax LSTM cell.
 
-    torch keeps ``weight_ih`` (4H, in), ``weight_hh`` (4H, H) and two biases
-    ``bias_ih`` / ``bias_hh`` (4H), gates stacked in the order i, f, g, o, and adds the
-    biases; flax keeps one bias. For ``cell="lstm"`` (``nnx.LSTMCell``) each weight is
-    cut into the gates' Linear kernels (``ii`` ... ``io``, ``hi`` ... ``ho``, transposed)
-    and the summed bias into ``hi/bias`` ... ``ho/bias``; for ``cell="optimized"``
-    (``nnx.OptimizedLSTMCell``) the weights go to ``dense_i/kernel`` and
-    ``dense_h/kernel`` and the sum to ``dense_h/bias``. On export the whole bias is
-    written as ``bias_ih`` and ``bias_hh`` as zeros (torch computes the same).
+    torch's weights stack the gates (i, f, g, o) and its two biases are added into
+    flax's one (on export: the sum as ``bias_ih``, zeros as ``bias_hh``; see :func:`add`).
+    ``cell="lstm"`` cuts each weight into the gates' kernels (``ii`` ... ``ho``,
+    transposed); ``cell="optimized"`` keeps them fused in ``dense_i`` / ``dense_h``.
 
     Args:
         source: regex of the torch module's key prefix (``r"rnn"``).
@@ -196,7 +176,7 @@ def torch_lstm(
         layer: the ``nn.LSTM`` layer (keys ``weight_ih_l{layer}``); ``None`` for an
             ``nn.LSTMCell`` (keys ``weight_ih``).
         reverse: the backward direction of a bidirectional layer (``..._reverse``).
-        cell: ``"lstm"`` or ``"optimized"``.
+        cell: ``"lstm"`` (``nnx.LSTMCell``) or ``"optimized"`` (``nnx.OptimizedLSTMCell``).
 
     Examples:
         >>> rules = torch_lstm(r"rnn", "rnn/cell", cell="optimized")

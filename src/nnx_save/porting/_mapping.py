@@ -1,17 +1,10 @@
 """``Rules`` and the pure planner: source shapes in, a :class:`KeyMapping` out.
 
-Planning runs in three passes, each collecting every problem before raising once:
-
-1. *claim*: each source key goes to the first rename that matches, or to the one
-   split / concat / stack / unstack / ignore rule that matches; a key matched by two
-   non-rename rules (or by one and by a rename) is a conflict. A key no rule
-   matches keeps its name.
-2. *build*: each structural rule turns its claims into target nodes (shapes are
-   checked here); a target made twice is a conflict.
-3. *value rules*: on load, the transposes and reshapes whose pattern matches the
-   target path are applied, in the order listed, after the structural rule; on
-   export (the rules from :meth:`Rules.inverse`) they match the source key (a model
-   path) and are applied before it.
+Three passes, each collecting every problem before raising once: *claim* (each source
+key to the first matching rename or its one other structural rule), *build* (each rule's
+claims into target nodes, shapes checked; a target made twice is a conflict), then the
+*value rules* (transposes, reshapes): after the structural rule on load, matching the
+target path; before it on export, matching the source key (a model path).
 """
 
 from __future__ import annotations
@@ -57,9 +50,8 @@ class Assignment:
         sources: the source keys it is made from, in the order ``transform`` takes them.
         shape: the target's shape.
         dtype: the target's dtype (always the sources' dtype; rules never cast).
-        transform: ``None`` when the target is exactly ``sources[0]``, unchanged (only
-            renamed), so it can be read straight from the file, sharded. Otherwise a
-            pure callable ``transform(list_of_source_arrays) -> np.ndarray``.
+        transform: ``None`` when the target is exactly ``sources[0]``, only renamed (read
+            straight from the file, sharded); else ``transform(source_arrays) -> np.ndarray``.
     """
 
     target: str
@@ -102,10 +94,8 @@ class KeyMapping:
     tied: dict[str, str] = field(default_factory=dict)
 
     def apply(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every target's value (all in memory: for small models, tests and tools).
-
-        The results may share memory with ``arrays``; ``arrays`` is never modified.
-        """
+        """Every target's value, all in memory (small models, tests, tools); the results
+        may share memory with ``arrays``, which is never modified."""
         return {target: a.materialize(arrays) for target, a in self.assignments.items()}
 
     def shapes(self) -> dict[str, tuple[Shape, np.dtype]]:
@@ -114,8 +104,7 @@ class KeyMapping:
 
 
 def _numpy_dtype(dtype: object) -> np.dtype:
-    """A numpy dtype from a numpy / jax dtype or a header's dtype entry (which carries
-    its numpy dtype as ``.numpy``, next to the file's code)."""
+    """A numpy dtype from a numpy / jax dtype or a header's dtype entry (its ``.numpy``)."""
     held = getattr(dtype, "numpy", None)
     return held if isinstance(held, np.dtype) else np.dtype(dtype)  # type: ignore[call-overload]  # any dtype-like object
 
@@ -137,8 +126,7 @@ def shapes_of(arrays: Mapping[str, object] | object) -> dict[str, tuple[Shape, n
 
 
 def _source_shapes(sources: Mapping[str, object] | object) -> dict[str, tuple[Shape, np.dtype]]:
-    """What :meth:`Rules.mapping` takes: ``{key: (shape, dtype)}`` pairs as they are, or
-    anything :func:`shapes_of` reads (a header, arrays, header entries)."""
+    """``{key: (shape, dtype)}`` pairs as they are, or anything :func:`shapes_of` reads."""
     items = getattr(sources, "tensors", sources)
     if all(isinstance(v, tuple) and len(v) == 2 for v in items.values()):  # type: ignore[attr-defined]  # a mapping, checked by shapes_of
         return {k: (tuple(int(s) for s in shape), _numpy_dtype(dtype)) for k, (shape, dtype) in items.items()}  # type: ignore
@@ -204,12 +192,9 @@ class Rules:
         return _Mapper(self, _source_shapes(sources)).run()
 
     def inverse(self, recorded: KeyMapping | None = None) -> Rules:
-        """The rules for the other direction (load <-> export).
-
-        Renames, splits and stacks invert automatically (see ``_template``); ``ignore``
-        rules are dropped (what was ignored on load is not written on export). A
-        reshape needs its source shape and a concat its part sizes: from the rule,
-        or from ``recorded``, a mapping these same rules made.
+        """The rules for the other direction (load <-> export); ``ignore`` rules are dropped.
+        A reshape needs its source shape and a concat its part sizes: from the rule, or
+        from ``recorded``, a mapping these same rules made.
 
         Raises:
             NotInvertibleError: a rule has no automatic inverse and none was given.

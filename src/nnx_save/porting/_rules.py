@@ -1,10 +1,8 @@
 """The rule kinds: frozen dataclasses that say where each source tensor goes.
 
-*Structural* rules match a source key and make its target(s); *value* rules
-(transpose, reshape) match a model path and change a tensor's layout. The planner
-(``_mapping.py``) calls ``match`` on every source key, then ``nodes`` once per rule
-with all it claimed; a rule appends what does not fit to ``errors``, so that every
-problem is raised at once.
+*Structural* rules match a source key and make its target(s); *value* rules (transpose,
+reshape) match a model path. The planner calls ``match`` on every source key, then
+``nodes`` once per rule; a rule appends what does not fit to ``errors``, raised at once.
 """
 
 from __future__ import annotations
@@ -92,10 +90,8 @@ class _ValueRule(_Patterned):
 class RenameRule(_Patterned):
     """Source keys matching ``pattern`` become ``replacement`` (first rename wins).
 
-    ``shift`` adds an integer to a captured index before it is substituted
-    (``((1, -1),)``: ``features.3`` -> ``blocks/2``); the inverse subtracts it. A key
-    whose shifted index would be negative (``features.0``, the stem) is not matched,
-    so an earlier or later rule can take it.
+    ``shift`` adds to a captured index (``((1, -1),)``: ``features.3`` -> ``blocks/2``); a
+    key whose shifted index would be negative is not matched, so another rule can take it.
     """
 
     replacement: str
@@ -163,8 +159,7 @@ def _shifted(key: str, text: str | None, delta: int, rule: object) -> str | None
 class IgnoreRule(_Patterned):
     """Source keys matching ``pattern`` are dropped on purpose (``KeyMapping.unused``).
 
-    ``export``: what the inverse writes back instead of nothing (a
-    :class:`ConstantRule`: torch buffers such as ``num_batches_tracked``).
+    ``export``: a :class:`ConstantRule` the inverse writes instead (``num_batches_tracked``).
     """
 
     export: ConstantRule | None = field(default=None, compare=False, repr=False)
@@ -470,8 +465,7 @@ class TransposeRule(_ValueRule):
 class ReshapeRule(_ValueRule):
     """Model paths matching ``pattern`` hold the source tensor reshaped to ``shape``.
 
-    ``shape`` may hold one ``-1``. ``source_shape`` (optional, may hold one ``-1``)
-    is the shape to reshape back to on export.
+    ``source_shape``, the shape to reshape back to on export, is optional; each may hold one ``-1``.
     """
 
     shape: Shape

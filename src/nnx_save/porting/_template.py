@@ -1,16 +1,10 @@
 """Regex patterns and replacement templates as data, and their inversion.
 
-A *pattern* is a regex that must match a whole key (``re.fullmatch``). A *template*
-is a replacement string in Python's ``re`` syntax: literal text plus group references
-``\\1`` / ``\\g<1>`` / ``\\g<name>`` (``\\\\`` is a literal backslash; no other escape
-is allowed in a key).
-
-Inverting a rename swaps the roles: the template becomes a regex (its literal text
-escaped, each reference replaced by the referenced group's own sub-pattern) and the
-pattern becomes a template (its literal text, each group replaced by a reference).
-That works for the common form only: outside its capturing groups the pattern is
-literal text (escaped metacharacters allowed), groups are neither nested nor
-quantified, and the template references each group exactly once.
+A *pattern* must match a whole key (``re.fullmatch``); a *template* is literal text plus
+group references ``\\1`` / ``\\g<1>`` / ``\\g<name>`` (``\\\\`` is a literal backslash, no
+other escape). Inverting swaps the roles: the template becomes a regex (each reference its
+group's sub-pattern), the pattern a template; docs/porting.md ("Export") says which
+patterns invert.
 """
 
 from __future__ import annotations
@@ -257,12 +251,10 @@ def invert(
     Args:
         pattern: the forward regex (full match).
         template: the forward replacement.
-        consumed: a named group of ``pattern`` that ``template`` does not reference
-            (the layer index of a stack); the inverse template references it by name,
-            to be supplied by the caller (an unstack).
-        produced: ``(name, body)`` of a reference in ``template`` that ``pattern``
-            does not define (the layer index of an unstack); it becomes a named group
-            with that body in the inverse pattern.
+        consumed: a named group of ``pattern`` that ``template`` does not reference (a
+            stack's layer index); the inverse template references it by name.
+        produced: ``(name, body)`` of a reference in ``template`` that ``pattern`` does
+            not define (an unstack's layer index); a named group of the inverse pattern.
 
     Returns:
         ``(inverse_pattern, inverse_template)``.

@@ -1,8 +1,7 @@
 """Value transforms as data: small frozen steps and the pipeline that chains them.
 
-Every step is a pure numpy function held in a frozen dataclass, so a mapping can be
-printed and compared and its transforms need neither pickle nor closures. A step
-knows the shape it expects (recorded at mapping time), which is what lets
+Each step is a pure numpy function in a frozen dataclass, so a mapping prints, compares,
+and needs neither pickle nor closures. A step records the shape it expects, which lets
 ``Rules.inverse(recorded=mapping)`` reshape back to the recorded source shape.
 """
 
@@ -156,9 +155,8 @@ Step = Transpose | Reshape
 
 @dataclass(frozen=True)
 class Constant:
-    """``value`` of ``dtype`` filling ``shape`` (default 0-d) that no source holds (a
-    torch buffer written on export, such as BatchNorm's ``num_batches_tracked``, or
-    the zero second bias of an LSTM); takes no sources."""
+    """``value`` of ``dtype`` filling ``shape`` (default 0-d), from no source (a torch
+    buffer written on export, an LSTM's zero second bias)."""
 
     value: int | float
     dtype: str
@@ -243,9 +241,8 @@ _BOX_COMBINES = (Take, Index, Concatenate, Stack, Each)  # the combines with a p
 class Transform:
     """``post(combine([pre_i(x_i) for each source i]))``.
 
-    On load ``pre`` is empty and ``post`` holds the target's transposes and reshapes;
-    on export it is the other way round (each model tensor is transformed before the
-    split, concatenation or unstack that makes the file tensor).
+    On load ``pre`` is empty and ``post`` holds the target's transposes and reshapes; on
+    export the other way round (each model tensor is transformed before the combine).
 
     Attributes:
         pre: one tuple of steps per source (empty tuple: no source steps).
@@ -266,10 +263,9 @@ class Transform:
         return _contiguous(_chain(self.post, x))
 
     def source_boxes(self, box: Box, shapes: Sequence[Shape]) -> list[Feed] | None:
-        """The ``(source index, source box)`` reads that make ``box`` of the result,
-        in the order :meth:`from_boxes` takes their regions, for sources of
-        ``shapes``; ``None`` when ``box`` has no per-box preimage (a reshape across
-        it, a combine with no box map, export-direction source steps): read whole.
+        """The ``(source index, source box)`` reads that make ``box`` of the result, in the
+        order :meth:`from_boxes` takes them; ``None`` when ``box`` has no per-box preimage
+        (a reshape across it, a combine with no box map): read whole.
 
         Examples:
             >>> t = Transform((), None, (Transpose((1, 0)),))
@@ -303,11 +299,9 @@ class Transform:
         return x
 
     def image(self, i: int, box: Box, x: np.ndarray) -> list[tuple[Box, np.ndarray]] | None:
-        """Where box ``box`` of source ``i`` (holding ``x``) lands in the result, with
-        its values there: how an export writes each shard of a model tensor into its
-        file tensor. One part, or none where a split's part lies outside the box;
-        ``None`` when a step or the combine has no box map forward (a reshape
-        across the box, a sum, a tie's check on load).
+        """Where box ``box`` of source ``i`` (holding ``x``) lands in the result, with its
+        values (how an export writes each shard): one part, or none; ``None`` when a step
+        or the combine has no box map forward (a reshape across the box, a sum, a tie).
 
         Examples:
             >>> t = Transform(((Transpose((1, 0)),),) * 2, Concatenate(0, (2, 3)), ())  # two kernels, one weight
