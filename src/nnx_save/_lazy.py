@@ -422,7 +422,13 @@ def iter_tensors(
         >>> [(k, v.dtype.name, v.shape) for k, v in nnx_save.iter_tensors(path, dtype=np.float16)]
         [('a', 'float16', (2,)), ('b', 'float16', (3,))]
     """
-    handle = safe_open(source, num_threads=num_threads, max_inflight_bytes=max(max_batch_bytes, 1))
+    with safe_open(source, num_threads=num_threads, max_inflight_bytes=max(max_batch_bytes, 1)) as handle:
+        yield from _stream(handle, keys, dtype, max_batch_bytes)
+
+
+def _stream(
+    handle: LazyCheckpoint, keys: Iterable[str] | None, dtype: Any, max_batch_bytes: int
+) -> Iterator[tuple[str, np.ndarray]]:
     tensors = handle.header.tensors
     if keys is None:
         names = [t.name for t in sorted(tensors.values(), key=lambda t: (t.file, t.begin))]

@@ -4,6 +4,7 @@ directory; the bytes each slice reads are counted at the reader and equal the by
 runs of the slice merged across sub-page gaps, nothing more; iteration holds one
 batch at a time."""
 
+import os
 import re
 import tracemalloc
 
@@ -298,3 +299,26 @@ def test_module_examples():
 
     result = doctest.testmod(_lazy)
     assert result.attempted >= 5 and result.failed == 0
+
+
+def _fds_under(directory) -> int:
+    prefix, count = f"{os.path.realpath(directory)}/", 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(prefix)
+        except FileNotFoundError:  # the descriptor listdir itself used, closed since
+            pass
+    return count
+
+
+def test_iter_tensors_closes_its_files_when_done_or_abandoned(tmp_path):
+    tensors = {f"t{i}": np.full(1024, i, np.float32) for i in range(6)}
+    nnx_save.save_file(tensors, tmp_path / "ckpt", max_shard_size=8192)  # several files
+    assert len(list((tmp_path / "ckpt").glob("*.safetensors"))) > 2
+    assert [k for k, _ in nnx_save.iter_tensors(tmp_path / "ckpt")] == sorted(tensors)
+    assert _fds_under(tmp_path) == 0
+    stream = nnx_save.iter_tensors(tmp_path / "ckpt", max_batch_bytes=4096)
+    key, value = next(stream)
+    assert (key, float(value[0])) == ("t0", 0.0) and _fds_under(tmp_path) > 0
+    stream.close()  # a consumer that stops early (break, an exception) closes the generator
+    assert _fds_under(tmp_path) == 0

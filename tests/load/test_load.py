@@ -596,3 +596,25 @@ def test_an_abstract_tree_without_shardings_on_several_devices_is_warned(one_fil
         out = nnx_save.load_file(one_file, abstract, allow_unexpected=["*"])
     assert len(caught) == 1 and caught[0].filename == __file__
     assert {d.id for d in out["a"].devices()} == {0}
+
+
+def test_io_stats_add_counts_every_field():
+    from dataclasses import fields
+
+    from nnx_save.load._report import IOStats
+
+    one = IOStats(
+        files=1, bytes_read=10, bytes_needed=8, bytes_received=5, requests=2, retries=1, read_whole=["a"],
+        plan_seconds=0.5, read_seconds=1.0, assemble_seconds=0.25, max_inflight_bytes=7, over_read_by_file={"f": 1.25},
+    )  # fmt: skip
+    total = IOStats(files=1, bytes_read=1, bytes_received=1, read_whole=["b"], max_inflight_bytes=9)
+    total.add(one)
+    counts = (total.bytes_read, total.bytes_needed, total.bytes_received, total.requests, total.retries)
+    assert counts == (11, 8, 6, 2, 1)
+    assert (total.plan_seconds, total.read_seconds, total.assemble_seconds) == (0.5, 1.0, 0.25)
+    kept = (total.read_whole, total.max_inflight_bytes, total.over_read_by_file, total.files)
+    assert kept == (["b", "a"], 9, {"f": 1.25}, 1)
+    assert {f.name for f in fields(IOStats)} == {
+        "files", "bytes_read", "bytes_needed", "bytes_received", "requests", "retries", "read_whole",
+        "plan_seconds", "read_seconds", "assemble_seconds", "max_inflight_bytes", "over_read_by_file",
+    }, "a new IOStats field: decide how add() combines it"  # fmt: skip

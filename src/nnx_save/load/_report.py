@@ -117,10 +117,13 @@ class IOStats:
         self.over_read_by_file[file] = read / needed if needed else 1.0
 
     def add(self, other: IOStats) -> None:
-        """Add ``other``'s bytes, requests, retries and times (``files`` is the caller's count)."""
-        for name in ("bytes_read", "bytes_needed", "requests", "retries", "plan_seconds", "read_seconds"):
+        """Add ``other``'s bytes, requests, retries, times and tensors read whole (``files``
+        is the caller's count)."""
+        for name in ("bytes_read", "bytes_needed", "bytes_received", "requests", "retries"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.assemble_seconds += other.assemble_seconds
+        for name in ("plan_seconds", "read_seconds", "assemble_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.read_whole += other.read_whole
         self.max_inflight_bytes = max(self.max_inflight_bytes, other.max_inflight_bytes)
         self.over_read_by_file.update(other.over_read_by_file)
 
