@@ -4,6 +4,7 @@ directory; the bytes each slice reads are counted at the reader and equal the by
 runs of the slice merged across sub-page gaps, nothing more; iteration holds one
 batch at a time."""
 
+import contextlib
 import os
 import re
 import tracemalloc
@@ -304,10 +305,8 @@ def test_module_examples():
 def _fds_under(directory) -> int:
     prefix, count = f"{os.path.realpath(directory)}/", 0
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(FileNotFoundError):  # the descriptor listdir itself used, closed since
             count += os.readlink(f"/proc/self/fd/{fd}").startswith(prefix)
-        except FileNotFoundError:  # the descriptor listdir itself used, closed since
-            pass
     return count
 
 
