@@ -140,3 +140,27 @@ def test_without_jax_distributed_initialize_the_error_says_so(tmp_path):
     path = tmp_path / "w.safetensors"
     with pytest.raises(nnx_save.SaveError, match=re.escape("call jax.distributed.initialize() first")):
         _kv.client(str(path), nnx_save.SaveError)
+
+
+class _LostService:
+    """A channel whose coordination service fails on every wait."""
+
+    pid, n = 1, 2
+
+    def gather(self, key, value, want, timeout):
+        raise _kv.Unanswered(key, None, None, "connection reset")
+
+
+@pytest.mark.parametrize(
+    ("what", "intact", "said"),
+    [
+        ("multi-process save", "", "the previous file at the path, if any, is intact"),
+        ("pod save", "the previous save in it, if any, is intact", "the previous save in it, if any, is intact"),
+        ("shared-read load", "nothing was loaded", "nothing was loaded"),
+    ],
+)
+def test_a_lost_coordination_service_says_what_survived_for_each_protocol(tmp_path, what, intact, said):
+    sync = Sync(tmp_path / "d", _LostService(), "nnx_save/save/1", 1, what, intact or Sync.intact)
+    expected = f"{tmp_path / 'd'}: lost the JAX coordination service during the 'write' step of the {what} "
+    with pytest.raises(nnx_save.SaveError, match=re.escape(expected + f"(connection reset); {said}")):
+        sync.gather("write", None)

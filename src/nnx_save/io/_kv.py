@@ -238,20 +238,21 @@ class Sync:
         try:
             return self.kv.gather(f"{self.prefix}/{stage}", value, want, _config.COLLECTIVE_TIMEOUT_S.get())
         except Unanswered as e:
+            default = self.what == "multi-process save"
+            intact = "the previous file at the path, if any, is intact" if default else self.intact
             if e.late is None:
                 raise SaveError(
                     f"{self.path}: lost the JAX coordination service during the {stage!r} step of the {self.what} "
-                    f"({e.reason}); the previous file at the path, if any, is intact",
+                    f"({e.reason}); {intact}",
                     str(self.path),
                 ) from e
             if e.seconds is None:
                 raise SaveError(f"{self.path}: process(es) {e.late} posted nothing for the {stage!r} step") from e
             verb = "load" if "load" in self.what else "save"
-            default = self.what == "multi-process save"
-            intact = "The previous file at the path, if any, is intact" if default else self.intact.capitalize()
             raise SaveError(
                 f"{self.path}: process(es) {e.late} did not reach the {stage!r} step of the {self.what} "
-                f"within {e.seconds:g} s ({TIMEOUT_ENV}); did one of them die or {verb} something else? {intact}",
+                f"within {e.seconds:g} s ({TIMEOUT_ENV}); did one of them die or {verb} something else? "
+                f"{intact.capitalize()}",
                 str(self.path),
             ) from e
 
