@@ -407,7 +407,8 @@ def iter_tensors(
 
     Args:
         source: as :func:`safe_open`.
-        keys: the tensors to read, in this order (default: all, in file order).
+        keys: the tensors to read, in this order (default: all, in storage order, as
+            :meth:`LazyCheckpoint.offset_keys` lists them).
         dtype: cast each tensor to this dtype on the host while loading.
         max_batch_bytes: the most tensor bytes read ahead at once.
         num_threads: the engine's concurrent readers.
@@ -430,10 +431,7 @@ def _stream(
     handle: LazyCheckpoint, keys: Iterable[str] | None, dtype: Any, max_batch_bytes: int
 ) -> Iterator[tuple[str, np.ndarray]]:
     tensors = handle.header.tensors
-    if keys is None:
-        names = [t.name for t in sorted(tensors.values(), key=lambda t: (t.file, t.begin))]
-    else:
-        names = [handle._info(key).name for key in keys]
+    names = handle.offset_keys() if keys is None else [handle._info(key).name for key in keys]
     cast = None if dtype is None else np.dtype(dtype)
     for batch in _batches(handle.header, names, max_batch_bytes):
         targets = [

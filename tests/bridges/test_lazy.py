@@ -321,3 +321,13 @@ def test_iter_tensors_closes_its_files_when_done_or_abandoned(tmp_path):
     assert (key, float(value[0])) == ("t0", 0.0) and _fds_under(tmp_path) > 0
     stream.close()  # a consumer that stops early (break, an exception) closes the generator
     assert _fds_under(tmp_path) == 0
+
+
+def test_iter_tensors_streams_a_list_of_files_in_the_order_given(tmp_path):
+    nnx_save.save_file({"z1": np.ones(2, np.float32), "z0": np.zeros(2, np.float32)}, tmp_path / "b.safetensors")
+    nnx_save.save_file({"a": np.full(2, 7, np.float32)}, tmp_path / "a.safetensors")
+    files = [tmp_path / "b.safetensors", tmp_path / "a.safetensors"]
+    with nnx_save.safe_open(files) as f:
+        storage = f.offset_keys()
+    assert storage == ["z0", "z1", "a"]  # b.safetensors first, as given, then a.safetensors
+    assert [k for k, _ in nnx_save.iter_tensors(files)] == storage
