@@ -247,14 +247,8 @@ def _target(leaf: _Leaf, header: Header, rng: dict, mesh: Any) -> Target:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if _is_key(value):
         impl = rng.get(key) or _impl_name(value)
-        key_shape = jax.random.key_data(jax.random.key(0, impl=impl)).shape
-        return Target(
-            key,
-            tuple(value.shape) + key_shape,
-            np.dtype(np.uint32),
-            _key_data_sharding(sharding, len(value.shape)),
-            (key,),
-        )
+        shape = tuple(value.shape) + jax.random.key_data(jax.random.key(0, impl=impl)).shape
+        return Target(key, shape, np.dtype(np.uint32), _key_data_sharding(sharding, len(value.shape)), (key,))
     return Target(key, tuple(value.shape), np.dtype(value.dtype), sharding, (key,))
 
 
