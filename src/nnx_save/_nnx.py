@@ -58,8 +58,9 @@ def _impl_name(value: Any) -> str:
     return names[0]
 
 
-def _flat(state: Any) -> list[tuple[tuple, Any]]:
-    return [(tuple(p), v) for p, v in nnx.to_flat_state(state)]
+def _keyed(state: Any) -> list[tuple[tuple, str, Any]]:
+    """``(path, file key, variable)`` for every leaf of an NNX state."""
+    return [(tuple(p), _paths.to_key(tuple(p)), v) for p, v in nnx.to_flat_state(state)]
 
 
 def _scalar_kind(value: Any) -> str | None:
@@ -124,7 +125,7 @@ def model_entries(model: Any, filter: Any = ...) -> tuple[list[Entry], dict, dic
     """The model's state as writer entries (nothing copied yet), with rng/scalar records."""
     rng: dict[str, str] = {}
     scalars: dict[str, str] = {}
-    flat = _flat(nnx.state(model, filter))
+    flat = [(tuple(p), v) for p, v in nnx.to_flat_state(nnx.state(model, filter))]
     _paths.check_unique(p for p, _ in flat)
     return [_entry(p, v.get_value(), rng, scalars) for p, v in flat], rng, scalars
 
@@ -246,14 +247,8 @@ def _target(leaf: _Leaf, header: Header, rng: dict, mesh: Any) -> Target:
         sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     if _is_key(value):
         impl = rng.get(key) or _impl_name(value)
-        key_shape = jax.random.key_data(jax.random.key(0, impl=impl)).shape
-        return Target(
-            key,
-            tuple(value.shape) + key_shape,
-            np.dtype(np.uint32),
-            _key_data_sharding(sharding, len(value.shape)),
-            (key,),
-        )
+        shape = tuple(value.shape) + jax.random.key_data(jax.random.key(0, impl=impl)).shape
+        return Target(key, shape, np.dtype(np.uint32), _key_data_sharding(sharding, len(value.shape)), (key,))
     return Target(key, tuple(value.shape), np.dtype(value.dtype), sharding, (key,))
 
 
@@ -309,10 +304,10 @@ def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool, dict[st
 
     def build() -> Any:
         model = model_or_builder()
-        for path, variable in _flat(nnx.state(model)):
+        for _, key, variable in _keyed(nnx.state(model)):
             value = variable.get_value()
             if _scalar_kind(value) is not None:
-                scalars[_paths.to_key(path)] = value
+                scalars[key] = value
         return model
 
     with _under(mesh):
@@ -328,11 +323,7 @@ def _under(mesh: Any) -> Any:
 
 def _leaves(state: Any, scalars: dict[str, Any]) -> list[_Leaf]:
     """The state's leaves; a builder's Python scalars keep their declared value."""
-    out = []
-    for path, variable in _flat(state):
-        key = _paths.to_key(path)
-        out.append(_Leaf(path, key, variable, scalars.get(key, variable.get_value())))
-    return out
+    return [_Leaf(path, key, v, scalars.get(key, v.get_value())) for path, key, v in _keyed(state)]
 
 
 def _init_missing(builder: Callable, leaves: list[_Leaf], targets: dict[str, Target], mesh: Any) -> dict[str, Any]:
@@ -341,8 +332,7 @@ def _init_missing(builder: Callable, leaves: list[_Leaf], targets: dict[str, Tar
     keys = {leaf.key for leaf in leaves}
 
     def init():
-        flat = _flat(nnx.state(builder()))
-        return {k: v.get_value() for k, v in ((_paths.to_key(p), v) for p, v in flat) if k in keys}
+        return {k: v.get_value() for _, k, v in _keyed(nnx.state(builder())) if k in keys}
 
     if mesh is not None:
         with jax.set_mesh(mesh):
@@ -429,7 +419,7 @@ def load_model(
         "or load into a model instance already placed where you want it"
     )
     warn_single_device([leaf.key for leaf in leaves if _unsharded(leaf, mesh)], jax.local_devices(), fix, stacklevel=2)
-    ignore = frozenset(_paths.to_key(p) for p, _ in _flat(full_state)) - set(targets)
+    ignore = frozenset(key for _, key, _ in _keyed(full_state)) - set(targets)
     target_list, renamed = list(targets.values()), None
     if rules is not None:
         from ._porting_bridge import load_targets_for

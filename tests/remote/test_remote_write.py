@@ -19,8 +19,8 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import nnx_save
 from nnx_save import SaveError
-from nnx_save.io._remote_write import TEMP_MARK, write_remote
-from nnx_save.io._write import Entry
+from nnx_save.io._remote_write import write_remote
+from nnx_save.io._write import TMP_MARKER, Entry
 
 MEMORY = fsspec.filesystem("memory")
 
@@ -117,7 +117,7 @@ def test_a_failed_upload_leaves_the_previous_object_and_no_temporary(recording):
     assert info.value.file == url
     assert recording.cat(url) == before
     assert recording.ls("recording://b", detail=False) == [url]  # the temporary object is gone
-    assert not any(TEMP_MARK in p for p in recording.store)
+    assert not any(TMP_MARKER in p for p in recording.store)
 
 
 def test_a_tensor_that_changes_between_the_passes_is_never_published(url):

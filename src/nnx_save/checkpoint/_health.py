@@ -161,7 +161,7 @@ def load_metadata(directory: pathlib.Path, step: int) -> CheckpointMetadata:
 
 def _read_record(directory: pathlib.Path, step: int, item: str) -> Any:
     """A JSON record of the step, read as a file (no Orbax call, so no barrier)."""
-    path = epath.Path(str(directory / str(step))) / item / "metadata"
+    path = epath.Path(str(directory / str(step))) / item / _RECORD_FILE
     data, problem = read_json(path)
     if problem is not None:
         raise CheckpointCorruptError(step, path, problem)

@@ -3,6 +3,7 @@ arguments (steps, items, metadata fields, restore names)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -203,10 +204,8 @@ def library_versions() -> dict[str, str]:
     """The versions of nnx_save and the libraries it saves through, for the record."""
     versions = {"nnx_save": __version__}
     for dist in _DISTRIBUTIONS:
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             versions[dist] = importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return versions
 
 

@@ -497,9 +497,9 @@ class OrbaxCheckpointStore:
         report.dtype_casts.extend(
             DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
         )
-        plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in names}
+        to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
+        plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in to_read}
         partial = [n for n, s in chosen.items() if not s.whole]
-        plan = {n: p for n, p in plan.items() if n not in chosen or chosen[n].read}  # items with nothing to read
         read: dict[str, Any] = {}
         if plan:
             with self._corrupt_on_failure(step, any_error=False):

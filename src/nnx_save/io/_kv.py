@@ -29,6 +29,7 @@ __all__ = ["TIMEOUT_ENV", "Channel", "Outcome", "Sync", "Unanswered", "allgather
 
 TIMEOUT_ENV = _config.COLLECTIVE_TIMEOUT_S.name
 _SAVES = itertools.count()  # every process saves in the same order (SPMD), so ids agree
+_INTACT = "the previous file, if any, is intact"
 
 
 class Unanswered(Exception):
@@ -187,7 +188,7 @@ class Sync:
     prefix: str = ""
     save_id: int = 0
     what: str = "multi-process save"  # how failures name the save, and what they say survived
-    intact: str = "the previous file, if any, is intact"
+    intact: str = _INTACT
 
     @property
     def pid(self) -> int:
@@ -198,9 +199,8 @@ class Sync:
         return self.kv.n
 
     @classmethod
-    def open(cls, path: Path, what: str = "multi-process save", intact: str = "") -> Sync:
+    def open(cls, path: Path, what: str = "multi-process save", intact: str = _INTACT) -> Sync:
         """The protocol for one save at ``path`` by every process of the job."""
-        intact = intact or "the previous file, if any, is intact"
         kv = Channel.open(str(path), SaveError)
         if kv.n == 1:
             return cls(path, kv, what=what, intact=intact)

@@ -18,17 +18,9 @@ from typing import Any
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from . import _remote
-from ._write import Entry, host_bytes, order_entries
+from ._write import TMP_MARKER, Entry, host_bytes, order_entries
 
-__all__ = ["filesystem", "is_destination", "put", "write_remote"]
-
-TEMP_MARK = ".nnx_save-tmp-"
-
-
-def is_destination(path: object) -> bool:
-    """True for a URL (``scheme://``) other than ``file://``: written through fsspec."""
-    return isinstance(path, str) and _remote.is_url(path)
+__all__ = ["filesystem", "put", "write_remote"]
 
 
 def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
@@ -75,7 +67,7 @@ def put(fs: Any, url: str, write: Callable[[Any], None]) -> None:
         SaveError: ``write`` or the upload failed (naming ``url``); a previous object
             there is intact.
     """
-    temp = f"{url}{TEMP_MARK}{uuid.uuid4().hex[:12]}"
+    temp = f"{url}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
     try:
         with fs.open(temp, "wb") as f:
             write(f)

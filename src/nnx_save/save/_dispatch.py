@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from .. import _progress
 from ..format._units import parse_size
-from ..io._remote_write import is_destination, write_remote
+from ..io._remote import is_url
+from ..io._remote_write import write_remote
 from ..io._write import Entry
 from . import _background
 from ._collective import write_collective
@@ -53,7 +54,7 @@ def writer(metadata: Mapping[str, str] | None, *, max_shard_size: int | str | No
 def _one_file(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
     import jax
 
-    if is_destination(path):
+    if is_url(path):
         write_remote(str(path), entries, metadata)
     elif jax.process_count() == 1:
         write_file(path, entries, metadata)

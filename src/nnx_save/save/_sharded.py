@@ -21,7 +21,7 @@ from typing import Any
 from ..errors import IndexFileError
 from ..format import _dtypes
 from ..format._units import parse_size
-from ..io import _remote_write
+from ..io import _remote, _remote_write
 from ..io._kv import Sync
 from ..io._write import (
     TMP_MARKER,
@@ -155,7 +155,7 @@ def write_sharded(
         OptionError: ``max_shard_size`` is not a size.
     """
     groups = shard_groups(order_entries(entries), max_shard_size)
-    target = _Remote(str(directory)) if _remote_write.is_destination(directory) else _Local(directory)
+    target = _Remote(str(directory)) if _remote.is_url(directory) else _Local(directory)
     sync = Sync.open(Path(str(directory)), "multi-file save", "the previous checkpoint there, if any, is intact")
 
     def plan() -> dict[str, Any]:
