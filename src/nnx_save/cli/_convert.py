@@ -243,8 +243,8 @@ def _add_unique(out: dict[str, np.ndarray], key: str, value: np.ndarray, path: P
     out[key] = value
 
 
-def _tensor_dicts(state: Any) -> list[str]:
-    """Top-level keys of ``state`` whose values are dicts holding only tensors (and dicts)."""
+def _key_hint(state: Any, key: str | None) -> str:
+    """The ``--key`` hint for a training checkpoint: its top-level dicts holding only tensors (and dicts)."""
     import torch
 
     def only_tensors(node: Any) -> bool:
@@ -252,13 +252,8 @@ def _tensor_dicts(state: Any) -> list[str]:
             return bool(node) and all(only_tensors(v) for v in node.values())
         return isinstance(node, torch.Tensor)
 
-    return (
-        [str(k) for k, v in state.items() if isinstance(v, dict) and only_tensors(v)] if isinstance(state, dict) else []
-    )
-
-
-def _key_hint(state: Any, key: str | None) -> str:
-    candidates = _tensor_dicts(state)
+    items = state.items() if isinstance(state, dict) else ()
+    candidates = [str(k) for k, v in items if isinstance(v, dict) and only_tensors(v)]
     if not candidates:
         return ""
     where = f"--key {key!r}" if key else "The top level"

@@ -272,10 +272,6 @@ def _complex_abs(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         return np.hypot(_float_abs(cx.real, cy.real), _float_abs(cx.imag, cy.imag))
 
 
-def _shown(worst: float | int) -> str:
-    return str(worst) if isinstance(worst, int) else f"{worst:.6g}"
-
-
 def _diff_lines(ha: Any, hb: Any, atol: float) -> Iterator[tuple[str, str, str]]:
     """``(kind, key, text)`` per finding; kind ``"same"`` for an equal tensor."""
     for key in sorted(set(ha.tensors) - set(hb.tensors)):
@@ -294,7 +290,8 @@ def _diff_lines(ha: Any, hb: Any, atol: float) -> Iterator[tuple[str, str, str]]
         found = compare_values(a, b, atol)
         del a, b
         if found.differing:
-            text = f"{key}: max |a - b| = {_shown(found.worst)}, {found.differing} of {found.size} elements differ"
+            worst = str(found.worst) if isinstance(found.worst, int) else f"{found.worst:.6g}"  # ints exact
+            text = f"{key}: max |a - b| = {worst}, {found.differing} of {found.size} elements differ"
             yield "values", key, text
         elif ta.dtype.code == tb.dtype.code:
             yield "same", key, key

@@ -40,14 +40,7 @@ from ..errors import (
 )
 from . import _dtypes
 
-__all__ = [
-    "MAX_HEADER_SIZE",
-    "FileHeader",
-    "TensorInfo",
-    "encode_header",
-    "header_size",
-    "parse_header",
-]
+__all__ = ["MAX_HEADER_SIZE", "FileHeader", "TensorInfo", "encode_header", "header_size", "parse_header"]
 
 MAX_HEADER_SIZE = 100_000_000  # the reference implementation's cap
 _PREFIX = struct.Struct("<Q")

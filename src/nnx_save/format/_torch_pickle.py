@@ -52,27 +52,27 @@ class _Mark:
 
 
 _MARK = _Mark()
-_FIXED = {  # opcode -> (struct format, size) of its fixed-size argument
-    b"K": ("<B", 1),
-    b"M": ("<H", 2),
-    b"J": ("<i", 4),
-    b"G": (">d", 8),
-    b"q": ("<B", 1),
-    b"r": ("<I", 4),
-    b"h": ("<B", 1),
-    b"j": ("<I", 4),
-    b"\x80": ("<B", 1),
-    b"\x95": ("<Q", 8),
+_FIXED = {  # opcode -> the struct of its fixed-size argument
+    b"K": struct.Struct("<B"),
+    b"M": struct.Struct("<H"),
+    b"J": struct.Struct("<i"),
+    b"G": struct.Struct(">d"),
+    b"q": struct.Struct("<B"),
+    b"r": struct.Struct("<I"),
+    b"h": struct.Struct("<B"),
+    b"j": struct.Struct("<I"),
+    b"\x80": struct.Struct("<B"),
+    b"\x95": struct.Struct("<Q"),
 }
-_SIZED = {  # opcode -> (length format, length size, text?) of a length-prefixed argument
-    b"X": ("<I", 4, True),
-    b"\x8c": ("<B", 1, True),
-    b"\x8d": ("<Q", 8, True),
-    b"C": ("<B", 1, False),
-    b"B": ("<I", 4, False),
-    b"\x8e": ("<Q", 8, False),
-    b"\x8a": ("<B", 1, None),  # LONG1: little-endian two's complement
-    b"\x8b": ("<I", 4, None),  # LONG4
+_SIZED = {  # opcode -> (struct of the length, text?) of a length-prefixed argument
+    b"X": (struct.Struct("<I"), True),
+    b"\x8c": (struct.Struct("<B"), True),
+    b"\x8d": (struct.Struct("<Q"), True),
+    b"C": (struct.Struct("<B"), False),
+    b"B": (struct.Struct("<I"), False),
+    b"\x8e": (struct.Struct("<Q"), False),
+    b"\x8a": (struct.Struct("<B"), None),  # LONG1: little-endian two's complement
+    b"\x8b": (struct.Struct("<I"), None),  # LONG4
 }
 _CONSTANTS = {b"N": None, b"\x88": True, b"\x89": False}
 _MEMO_OPS = frozenset((b"q", b"r", b"\x94", b"h", b"j", b"0", b"1", b"2"))  # PUT, GET, POP, DUP
@@ -119,10 +119,9 @@ class _Reader:
 
     def argument(self, op: bytes) -> Any:
         if op in _FIXED:
-            fmt, size = _FIXED[op]
-            return struct.unpack(fmt, self.take(size))[0]
-        fmt, size, text = _SIZED[op]
-        n = struct.unpack(fmt, self.take(size))[0]
+            return _FIXED[op].unpack(self.take(_FIXED[op].size))[0]
+        length, text = _SIZED[op]
+        n = length.unpack(self.take(length.size))[0]
         if text is None and n > _MAX_LONG:
             raise self.fail(f"an integer of {n} bytes")
         raw = self.take(n)

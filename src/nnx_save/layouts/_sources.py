@@ -23,13 +23,7 @@ from ._index import INDEX_NAME, IndexLayout
 from ._layout import Header, Layout, gc_paused
 from ._pod import MANIFEST, PodLayout
 
-__all__ = [
-    "RECORDS",
-    "Header",
-    "layout_of",
-    "read_header",
-    "reader_factory",
-]
+__all__ = ["RECORDS", "Header", "layout_of", "read_header", "reader_factory"]
 
 PathLike = str | os.PathLike
 RECORDS: tuple[Layout, ...] = (PodLayout(), IndexLayout())

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import RuleError
 from ._parts import axis_of, complete_layers, joined, layer_groups, same_dtype, split_bounds
-from ._rules import Node, _set, _with_inverse
+from ._rules import Node, _Patterned, _set, _with_inverse
 from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, ticked
 from ._transforms import Chain, Concatenate, Constant, Each, Index, Same, Stack, Sum, Take
 
@@ -63,12 +63,11 @@ def _origin(rule: Any, what: str) -> object:
 
 
 @dataclass(frozen=True)
-class SplitStackRule:
+class SplitStackRule(_Patterned):
     """Per-layer tensors matching ``pattern`` (layer index in the named group
     ``group``) cut along ``axis`` into ``targets``, each part stacked over the layers
     on ``stack_axis`` (the targets must not reference the layer group)."""
 
-    pattern: str
     targets: tuple[str, ...]
     axis: int = 0
     sizes: tuple[int, ...] | None = None
@@ -76,11 +75,10 @@ class SplitStackRule:
     stack_axis: int = 0
     inverse_rule: object = field(default=None, compare=False, repr=False)
 
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
     _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
+        super().__post_init__()
         _set(self, "_templates", parse_templates(self.targets, (self._regex,)))
         number = self._regex.groupindex.get(self.group)
         if number is None or any(self.group in t.refs or number in t.refs for t in self._templates):

@@ -19,15 +19,7 @@ import numpy as np
 from .. import _config
 from ..errors import NnxSaveError, OptionError, SaveError
 
-__all__ = [
-    "BUDGET_ENV",
-    "FORCE_ENV",
-    "BoxedValue",
-    "Staged",
-    "Window",
-    "budget",
-    "stage",
-]
+__all__ = ["BUDGET_ENV", "FORCE_ENV", "BoxedValue", "Staged", "Window", "budget", "stage"]
 
 BUDGET_ENV = _config.SAVE_INFLIGHT_BYTES.name
 FORCE_ENV = _config.FORCE_HOST_STAGING.name
