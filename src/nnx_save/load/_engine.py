@@ -127,7 +127,7 @@ class Engine:
         self.budget = Budget(opt.max_inflight_bytes)
         self.dests: list[Dest] = []
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
-        self.waiting: dict[str, int] = {}  # owner -> destinations not filled yet
+        self.done: collections.Counter[str] = collections.Counter()  # owner -> destinations filled so far
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
         self.boxed = _boxed.BoxedTargets()
         self.pending = []  # transforms read from their whole sources
@@ -156,7 +156,6 @@ class Engine:
         dest = Dest(owner or f"source:{key}", key, box, devices, nbytes, adopted, self._choose(key, box))
         self.dests.append(dest)
         self.shards.setdefault(dest.owner, []).append(index)
-        self.waiting[dest.owner] = self.waiting.get(dest.owner, 0) + 1
         for piece, _ in dest.parts:
             if piece.info.file not in dest.files:
                 dest.files.add(piece.info.file)
@@ -391,8 +390,8 @@ class Engine:
     def _filled(self, index: int) -> None:
         """Destination ``index`` is complete: place its owner once all its shards are."""
         owner = self.dests[index].owner
-        self.waiting[owner] -= 1
-        if self.waiting[owner]:
+        self.done[owner] += 1
+        if self.done[owner] < len(self.shards[owner]):
             return
         if owner.startswith("box:"):
             self.boxed.filled(self, index)

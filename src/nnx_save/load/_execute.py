@@ -210,11 +210,10 @@ def _segments(src: np.ndarray, dst: np.ndarray) -> list[int]:
         return [0, len(src)]
     ds, dd = np.diff(src), np.diff(dst)
     change = np.flatnonzero((ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])) + 1
-    bounds, last = [0], 0  # a step change at j: run j+1 starts a stretch (greedy, left to right)
+    bounds = [0]  # a step change at j: run j+1 starts a stretch (greedy, left to right)
     for c in change.tolist():
-        if c > last:
+        if c > bounds[-1]:
             bounds.append(c + 1)
-            last = c + 1
     if bounds[-1] != len(src):
         bounds.append(len(src))
     return bounds

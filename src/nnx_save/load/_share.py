@@ -164,10 +164,9 @@ def derived_sharding(t: Target, shapes: Mapping[str, tuple[int, ...]]) -> Any:
 def _received(t: Target, derived: Target) -> int:
     """Bytes of the boxes this process needs of ``t`` that its own part does not hold."""
     own = [box for box, _ in shard_boxes(derived)]
-    missing = 0
-    for box, _ in shard_boxes(t):
-        missing += _volume(box) - sum(_volume(part) for o in own if (part := intersect(box, o)) is not None)
-    return missing * held_dtype(t).itemsize
+    needed = [box for box, _ in shard_boxes(t)]
+    held = sum(_volume(part) for box in needed for o in own if (part := intersect(box, o)) is not None)
+    return (sum(map(_volume, needed)) - held) * held_dtype(t).itemsize
 
 
 def shared_load(
