@@ -11,9 +11,10 @@ readers), or a **scatter** through a scratch block; chunks of one short run are 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -60,26 +61,19 @@ class Budget:
         self.limit, self.used, self.peak = limit, 0, 0
         self._cond = threading.Condition()
 
-    def __call__(self, n: int) -> _Hold:
-        return _Hold(self, min(n, self.limit))
-
-
-class _Hold:
-    def __init__(self, budget: Budget, n: int) -> None:
-        self.budget, self.n = budget, n
-
-    def __enter__(self) -> None:
-        b = self.budget
-        with b._cond:
-            b._cond.wait_for(lambda: b.used + self.n <= b.limit)
-            b.used += self.n
-            b.peak = max(b.peak, b.used)
-
-    def __exit__(self, *exc: object) -> None:
-        b = self.budget
-        with b._cond:
-            b.used -= self.n
-            b._cond.notify_all()
+    @contextlib.contextmanager
+    def __call__(self, n: int) -> Iterator[None]:
+        n = min(n, self.limit)  # a chunk above the limit runs alone
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= n
+                self._cond.notify_all()
 
 
 def aligned_empty(nbytes: int, align: int = 64) -> np.ndarray:

@@ -112,11 +112,8 @@ def _volume(box: Box) -> int:
 
 def _overlaps_across_processes(t: Target) -> bool:
     """Whether some element of ``t`` is held by devices of two processes."""
-    boxes: dict[int, set[Box]] = {}
-    for device, index in t.sharding.devices_indices_map(t.shape).items():
-        box = of_index(index, t.shape)
-        boxes.setdefault(device.process_index, set()).add(box)
-    return sum(_volume(b) for held in boxes.values() for b in held) > _volume(whole(t.shape))
+    held = {(d.process_index, of_index(index, t.shape)) for d, index in t.sharding.devices_indices_map(t.shape).items()}
+    return sum(_volume(box) for _, box in held) > _volume(whole(t.shape))  # each process's distinct boxes
 
 
 def _runs(box: Box, shape: tuple[int, ...]) -> int:
