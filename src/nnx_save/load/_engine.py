@@ -284,9 +284,8 @@ class Engine:
         """Whether reading ``read`` bytes of a file for ``needed`` is worth the warning:
         only under the automatic ratio (an explicit one is the caller's choice), and only
         when the unneeded bytes are many (a skipped 1 KiB tensor costs nothing)."""
-        if self.opt.max_over_read_ratio is not None or read - needed < OVER_READ_MIN_BYTES:
-            return False
-        return read > OVER_READ_WARN * needed
+        auto = self.opt.max_over_read_ratio is None
+        return auto and read - needed >= OVER_READ_MIN_BYTES and read > OVER_READ_WARN * needed
 
     def read_through(self, file: str, plan: FilePlan) -> np.ndarray:
         """Per tensor of ``file`` (header order): bytes ``plan`` read but did not need."""

@@ -382,10 +382,9 @@ def _shape(opt: Any, host_devices: bool) -> tuple[int, int]:
     (:func:`_owned`): the pool then gets half the budget and those copies the other half.
     """
     budget = opt.max_inflight_bytes // 2 if host_devices else opt.max_inflight_bytes
-    workers = opt.threads
-    size = opt.staging_bytes or max(ALIGN, min(MAX_STAGING, budget // workers))
+    size = opt.staging_bytes or max(ALIGN, min(MAX_STAGING, budget // opt.threads))
     size = min(size, max(ALIGN, budget))
-    return max(1, min(workers, budget // size)), size
+    return max(1, min(opt.threads, budget // size)), size
 
 
 def run(engine: StreamEngine, streamed: list[int], kind: str, device: Any) -> dict[int, dict[Any, Any]]:
