@@ -311,9 +311,7 @@ class _Streamer:
             host = view.view(self.engine.header.tensors[d.key].dtype.numpy).reshape(extents(slab.box))
             puts = [(device, _owned(jax.device_put(host, device, may_alias=False), host)) for device in d.devices]
             sent.append((slab, puts))
-        for _, puts in sent:  # the staging buffer may be reused only once these finished
-            for _, array in puts:
-                array.block_until_ready()
+        jax.block_until_ready([a for _, puts in sent for _, a in puts])  # then the staging buffer may be reused
         for slab, puts in sent:
             self.assemble(slab, puts)
 
