@@ -459,11 +459,6 @@ def _prepare(
     return loadable, report
 
 
-def _device(targets: Sequence[Target]) -> Any:
-    """A device this load puts arrays on (its platform decides how), or None."""
-    return next((next(iter(t.sharding.addressable_devices)) for t in targets if t.sharding is not None), None)
-
-
 def load_targets(
     header: Header,
     targets: Sequence[Target],
@@ -512,7 +507,10 @@ def load_targets(
             engine = Engine(header, loadable, report, opt, open_reader, bar)
             if isinstance(bar, _progress.Bar):
                 bar.total = sum(d.nbytes for d in engine.dests)  # exact: what this process reads
-            device = _device(loadable)
+            # a device this load puts arrays on: its platform decides how
+            device = next(
+                (next(iter(t.sharding.addressable_devices)) for t in loadable if t.sharding is not None), None
+            )
             if device is not None and opt.streaming(device.platform):
                 kinds = tuple(m.kind for m in device.addressable_memories())
                 engine.stream(opt.staging_kind(device.platform, kinds), device)
