@@ -103,17 +103,16 @@ def pack_buffers(sizes: list[int], *, align: int = 64, slab_bytes: int = SLAB_BY
         ([3, 100, 0, 64], True)
     """
     out: list[np.ndarray] = []
+    padded = [-(-n // align) * align for n in sizes]
     start = 0
     while start < len(sizes):
         stop, total = start, 0
         while stop < len(sizes) and (stop == start or total + sizes[stop] <= slab_bytes):
-            total += -(-sizes[stop] // align) * align
+            total += padded[stop]
             stop += 1
         slab = aligned_empty(total, align)
-        at = 0
-        for n in sizes[start:stop]:
-            out.append(slab[at : at + n])
-            at += -(-n // align) * align
+        starts = itertools.accumulate(padded[start:stop], initial=0)
+        out += [slab[at : at + n] for at, n in zip(starts, sizes[start:stop], strict=False)]
         start = stop
     return out
 
