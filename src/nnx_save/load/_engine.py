@@ -154,12 +154,11 @@ class Engine:
         index = len(self.dests)
         nbytes = math.prod(extents(box)) * info.dtype.itemsize if info.dtype.byte_aligned else info.nbytes
         dest = Dest(owner or f"source:{key}", key, box, devices, nbytes, adopted, self._choose(key, box))
+        dest.files.update(piece.info.file for piece, _ in dest.parts)
         self.dests.append(dest)
         self.shards.setdefault(dest.owner, []).append(index)
-        for piece, _ in dest.parts:
-            if piece.info.file not in dest.files:
-                dest.files.add(piece.info.file)
-                self.by_file.setdefault(piece.info.file, []).append(index)
+        for file in dest.files:
+            self.by_file.setdefault(file, []).append(index)
         return index
 
     def _choose(self, key: str, box: Box) -> list[tuple[Piece, Box]]:
