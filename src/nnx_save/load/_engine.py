@@ -127,7 +127,7 @@ class Engine:
         self.budget = Budget(opt.max_inflight_bytes)
         self.dests: list[Dest] = []
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
-        self.waiting: dict[str, int] = {}  # owner -> destinations not filled yet
+        self.done: collections.Counter[str] = collections.Counter()  # owner -> destinations filled so far
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
         self.boxed = _boxed.BoxedTargets()
         self.pending = []  # transforms read from their whole sources
@@ -154,13 +154,11 @@ class Engine:
         index = len(self.dests)
         nbytes = math.prod(extents(box)) * info.dtype.itemsize if info.dtype.byte_aligned else info.nbytes
         dest = Dest(owner or f"source:{key}", key, box, devices, nbytes, adopted, self._choose(key, box))
+        dest.files.update(piece.info.file for piece, _ in dest.parts)
         self.dests.append(dest)
         self.shards.setdefault(dest.owner, []).append(index)
-        self.waiting[dest.owner] = self.waiting.get(dest.owner, 0) + 1
-        for piece, _ in dest.parts:
-            if piece.info.file not in dest.files:
-                dest.files.add(piece.info.file)
-                self.by_file.setdefault(piece.info.file, []).append(index)
+        for file in dest.files:
+            self.by_file.setdefault(file, []).append(index)
         return index
 
     def _choose(self, key: str, box: Box) -> list[tuple[Piece, Box]]:
@@ -285,9 +283,8 @@ class Engine:
         """Whether reading ``read`` bytes of a file for ``needed`` is worth the warning:
         only under the automatic ratio (an explicit one is the caller's choice), and only
         when the unneeded bytes are many (a skipped 1 KiB tensor costs nothing)."""
-        if self.opt.max_over_read_ratio is not None or read - needed < OVER_READ_MIN_BYTES:
-            return False
-        return read > OVER_READ_WARN * needed
+        auto = self.opt.max_over_read_ratio is None
+        return auto and read - needed >= OVER_READ_MIN_BYTES and read > OVER_READ_WARN * needed
 
     def read_through(self, file: str, plan: FilePlan) -> np.ndarray:
         """Per tensor of ``file`` (header order): bytes ``plan`` read but did not need."""
@@ -391,8 +388,8 @@ class Engine:
     def _filled(self, index: int) -> None:
         """Destination ``index`` is complete: place its owner once all its shards are."""
         owner = self.dests[index].owner
-        self.waiting[owner] -= 1
-        if self.waiting[owner]:
+        self.done[owner] += 1
+        if self.done[owner] < len(self.shards[owner]):
             return
         if owner.startswith("box:"):
             self.boxed.filled(self, index)
@@ -461,11 +458,6 @@ def _prepare(
     return loadable, report
 
 
-def _device(targets: Sequence[Target]) -> Any:
-    """A device this load puts arrays on (its platform decides how), or None."""
-    return next((next(iter(t.sharding.addressable_devices)) for t in targets if t.sharding is not None), None)
-
-
 def load_targets(
     header: Header,
     targets: Sequence[Target],
@@ -514,7 +506,10 @@ def load_targets(
             engine = Engine(header, loadable, report, opt, open_reader, bar)
             if isinstance(bar, _progress.Bar):
                 bar.total = sum(d.nbytes for d in engine.dests)  # exact: what this process reads
-            device = _device(loadable)
+            # a device this load puts arrays on: its platform decides how
+            device = next(
+                (next(iter(t.sharding.addressable_devices)) for t in loadable if t.sharding is not None), None
+            )
             if device is not None and opt.streaming(device.platform):
                 kinds = tuple(m.kind for m in device.addressable_memories())
                 engine.stream(opt.staging_kind(device.platform, kinds), device)

@@ -11,9 +11,10 @@ readers), or a **scatter** through a scratch block; chunks of one short run are 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -60,26 +61,19 @@ class Budget:
         self.limit, self.used, self.peak = limit, 0, 0
         self._cond = threading.Condition()
 
-    def __call__(self, n: int) -> _Hold:
-        return _Hold(self, min(n, self.limit))
-
-
-class _Hold:
-    def __init__(self, budget: Budget, n: int) -> None:
-        self.budget, self.n = budget, n
-
-    def __enter__(self) -> None:
-        b = self.budget
-        with b._cond:
-            b._cond.wait_for(lambda: b.used + self.n <= b.limit)
-            b.used += self.n
-            b.peak = max(b.peak, b.used)
-
-    def __exit__(self, *exc: object) -> None:
-        b = self.budget
-        with b._cond:
-            b.used -= self.n
-            b._cond.notify_all()
+    @contextlib.contextmanager
+    def __call__(self, n: int) -> Iterator[None]:
+        n = min(n, self.limit)  # a chunk above the limit runs alone
+        with self._cond:
+            self._cond.wait_for(lambda: self.used + n <= self.limit)
+            self.used += n
+            self.peak = max(self.peak, self.used)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self.used -= n
+                self._cond.notify_all()
 
 
 def aligned_empty(nbytes: int, align: int = 64) -> np.ndarray:
@@ -109,17 +103,16 @@ def pack_buffers(sizes: list[int], *, align: int = 64, slab_bytes: int = SLAB_BY
         ([3, 100, 0, 64], True)
     """
     out: list[np.ndarray] = []
+    padded = [-(-n // align) * align for n in sizes]
     start = 0
     while start < len(sizes):
         stop, total = start, 0
         while stop < len(sizes) and (stop == start or total + sizes[stop] <= slab_bytes):
-            total += -(-sizes[stop] // align) * align
+            total += padded[stop]
             stop += 1
         slab = aligned_empty(total, align)
-        at = 0
-        for n in sizes[start:stop]:
-            out.append(slab[at : at + n])
-            at += -(-n // align) * align
+        starts = itertools.accumulate(padded[start:stop], initial=0)
+        out += [slab[at : at + n] for at, n in zip(starts, sizes[start:stop], strict=False)]
         start = stop
     return out
 
@@ -210,11 +203,10 @@ def _segments(src: np.ndarray, dst: np.ndarray) -> list[int]:
         return [0, len(src)]
     ds, dd = np.diff(src), np.diff(dst)
     change = np.flatnonzero((ds[1:] != ds[:-1]) | (dd[1:] != dd[:-1])) + 1
-    bounds, last = [0], 0  # a step change at j: run j+1 starts a stretch (greedy, left to right)
+    bounds = [0]  # a step change at j: run j+1 starts a stretch (greedy, left to right)
     for c in change.tolist():
-        if c > last:
+        if c > bounds[-1]:
             bounds.append(c + 1)
-            last = c + 1
     if bounds[-1] != len(src):
         bounds.append(len(src))
     return bounds

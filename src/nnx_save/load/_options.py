@@ -146,13 +146,12 @@ class LoadOptions:
         check(_optional(ratio, ok), "max_over_read_ratio", ">= 1.0", ratio)
         check(_optional(self.num_threads, is_int(self.num_threads, 1)), "num_threads", "at least 1", self.num_threads)
         check(isinstance(self.verify, bool), "verify", "True or False", self.verify)
-        check(self.stream in (None, True, False), "stream", "None, True or False", self.stream)
         check(self.staging in STAGING_KINDS, "staging", f"one of {STAGING_KINDS}", self.staging)
         size = self.staging_bytes
         check(_optional(size, is_int(size, 1)), "staging_bytes", "a positive int (bytes)", size)
-        check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
-        shared = self.share_reads
-        check(_optional(shared, isinstance(shared, bool)), "share_reads", "None, True or False", shared)
+        for name in ("stream", "progress", "share_reads"):  # a bool, not 1 or 0 (== True, False)
+            value = getattr(self, name)
+            check(_optional(value, isinstance(value, bool)), name, "None, True or False", value)
 
     @property
     def threads(self) -> int:

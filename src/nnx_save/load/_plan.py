@@ -15,7 +15,6 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -168,15 +167,14 @@ def _gather_runs(requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
         else:
             flat.append((g[0], g[1], r.dest, g[4]))
     flat.sort()
-    f_off = np.array([f[0] for f in flat], np.int64)
+    flat_cols = np.array(flat, np.int64).reshape(-1, 4).T  # offset, length, dest, dest offset
     groups = sorted((min(b[0] for b in boxes), boxes) for boxes in strided.values())
     sizes = np.array([sum(math.prod(row[0] for row in b[2]) for b in boxes) for _, boxes in groups], np.int64)
-    before = np.searchsorted(f_off, np.array([g[0] for g in groups], np.int64))  # one-run boxes before each group
+    before = np.searchsorted(flat_cols[0], np.array([g[0] for g in groups], np.int64))  # flat runs before each group
     shift = np.concatenate([[0], np.cumsum(sizes)])
     cols = tuple(np.empty(len(flat) + int(shift[-1]), np.int64) for _ in range(4))
     pos = np.arange(len(flat)) + shift[np.searchsorted(before, np.arange(len(flat)), "right")]
-    values: tuple[Any, ...] = (f_off, [f[1] for f in flat], [f[2] for f in flat], [f[3] for f in flat])
-    for c, v in zip(cols, values, strict=True):
+    for c, v in zip(cols, flat_cols, strict=True):
         c[pos] = v
     for (_, boxes), n, at in zip(groups, sizes.tolist(), (before + shift[:-1]).tolist(), strict=False):
         _tensor_runs(boxes, tuple(c[at : at + n] for c in cols))

@@ -119,9 +119,8 @@ class IOStats:
     def add(self, other: IOStats) -> None:
         """Add ``other``'s bytes, requests, retries, times and tensors read whole (``files``
         is the caller's count)."""
-        for name in ("bytes_read", "bytes_needed", "bytes_received", "requests", "retries"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("plan_seconds", "read_seconds", "assemble_seconds"):
+        summed = ("bytes_read", "bytes_needed", "bytes_received", "requests", "retries")
+        for name in (*summed, "plan_seconds", "read_seconds", "assemble_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.read_whole += other.read_whole
         self.max_inflight_bytes = max(self.max_inflight_bytes, other.max_inflight_bytes)
@@ -233,12 +232,10 @@ class LoadReport:
 
     def __str__(self) -> str:
         parts = [self.summary(), *("  " + line for line in self.problems())]
-        if self.allowed_missing:
-            parts.append(f"  (allowed missing: {len(self.allowed_missing)})")
-        if self.allowed_unexpected:
-            parts.append(f"  (allowed unexpected: {len(self.allowed_unexpected)})")
-        if self.allowed_casts:
-            parts.append(f"  (allowed dtype casts: {len(self.allowed_casts)})")
+        allowed = (("missing", self.allowed_missing), ("unexpected", self.allowed_unexpected))
+        for kind, items in (*allowed, ("dtype casts", self.allowed_casts)):
+            if items:
+                parts.append(f"  (allowed {kind}: {len(items)})")
         if self.allowed_shape_mismatches:
             kept = ", ".join(sorted(m.path for m in self.allowed_shape_mismatches)[:10])
             parts.append(f"  (allowed shape mismatches, the model's values kept: {kept})")
@@ -250,14 +247,13 @@ class LoadReport:
     def remedy(self) -> str:
         """The renames that would pair missing paths with unexpected keys, then the
         options that would accept what a strict load refused, one per line."""
-        lines = []
-        if self.missing:
-            lines.append(f"allow_missing={_listed(self.missing)} (those paths keep the model's values)")
-        if self.unexpected:
-            lines.append(f"allow_unexpected={_listed(self.unexpected)} (those file tensors are not read)")
-        if self.shape_mismatches:
-            paths = [m.path for m in self.shape_mismatches]
-            lines.append(f"allow_shape_mismatch={_listed(paths)} (those paths keep the model's values)")
+        kept, shapes = "those paths keep the model's values", [m.path for m in self.shape_mismatches]
+        options = (
+            ("allow_missing", self.missing, kept),
+            ("allow_unexpected", self.unexpected, "those file tensors are not read"),
+            ("allow_shape_mismatch", shapes, kept),
+        )
+        lines = [f"{option}={_listed(paths)} ({why})" for option, paths, why in options if paths]
         if self.dtype_casts:
             lines.append(_cast_remedy(self.dtype_casts))
         accept = "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""

@@ -112,11 +112,8 @@ def _volume(box: Box) -> int:
 
 def _overlaps_across_processes(t: Target) -> bool:
     """Whether some element of ``t`` is held by devices of two processes."""
-    boxes: dict[int, set[Box]] = {}
-    for device, index in t.sharding.devices_indices_map(t.shape).items():
-        box = of_index(index, t.shape)
-        boxes.setdefault(device.process_index, set()).add(box)
-    return sum(_volume(b) for held in boxes.values() for b in held) > _volume(whole(t.shape))
+    held = {(d.process_index, of_index(index, t.shape)) for d, index in t.sharding.devices_indices_map(t.shape).items()}
+    return sum(_volume(box) for _, box in held) > _volume(whole(t.shape))  # each process's distinct boxes
 
 
 def _runs(box: Box, shape: tuple[int, ...]) -> int:
@@ -164,10 +161,9 @@ def derived_sharding(t: Target, shapes: Mapping[str, tuple[int, ...]]) -> Any:
 def _received(t: Target, derived: Target) -> int:
     """Bytes of the boxes this process needs of ``t`` that its own part does not hold."""
     own = [box for box, _ in shard_boxes(derived)]
-    missing = 0
-    for box, _ in shard_boxes(t):
-        missing += _volume(box) - sum(_volume(part) for o in own if (part := intersect(box, o)) is not None)
-    return missing * held_dtype(t).itemsize
+    needed = [box for box, _ in shard_boxes(t)]
+    held = sum(_volume(part) for box in needed for o in own if (part := intersect(box, o)) is not None)
+    return (sum(map(_volume, needed)) - held) * held_dtype(t).itemsize
 
 
 def shared_load(

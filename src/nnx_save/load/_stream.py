@@ -311,9 +311,7 @@ class _Streamer:
             host = view.view(self.engine.header.tensors[d.key].dtype.numpy).reshape(extents(slab.box))
             puts = [(device, _owned(jax.device_put(host, device, may_alias=False), host)) for device in d.devices]
             sent.append((slab, puts))
-        for _, puts in sent:  # the staging buffer may be reused only once these finished
-            for _, array in puts:
-                array.block_until_ready()
+        jax.block_until_ready([a for _, puts in sent for _, a in puts])  # then the staging buffer may be reused
         for slab, puts in sent:
             self.assemble(slab, puts)
 
@@ -382,10 +380,9 @@ def _shape(opt: Any, host_devices: bool) -> tuple[int, int]:
     (:func:`_owned`): the pool then gets half the budget and those copies the other half.
     """
     budget = opt.max_inflight_bytes // 2 if host_devices else opt.max_inflight_bytes
-    workers = opt.threads
-    size = opt.staging_bytes or max(ALIGN, min(MAX_STAGING, budget // workers))
+    size = opt.staging_bytes or max(ALIGN, min(MAX_STAGING, budget // opt.threads))
     size = min(size, max(ALIGN, budget))
-    return max(1, min(workers, budget // size)), size
+    return max(1, min(opt.threads, budget // size)), size
 
 
 def run(engine: StreamEngine, streamed: list[int], kind: str, device: Any) -> dict[int, dict[Any, Any]]:
