@@ -165,6 +165,22 @@ def test_bad_load_options_are_typed_errors_naming_the_argument(saved, kwargs, me
         nnx_save.LoadOptions(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"progress": 1}, "progress must be None, True or False, got 1"),  # 1 == True: was accepted
+        ({"blocking": 0}, "blocking must be True or False, got 0"),
+    ],
+)
+def test_bad_save_options_are_typed_errors_naming_the_argument(tmp_path, kwargs, message):
+    with pytest.raises(OptionError, match=re.escape(message)) as e:
+        nnx_save.save_file({"w": np.ones(2)}, tmp_path / "x.safetensors", **kwargs)
+    assert e.value.argument == next(iter(kwargs))
+    assert not (tmp_path / "x.safetensors").exists()
+    with pytest.raises(OptionError, match=re.escape(message)):
+        nnx_save.SaveOptions(**kwargs)
+
+
 def test_the_load_shortcuts_are_every_option_the_functions_take_and_no_other(saved):
     """load_file and load_model take the LoadOptions fields as keywords (one TypedDict,
     LoadKeywords); a misspelt one is a TypeError, as for any Python function."""

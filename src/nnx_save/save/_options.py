@@ -46,7 +46,8 @@ class SaveOptions:
     max_shard_size: int | str | None = None
 
     def __post_init__(self) -> None:
-        check(self.progress in (None, True, False), "progress", "None, True or False", self.progress)
+        progress = self.progress  # a bool, not 1 or 0 (== True, False)
+        check(progress is None or isinstance(progress, bool), "progress", "None, True or False", progress)
         check(isinstance(self.blocking, bool), "blocking", "True or False", self.blocking)
         if self.max_shard_size is not None:
             parse_size(self.max_shard_size, "max_shard_size")  # an OptionError naming it
