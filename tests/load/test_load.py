@@ -18,9 +18,9 @@ import threading
 import time
 
 import jax
-import ml_dtypes
 import numpy as np
 import pytest
+from _arrays import every_kind
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -36,25 +36,7 @@ MESH3 = Mesh(np.array(DEV[5:8]), ("x",))  # 3 devices, not from 0
 MESH32 = Mesh(np.array([DEV[i] for i in (6, 1, 4, 3, 0, 5)]).reshape(3, 2), ("x", "y"))  # permuted
 
 
-def _full() -> dict[str, np.ndarray]:
-    """Every split dimension is a multiple of 24, so 2-, 3-, 4-, 6- and 8-way splits divide."""
-    rng = np.random.default_rng(7)
-    normal = rng.standard_normal
-    return {
-        "a": normal((48, 24)).astype(np.float32),
-        "b": normal((24,)).astype(np.float32),
-        "c": normal((24, 48)).astype(np.float16),
-        "d": normal((48, 72)).astype(ml_dtypes.bfloat16),
-        "e": rng.integers(-(2**31), 2**31, (24, 24)).astype(np.int32),
-        "f": rng.integers(0, 256, (48, 24, 24)).astype(np.uint8),  # 3-D, 3-byte runs on a last-dim split
-        "g": (normal((24, 48)) + 1j * normal((24, 48))).astype(np.complex64),
-        "m": rng.integers(0, 2, (24, 24)).astype(bool),
-        "s": np.array(1.5, np.float32),
-        "z": np.zeros((0, 24), np.float32),
-    }
-
-
-FULL = _full()
+FULL = every_kind(7)
 
 
 def _spec(layout: str, ndim: int) -> tuple[Mesh, P]:

@@ -23,6 +23,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from _arrays import every_kind
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -37,24 +38,7 @@ MESH8 = Mesh(np.array(DEV), ("x",))
 MESH24 = Mesh(np.array(DEV).reshape(2, 4), ("x", "y"))
 
 
-def _full() -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(3)
-    normal = rng.standard_normal
-    return {
-        "a": normal((48, 24)).astype(np.float32),
-        "b": normal((24,)).astype(np.float32),
-        "c": normal((24, 48)).astype(np.float16),
-        "d": normal((48, 72)).astype(ml_dtypes.bfloat16),
-        "e": rng.integers(-(2**31), 2**31, (24, 24)).astype(np.int32),
-        "f": rng.integers(0, 256, (48, 24, 24)).astype(np.uint8),
-        "g": (normal((24, 48)) + 1j * normal((24, 48))).astype(np.complex64),
-        "m": rng.integers(0, 2, (24, 24)).astype(bool),
-        "s": np.array(1.5, np.float32),
-        "z": np.zeros((0, 24), np.float32),
-    }
-
-
-FULL = _full()
+FULL = every_kind(3)
 LAYOUTS = {
     "replicated": lambda nd: NamedSharding(MESH8, P()),
     "dim0": lambda nd: NamedSharding(MESH8, P("x") if nd else P()),
