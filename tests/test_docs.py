@@ -101,3 +101,27 @@ def test_readme_tour_runs_pasted_into_python(devices, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"{devices} shards of (4, 8)" in done.stdout
+
+
+def test_the_readme_layout_names_every_module_of_the_tree():
+    """The README's layout block matches src/: each package and each module is named there
+    (so a module moved or added without a word fails here), and the design page is linked."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Layout\n") :]
+    block = section[section.index("```\n") : section.index("\n```", section.index("```\n") + 4)]
+    src = ROOT / "src" / "nnx_save"
+    unnamed = []
+    for file in sorted(src.rglob("*.py")):
+        rel = file.relative_to(src)
+        if file.name == "__init__.py" and len(rel.parts) > 1:
+            name = f"{rel.parts[0]}/"
+        elif file.name in ("__init__.py", "__main__.py", "_version.py"):
+            continue
+        else:
+            name = file.stem
+        if not re.search(
+            rf"(?<![\w/]){re.escape(name)}(?![\w/])" if not name.endswith("/") else re.escape(name), block
+        ):
+            unnamed.append(str(rel))
+    assert unnamed == [], f"modules the README's layout section does not name: {unnamed}"
+    assert "(docs/design.md)" in section

@@ -1,4 +1,4 @@
-"""The package's import graph: one way, no cycles (DESIGN.md), and light to import.
+"""The package's import graph: one way, no cycles (docs/design.md), and light to import.
 
 The graph is read from the source with ``ast`` (every ``import`` statement, those
 inside functions included), so an import moved into a function to dodge a cycle
@@ -130,22 +130,28 @@ def test_the_package_has_no_import_cycle():
     )
 
 
-# The layers, first to last (DESIGN.md): a module imports only its own layer and
-# earlier ones. errors, _config and _version are the base every module may import.
-# _progress formats byte counts with format._units, so it sits after format (nothing
-# in format draws a progress bar). The package top (the public API) sits with cli,
-# which works on that API only.
+# The layers, first to last (docs/design.md): a module imports only its own layer and
+# earlier ones. errors, _config, _version and _options (the checks every option object
+# shares) are the base every module may import. Porting rules are pure (errors and
+# format only), so they sit low and the front door can type ``rules=``. _progress
+# formats byte counts with format._units, so it sits after format. load and save are
+# siblings: neither imports the other (SIBLINGS). Layouts sit above both: each format
+# reads through the load engine and writes through the save machinery. conversion
+# reads Orbax sources through checkpoint. The package top (the public API) sits with
+# cli, which works on that API only.
 LAYERS = (
-    ("errors", "_config", "_version"),
+    ("errors", "_config", "_version", "_options"),
     ("format",),
+    ("porting",),
     ("io", "_progress"),
+    ("load", "save"),
     ("layouts",),
-    ("load",),
-    ("save",),
-    ("_pytree", "_nnx", "_lazy", "_pod_bridge", "_porting_bridge"),
-    ("checkpoint", "porting"),
+    ("bridges",),
+    ("checkpoint",),
+    ("conversion",),
     ("", "cli", "__main__"),
 )
+SIBLINGS = (("load", "save"),)
 
 
 def layer(module: str) -> int:
@@ -163,7 +169,32 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
 def test_every_module_has_a_layer_and_imports_point_one_way():
     graph = import_graph()
     found = upward_imports(graph)
-    assert found == [], "imports of a later layer (LAYERS, DESIGN.md):\n" + "\n".join(found)
+    assert found == [], "imports of a later layer (LAYERS, docs/design.md):\n" + "\n".join(found)
+
+
+def sibling_imports(graph: dict[str, set[str]]) -> list[str]:
+    """``"a -> b"`` for each import between two sibling packages (:data:`SIBLINGS`), sorted."""
+    package = {m: m.split(".")[1] if "." in m else "" for m in graph}
+    pairs = {frozenset(s) for s in SIBLINGS}
+    return sorted(
+        f"{m} -> {t}"
+        for m, targets in graph.items()
+        for t in targets
+        if package[m] != package.get(t, "") and frozenset((package[m], package.get(t, ""))) in pairs
+    )
+
+
+def test_load_and_save_are_siblings_that_do_not_import_each_other(tmp_path):
+    found = sibling_imports(import_graph())
+    assert found == [], "imports between siblings (SIBLINGS):\n" + "\n".join(found)
+    pkg = tmp_path / "nnx_save"
+    for sub in ("load", "save"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "save" / "_w.py").write_text("from ..load import _plan\n")
+    (pkg / "load" / "_plan.py").write_text("")
+    assert sibling_imports(import_graph(pkg)) == ["nnx_save.save._w -> nnx_save.load._plan"]
 
 
 def test_the_layer_check_sees_a_lazy_upward_import(tmp_path):
@@ -204,7 +235,7 @@ def test_the_nnx_bridge_is_imported_on_first_use():
 
 
 def test_only_the_named_modules_import_flax_and_orbax():
-    """Orbax only inside checkpoint/, flax only in the NNX bridges (DESIGN.md)."""
+    """Orbax only inside checkpoint/, flax only in the NNX bridges (docs/design.md)."""
     importers: dict[str, set[str]] = {"flax": set(), "orbax": set()}
     for name, file in _modules(PACKAGE).items():
         for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
@@ -214,5 +245,5 @@ def test_only_the_named_modules_import_flax_and_orbax():
             for dep in importers:
                 if any(n == dep or n.startswith(dep + ".") for n in names):
                     importers[dep].add(name)
-    assert importers["flax"] == {"nnx_save._nnx", "nnx_save.checkpoint._nnx"}
+    assert importers["flax"] == {"nnx_save.bridges._nnx", "nnx_save.checkpoint._nnx"}
     assert {m.rpartition(".")[0] for m in importers["orbax"]} == {"nnx_save.checkpoint"}

@@ -57,13 +57,13 @@ from .errors import UnknownDtypeError as UnknownDtypeError
 from .errors import UnsupportedValueError as UnsupportedValueError
 from .format._header import FileHeader as FileHeader
 from .format._header import TensorInfo as TensorInfo
-from .layouts._sources import Header as Header
 from .layouts._sources import read_header as read_header
 from .load._options import LoadOptions as LoadOptions
 from .load._report import DtypeCast as DtypeCast
 from .load._report import IOStats as IOStats
 from .load._report import LoadReport as LoadReport
 from .load._report import ShapeMismatch as ShapeMismatch
+from .load._source import Header as Header
 from .save._options import SaveOptions as SaveOptions
 
 __all__ = [
@@ -98,17 +98,17 @@ __all__ = [
 ]
 
 if _typing.TYPE_CHECKING:
-    from ._lazy import LazyCheckpoint as LazyCheckpoint
-    from ._lazy import TensorSlice as TensorSlice
-    from ._lazy import iter_tensors as iter_tensors
-    from ._lazy import safe_open as safe_open
-    from ._nnx import load_model as load_model
-    from ._nnx import save_model as save_model
-    from ._pod_bridge import save_pod as save_pod
-    from ._pytree import load_file as load_file
-    from ._pytree import save_file as save_file
-    from .cli._convert import Converted as Converted
-    from .cli._convert import convert as convert
+    from .bridges._lazy import LazyCheckpoint as LazyCheckpoint
+    from .bridges._lazy import TensorSlice as TensorSlice
+    from .bridges._lazy import iter_tensors as iter_tensors
+    from .bridges._lazy import safe_open as safe_open
+    from .bridges._nnx import load_model as load_model
+    from .bridges._nnx import save_model as save_model
+    from .bridges._pod import save_pod as save_pod
+    from .bridges._pytree import load_file as load_file
+    from .bridges._pytree import save_file as save_file
+    from .conversion._convert import Converted as Converted
+    from .conversion._convert import convert as convert
     from .save._background import SaveHandle as SaveHandle
     from .save._background import wait_for_saves as wait_for_saves
 
@@ -116,11 +116,11 @@ if _typing.TYPE_CHECKING:
 # header (``nnx-save inspect``) does not need.
 _MODULES = {
     ".save._background": ("SaveHandle", "wait_for_saves"),
-    ".cli._convert": ("Converted", "convert"),
-    "._lazy": ("LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"),
-    "._nnx": ("load_model", "save_model"),
-    "._pod_bridge": ("save_pod",),
-    "._pytree": ("load_file", "save_file"),
+    ".conversion._convert": ("Converted", "convert"),
+    ".bridges._lazy": ("LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"),
+    ".bridges._nnx": ("load_model", "save_model"),
+    ".bridges._pod": ("save_pod",),
+    ".bridges._pytree": ("load_file", "save_file"),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 

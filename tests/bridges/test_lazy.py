@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nnx_save
-from nnx_save import _lazy
+from nnx_save.bridges import _lazy
 from nnx_save.load._plan import PAGE_GAP
 
 RNG = np.random.default_rng(0)

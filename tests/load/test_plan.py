@@ -26,16 +26,9 @@ from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nnx_save.layouts._pieces import Request
-from nnx_save.load._plan import (
-    AUTO_MAX_READS,
-    PAGE_GAP,
-    FilePlan,
-    box_runs,
-    chunk_runs,
-    over_read_by_range,
-    plan_file,
-)
+from nnx_save.format._boxes import box_runs
+from nnx_save.load._pieces import Request
+from nnx_save.load._plan import AUTO_MAX_READS, PAGE_GAP, FilePlan, chunk_runs, over_read_by_range, plan_file
 
 ITEMSIZES = [1, 2, 3, 4, 6, 8, 16]  # uint8, f16/bf16, 'V3', f32, 'V6', f64/c64, c128
 MESHES = [(1,), (2,), (3,), (8,), (2, 4), (4, 2), (1, 8), (2, 2, 2), (2, 1, 4)]

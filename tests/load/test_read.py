@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from nnx_save import NnxSaveError, TruncatedFileError
 from nnx_save.io import _reader
-from nnx_save.layouts._pieces import Request
 from nnx_save.load import _execute
+from nnx_save.load._pieces import Request
 from nnx_save.load._plan import FilePlan, plan_file
 
 ITEMSIZES = [1, 2, 3, 4, 8, 16]

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save import _pytree
+from nnx_save.bridges import _pytree
 from nnx_save.io import _reader
 from nnx_save.load import _stream
 from nnx_save.load._options import LoadOptions

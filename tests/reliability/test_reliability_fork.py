@@ -24,16 +24,16 @@ SCRIPT = textwrap.dedent(
     import numpy as np
     import nnx_save
     from nnx_save.save import _background
-    from nnx_save._pytree import save_file
+    from nnx_save.bridges._pytree import save_file
 
     out, gate = sys.argv[1], threading.Event()
 
     def slow_write(path, entries):  # the parent's background write waits for the fork
         gate.wait(30)
-        from nnx_save.save._dispatch import writer
+        from nnx_save.layouts._dispatch import writer
         writer(None)(path, entries)
 
-    from nnx_save._pytree import flatten, leaf_entry
+    from nnx_save.bridges._pytree import flatten, leaf_entry
     pairs, _ = flatten({"w": np.arange(4, dtype=np.float32)})
     handle = _background.save(os.path.join(out, "parent.safetensors"), [leaf_entry(p, v) for p, v in pairs],
                          slow_write, blocking=False)

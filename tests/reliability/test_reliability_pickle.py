@@ -72,7 +72,7 @@ def test_the_source_tree_has_no_pickle_path():
                 )
                 torch_loads.append((str(where), safe))
     assert problems == []
-    assert torch_loads == [("nnx_save/cli/_convert.py", True)]  # convert: tensors only, never objects
+    assert torch_loads == [("nnx_save/conversion/_convert.py", True)]  # convert: tensors only, never objects
 
 
 _AUDIT = textwrap.dedent(

@@ -79,8 +79,8 @@ def test_sharded_partial_load_requests_only_its_ranges(served):
 def test_multi_file_index_over_http(nginx):
     nginx.clear_log()
     directory = nginx.root / "sharded"
-    from nnx_save._pytree import flatten, leaf_entry
-    from nnx_save.save._sharded import write_sharded
+    from nnx_save.bridges._pytree import flatten, leaf_entry
+    from nnx_save.layouts._index_save import write_sharded
 
     pairs, _ = flatten(NESTED)
     write_sharded(directory, [leaf_entry(p, v) for p, v in pairs], None, 64 << 10)

@@ -19,8 +19,9 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import nnx_save
 from nnx_save import SaveError
-from nnx_save.io._remote_write import write_remote
-from nnx_save.io._write import TMP_MARKER, Entry
+from nnx_save.io._write import TMP_MARKER
+from nnx_save.save._entry import Entry
+from nnx_save.save._remote import write_remote
 
 MEMORY = fsspec.filesystem("memory")
 

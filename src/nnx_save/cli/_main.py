@@ -20,11 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from ..conversion._convert import read_one
 from ..errors import OptionError
 from ..format import _units
 from ..format._header import strict_json
 from ..format._units import human_bytes
-from ._convert import read_one
 
 __all__ = ["main"]
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 from ..errors import HeaderError, IndexFileError
 from ..format import _formats
+from ..load._source import Header, LocalFiles
 from ._file import read_file_header
 from ._index import INDEX_NAME
-from ._layout import Header, LocalFiles, merge
+from ._layout import merge
 
 __all__ = ["DirectoryLayout", "read_list"]
 

@@ -15,7 +15,7 @@ from ..errors import HeaderTooSmallError, SourceError, TruncatedFileError
 from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _remote
-from ._layout import Header, LocalFiles, RemoteFiles
+from ..load._source import Header, LocalFiles, RemoteFiles
 
 __all__ = ["FileLayout", "read_file_header", "read_local", "remote_file_header"]
 

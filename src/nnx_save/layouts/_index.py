@@ -1,5 +1,5 @@
 """The HuggingFace index layout: ``model.safetensors.index.json`` and the files it
-names, local or at a URL (written by :mod:`nnx_save.save._sharded`). The index
+names, local or at a URL (written by :mod:`nnx_save.layouts._index_save`). The index
 (:func:`parse_index`), every file's header, and the index against the files both
 ways are validated before any tensor byte is read.
 """
@@ -17,9 +17,10 @@ from urllib.parse import unquote, urlsplit
 from ..errors import IndexFileError
 from ..format._header import FileHeader
 from ..io import _files, _remote
+from ..load._source import Header, LocalFiles, RemoteFiles
 from . import _versions
 from ._file import read_file_header, remote_file_header
-from ._layout import Header, LocalFiles, RemoteFiles, load_record, merge
+from ._layout import load_record, merge
 from ._versions import SAVE_ID_KEY
 
 __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "file_names", "index_record", "parse_index", "read_remote"]

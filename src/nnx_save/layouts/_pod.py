@@ -1,7 +1,7 @@
 """The pod layout: one shard file per process (standard safetensors whose tensors are
 pieces, ``embed[0:32,0:64]``, or whole values) and a ``manifest.json`` naming each
 tensor's dtype, shape, sharding and pieces. Format, reading and the manifest's commit
-live here; :mod:`nnx_save.save._pod` writes it; docs/multihost.md tells the rest.
+live here; :mod:`nnx_save.layouts._pod_save` writes it; docs/multihost.md tells the rest.
 
 :class:`PodLayout` validates the manifest (:func:`check_tiling`) before any byte is
 read. The manifest is written last and atomically, and only then are earlier saves'
@@ -28,10 +28,11 @@ from ..format._header import FileHeader, TensorInfo
 from ..io import _files
 from ..io._kv import Outcome
 from ..io._write import _write_all, atomic_file
+from ..load._pieces import Box, Piece, extents, whole
+from ..load._source import Header, LocalFiles
 from ._file import read_file_header
 from ._index import MAX_INDEX_BYTES
-from ._layout import Header, LocalFiles, load_record
-from ._pieces import Box, Piece, extents, whole
+from ._layout import load_record
 
 __all__ = [
     "FORMAT",

@@ -16,11 +16,12 @@ from pathlib import Path
 from ..errors import LayoutConflictError
 from ..io import _remote
 from ..io._reader import Reader
+from ..load._source import Header, gc_paused
 from . import _file, _index
 from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout
 from ._index import INDEX_NAME, IndexLayout
-from ._layout import Header, Layout, gc_paused
+from ._layout import Layout
 from ._pod import MANIFEST, PodLayout
 
 __all__ = ["RECORDS", "Header", "layout_of", "read_header", "reader_factory"]

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..format import _dtypes
 from ..format._header import TensorInfo
-from ..layouts._pieces import Box, extents
+from ._pieces import Box, extents
 from ._target import Target
 
 __all__ = ["batched_put", "held_dtype", "host_view", "place", "place_whole"]

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ShapeMismatchError
-from ..layouts._pieces import Box, extents
 from ._assemble import held_dtype, place
+from ._pieces import Box, extents
 from ._target import Target, shard_boxes
 
 __all__ = ["BoxedTargets"]

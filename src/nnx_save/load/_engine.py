@@ -33,15 +33,14 @@ from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
 from ..io._reader import LocalReader, Reader
-from ..layouts._layout import RemoteFiles, gc_paused
-from ..layouts._pieces import Box, Piece, Request, extents, intersect, request, whole
-from ..layouts._sources import Header
 from . import _boxed, _share, _stream
 from ._assemble import held_dtype, host_view, place, place_whole
 from ._execute import Budget, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
+from ._pieces import Box, Piece, Request, extents, intersect, request, whole
 from ._plan import FilePlan, over_read_by_range, plan_file
 from ._report import DtypeCast, LoadReport, ShapeMismatch, split_allowed, split_allowed_casts, suggested_renames
+from ._source import Header, RemoteFiles, gc_paused
 from ._target import Target, check_device_dtype, shard_boxes
 
 __all__ = ["load_targets"]

@@ -7,82 +7,17 @@ docs/configuration.md) apply where the caller left those fields at their default
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
 
 from .. import _config
-from ..errors import OptionError
+from .._options import DEFAULT, check, is_int, merge, optional
 
 __all__ = ["DEFAULT", "LoadOptions", "check", "merge"]
 
 STAGING_KINDS = ("auto", "pinned", "pageable")
-Opts = TypeVar("Opts")
-
-
-class _Default:
-    """The default of a keyword shortcut: "not given", so ``options=`` decides."""
-
-    def __repr__(self) -> str:
-        return "DEFAULT"
-
-
-DEFAULT: Any = _Default()
-
-
-def check(ok: bool, argument: str, expected: str, value: object) -> None:
-    """Raise :class:`OptionError` naming ``argument`` unless ``ok``.
-
-    Examples:
-        >>> check(False, "num_threads", "an int of at least 1", 0)
-        Traceback (most recent call last):
-        ...
-        nnx_save.errors.OptionError: num_threads must be an int of at least 1, got 0
-    """
-    if not ok:
-        raise OptionError(f"{argument} must be {expected}, got {value!r}", argument)
-
-
-def is_int(value: object, low: int) -> bool:
-    """An integer (a Python or numpy int, not a bool) of at least ``low``."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= low
-
-
-def _optional(value: object, is_ok: bool) -> bool:
-    return value is None or is_ok
-
-
-def merge(cls: type[Opts], options: Opts | None, call: str, arguments: Mapping[str, Any]) -> Opts:
-    """``options`` (or ``cls()``) with the keyword shortcuts in ``arguments`` (the entry
-    point's ``locals()``; :data:`DEFAULT`: not given) applied. A shortcut for a field that
-    ``options`` also sets is refused (an :class:`OptionError` naming it, as are an
-    ``options`` of another class and a value out of range): one call cannot say two things.
-
-    Examples:
-        >>> merge(LoadOptions, LoadOptions(verify=True), "load_file", {"num_threads": 2}).num_threads
-        2
-        >>> merge(LoadOptions, LoadOptions(verify=True), "load_file", {"verify": False})
-        Traceback (most recent call last):
-        ...
-        nnx_save.errors.OptionError: load_file: verify given both as a keyword and in options=...; give it once
-    """
-    if options is not None and not isinstance(options, cls):
-        raise OptionError(f"{call}: options must be a {cls.__name__}, got {type(options).__name__}", "options")
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    given = {k: arguments[k] for k in names if k in arguments and arguments[k] is not DEFAULT}
-    if options is None:
-        return cls(**given)
-    defaults = cls()
-    both = [k for k in given if getattr(options, k) != getattr(defaults, k)]
-    if both:
-        raise OptionError(
-            f"{call}: {', '.join(both)} given both as a keyword and in options=...; give it once", both[0]
-        )
-    return dataclasses.replace(options, **given) if given else options  # type: ignore[type-var]
 
 
 @dataclass(frozen=True)
@@ -143,15 +78,15 @@ class LoadOptions:
         for name in ("read_chunk_bytes", "max_inflight_bytes"):
             check(is_int(getattr(self, name), 1), name, "a positive int (bytes)", getattr(self, name))
         ok = isinstance(ratio, numbers.Real) and not isinstance(ratio, bool) and not math.isnan(ratio) and ratio >= 1.0
-        check(_optional(ratio, ok), "max_over_read_ratio", ">= 1.0", ratio)
-        check(_optional(self.num_threads, is_int(self.num_threads, 1)), "num_threads", "at least 1", self.num_threads)
+        check(optional(ratio, ok), "max_over_read_ratio", ">= 1.0", ratio)
+        check(optional(self.num_threads, is_int(self.num_threads, 1)), "num_threads", "at least 1", self.num_threads)
         check(isinstance(self.verify, bool), "verify", "True or False", self.verify)
         check(self.staging in STAGING_KINDS, "staging", f"one of {STAGING_KINDS}", self.staging)
         size = self.staging_bytes
-        check(_optional(size, is_int(size, 1)), "staging_bytes", "a positive int (bytes)", size)
+        check(optional(size, is_int(size, 1)), "staging_bytes", "a positive int (bytes)", size)
         for name in ("stream", "progress", "share_reads"):  # a bool, not 1 or 0 (== True, False)
             value = getattr(self, name)
-            check(_optional(value, isinstance(value, bool)), name, "None, True or False", value)
+            check(optional(value, isinstance(value, bool)), name, "None, True or False", value)
 
     @property
     def threads(self) -> int:

@@ -19,14 +19,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import OptionError
-from ..format._boxes import Box, extents, intersect
-from ..layouts._pieces import Request
+from ..format._boxes import Box, intersect, run_geometry, run_grid
+from ._pieces import Request
 
 __all__ = [
     "AUTO_MAX_READS",
     "PAGE_GAP",
     "FilePlan",
-    "box_runs",
     "chunk_runs",
     "over_read_by_range",
     "plan_file",
@@ -34,74 +33,6 @@ __all__ = [
 
 PAGE_GAP = 4096  # gaps below a page are always read through: cheaper than another request
 AUTO_MAX_READS = 1024  # the automatic ratio keeps exact reads while they stay this few
-
-
-def _geometry(
-    shape: Sequence[int],
-    itemsize: int,
-    box: Box,
-    base: int,
-    dest_shape: Sequence[int] | None = None,
-    dest_at: Sequence[int] | None = None,
-):
-    """``(first offset, run length, outer, k, dest first offset)`` of a box, or None
-    when it is empty.
-
-    ``k`` is the dimension the runs are cut on (-1: the whole tensor is one run):
-    the dimensions after it are read whole and fill the destination whole.
-    ``outer`` lists ``(count, byte stride, destination byte stride)`` of the
-    dimensions before it: the runs are the C-order grid over them.
-    """
-    dest_shape = extents(box) if dest_shape is None else dest_shape
-    dest_at = (0,) * len(shape) if dest_at is None else dest_at
-    k, stride, dstride = len(shape) - 1, itemsize, itemsize
-    while k >= 0 and box[k] == (0, shape[k]) and dest_shape[k] == shape[k]:  # trailing dimensions read whole
-        stride *= shape[k]
-        dstride *= shape[k]
-        k -= 1
-    if k < 0:
-        return (base, stride, [], k, 0) if stride else None
-    lo, hi = box[k]
-    if hi <= lo or not stride:
-        return None
-    first, length, outer, dfirst = base + lo * stride, (hi - lo) * stride, [], dest_at[k] * dstride
-    for d in range(k - 1, -1, -1):
-        stride *= shape[d + 1]
-        dstride *= dest_shape[d + 1]
-        lo, hi = box[d]
-        if hi <= lo:
-            return None
-        first += lo * stride
-        dfirst += dest_at[d] * dstride
-        outer.append((hi - lo, stride, dstride))
-    return first, length, outer[::-1], k, dfirst
-
-
-def _grid(first: int, outer: list[tuple[int, ...]], column: int = 1) -> np.ndarray:
-    """Run starts: the C-order grid over ``outer``'s ``(count, stride, ...)`` rows,
-    with the stride of ``column`` (1: the file's, 2: the destination's)."""
-    offsets = np.array([first], np.int64)
-    for row in outer:
-        offsets = (offsets[:, None] + np.arange(row[0], dtype=np.int64) * row[column]).reshape(-1)
-    return offsets
-
-
-def box_runs(shape: Sequence[int], itemsize: int, box: Box, base: int = 0) -> tuple[np.ndarray, int]:
-    """File offsets of the contiguous runs that make up ``box``, and the run length.
-
-    Runs come in C order of the box, so run ``i`` lands at ``i * length`` in a
-    C-ordered destination of the box's shape.
-
-    Examples:
-        >>> offsets, length = box_runs((4, 6), 4, ((0, 4), (3, 6)))
-        >>> offsets.tolist(), length
-        ([12, 36, 60, 84], 12)
-    """
-    g = _geometry(tuple(shape), itemsize, tuple(box), base)
-    if g is None:
-        return np.empty(0, np.int64), 0
-    first, length, outer, _, _ = g
-    return _grid(first, outer), length
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,7 +89,7 @@ def _gather_runs(requests: Sequence[Request]) -> tuple[np.ndarray, ...]:
     flat: list[tuple[int, int, int, int]] = []  # (offset, length, dest, dest offset) of one-run boxes
     strided: dict[tuple, list] = {}  # tensor -> its strided boxes
     for r in requests:
-        g = _geometry(r.shape, r.itemsize, r.box, r.base, r.dest_shape, r.dest_at)
+        g = run_geometry(r.shape, r.itemsize, r.box, r.base, r.dest_shape, r.dest_at)
         if g is None:
             continue
         if g[2]:
@@ -201,7 +132,7 @@ def _tensor_runs(boxes: list, out: tuple[np.ndarray, ...]) -> None:
     offset, length, dest, dest_offset = out
     if _interleaves(boxes):
         boxes = sorted(boxes, key=lambda b: b[0])
-        grid = _grid(0, boxes[0][2])  # row starts, shared by every box
+        grid = run_grid(0, boxes[0][2])  # row starts, shared by every box
         firsts = np.array([b[0] for b in boxes], np.int64)
         lens = np.array([b[1] for b in boxes], np.int64)
         m = len(boxes)
@@ -212,15 +143,15 @@ def _tensor_runs(boxes: list, out: tuple[np.ndarray, ...]) -> None:
             np.multiply(np.arange(len(grid), dtype=np.int64)[:, None], lens[None, :], out=dest_offset.reshape(-1, m))
         else:
             for j, b in enumerate(boxes):
-                dest_offset.reshape(-1, m)[:, j] = _grid(b[6], b[2], 2)
+                dest_offset.reshape(-1, m)[:, j] = run_grid(b[6], b[2], 2)
         return
     at = 0
     for first, ln, outer, _, _, d, dfirst, _ in boxes:  # overlapping or differently cut boxes: sort
-        grid = _grid(first, outer)
+        grid = run_grid(first, outer)
         offset[at : at + len(grid)] = grid
         length[at : at + len(grid)] = ln
         dest[at : at + len(grid)] = d
-        dest_offset[at : at + len(grid)] = _grid(dfirst, outer, 2)
+        dest_offset[at : at + len(grid)] = run_grid(dfirst, outer, 2)
         at += len(grid)
     order = np.argsort(offset, kind="stable")
     for c in out:

@@ -23,17 +23,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..io._reader import Reader
-from ..layouts._pieces import Box, extents, intersect, request
 from ._execute import Budget, Cancelled, aligned_empty, execute
+from ._pieces import Box, extents, intersect, request
 from ._plan import FilePlan, plan_file
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from ..layouts._pieces import Piece
-    from ..layouts._sources import Header
     from ._options import LoadOptions
+    from ._pieces import Piece
     from ._report import LoadReport
+    from ._source import Header
 
 __all__ = ["StagingPool", "StreamEngine", "allocator", "run", "slabs"]
 

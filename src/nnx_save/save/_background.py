@@ -29,8 +29,8 @@ import numpy as np
 from .. import _config, _progress
 from ..errors import NnxSaveError, SaveError
 from ..io import _remote
-from ..io._write import Entry
 from . import _stage
+from ._entry import Entry
 
 __all__ = ["MAX_IN_FLIGHT_ENV", "SaveHandle", "max_in_flight", "save", "snapshot", "wait_for_saves"]
 

@@ -21,13 +21,13 @@ import numpy as np
 
 from ..errors import SaveError
 from ..format import _checksum, _dtypes
-from ..format._boxes import of_index, whole
+from ..format._boxes import box_runs, of_index, whole
 from ..format._header import encode_header
 from ..io._files import pread_exact
 from ..io._kv import Outcome, Sync
-from ..io._write import Entry, _write_all, fsync_dir, host_bytes, order_entries, spans_processes, temp_path
-from ..load._plan import box_runs
+from ..io._write import _write_all, fsync_dir, temp_path
 from . import _stage
+from ._entry import Entry, host_bytes, order_entries, spans_processes
 from ._stage import BoxedValue
 from ._write import final_header, host_data
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._options import check
 from ..errors import OptionError
 from ..format._units import parse_size
-from ..load._options import check
 
 __all__ = ["SaveOptions"]
 

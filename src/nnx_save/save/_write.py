@@ -19,8 +19,9 @@ from .. import _progress
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ..io._write import Entry, _write_all, atomic_file, host_bytes, order_entries
+from ..io._write import _write_all, atomic_file
 from . import _stage
+from ._entry import Entry, host_bytes, order_entries
 
 __all__ = ["final_header", "host_data", "write_file"]
 

@@ -2,15 +2,15 @@
 
 - **one file**: :func:`~nnx_save.save._write.write_file` from one process,
   :func:`~nnx_save.save._collective.write_collective` (one shared file) from several,
-  :func:`~nnx_save.io._remote_write.write_remote` for an fsspec URL (one process).
-- **HF index** (``max_shard_size``): :func:`~nnx_save.save._sharded.write_sharded`,
+  :func:`~nnx_save.save._remote.write_remote` for an fsspec URL (one process).
+- **HF index** (``max_shard_size``): :func:`~nnx_save.layouts._index_save.write_sharded`,
   into a local directory or an fsspec URL from one process; from several, each file
   is written by all of them together and the primary commits the index.
-- **pod** (``pod=True``, ``save_pod``): :class:`~nnx_save.save._pod.PodWriter`, one
+- **pod** (``pod=True``, ``save_pod``): :class:`~nnx_save.layouts._pod_save.PodWriter`, one
   file per process whatever the count, and a manifest.
 
 :func:`save` runs it (progress, blocking or in the background). Every writer
-follows the one commit rule (DESIGN.md).
+follows the one commit rule (docs/design.md).
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from .. import _progress
 from ..format._units import parse_size
 from ..io._remote import is_url
-from ..io._remote_write import write_remote
-from ..io._write import Entry
-from . import _background
-from ._collective import write_collective
-from ._pod import PodWriter
-from ._sharded import write_sharded
-from ._write import write_file
+from ..save import _background
+from ..save._collective import write_collective
+from ..save._entry import Entry
+from ..save._remote import write_remote
+from ..save._write import write_file
+from ._index_save import write_sharded
+from ._pod_save import PodWriter
 
 __all__ = ["Writer", "save", "writer"]
 

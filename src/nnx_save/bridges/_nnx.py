@@ -19,19 +19,22 @@ import jax
 import numpy as np
 from flax import nnx
 
+from .._options import DEFAULT, merge
+from .._version import __version__
+from ..errors import MetadataError, ShardingError, UnsupportedValueError, short_repr
+from ..format import _paths
+from ..format._header import strict_json
+from ..layouts import _dispatch
+from ..layouts._sources import read_header, reader_factory
+from ..load._engine import load_targets
+from ..load._options import LoadOptions
+from ..load._report import LoadReport, warn_single_device
+from ..load._source import Header
+from ..load._target import Target
+from ..save import _background
+from ..save._entry import Entry
+from ..save._options import SaveOptions
 from ._pytree import LoadKeywords, check_metadata, leaf_entry, load_options
-from ._version import __version__
-from .errors import MetadataError, ShardingError, UnsupportedValueError, short_repr
-from .format import _paths
-from .format._header import strict_json
-from .io._write import Entry
-from .layouts._sources import Header, read_header, reader_factory
-from .load._engine import load_targets
-from .load._options import DEFAULT, LoadOptions, merge
-from .load._report import LoadReport, warn_single_device
-from .load._target import Target
-from .save import _background, _dispatch
-from .save._options import SaveOptions
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
 
@@ -179,7 +182,7 @@ def save_model(
     entries, rng, scalars = model_entries(model, filter)
     meta = model_metadata(metadata, rng, scalars)
     if rules is not None:
-        from ._porting_bridge import export_entries
+        from ._porting import export_entries
 
         entries = export_entries(rules, entries)
         if "format" not in (metadata or {}):
@@ -422,7 +425,7 @@ def load_model(
     ignore = frozenset(key for _, key, _ in _keyed(full_state)) - set(targets)
     target_list, renamed = list(targets.values()), None
     if rules is not None:
-        from ._porting_bridge import load_targets_for
+        from ._porting import load_targets_for
 
         target_list, ignored, renamed = load_targets_for(rules, header, target_list)
         ignore = ignore | ignored

@@ -12,12 +12,12 @@ from typing import Any
 
 import numpy as np
 
-from .format import _dtypes
-from .format._boxes import Box, of_index
-from .io._write import Entry, spans_processes
-from .layouts._sources import Header
-from .load._target import Target
-from .save._stage import BoxedValue
+from ..format import _dtypes
+from ..format._boxes import Box, of_index
+from ..load._source import Header
+from ..load._target import Target
+from ..save._entry import Entry, spans_processes
+from ..save._stage import BoxedValue
 
 __all__ = ["export_entries", "load_targets_for"]
 

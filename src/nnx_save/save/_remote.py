@@ -18,7 +18,8 @@ from typing import Any
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ._write import TMP_MARKER, Entry, host_bytes, order_entries
+from ..io._write import TMP_MARKER
+from ._entry import Entry, host_bytes, order_entries
 
 __all__ = ["filesystem", "put", "write_remote"]
 

@@ -21,23 +21,16 @@ from typing import Any
 from ..errors import IndexFileError
 from ..format import _dtypes
 from ..format._units import parse_size
-from ..io import _remote, _remote_write
+from ..io import _remote
 from ..io._kv import Sync
-from ..io._write import (
-    TMP_MARKER,
-    Entry,
-    _write_all,
-    atomic_file,
-    commit_staged,
-    discard_staged,
-    order_entries,
-    remove_stale_temps,
-)
-from ..layouts import _pod
-from ..layouts._index import INDEX_NAME, file_names, index_record, parse_index
-from ..layouts._versions import SAVE_ID_KEY, new_save_id
-from ._collective import write_collective
-from ._write import write_file
+from ..io._write import TMP_MARKER, _write_all, atomic_file, commit_staged, discard_staged, remove_stale_temps
+from ..save import _remote as _remote_write
+from ..save._collective import write_collective
+from ..save._entry import Entry, order_entries
+from ..save._write import write_file
+from . import _pod
+from ._index import INDEX_NAME, file_names, index_record, parse_index
+from ._versions import SAVE_ID_KEY, new_save_id
 
 __all__ = ["shard_groups", "write_sharded"]
 

@@ -7,15 +7,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from .._options import DEFAULT, merge
+from ..format import _paths
+from ..layouts import _dispatch
+from ..layouts._pod import MANIFEST
+from ..save._background import SaveHandle
+from ..save._entry import Entry
+from ..save._options import SaveOptions
 from . import _nnx
 from ._pytree import check_metadata, flatten, leaf_entry
-from .format import _paths
-from .io._write import Entry
-from .layouts._pod import MANIFEST
-from .load._options import DEFAULT, merge
-from .save import _dispatch
-from .save._background import SaveHandle
-from .save._options import SaveOptions
 
 __all__ = ["save_pod"]
 

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConvertError
-from ..format._dtypes import DTYPES
-from ..format._torch_pickle import Call, Global, PersistentId, read_data_pickle
+from ._dtypes import DTYPES
+from ._torch_pickle import Call, Global, PersistentId, read_data_pickle
 
 __all__ = ["Archive", "TensorRecord"]
 

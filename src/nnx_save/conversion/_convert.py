@@ -20,14 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from .._pytree import load_file
+from ..bridges._pytree import load_file
 from ..errors import ConvertError, DuplicateKeyError, NnxSaveError
-from ..format import _dtypes, _formats
-from ..io._write import Entry
-from ..layouts._sources import Header, read_header
-from ..save._sharded import write_sharded
+from ..format import _dtypes, _formats, _torchscript
+from ..layouts._index_save import write_sharded
+from ..layouts._sources import read_header
+from ..load._source import Header
+from ..save._entry import Entry
 from ..save._write import write_file
-from . import _torchscript
 
 __all__ = ["Converted", "convert", "read_one"]
 
@@ -161,7 +161,7 @@ def _orbax_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     advice = _formats.composite_advice(path)  # a store or a step: several items, each its own checkpoint
     if advice is not None:
         raise ConvertError(f"{path}: {advice}")
-    from .._nnx import model_metadata
+    from ..bridges._nnx import model_metadata
     from ..checkpoint._arrays import orbax_arrays  # orbax (and jax) only for an Orbax source
     from ..format._paths import to_key
 

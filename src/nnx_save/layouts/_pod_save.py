@@ -22,17 +22,17 @@ from ..format import _dtypes
 from ..format._boxes import Box, extents, of_index, whole
 from ..format._header import encode_header
 from ..io._kv import Outcome, Sync
-from ..io._write import Entry, order_entries, spans_processes
-from ..layouts._pod import commit_manifest, piece_name, shard_name
-from ._collective import agree
-from ._write import write_file
+from ..save._collective import agree
+from ..save._entry import Entry, order_entries, spans_processes
+from ..save._write import write_file
+from ._pod import commit_manifest, piece_name, shard_name
 
 __all__ = ["PodWriter"]
 
 
 @dataclasses.dataclass(frozen=True)
 class PodWriter:
-    """The pod writer of :func:`~nnx_save.save._dispatch.writer`. Its :meth:`pieces`
+    """The pod writer of :func:`~nnx_save.layouts._dispatch.writer`. Its :meth:`pieces`
     are taken when the save is called, before any host snapshot: a process writes
     every distinct box it holds, whatever its replica."""
 

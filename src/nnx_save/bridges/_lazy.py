@@ -14,17 +14,17 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SafetensorError, SliceError, SourceNotFoundError
-from .format._dtypes import DTYPES
-from .format._header import TensorInfo
-from .layouts._layout import LocalFiles, RemoteFiles
-from .layouts._sources import Header, read_header, reader_factory
-from .load._direct import DIRECT_MAX_BYTES, MappedFiles
-from .load._engine import load_targets
-from .load._options import LoadOptions
-from .load._report import IOStats
-from .load._slices import Box, compat, extents, normalize_index, plain, slice_box
-from .load._target import Target
+from ..errors import SafetensorError, SliceError, SourceNotFoundError
+from ..format._dtypes import DTYPES
+from ..format._header import TensorInfo
+from ..layouts._sources import read_header, reader_factory
+from ..load._direct import DIRECT_MAX_BYTES, MappedFiles
+from ..load._engine import load_targets
+from ..load._options import LoadOptions
+from ..load._report import IOStats
+from ..load._slices import Box, compat, extents, normalize_index, plain, slice_box
+from ..load._source import Header, LocalFiles, RemoteFiles
+from ..load._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 

@@ -8,16 +8,19 @@ from typing import Any, TypedDict, Unpack
 
 import numpy as np
 
-from .errors import KeyMismatchError, KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
-from .format import _dtypes, _paths
-from .io._write import Entry
-from .layouts._sources import Header, read_header, reader_factory
-from .load._engine import load_targets
-from .load._options import DEFAULT, LoadOptions, merge
-from .load._report import ShapeMismatch, matches_any, warn_single_device
-from .load._target import Target
-from .save import _background, _dispatch
-from .save._options import SaveOptions
+from .._options import DEFAULT, merge
+from ..errors import KeyMismatchError, KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
+from ..format import _dtypes, _paths
+from ..layouts import _dispatch
+from ..layouts._sources import read_header, reader_factory
+from ..load._engine import load_targets
+from ..load._options import LoadOptions
+from ..load._report import ShapeMismatch, matches_any, warn_single_device
+from ..load._source import Header
+from ..load._target import Target
+from ..save import _background
+from ..save._entry import Entry
+from ..save._options import SaveOptions
 
 __all__ = ["LoadKeywords", "flatten", "leaf_entry", "load_file", "load_options", "save_file"]
 

@@ -1,0 +1,159 @@
+"""What a layout hands the load engine: a validated :class:`Header` whose
+:class:`Placement` says which pieces of which files make each tensor and how to open
+them. Layouts (nnx_save.layouts) build these; the engine only reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..format._header import FileHeader, TensorInfo
+from ..io import _files, _remote
+from ..io._reader import LocalReader, Reader
+from ._pieces import Piece, whole
+
+__all__ = ["Header", "LocalFiles", "Placement", "RemoteFiles", "gc_paused"]
+
+
+class Placement(Protocol):
+    """Where one checkpoint's bytes are, as its layout read them."""
+
+    processes: int
+    """The processes that wrote it (a pod); pieces name theirs, 1 for the other layouts."""
+    missing: tuple[str, ...]
+    """Files it names that are not present (a pod's shard files on another host)."""
+
+    def pieces_of(self, key: str, info: TensorInfo) -> tuple[Piece, ...]:
+        """Tensor ``key`` (validated as ``info``) as pieces at (file, byte range, box)."""
+        ...
+
+    def open_reader(self, file: str) -> Reader:
+        """A reader of ``file``, the very version whose header was validated."""
+        ...
+
+    def retries(self) -> int:
+        """Requests retried so far (remote transports; 0 for local files)."""
+        ...
+
+    def close(self) -> None:
+        """Release what it holds open; readers opened later reopen by name."""
+        ...
+
+
+class LocalFiles:
+    """Local files whose descriptors are pinned (:class:`nnx_save.io._files.Pinned`);
+    every tensor is one whole piece."""
+
+    processes = 1
+    missing: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        self.pinned = _files.Pinned()
+
+    def pieces_of(self, key: str, info: TensorInfo) -> tuple[Piece, ...]:
+        return (Piece(whole(info.shape), info),)
+
+    def open_reader(self, file: str) -> Reader:
+        fd = self.pinned.open(file)
+        try:
+            return LocalReader(file, fd)
+        finally:
+            os.close(fd)  # the reader holds its own duplicate
+
+    def retries(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.pinned.close()
+
+
+class RemoteFiles(LocalFiles):
+    """Remote files, each read pinned to the size and version (ETag) its header had."""
+
+    def __init__(self, stats: Any, identity: Mapping[str, tuple[int, str | None]]) -> None:
+        super().__init__()
+        self.stats, self.identity = stats, identity
+
+    def open_reader(self, file: str) -> Reader:
+        if file in self.identity:
+            return _remote.open_remote(file, self.stats, self.identity[file])
+        return super().open_reader(file)
+
+    def retries(self) -> int:
+        return self.stats.retries
+
+
+@dataclass(frozen=True)
+class Header:
+    """The validated headers of a checkpoint (one file or several).
+
+    Attributes:
+        tensors: every tensor by name, each knowing its file and byte range (the
+            ``file`` of a pod tensor is its manifest).
+        metadata: the ``__metadata__`` of a single file; for several files, the
+            index's ``metadata`` merged over the first file's.
+        files: each file's own header, in read order.
+        kind: ``"file"``, ``"index"``, ``"directory"``, ``"list"`` or ``"pod"``.
+        placement: where each tensor's bytes are, and how to open its files.
+    """
+
+    tensors: Mapping[str, TensorInfo]
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    files: tuple[FileHeader, ...] = ()
+    kind: str = "file"
+    placement: Placement = field(default_factory=LocalFiles, repr=False, compare=False)
+
+    def pieces_of(self, key: str) -> tuple[Piece, ...]:
+        """Where tensor ``key``'s bytes are: pieces at (file, byte range, box)."""
+        return self.placement.pieces_of(key, self.tensors[key])
+
+    @property
+    def missing_files(self) -> tuple[str, ...]:
+        """Files the checkpoint names that are not present (pod shard files)."""
+        return self.placement.missing
+
+    @property
+    def num_processes(self) -> int:
+        """The processes that wrote the checkpoint."""
+        return self.placement.processes
+
+    def close(self) -> None:
+        """Release the files this header keeps open (later loads reopen them by
+        name, and refuse a file replaced since)."""
+        self.placement.close()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self.tensors[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.tensors
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data over all files."""
+        return sum(t.nbytes for t in self.tensors.values())
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside the block: reading many tensors or pieces
+    allocates enough small objects to trigger full collections, each walking every
+    live object of the process; reference counting frees what the block allocates."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
