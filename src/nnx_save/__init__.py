@@ -13,19 +13,12 @@ import typing as _typing
 
 from . import errors as errors
 from ._version import __version__ as __version__
-from .errors import ByteLengthError as ByteLengthError
 from .errors import ChecksumError as ChecksumError
 from .errors import ConfigError as ConfigError
 from .errors import ConvertError as ConvertError
 from .errors import DeviceDtypeError as DeviceDtypeError
 from .errors import DtypeMismatchError as DtypeMismatchError
-from .errors import DuplicateKeyError as DuplicateKeyError
-from .errors import FileSizeError as FileSizeError
-from .errors import HeaderEncodingError as HeaderEncodingError
 from .errors import HeaderError as HeaderError
-from .errors import HeaderJSONError as HeaderJSONError
-from .errors import HeaderTooLargeError as HeaderTooLargeError
-from .errors import HeaderTooSmallError as HeaderTooSmallError
 from .errors import HostMemoryError as HostMemoryError
 from .errors import IndexChangedError as IndexChangedError
 from .errors import IndexFileError as IndexFileError
@@ -35,13 +28,10 @@ from .errors import LayoutConflictError as LayoutConflictError
 from .errors import LoadError as LoadError
 from .errors import LoadWarning as LoadWarning
 from .errors import LossyCastWarning as LossyCastWarning
-from .errors import MetadataError as MetadataError
 from .errors import NnxSaveError as NnxSaveError
 from .errors import NotSafetensorsError as NotSafetensorsError
-from .errors import OffsetError as OffsetError
 from .errors import OptionError as OptionError
 from .errors import OverReadWarning as OverReadWarning
-from .errors import PieceLayoutError as PieceLayoutError
 from .errors import RemoteChangedError as RemoteChangedError
 from .errors import RemoteError as RemoteError
 from .errors import SaveError as SaveError
@@ -51,9 +41,7 @@ from .errors import SharedReadError as SharedReadError
 from .errors import SingleDeviceWarning as SingleDeviceWarning
 from .errors import SliceError as SliceError
 from .errors import SourceError as SourceError
-from .errors import TensorEntryError as TensorEntryError
 from .errors import TruncatedFileError as TruncatedFileError
-from .errors import UnknownDtypeError as UnknownDtypeError
 from .errors import UnsupportedValueError as UnsupportedValueError
 from .format._header import FileHeader as FileHeader
 from .format._header import TensorInfo as TensorInfo
@@ -126,6 +114,8 @@ _LAZY = {name: module for module, names in _MODULES.items() for name in names}
 
 
 def __getattr__(name: str) -> _typing.Any:
+    if name in errors.MERGED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}: it is now a {errors.MERGED[name]}")
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(_importlib.import_module(_LAZY[name], __name__), name)

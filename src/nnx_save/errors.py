@@ -1,8 +1,8 @@
 """Every error and warning nnx_save raises or emits, in one public module.
 
 Every error is an :class:`NnxSaveError` and also the builtin a caller would naturally catch
-(``ValueError``, ``OSError``, ...); malformed files are :class:`HeaderError`, one subclass per
-check. ``nnx_save.checkpoint`` and ``nnx_save.porting`` re-export theirs; docs/errors.md
+(``ValueError``, ``OSError``, ...); malformed files are :class:`HeaderError`, whose ``check`` names
+the check that failed. ``nnx_save.checkpoint`` and ``nnx_save.porting`` re-export theirs; docs/errors.md
 draws the hierarchy.
 """
 
@@ -15,7 +15,6 @@ from typing import Literal, NamedTuple
 from ._version import CHECKPOINT_FORMAT_NAME, CHECKPOINT_FORMAT_VERSION
 
 __all__ = [
-    "ByteLengthError",
     "CheckpointCorruptError",
     "CheckpointDamageWarning",
     "CheckpointDirectoryError",
@@ -35,13 +34,8 @@ __all__ = [
     "DeviceDtypeError",
     "DtypeMismatch",
     "DtypeMismatchError",
-    "DuplicateKeyError",
-    "FileSizeError",
-    "HeaderEncodingError",
+    "HeaderCheck",
     "HeaderError",
-    "HeaderJSONError",
-    "HeaderTooLargeError",
-    "HeaderTooSmallError",
     "HostMemoryError",
     "IndexChangedError",
     "IndexFileError",
@@ -51,14 +45,11 @@ __all__ = [
     "LoadError",
     "LoadWarning",
     "LossyCastWarning",
-    "MetadataError",
     "NnxSaveError",
     "NotInvertibleError",
     "NotSafetensorsError",
-    "OffsetError",
     "OptionError",
     "OverReadWarning",
-    "PieceLayoutError",
     "RemoteChangedError",
     "RemoteError",
     "RuleConflictError",
@@ -73,10 +64,8 @@ __all__ = [
     "SliceError",
     "SourceError",
     "SourceNotFoundError",
-    "TensorEntryError",
     "TiedValuesError",
     "TruncatedFileError",
-    "UnknownDtypeError",
     "UnsupportedCheckpointError",
     "UnsupportedValueError",
     "WriteRefusal",
@@ -92,67 +81,72 @@ class NnxSaveError(Exception):
     key_path: str | None = None
 
 
+HeaderCheck = Literal[
+    "too_small",
+    "too_large",
+    "encoding",
+    "json",
+    "duplicate_key",
+    "metadata",
+    "tensor_entry",
+    "pieces",
+    "dtype",
+    "byte_length",
+    "offsets",
+    "file_size",
+    "index",
+    "layout",
+    "format",
+]
+"""The header checks, in the order they run: ``"too_small"`` (shorter than the 8-byte prefix
+or the declared header), ``"too_large"`` (a declared size over the cap or the file),
+``"encoding"`` (not UTF-8), ``"json"`` (not a JSON object), ``"duplicate_key"`` (a key given
+twice at any level), ``"metadata"`` (``__metadata__`` not strings to strings),
+``"tensor_entry"`` (a field missing, extra or of the wrong type), ``"dtype"`` (a code the
+format does not define), ``"byte_length"`` (a byte range that disagrees with shape and
+dtype), ``"offsets"`` (ranges that overlap, leave a hole or do not start at zero),
+``"file_size"`` (data that does not end at the end of the file), ``"pieces"`` (a layout's
+boxes of a tensor malformed, overlapping, leaving a hole or outside its shape), and for
+the subclasses ``"index"``, ``"layout"`` and ``"format"``."""
+
+
 class HeaderError(NnxSaveError, ValueError):
-    """A safetensors header (or index) is malformed; nothing was read past it."""
+    """A safetensors header (or index, or manifest) is malformed; nothing was read past it.
+    ``check`` names the check that failed (:data:`HeaderCheck`): one class, an attribute
+    per check, since no caller handles one check differently from another.
 
+    Examples:
+        >>> import os, tempfile, nnx_save
+        >>> path = os.path.join(tempfile.mkdtemp(), "short.safetensors")
+        >>> with open(path, "wb") as f:
+        ...     _ = f.write(b"\\x02\\x00")
+        >>> try:
+        ...     nnx_save.read_header(path)
+        ... except nnx_save.HeaderError as e:
+        ...     print(e.check)
+        too_small
+    """
 
-class HeaderTooSmallError(HeaderError):
-    """The file is shorter than the 8-byte size prefix or than the declared header."""
+    check: HeaderCheck | None = None
 
-
-class HeaderTooLargeError(HeaderError):
-    """The declared header size exceeds the cap or the file."""
-
-
-class HeaderEncodingError(HeaderError):
-    """The header bytes are not valid UTF-8."""
-
-
-class HeaderJSONError(HeaderError):
-    """The header is not a JSON object."""
-
-
-class DuplicateKeyError(HeaderError):
-    """The header's JSON text names the same key twice."""
-
-
-class MetadataError(HeaderError):
-    """``__metadata__`` is not a mapping of strings to strings."""
-
-
-class TensorEntryError(HeaderError):
-    """A tensor entry lacks a field, has an extra one, or a field of the wrong type."""
-
-
-class PieceLayoutError(HeaderError):
-    """A layout's pieces of a tensor (a pod manifest's boxes) are malformed, leave a hole,
-    overlap, or fall outside its shape."""
-
-
-class UnknownDtypeError(HeaderError):
-    """A dtype code the safetensors format does not define (or nnx_save cannot map)."""
-
-
-class ByteLengthError(HeaderError):
-    """A tensor's byte range disagrees with its shape and dtype."""
-
-
-class OffsetError(HeaderError):
-    """Tensor byte ranges overlap, leave a hole, or do not start at zero."""
-
-
-class FileSizeError(HeaderError):
-    """The data section does not end exactly at the end of the file."""
+    def __init__(self, message: str = "", *, check: HeaderCheck | None = None) -> None:
+        super().__init__(message)
+        if check is not None:
+            self.check = check
 
 
 class IndexFileError(HeaderError):
     """A multi-file index (``model.safetensors.index.json``) is malformed or disagrees
     with the files it names."""
 
+    check: HeaderCheck | None = "index"
+
 
 class LayoutConflictError(HeaderError):
     """A directory (``file``) that two layouts both claim (an HF index and a pod
     manifest): nnx_save does not guess which save is current."""
+
+    check: HeaderCheck | None = "layout"
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -288,6 +282,8 @@ class ChecksumError(NnxSaveError, ValueError):
 class NotSafetensorsError(HeaderError):
     """The source is another format (PyTorch, Orbax, TensorStore), told by its bytes, nothing
     unpickled; ``format`` says which, the message what to run."""
+
+    check: HeaderCheck | None = "format"
 
     def __init__(self, message: str, format: str = "") -> None:
         super().__init__(message)
@@ -591,3 +587,26 @@ def short_repr(value: object, limit: int = 40) -> str:
     cut = max(text.rfind(sep, 0, limit + 1) for sep in " ,:;)]}")
     head = text[: cut + 1] if cut > 0 else text[:limit]
     return f"{head.rstrip()} ... ({len(text)} characters)"
+
+
+# Classes merged into an attribute (issue 29): the old name says where it went.
+MERGED = {
+    "HeaderTooSmallError": 'HeaderError with check="too_small"',
+    "HeaderTooLargeError": 'HeaderError with check="too_large"',
+    "HeaderEncodingError": 'HeaderError with check="encoding"',
+    "HeaderJSONError": 'HeaderError with check="json"',
+    "DuplicateKeyError": 'HeaderError with check="duplicate_key"',
+    "MetadataError": 'HeaderError with check="metadata"',
+    "TensorEntryError": 'HeaderError with check="tensor_entry"',
+    "PieceLayoutError": 'HeaderError with check="pieces"',
+    "UnknownDtypeError": 'HeaderError with check="dtype"',
+    "ByteLengthError": 'HeaderError with check="byte_length"',
+    "OffsetError": 'HeaderError with check="offsets"',
+    "FileSizeError": 'HeaderError with check="file_size"',
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in MERGED:
+        raise AttributeError(f"module 'nnx_save.errors' has no attribute {name!r}: it is now a {MERGED[name]}")
+    raise AttributeError(f"module 'nnx_save.errors' has no attribute {name!r}")

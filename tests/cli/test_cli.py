@@ -15,6 +15,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
+from _errors import raises_check
 
 import nnx_save
 from nnx_save.cli import _main
@@ -371,7 +372,7 @@ def test_convert_refuses_a_pickle_with_non_tensors(capsys, tmp_path):
 @pytest.mark.slow  # imports torch
 def test_convert_refuses_two_tensors_that_become_one_key(capsys, tmp_path):
     """Issue 18 probe 5: ``{"a": {"b": t}, "a.b": u}`` converted to one tensor and
-    exited 0; now a DuplicateKeyError (exit 2) and nothing written."""
+    exited 0; now a HeaderError (check "duplicate_key", exit 2) and nothing written."""
     import torch
 
     torch.save({"a": {"b": torch.ones(2)}, "a.b": torch.zeros(3)}, tmp_path / "clash.pt")
@@ -381,7 +382,7 @@ def test_convert_refuses_two_tensors_that_become_one_key(capsys, tmp_path):
         "with '.'); rename one of them before converting\n"
     )
     assert not (tmp_path / "o.safetensors").exists()
-    with pytest.raises(nnx_save.DuplicateKeyError, match=re.escape("two tensors become the key 'a.b'")):
+    with raises_check("duplicate_key", match=re.escape("two tensors become the key 'a.b'")):
         nnx_save.convert(tmp_path / "clash.pt", tmp_path / "o.safetensors")
 
 

@@ -5,6 +5,7 @@ import re
 import ml_dtypes
 import numpy as np
 import pytest
+from _errors import raises_check
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -88,16 +89,21 @@ def test_reference_rank_order():
     [("F128", "'F128'"), ("f32", "'f32'"), ("", "''"), (5, "5"), (None, "None"), (["F32"], "['F32']")],
 )
 def test_unknown_code_names_code_and_tensor(code, shown):
-    with pytest.raises(
-        nnx_save.UnknownDtypeError,
+    with raises_check(
+        "dtype",
         match=re.escape(f"tensor 'layer/w': unknown dtype code {shown}; the safetensors format defines BOOL, F4, "),
     ):
         _dtypes.from_code(code, "layer/w")
 
 
-def test_unknown_dtype_error_is_a_header_error():
-    assert issubclass(nnx_save.UnknownDtypeError, nnx_save.HeaderError)
-    assert issubclass(nnx_save.UnknownDtypeError, ValueError)
+def test_an_unknown_dtype_is_a_header_error_of_the_dtype_check():
+    from nnx_save.format import _dtypes
+
+    with pytest.raises(
+        ValueError, match=re.escape("tensor 'w': unknown dtype code 'Q7'; the safetensors format defines")
+    ) as info:
+        _dtypes.from_code("Q7", "w")
+    assert isinstance(info.value, nnx_save.HeaderError) and info.value.check == "dtype"
 
 
 @pytest.mark.parametrize(
@@ -113,14 +119,12 @@ def test_unknown_dtype_error_is_a_header_error():
 )
 def test_dtype_without_a_code_is_refused(dtype, shown):
     shown = shown or str(np.dtype(dtype))
-    with pytest.raises(
-        nnx_save.UnknownDtypeError, match=re.escape(f"tensor 'k': dtype {shown} has no safetensors code")
-    ):
+    with raises_check("dtype", match=re.escape(f"tensor 'k': dtype {shown} has no safetensors code")):
         _dtypes.to_code(dtype, "k")
 
 
 def test_non_dtype_is_refused():
-    with pytest.raises(nnx_save.UnknownDtypeError, match=re.escape("tensor 'k': dtype banana has no safetensors code")):
+    with raises_check("dtype", match=re.escape("tensor 'k': dtype banana has no safetensors code")):
         _dtypes.to_code("banana", "k")
 
 

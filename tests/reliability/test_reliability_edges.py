@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _errors import raises_check
 from flax import nnx
 
 import nnx_save
@@ -90,7 +91,7 @@ def test_scalars_nested_200000_deep_are_a_metadata_error_in_load_model(tmp_path)
     path = tmp_path / "deep.safetensors"
     four_floats(path, {"nnx_save.scalars": DEEP})
     message = f"{path}: __metadata__['nnx_save.scalars'] is not valid JSON: nested too deeply"
-    with pytest.raises(nnx_save.MetadataError, match=re.escape(message)):
+    with raises_check("metadata", match=re.escape(message)):
         nnx_save.load_model(_Scalar, path)
 
 
@@ -110,7 +111,7 @@ def test_an_unknown_rng_impl_is_a_metadata_error_naming_the_key(tmp_path):
     body = raw[8 + n :]
     write_raw(bad, header, body)
     message = f"{bad}: __metadata__['nnx_save.rng_impl'] names the PRNG implementation 'no_such_prng' for 'k'"
-    with pytest.raises(nnx_save.MetadataError, match=re.escape(message)):
+    with raises_check("metadata", match=re.escape(message)):
         nnx_save.load_model(_Keyed, bad)
 
 

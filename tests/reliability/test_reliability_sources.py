@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _errors import raises_check
 
 import nnx_save
 from nnx_save.io._write import NAME_MAX, TMP_MARKER, temp_path
@@ -39,7 +40,7 @@ def no_hang(seconds: int = 5):
 
 
 def refused(fn, cls, message: str) -> None:
-    with no_hang(), pytest.raises(cls, match=re.escape(message)) as info:
+    with no_hang(), raises_check(cls, match=re.escape(message)) as info:
         fn()
     return info.value
 
@@ -104,7 +105,7 @@ def test_a_symlink_to_proc_self_mem_is_a_typed_error(tmp_path, loader):
     link.symlink_to("/proc/self/mem")
     refused(
         lambda: LOADERS[loader](link),
-        nnx_save.HeaderTooSmallError,
+        "too_small",
         f"{link}: 0 bytes is shorter than the 8-byte header size prefix",
     )
 
@@ -121,7 +122,7 @@ def test_empty_tensors_with_unaddressable_dimensions_are_refused_at_the_header(t
     path.write_bytes(struct.pack("<Q", len(body)) + body)
     refused(
         lambda: LOADERS[loader](path),
-        nnx_save.ByteLengthError,
+        "byte_length",
         f"{path}: tensor 'e': shape {shape} of {dtype} cannot be addressed: its non-zero dimensions times the "
         "item size exceed 2**63 - 1 bytes",
     )

@@ -21,7 +21,7 @@ from flax import nnx
 
 from .._options import DEFAULT, merge
 from .._version import __version__
-from ..errors import MetadataError, ShardingError, UnsupportedValueError, short_repr
+from ..errors import HeaderError, ShardingError, UnsupportedValueError, short_repr
 from ..format import _paths
 from ..format._header import strict_json
 from ..layouts import _dispatch
@@ -276,7 +276,7 @@ def _file_rng(header: Header) -> dict:
         try:
             value = strict_json(header.metadata.get(name, "{}"))
         except ValueError as e:  # not JSON, nested too deeply, a duplicate key
-            raise MetadataError(f"{where}: __metadata__[{name!r}] is not valid JSON: {e}") from None
+            raise HeaderError(f"{where}: __metadata__[{name!r}] is not valid JSON: {e}", check="metadata") from None
         return value if isinstance(value, dict) else {}
 
     rng = parse(RNG_KEY)
@@ -291,9 +291,10 @@ def _check_impl(where: str, key: str, impl: Any) -> None:
     try:
         jax.random.key(0, impl=impl if isinstance(impl, str) else repr(impl))
     except (ValueError, TypeError) as e:
-        raise MetadataError(
+        raise HeaderError(
             f"{where}: __metadata__[{RNG_KEY!r}] names the PRNG implementation {impl!r} for {key!r}, "
-            f"which this jax does not know ({e})"
+            f"which this jax does not know ({e})",
+            check="metadata",
         ) from None
 
 
@@ -394,7 +395,7 @@ def load_model(
     Raises:
         HeaderError: a malformed file or index, before any data is read.
         LoadError: ``strict=True`` and a mismatch; the model is not touched.
-        MetadataError: the file's PRNG or scalar record is not valid JSON, or names
+        HeaderError: the file's PRNG or scalar record is not valid JSON, or names
             a PRNG implementation this jax does not know.
         ShardingError: a builder's sharding is on an abstract mesh and no mesh is given or set.
         ChecksumError: ``verify=True`` and a tensor's bytes do not match its checksum.

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..bridges._pytree import load_file
-from ..errors import ConvertError, DuplicateKeyError, NnxSaveError
+from ..errors import ConvertError, HeaderError, NnxSaveError
 from ..format import _dtypes, _formats, _torchscript
 from ..layouts._index_save import write_sharded
 from ..layouts._sources import read_header
@@ -134,7 +134,7 @@ def _torchscript_entries(source: Path, opened: contextlib.ExitStack) -> list[Ent
     entries: dict[str, Entry] = {}
     for r in archive.tensors():
         if r.key in entries:
-            raise DuplicateKeyError(f"{source}: two tensors have the state_dict key {r.key!r}")
+            raise HeaderError(f"{source}: two tensors have the state_dict key {r.key!r}", check="duplicate_key")
         entries[r.key] = Entry(r.key, _dtypes.to_code(r.dtype, r.key).code, r.shape, functools.partial(archive.read, r))
     return list(entries.values())
 
@@ -236,9 +236,10 @@ def _add_unique(out: dict[str, np.ndarray], key: str, value: np.ndarray, path: P
     """``out[key] = value``, refusing a key already there: nested keys joined with
     ``joiner`` can meet a flat key (``{"a": {"b": t}, "a.b": u}``)."""
     if key in out:
-        raise DuplicateKeyError(
+        raise HeaderError(
             f"{path}: two tensors become the key {key!r} (nested keys are joined with {joiner}); "
-            "rename one of them before converting"
+            "rename one of them before converting",
+            check="duplicate_key",
         )
     out[key] = value
 

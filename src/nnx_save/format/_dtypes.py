@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import UnknownDtypeError
+from ..errors import HeaderError
 
 __all__ = ["DTYPES", "RANK", "DtypeInfo", "from_code", "nbytes_for", "to_code"]
 
@@ -80,7 +80,7 @@ def from_code(code: object, tensor: str = "?") -> DtypeInfo:
     """The table row for a file dtype code.
 
     Raises:
-        UnknownDtypeError: the code is not one the safetensors format defines.
+        HeaderError: the code is not one the safetensors format defines.
 
     Examples:
         >>> from_code("BF16").numpy
@@ -90,8 +90,9 @@ def from_code(code: object, tensor: str = "?") -> DtypeInfo:
     """
     row = DTYPES.get(code) if isinstance(code, str) else None
     if row is None:
-        raise UnknownDtypeError(
-            f"tensor {tensor!r}: unknown dtype code {code!r}; the safetensors format defines {', '.join(DTYPES)}"
+        raise HeaderError(
+            f"tensor {tensor!r}: unknown dtype code {code!r}; the safetensors format defines {', '.join(DTYPES)}",
+            check="dtype",
         )
     return row
 
@@ -100,7 +101,7 @@ def to_code(dtype: object, tensor: str = "?") -> DtypeInfo:
     """The table row for a numpy (or jax) dtype.
 
     Raises:
-        UnknownDtypeError: safetensors has no code for this dtype (e.g. complex128).
+        HeaderError: safetensors has no code for this dtype (e.g. complex128).
     """
     try:
         key = np.dtype(dtype)  # type: ignore[call-overload]
@@ -109,7 +110,7 @@ def to_code(dtype: object, tensor: str = "?") -> DtypeInfo:
     row = _BY_NUMPY.get(key.newbyteorder("=")) if key is not None else None
     if row is None:
         shown = key if key is not None else dtype  # "int4", not "<class 'ml_dtypes.int4'>"
-        raise UnknownDtypeError(f"tensor {tensor!r}: dtype {shown} has no safetensors code")
+        raise HeaderError(f"tensor {tensor!r}: dtype {shown} has no safetensors code", check="dtype")
     return row
 
 

@@ -22,22 +22,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import (
-    ByteLengthError,
-    DuplicateKeyError,
-    FileSizeError,
-    HeaderEncodingError,
-    HeaderJSONError,
-    HeaderTooLargeError,
-    HeaderTooSmallError,
-    KeyPathError,
-    MetadataError,
-    OffsetError,
-    TensorEntryError,
-    UnknownDtypeError,
-    UnsupportedValueError,
-    short_repr,
-)
+from ..errors import HeaderError, KeyPathError, UnsupportedValueError, short_repr
 from . import _dtypes
 
 __all__ = ["MAX_HEADER_SIZE", "FileHeader", "TensorInfo", "encode_header", "header_size", "parse_header"]
@@ -94,15 +79,16 @@ def header_size(prefix: bytes, file_size: int, *, file: str = "<bytes>") -> int:
         16
     """
     if len(prefix) < 8 or file_size < 8:
-        raise HeaderTooSmallError(
-            f"{file}: {max(file_size, len(prefix))} bytes is shorter than the 8-byte header size prefix"
+        raise HeaderError(
+            f"{file}: {max(file_size, len(prefix))} bytes is shorter than the 8-byte header size prefix",
+            check="too_small",
         )
     (n,) = _PREFIX.unpack(prefix[:8])
     if n > MAX_HEADER_SIZE:
-        raise HeaderTooLargeError(f"{file}: header size {n} exceeds the cap of {MAX_HEADER_SIZE} bytes")
+        raise HeaderError(f"{file}: header size {n} exceeds the cap of {MAX_HEADER_SIZE} bytes", check="too_large")
     if 8 + n > file_size:
-        raise HeaderTooLargeError(
-            f"{file}: header size {n} at byte 0 runs past the end of the file ({file_size} bytes)"
+        raise HeaderError(
+            f"{file}: header size {n} at byte 0 runs past the end of the file ({file_size} bytes)", check="too_large"
         )
     return n
 
@@ -115,18 +101,18 @@ def unique_pairs(pairs: list[tuple[str, object]]) -> dict[str, object]:
         seen: set[str] = set()
         for key, _ in pairs:
             if key in seen:
-                raise DuplicateKeyError(f"key {key!r} appears more than once")
+                raise HeaderError(f"key {key!r} appears more than once", check="duplicate_key")
             seen.add(key)
     return out
 
 
 def strict_json(text: str) -> object:
-    """``json.loads`` refusing a key given twice (:class:`DuplicateKeyError`) and
+    """``json.loads`` refusing a key given twice (:class:`HeaderError`) and
     nesting deeper than the recursion limit allows: every JSON read from a file.
 
     Raises:
         ValueError: Not JSON (``JSONDecodeError``), an int over 4300 digits, nested
-            too deeply, or a duplicate key (:class:`DuplicateKeyError`, a ``ValueError``).
+            too deeply, or a duplicate key (:class:`HeaderError`, a ``ValueError``).
 
     Examples:
         >>> strict_json('{"a": [1, 2]}')
@@ -146,8 +132,9 @@ def _text(raw: bytes, file: str) -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise HeaderEncodingError(
-            f"{file}: header is not valid UTF-8 (byte {8 + e.start} of the file: {raw[e.start : e.start + 1]!r})"
+        raise HeaderError(
+            f"{file}: header is not valid UTF-8 (byte {8 + e.start} of the file: {raw[e.start : e.start + 1]!r})",
+            check="encoding",
         ) from None
 
 
@@ -155,12 +142,12 @@ def _decode_json(text: str, file: str) -> dict[str, object]:
     """The header's JSON object, every key at every level checked unique as it is parsed."""
     try:
         obj = strict_json(text)
-    except DuplicateKeyError as e:
-        raise DuplicateKeyError(f"{file}: {e} in the header JSON") from None
+    except HeaderError as e:
+        raise HeaderError(f"{file}: {e} in the header JSON", check="duplicate_key") from None
     except ValueError as e:  # JSONDecodeError, an int over 4300 digits, too deep
-        raise HeaderJSONError(f"{file}: header is not valid JSON: {e}") from None
+        raise HeaderError(f"{file}: header is not valid JSON: {e}", check="json") from None
     if not isinstance(obj, dict):
-        raise HeaderJSONError(f"{file}: header must be a JSON object, found a JSON {type(obj).__name__}")
+        raise HeaderError(f"{file}: header must be a JSON object, found a JSON {type(obj).__name__}", check="json")
     return obj
 
 
@@ -168,11 +155,14 @@ def _parse_metadata(value: object, file: str) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise MetadataError(f"{file}: __metadata__ must be an object of strings, found {type(value).__name__}")
+        raise HeaderError(
+            f"{file}: __metadata__ must be an object of strings, found {type(value).__name__}", check="metadata"
+        )
     for k, v in value.items():
         if not isinstance(v, str):
-            raise MetadataError(
-                f"{file}: __metadata__[{k!r}] must be a string, found {type(v).__name__} {short_repr(v, 60)}"
+            raise HeaderError(
+                f"{file}: __metadata__[{k!r}] must be a string, found {type(v).__name__} {short_repr(v, 60)}",
+                check="metadata",
             )
     return dict(value)
 
@@ -183,26 +173,32 @@ def _is_int(x: object) -> bool:
 
 def _parse_entry(name: str, entry: object, file: str) -> tuple[_dtypes.DtypeInfo, tuple[int, ...], int, int]:
     if not isinstance(entry, dict):
-        raise TensorEntryError(f"{file}: tensor {name!r}: entry must be an object, found {type(entry).__name__}")
+        raise HeaderError(
+            f"{file}: tensor {name!r}: entry must be an object, found {type(entry).__name__}", check="tensor_entry"
+        )
     if set(entry) != _ENTRY_FIELDS:
         missing, extra = sorted(_ENTRY_FIELDS - set(entry)), sorted(set(entry) - _ENTRY_FIELDS)
-        raise TensorEntryError(f"{file}: tensor {name!r}: fields missing {missing}, unexpected {extra}")
+        raise HeaderError(
+            f"{file}: tensor {name!r}: fields missing {missing}, unexpected {extra}", check="tensor_entry"
+        )
     try:
         dtype = _dtypes.from_code(entry["dtype"], name)
-    except UnknownDtypeError as e:
-        raise UnknownDtypeError(f"{file}: {e}") from None
+    except HeaderError as e:
+        raise HeaderError(f"{file}: {e}", check="dtype") from None
     shape, offsets = entry["shape"], entry["data_offsets"]
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise TensorEntryError(
-            f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {short_repr(shape, 80)}"
+        raise HeaderError(
+            f"{file}: tensor {name!r}: shape must be a list of non-negative integers, found {short_repr(shape, 80)}",
+            check="tensor_entry",
         )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)):
-        raise TensorEntryError(
-            f"{file}: tensor {name!r}: data_offsets must be two non-negative integers, found {short_repr(offsets, 80)}"
+        raise HeaderError(
+            f"{file}: tensor {name!r}: data_offsets must be two non-negative integers, found {short_repr(offsets, 80)}",
+            check="tensor_entry",
         )
     begin, end = offsets
     if begin > end:
-        raise OffsetError(f"{file}: tensor {name!r}: data_offsets begin {begin} > end {end}")
+        raise HeaderError(f"{file}: tensor {name!r}: data_offsets begin {begin} > end {end}", check="offsets")
     return dtype, tuple(shape), begin, end
 
 
@@ -212,22 +208,27 @@ def _check_length(name: str, dtype: _dtypes.DtypeInfo, shape: tuple[int, ...], b
         numel *= d
         addressable *= d or 1  # numpy refuses a shape whose non-zero dimensions overflow, even if one is 0
         if numel > _MAX_NUMEL:
-            raise ByteLengthError(f"{file}: tensor {name!r}: shape {list(shape)} has more than 2**63 elements")
+            raise HeaderError(
+                f"{file}: tensor {name!r}: shape {list(shape)} has more than 2**63 elements", check="byte_length"
+            )
         if addressable > _MAX_NUMEL:
-            raise ByteLengthError(
+            raise HeaderError(
                 f"{file}: tensor {name!r}: shape {list(shape)} of {dtype.code} cannot be addressed: its non-zero "
-                "dimensions times the item size exceed 2**63 - 1 bytes"
+                "dimensions times the item size exceed 2**63 - 1 bytes",
+                check="byte_length",
             )
     if numel * dtype.bits % 8:  # as the reference: a tensor never ends inside a byte
-        raise ByteLengthError(
+        raise HeaderError(
             f"{file}: tensor {name!r}: shape {list(shape)} of {dtype.code} is {numel * dtype.bits} bits, "
-            "not a whole number of bytes"
+            "not a whole number of bytes",
+            check="byte_length",
         )
     expected = _dtypes.nbytes_for(dtype, numel)
     if end - begin != expected:
-        raise ByteLengthError(
+        raise HeaderError(
             f"{file}: tensor {name!r}: shape {list(shape)} of {dtype.code} needs {expected} bytes, "
-            f"data_offsets [{begin}, {end}] hold {end - begin}"
+            f"data_offsets [{begin}, {end}] hold {end - begin}",
+            check="byte_length",
         )
 
 
@@ -238,12 +239,13 @@ def _check_layout(entries: list[tuple[str, int, int]], data_size: int, file: str
         if begin != position:
             what = "overlaps" if begin < position else "leaves a hole after"
             after = f"tensor {previous!r} (ends at {position})" if previous else "the start of the data (0)"
-            raise OffsetError(f"{file}: tensor {name!r} at [{begin}, {end}] {what} {after}")
+            raise HeaderError(f"{file}: tensor {name!r} at [{begin}, {end}] {what} {after}", check="offsets")
         position, previous = end, name
     if position != data_size:
-        raise FileSizeError(
+        raise HeaderError(
             f"{file}: tensor data ends at byte {position} of the data section, "
-            f"but the file holds {data_size} bytes of data"
+            f"but the file holds {data_size} bytes of data",
+            check="file_size",
         )
 
 

@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import HeaderTooSmallError, SourceError, TruncatedFileError
+from ..errors import HeaderError, SourceError, TruncatedFileError
 from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _remote
@@ -28,7 +28,7 @@ def _read_prefix_and_header(fd: int, size: int, name: str) -> FileHeader:
     try:
         raw = _files.pread_exact(fd, n, 8, name)
     except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
-        raise HeaderTooSmallError(str(e)) from None
+        raise HeaderError(str(e), check="too_small") from None
     return parse_header(raw, size, file=name)
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import DuplicateKeyError, HeaderError, IndexFileError
+from ..errors import HeaderError, IndexFileError
 from ..format._header import FileHeader, TensorInfo, unique_pairs
 from ..load._source import Header
 
@@ -46,7 +46,7 @@ def load_record(raw: bytes, where: object, what: str, error: type[HeaderError]) 
     """
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
-    except DuplicateKeyError as e:
+    except HeaderError as e:
         raise error(f"{where}: {e} in the {what} JSON") from None
     except RecursionError:
         raise error(f"{where}: not a valid JSON {what}: nested too deeply") from None

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import HeaderError, PieceLayoutError, SaveError, short_repr
+from ..errors import HeaderError, SaveError, short_repr
 from ..format import _dtypes
 from ..format._header import FileHeader, TensorInfo
 from ..io import _files
@@ -66,14 +66,14 @@ def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], where: str)
     disjoint and cover it exactly. O(n log n) in the boxes of a regular grid.
 
     Raises:
-        PieceLayoutError: naming ``key`` and the offending boxes.
+        HeaderError: naming ``key`` and the offending boxes.
 
     Examples:
         >>> check_tiling("w", (8,), [((0, 4),), ((4, 8),), ((0, 4),)], "m.json")  # a replica: fine
         >>> check_tiling("w", (8,), [((0, 6),), ((1, 3),)], "m.json")
         Traceback (most recent call last):
         ...
-        nnx_save.errors.PieceLayoutError: m.json: tensor 'w': pieces [[0, 6]] and [[1, 3]] overlap
+        nnx_save.errors.HeaderError: m.json: tensor 'w': pieces [[0, 6]] and [[1, 3]] overlap
     """
     distinct = list(dict.fromkeys(boxes))
     for box in distinct:
@@ -83,7 +83,9 @@ def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], where: str)
         arr = np.array(distinct, np.int64).reshape(len(distinct), len(shape), 2)
         np.array(shape, np.int64)
     except OverflowError:
-        raise PieceLayoutError(f"{where}: tensor {key!r}: a shape or piece coordinate exceeds 2**63 - 1") from None
+        raise HeaderError(
+            f"{where}: tensor {key!r}: a shape or piece coordinate exceeds 2**63 - 1", check="pieces"
+        ) from None
     lo, hi = arr[..., 0], arr[..., 1]
     inside = ((lo >= 0) & (lo <= hi) & (hi <= np.array(shape, np.int64))).all(1)
     if not inside.all():
@@ -94,19 +96,23 @@ def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], where: str)
         pair = _overlap(nonempty, key, where)
         if pair is not None:
             i, j = pair
-            raise PieceLayoutError(
-                f"{where}: tensor {key!r}: pieces {_show(nonempty[i].tolist())} and {_show(nonempty[j].tolist())} overlap"
+            raise HeaderError(
+                f"{where}: tensor {key!r}: pieces {_show(nonempty[i].tolist())} and {_show(nonempty[j].tolist())} overlap",
+                check="pieces",
             )
     covered, total = sum(map(math.prod, (nonempty[:, :, 1] - nonempty[:, :, 0]).tolist())), math.prod(shape)
     if covered != total or (not shape and not distinct):
-        raise PieceLayoutError(
+        raise HeaderError(
             f"{where}: tensor {key!r}: pieces {[_show(b) for b in distinct][:8]} cover {covered} of the "
-            f"{total} elements of shape {list(shape)}"
+            f"{total} elements of shape {list(shape)}",
+            check="pieces",
         )
 
 
-def _outside(key: str, box: Box, shape: tuple[int, ...], where: str) -> PieceLayoutError:
-    return PieceLayoutError(f"{where}: tensor {key!r}: piece {_show(box)} does not lie inside shape {list(shape)}")
+def _outside(key: str, box: Box, shape: tuple[int, ...], where: str) -> HeaderError:
+    return HeaderError(
+        f"{where}: tensor {key!r}: piece {_show(box)} does not lie inside shape {list(shape)}", check="pieces"
+    )
 
 
 def _overlap(boxes: np.ndarray, key: str, where: str) -> tuple[int, int] | None:
@@ -126,9 +132,10 @@ def _overlap(boxes: np.ndarray, key: str, where: str) -> tuple[int, int] | None:
         return _paint(cells, tuple(len(c) - 1 for c in cuts))
     if len(boxes) <= MAX_PAIRWISE_PIECES:
         return _pairwise(boxes[:, :, 0], boxes[:, :, 1])
-    raise PieceLayoutError(
+    raise HeaderError(
         f"{where}: tensor {key!r}: {len(boxes)} pieces of irregular sizes (more than {MAX_PAIRWISE_PIECES}, cutting "
-        f"it into more than {MAX_GRID_CELLS} cells); save it again with save_pod, whose pieces form a regular grid"
+        f"it into more than {MAX_GRID_CELLS} cells); save it again with save_pod, whose pieces form a regular grid",
+        check="pieces",
     )
 
 
@@ -178,8 +185,8 @@ class Manifest:
         return sorted({p.file for _, _, pieces in self.tensors.values() for p in pieces})
 
 
-def _fail(where: Path, message: str) -> PieceLayoutError:
-    return PieceLayoutError(f"{where}: {message}")
+def _fail(where: Path, message: str) -> HeaderError:
+    return HeaderError(f"{where}: {message}", check="pieces")
 
 
 def _load_json(raw: bytes, where: Path) -> dict:

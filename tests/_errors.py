@@ -1,0 +1,19 @@
+"""``raises_check``: ``pytest.raises`` for an error class, or for a :class:`nnx_save.HeaderError`
+whose ``check`` is the one named (a string), so parametrized cases can mix both."""
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import nnx_save
+
+
+@contextlib.contextmanager
+def raises_check(expected: str | type[BaseException], match: str | None = None) -> Iterator[Any]:
+    """``pytest.raises(expected)``; for a string, a :class:`nnx_save.HeaderError` whose ``check`` it is."""
+    with pytest.raises(nnx_save.HeaderError if isinstance(expected, str) else expected, match=match) as info:
+        yield info
+    if isinstance(expected, str):
+        assert info.value.check == expected, f"check {info.value.check!r}, expected {expected!r}: {info.value}"
