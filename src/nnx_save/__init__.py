@@ -29,6 +29,7 @@ from .errors import LoadError as LoadError
 from .errors import LoadWarning as LoadWarning
 from .errors import LossyCastWarning as LossyCastWarning
 from .errors import NnxSaveError as NnxSaveError
+from .errors import NnxSaveWarning as NnxSaveWarning
 from .errors import NotSafetensorsError as NotSafetensorsError
 from .errors import OptionError as OptionError
 from .errors import OverReadWarning as OverReadWarning
@@ -82,6 +83,7 @@ __all__ = [
     "LoadError",
     "SaveError",
     "ChecksumError",
+    "NnxSaveWarning",
     "LoadWarning",
 ]
 

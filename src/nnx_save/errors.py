@@ -46,6 +46,7 @@ __all__ = [
     "LoadWarning",
     "LossyCastWarning",
     "NnxSaveError",
+    "NnxSaveWarning",
     "NotInvertibleError",
     "NotSafetensorsError",
     "OptionError",
@@ -327,7 +328,12 @@ class ConfigError(NnxSaveError, ValueError):
         self.variable, self.expected, self.found = variable, expected, found
 
 
-class LoadWarning(UserWarning):
+class NnxSaveWarning(UserWarning):
+    """Base class of every warning nnx_save emits: ``warnings.filterwarnings("error",
+    category=nnx_save.errors.NnxSaveWarning)`` turns them all into errors."""
+
+
+class LoadWarning(NnxSaveWarning):
     """A load finished with mismatches (missing, unexpected, cast ...); see its report."""
 
 
@@ -369,7 +375,7 @@ class CheckpointCorruptError(CheckpointError, ValueError):
         super().__init__(f"step {step} is damaged: {self.path}: {problem}")
 
 
-class CheckpointDamageWarning(UserWarning):
+class CheckpointDamageWarning(NnxSaveWarning):
     """Steps of a store are damaged and are left out of ``list_steps`` and ``latest_step``
     (see ``damaged_steps()``)."""
 
