@@ -49,6 +49,21 @@ def test_help_shows_the_api_and_nothing_else():
     assert "importlib" not in text and "TYPE_CHECKING" not in text
 
 
+def test_dir_lists_exactly_the_documented_names():
+    """``dir(nnx_save)``: the API, the types it hands back (docs/api.md) and the errors and
+    warnings (docs/errors.md), each reachable; no subpackage, no helper."""
+    api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    received = api[api.index("## Types you receive") : api.index("## Errors")]
+    documented = set(re.findall(r"^\| `(\w+)` \|", received, re.M)) | set(nnx_save.__all__) | {"__version__"}
+    shown = set(dir(nnx_save))
+    thrown = {n for n in shown - documented if issubclass(getattr(nnx_save, n), (nnx_save.NnxSaveError, Warning))}
+    assert shown - thrown == documented
+    errors_page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    assert [n for n in sorted(thrown) if f"{n}" not in errors_page] == []
+    for name in shown:
+        getattr(nnx_save, name)
+
+
 def test_the_surface_itself_pulls_no_jax():
     """``__all__``, ``dir()``, the options and the errors are there without jax; the
     functions import it on first use (``from nnx_save import *`` binds them, so it does)."""

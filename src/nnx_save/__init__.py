@@ -113,6 +113,18 @@ _MODULES = {
     ".bridges._pytree": ("load_file", "save_file"),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
+# The types the API hands back: reachable here for annotations, not in __all__ (docs/api.md).
+_RECEIVED = (
+    "FileHeader",
+    "TensorInfo",
+    "DtypeCast",
+    "ShapeMismatch",
+    "IOStats",
+    "LazyCheckpoint",
+    "TensorSlice",
+    "Converted",
+)
+_THROWN = (errors.NnxSaveError, errors.NnxSaveWarning)
 
 
 def __getattr__(name: str) -> _typing.Any:
@@ -126,4 +138,7 @@ def __getattr__(name: str) -> _typing.Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    """The documented names (docs/api.md): the API, the types it hands back, the errors
+    and warnings; not the subpackages that importing the package binds as a side effect."""
+    errors_here = {n for n, v in globals().items() if isinstance(v, type) and issubclass(v, _THROWN)}
+    return sorted({*__all__, *_RECEIVED, *errors_here, "__version__"})
