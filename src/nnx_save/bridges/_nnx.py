@@ -13,7 +13,7 @@ import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
 import jax
 import numpy as np
@@ -35,6 +35,9 @@ from ..save import _background
 from ..save._entry import Entry
 from ..save._options import SaveOptions
 from ._pytree import LoadKeywords, check_metadata, leaf_entry, load_options
+
+if TYPE_CHECKING:
+    from ..porting import Rules
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
 
@@ -139,7 +142,7 @@ def save_model(
     *,
     filter: Any = ...,
     metadata: Mapping[str, str] | None = None,
-    rules: Any = None,
+    rules: Rules | None = None,
     max_shard_size: int | str | None = DEFAULT,
     progress: bool | None = DEFAULT,
     blocking: bool = DEFAULT,
@@ -361,7 +364,7 @@ def load_model(
     allow_unexpected: Sequence[str] = (),
     allow_shape_mismatch: Sequence[str] = (),
     allow_casts: str | Sequence[str] = (),
-    rules: Any = None,
+    rules: Rules | None = None,
     mesh: Any = None,
     options: LoadOptions | None = None,
     **keywords: Unpack[LoadKeywords],

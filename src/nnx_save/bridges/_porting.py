@@ -16,6 +16,7 @@ from ..format import _dtypes
 from ..format._boxes import Box, of_index
 from ..load._source import Header
 from ..load._target import Target
+from ..porting import Rules
 from ..save._entry import Entry, spans_processes
 from ..save._stage import BoxedValue
 
@@ -23,7 +24,7 @@ __all__ = ["export_entries", "load_targets_for"]
 
 
 def load_targets_for(
-    rules: Any, header: Header, targets: Sequence[Target]
+    rules: Rules, header: Header, targets: Sequence[Target]
 ) -> tuple[list[Target], frozenset[str], dict[str, tuple[str, ...]]]:
     """Rewrite model targets to read through ``rules``; also the keys rules ignore, and
     each file key's model paths (to name what an unexpected key became)."""
@@ -31,12 +32,14 @@ def load_targets_for(
     out = []
     for t in targets:
         a = mapping.assignments.get(t.path)
-        made = {} if a is None or a.transform is None else {"transform": a.transform, "source_shape": tuple(a.shape)}
-        out.append(dataclasses.replace(t, sources=() if a is None else a.sources, **made))
+        if a is None or a.transform is None:
+            out.append(dataclasses.replace(t, sources=() if a is None else a.sources))
+        else:
+            out.append(dataclasses.replace(t, sources=a.sources, transform=a.transform, source_shape=tuple(a.shape)))
     return out, frozenset(mapping.unused), dict(mapping.landed)
 
 
-def export_entries(rules: Any, entries: Sequence[Entry]) -> list[Entry]:
+def export_entries(rules: Rules, entries: Sequence[Entry]) -> list[Entry]:
     """The entries under their exported names and layouts (values made lazily): a renamed
     one keeps its value and shards, a transformed one becomes a :class:`BoxedValue`."""
     by_key = {e.key: e for e in entries}
