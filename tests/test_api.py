@@ -34,7 +34,8 @@ def test_star_import_binds_exactly_all():
 
 def test_all_is_the_docs_api_page():
     text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
-    listed = re.findall(r"^\| `(\w+)` \|", text, re.M)
+    received = text[text.index("## Types you receive") : text.index("## Errors")]
+    listed = re.findall(r"^\| `(\w+)` \|", text.replace(received, ""), re.M)
     assert sorted(listed) == sorted(nnx_save.__all__)
 
 
