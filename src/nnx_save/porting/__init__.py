@@ -42,9 +42,12 @@ __all__ = [
     "RenameRule",
     "Reshape",
     "ReshapeRule",
+    "Restore",
     "RuleConflictError",
     "RuleError",
     "RuleShapeError",
+    "RuleTableError",
+    "RuleTableWarning",
     "Rules",
     "Same",
     "SplitRule",
@@ -84,7 +87,15 @@ __all__ = [
     "unstack",
 ]
 
-from ..errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError, TiedValuesError
+from ..errors import (
+    NotInvertibleError,
+    RuleConflictError,
+    RuleError,
+    RuleShapeError,
+    RuleTableError,
+    RuleTableWarning,
+    TiedValuesError,
+)
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule
 from ._constructors import add, concat, ignore, rename, reshape, split, stack, tie, transpose, unstack
 from ._coverage import Coverage, coverage
@@ -119,6 +130,7 @@ from ._transforms import (
     Each,
     Index,
     Reshape,
+    Restore,
     Same,
     Stack,
     Sum,
