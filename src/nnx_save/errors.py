@@ -581,7 +581,7 @@ class RuleTableError(RuleError):
         self.problems = tuple(problems)
 
 
-class RuleTableWarning(UserWarning):
+class RuleTableWarning(NnxSaveWarning):
     """The same findings as :class:`RuleTableError`, without ``strict``: the port
     went ahead with the table as written."""
 
