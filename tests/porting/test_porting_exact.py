@@ -82,7 +82,9 @@ class TorchTagger(torch.nn.Module):
 class Tagger(nnx.Module):
     def __init__(self, rngs: nnx.Rngs) -> None:
         def both(n: int) -> nnx.Bidirectional:
-            return nnx.Bidirectional(nnx.RNN(nnx.LSTMCell(n, HIDDEN, rngs=rngs)), nnx.RNN(nnx.LSTMCell(n, HIDDEN, rngs=rngs)))
+            return nnx.Bidirectional(
+                nnx.RNN(nnx.LSTMCell(n, HIDDEN, rngs=rngs)), nnx.RNN(nnx.LSTMCell(n, HIDDEN, rngs=rngs))
+            )
 
         self.lstm = nnx.List([both(IN), both(2 * HIDDEN)])
         self.head = nnx.Linear(2 * HIDDEN, OUT, rngs=rngs)
@@ -104,7 +106,9 @@ def tagger(tmp_path):
     source = _off_zero(TorchTagger(), 0)
     path = tmp_path / "tagger.safetensors"
     tensors = _save(source, path)
-    model, report = nnx_save.load_model(_poisoned(Tagger(nnx.Rngs(0))), path, rules=TAGGER_RULES, strict=True, filter=WEIGHTS)
+    model, report = nnx_save.load_model(
+        _poisoned(Tagger(nnx.Rngs(0))), path, rules=TAGGER_RULES, strict=True, filter=WEIGHTS
+    )
     assert report.clean and sorted(report.landed) == sorted(tensors)
     return source, path, tensors, model
 
@@ -120,7 +124,9 @@ def test_a_bidirectional_two_layer_lstm_exports_its_source_byte_for_byte(tagger,
     nnx_save.save_model(model, out, rules=TAGGER_RULES.inverse(source=path), filter=WEIGHTS)
     exported = _assert_reproduced(tensors, out)  # bias_ih and bias_hh as the file had them
     with torch.no_grad():
-        assert np.array_equal(_strict_torch(_off_zero(TorchTagger(), 1), exported)(torch.from_numpy(x)).numpy(), expected)
+        assert np.array_equal(
+            _strict_torch(_off_zero(TorchTagger(), 1), exported)(torch.from_numpy(x)).numpy(), expected
+        )
 
 
 def test_a_changed_lstm_bias_keeps_the_sources_second_bias(tagger, tmp_path) -> None:

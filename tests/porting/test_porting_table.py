@@ -62,7 +62,9 @@ def test_a_helper_given_twice_transposes_once_and_is_named(square_linear) -> Non
     mapping = twice.mapping(shapes_of(tensors))
     np.testing.assert_array_equal(mapping.apply(tensors)["fc/kernel"], tensors["fc.weight"].T)
     assert mapping.problems[0] == 'rename(r"fc\\.weight", r"fc/kernel") is given twice (rules 0 and 3); it applies once'
-    with pytest.raises(RuleTableError, match=re.escape('transpose(r"fc/kernel", (1, 0)) is given twice (rules 1 and 4)')):
+    with pytest.raises(
+        RuleTableError, match=re.escape('transpose(r"fc/kernel", (1, 0)) is given twice (rules 1 and 4)')
+    ):
         nnx_save.load_model(_poisoned(_FC(4, 4)), path, rules=twice, strict=True)
     with pytest.warns(RuleTableWarning, match=re.escape("is given twice")):
         model, _ = nnx_save.load_model(_poisoned(_FC(4, 4)), path, rules=twice)
@@ -125,7 +127,9 @@ def test_a_rule_that_matches_nothing_is_named(square_linear) -> None:
 
 
 def test_shift_with_a_narrowed_index_pattern_transposes_and_exports_every_block() -> None:
-    tensors = _tensors({"features.1.weight": (4, 2, 3, 3), "features.2.weight": (4, 4, 3, 3), "features.10.weight": (4, 4, 3, 3)})
+    tensors = _tensors(
+        {"features.1.weight": (4, 2, 3, 3), "features.2.weight": (4, 4, 3, 3), "features.10.weight": (4, 4, 3, 3)}
+    )
     rules = Rules(
         torch_conv(r"features\.1", "blocks/0/conv", bias=False),
         torch_conv(r"features\.(\d\d|[2-9])", r"blocks/\1/conv", bias=False, shift={1: -1}),
@@ -162,7 +166,9 @@ def test_a_specific_conv_before_a_generic_one_is_transposed_once() -> None:
 def test_a_generic_batch_norm_writes_only_its_own_counters() -> None:
     f32, i64 = np.dtype("float32"), np.dtype("int64")
     source = {
-        f"{m}.{n}": ((8,), f32) for m in ("head.bn", "features.1") for n in ("weight", "bias", "running_mean", "running_var")
+        f"{m}.{n}": ((8,), f32)
+        for m in ("head.bn", "features.1")
+        for n in ("weight", "bias", "running_mean", "running_var")
     } | {"head.bn.num_batches_tracked": ((), i64), "features.1.num_batches_tracked": ((), i64)}
     rules = Rules(torch_batch_norm(r"head\.bn", "blocks/0/bn"), torch_batch_norm(r"features\.(\d+)", r"blocks/\1/bn"))
     mapping = rules.mapping(source)
@@ -204,7 +210,9 @@ def test_an_index_map_ports_a_sequentials_scattered_convs_in_one_call() -> None:
     mapping = rules.mapping(shapes_of(tensors))
     values = mapping.apply(tensors)
     for i, n in enumerate(at):
-        np.testing.assert_array_equal(values[f"convs/{i}/kernel"], tensors[f"features.{n}.weight"].transpose(2, 3, 1, 0))
+        np.testing.assert_array_equal(
+            values[f"convs/{i}/kernel"], tensors[f"features.{n}.weight"].transpose(2, 3, 1, 0)
+        )
     assert mapping.landed["features.5.weight"] == ("features.5.weight",)
     del values["features.5.weight"]
     back = rules.inverse().mapping({k: (v.shape, v.dtype) for k, v in values.items()}).apply(values)

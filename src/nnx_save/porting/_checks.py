@@ -10,6 +10,8 @@ file has it.
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -21,7 +23,7 @@ from ._rules import ConstantRule, IgnoreRule, Node, RenameRule, ReshapeRule, Tra
 from ._template import ticked
 from ._transforms import Constant, Restore
 
-__all__ = ["against_source", "distinct", "owners_of", "table_problems"]
+__all__ = ["against_source", "distinct", "owners_of", "problems_message", "table_problems"]
 
 Shape = tuple[int, ...]
 Info = Mapping[str, tuple[Shape, np.dtype]]
@@ -78,7 +80,9 @@ def _twice(path: str, used: Sequence[Any]) -> str:
     return f"`{path}`: transposed by both {names}: the file tensor is transposed twice"
 
 
-def _idle(index: int, rules: Sequence[Any], claims: Mapping[int, Mapping[str, object]], seen: Mapping[int, Sequence[str]]) -> str:
+def _idle(
+    index: int, rules: Sequence[Any], claims: Mapping[int, Mapping[str, object]], seen: Mapping[int, Sequence[str]]
+) -> str:
     """Why rule ``index`` takes nothing: earlier rules took its keys, an earlier rename's
     output is what it would match (rules do not chain), or nothing matches it."""
     rule = rules[index]
@@ -115,3 +119,31 @@ def against_source(nodes: Sequence[Node], against: Info) -> list[Node]:
             node = replace(node, combine=Restore(node.combine, len(keys), into), against=keys)  # type: ignore[arg-type]
         out.append(node)
     return out
+
+
+_GROUPED = 5  # more problems than this are shown one line per kind, with a hint
+_HINTS = {
+    "produced twice": "a target made twice often means a pattern captures an index (a layer) that the "
+    "target does not use: reference it (\\g<layer>), or stack the layers (stack(), split(..., "
+    "stacked=True), a helper given a (?P<layer>\\d+) pattern)",
+    "matched by both": "a file key feeds one rule: narrow the broader pattern, or drop the rename",
+}
+
+
+def problems_message(lines: Sequence[str], what: str = "porting rule problem") -> str:
+    """One line per problem; past a few, one line per kind of problem (the same text
+    but for the names in backticks) with the count and the first names, and a hint."""
+    if len(lines) == 1:
+        return lines[0]
+    if len(lines) <= _GROUPED:
+        return "\n  ".join([f"{len(lines)} {what}s:", *lines])
+    kinds: dict[str, list[str]] = defaultdict(list)
+    for line in lines:
+        kinds[re.sub(r"`[^`]*`", "``", line)].append(line)
+    out = [f"{len(lines)} {what}s, {len(kinds)} kind(s):"]
+    for same in kinds.values():
+        names = list(dict.fromkeys(m.group(0) for line in same[1:] if (m := re.match(r"`[^`]*`", line))))
+        more = f" (and {len(same) - 1} more like it, on {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
+        out.append(same[0] + (more if len(same) > 1 else ""))
+    hints = [hint for marker, hint in _HINTS.items() if any(marker in line for line in lines)]
+    return "\n  ".join(out) + "".join(f"\nhint: {h}" for h in hints)

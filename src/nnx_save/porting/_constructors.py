@@ -214,7 +214,12 @@ def unstack(
     return UnstackRule(pattern, target, axis, group, inverse_rule=inverse)
 
 
-def transpose(pattern: str, axes: Sequence[int], *, of: StructuralRule | None = None) -> TransposeRule:
+def transpose(
+    pattern: str,
+    axes: Sequence[int],
+    *,
+    of: RenameRule | SplitRule | ConcatRule | StackRule | UnstackRule | None = None,
+) -> TransposeRule:
     """Model params matching ``pattern`` hold the file tensor transposed by ``axes``.
 
     Args:

@@ -9,7 +9,6 @@ invertible form (each group referenced once). A *layer pattern* (``source`` capt
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-
 from dataclasses import replace
 
 from ..errors import RuleError
@@ -53,9 +52,7 @@ def _param(
     return _renamed(source, target, name, param, shift, index)
 
 
-def _renamed(
-    source: str, target: str, name: str, param: str, shift: Shift = None, index: Index = None
-) -> RenameRule:
+def _renamed(source: str, target: str, name: str, param: str, shift: Shift = None, index: Index = None) -> RenameRule:
     return rename(f"{source}\\.{name}", f"{target}/{param}", shift=shift, index=index)
 
 
@@ -244,7 +241,9 @@ def torch_lstm(
     fields = (("{layer}", layers is not None), ("{direction}", bidirectional))
     absent = [name for name, needed in fields if needed and name not in target]
     if absent:
-        raise RuleError(f"torch_lstm: target {target!r} needs the field(s) {', '.join(absent)} that layers= / bidirectional= fill")
+        raise RuleError(
+            f"torch_lstm: target {target!r} needs the field(s) {', '.join(absent)} that layers= / bidirectional= fill"
+        )
     numbers = [layer] if layers is None else list(range(int(layers)))
     sides = (False, True) if bidirectional else (reverse,)
     return tuple(

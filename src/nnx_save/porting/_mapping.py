@@ -10,7 +10,6 @@ target path; before it on export, matching the source key (a model path).
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -20,7 +19,7 @@ from typing import Any, Literal, TypeGuard
 import numpy as np
 
 from ..errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError, RuleTableError, RuleTableWarning
-from ._checks import against_source, distinct, owners_of, table_problems
+from ._checks import against_source, distinct, owners_of, problems_message, table_problems
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule, tie_checked
 from ._rules import (
     ConcatRule,
@@ -217,7 +216,9 @@ class Rules:
             )
         self.rules: tuple[AnyRule, ...] = tuple(_flatten(rules))
         self.direction: Direction = direction
-        self.prefix, self.strict, self.source = prefix, bool(strict), None if source is None else str(source)
+        self.prefix: str = prefix
+        self.strict: bool = bool(strict)
+        self.source: str | None = None if source is None else str(source)
 
     def __iter__(self) -> Iterator[AnyRule]:
         return iter(self.rules)
@@ -273,7 +274,9 @@ class Rules:
         inner = _Mapper(self, info, None if kept is None else stripped).run()
         return _with_prefix_targets(inner, self.prefix, real)
 
-    def check(self, sources: Mapping[str, tuple[Sequence[int], object]] | object, strict: bool | None = None) -> KeyMapping:
+    def check(
+        self, sources: Mapping[str, tuple[Sequence[int], object]] | object, strict: bool | None = None
+    ) -> KeyMapping:
         """:meth:`mapping`, its table :attr:`~KeyMapping.problems` refused (``strict``,
         default this table's ``strict``) or warned, before anything is read.
 
@@ -419,7 +422,9 @@ class _Mapper:
         self.rules, self.info, self.against = rules, info, against
         self.active, self.problems = distinct(rules.rules)
         self.value_rules = [(i, r) for i, r in self._active(TransposeRule, ReshapeRule)]
-        self.owners = {i: owners_of(r, rules.rules, self.active) for i, r in self.value_rules if getattr(r, "of", None) is not None}
+        self.owners = {
+            i: owners_of(r, rules.rules, self.active) for i, r in self.value_rules if getattr(r, "of", None) is not None
+        }
         self.ties = [r for _, r in self._active(TieRule)]
         self.tied: dict[str, str] = {}
         self.checked: set[str] = set()
@@ -492,7 +497,11 @@ class _Mapper:
             made = rule.nodes(claimed, info, self.errors)  # type: ignore[arg-type]  # each rule reads the claims it made
             nodes.extend(_tagged(n, index) for n in made)
         for _, rule in self._active(ConstantRule):
-            keys = info if rule.of is None else [k for i in owners_of(rule, self.rules.rules, self.active) for k in claims.get(i, ())]
+            keys = (
+                info
+                if rule.of is None
+                else [k for i in owners_of(rule, self.rules.rules, self.active) for k in claims.get(i, ())]
+            )
             nodes.extend(rule.nodes_for(keys))
         if self.against is not None:
             nodes = against_source(nodes, self.against)
@@ -538,7 +547,8 @@ class _Mapper:
 
     def _pre_steps(self, owner: Mapping[str, int]) -> dict[str, tuple[tuple[Step, ...], Shape, np.dtype]]:
         return {
-            key: (*self._value_steps(key, shape, owner.get(key, -1)), dtype) for key, (shape, dtype) in self.info.items()
+            key: (*self._value_steps(key, shape, owner.get(key, -1)), dtype)
+            for key, (shape, dtype) in self.info.items()
         }
 
     def _value_steps(self, path: str, shape: Shape, owner: int) -> tuple[tuple[Step, ...], Shape]:
@@ -579,34 +589,6 @@ class _Mapper:
             problems=tuple(self.problems),
             passed=passed,
         )
-
-
-_GROUPED = 5  # more problems than this are shown one line per kind, with a hint
-_HINTS = {
-    "produced twice": "a target made twice often means a pattern captures an index (a layer) that the "
-    "target does not use: reference it (\\g<layer>), or stack the layers (stack(), split(..., "
-    "stacked=True), a helper given a (?P<layer>\\d+) pattern)",
-    "matched by both": "a file key feeds one rule: narrow the broader pattern, or drop the rename",
-}
-
-
-def problems_message(lines: Sequence[str], what: str = "porting rule problem") -> str:
-    """One line per problem; past a few, one line per kind of problem (the same text
-    but for the names in backticks) with the count and the first names, and a hint."""
-    if len(lines) == 1:
-        return lines[0]
-    if len(lines) <= _GROUPED:
-        return "\n  ".join([f"{len(lines)} {what}s:", *lines])
-    kinds: dict[str, list[str]] = defaultdict(list)
-    for line in lines:
-        kinds[re.sub(r"`[^`]*`", "``", line)].append(line)
-    out = [f"{len(lines)} {what}s, {len(kinds)} kind(s):"]
-    for same in kinds.values():
-        names = list(dict.fromkeys(m.group(0) for line in same[1:] if (m := re.match(r"`[^`]*`", line))))
-        more = f" (and {len(same) - 1} more like it, on {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
-        out.append(same[0] + (more if len(same) > 1 else ""))
-    hints = [hint for marker, hint in _HINTS.items() if any(marker in line for line in lines)]
-    return "\n  ".join(out) + "".join(f"\nhint: {h}" for h in hints)
 
 
 def _tagged(node: Node, index: int) -> Node:

@@ -171,7 +171,9 @@ class RenameRule(_Patterned):
         index = tuple((refs.index(g) + 1, tuple((b, a) for a, b in t.items())) for g, t in self._index.items())
         bodies = _group_bodies(self.pattern)
         accept = tuple(
-            (refs.index(g) + 1, bodies[g - 1]) for g in sorted(self.renumbered) if bodies[g - 1] not in (r"\d+", "[0-9]+")
+            (refs.index(g) + 1, bodies[g - 1])
+            for g in sorted(self.renumbered)
+            if bodies[g - 1] not in (r"\d+", "[0-9]+")
         )
         return RenameRule(pattern, replacement, inverse_rule=self, shift=shift, index=index, accept=accept)
 
@@ -501,7 +503,7 @@ class TransposeRule(_ValueRule):
     """
 
     axes: tuple[int, ...]
-    of: StructuralRule | None = field(default=None, repr=False)
+    of: RenameRule | SplitRule | ConcatRule | StackRule | UnstackRule | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -521,7 +523,7 @@ class TransposeRule(_ValueRule):
     def inverse(self) -> TransposeRule:
         """The inverse permutation (belonging to the inverse of its rule)."""
         of = None if self.of is None else self.of.inverse()
-        return TransposeRule(self.pattern, tuple(int(a) for a in np.argsort(self.axes)), of)  # type: ignore[arg-type]  # a structural rule's inverse is one
+        return TransposeRule(self.pattern, tuple(int(a) for a in np.argsort(self.axes)), of)  # type: ignore[arg-type]  # a structural rule's inverse is structural
 
 
 @dataclass(frozen=True)
@@ -581,7 +583,7 @@ class ConstantRule:
     emit: RenameRule
     value: int | float = 0
     dtype: str = "int64"
-    of: StructuralRule | None = field(default=None, repr=False)  # only the keys this rule takes
+    of: RenameRule | None = field(default=None, repr=False)  # only the keys this rule takes
 
     def __str__(self) -> str:
         return f"constant({self.emit}, {self.value!r}, {self.dtype!r})"
