@@ -13,6 +13,8 @@ from flax import nnx
 
 import nnx_save
 from nnx_save.porting import (
+    RuleConflictError,
+    RuleError,
     Rules,
     RuleTableError,
     RuleTableWarning,
@@ -232,5 +234,23 @@ def test_one_torch_lstm_call_ports_every_layer_and_direction() -> None:
     assert all(targets for targets in mapping.landed.values()) and mapping.problems == ()
     assert mapping.landed["lstm.weight_hh_l1_reverse"][0] == "lstm/1/backward_rnn/cell/hf/kernel"
     assert mapping.assignments["lstm/1/backward_rnn/cell/hf/kernel"].shape == (8, 8)
-    with pytest.raises(nnx_save.porting.RuleError, match=re.escape("needs the field(s) {direction}")):
+    with pytest.raises(RuleError, match=re.escape("needs the field(s) {direction}")):
         torch_lstm(r"lstm", "lstm/{layer}/cell", layers=2, bidirectional=True)
+
+
+# --- the new options refuse what they cannot honour -----------------------------------
+
+
+def test_the_new_options_refuse_bad_input_by_name() -> None:
+    f32 = np.dtype("float32")
+    with pytest.raises(RuleError, match=re.escape("index= sends two indices to one, so export could not tell them")):
+        rename(r"f\.(\d+)", r"c/\1", index={1: {0: 0, 3: 0}})
+    with pytest.raises(RuleError, match=re.escape("group 1 is given both shift= and index=; give one")):
+        rename(r"f\.(\d+)", r"c/\1", shift={1: -1}, index={1: [0, 3]})
+    with pytest.raises(RuleError, match=re.escape("would lose its prefix; give the prefix to the outer Rules")):
+        Rules(Rules(rename("a", "b"), prefix="module."))
+    with pytest.raises(RuleError, match=re.escape("against= is for export mappings")):
+        Rules(rename("a", "b")).mapping({"a": ((1,), f32)}, against={"a": ((1,), f32)})
+    clash = "`module.a`: without the prefix 'module.' it is `a`, a key the file also holds"
+    with pytest.raises(RuleConflictError, match="^" + re.escape(clash) + "$"):
+        Rules(rename("a", "b"), prefix="module.").mapping({"module.a": ((1,), f32), "a": ((1,), f32)})
