@@ -63,6 +63,7 @@ def _strict_torch(fresh, exported: dict[str, np.ndarray]):
 
 def _close(ours, theirs) -> None:
     diff, scale = max_abs_diff(np.asarray(ours), theirs)
+    print(f"max |ours - torch| {diff:.3g}, max |torch| {scale:.3g}")
     assert diff <= TOLERANCE * scale, (diff, scale)
 
 
