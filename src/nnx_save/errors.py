@@ -56,6 +56,8 @@ __all__ = [
     "RuleConflictError",
     "RuleError",
     "RuleShapeError",
+    "RuleTableError",
+    "RuleTableWarning",
     "SafetensorError",
     "SaveError",
     "ShapeMismatchError",
@@ -567,6 +569,21 @@ class RuleConflictError(RuleError):
 
 class RuleShapeError(RuleError, ShapeMismatchError):
     """A tensor's shape does not fit the rule that transforms it."""
+
+
+class RuleTableError(RuleError):
+    """A rule table that would port wrongly though every tensor lands somewhere (a
+    transform applied twice or cancelled, a rule that matches nothing or only what an
+    earlier rule took), refused under ``strict``; ``problems`` lists each, naming the rules."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = tuple(problems)
+
+
+class RuleTableWarning(NnxSaveWarning):
+    """The same findings as :class:`RuleTableError`, without ``strict``: the port
+    went ahead with the table as written."""
 
 
 class NotInvertibleError(RuleError):

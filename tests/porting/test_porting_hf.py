@@ -32,16 +32,18 @@ def _state(module: object) -> dict[str, np.ndarray]:
 
 
 def test_helpers_make_the_documented_rules() -> None:
+    weight = rename(r"h\.(\d+)\.fc\.weight", r"h/\1/fc/kernel")
     assert torch_linear(r"h\.(\d+)\.fc", r"h/\1/fc") == (
-        rename(r"h\.(\d+)\.fc\.weight", r"h/\1/fc/kernel"),
-        transpose(r"h/(\d+)/fc/kernel", (1, 0)),
+        weight,
+        transpose(r"h/(\d+)/fc/kernel", (1, 0), of=weight),  # it transposes only what `weight` makes
         rename(r"h\.(\d+)\.fc\.bias", r"h/\1/fc/bias"),
     )
     assert hf_conv1d("c", "c", bias=False) == (rename(r"c\.weight", "c/kernel"),)
     assert torch_embedding("e", "e") == (rename(r"e\.weight", "e/embedding"),)
     assert torch_layer_norm("n", "n") == (rename(r"n\.weight", "n/scale"), rename(r"n\.bias", "n/bias"))
     assert torch_rms_norm("n", "n") == (rename(r"n\.weight", "n/scale"),)
-    assert torch_conv("p", "p", spatial_dims=1, bias=False)[1] == transpose("p/kernel", (2, 1, 0))
+    conv = torch_conv("p", "p", spatial_dims=1, bias=False)
+    assert conv[1] == transpose("p/kernel", (2, 1, 0), of=conv[0])
 
 
 def test_torch_linear_rules_reproduce_torch_linear() -> None:

@@ -431,7 +431,7 @@ def load_model(
     if rules is not None:
         from ._porting import load_targets_for
 
-        target_list, ignored, renamed = load_targets_for(rules, header, target_list)
+        target_list, ignored, renamed = load_targets_for(rules, header, target_list, strict)
         ignore = ignore | ignored
     values, report = load_targets(
         header,

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..format import _dtypes
 from ..format._boxes import Box, of_index
+from ..layouts._sources import read_header
 from ..load._source import Header
 from ..load._target import Target
 from ..porting import Rules
@@ -24,11 +25,14 @@ __all__ = ["export_entries", "load_targets_for"]
 
 
 def load_targets_for(
-    rules: Rules, header: Header, targets: Sequence[Target]
+    rules: Rules, header: Header, targets: Sequence[Target], strict: bool = False
 ) -> tuple[list[Target], frozenset[str], dict[str, tuple[str, ...]]]:
     """Rewrite model targets to read through ``rules``; also the keys rules ignore, and
-    each file key's model paths (to name what an unexpected key became)."""
+    each file key's model paths (to name what an unexpected key became). The table's
+    problems are refused under ``strict`` (the load's or the table's), else warned,
+    before anything is read."""
     mapping = rules.mapping(header)
+    mapping.check(strict or rules.strict, stacklevel=4)
     out = []
     for t in targets:
         a = mapping.assignments.get(t.path)
@@ -41,9 +45,16 @@ def load_targets_for(
 
 def export_entries(rules: Rules, entries: Sequence[Entry]) -> list[Entry]:
     """The entries under their exported names and layouts (values made lazily): a renamed
-    one keeps its value and shards, a transformed one becomes a :class:`BoxedValue`."""
+    one keeps its value and shards, a transformed one becomes a :class:`BoxedValue`.
+
+    An export table with a ``source`` file reproduces it: the file's own tensors for
+    what the model does not hold (read lazily from it), and every file tensor the export
+    does not write copied unchanged."""
     by_key = {e.key: e for e in entries}
-    mapping = rules.mapping({e.key: (e.shape, _dtypes.DTYPES[e.code].numpy) for e in entries})
+    original = None if rules.source is None else read_header(rules.source)
+    mapping = rules.mapping({e.key: (e.shape, _dtypes.DTYPES[e.code].numpy) for e in entries}, against=original)
+    mapping.check(rules.strict, stacklevel=4)
+    kept = _Original(rules.source)
     out = []
     for name, a in mapping.assignments.items():
         code = _dtypes.to_code(a.dtype, name).code
@@ -51,16 +62,36 @@ def export_entries(rules: Rules, entries: Sequence[Entry]) -> list[Entry]:
             out.append(dataclasses.replace(by_key[a.sources[0]], key=name))  # its value and array, as they are
             continue
         sources = [by_key[k].value for k in a.sources]
-        whole = functools.partial(_whole, a, sources)
+        whole = functools.partial(_whole, a, sources, kept)
         spanning = any(spans_processes(by_key[k].array) for k in a.sources)
-        out.append(
-            Entry(name, code, tuple(a.shape), BoxedValue(whole, functools.partial(_boxes, a, sources), spanning))
-        )
+        boxes = functools.partial(_gathered, a, sources, kept) if a.against else functools.partial(_boxes, a, sources)
+        out.append(Entry(name, code, tuple(a.shape), BoxedValue(whole, boxes, spanning)))
+    for key in mapping.passed:
+        info = original.tensors[key]  # type: ignore[union-attr]  # passed keys come from it
+        out.append(Entry(key, info.dtype.code, tuple(info.shape), functools.partial(kept.get, key)))
     return out
 
 
-def _whole(a: Any, sources: Sequence[Any]) -> np.ndarray:
-    return a.materialize({k: v() for k, v in zip(a.sources, sources, strict=True)})
+class _Original:
+    """The source file's tensors, read one at a time when the writer asks (export
+    against the source)."""
+
+    def __init__(self, source: str | None) -> None:
+        self.source = source
+
+    def get(self, key: str) -> np.ndarray:
+        from ._lazy import safe_open
+
+        assert self.source is not None, "a tensor of the source asked with no source"
+        with safe_open(self.source, "np") as f:
+            return np.asarray(f.get_tensor(key))
+
+    def arrays(self, keys: Sequence[str]) -> dict[str, np.ndarray]:
+        return {k: self.get(k) for k in keys}
+
+
+def _whole(a: Any, sources: Sequence[Any], kept: _Original) -> np.ndarray:
+    return a.materialize({k: v() for k, v in zip(a.sources, sources, strict=True)}, kept.arrays(a.against))
 
 
 def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
@@ -70,7 +101,7 @@ def _boxes(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
     arrays: list[Any] = [getattr(v, "array", None) for v in sources]
     mapped = a.transform is not None and all(spans_processes(x) for x in arrays)
     if not mapped or not all(_maps(a, i, x) for i, x in enumerate(arrays)):
-        return _gathered(a, sources)
+        return _gathered(a, sources, _Original(None))
     parts = []
     for i, array in enumerate(arrays):
         for shard in array.addressable_shards:
@@ -89,7 +120,7 @@ def _maps(a: Any, i: int, array: Any) -> bool:
     return all(a.transform.image(i, b, np.broadcast_to(blank, [hi - lo for lo, hi in b])) is not None for b in boxes)
 
 
-def _gathered(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
+def _gathered(a: Any, sources: Sequence[Any], kept: _Original) -> list[tuple[Box, np.ndarray]]:
     """The whole file tensor on the primary (every process takes part in the gathers)."""
     import jax
     from jax.experimental import multihost_utils
@@ -100,4 +131,4 @@ def _gathered(a: Any, sources: Sequence[Any]) -> list[tuple[Box, np.ndarray]]:
         arrays[k] = np.asarray(multihost_utils.process_allgather(array, tiled=True)) if spans_processes(array) else v()
     if jax.process_index() != 0:
         return []
-    return [(tuple((0, d) for d in a.shape), a.materialize(arrays))]
+    return [(tuple((0, d) for d in a.shape), a.materialize(arrays, kept.arrays(a.against)))]

@@ -39,7 +39,15 @@ from ._execute import Budget, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._pieces import Box, Piece, Request, extents, intersect, request, whole
 from ._plan import FilePlan, over_read_by_range, plan_file
-from ._report import DtypeCast, LoadReport, ShapeMismatch, split_allowed, split_allowed_casts, suggested_renames
+from ._report import (
+    DtypeCast,
+    LoadReport,
+    ShapeMismatch,
+    split_allowed,
+    split_allowed_casts,
+    suggested_renames,
+    suggested_targets,
+)
 from ._source import Header, RemoteFiles, gc_paused
 from ._target import Target, check_device_dtype, shard_boxes
 
@@ -448,6 +456,7 @@ def _prepare(
     report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
     if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
         report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
+        report.suggested_targets = suggested_targets(report, {t.path: t.shape for t in targets}, header.tensors)
     report.sources = {t.path: t.sources for t in loadable}
     landed: dict[str, list[str]] = {k: [] for k in header.tensors}
     for t in loadable:

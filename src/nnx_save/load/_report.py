@@ -27,6 +27,7 @@ __all__ = [
     "split_allowed",
     "split_allowed_casts",
     "suggested_renames",
+    "suggested_targets",
     "warn_single_device",
 ]
 
@@ -166,6 +167,8 @@ class LoadReport:
         allowed_casts: those declared by ``allow_casts`` (done under ``strict=True`` too).
         suggested_renames: ``rename(...)`` rules pairing missing paths with unexpected
             keys of the same shape and name suffix (shown in a strict load's remedy).
+        suggested_targets: the porting rules' targets to fix: a key the rules sent to a
+            path the model lacks pairs up (name suffix and shape) with a missing path.
         renamed: per file key, the model paths porting rules made of it.
         sources: per target path, the file keys it came from.
         landed: per file key, the target paths it went to (empty: nowhere).
@@ -186,6 +189,7 @@ class LoadReport:
     allowed_shape_mismatches: list[ShapeMismatch] = field(default_factory=list)
     allowed_casts: list[DtypeCast] = field(default_factory=list)
     suggested_renames: list[str] = field(default_factory=list)
+    suggested_targets: list[str] = field(default_factory=list)
     renamed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
     landed: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -257,7 +261,7 @@ class LoadReport:
         if self.dtype_casts:
             lines.append(_cast_remedy(self.dtype_casts))
         accept = "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
-        return _rename_remedy(self.suggested_renames) + accept
+        return _target_remedy(self.suggested_targets) + _rename_remedy(self.suggested_renames) + accept
 
     def raise_or_warn(self, strict: bool, *, limit: int = 20, stacklevel: int = 3) -> None:
         """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`, with up to
@@ -311,6 +315,43 @@ def _rename_remedy(renames: Sequence[str]) -> str:
         f"differently. Map them, rather than allowing either:\n  rules=Rules({rules})  "
         "(from nnx_save.porting import Rules, rename; add them to your rules if you pass some)\n"
     )
+
+
+def _target_remedy(fixes: Sequence[str]) -> str:
+    if not fixes:
+        return ""
+    return (
+        "Porting rules send file keys to paths the model lacks, and those pair up with missing paths "
+        "(same name suffix and shape): fix the rules' targets, rather than allowing either:\n  "
+        + "\n  ".join(fixes)
+        + "\n"
+    )
+
+
+def suggested_targets(report: LoadReport, model: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
+    """The target fixes pairing ``report``'s missing paths with the paths porting rules
+    made of its unexpected keys (one path per key; shapes compared as sets of sizes, a
+    transpose aside), the commonest first.
+
+    Examples:
+        >>> r = LoadReport(missing=["ln_f/scale"], unexpected=["t.ln_f.weight"], renamed={"t.ln_f.weight": ("final_norm/scale",)})
+        >>> suggested_targets(r, {"ln_f/scale": (4,)}, {"t.ln_f.weight": type("T", (), {"shape": (4,)})})
+        ['`final_norm/...` -> `ln_f/...` (`t.ln_f.weight` goes to `final_norm/scale`, the model has `ln_f/scale`)']
+    """
+    free = {p: sorted(model[p]) for p in report.missing}
+    counts: dict[tuple[str, str], list[str]] = {}
+    for key in sorted(report.unexpected):
+        made = report.renamed.get(key, ())
+        if len(made) != 1 or made[0] == key:
+            continue
+        shape = sorted(file[key].shape)
+        best = max(((_common_tail(made[0], m), m) for m, s in free.items() if s == shape), default=(0, ""))
+        if best[0]:
+            pair = (made[0][: -best[0]], best[1][: -best[0]])
+            counts.setdefault(pair, []).append(f"`{key}` goes to `{made[0]}`, the model has `{best[1]}`")
+            del free[best[1]]
+    ranked = sorted(counts, key=lambda p: (-len(counts[p]), p))
+    return [f"`{a}...` -> `{b}...` ({counts[(a, b)][0]})" for a, b in ranked]
 
 
 def suggested_renames(report: LoadReport, model: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:

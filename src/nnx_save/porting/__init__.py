@@ -4,7 +4,12 @@ Rules are plain data (frozen dataclasses, one constructor per kind: ``rename``,
 ``split``, ``concat``, ``stack``, ``unstack``, ``add``, ``tie``, ``ignore``, ``transpose``,
 ``reshape``, and the ``torch_*`` / ``hf_conv1d`` helpers); ``rules.mapping(shapes)`` plans
 the port in pure numpy, never importing torch or jax, and ``rules.inverse()`` gives the
-export. A file key feeds one rule and a target is made once, else :class:`RuleConflictError`.
+export (``rules.inverse(source=path)``: one that reproduces the source file byte for byte).
+A file key feeds one rule and a target is made once, else :class:`RuleConflictError`; the
+table as a whole is checked too (a rule given twice, two transposes on one tensor, a rule
+that matches nothing or is shadowed: ``mapping.problems``, refused as
+:class:`RuleTableError` under ``strict``, else a :class:`RuleTableWarning`).
+``Rules(..., prefix="module.")`` strips and restores a prefix every key carries.
 docs/porting.md is the reference: the rule table, the mapping contract, coverage, export.
 
 Examples:
@@ -42,9 +47,12 @@ __all__ = [
     "RenameRule",
     "Reshape",
     "ReshapeRule",
+    "Restore",
     "RuleConflictError",
     "RuleError",
     "RuleShapeError",
+    "RuleTableError",
+    "RuleTableWarning",
     "Rules",
     "Same",
     "SplitRule",
@@ -84,7 +92,15 @@ __all__ = [
     "unstack",
 ]
 
-from ..errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError, TiedValuesError
+from ..errors import (
+    NotInvertibleError,
+    RuleConflictError,
+    RuleError,
+    RuleShapeError,
+    RuleTableError,
+    RuleTableWarning,
+    TiedValuesError,
+)
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule
 from ._constructors import add, concat, ignore, rename, reshape, split, stack, tie, transpose, unstack
 from ._coverage import Coverage, coverage
@@ -119,6 +135,7 @@ from ._transforms import (
     Each,
     Index,
     Reshape,
+    Restore,
     Same,
     Stack,
     Sum,

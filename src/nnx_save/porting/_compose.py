@@ -302,7 +302,8 @@ class SumExportRule(_Parts):
             errors.append(f"`{files[self.into]}`: {self} needs parts that agree off axis {self.axis}, found {shapes}")
             return []
         axis, sizes, shape = made
-        whole = Node(files[self.into], keys, shape, dtype, Concatenate(axis, sizes) if len(keys) > 1 else None)
+        combine = Concatenate(axis, sizes) if len(keys) > 1 else None
+        whole = Node(files[self.into], keys, shape, dtype, combine, restore=(files, self.into))
         zeros = Constant(0, str(dtype), shape)
         return [whole, *(Node(f, (), shape, dtype, zeros) for i, f in enumerate(files) if i != self.into)]
 

@@ -29,6 +29,7 @@ def rename(
     replacement: str,
     *,
     shift: Mapping[int | str, int] | None = None,
+    index: Mapping[int | str, Sequence[int] | Mapping[int, int]] | None = None,
     inverse: StructuralRule | None = None,
 ) -> RenameRule:
     """File keys matching ``pattern`` go to the model path ``replacement``.
@@ -38,6 +39,10 @@ def rename(
         replacement: the model path, with group references.
         shift: ``{group: offset}`` added to captured indices (``{1: -1}``:
             ``features.1`` -> ``blocks/0``); inverted on export.
+        index: ``{group: [n0, n1, ...]}`` renumbers a captured index through a table:
+            ``n_i`` becomes ``i`` (an ``nn.Sequential`` whose convs sit at 0, 3, 6, 8:
+            ``{1: [0, 3, 6, 8]}``; ``features.6`` -> ``blocks/2``), or ``{group: {n: i}}``;
+            an index the table lacks is not matched. Inverted on export.
         inverse: the rule to use on export, when the automatic inverse is refused.
 
     Examples:
@@ -49,8 +54,19 @@ def rename(
         >>> shifted = rename(r"features\\.(\\d+)\\.(\\w+)", r"blocks/\\1/\\2", shift={1: -1})
         >>> shifted.match("features.4.weight"), shifted.inverse().match("blocks/3/weight")
         ('blocks/3/weight', 'features.4.weight')
+        >>> mapped = rename(r"features\\.(\\d+)\\.(\\w+)", r"convs/\\1/\\2", index={1: [0, 3, 6, 8]})
+        >>> mapped.match("features.6.weight"), mapped.match("features.5.weight"), mapped.inverse().match("convs/3/bias")
+        ('convs/2/weight', None, 'features.8.bias')
     """
-    return RenameRule(pattern, replacement, inverse_rule=inverse, shift=tuple((shift or {}).items()))
+    tables = tuple((g, _index_pairs(t)) for g, t in (index or {}).items())
+    return RenameRule(pattern, replacement, inverse_rule=inverse, shift=tuple((shift or {}).items()), index=tables)
+
+
+def _index_pairs(table: Sequence[int] | Mapping[int, int]) -> tuple[tuple[int, int], ...]:
+    """``(file index, model index)`` pairs of an ``index=`` table."""
+    if isinstance(table, Mapping):
+        return tuple((a, b) for a, b in table.items())
+    return tuple((n, i) for i, n in enumerate(table))
 
 
 def ignore(pattern: str) -> IgnoreRule:
@@ -198,14 +214,26 @@ def unstack(
     return UnstackRule(pattern, target, axis, group, inverse_rule=inverse)
 
 
-def transpose(pattern: str, axes: Sequence[int]) -> TransposeRule:
+def transpose(
+    pattern: str,
+    axes: Sequence[int],
+    *,
+    of: RenameRule | SplitRule | ConcatRule | StackRule | UnstackRule | None = None,
+) -> TransposeRule:
     """Model params matching ``pattern`` hold the file tensor transposed by ``axes``.
+
+    Args:
+        pattern: regex matched against the whole model path.
+        axes: the permutation, as ``np.transpose`` takes it.
+        of: the structural rule whose tensors it transposes, and no other's (what the
+            ``torch_*`` helpers make): a path an earlier rule made (first match wins) is
+            left alone.
 
     Examples:
         >>> transpose(r".*/kernel", (1, 0)).inverse().axes
         (1, 0)
     """
-    return TransposeRule(pattern, tuple(int(a) for a in axes))
+    return TransposeRule(pattern, tuple(int(a) for a in axes), of)
 
 
 def reshape(pattern: str, shape: Sequence[int], *, source_shape: Sequence[int] | None = None) -> ReshapeRule:

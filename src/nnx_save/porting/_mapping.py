@@ -9,15 +9,17 @@ target path; before it on export, matching the source key (a model path).
 
 from __future__ import annotations
 
-import re
+import os
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, TypeGuard
+from typing import Any, Literal, TypeGuard
 
 import numpy as np
 
-from ..errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError
+from ..errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError, RuleTableError, RuleTableWarning
+from ._checks import against_source, distinct, owners_of, problems_message, table_problems
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule, tie_checked
 from ._rules import (
     ConcatRule,
@@ -36,6 +38,7 @@ from ._transforms import Concatenate, Reshape, Step, Transform
 __all__ = ["Assignment", "KeyMapping", "Rules", "shapes_of"]
 
 Shape = tuple[int, ...]
+Info = Mapping[str, tuple[Shape, np.dtype]]
 Direction = Literal["load", "export"]
 AnyStructural = StructuralRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule
 AnyRule = Rule | TieRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule
@@ -52,6 +55,8 @@ class Assignment:
         dtype: the target's dtype (always the sources' dtype; rules never cast).
         transform: ``None`` when the target is exactly ``sources[0]``, only renamed (read
             straight from the file, sharded); else ``transform(source_arrays) -> np.ndarray``.
+        against: on an export made against the source file, the file's tensors the
+            transform also takes, after ``sources`` (a sum's parts, kept as the file has them).
     """
 
     target: str
@@ -59,14 +64,19 @@ class Assignment:
     shape: Shape
     dtype: np.dtype
     transform: Transform | None
+    against: tuple[str, ...] = ()
 
-    def materialize(self, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
-        """The target's value from the source arrays (checked against the mapping).
+    def materialize(
+        self, arrays: Mapping[str, np.ndarray], original: Mapping[str, np.ndarray] | None = None
+    ) -> np.ndarray:
+        """The target's value from the source arrays (checked against the mapping);
+        ``original``: the source file's tensors ``against`` names (default: ``arrays``).
 
         Raises:
             RuleShapeError: a source or the result disagrees with the planned shape.
         """
-        values = [np.asarray(arrays[key]) for key in self.sources]
+        kept = arrays if original is None else original
+        values = [np.asarray(arrays[key]) for key in self.sources] + [np.asarray(kept[k]) for k in self.against]
         out = values[0] if self.transform is None else self.transform(values)
         if out.shape != self.shape or out.dtype != self.dtype:
             raise RuleShapeError(
@@ -86,12 +96,35 @@ class KeyMapping:
         unused: the source keys dropped on purpose by ``ignore`` rules (and tied
             copies not checked), sorted.
         tied: tied copy -> its source key (``tie`` rules), checked or not.
+        problems: what is wrong with the rule table as a whole (a rule given twice, two
+            transposes on one tensor, a rule that matches nothing or is shadowed by an
+            earlier one), each naming the rules; :meth:`check` raises or warns them.
+        passed: on an export made against the source file, the file's keys no assignment
+            writes, which the export copies unchanged.
     """
 
     assignments: dict[str, Assignment]
     landed: dict[str, tuple[str, ...]]
     unused: tuple[str, ...]
     tied: dict[str, str] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+    passed: tuple[str, ...] = ()
+
+    def check(self, strict: bool = False, *, stacklevel: int = 2) -> None:
+        """Refuse (``strict``) or warn about the rule table's :attr:`problems`.
+
+        Raises:
+            RuleTableError: ``strict`` and a problem; the message lists them all.
+
+        Warns:
+            RuleTableWarning: not ``strict`` and a problem.
+        """
+        if not self.problems:
+            return
+        text = problems_message(self.problems, "rule table problem")
+        if strict:
+            raise RuleTableError(text, self.problems)
+        warnings.warn(text + "\n(strict=True refuses them)", RuleTableWarning, stacklevel=stacklevel)
 
     def apply(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Every target's value, all in memory (small models, tests, tools); the results
@@ -138,10 +171,17 @@ class Rules:
 
     Args:
         *rules: rules, or sequences of rules (as the ``torch_*`` helpers return), or
-            other :class:`Rules`; flattened in order.
+            other :class:`Rules` (without a prefix of their own); flattened in order.
         direction: ``"load"`` (file keys -> model paths, the default) or ``"export"``
             (model paths -> file keys; what :meth:`inverse` returns). Value rules
             always match model paths.
+        prefix: literal text every file key carries (``"module."`` from
+            ``nn.DataParallel``): removed before the rules see a key on load, put back
+            on every key an export writes; a key without it is matched as it is.
+        strict: refuse the table's :attr:`KeyMapping.problems` (``RuleTableError``)
+            wherever it is used, as ``load_model(..., strict=True)`` does; else they warn.
+        source: on an export table (``inverse(source=...)``), the file it was loaded
+            from: the export then reproduces it (see :meth:`inverse`).
 
     Examples:
         >>> import numpy as np
@@ -152,13 +192,33 @@ class Rules:
         (2, 4)
         >>> rules.inverse().mapping(mapping.shapes()).assignments["fc.weight"].shape
         (4, 2)
+        >>> Rules(rules, prefix="module.").mapping({"module.fc.weight": ((4, 2), np.float32)}).landed
+        {'module.fc.weight': ('fc/kernel',)}
     """
 
-    def __init__(self, *rules: AnyRule | Rules | Iterable[AnyRule], direction: Direction = "load") -> None:
+    def __init__(
+        self,
+        *rules: AnyRule | Rules | Iterable[AnyRule],
+        direction: Direction = "load",
+        prefix: str = "",
+        strict: bool = False,
+        source: str | None = None,
+    ) -> None:
         if direction not in ("load", "export"):
             raise RuleError(f"direction must be 'load' or 'export', got {direction!r}")
+        if not isinstance(prefix, str):
+            raise RuleError(f"prefix must be a str (literal text, not a regex), got {prefix!r}")
+        nested = [r.prefix for r in rules if isinstance(r, Rules) and r.prefix and r.prefix != prefix]
+        if nested:
+            raise RuleError(
+                f"a Rules with prefix={nested[0]!r} inside Rules(prefix={prefix!r}) would lose its prefix; "
+                "give the prefix to the outer Rules"
+            )
         self.rules: tuple[AnyRule, ...] = tuple(_flatten(rules))
         self.direction: Direction = direction
+        self.prefix: str = prefix
+        self.strict: bool = bool(strict)
+        self.source: str | None = None if source is None else str(source)
 
     def __iter__(self) -> Iterator[AnyRule]:
         return iter(self.rules)
@@ -166,35 +226,88 @@ class Rules:
     def __len__(self) -> int:
         return len(self.rules)
 
+    def _key(self) -> tuple:
+        return (self.rules, self.direction, self.prefix, self.strict, self.source)
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Rules) and (self.rules, self.direction) == (other.rules, other.direction)
+        return isinstance(other, Rules) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((self.rules, self.direction))
+        return hash(self._key())
 
     def __repr__(self) -> str:
         body = "".join(f"\n    {rule}," for rule in self.rules)
-        return f"Rules({body}\n    direction={self.direction!r},\n)"
+        extra = "".join(
+            f"\n    {name}={value!r},"
+            for name, value in (("prefix", self.prefix), ("strict", self.strict), ("source", self.source))
+            if value
+        )
+        return f"Rules({body}\n    direction={self.direction!r},{extra}\n)"
 
-    def mapping(self, sources: Mapping[str, tuple[Sequence[int], object]] | object) -> KeyMapping:
+    def mapping(
+        self, sources: Mapping[str, tuple[Sequence[int], object]] | object, *, against: object = None
+    ) -> KeyMapping:
         """Map source tensors to targets; pure, no I/O.
 
         Args:
             sources: ``{key: (shape, dtype)}``, or a header
                 (``nnx_save.read_header(path)``: mapping reads no tensor data), or
                 ``{key: array}``.
+            against: export only: the source file's tensors (any form ``sources``
+                takes): the mapping then keeps what the model does not hold as the file
+                has it, and lists in ``passed`` the file keys it does not write.
 
         Raises:
             RuleConflictError: a source feeds two rules or a target is made twice.
             RuleShapeError: a tensor's shape does not fit its rule.
-            RuleError: a rule's parts or layers are incomplete.
+            RuleError: a rule's parts or layers are incomplete, or ``against`` on a load.
         """
-        return _Mapper(self, _source_shapes(sources)).run()
+        if against is not None and self.direction != "export":
+            raise RuleError("against= is for export mappings (rules.inverse()); a load reads the source itself")
+        info = _source_shapes(sources)
+        kept = None if against is None else _source_shapes(against)
+        if not self.prefix:
+            return _Mapper(self, info, kept).run()
+        if self.direction == "load":
+            return _with_prefix_sources(self, info)
+        stripped, real = _unprefixed(self.prefix, kept or {})
+        inner = _Mapper(self, info, None if kept is None else stripped).run()
+        return _with_prefix_targets(inner, self.prefix, real)
 
-    def inverse(self, recorded: KeyMapping | None = None) -> Rules:
+    def check(
+        self, sources: Mapping[str, tuple[Sequence[int], object]] | object, strict: bool | None = None
+    ) -> KeyMapping:
+        """:meth:`mapping`, its table :attr:`~KeyMapping.problems` refused (``strict``,
+        default this table's ``strict``) or warned, before anything is read.
+
+        Raises:
+            RuleTableError: a problem under ``strict``.
+
+        Warns:
+            RuleTableWarning: a problem otherwise.
+
+        Examples:
+            >>> import numpy as np, pytest
+            >>> from nnx_save.porting import Rules, rename
+            >>> rules = Rules(rename(r"a", "x"), rename(r"b", "y"))
+            >>> rules.check({"a": ((1,), np.float32)}, strict=True)
+            Traceback (most recent call last):
+            nnx_save.errors.RuleTableError: rename(r"b", r"y") matches no key of the source
+        """
+        mapping = self.mapping(sources)
+        mapping.check(self.strict if strict is None else strict, stacklevel=3)
+        return mapping
+
+    def inverse(self, recorded: KeyMapping | None = None, *, source: str | os.PathLike[str] | None = None) -> Rules:
         """The rules for the other direction (load <-> export); ``ignore`` rules are dropped.
         A reshape needs its source shape and a concat its part sizes: from the rule, or
         from ``recorded``, a mapping these same rules made.
+
+        ``source``: the file the model was loaded from. ``save_model(..., rules=...)`` then
+        reproduces it: every tensor the rules saw and the model left unchanged is written
+        byte for byte as the file has it (an LSTM's two biases, a BatchNorm's
+        ``num_batches_tracked``), and every file tensor the export does not write (an
+        ignored one, a second model in the file) is copied unchanged.
 
         Raises:
             NotInvertibleError: a rule has no automatic inverse and none was given.
@@ -203,7 +316,50 @@ class Rules:
         value = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if not _is_structural(r)]
         other: Direction = "export" if self.direction == "load" else "load"
         kept = [r for r in structural if r is not None] + [r for r in reversed(value) if r is not None]
-        return Rules(*kept, direction=other)  # type: ignore[arg-type]  # each inverse is a rule
+        where = None if other == "load" or source is None else os.fspath(source)
+        return Rules(*kept, direction=other, prefix=self.prefix, strict=self.strict, source=where)  # type: ignore[arg-type]  # each inverse is a rule
+
+
+def _unprefixed(prefix: str, info: Info) -> tuple[dict[str, tuple[Shape, np.dtype]], dict[str, str]]:
+    """``info`` under the names the rules see, and ``{name seen: file key}``."""
+    seen = {key: key[len(prefix) :] if key.startswith(prefix) else key for key in info}
+    clash = sorted(k for k, v in seen.items() if v != k and v in info)
+    if clash:
+        raise RuleConflictError(
+            f"`{clash[0]}`: without the prefix {prefix!r} it is `{seen[clash[0]]}`, a key the file also holds"
+        )
+    return {seen[k]: v for k, v in info.items()}, {v: k for k, v in seen.items()}
+
+
+def _with_prefix_sources(rules: Rules, info: Info) -> KeyMapping:
+    """A load mapping of prefixed file keys: planned on the names without the prefix,
+    reported under the file's own keys."""
+    stripped, real = _unprefixed(rules.prefix, info)
+    inner = _Mapper(rules, stripped).run()
+    back = real.__getitem__
+    assignments = {t: replace(a, sources=tuple(map(back, a.sources))) for t, a in inner.assignments.items()}
+    return replace(
+        inner,
+        assignments=assignments,
+        landed={back(k): v for k, v in inner.landed.items()},
+        unused=tuple(sorted(map(back, inner.unused))),
+        tied={back(k): back(v) for k, v in inner.tied.items()},
+    )
+
+
+def _with_prefix_targets(inner: KeyMapping, prefix: str, real: Mapping[str, str]) -> KeyMapping:
+    """An export mapping's targets (file keys) with the prefix put back; ``real``: the
+    source file's keys by the names the rules saw (``against``)."""
+    assignments = {
+        prefix + t: replace(a, target=prefix + t, against=tuple(real[k] for k in a.against))
+        for t, a in inner.assignments.items()
+    }
+    return replace(
+        inner,
+        assignments=dict(sorted(assignments.items())),
+        landed={k: tuple(prefix + t for t in v) for k, v in inner.landed.items()},
+        passed=tuple(sorted(real[k] for k in inner.passed)),
+    )
 
 
 def _flatten(items: Iterable[object]) -> Iterator[AnyRule]:
@@ -255,28 +411,44 @@ def _steps(mapping: KeyMapping) -> Iterator[object]:
 
 
 class _Mapper:
-    """One planning run; holds the collected errors of each pass."""
+    """One planning run; holds the collected errors of each pass.
 
-    def __init__(self, rules: Rules, info: dict[str, tuple[Shape, np.dtype]]) -> None:
-        self.rules, self.info = rules, info
-        self.value_rules = [(i, r) for i, r in enumerate(rules) if isinstance(r, (TransposeRule, ReshapeRule))]
-        self.ties = [r for r in rules if isinstance(r, TieRule)]
+    ``against``: on export, the source file's ``{key: (shape, dtype)}`` (prefix removed);
+    what the model does not hold (a sum's parts, a count written as a constant) is then
+    taken from it, and the keys no assignment writes are passed through.
+    """
+
+    def __init__(self, rules: Rules, info: dict[str, tuple[Shape, np.dtype]], against: Info | None = None) -> None:
+        self.rules, self.info, self.against = rules, info, against
+        self.active, self.problems = distinct(rules.rules)
+        self.value_rules = [(i, r) for i, r in self._active(TransposeRule, ReshapeRule)]
+        self.owners = {
+            i: owners_of(r, rules.rules, self.active) for i, r in self.value_rules if getattr(r, "of", None) is not None
+        }
+        self.ties = [r for _, r in self._active(TieRule)]
         self.tied: dict[str, str] = {}
         self.checked: set[str] = set()
         self.errors: list[str] = []
         self.conflicts: list[str] = []
+        self.seen: dict[int, list[str]] = defaultdict(list)  # rule -> the keys or paths it matched
+        self.applied: dict[str, list[int]] = defaultdict(list)  # path -> the value rules that changed it
+
+    def _active(self, *kinds: type) -> list[tuple[int, Any]]:
+        return [(i, self.rules.rules[i]) for i in self.active if isinstance(self.rules.rules[i], kinds)]
 
     def run(self) -> KeyMapping:
-        pre = self._pre_steps() if self.rules.direction == "export" else {}
-        self._raise(self.errors, RuleShapeError)
-        info = {k: (shape, dtype) for k, (_, shape, dtype) in pre.items()} if pre else self.info
         claims, renamed = self._claim()
         self._raise(self.conflicts, RuleConflictError)
+        owner = {key: index for index, claimed in claims.items() for key in claimed}
+        pre = self._pre_steps(owner) if self.rules.direction == "export" else {}
+        self._raise(self.errors, RuleShapeError)
+        info = {k: (shape, dtype) for k, (_, shape, dtype) in pre.items()} if pre else self.info
         nodes = self._build(claims, renamed, info)
         self._raise(self.conflicts, RuleConflictError)
         self._raise(self.errors, RuleError)
         assignments = {n.target: self._assign(n, pre) for n in sorted(nodes, key=lambda n: n.target)}
         self._raise(self.errors, RuleShapeError)
+        self.problems += table_problems(self.rules.rules, self.active, claims, self.seen, self.applied)
         return self._finish(assignments, claims)
 
     def _raise(self, messages: list[str], kind: type[RuleError]) -> None:
@@ -292,17 +464,20 @@ class _Mapper:
                 found = tie.tied(self.info, self.errors)
                 self.tied.update(found)
                 self.checked.update(found if tie.check else ())
+        structural = self._active(*_STRUCTURAL)
         for key in sorted(set(self.info) - set(self.tied)):
-            hit = self._claim_one(key)
+            hit = self._claim_one(key, structural)
             if hit is None:
                 renamed[key] = key
             elif hit[0] >= 0:
                 claims[hit[0]][key] = hit[1]
         return claims, renamed
 
-    def _claim_one(self, key: str) -> tuple[int, object] | None:
+    def _claim_one(self, key: str, structural: Sequence[tuple[int, Any]]) -> tuple[int, object] | None:
         """``(rule index, match)``; ``None``: no rule; index -1: a conflict (recorded)."""
-        hits = [(i, m) for i, r in enumerate(self.rules) if _is_structural(r) and (m := r.match(key)) is not None]
+        hits = [(i, m) for i, r in structural if (m := r.match(key)) is not None]
+        for i, _ in hits:
+            self.seen[i].append(key)
         others = [h for h in hits if not isinstance(self.rules.rules[h[0]], RenameRule)]
         if len(others) > 1 and all(isinstance(self.rules.rules[i], IgnoreRule) for i, _ in others):
             others = others[:1]  # ignore rules that overlap agree: the key is dropped
@@ -321,9 +496,15 @@ class _Mapper:
             assert _is_structural(rule)  # only structural rules claim keys
             made = rule.nodes(claimed, info, self.errors)  # type: ignore[arg-type]  # each rule reads the claims it made
             nodes.extend(_tagged(n, index) for n in made)
-        for rule in self.rules.rules:
-            if isinstance(rule, ConstantRule):
-                nodes.extend(rule.nodes_for(info))
+        for _, rule in self._active(ConstantRule):
+            keys = (
+                info
+                if rule.of is None
+                else [k for i in owners_of(rule, self.rules.rules, self.active) for k in claims.get(i, ())]
+            )
+            nodes.extend(rule.nodes_for(keys))
+        if self.against is not None:
+            nodes = against_source(nodes, self.against)
         nodes = self._tie(nodes)
         self._check_unique(nodes, claims)
         return nodes
@@ -364,13 +545,20 @@ class _Mapper:
                 self.conflicts.append(f"`{node.target}`: produced twice, {made[0]} and {made[1]}")
             first.setdefault(node.target, node)
 
-    def _pre_steps(self) -> dict[str, tuple[tuple[Step, ...], Shape, np.dtype]]:
-        return {key: (*self._value_steps(key, shape), dtype) for key, (shape, dtype) in self.info.items()}
+    def _pre_steps(self, owner: Mapping[str, int]) -> dict[str, tuple[tuple[Step, ...], Shape, np.dtype]]:
+        return {
+            key: (*self._value_steps(key, shape, owner.get(key, -1)), dtype)
+            for key, (shape, dtype) in self.info.items()
+        }
 
-    def _value_steps(self, path: str, shape: Shape) -> tuple[tuple[Step, ...], Shape]:
+    def _value_steps(self, path: str, shape: Shape, owner: int) -> tuple[tuple[Step, ...], Shape]:
+        """The value rules' steps for ``path`` (made by rule ``owner``): each matching rule
+        in order, save those that belong to another structural rule (``TransposeRule.of``)."""
         steps: list[Step] = []
         for index, rule in self.value_rules:
-            if rule.matches(path):
+            if rule.matches(path) and (index not in self.owners or owner in self.owners[index]):
+                self.seen[index].append(path)
+                self.applied[path].append(index)
                 made = rule.step(path, shape, index, self.errors)
                 if made is None:
                     break
@@ -380,10 +568,10 @@ class _Mapper:
 
     def _assign(self, node: Node, pre: Mapping[str, tuple[tuple[Step, ...], Shape, np.dtype]]) -> Assignment:
         pre_steps = tuple(pre[k][0] for k in node.sources) if pre else ()
-        post, shape = ((), node.shape) if pre else self._value_steps(node.target, node.shape)
+        post, shape = ((), node.shape) if pre else self._value_steps(node.target, node.shape, node.rule)
         plain = node.combine is None and not post and not any(pre_steps)
         transform = None if plain else Transform(pre_steps if any(pre_steps) else (), node.combine, post)
-        return Assignment(node.target, node.sources, shape, node.dtype, transform)
+        return Assignment(node.target, node.sources, shape, node.dtype, transform, node.against)
 
     def _finish(self, assignments: dict[str, Assignment], claims: Mapping[int, dict[str, object]]) -> KeyMapping:
         landed: dict[str, list[str]] = {k: [] for k in sorted(self.info)}
@@ -392,41 +580,19 @@ class _Mapper:
                 landed[key].append(target)
         ignored = {k for i, c in claims.items() if isinstance(self.rules.rules[i], IgnoreRule) for k in c}
         unused = tuple(sorted(ignored | {k for k in self.tied if not landed[k]}))
+        passed = () if self.against is None else tuple(sorted(set(self.against) - set(assignments)))
         return KeyMapping(
-            assignments, {k: tuple(v) for k, v in landed.items()}, unused, dict(sorted(self.tied.items()))
+            assignments,
+            {k: tuple(v) for k, v in landed.items()},
+            unused,
+            dict(sorted(self.tied.items())),
+            problems=tuple(self.problems),
+            passed=passed,
         )
 
 
-_GROUPED = 5  # more problems than this are shown one line per kind, with a hint
-_HINTS = {
-    "produced twice": "a target made twice often means a pattern captures an index (a layer) that the "
-    "target does not use: reference it (\\g<layer>), or stack the layers (stack(), split(..., "
-    "stacked=True), a helper given a (?P<layer>\\d+) pattern)",
-    "matched by both": "a file key feeds one rule: narrow the broader pattern, or drop the rename",
-}
-
-
-def problems_message(lines: Sequence[str]) -> str:
-    """One line per problem; past a few, one line per kind of problem (the same text
-    but for the names in backticks) with the count and the first names, and a hint."""
-    if len(lines) == 1:
-        return lines[0]
-    if len(lines) <= _GROUPED:
-        return "\n  ".join([f"{len(lines)} porting rule problems:", *lines])
-    kinds: dict[str, list[str]] = defaultdict(list)
-    for line in lines:
-        kinds[re.sub(r"`[^`]*`", "``", line)].append(line)
-    out = [f"{len(lines)} porting rule problems, {len(kinds)} kind(s):"]
-    for same in kinds.values():
-        names = list(dict.fromkeys(m.group(0) for line in same[1:] if (m := re.match(r"`[^`]*`", line))))
-        more = f" (and {len(same) - 1} more like it, on {', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
-        out.append(same[0] + (more if len(same) > 1 else ""))
-    hints = [hint for marker, hint in _HINTS.items() if any(marker in line for line in lines)]
-    return "\n  ".join(out) + "".join(f"\nhint: {h}" for h in hints)
-
-
 def _tagged(node: Node, index: int) -> Node:
-    """The node with its concatenation tagged by the rule that made it (for inverse)."""
+    """The node tagged with the rule that made it (its concatenation too, for inverse)."""
     if isinstance(node.combine, Concatenate):
-        return replace(node, combine=replace(node.combine, rule=index))
-    return node
+        return replace(node, combine=replace(node.combine, rule=index), rule=index)
+    return replace(node, rule=index)

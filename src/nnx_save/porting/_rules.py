@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import NotInvertibleError, RuleError
 from ._parts import axis_of, complete_layers, joined, layer_groups, refuse_shared_layer, same_dtype, split_bounds
-from ._template import Template, check_refs, compile_pattern, invert, parse_templates, raw, raws, ticked
+from ._template import Template, check_refs, compile_pattern, invert, parse_pattern, parse_templates, raw, raws, ticked
 from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
 
 __all__ = [
@@ -51,6 +51,9 @@ class Node:
     shape: Shape
     dtype: np.dtype
     combine: Combine | None
+    rule: int = -1  # the position of the rule that made it in its Rules (-1: none)
+    restore: tuple[tuple[str, ...], int] | None = None  # a sum's export: (its file keys, into)
+    against: tuple[str, ...] = ()  # the source file's tensors it also takes (export against the source)
 
 
 def _set(obj: object, name: str, value: object) -> None:
@@ -92,39 +95,66 @@ class RenameRule(_Patterned):
 
     ``shift`` adds to a captured index (``((1, -1),)``: ``features.3`` -> ``blocks/2``); a
     key whose shifted index would be negative is not matched, so another rule can take it.
+    ``index`` renumbers a captured index through a table (``((1, ((0, 0), (3, 1), (6, 2))),)``:
+    ``features.3`` -> ``blocks/1``); an index the table lacks is not matched. ``accept``:
+    per group, the regex a renumbered index must still match (set on an inverse, so that
+    it gives back exactly the keys the forward rule read).
     """
 
     replacement: str
     inverse_rule: StructuralRule | None = field(default=None, compare=False, repr=False)
     shift: tuple[tuple[int | str, int], ...] = ()
+    index: tuple[tuple[int | str, tuple[tuple[int, int], ...]], ...] = ()
+    accept: tuple[tuple[int, str], ...] = ()
 
     _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
     _shift: dict[int, int] = field(init=False, repr=False, compare=False)  # derived in __post_init__
+    _index: dict[int, dict[int, int]] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _set(self, "_template", Template.parse(self.replacement))
         check_refs(self._template, self._regex)
         _set(self, "_shift", {_group_index(self._regex, g, self): int(d) for g, d in self.shift})
+        _set(self, "_index", {_group_index(self._regex, g, self): _table(t, self) for g, t in self.index})
+        both = sorted(set(self._shift) & set(self._index))
+        if both:
+            raise RuleError(f"{self}: group {both[0]} is given both shift= and index=; give one")
 
     def __str__(self) -> str:
         shift = f", shift={dict(self.shift)!r}" if self.shift else ""
-        return f"rename({raw(self.pattern)}, {raw(self.replacement)}{shift})"
+        index = "".join(f", index={{{g!r}: {[a for a, _ in t]}}}" for g, t in self.index if _counting(t))
+        index += "".join(f", index={{{g!r}: {dict(t)}}}" for g, t in self.index if not _counting(t))
+        return f"rename({raw(self.pattern)}, {raw(self.replacement)}{shift}{index})"
+
+    @property
+    def renumbered(self) -> frozenset[int]:
+        """The groups (numbers) whose index this rule changes."""
+        return frozenset(self._shift) | frozenset(self._index)
 
     def match(self, key: str) -> str | None:
         """The target for ``key``, or ``None``."""
         m = self._regex.fullmatch(key)
         if m is None:
             return None
-        if not self._shift:
+        if not self.renumbered:
             return self._template.expand_match(m)
         groups: dict[int | str, str | None] = {i: m.group(i) for i in range(1, self._regex.groups + 1)}
-        for index, delta in self._shift.items():
-            groups[index] = _shifted(key, groups[index], delta, self)
+        for index in sorted(self.renumbered):
+            groups[index] = self._renumber(key, index, groups[index])
             if groups[index] is None:
                 return None
         groups.update({name: groups[i] for name, i in self._regex.groupindex.items()})
         return self._template.expand(groups)
+
+    def _renumber(self, key: str, group: int, text: str | None) -> str | None:
+        """Group ``group``'s new index text, or ``None`` (no match)."""
+        number = _index_number(key, text, self)
+        new = number + self._shift[group] if group in self._shift else self._index[group].get(number)
+        if new is None or new < 0:
+            return None
+        body = dict(self.accept).get(group)
+        return None if body is not None and re.fullmatch(body, str(new)) is None else str(new)
 
     def nodes(self, claims: Mapping[str, str], info: Info, errors: list[str]) -> list[Node]:
         """One unchanged node per claimed key."""
@@ -134,25 +164,53 @@ class RenameRule(_Patterned):
         """The export rule; automatic for the simple regex forms (see ``_template``)."""
         if self.inverse_rule is not None:
             return _with_inverse(self, self.inverse_rule)
-        pattern, replacement = invert(self.pattern, self.replacement)
+        pattern, replacement = invert(self.pattern, self.replacement, widen=self.renumbered)
         # the inverse pattern's group k is the k-th reference of this replacement
         refs = [_group_index(self._regex, r, self) for r in self._template.refs]
         shift = tuple((refs.index(g) + 1, -d) for g, d in self._shift.items())
-        return RenameRule(pattern, replacement, inverse_rule=self, shift=shift)
+        index = tuple((refs.index(g) + 1, tuple((b, a) for a, b in t.items())) for g, t in self._index.items())
+        bodies = _group_bodies(self.pattern)
+        accept = tuple(
+            (refs.index(g) + 1, bodies[g - 1])
+            for g in sorted(self.renumbered)
+            if bodies[g - 1] not in (r"\d+", "[0-9]+")
+        )
+        return RenameRule(pattern, replacement, inverse_rule=self, shift=shift, index=index, accept=accept)
+
+
+def _counting(table: tuple[tuple[int, int], ...]) -> bool:
+    """A table of the form ``index={g: [n0, n1, ...]}`` (``n_i`` -> ``i``)."""
+    return [b for _, b in table] == list(range(len(table)))
+
+
+def _table(pairs: tuple[tuple[int, int], ...], rule: object) -> dict[int, int]:
+    table: dict[int, int] = {}
+    for a, b in pairs:
+        if not (isinstance(a, int) and isinstance(b, int)) or a < 0 or b < 0 or a in table:
+            raise RuleError(f"{rule}: index= maps each index (an int >= 0) once to an int >= 0, got {pairs!r}")
+        table[a] = b
+    if len(set(table.values())) != len(table):
+        raise RuleError(f"{rule}: index= sends two indices to one, so export could not tell them apart: {pairs!r}")
+    return table
+
+
+def _group_bodies(pattern: str) -> list[str]:
+    """Each capturing group's regex body, in order (the pattern is of the invertible form)."""
+    return [g.body for g in parse_pattern(pattern)[1]]
 
 
 def _group_index(regex: re.Pattern[str], group: int | str, rule: object) -> int:
     index = regex.groupindex.get(group) if isinstance(group, str) else group
     if not isinstance(index, int) or not 0 < index <= regex.groups:
-        raise RuleError(f"{rule}: shift names group {group!r}, which the pattern does not define")
+        raise RuleError(f"{rule}: shift / index names group {group!r}, which the pattern does not define")
     return index
 
 
-def _shifted(key: str, text: str | None, delta: int, rule: object) -> str | None:
-    """The shifted index, or ``None`` below zero."""
+def _index_number(key: str, text: str | None, rule: object) -> int:
+    """The decimal index captured in ``text``."""
     if text is None or not (text.isascii() and text.isdigit()):  # "²".isdigit() is true, int("²") fails
-        raise RuleError(f"`{key}`: {rule} shifts group text {text!r}, which is not a decimal index")
-    return str(int(text) + delta) if int(text) + delta >= 0 else None
+        raise RuleError(f"`{key}`: {rule} renumbers group text {text!r}, which is not a decimal index")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -437,9 +495,15 @@ class UnstackRule(_LayerRule):
 
 @dataclass(frozen=True)
 class TransposeRule(_ValueRule):
-    """Model paths matching ``pattern`` hold the source tensor transposed by ``axes``."""
+    """Model paths matching ``pattern`` hold the source tensor transposed by ``axes``.
+
+    ``of``: the structural rule this transpose belongs to (a helper's weight): it then
+    applies only to the tensors that rule makes, so a path another rule makes first
+    (first match wins) is never transposed by it.
+    """
 
     axes: tuple[int, ...]
+    of: RenameRule | SplitRule | ConcatRule | StackRule | UnstackRule | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -457,8 +521,9 @@ class TransposeRule(_ValueRule):
         return Transpose(self.axes, index), tuple(shape[a] for a in self.axes)
 
     def inverse(self) -> TransposeRule:
-        """The inverse permutation."""
-        return TransposeRule(self.pattern, tuple(int(a) for a in np.argsort(self.axes)))
+        """The inverse permutation (belonging to the inverse of its rule)."""
+        of = None if self.of is None else self.of.inverse()
+        return TransposeRule(self.pattern, tuple(int(a) for a in np.argsort(self.axes)), of)  # type: ignore[arg-type]  # a structural rule's inverse is structural
 
 
 @dataclass(frozen=True)
@@ -518,12 +583,13 @@ class ConstantRule:
     emit: RenameRule
     value: int | float = 0
     dtype: str = "int64"
+    of: RenameRule | None = field(default=None, repr=False)  # only the keys this rule takes
 
     def __str__(self) -> str:
         return f"constant({self.emit}, {self.value!r}, {self.dtype!r})"
 
     def nodes_for(self, keys: Iterable[str]) -> list[Node]:
-        """One constant node per key ``emit`` matches."""
+        """One constant node per key ``emit`` matches (of those ``of`` takes, when set)."""
         targets = sorted({t for k in keys if (t := self.emit.match(k)) is not None})
         return [Node(t, (), (), np.dtype(self.dtype), Constant(self.value, self.dtype)) for t in targets]
 

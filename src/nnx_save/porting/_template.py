@@ -244,7 +244,12 @@ def _group(pattern: str, inner: str) -> Group:
 
 
 def invert(
-    pattern: str, template: str, *, consumed: str | None = None, produced: tuple[str, str] | None = None
+    pattern: str,
+    template: str,
+    *,
+    consumed: str | None = None,
+    produced: tuple[str, str] | None = None,
+    widen: Iterable[int] = (),
 ) -> tuple[str, str]:
     """The (pattern, template) pair that maps ``template``'s outputs back to keys.
 
@@ -255,6 +260,9 @@ def invert(
             stack's layer index); the inverse template references it by name.
         produced: ``(name, body)`` of a reference in ``template`` that ``pattern`` does
             not define (an unstack's layer index); a named group of the inverse pattern.
+        widen: groups of ``pattern`` (numbers) renumbered on the way (``shift=``, ``index=``):
+            the inverse pattern takes any decimal index there (``\\d+``), since the
+            renumbered indices need not match the forward group's narrowed body.
 
     Returns:
         ``(inverse_pattern, inverse_template)``.
@@ -268,6 +276,8 @@ def invert(
         ('blocks/(\\\\d+)/attn/kernel', 'h.\\\\g<1>.attn.weight')
     """
     parts, groups = parse_pattern(pattern)
+    wide = set(widen)
+    groups = tuple(Group(g.name, r"\d+") if i + 1 in wide else g for i, g in enumerate(groups))
     names = {g.name: i + 1 for i, g in enumerate(groups) if g.name}
     if produced is not None:
         groups = (*groups, Group(produced[0], produced[1]))

@@ -23,6 +23,7 @@ __all__ = [
     "Each",
     "Index",
     "Reshape",
+    "Restore",
     "Same",
     "Stack",
     "Sum",
@@ -233,7 +234,31 @@ class Chain:
         return self.outer([self.inner(xs)])
 
 
-Combine = Take | Index | Concatenate | Stack | Constant | Sum | Same | Each | Chain
+@dataclass(frozen=True)
+class Restore:
+    """A sum's part ``into`` on an export made against the source file: the model's
+    value (``inner`` of the model's tensors) with the file's ``parts`` summed tensors
+    as the last inputs. While the file's parts still add up to the model's value, bit
+    for bit, the file's own part; else the model's value minus the other parts (so
+    they stay as the file has them and add up to the model's value)."""
+
+    inner: Concatenate | None
+    parts: int
+    into: int
+
+    def __call__(self, xs: Sequence[np.ndarray]) -> np.ndarray:
+        model, parts = xs[: len(xs) - self.parts], xs[len(xs) - self.parts :]
+        whole = np.asarray(model[0] if self.inner is None else self.inner(model))
+        if Sum()(parts).tobytes() == np.ascontiguousarray(whole).tobytes():
+            return parts[self.into]
+        out = np.array(whole, copy=True)
+        for i, part in enumerate(parts):
+            if i != self.into:
+                out -= part
+        return out
+
+
+Combine = Take | Index | Concatenate | Stack | Constant | Sum | Same | Each | Chain | Restore
 _BOX_COMBINES = (Take, Index, Concatenate, Stack, Each)  # the combines with a per-box map
 
 
@@ -255,7 +280,7 @@ class Transform:
     post: tuple[Step, ...]
 
     def __call__(self, arrays: Sequence[np.ndarray]) -> np.ndarray:
-        xs = [_chain(self.pre[i] if self.pre else (), np.asarray(x)) for i, x in enumerate(arrays)]
+        xs = [_chain(self.pre[i] if i < len(self.pre) else (), np.asarray(x)) for i, x in enumerate(arrays)]
         if self.combine is None:
             (x,) = xs
         else:
