@@ -271,7 +271,8 @@ def fuzz(count: int, run_one, seeds: list[bytes], crashes: Path, budget_s: float
                 run_one(blob, i)
                 stats["accepted"] += 1
             except (nnx_save.NnxSaveError, FileNotFoundError) as e:
-                stats["refused"][type(e).__name__] = stats["refused"].get(type(e).__name__, 0) + 1
+                kind = type(e).__name__ + (f"({e.check})" if getattr(e, "check", None) else "")  # one per header check
+                stats["refused"][kind] = stats["refused"].get(kind, 0) + 1
             except BaseException as e:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 crashes.mkdir(parents=True, exist_ok=True)

@@ -259,7 +259,7 @@ _CHILD = textwrap.dedent("""
     import json, os, resource, signal, sys, time
     import numpy as np
     import nnx_save
-    from nnx_save.save import _dispatch
+    from nnx_save.layouts import _dispatch
 
     d = sys.argv[1]
     # Out of space: RLIMIT_FSIZE with SIGXFSZ ignored, so writes past 1 MiB fail with EFBIG.
