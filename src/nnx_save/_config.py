@@ -31,6 +31,7 @@ from .errors import ConfigError
 
 __all__ = [
     "COLLECTIVE_TIMEOUT_S",
+    "DIRECT_IO",
     "FORCE_HOST_STAGING",
     "HTTP_MIN_RATE",
     "HTTP_TIMEOUT",
@@ -187,6 +188,14 @@ FORCE_HOST_STAGING: Variable[bool] = Variable(
     "1 makes saves stage device -> host copies on the CPU backend too (a testing aid)",
     _flag,
 )
+DIRECT_IO: Variable[bool] = Variable(
+    "NNX_SAVE_DIRECT_IO",
+    True,
+    "1 or 0",
+    "1 writes a saved file's whole 4 MiB chunks with O_DIRECT where the filesystem allows it (no page cache); "
+    "0 writes through the page cache, starting each chunk's write-back at once",
+    _flag,
+)
 PROGRESS_MIN_BYTES: Variable[int] = Variable(
     "NNX_SAVE_PROGRESS_MIN_BYTES",
     256 << 20,
@@ -204,5 +213,6 @@ VARIABLES: tuple[Variable, ...] = (
     MAX_ASYNC_SAVES,
     SAVE_INFLIGHT_BYTES,
     FORCE_HOST_STAGING,
+    DIRECT_IO,
     PROGRESS_MIN_BYTES,
 )

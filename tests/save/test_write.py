@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save.format import _dtypes
+from nnx_save.io import _sink
 from nnx_save.io._write import TMP_MARKER
 from nnx_save.save import _write
 
@@ -395,7 +396,7 @@ def test_disk_full_is_a_save_error_and_keeps_the_previous_file(tmp_path, monkeyp
     path = tmp_path / "m.safetensors"
     nnx_save.save_file({"w": np.arange(4, dtype=np.float32)}, path)
     before = path.read_bytes()
-    real, calls = _write._write_all, []
+    real, calls = _sink.pwrite_all, []
 
     def full(fd, data, *args):
         calls.append(len(data))
@@ -403,7 +404,7 @@ def test_disk_full_is_a_save_error_and_keeps_the_previous_file(tmp_path, monkeyp
             raise OSError(28, "No space left on device")
         return real(fd, data, *args)
 
-    monkeypatch.setattr(_write, "_write_all", full)
+    monkeypatch.setattr(_sink, "pwrite_all", full)
     with pytest.raises(
         nnx_save.SaveError,
         match=re.escape(f"{path}: save failed (no space left on the device); the previous file, if any, is intact"),

@@ -19,7 +19,8 @@ from .. import _progress
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ..io._write import _write_all, atomic_file
+from ..io._sink import Sink, pwrite_all
+from ..io._write import atomic_file
 from . import _stage
 from ._entry import Entry, host_bytes, order_entries
 
@@ -59,23 +60,29 @@ def write_file(
     )
     t0 = time.perf_counter()
     try:
-        # xxhash and os.write both release the GIL: each tensor is hashed on a helper
+        # xxhash and the writes both release the GIL: each tensor is hashed on a helper
         # thread while it is being written, so the checksum costs no extra wall time
-        # where a core is free.
-        with atomic_file(path, staged=staged) as fd, ThreadPoolExecutor(1, "nnx_save-hash") as hasher:
-            _write_all(fd, memoryview(head))
+        # where a core is free. The sink keeps the disk busy as the file grows (direct
+        # I/O, or write-back started per chunk), so the fsync has little left to do.
+        with (
+            atomic_file(path, staged=staged) as fd,
+            ThreadPoolExecutor(1, "nnx_save-hash") as hasher,
+            Sink(fd, len(head) + total) as sink,
+        ):
+            sink.write(memoryview(head))
             for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
                 data = host_data(window, i, e, path, end - begin)
                 if len(data) >= HASH_THREAD_MIN_BYTES:
                     hashed = hasher.submit(digests.update, e.key, data)
-                    _write_all(fd, data)
+                    sink.write(data)
                     hashed.result()
                 else:  # waking the helper costs more than hashing a small tensor here
                     digests.update(e.key, data)
-                    _write_all(fd, data)
+                    sink.write(data)
                 bar.update(len(data), 1)
                 del data
-            _write_all(fd, memoryview(final_header(path, names, digests, metadata, head)), 0)
+            sink.finish()
+            pwrite_all(fd, memoryview(final_header(path, names, digests, metadata, head)), 0)
     finally:
         window.close()
         bar.close()
