@@ -31,10 +31,18 @@ from typing import Any
 
 from .. import _config
 
-__all__ = ["CHUNK_BYTES", "DEPTH", "Sink", "pwrite_all"]
+__all__ = ["CHUNK_BYTES", "DEPTH", "Sink", "chunk_memory", "pwrite_all"]
 
 CHUNK_BYTES = 4 << 20  # a power of two: every direct write is whole blocks at a block-aligned offset
 DEPTH = 2  # chunks in rotation: one filled by the caller while the other is written
+
+
+def chunk_memory(size: int, budget: int) -> int:
+    """Host bytes a :class:`Sink` of a ``size``-byte file may hold for direct I/O, out
+    of a save's ``budget``: its chunks when the file fills one and they take at most
+    half the budget (``NNX_SAVE_DIRECT_IO`` allowing), else 0 (buffered writes)."""
+    held = DEPTH * CHUNK_BYTES
+    return held if size >= CHUNK_BYTES and 2 * held <= budget and _config.DIRECT_IO.get() else 0
 
 
 def pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -80,15 +88,15 @@ def _range_starter() -> Callable[[int, int, int], Any] | None:
 class Sink:
     """Appends bytes to the file open on ``fd`` from offset 0 (see the module).
 
-    ``size``: the bytes that will be written in all (the direct way is used only for
-    a file of at least one chunk). A context manager: on leaving, every write in
+    ``memory``: the host bytes it may hold (:func:`chunk_memory`; 0: buffered
+    writes). A context manager: on leaving, every write in
     flight has ended, so the descriptor may be closed; an error of a write raises
     from a later :meth:`write` or from :meth:`finish`.
     """
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, memory: int) -> None:
         self.fd, self.pos, self.fill = fd, 0, 0  # direct: pos is where the chunk being filled goes
-        self.direct = size >= CHUNK_BYTES and _config.DIRECT_IO.get() and _set_direct(fd, True)
+        self.direct = memory >= DEPTH * CHUNK_BYTES and _set_direct(fd, True)
         self.start = None if self.direct else _range_starter()
         self.started = 0  # buffered: write-back started up to here
         self.chunks = [mmap.mmap(-1, CHUNK_BYTES) for _ in range(DEPTH)] if self.direct else []  # page-aligned
@@ -140,9 +148,7 @@ class Sink:
             self.pool.shutdown()
             self.pool = None
         self._buffered()
-        for chunk in self.chunks:
-            chunk.close()
-        self.chunks = []
+        self.chunks = []  # freed with the last view (a failed write's traceback may hold one)
 
     def _slot(self) -> int:
         return (self.pos // CHUNK_BYTES) % DEPTH

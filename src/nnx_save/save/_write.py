@@ -19,7 +19,7 @@ from .. import _progress
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ..io._sink import Sink, pwrite_all
+from ..io._sink import Sink, chunk_memory, pwrite_all
 from ..io._write import atomic_file
 from . import _stage
 from ._entry import Entry, host_bytes, order_entries
@@ -46,8 +46,9 @@ def write_file(
     Each tensor is hashed as it is written; the header, encoded first with
     fixed-width placeholder digests, is rewritten in place (same length) with the
     real ones before the fsync and rename (see :mod:`nnx_save.format._checksum`). The
-    device -> host copies of the next tensors run while one is written, at most
-    ``max_inflight_bytes`` of them at once (see :mod:`nnx_save.save._stage`).
+    device -> host copies of the next tensors run while one is written; they and the
+    writer's chunks (:mod:`nnx_save.io._sink`) hold at most ``max_inflight_bytes``
+    at once (see :mod:`nnx_save.save._stage`).
     """
     entries = order_entries(entries)
     names = [(e.key, e.code, e.shape) for e in entries]
@@ -55,9 +56,9 @@ def write_file(
     head, offsets = encode_header(names, digests.metadata(metadata))
     total = offsets[-1][1] if offsets else 0
     bar = _progress.bar(f"saving {Path(path).name}", total, len(entries), _progress.save_setting())
-    window = _stage.Window(
-        [e.array for e in entries], [e.key for e in entries], _stage.budget(max_inflight_bytes), str(path)
-    )
+    limit = _stage.budget(max_inflight_bytes)
+    held = chunk_memory(len(head) + total, limit)  # the sink's chunks come out of the same budget
+    window = _stage.Window([e.array for e in entries], [e.key for e in entries], limit - held, str(path))
     t0 = time.perf_counter()
     try:
         # xxhash and the writes both release the GIL: each tensor is hashed on a helper
@@ -67,7 +68,7 @@ def write_file(
         with (
             atomic_file(path, staged=staged) as fd,
             ThreadPoolExecutor(1, "nnx_save-hash") as hasher,
-            Sink(fd, len(head) + total) as sink,
+            Sink(fd, held) as sink,
         ):
             sink.write(memoryview(head))
             for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
