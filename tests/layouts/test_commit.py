@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 
@@ -27,6 +28,7 @@ from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from reliability.test_reliability_disk import small_fs  # noqa: F401 (the tiny-filesystem fixture)
 
 import nnx_save
+from nnx_save.layouts import _index_save as _sharded
 
 INDEX = "model.safetensors.index.json"
 
@@ -225,6 +227,51 @@ def test_a_reader_racing_a_multi_file_writer_never_mixes_versions(tmp_path):
     assert saves >= 5 and whole >= 5, (saves, whole, retried)
     assert versions(nnx_save.load_file(directory)) == {float(saves)}
     assert len(os.listdir(directory)) == 65  # the last version's 64 files and its index, nothing else
+
+
+# --- files written in parallel ----------------------------------------------------------------
+
+
+def test_local_files_are_written_two_at_a_time_within_the_budget(tmp_path, monkeypatch):
+    real, lock, running, seen = _sharded.write_file, threading.Lock(), [0], []
+
+    def slow(path, entries, metadata=None, **kwargs):
+        with lock:
+            running[0] += 1
+            seen.append((running[0], kwargs["max_inflight_bytes"]))
+        time.sleep(0.2)  # long enough for the other writer to start
+        try:
+            return real(path, entries, metadata, **kwargs)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setenv("NNX_SAVE_SAVE_INFLIGHT_BYTES", str(64 << 20))
+    monkeypatch.setattr(_sharded, "write_file", slow)
+    nnx_save.save_file(tree(1.0, n=5), tmp_path / "ck", max_shard_size=256)  # one file per tensor
+    assert len(seen) == 5 and max(n for n, _ in seen) == _sharded.SHARD_WRITERS == 2
+    assert {b for _, b in seen} == {(64 << 20) // 2}  # each writer holds its share of the budget
+    assert versions(nnx_save.load_file(tmp_path / "ck")) == {1.0}
+
+
+def test_a_failed_file_among_parallel_ones_keeps_the_previous_version(tmp_path, monkeypatch):
+    nnx_save.save_file(tree(1.0, n=6), tmp_path / "ck", max_shard_size=256)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()}
+    real, started = _sharded.write_file, []
+
+    def fails_second(path, entries, metadata=None, **kwargs):
+        started.append(path.name)
+        if len(started) == 2:
+            raise nnx_save.SaveError(f"{path}: save failed (no space left on the device)", str(path))
+        time.sleep(0.2)  # the failure lands while this file is still being written
+        return real(path, entries, metadata, **kwargs)
+
+    monkeypatch.setattr(_sharded, "write_file", fails_second)
+    with pytest.raises(nnx_save.SaveError, match=re.escape("save failed (no space left on the device)")):
+        nnx_save.save_file(tree(2.0, n=6), tmp_path / "ck", max_shard_size=256)
+    assert len(started) < 6  # the files not begun were cancelled
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()} == before  # no new file, no temporary
+    assert versions(nnx_save.load_file(tmp_path / "ck")) == {1.0}
 
 
 # --- full disk and quota: the previous version loads exactly afterwards ------------------------

@@ -10,11 +10,14 @@ every file lets a reader tell a mix of two saves (:mod:`~nnx_save.layouts._versi
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import math
 import os
 import re
 from collections.abc import Mapping, Sequence
+from concurrent import futures
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,7 @@ from ..io import _remote
 from ..io._kv import Sync
 from ..io._write import TMP_MARKER, _write_all, atomic_file, commit_staged, discard_staged, remove_stale_temps
 from ..save import _remote as _remote_write
+from ..save import _stage
 from ..save._collective import write_collective
 from ..save._entry import Entry, order_entries
 from ..save._write import write_file
@@ -35,6 +39,7 @@ from ._versions import SAVE_ID_KEY, new_save_id
 __all__ = ["shard_groups", "write_sharded"]
 
 log = logging.getLogger("nnx_save")
+SHARD_WRITERS = 2  # files one process writes at once
 
 
 def _nbytes(e: Entry) -> int:
@@ -71,8 +76,8 @@ class _Local:
     def read_index(self) -> bytes:
         return self.index.read_bytes()
 
-    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str]) -> None:
-        write_file(self.root / name, entries, meta, staged=self.staged)
+    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str], budget: int | None) -> None:
+        write_file(self.root / name, entries, meta, staged=self.staged, max_inflight_bytes=budget)
 
     def commit_index(self, data: bytes) -> None:
         commit_staged(self.staged)  # fresh names: one directory fsync for them all, before the index
@@ -108,7 +113,7 @@ class _Remote:
     def read_index(self) -> bytes:
         return self.fs.cat(self.index)
 
-    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str]) -> None:
+    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str], budget: int | None) -> None:
         _remote_write.write_remote(f"{self.root}/{name}", entries, meta)
 
     def commit_index(self, data: bytes) -> None:
@@ -162,9 +167,11 @@ def write_sharded(
     index = index_record(weight_map, sum(_nbytes(e) for e in entries), agreed["id"])
     written: list[str] = []
     try:
-        for name, group in zip(names, groups, strict=True):
+        if sync.n == 1 and isinstance(target, _Local) and min(SHARD_WRITERS, len(groups)) > 1:
+            _write_parallel(target, names, groups, meta, written)
+        for name, group in zip(names, groups, strict=True) if not written else ():
             if sync.n == 1:
-                target.write_shard(name, group, meta)
+                target.write_shard(name, group, meta, None)
             else:  # every process writes its shards of the file's tensors
                 write_collective(Path(target.root) / name, group, meta)
             written.append(name)
@@ -177,6 +184,31 @@ def write_sharded(
     if sync.pid == 0:
         _remove_superseded(target, previous, set(names), prefix)
     return target.index
+
+
+def _write_parallel(
+    target: _Local, names: list[str], groups: list[list[Entry]], meta: Mapping[str, str], written: list[str]
+) -> None:
+    """Write the files ``SHARD_WRITERS`` at a time (the disk is kept busier by several
+    streams; each writer holds its share of the save's in-flight budget), adding each
+    written name to ``written``. The first failure cancels the files not begun and is
+    raised once the others have ended."""
+    workers = min(SHARD_WRITERS, len(groups))
+    budget = max(1, _stage.budget() // workers)
+    with ThreadPoolExecutor(workers, "nnx_save-shard") as pool:
+        jobs = {
+            pool.submit(contextvars.copy_context().run, target.write_shard, name, group, meta, budget): name
+            for name, group in zip(names, groups, strict=True)
+        }
+        done, _ = futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
+        for job in jobs:
+            job.cancel()
+    for job in jobs:  # every job has ended: cancelled, done or failed
+        if not job.cancelled() and job.exception() is None:
+            written.append(jobs[job])
+    for job in jobs:
+        if not job.cancelled() and job.exception() is not None:
+            raise job.exception()  # type: ignore[misc]
 
 
 def _remove_superseded(target: _Local | _Remote, previous: set[str], keep: set[str], prefix: str) -> None:
