@@ -1,34 +1,45 @@
-"""Saving benchmark: ``nnx_save.save_file`` against ``safetensors.numpy.save_file``.
+"""Saving benchmark: nnx_save against the savers users would pick instead, one file and
+HuggingFace multi-file, durable (fsync) and not, side by side.
 
-    .venv/bin/python benchmarks/save.py [--size-gb 2] [--repeat 3] [--dir DIR]
+    .venv/bin/python benchmarks/save.py [--size-gb 1] [--repeat 5] [--shard-mb 256] [--dir DIR]
 
 Each run is one save of a generated fp32 checkpoint (:func:`_common.transformer_shapes`:
-~2 GB, 573 tensors from 512 B to 33.5 MB) by one strategy in a FRESH PROCESS. The
-worker imports its library, builds the arrays (every page resident), records its RSS
-(the baseline: the arrays being saved and the imports), resets the kernel's peak-RSS
-counter, times the save, and reports the peak RSS above the baseline. Between runs
-the parent deletes the output and calls ``sync()``, so every save starts with the
-target absent and no dirty pages queued for writeback; the page-cache state
-(free memory, dirty pages, writeback thresholds) is printed with the table.
+~1 GB, 288 tensors from 512 B to 33.5 MB) by one strategy in a FRESH PROCESS. The worker
+imports its library, builds the arrays (every page resident), records its RSS (the
+baseline: the arrays being saved and the imports), resets the kernel's peak-RSS counter,
+times the save, and reports the peak RSS above the baseline. Between runs the parent
+deletes the output and calls ``sync()``, so every save starts with the target absent and
+no dirty pages queued; the repeats are interleaved over the strategies, in an order
+rotated each round, so drift in the machine's load hits every strategy alike. The
+table gives the median of the runs with their spread (min-max).
 
-Strategies:
+One file:
 
-- ``nnx_save``: ``nnx_save.save_file(arrays, path)``: streaming, atomic (temporary
-  file, fsync, rename, fsync of the directory), per-tensor checksums. The jax backend
-  is started before the clock (a jax program has it running when it saves).
-- ``nnx_save_nofsync``: the same with ``os.fsync`` a no-op: the write path alone.
-- ``nnx_save_jax``: ``nnx_save.save_file`` of the same arrays as jax CPU arrays.
-- ``st_numpy``: ``safetensors.numpy.save_file(arrays, path)``: writes, no fsync.
-- ``st_numpy_fsync``: the same, then ``fsync`` of the file and of its directory:
-  the durability nnx_save gives, at the reference's write speed.
+- ``nnx_save``: ``nnx_save.save_file(arrays, path)``: atomic (temporary file, fsync,
+  rename, fsync of the directory), per-tensor checksums; always durable.
+- ``st_numpy`` / ``st_numpy_fsync``: ``safetensors.numpy.save_file``, then (``_fsync``)
+  ``fsync`` of the file and its directory: the durability nnx_save gives.
+- ``nnx_save_jax`` (not run unless named): ``save_file`` of the same arrays as jax CPU arrays.
 
-After the clock stops each worker checks the file (size, tensor names, a sample of
+HuggingFace multi-file, ``--shard-mb`` MB files:
+
+- ``nnx_save_hf``: ``nnx_save.save_file(arrays, directory, max_shard_size=...)``: files
+  and index committed atomically; always durable.
+- ``hfhub`` / ``hfhub_fsync``: ``huggingface_hub.save_torch_state_dict`` of the arrays as
+  torch tensors (``torch.from_numpy``, no copy), then (``_fsync``) every file and the
+  directory fsynced.
+- ``fst`` / ``fst_fsync``: fastsafetensors' parallel shard saver (``ParallelSaver``, as
+  many shards as the size asks for, 8 threads; its own ``fsync=True`` for ``_fsync``).
+  It writes no index.
+
+After the clock stops each worker checks what it wrote (names, sizes, a sample of
 values), so a fast wrong answer cannot win.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -40,15 +51,20 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common
 
-STRATEGIES = ("nnx_save", "nnx_save_nofsync", "nnx_save_jax", "st_numpy", "st_numpy_fsync")
+ONE_FILE = ("nnx_save", "st_numpy", "st_numpy_fsync")
+MULTI_FILE = ("nnx_save_hf", "hfhub", "hfhub_fsync", "fst", "fst_fsync")
+STRATEGIES = (*ONE_FILE, "nnx_save_jax", *MULTI_FILE)
+DURABLE = {"nnx_save", "nnx_save_jax", "nnx_save_hf", "st_numpy_fsync", "hfhub_fsync", "fst_fsync"}
 
 
 # ----------------------------------------------------------------------------- worker (child)
 
 
 def _fsync_path(path: Path) -> None:
-    for target, flags in ((path, os.O_RDONLY), (path.parent, os.O_RDONLY)):
-        fd = os.open(target, flags)
+    """fsync ``path`` (a file, or a directory's files) and the directory holding them."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    for target in (*files, path if path.is_dir() else path.parent):
+        fd = os.open(target, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
@@ -58,74 +74,115 @@ def _fsync_path(path: Path) -> None:
 def _check(path: Path, arrays: dict[str, np.ndarray]) -> None:
     from safetensors import safe_open
 
-    expected = sum(a.nbytes for a in arrays.values())
-    with safe_open(path, "numpy") as f:
-        names = set(f.keys())
-        assert names == set(arrays), "tensor names differ"
-        for k in sorted(arrays)[:: max(1, len(arrays) // 16)]:
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    found: dict[str, Path] = {}
+    for file in files:
+        with safe_open(file, "numpy") as f:
+            found.update(dict.fromkeys(f.keys(), file))
+    assert set(found) == set(arrays), "tensor names differ"
+    for k in sorted(arrays)[:: max(1, len(arrays) // 16)]:
+        with safe_open(found[k], "numpy") as f:
             assert f.get_tensor(k).tobytes() == arrays[k].tobytes(), k
-    assert path.stat().st_size > expected, "file smaller than its data"
+    assert sum(f.stat().st_size for f in files) > sum(a.nbytes for a in arrays.values()), "files smaller than the data"
 
 
-def save_worker(args: argparse.Namespace) -> dict:
-    strategy, path = args.worker, Path(args.path)
+def _saver(strategy: str, args: argparse.Namespace):
+    """Import the strategy's library (before the clock) and return ``save(arrays, path)``."""
+    shard = f"{args.shard_mb}MB"
     if strategy.startswith("nnx_save"):
         import jax
-        import jax.numpy as jnp
 
         import nnx_save
 
         jax.process_count()  # start the backend now: a jax program has it running before it saves
-    else:
+        if strategy == "nnx_save_hf":
+            return lambda arrays, path: nnx_save.save_file(arrays, path, max_shard_size=shard)
+        return nnx_save.save_file
+    if strategy.startswith("st_numpy"):
         import safetensors.numpy
 
+        return safetensors.numpy.save_file
+    import torch
+
+    if strategy.startswith("hfhub"):
+        import huggingface_hub
+
+        return lambda arrays, path: huggingface_hub.save_torch_state_dict(
+            {k: torch.from_numpy(v) for k, v in arrays.items()}, path, max_shard_size=shard
+        )
+    from fastsafetensors.saver import ParallelSaver
+
+    def fst(arrays: dict[str, np.ndarray], path: Path) -> None:
+        shards = max(1, math.ceil(sum(a.nbytes for a in arrays.values()) / (args.shard_mb * 1e6)))
+        saver = ParallelSaver(num_shards=shards, framework="pytorch", fsync=strategy == "fst_fsync")
+        saver.save({k: torch.from_numpy(v) for k, v in arrays.items()}, str(path / "model"))
+
+    return fst
+
+
+def save_worker(args: argparse.Namespace) -> dict:
+    strategy, path = args.worker, Path(args.path)
+    save = _saver(strategy, args)
     shapes = _common.transformer_shapes(args.size_gb)
     arrays = _common.make_arrays(shapes)
     tree = arrays
     if strategy == "nnx_save_jax":
+        import jax
+        import jax.numpy as jnp
+
         tree = {k: jnp.asarray(v) for k, v in arrays.items()}
         jax.block_until_ready(tree)
-    if strategy == "nnx_save_nofsync":
-        os.fsync = lambda fd: None  # the write path alone (this process only)
+    if strategy in MULTI_FILE:
+        path.mkdir()
     with _common.Phase() as phase:
-        if strategy.startswith("nnx_save"):
-            nnx_save.save_file(tree, path)
-        else:
-            safetensors.numpy.save_file(arrays, path)
-            if strategy == "st_numpy_fsync":
-                _fsync_path(path)
+        save(tree, path)
+        if strategy in ("st_numpy_fsync", "hfhub_fsync"):
+            _fsync_path(path)
     _check(path, arrays)
-    nbytes = _common.total_bytes(shapes)
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
     return phase.result(
-        nbytes=nbytes,
+        nbytes=_common.total_bytes(shapes),
         tensors=len(shapes),
         largest=max(a.nbytes for a in arrays.values()),
-        file_bytes=path.stat().st_size,
+        files=len([f for f in files if f.suffix == ".safetensors"]),
     )
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", required=True)
     parser.add_argument("--size-gb", type=float, required=True)
+    parser.add_argument("--shard-mb", type=int, required=True)
 
 
 # ----------------------------------------------------------------------------- parent
 
 
-def run(strategies: list[str], size_gb: float, repeat: int, directory: Path) -> list[dict]:
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        for f in path.iterdir():
+            f.unlink()
+        path.rmdir()
+    else:
+        path.unlink(missing_ok=True)
+
+
+def run(strategies: list[str], args: argparse.Namespace, directory: Path) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {s: [] for s in strategies}
-    for i in range(repeat):
-        for s in strategies:  # interleaved, so drift in the machine's load hits every strategy alike
-            path = directory / f"bench-{s}.safetensors"
-            path.unlink(missing_ok=True)
+    for i in range(args.repeat):
+        order = strategies[i % len(strategies) :] + strategies[: i % len(strategies)]
+        for s in order:  # interleaved and rotated: drift in the machine's load hits every strategy alike
+            path = directory / (s if s in MULTI_FILE else f"{s}.safetensors")
+            _remove(path)
             _common.sync()
-            r = _common.run_fresh(__file__, s, ["--path", str(path), "--size-gb", str(size_gb)])
-            path.unlink(missing_ok=True)
+            r = _common.run_fresh(
+                __file__, s, ["--path", str(path), "--size-gb", str(args.size_gb), "--shard-mb", str(args.shard_mb)]
+            )
+            _remove(path)
             print(
-                f"run {i + 1}/{repeat} {s:<17} "
+                f"run {i + 1}/{args.repeat} {s:<15} "
                 + (
-                    f"{r['seconds']:.2f} s (cpu {r['user_s']:.2f} user "
-                    f"{r['sys_s']:.2f} sys), peak +{r['peak_above_kb'] / 1e3:.0f} MB"
+                    f"{r['seconds']:.2f} s (cpu {r['user_s']:.2f} user {r['sys_s']:.2f} sys), "
+                    f"peak +{r['peak_above_kb'] / 1e3:.0f} MB"
                     if "error" not in r
                     else f"ERROR {r['error']}"
                 ),
@@ -133,38 +190,41 @@ def run(strategies: list[str], size_gb: float, repeat: int, directory: Path) -> 
             )
             runs[s].append(r)
     _common.sync()
-    return [summarise(s, rs) for s, rs in runs.items()]
+    return runs
 
 
-def summarise(strategy: str, rs: list[dict]) -> dict:
+def summarise(strategy: str, rs: list[dict], reference: float | None) -> dict:
     ok = [r for r in rs if "error" not in r]
+    row: dict = {"case": "multi-file" if strategy in MULTI_FILE else "one file", "strategy": strategy}
+    row["durable"] = "yes" if strategy in DURABLE else "no"
     if not ok:
-        return {"strategy": strategy, "error": rs[-1]["error"]}
-    best = min(ok, key=lambda r: r["seconds"])
-    median = statistics.median(r["seconds"] for r in ok)
-    cpu = statistics.median(r["user_s"] + r["sys_s"] for r in ok)
+        return {**row, "error": rs[-1]["error"]}
+    seconds = [r["seconds"] for r in ok]
+    median = statistics.median(seconds)
     return {
-        "strategy": strategy,
-        "seconds": best["seconds"],
-        "median": median,
-        "gbps": best["nbytes"] / best["seconds"] / 1e9,
-        "cpu_s": cpu,
-        "user_s": statistics.median(r["user_s"] for r in ok),
-        "sys_s": statistics.median(r["sys_s"] for r in ok),
+        **row,
+        "median": f"{median:.2f} ({min(seconds):.2f}-{max(seconds):.2f})",
+        "seconds": median,
+        "gbps": ok[0]["nbytes"] / median / 1e9,
+        "cpu_s": statistics.median(r["user_s"] + r["sys_s"] for r in ok),
         "peak_mb": max(r["peak_above_kb"] for r in ok) / 1e3,
-        "largest_mb": best["largest"] / 1e6,
-        "tensors": best["tensors"],
-        "nbytes": best["nbytes"],
+        "peak_tensors": max(r["peak_above_kb"] for r in ok) * 1e3 / ok[0]["largest"],
+        "files": ok[0]["files"],
+        "vs_nnx_save": median / reference if reference else None,
         "runs": len(ok),
+        "nbytes": ok[0]["nbytes"],
+        "tensors": ok[0]["tensors"],
+        "largest_mb": ok[0]["largest"] / 1e6,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size-gb", type=float, default=2.0)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--size-gb", type=float, default=1.0)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--shard-mb", type=int, default=256, help="the multi-file savers' file size")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--strategies", default=",".join(ONE_FILE + MULTI_FILE))
     args = parser.parse_args()
     strategies = [s for s in args.strategies.split(",") if s]
     unknown = set(strategies) - set(STRATEGIES)
@@ -173,41 +233,33 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="nnx_save-bench-") as tmp:
         directory = Path(tmp)
         before = _common.page_cache_note(directory)
-        rows = run(strategies, args.size_gb, args.repeat, directory)
+        runs = run(strategies, args, directory)
         after = _common.page_cache_note(directory)
-    ref = next((r for r in rows if r["strategy"] == "st_numpy" and "error" not in r), None)
-    ref_sync = next((r for r in rows if r["strategy"] == "st_numpy_fsync" and "error" not in r), None)
-    for r in rows:
-        if "error" in r:
-            continue
-        r["vs_st"] = r["gbps"] / ref["gbps"] if ref else None
-        r["vs_st_fsync"] = r["gbps"] / ref_sync["gbps"] if ref_sync else None
-        r["peak_tensors"] = r["peak_mb"] / r["largest_mb"]
-    first = next(r for r in rows if "error" not in r)
-    print(
-        f"\nsave of {first['nbytes'] / 1e9:.2f} GB fp32, {first['tensors']} tensors (largest "
-        f"{first['largest_mb']:.1f} MB); fresh process per run, best of {args.repeat} (median shown too); "
-        "user/sys: median CPU seconds of the saving process"
-    )
-    print(f"page cache before: {before}\npage cache after:  {after}")
-    print(
-        "each run: target absent, sync() first (no dirty pages queued); data written into the page cache, "
-        "fsync'ed only where the strategy says so\n"
-    )
+    ok = {s: [r["seconds"] for r in rs if "error" not in r] for s, rs in runs.items()}
+    refs = {name: statistics.median(ok[name]) if ok.get(name) else None for name in ("nnx_save", "nnx_save_hf")}
+    rows = [summarise(s, rs, refs["nnx_save_hf" if s in MULTI_FILE else "nnx_save"]) for s, rs in runs.items()]
+    first = next((r for r in rows if "error" not in r), None)
+    if first is not None:
+        print(
+            f"\nsave of {first['nbytes'] / 1e9:.2f} GB fp32, {first['tensors']} tensors (largest "
+            f"{first['largest_mb']:.1f} MB), multi-file at {args.shard_mb} MB; a fresh process per run, "
+            f"{args.repeat} interleaved rounds; median (min-max); cpu: median CPU seconds of the saving process"
+        )
+    print(f"page cache before: {before}\npage cache after:  {after}\n")
     print(
         _common.table(
             rows,
             [
+                ("case", "case", ""),
                 ("strategy", "strategy", ""),
-                ("seconds", "best s", ".2f"),
-                ("median", "median s", ".2f"),
+                ("durable", "durable", ""),
+                ("median", "median s (min-max)", ""),
                 ("gbps", "GB/s", ".2f"),
-                ("user_s", "user s", ".2f"),
-                ("sys_s", "sys s", ".2f"),
+                ("cpu_s", "cpu s", ".2f"),
                 ("peak_mb", "peak RSS above arrays MB", ".1f"),
                 ("peak_tensors", "in largest tensors", ".2f"),
-                ("vs_st", "GB/s vs st_numpy", ".2f"),
-                ("vs_st_fsync", "GB/s vs st_numpy_fsync", ".2f"),
+                ("files", "files", "d"),
+                ("vs_nnx_save", "median / nnx_save", ".2f"),
             ],
         )
     )
