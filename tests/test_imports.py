@@ -209,9 +209,10 @@ def test_the_layer_check_sees_a_lazy_upward_import(tmp_path):
     assert upward_imports(import_graph(pkg)) == ["nnx_save.io._x -> nnx_save.save._write"]
 
 
-def _imports_after(code: str) -> set[str]:
-    """The top-level modules a fresh interpreter has imported after running ``code``."""
-    probe = f"{code}\nimport sys, json\nprint(json.dumps(sorted({{m.split('.')[0] for m in sys.modules}})))"
+def _imports_after(code: str, *, full: bool = False) -> set[str]:
+    """The top-level modules (``full``: all modules) a fresh interpreter has imported after running ``code``."""
+    name = "m" if full else "m.split('.')[0]"
+    probe = f"{code}\nimport sys, json\nprint(json.dumps(sorted({{{name} for m in sys.modules}})))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -224,6 +225,19 @@ def test_import_and_read_header_import_neither_jax_nor_flax_nor_orbax(tmp_path):
     loaded = _imports_after(f"import nnx_save\nassert nnx_save.read_header({str(path)!r})['w'].shape == (4,)")
     assert {"nnx_save", "numpy"} <= loaded
     assert loaded.isdisjoint({"jax", "jaxlib", "flax", "orbax", "torch"})
+
+
+def test_a_small_safe_open_read_imports_no_subprocess_socket_or_engine(tmp_path):
+    """``import nnx_save`` and a small slice through ``safe_open``: no module that only a
+    save, an HTTP read or a large read needs (ctypes.util ran ldconfig in a subprocess
+    at import; the engine brings its threads and planner)."""
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file({"w": np.arange(64, dtype=np.float32).reshape(8, 8)}, path)
+    probe = f"import nnx_save\nwith nnx_save.safe_open({str(path)!r}, 'np') as f:\n    assert f.get_slice('w')[:, 2:3].shape == (8, 1)"
+    loaded = _imports_after(probe, full=True)
+    assert {"nnx_save.bridges._lazy", "nnx_save.load._direct"} <= loaded
+    heavy = {"subprocess", "ctypes.util", "socket", "secrets", "random", "nnx_save.load._engine", "concurrent.futures"}
+    assert loaded & heavy == set()
 
 
 def test_the_nnx_bridge_is_imported_on_first_use():

@@ -19,7 +19,6 @@ from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
 from ..layouts._sources import read_header, reader_factory
 from ..load._direct import DIRECT_MAX_BYTES, MappedFiles
-from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import IOStats
 from ..load._slices import Box, compat, extents, normalize_index, plain, slice_box
@@ -145,6 +144,8 @@ class _Open:
         return np.array(block[post])  # a contiguous copy; 0-d stays an array
 
     def load(self, targets: list[Target]) -> dict[str, np.ndarray]:
+        from ..load._engine import load_targets  # its threads and planner, imported by the first large read
+
         values, report = load_targets(
             self.header,
             targets,

@@ -5,7 +5,6 @@ ctypes and release the GIL."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
 import threading
@@ -23,7 +22,9 @@ IOV_MAX = 1024  # the POSIX minimum of the kernel's iovec limit (Linux: exactly 
 def _libc(name: str, *argtypes):
     """``name`` from the C library via ctypes (releases the GIL), or None."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        # The symbols the process already has (libc among them): ctypes.util.find_library
+        # would run ldconfig in a subprocess, at every import of nnx_save.
+        libc = ctypes.CDLL(None, use_errno=True)
         fn = getattr(libc, name)
     except (OSError, AttributeError):  # no such C function (Windows): the memoryview path
         return None

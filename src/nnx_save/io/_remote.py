@@ -14,17 +14,19 @@ import contextlib
 import heapq
 import itertools
 import os
-import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit
 
 from .. import _config
 from .._version import __version__
 from ..errors import RemoteChangedError, RemoteError
+
+if TYPE_CHECKING:  # socket and random are imported where an HTTP read needs them, not with nnx_save
+    import socket
 
 __all__ = ["FsspecReader", "HttpLimits", "HttpReader", "RemoteStats", "is_url", "open_remote"]
 
@@ -322,6 +324,8 @@ class HttpReader(_Views):
         return got_end - got_begin + 1
 
     def _once(self, begin: int, length: int, sink: Callable[[object, int], None], to_end: bool = False) -> None:
+        import socket
+
         import urllib3
 
         span = f"{begin}-{begin + length - 1}"
@@ -373,6 +377,8 @@ class HttpReader(_Views):
                         f"{self.url}: bytes {begin}-{begin + length - 1} failed after {attempt + 1} attempts: {e}"
                     ) from None
                 self.stats.add(retries=1)
+                import random
+
                 time.sleep(_BACKOFF_S * (2**attempt) * (0.5 + random.random()))
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:

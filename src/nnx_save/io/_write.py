@@ -18,8 +18,6 @@ import errno
 import logging
 import os
 import re
-import secrets
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,6 +53,8 @@ def _host() -> str:
     """This host's name, made safe for a file name (cut to 64 characters), and on
     Linux the PID namespace: containers sharing a host name and a filesystem but not
     their process ids must not judge each other's processes dead."""
+    import socket  # here, not with nnx_save: only saves name temporary files
+
     name = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname())[:64] or "localhost"
     try:
         namespace = os.readlink("/proc/self/ns/pid")  # "pid:[4026531836]"
@@ -120,7 +120,7 @@ def _temp_prefix(path: Path) -> str:
 def temp_path(path: Path) -> Path:
     """A fresh temporary name next to ``path``; first removes those of dead processes."""
     remove_stale_temps(path)
-    return path.parent / f"{_temp_prefix(path)}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+    return path.parent / f"{_temp_prefix(path)}{_host()}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def fsync_dir(directory: Path) -> None:

@@ -8,7 +8,6 @@ never a mix. Files of other tools carry no save id and are not checked.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -24,7 +23,7 @@ T = TypeVar("T")
 
 def new_save_id() -> str:
     """A fresh save id: eight hex digits, also the suffix of the save's new file names."""
-    return secrets.token_hex(4)
+    return os.urandom(4).hex()  # secrets.token_hex(4), without importing secrets (hashlib, hmac)
 
 
 def check_one_version(where: str, index_metadata: Mapping[str, str], files: Sequence[FileHeader]) -> None:
