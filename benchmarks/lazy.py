@@ -12,8 +12,10 @@ with a small tensor before it; the page cache is warm (the file is read once fir
    local slices copied out of a memory map, large ones by the engine) and with
    ``backend="pread"`` (every read by the engine: the path all reads took before).
 2. **Fresh process**: open + one column slice ``[:, 1000:1064]``, each run in a new
-   process (the libraries alternate), with the peak RSS the phase added; both
-   libraries are imported before the phase starts.
+   process (the libraries alternate), with the peak RSS the phase added and the CPU
+   seconds it took (user + sys: steadier than wall time on a shared machine); both
+   libraries are imported before the phase starts. The ``+ import`` rows time the
+   library's import too (numpy is imported before, by both).
 
 Every result is checked against the values it must hold. Medians with min-max.
 
@@ -85,32 +87,58 @@ def warm_worker(args: argparse.Namespace) -> dict:
 def _fresh(args: argparse.Namespace, open_slice) -> dict:
     expected = _value(args)[:, 1000:1064]
     with Phase() as phase:
-        got, read = open_slice(args.path)
+        got, read = open_slice(args.path)()
     if not np.array_equal(got, expected):
         raise SystemExit("wrong values")
     return phase.result(bytes_read=read)
 
 
-def nnx_worker(args: argparse.Namespace) -> dict:
+def _nnx_open(path: str):
     import nnx_save
 
-    safe_open = nnx_save.safe_open  # the lazy import happens here, outside the phase (as safetensors')
+    safe_open = nnx_save.safe_open  # the lazy import happens here (as safetensors' own)
 
-    def run(path):
+    def run():
         with safe_open(path, "np") as f:
             return f.get_slice("w")[:, 1000:1064], f.io.bytes_read
 
-    return _fresh(args, run)
+    return run
 
 
-def safetensors_worker(args: argparse.Namespace) -> dict:
+def _safetensors_open(path: str):
     import safetensors
 
-    def run(path):
+    def run():
         with safetensors.safe_open(path, "np") as f:
             return f.get_slice("w")[:, 1000:1064], None
 
-    return _fresh(args, run)
+    return run
+
+
+def nnx_worker(args: argparse.Namespace) -> dict:
+    run = _nnx_open(args.path)  # imported before the phase
+    return _fresh(args, lambda path: run)
+
+
+def safetensors_worker(args: argparse.Namespace) -> dict:
+    run = _safetensors_open(args.path)
+    return _fresh(args, lambda path: run)
+
+
+def nnx_import_worker(args: argparse.Namespace) -> dict:
+    return _fresh(args, _nnx_open)  # the import runs inside the phase
+
+
+def safetensors_import_worker(args: argparse.Namespace) -> dict:
+    return _fresh(args, _safetensors_open)
+
+
+FRESH = {
+    "nnx_save": nnx_worker,
+    "safetensors": safetensors_worker,
+    "nnx_save + import": nnx_import_worker,
+    "safetensors + import": safetensors_import_worker,
+}
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -156,16 +184,28 @@ def _fresh_table(runs: dict[str, list[dict]]) -> str:
             rows.append({"strategy": name, "note": found[0]["error"]})
             continue
         med, lo, hi = _spread([r["seconds"] for r in ok])
+        cpu, cpu_lo, cpu_hi = _spread([r["user_s"] + r["sys_s"] for r in ok])
         read = ok[0]["bytes_read"]
         rss = statistics.median(r["peak_above_kb"] for r in ok) / 1024
         rows.append(
-            {"strategy": name, "median": med, "min": lo, "max": hi, "read": read / 1e3 if read else None, "rss": rss}
+            {
+                "strategy": name,
+                "wall": f"{med:.2f} ({lo:.2f}-{hi:.2f})",
+                "cpu": f"{cpu:.1f} ({cpu_lo:.1f}-{cpu_hi:.1f})",
+                "median": med,
+                "read": read / 1e3 if read else None,
+                "rss": rss,
+            }
         )
+    peers = {r["strategy"]: r.get("median") for r in rows}
+    for r in rows:
+        theirs = peers.get(r["strategy"].replace("nnx_save", "safetensors"))
+        r["ratio"] = r["median"] / theirs if r["strategy"].startswith("nnx_save") and theirs and "median" in r else None
     columns = [
         ("strategy", "fresh process: open + [:, 1000:1064]", ""),
-        ("median", "median ms", ".2f"),
-        ("min", "min ms", ".2f"),
-        ("max", "max ms", ".2f"),
+        ("wall", "median ms (min-max)", ""),
+        ("cpu", "CPU ms (min-max)", ""),
+        ("ratio", "wall / safetensors", ".2f"),
         ("read", "KB read", ".0f"),
         ("rss", "peak RSS added MiB", ".1f"),
     ]
@@ -182,7 +222,7 @@ def main() -> None:
         warm(path)
         forward = [f"--path={path}", f"--rows={args.rows}", f"--cols={args.cols}", f"--repeat={args.repeat}"]
         hot = run_fresh(__file__, "warm", forward)
-        fresh: dict[str, list[dict]] = {"nnx_save": [], "safetensors": []}
+        fresh: dict[str, list[dict]] = {name: [] for name in FRESH}
         for r in range(args.repeat):
             for name in list(fresh) if r % 2 == 0 else list(reversed(fresh)):
                 fresh[name].append(run_fresh(__file__, name, forward))
@@ -194,6 +234,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if worker_main({"warm": warm_worker, "nnx_save": nnx_worker, "safetensors": safetensors_worker}, _arguments):
+    if worker_main({"warm": warm_worker, **FRESH}, _arguments):
         sys.exit()
     main()

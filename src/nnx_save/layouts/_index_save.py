@@ -200,9 +200,11 @@ def _write_parallel(
             pool.submit(contextvars.copy_context().run, target.write_shard, name, group, meta, budget): name
             for name, group in zip(names, groups, strict=True)
         }
-        done, _ = futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
-        for job in jobs:
-            job.cancel()
+        try:
+            futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
+        finally:  # a failure, or an interrupt of this thread: no file not begun is begun
+            for job in jobs:
+                job.cancel()
     for job in jobs:  # every job has ended: cancelled, done or failed
         if not job.cancelled() and job.exception() is None:
             written.append(jobs[job])
