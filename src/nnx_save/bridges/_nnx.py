@@ -39,7 +39,7 @@ from ._pytree import LoadKeywords, check_metadata, leaf_entry, load_options
 if TYPE_CHECKING:
     from ..porting import Rules
 
-__all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
+__all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model", "state_entries"]
 
 RNG_KEY = "nnx_save.rng_impl"  # {path: PRNG implementation name}
 SCALAR_KEY = "nnx_save.scalars"  # {path: "int" | "float" | "bool"}
@@ -120,6 +120,18 @@ def model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict)
     if scalars:
         out[SCALAR_KEY] = json.dumps(scalars, sort_keys=True)
     return out
+
+
+def state_entries(pairs: Sequence[tuple[tuple, Any]], metadata: Mapping[str, str] | None) -> tuple[list[Entry], dict]:
+    """:func:`save_file` of a tree holding NNX ``Variable`` leaves (``nnx.state(model)``,
+    a model, a dict of states): each variable written as :func:`save_model` writes it,
+    under the model's key, with the rng / scalar records; other leaves as arrays."""
+    rng: dict[str, str] = {}
+    scalars: dict[str, str] = {}
+    entries = [
+        _entry(p, v.get_value(), rng, scalars) if isinstance(v, nnx.Variable) else leaf_entry(p, v) for p, v in pairs
+    ]
+    return entries, model_metadata(metadata, rng, scalars)
 
 
 def is_model(value: Any) -> bool:
