@@ -57,7 +57,11 @@ def test_nnx_state_keys_of_an_older_save_point_to_save_model(tmp_path):
     with pytest.raises(nnx_save.LoadError, match=re.escape("with '/value' added ('bias/value')")):
         nnx_save.load_model(model, path, strict=True)
     _, report = nnx_save.load_model(poison(model), path, strict=True, rules=Rules(rename(r"(.*)/value", r"\1")))
-    assert report.clean and np.all(np.asarray(model.kernel.get_value()) == 2) and np.all(np.asarray(model.bias.get_value()) == 5)
+    assert (
+        report.clean
+        and np.all(np.asarray(model.kernel.get_value()) == 2)
+        and np.all(np.asarray(model.bias.get_value()) == 5)
+    )
 
 
 def test_allowing_every_missing_path_is_the_callers_choice(tmp_path):

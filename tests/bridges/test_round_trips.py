@@ -61,7 +61,15 @@ def test_save_file_of_nnx_state_loads_strictly_into_a_model(tmp_path, what):
     nnx_save.save_file(tree, tmp_path / "s.safetensors")
     keys = sorted(nnx_save.read_header(tmp_path / "s.safetensors"))
     prefix = "m/" if what == "dict of states" else ""
-    want = ["blocks/0/bias", "blocks/0/kernel", "count", "lin/bias", "lin/kernel", "rngs/default/count", "rngs/default/key"]
+    want = [
+        "blocks/0/bias",
+        "blocks/0/kernel",
+        "count",
+        "lin/bias",
+        "lin/kernel",
+        "rngs/default/count",
+        "rngs/default/key",
+    ]
     assert keys == [prefix + k for k in want]
     if prefix:
         return

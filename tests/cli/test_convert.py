@@ -383,7 +383,9 @@ def test_npz_archive_that_inspect_names_converts(capsys, tmp_path, save):
 
 def test_npz_with_an_object_array_is_refused_unpickled(tmp_path):
     np.savez(tmp_path / "o.npz", w=np.ones(2, np.float32), bad=np.array([{"a": 1}], dtype=object))
-    with pytest.raises(nnx_save.ConvertError, match=re.escape(f"{tmp_path / 'o.npz'}: bad: numpy dtype object is not a number type")):
+    with pytest.raises(
+        nnx_save.ConvertError, match=re.escape(f"{tmp_path / 'o.npz'}: bad: numpy dtype object is not a number type")
+    ):
         nnx_save.convert(tmp_path / "o.npz", tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()
 

@@ -635,5 +635,8 @@ def test_over_read_advice_is_true_for_the_load_at_hand(tmp_path, skip):
         assert f"Pass max_over_read_ratio=1.0 to read {floor} instead of {read}" in message
     else:  # sub-page gaps: every ratio reads them
         assert exact.io.bytes_read == auto.io.bytes_read > 900 * exact.io.bytes_needed
-        assert f"max_over_read_ratio=1.0 would read the same {read}: most of what is read through are gaps under 4 KiB" in message
+        assert (
+            f"max_over_read_ratio=1.0 would read the same {read}: most of what is read through are gaps under 4 KiB"
+            in message
+        )
         assert "Pass max_over_read_ratio" not in message

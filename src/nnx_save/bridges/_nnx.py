@@ -25,7 +25,7 @@ from ..errors import HeaderError, ShardingError, UnsupportedValueError, short_re
 from ..format import _paths
 from ..format._header import strict_json
 from ..layouts import _dispatch
-from ..layouts._sources import read_header, reader_factory
+from ..layouts._sources import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import LoadReport, warn_single_device
@@ -35,13 +35,13 @@ from ..save import _background
 from ..save._entry import Entry
 from ..save._options import SaveOptions
 from ._pytree import LoadKeywords, check_metadata, leaf_entry, load_options
+from ._state_dict import RNG_KEY, source_header  # RNG_KEY: {path: PRNG implementation name}
 
 if TYPE_CHECKING:
     from ..porting import Rules
 
 __all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model", "state_entries"]
 
-RNG_KEY = "nnx_save.rng_impl"  # {path: PRNG implementation name}
 SCALAR_KEY = "nnx_save.scalars"  # {path: "int" | "float" | "bool"}
 _PY_SCALARS = {"int": int, "float": float, "bool": bool}
 _KIND_OF = {typ: kind for kind, typ in _PY_SCALARS.items()}
@@ -368,7 +368,7 @@ def _reshard(value: Any, target: Target | None) -> Any:
 
 def load_model(
     model_or_builder: Any,
-    source: str | os.PathLike | Sequence[str | os.PathLike] | Header,
+    source: str | os.PathLike | Sequence[str | os.PathLike] | Header | Mapping[str, Any],
     *,
     strict: bool = False,
     filter: Any = ...,
@@ -387,7 +387,10 @@ def load_model(
         model_or_builder: a model instance (filled in place and returned) or a
             zero-argument builder (evaluated with ``nnx.eval_shape``: only the
             loaded arrays are ever allocated; its sharding annotations are honoured).
-        source: a file, a HuggingFace multi-file directory, or a list of files.
+        source: a file, a HuggingFace multi-file directory, a list of files, a URL, or a
+            state dict already in memory (``{key: array}``: numpy or jax arrays, torch
+            tensors, NNX variables; flat or nested), loaded with the same matching,
+            ``rules``, report and ``strict`` as a file.
         strict: raise :class:`~nnx_save.LoadError` on any mismatch, before
             reading anything and without touching the model.
         filter: the NNX filter of the state to load (``nnx.Param``: parameters
@@ -426,7 +429,7 @@ def load_model(
         (True, (2, 3))
     """
     how = load_options("load_model", options, keywords)
-    header = read_header(source)
+    header = source_header(source)
     rng = _file_rng(header)
     graphdef, full_state, is_builder, scalars = _abstract(model_or_builder, mesh)
     selected = nnx.state(nnx.merge(graphdef, full_state), filter) if filter is not ... else full_state

@@ -13,7 +13,7 @@ from .._options import DEFAULT, merge
 from ..errors import KeyMismatchError, KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from ..format import _dtypes, _paths
 from ..layouts import _dispatch
-from ..layouts._sources import read_header, reader_factory
+from ..layouts._sources import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import ShapeMismatch, matches_any, warn_single_device
@@ -200,19 +200,22 @@ def _variable_class() -> type | None:
     return getattr(sys.modules.get("flax.nnx"), "Variable", None)
 
 
-def _is_array(value: Any) -> bool:
+def _is_leaf(value: Any) -> bool:
+    """A value jax does not flatten further (an array, a number, a torch tensor), or an
+    NNX ``Variable`` (a leaf of a model's state)."""
     import jax
 
-    return isinstance(value, (np.ndarray, np.generic, jax.Array))
+    variable = _variable_class()
+    return (variable is not None and isinstance(value, variable)) or jax.tree_util.all_leaves([value])
 
 
 def flat_file_keys(tree: Any) -> list[tuple[tuple, Any]] | None:
-    """A flat mapping of file keys to arrays (what :func:`load_file` returns) as
-    ``[(path, value)]``, each key split at ``/`` (so it is written back as it is, and
-    validated segment by segment); ``None`` for any other tree."""
+    """A flat mapping of file keys to leaves (what :func:`load_file` returns, a torch
+    state dict) as ``[(path, value)]``, each key split at ``/`` (so it is written back
+    as it is, and validated segment by segment); ``None`` for any other tree."""
     if not isinstance(tree, Mapping) or not tree or not all(isinstance(k, str) for k in tree):
         return None
-    if not any("/" in k for k in tree) or not all(_is_array(v) for v in tree.values()):
+    if not any("/" in k for k in tree) or not all(_is_leaf(v) for v in tree.values()):
         return None
     for key in tree:
         if "" in key.split("/"):
@@ -330,7 +333,7 @@ def _refuse_missing(header: Header, targets: list[Target]) -> None:
 
 
 def load_file(
-    source: PathLike | Sequence[PathLike] | Header,
+    source: PathLike | Sequence[PathLike] | Header | Mapping[str, Any],
     abstract: Any = None,
     *,
     strict: bool = False,
@@ -346,7 +349,8 @@ def load_file(
 
     Args:
         source: a ``.safetensors`` file, a directory (HF index or ``*.safetensors``),
-            a list of files, an ``http(s)://`` or fsspec URL, or a :class:`Header`.
+            a list of files, an ``http(s)://`` or fsspec URL, a :class:`Header`, or a
+            state dict in memory (as :func:`load_model` takes it).
         abstract: a pytree of ``jax.ShapeDtypeStruct`` (with a ``sharding``) or arrays,
             whose shape, dtype and sharding are adopted (numpy leaves load as numpy;
             each process reads only its devices' bytes). ``None``: a flat ``{key: np.ndarray}``.
@@ -395,7 +399,9 @@ def load_file(
     how = load_options("load_file", options, keywords)
     import jax
 
-    header = read_header(source)
+    from ._state_dict import source_header
+
+    header = source_header(source)
     if abstract is None:
         if jax.process_count() > 1:
             raise NnxSaveError(

@@ -154,7 +154,9 @@ def _npz_entries(source: Path, opened: contextlib.ExitStack) -> list[Entry]:
     entries, members = [], set(archive.zip.namelist())
     for name in archive.files:
         dtype, shape = _npy_header(source, archive, name, members)
-        entries.append(Entry(name, _dtypes.to_code(dtype, name).code, shape, functools.partial(_npz_member, source, archive, name)))
+        entries.append(
+            Entry(name, _dtypes.to_code(dtype, name).code, shape, functools.partial(_npz_member, source, archive, name))
+        )
     return entries
 
 

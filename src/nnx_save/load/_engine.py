@@ -510,7 +510,8 @@ def load_targets(
     given = {k: v for k, v in locals().items() if k not in ("header", "targets", "options")}
     opt = options if options is not None else LoadOptions()
     remote = isinstance(header.placement, RemoteFiles)
-    if _share.enabled(opt.share_reads, targets, remote, _describe(header)):
+    in_memory = header.kind == "memory"  # every process holds its own state dict: nothing to share
+    if not in_memory and _share.enabled(opt.share_reads, targets, remote, _describe(header)):
         run = functools.partial(load_targets, header, options=replace(opt, share_reads=False), **given)
         shapes = {k: info.shape for k, info in header.tensors.items()}
         return _share.shared_load(list(targets), run, shapes, _describe(header))

@@ -314,7 +314,9 @@ def _shapes(shapes: Mapping[str, tuple[int, ...]], limit: int = 5) -> str:
     return ", ".join(shown) + (f" ... and {len(shapes) - limit} more" if len(shapes) > limit else "")
 
 
-def _nothing_hint(report: LoadReport, wanted: Mapping[str, tuple[int, ...]], held: Mapping[str, tuple[int, ...]]) -> str:
+def _nothing_hint(
+    report: LoadReport, wanted: Mapping[str, tuple[int, ...]], held: Mapping[str, tuple[int, ...]]
+) -> str:
     """What the names say: ``.../value`` keys of an NNX state, names that pair up under a
     rename, or another checkpoint altogether."""
     valued = [k for k in held if k.endswith("/value") and k.removesuffix("/value") in wanted]
