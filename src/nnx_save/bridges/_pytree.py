@@ -182,6 +182,7 @@ def save_file(
     pairs = tree_pairs(tree)
     _paths.check_unique(p for p, _ in pairs)
     variable = _variable_class()
+    meta: dict[str, str] | None
     if variable is not None and any(isinstance(v, variable) for _, v in pairs):
         from ._nnx import state_entries  # an NNX state: flax is imported already
 

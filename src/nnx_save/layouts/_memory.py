@@ -93,7 +93,7 @@ def _file_bytes(array: np.ndarray, row: _dtypes.DtypeInfo) -> memoryview:
         return memoryview(_dtypes.pack_subbyte(np.ascontiguousarray(array), row))
     little = array.dtype.newbyteorder("<")
     array = np.ascontiguousarray(array if array.dtype == little else array.astype(little))
-    return memoryview(array.reshape(-1).view(np.uint8))
+    return memoryview(array.reshape(-1).view(np.uint8).data)
 
 
 def memory_header(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> Header:
