@@ -412,12 +412,15 @@ def load_model(
 
     Raises:
         HeaderError: a malformed file or index, before any data is read.
-        LoadError: ``strict=True`` and a mismatch; the model is not touched.
+        LoadError: ``strict=True`` and a mismatch, or (strict or not) no tensor of the
+            source fits the model (none of its paths, or only other shapes); the model
+            is not touched.
         HeaderError: the file's PRNG or scalar record is not valid JSON, or names
             a PRNG implementation this jax does not know.
         ShardingError: a builder's sharding is on an abstract mesh and no mesh is given or set.
         ChecksumError: ``verify=True`` and a tensor's bytes do not match its checksum.
-        OptionError: an option out of range, or given both ways (names it).
+        OptionError: an option out of range, or given both ways (names it), or
+            ``source`` an empty list of files.
 
     Examples:
         >>> from flax import nnx

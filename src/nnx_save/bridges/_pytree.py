@@ -381,7 +381,8 @@ def load_file(
 
     Raises:
         HeaderError: a malformed file or index, before any data is read.
-        LoadError: ``strict=True`` and a mismatch.
+        LoadError: ``strict=True`` and a mismatch, or no tensor of the source fits
+            ``abstract``.
         KeyMismatchError: without ``strict``, before any read, a leaf of ``abstract``
             the checkpoint has no tensor for (a tree has no value to give it).
         ShapeMismatchError: without ``strict``, before any read, a reshaped leaf that
