@@ -43,7 +43,7 @@ def state_dict_header(state: Mapping[str, Any]) -> Header:
     Raises:
         UnsupportedValueError: a value that is not an array or a number (names its key).
         KeyPathError: a key that cannot be a file key, or two that make the same one.
-        UnknownDtypeError: an array whose dtype safetensors has no code for.
+        HeaderError: an array whose dtype safetensors has no code for (``check="dtype"``).
 
     Examples:
         >>> import numpy as np

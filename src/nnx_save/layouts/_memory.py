@@ -100,7 +100,7 @@ def memory_header(arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str] 
     """The :class:`Header` of ``arrays`` (file key -> numpy array) as one virtual file.
 
     Raises:
-        UnknownDtypeError: an array whose dtype safetensors has no code for (names it).
+        HeaderError: an array whose dtype safetensors has no code for (``check="dtype"``, names it).
 
     Examples:
         >>> header = memory_header({"w": np.arange(3, dtype=np.float32)})
