@@ -518,8 +518,9 @@ def load_targets(
     loadable, report = _prepare(
         header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed, allow_casts
     )
-    shapes = {k: tuple(info.shape) for k, info in header.tensors.items()}
-    refuse_nothing_loaded(report, {t.path: tuple(t.shape) for t in targets}, shapes, len(loadable))
+    if not loadable:  # the shapes only for the message: a lazy handle's reads come here per tensor
+        shapes = {k: tuple(info.shape) for k, info in header.tensors.items()}
+        refuse_nothing_loaded(report, {t.path: tuple(t.shape) for t in targets}, shapes, len(loadable))
     if strict:
         report.raise_or_warn(True)
     for t in loadable:  # each has sources, all in the header (_check)
