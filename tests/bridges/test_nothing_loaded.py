@@ -82,3 +82,17 @@ def test_an_empty_list_of_files_is_refused(call):
     }
     with pytest.raises(nnx_save.OptionError, match=re.escape("source: an empty list of files")):
         calls[call]()
+
+
+def test_porting_rules_with_a_wrong_target_and_nothing_loaded_name_the_fix_only(tmp_path):
+    """Nothing loads because the rules send every key to a path the model lacks: the
+    error gives the target fix, and no allow_* option."""
+    from nnx_save.porting import torch_layer_norm
+
+    path = tmp_path / "ln.safetensors"
+    nnx_save.save_file({"t.ln_f.weight": np.ones(4, np.float32), "t.ln_f.bias": np.ones(4, np.float32)}, path)
+    rules = Rules(torch_layer_norm(r"t\.ln_f", "final_norm"))
+    wanted = "fix the rules' targets, rather than allowing either:\n  `final_norm/...` -> `ln_f/...`"
+    with pytest.raises(nnx_save.LoadError, match=re.escape(wanted)) as caught:
+        nnx_save.load_model(nnx.Dict(ln_f=nnx.LayerNorm(4, rngs=nnx.Rngs(0))), path, rules=rules, strict=True)
+    assert "allow_" not in str(caught.value)

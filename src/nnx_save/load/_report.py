@@ -326,8 +326,8 @@ def _nothing_hint(
             "by an older save_file. Save it again with save_model, or load it through "
             'rules=Rules(rename(r"(.*)/value", r"\\1")) (from nnx_save.porting import Rules, rename)'
         )
-    if report.suggested_renames:
-        return _rename_remedy(report.suggested_renames).rstrip()
+    if report.suggested_targets or report.suggested_renames:
+        return (_target_remedy(report.suggested_targets) + _rename_remedy(report.suggested_renames)).rstrip()
     if report.shape_mismatches:
         return "The names match but the shapes do not: is this checkpoint of the same model configuration?"
     return "No name matches: is this the checkpoint of this model? (nnx-save inspect lists a file's tensors)"
