@@ -200,7 +200,8 @@ class DeviceDtypeError(NnxSaveError, TypeError):
 
 
 class LoadError(NnxSaveError, ValueError):
-    """A strict load found mismatches; ``report`` holds every one of them."""
+    """A strict load found mismatches, or a load found nothing to load into a target that
+    has tensors; ``report`` holds every finding."""
 
     def __init__(self, message: str, report: object = None) -> None:
         super().__init__(message)

@@ -354,3 +354,48 @@ def test_convert_resolves_lazy_conj_and_neg_bits(tmp_path):
     loaded = nnx_save.load_file(tmp_path / "o.safetensors")
     np.testing.assert_array_equal(loaded["conj"], np.array([1 - 2j, 3 + 1j], np.complex64))
     np.testing.assert_array_equal(loaded["neg"], np.array([-2.0, 1.0], np.float32))
+
+
+# --------------------------------------------------------------------------- numpy archives, bare tensors (issue 31)
+
+
+@pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
+def test_npz_archive_that_inspect_names_converts(capsys, tmp_path, save):
+    """``convert arrays.npz`` failed with torch's ``[enforce fail at inline_container.cc:180]``
+    although ``inspect`` knew it was a numpy archive: it converts, every array by name."""
+    arrays = {
+        "layers/0/kernel": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "step": np.array(7, np.int64),
+        "mask": np.array([True, False]),
+        "empty": np.zeros((0, 2), np.float16),
+    }
+    save(tmp_path / "arrays.npz", **arrays)
+    code, _, err = cli(capsys, "inspect", tmp_path / "arrays.npz")
+    wanted = f"convert it first: nnx-save convert {tmp_path / 'arrays.npz'} arrays.safetensors"
+    assert code == 2 and "a numpy .npz archive" in err and wanted in err
+    code, _, err = cli(capsys, "convert", tmp_path / "arrays.npz", tmp_path / "arrays.safetensors")
+    assert code == 0, err
+    loaded = nnx_save.load_file(tmp_path / "arrays.safetensors", verify=True)
+    assert sorted(loaded) == sorted(arrays)
+    for k, v in arrays.items():
+        assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape and loaded[k].tobytes() == v.tobytes(), k
+
+
+def test_npz_with_an_object_array_is_refused_unpickled(tmp_path):
+    np.savez(tmp_path / "o.npz", w=np.ones(2, np.float32), bad=np.array([{"a": 1}], dtype=object))
+    with pytest.raises(
+        nnx_save.ConvertError, match=re.escape(f"{tmp_path / 'o.npz'}: bad: numpy dtype object is not a number type")
+    ):
+        nnx_save.convert(tmp_path / "o.npz", tmp_path / "o.safetensors")
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_bare_torch_tensor_converts_under_the_files_name(tmp_path):
+    """A ``torch.save``'d bare tensor became a tensor named ``""``."""
+    torch = pytest.importorskip("torch")
+    tensor = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    torch.save(tensor, tmp_path / "embedding.pt")
+    done = nnx_save.convert(tmp_path / "embedding.pt", tmp_path / "embedding.safetensors")
+    loaded = nnx_save.load_file(tmp_path / "embedding.safetensors")
+    assert done.tensors == 1 and list(loaded) == ["embedding"]
+    np.testing.assert_array_equal(loaded["embedding"], tensor.numpy())

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 import nnx_save
 from nnx_save.bridges import _pytree
+from nnx_save.format._units import human_bytes
 from nnx_save.io import _reader
 from nnx_save.load import _assemble
 
@@ -600,3 +601,42 @@ def test_io_stats_add_counts_every_field():
         "files", "bytes_read", "bytes_needed", "bytes_received", "requests", "retries", "read_whole",
         "plan_seconds", "read_seconds", "assemble_seconds", "max_inflight_bytes", "over_read_by_file",
     }, "a new IOStats field: decide how add() combines it"  # fmt: skip
+
+
+def _gapped_file(path, keep: int, skip: int) -> dict[str, np.ndarray]:
+    """``keep`` one-element tensors, each followed by an unused one of ``skip`` float32."""
+    full = {}
+    for i in range(keep):
+        full[f"t.{i:04d}.keep"] = np.array([i], np.float32)  # same rank: laid out by name
+        full[f"t.{i:04d}.skip"] = np.zeros(skip, np.float32)
+    nnx_save.save_file(full, path)
+    return {k: v for k, v in full.items() if k.endswith(".keep")}
+
+
+@pytest.mark.parametrize("skip", [1024, 1000])
+def test_over_read_advice_is_true_for_the_load_at_hand(tmp_path, skip):
+    """The warning advised "max_over_read_ratio=1.0 to read only the needed bytes" even
+    where that reads the same bytes (gaps under a page: 4000-byte tensors skipped between
+    the needed ones) and only silences it; the advice now states what ratio 1.0 reads,
+    and that number is what it reads."""
+    path = tmp_path / "gapped.safetensors"
+    kept = _gapped_file(path, 1100, skip)
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(MESH8, P())) for k, v in kept.items()}
+    with pytest.warns(nnx_save.OverReadWarning) as caught:
+        _, auto = nnx_save.load_file(path, abstract, allow_unexpected=["*.skip"], return_report=True)
+    _, exact = nnx_save.load_file(
+        path, abstract, allow_unexpected=["*.skip"], max_over_read_ratio=1.0, return_report=True
+    )
+    message = str(caught[0].message)
+    floor, read = human_bytes(exact.io.bytes_read), human_bytes(auto.io.bytes_read)
+    assert f"max_over_read_ratio=1.0 would read {floor}" in message
+    if skip == 1024:  # page-sized gaps: ratio 1.0 skips them
+        assert exact.io.bytes_read == exact.io.bytes_needed == 1100 * 4
+        assert f"Pass max_over_read_ratio=1.0 to read {floor} instead of {read}" in message
+    else:  # sub-page gaps: every ratio reads them
+        assert exact.io.bytes_read == auto.io.bytes_read > 900 * exact.io.bytes_needed
+        assert (
+            f"max_over_read_ratio=1.0 would read the same {read}: most of what is read through are gaps under 4 KiB"
+            in message
+        )
+        assert "Pass max_over_read_ratio" not in message

@@ -184,11 +184,12 @@ def test_a_generic_batch_norm_writes_only_its_own_counters() -> None:
 class _Final(nnx.Module):
     def __init__(self) -> None:
         self.ln_f = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
+        self.scale = nnx.Param(jnp.ones(2))  # in the file too: the load is not empty (an empty one is refused apart)
 
 
 def test_a_wrong_target_is_suggested_fixed_before_the_allow_options(tmp_path) -> None:
     path = tmp_path / "ln.safetensors"
-    nnx_save.save_file(_tensors({"transformer.ln_f.weight": (4,), "transformer.ln_f.bias": (4,)}), path)
+    nnx_save.save_file(_tensors({"transformer.ln_f.weight": (4,), "transformer.ln_f.bias": (4,), "scale": (2,)}), path)
     rules = Rules(torch_layer_norm(r"transformer\.ln_f", "final_norm"))
     with pytest.raises(nnx_save.LoadError) as raised:
         nnx_save.load_model(_poisoned(_Final()), path, rules=rules, strict=True)

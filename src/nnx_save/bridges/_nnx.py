@@ -25,7 +25,7 @@ from ..errors import HeaderError, ShardingError, UnsupportedValueError, short_re
 from ..format import _paths
 from ..format._header import strict_json
 from ..layouts import _dispatch
-from ..layouts._sources import read_header, reader_factory
+from ..layouts._sources import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import LoadReport, warn_single_device
@@ -35,13 +35,13 @@ from ..save import _background
 from ..save._entry import Entry
 from ..save._options import SaveOptions
 from ._pytree import LoadKeywords, check_metadata, leaf_entry, load_options
+from ._state_dict import RNG_KEY, source_header  # RNG_KEY: {path: PRNG implementation name}
 
 if TYPE_CHECKING:
     from ..porting import Rules
 
-__all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model"]
+__all__ = ["RNG_KEY", "SCALAR_KEY", "load_model", "save_model", "state_entries"]
 
-RNG_KEY = "nnx_save.rng_impl"  # {path: PRNG implementation name}
 SCALAR_KEY = "nnx_save.scalars"  # {path: "int" | "float" | "bool"}
 _PY_SCALARS = {"int": int, "float": float, "bool": bool}
 _KIND_OF = {typ: kind for kind, typ in _PY_SCALARS.items()}
@@ -120,6 +120,18 @@ def model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict)
     if scalars:
         out[SCALAR_KEY] = json.dumps(scalars, sort_keys=True)
     return out
+
+
+def state_entries(pairs: Sequence[tuple[tuple, Any]], metadata: Mapping[str, str] | None) -> tuple[list[Entry], dict]:
+    """:func:`save_file` of a tree holding NNX ``Variable`` leaves (``nnx.state(model)``,
+    a model, a dict of states): each variable written as :func:`save_model` writes it,
+    under the model's key, with the rng / scalar records; other leaves as arrays."""
+    rng: dict[str, str] = {}
+    scalars: dict[str, str] = {}
+    entries = [
+        _entry(p, v.get_value(), rng, scalars) if isinstance(v, nnx.Variable) else leaf_entry(p, v) for p, v in pairs
+    ]
+    return entries, model_metadata(metadata, rng, scalars)
 
 
 def is_model(value: Any) -> bool:
@@ -356,7 +368,7 @@ def _reshard(value: Any, target: Target | None) -> Any:
 
 def load_model(
     model_or_builder: Any,
-    source: str | os.PathLike | Sequence[str | os.PathLike] | Header,
+    source: str | os.PathLike | Sequence[str | os.PathLike] | Header | Mapping[str, Any],
     *,
     strict: bool = False,
     filter: Any = ...,
@@ -375,7 +387,10 @@ def load_model(
         model_or_builder: a model instance (filled in place and returned) or a
             zero-argument builder (evaluated with ``nnx.eval_shape``: only the
             loaded arrays are ever allocated; its sharding annotations are honoured).
-        source: a file, a HuggingFace multi-file directory, or a list of files.
+        source: a file, a HuggingFace multi-file directory, a list of files, a URL, or a
+            state dict already in memory (``{key: array}``: numpy or jax arrays, torch
+            tensors, NNX variables; flat or nested), loaded with the same matching,
+            ``rules``, report and ``strict`` as a file.
         strict: raise :class:`~nnx_save.LoadError` on any mismatch, before
             reading anything and without touching the model.
         filter: the NNX filter of the state to load (``nnx.Param``: parameters
@@ -397,12 +412,15 @@ def load_model(
 
     Raises:
         HeaderError: a malformed file or index, before any data is read.
-        LoadError: ``strict=True`` and a mismatch; the model is not touched.
+        LoadError: ``strict=True`` and a mismatch, or (strict or not) no tensor of the
+            source fits the model (none of its paths, or only other shapes); the model
+            is not touched.
         HeaderError: the file's PRNG or scalar record is not valid JSON, or names
             a PRNG implementation this jax does not know.
         ShardingError: a builder's sharding is on an abstract mesh and no mesh is given or set.
         ChecksumError: ``verify=True`` and a tensor's bytes do not match its checksum.
-        OptionError: an option out of range, or given both ways (names it).
+        OptionError: an option out of range, or given both ways (names it), or
+            ``source`` an empty list of files.
 
     Examples:
         >>> from flax import nnx
@@ -414,7 +432,7 @@ def load_model(
         (True, (2, 3))
     """
     how = load_options("load_model", options, keywords)
-    header = read_header(source)
+    header = source_header(source)
     rng = _file_rng(header)
     graphdef, full_state, is_builder, scalars = _abstract(model_or_builder, mesh)
     selected = nnx.state(nnx.merge(graphdef, full_state), filter) if filter is not ... else full_state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict, Unpack
 
@@ -12,7 +13,7 @@ from .._options import DEFAULT, merge
 from ..errors import KeyMismatchError, KeyPathError, NnxSaveError, ShapeMismatchError, UnsupportedValueError, short_repr
 from ..format import _dtypes, _paths
 from ..layouts import _dispatch
-from ..layouts._sources import read_header, reader_factory
+from ..layouts._sources import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import ShapeMismatch, matches_any, warn_single_device
@@ -22,7 +23,7 @@ from ..save import _background
 from ..save._entry import Entry
 from ..save._options import SaveOptions
 
-__all__ = ["LoadKeywords", "flatten", "leaf_entry", "load_file", "load_options", "save_file"]
+__all__ = ["LoadKeywords", "flatten", "leaf_entry", "load_file", "load_options", "save_file", "tree_pairs"]
 
 PathLike = str | os.PathLike
 
@@ -143,12 +144,17 @@ def save_file(
     """Save a pytree of arrays as one ``.safetensors`` file (or, with ``max_shard_size``,
     a HuggingFace multi-file checkpoint), atomically.
 
-    Keys are the tree paths joined with ``/`` (list indices in decimal). The file appears
+    Keys are the tree paths joined with ``/`` (list indices in decimal); a flat mapping
+    of file keys (what :func:`load_file` returns: ``{"layers/0/bias": ...}``) is written
+    under those keys, and NNX state (``nnx.state(model)``, or ``nnx.Variable`` leaves
+    anywhere in ``tree``) as :func:`save_model` writes it: the model's keys, with typed
+    rng keys and Python scalars recorded, so :func:`load_model` reads it. The file appears
     under ``path`` only once complete and fsynced, with every tensor's xxh3_64 checksum
     in ``__metadata__``. ``tree`` is not modified.
 
     Args:
-        tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays.
+        tree: nested dicts / lists / tuples (any jax pytree) of jax or numpy arrays,
+            a flat mapping of file keys to arrays, or NNX state.
         path: the file to write; its directory must exist. An fsspec URL (``s3://``,
             ``memory://`` ...) is streamed to a temporary object and moved into place.
         metadata: string -> string pairs stored in ``__metadata__``.
@@ -159,7 +165,8 @@ def save_file(
 
     Raises:
         UnsupportedValueError: a leaf that is not an array (names its path).
-        KeyPathError: a key containing ``/``, or two paths making the same key.
+        KeyPathError: a key containing ``/`` (in a nested tree), an empty name, or two
+            paths making the same key.
         SaveError: the write failed; the previous file at ``path`` is intact.
         OptionError: an option out of range (``max_shard_size`` not a size), or given
             both as a keyword and in ``options`` (names it).
@@ -172,13 +179,65 @@ def save_file(
         ['layers/0/w']
     """
     how = merge(SaveOptions, options, "save_file", locals())  # first: locals() are the arguments
-    pairs, _ = flatten(tree)
+    pairs = tree_pairs(tree)
     _paths.check_unique(p for p, _ in pairs)
-    entries = [leaf_entry(p, v) for p, v in pairs]
-    check_metadata(metadata)
-    meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
+    variable = _variable_class()
+    meta: dict[str, str] | None
+    if variable is not None and any(isinstance(v, variable) for _, v in pairs):
+        from ._nnx import state_entries  # an NNX state: flax is imported already
+
+        entries, meta = state_entries(pairs, metadata)
+    else:
+        entries = [leaf_entry(p, v) for p, v in pairs]
+        check_metadata(metadata)
+        meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
     write = _dispatch.writer(meta, max_shard_size=how.max_shard_size)
     return _dispatch.save(path, entries, write, blocking=how.blocking, progress=how.progress)
+
+
+def _variable_class() -> type | None:
+    """flax's ``nnx.Variable`` if flax is imported (no NNX state exists otherwise), else
+    ``None``: this module never imports flax."""
+    return getattr(sys.modules.get("flax.nnx"), "Variable", None)
+
+
+def _is_leaf(value: Any) -> bool:
+    """A value jax does not flatten further (an array, a number, a torch tensor), or an
+    NNX ``Variable`` (a leaf of a model's state)."""
+    import jax
+
+    variable = _variable_class()
+    return (variable is not None and isinstance(value, variable)) or jax.tree_util.all_leaves([value])
+
+
+def flat_file_keys(tree: Any) -> list[tuple[tuple, Any]] | None:
+    """A flat mapping of file keys to leaves (what :func:`load_file` returns, a torch
+    state dict) as ``[(path, value)]``, each key split at ``/`` (so it is written back
+    as it is, and validated segment by segment); ``None`` for any other tree."""
+    if not isinstance(tree, Mapping) or not tree or not all(isinstance(k, str) for k in tree):
+        return None
+    if not any("/" in k for k in tree) or not all(_is_leaf(v) for v in tree.values()):
+        return None
+    for key in tree:
+        if "" in key.split("/"):
+            raise KeyPathError(
+                f"{key!r}: a file key with an empty name (a leading, trailing or doubled '/'); a flat mapping's "
+                "keys are written as they are, name by name, and an empty name cannot be read back to one place",
+                key,
+            )
+    return [(tuple(k.split("/")), v) for k, v in tree.items()]
+
+
+def tree_pairs(tree: Any) -> list[tuple[tuple, Any]]:
+    """``[(path, leaf)]`` of what :func:`save_file` writes: a flat mapping's keys as they
+    are, NNX ``Variable`` objects as leaves (an ``nnx.State`` keeps the model's keys, not
+    ``.../value``), any other pytree's paths."""
+    flat = flat_file_keys(tree)
+    if flat is not None:
+        return flat
+    variable = _variable_class()
+    pairs, _ = flatten(tree, is_leaf=None if variable is None else lambda x: isinstance(x, variable))
+    return pairs
 
 
 def check_metadata(metadata: Any) -> None:
@@ -275,7 +334,7 @@ def _refuse_missing(header: Header, targets: list[Target]) -> None:
 
 
 def load_file(
-    source: PathLike | Sequence[PathLike] | Header,
+    source: PathLike | Sequence[PathLike] | Header | Mapping[str, Any],
     abstract: Any = None,
     *,
     strict: bool = False,
@@ -291,7 +350,8 @@ def load_file(
 
     Args:
         source: a ``.safetensors`` file, a directory (HF index or ``*.safetensors``),
-            a list of files, an ``http(s)://`` or fsspec URL, or a :class:`Header`.
+            a list of files, an ``http(s)://`` or fsspec URL, a :class:`Header`, or a
+            state dict in memory (as :func:`load_model` takes it).
         abstract: a pytree of ``jax.ShapeDtypeStruct`` (with a ``sharding``) or arrays,
             whose shape, dtype and sharding are adopted (numpy leaves load as numpy;
             each process reads only its devices' bytes). ``None``: a flat ``{key: np.ndarray}``.
@@ -321,7 +381,8 @@ def load_file(
 
     Raises:
         HeaderError: a malformed file or index, before any data is read.
-        LoadError: ``strict=True`` and a mismatch.
+        LoadError: ``strict=True`` and a mismatch, or no tensor of the source fits
+            ``abstract``.
         KeyMismatchError: without ``strict``, before any read, a leaf of ``abstract``
             the checkpoint has no tensor for (a tree has no value to give it).
         ShapeMismatchError: without ``strict``, before any read, a reshaped leaf that
@@ -340,7 +401,9 @@ def load_file(
     how = load_options("load_file", options, keywords)
     import jax
 
-    header = read_header(source)
+    from ._state_dict import source_header
+
+    header = source_header(source)
     if abstract is None:
         if jax.process_count() > 1:
             raise NnxSaveError(

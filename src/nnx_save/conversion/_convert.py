@@ -51,7 +51,9 @@ def convert(
     """Convert a PyTorch, Orbax or safetensors checkpoint to safetensors, atomically.
 
     Args:
-        source: a PyTorch ``.bin`` / ``.pt`` / ``.pth`` file (a state dict of tensors),
+        source: a PyTorch ``.bin`` / ``.pt`` / ``.pth`` file (a state dict of tensors, or
+            one bare tensor, named after the file: ``embedding.pt`` -> ``embedding``), a numpy
+            ``.npz`` archive (its arrays by name, read with ``allow_pickle=False``),
             a TorchScript archive (its parameters and buffers, keyed as its
             ``state_dict()``), an Orbax PyTree checkpoint directory or one item of an
             ``OrbaxCheckpointStore`` step (keyed as ``save_model`` keys a model, so
@@ -111,6 +113,8 @@ def _entries(source: Path, key: str | None, opened: contextlib.ExitStack) -> tup
         raise ConvertError(f"{source}: --key picks a sub-dict of a PyTorch checkpoint; this is a {kind} checkpoint")
     if kind == "TorchScript":
         return _torchscript_entries(source, opened), {"format": "pt"}
+    if kind == "npz":
+        return _npz_entries(source, opened), {}
     if kind == "safetensors":
         header = read_header(source)
         meta = dict(header.files[0].metadata) if header.files else {}
@@ -137,6 +141,48 @@ def _torchscript_entries(source: Path, opened: contextlib.ExitStack) -> list[Ent
             raise HeaderError(f"{source}: two tensors have the state_dict key {r.key!r}", check="duplicate_key")
         entries[r.key] = Entry(r.key, _dtypes.to_code(r.dtype, r.key).code, r.shape, functools.partial(archive.read, r))
     return list(entries.values())
+
+
+def _npz_entries(source: Path, opened: contextlib.ExitStack) -> list[Entry]:
+    """A numpy ``.npz`` archive's arrays, keyed by their names, read one at a time
+    (``allow_pickle=False``: an object array is refused, never unpickled)."""
+    try:
+        archive = np.load(source, allow_pickle=False)
+    except Exception as e:  # a damaged zip: numpy's and zipfile's errors, with the path
+        raise ConvertError(f"{source}: numpy cannot open this .npz archive ({type(e).__name__}: {e})") from None
+    opened.callback(archive.close)
+    entries, members = [], set(archive.zip.namelist())
+    for name in archive.files:
+        dtype, shape = _npy_header(source, archive, name, members)
+        entries.append(
+            Entry(name, _dtypes.to_code(dtype, name).code, shape, functools.partial(_npz_member, source, archive, name))
+        )
+    return entries
+
+
+def _npy_header(source: Path, archive: Any, name: str, members: set[str]) -> tuple[np.dtype, tuple[int, ...]]:
+    """Member ``name``'s dtype and shape, from its ``.npy`` header (no data read)."""
+    fmt = np.lib.format
+    try:
+        with archive.zip.open(name + ".npy" if name + ".npy" in members else name) as f:
+            version = fmt.read_magic(f)
+            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+            shape, _, dtype = read(f)
+    except Exception as e:  # not an .npy member, a bad header
+        raise ConvertError(f"{source}: {name}: not a numpy array member ({type(e).__name__}: {e})") from None
+    if dtype.hasobject or dtype.names is not None or dtype.kind in "OUSVMm":
+        raise ConvertError(
+            f"{source}: {name}: numpy dtype {dtype} is not a number type; convert takes numeric arrays "
+            "(safetensors holds no objects, strings, records or dates)"
+        )
+    return dtype, tuple(int(d) for d in shape)
+
+
+def _npz_member(source: Path, archive: Any, name: str) -> np.ndarray:
+    try:
+        return np.ascontiguousarray(archive[name])
+    except ValueError as e:  # allow_pickle=False refused an object array
+        raise ConvertError(f"{source}: {name}: {e}") from None
 
 
 def read_one(header: Header, key: str, *, verify: bool = False) -> tuple[np.ndarray, Any]:
@@ -192,14 +238,14 @@ def _kind(source: Path) -> str:
     with open(source, "rb") as f:  # magic bytes decide, whatever the name says
         what = _formats.foreign_file(f.read(8), lambda n, at: (f.seek(at), f.read(n))[1], os.fstat(f.fileno()).st_size)
     if what is not None:
-        return "TorchScript" if what.startswith("a TorchScript") else "torch"
+        return "TorchScript" if what.startswith("a TorchScript") else "npz" if "npz" in what else "torch"
     if source.suffix in (".bin", ".pt", ".pth"):
         return "torch"
     if source.suffix == ".safetensors":
         return "safetensors"
     raise ConvertError(
         f"{source}: cannot tell the format from the name; expected a .safetensors file or directory, "
-        "a PyTorch .bin/.pt/.pth file, or an Orbax checkpoint directory"
+        "a PyTorch .bin/.pt/.pth file, a numpy .npz archive, or an Orbax checkpoint directory"
     )
 
 
@@ -228,8 +274,15 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
                 "convert takes a state dict of tensors (nested dicts are joined with '.')" + _key_hint(state, key)
             )
 
-    walk(state, "")
+    walk(state, _bare_name(path) if isinstance(state, torch.Tensor) else "")
     return out
+
+
+def _bare_name(path: Path) -> str:
+    """The key of a ``torch.save``'d bare tensor (no state dict names it): the file's
+    stem (``embedding.pt`` -> ``embedding``), or ``tensor``."""
+    stem = path.name.split(".", 1)[0]
+    return stem if stem else "tensor"
 
 
 def _add_unique(out: dict[str, np.ndarray], key: str, value: np.ndarray, path: Path, joiner: str) -> None:

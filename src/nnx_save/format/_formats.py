@@ -216,8 +216,6 @@ def _remedy(path: str, what: str) -> str:
             "convert its parameters and buffers (none of its code runs): "
             f"nnx-save convert {shlex.quote(path)} {shlex.quote(_stem(path) + '.safetensors')}"
         )
-    if "npz" in what:
-        return "load it with numpy.load(..., allow_pickle=False) and save it with nnx_save.save_file"
     return f"convert it first: nnx-save convert {shlex.quote(path)} {shlex.quote(_stem(path) + '.safetensors')}"
 
 

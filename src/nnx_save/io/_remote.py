@@ -162,6 +162,13 @@ class _Short(Exception):
     pass
 
 
+_NO_RANGES = (
+    ". HTTP 200 is the whole file: this server ignores the Range header (python -m http.server does), so it "
+    "cannot serve a checkpoint, which is read by byte ranges. Serve it with one that supports ranges: nginx, "
+    "Apache, Caddy, an object store's URL (S3, GCS, presigned ones too), the HuggingFace Hub"
+)
+
+
 def _content_range(headers, url: str) -> tuple[int, int, int]:
     value = headers.get("Content-Range", "")
     try:
@@ -304,7 +311,7 @@ class HttpReader(_Views):
             where = f" (redirected to {self.final_url})" if self.final_url != self.url else ""
             raise RemoteError(
                 f"{self.url}: range request for bytes {span} got HTTP {r.status}{where}; "
-                "the server must answer ranges with 206"
+                f"the server must answer ranges with 206{_NO_RANGES if r.status == 200 else ''}"
             )
 
     def _span(self, r, begin: int, length: int, to_end: bool) -> int:

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..errors import LayoutConflictError
+from ..errors import LayoutConflictError, OptionError
 from ..io import _remote
 from ..io._reader import Reader
 from ..load._source import Header, gc_paused
@@ -46,6 +46,7 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         HeaderError: a malformed file or index (the subclass names the check).
         LayoutConflictError: a directory holding both an HF index and a pod manifest.
         FileNotFoundError: the source does not exist.
+        OptionError: ``source`` is an empty list of files.
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
@@ -68,6 +69,12 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         if isinstance(source, str) and _remote.is_url(source):
             return _remote_header(source)
         if isinstance(source, (list, tuple)):
+            if not source:  # a glob that matched nothing: loading "nothing" is never what was meant
+                raise OptionError(
+                    "source: an empty list of files, so there is nothing to read; give at least one "
+                    ".safetensors file (a glob that matched nothing?), or the checkpoint's directory",
+                    "source",
+                )
             return read_list([Path(p) for p in source])
         path = Path(source)  # type: ignore[arg-type]  # list and tuple returned above; mypy cannot narrow str
         return layout_of(path).read(path)

@@ -43,6 +43,7 @@ from ._report import (
     DtypeCast,
     LoadReport,
     ShapeMismatch,
+    refuse_nothing_loaded,
     split_allowed,
     split_allowed_casts,
     suggested_renames,
@@ -151,6 +152,7 @@ class Engine:
         for key in self.refs:
             self.add("", key, whole(header.tensors[key].shape), [None], False)
         self.over_reads: list[str] = []
+        self.over_read_bytes = [0, 0]  # over-read files: bytes read, bytes max_over_read_ratio=1.0 would read
         self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
         self._digests: dict[str, dict[str, str]] = {}  # file -> recorded checksums (verify only)
         self._lock = threading.Lock()
@@ -256,10 +258,11 @@ class Engine:
 
     def _read_file(
         self, file: str, work: tuple[list[Request], list[np.ndarray]], threads: int, cancel: threading.Event
-    ) -> tuple[FilePlan, int, float, float]:
+    ) -> tuple[FilePlan, int, float, float, int]:
         t0 = time.perf_counter()
         requests, buffers = work
         plan = plan_file(requests, max_over_read_ratio=self.opt.max_over_read_ratio, chunk_bytes=self.opt.chunk_bytes)
+        floor = self.floor_bytes(requests, plan) if self.over_read_warns(plan.read_bytes, plan.needed_bytes) else 0
         t1 = time.perf_counter()
         reader = self.open_reader(file)
         try:
@@ -267,13 +270,14 @@ class Engine:
             execute(reader, plan, buffers, budget=self.budget, num_threads=threads, on_chunk=on_chunk, cancel=cancel)
         finally:
             reader.close()
-        return plan, reader.requests, t1 - t0, time.perf_counter() - t1
+        return plan, reader.requests, t1 - t0, time.perf_counter() - t1, floor
 
-    def _file_read(self, file: str, plan: FilePlan, requests: int, plan_s: float, read_s: float) -> None:
+    def _file_read(self, file: str, plan: FilePlan, requests: int, plan_s: float, read_s: float, floor: int) -> None:
         t0 = time.perf_counter()
         self.report.io.add_file(file, plan.read_bytes, plan.needed_bytes, requests)
         if self.over_read_warns(plan.read_bytes, plan.needed_bytes):
-            self.note_over_read(file, plan.read_bytes, plan.needed_bytes, plan.ratio, self.read_through(file, plan))
+            extra = self.read_through(file, plan)
+            self.note_over_read(file, plan.read_bytes, plan.needed_bytes, plan.ratio, extra, floor)
         if self.opt.verify:
             self._verify(file)
         for i in self.by_file[file]:
@@ -293,14 +297,22 @@ class Engine:
         auto = self.opt.max_over_read_ratio is None
         return auto and read - needed >= OVER_READ_MIN_BYTES and read > OVER_READ_WARN * needed
 
+    def floor_bytes(self, requests: Sequence[Request], plan: FilePlan) -> int:
+        """The bytes ``requests`` would read under ``max_over_read_ratio=1.0`` (``plan``'s
+        own when that is its ratio): what the warning's advice promises, computed."""
+        if plan.ratio <= 1.0:
+            return plan.read_bytes
+        return plan_file(requests, max_over_read_ratio=1.0, chunk_bytes=self.opt.chunk_bytes).read_bytes
+
     def read_through(self, file: str, plan: FilePlan) -> np.ndarray:
         """Per tensor of ``file`` (header order): bytes ``plan`` read but did not need."""
         infos = self.file_headers[file].tensors.values()
         return over_read_by_range(plan, np.array([i.begin for i in infos]), np.array([i.end for i in infos]))
 
-    def note_over_read(self, file: str, read: int, needed: int, ratio: float, extra: np.ndarray) -> None:
+    def note_over_read(self, file: str, read: int, needed: int, ratio: float, extra: np.ndarray, floor: int) -> None:
         """Remember an over-read file with the tensors whose unneeded bytes were read
-        through (``extra``: per tensor, as :meth:`read_through`); one warning per load."""
+        through (``extra``: per tensor, as :meth:`read_through`) and what ratio 1 would
+        read (``floor``); one warning per load."""
         infos = list(self.file_headers[file].tensors.values())
         worst = [(int(x), i.name) for x, i in sorted(zip(extra, infos, strict=True), key=lambda p: -p[0]) if x > 0]
         named = ", ".join(f"{name} ({human_bytes(x)})" for x, name in worst[:5])
@@ -308,8 +320,11 @@ class Engine:
             f"{file}: read {human_bytes(read)} for {human_bytes(needed)} needed "
             f"(over-read {read / needed:.2f}x; the automatic merge cap for this file was {ratio:.2f}x, "
             "gaps under 4 KiB are read through whatever the cap); "
-            f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}"
+            f"bytes read through in {named}{f' and {len(worst) - 5} more' if len(worst) > 5 else ''}; "
+            f"max_over_read_ratio=1.0 would read {human_bytes(floor)}"
         )
+        self.over_read_bytes[0] += read
+        self.over_read_bytes[1] += floor
 
     def _verify(self, file: str) -> None:
         """Check the recorded checksum of every piece this file read gave in full."""
@@ -495,13 +510,17 @@ def load_targets(
     given = {k: v for k, v in locals().items() if k not in ("header", "targets", "options")}
     opt = options if options is not None else LoadOptions()
     remote = isinstance(header.placement, RemoteFiles)
-    if _share.enabled(opt.share_reads, targets, remote, _describe(header)):
+    in_memory = header.kind == "memory"  # every process holds its own state dict: nothing to share
+    if not in_memory and _share.enabled(opt.share_reads, targets, remote, _describe(header)):
         run = functools.partial(load_targets, header, options=replace(opt, share_reads=False), **given)
         shapes = {k: info.shape for k, info in header.tensors.items()}
         return _share.shared_load(list(targets), run, shapes, _describe(header))
     loadable, report = _prepare(
         header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed, allow_casts
     )
+    if not loadable:  # the shapes only for the message: a lazy handle's reads come here per tensor
+        shapes = {k: tuple(info.shape) for k, info in header.tensors.items()}
+        refuse_nothing_loaded(report, {t.path: tuple(t.shape) for t in targets}, shapes, len(loadable))
     if strict:
         report.raise_or_warn(True)
     for t in loadable:  # each has sources, all in the header (_check)
@@ -544,11 +563,37 @@ def _finish(engine: Engine, report: LoadReport) -> None:
             "requests, the automatic read merging (max_over_read_ratio=None) read through the bytes "
             "between the pieces it needed (tensors the load skips, or parts other devices hold):\n  "
             + "\n  ".join(engine.over_reads)
-            + "\nPass max_over_read_ratio=1.0 to read only the needed bytes (more requests), or "
-            "shard the leading dimension so that each device's pieces are contiguous.",
+            + "\n"
+            + over_read_advice(*engine.over_read_bytes),
             OverReadWarning,
             stacklevel=4,
         )
+
+
+def over_read_advice(read: int, floor: int) -> str:
+    """The remedy the over-read warning gives, true for this load: ``read`` bytes were
+    read from the over-read files, ``floor`` is what ``max_over_read_ratio=1.0`` would
+    read there (computed by planning the same requests at that ratio).
+
+    Examples:
+        >>> over_read_advice(8 << 20, 1 << 20).startswith("Pass max_over_read_ratio=1.0 to read 1.0 MiB instead of 8.0 MiB")
+        True
+        >>> over_read_advice(8 << 20, 8 << 20).startswith("max_over_read_ratio=1.0 would read the same 8.0 MiB")
+        True
+    """
+    contiguous = "shard the leading dimension so that each device's pieces are contiguous"
+    if read - floor >= OVER_READ_MIN_BYTES:
+        return (
+            f"Pass max_over_read_ratio=1.0 to read {human_bytes(floor)} instead of {human_bytes(read)} "
+            f"(in more, smaller requests), or {contiguous}."
+        )
+    same = f"the same {human_bytes(read)}" if floor == read else f"{human_bytes(floor)} of the {human_bytes(read)} read"
+    return (
+        f"max_over_read_ratio=1.0 would read {same}: most of "
+        "what is read through are gaps under 4 KiB between the pieces this process needs, which every ratio reads "
+        f"(a request per piece would cost more). To read less, {contiguous}, or save the tensors this load "
+        "skips in another file; an explicit max_over_read_ratio (or a warnings filter) only silences this warning."
+    )
 
 
 def _describe(header: Header) -> str:

@@ -24,6 +24,7 @@ __all__ = [
     "LoadReport",
     "ShapeMismatch",
     "matches_any",
+    "refuse_nothing_loaded",
     "split_allowed",
     "split_allowed_casts",
     "suggested_renames",
@@ -285,6 +286,51 @@ class LoadReport:
             LossyCastWarning if lossy else LoadWarning,
             stacklevel=stacklevel,
         )
+
+
+def refuse_nothing_loaded(
+    report: LoadReport, wanted: Mapping[str, tuple[int, ...]], held: Mapping[str, tuple[int, ...]], loadable: int
+) -> None:
+    """Raise :class:`LoadError` when none of the ``wanted`` paths (the model's, with
+    their shapes) can load from the source (``held``: its tensors' shapes), unless the
+    caller allowed every one of them: loading nothing into a model that has tensors is
+    never what was meant, strict or not. The message sets what the source holds against
+    what the model wants, and never advises allowing everything."""
+    if loadable or not (report.missing or report.shape_mismatches):
+        return
+    reshaped = len(report.shape_mismatches)
+    lines = [
+        f"{report.source}: nothing to load, nothing was read or changed: none of the {len(wanted)} tensors the "
+        f"model wants is in the source" + (f" with the model's shape ({reshaped} with another)" if reshaped else ""),
+        f"  the model wants {len(wanted)}: {_shapes(wanted)}",
+        f"  the source holds {len(held)}: {_shapes(held) if held else 'no tensors'}",
+    ]
+    hint = _nothing_hint(report, wanted, held)
+    raise LoadError("\n".join(lines) + (f"\n{hint}" if hint else ""), report)
+
+
+def _shapes(shapes: Mapping[str, tuple[int, ...]], limit: int = 5) -> str:
+    shown = [f"{k} {tuple(shapes[k])}" for k in sorted(shapes)[:limit]]
+    return ", ".join(shown) + (f" ... and {len(shapes) - limit} more" if len(shapes) > limit else "")
+
+
+def _nothing_hint(
+    report: LoadReport, wanted: Mapping[str, tuple[int, ...]], held: Mapping[str, tuple[int, ...]]
+) -> str:
+    """What the names say: ``.../value`` keys of an NNX state, names that pair up under a
+    rename, or another checkpoint altogether."""
+    valued = [k for k in held if k.endswith("/value") and k.removesuffix("/value") in wanted]
+    if valued:
+        return (
+            f"The source's keys are the model's with '/value' added ({valued[0]!r}): it was written from nnx.state(model) "
+            "by an older save_file. Save it again with save_model, or load it through "
+            'rules=Rules(rename(r"(.*)/value", r"\\1")) (from nnx_save.porting import Rules, rename)'
+        )
+    if report.suggested_targets or report.suggested_renames:
+        return (_target_remedy(report.suggested_targets) + _rename_remedy(report.suggested_renames)).rstrip()
+    if report.shape_mismatches:
+        return "The names match but the shapes do not: is this checkpoint of the same model configuration?"
+    return "No name matches: is this the checkpoint of this model? (nnx-save inspect lists a file's tensors)"
 
 
 def _cut(lines: list[str], limit: int) -> list[str]:

@@ -28,10 +28,10 @@ from ._pieces import Box, extents, intersect, request
 from ._plan import FilePlan, plan_file
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Sequence
 
     from ._options import LoadOptions
-    from ._pieces import Piece
+    from ._pieces import Piece, Request
     from ._report import LoadReport
     from ._source import Header
 
@@ -58,7 +58,10 @@ class StreamEngine(Protocol):
     def held(self, owner: str) -> np.dtype: ...
     def read_through(self, file: str, plan: FilePlan) -> np.ndarray: ...
     def over_read_warns(self, read: int, needed: int) -> bool: ...
-    def note_over_read(self, file: str, read: int, needed: int, ratio: float, extra: np.ndarray) -> None: ...
+    def note_over_read(
+        self, file: str, read: int, needed: int, ratio: float, extra: np.ndarray, floor: int
+    ) -> None: ...
+    def floor_bytes(self, requests: Sequence[Request], plan: FilePlan) -> int: ...
     def piece_bytes(self, box: Box, buffer: np.ndarray, piece: Piece, part: Box) -> tuple[Box, np.ndarray]: ...
     def checked_piece(self, key: str, piece: Piece, buffers: Iterable[memoryview] | None) -> None: ...
 
@@ -237,7 +240,7 @@ class _Streamer:
         self.readers: dict[str, Reader] = {}
         self.errors: list[BaseException] = []
         self.hashed: set[tuple[str, str]] = set()  # pieces verified from a staging buffer
-        self.stats: dict[str, list[int]] = {}  # file -> [read, needed]
+        self.stats: dict[str, list[int]] = {}  # file -> [read, needed, read at max_over_read_ratio=1.0]
         self.through: dict[str, tuple[float, np.ndarray]] = {}  # file -> (top ratio, bytes read through per tensor)
 
     def reader(self, file: str) -> Reader:
@@ -282,21 +285,24 @@ class _Streamer:
         for file, requests in by_file.items():
             plan = plan_file(requests, max_over_read_ratio=opt.max_over_read_ratio, chunk_bytes=opt.chunk_bytes)
             execute(self.reader(file), plan, views, budget=budget, num_threads=1, on_chunk=on_chunk, cancel=self.cancel)
-            self.note(file, plan)
+            self.note(file, plan, requests)
         if opt.verify:
             self.verify(batch, views)
 
-    def note(self, file: str, plan: FilePlan) -> None:
+    def note(self, file: str, plan: FilePlan, requests: Sequence[Request]) -> None:
         """Add one batch's plan to its file's statistics, and where the automatic ratio
         read through (above 1) the bytes per tensor, for the over-read warning (at ratio
-        1 only sub-page gaps are read: the staging size's cost, not the ratio's)."""
-        extra = None
+        1 only sub-page gaps are read: the staging size's cost, not the ratio's), with
+        what ratio 1 would have read, for the warning's advice."""
+        extra, floor = None, plan.read_bytes
         if self.engine.opt.max_over_read_ratio is None and plan.ratio > 1.0 and plan.read_bytes > plan.needed_bytes:
             extra = self.engine.read_through(file, plan)
+            floor = self.engine.floor_bytes(requests, plan)
         with self.lock:
-            got = self.stats.setdefault(file, [0, 0])
+            got = self.stats.setdefault(file, [0, 0, 0])
             got[0] += plan.read_bytes
             got[1] += plan.needed_bytes
+            got[2] += floor
             if extra is not None:
                 ratio, before = self.through.get(file, (plan.ratio, 0))
                 self.through[file] = (max(ratio, plan.ratio), before + extra)
@@ -411,9 +417,9 @@ def run(engine: StreamEngine, streamed: list[int], kind: str, device: Any) -> di
             r.close()
         pool.close()
     io = engine.report.io
-    for file, (read, needed) in streamer.stats.items():
+    for file, (read, needed, floor) in streamer.stats.items():
         io.add_file(file, read, needed)
         if file in streamer.through and engine.over_read_warns(read, needed):  # one warning per load, as hosted
-            engine.note_over_read(file, read, needed, *streamer.through[file])
+            engine.note_over_read(file, read, needed, *streamer.through[file], floor)
     io.requests += sum(r.requests for r in streamer.readers.values())
     return {i: shard.arrays for i, shard in streamer.shards.items()}
