@@ -202,7 +202,7 @@ def test_the_load_shortcuts_are_every_option_the_functions_take_and_no_other(sav
     LoadKeywords); a misspelt one is a TypeError, as for any Python function."""
     from flax import nnx
 
-    from nnx_save.bridges._pytree import LoadKeywords
+    from nnx_save.bridges._leaves import LoadKeywords
 
     assert set(LoadKeywords.__annotations__) < set(nnx_save.LoadOptions.__dataclass_fields__)
     with pytest.raises(TypeError, match=re.escape("load_file() got an unexpected keyword argument 'verfy'")):

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
         from nnx_save.layouts._dispatch import writer
         writer(None)(path, entries)
 
-    from nnx_save.bridges._pytree import flatten, leaf_entry
+    from nnx_save.bridges._leaves import flatten, leaf_entry
     pairs, _ = flatten({"w": np.arange(4, dtype=np.float32)})
     handle = _background.save(os.path.join(out, "parent.safetensors"), [leaf_entry(p, v) for p, v in pairs],
                          slow_write, blocking=False)

@@ -79,7 +79,7 @@ def test_sharded_partial_load_requests_only_its_ranges(served):
 def test_multi_file_index_over_http(nginx):
     nginx.clear_log()
     directory = nginx.root / "sharded"
-    from nnx_save.bridges._pytree import flatten, leaf_entry
+    from nnx_save.bridges._leaves import flatten, leaf_entry
     from nnx_save.layouts._index_save import write_sharded
 
     pairs, _ = flatten(NESTED)

@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 import nnx_save
+from nnx_save.bridges._leaves import leaf_entry
 from nnx_save.io._write import TMP_MARKER
 from nnx_save.layouts import _dispatch
 from nnx_save.save import _background
@@ -143,7 +144,7 @@ def test_cpu_snapshot_aliases_the_buffer_and_donation_then_copies():
     refuses to donate a buffer that has an external reference."""
     x = jnp.arange(1 << 16, dtype=jnp.float32) * 3
     jax.block_until_ready(x)
-    entry = nnx_save.bridges._pytree.leaf_entry(("x",), x)
+    entry = leaf_entry(("x",), x)
     (snap,) = _background.snapshot([entry])
     host = snap.array.addressable_shards[0].data
     assert host.ctypes.data == x.unsafe_buffer_pointer()  # no copy

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import nnx_save
+from nnx_save.bridges._leaves import leaf_entry
 from nnx_save.io._write import TMP_MARKER
 from nnx_save.save import _background, _stage, _write
 
@@ -114,7 +115,7 @@ def test_cpu_arrays_are_not_copied_unless_forced(tmp_path, monkeypatch):
     monkeypatch.delenv(_stage.FORCE_ENV, raising=False)
     live = Live(monkeypatch)
     nnx_save.save_file(mixed_tree(), tmp_path / "a.safetensors")
-    _background.snapshot([nnx_save.bridges._pytree.leaf_entry(("x",), jnp.ones(8))])
+    _background.snapshot([leaf_entry(("x",), jnp.ones(8))])
     assert live.calls == 0  # the CPU backend's zero-copy alias is kept
 
 
@@ -154,7 +155,7 @@ def test_host_copies_alive_stay_within_the_budget(tmp_path, forced, monkeypatch,
     live = Live(monkeypatch)
     _write.write_file(
         tmp_path / "v.safetensors",
-        [nnx_save.bridges._pytree.leaf_entry((k,), v) for k, v in tree.items()],
+        [leaf_entry((k,), v) for k, v in tree.items()],
         max_inflight_bytes=budget,
     )
     gc.collect()
@@ -181,7 +182,7 @@ def test_async_snapshot_bounds_the_copies_in_flight(tmp_path, forced, monkeypatc
 
     monkeypatch.setattr(_stage, "_copy_shard", copy)
     monkeypatch.setattr(_stage.Staged, "host_shards", wait)
-    entries = [nnx_save.bridges._pytree.leaf_entry((k,), v) for k, v in tree.items()]
+    entries = [leaf_entry((k,), v) for k, v in tree.items()]
     snap = _background.snapshot(entries, max_inflight_bytes=520 * KIB)
     assert peak[0] == 512 * KIB and in_flight[0] == 0  # two at a time, all completed
     assert [np.asarray(e.value()).tobytes() for e in snap] == [np.asarray(v).tobytes() for v in tree.values()]
@@ -211,9 +212,7 @@ def test_a_failure_mid_save_keeps_the_previous_file_and_leaves_nothing(tmp_path,
         nnx_save.SaveError,
         match=re.escape(f"{path}: the device -> host copy of 't2' failed (RuntimeError: injected copy failure)"),
     ):
-        _write.write_file(
-            path, [nnx_save.bridges._pytree.leaf_entry((k,), v) for k, v in tensors(5, 64 * KIB).items()], None
-        )
+        _write.write_file(path, [leaf_entry((k,), v) for k, v in tensors(5, 64 * KIB).items()], None)
     gc.collect()
     assert path.read_bytes() == before
     assert not [p for p in os.listdir(tmp_path) if TMP_MARKER in p]

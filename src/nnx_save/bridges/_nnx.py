@@ -34,7 +34,7 @@ from ..load._target import Target
 from ..save import _background
 from ..save._entry import Entry
 from ..save._options import SaveOptions
-from ._pytree import LoadKeywords, check_metadata, leaf_entry, load_options
+from ._leaves import LoadKeywords, check_metadata, leaf_entry, load_options
 from ._state_dict import RNG_KEY, source_header  # RNG_KEY: {path: PRNG implementation name}
 
 if TYPE_CHECKING:

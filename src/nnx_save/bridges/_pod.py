@@ -15,7 +15,7 @@ from ..save._background import SaveHandle
 from ..save._entry import Entry
 from ..save._options import SaveOptions
 from . import _nnx
-from ._pytree import check_metadata, flatten, leaf_entry
+from ._leaves import check_metadata, flatten, leaf_entry
 
 __all__ = ["save_pod"]
 

@@ -18,10 +18,11 @@ import numpy as np
 
 from ..errors import UnsupportedValueError, short_repr
 from ..format import _paths
+from ..format._torch import torch_to_numpy
 from ..layouts._memory import MEMORY, memory_header
 from ..layouts._sources import read_header
 from ..load._source import Header
-from ._pytree import tree_pairs
+from ._leaves import tree_pairs
 
 __all__ = ["source_header", "state_dict_header"]
 
@@ -70,9 +71,7 @@ def _host(key: str, value: Any, rng: dict[str, str]) -> np.ndarray:
         return np.asarray(value)
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
-        from ..conversion._convert import _torch_to_numpy  # torch's dtypes and tensor kinds, handled once
-
-        return _torch_to_numpy(value, key, Path(MEMORY))
+        return torch_to_numpy(value, key, Path(MEMORY))
     if "jax" in sys.modules:
         import jax
 

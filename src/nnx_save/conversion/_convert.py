@@ -23,6 +23,7 @@ import numpy as np
 from ..bridges._pytree import load_file
 from ..errors import ConvertError, HeaderError, NnxSaveError
 from ..format import _dtypes, _formats, _torchscript
+from ..format._torch import torch_to_numpy
 from ..layouts._index_save import write_sharded
 from ..layouts._sources import read_header
 from ..load._source import Header
@@ -264,7 +265,7 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
 
     def walk(node: Any, prefix: str) -> None:
         if isinstance(node, torch.Tensor):
-            _add_unique(out, prefix, _torch_to_numpy(node, prefix, path), path, "'.'")
+            _add_unique(out, prefix, torch_to_numpy(node, prefix, path), path, "'.'")
         elif isinstance(node, dict):
             for k, v in node.items():
                 walk(v, f"{prefix}.{k}" if prefix else str(k))
@@ -328,38 +329,3 @@ def _pick(path: Path, state: Any, key: str) -> Any:
     if not isinstance(node, dict):
         raise ConvertError(f"{path}: --key {key!r} is a {type(node).__name__}, not a dict of tensors")
     return node
-
-
-def _not_dense(t: Any) -> str | None:
-    """What keeps a torch tensor from having a plain array form, or ``None``."""
-    import torch
-
-    if t.is_nested:
-        return "a nested (ragged) tensor; unbind it in torch first (tensor.unbind())"
-    if t.is_meta:
-        return f"a meta tensor (shape {list(t.shape)}, {t.dtype}: no data, only a shape), nothing to convert"
-    if t.layout != torch.strided:
-        return f"a {str(t.layout).removeprefix('torch.')} tensor; make it dense in torch first (tensor.to_dense())"
-    if t.is_quantized:
-        return f"a quantized tensor ({t.qscheme()}); dequantize it in torch first (tensor.dequantize())"
-    return None
-
-
-def _torch_to_numpy(t: Any, key: str, path: Path) -> np.ndarray:
-    import ml_dtypes
-    import torch
-
-    problem = _not_dense(t)
-    if problem:
-        raise ConvertError(f"{path}: {key}: {problem}; convert takes dense tensors with data")
-    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()  # lazy conj / neg bits: their values
-    views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
-    float8 = [name for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)]
-    views.update({getattr(torch, name): (torch.uint8, getattr(ml_dtypes, name)) for name in float8})
-    if t.dtype in views:
-        as_int, np_dtype = views[t.dtype]
-        return t.view(as_int).numpy().view(np_dtype)
-    try:
-        return t.numpy()
-    except TypeError as e:
-        raise ConvertError(f"{path}: {key}: torch dtype {t.dtype} has no safetensors equivalent here: {e}") from None

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import nnx_save  # noqa: E402
-from nnx_save.bridges._pytree import leaf_entry  # noqa: E402
+from nnx_save.bridges._leaves import leaf_entry  # noqa: E402
 from nnx_save.io import _kv  # noqa: E402
 from nnx_save.save._write import write_file  # noqa: E402
 
