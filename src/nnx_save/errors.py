@@ -32,6 +32,7 @@ __all__ = [
     "ConfigError",
     "ConvertError",
     "DeviceDtypeError",
+    "DirectoryLockedError",
     "DtypeMismatch",
     "DtypeMismatchError",
     "HeaderCheck",
@@ -224,6 +225,22 @@ class SaveError(NnxSaveError, OSError):
     def __init__(self, message: str, file: str | None = None, key_path: str | None = None) -> None:
         super().__init__(message)
         self.file, self.key_path = file, key_path
+
+
+class DirectoryLockedError(NnxSaveError, OSError):
+    """Another writer holds ``directory`` (one writer at a time per checkpoint directory
+    and store); ``holder`` names it (host, process id, process start time). Nothing was
+    written. A holder found dead on this host is taken over without this error."""
+
+    def __init__(self, directory: str, holder: str) -> None:
+        self.directory, self.holder = directory, holder
+        super().__init__(
+            f"{directory} is being written by {holder}; one writer at a time: wait for it to finish (close its "
+            "store), or write to another directory. Reading needs no lock"
+        )
+
+    def __str__(self) -> str:  # OSError's own would show the arguments tuple
+        return str(self.args[0])
 
 
 class SharedReadError(NnxSaveError, OSError):

@@ -63,6 +63,10 @@ class Disk:
         assert self.view is not None
         return self.view
 
+    def forget(self) -> None:
+        """Look at the directory again at the next :meth:`load`."""
+        self.view = None
+
     def _look(self) -> dict[str, Any]:
         record = self.path / STORE_RECORD
         text = record.read_text() if record.exists() else None

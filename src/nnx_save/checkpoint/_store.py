@@ -13,14 +13,17 @@ from etils import epath
 
 from ..errors import (
     CheckpointCorruptError,
+    DirectoryLockedError,
     CheckpointNotFoundError,
     CheckpointNotWrittenError,
     CheckpointWriteError,
     NnxSaveError,
     OptionError,
 )
+from ..io._lock import WriterLock
 from ..load._report import DtypeCast
 from . import _exit, _orbax, _partial
+from ._agree import agree
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._health import corrupt_from, load_metadata, looks_damaged, saved_dtypes
@@ -113,6 +116,7 @@ class OrbaxCheckpointStore:
         self._schedule = SaveSchedule(save_interval_steps, save_interval_seconds)
         self._manager: Any = None
         self._writable = False
+        self._lock: WriterLock | None = None  # process 0's, from the first write until close
         self._closed = False
         self._metadata: dict[int, CheckpointMetadata] = {}
         self._in_flight: int | None = None  # the step of a save still in flight, if any
@@ -155,12 +159,20 @@ class OrbaxCheckpointStore:
         raises ``OptionError``."""
         manager, self._closed = self._manager, True
         self._schedule.close()
-        if manager is not None:
-            try:
-                self._settle(manager)
-            finally:  # _settle has marked the pending save landed, even when it raised
-                self._manager = None
-                manager.close()
+        try:
+            if manager is not None:
+                try:
+                    self._settle(manager)
+                finally:  # _settle has marked the pending save landed, even when it raised
+                    self._manager = None
+                    manager.close()
+        finally:
+            self._unlock()  # last: the lock outlives every write of this store
+
+    def _unlock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def _pending_description(self) -> str:
         return f"step {self._in_flight} in {self._directory}"
@@ -206,6 +218,7 @@ class OrbaxCheckpointStore:
     def _writer(self) -> Any:
         self._open()
         if not self._writable:
+            self._take_lock()  # before anything changes: recovery and Orbax's clean-up act for the one writer
             if self._manager is not None:
                 self._manager.close()
                 self._manager = None
@@ -213,6 +226,22 @@ class OrbaxCheckpointStore:
             self._manager = _orbax.make_manager(self._directory, create=True)
             self._writable = True
         return self._manager
+
+    def _take_lock(self) -> None:
+        """Become the directory's one writer (process 0 holds the lock for the job), or raise
+        :class:`DirectoryLockedError` on every process. A URL has no lock: object stores have no ``flock``."""
+        if is_url(str(self._directory)):
+            return
+        holder = agree("lock", self._try_lock)
+        if holder is not None:
+            raise DirectoryLockedError(str(self._directory), holder)
+
+    def _try_lock(self) -> str | None:
+        try:
+            self._lock = WriterLock.acquire(self._directory, type(self).__name__)
+        except DirectoryLockedError as error:
+            return error.holder
+        return None
 
     # -- when to save ------------------------------------------------------------
 
@@ -354,6 +383,8 @@ class OrbaxCheckpointStore:
         self._open()
         self._disk.refuse_links()  # every call: the directory may have changed since the last one
         manager = self._writer()  # every process, every time: no branch on what one process sees
+        if self._in_flight is None:  # the refusal reads the disk, not what this store saw (an in-flight step is not there yet)
+            self._disk.forget()
         exists = self._refuse_write(step, overwrite)
         self._settle(manager)
         with self._write_failures(step):
