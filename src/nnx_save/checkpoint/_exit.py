@@ -18,7 +18,7 @@ import sys
 import threading
 from typing import Any, Protocol
 
-__all__ = ["finished", "pending"]
+__all__ = ["finished", "on_sigterm", "pending"]
 
 
 class _Settles(Protocol):
@@ -92,7 +92,7 @@ def _install_sigterm() -> None:
     if _sigterm_installed or threading.current_thread() is not threading.main_thread() or not _one_process():
         return
     if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # else the caller's (or preemption) handler decides
-        signal.signal(signal.SIGTERM, _on_sigterm)
+        signal.signal(signal.SIGTERM, on_sigterm)
         _sigterm_installed = True
 
 
@@ -100,12 +100,12 @@ def _uninstall_sigterm() -> None:
     global _sigterm_installed
     if not _sigterm_installed or threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+    if signal.getsignal(signal.SIGTERM) is on_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _sigterm_installed = False
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
+def on_sigterm(signum: int, frame: Any) -> None:
     failures = _settle_all()
     _report(failures)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -3,6 +3,12 @@
 A preemption makes the next step due: with one process a ``SIGTERM`` handler (installed
 by the first ``due`` call) records it; with several, JAX's ``reached_preemption_sync_point``
 names one step for all. A seconds interval is measured on process 0 and shared.
+
+The handler chains: it is installed on top of whatever handler is there and calls it
+(a default action, ``SIG_DFL`` or the exit hook's "finish and end", is what the handler
+replaces, so it is not called). Every open schedule of the process is told by one
+handler; when the last one closes, the handler that was there before is put back, only
+if ours is still the installed one (a handler installed later on top stays).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from ..errors import OptionError
+from . import _exit
 from ._agree import agree
 from ._metadata import is_int, is_number
 
@@ -40,7 +47,6 @@ class SaveSchedule:
     preempted_at: int | None = None
     _last_save: float = dataclasses.field(default_factory=time.monotonic)
     _sigterm: bool = False
-    _previous: Any = None
     _installed: bool = False
 
     def __post_init__(self) -> None:
@@ -84,16 +90,42 @@ class SaveSchedule:
         return self._sigterm
 
     def _install(self) -> None:
-        if self._installed or threading.current_thread() is not threading.main_thread():
+        if self._installed:
             return
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        _open[id(self)] = self
         self._installed = True
-
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._sigterm = True  # the loop saves at its next due() check, then stops
+        if threading.current_thread() is threading.main_thread() and not isinstance(
+            signal.getsignal(signal.SIGTERM), _Chained
+        ):
+            signal.signal(signal.SIGTERM, _Chained(signal.getsignal(signal.SIGTERM)))
 
     def close(self) -> None:
-        """Put back the SIGTERM handler that was there before."""
-        if self._installed and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._previous)
-            self._installed = False
+        """Stop listening for ``SIGTERM``; the last open schedule puts back the handler
+        that was there before, if ours is still the installed one."""
+        if not self._installed:
+            return
+        self._installed = False
+        _open.pop(id(self), None)
+        if _open or threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGTERM)
+        while isinstance(current, _Chained):  # unwind only our own handlers, from the top
+            signal.signal(signal.SIGTERM, current.previous)
+            current = current.previous
+
+
+_open: dict[int, SaveSchedule] = {}  # the schedules a SIGTERM must reach, by id
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chained:
+    """The ``SIGTERM`` handler: every open schedule sees the preemption, then the handler
+    it was installed over runs (unless that one would end the process)."""
+
+    previous: Any
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        for schedule in list(_open.values()):
+            schedule._sigterm = True  # the loop saves at its next due() check, then stops
+        if callable(self.previous) and self.previous is not _exit.on_sigterm:
+            self.previous(signum, frame)

@@ -557,9 +557,9 @@ class OrbaxCheckpointStore:
         Raises:
             CheckpointNotFoundError: ``step`` is not stored.
         """
+        writer = self._writer()  # first: only the directory's one writer looks, then deletes
         self._require(step, damaged_ok=True)
         self._disk.refuse_links()
-        writer = self._writer()
         self._retire(step)
         writer.reload()
 

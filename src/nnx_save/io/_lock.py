@@ -1,6 +1,6 @@
 """One writer at a time per directory: a lock file that names its holder.
 
-The lock is ``flock`` on ``<directory>/.nnx_save.lock``, held for as long as the writer
+The lock is ``flock`` on ``<directory>/_nnx_save.lock``, held for as long as the writer
 lives: the kernel releases it when the holding process ends, however it ends, so a dead
 holder never blocks the next writer. The file records the holder (host with its PID
 namespace, process id, process start time) for the message that refuses a second writer.
@@ -31,7 +31,7 @@ from ._write import _host, _pid_alive
 
 __all__ = ["LOCK_NAME", "Holder", "WriterLock", "holder_of", "process_start"]
 
-LOCK_NAME = ".nnx_save.lock"
+LOCK_NAME = "_nnx_save.lock"  # beside the store record _nnx_save_store.json
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
 _RECORD_CAP = 4096  # a holder record is ~200 bytes; more is not one of ours
 
