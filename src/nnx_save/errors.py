@@ -491,13 +491,14 @@ def _not_written_message(step: int, latest: int | None, reason: str, directory: 
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No checkpoint is stored at ``step`` in ``directory``; ``available`` lists the
-    steps it holds, ascending."""
+    """No checkpoint is stored at ``step`` in ``directory`` (``step`` None: no step at all,
+    when the latest was asked for); ``available`` lists the steps it holds, ascending."""
 
-    def __init__(self, step: int, directory: str | os.PathLike[str], available: Sequence[int] = ()) -> None:
+    def __init__(self, step: int | None, directory: str | os.PathLike[str], available: Sequence[int] = ()) -> None:
         self.step, self.directory, self.available = step, str(directory), tuple(available)
         held = ", ".join(map(str, self.available)) if self.available else "none"
-        super().__init__(f"no checkpoint at step {step} in {self.directory} (steps held: {held})")
+        at = "" if step is None else f" at step {step}"  # None: the latest step was asked for
+        super().__init__(f"no checkpoint{at} in {self.directory} (steps held: {held})")
 
     def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
         return str(self.args[0])

@@ -16,7 +16,7 @@ from typing import Any, TypeGuard
 from .._version import __version__
 from ..errors import CheckpointItemError, OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
-from ._tree import check_item
+from ._tree import check_item, unknown_item
 
 __all__ = [
     "CheckpointMetadata",
@@ -304,7 +304,7 @@ def restore_names(metadata: CheckpointMetadata, templates: Mapping[str, Any], it
     wanted = list(metadata.items if items is None else items)
     for name in [*wanted, *templates]:
         if name not in ITEM_NAMES:
-            raise OptionError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
+            raise OptionError(unknown_item(name), "items")
     unused = sorted(set(templates) - set(wanted))
     if unused:
         raise OptionError(f"templates given for {unused}, which items={wanted} does not restore")

@@ -13,12 +13,13 @@ import jax
 from flax import nnx
 
 from ..errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
+from ._placement import concrete_sharding
 from ._tree import Path, flatten, is_array, segment, show
 
 __all__ = ["restore_into"]
 
 
-def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False) -> None:
+def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False, mesh: jax.sharding.Mesh | None = None) -> None:
     """Update ``target`` in place with a restored state (templated or not), exactly.
 
     Everything is checked before anything changes: every target leaf restored and
@@ -29,11 +30,15 @@ def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False) -> None:
             abstract (built under ``nnx.eval_shape``).
         state: The restored item, e.g. ``checkpoint.items["model"]``.
         cast_dtypes: Cast arrays to the target's dtypes instead of refusing.
+        mesh: The devices for target shardings on an abstract mesh (a target built by
+            ``nnx.eval_shape`` under ``jax.set_mesh``); default: the mesh in scope.
 
     Raises:
         KeyMismatchError: Leaves missing from ``state`` or not in the target.
         ShapeMismatchError: A restored array's shape differs from the target's.
         DtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
+        ShardingError: A target sharding is on an abstract mesh and no mesh with its
+            axes is given or in scope.
 
     Examples:
         >>> import tempfile
@@ -55,7 +60,7 @@ def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False) -> None:
     given = dict(flatten(state))
     _check_paths(name, [path for path, _ in wanted], given)
     _check_arrays(name, wanted, given, cast_dtypes)
-    leaves = [_adopt(leaf, given[path], cast_dtypes) for path, leaf in wanted]
+    leaves = [_adopt(leaf, given[path], cast_dtypes, mesh, f"restore_into({name}): {show(path)}") for path, leaf in wanted]
     nnx.update(target, jax.tree_util.tree_unflatten(treedef, leaves))
 
 
@@ -91,13 +96,13 @@ def _check_arrays(name: str, wanted: Sequence[tuple[Path, Any]], given: dict[Pat
         )
 
 
-def _adopt(leaf: Any, value: Any, cast: bool) -> Any:
+def _adopt(leaf: Any, value: Any, cast: bool, mesh: Any, where: str) -> Any:
     """``value`` with the target leaf's dtype (when casting) and sharding."""
     if not isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
         return value
     if cast and value.dtype != leaf.dtype:
         value = value.astype(leaf.dtype)
-    sharding = leaf.sharding
+    sharding = concrete_sharding(leaf.sharding, mesh, where)
     if sharding is None:
         return jax.numpy.asarray(value)
     if isinstance(value, jax.Array) and value.sharding == sharding:

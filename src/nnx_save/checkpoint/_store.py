@@ -6,9 +6,11 @@ import contextlib
 import functools
 import os
 import pathlib
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal, Self
 
+import jax
 from etils import epath
 
 from ..errors import (
@@ -22,7 +24,7 @@ from ..errors import (
 )
 from ..io._lock import WriterLock
 from ..load._report import DtypeCast
-from . import _exit, _orbax, _partial
+from . import _exit, _orbax, _partial, _placement
 from ._agree import agree
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
@@ -289,19 +291,28 @@ class OrbaxCheckpointStore:
         view = self._disk.load()
         return {step: view.corrupt_error(step) for step in sorted(view.damaged)}
 
-    def best_step(self, metric: str, *, mode: Literal["min", "max"] = "min") -> int | None:
+    def all_steps(self) -> list[int]:
+        """Orbax ``CheckpointManager``'s name for :meth:`list_steps`."""
+        return self.list_steps()
+
+    def best_step(self, metric: str | None = None, *, mode: Literal["min", "max"] | None = None) -> int | None:
         """The kept step with the lowest (``"min"``) or highest (``"max"``) ``metric``;
         steps without it (or NaN) are skipped, ties go to the latest step.
+
+        Args:
+            metric: The recorded metric to rank by; default: the one the retention
+                policies rank by (``Retention(best=..., metric=...)``).
+            mode: ``"min"`` or ``"max"``; default: the retention's mode for its
+                metric, else ``"min"``.
 
         Returns:
             The step, or None when the store is empty.
 
         Raises:
-            OptionError: ``mode`` is not "min" or "max", or no stored step records
-                ``metric``.
+            OptionError: ``mode`` is not "min" or "max", no metric is given and the
+                retention ranks by none, or no stored step records ``metric``.
         """
-        if mode not in ("min", "max"):
-            raise OptionError(f"mode must be 'min' or 'max', got {mode!r}")
+        metric, mode = self._ranking(metric, mode)
         steps = self.list_steps()
         if not steps:
             return None
@@ -314,6 +325,24 @@ class OrbaxCheckpointStore:
                 f"recorded metrics: {', '.join(recorded) or 'none'}"
             )
         return best[0]
+
+    def _ranking(self, metric: str | None, mode: str | None) -> tuple[str, str]:
+        """The metric and mode :meth:`best_step` ranks by, defaults from the retention."""
+        if mode not in (None, "min", "max"):
+            raise OptionError(f"mode must be 'min' or 'max', got {mode!r}", "mode")
+        retention = self.retention
+        if metric is None:
+            if retention.metric is None:
+                raise OptionError(
+                    f"best_step() needs a metric: the retention of {self._directory} ({retention.describe()}) "
+                    "ranks by none; pass best_step('loss'), or keep the best steps with "
+                    "Retention(best=K, metric='loss')",
+                    "metric",
+                )
+            metric = retention.metric
+        if mode is None:
+            mode = retention.mode if metric == retention.metric else "min"
+        return metric, mode
 
     def _require(self, step: int, *, damaged_ok: bool = False) -> None:
         """Raise unless ``step`` is stored (and undamaged, unless ``damaged_ok``), once pending saves landed."""
@@ -462,9 +491,10 @@ class OrbaxCheckpointStore:
 
     def restore(
         self,
-        step: int,
+        step: int | None = None,
         *,
         templates: Mapping[str, Any] | None = None,
+        mesh: jax.sharding.Mesh | None = None,
         cast_dtypes: bool = False,
         items: Iterable[str] | None = None,
         strict: bool = True,
@@ -478,12 +508,15 @@ class OrbaxCheckpointStore:
         template's value; ``checkpoint.report`` lists them as ``load_model``'s does.
 
         Args:
-            step: The step to read.
+            step: The step to read (None, the default: the latest step).
             templates: Per item, a pytree of arrays or ``jax.ShapeDtypeStruct``
                 (plus Python leaves), e.g. ``nnx.state(model)`` or
                 ``nnx.state(nnx.eval_shape(...))``. Every array is placed on its
                 template leaf's sharding, whatever topology wrote it (a struct
                 without a sharding goes to the default device).
+            mesh: The devices for template shardings on an abstract mesh (what
+                ``nnx.eval_shape`` under ``jax.set_mesh`` gives); default: the mesh
+                ``jax.set_mesh`` put in scope.
             cast_dtypes: Accept arrays whose dtype differs from the saved one.
             items: Restore only these items (default: all the step holds).
             strict: Refuse (before reading) any missing, unexpected or reshaped
@@ -497,9 +530,11 @@ class OrbaxCheckpointStore:
             The :class:`Checkpoint`, with its ``report``.
 
         Raises:
-            CheckpointNotFoundError: ``step`` is not stored.
+            CheckpointNotFoundError: ``step`` is not stored (or, for None, no step is).
             CheckpointCorruptError: The step is damaged (found before reading, or
                 an array file is truncated or unreadable).
+            ShardingError: A template sharding is on an abstract mesh and no mesh
+                with its axes is given or in scope.
             UnsupportedCheckpointError: See :meth:`read_metadata`.
             OptionError: ``templates`` or ``items`` name an unknown item.
             CheckpointItemError: They name an item the step does not hold.
@@ -507,8 +542,9 @@ class OrbaxCheckpointStore:
                 step under ``strict`` (a leaf's kind: always), before any read.
             CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
         """
+        step = self._latest_or(step)
         metadata = self.read_metadata(step)
-        templates = dict(templates or {})
+        templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
         names = restore_names(metadata, templates, items)
         manager = self._reader()
         with self._corrupt_on_failure(step, any_error=True):  # Orbax's metadata of an item is unreadable
@@ -533,8 +569,11 @@ class OrbaxCheckpointStore:
         partial = [n for n, s in chosen.items() if not s.whole]
         read: dict[str, Any] = {}
         if plan:
+            before, started = _placement.io_counters(), time.perf_counter()
             with self._corrupt_on_failure(step, any_error=False):
                 read = _orbax.restore_items(manager, step, plan, partial)
+            item_dirs = [pathlib.Path(self._step_path(step)) / n for n in plan]
+            report.io = _placement.read_stats(read, before, time.perf_counter() - started, item_dirs)
         restored = {
             n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
         }
@@ -542,6 +581,15 @@ class OrbaxCheckpointStore:
         if not cast_dtypes:
             _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
+
+    def _latest_or(self, step: int | None) -> int:
+        """``step``, or for None the latest step (``CheckpointNotFoundError`` when there is none)."""
+        if step is not None:
+            return step
+        latest = self.latest_step()
+        if latest is None:
+            raise CheckpointNotFoundError(None, self._directory, [])
+        return latest
 
     def _corrupt_on_failure(self, step: int, *, any_error: bool) -> contextlib.AbstractContextManager[None]:
         """Orbax's read failures (all, or only those that look like damage: tensorstore's

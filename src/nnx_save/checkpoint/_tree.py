@@ -74,13 +74,27 @@ def leaf_spec(leaf: Any) -> Spec | None:
     return Spec(tuple(leaf.shape), str(np.dtype(leaf.dtype)))
 
 
+def unknown_item(name: object) -> str:
+    """The message refusing an item name a step cannot hold: it names the way.
+
+    Examples:
+        >>> print(unknown_item("ema"))  # doctest: +NORMALIZE_WHITESPACE
+        unknown item name 'ema'; a step holds model, optimizer, rng, data_iterator,
+        extensions: put other state in extensions, e.g. items={'extensions': {'ema': ...}}
+    """
+    return (
+        f"unknown item name {name!r}; a step holds {', '.join(ITEM_NAMES)}: "
+        f"put other state in extensions, e.g. items={{'extensions': {{{name!r}: ...}}}}"
+    )
+
+
 def check_item(name: str, tree: Any) -> None:
     """Refuse an item Orbax could not store exactly, before anything is written: an
     unknown name (``OptionError``), a leaf that is no array, typed key, int, float, bool or
     str, an int past int64, an empty or deleted array (``UnsupportedValueError``), or two
     leaves Orbax would name alike, ``{"a.b": x}`` and ``{"a": {"b": y}}`` (``KeyPathError``)."""
     if name not in ITEM_NAMES:
-        raise OptionError(f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}")
+        raise OptionError(unknown_item(name), "items")
     names: dict[str, Path] = {}
     for path, leaf in flatten(tree):
         _check_leaf(name, path, leaf)

@@ -1,0 +1,97 @@
+"""Where restored arrays go, and what reading them cost.
+
+Templates built by ``nnx.eval_shape`` under ``jax.set_mesh(mesh)`` carry shardings on an
+*abstract* mesh (axis names and sizes, no devices); Orbax needs devices, so each such
+sharding is resolved against a concrete mesh of the same axes: the one passed as
+``mesh=``, else the one ``jax.set_mesh`` put in scope.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..errors import ShardingError
+from ..load._report import IOStats
+from ._tree import segment, show
+
+__all__ = ["concrete_sharding", "concrete_templates", "io_counters", "read_stats"]
+
+
+def concrete_sharding(sharding: Any, mesh: Any, where: str) -> Any:
+    """``sharding`` on devices: one on an abstract mesh is rebuilt on ``mesh`` (else the
+    mesh in scope); any other sharding, or None, is returned as it is.
+
+    Raises:
+        ShardingError: No concrete mesh is given or in scope, or its axes differ from the
+            abstract mesh's (names and sizes).
+    """
+    abstract = getattr(sharding, "mesh", None)
+    if not isinstance(abstract, jax.sharding.AbstractMesh):
+        return sharding
+    if mesh is None:
+        mesh = jax.sharding.get_mesh()
+    if mesh is None or mesh.empty:
+        raise ShardingError(
+            f"{where}: the sharding {sharding.spec} is on an abstract mesh {dict(abstract.shape)} (nnx.eval_shape "
+            "under jax.set_mesh); pass mesh= (a jax.sharding.Mesh with those axes) or call it under jax.set_mesh(mesh)"
+        )
+    if dict(mesh.shape) != dict(abstract.shape):
+        raise ShardingError(
+            f"{where}: the sharding {sharding.spec} is on an abstract mesh {dict(abstract.shape)}, and the mesh to "
+            f"place it on has axes {dict(mesh.shape)}; give a mesh with the template's axes"
+        )
+    return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
+
+
+def concrete_templates(item: str, template: Any, mesh: Any) -> Any:
+    """``template`` with every abstract-mesh sharding of a ``jax.ShapeDtypeStruct`` resolved."""
+
+    def resolve(keypath: Any, leaf: Any) -> Any:
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        where = f"templates[{item!r}]: {show(tuple(map(segment, keypath)))}"
+        sharding = concrete_sharding(leaf.sharding, mesh, where)
+        if sharding is leaf.sharding:
+            return leaf
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
+
+    return jax.tree_util.tree_map_with_path(resolve, template)
+
+
+def io_counters() -> tuple[int, int] | None:
+    """Bytes read and read calls of this process so far (Linux ``/proc/self/io``), else None."""
+    try:
+        with open("/proc/self/io", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return int(fields[b"rchar"]), int(fields[b"syscr"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def read_stats(
+    read: Mapping[str, Any], before: tuple[int, int] | None, seconds: float, item_dirs: Iterable[pathlib.Path]
+) -> IOStats:
+    """The I/O of one restore: the bytes this process's devices needed (each distinct
+    shard of each array once), the bytes and read calls the process made meanwhile
+    (``/proc/self/io``; where it is missing, the bytes needed and no request count),
+    and the files of the items read."""
+    needed = sum(_needed(leaf) for leaf in jax.tree_util.tree_leaves(dict(read)))
+    after = io_counters()
+    got, calls = (after[0] - before[0], after[1] - before[1]) if before and after else (needed, 0)
+    files = sum(len(names) for d in item_dirs if os.path.isdir(d) for _, _, names in os.walk(d))
+    return IOStats(bytes_read=got, bytes_needed=needed, requests=calls, files=files, read_seconds=seconds)
+
+
+def _needed(leaf: Any) -> int:
+    if isinstance(leaf, jax.Array):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            leaf = jax.random.key_data(leaf)
+        boxes = {str(shard.index): shard.data.nbytes for shard in leaf.addressable_shards}
+        return sum(boxes.values())
+    return int(leaf.nbytes) if isinstance(leaf, np.ndarray) else 0
