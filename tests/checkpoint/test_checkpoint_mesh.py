@@ -30,7 +30,9 @@ class Net(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         init = nnx.with_partitioning(nnx.initializers.lecun_normal(), AXES)
         self.dense = nnx.Linear(256, 512, kernel_init=init, rngs=rngs)
-        self.head = nnx.Linear(512, 8, kernel_init=nnx.with_partitioning(nnx.initializers.ones, (None, "model")), rngs=rngs)
+        self.head = nnx.Linear(
+            512, 8, kernel_init=nnx.with_partitioning(nnx.initializers.ones, (None, "model")), rngs=rngs
+        )
 
 
 def mesh_of(shape: tuple[int, int]) -> jax.sharding.Mesh:
@@ -82,9 +84,16 @@ def test_an_abstract_template_without_a_mesh_is_a_typed_error(saved):
     directory, _ = saved
     target = abstract_on(mesh_of((2, 4)))
     with OrbaxCheckpointStore(directory) as store:
-        with pytest.raises(ShardingError, match=re.escape("templates['model']: dense/bias/value: the sharding P(None,) is on an abstract mesh {'data': 2, 'model': 4}")):
+        with pytest.raises(
+            ShardingError,
+            match=re.escape(
+                "templates['model']: dense/bias/value: the sharding P(None,) is on an abstract mesh {'data': 2, 'model': 4}"
+            ),
+        ):
             store.restore(7, templates={"model": nnx.state(target)})
-        with pytest.raises(ShardingError, match=re.escape("and the mesh to place it on has axes {'data': 4, 'model': 2}")):
+        with pytest.raises(
+            ShardingError, match=re.escape("and the mesh to place it on has axes {'data': 4, 'model': 2}")
+        ):
             store.restore(7, templates={"model": nnx.state(target)}, mesh=mesh_of((4, 2)))
         state = store.restore(7, templates={"model": nnx.state(target)}, mesh=mesh_of((2, 4))).items["model"]
     with pytest.raises(ShardingError, match=re.escape("restore_into(Net): dense/bias/value: the sharding")):
@@ -122,7 +131,12 @@ def test_best_step_ranks_by_the_retention_metric_by_default(tmp_path):
 def test_an_item_beyond_the_names_is_refused_naming_extensions(tmp_path):
     way = "put other state in extensions, e.g. items={'extensions': {'ema': ...}}"
     with OrbaxCheckpointStore(tmp_path) as store:
-        with pytest.raises(OptionError, match=re.escape(f"unknown item name 'ema'; a step holds model, optimizer, rng, data_iterator, extensions: {way}")):
+        with pytest.raises(
+            OptionError,
+            match=re.escape(
+                f"unknown item name 'ema'; a step holds model, optimizer, rng, data_iterator, extensions: {way}"
+            ),
+        ):
             store.save(1, {"model": {"w": jnp.ones(2)}, "ema": {"w": jnp.ones(2)}})
         store.save(1, {"model": {"w": jnp.ones(2)}, "extensions": {"ema": {"w": jnp.full((2,), 3.0)}}})
         with pytest.raises(OptionError, match=re.escape(way)):

@@ -205,7 +205,9 @@ def test_without_flock_the_record_decides(tmp_path, monkeypatch, who, taken_over
     if taken_over:
         WriterLock.acquire(tmp_path, "me").release()
     else:
-        with pytest.raises(DirectoryLockedError, match=re.escape(f"the holder in process {me.pid} on host {holder.host}")):
+        with pytest.raises(
+            DirectoryLockedError, match=re.escape(f"the holder in process {me.pid} on host {holder.host}")
+        ):
             WriterLock.acquire(tmp_path, "me")
         assert json.loads((tmp_path / LOCK_NAME).read_text()) == json.loads(holder.to_json())  # untouched
 
@@ -264,4 +266,3 @@ def test_closing_out_of_order_keeps_the_preemption_handler(tmp_path):
     assert second.preemption_requested and second.should_save(5)
     second.close()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-

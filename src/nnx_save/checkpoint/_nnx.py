@@ -60,7 +60,9 @@ def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False, mesh: ja
     given = dict(flatten(state))
     _check_paths(name, [path for path, _ in wanted], given)
     _check_arrays(name, wanted, given, cast_dtypes)
-    leaves = [_adopt(leaf, given[path], cast_dtypes, mesh, f"restore_into({name}): {show(path)}") for path, leaf in wanted]
+    leaves = [
+        _adopt(leaf, given[path], cast_dtypes, mesh, f"restore_into({name}): {show(path)}") for path, leaf in wanted
+    ]
     nnx.update(target, jax.tree_util.tree_unflatten(treedef, leaves))
 
 

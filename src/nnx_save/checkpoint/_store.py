@@ -15,10 +15,10 @@ from etils import epath
 
 from ..errors import (
     CheckpointCorruptError,
-    DirectoryLockedError,
     CheckpointNotFoundError,
     CheckpointNotWrittenError,
     CheckpointWriteError,
+    DirectoryLockedError,
     NnxSaveError,
     OptionError,
 )
@@ -412,7 +412,9 @@ class OrbaxCheckpointStore:
         self._open()
         self._disk.refuse_links()  # every call: the directory may have changed since the last one
         manager = self._writer()  # every process, every time: no branch on what one process sees
-        if self._in_flight is None:  # the refusal reads the disk, not what this store saw (an in-flight step is not there yet)
+        if (
+            self._in_flight is None
+        ):  # the refusal reads the disk, not what this store saw (an in-flight step is not there yet)
             self._disk.forget()
         exists = self._refuse_write(step, overwrite)
         self._settle(manager)

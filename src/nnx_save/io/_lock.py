@@ -26,6 +26,7 @@ import json
 import os
 import threading
 from pathlib import Path
+
 from ..errors import DirectoryLockedError, SaveError
 from ._write import _host, _pid_alive
 
@@ -198,9 +199,9 @@ class WriterLock:
         os.close(fd)
 
     def __del__(self) -> None:  # a writer dropped without release: its lock goes with it
-        try:
+        try:  # noqa: SIM105 - contextlib itself may be gone at interpreter exit
             self.release()
-        except Exception:  # noqa: S110 - at interpreter exit the module's globals may be gone; the kernel frees the lock
+        except Exception:  # at interpreter exit the module globals may be gone; the kernel frees the lock
             pass
 
     def __repr__(self) -> str:
