@@ -312,16 +312,16 @@ class OrbaxCheckpointStore:
             OptionError: ``mode`` is not "min" or "max", no metric is given and the
                 retention ranks by none, or no stored step records ``metric``.
         """
-        metric, mode = self._ranking(metric, mode)
+        name, order = self._ranking(metric, mode)
         steps = self.list_steps()
         if not steps:
             return None
         infos = [StepInfo(s, self.read_metadata(s).metrics, 0.0) for s in steps]
-        best = ranked(infos, metric, mode)
+        best = ranked(infos, name, order)
         if not best:
             recorded = sorted({name for info in infos for name in info.metrics})
             raise OptionError(
-                f"no checkpoint in {self._directory} records a value for metric {metric!r}; "
+                f"no checkpoint in {self._directory} records a value for metric {name!r}; "
                 f"recorded metrics: {', '.join(recorded) or 'none'}"
             )
         return best[0]
