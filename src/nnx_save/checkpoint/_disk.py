@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import pathlib
 import re
 import warnings
 from collections.abc import Mapping
@@ -17,8 +18,10 @@ from ..errors import (
     CheckpointDamageWarning,
     CheckpointLinkError,
     CheckpointRetentionError,
+    DirectoryLockedError,
     UnsupportedCheckpointError,
 )
+from ..io._lock import WriterLock
 from ..io._write import _write_all, atomic_file
 from . import _orbax
 from ._agree import agree
@@ -55,6 +58,7 @@ class Disk:
     view: DirectoryView | None = None
     recorded: Retention | None = None
     warned: bool = False
+    writer: WriterLock | None = None  # process 0's, from the store's first write until it closes
 
     def load(self) -> DirectoryView:
         """The view, looked at (by process 0) the first time it is needed."""
@@ -103,6 +107,28 @@ class Disk:
         return view.intact
 
     # -- changes, made on process 0 ------------------------------------------------
+
+    def lock(self, what: str) -> None:
+        """Become the directory's one writer (process 0 holds the lock for the job), or raise
+        :class:`DirectoryLockedError` on every process. A URL has no lock (an object store has no ``flock``)."""
+        if is_url(str(self.path)):
+            return
+        holder = agree("lock", lambda: self._try_lock(what))
+        if holder is not None:
+            raise DirectoryLockedError(str(self.path), holder)
+
+    def _try_lock(self, what: str) -> str | None:
+        try:
+            self.writer = WriterLock.acquire(pathlib.Path(os.fspath(self.path)), what)
+        except DirectoryLockedError as error:
+            return error.holder
+        return None
+
+    def release(self) -> None:
+        """Give the writer's lock up (idempotent)."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.release()
 
     def open_for_writing(self) -> None:
         """Finish an interrupted overwrite, record the retention policies, look again."""

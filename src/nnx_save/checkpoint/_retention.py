@@ -14,7 +14,7 @@ from ..errors import OptionError, UnsupportedCheckpointError
 from ..format._header import strict_json
 from ._metadata import is_int, is_number
 
-__all__ = ["STORE_RECORD", "Retention", "StepInfo", "doomed"]
+__all__ = ["STORE_RECORD", "UNSET", "Retention", "StepInfo", "Unset", "doomed", "given_retention"]
 
 # The file, at the top of a store's directory, that records its retention policies.
 STORE_RECORD = "_nnx_save_store.json"
@@ -159,3 +159,26 @@ def age_s(created_at: str, now: datetime.datetime) -> float:
         return (now - datetime.datetime.fromisoformat(created_at)).total_seconds()
     except (TypeError, ValueError):
         return math.inf
+
+
+class Unset:
+    """The type of :data:`UNSET`: an argument the caller did not pass."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+UNSET = Unset()
+
+
+def given_retention(max_to_keep: int | Unset | None, retention: Retention | None) -> Retention | None:
+    """The policies the caller asked for, or None when they asked for none."""
+    if isinstance(max_to_keep, Unset):
+        if retention is not None and not isinstance(retention, Retention):
+            raise OptionError(f"retention must be a Retention or None, got {retention!r}")
+        return retention
+    if retention is not None:
+        raise OptionError("pass max_to_keep or retention, not both (max_to_keep=N is Retention(latest=N))")
+    if max_to_keep is not None and not is_int(max_to_keep, 1):
+        raise OptionError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
+    return Retention(latest=max_to_keep)

@@ -18,47 +18,21 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointNotWrittenError,
     CheckpointWriteError,
-    DirectoryLockedError,
     NnxSaveError,
     OptionError,
 )
-from ..io._lock import WriterLock
 from ..load._report import DtypeCast
 from . import _exit, _orbax, _partial, _placement
-from ._agree import agree
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._health import corrupt_from, load_metadata, looks_damaged, saved_dtypes
-from ._metadata import CheckpointMetadata, Producer, check_items, check_step, is_int, new_metadata, restore_names
-from ._retention import Retention, StepInfo, ranked
+from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
+from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked
 from ._schedule import SaveSchedule
 from ._tree import dtype_record, flatten
 from ._types import Checkpoint, CheckpointStore
 
 __all__ = ["OrbaxCheckpointStore"]
-
-
-class _Unset:
-    """The type of :data:`_UNSET`: an argument the caller did not pass."""
-
-    def __repr__(self) -> str:
-        return "<not given>"
-
-
-_UNSET = _Unset()
-
-
-def _given_retention(max_to_keep: int | _Unset | None, retention: Retention | None) -> Retention | None:
-    """The policies the caller asked for, or None when they asked for none."""
-    if isinstance(max_to_keep, _Unset):
-        if retention is not None and not isinstance(retention, Retention):
-            raise OptionError(f"retention must be a Retention or None, got {retention!r}")
-        return retention
-    if retention is not None:
-        raise OptionError("pass max_to_keep or retention, not both (max_to_keep=N is Retention(latest=N))")
-    if max_to_keep is not None and not is_int(max_to_keep, 1):
-        raise OptionError(f"max_to_keep must be an int >= 1 or None (keep every step), got {max_to_keep!r}")
-    return Retention(latest=max_to_keep)
 
 
 class OrbaxCheckpointStore:
@@ -104,7 +78,7 @@ class OrbaxCheckpointStore:
         self,
         directory: str | os.PathLike[str],
         *,
-        max_to_keep: int | _Unset | None = _UNSET,
+        max_to_keep: int | Unset | None = UNSET,
         retention: Retention | None = None,
         change_retention: bool = False,
         save_interval_steps: int | None = None,
@@ -113,12 +87,11 @@ class OrbaxCheckpointStore:
         self._directory = store_location("directory", directory)
         if not is_url(str(self._directory)) and self._directory.exists() and not self._directory.is_dir():
             raise OptionError(f"checkpoint directory {self._directory} exists and is not a directory")
-        self._given = _given_retention(max_to_keep, retention)
+        self._given = given_retention(max_to_keep, retention)
         self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)
         self._schedule = SaveSchedule(save_interval_steps, save_interval_seconds)
         self._manager: Any = None
         self._writable = False
-        self._lock: WriterLock | None = None  # process 0's, from the first write until close
         self._closed = False
         self._metadata: dict[int, CheckpointMetadata] = {}
         self._in_flight: int | None = None  # the step of a save still in flight, if any
@@ -169,12 +142,7 @@ class OrbaxCheckpointStore:
                     self._manager = None
                     manager.close()
         finally:
-            self._unlock()  # last: the lock outlives every write of this store
-
-    def _unlock(self) -> None:
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
+            self._disk.release()  # last: the lock outlives every write of this store
 
     def _pending_description(self) -> str:
         return f"step {self._in_flight} in {self._directory}"
@@ -220,7 +188,7 @@ class OrbaxCheckpointStore:
     def _writer(self) -> Any:
         self._open()
         if not self._writable:
-            self._take_lock()  # before anything changes: recovery and Orbax's clean-up act for the one writer
+            self._disk.lock(type(self).__name__)  # first: recovery and Orbax's clean-up act for the one writer
             if self._manager is not None:
                 self._manager.close()
                 self._manager = None
@@ -228,22 +196,6 @@ class OrbaxCheckpointStore:
             self._manager = _orbax.make_manager(self._directory, create=True)
             self._writable = True
         return self._manager
-
-    def _take_lock(self) -> None:
-        """Become the directory's one writer (process 0 holds the lock for the job), or raise
-        :class:`DirectoryLockedError` on every process. A URL has no lock: object stores have no ``flock``."""
-        if is_url(str(self._directory)):
-            return
-        holder = agree("lock", self._try_lock)
-        if holder is not None:
-            raise DirectoryLockedError(str(self._directory), holder)
-
-    def _try_lock(self) -> str | None:
-        try:
-            self._lock = WriterLock.acquire(self._directory, type(self).__name__)
-        except DirectoryLockedError as error:
-            return error.holder
-        return None
 
     # -- when to save ------------------------------------------------------------
 
