@@ -134,7 +134,7 @@ def test_an_item_beyond_the_names_is_refused_naming_extensions(tmp_path):
         with pytest.raises(
             OptionError,
             match=re.escape(
-                f"unknown item name 'ema'; a step holds model, optimizer, rng, data_iterator, extensions: {way}"
+                f"unknown item name 'ema'; expected one of model, optimizer, rng, data_iterator, extensions; {way}"
             ),
         ):
             store.save(1, {"model": {"w": jnp.ones(2)}, "ema": {"w": jnp.ones(2)}})

@@ -43,9 +43,10 @@ class OrbaxCheckpointStore:
     Python values, plus JSON records of its metadata and every array's dtype. A
     background save (``blocking=False``) is waited for, and its error raised, by the next
     read or save, :meth:`wait_until_finished` and :meth:`close`. Nothing is created before
-    the first save; restoring never runs code. With several processes, every process
-    calls each method in the same order (docs/checkpoints.md tells retention, preemption
-    and multi-process use).
+    the first save; restoring never runs code. The first save or delete makes the store
+    the directory's one writer until :meth:`close` (reading takes no lock). With several
+    processes, every process calls each method in the same order (docs/checkpoints.md
+    tells retention, preemption and multi-process use).
 
     Args:
         directory: The checkpoint directory (relative paths against the working
@@ -254,8 +255,8 @@ class OrbaxCheckpointStore:
         Args:
             metric: The recorded metric to rank by; default: the one the retention
                 policies rank by (``Retention(best=..., metric=...)``).
-            mode: ``"min"`` or ``"max"``; default: the retention's mode for its
-                metric, else ``"min"``.
+            mode: ``"min"`` or ``"max"``; default: the retention's mode when the
+                metric is the retention's default, else ``"min"``.
 
         Returns:
             The step, or None when the store is empty.
@@ -291,10 +292,8 @@ class OrbaxCheckpointStore:
                     "Retention(best=K, metric='loss')",
                     "metric",
                 )
-            metric = retention.metric
-        if mode is None:
-            mode = retention.mode if metric == retention.metric else "min"
-        return metric, mode
+            metric, mode = retention.metric, mode or retention.mode
+        return metric, mode or "min"
 
     def _require(self, step: int, *, damaged_ok: bool = False) -> None:
         """Raise unless ``step`` is stored (and undamaged, unless ``damaged_ok``), once pending saves landed."""
@@ -355,6 +354,7 @@ class OrbaxCheckpointStore:
             KeyPathError: Two leaves would share one Orbax name.
             CheckpointNotWrittenError: ``reason`` ``"exists"``, ``"below_latest"``
                 or ``"rejected"``.
+            DirectoryLockedError: Another live writer holds the directory (named).
         """
         step = check_step(step)
         names = check_items(items)
@@ -558,10 +558,11 @@ class OrbaxCheckpointStore:
 
         Raises:
             CheckpointNotFoundError: ``step`` is not stored.
+            DirectoryLockedError: Another live writer holds the directory (named).
         """
-        writer = self._writer()  # first: only the directory's one writer looks, then deletes
+        self._disk.refuse_links()  # before anything changes, opening for writing included
+        writer = self._writer()  # then: only the directory's one writer looks, then deletes
         self._require(step, damaged_ok=True)
-        self._disk.refuse_links()
         self._retire(step)
         writer.reload()
 

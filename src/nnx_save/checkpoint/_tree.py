@@ -79,11 +79,11 @@ def unknown_item(name: object) -> str:
 
     Examples:
         >>> print(unknown_item("ema"))  # doctest: +NORMALIZE_WHITESPACE
-        unknown item name 'ema'; a step holds model, optimizer, rng, data_iterator,
-        extensions: put other state in extensions, e.g. items={'extensions': {'ema': ...}}
+        unknown item name 'ema'; expected one of model, optimizer, rng, data_iterator,
+        extensions; put other state in extensions, e.g. items={'extensions': {'ema': ...}}
     """
     return (
-        f"unknown item name {name!r}; a step holds {', '.join(ITEM_NAMES)}: "
+        f"unknown item name {name!r}; expected one of {', '.join(ITEM_NAMES)}; "
         f"put other state in extensions, e.g. items={{'extensions': {{{name!r}: ...}}}}"
     )
 
