@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from etils import epath
@@ -20,9 +20,18 @@ from ..format._header import strict_json
 from . import _orbax
 from ._format import DTYPES_ITEM, METADATA_ITEM
 from ._metadata import CheckpointMetadata
-from ._tree import Path, parse_dtype_record
+from ._tree import Path, Recorded, parse_dtype_record, parse_leaf_record
 
-__all__ = ["DirectoryView", "corrupt_from", "load_metadata", "looks_damaged", "read_json", "saved_dtypes", "scan"]
+__all__ = [
+    "DirectoryView",
+    "corrupt_from",
+    "load_metadata",
+    "looks_damaged",
+    "orbax_dtypes",
+    "read_json",
+    "scan",
+    "step_record",
+]
 
 _RECORD_FILE = "metadata"  # the file Orbax's JSON handler writes in an item directory
 _ARRAY_METADATA = "_METADATA"  # the file Orbax's pytree handler writes in an item directory
@@ -168,17 +177,26 @@ def _read_record(directory: pathlib.Path, step: int, item: str) -> Any:
     return data
 
 
-def saved_dtypes(directory: pathlib.Path, step: int, stored: Mapping[str, Any]) -> dict[str, dict[Path, str]]:
-    """The dtype record, or (for checkpoints without one) Orbax's array metadata."""
-    if DTYPES_ITEM in _held_items(epath.Path(str(directory / str(step)))):
-        try:
-            record = parse_dtype_record(_read_record(directory, step, DTYPES_ITEM))
-        except UnsupportedCheckpointError as error:
-            raise UnsupportedCheckpointError(error.found, step=step, directory=directory) from None
-        absent = sorted(set(stored) - set(record))
+def step_record(
+    directory: pathlib.Path, step: int, names: Sequence[str]
+) -> tuple[dict[str, dict[Path, str]] | None, dict[str, Recorded] | None]:
+    """The dtypes and the leaves the step's dtype record gives for ``names``; ``(None,
+    None)`` for a step without one, ``leaves`` None for a record written without leaves."""
+    if DTYPES_ITEM not in _held_items(epath.Path(str(directory / str(step)))):
+        return None, None
+    data = _read_record(directory, step, DTYPES_ITEM)
+    try:
+        dtypes, leaves = parse_dtype_record(data), parse_leaf_record(data)
+        absent = sorted(set(names) - set(dtypes) | (set(names) - set(leaves) if leaves is not None else set()))
         if absent:
-            raise UnsupportedCheckpointError(f"a dtype record without items {absent}", step=step, directory=directory)
-        return {name: record[name] for name in stored}
+            raise UnsupportedCheckpointError(f"a dtype record without items {absent}")
+    except UnsupportedCheckpointError as error:
+        raise UnsupportedCheckpointError(error.found, step=step, directory=directory) from None
+    return {n: dtypes[n] for n in names}, None if leaves is None else {n: leaves[n] for n in names}
+
+
+def orbax_dtypes(stored: Mapping[str, Any]) -> dict[str, dict[Path, str]]:
+    """The dtypes of Orbax's array metadata (for checkpoints without a dtype record)."""
     return {
         name: {path: spec.dtype for path, spec in _orbax.stored_specs(tree).items() if spec is not None}
         for name, tree in stored.items()

@@ -22,10 +22,10 @@ from ..errors import (
     OptionError,
 )
 from ..load._report import DtypeCast
-from . import _exit, _orbax, _partial, _placement
+from . import _exit, _orbax, _partial, _placement, _tree
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
-from ._health import corrupt_from, load_metadata, looks_damaged, saved_dtypes
+from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
 from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked
 from ._schedule import SaveSchedule
@@ -501,16 +501,14 @@ class OrbaxCheckpointStore:
         templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
         names = restore_names(metadata, templates, items)
         manager = self._reader()
-        with self._corrupt_on_failure(step, any_error=True):  # Orbax's metadata of an item is unreadable
-            stored = _orbax.stored_trees(manager, step, names)
-        saved = saved_dtypes(self._directory, step, stored)
+        saved, recorded, stored = self._stored_view(step, names, [n for n in names if n in templates])
         options = _partial.PartialOptions(
             strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
         )
         given = {n: templates[n] for n in names if n in templates}
-        given, retyped = _partial.prepare(step, given, {n: _orbax.stored_kinds(stored[n]) for n in given})
+        given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
         whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
-        specs = {n: _orbax.stored_specs(stored[n]) for n in given}
+        specs = {n: recorded[n].specs for n in given}
         chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
         casts = _partial.check_template_dtypes(
             step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
@@ -519,7 +517,7 @@ class OrbaxCheckpointStore:
             DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
         )
         to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
-        plan = {n: _plan(n, whole.get(n), chosen.get(n), stored[n]) for n in to_read}
+        plan = {n: _plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
         partial = [n for n, s in chosen.items() if not s.whole]
         read: dict[str, Any] = {}
         if plan:
@@ -535,6 +533,28 @@ class OrbaxCheckpointStore:
         if not cast_dtypes:
             _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
+
+    def _stored_view(
+        self, step: int, names: list[str], templated: list[str]
+    ) -> tuple[dict[str, dict[_tree.Path, str]], dict[str, _tree.Recorded], dict[str, Any]]:
+        """What the step holds: the saved dtypes, the leaves of each templated item (from
+        the step's record: no Orbax metadata read for them), and Orbax's metadata trees of
+        the items that need them (those restored as stored; all, for a step whose record
+        has no leaves)."""
+        dtypes, leaves = step_record(self._directory, step, names)
+        asked = [n for n in names if leaves is None or n not in templated]
+        stored: dict[str, Any] = {}
+        if asked:
+            with self._corrupt_on_failure(step, any_error=True):  # Orbax's metadata of an item is unreadable
+                stored = _orbax.stored_trees(self._reader(), step, asked)
+        saved = dtypes if dtypes is not None else orbax_dtypes(stored)
+        recorded = {
+            n: leaves[n]
+            if leaves is not None
+            else _tree.Recorded(_orbax.stored_specs(stored[n]), _orbax.stored_kinds(stored[n]))
+            for n in templated
+        }
+        return saved, recorded, stored
 
     def _latest_or(self, step: int | None) -> int:
         """``step``, or for None the latest step (``CheckpointNotFoundError`` when there is none)."""

@@ -19,6 +19,7 @@ from ._format import DTYPES_FORMAT, ITEM_NAMES
 
 __all__ = [
     "Path",
+    "Recorded",
     "Spec",
     "check_item",
     "dtype_record",
@@ -26,6 +27,8 @@ __all__ = [
     "is_array",
     "leaf_spec",
     "parse_dtype_record",
+    "parse_leaf_record",
+    "python_kind",
     "segment",
     "show",
 ]
@@ -137,17 +140,45 @@ def _check_leaf(item: str, path: Path, leaf: Any) -> None:
 
 
 def dtype_record(items: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON dtype record of every array leaf, by item and leaf path.
+    """The JSON record of every leaf, by item and leaf path: ``items`` the dtype of each
+    array (what the dtype guard compares), ``leaves`` each leaf's stored shape and dtype,
+    or its Python type (what a templated restore compares, without asking Orbax for the
+    metadata of every array).
 
     Examples:
-        >>> dtype_record({"rng": jax.random.key(0), "model": {"w": np.zeros(2, np.float16), "n": 3}})
-        {'format': 'nnx_save.checkpoint.dtypes', 'items': {'rng': [[[], 'uint32']], 'model': [[['w'], 'float16']]}}
+        >>> dtype_record({"rng": jax.random.key(0), "model": {"w": np.zeros(2, np.float16), "n": 3}})["items"]
+        {'rng': [[[], 'uint32']], 'model': [[['w'], 'float16']]}
+        >>> dtype_record({"model": {"w": np.zeros(2, np.float16), "n": 3}})["leaves"]
+        {'model': [[['n'], 'int'], [['w'], 'float16', [2]]]}
     """
-    record = {
-        name: [[list(path), spec.dtype] for path, leaf in flatten(tree) if (spec := leaf_spec(leaf))]
-        for name, tree in items.items()
-    }
-    return {"format": DTYPES_FORMAT, "items": record}
+    dtypes: dict[str, list[Any]] = {}
+    leaves: dict[str, list[Any]] = {}
+    for name, tree in items.items():
+        dtypes[name], leaves[name] = [], []
+        for path, leaf in flatten(tree):
+            spec = leaf_spec(leaf)
+            if spec is None:
+                leaves[name].append([list(path), python_kind(leaf)])
+            else:
+                dtypes[name].append([list(path), spec.dtype])
+                leaves[name].append([list(path), spec.dtype, list(spec.shape)])
+    return {"format": DTYPES_FORMAT, "items": dtypes, "leaves": leaves}
+
+
+def python_kind(leaf: Any) -> str:
+    """``"bool"``, ``"int"``, ``"float"`` or ``"str"``: the kind of a stored Python leaf."""
+    for kind in (bool, int, float, str):
+        if isinstance(leaf, kind):
+            return kind.__name__
+    raise UnsupportedValueError(f"a {type(leaf).__name__} is not a storable Python leaf")
+
+
+class Recorded(NamedTuple):
+    """An item's leaves as its record gives them: array specs (None for a Python leaf),
+    and the kinds of the Python leaves (the neutral forms :mod:`._orbax` makes of Orbax's metadata)."""
+
+    specs: dict[Path, Spec | None]
+    kinds: dict[Path, str]
 
 
 def parse_dtype_record(data: Any) -> dict[str, dict[Path, str]]:
@@ -157,6 +188,33 @@ def parse_dtype_record(data: Any) -> dict[str, dict[Path, str]]:
     if not isinstance(items, Mapping) or not all(_is_pairs(pairs) for pairs in items.values()):
         raise UnsupportedCheckpointError(f"a malformed dtype record {str(data)[:200]!r}")
     return {name: {tuple(path): dtype for path, dtype in pairs} for name, pairs in items.items()}
+
+
+def parse_leaf_record(data: Any) -> dict[str, Recorded] | None:
+    """The ``leaves`` of a dtype record (None for a record written before they were;
+    :class:`UnsupportedCheckpointError` for malformed ones)."""
+    leaves = data.get("leaves") if isinstance(data, Mapping) else None
+    if leaves is None:
+        return None
+    if not isinstance(leaves, Mapping) or not all(isinstance(rows, list) for rows in leaves.values()):
+        raise UnsupportedCheckpointError(f"a malformed leaf record {str(leaves)[:200]!r}")
+    return {name: _recorded(rows) for name, rows in leaves.items()}
+
+
+def _recorded(rows: list[Any]) -> Recorded:
+    specs: dict[Path, Spec | None] = {}
+    kinds: dict[Path, str] = {}
+    for row in rows:
+        if not (_is_pairs([row[:2]]) if isinstance(row, list) and len(row) in (2, 3) else False):
+            raise UnsupportedCheckpointError(f"a malformed leaf record entry {str(row)[:200]!r}")
+        path = tuple(row[0])
+        if len(row) == 2 and row[1] in ("bool", "int", "float", "str"):
+            specs[path], kinds[path] = None, row[1]
+        elif len(row) == 3 and isinstance(row[2], list) and all(type(n) is int and n >= 0 for n in row[2]):
+            specs[path] = Spec(tuple(row[2]), row[1])
+        else:
+            raise UnsupportedCheckpointError(f"a malformed leaf record entry {str(row)[:200]!r}")
+    return Recorded(specs, kinds)
 
 
 def _is_pairs(pairs: Any) -> bool:

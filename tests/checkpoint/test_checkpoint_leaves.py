@@ -1,0 +1,116 @@
+"""The leaf record (issue 33): every step records each leaf's stored shape and dtype, or
+its Python type, so a templated restore compares templates against the record instead of
+asking Orbax for the metadata of every array (that cost the store a fifth more than the
+manager it wraps). The record must say exactly what Orbax's metadata says."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nnx_save.checkpoint import CheckpointTemplateError, OrbaxCheckpointStore, UnsupportedCheckpointError, _orbax
+from nnx_save.checkpoint._tree import parse_leaf_record
+
+LEAVES = st.sampled_from(
+    [
+        lambda: jnp.ones((3, 4), jnp.bfloat16),
+        lambda: jnp.float32(2.0),
+        lambda: np.asarray(np.float32(1.5)),
+        lambda: np.arange(3, dtype=np.int8),
+        lambda: jnp.zeros((2,), bool),
+        lambda: jax.random.key(0),
+        lambda: jax.random.split(jax.random.key(1), 3),
+        lambda: jax.random.key(0, impl="rbg"),
+        lambda: True,
+        lambda: 3,
+        lambda: 2.5,
+        lambda: "text",
+    ]
+)
+KEYS = st.text("abxyz_", min_size=1, max_size=3)
+TREES = st.recursive(
+    LEAVES.map(lambda make: make()),
+    lambda inner: st.dictionaries(KEYS, inner, min_size=1, max_size=3) | st.lists(inner, min_size=1, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=12)
+@given(tree=TREES)
+def test_the_leaf_record_says_what_orbax_metadata_says(tmp_path_factory, tree):
+    directory = tmp_path_factory.mktemp("leaves")
+    with OrbaxCheckpointStore(directory) as store:
+        store.save(1, {"model": tree})
+    record = json.loads((directory / "1" / "nnx_save_dtypes" / "metadata").read_text())
+    recorded = parse_leaf_record(record)["model"]
+    manager = _orbax.make_manager(directory, create=False)
+    try:
+        stored = _orbax.stored_trees(manager, 1, ["model"])["model"]
+        assert recorded.specs == _orbax.stored_specs(stored)
+        assert recorded.kinds == _orbax.stored_kinds(stored)
+    finally:
+        manager.close()
+
+
+@pytest.fixture
+def saved(tmp_path):
+    with OrbaxCheckpointStore(tmp_path) as store:
+        store.save(1, {"model": {"w": jnp.arange(6.0).reshape(2, 3), "n": 4}, "rng": jax.random.key(3)})
+    return tmp_path
+
+
+def test_a_templated_restore_reads_no_orbax_metadata(saved, monkeypatch):
+    asked = []
+    original = _orbax.stored_trees
+    monkeypatch.setattr(
+        _orbax, "stored_trees", lambda m, step, names: asked.append(list(names)) or original(m, step, names)
+    )
+    template = {"w": jax.ShapeDtypeStruct((2, 3), jnp.float32), "n": 0}
+    with OrbaxCheckpointStore(saved) as store:
+        restored = store.restore(1, templates={"model": template}).items
+    assert asked == [["rng"]]  # only the item restored as stored
+    assert restored["model"]["w"].tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]] and restored["model"]["n"] == 4
+
+
+def _rewrite_record(directory, change) -> None:
+    path = directory / "1" / "nnx_save_dtypes" / "metadata"
+    record = json.loads(path.read_text())
+    change(record)
+    path.write_text(json.dumps(record))
+
+
+def test_a_step_recorded_without_leaves_restores_through_orbax_metadata(saved):
+    _rewrite_record(saved, lambda record: record.pop("leaves"))  # as written before leaves were recorded
+    template = {"w": jax.ShapeDtypeStruct((2, 4), jnp.float32), "n": 0}
+    with OrbaxCheckpointStore(saved) as store:
+        with pytest.raises(
+            CheckpointTemplateError, match=re.escape("model/w: shape (2, 4) in the template, (2, 3) in the checkpoint")
+        ):
+            store.restore(1, templates={"model": template})
+        restored = store.restore(1, templates={"model": {**template, "w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}})
+    assert restored.items["model"]["w"].shape == (2, 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "found"),
+    [
+        (lambda r: r.update(leaves=[1]), "holds a malformed leaf record '[1]'"),
+        (
+            lambda r: r["leaves"]["model"].append([["x"], "complex"]),
+            "holds a malformed leaf record entry \"[['x'], 'complex']\"",
+        ),
+        (lambda r: r["leaves"]["model"].append([["x"], "float32", [-1]]), "a malformed leaf record entry"),
+        (lambda r: r["leaves"].pop("rng"), "a dtype record without items ['rng']"),
+    ],
+)
+def test_a_malformed_leaf_record_is_refused(saved, change, found):
+    _rewrite_record(saved, change)
+    with OrbaxCheckpointStore(saved) as store, pytest.raises(UnsupportedCheckpointError, match=re.escape(found)):
+        store.restore(1, templates={"model": {"w": jnp.zeros((2, 3)), "n": 0}})
