@@ -99,9 +99,9 @@ def _restore(strategy: str, directory: Path, params: dict, opt: dict) -> tuple[d
 def worker(args: argparse.Namespace) -> dict:
     strategy, phase_name = args.worker.split(":")
     import jax
+    import orbax.checkpoint  # noqa: F401
 
     import nnx_save.checkpoint  # noqa: F401 - imports (orbax included) before the clock, for both
-    import orbax.checkpoint  # noqa: F401
 
     jax.process_count()  # the backend started before the clock, as in a training job
     params, opt = _state(args.size_gb)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import json
 import math
@@ -201,7 +202,14 @@ def _field(data: Mapping[str, Any], key: str) -> Any:
 
 
 def library_versions() -> dict[str, str]:
-    """The versions of nnx_save and the libraries it saves through, for the record."""
+    """The versions of nnx_save and the libraries it saves through, for the record (a copy)."""
+    return dict(_installed_versions())
+
+
+@functools.cache
+def _installed_versions() -> dict[str, str]:
+    """Read once per process: installed versions do not change under a running program,
+    and asking ``importlib.metadata`` costs tens of milliseconds a save."""
     versions = {"nnx_save": __version__}
     for dist in _DISTRIBUTIONS:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):

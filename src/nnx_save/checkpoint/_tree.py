@@ -112,31 +112,34 @@ def check_item(name: str, tree: Any) -> None:
 
 
 def _check_leaf(item: str, path: Path, leaf: Any) -> None:
-    where = f"{item}/{show(path)}"
+    problem = _leaf_problem(leaf)
+    if problem is not None:  # the path is formatted only for a refusal: a save checks every leaf
+        where = f"{item}/{show(path)}"
+        raise UnsupportedValueError(f"{where}: {problem}", where)
+
+
+def _leaf_problem(leaf: Any) -> str | None:
+    """Why Orbax could not store ``leaf`` exactly, or None."""
     if isinstance(leaf, (jax.Array, np.ndarray)):
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
-            raise UnsupportedValueError(
-                f"{where}: the jax array has been deleted (donated to a jitted call, or .delete()d); "
-                "save it before the call that donates it",
-                where,
+            return (
+                "the jax array has been deleted (donated to a jitted call, or .delete()d); "
+                "save it before the call that donates it"
             )
-        if leaf.size == 0:
-            raise UnsupportedValueError(f"{where}: Orbax cannot store the empty array of shape {leaf.shape}", where)
-        return
+        return f"Orbax cannot store the empty array of shape {leaf.shape}" if leaf.size == 0 else None
     if isinstance(leaf, np.generic):
-        raise UnsupportedValueError(
-            f"{where}: a numpy scalar {type(leaf).__name__} would come back as a Python value; "
-            "store leaf.item() or np.asarray(leaf)",
-            where,
+        return (
+            f"a numpy scalar {type(leaf).__name__} would come back as a Python value; "
+            "store leaf.item() or np.asarray(leaf)"
         )
     if isinstance(leaf, int) and not isinstance(leaf, bool) and not _INT64.min <= leaf <= _INT64.max:
-        raise UnsupportedValueError(f"{where}: the int {leaf} does not fit in int64", where)
+        return f"the int {leaf} does not fit in int64"
     if not isinstance(leaf, (int, float, str)):
-        raise UnsupportedValueError(
-            f"{where}: a {type(leaf).__name__} cannot be stored; leaves must be arrays, typed PRNG keys, "
-            "ints, floats, bools or strings",
-            where,
+        return (
+            f"a {type(leaf).__name__} cannot be stored; leaves must be arrays, typed PRNG keys, "
+            "ints, floats, bools or strings"
         )
+    return None
 
 
 def dtype_record(items: Mapping[str, Any]) -> dict[str, Any]:
