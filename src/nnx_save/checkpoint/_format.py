@@ -2,7 +2,9 @@
 
 A step is an Orbax composite checkpoint: one Orbax item per stored item (a pytree under
 the single node :data:`ROOT`, so a bare rng key is a valid item) plus the metadata and
-dtype JSON records. Changing any name or record layout needs a new :data:`FORMAT_VERSION`.
+dtype JSON records. Changing any name or record layout needs a new :data:`FORMAT_VERSION`;
+a field added that older readers ignore and newer ones do without (the dtype record's
+``leaves``) does not.
 """
 
 from __future__ import annotations
