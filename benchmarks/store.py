@@ -17,7 +17,9 @@ Each phase of each strategy runs in a FRESH PROCESS (import, build the state, st
 clock); the strategies are interleaved run by run, so drift in the machine's load hits
 both alike. The table gives the median with the spread (min-max) of wall time and of
 peak RSS above the state (the baseline: the arrays and the imports), and the ratio of
-the medians. A restore is checked against the saved values after the clock stops.
+the medians; and the CPU seconds (user + sys, all threads) of the phase, steadier than
+wall time where other jobs share the machine. A restore is checked against the saved
+values after the clock stops.
 The page cache is warm for restores (each reads what a save just wrote).
 """
 
@@ -74,7 +76,9 @@ def _save(strategy: str, directory: Path, params: dict, opt: dict) -> None:
         import orbax.checkpoint as ocp
 
         manager = _manager(directory)
-        manager.save(1, args=ocp.args.Composite(model=ocp.args.StandardSave(params), optimizer=ocp.args.StandardSave(opt)))
+        manager.save(
+            1, args=ocp.args.Composite(model=ocp.args.StandardSave(params), optimizer=ocp.args.StandardSave(opt))
+        )
         manager.wait_until_finished()
         manager.close()
 
@@ -152,6 +156,7 @@ def summarise(runs: dict[tuple[str, str], list[dict]]) -> list[dict]:
             rows.append({"phase": phase, "strategy": strategy, "error": rs[-1]["error"]})
             continue
         seconds = [r["seconds"] for r in ok]
+        cpu = [r["user_s"] + r["sys_s"] for r in ok]
         peaks = [r["peak_above_kb"] / 1e3 for r in ok]
         rows.append(
             {
@@ -159,6 +164,8 @@ def summarise(runs: dict[tuple[str, str], list[dict]]) -> list[dict]:
                 "strategy": strategy,
                 "median": statistics.median(seconds),
                 "spread": f"{min(seconds):.2f}-{max(seconds):.2f}",
+                "cpu": statistics.median(cpu),
+                "cpu_spread": f"{min(cpu):.2f}-{max(cpu):.2f}",
                 "peak": statistics.median(peaks),
                 "peak_spread": f"{min(peaks):.0f}-{max(peaks):.0f}",
                 "state_mb": ok[0]["nbytes"] / 1e6,
@@ -170,6 +177,7 @@ def summarise(runs: dict[tuple[str, str], list[dict]]) -> list[dict]:
         ref = by.get(("manager", r["phase"]))
         if "error" not in r and ref:
             r["vs_time"] = r["median"] / ref["median"]
+            r["vs_cpu"] = r["cpu"] / ref["cpu"]
             r["vs_peak"] = (r["peak"] + r["state_mb"]) / (ref["peak"] + ref["state_mb"])
     return rows
 
@@ -195,7 +203,10 @@ def main() -> None:
         ("spread", "min-max s", ""),
         ("peak", "peak RSS above state MB", ".0f"),
         ("peak_spread", "min-max MB", ""),
+        ("cpu", "median CPU s", ".2f"),
+        ("cpu_spread", "min-max CPU s", ""),
         ("vs_time", "time vs manager", ".3f"),
+        ("vs_cpu", "CPU vs manager", ".3f"),
         ("vs_peak", "state+peak vs manager", ".3f"),
     ]
     print(_common.table(rows, columns))

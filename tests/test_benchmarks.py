@@ -81,3 +81,20 @@ def test_rows_report_the_median_and_spread():
         1 << 30,
     )
     assert lines[0].endswith("= 0.42 GB/s: 0.50 GB/s PASS"), lines  # 70% of the slower floor
+
+
+@pytest.mark.slow  # four Orbax saves and restores of a few hundred small tensors: ~20 s here
+def test_the_store_benchmark_saves_and_restores_both_ways(tmp_path):
+    """benchmarks/store.py (issue 33): each worker runs one phase and checks what it restored;
+    the table puts the store beside the manager."""
+    import store as store_bench
+
+    rows = {}
+    for strategy in store_bench.STRATEGIES:
+        for phase in store_bench.PHASES:
+            ns = argparse.Namespace(worker=f"{strategy}:{phase}", path=str(tmp_path / strategy), size_gb=0.003)
+            rows[(strategy, phase)] = [store_bench.worker(ns)]
+    assert all(r[0]["seconds"] > 0 and r[0]["nbytes"] > 0 for r in rows.values())
+    table = {(r["strategy"], r["phase"]): r for r in store_bench.summarise(rows)}
+    assert table[("manager", "save")]["vs_time"] == table[("manager", "restore")]["vs_cpu"] == 1.0
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["1", "_nnx_save.lock", "_nnx_save_store.json"]
