@@ -7,15 +7,16 @@ a step without an nnx_save record is foreign, not damaged (refused on read).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import pathlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointCorruptError, UnsupportedCheckpointError
+from ..errors import CheckpointCorruptError, NnxSaveError, UnsupportedCheckpointError
 from ..format._header import strict_json
 from . import _orbax
 from ._format import DTYPES_ITEM, METADATA_ITEM
@@ -201,3 +202,17 @@ def orbax_dtypes(stored: Mapping[str, Any]) -> dict[str, dict[Path, str]]:
         name: {path: spec.dtype for path, spec in _orbax.stored_specs(tree).items() if spec is not None}
         for name, tree in stored.items()
     }
+
+
+@contextlib.contextmanager
+def typed_failures(convert: Callable[[Exception], NnxSaveError | None]) -> Iterator[None]:
+    """An Orbax failure as the error ``convert`` makes of it (``None``: raised as it is)."""
+    try:
+        yield
+    except NnxSaveError:
+        raise
+    except Exception as error:
+        typed = convert(error)
+        if typed is None:
+            raise
+        raise typed from error

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -17,8 +17,12 @@ from ..errors import UnsupportedValueError
 from ._format import DTYPES_ITEM, ITEM_NAMES, METADATA_ITEM, ROOT
 from ._tree import Path, Spec, flatten, segment, show
 
+if TYPE_CHECKING:
+    from ._partial import Selection
+
 __all__ = [
     "StepAlreadyExistsError",
+    "item_plan",
     "make_manager",
     "on_primary",
     "restore_items",
@@ -170,3 +174,10 @@ def restore_items(
     }
     restored = manager.restore(step, args=ocp.args.Composite(**args))
     return {name: restored[name][ROOT] for name in plan}
+
+
+def item_plan(name: str, whole: tuple[Any, Any] | None, selection: Selection | None, stored: Any) -> tuple[Any, Any]:
+    """``(template, restore_args)`` for one item: as stored, whole, or the leaves read."""
+    if whole is None or selection is None:
+        return None, stored_restore_args(stored)
+    return whole if selection.whole else subset_plan(name, selection.read_pairs())

@@ -7,7 +7,7 @@ import functools
 import os
 import pathlib
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Self
 
 import jax
@@ -18,14 +18,13 @@ from ..errors import (
     CheckpointNotFoundError,
     CheckpointNotWrittenError,
     CheckpointWriteError,
-    NnxSaveError,
     OptionError,
 )
 from ..load._report import DtypeCast
 from . import _exit, _orbax, _partial, _placement, _tree
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
-from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record
+from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
 from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked
 from ._schedule import SaveSchedule
@@ -388,7 +387,7 @@ class OrbaxCheckpointStore:
     def _write_failures(self, step: int | None) -> contextlib.AbstractContextManager[None]:
         """Orbax's write failures (tensorstore's ``ValueError`` for a full disk, ``OSError``
         ...) as :class:`CheckpointWriteError`."""
-        return _typed(lambda e: CheckpointWriteError(-1 if step is None else step, self._directory, e))
+        return typed_failures(lambda e: CheckpointWriteError(-1 if step is None else step, self._directory, e))
 
     def _refuse_write(self, step: int, overwrite: bool) -> bool:
         """Raise if ``step`` may not be written; return whether it already exists.
@@ -517,7 +516,7 @@ class OrbaxCheckpointStore:
             DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
         )
         to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
-        plan = {n: _plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
+        plan = {n: _orbax.item_plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
         partial = [n for n, s in chosen.items() if not s.whole]
         read: dict[str, Any] = {}
         if plan:
@@ -569,7 +568,7 @@ class OrbaxCheckpointStore:
         """Orbax's read failures (all, or only those that look like damage: tensorstore's
         DATA_LOSS for a truncated file) as :class:`CheckpointCorruptError` naming the file."""
         where = str(self._step_path(step))
-        return _typed(lambda e: corrupt_from(step, where, e) if any_error or looks_damaged(e) else None)
+        return typed_failures(lambda e: corrupt_from(step, where, e) if any_error or looks_damaged(e) else None)
 
     # -- deleting ----------------------------------------------------------------
 
@@ -593,27 +592,4 @@ class OrbaxCheckpointStore:
         self._metadata.pop(step, None)
 
 
-@contextlib.contextmanager
-def _typed(convert: Callable[[Exception], NnxSaveError | None]) -> Iterator[None]:
-    """An Orbax failure as the error ``convert`` makes of it (``None``: raised as it is)."""
-    try:
-        yield
-    except NnxSaveError:
-        raise
-    except Exception as error:
-        typed = convert(error)
-        if typed is None:
-            raise
-        raise typed from error
-
-
 _CONTRACT: type[CheckpointStore] = OrbaxCheckpointStore  # mypy checks here that the store keeps the contract
-
-
-def _plan(
-    name: str, whole: tuple[Any, Any] | None, selection: _partial.Selection | None, stored: Any
-) -> tuple[Any, Any]:
-    """``(template, restore_args)`` for one item: as stored, whole, or the leaves read."""
-    if whole is None or selection is None:
-        return None, _orbax.stored_restore_args(stored)
-    return whole if selection.whole else _orbax.subset_plan(name, selection.read_pairs())
