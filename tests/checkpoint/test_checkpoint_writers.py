@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +22,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nnx_save.checkpoint import CheckpointNotWrittenError, OrbaxCheckpointStore
+from nnx_save.checkpoint import CheckpointNotFoundError, CheckpointNotWrittenError, OrbaxCheckpointStore
 from nnx_save.errors import DirectoryLockedError
 from nnx_save.io import _lock
 from nnx_save.io._lock import LOCK_NAME, Holder, WriterLock, process_start
@@ -152,6 +153,9 @@ from pathlib import Path
 from nnx_save.io._lock import WriterLock
 lock = WriterLock.acquire(Path(sys.argv[1]), "a killed writer")
 if os.fork() == 0:  # the child outlives its parent and must not keep the lock
+    with open(sys.argv[2] + ".tmp", "w") as f:  # fork has returned here: the at-fork hooks have run
+        f.write(str(os.getpid()))
+    os.rename(sys.argv[2] + ".tmp", sys.argv[2])
     time.sleep(60)
     os._exit(0)
 print("holding", flush=True)
@@ -160,8 +164,16 @@ time.sleep(60)
 
 
 def test_a_killed_holder_is_taken_over_even_with_a_forked_child_alive(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", _LOCK_AND_FORK, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    forked = tmp_path.parent / f"{tmp_path.name}-forked"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _LOCK_AND_FORK, str(tmp_path), str(forked)], stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout is not None and holder.stdout.readline() == "holding\n"
+    for _ in range(600):  # the child is running past its fork
+        if forked.exists():
+            break
+        time.sleep(0.05)
+    assert forked.exists()
     with pytest.raises(DirectoryLockedError, match=re.escape(f"a killed writer in process {holder.pid} on host")):
         WriterLock.acquire(tmp_path, "me")
     named = _lock.holder_of(tmp_path)
@@ -175,7 +187,7 @@ def test_a_killed_holder_is_taken_over_even_with_a_forked_child_alive(tmp_path):
         taken.release()
         assert _lock.holder_of(tmp_path) is None  # released: the record names no one
     finally:
-        subprocess.run(["pkill", "-KILL", "-P", str(holder.pid)], check=False)  # the orphan, by its parent's id
+        os.kill(int(forked.read_text()), signal.SIGKILL)  # the orphan
 
 
 def _record(directory, holder: Holder) -> None:
@@ -266,3 +278,10 @@ def test_closing_out_of_order_keeps_the_preemption_handler(tmp_path):
     assert second.preemption_requested and second.should_save(5)
     second.close()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_deleting_a_missing_step_creates_nothing(tmp_path):
+    directory = tmp_path / "never"
+    with OrbaxCheckpointStore(directory) as store, pytest.raises(CheckpointNotFoundError):
+        store.delete(3)
+    assert not directory.exists()

@@ -579,9 +579,11 @@ class OrbaxCheckpointStore:
             CheckpointNotFoundError: ``step`` is not stored.
             DirectoryLockedError: Another live writer holds the directory (named).
         """
+        if not self._writable:
+            self._disk.forget()  # what the disk holds now, not what this reader saw
+        self._require(step, damaged_ok=True)  # before the lock: a missing step creates nothing
         self._disk.refuse_links()  # before anything changes, opening for writing included
-        writer = self._writer()  # then: only the directory's one writer looks, then deletes
-        self._require(step, damaged_ok=True)
+        writer = self._writer()  # the one writer deletes
         self._retire(step)
         writer.reload()
 
