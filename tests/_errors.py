@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 import nnx_save
+import nnx_save.porting
 
 
 @contextlib.contextmanager
@@ -17,3 +18,11 @@ def raises_check(expected: str | type[BaseException], match: str | None = None) 
         yield info
     if isinstance(expected, str):
         assert info.value.check == expected, f"check {info.value.check!r}, expected {expected!r}: {info.value}"
+
+
+@contextlib.contextmanager
+def raises_rule(kind: str, match: str | None = None) -> Iterator[Any]:
+    """A :class:`nnx_save.porting.RuleError` whose message matches ``match`` and whose ``kind`` is ``kind``."""
+    with pytest.raises(nnx_save.porting.RuleError, match=match) as info:
+        yield info
+    assert info.value.kind == kind, f"kind {info.value.kind!r}, expected {kind!r}: {info.value}"

@@ -48,16 +48,14 @@ __all__ = [
     "LossyCastWarning",
     "NnxSaveError",
     "NnxSaveWarning",
-    "NotInvertibleError",
     "NotSafetensorsError",
     "OptionError",
     "OverReadWarning",
     "RemoteChangedError",
     "RemoteError",
-    "RuleConflictError",
     "RuleError",
+    "RuleKind",
     "RuleShapeError",
-    "RuleTableError",
     "RuleTableWarning",
     "SafetensorError",
     "SaveError",
@@ -68,7 +66,6 @@ __all__ = [
     "SliceError",
     "SourceError",
     "SourceNotFoundError",
-    "TiedValuesError",
     "TruncatedFileError",
     "UnsupportedCheckpointError",
     "UnsupportedValueError",
@@ -578,39 +575,37 @@ class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
 # (``nnx_save.porting`` re-exports these under the same names)
 
 
+RuleKind = Literal["conflict", "not_invertible", "tied", "table"]
+"""What a :class:`RuleError` is about: ``"conflict"`` (a file tensor feeds two rules, or two
+rules make one target), ``"not_invertible"`` (a rule has no automatic inverse: pass
+``inverse=``), ``"tied"`` (copies a ``tie`` rule declares equal differ in the file),
+``"table"`` (a table that would port wrongly though every tensor lands somewhere: a
+transform applied twice or cancelled, a rule matching nothing or only what an earlier rule
+took; refused under ``strict``, its ``problems`` naming the rules)."""
+
+
 class RuleError(NnxSaveError, ValueError):
-    """A rule is malformed, or the tensors it matches do not fit it."""
+    """A rule is malformed, or the tensors it matches do not fit it. ``kind`` says which
+    case (:data:`RuleKind`, ``None`` for a malformed rule); ``problems`` lists a table's
+    problems, one line each."""
 
+    kind: RuleKind | None = None
+    problems: tuple[str, ...] = ()
 
-class RuleConflictError(RuleError):
-    """A file tensor feeds two rules, or two rules produce the same target."""
+    def __init__(self, message: str = "", *, kind: RuleKind | None = None, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        if kind is not None:
+            self.kind = kind
+        self.problems = tuple(problems)
 
 
 class RuleShapeError(RuleError, ShapeMismatchError):
     """A tensor's shape does not fit the rule that transforms it."""
 
 
-class RuleTableError(RuleError):
-    """A rule table that would port wrongly though every tensor lands somewhere (a
-    transform applied twice or cancelled, a rule that matches nothing or only what an
-    earlier rule took), refused under ``strict``; ``problems`` lists each, naming the rules."""
-
-    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.problems = tuple(problems)
-
-
 class RuleTableWarning(NnxSaveWarning):
-    """The same findings as :class:`RuleTableError`, without ``strict``: the port
+    """The findings of a ``RuleError`` of kind ``"table"``, without ``strict``: the port
     went ahead with the table as written."""
-
-
-class NotInvertibleError(RuleError):
-    """A rule has no automatic inverse; pass ``inverse=`` to give one."""
-
-
-class TiedValuesError(RuleError):
-    """Copies a ``tie`` rule declares equal hold different values in the file."""
 
 
 def short_repr(value: object, limit: int = 40) -> str:
@@ -645,6 +640,10 @@ MERGED = {
     "ByteLengthError": 'HeaderError with check="byte_length"',
     "OffsetError": 'HeaderError with check="offsets"',
     "FileSizeError": 'HeaderError with check="file_size"',
+    "RuleConflictError": 'RuleError with kind="conflict"',
+    "NotInvertibleError": 'RuleError with kind="not_invertible"',
+    "TiedValuesError": 'RuleError with kind="tied"',
+    "RuleTableError": 'RuleError with kind="table"',
 }
 
 

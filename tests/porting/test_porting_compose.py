@@ -8,12 +8,11 @@ import re
 
 import numpy as np
 import pytest
+from _errors import raises_rule
 
 from nnx_save.porting import (
-    RuleConflictError,
     RuleError,
     Rules,
-    TiedValuesError,
     add,
     hf_conv1d,
     rename,
@@ -61,7 +60,7 @@ def test_tie_refuses_copies_that_differ() -> None:
     head = wte.copy()
     head[2, 1] = 0.5
     message = "`lm_head.weight` is declared tied to `wte.weight` but holds other values (max |difference| 0.5)"
-    with pytest.raises(TiedValuesError, match=re.escape(message)):
+    with raises_rule("tied", match=re.escape(message)):
         TIED.mapping({"wte.weight": wte, "lm_head.weight": head}).apply({"wte.weight": wte, "lm_head.weight": head})
 
 
@@ -137,7 +136,7 @@ def test_split_refuses_targets_that_ignore_the_layer_group() -> None:
 def test_many_conflicts_are_grouped_by_kind_with_a_hint() -> None:
     rules = Rules(rename(r"h\.(\d+)\.(\w+)", r"blocks/\2"))
     file = {f"h.{i}.{n}": ((2,), F32) for i in range(4) for n in "abc"}
-    with pytest.raises(RuleConflictError) as caught:
+    with raises_rule("conflict") as caught:
         rules.mapping(file)
     message = str(caught.value)
     lines = message.splitlines()

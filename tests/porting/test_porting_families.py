@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from _errors import raises_rule
 from flax import nnx
 from porting_support import abstract, fill, max_abs_diff, model_arrays, model_shapes, read_checkpoint, save_hf
 
@@ -363,5 +364,5 @@ def test_gpt2_refuses_a_head_trained_apart_from_the_embedding(tmp_path) -> None:
     nnx_save.save_file(tensors, tmp_path / "model.safetensors")
     builder = lambda: gpt2.GPT2(gpt2.GPT2Config.from_hf(hf.config), rngs=nnx.Rngs(0))  # noqa: E731
     message = "`lm_head.weight` is declared tied to `transformer.wte.weight` but holds other values"
-    with pytest.raises(nnx_save.porting.TiedValuesError, match=re.escape(message)):
+    with raises_rule("tied", match=re.escape(message)):
         nnx_save.load_model(builder, tmp_path / "model.safetensors", rules=gpt2.RULES, strict=True)

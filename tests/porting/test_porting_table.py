@@ -9,14 +9,13 @@ import re
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _errors import raises_rule
 from flax import nnx
 
 import nnx_save
 from nnx_save.porting import (
-    RuleConflictError,
     RuleError,
     Rules,
-    RuleTableError,
     RuleTableWarning,
     rename,
     shapes_of,
@@ -64,9 +63,7 @@ def test_a_helper_given_twice_transposes_once_and_is_named(square_linear) -> Non
     mapping = twice.mapping(shapes_of(tensors))
     np.testing.assert_array_equal(mapping.apply(tensors)["fc/kernel"], tensors["fc.weight"].T)
     assert mapping.problems[0] == 'rename(r"fc\\.weight", r"fc/kernel") is given twice (rules 0 and 3); it applies once'
-    with pytest.raises(
-        RuleTableError, match=re.escape('transpose(r"fc/kernel", (1, 0)) is given twice (rules 1 and 4)')
-    ):
+    with raises_rule("table", match=re.escape('transpose(r"fc/kernel", (1, 0)) is given twice (rules 1 and 4)')):
         nnx_save.load_model(_poisoned(_FC(4, 4)), path, rules=twice, strict=True)
     with pytest.warns(RuleTableWarning, match=re.escape("is given twice")):
         model, _ = nnx_save.load_model(_poisoned(_FC(4, 4)), path, rules=twice)
@@ -81,9 +78,9 @@ def test_a_hand_transpose_on_a_helper_is_refused_as_cancelling(square_linear) ->
         "they cancel, the tensor lands as the file has it"
     )
     assert rules.mapping(shapes_of(tensors)).problems == (message,)
-    with pytest.raises(RuleTableError, match="^" + re.escape(message) + "$"):
+    with raises_rule("table", match="^" + re.escape(message) + "$"):
         nnx_save.load_model(_poisoned(_FC(4, 4)), path, rules=rules, strict=True)
-    with pytest.raises(RuleTableError, match=re.escape(message)):  # the table's own strict, on export
+    with raises_rule("table", match=re.escape(message)):  # the table's own strict, on export
         nnx_save.save_model(_FC(4, 4), path.with_name("out.safetensors"), rules=Rules(rules, strict=True).inverse())
 
 
@@ -101,7 +98,7 @@ def test_a_prefix_rename_before_the_helpers_is_named_and_prefix_ports_it(tmp_pat
         '`module.fc.weight` to `fc.weight`, which rename(r"fc\\.weight", r"fc/kernel") would take, but rules do '
         "not chain: give the common prefix as Rules(..., prefix=...) instead"
     )
-    with pytest.raises(RuleTableError, match=re.escape("rules do not chain")):
+    with raises_rule("table", match=re.escape("rules do not chain")):
         nnx_save.load_model(_poisoned(_FC(5, 3)), path, rules=chained, strict=True)
 
     rules = Rules(torch_linear(r"fc", "fc"), prefix="module.")
@@ -121,7 +118,7 @@ def test_a_rule_that_matches_nothing_is_named(square_linear) -> None:
     rules = Rules(torch_linear(r"fc", "fc"), torch_layer_norm(r"norm", "norm", bias=False))
     message = 'rename(r"norm\\.weight", r"norm/scale") matches no key of the source'
     assert rules.mapping(shapes_of(tensors)).problems == (message,)
-    with pytest.raises(RuleTableError, match="^" + re.escape(message) + "$"):
+    with raises_rule("table", match="^" + re.escape(message) + "$"):
         nnx_save.load_model(_poisoned(_FC(4, 4)), path, rules=rules, strict=True)
 
 
@@ -253,5 +250,5 @@ def test_the_new_options_refuse_bad_input_by_name() -> None:
     with pytest.raises(RuleError, match=re.escape("against= is for export mappings")):
         Rules(rename("a", "b")).mapping({"a": ((1,), f32)}, against={"a": ((1,), f32)})
     clash = "`module.a`: without the prefix 'module.' it is `a`, a key the file also holds"
-    with pytest.raises(RuleConflictError, match="^" + re.escape(clash) + "$"):
+    with raises_rule("conflict", match="^" + re.escape(clash) + "$"):
         Rules(rename("a", "b"), prefix="module.").mapping({"module.a": ((1,), f32), "a": ((1,), f32)})

@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
+from _errors import raises_rule
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nnx_save.porting import NotInvertibleError, RuleError, rename
+from nnx_save.porting import RuleError, rename
 from nnx_save.porting._template import Group, Template, invert, parse_pattern
 
 
@@ -53,7 +54,7 @@ def test_parse_pattern_keeps_brackets_and_parens_inside_a_class() -> None:
 )
 def test_parse_pattern_refuses_what_it_cannot_invert(pattern: str, why: str) -> None:
     message = f'pattern r"{pattern}" cannot be inverted automatically: {why}; pass inverse= with an explicit rule'
-    with pytest.raises(NotInvertibleError, match=re.escape(message)):
+    with raises_rule("not_invertible", match=re.escape(message)):
         parse_pattern(pattern)
 
 
@@ -84,7 +85,7 @@ def test_invert_needs_each_group_once(template: str, how: str) -> None:
         rf'rule r"h\.(\d+)\.(\d+)" -> r"{template}" cannot be inverted automatically: {how} '
         "(each group must be referenced exactly once); pass inverse= with an explicit rule"
     )
-    with pytest.raises(NotInvertibleError, match=re.escape(message)):
+    with raises_rule("not_invertible", match=re.escape(message)):
         invert(r"h\.(\d+)\.(\d+)", template)
 
 

@@ -5,10 +5,10 @@ Rules are plain data (frozen dataclasses, one constructor per kind: ``rename``,
 ``reshape``, and the ``torch_*`` / ``hf_conv1d`` helpers); ``rules.mapping(shapes)`` plans
 the port in pure numpy, never importing torch or jax, and ``rules.inverse()`` gives the
 export (``rules.inverse(source=path)``: one that reproduces the source file byte for byte).
-A file key feeds one rule and a target is made once, else :class:`RuleConflictError`; the
+A file key feeds one rule and a target is made once, else :class:`RuleError`; the
 table as a whole is checked too (a rule given twice, two transposes on one tensor, a rule
 that matches nothing or is shadowed: ``mapping.problems``, refused as
-:class:`RuleTableError` under ``strict``, else a :class:`RuleTableWarning`).
+:class:`RuleError` under ``strict``, else a :class:`RuleTableWarning`).
 ``Rules(..., prefix="module.")`` strips and restores a prefix every key carries.
 docs/porting.md is the reference: the rule table, the mapping contract, coverage, export.
 
@@ -43,15 +43,13 @@ __all__ = [
     "IgnoreRule",
     "Index",
     "KeyMapping",
-    "NotInvertibleError",
     "RenameRule",
     "Reshape",
     "ReshapeRule",
     "Restore",
-    "RuleConflictError",
     "RuleError",
+    "RuleKind",
     "RuleShapeError",
-    "RuleTableError",
     "RuleTableWarning",
     "Rules",
     "Same",
@@ -64,7 +62,6 @@ __all__ = [
     "SumRule",
     "Take",
     "TieRule",
-    "TiedValuesError",
     "Transform",
     "Transpose",
     "TransposeRule",
@@ -92,15 +89,7 @@ __all__ = [
     "unstack",
 ]
 
-from ..errors import (
-    NotInvertibleError,
-    RuleConflictError,
-    RuleError,
-    RuleShapeError,
-    RuleTableError,
-    RuleTableWarning,
-    TiedValuesError,
-)
+from ..errors import RuleError, RuleShapeError, RuleTableWarning
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule
 from ._constructors import add, concat, ignore, rename, reshape, split, stack, tie, transpose, unstack
 from ._coverage import Coverage, coverage

@@ -140,7 +140,7 @@ def tie(source: str, *copies: str, check: bool = True) -> TieRule:
     """The file keys ``copies`` hold the same tensor as ``source`` (a tied head).
 
     The model keeps one param, read from ``source``. On load each copy is checked equal
-    to it (:class:`~nnx_save.porting.TiedValuesError` if not) or, with ``check=False``,
+    to it (:class:`~nnx_save.porting.RuleError` if not) or, with ``check=False``,
     only listed in ``KeyMapping.tied`` and ``unused``; on export every copy is written too.
 
     Args:

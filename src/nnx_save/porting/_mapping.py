@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeGuard
 
 import numpy as np
 
-from ..errors import NotInvertibleError, RuleConflictError, RuleError, RuleShapeError, RuleTableError, RuleTableWarning
+from ..errors import RuleError, RuleKind, RuleShapeError, RuleTableWarning
 from ._checks import against_source, distinct, owners_of, problems_message, table_problems
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule, tie_checked
 from ._rules import (
@@ -114,7 +114,7 @@ class KeyMapping:
         """Refuse (``strict``) or warn about the rule table's :attr:`problems`.
 
         Raises:
-            RuleTableError: ``strict`` and a problem; the message lists them all.
+            RuleError: ``strict`` and a problem; the message lists them all.
 
         Warns:
             RuleTableWarning: not ``strict`` and a problem.
@@ -123,7 +123,7 @@ class KeyMapping:
             return
         text = problems_message(self.problems, "rule table problem")
         if strict:
-            raise RuleTableError(text, self.problems)
+            raise RuleError(text, kind="table", problems=self.problems)
         warnings.warn(text + "\n(strict=True refuses them)", RuleTableWarning, stacklevel=stacklevel)
 
     def apply(self, arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -178,7 +178,7 @@ class Rules:
         prefix: literal text every file key carries (``"module."`` from
             ``nn.DataParallel``): removed before the rules see a key on load, put back
             on every key an export writes; a key without it is matched as it is.
-        strict: refuse the table's :attr:`KeyMapping.problems` (``RuleTableError``)
+        strict: refuse the table's :attr:`KeyMapping.problems` (``RuleError``)
             wherever it is used, as ``load_model(..., strict=True)`` does; else they warn.
         source: on an export table (``inverse(source=...)``), the file it was loaded
             from: the export then reproduces it (see :meth:`inverse`).
@@ -258,7 +258,7 @@ class Rules:
                 has it, and lists in ``passed`` the file keys it does not write.
 
         Raises:
-            RuleConflictError: a source feeds two rules or a target is made twice.
+            RuleError: a source feeds two rules or a target is made twice.
             RuleShapeError: a tensor's shape does not fit its rule.
             RuleError: a rule's parts or layers are incomplete, or ``against`` on a load.
         """
@@ -281,7 +281,7 @@ class Rules:
         default this table's ``strict``) or warned, before anything is read.
 
         Raises:
-            RuleTableError: a problem under ``strict``.
+            RuleError: a problem under ``strict``.
 
         Warns:
             RuleTableWarning: a problem otherwise.
@@ -292,7 +292,7 @@ class Rules:
             >>> rules = Rules(rename(r"a", "x"), rename(r"b", "y"))
             >>> rules.check({"a": ((1,), np.float32)}, strict=True)
             Traceback (most recent call last):
-            nnx_save.errors.RuleTableError: rename(r"b", r"y") matches no key of the source
+            nnx_save.errors.RuleError: rename(r"b", r"y") matches no key of the source
         """
         mapping = self.mapping(sources)
         mapping.check(self.strict if strict is None else strict, stacklevel=3)
@@ -310,7 +310,7 @@ class Rules:
         ignored one, a second model in the file) is copied unchanged.
 
         Raises:
-            NotInvertibleError: a rule has no automatic inverse and none was given.
+            RuleError: a rule has no automatic inverse and none was given.
         """
         structural = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if _is_structural(r)]
         value = [_invert(r, i, recorded) for i, r in enumerate(self.rules) if not _is_structural(r)]
@@ -325,8 +325,9 @@ def _unprefixed(prefix: str, info: Info) -> tuple[dict[str, tuple[Shape, np.dtyp
     seen = {key: key[len(prefix) :] if key.startswith(prefix) else key for key in info}
     clash = sorted(k for k, v in seen.items() if v != k and v in info)
     if clash:
-        raise RuleConflictError(
-            f"`{clash[0]}`: without the prefix {prefix!r} it is `{seen[clash[0]]}`, a key the file also holds"
+        raise RuleError(
+            f"`{clash[0]}`: without the prefix {prefix!r} it is `{seen[clash[0]]}`, a key the file also holds",
+            kind="conflict",
         )
     return {seen[k]: v for k, v in info.items()}, {v: k for k, v in seen.items()}
 
@@ -398,7 +399,9 @@ def _recorded(mapping: KeyMapping, index: int, kind: type, attr: str, rule: Rule
         if isinstance(step, kind) and getattr(step, "rule", None) == index
     }
     if len(seen) > 1:
-        raise NotInvertibleError(f"{rule} cannot be inverted: the recorded mapping used it with {sorted(seen)}")
+        raise RuleError(
+            f"{rule} cannot be inverted: the recorded mapping used it with {sorted(seen)}", kind="not_invertible"
+        )
     return seen.pop() if seen else None
 
 
@@ -438,22 +441,22 @@ class _Mapper:
 
     def run(self) -> KeyMapping:
         claims, renamed = self._claim()
-        self._raise(self.conflicts, RuleConflictError)
+        self._raise(self.conflicts, RuleError, "conflict")
         owner = {key: index for index, claimed in claims.items() for key in claimed}
         pre = self._pre_steps(owner) if self.rules.direction == "export" else {}
         self._raise(self.errors, RuleShapeError)
         info = {k: (shape, dtype) for k, (_, shape, dtype) in pre.items()} if pre else self.info
         nodes = self._build(claims, renamed, info)
-        self._raise(self.conflicts, RuleConflictError)
+        self._raise(self.conflicts, RuleError, "conflict")
         self._raise(self.errors, RuleError)
         assignments = {n.target: self._assign(n, pre) for n in sorted(nodes, key=lambda n: n.target)}
         self._raise(self.errors, RuleShapeError)
         self.problems += table_problems(self.rules.rules, self.active, claims, self.seen, self.applied)
         return self._finish(assignments, claims)
 
-    def _raise(self, messages: list[str], kind: type[RuleError]) -> None:
+    def _raise(self, messages: list[str], error: type[RuleError], kind: RuleKind | None = None) -> None:
         if messages:
-            raise kind(problems_message(sorted(set(messages))))
+            raise error(problems_message(sorted(set(messages))), kind=kind)
 
     def _claim(self) -> tuple[dict[int, dict[str, object]], dict[str, str]]:
         """Each source key to its one structural rule (``claims[rule index][key]``)."""

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..errors import NotInvertibleError, RuleError
+from ..errors import RuleError
 from ._parts import axis_of, complete_layers, joined, layer_groups, refuse_shared_layer, same_dtype, split_bounds
 from ._template import Template, check_refs, compile_pattern, invert, parse_pattern, parse_templates, raw, raws, ticked
 from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
@@ -363,15 +363,17 @@ class ConcatRule:
             return _with_inverse(self, self.inverse_rule)
         sizes = self.sizes if self.sizes is not None else sizes
         if sizes is None:
-            raise NotInvertibleError(
+            raise RuleError(
                 f"{self} cannot be inverted: the split sizes cannot be read back from the joined "
-                "tensor; pass sizes= to concat(), or inverse(recorded=mapping) with a mapping these rules made"
+                "tensor; pass sizes= to concat(), or inverse(recorded=mapping) with a mapping these rules made",
+                kind="not_invertible",
             )
         pairs = [invert(p, t) for p, t in zip(self.patterns, self.targets, strict=True)]
         if len({p for p, _ in pairs}) != 1:
-            raise NotInvertibleError(
+            raise RuleError(
                 f"{self} cannot be inverted automatically: its parts give different target patterns "
-                f"{', '.join(sorted({raw(p) for p, _ in pairs}))}; pass inverse= with an explicit rule"
+                f"{', '.join(sorted({raw(p) for p, _ in pairs}))}; pass inverse= with an explicit rule",
+                kind="not_invertible",
             )
         return SplitRule(pairs[0][0], tuple(t for _, t in pairs), self.axis, sizes, inverse_rule=self)
 
@@ -558,9 +560,10 @@ class ReshapeRule(_ValueRule):
         """Reshape back to ``source_shape`` (this rule's, or the recorded one given)."""
         back = self.source_shape if self.source_shape is not None else source_shape
         if back is None:
-            raise NotInvertibleError(
+            raise RuleError(
                 f"{self} cannot be inverted: the source shape is unknown; pass source_shape= to "
-                "reshape(), or inverse(recorded=mapping) with a mapping these rules made"
+                "reshape(), or inverse(recorded=mapping) with a mapping these rules made",
+                kind="not_invertible",
             )
         return ReshapeRule(self.pattern, tuple(back), self.shape)
 

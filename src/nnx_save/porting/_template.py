@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import NotInvertibleError, RuleError
+from ..errors import RuleError
 
 __all__ = [
     "Group",
@@ -166,7 +166,7 @@ def parse_pattern(pattern: str) -> tuple[tuple[str | int, ...], tuple[Group, ...
     """Split a pattern into literal text and group indices (1-based), plus its groups.
 
     Raises:
-        NotInvertibleError: the pattern is not literal text around plain groups.
+        RuleError: the pattern is not literal text around plain groups.
     """
     parts: list[str | int] = []
     groups: list[Group] = []
@@ -191,9 +191,10 @@ def parse_pattern(pattern: str) -> tuple[tuple[str | int, ...], tuple[Group, ...
     return tuple(parts), tuple(groups)
 
 
-def _cannot(pattern: str, why: str) -> NotInvertibleError:
-    return NotInvertibleError(
-        f"pattern {raw(pattern)} cannot be inverted automatically: {why}; pass inverse= with an explicit rule"
+def _cannot(pattern: str, why: str) -> RuleError:
+    return RuleError(
+        f"pattern {raw(pattern)} cannot be inverted automatically: {why}; pass inverse= with an explicit rule",
+        kind="not_invertible",
     )
 
 
@@ -268,7 +269,7 @@ def invert(
         ``(inverse_pattern, inverse_template)``.
 
     Raises:
-        NotInvertibleError: the pattern is not of the simple form, or a group is not
+        RuleError: the pattern is not of the simple form, or a group is not
             referenced exactly once.
 
     Examples:
@@ -311,10 +312,11 @@ def _reference_order(
             raise RuleError(f"template {raw(template)} must not reference group {consumed!r} of {raw(pattern)}")
         if number not in skip and used != 1:
             how = "never referenced" if used == 0 else f"referenced {used} times"
-            raise NotInvertibleError(
+            raise RuleError(
                 f"rule {raw(pattern)} -> {raw(template)} cannot be inverted automatically: group {number} "
                 f"is {how} (each group must be referenced exactly once); "
-                "pass inverse= with an explicit rule"
+                "pass inverse= with an explicit rule",
+                kind="not_invertible",
             )
     return resolved
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import TiedValuesError
+from ..errors import RuleError
 from ..format._boxes import Box
 from ._boxes import Feed, concat_feeds, extents, inside, reshape_back, with_extent
 
@@ -191,7 +191,7 @@ class Same:
         first = xs[0]
         for key, x in zip(self.keys[1:], xs[1:], strict=True):
             if x.shape != first.shape or not np.array_equal(x, first, equal_nan=first.dtype.kind in "fc"):
-                raise TiedValuesError(_untied(self.keys[0], key, first, x))
+                raise RuleError(_untied(self.keys[0], key, first, x), kind="tied")
         return first
 
 
