@@ -16,7 +16,6 @@ from ._version import __version__ as __version__
 from .errors import ChecksumError as ChecksumError
 from .errors import ConfigError as ConfigError
 from .errors import ConvertError as ConvertError
-from .errors import DeviceDtypeError as DeviceDtypeError
 from .errors import DtypeMismatchError as DtypeMismatchError
 from .errors import HeaderError as HeaderError
 from .errors import HostMemoryError as HostMemoryError

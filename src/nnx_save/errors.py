@@ -31,7 +31,6 @@ __all__ = [
     "ChecksumError",
     "ConfigError",
     "ConvertError",
-    "DeviceDtypeError",
     "DirectoryLockedError",
     "DtypeMismatch",
     "DtypeMismatchError",
@@ -189,12 +188,8 @@ class ShapeMismatchError(NnxSaveError, ValueError):
 
 
 class DtypeMismatchError(NnxSaveError, TypeError):
-    """A tensor's dtype in the source differs from the target's and casting is refused."""
-
-
-class DeviceDtypeError(NnxSaveError, TypeError):
-    """A tensor would land on a device whose jax backend cannot hold its dtype (F6 on
-    CPU); refused before any data is read."""
+    """A tensor's dtype in the source differs from the target's and casting is refused, or
+    the target's device cannot hold the dtype (F6 on CPU), refused before any data is read."""
 
 
 class LoadError(NnxSaveError, ValueError):
@@ -644,6 +639,7 @@ MERGED = {
     "NotInvertibleError": 'RuleError with kind="not_invertible"',
     "TiedValuesError": 'RuleError with kind="tied"',
     "RuleTableError": 'RuleError with kind="table"',
+    "DeviceDtypeError": "DtypeMismatchError",
 }
 
 

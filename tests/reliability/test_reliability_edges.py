@@ -157,7 +157,7 @@ def test_a_dtype_jax_cannot_hold_into_a_shape_dtype_struct_is_refused_before_rea
             _engine.Engine, phase, lambda *a, _real=real, _p=phase, **k: reads.append(_p) or _real(*a, **k)
         )
     message = f"{path}: tensor 'w': jax on cpu cannot hold dtype {np.dtype(dtype)} (nothing was read)"
-    with pytest.raises(nnx_save.DeviceDtypeError, match=re.escape(message)):
+    with pytest.raises(nnx_save.DtypeMismatchError, match=re.escape(message)):
         nnx_save.load_file(path, abstract={"w": jax.ShapeDtypeStruct((8,), dtype)})
     assert reads == []
     np.testing.assert_array_equal(nnx_save.load_file(path)["w"], values)  # onto the host it loads exactly

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import DeviceDtypeError, ShardingError
+from ..errors import DtypeMismatchError, ShardingError
 from ..format._boxes import Box, of_index, whole
 
 __all__ = ["SourceTransform", "Target", "check_device_dtype", "shard_boxes"]
@@ -97,14 +97,14 @@ def check_device_dtype(target: Target, file: str) -> None:
     the load fails before reading rather than at the transfer after it.
 
     Raises:
-        DeviceDtypeError: Names the file, the tensor, the dtype and the platform.
+        DtypeMismatchError: Names the file, the tensor, the dtype and the platform.
     """
     local = target.sharding.addressable_devices if target.sharding is not None else ()
     if not local:
         return  # a host target, or no shard here (refused by shard_boxes)
     device = min(local, key=lambda d: d.id)
     if not _holds(device, target.dtype):
-        raise DeviceDtypeError(
+        raise DtypeMismatchError(
             f"{file}: tensor {target.path!r}: jax on {device.platform} cannot hold dtype {target.dtype} "
             "(nothing was read); load it onto the host instead (a numpy array or no template for it)"
         )
