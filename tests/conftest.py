@@ -1,5 +1,6 @@
 """Test-wide setup: 8 simulated CPU devices before jax is imported, strict warnings
-(pyproject), and derandomized hypothesis."""
+(pyproject), derandomized hypothesis, no address but loopback for object stores, and
+the servers the remote-source tests share (nginx, moto's S3), one per test process."""
 
 import os
 
@@ -9,7 +10,27 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from hypothesis import HealthCheck, settings
+# s3fs is installed (for the local S3 server): an s3:// URL that no test points at
+# moto must never reach a cloud address, nor a developer's credentials. botocore's
+# credential chain would ask the instance metadata address; its default endpoint is
+# AWS. Here both are off or on loopback (port 9: discard, nothing listens), for this
+# process and every process it starts.
+for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+    os.environ.pop(_name, None)
+os.environ.update(
+    AWS_EC2_METADATA_DISABLED="true",
+    AWS_ACCESS_KEY_ID="testing",
+    AWS_SECRET_ACCESS_KEY="testing",
+    AWS_DEFAULT_REGION="us-east-1",
+    AWS_CONFIG_FILE=os.devnull,
+    AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+    AWS_ENDPOINT_URL="http://127.0.0.1:9",
+)
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+from nginx_server import start_nginx  # noqa: E402
+from s3_server import start_s3  # noqa: E402
 
 settings.register_profile(
     "nnx_save",
@@ -19,3 +40,15 @@ settings.register_profile(
     database=None,
 )
 settings.load_profile("nnx_save")
+
+
+@pytest.fixture(scope="session")
+def nginx(tmp_path_factory):
+    """A real nginx serving a fresh directory on 127.0.0.1 (tests/nginx_server.py)."""
+    yield from start_nginx(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (tests/s3_server.py), started on first use."""
+    yield from start_s3()
