@@ -34,8 +34,9 @@ class S3Server:
         return {"endpoint_url": self.endpoint, "key": "testing", "secret": "testing"}
 
 
-def _read_port(proc: subprocess.Popen, deadline: float) -> int:
-    """The ``PORT <n>`` line of the server, waited for until ``deadline``."""
+def _read_port(proc: subprocess.Popen, deadline: float) -> int | None:
+    """The port of the server's ``PORT <n>`` line, waited for until ``deadline``;
+    None if the server exited or said nothing by then (it is killed)."""
     assert proc.stdout is not None
     with selectors.DefaultSelector() as selector:
         selector.register(proc.stdout, selectors.EVENT_READ)
@@ -48,38 +49,47 @@ def _read_port(proc: subprocess.Popen, deadline: float) -> int:
                     break
     proc.kill()
     proc.wait(timeout=10)
-    pytest.fail(f"moto's S3 server did not start within {START_TIMEOUT} s (exit {proc.returncode})")
+    return None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()  # the server's signal to stop
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def _check_serving(port: int) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request("GET", "/")  # S3's ListBuckets, over HTTP
+        assert connection.getresponse().status == 200
+    finally:
+        connection.close()
 
 
 def start_s3():
     """Start moto's S3 server; a generator that yields an :class:`S3Server` and stops it."""
-    log = tempfile.TemporaryFile()  # the server's stderr: a pipe nobody reads could fill and block it
-    proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
+    # The server's stderr goes to a file: a pipe that nobody reads could fill and block it.
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(
+            [sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+        )
         try:
             port = _read_port(proc, time.monotonic() + START_TIMEOUT)
-        except pytest.fail.Exception as e:
-            log.seek(0)
-            raise pytest.fail.Exception(f"{e}: {log.read()[-2000:].decode(errors='replace')}") from None
-        server = S3Server(f"http://127.0.0.1:{port}")
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        try:
-            connection.request("GET", "/")  # S3's ListBuckets, over HTTP
-            assert connection.getresponse().status == 200
+            if port is None:
+                log.seek(0)
+                said = log.read()[-2000:].decode(errors="replace")
+                pytest.fail(f"moto's S3 server did not start within {START_TIMEOUT} s (exit {proc.returncode}): {said}")
+            _check_serving(port)
+            yield S3Server(f"http://127.0.0.1:{port}")
         finally:
-            connection.close()
-        yield server
-    finally:
-        if proc.stdin is not None:
-            proc.stdin.close()  # the server's signal to stop
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
-        log.close()
+            _stop(proc)
 
 
 def main() -> None:
