@@ -52,3 +52,15 @@ def nginx(tmp_path_factory):
 def s3_server():
     """moto's S3 server on 127.0.0.1 (tests/s3_server.py), started on first use."""
     yield from start_s3()
+
+
+def pytest_collection_modifyitems(config, items):
+    """For `make test`'s parallel run (pytest-xdist, ``--dist loadgroup``): each test
+    file is one unit of work, so its module fixtures are built once; the tests that
+    start several JAX processes are one unit, run one after another on one worker
+    (their session fixtures serve them all, and two clusters at once would only
+    compete for the cores), and it is scheduled first, being the longest."""
+    for item in items:
+        group = "multiprocess" if item.get_closest_marker("multiprocess") else item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: not item.get_closest_marker("multiprocess"))  # stable: the rest keeps its order
