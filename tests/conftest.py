@@ -9,6 +9,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# pytest-xdist's workers start with COLUMNS=80 and LINES=24 in their environment, which a
+# serial run has not: progress bars would be drawn 80 wide there and 100 (the fallback) here.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 # s3fs is installed (for the local S3 server): an s3:// URL that no test points at
 # moto must never reach a cloud address, nor a developer's credentials. botocore's
