@@ -22,18 +22,23 @@ test-env: $(VENV)/.test
 demo: $(VENV)/.base
 	$(PY) examples/demo.py
 
-# nginx serves checkpoints to the remote-source tests (Debian package; needs root).
+# nginx serves checkpoints to the remote-source tests and docs/remote.md; tmux is the terminal of
+# tests/test_progress.py (Debian packages; needs root). Without them those tests would not run.
 system-deps:
-	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx >/dev/null)
+	@missing="$$(command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx || echo nginx) \
+	  $$(command -v tmux >/dev/null 2>&1 || echo tmux)"; \
+	if [ -n "$$(echo $$missing)" ]; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
-# What CI runs: lint, format, types, every module's doctests, then the whole suite.
+# What CI runs: lint, format, types, every module's doctests, then the whole suite on every
+# core (pytest-xdist). Each test file is one unit of work and the multi-process tests are one,
+# run first and one at a time (tests/conftest.py); `.venv/bin/python -m pytest` runs it serially.
 test: $(VENV)/.test system-deps
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules src/nnx_save
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info

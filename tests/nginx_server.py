@@ -1,12 +1,14 @@
-"""A real nginx on a free loopback port, serving a temporary directory.
+"""A real nginx on a loopback port the kernel picks, serving a temporary directory.
 
 nginx comes from Debian (`make test` installs it when missing); the configuration
-is tests/remote/nginx.conf. The access log records each request's Range header,
+is tests/remote/nginx.conf; the fixture is in tests/conftest.py. The access log records each request's Range header,
 status and bytes sent, so tests can compare the traffic with the library's plan.
 """
 
 from __future__ import annotations
 
+import http.client
+import os
 import shutil
 import socket
 import subprocess
@@ -17,12 +19,6 @@ from pathlib import Path
 import pytest
 
 NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -54,6 +50,37 @@ class Nginx:
         self.log.write_text("")
 
 
+def _listening_socket() -> socket.socket:
+    """A socket listening on 127.0.0.1 at a port the kernel picks; nginx inherits it
+    (its ``NGINX`` variable, as in a binary upgrade), so no other process can take
+    the port between choosing it and nginx listening on it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(256)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _wait_until_serving(proc: subprocess.Popen, url: str, timeout: float) -> None:
+    """Until nginx answers an HTTP request (a connection alone proves nothing: the
+    inherited socket accepts into its backlog before nginx runs)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"nginx exited: {proc.stderr.read().decode()}")
+        connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=1)
+        try:
+            connection.request("HEAD", "/")
+            connection.getresponse()  # any HTTP answer (403 for the directory): nginx is serving
+            return
+        except OSError:
+            time.sleep(0.05)
+        finally:
+            connection.close()
+    proc.kill()
+    pytest.fail(f"nginx did not answer within {timeout} s")
+
+
 def start_nginx(tmp_path_factory: pytest.TempPathFactory):
     """Start nginx serving a fresh directory; a generator that stops it when closed."""
     if NGINX is None:
@@ -61,25 +88,20 @@ def start_nginx(tmp_path_factory: pytest.TempPathFactory):
     prefix = tmp_path_factory.mktemp("nginx")
     root = prefix / "www"
     root.mkdir()
-    port = free_port()
+    sock = _listening_socket()
+    port = sock.getsockname()[1]
     template = (Path(__file__).parent / "remote" / "nginx.conf").read_text()
     conf = prefix / "nginx.conf"
     conf.write_text(template.format(root=root, port=port, prefix=prefix))
-    proc = subprocess.Popen([NGINX, "-c", str(conf), "-p", str(prefix)], stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            if proc.poll() is not None:
-                pytest.fail(f"nginx exited: {proc.stderr.read().decode()}")
-            time.sleep(0.05)
-    else:
-        proc.kill()
-        pytest.fail("nginx did not start listening within 10 s")
-    (prefix / "access.log").touch()
-    yield Nginx(root, f"http://127.0.0.1:{port}", prefix / "access.log")
+    env = {**os.environ, "NGINX": f"{sock.fileno()};"}
+    with sock:
+        proc = subprocess.Popen(
+            [NGINX, "-c", str(conf), "-p", str(prefix)], stderr=subprocess.PIPE, pass_fds=[sock.fileno()], env=env
+        )
+    url = f"http://127.0.0.1:{port}"
+    _wait_until_serving(proc, url, timeout=10)
+    (prefix / "access.log").write_text("")  # without the request that proved nginx serves
+    yield Nginx(root, url, prefix / "access.log")
     proc.terminate()
     try:
         proc.wait(timeout=10)

@@ -1,10 +1,14 @@
 """Every ```python block of docs/*.md and README.md runs: each page's blocks in order,
 in one namespace, in a fresh temporary directory. A block preceded by a
-``<!-- skip -->`` line (blank lines between are allowed) is not run."""
+``<!-- skip -->`` line (blank lines between are allowed) is not run. Pages start
+their own servers and processes (docs/remote.md: nginx, moto's S3 server;
+docs/multihost.md: two JAX processes); whatever process a failing page leaves
+running is ended."""
 
 import inspect
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,7 @@ import nnx_save.porting
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+MULTIPROCESS_PAGES = {"multihost.md"}  # run with the multi-process tests (tests/conftest.py)
 FENCE = re.compile(r"^```(\w*)[ \t]*$")
 
 
@@ -47,22 +52,41 @@ def test_block_extraction():
     assert python_blocks(page) == [(3, "x = 1\n"), (14, "y = x\n")]
 
 
+def _end_processes(namespace: dict) -> None:
+    """End the processes a page left running (it failed before its own clean-up)."""
+    for value in list(namespace.values()):
+        for proc in value if isinstance(value, list) else [value]:
+            if isinstance(proc, subprocess.Popen) and proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+
+
 @pytest.mark.parametrize(
-    "page", [p for p in PAGES if python_blocks(p.read_text(encoding="utf-8"))], ids=lambda p: p.name
+    "page",
+    [
+        pytest.param(p, marks=pytest.mark.multiprocess) if p.name in MULTIPROCESS_PAGES else p
+        for p in PAGES
+        if python_blocks(p.read_text(encoding="utf-8"))
+    ],
+    ids=lambda p: p.name,
 )
 def test_page_examples_run(page, tmp_path, monkeypatch):
     blocks = python_blocks(page.read_text(encoding="utf-8"))
     monkeypatch.chdir(tmp_path)
     namespace = {"__name__": f"docs_{page.stem}"}
-    for line, source in blocks:
-        code = compile(source, f"{page.relative_to(ROOT)}:{line}", "exec")
-        exec(code, namespace)
+    try:
+        for line, source in blocks:
+            code = compile(source, f"{page.relative_to(ROOT)}:{line}", "exec")
+            exec(code, namespace)
+    finally:
+        _end_processes(namespace)
 
 
 def test_index_links_every_page():
     index = (ROOT / "docs" / "index.md").read_text()
-    for name in ("models.md", "multihost.md", "checkpoints.md", "porting.md", "cli.md", "errors.md"):
-        assert f"]({name})" in index
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "index.md")
+    assert "remote.md" in pages and "multihost.md" in pages
+    assert [name for name in pages if f"]({name})" not in index] == []
 
 
 def test_errors_page_names_every_public_error():

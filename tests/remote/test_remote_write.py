@@ -160,52 +160,30 @@ def test_checksums_are_recorded_as_for_local_files(url):
 
 
 @pytest.fixture
-def s3(monkeypatch):
-    """A local S3 server (moto, on 127.0.0.1) and fsspec's s3:// pointed at it.
-
-    moto[server] and s3fs install from PyPI and this test passes with them, but the
-    project does not install them: with s3fs present, other tests' s3:// URLs (which
-    expect "no fsspec implementation") would go to botocore, whose credential chain
-    can probe the cloud metadata address. So it runs where a developer installs both.
-    """
-    reason = "needs moto[server] and s3fs (not installed by the project: see the fixture's docstring)"
-    server_module = pytest.importorskip("moto.server", reason=reason)
-    pytest.importorskip("s3fs", reason=reason)
-    import socket
-
+def s3(s3_server, monkeypatch):
+    """fsspec's s3:// pointed at moto's S3 server on 127.0.0.1 (tests/conftest.py),
+    with a bucket of its own for this test."""
     import fsspec.config
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    options = {
-        "endpoint_url": f"http://127.0.0.1:{port}",
-        "key": "testing",
-        "secret": "testing",
-    }
-    monkeypatch.setitem(fsspec.config.conf, "s3", options)
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask the cloud metadata address
+    monkeypatch.setitem(fsspec.config.conf, "s3", s3_server.options)
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    fs.mkdir("nnx-save-bucket")  # no region: s3fs would send a LocationConstraint us-east-1 refuses
+    bucket = f"nnx-save-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)  # no region: s3fs would send a LocationConstraint us-east-1 refuses
     try:
-        yield fs
+        yield fs, bucket
     finally:
+        fs.rm(bucket, recursive=True)
         fsspec.filesystem("s3").clear_instance_cache()
-        server.stop()
 
 
 def test_s3_on_a_local_server(s3, tmp_path):
-    url = "s3://nnx-save-bucket/run/w.safetensors"
+    s3, bucket = s3
+    url = f"s3://{bucket}/run/w.safetensors"
     nnx_save.save_file(tree(), url, metadata={"run": "7"})
     local = tmp_path / "w.safetensors"
     nnx_save.save_file(tree(), local, metadata={"run": "7"})
     s3.invalidate_cache()
     assert s3.cat(url) == local.read_bytes()
-    assert s3.ls("nnx-save-bucket/run", detail=False) == ["nnx-save-bucket/run/w.safetensors"]  # no temporary
+    assert s3.ls(f"{bucket}/run", detail=False) == [f"{bucket}/run/w.safetensors"]  # no temporary
     back = nnx_save.load_file(url, verify=True)
     np.testing.assert_array_equal(back["embed"], tree()["embed"])

@@ -102,14 +102,32 @@ def layout_of(path: Path) -> Layout:
 
 def _remote_header(url: str) -> Header:
     stats = _remote.RemoteStats()
-    if url.endswith(".json"):
+    name, query = _split_query(url)
+    if name.endswith(".json"):
         return _index.read_remote(url, stats)
-    if not url.endswith(".safetensors"):
+    if not name.endswith(".safetensors"):
         try:
-            return _index.read_remote(url.rstrip("/") + "/" + INDEX_NAME, stats)
+            return _index.read_remote(name.rstrip("/") + "/" + INDEX_NAME + query, stats)
         except FileNotFoundError:
-            url = url.rstrip("/") + "/model.safetensors"
+            url = name.rstrip("/") + "/model.safetensors" + query
     return _file.read_remote(url, stats)
+
+
+def _split_query(url: str) -> tuple[str, str]:
+    """``(url up to its query string, "?query" or "")`` of an HTTP URL: a presigned URL
+    names its file before the ``?`` that starts its signature. fsspec URLs are paths
+    (an object key may hold a ``?``) and stay whole.
+
+    Examples:
+        >>> _split_query("https://b.s3.amazonaws.com/run/model.safetensors?X-Amz-Signature=ab")
+        ('https://b.s3.amazonaws.com/run/model.safetensors', '?X-Amz-Signature=ab')
+        >>> _split_query("s3://bucket/odd?name.safetensors")
+        ('s3://bucket/odd?name.safetensors', '')
+    """
+    if not url.lower().startswith(("http://", "https://")):
+        return url, ""
+    name, mark, query = url.partition("?")
+    return name, mark + query
 
 
 def reader_factory(header: Header) -> Callable[[str], Reader]:
