@@ -17,16 +17,12 @@ from ._version import CHECKPOINT_FORMAT_NAME, CHECKPOINT_FORMAT_VERSION
 __all__ = [
     "CheckpointCorruptError",
     "CheckpointDamageWarning",
-    "CheckpointDirectoryError",
     "CheckpointDtypeMismatchError",
     "CheckpointError",
-    "CheckpointItemError",
-    "CheckpointLinkError",
     "CheckpointNotFoundError",
     "CheckpointNotWrittenError",
-    "CheckpointRetentionError",
     "CheckpointSyncError",
-    "CheckpointTemplateError",
+    "CheckpointUsageError",
     "CheckpointWriteError",
     "ChecksumError",
     "ConfigError",
@@ -68,6 +64,7 @@ __all__ = [
     "TruncatedFileError",
     "UnsupportedCheckpointError",
     "UnsupportedValueError",
+    "UsageReason",
     "WriteRefusal",
     "short_repr",
 ]
@@ -392,50 +389,101 @@ class CheckpointDamageWarning(NnxSaveWarning):
     (see ``damaged_steps()``)."""
 
 
-class CheckpointDirectoryError(CheckpointError, ValueError):
-    """A checkpoint directory (``directory``, as given) the store cannot use, found
-    before anything runs."""
+UsageReason = Literal["directory", "link", "retention", "template", "item"]
 
-    def __init__(self, directory: str, found: str) -> None:
-        self.directory = directory
-        super().__init__(
+
+class CheckpointUsageError(CheckpointError, ValueError):
+    """The store refused a call before anything changed, because of how it was called or
+    what its directory holds; ``reason`` says which (one class, an attribute per case,
+    since no caller recovers from one case and not another):
+
+    - ``"directory"``: a checkpoint ``directory`` (as given) the store cannot use;
+    - ``"link"``: an entry (``entry``, linking to ``target``) of ``directory`` that the store
+      may rename or delete is a symbolic link;
+    - ``"retention"``: the store was opened with retention policies (``given``) other than
+      those recorded in ``directory`` (``recorded``); ``change_retention=True`` replaces them;
+    - ``"template"``: restore templates disagree with what ``step`` stores (paths, shapes,
+      leaf kinds); ``problems`` has one sorted line per disagreement;
+    - ``"item"``: items were asked for that ``step`` does not hold: ``missing`` names them,
+      ``held`` the ones it holds.
+    """
+
+    reason: UsageReason
+    step: int | None = None
+    directory: str | None = None
+    entry: str | None = None
+    target: str | None = None
+    recorded: str | None = None
+    given: str | None = None
+    problems: tuple[str, ...] = ()
+    missing: tuple[str, ...] = ()
+    held: tuple[str, ...] = ()
+
+    def __init__(self, message: str, reason: UsageReason, **details: object) -> None:
+        super().__init__(message)
+        self.reason = reason
+        for name, value in details.items():
+            setattr(self, name, value)
+
+    @classmethod
+    def for_directory(cls, directory: str, found: str) -> CheckpointUsageError:
+        return cls(
             f"checkpoint directory {directory!r}: {found} is not supported; give a local path, a file:// URL, "
-            "or a gs:// or s3:// URL (which Orbax writes through etils epath and tensorstore)"
+            "or a gs:// or s3:// URL (which Orbax writes through etils epath and tensorstore)",
+            "directory",
+            directory=directory,
         )
 
-
-class CheckpointLinkError(CheckpointError, OSError):
-    """An entry (``entry``, linking to ``target``) of the store's ``directory`` that it may
-    rename or delete is a symbolic link; refused before anything changes."""
-
-    def __init__(self, entry: str, target: str, directory: str) -> None:
-        self.entry, self.target, self.directory = entry, target, directory
-        super().__init__(
+    @classmethod
+    def for_link(cls, entry: str, target: str, directory: str) -> CheckpointUsageError:
+        return cls(
             f"{entry}: this entry of the checkpoint store {directory} is a symbolic link (to {target!r}); "
             "the store renames and deletes its entries and never follows a link, so nothing was written "
-            "or deleted: move the link out of the directory (or put the real directory in its place)"
+            "or deleted: move the link out of the directory (or put the real directory in its place)",
+            "link",
+            entry=entry,
+            target=target,
+            directory=directory,
         )
 
-    def __str__(self) -> str:  # OSError's own would show the arguments tuple
-        return str(self.args[0])
+    @classmethod
+    def for_retention(cls, recorded: str, given: str, directory: str | os.PathLike[str]) -> CheckpointUsageError:
+        return cls(
+            f"{directory} keeps steps by {recorded}, not {given}: changing retention can delete steps at the next "
+            "save, so it must be asked for: pass change_retention=True, or open the store without retention "
+            "arguments to keep the recorded policies",
+            "retention",
+            recorded=recorded,
+            given=given,
+            directory=str(directory),
+        )
+
+    @classmethod
+    def for_template(cls, step: int, problems: Iterable[str]) -> CheckpointUsageError:
+        problems = tuple(sorted(problems))
+        lines = "\n  ".join(problems)
+        return cls(
+            f"step {step}: {len(problems)} template leaves disagree with the checkpoint:\n  {lines}",
+            "template",
+            step=step,
+            problems=problems,
+        )
+
+    @classmethod
+    def for_item(cls, step: int, missing: Iterable[str], held: Iterable[str]) -> CheckpointUsageError:
+        missing, held = tuple(missing), tuple(held)
+        return cls(
+            f"step {step} holds no item {', '.join(map(repr, missing))}; it holds {', '.join(held)}",
+            "item",
+            step=step,
+            missing=missing,
+            held=held,
+        )
 
 
 class CheckpointSyncError(CheckpointError, RuntimeError):
     """The processes could not agree on a decision about the store's directory (process 0
     failed or timed out, or the processes called the store in different orders)."""
-
-
-class CheckpointRetentionError(CheckpointError, ValueError):
-    """The store was opened with retention policies (``given``) other than those recorded
-    in its ``directory`` (``recorded``); ``change_retention=True`` replaces them."""
-
-    def __init__(self, recorded: str, given: str, directory: str | os.PathLike[str]) -> None:
-        self.recorded, self.given, self.directory = recorded, given, str(directory)
-        super().__init__(
-            f"{directory} keeps steps by {recorded}, not {given}: changing retention can delete steps at the next "
-            "save, so it must be asked for: pass change_retention=True, or open the store without retention "
-            "arguments to keep the recorded policies"
-        )
 
 
 class CheckpointWriteError(CheckpointError, OSError):
@@ -513,27 +561,6 @@ def _where(step: int | None, directory: str | None) -> str:
     if step is None:
         return f"{directory} " if directory else "the checkpoint record "
     return f"step {step}{f' in {directory}' if directory else ''} "
-
-
-class CheckpointTemplateError(CheckpointError, ValueError):
-    """Restore templates disagree with what ``step`` stores (paths, shapes, leaf kinds),
-    before any read; ``problems`` has one sorted line per disagreement."""
-
-    def __init__(self, step: int, problems: Iterable[str]) -> None:
-        self.step, self.problems = step, tuple(sorted(problems))
-        lines = "\n  ".join(self.problems)
-        super().__init__(f"step {step}: {len(self.problems)} template leaves disagree with the checkpoint:\n  {lines}")
-
-
-class CheckpointItemError(CheckpointError, KeyMismatchError):
-    """Items were asked for (by ``items`` or ``templates``) that ``step`` does not
-    hold: ``missing`` names them, ``held`` the ones it holds."""
-
-    def __init__(self, step: int, missing: Iterable[str], held: Iterable[str]) -> None:
-        self.step, self.missing, self.held = step, tuple(missing), tuple(held)
-        super().__init__(
-            f"step {step} holds no item {', '.join(map(repr, self.missing))}; it holds {', '.join(self.held)}"
-        )
 
 
 class DtypeMismatch(NamedTuple):
@@ -640,6 +667,11 @@ MERGED = {
     "TiedValuesError": 'RuleError with kind="tied"',
     "RuleTableError": 'RuleError with kind="table"',
     "DeviceDtypeError": "DtypeMismatchError",
+    "CheckpointDirectoryError": 'CheckpointUsageError with reason="directory"',
+    "CheckpointLinkError": 'CheckpointUsageError with reason="link"',
+    "CheckpointRetentionError": 'CheckpointUsageError with reason="retention"',
+    "CheckpointTemplateError": 'CheckpointUsageError with reason="template"',
+    "CheckpointItemError": 'CheckpointUsageError with reason="item"',
 }
 
 

@@ -12,10 +12,11 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _errors import raises_usage
 from etils.epath.backend import fsspec_backend
 from fsspec.implementations.memory import MemoryFileSystem
 
-from nnx_save.checkpoint import CheckpointDirectoryError, OrbaxCheckpointStore, resolve_checkpoint_dir
+from nnx_save.checkpoint import OrbaxCheckpointStore, resolve_checkpoint_dir
 
 
 @pytest.mark.parametrize("url", ["gs://bucket/run", "s3://bucket/some/run"])
@@ -36,12 +37,10 @@ def test_a_scheme_orbax_cannot_write_is_refused_at_once(url, tmp_path, monkeypat
         f"checkpoint directory {url!r}: the URL scheme {scheme!r} is not supported; give a local path, a file:// "
         "URL, or a gs:// or s3:// URL"
     )
-    with pytest.raises(CheckpointDirectoryError, match=re.escape(message)) as info:
+    with raises_usage("directory", match=re.escape(message)) as info:
         OrbaxCheckpointStore(url)
     assert isinstance(info.value, ValueError) and info.value.directory == url
-    with pytest.raises(
-        CheckpointDirectoryError, match=re.escape(message.replace("checkpoint directory", "checkpoint directory", 1))
-    ):
+    with raises_usage("directory", match=re.escape(message.replace("checkpoint directory", "checkpoint directory", 1))):
         resolve_checkpoint_dir(url)
     assert os.listdir(tmp_path) == []
 
@@ -52,9 +51,7 @@ def test_a_file_url_is_a_local_directory(tmp_path):
         store.save(1, {"model": {"w": jnp.arange(3.0)}})
         assert store.directory == tmp_path / "run one"
     np.testing.assert_array_equal(OrbaxCheckpointStore(tmp_path / "run one").restore(1).items["model"]["w"], [0, 1, 2])
-    with pytest.raises(
-        CheckpointDirectoryError, match=re.escape("a file:// URL on host 'host'; use file:///absolute/path")
-    ):
+    with raises_usage("directory", match=re.escape("a file:// URL on host 'host'; use file:///absolute/path")):
         OrbaxCheckpointStore("file://host/x")
 
 

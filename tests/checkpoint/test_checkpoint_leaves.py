@@ -12,10 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _errors import raises_usage
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nnx_save.checkpoint import CheckpointTemplateError, OrbaxCheckpointStore, UnsupportedCheckpointError, _orbax
+from nnx_save.checkpoint import OrbaxCheckpointStore, UnsupportedCheckpointError, _orbax
 from nnx_save.checkpoint._tree import parse_leaf_record
 
 LEAVES = st.sampled_from(
@@ -90,8 +91,8 @@ def test_a_step_recorded_without_leaves_restores_through_orbax_metadata(saved):
     _rewrite_record(saved, lambda record: record.pop("leaves"))  # as written before leaves were recorded
     template = {"w": jax.ShapeDtypeStruct((2, 4), jnp.float32), "n": 0}
     with OrbaxCheckpointStore(saved) as store:
-        with pytest.raises(
-            CheckpointTemplateError, match=re.escape("model/w: shape (2, 4) in the template, (2, 3) in the checkpoint")
+        with raises_usage(
+            "template", match=re.escape("model/w: shape (2, 4) in the template, (2, 3) in the checkpoint")
         ):
             store.restore(1, templates={"model": template})
         restored = store.restore(1, templates={"model": {**template, "w": jax.ShapeDtypeStruct((2, 3), jnp.float32)}})

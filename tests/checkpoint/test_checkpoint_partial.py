@@ -10,11 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _errors import raises_usage
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from nnx_save import LoadReport, LoadWarning, ShapeMismatch
-from nnx_save.checkpoint import CheckpointTemplateError, OrbaxCheckpointStore, restore_into
+from nnx_save.checkpoint import OrbaxCheckpointStore, restore_into
 
 
 class Net(nnx.Module):
@@ -51,8 +52,8 @@ def test_params_only(saved):
     target = poisoned(3)
     store = OrbaxCheckpointStore(directory)
     template = {"model": nnx.state(target, nnx.Param)}
-    with pytest.raises(
-        CheckpointTemplateError,
+    with raises_usage(
+        "template",
         match=re.escape("model/norm/mean/value: stored in the checkpoint, absent from the template"),
     ):
         store.restore(1, templates=template)  # strict by default: a resume must be whole
@@ -73,7 +74,7 @@ def test_everything_but_a_new_head(saved):
     head_kernel = np.asarray(target.head.kernel[...])
     store = OrbaxCheckpointStore(directory)
     message = "model/head/kernel/value: shape (8, 5) in the template, (8, 3) in the checkpoint"
-    with pytest.raises(CheckpointTemplateError, match=re.escape(message)) as info:
+    with raises_usage("template", match=re.escape(message)) as info:
         store.restore(1, templates={"model": nnx.state(target)})
     assert info.value.problems == ("model/head/bias/value: shape (5,) in the template, (3,) in the checkpoint", message)
     ckpt = store.restore(1, templates={"model": nnx.state(target)}, allow_shape_mismatch=["model/head/*"])
@@ -126,7 +127,7 @@ def test_a_leaf_of_another_kind_is_refused_even_when_not_strict(tmp_path):
         store.save(1, {"model": plain(3)})
     template = {"model": {**plain(3), "body": {"kernel": 1.0, "bias": jnp.ones(8)}}}
     message = "model/body/kernel: a Python value in the template, an array in the checkpoint"
-    with pytest.raises(CheckpointTemplateError, match=re.escape(message)):
+    with raises_usage("template", match=re.escape(message)):
         OrbaxCheckpointStore(tmp_path).restore(1, templates=template, strict=False)
 
 
@@ -139,7 +140,7 @@ def test_allowing_a_shape_mismatch_does_not_hide_a_leaf_of_another_kind(tmp_path
     template = {"model": {"w": jnp.zeros(3), "n": jnp.zeros(2)}}
     message = "model/n: an array in the template, a Python value in the checkpoint"
     for options in ({"allow_shape_mismatch": ["model/n"]}, {"allow_shape_mismatch": ["model/*"], "strict": False}):
-        with pytest.raises(CheckpointTemplateError, match=re.escape(message)):
+        with raises_usage("template", match=re.escape(message)):
             OrbaxCheckpointStore(tmp_path).restore(1, templates=template, **options)
 
 

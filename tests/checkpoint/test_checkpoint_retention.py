@@ -11,8 +11,9 @@ import re
 
 import jax.numpy as jnp
 import pytest
+from _errors import raises_usage
 
-from nnx_save.checkpoint import CheckpointRetentionError, OrbaxCheckpointStore, Retention, UnsupportedCheckpointError
+from nnx_save.checkpoint import OrbaxCheckpointStore, Retention, UnsupportedCheckpointError
 from nnx_save.checkpoint._retention import StepInfo, doomed
 
 LOSSES = {10: 0.9, 20: 0.1, 30: 0.5, 40: 0.4, 50: 0.45}
@@ -117,7 +118,7 @@ def test_reopening_with_other_policies_must_be_asked_for(tmp_path):
         "retention can delete steps at the next save, so it must be asked for: pass change_retention=True"
     )
     store = OrbaxCheckpointStore(tmp_path, max_to_keep=1)
-    with pytest.raises(CheckpointRetentionError, match=re.escape(message)):
+    with raises_usage("retention", match=re.escape(message)):
         store.list_steps()
     assert on_disk(tmp_path) == [20, 40, 50]
     with run(tmp_path, {60: 0.9}, max_to_keep=1, change_retention=True) as store:

@@ -10,16 +10,12 @@ See ``docs/checkpoints.md``. The common case::
 
 from ..errors import CheckpointCorruptError as CheckpointCorruptError
 from ..errors import CheckpointDamageWarning as CheckpointDamageWarning
-from ..errors import CheckpointDirectoryError as CheckpointDirectoryError
 from ..errors import CheckpointDtypeMismatchError as CheckpointDtypeMismatchError
 from ..errors import CheckpointError as CheckpointError
-from ..errors import CheckpointItemError as CheckpointItemError
-from ..errors import CheckpointLinkError as CheckpointLinkError
 from ..errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ..errors import CheckpointNotWrittenError as CheckpointNotWrittenError
-from ..errors import CheckpointRetentionError as CheckpointRetentionError
 from ..errors import CheckpointSyncError as CheckpointSyncError
-from ..errors import CheckpointTemplateError as CheckpointTemplateError
+from ..errors import CheckpointUsageError as CheckpointUsageError
 from ..errors import CheckpointWriteError as CheckpointWriteError
 from ..errors import DtypeMismatch as DtypeMismatch
 from ..errors import UnsupportedCheckpointError as UnsupportedCheckpointError

@@ -11,7 +11,7 @@ from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointDirectoryError, OptionError, UnsupportedValueError
+from ..errors import CheckpointUsageError, OptionError, UnsupportedValueError
 
 __all__ = ["CLOUD_SCHEMES", "is_url", "resolve_checkpoint_dir", "store_location"]
 
@@ -53,10 +53,12 @@ def store_location(name: str, value: str | os.PathLike[str]) -> Location:
     if scheme == "file":
         parsed = urllib.parse.urlparse(text)
         if parsed.netloc not in ("", "localhost"):
-            raise CheckpointDirectoryError(text, f"a file:// URL on host {parsed.netloc!r}; use file:///absolute/path")
+            raise CheckpointUsageError.for_directory(
+                text, f"a file:// URL on host {parsed.netloc!r}; use file:///absolute/path"
+            )
         return pathlib.Path(urllib.parse.unquote(parsed.path)).absolute()
     if scheme not in CLOUD_SCHEMES:
-        raise CheckpointDirectoryError(text, f"the URL scheme {scheme!r}")
+        raise CheckpointUsageError.for_directory(text, f"the URL scheme {scheme!r}")
     return epath.Path(text)
 
 
@@ -75,7 +77,7 @@ def resolve_checkpoint_dir(
 
     Raises:
         ValueError: Neither is given, or the one used is empty or whitespace.
-        CheckpointDirectoryError: A URL scheme Orbax cannot write to.
+        CheckpointUsageError: A URL scheme Orbax cannot write to.
 
     Examples:
         >>> resolve_checkpoint_dir(None, "/runs/exp1")

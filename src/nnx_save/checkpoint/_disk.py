@@ -14,13 +14,7 @@ from typing import Any
 
 from etils import epath
 
-from ..errors import (
-    CheckpointDamageWarning,
-    CheckpointLinkError,
-    CheckpointRetentionError,
-    DirectoryLockedError,
-    UnsupportedCheckpointError,
-)
+from ..errors import CheckpointDamageWarning, CheckpointUsageError, DirectoryLockedError, UnsupportedCheckpointError
 from ..io._lock import WriterLock
 from ..io._write import _write_all, atomic_file
 from . import _orbax
@@ -84,7 +78,7 @@ class Disk:
             raise UnsupportedCheckpointError(error.found, directory=self.path) from None
         given = self.given
         if recorded is not None and given is not None and given != recorded and not self.change_retention:
-            raise CheckpointRetentionError(recorded.describe(), given.describe(), self.path)
+            raise CheckpointUsageError.for_retention(recorded.describe(), given.describe(), self.path)
         self.view, self.recorded = DirectoryView.from_json(data["view"]), recorded
 
     @property
@@ -161,12 +155,12 @@ class Disk:
             (self.path / STORE_RECORD).write_text(record_json(retention))
 
     def refuse_links(self) -> None:
-        """Raise :class:`CheckpointLinkError` when an entry the store may rename or
+        """Raise :class:`CheckpointUsageError` when an entry the store may rename or
         delete is a symbolic link (decided on process 0), before anything changes."""
         links = agree("links", self._links)
         if links:
             name, target = links[0]
-            raise CheckpointLinkError(str(self.path / name), target, str(self.path))
+            raise CheckpointUsageError.for_link(str(self.path / name), target, str(self.path))
 
     def _links(self) -> list[list[str]]:
         if is_url(str(self.path)) or not self.path.is_dir():

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeGuard
 
 from .._version import __version__
-from ..errors import CheckpointItemError, OptionError, UnsupportedCheckpointError, short_repr
+from ..errors import CheckpointUsageError, OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 from ._tree import check_item, unknown_item
 
@@ -318,5 +318,5 @@ def restore_names(metadata: CheckpointMetadata, templates: Mapping[str, Any], it
         raise OptionError(f"templates given for {unused}, which items={wanted} does not restore")
     absent = [name for name in wanted if name not in metadata.items]
     if absent:
-        raise CheckpointItemError(metadata.step, absent, metadata.items)
+        raise CheckpointUsageError.for_item(metadata.step, absent, metadata.items)
     return [name for name in metadata.items if name in wanted]

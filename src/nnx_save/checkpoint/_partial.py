@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import CheckpointDtypeMismatchError, CheckpointTemplateError, DtypeMismatch
+from ..errors import CheckpointDtypeMismatchError, CheckpointUsageError, DtypeMismatch
 from ..load._report import DtypeCast, LoadReport, LossyCastWarning, ShapeMismatch, matches_any
 from ._tree import Path, Spec, flatten, leaf_spec, segment, show
 
@@ -67,7 +67,7 @@ def select(
     options: PartialOptions,
     source: str,
 ) -> tuple[dict[str, Selection], LoadReport]:
-    """Compare each template with the stored specs; raise :class:`CheckpointTemplateError`
+    """Compare each template with the stored specs; raise :class:`CheckpointUsageError`
     for a leaf that is an array on one side, a Python value on the other (always), or any
     mismatch not allowed under ``strict``; else warn once."""
     report, selections = LoadReport(source=source), {}
@@ -76,7 +76,7 @@ def select(
     for name, tree in templates.items():
         selections[name] = _select_item(name, tree, specs[name], options, report, problems, kinds)
     if kinds or (options.strict and problems):
-        raise CheckpointTemplateError(step, problems + kinds if options.strict else kinds)
+        raise CheckpointUsageError.for_template(step, problems + kinds if options.strict else kinds)
     report.raise_or_warn(False, stacklevel=4)
     return selections, report
 
@@ -215,7 +215,7 @@ def prepare(
     number leaves whose template type differs from the stored one.
 
     Raises:
-        CheckpointTemplateError: A string in the template meets a stored number, or
+        CheckpointUsageError: A string in the template meets a stored number, or
             the reverse (a wrong template, never a cast); before anything is read.
 
     Examples:
@@ -234,7 +234,7 @@ def prepare(
         if "str" in (want, have)
     ]
     if problems:
-        raise CheckpointTemplateError(step, problems)
+        raise CheckpointUsageError.for_template(step, problems)
     mismatches = [DtypeMismatch(name, where, have + _PYTHON, want + _PYTHON) for name, where, want, have in differ]
     return {name: _as_stored(tree, stored[name]) for name, tree in templates.items()}, mismatches
 
@@ -242,7 +242,7 @@ def prepare(
 def cast_back(step: int, item: str, restored: Any, casts: Sequence[DtypeMismatch], report: list[DtypeCast]) -> Any:
     """Cast the restored values named in ``casts`` (of ``item``) to their template's type,
     each recorded in ``report``, a warning for a value the cast changed, and a
-    :class:`CheckpointTemplateError` for one the type cannot hold (NaN onto an ``int``)."""
+    :class:`CheckpointUsageError` for one the type cannot hold (NaN onto an ``int``)."""
     wanted = {m.leaf: m for m in casts if m.item == item}
     if not wanted:
         return restored
@@ -256,7 +256,7 @@ def cast_back(step: int, item: str, restored: Any, casts: Sequence[DtypeMismatch
             cast = _TYPES[mismatch.restored.removesuffix(_PYTHON)](value)
         except (ValueError, OverflowError):  # int(nan), int(inf)
             problem = f"{item}/{where}: the stored {mismatch.saved} {value!r} cannot be restored as {mismatch.restored}"
-            raise CheckpointTemplateError(step, [problem]) from None
+            raise CheckpointUsageError.for_template(step, [problem]) from None
         report.append(DtypeCast(f"{item}/{where}", mismatch.saved, mismatch.restored))
         if cast != value:
             warnings.warn(

@@ -55,7 +55,7 @@ class OrbaxCheckpointStore:
         retention: The retention policies, applied after each committed save
             (default: the ones recorded at the first save, else the latest 5 steps).
         change_retention: Replace the recorded policies; other policies without it
-            raise :class:`CheckpointRetentionError`.
+            raise :class:`CheckpointUsageError`.
         save_interval_steps: :meth:`should_save` is true at steps divisible by this.
         save_interval_seconds: :meth:`should_save` is true once this many seconds
             passed since the last save (measured on process 0).
@@ -490,8 +490,8 @@ class OrbaxCheckpointStore:
                 with its axes is given or in scope.
             UnsupportedCheckpointError: See :meth:`read_metadata`.
             OptionError: ``templates`` or ``items`` name an unknown item.
-            CheckpointItemError: They name an item the step does not hold.
-            CheckpointTemplateError: A template's paths or shapes disagree with the
+            CheckpointUsageError: They name an item the step does not hold.
+            CheckpointUsageError: A template's paths or shapes disagree with the
                 step under ``strict`` (a leaf's kind: always), before any read.
             CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
         """
