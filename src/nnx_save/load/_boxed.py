@@ -74,26 +74,26 @@ def _with_extent(box: Box, axis: int, extent: tuple[int, int]) -> Box:
     return (*box[:axis], extent, *box[axis + 1 :])
 
 
-def _one_run(box: Box, shape: tuple[int, ...]) -> bool:
-    """Whether ``box`` of a C-ordered ``shape`` is one contiguous run of it."""
-    first = next((d for d, (lo, hi) in enumerate(box) if hi - lo > 1), len(box))
-    return all(box[d] == (0, shape[d]) for d in range(first + 1, len(box)))
+def _run_length(box: Box, shape: tuple[int, ...]) -> int:
+    """Elements in each contiguous run of ``box`` of a C-ordered ``shape``."""
+    n = 1
+    for (lo, hi), d in zip(reversed(box), reversed(shape), strict=True):
+        n *= hi - lo
+        if (lo, hi) != (0, d):
+            break
+    return n
 
 
 def _axis(transform: SourceTransform, box: Box, shapes: Sequence[tuple[int, ...]]) -> int | None:
-    """The axis of ``box`` to cut into slabs: the first whose one-wide slab reads
-    contiguous runs of every source, else the first that maps at all."""
-    fallback = None
+    """The axis of ``box`` to cut into slabs: the one whose one-wide slab reads the
+    longest runs of its sources (a slab of whole source rows reads one run; slabs
+    across the rows would each read through the same gaps)."""
+    best, score = None, -1
     for axis, (lo, hi) in enumerate(box):
-        if hi - lo < 2:
-            continue
-        feeds = transform.source_boxes(_with_extent(box, axis, (lo, lo + 1)), shapes)
-        if feeds is None:
-            continue
-        if all(_one_run(b, shapes[i]) for i, b in feeds):
-            return axis
-        fallback = axis if fallback is None else fallback
-    return fallback
+        feeds = transform.source_boxes(_with_extent(box, axis, (lo, lo + 1)), shapes) if hi - lo > 1 else None
+        if feeds is not None and (run := min(_run_length(b, shapes[i]) for i, b in feeds)) > score:
+            best, score = axis, run
+    return best
 
 
 def units(
