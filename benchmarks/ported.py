@@ -6,7 +6,9 @@ fp32, four files; ``--size-gb`` sets its size, 0.8 GB by default) under ``--dir`
 kept. Each phase runs in a FRESH PROCESS with the page cache warm (the parent reads
 every file first); the phases are interleaved round by round (``--repeat``) and each
 row shows the median wall time with its spread (min-max), CPU seconds, and the peak
-RSS the phase added over the checkpoint's size (``_common.Phase``).
+RSS the phase added over the checkpoint's size (``_common.Phase``). Each worker first
+touches and frees 3x the checkpoint (``--prefault``, as ``benchmarks/load.py`` does:
+on this VM the host backs fresh guest memory lazily, a cost no loader controls).
 
 Phases:
 
@@ -212,6 +214,10 @@ def worker(args: argparse.Namespace) -> dict:
     import nnx_save  # noqa: F401 - every phase pays the same imports
     from examples.models.llama import RULES
 
+    if args.prefault > 0:  # load.py's --prefault: the VM's lazy backing of fresh memory, untimed
+        buf = np.ones(int(args.prefault * _nbytes(Path(args.path))), np.uint8)
+        del buf
+
     with Phase() as phase:
         if args.worker == "nnx_save":
             model = nnx_save.load_model(builder, args.path, rules=RULES, mesh=mesh, strict=True, stream=False)[0]
@@ -233,6 +239,7 @@ def _worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--path")
     p.add_argument("--layout", choices=LAYOUTS)
     p.add_argument("--devices", type=int)
+    p.add_argument("--prefault", type=float, default=3.0)
 
 
 # ----------------------------------------------------------------------------- table
@@ -293,6 +300,12 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per row, interleaved")
     p.add_argument("--layouts", default=",".join(LAYOUTS))
     p.add_argument("--phases", default=",".join(PHASES))
+    p.add_argument(
+        "--prefault",
+        type=float,
+        default=3.0,
+        help="touch and free this many checkpoint sizes of memory before the clock (as benchmarks/load.py)",
+    )
     p.add_argument("--smoke", action="store_true", help="a 0.01 GB checkpoint, every row once")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args()
@@ -309,7 +322,7 @@ def main() -> None:
             for phase in runs:
                 for f in _files(path):
                     warm(f)
-                extra = ["--path", str(path), "--layout", layout, "--devices", str(devices)]
+                extra = ["--path", str(path), "--layout", layout, "--devices", str(devices), "--prefault", str(args.prefault)]
                 runs[phase].append(run_fresh(__file__, phase, extra, devices=devices))
         group = [summarise(ph, layout, r, nbytes) for ph, r in runs.items()]
         ours = next((r for r in group if r["key"] == "nnx_save" and "median" in r), None)

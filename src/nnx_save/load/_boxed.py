@@ -16,6 +16,7 @@ the CPU backend). A transform with no per-box map reads its sources whole
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -40,8 +41,9 @@ UNIT_BYTES = 4 << 20  # source bytes per unit: cache-friendly temporaries, enoug
 # its buffers): a plan of its own would cost more than the read, and the file's plan reads
 # through gaps under a page, which may hold them.
 EAGER_BYTES = 64 << 10
-CACHE_LINE = 64
-STRIP_MIN_ROWS = 16  # strips pay only when each holds this many rows (else one numpy copy)
+TILE_BYTES = 32  # a tile's width: measured best for float16 to float64 (a cache line was slower)
+TILE_ROWS = 512
+STRIP_MIN_ROWS = 16  # tiles pay only when each holds this many rows (else one numpy copy)
 _UNBOUNDED = Budget(1 << 62)  # a unit holds its bytes in the load's budget before its reads start
 Feeds = list[tuple[int, Box]]
 
@@ -51,8 +53,10 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     strided along ``dst``'s last axis (a transpose).
 
     numpy copies such a view element by element in ``dst``'s order, each read a cache
-    miss (about 0.5 GB/s for a float32 matrix); strips of ``dst`` one cache line wide,
-    each copied whole, read every source line once while it is in cache (2-3x that).
+    miss (about 0.5 GB/s for a float32 matrix). Tiles of :data:`TILE_ROWS` rows of
+    ``dst`` and :data:`TILE_BYTES` across, each copied whole, read each source line
+    once while it is in cache, and the row cap keeps rows a power of two apart from
+    evicting each other (benchmarks/ported.py measures the load around it).
 
     Examples:
         >>> a = np.arange(4096, dtype=np.float32).reshape(64, 64)
@@ -61,13 +65,14 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
         >>> bool((out == a.T).all())
         True
     """
-    width = max(1, CACHE_LINE // dst.itemsize)
-    rows = dst.size // max(dst.shape[-1], 1) if dst.ndim else 0
-    if dst.ndim < 2 or src.strides[-1] == src.itemsize or dst.shape[-1] <= width or rows < STRIP_MIN_ROWS:
+    width = max(1, TILE_BYTES // dst.itemsize)
+    if dst.ndim < 2 or src.strides[-1] == src.itemsize or dst.shape[-1] <= width or dst.shape[-2] < STRIP_MIN_ROWS:
         dst[...] = src
         return
-    for j in range(0, dst.shape[-1], width):
-        dst[..., j : j + width] = src[..., j : j + width]
+    for i in range(0, dst.shape[-2], TILE_ROWS):
+        d, s = dst[..., i : i + TILE_ROWS, :], src[..., i : i + TILE_ROWS, :]
+        for j in range(0, dst.shape[-1], width):
+            d[..., j : j + width] = s[..., j : j + width]
 
 
 def _with_extent(box: Box, axis: int, extent: tuple[int, int]) -> Box:
@@ -101,7 +106,7 @@ def units(
     box: Box,
     shapes: Sequence[tuple[int, ...]],
     itemsizes: Sequence[int],
-    limit: int,
+    limit: float,
 ) -> list[tuple[Box, Feeds]] | None:
     """``box`` cut into slabs of about ``limit`` source bytes each, with each slab's
     source boxes (one slab where it cannot be cut); ``None`` when ``box`` itself has
@@ -161,7 +166,7 @@ def plan_units(
     boxes: Sequence[Box],
     shapes: Sequence[tuple[int, ...]],
     itemsizes: Sequence[int],
-    limit: int | float,
+    limit: float,
 ) -> list[list[Part]] | None:
     """The units that make ``boxes`` of a target (its shards here): slabs of the boxes'
     hull (:func:`units`), each with its part of every box it meets, so that one unit
@@ -171,8 +176,9 @@ def plan_units(
 
     Examples:
         >>> from nnx_save.porting._transforms import Transform, Transpose
-        >>> t = Transform((), None, (Transpose((1, 0)),))  # kernel (4, 6) sharded on rows, from weight (6, 4)
-        >>> [[(i, sub) for i, sub, _ in unit] for unit in plan_units(t, [((0, 2), (0, 6)), ((2, 4), (0, 6))], [(6, 4)], [4], 48)]
+        >>> t = Transform((), None, (Transpose((1, 0)),))  # kernel (4, 6) from weight (6, 4)
+        >>> rows = [((0, 2), (0, 6)), ((2, 4), (0, 6))]  # two shards of kernel rows: weight columns
+        >>> [[(i, sub) for i, sub, _ in unit] for unit in plan_units(t, rows, [(6, 4)], [4], 48)]
         [[(0, ((0, 2), (0, 3))), (1, ((2, 4), (0, 3)))], [(0, ((0, 2), (3, 6))), (1, ((2, 4), (3, 6)))]]
     """
     slabs = units(transform, _hull(boxes), shapes, itemsizes, limit)
@@ -223,6 +229,7 @@ class BoxedTargets:
         self.eager: dict[str, list[_Unit]] = {}  # file -> small units read with its plan (all in it)
         self.nbytes = 0  # source bytes all units read
         self._lock = threading.Lock()
+        self._local = threading.local()  # per reader thread: its scratch buffer
         self._finished: list[int] = []  # boxes filled since the last :meth:`place_finished`
 
     def add(self, engine: Any, t: Target) -> bool:
@@ -285,6 +292,16 @@ class BoxedTargets:
     def _temps(unit: _Unit) -> list[np.ndarray]:
         return [aligned_empty(n) for n in unit.sizes]
 
+    def _scratch(self, unit: _Unit) -> list[np.ndarray]:
+        """``unit``'s temporaries, carved from this thread's reused scratch buffer (fresh
+        memory for every unit would fault in as many pages as the checkpoint has)."""
+        padded = [-(-n // 64) * 64 for n in unit.sizes]
+        have = getattr(self._local, "scratch", None)
+        if have is None or len(have) < sum(padded):
+            have = self._local.scratch = aligned_empty(max(sum(padded), UNIT_BYTES))
+        starts = itertools.accumulate(padded, initial=0)
+        return [have[at : at + n] for at, n in zip(starts, unit.sizes, strict=False)]
+
     def run_file(
         self, engine: Any, file: str, opened: Reader, threads: int, cancel: threading.Event
     ) -> tuple[int, int, int]:
@@ -330,7 +347,7 @@ class BoxedTargets:
 
     def _run(self, engine: Any, unit: _Unit, reader: Callable[[str], Reader]) -> tuple[int, int]:
         """Read ``unit``'s source boxes, transform them into their part of the final buffer."""
-        temps = self._temps(unit)
+        temps = self._scratch(unit)
         read = needed = 0
         for file, reqs in unit.reads.items():
             ratio, chunk = engine.opt.max_over_read_ratio, engine.opt.chunk_bytes
