@@ -115,8 +115,9 @@ def _setup(args: argparse.Namespace):
     import jax
 
     sys.path.insert(0, str(ROOT))
-    from examples.models.llama import Llama, LlamaConfig
     from flax import nnx
+
+    from examples.models.llama import Llama, LlamaConfig
 
     assert len(jax.devices()) == args.devices, jax.devices()
     hf = json.loads((Path(args.path) / "config.json").read_text())
@@ -211,7 +212,7 @@ def _check(model, args: argparse.Namespace, nnx) -> None:
 
 def worker(args: argparse.Namespace) -> dict:
     jax, nnx, builder, mesh, spec = _setup(args)
-    import nnx_save  # noqa: F401 - every phase pays the same imports
+    import nnx_save
     from examples.models.llama import RULES
 
     if args.prefault > 0:  # load.py's --prefault: the VM's lazy backing of fresh memory, untimed
@@ -322,7 +323,16 @@ def main() -> None:
             for phase in runs:
                 for f in _files(path):
                     warm(f)
-                extra = ["--path", str(path), "--layout", layout, "--devices", str(devices), "--prefault", str(args.prefault)]
+                extra = [
+                    "--path",
+                    str(path),
+                    "--layout",
+                    layout,
+                    "--devices",
+                    str(devices),
+                    "--prefault",
+                    str(args.prefault),
+                ]
                 runs[phase].append(run_fresh(__file__, phase, extra, devices=devices))
         group = [summarise(ph, layout, r, nbytes) for ph, r in runs.items()]
         ours = next((r for r in group if r["key"] == "nnx_save" and "median" in r), None)
@@ -340,6 +350,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if worker_main({ph: worker for ph in PHASES}, _worker_args):
+    if worker_main(dict.fromkeys(PHASES, worker), _worker_args):
         sys.exit()
     main()

@@ -8,7 +8,6 @@ elements so that every box takes many units, read alone or with their file's pla
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from nnx_save.load._plan import plan_file
 from nnx_save.load._target import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "porting"))
-from test_porting_boxes import CASES, _arrays  # noqa: E402
+from test_porting_boxes import CASES, _arrays
 
 
 @settings(max_examples=200)
@@ -80,20 +79,22 @@ def test_a_box_loads_as_numpy_slices_it_whatever_the_slabs(tmp_path_factory, cas
     a = CASES[case][0].mapping({k: (s, np.dtype(np.float32)) for k, s in shapes.items()}).assignments[path]
     box = tuple((lo, int(rng.integers(lo + 1, d + 1))) for d in a.shape for lo in [int(rng.integers(0, d))])
     with pytest.MonkeyPatch.context() as m:
-        value, report, full = _load(tmp_path_factory.mktemp("b"), case, box, unit, 1 << 20 if eager else 0, m)
+        where = tmp_path_factory.mktemp("b")
+        value, report, full = _load(where, case, box, unit, 1 << 20 if eager else 0, m)
     np.testing.assert_array_equal(value, full[tuple(slice(lo, hi) for lo, hi in box)])
     assert report.io.read_whole == [] and report.io.bytes_needed == 4 * math.prod(hi - lo for lo, hi in box)
     # the slabs read no byte the box's own plan would not (it reads through gaps under a page)
-    assert report.io.bytes_read <= _whole_box_read(case, box)
+    assert report.io.bytes_read <= _whole_box_read(where, case, box)
 
 
-def _whole_box_read(case, box):
+def _whole_box_read(tmp_path, case, box):
     """What one plan of all of ``box``'s source boxes reads (the engine before slabs)."""
-    rules, shapes, path = CASES[case]
-    a = rules.mapping({k: (s, np.dtype(np.float32)) for k, s in shapes.items()}).assignments[path]
-    feeds = a.transform.source_boxes(box, list(shapes.values()) if len(a.sources) == len(shapes) else None)
-    bases = dict(zip(shapes, itertools.accumulate((4 * math.prod(s) for s in shapes.values()), initial=0)))
-    requests = [Request(j, bases[a.sources[i]], shapes[a.sources[i]], 4, b) for j, (i, b) in enumerate(feeds)]
+    rules, _, path = CASES[case]
+    header = nnx_save.read_header(str(tmp_path / "t.safetensors"))
+    a = rules.mapping(header).assignments[path]
+    infos = [header.tensors[k] for k in a.sources]
+    feeds = a.transform.source_boxes(box, [info.shape for info in infos])
+    requests = [Request(j, infos[i].begin, infos[i].shape, 4, b) for j, (i, b) in enumerate(feeds)]
     return plan_file(requests, max_over_read_ratio=1.0).read_bytes
 
 
@@ -112,7 +113,7 @@ def test_a_sharded_box_target_loads_every_shard(tmp_path, monkeypatch, case, axi
     for shard in value.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     assert report.io.bytes_needed == full.nbytes  # every shard's sources once
-    assert report.io.bytes_read <= _whole_box_read(case, tuple((0, d) for d in full.shape))
+    assert report.io.bytes_read <= _whole_box_read(tmp_path, case, tuple((0, d) for d in full.shape))
 
 
 def test_units_of_sharded_rows_read_one_contiguous_slab_of_every_shard():
@@ -122,4 +123,30 @@ def test_units_of_sharded_rows_read_one_contiguous_slab_of_every_shard():
     boxes = [((2 * i, 2 * i + 2), (0, 32)) for i in range(8)]
     planned = plan_units(t, boxes, [(32, 16)], [4], 1024)  # 1 KiB: 16 weight rows a unit
     assert [len(unit) for unit in planned] == [8, 8]  # each unit: its columns of all 8 shards
-    assert [[feeds for _, _, feeds in unit] for unit in planned][0][0] == [(0, ((0, 16), (0, 2)))]
+    first_shard = planned[0][0]  # (box, slab, feeds)
+    assert first_shard[1:] == (((0, 2), (0, 16)), [(0, ((0, 16), (0, 2)))])  # weight rows 0-15, columns 0-1
+
+
+def test_a_transposed_load_holds_no_second_full_size_buffer(tmp_path):
+    """Issue 33: the transpose happens in the copy out of slab-sized temporaries, so host
+    memory at peak is the final buffer and a few MiB, not the source beside it."""
+    import tracemalloc
+
+    from nnx_save.porting import Rules, torch_linear
+
+    weight = np.arange(2048 * 2048, dtype=np.float32).reshape(2048, 2048)  # 16 MiB
+    file = str(tmp_path / "w.safetensors")
+    nnx_save.save_file({"fc.weight": weight}, file)
+    header = nnx_save.read_header(file)
+    a = Rules(torch_linear("fc", "fc", bias=False)).mapping(header).assignments["fc/kernel"]
+    t = Target(
+        "fc/kernel", a.shape, np.dtype(np.float32), sources=a.sources, transform=a.transform, source_shape=a.shape
+    )
+    tracemalloc.start()
+    try:
+        values, _ = load_targets(header, [t], LoadOptions(num_threads=1), warn=False)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(values["fc/kernel"], weight.T)
+    assert peak <= weight.nbytes + (6 << 20), peak  # final buffer + one slab's scratch (4 MiB) + change

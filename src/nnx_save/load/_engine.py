@@ -50,7 +50,7 @@ from ._report import (
     suggested_targets,
 )
 from ._source import Header, RemoteFiles, gc_paused
-from ._target import Target, check_device_dtype, shard_boxes
+from ._target import Target, check_device_dtype, device_indices, shard_boxes
 
 __all__ = ["load_targets"]
 
@@ -421,7 +421,7 @@ class Engine:
         for owner in dict.fromkeys(self.dests[i].owner for i in streamed):
             t = self.by_path[owner]
             per_device = {dev: a for i in self.shards[owner] for dev, a in arrays[i].items()}
-            devices = list(t.sharding.addressable_devices_indices_map(t.shape))
+            devices = list(device_indices(t.sharding, t.shape))
             self.results[owner] = jax.make_array_from_single_device_arrays(
                 t.shape, t.sharding, [per_device[d] for d in devices]
             )
