@@ -126,7 +126,7 @@ def units(
     if axis is None:
         return [(box, feeds)]
     lo, hi = box[axis]
-    step = max(1, (hi - lo) * limit // nbytes)
+    step = max(1, int((hi - lo) * limit // nbytes))
     out = []
     for a in range(lo, hi, step):
         sub = _with_extent(box, axis, (a, min(a + step, hi)))
@@ -241,7 +241,7 @@ class BoxedTargets:
         shapes, sizes = [info.shape for info in infos], [info.dtype.itemsize for info in infos]
         limit = math.inf if engine.opt.verify else UNIT_BYTES  # verify: a piece read whole can be checked
         boxes = shard_boxes(t)
-        planned = plan_units(t.transform, [b for b, _ in boxes], shapes, sizes, limit)  # type: ignore[arg-type]
+        planned = plan_units(t.transform, [b for b, _ in boxes], shapes, sizes, limit)
         if planned is None:
             return False
         first = len(self.boxes)
@@ -273,7 +273,9 @@ class BoxedTargets:
     def eager_work(self, file: str, first: int) -> tuple[list[Request], list[np.ndarray], list[tuple[_Unit, list]]]:
         """The small units of ``file``, read with its other destinations (numbered from
         ``first``): their requests, temporaries, and each unit with its temporaries."""
-        requests, temps, work = [], [], []
+        requests: list[Request] = []
+        temps: list[np.ndarray] = []
+        work: list[tuple[_Unit, list]] = []
         for unit in self.eager.get(file, []):
             mine = self._temps(unit)
             base = first + len(temps)
