@@ -142,3 +142,16 @@ def test_ported_targets_compare_medians():
     ]
     summary = ported.summarise("host_T", "last", runs, 20 * 1024)
     assert (summary["median"], summary["spread"], summary["cpu"], summary["rss"]) == (2.0, "(1.000-3.000)", 1.5, 1.0)
+
+
+def test_the_count_benchmark_checks_every_phase_and_judges_the_largest_count(tmp_path):
+    """benchmarks/count.py (issue 33): each worker loads and checks its tensors; the
+    target compares nnx_save with numpy-only safe_open at the largest count."""
+    import count
+
+    path = count.ensure_file(tmp_path, 100)
+    runs = {ph: [count.worker(argparse.Namespace(worker=ph, path=str(path)))] for ph in count.PHASES}
+    assert all(r[0]["count"] == 100 and r[0]["seconds"] > 0 for r in runs.values())
+    rows = [count.summarise(ph, 100, r) for ph, r in runs.items()]
+    rows[0]["us"], rows[1]["us"] = 3.0, 2.0  # the target's arithmetic, on fixed numbers
+    assert count.targets(rows) == ["100 tensors: nnx_save 1.50x safe_open (numpy) per tensor (<= 2): PASS"]
