@@ -98,3 +98,60 @@ def test_the_store_benchmark_saves_and_restores_both_ways(tmp_path):
     table = {(r["strategy"], r["phase"]): r for r in store_bench.summarise(rows)}
     assert table[("manager", "save")]["vs_time"] == table[("manager", "restore")]["vs_cpu"] == 1.0
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["1", "_nnx_save.lock", "_nnx_save_store.json"]
+
+
+@pytest.mark.slow
+def test_ported_smoke_measures_every_phase_on_both_layouts(tmp_path):
+    """benchmarks/ported.py (issue 33): ``--smoke`` builds a small HF Llama offline, runs
+    every phase in a fresh process on one device and on 8, checks each model against the
+    file, and prints every row and every target."""
+    import ported
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ported.py"), "--smoke", "--dir", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    number = r"\s+\d+\.\d{3}\s+\(\d+\.\d{3}-\d+\.\d{3}\)\s+\d+\.\d{2}\s+\d+\.\d{2}"  # median (min-max) cpu rss
+    for layout in ported.LAYOUTS:
+        for label in ported.LABELS.values():
+            assert re.search(re.escape(layout) + r"\s+" + re.escape(label) + number, out.stdout), (label, out.stdout)
+        for target in ("the best hand-written port (<= 0.8)", "read once + eval_shape (<= 1.25)", "(<= 1.05)"):
+            assert re.search(f"^{layout}: .*{re.escape(target)}: (PASS|FAIL)$", out.stdout, re.M), (target, out.stdout)
+
+
+def test_ported_targets_compare_medians():
+    import ported
+
+    def row(key, median, rss=1.0):
+        return {"key": key, "layout": "1dev", "median": median, "rss": rss}
+
+    rows = [row("nnx_save", 1.0, 1.02), row("host_T", 1.5), row("device_T", 1.2), row("read_once", 0.5)]
+    rows.append(row("eval_shape", 0.4))
+    assert ported.targets(rows) == [
+        "1dev: 0.83x the best hand-written port (<= 0.8): FAIL",
+        "1dev: 1.11x read once + eval_shape (<= 1.25): PASS",
+        "1dev: peak RSS 1.02x the checkpoint (<= 1.05): PASS",
+    ]
+    runs = [
+        {"seconds": s, "user_s": 1.0, "sys_s": 0.5, "peak_above_kb": kb} for s, kb in ((3.0, 10), (1.0, 30), (2.0, 20))
+    ]
+    summary = ported.summarise("host_T", "last", runs, 20 * 1024)
+    assert (summary["median"], summary["spread"], summary["cpu"], summary["rss"]) == (2.0, "(1.000-3.000)", 1.5, 1.0)
+
+
+def test_the_count_benchmark_checks_every_phase_and_judges_the_largest_count(tmp_path):
+    """benchmarks/count.py (issue 33): each worker loads and checks its tensors; the
+    target compares nnx_save with numpy-only safe_open at the largest count."""
+    import count
+
+    path = count.ensure_file(tmp_path, 100)
+    runs = {ph: [count.worker(argparse.Namespace(worker=ph, path=str(path)))] for ph in count.PHASES}
+    assert all(r[0]["count"] == 100 and r[0]["seconds"] > 0 for r in runs.values())
+    rows = [count.summarise(ph, 100, r) for ph, r in runs.items()]
+    rows[0]["us"], rows[1]["us"] = 3.0, 2.0  # the target's arithmetic, on fixed numbers
+    assert count.targets(rows) == ["100 tensors: nnx_save 1.50x safe_open (numpy) per tensor (<= 2): PASS"]

@@ -16,7 +16,7 @@ import numpy as np
 from ..format import _dtypes
 from ..format._header import TensorInfo
 from ._pieces import Box, extents
-from ._target import Target
+from ._target import Target, device_indices
 
 __all__ = ["batched_put", "held_dtype", "host_view", "place", "place_whole"]
 
@@ -47,7 +47,7 @@ def place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):
     import jax
 
     by_device = {d: host for host, devices in pieces for d in devices}
-    devices = list(t.sharding.addressable_devices_indices_map(t.shape))
+    devices = list(device_indices(t.sharding, t.shape))
     hosts = [by_device[d] for d in devices]
     put = batched_put()
     if put is not None and hosts[0].dtype == jax.dtypes.canonicalize_dtype(hosts[0].dtype):

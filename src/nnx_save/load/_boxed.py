@@ -1,34 +1,220 @@
-"""Targets made by a porting transform, read box by box.
+"""Targets made by a porting transform, read box by box, the transform applied in the copy.
 
-Each distinct ``(source key, source box)`` that the transform's
-:meth:`~nnx_save.load._target.SourceTransform.source_boxes` names is one engine
-destination, which may feed several targets; a target is made once its last source box
-is read, and a source box's buffer is released when the last target it feeds is made.
-A transform with no per-box map reads its sources whole (``report.io.read_whole``).
+Each box a process needs of such a target (a shard, or the whole value) has one final
+buffer. The box is cut into slabs (:func:`units`) whose source bytes stay a few MiB,
+along the axis whose slabs are contiguous runs of the source where there is one; each
+slab is one unit of work on the reader threads: read its source boxes into small
+temporaries (under the load's byte budget), apply the transform to them
+(:meth:`~nnx_save.load._target.SourceTransform.from_boxes`: a transpose is a view) and
+copy the result into its part of the final buffer (:func:`copy_into`, in cache-sized
+strips), then free the temporaries. No full-size source buffer exists and nothing runs
+over a finished file; the main thread only places each finished target (an adoption on
+the CPU backend). A transform with no per-box map reads its sources whole
+(``report.io.read_whole``, in the engine).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import itertools
+import math
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..errors import ShapeMismatchError
+from ..io._reader import Reader
 from ._assemble import held_dtype, place
-from ._pieces import Box, extents
-from ._target import Target, shard_boxes
+from ._execute import Budget, Cancelled, aligned_empty, execute
+from ._pieces import Box, Request, extents, intersect, request
+from ._plan import plan_file
+from ._target import SourceTransform, Target, shard_boxes
 
-__all__ = ["BoxedTargets"]
+__all__ = ["UNIT_BYTES", "BoxedTargets", "copy_into", "plan_units", "units"]
+
+UNIT_BYTES = 4 << 20  # source bytes per unit: cache-friendly temporaries, enough units to share out
+# Units of at most this many bytes are read in their file's plan (temporaries allocated with
+# its buffers): a plan of its own would cost more than the read, and the file's plan reads
+# through gaps under a page, which may hold them.
+EAGER_BYTES = 64 << 10
+TILE_BYTES = 32  # a tile's width: measured best for float16 to float64 (a cache line was slower)
+TILE_ROWS = 512
+STRIP_MIN_ROWS = 16  # tiles pay only when each holds this many rows (else one numpy copy)
+_UNBOUNDED = Budget(1 << 62)  # a unit holds its bytes in the load's budget before its reads start
+Feeds = list[tuple[int, Box]]
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` (casting to ``dst``'s dtype), cache-blocked when ``src`` is
+    strided along ``dst``'s last axis (a transpose).
+
+    numpy copies such a view element by element in ``dst``'s order, each read a cache
+    miss (about 0.5 GB/s for a float32 matrix). Tiles of :data:`TILE_ROWS` rows of
+    ``dst`` and :data:`TILE_BYTES` across, each copied whole, read each source line
+    once while it is in cache, and the row cap keeps rows a power of two apart from
+    evicting each other (benchmarks/ported.py measures the load around it).
+
+    Examples:
+        >>> a = np.arange(4096, dtype=np.float32).reshape(64, 64)
+        >>> out = np.empty((64, 64), np.float32)
+        >>> copy_into(out, a.T)
+        >>> bool((out == a.T).all())
+        True
+    """
+    width = max(1, TILE_BYTES // dst.itemsize)
+    if dst.ndim < 2 or src.strides[-1] == src.itemsize or dst.shape[-1] <= width or dst.shape[-2] < STRIP_MIN_ROWS:
+        dst[...] = src
+        return
+    for i in range(0, dst.shape[-2], TILE_ROWS):
+        d, s = dst[..., i : i + TILE_ROWS, :], src[..., i : i + TILE_ROWS, :]
+        for j in range(0, dst.shape[-1], width):
+            d[..., j : j + width] = s[..., j : j + width]
+
+
+def _with_extent(box: Box, axis: int, extent: tuple[int, int]) -> Box:
+    return (*box[:axis], extent, *box[axis + 1 :])
+
+
+def _run_length(box: Box, shape: tuple[int, ...]) -> int:
+    """Elements in each contiguous run of ``box`` of a C-ordered ``shape``."""
+    n = 1
+    for (lo, hi), d in zip(reversed(box), reversed(shape), strict=True):
+        n *= hi - lo
+        if (lo, hi) != (0, d):
+            break
+    return n
+
+
+def _axis(transform: SourceTransform, box: Box, shapes: Sequence[tuple[int, ...]]) -> int | None:
+    """The axis of ``box`` to cut into slabs: the one whose one-wide slab reads the
+    longest runs of its sources (a slab of whole source rows reads one run; slabs
+    across the rows would each read through the same gaps)."""
+    best, score = None, -1
+    for axis, (lo, hi) in enumerate(box):
+        feeds = transform.source_boxes(_with_extent(box, axis, (lo, lo + 1)), shapes) if hi - lo > 1 else None
+        if feeds is not None and (run := min(_run_length(b, shapes[i]) for i, b in feeds)) > score:
+            best, score = axis, run
+    return best
+
+
+def units(
+    transform: SourceTransform,
+    box: Box,
+    shapes: Sequence[tuple[int, ...]],
+    itemsizes: Sequence[int],
+    limit: float,
+) -> list[tuple[Box, Feeds]] | None:
+    """``box`` cut into slabs of about ``limit`` source bytes each, with each slab's
+    source boxes (one slab where it cannot be cut); ``None`` when ``box`` itself has
+    no per-box preimage.
+
+    Examples:
+        >>> from nnx_save.porting._transforms import Transform, Transpose
+        >>> t = Transform((), None, (Transpose((1, 0)),))  # kernel (4, 6) from weight (6, 4)
+        >>> [sub for sub, _ in units(t, ((0, 4), (0, 6)), [(6, 4)], [4], 32)]  # 2 weight rows each
+        [((0, 4), (0, 2)), ((0, 4), (2, 4)), ((0, 4), (4, 6))]
+    """
+    feeds = transform.source_boxes(box, shapes)
+    if feeds is None:
+        return None
+    nbytes = sum(math.prod(extents(b)) * itemsizes[i] for i, b in feeds)
+    axis = _axis(transform, box, shapes) if nbytes > limit else None
+    if axis is None:
+        return [(box, feeds)]
+    lo, hi = box[axis]
+    step = max(1, int((hi - lo) * limit // nbytes))
+    out = []
+    for a in range(lo, hi, step):
+        sub = _with_extent(box, axis, (a, min(a + step, hi)))
+        part = transform.source_boxes(sub, shapes)
+        if part is None:
+            return [(box, feeds)]
+        out.append((sub, part))
+    return out
+
+
+Part = tuple[int, Box, Feeds]  # (box of the target, its slab, that slab's source boxes)
+
+
+def _hull(boxes: Sequence[Box]) -> Box:
+    return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
+
+
+def _slab_parts(transform: SourceTransform, slabs: list[Box], boxes: Sequence[Box], shapes: Sequence[tuple[int, ...]]):
+    """Per slab, its part of each box it meets; ``None`` if some part has no preimage."""
+    out: list[list[Part]] = []
+    for slab in slabs:
+        parts: list[Part] = []
+        for i, box in enumerate(boxes):
+            sub = intersect(slab, box)
+            feeds = None if sub is None else transform.source_boxes(sub, shapes)
+            if sub is not None and feeds is None:
+                return None
+            if sub is not None and feeds is not None:
+                parts.append((i, sub, feeds))
+        if parts:
+            out.append(parts)
+    return out
+
+
+def plan_units(
+    transform: SourceTransform,
+    boxes: Sequence[Box],
+    shapes: Sequence[tuple[int, ...]],
+    itemsizes: Sequence[int],
+    limit: float,
+) -> list[list[Part]] | None:
+    """The units that make ``boxes`` of a target (its shards here): slabs of the boxes'
+    hull (:func:`units`), each with its part of every box it meets, so that one unit
+    reads the adjacent parts of all shards together (shards of a strided source, read
+    one by one, would each read through the others); per box where the hull does not
+    map. ``None`` when some box has no per-box preimage.
+
+    Examples:
+        >>> from nnx_save.porting._transforms import Transform, Transpose
+        >>> t = Transform((), None, (Transpose((1, 0)),))  # kernel (4, 6) from weight (6, 4)
+        >>> rows = [((0, 2), (0, 6)), ((2, 4), (0, 6))]  # two shards of kernel rows: weight columns
+        >>> [[(i, sub) for i, sub, _ in unit] for unit in plan_units(t, rows, [(6, 4)], [4], 48)]
+        [[(0, ((0, 2), (0, 3))), (1, ((2, 4), (0, 3)))], [(0, ((0, 2), (3, 6))), (1, ((2, 4), (3, 6)))]]
+    """
+    slabs = units(transform, _hull(boxes), shapes, itemsizes, limit)
+    out = None if slabs is None else _slab_parts(transform, [sub for sub, _ in slabs], boxes, shapes)
+    if out is not None:
+        return out
+    out = []
+    for i, box in enumerate(boxes):
+        cut = units(transform, box, shapes, itemsizes, limit)
+        if cut is None:
+            return None
+        out += [[(i, sub, feeds)] for sub, feeds in cut]
+    return out
 
 
 @dataclass
-class _Plan:
-    """One target's boxes: each with its local devices and the destinations that feed it."""
+class _Box:
+    """One box of a target: its final buffer (allocated by its first unit)."""
 
     target: Target
-    boxes: list[tuple[Box, list[Any], list[int]]]
-    left: set[int]  # destinations not read yet
+    box: Box
+    devices: list[Any]
+    left: int = 0  # units not yet copied in
+    buffer: np.ndarray | None = None
+
+
+@dataclass
+class _Unit:
+    """Slabs of some boxes of one target: the source boxes that make them, and their reads."""
+
+    parts: list[tuple[int, Box, int, int]]  # (box, slab, its feeds [start, stop))
+    feeds: list[tuple[str, Box]]  # (source key, source box): one temporary each
+    reads: dict[str, list[Request]] = field(default_factory=dict)  # file -> requests into the temporaries
+    pieces: list[Any] = field(default_factory=list)  # per feed: the one piece it is whole, or None
+    nbytes: int = 0
+    sizes: list[int] = field(default_factory=list)  # per feed: its temporary's bytes
 
 
 class BoxedTargets:
@@ -37,65 +223,192 @@ class BoxedTargets:
     load's arrays alive until the next garbage collection."""
 
     def __init__(self) -> None:
-        self.plans: dict[str, _Plan] = {}
-        self.by_box: dict[tuple[str, Box], int] = {}  # (source key, box) -> its destination
-        self.feeding: dict[int, list[str]] = {}  # destination -> the targets it feeds
-        self.uses: dict[int, int] = {}  # destination -> targets still to be made from it
+        self.boxes: list[_Box] = []
+        self.by_target: dict[str, list[int]] = {}  # target path -> its boxes
+        self.by_file: dict[str, list[_Unit]] = {}  # the file a unit's first read is in -> units
+        self.eager: dict[str, list[_Unit]] = {}  # file -> small units read with its plan (all in it)
+        self.nbytes = 0  # source bytes all units read
+        self._lock = threading.Lock()
+        self._local = threading.local()  # per reader thread: its scratch buffer
+        self._finished: list[int] = []  # boxes filled since the last :meth:`place_finished`
 
     def add(self, engine: Any, t: Target) -> bool:
-        """Plan ``t`` box by box; False (nothing added) when its transform cannot."""
+        """Plan ``t`` unit by unit; False (nothing added) when its transform cannot."""
         assert t.transform is not None
         infos = [engine.header.tensors[k] for k in t.sources]
         if not all(info.dtype.byte_aligned for info in infos):
             return False  # packed sub-byte sources: read whole, unpacked after
-        shapes = [info.shape for info in infos]
-        mapped = []
-        for box, devices in shard_boxes(t):
-            feeds = t.transform.source_boxes(box, shapes)
-            if feeds is None:
-                return False
-            mapped.append((box, devices, feeds))
-        plan = _Plan(t, [], set())
-        for box, devices, feeds in mapped:
-            plan.boxes.append((box, devices, [self._dest(engine, t, t.sources[i], b, plan) for i, b in feeds]))
-        self.plans[t.path] = plan
+        shapes, sizes = [info.shape for info in infos], [info.dtype.itemsize for info in infos]
+        limit = math.inf if engine.opt.verify else UNIT_BYTES  # verify: a piece read whole can be checked
+        boxes = shard_boxes(t)
+        planned = plan_units(t.transform, [b for b, _ in boxes], shapes, sizes, limit)
+        if planned is None:
+            return False
+        first = len(self.boxes)
+        self.by_target[t.path] = list(range(first, first + len(boxes)))
+        self.boxes += [_Box(t, box, devices) for box, devices in boxes]
+        for parts in planned:
+            unit = _Unit([], [])
+            for i, sub, feeds in parts:
+                unit.parts.append((first + i, sub, len(unit.feeds), len(unit.feeds) + len(feeds)))
+                unit.feeds += [(t.sources[k], b) for k, b in feeds]
+                self.boxes[first + i].left += 1
+            self._add_unit(engine, unit)
         return True
 
-    def _dest(self, engine: Any, t: Target, key: str, box: Box, plan: _Plan) -> int:
-        index = self.by_box.get((key, box))
-        if index is None:
-            index = engine.add(f"box:{key}{list(box)}", key, box, [None], False)
-            self.by_box[(key, box)] = index
-        if index not in plan.left:
-            plan.left.add(index)
-            self.feeding.setdefault(index, []).append(t.path)
-            self.uses[index] = self.uses.get(index, 0) + 1
-        return index
+    def _add_unit(self, engine: Any, unit: _Unit) -> None:
+        for j, (key, box) in enumerate(unit.feeds):
+            parts = engine.choose(key, box)  # a refusal (a missing pod file) before any read
+            whole = len(parts) == 1 and parts[0][0].box == box
+            unit.pieces.append(parts[0][0] if whole else None)
+            for piece, part in parts:
+                unit.reads.setdefault(piece.info.file, []).append(request(piece, part, box, j))
+            unit.sizes.append(math.prod(extents(box)) * engine.header.tensors[key].dtype.itemsize)
+            unit.nbytes += unit.sizes[-1]
+        assert unit.reads, "a unit's source boxes are never empty (Transform.source_boxes maps only non-empty boxes)"
+        small = unit.nbytes <= EAGER_BYTES and len(unit.reads) == 1
+        (self.eager if small else self.by_file).setdefault(next(iter(unit.reads)), []).append(unit)
+        self.nbytes += unit.nbytes
 
-    def filled(self, engine: Any, index: int) -> None:
-        """Destination ``index`` is read: make every target it completes."""
-        for path in self.feeding.pop(index, ()):
-            plan = self.plans[path]
-            plan.left.discard(index)
-            if not plan.left:
-                self._make(engine, plan)
+    def eager_work(self, file: str, first: int) -> tuple[list[Request], list[np.ndarray], list[tuple[_Unit, list]]]:
+        """The small units of ``file``, read with its other destinations (numbered from
+        ``first``): their requests, temporaries, and each unit with its temporaries."""
+        requests: list[Request] = []
+        temps: list[np.ndarray] = []
+        work: list[tuple[_Unit, list]] = []
+        for unit in self.eager.get(file, []):
+            mine = self._temps(unit)
+            base = first + len(temps)
+            for r in unit.reads[file]:
+                requests.append(dataclasses.replace(r, dest=base + r.dest))
+            temps += mine
+            work.append((unit, mine))
+        return requests, temps, work
 
-    def _make(self, engine: Any, plan: _Plan) -> None:
-        t = plan.target
+    def apply_eager(self, engine: Any, work: list[tuple[_Unit, list]]) -> None:
+        """Transform the small units read with their file's plan into their boxes."""
+        for unit, temps in work:
+            self._apply(engine, unit, temps)
+
+    @staticmethod
+    def _temps(unit: _Unit) -> list[np.ndarray]:
+        return [aligned_empty(n) for n in unit.sizes]
+
+    def _scratch(self, unit: _Unit) -> list[np.ndarray]:
+        """``unit``'s temporaries, carved from this thread's reused scratch buffer (fresh
+        memory for every unit would fault in as many pages as the checkpoint has)."""
+        padded = [-(-n // 64) * 64 for n in unit.sizes]
+        have = getattr(self._local, "scratch", None)
+        if have is None or len(have) < sum(padded):
+            have = self._local.scratch = aligned_empty(max(sum(padded), UNIT_BYTES))
+        starts = itertools.accumulate(padded, initial=0)
+        return [have[at : at + n] for at, n in zip(starts, unit.sizes, strict=False)]
+
+    def run_file(
+        self, engine: Any, file: str, opened: Reader, threads: int, cancel: threading.Event
+    ) -> tuple[int, int, int]:
+        """Run the units whose first read is in ``file`` (read through ``opened``),
+        ``threads`` at a time, opening readers of other files as units need them.
+        Returns (bytes read, bytes needed, requests through the other readers)."""
+        todo = self.by_file.get(file, [])
+        readers: dict[str, Reader] = {}
+        totals = [0, 0]
+
+        def reader(name: str) -> Reader:
+            if name == file:
+                return opened
+            with self._lock:
+                if name not in readers:
+                    readers[name] = engine.open_reader(name)
+                return readers[name]
+
+        def run(unit: _Unit) -> None:
+            if cancel.is_set():
+                raise Cancelled
+            with engine.budget(unit.nbytes):
+                read, needed = self._run(engine, unit, reader)
+            with self._lock:
+                totals[0] += read
+                totals[1] += needed
+
+        try:
+            if threads <= 1 or len(todo) <= 1:
+                for unit in todo:
+                    run(unit)
+            else:
+                with ThreadPoolExecutor(min(threads, len(todo)), thread_name_prefix="nnx_save-unit") as pool:
+                    for f in [pool.submit(run, u) for u in todo]:
+                        f.result()
+        except BaseException:
+            cancel.set()
+            raise
+        finally:
+            for r in readers.values():
+                r.close()
+        return totals[0], totals[1], sum(r.requests for r in readers.values())
+
+    def _run(self, engine: Any, unit: _Unit, reader: Callable[[str], Reader]) -> tuple[int, int]:
+        """Read ``unit``'s source boxes, transform them into their part of the final buffer."""
+        temps = self._scratch(unit)
+        read = needed = 0
+        for file, reqs in unit.reads.items():
+            ratio, chunk = engine.opt.max_over_read_ratio, engine.opt.chunk_bytes
+            plan = plan_file(reqs, max_over_read_ratio=ratio, chunk_bytes=chunk)
+            on_chunk = engine.bar.update if engine.bar.active else None
+            execute(reader(file), plan, temps, budget=_UNBOUNDED, num_threads=1, on_chunk=on_chunk)
+            read, needed = read + plan.read_bytes, needed + plan.needed_bytes
+        self._apply(engine, unit, temps)
+        return read, needed
+
+    def _apply(self, engine: Any, unit: _Unit, temps: list[np.ndarray]) -> None:
+        """Check ``unit``'s pieces read whole (``verify``), transform its temporaries
+        into its boxes, and count the boxes it finishes."""
+        if engine.opt.verify:  # a piece read whole is checked; one read in parts cannot be
+            for (key, _), whole, temp in zip(unit.feeds, unit.pieces, temps, strict=True):
+                engine.checked_piece(key, whole, [temp.data]) if whole is not None else engine.mark(key, False)
+        regions = [
+            temp.view(engine.header.tensors[k].dtype.numpy).reshape(extents(b))
+            for (k, b), temp in zip(unit.feeds, temps, strict=True)
+        ]
+        for index, sub, start, stop in unit.parts:
+            self._copy(self.boxes[index], sub, regions[start:stop])
+            with self._lock:
+                self.boxes[index].left -= 1
+                if not self.boxes[index].left:
+                    self._finished.append(index)
+
+    def _copy(self, owner: _Box, sub: Box, regions: list[np.ndarray]) -> None:
+        """Slab ``sub`` of ``owner`` from its source regions, into the final buffer."""
+        t = owner.target
         assert t.transform is not None
-        held, pieces = held_dtype(t), []
-        for box, devices, feeds in plan.boxes:
-            regions = [engine.host(i) for i in feeds]
-            value = np.asarray(t.transform.from_boxes(box, regions))
-            if value.shape != extents(box):
-                raise ShapeMismatchError(
-                    f"{t.path}: rule produced shape {value.shape} for box {[list(b) for b in box]} "
-                    f"from {list(t.sources)}, expected {extents(box)}"
-                )
-            pieces.append((np.ascontiguousarray(value, dtype=held), devices))
-        for index in {i for _, _, feeds in plan.boxes for i in feeds}:
-            self.uses[index] -= 1
-            if not self.uses[index]:
-                engine.dests[index].buffer = None  # released once every target it feeds exists
-        engine.results[t.path] = place(t, pieces)
-        engine.bar.update(items=1)
+        value = np.asarray(t.transform.from_boxes(sub, regions))
+        if value.shape != extents(sub):
+            raise ShapeMismatchError(
+                f"{t.path}: rule produced shape {value.shape} for box {[list(b) for b in sub]} "
+                f"from {list(t.sources)}, expected {extents(sub)}"
+            )
+        at = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(sub, owner.box, strict=True))
+        copy_into(self._final(owner)[at], value)
+
+    def _final(self, owner: _Box) -> np.ndarray:
+        """``owner``'s final buffer (held dtype, its box's shape), allocated once."""
+        with self._lock:
+            if owner.buffer is None:
+                held = held_dtype(owner.target)
+                flat = aligned_empty(math.prod(extents(owner.box)) * held.itemsize)
+                owner.buffer = flat.view(held).reshape(extents(owner.box))
+            return owner.buffer
+
+    def place_finished(self, engine: Any) -> None:
+        """Place every target whose boxes are all filled (on the caller's thread)."""
+        with self._lock:
+            done, self._finished = self._finished, []
+        for index in done:
+            t = self.boxes[index].target
+            mine = self.by_target[t.path]
+            if all(self.boxes[i].left == 0 for i in mine) and t.path not in engine.results:
+                pieces = [(self._final(self.boxes[i]), self.boxes[i].devices) for i in mine]
+                for i in mine:
+                    self.boxes[i].buffer = None  # the array holds it now
+                engine.results[t.path] = place(t, pieces)
+                engine.bar.update(items=1)

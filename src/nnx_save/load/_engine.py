@@ -50,7 +50,7 @@ from ._report import (
     suggested_targets,
 )
 from ._source import Header, RemoteFiles, gc_paused
-from ._target import Target, check_device_dtype, shard_boxes
+from ._target import Target, check_device_dtype, device_indices, shard_boxes
 
 __all__ = ["load_targets"]
 
@@ -162,7 +162,7 @@ class Engine:
         info = self.header.tensors[key]
         index = len(self.dests)
         nbytes = math.prod(extents(box)) * info.dtype.itemsize if info.dtype.byte_aligned else info.nbytes
-        dest = Dest(owner or f"source:{key}", key, box, devices, nbytes, adopted, self._choose(key, box))
+        dest = Dest(owner or f"source:{key}", key, box, devices, nbytes, adopted, self.choose(key, box))
         dest.files.update(piece.info.file for piece, _ in dest.parts)
         self.dests.append(dest)
         self.shards.setdefault(dest.owner, []).append(index)
@@ -170,7 +170,7 @@ class Engine:
             self.by_file.setdefault(file, []).append(index)
         return index
 
-    def _choose(self, key: str, box: Box) -> list[tuple[Piece, Box]]:
+    def choose(self, key: str, box: Box) -> list[tuple[Piece, Box]]:
         """The pieces that give ``box`` and the part each gives: one per distinct
         piece box, this process's own pod file first."""
         pieces = self.header.pieces_of(key)
@@ -211,7 +211,8 @@ class Engine:
             if not dest.files and index not in skip:
                 dest.buffer = aligned_empty(dest.nbytes)
                 self._filled(index)
-        files = [fh.file for fh in self.header.files if fh.file in self.by_file]
+        boxed = self.boxed.by_file.keys() | self.boxed.eager.keys()
+        files = [fh.file for fh in self.header.files if fh.file in self.by_file or fh.file in boxed]
         if not files:
             return
         at_once = min(len(files), self.opt.threads)
@@ -223,7 +224,8 @@ class Engine:
 
             def submit(count: int) -> None:  # the next ``count`` files, their buffers allocated here
                 for file in itertools.islice(todo, count):
-                    running[pool.submit(self._read_file, file, self._requests(file), threads, cancel)] = file
+                    work = self._requests(file)
+                    running[pool.submit(self._read_file, file, work, threads, cancel)] = file
 
             try:
                 submit(at_once)
@@ -237,10 +239,11 @@ class Engine:
                 wait(running)
                 raise
 
-    def _requests(self, file: str) -> tuple[list[Request], list[np.ndarray]]:
+    def _requests(self, file: str) -> tuple[list[Request], list[np.ndarray], list]:
         """This file's requests (destinations numbered locally) and buffers, allocating
-        destinations first touched here (adopted ones packed together)."""
-        indices = self.by_file[file]
+        destinations first touched here (adopted ones packed together); the small
+        transformed units read with them, with their temporaries, last."""
+        indices = self.by_file.get(file, [])
         fresh = [self.dests[i] for i in indices if self.dests[i].buffer is None]
         try:
             packed = iter(pack_buffers([d.nbytes for d in fresh if d.adopted]))
@@ -254,13 +257,17 @@ class Engine:
             for piece, part in self.dests[i].parts
             if piece.info.file == file
         ]
-        return requests, [self.dests[i].buffer for i in indices]
+        buffers = [self.dests[i].buffer for i in indices]
+        more, temps, eager = self.boxed.eager_work(file, len(buffers))
+        return requests + more, buffers + temps, eager
 
     def _read_file(
-        self, file: str, work: tuple[list[Request], list[np.ndarray]], threads: int, cancel: threading.Event
-    ) -> tuple[FilePlan, int, float, float, int]:
+        self, file: str, work: tuple[list[Request], list[np.ndarray], list], threads: int, cancel: threading.Event
+    ) -> tuple[FilePlan, int, float, float, tuple[int, int], int]:
+        """Read this file's destinations, then run the transformed targets' units
+        that start in it (each transformed in the copy, on these threads)."""
         t0 = time.perf_counter()
-        requests, buffers = work
+        requests, buffers, eager = work
         plan = plan_file(requests, max_over_read_ratio=self.opt.max_over_read_ratio, chunk_bytes=self.opt.chunk_bytes)
         floor = self.floor_bytes(requests, plan) if self.over_read_warns(plan.read_bytes, plan.needed_bytes) else 0
         t1 = time.perf_counter()
@@ -268,22 +275,35 @@ class Engine:
         try:
             on_chunk = self.bar.update if self.bar.active else None
             execute(reader, plan, buffers, budget=self.budget, num_threads=threads, on_chunk=on_chunk, cancel=cancel)
+            del buffers
+            self.boxed.apply_eager(self, eager)
+            *boxed, more = self.boxed.run_file(self, file, reader, threads, cancel)
         finally:
             reader.close()
-        return plan, reader.requests, t1 - t0, time.perf_counter() - t1, floor
+        return plan, reader.requests + more, t1 - t0, time.perf_counter() - t1, (boxed[0], boxed[1]), floor
 
-    def _file_read(self, file: str, plan: FilePlan, requests: int, plan_s: float, read_s: float, floor: int) -> None:
+    def _file_read(
+        self,
+        file: str,
+        plan: FilePlan,
+        requests: int,
+        plan_s: float,
+        read_s: float,
+        boxed: tuple[int, int],
+        floor: int,
+    ) -> None:
         t0 = time.perf_counter()
-        self.report.io.add_file(file, plan.read_bytes, plan.needed_bytes, requests)
+        self.report.io.add_file(file, plan.read_bytes + boxed[0], plan.needed_bytes + boxed[1], requests)
         if self.over_read_warns(plan.read_bytes, plan.needed_bytes):
             extra = self.read_through(file, plan)
             self.note_over_read(file, plan.read_bytes, plan.needed_bytes, plan.ratio, extra, floor)
         if self.opt.verify:
             self._verify(file)
-        for i in self.by_file[file]:
+        for i in self.by_file.get(file, []):
             self.dests[i].files.discard(file)
             if not self.dests[i].files:
                 self._filled(i)
+        self.boxed.place_finished(self)
         io = self.report.io
         io.plan_seconds += plan_s
         io.read_seconds += read_s
@@ -330,7 +350,7 @@ class Engine:
         """Check the recorded checksum of every piece this file read gave in full."""
         digests = self._expected(file)
         got: dict[str, tuple[str, TensorInfo, dict[Box, np.ndarray]]] = {}
-        for i in self.by_file[file]:
+        for i in self.by_file.get(file, []):
             d = self.dests[i]
             for piece, part in d.parts:
                 if piece.info.file == file:
@@ -340,7 +360,7 @@ class Engine:
         for name, (key, info, regions) in got.items():
             expected = digests.get(name)
             buffers = _checksum.full_buffers(info.shape, list(regions.items())) if expected else None
-            self._mark(key, buffers is not None)
+            self.mark(key, buffers is not None)
             if expected is not None and buffers is not None:
                 jobs.append((name, file, expected, [np.ascontiguousarray(b).data.cast("B") for b in buffers]))
         _checksum.check_all(jobs, self.opt.threads)  # xxhash releases the GIL: hash in parallel
@@ -352,7 +372,7 @@ class Engine:
                 self._digests[file] = _checksum.read_digests(self.file_headers[file].metadata, file)
             return self._digests[file]
 
-    def _mark(self, key: str, ok: bool) -> None:
+    def mark(self, key: str, ok: bool) -> None:
         """Record whether every piece of ``key`` checked so far was verified."""
         with self._lock:
             self.checked[key] = self.checked.get(key, True) and ok
@@ -374,7 +394,7 @@ class Engine:
         expected = self._expected(info.file).get(info.name)
         if expected is not None and buffers is not None:
             _checksum.check(info.name, info.file, expected, buffers)
-        self._mark(key, expected is not None and buffers is not None)
+        self.mark(key, expected is not None and buffers is not None)
 
     def held(self, owner: str) -> np.dtype:
         return held_dtype(self.by_path[owner])
@@ -401,7 +421,7 @@ class Engine:
         for owner in dict.fromkeys(self.dests[i].owner for i in streamed):
             t = self.by_path[owner]
             per_device = {dev: a for i in self.shards[owner] for dev, a in arrays[i].items()}
-            devices = list(t.sharding.addressable_devices_indices_map(t.shape))
+            devices = list(device_indices(t.sharding, t.shape))
             self.results[owner] = jax.make_array_from_single_device_arrays(
                 t.shape, t.sharding, [per_device[d] for d in devices]
             )
@@ -412,9 +432,6 @@ class Engine:
         owner = self.dests[index].owner
         self.done[owner] += 1
         if self.done[owner] < len(self.shards[owner]):
-            return
-        if owner.startswith("box:"):
-            self.boxed.filled(self, index)
             return
         if owner.startswith("source:"):  # a transform's whole source: one destination
             self.wholes[self.dests[index].key] = self.host(index)
@@ -532,7 +549,7 @@ def load_targets(
         try:
             engine = Engine(header, loadable, report, opt, open_reader, bar)
             if isinstance(bar, _progress.Bar):
-                bar.total = sum(d.nbytes for d in engine.dests)  # exact: what this process reads
+                bar.total = sum(d.nbytes for d in engine.dests) + engine.boxed.nbytes  # exact: what this process reads
             # a device this load puts arrays on: its platform decides how
             device = next(
                 (next(iter(t.sharding.addressable_devices)) for t in loadable if t.sharding is not None), None

@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import DtypeMismatchError, ShardingError
 from ..format._boxes import Box, of_index, whole
 
-__all__ = ["SourceTransform", "Target", "check_device_dtype", "shard_boxes"]
+__all__ = ["SourceTransform", "Target", "check_device_dtype", "device_indices", "shard_boxes"]
 
 
 class SourceTransform(Protocol):
@@ -69,6 +69,21 @@ class Target:
     box: tuple[tuple[int, int], ...] | None = None
 
 
+def device_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[slice, ...]]:
+    """``sharding.addressable_devices_indices_map(shape)``, computed once per sharding and
+    shape (a load of many tensors of a few shapes asks for it twice per tensor; an
+    unhashable sharding is asked each time). The caller must not modify the answer."""
+    try:
+        return _device_indices(sharding, tuple(shape))
+    except TypeError:  # unhashable
+        return sharding.addressable_devices_indices_map(shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _device_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[slice, ...]]:
+    return sharding.addressable_devices_indices_map(shape)
+
+
 def shard_boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     """Unique index boxes this process needs, each with the local devices that hold it."""
     shape = target.shape
@@ -76,7 +91,7 @@ def shard_boxes(target: Target) -> list[tuple[Box, list[Any]]]:
         return [(target.box if target.box is not None else whole(shape), [None])]
     groups: dict[Box, list[Any]] = {}
     try:
-        indices = target.sharding.addressable_devices_indices_map(shape)
+        indices = device_indices(target.sharding, shape)
     except ValueError as e:  # jax refuses it (a split that does not divide the dimension, ...)
         raise ShardingError(f"{target.path}: sharding {target.sharding} cannot hold shape {shape}: {e}") from None
     for device, index in indices.items():
