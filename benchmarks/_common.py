@@ -343,3 +343,21 @@ def table(rows: Sequence[Mapping[str, object]], columns: Sequence[tuple[str, str
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def add_ratios(group: Sequence[dict], field: str, base: dict | None) -> list[dict]:
+    """``group`` with ``vs``: each row's ``field`` over ``base``'s (rows with an error have none)."""
+    for r in group:
+        if base is not None and field in r:
+            r["vs"] = r[field] / base[field]
+        print(json.dumps(r), file=sys.stderr, flush=True)
+    return list(group)
+
+
+def print_results(rows: Sequence[dict], columns: Sequence, target_lines: Sequence[str], json_path: str | None) -> None:
+    """The table (an error row shows its error as the spread), the target lines, and the
+    rows as JSON when ``json_path`` is given."""
+    print(table([r if "error" not in r else {**r, "spread": "ERROR " + r["error"]} for r in rows], columns))
+    print("\n".join(target_lines))
+    if json_path:
+        Path(json_path).write_text(json.dumps(list(rows), indent=1))

@@ -19,13 +19,12 @@ tensor with its spread (min-max) and the median CPU seconds:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import numpy as np
-from _common import Phase, run_fresh, table, warm, worker_main
+from _common import Phase, add_ratios, print_results, run_fresh, warm, worker_main
 
 PHASES = ("nnx_save", "safe_open", "safe_open_put")
 ELEMENTS = 256  # 1 KiB of fp32
@@ -133,16 +132,9 @@ def main() -> None:
                 runs[phase].append(run_fresh(__file__, phase, ["--path", str(path)]))
         group = [summarise(ph, count, r) for ph, r in runs.items()]
         floor = next((r for r in group if r["phase"] == "safe_open" and "us" in r), None)
-        for r in group:
-            if floor is not None and "us" in r:
-                r["vs"] = r["us"] / floor["us"]
-            rows.append(r)
-            print(json.dumps(r), file=sys.stderr, flush=True)
+        rows += add_ratios(group, "us", floor)
     print(f"median over {args.repeat} interleaved fresh-process runs per row, (min-max) the spread")
-    print(table([r if "error" not in r else {**r, "spread": "ERROR " + r["error"]} for r in rows], COLUMNS))
-    print("\n".join(targets(rows)))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_results(rows, COLUMNS, targets(rows), args.json)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from _common import Phase, page_cache_note, run_fresh, table, warm, worker_main
+from _common import Phase, add_ratios, page_cache_note, print_results, run_fresh, warm, worker_main
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -336,17 +336,10 @@ def main() -> None:
                 runs[phase].append(run_fresh(__file__, phase, extra, devices=devices))
         group = [summarise(ph, layout, r, nbytes) for ph, r in runs.items()]
         ours = next((r for r in group if r["key"] == "nnx_save" and "median" in r), None)
-        for r in group:
-            if ours is not None and "median" in r:
-                r["vs"] = r["median"] / ours["median"]
-            rows.append(r)
-            print(json.dumps(r), file=sys.stderr, flush=True)
+        rows += add_ratios(group, "median", ours)
     print(f"{len(_files(path))} files, {nbytes / 1e9:.2f} GB fp32 (HF LlamaForCausalLM, save_pretrained)")
     print(f"median over {args.repeat} interleaved fresh-process runs per row, (min-max) the spread")
-    print(table([r if "error" not in r else {**r, "spread": "ERROR " + r["error"]} for r in rows], COLUMNS))
-    print("\n".join(targets(rows)))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+    print_results(rows, COLUMNS, targets(rows), args.json)
 
 
 if __name__ == "__main__":
