@@ -15,6 +15,8 @@ import optax
 import pytest
 from _nnx_helpers import assert_differs, assert_same_state, poison, snapshot
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save.checkpoint import OrbaxCheckpointStore
@@ -388,6 +390,24 @@ def test_npz_with_an_object_array_is_refused_unpickled(tmp_path):
     ):
         nnx_save.convert(tmp_path / "o.npz", tmp_path / "o.safetensors")
     assert not (tmp_path / "o.safetensors").exists()
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(["<f4", ">f4", "<i2", ">f8", "|u1", "<c8", "|b1"]),
+    shape=st.lists(st.integers(0, 4), max_size=3),
+    fortran=st.booleans(),
+    compressed=st.booleans(),
+)
+def test_every_numeric_npz_member_converts_to_its_exact_values(tmp_path_factory, dtype, shape, fortran, compressed):
+    """The .npz reader reads each member's declared bytes itself (no np.load): byte order,
+    Fortran order, empty shapes and compression all come back as numpy holds them."""
+    tmp = tmp_path_factory.mktemp("npz")
+    a = np.arange(int(np.prod(shape)), dtype=np.int64).astype(dtype).reshape(shape, order="F" if fortran else "C")
+    (np.savez_compressed if compressed else np.savez)(tmp / "a.npz", a=a)
+    nnx_save.convert(tmp / "a.npz", tmp / "a.safetensors")
+    got = nnx_save.load_file(tmp / "a.safetensors")["a"]
+    assert got.shape == a.shape and np.array_equal(np.asarray(got), a)
 
 
 def test_bare_torch_tensor_converts_under_the_files_name(tmp_path):

@@ -11,9 +11,11 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import shlex
 import warnings
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,45 +147,58 @@ def _torchscript_entries(source: Path, opened: contextlib.ExitStack) -> list[Ent
 
 
 def _npz_entries(source: Path, opened: contextlib.ExitStack) -> list[Entry]:
-    """A numpy ``.npz`` archive's arrays, keyed by their names, read one at a time
-    (``allow_pickle=False``: an object array is refused, never unpickled)."""
+    """A numpy ``.npz`` archive's arrays, keyed by their names, read one at a time. The
+    archive is read as a zip of ``.npy`` members whose headers are checked first: an object
+    array is refused by name, and nothing goes through ``np.load`` (no pickle path)."""
     try:
-        archive = np.load(source, allow_pickle=False)
-    except Exception as e:  # a damaged zip: numpy's and zipfile's errors, with the path
-        raise ConvertError(f"{source}: numpy cannot open this .npz archive ({type(e).__name__}: {e})") from None
+        archive = zipfile.ZipFile(source)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:  # a damaged or hostile zip
+        raise ConvertError(f"{source}: not a readable .npz archive ({type(e).__name__}: {e})") from None
     opened.callback(archive.close)
-    entries, members = [], set(archive.zip.namelist())
-    for name in archive.files:
-        dtype, shape = _npy_header(source, archive, name, members)
-        entries.append(
-            Entry(name, _dtypes.to_code(dtype, name).code, shape, functools.partial(_npz_member, source, archive, name))
-        )
+    entries = []
+    for member in archive.namelist():
+        name = member.removesuffix(".npy")
+        npy = _npy_header(source, archive, member)
+        code = _dtypes.to_code(npy[0], name).code
+        entries.append(Entry(name, code, npy[1], functools.partial(_npz_member, source, archive, member, npy)))
     return entries
 
 
-def _npy_header(source: Path, archive: Any, name: str, members: set[str]) -> tuple[np.dtype, tuple[int, ...]]:
-    """Member ``name``'s dtype and shape, from its ``.npy`` header (no data read)."""
-    fmt = np.lib.format
+def _npy_header(source: Path, archive: zipfile.ZipFile, member: str) -> tuple[np.dtype, tuple[int, ...], bool]:
+    """Member ``member``'s dtype, shape and Fortran order, from its ``.npy`` header (no data read)."""
+    with archive.open(member) as f:
+        return _read_npy_header(source, member, f)
+
+
+def _read_npy_header(source: Path, member: str, f: Any) -> tuple[np.dtype, tuple[int, ...], bool]:
+    fmt = np.lib.format  # the header is a Python literal, read with ast.literal_eval: never unpickled
     try:
-        with archive.zip.open(name + ".npy" if name + ".npy" in members else name) as f:
-            version = fmt.read_magic(f)
-            read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
-            shape, _, dtype = read(f)
+        version = fmt.read_magic(f)
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = read(f)
     except Exception as e:  # not an .npy member, a bad header
-        raise ConvertError(f"{source}: {name}: not a numpy array member ({type(e).__name__}: {e})") from None
+        raise ConvertError(f"{source}: {member}: not a numpy array member ({type(e).__name__}: {e})") from None
     if dtype.hasobject or dtype.names is not None or dtype.kind in "OUSVMm":
         raise ConvertError(
-            f"{source}: {name}: numpy dtype {dtype} is not a number type; convert takes numeric arrays "
-            "(safetensors holds no objects, strings, records or dates)"
+            f"{source}: {member.removesuffix('.npy')}: numpy dtype {dtype} is not a number type; convert takes "
+            "numeric arrays (safetensors holds no objects, strings, records or dates)"
         )
-    return dtype, tuple(int(d) for d in shape)
+    return dtype, tuple(int(d) for d in shape), bool(fortran)
 
 
-def _npz_member(source: Path, archive: Any, name: str) -> np.ndarray:
-    try:
-        return np.ascontiguousarray(archive[name])
-    except ValueError as e:  # allow_pickle=False refused an object array
-        raise ConvertError(f"{source}: {name}: {e}") from None
+def _npz_member(
+    source: Path, archive: zipfile.ZipFile, member: str, npy: tuple[np.dtype, tuple[int, ...], bool]
+) -> np.ndarray:
+    """The member's array: exactly the bytes its header declares, in C order."""
+    dtype, shape, fortran = npy
+    nbytes = dtype.itemsize * math.prod(shape)
+    with archive.open(member) as f:
+        _read_npy_header(source, member, f)
+        data = f.read(nbytes)
+    if len(data) != nbytes:
+        raise ConvertError(f"{source}: {member}: {len(data)} bytes of data, {nbytes} declared by its header")
+    array = np.frombuffer(data, dtype).reshape(shape, order="F" if fortran else "C")
+    return np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<")) if array.dtype.byteorder == ">" else array)
 
 
 def read_one(header: Header, key: str, *, verify: bool = False) -> tuple[np.ndarray, Any]:
