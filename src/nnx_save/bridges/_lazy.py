@@ -1,13 +1,13 @@
 """A lazy handle on a checkpoint, as safetensors users know it: :func:`safe_open`
-and :func:`iter_tensors` (docs/lazy.md). A small slice of a local file is copied out of a
-memory map (:mod:`nnx_save.load._direct`); anything larger, remote, or in a pod's pieces
-asks the loading engine for the slice's box.
+and :func:`iter_tensors` (docs/lazy.md). A small slice of a local file is read with
+``pread`` straight into the result (:mod:`nnx_save.load._direct`: nothing is mapped, so a
+file truncated under the handle is a typed error, never SIGBUS); anything larger, remote,
+or in a pod's pieces asks the loading engine for the slice's box.
 """
 
 from __future__ import annotations
 
 import importlib
-import math
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -18,10 +18,10 @@ from ..errors import SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
 from ..layouts._sources import read_header, reader_factory
-from ..load._direct import DIRECT_MAX_BYTES, MappedFiles
+from ..load._direct import DirectFiles
 from ..load._options import LoadOptions
 from ..load._report import IOStats
-from ..load._slices import Box, compat, extents, normalize_index, plain, slice_box
+from ..load._slices import Box, compat, normalize_index, plain, slice_box
 from ..load._source import Header, LocalFiles, RemoteFiles
 from ..load._target import Target
 
@@ -102,33 +102,24 @@ class _Open:
     def __init__(self, header: Header, backend: str, options: LoadOptions, convert) -> None:
         self.header, self.options, self.convert = header, options, convert
         local = _mappable(header.placement) if backend == "mmap" else None
-        self.maps = MappedFiles(local.pinned.open) if local is not None else None
+        self.direct = DirectFiles(local.pinned) if local is not None else None
         self.remote: Mapping[str, Any] = local.identity if isinstance(local, RemoteFiles) else {}
         self.io = IOStats()  # every read through this handle, summed
         self.files: set[str] = set()
-        self.views: dict[str, Any] = {}  # tensor -> its array over the map, or None (read by the engine)
-
-    def view(self, info: TensorInfo) -> np.ndarray | None:
-        """Tensor ``info`` over the memory map (a local, byte-aligned, whole tensor), else None."""
-        found = self.views.get(info.name, False)
-        if found is False:
-            mapped = self.maps is not None and info.dtype.byte_aligned and info.file not in self.remote
-            found = self.maps.view(info) if mapped and self.maps is not None else None
-            self.views[info.name] = found
-        return found
 
     def read(self, info: TensorInfo, items: tuple[int | slice, ...]) -> np.ndarray:
         """``tensor[items]`` (a normalized index) as a fresh numpy array."""
-        view = self.view(info)
-        nbytes = info.nbytes
-        if view is not None and nbytes > DIRECT_MAX_BYTES:
-            nbytes = math.prod(extents(items)) * info.dtype.itemsize
-        if view is None or nbytes > DIRECT_MAX_BYTES or not nbytes:
+        direct = self.direct
+        if direct is None or not info.dtype.byte_aligned or info.file in self.remote:
             return self.read_box(info, *slice_box(items, info.shape, info.name))
-        assert self.maps is not None
-        out = self.maps.copy(info, view, items)
-        self.io.bytes_read += out.nbytes
+        planned = direct.plan(info, items)
+        if planned is None:  # empty, large or scattered: the engine
+            return self.read_box(info, *slice_box(items, info.shape, info.name))
+        out = direct.read(info, planned)
+        nbytes = len(planned[2]) * planned[3]
+        self.io.bytes_read += nbytes
         self.io.bytes_needed += out.nbytes
+        self.io.requests += len(planned[2])
         self.files.add(info.file)
         self.io.files = len(self.files)
         return out
@@ -345,7 +336,9 @@ def safe_open(
             or ``"pt"`` / ``"torch"`` (torch is imported only then).
         device: ``"cpu"``; for jax also ``"gpu:N"``, ``"tpu:N"`` or a ``jax.Device``;
             for torch anything ``torch.device`` takes.
-        backend: ``"mmap"``: small slices of local files are copied out of a memory map;
+        backend: ``"mmap"`` (the name safetensors uses): small slices of local files are
+            read with ``pread`` straight into the result, without the engine (nothing
+            is mapped: a file truncated meanwhile is a typed error, never SIGBUS);
             ``"pread"``: every read goes through the engine's readers.
         max_over_read_ratio: the engine's cap on bytes read / bytes needed when it
             merges reads; over HTTP a larger one or ``None`` means fewer requests.

@@ -12,7 +12,7 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..errors import TruncatedFileError
+from ..errors import SourceError, TruncatedFileError
 
 __all__ = ["IOV_MAX", "LocalReader", "Reader"]
 
@@ -76,13 +76,31 @@ class Reader(Protocol):
 class LocalReader:
     """Positioned reads from a local file; ``preadv`` releases the GIL."""
 
-    def __init__(self, path: str, fd: int | None = None) -> None:
+    def __init__(self, path: str, fd: int | None = None, identity: tuple[int, int, int, int] | None = None) -> None:
         self.path = path
         # ``fd``: a descriptor the caller holds on the very file whose header it read
         # (duplicated here), so a file replaced since then is still read whole.
         self.fd = os.open(path, os.O_RDONLY) if fd is None else os.dup(fd)
         self.requests = 0
         self._lock = threading.Lock()
+        # ``identity``: (device, inode, size, mtime_ns) the header was read from; after each
+        # read the file must still have it (a writer truncating and re-extending it in
+        # place would otherwise hand back zeros or a mix of two versions)
+        self._identity = identity
+
+    def verify(self) -> None:
+        """Raise :class:`SourceError` naming the file when it changed in place since
+        ``identity`` was taken (size or modification time)."""
+        if self._identity is None:
+            return
+        st = os.fstat(self.fd)
+        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
+            raise SourceError(
+                f"{self.path}: changed while open (size {self._identity[2]} -> {st.st_size} bytes, or modified "
+                "in place since its header was read); what was read may mix two versions: read the header "
+                "again and reload",
+                self.path,
+            )
 
     def close(self) -> None:
         os.close(self.fd)
@@ -120,6 +138,7 @@ class LocalReader:
                 i += 1
             if n:
                 buffers[i] = buffers[i][n:]
+        self.verify()
 
     def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:
         """Fill ``length[k]`` bytes at raw address ``addr[k]`` from file byte
@@ -140,6 +159,7 @@ class LocalReader:
         finally:
             with self._lock:
                 self.requests += calls
+        self.verify()
 
     def readv_table(self, table: np.ndarray, offset: int) -> None:
         """Fill the ``(address, length)`` rows of ``table`` (uint64, C-contiguous,
@@ -172,3 +192,4 @@ class LocalReader:
             i += k
             table[i, 0] += into
             table[i, 1] -= into
+        self.verify()

@@ -61,7 +61,7 @@ class LocalFiles:
     def open_reader(self, file: str) -> Reader:
         fd = self.pinned.open(file)
         try:
-            return LocalReader(file, fd)
+            return LocalReader(file, fd, self.pinned.seen.get(file))
         finally:
             os.close(fd)  # the reader holds its own duplicate
 
