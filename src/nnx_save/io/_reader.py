@@ -94,6 +94,13 @@ class LocalReader:
         if self._identity is None:
             return
         st = os.fstat(self.fd)
+        if st.st_size < self._identity[2]:
+            raise TruncatedFileError(
+                f"{self.path}: truncated while open: it ends at byte {st.st_size}, its header was read from "
+                f"{self._identity[2]} bytes",
+                self.path,
+                st.st_size,
+            )
         if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
             raise SourceError(
                 f"{self.path}: changed while open (size {self._identity[2]} -> {st.st_size} bytes, or modified "
