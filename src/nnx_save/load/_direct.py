@@ -110,5 +110,5 @@ class DirectFiles:
     def __del__(self) -> None:
         try:  # noqa: SIM105 - not contextlib.suppress: at interpreter exit its module may be gone first
             self.close()
-        except Exception:  # noqa: S110
+        except Exception:
             pass
