@@ -270,3 +270,37 @@ def test_an_fsspec_object_replaced_during_the_load_is_a_change(tmp_path, memory_
     monkeypatch.setattr(type(fs), "cat_file", cat_then_replace)
     with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load (size ")):
         nnx_save.load_file(header, num_threads=1)
+
+
+def test_no_validator_never_mixes_two_versions(tmp_path):
+    """Issue 30, item 6: a server with no ETag and no Last-Modified swaps a same-size
+    version between two reads of one handle: the second read is checked against the
+    checksum the header recorded and refused, never v2's bytes under v1's header."""
+    one, two = blob(tmp_path, V1), blob(tmp_path, V2)
+    assert len(one) == len(two)
+    with HostileServer({"/m.safetensors": one}) as server:
+        url = f"{server.url}/m.safetensors"
+        with nnx_save.safe_open(url) as f:
+            assert np.array_equal(f.get_tensor("w"), V1["w"])
+            server.objects["/m.safetensors"] = two
+            with pytest.raises(nnx_save.errors.ChecksumError, match=re.escape(f"{url}: tensor 'b': checksum mismatch")):
+                f.get_tensor("b")
+        server.objects["/m.safetensors"] = one
+        assert exact(nnx_save.load_file(url), V1)  # unchanged: whole tensors load, verified
+
+
+def test_no_validator_and_nothing_to_check_is_refused(tmp_path):
+    """Where neither a validator nor a recorded checksum pins the bytes (a slice; a file
+    of another tool), the read is refused with a RemoteError saying why."""
+    import safetensors.numpy
+
+    foreign = tmp_path / "f.safetensors"
+    safetensors.numpy.save_file(V1, str(foreign))
+    with HostileServer({"/f.safetensors": foreign.read_bytes(), "/m.safetensors": blob(tmp_path, V1)}) as server:
+        why = "the server sends neither an ETag nor a Last-Modified header, so the object's version cannot be pinned"
+        with pytest.raises(RemoteError, match=re.escape(f"{server.url}/f.safetensors: {why}")):
+            nnx_save.load_file(f"{server.url}/f.safetensors")
+        with nnx_save.safe_open(f"{server.url}/m.safetensors") as f, pytest.raises(RemoteError, match=re.escape(why)):
+            f.get_slice("w")[2:5]
+        server.etags["/f.safetensors"] = '"v1"'  # a validator pins it: no checksum needed
+        assert exact(nnx_save.load_file(f"{server.url}/f.safetensors"), V1)

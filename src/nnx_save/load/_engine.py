@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from .. import _progress
-from ..errors import HostMemoryError, NnxSaveError, OverReadWarning, ShapeMismatchError
+from ..errors import HostMemoryError, NnxSaveError, OverReadWarning, RemoteError, ShapeMismatchError
 from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
@@ -538,6 +538,9 @@ def load_targets(
     if not loadable:  # the shapes only for the message: a lazy handle's reads come here per tensor
         shapes = {k: tuple(info.shape) for k, info in header.tensors.items()}
         refuse_nothing_loaded(report, {t.path: tuple(t.shape) for t in targets}, shapes, len(loadable))
+    unpinned = _unpinned(header)
+    if unpinned and not opt.verify:  # the recorded checksums pin what no validator does
+        opt = replace(opt, verify=True)
     if strict:
         report.raise_or_warn(True)
     for t in loadable:  # each has sources, all in the header (_check)
@@ -562,6 +565,7 @@ def load_targets(
         finally:
             bar.close()
     _finish(engine, report)
+    _refuse_unpinned(header, unpinned, report.unverified)
     if warn:
         report.raise_or_warn(False, stacklevel=4)
     return engine.results, report
@@ -611,6 +615,31 @@ def over_read_advice(read: int, floor: int) -> str:
         f"(a request per piece would cost more). To read less, {contiguous}, or save the tensors this load "
         "skips in another file; an explicit max_over_read_ratio (or a warnings filter) only silences this warning."
     )
+
+
+def _unpinned(header: Header) -> frozenset[str]:
+    """The remote files of ``header`` whose server gave no validator (no ETag, no
+    Last-Modified): only their size pins them, so two requests may see two versions."""
+    placement = header.placement
+    if not isinstance(placement, RemoteFiles):
+        return frozenset()
+    return frozenset(f for f, (_, version) in placement.identity.items() if version is None)
+
+
+def _refuse_unpinned(header: Header, unpinned: frozenset[str], unverified: Sequence[str]) -> None:
+    """Refuse a load that read, from a file no validator pins, a tensor its recorded
+    checksum could not confirm (read in part, or with no checksum): the bytes may mix
+    two versions of the object and nothing could tell."""
+    names = sorted(k for k in unverified if k in header.tensors and header.tensors[k].file in unpinned)
+    if names:
+        file = header.tensors[names[0]].file
+        raise RemoteError(
+            f"{file}: the server sends neither an ETag nor a Last-Modified header, so the object's version cannot "
+            f"be pinned across requests, and tensor(s) {names[:5]} could not be checked against a recorded "
+            "checksum (read in part, or the file records none): the load might mix two versions, so it is "
+            "refused. Serve the file with an ETag or Last-Modified header, or read whole tensors of a file "
+            "saved with checksums"
+        )
 
 
 def _describe(header: Header) -> str:
