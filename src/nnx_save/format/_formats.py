@@ -61,10 +61,15 @@ def _central_directory(read: Callable[[int, int], bytes], size: int) -> tuple[in
         return None
     cd_size, cd_at = _u(tail, end + 12, 4), _u(tail, end + 16, 4)
     if 0xFFFFFFFF in (cd_size, cd_at) and end >= 20 and tail[end - 20 : end - 16] == b"PK\x06\x07":
-        record = read(56, _u(tail, end - 12, 8))  # the zip64 end record the locator points at
+        at = _u(tail, end - 12, 8)  # where the zip64 end record is, as the locator says: foreign bytes
+        if at > size - 56:
+            return None
+        record = read(56, at)
         if len(record) < 56 or not record.startswith(b"PK\x06\x06"):
             return None
         cd_size, cd_at = _u(record, 40, 8), _u(record, 48, 8)
+    if cd_at > size or cd_size > size - cd_at:  # a directory outside the file: not one to read
+        return None
     return cd_at, cd_size
 
 

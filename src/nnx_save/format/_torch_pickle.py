@@ -5,6 +5,11 @@ opcodes on its own stack and builds plain data: a ``GLOBAL`` is a :class:`Global
 (never imported), a ``REDUCE`` / ``NEWOBJ`` a :class:`Call` (never called), a storage
 record a :class:`PersistentId`. Any other opcode is refused with its byte offset.
 Pure: no I/O, no numpy, no torch.
+
+Bounded whatever the bytes claim: at most :data:`MAX_OPCODES` opcodes, :data:`MAX_VALUES`
+values built (the stack and the memo hold at most that many), containers nested at most
+:data:`MAX_NESTING` deep; past any of them a :class:`~nnx_save.errors.ConvertError` names
+the limit and the byte (a module's structure is far smaller: tensor data is elsewhere).
 """
 
 from __future__ import annotations
@@ -15,7 +20,11 @@ from typing import Any
 
 from ..errors import ConvertError
 
-__all__ = ["Call", "Global", "PersistentId", "read_data_pickle"]
+__all__ = ["MAX_NESTING", "MAX_OPCODES", "MAX_VALUES", "Call", "Global", "PersistentId", "read_data_pickle"]
+
+MAX_VALUES = 1 << 20  # values built (each at most a few hundred bytes: well under 1 GiB in all)
+MAX_OPCODES = 1 << 23  # opcodes run (a few seconds of this loop)
+MAX_NESTING = 1000  # containers inside containers (what repr, hash and == recurse through)
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,20 @@ class _Reader:
         self.at = 0  # where the opcode being run starts: what errors name
         self.stack: list[Any] = []
         self.memo: dict[int, Any] = {}
+        self.values = 0  # values built so far (MAX_VALUES)
+        self.depth: dict[int, int] = {}  # id(container) -> how deep it nests (kept alive by stack or memo)
+
+    def built(self, value: Any, children: Any = ()) -> Any:
+        """Count a value built from ``children`` (and their nesting); refuse past the limits."""
+        self.values += 1
+        if self.values > MAX_VALUES:
+            raise self.fail(f"more than {MAX_VALUES} values built (a limit of this reader)")
+        if children:
+            depth = 1 + max((self.depth.get(id(c), 0) for c in children), default=0)
+            if depth > MAX_NESTING:
+                raise self.fail(f"values nested more than {MAX_NESTING} deep (a limit of this reader)")
+            self.depth[id(value)] = max(depth, self.depth.get(id(value), 0))
+        return value
 
     def fail(self, what: str) -> ConvertError:
         return ConvertError(f"{self.name}: byte {self.at}: {what}; nothing was executed")
@@ -141,6 +164,7 @@ def _set_items(reader: _Reader, target: Any, pairs: list[Any]) -> None:
     into = target.items if isinstance(target, Call) else target
     if not isinstance(into, dict):
         raise reader.fail(f"SETITEM(S) on a {type(target).__name__}")
+    reader.built(target, pairs)  # deeper now, maybe
     for k, v in zip(pairs[::2], pairs[1::2], strict=True):
         try:
             into[k] = v
@@ -152,6 +176,7 @@ def _append(reader: _Reader, values: list[Any]) -> None:
     target = reader.stack[-1] if reader.stack else None
     if not isinstance(target, list):
         raise reader.fail(f"APPEND(S) on a {type(target).__name__}")
+    reader.built(target, values)
     target.extend(values)
 
 
@@ -161,12 +186,14 @@ def _structural(reader: _Reader, op: bytes) -> bool:
     if op == b"(":
         s.append(_MARK)
     elif op in (b")", b"}", b"]"):
-        s.append({b")": (), b"}": {}, b"]": []}[op])
+        s.append(reader.built({b")": (), b"}": {}, b"]": []}[op]))
     elif op == b"t":
-        s.append(tuple(reader.pop_mark()))
+        items = reader.pop_mark()
+        s.append(reader.built(tuple(items), items))
     elif op in (b"\x85", b"\x86", b"\x87"):
         n = {b"\x85": 1, b"\x86": 2, b"\x87": 3}[op]
-        s.append(tuple(reader.pop() for _ in range(n))[::-1])
+        items = [reader.pop() for _ in range(n)][::-1]
+        s.append(reader.built(tuple(items), items))
     elif op == b"s":
         v, k = reader.pop(), reader.pop()
         _set_items(reader, s[-1] if s else None, [k, v])
@@ -178,22 +205,24 @@ def _structural(reader: _Reader, op: bytes) -> bool:
     elif op == b"e":
         _append(reader, reader.pop_mark())
     elif op == b"c":
-        s.append(Global(reader.line(), reader.line()))
+        s.append(reader.built(Global(reader.line(), reader.line())))
     elif op == b"\x93":  # STACK_GLOBAL
         name, module = reader.pop(), reader.pop()
         if not (isinstance(module, str) and isinstance(name, str)):
             raise reader.fail("STACK_GLOBAL on values that are not names")
-        s.append(Global(module, name))
+        s.append(reader.built(Global(module, name)))
     elif op in (b"R", b"\x81"):  # REDUCE, NEWOBJ: recorded, never called
         args, func = reader.pop(), reader.pop()
-        s.append(Call(func, args if isinstance(args, tuple) else (args,)))
+        s.append(reader.built(Call(func, args if isinstance(args, tuple) else (args,)), (func, args)))
     elif op == b"b":  # BUILD
         state = reader.pop()
         if not s or not isinstance(s[-1], Call):
             raise reader.fail("BUILD on a value that no call made")
         s[-1].state = state
+        reader.built(s[-1], (state,))
     elif op == b"Q":
-        s.append(PersistentId(reader.pop()))
+        value = reader.pop()
+        s.append(reader.built(PersistentId(value), (value,)))
     else:
         return False
     return True
@@ -206,6 +235,8 @@ def _memo(reader: _Reader, op: bytes) -> None:
         reader.memo[reader.argument(op)] = s[-1] if s else reader.pop()
     elif op == b"\x94":  # MEMOIZE
         reader.memo[len(reader.memo)] = s[-1] if s else reader.pop()
+    if op in (b"q", b"r", b"\x94") and len(reader.memo) > MAX_VALUES:
+        raise reader.fail(f"more than {MAX_VALUES} memo entries (a limit of this reader)")
     elif op in (b"h", b"j"):
         index = reader.argument(op)
         if index not in reader.memo:
@@ -217,6 +248,8 @@ def _memo(reader: _Reader, op: bytes) -> None:
         reader.pop_mark()
     elif op == b"2":
         s.append(s[-1] if s else reader.pop())
+    if len(s) > MAX_VALUES:
+        raise reader.fail(f"more than {MAX_VALUES} values on the stack (a limit of this reader)")
 
 
 def read_data_pickle(data: bytes, name: str) -> Any:
@@ -237,7 +270,7 @@ def read_data_pickle(data: bytes, name: str) -> Any:
         Call(func=Global(module='os', name='system'), args=('ls',), state=None, items={})
     """
     reader = _Reader(data, name)
-    while True:
+    for _ in range(MAX_OPCODES):
         reader.at = reader.pos
         op = reader.take(1)
         if op == b".":
@@ -252,6 +285,8 @@ def read_data_pickle(data: bytes, name: str) -> Any:
         elif op in _MEMO_OPS:
             _memo(reader, op)
         elif op in _FIXED or op in _SIZED:
-            reader.stack.append(reader.argument(op))
+            reader.stack.append(reader.built(reader.argument(op)))
         elif not _structural(reader, op):
             raise reader.fail(f"opcode {op!r} is not one a data-only reader takes")
+    reader.at = reader.pos
+    raise reader.fail(f"more than {MAX_OPCODES} opcodes (a limit of this reader)")

@@ -27,7 +27,11 @@ __all__ = ["Archive", "TensorRecord"]
 
 _REBUILD = Global("torch._utils", "_rebuild_tensor_v2")
 _PARAMETER = Global("torch._utils", "_rebuild_parameter")
-_MAX_PICKLE = 1 << 26  # bytes of data.pkl or a code file: module structure, never tensor data
+_MAX_PICKLE = 1 << 26  # bytes of data.pkl: module structure, never tensor data (its reader bounds the rest)
+# Bytes of one code/ file, and of all of them: ast.parse takes ~30 bytes of memory per byte of
+# source, so these keep a hostile archive's code well under 1 GiB and a few seconds
+_MAX_CODE = 1 << 22
+_MAX_CODE_TOTAL = 1 << 24
 # What zipfile raises on a damaged or unsupported archive (bad CRC, truncation, encryption, methods)
 _ZIP_ERRORS = (
     zipfile.BadZipFile,
@@ -154,11 +158,17 @@ def _declared_state(archive: Archive, names: list[str]) -> dict[str, list[str]]:
     the class definitions in ``code/`` (parsed, not executed)."""
     out: dict[str, list[str]] = {}
     code = archive.root + "code/"
-    for name in names:
-        if not (name.startswith(code) and name.endswith(".py")):
-            continue
+    files = [archive.zip.getinfo(n) for n in names if n.startswith(code) and n.endswith(".py")]
+    total = sum(info.file_size for info in files)
+    if total > _MAX_CODE_TOTAL:
+        raise ConvertError(
+            f"{archive.path}: {code} holds {total} bytes of code; at most {_MAX_CODE_TOTAL} are parsed "
+            "(a limit of this reader: module definitions are far smaller)"
+        )
+    for info in files:
+        name = info.filename
         module = name[len(code) : -len(".py")].replace("/", ".")
-        text = archive._member(name[len(archive.root) :], _MAX_PICKLE).decode("utf-8", "replace")
+        text = archive._member(name[len(archive.root) :], _MAX_CODE).decode("utf-8", "replace")
         try:
             tree = ast.parse(text, name)
         except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
@@ -221,7 +231,8 @@ def _record(archive: Archive, key: str, value: Any) -> TensorRecord:
     if isinstance(value, Call) and value.func == _PARAMETER and value.args:
         value = value.args[0]
     if not (isinstance(value, Call) and value.func == _REBUILD and len(value.args) >= 4):
-        what = value.func if isinstance(value, Call) else type(value).__name__
+        func = value.func if isinstance(value, Call) else None
+        what = func if isinstance(func, Global) else type(func if isinstance(value, Call) else value).__name__
         raise ConvertError(
             f"{archive.path}: {key}: stored as {what}, not a plain dense tensor; {_recipe(archive.path)}"
         )
