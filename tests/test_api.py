@@ -164,7 +164,7 @@ def test_a_setting_given_twice_is_refused_naming_it(saved, tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_threads": 0}, "num_threads must be at least 1, got 0"),
+        ({"num_threads": 0}, "num_threads must be 1 to 4096, got 0"),
         ({"read_chunk_bytes": -1}, "read_chunk_bytes must be a positive int (bytes), got -1"),
         ({"max_over_read_ratio": 0.5}, "max_over_read_ratio must be >= 1.0, got 0.5"),
         ({"verify": "yes"}, "verify must be True or False, got 'yes'"),
@@ -278,7 +278,7 @@ def test_a_bad_shard_size_for_convert_is_a_typed_error(saved, tmp_path):
 
 
 def test_safe_open_refuses_a_bad_setting_when_opened(saved):
-    with pytest.raises(OptionError, match=re.escape("num_threads must be at least 1, got 0")):
+    with pytest.raises(OptionError, match=re.escape("num_threads must be 1 to 4096, got 0")):
         nnx_save.safe_open(saved, num_threads=0)  # before: a ValueError at the first read
     with pytest.raises(OptionError, match=re.escape("max_over_read_ratio must be >= 1.0, got 0.5")):
         nnx_save.safe_open(saved, max_over_read_ratio=0.5)

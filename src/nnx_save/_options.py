@@ -5,13 +5,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
+import os
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from .errors import OptionError
 
-__all__ = ["DEFAULT", "check", "is_int", "merge", "optional"]
+__all__ = ["DEFAULT", "MAX_SIZE", "check", "is_int", "merge", "optional", "path_arg", "seconds_arg"]
+
+MAX_SIZE = 1 << 62  # the largest byte count or count taken from outside: C and numpy int64 hold it
 
 Opts = TypeVar("Opts")
 
@@ -39,9 +43,65 @@ def check(ok: bool, argument: str, expected: str, value: object) -> None:
         raise OptionError(f"{argument} must be {expected}, got {value!r}", argument)
 
 
-def is_int(value: object, low: int) -> bool:
-    """An integer (a Python or numpy int, not a bool) of at least ``low``."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= low
+def is_int(value: object, low: int, high: int = MAX_SIZE) -> bool:
+    """An integer (a Python or numpy int, not a bool) of at least ``low`` and at most
+    ``high`` (default :data:`MAX_SIZE`: larger ones overflow C and numpy integers)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and low <= int(value) <= high
+
+
+def _brief(value: object) -> str:
+    text = repr(value) if isinstance(value, (str, bytes, int, float)) else type(value).__name__
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def path_arg(value: object, argument: str, call: str) -> str:
+    """``value`` as a path (``str``): a non-empty ``str`` or ``os.PathLike`` of one, with no
+    NUL byte, no name over 255 bytes and at most 4095 bytes in all (what POSIX can open).
+
+    Raises:
+        OptionError: naming ``call`` and ``argument``, with what was given.
+
+    Examples:
+        >>> path_arg("a\x00b", "path", "save_file")
+        Traceback (most recent call last):
+        ...
+        nnx_save.errors.OptionError: save_file: path must be a path with no NUL byte, got 'a\x00b'
+    """
+    try:
+        text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None  # type: ignore[arg-type]
+    except TypeError:
+        text = None
+    if not isinstance(text, str) or not text:
+        raise OptionError(
+            f"{call}: {argument} must be a path (a non-empty str or os.PathLike), got {_brief(value)}", argument
+        )
+    if "\x00" in text:
+        raise OptionError(f"{call}: {argument} must be a path with no NUL byte, got {_brief(text)}", argument)
+    raw = os.fsencode(text)
+    if len(raw) > 4095 or any(len(part) > 255 for part in raw.split(b"/")):
+        raise OptionError(
+            f"{call}: {argument} must be a path of at most 4095 bytes whose names have at most 255, got {_brief(text)}",
+            argument,
+        )
+    return text
+
+
+def seconds_arg(value: object, argument: str, call: str) -> float | None:
+    """``None``, or a finite number of seconds >= 0 (at most a year's worth past which
+    ``threading`` waits overflow), as a float.
+
+    Raises:
+        OptionError: naming ``call`` and ``argument``.
+    """
+    if value is None:
+        return None
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    seconds = float(value) if ok and abs(value) < 1e300 else math.nan  # type: ignore[arg-type]
+    if not (0 <= seconds <= 1e9):
+        raise OptionError(
+            f"{call}: {argument} must be None or seconds between 0 and 1e9, got {_brief(value)}", argument
+        )
+    return seconds
 
 
 def optional(value: object, is_ok: bool) -> bool:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .._options import check, is_int
 from ..errors import SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
@@ -369,8 +370,8 @@ def safe_open(
         raise _refuse(f"safe_open: backend {backend!r} is invalid (expected one of: 'mmap', 'pread')")
     name, convert = _framework(framework, device)
     options = _options(max_over_read_ratio, max_inflight_bytes, num_threads)
+    header = _read_header(filename)  # first: it refuses what is not a source
     source = _where(filename)
-    header = _read_header(filename)
     return LazyCheckpoint(_Open(header, backend, options, convert), name, source, header is not filename)
 
 
@@ -417,8 +418,32 @@ def iter_tensors(
         >>> [(k, v.dtype.name, v.shape) for k, v in nnx_save.iter_tensors(path, dtype=np.float16)]
         [('a', 'float16', (2,)), ('b', 'float16', (3,))]
     """
-    with safe_open(source, num_threads=num_threads, max_inflight_bytes=max(max_batch_bytes, 1)) as handle:
-        yield from _stream(handle, keys, dtype, max_batch_bytes)
+    check(is_int(max_batch_bytes, 1), "max_batch_bytes", "a positive int (bytes) up to 2**62", max_batch_bytes)
+    cast = _dtype(dtype)
+    with safe_open(source, num_threads=num_threads, max_inflight_bytes=max_batch_bytes) as handle:
+        yield from _stream(handle, _keys(keys), cast, max_batch_bytes)
+
+
+def _dtype(dtype: Any) -> np.dtype | None:
+    """``dtype`` as a numpy dtype of numbers (an OptionError naming it otherwise)."""
+    if dtype is None:
+        return None
+    try:
+        out = np.dtype(dtype)
+    except (TypeError, ValueError, SyntaxError):  # numpy parses strings: "[]" is a SyntaxError
+        out = None
+    check(out is not None and out.kind in "biufcV" and out.itemsize > 0, "dtype", "a numeric numpy dtype", dtype)
+    return out
+
+
+def _keys(keys: Any) -> list[str] | None:
+    """``keys`` as a list of names; a str or anything but an iterable of str is refused."""
+    if keys is None:
+        return None
+    ok = not isinstance(keys, (str, bytes)) and isinstance(keys, Iterable)
+    names = list(keys) if ok else []
+    check(ok and all(isinstance(k, str) for k in names), "keys", "None or an iterable of tensor names (str)", keys)
+    return names
 
 
 def _stream(
@@ -426,7 +451,7 @@ def _stream(
 ) -> Iterator[tuple[str, np.ndarray]]:
     tensors = handle.header.tensors
     names = handle.offset_keys() if keys is None else [handle._info(key).name for key in keys]
-    cast = None if dtype is None else np.dtype(dtype)
+    cast = dtype
     for batch in _batches(handle.header, names, max_batch_bytes):
         targets = [
             Target(key, tuple(tensors[key].shape), tensors[key].dtype.numpy if cast is None else cast, None, (key,))

@@ -19,9 +19,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .._options import DEFAULT, merge
+from .._options import DEFAULT, merge, path_arg
 from .._version import __version__
-from ..errors import HeaderError, ShardingError, UnsupportedValueError, short_repr
+from ..errors import HeaderError, OptionError, ShardingError, UnsupportedValueError, short_repr
 from ..format import _paths
 from ..format._header import strict_json
 from ..layouts import _dispatch
@@ -194,6 +194,14 @@ def save_model(
         ['bias', 'kernel']
     """
     how = merge(SaveOptions, options, "save_model", locals())  # first: locals() are the arguments
+    if not is_model(model):
+        raise OptionError(
+            f"save_model: model must be an NNX object (an nnx.Module, nnx.Dict, ...), got {type(model).__name__}"
+            + ("; the arguments are (model, path)" if isinstance(model, (str, os.PathLike)) else "")
+            + "; a pytree of arrays is saved with save_file",
+            "model",
+        )
+    path = path_arg(path, "path", "save_model")
     entries, rng, scalars = model_entries(model, filter)
     meta = model_metadata(metadata, rng, scalars)
     if rules is not None:
@@ -311,6 +319,19 @@ def _check_impl(where: str, key: str, impl: Any) -> None:
             f"which this jax does not know ({e})",
             check="metadata",
         ) from None
+
+
+def _check_model_or_builder(value: Any) -> None:
+    """Refuse, naming ``model_or_builder``, what is neither an NNX object nor a callable
+    that builds one (a path there: the arguments are ``(model_or_builder, source)``)."""
+    if isinstance(value, nnx.Pytree) or (callable(value) and not isinstance(value, (str, os.PathLike))):
+        return
+    swapped = "; the arguments are (model_or_builder, source)" if isinstance(value, (str, os.PathLike)) else ""
+    raise OptionError(
+        f"load_model: model_or_builder must be an NNX object or a callable that builds one, "
+        f"got {type(value).__name__}{swapped}; a pytree is loaded with load_file",
+        "model_or_builder",
+    )
 
 
 def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool, dict[str, Any]]:
@@ -432,6 +453,7 @@ def load_model(
         (True, (2, 3))
     """
     how = load_options("load_model", options, keywords)
+    _check_model_or_builder(model_or_builder)
     header = source_header(source)
     rng = _file_rng(header)
     graphdef, full_state, is_builder, scalars = _abstract(model_or_builder, mesh)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .._options import DEFAULT, merge
+from .._options import DEFAULT, merge, path_arg
 from ..format import _paths
 from ..layouts import _dispatch
 from ..layouts._pod import MANIFEST
@@ -64,6 +64,7 @@ def save_pod(
         array([0., 1., 2., 3.], dtype=float32)
     """
     how = merge(SaveOptions, options, "save_pod", locals()).unsharded("save_pod writes a pod")  # locals() first
+    directory = path_arg(directory, "directory", "save_pod")
     entries, meta = _entries(tree_or_model, metadata, filter)
     write = _dispatch.writer(meta, pod=True)
     handle = _dispatch.save(directory, entries, write, blocking=how.blocking, progress=how.progress)

@@ -8,7 +8,7 @@ from typing import Any, Unpack
 
 import numpy as np
 
-from .._options import DEFAULT, merge
+from .._options import DEFAULT, merge, path_arg
 from ..errors import KeyMismatchError, NnxSaveError, ShapeMismatchError, UnsupportedValueError
 from ..format import _paths
 from ..layouts import _dispatch
@@ -84,6 +84,7 @@ def save_file(
         ['layers/0/w']
     """
     how = merge(SaveOptions, options, "save_file", locals())  # first: locals() are the arguments
+    path = path_arg(path, "path", "save_file")
     pairs = tree_pairs(tree)
     _paths.check_unique(p for p, _ in pairs)
     variable = variable_class()

@@ -11,7 +11,8 @@ from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointUsageError, OptionError, UnsupportedValueError
+from .._options import path_arg
+from ..errors import CheckpointUsageError, OptionError
 
 __all__ = ["CLOUD_SCHEMES", "is_url", "resolve_checkpoint_dir", "store_location"]
 
@@ -28,9 +29,9 @@ def is_url(text: str) -> bool:
 
 
 def _text(name: str, value: str | os.PathLike[str]) -> str:
-    text = os.fspath(value)
-    if not isinstance(text, str):
-        raise UnsupportedValueError(f"{name} must be a str or os.PathLike[str], got {type(value).__name__}")
+    if isinstance(value, str) and not value.strip():
+        raise OptionError(f"{name} is empty ({value!r}); give a directory path")
+    text = path_arg(value, name, "the checkpoint store")
     if not text.strip():
         raise OptionError(f"{name} is empty ({text!r}); give a directory path")
     return text

@@ -220,6 +220,8 @@ def _installed_versions() -> dict[str, str]:
 def check_metrics(metrics: Mapping[str, Any] | None) -> dict[str, float]:
     """Metrics as ``{str: float}``: numbers and 0-d arrays, NaN kept (else ``OptionError``)."""
     out: dict[str, float] = {}
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise OptionError(f"metrics must be None or a mapping of names to numbers, got {type(metrics).__name__}")
     for name, value in (metrics or {}).items():
         if not isinstance(name, str):
             raise OptionError(f"metrics keys must be str, got {name!r}")

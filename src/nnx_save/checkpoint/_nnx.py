@@ -12,7 +12,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from ..errors import DtypeMismatchError, KeyMismatchError, ShapeMismatchError
+from ..errors import DtypeMismatchError, KeyMismatchError, OptionError, ShapeMismatchError
 from ._placement import concrete_sharding
 from ._tree import Path, flatten, is_array, segment, show
 
@@ -55,6 +55,8 @@ def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False, mesh: ja
         True
     """
     name = type(target).__name__
+    if not isinstance(target, nnx.Pytree):
+        raise OptionError(f"restore_into: target must be an NNX object (an nnx.Module, ...), got {name}")
     keypaths, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(target))
     wanted = [(tuple(segment(e) for e in keypath), leaf) for keypath, leaf in keypaths]
     given = dict(flatten(state))

@@ -16,7 +16,7 @@ import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -330,8 +330,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- main
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose refusals end in the one ``nnx-save: error: ...`` line every
+    other refusal of the command line ends in (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"nnx-save: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="nnx-save",
         description="Inspect, verify, compare and convert "
         "safetensors checkpoints (one file, or a HuggingFace multi-file directory).",
@@ -372,7 +381,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as e:  # --help (0) or a refused argument (2, said on stderr)
+        return e.code if isinstance(e.code, int) else 2
     if args.verbose:
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("nnx_save").setLevel(logging.DEBUG)

@@ -22,10 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from .._options import path_arg
 from ..bridges._pytree import load_file
-from ..errors import ConvertError, HeaderError, NnxSaveError
+from ..errors import ConvertError, HeaderError, NnxSaveError, OptionError
 from ..format import _dtypes, _formats, _torchscript
 from ..format._torch import torch_to_numpy
+from ..format._units import parse_size
 from ..layouts._index_save import write_sharded
 from ..layouts._sources import read_header
 from ..load._source import Header
@@ -82,7 +84,12 @@ def convert(
         >>> done.tensors, len(done.files), done.index.name
         (1, 1, 'model.safetensors.index.json')
     """
-    source, out = Path(source), Path(output)
+    source = Path(path_arg(source, "source", "convert"))
+    out = Path(path_arg(output, "output", "convert"))
+    if max_shard_size is not None:
+        max_shard_size = parse_size(max_shard_size)
+    if key is not None and not isinstance(key, str):
+        raise OptionError(f"convert: key must be None or a str (a sub-dict's name), got {type(key).__name__}", "key")
     if not source.exists():
         raise ConvertError(f"{source}: no such file or directory")
     with contextlib.ExitStack() as opened:  # a TorchScript archive stays open while its tensors are written

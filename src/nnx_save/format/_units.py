@@ -2,6 +2,7 @@
 bars, and one parser for the sizes people give (``"5GB"``, ``"200MiB"``, ``1000``)."""
 
 import re
+from fractions import Fraction
 
 from ..errors import OptionError
 
@@ -9,6 +10,8 @@ __all__ = ["human_bytes", "parse_size"]
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?)(B?)\s*$", re.IGNORECASE)
 _POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+_MAX = 1 << 62  # bytes: past this a count overflows C and numpy integers
+_MAX_TEXT = 64  # characters of a size string ("9" * 400 is no size)
 
 
 def human_bytes(n: float) -> str:
@@ -32,7 +35,7 @@ def parse_size(value: object, argument: str = "max_shard_size") -> int:
 
     Raises:
         OptionError: naming ``argument``, for anything else (a bool, a float, zero,
-            a negative count, an unknown unit).
+            a negative count, an unknown unit, more than 2**62 bytes).
 
     Examples:
         >>> parse_size("5GB"), parse_size("200MiB"), parse_size(1000), parse_size("1.5 KB")
@@ -41,12 +44,18 @@ def parse_size(value: object, argument: str = "max_shard_size") -> int:
     n = None
     if isinstance(value, int) and not isinstance(value, bool):
         n = value
-    elif isinstance(value, str) and (m := _SIZE.match(value)) and (m.group(3) == "" or m.group(2)):
+    elif (
+        isinstance(value, str)
+        and len(value) <= _MAX_TEXT
+        and (m := _SIZE.match(value))
+        and (m.group(3) == "" or m.group(2))
+    ):
         base = 1024 if m.group(3) else 1000
-        n = int(float(m.group(1)) * base ** _POWERS[m.group(2).upper()])
-    if n is None or n <= 0:
+        n = int(Fraction(m.group(1)) * base ** _POWERS[m.group(2).upper()])  # exact: no float rounding or infinity
+    if n is None or not 0 < n <= _MAX:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise OptionError(
-            f"{argument}={value!r}: expected a positive number of bytes, an int or a size such as "
+            f"{argument}={shown}: expected a positive number of bytes up to 2**62, an int or a size such as "
             "'5GB', '200MiB', '100KB'",
             argument,
         )

@@ -30,6 +30,7 @@ __all__ = [
     "commit_staged",
     "discard_staged",
     "fsync_dir",
+    "make_directory",
     "remove_stale_temps",
     "temp_path",
 ]
@@ -196,3 +197,24 @@ def commit_staged(staged: list[tuple[Path, Path]]) -> None:
             ) from e
     for directory in dict.fromkeys(path.parent for _, path in staged):
         fsync_dir(directory)
+
+
+def make_directory(directory: str | os.PathLike) -> Path:
+    """Create ``directory`` and its parents for a multi-file or pod save.
+
+    Raises:
+        SaveError: naming the path, when it exists and is not a directory (a file, a
+            dangling link) or cannot be created; nothing is changed then.
+    """
+    root = Path(directory)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise SaveError(
+            f"{root}: exists and is not a directory; a multi-file or pod save writes a directory there "
+            "(remove it, or save to another path)",
+            str(root),
+        ) from None
+    except OSError as e:
+        raise SaveError(f"{root}: cannot create the checkpoint directory ({e.strerror})", str(root)) from None
+    return root

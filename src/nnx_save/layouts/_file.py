@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import HeaderError, SourceError, TruncatedFileError
+from ..errors import HeaderError, SourceError, SourceNotFoundError, TruncatedFileError
 from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _remote
@@ -116,6 +116,6 @@ class FileLayout:
 
     def read(self, path: Path) -> Header:
         if not path.exists():
-            raise FileNotFoundError(f"{path}: no such checkpoint file or directory")
+            raise SourceNotFoundError(f"{path}: no such checkpoint file or directory", str(path))
         placement = LocalFiles()
         return _header(read_file_header(path, placement.pinned), placement)

@@ -26,7 +26,15 @@ from ..format import _dtypes
 from ..format._units import parse_size
 from ..io import _remote
 from ..io._kv import Sync
-from ..io._write import TMP_MARKER, _write_all, atomic_file, commit_staged, discard_staged, remove_stale_temps
+from ..io._write import (
+    TMP_MARKER,
+    _write_all,
+    atomic_file,
+    commit_staged,
+    discard_staged,
+    make_directory,
+    remove_stale_temps,
+)
 from ..save import _remote as _remote_write
 from ..save import _stage
 from ..save._collective import write_collective
@@ -65,8 +73,7 @@ class _Local:
     """A local directory as the target of a multi-file save."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
-        self.root = Path(directory)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root = make_directory(directory)
         self.index = self.root / INDEX_NAME
         self.staged: list[tuple[Path, Path]] = []  # complete data files, renamed together
 

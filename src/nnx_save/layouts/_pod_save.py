@@ -22,6 +22,7 @@ from ..format import _dtypes
 from ..format._boxes import Box, extents, of_index, whole
 from ..format._header import encode_header
 from ..io._kv import Outcome, Sync
+from ..io._write import make_directory
 from ..save._collective import agree
 from ..save._entry import Entry, order_entries, spans_processes
 from ..save._write import write_file
@@ -43,7 +44,7 @@ class PodWriter:
     ) -> tuple[list[Entry], Callable[[str | os.PathLike, Sequence[Entry]], None]]:
         """Create ``directory``; this process's pieces of ``entries`` (global
         tensors), and the writer of those pieces."""
-        Path(directory).mkdir(parents=True, exist_ok=True)
+        make_directory(directory)
         entries = order_entries(entries)
         local, listing, shardings = [], [], {}
         for e in entries:

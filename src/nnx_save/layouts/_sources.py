@@ -13,7 +13,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..errors import LayoutConflictError, OptionError
+from .._options import path_arg
+from ..errors import LayoutConflictError, OptionError, SourceNotFoundError
 from ..io import _remote
 from ..io._reader import Reader
 from ..load._source import Header, gc_paused
@@ -44,9 +45,10 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
 
     Raises:
         HeaderError: a malformed file or index (the subclass names the check).
+        OptionError: ``source`` is not a path, a URL or a list of paths.
         LayoutConflictError: a directory holding both an HF index and a pod manifest.
-        FileNotFoundError: the source does not exist.
-        OptionError: ``source`` is an empty list of files.
+        SourceNotFoundError: the source does not exist (a ``FileNotFoundError``).
+        OptionError: ``source`` is not a path, a URL or a non-empty list of paths.
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os
@@ -57,6 +59,23 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
     """
     if isinstance(source, Header):
         return source
+    _check_source(source)
+    try:
+        return _read(source)
+    except SourceNotFoundError:
+        raise
+    except FileNotFoundError as e:  # a file of a list, a URL's 404: the one error a missing source gives
+        missing = e.filename if e.filename is not None else _describe_source(source)
+        raise SourceNotFoundError(
+            f"{missing}: no such checkpoint file or directory ({e.strerror or e})", str(missing)
+        ) from None
+
+
+def _describe_source(source: PathLike | Sequence[PathLike]) -> str:
+    return os.fspath(source) if isinstance(source, (str, os.PathLike)) else f"{len(source)} files"
+
+
+def _read(source: PathLike | Sequence[PathLike]) -> Header:
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
     if isinstance(name, str) and _as_path_spells_it(name) and not _remote.is_url(name):
         try:  # a local file, the common case, in one open and one fstat
@@ -78,6 +97,16 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
             return read_list([Path(p) for p in source])
         path = Path(source)  # type: ignore[arg-type]  # list and tuple returned above; mypy cannot narrow str
         return layout_of(path).read(path)
+
+
+def _check_source(source: object) -> None:
+    """Refuse, with an :class:`OptionError` naming ``source``, what is neither a path, a
+    URL, nor a list or tuple of paths."""
+    if isinstance(source, (list, tuple)):  # an empty one: refused below, saying why
+        for item in source:
+            path_arg(item, "source", "read_header")
+    else:
+        path_arg(source, "source", "read_header")
 
 
 def _as_path_spells_it(name: str) -> bool:

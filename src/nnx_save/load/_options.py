@@ -7,7 +7,6 @@ docs/configuration.md) apply where the caller left those fields at their default
 
 from __future__ import annotations
 
-import math
 import numbers
 import os
 from dataclasses import dataclass
@@ -77,9 +76,11 @@ class LoadOptions:
         ratio = self.max_over_read_ratio
         for name in ("read_chunk_bytes", "max_inflight_bytes"):
             check(is_int(getattr(self, name), 1), name, "a positive int (bytes)", getattr(self, name))
-        ok = isinstance(ratio, numbers.Real) and not isinstance(ratio, bool) and not math.isnan(ratio) and ratio >= 1.0
+        ok = isinstance(ratio, numbers.Real) and not isinstance(ratio, bool) and 1.0 <= ratio <= 1e300  # not NaN
         check(optional(ratio, ok), "max_over_read_ratio", ">= 1.0", ratio)
-        check(optional(self.num_threads, is_int(self.num_threads, 1)), "num_threads", "at least 1", self.num_threads)
+        check(
+            optional(self.num_threads, is_int(self.num_threads, 1, 4096)), "num_threads", "1 to 4096", self.num_threads
+        )
         check(isinstance(self.verify, bool), "verify", "True or False", self.verify)
         check(self.staging in STAGING_KINDS, "staging", f"one of {STAGING_KINDS}", self.staging)
         size = self.staging_bytes

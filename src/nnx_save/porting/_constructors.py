@@ -20,6 +20,7 @@ from ._rules import (
     TransposeRule,
     UnstackRule,
 )
+from ._template import int_arg, ints_arg, text_arg, texts_arg
 
 __all__ = ["add", "concat", "ignore", "rename", "reshape", "split", "stack", "tie", "transpose", "unstack"]
 
@@ -108,10 +109,11 @@ def split(
         >>> scanned.match("h.3.qkv")
         ('3', ('q', 'k', 'v'))
     """
-    cut = None if sizes is None else tuple(sizes)
+    cut = None if sizes is None else ints_arg(sizes, "split: sizes")
+    names, axis = texts_arg(targets, "split: targets"), int_arg(axis, "split: axis")
     if stacked:
-        return SplitStackRule(pattern, tuple(targets), axis, cut)
-    return SplitRule(pattern, tuple(targets), axis, cut, inverse_rule=inverse)
+        return SplitStackRule(pattern, names, axis, cut)
+    return SplitRule(pattern, names, axis, cut, inverse_rule=inverse)
 
 
 def add(patterns: Sequence[str], targets: str | Sequence[str], axis: int = 0, *, into: int = 0) -> SumRule:
@@ -132,8 +134,9 @@ def add(patterns: Sequence[str], targets: str | Sequence[str], axis: int = 0, *,
         >>> rule.match("rnn.bias_hh")
         (1, ('rnn/bias',))
     """
-    names = (targets,) if isinstance(targets, str) else tuple(targets)
-    return SumRule(tuple(patterns), names, axis, into)
+    names = (targets,) if isinstance(targets, str) else texts_arg(targets, "add: targets")
+    axis, into = int_arg(axis, "add: axis"), int_arg(into, "add: into")
+    return SumRule(texts_arg(patterns, "add: patterns"), names, axis, into)
 
 
 def tie(source: str, *copies: str, check: bool = True) -> TieRule:
@@ -178,8 +181,15 @@ def concat(
         >>> rule.match("2.k")
         (1, '2/qk')
     """
-    sizes = None if sizes is None else tuple(sizes)
-    return ConcatRule(tuple(patterns), (target,) * len(patterns), axis, sizes, inverse_rule=inverse)
+    sizes = None if sizes is None else ints_arg(sizes, "concat: sizes")
+    parts = texts_arg(patterns, "concat: patterns")
+    return ConcatRule(
+        parts,
+        (text_arg(target, "concat: target"),) * len(parts),
+        int_arg(axis, "concat: axis"),
+        sizes,
+        inverse_rule=inverse,
+    )
 
 
 def stack(
@@ -199,7 +209,7 @@ def stack(
         >>> rule.match("h.7.w")
         ('7', 'layers/w')
     """
-    return StackRule(pattern, target, axis, group, inverse_rule=inverse)
+    return StackRule(pattern, target, int_arg(axis, "stack: axis"), group, inverse_rule=inverse)
 
 
 def unstack(
@@ -211,7 +221,7 @@ def unstack(
         >>> unstack(r"experts\\.w", r"experts/\\g<layer>/w").match("experts.w") is not None
         True
     """
-    return UnstackRule(pattern, target, axis, group, inverse_rule=inverse)
+    return UnstackRule(pattern, target, int_arg(axis, "unstack: axis"), group, inverse_rule=inverse)
 
 
 def transpose(
@@ -233,7 +243,7 @@ def transpose(
         >>> transpose(r".*/kernel", (1, 0)).inverse().axes
         (1, 0)
     """
-    return TransposeRule(pattern, tuple(int(a) for a in axes), of)
+    return TransposeRule(pattern, ints_arg(axes, "transpose: axes"), of)
 
 
 def reshape(pattern: str, shape: Sequence[int], *, source_shape: Sequence[int] | None = None) -> ReshapeRule:
@@ -249,5 +259,5 @@ def reshape(pattern: str, shape: Sequence[int], *, source_shape: Sequence[int] |
         >>> reshape("cls", (-1,), source_shape=(1, 1, -1)).inverse().shape
         (1, 1, -1)
     """
-    back = None if source_shape is None else tuple(int(s) for s in source_shape)
-    return ReshapeRule(pattern, tuple(int(s) for s in shape), back)
+    back = None if source_shape is None else ints_arg(source_shape, "reshape: source_shape")
+    return ReshapeRule(pattern, ints_arg(shape, "reshape: shape"), back)

@@ -15,7 +15,7 @@ from ..errors import RuleError
 from ._compose import SumRule
 from ._constructors import add, rename, split, stack
 from ._rules import ConstantRule, IgnoreRule, RenameRule, SplitRule, StackRule, TransposeRule
-from ._template import Template, compile_pattern, invert
+from ._template import Template, compile_pattern, int_arg, invert
 
 Shift = Mapping[int | str, int] | None
 Index = Mapping[int | str, Sequence[int]] | None
@@ -31,7 +31,7 @@ def torch_conv_axes(spatial_dims: int) -> tuple[int, ...]:
         >>> torch_conv_axes(2)
         (2, 3, 1, 0)
     """
-    return (*range(2, 2 + spatial_dims), 1, 0)
+    return (*range(2, 2 + int_arg(spatial_dims, "torch_conv_axes: spatial_dims", 1, 3)), 1, 0)
 
 
 def _stacked(source: str, target: str) -> bool:
@@ -234,7 +234,7 @@ def torch_lstm(
         >>> sorted({r.targets[0].rsplit("/", 3)[0] for r in both if isinstance(r, SplitRule)})
         ['lstm/0/backward_rnn', 'lstm/0/forward_rnn', 'lstm/1/backward_rnn', 'lstm/1/forward_rnn']
     """
-    if cell not in ("lstm", "optimized"):
+    if not isinstance(cell, str) or cell not in ("lstm", "optimized"):
         raise RuleError(f"torch_lstm: cell must be 'lstm' or 'optimized', got {cell!r}")
     if layers is None and not bidirectional:
         return _lstm_layer(source, target, layer, reverse, cell)
@@ -244,7 +244,7 @@ def torch_lstm(
         raise RuleError(
             f"torch_lstm: target {target!r} needs the field(s) {', '.join(absent)} that layers= / bidirectional= fill"
         )
-    numbers = [layer] if layers is None else list(range(int(layers)))
+    numbers = [layer] if layers is None else list(range(int_arg(layers, "torch_lstm: layers", 1, 4096)))
     sides = (False, True) if bidirectional else (reverse,)
     return tuple(
         rule
@@ -257,7 +257,7 @@ def torch_lstm(
 def _lstm_layer(
     source: str, target: str, layer: int | None, reverse: bool, cell: str
 ) -> tuple[RenameRule | SplitRule | TransposeRule | SumRule, ...]:
-    tail = ("" if layer is None else f"_l{int(layer)}") + ("_reverse" if reverse else "")
+    tail = ("" if layer is None else f"_l{int_arg(layer, 'torch_lstm: layer', 0)}") + ("_reverse" if reverse else "")
     key = {n: f"{source}\\.{n}{tail}" for n in ("weight_ih", "weight_hh", "bias_ih", "bias_hh")}
     biases = (key["bias_ih"], key["bias_hh"])
     if cell == "optimized":

@@ -155,7 +155,12 @@ def shapes_of(arrays: Mapping[str, object] | object) -> dict[str, tuple[Shape, n
         {'fc.weight': ((3, 2), dtype('float32'))}
     """
     items = getattr(arrays, "tensors", arrays)  # a Header: its tensor entries
-    return {k: (tuple(int(s) for s in v.shape), _numpy_dtype(v.dtype)) for k, v in items.items()}  # type: ignore
+    if not isinstance(items, Mapping) or not all(hasattr(v, "shape") and hasattr(v, "dtype") for v in items.values()):
+        raise RuleError(
+            f"shapes_of: arrays must be a mapping of names to arrays (anything with .shape and .dtype) or a "
+            f"Header, got {type(arrays).__name__}"
+        )
+    return {k: (tuple(int(s) for s in v.shape), _numpy_dtype(v.dtype)) for k, v in items.items()}
 
 
 def _source_shapes(sources: Mapping[str, object] | object) -> dict[str, tuple[Shape, np.dtype]]:

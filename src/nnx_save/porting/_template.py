@@ -9,6 +9,7 @@ patterns invert.
 
 from __future__ import annotations
 
+import numbers
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -31,6 +32,42 @@ __all__ = [
 _META = set(".^$*+?{}[]|)")
 _QUANTIFIERS = set("*+?{")
 _TEMPLATE_REF = re.compile(r"\\(?:g<([^>]*)>|(\d{1,2})|(\\))")
+
+
+def text_arg(value: object, what: str) -> str:
+    """``value`` when it is a ``str`` (a pattern, a key template), else a :class:`RuleError`
+    naming ``what`` and what was given: the rules' one door for names from outside."""
+    if not isinstance(value, str):
+        shown = repr(value) if isinstance(value, (bytes, int, float)) else type(value).__name__
+        raise RuleError(f"{what} must be a str (a regex or a key template), got {shown[:80]}")
+    return value
+
+
+def texts_arg(value: object, what: str) -> tuple[str, ...]:
+    """``value`` as a tuple of str: a list or tuple of patterns or templates (one str alone is
+    refused: it would be read as its characters), else a :class:`RuleError` naming ``what``."""
+    if not isinstance(value, (list, tuple)):
+        raise RuleError(f"{what} must be a list or tuple of str, got {type(value).__name__}")
+    return tuple(text_arg(v, f"each of {what}") for v in value)
+
+
+_INT_LIMIT = 1 << 31  # an axis, a size or a count: far past any tensor's
+
+
+def int_arg(value: object, what: str, low: int = -_INT_LIMIT, high: int = _INT_LIMIT) -> int:
+    """``value`` when it is an int (not a bool) in ``[low, high]``, else a :class:`RuleError`."""
+    ok = isinstance(value, numbers.Integral) and not isinstance(value, bool) and low <= int(value) <= high
+    if not ok:
+        shown = repr(value) if isinstance(value, (int, float)) else type(value).__name__
+        raise RuleError(f"{what} must be an int from {low} to {high}, got {shown[:80]}")
+    return int(value)  # type: ignore[call-overload]
+
+
+def ints_arg(value: object, what: str) -> tuple[int, ...]:
+    """``value`` as a tuple of ints (a list or tuple of them), else a :class:`RuleError`."""
+    if not isinstance(value, (list, tuple)):
+        raise RuleError(f"{what} must be a list or tuple of ints, got {type(value).__name__}")
+    return tuple(int_arg(v, f"each of {what}") for v in value)
 
 
 def raw(text: str) -> str:
@@ -58,6 +95,7 @@ class Template:
     @classmethod
     def parse(cls, text: str) -> Template:
         """Parse ``text``; a stray backslash escape is a :class:`RuleError`."""
+        text = text_arg(text, "a key template")
         parts: list[str | _Ref] = []
         pos = 0
         for m in _TEMPLATE_REF.finditer(text):
@@ -131,6 +169,7 @@ def _check_no_escape(text: str, start: int, stop: int) -> None:
 
 def compile_pattern(pattern: str) -> re.Pattern[str]:
     """Compile ``pattern``, re-raising a regex syntax error as :class:`RuleError`."""
+    pattern = text_arg(pattern, "a pattern")
     try:
         return re.compile(pattern)
     except re.error as err:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .. import _config, _progress
+from .._options import path_arg, seconds_arg
 from ..errors import NnxSaveError, SaveError
 from ..io import _remote
 from . import _stage
@@ -59,7 +60,8 @@ class SaveHandle:
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
-        self.path: Path | str = str(path) if _remote.is_url(path) else Path(path)  # a URL (s3://...) stays a str
+        path = path_arg(path, "path", "SaveHandle")
+        self.path: Path | str = path if _remote.is_url(path) else Path(path)  # a URL (s3://...) stays a str
         self._finished = threading.Event()
         self._error: BaseException | None = None
 
@@ -143,6 +145,7 @@ def wait_for_saves(timeout: float | None = None) -> None:
         >>> sorted(os.listdir(d))
         ['0.safetensors', '1.safetensors', '2.safetensors']
     """
+    timeout = seconds_arg(timeout, "timeout", "wait_for_saves")
     if not _wait_all(timeout):
         raise TimeoutError(
             f"asynchronous saves still running after {timeout:g} s: {[str(h.path) for h in _unfinished()]}"
