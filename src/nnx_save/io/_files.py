@@ -185,8 +185,10 @@ class Pinned:
         self._open = True
 
     def __del__(self) -> None:  # not weakref.finalize: this is on every open's path, and costs nothing until then
-        with contextlib.suppress(Exception):  # at interpreter exit the pool may be gone first
+        try:  # noqa: SIM105 - not contextlib.suppress: at interpreter exit module globals (contextlib, the pool) may be gone first
             self.close()
+        except Exception:
+            pass
 
     def keep(self, name: str, fd: int, st: os.stat_result | None = None) -> None:
         """Take ``fd``, open on ``name`` (closed here if ``name`` is already held);
