@@ -21,7 +21,6 @@ Examples:
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -112,17 +111,21 @@ def _staging(text: str) -> str:
     return text.lower()
 
 
-def _positive_float(text: str) -> float:
+def _positive_float(text: str, high: float = 1e15) -> float:
     value = float(text)
-    if not value > 0 or math.isinf(value):
+    if not 0 < value <= high:  # NaN and infinity too; past ``high`` a wait or a count overflows C
         raise ValueError(text)
     return value
 
 
+def _seconds(text: str) -> float:
+    return _positive_float(text, 1e9)  # threading's waits take at most ~9.2e9 s
+
+
 def _int_at_least(low: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
+        value = int(text) if len(text) <= 24 else low - 1  # int() of 400 digits works; no count is that large
+        if not low <= value <= 1 << 62:
             raise ValueError(text)
         return value
 
@@ -149,7 +152,7 @@ HTTP_TIMEOUT: Variable[float] = Variable(
     60.0,
     "a positive number of seconds",
     "seconds every HTTP range request may take, plus its length at NNX_SAVE_HTTP_MIN_RATE",
-    _positive_float,
+    _seconds,
 )
 HTTP_MIN_RATE: Variable[float] = Variable(
     "NNX_SAVE_HTTP_MIN_RATE",
@@ -164,7 +167,7 @@ COLLECTIVE_TIMEOUT_S: Variable[float] = Variable(
     "a positive number of seconds",
     "seconds a process waits for the others at each step of every multi-process exchange: collective "
     "and pod saves, shared reads, the checkpoint store's decisions",
-    _positive_float,
+    _seconds,
     replaces=("NNX_SAVE_STORE_TIMEOUT_S",),
 )
 MAX_ASYNC_SAVES: Variable[int] = Variable(
