@@ -68,7 +68,7 @@ def path_arg(value: object, argument: str, call: str) -> str:
         nnx_save.errors.OptionError: save_file: path must be a path with no NUL byte, got 'a\x00b'
     """
     try:
-        text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None  # type: ignore[arg-type]
+        text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
     except TypeError:
         text = None
     if not isinstance(text, str) or not text:

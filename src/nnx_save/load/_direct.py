@@ -86,7 +86,7 @@ class DirectFiles:
             if reader.can_read_runs():
                 reader.read_runs(addr, [length] * len(offsets), offsets.tolist())
             else:  # no pread in the C library: memoryviews
-                flat = memoryview(out.reshape(-1).view(np.uint8))
+                flat = out.reshape(-1).view(np.uint8).data
                 for i, off in enumerate(offsets.tolist()):
                     reader.readv([flat[i * length : (i + 1) * length]], off)
         except TruncatedFileError as e:
