@@ -62,10 +62,10 @@ def path_arg(value: object, argument: str, call: str) -> str:
         OptionError: naming ``call`` and ``argument``, with what was given.
 
     Examples:
-        >>> path_arg("a\x00b", "path", "save_file")
+        >>> path_arg(5, "path", "save_file")
         Traceback (most recent call last):
         ...
-        nnx_save.errors.OptionError: save_file: path must be a path with no NUL byte, got 'a\x00b'
+        nnx_save.errors.OptionError: save_file: path must be a path (a non-empty str or os.PathLike), got 5
     """
     try:
         text = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
