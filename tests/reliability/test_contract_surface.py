@@ -276,16 +276,18 @@ def holds(entry: str, args: tuple[Any, ...], keywords: dict[str, Any], labels: t
     try:
         values = [a(d) for a in args]
         kw = {k: v(d) for k, v in keywords.items()}
-        before = _tree(d)
+        before, cwd = _tree(d), os.getcwd()
         previous = signal.signal(signal.SIGALRM, _alarm)
         signal.alarm(TIME_BOUND_S)
         try:
+            os.chdir(d)  # a relative path ("0", "None" given to the CLI) lands in the scratch directory
             call(d, *values, **kw)
         except NnxSaveError:
             assert _tree(d) == before, f"{entry}{labels}: a refusal changed files"
         except Exception as e:
             raise AssertionError(f"{entry}{labels}: {type(e).__name__}: {e}") from e
         finally:
+            os.chdir(cwd)
             signal.alarm(0)
             signal.signal(signal.SIGALRM, previous)
         COVERED.update((entry, label) for label in labels if label in MENU)

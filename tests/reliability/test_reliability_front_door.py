@@ -131,3 +131,11 @@ def test_numbers_from_the_environment_are_bounded(monkeypatch, text):
         with pytest.raises(ConfigError, match=re.escape(f"{variable.name}=")):
             variable.get()
         monkeypatch.delenv(variable.name)
+
+
+def test_save_pod_to_a_url_is_refused(tmp_path, monkeypatch):
+    """save_pod(tree, "http://...") wrote a local directory named "http:" under the cwd."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(OptionError, match=re.escape("save_pod: directory 'http://127.0.0.1:9/m?x=1' is a URL")):
+        nnx_save.save_pod(TREE, "http://127.0.0.1:9/m?x=1")
+    assert list(tmp_path.iterdir()) == []

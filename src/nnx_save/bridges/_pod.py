@@ -8,7 +8,9 @@ from pathlib import Path
 from typing import Any
 
 from .._options import DEFAULT, merge, path_arg
+from ..errors import OptionError
 from ..format import _paths
+from ..io._remote import is_url
 from ..layouts import _dispatch
 from ..layouts._pod import MANIFEST
 from ..save._background import SaveHandle
@@ -65,6 +67,10 @@ def save_pod(
     """
     how = merge(SaveOptions, options, "save_pod", locals()).unsharded("save_pod writes a pod")  # locals() first
     directory = path_arg(directory, "directory", "save_pod")
+    if is_url(directory):  # a URL is no directory: Path() would make "http:/host/..." here
+        raise OptionError(
+            f"save_pod: directory {directory!r} is a URL; a pod is written to a (shared) filesystem", "directory"
+        )
     entries, meta = _entries(tree_or_model, metadata, filter)
     write = _dispatch.writer(meta, pod=True)
     handle = _dispatch.save(directory, entries, write, blocking=how.blocking, progress=how.progress)
