@@ -30,7 +30,7 @@ __all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_RUNS", "DirectFiles"]
 # Above this, the engine's threads beat one thread's copy (a whole large tensor); under
 # it, the engine's start-up dominates (benchmarks/lazy.py).
 DIRECT_MAX_BYTES = 16 << 20
-DIRECT_MAX_RUNS = 64  # one pread each (~10 us on a VM); past this the engine's threads read them sooner
+DIRECT_MAX_RUNS = 4096  # one pread each (~10 us on a VM): a column slice of a big matrix, without the engine's imports
 
 
 class DirectFiles:
