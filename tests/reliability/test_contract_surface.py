@@ -166,7 +166,10 @@ def _cli(command: str) -> Callable[..., Any]:
             argv += [f"--{k.replace('_', '-')}", str(v)]
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli_main(argv)
+            try:
+                code = cli_main(argv)
+            except SystemExit as e:  # argparse refused an argument (after its error line), as a script exits
+                code = e.code
         assert code in (0, 1, 2), (argv, code)
         assert "Traceback" not in err.getvalue(), err.getvalue()
         if code == 2:  # one error line (a path given may itself hold a newline)

@@ -381,10 +381,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status."""
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as e:  # --help (0) or a refused argument (2, said on stderr)
-        return e.code if isinstance(e.code, int) else 2
+    args = _parser().parse_args(argv)  # a refused argument: SystemExit(2) after its error line
     if args.verbose:
         logging.basicConfig(format="%(name)s: %(message)s")
         logging.getLogger("nnx_save").setLevel(logging.DEBUG)
