@@ -50,8 +50,9 @@ def test_huge_sizes_and_counts_are_option_errors(tmp_path):
     with pytest.raises(OptionError, match=re.escape("max_batch_bytes must be a positive int (bytes) up to 2**62")):
         list(nnx_save.iter_tensors(src, max_batch_bytes=2**64))
     err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        assert cli_main(["convert", str(src), str(tmp_path / "d"), "--max-shard-size", NINES]) == 2
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        cli_main(["convert", str(src), str(tmp_path / "d"), "--max-shard-size", NINES])
+    assert exited.value.code == 2
     assert err.getvalue().splitlines()[-1].startswith("nnx-save: error: argument --max-shard-size: '999")
     assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
 
