@@ -89,7 +89,7 @@ __all__ = [
     "unstack",
 ]
 
-from ..errors import RuleError, RuleShapeError, RuleTableWarning
+from ..errors import RuleError, RuleKind, RuleShapeError, RuleTableWarning
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule
 from ._constructors import add, concat, ignore, rename, reshape, split, stack, tie, transpose, unstack
 from ._coverage import Coverage, coverage
