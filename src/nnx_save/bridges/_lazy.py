@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -17,12 +17,12 @@ import numpy as np
 from ..errors import SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
-from ..layouts._sources import read_header, reader_factory
+from ..layouts._registry import read_header, reader_factory
 from ..load._direct import DIRECT_MAX_BYTES, MappedFiles
 from ..load._options import LoadOptions
 from ..load._report import IOStats
 from ..load._slices import Box, compat, extents, normalize_index, plain, slice_box
-from ..load._source import Header, LocalFiles, RemoteFiles
+from ..load._source import Header
 from ..load._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
@@ -87,23 +87,14 @@ def _torch_converter(device: Any):
     return convert
 
 
-def _mappable(placement: object) -> LocalFiles | None:
-    """``placement`` when its local files can be mapped, every tensor one whole piece
-    (plain local files, and the local ones of a remote index); not a pod's shards."""
-    if isinstance(placement, LocalFiles) and type(placement) in (LocalFiles, RemoteFiles):
-        return placement
-    return None
-
-
 class _Open:
     """What an open handle reads through; slices keep it, so they still read after
     ``close()`` (as in safetensors)."""
 
     def __init__(self, header: Header, backend: str, options: LoadOptions, convert) -> None:
         self.header, self.options, self.convert = header, options, convert
-        local = _mappable(header.placement) if backend == "mmap" else None
-        self.maps = MappedFiles(local.pinned.open) if local is not None else None
-        self.remote: Mapping[str, Any] = local.identity if isinstance(local, RemoteFiles) else {}
+        opener = header.placement.map_opener() if backend == "mmap" else None
+        self.maps = MappedFiles(opener) if opener is not None else None
         self.io = IOStats()  # every read through this handle, summed
         self.files: set[str] = set()
         self.views: dict[str, Any] = {}  # tensor -> its array over the map, or None (read by the engine)
@@ -112,7 +103,9 @@ class _Open:
         """Tensor ``info`` over the memory map (a local, byte-aligned, whole tensor), else None."""
         found = self.views.get(info.name, False)
         if found is False:
-            mapped = self.maps is not None and info.dtype.byte_aligned and info.file not in self.remote
+            mapped = (
+                self.maps is not None and info.dtype.byte_aligned and not self.header.placement.is_remote(info.file)
+            )
             found = self.maps.view(info) if mapped and self.maps is not None else None
             self.views[info.name] = found
         return found

@@ -69,9 +69,16 @@ class MemoryPlacement:
 
     processes = 1
     missing: tuple[str, ...] = ()
+    remote = False
 
     def __init__(self, begins: list[int], views: list[memoryview]) -> None:
         self.begins, self.views = begins, views
+
+    def is_remote(self, file: str) -> bool:
+        return False
+
+    def map_opener(self) -> None:
+        return None  # no file to map: the engine reads the arrays
 
     def pieces_of(self, key: str, info: TensorInfo) -> tuple[Piece, ...]:
         return (Piece(whole(info.shape), info),)

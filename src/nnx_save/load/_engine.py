@@ -49,7 +49,7 @@ from ._report import (
     suggested_renames,
     suggested_targets,
 )
-from ._source import Header, RemoteFiles, gc_paused
+from ._source import Header, gc_paused
 from ._target import Target, check_device_dtype, device_indices, shard_boxes
 
 __all__ = ["load_targets"]
@@ -526,9 +526,8 @@ def load_targets(
     # targets: every keyword travels, including any added later.
     given = {k: v for k, v in locals().items() if k not in ("header", "targets", "options")}
     opt = options if options is not None else LoadOptions()
-    remote = isinstance(header.placement, RemoteFiles)
     in_memory = header.kind == "memory"  # every process holds its own state dict: nothing to share
-    if not in_memory and _share.enabled(opt.share_reads, targets, remote, _describe(header)):
+    if not in_memory and _share.enabled(opt.share_reads, targets, header.placement.remote, _describe(header)):
         run = functools.partial(load_targets, header, options=replace(opt, share_reads=False), **given)
         shapes = {k: info.shape for k, info in header.tensors.items()}
         return _share.shared_load(list(targets), run, shapes, _describe(header))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,6 +27,8 @@ class Placement(Protocol):
     """The processes that wrote it (a pod); pieces name theirs, 1 for the other layouts."""
     missing: tuple[str, ...]
     """Files it names that are not present (a pod's shard files on another host)."""
+    remote: bool
+    """Whether its files are read over a network (each read a request)."""
 
     def pieces_of(self, key: str, info: TensorInfo) -> tuple[Piece, ...]:
         """Tensor ``key`` (validated as ``info``) as pieces at (file, byte range, box)."""
@@ -34,6 +36,15 @@ class Placement(Protocol):
 
     def open_reader(self, file: str) -> Reader:
         """A reader of ``file``, the very version whose header was validated."""
+        ...
+
+    def is_remote(self, file: str) -> bool:
+        """Whether ``file`` is read over a network (it cannot be memory-mapped)."""
+        ...
+
+    def map_opener(self) -> Callable[[str], int] | None:
+        """A descriptor of a validated local file by name, for memory maps, when every
+        tensor is one whole piece of one file; ``None`` otherwise."""
         ...
 
     def retries(self) -> int:
@@ -51,6 +62,7 @@ class LocalFiles:
 
     processes = 1
     missing: tuple[str, ...] = ()
+    remote = False
 
     def __init__(self) -> None:
         self.pinned = _files.Pinned()
@@ -65,6 +77,12 @@ class LocalFiles:
         finally:
             os.close(fd)  # the reader holds its own duplicate
 
+    def is_remote(self, file: str) -> bool:
+        return False
+
+    def map_opener(self) -> Callable[[str], int] | None:
+        return self.pinned.open
+
     def retries(self) -> int:
         return 0
 
@@ -75,9 +93,14 @@ class LocalFiles:
 class RemoteFiles(LocalFiles):
     """Remote files, each read pinned to the size and version (ETag) its header had."""
 
+    remote = True
+
     def __init__(self, stats: Any, identity: Mapping[str, tuple[int, str | None]]) -> None:
         super().__init__()
         self.stats, self.identity = stats, identity
+
+    def is_remote(self, file: str) -> bool:
+        return file in self.identity
 
     def open_reader(self, file: str) -> Reader:
         if file in self.identity:
