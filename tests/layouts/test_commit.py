@@ -28,7 +28,7 @@ from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from reliability.test_reliability_disk import small_fs  # noqa: F401 (the tiny-filesystem fixture)
 
 import nnx_save
-from nnx_save.layouts import _index_save as _sharded
+from nnx_save.layouts import _index as _sharded
 
 INDEX = "model.safetensors.index.json"
 
