@@ -26,7 +26,7 @@ from flax import nnx
 import nnx_save
 from nnx_save.bridges._leaves import leaf_entry
 from nnx_save.io._write import TMP_MARKER
-from nnx_save.layouts import _file
+from nnx_save.save import _write as _file  # the one-file writer the layouts call
 from nnx_save.save import _background
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -260,7 +260,7 @@ _CHILD = textwrap.dedent("""
     import json, os, resource, signal, sys, time
     import numpy as np
     import nnx_save
-    from nnx_save.layouts import _file
+    from nnx_save.save import _write as _file  # the one-file writer the layouts call
 
     d = sys.argv[1]
     # Out of space: RLIMIT_FSIZE with SIGXFSZ ignored, so writes past 1 MiB fail with EFBIG.

@@ -21,10 +21,7 @@ from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _remote
 from ..load._source import Header, LocalFiles, RemoteFiles
-from ..save._collective import write_collective
 from ..save._entry import Entry
-from ..save._remote import write_remote
-from ..save._write import write_file
 from ._layout import SINGLE, Written, remove
 
 __all__ = ["FileLayout", "checked_size", "read_file_header", "read_local", "remote_file_header"]
@@ -149,12 +146,15 @@ class FileLayout:
         """One file, from this process, from every process of the job, or to a URL."""
         import jax
 
+        from ..save import _collective, _write  # the writers: a read never loads them
+        from ..save import _remote as _remote_write
+
         if _remote.is_url(path):
-            write_remote(str(path), entries, metadata)
+            _remote_write.write_remote(str(path), entries, metadata)
         elif jax.process_count() == 1:
-            write_file(path, entries, metadata)
+            _write.write_file(path, entries, metadata)
         else:
-            write_collective(path, entries, metadata)
+            _collective.write_collective(path, entries, metadata)
         return Written(path, (path,))
 
     def retire(self, directory: Path, keep: Collection[str]) -> None:

@@ -23,8 +23,6 @@ import os
 import posixpath
 import re
 from collections.abc import Collection, Mapping, Sequence
-from concurrent import futures
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -37,11 +35,7 @@ from ..io import _files, _remote
 from ..io._kv import Sync
 from ..io._write import TMP_MARKER, _write_all, atomic_file, commit_staged, discard_staged, remove_stale_temps
 from ..load._source import Header, LocalFiles, RemoteFiles
-from ..save import _remote as _remote_write
-from ..save import _stage
-from ..save._collective import write_collective
 from ..save._entry import Entry, order_entries
-from ..save._write import write_file
 from . import _layout
 from ._file import read_file_header, remote_file_header
 from ._layout import SAVE_ID_KEY, Written
@@ -305,7 +299,9 @@ class _Local:
         return read_file_header(self.root / name)
 
     def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str], budget: int | None) -> None:
-        write_file(self.root / name, entries, meta, staged=self.staged, max_inflight_bytes=budget)
+        from ..save import _write  # the writers: a read never loads them
+
+        _write.write_file(self.root / name, entries, meta, staged=self.staged, max_inflight_bytes=budget)
 
     def commit_index(self, data: bytes) -> None:
         commit_staged(self.staged)  # fresh names: one directory fsync for them all, before the index
@@ -324,7 +320,10 @@ class _Remote:
 
     def __init__(self, url: str) -> None:
         self.root = url.rstrip("/")
-        self.fs = _remote_write.filesystem(self.root)
+        from ..save import _remote as remote_write  # the writers: a read never loads them
+
+        self.put, self.write_remote = remote_write.put, remote_write.write_remote
+        self.fs = remote_write.filesystem(self.root)
         self.index = f"{self.root}/{INDEX_NAME}"
 
     def listing(self) -> set[str]:
@@ -340,10 +339,10 @@ class _Remote:
         return remote_file_header(f"{self.root}/{name}", _remote.RemoteStats())[0]
 
     def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str], budget: int | None) -> None:
-        _remote_write.write_remote(f"{self.root}/{name}", entries, meta)
+        self.write_remote(f"{self.root}/{name}", entries, meta)
 
     def commit_index(self, data: bytes) -> None:
-        _remote_write.put(self.fs, self.index, lambda f: f.write(data))
+        self.put(self.fs, self.index, lambda f: f.write(data))
 
     def discard(self) -> None:  # nothing staged: each object is moved into place once complete
         pass
@@ -379,6 +378,8 @@ def write_sharded(
             if sync.n == 1:
                 target.write_shard(name, group, meta, None)
             else:  # every process writes its shards of the file's tensors
+                from ..save._collective import write_collective
+
                 write_collective(Path(target.root) / name, group, meta)
             written.append(name)
         sync.on_primary("index", lambda: target.commit_index(index))
@@ -400,6 +401,11 @@ def _write_parallel(
     streams; each writer holds its share of the save's in-flight budget), adding each
     written name to ``written``. The first failure cancels the files not begun and is
     raised once the others have ended."""
+    from concurrent import futures  # a read never loads the writers' threads
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..save import _stage
+
     workers = min(SHARD_WRITERS, len(groups))
     budget = max(1, _stage.budget() // workers)
     with ThreadPoolExecutor(workers, "nnx_save-shard") as pool:

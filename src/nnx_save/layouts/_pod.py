@@ -36,9 +36,7 @@ from ..io._kv import Outcome, Sync
 from ..io._write import _write_all, atomic_file
 from ..load._pieces import Box, Piece, extents, whole
 from ..load._source import Header, LocalFiles
-from ..save._collective import agree
 from ..save._entry import Entry, order_entries, spans_processes
-from ..save._write import write_file
 from ._file import read_file_header
 from ._index import MAX_INDEX_BYTES
 from ._layout import SAVE_ID_KEY, Written, load_record, new_save_id, owned, remove, save_id_in, single_beside
@@ -489,6 +487,9 @@ def _write(
     path: str | os.PathLike, local: Sequence[Entry], names: list, meta: dict[str, str], posted: dict[str, Any]
 ) -> Written | None:
     """Every process: agree, write this process's shard file, let the primary commit."""
+    from ..save._collective import agree  # the writers: a read never loads them
+    from ..save._write import write_file
+
     directory = Path(path)
     sync = Sync.open(directory, what="pod save", intact="the previous save in it, if any, is intact")
     if sync.n > 1:

@@ -21,13 +21,12 @@ import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .. import _progress
 from ..errors import NotSafetensorsError, OptionError, RemoteError
 from ..io import _remote
 from ..io._reader import Reader
 from ..load._source import Header, gc_paused
-from ..save import _background
 from ..save._entry import Entry
 from . import _file, _index
 from ._directory import DirectoryLayout, read_list
@@ -35,6 +34,9 @@ from ._file import FileLayout
 from ._index import INDEX_NAME, IndexLayout
 from ._layout import SINGLE, Layout, Writable, Written, conflict
 from ._pod import PodLayout
+
+if TYPE_CHECKING:
+    from ..save._background import SaveHandle
 
 __all__ = ["INDEX", "POD", "RECORDS", "Write", "layout_of", "read_header", "reader_factory", "save", "writer"]
 
@@ -203,7 +205,7 @@ def writer(metadata: Mapping[str, str] | None, *, max_shard_size: int | str | No
 
 def save(
     path: PathLike, entries: Sequence[Entry], write: Write, *, blocking: bool = True, progress: bool | None = None
-) -> _background.SaveHandle | None:
+) -> SaveHandle | None:
     """Run ``write(path, entries)`` with ``progress`` in force: now (``blocking``), or
     on a host snapshot in the background (see :mod:`nnx_save.save._background`). A pod's
     pieces are taken first, from the caller's arrays."""
@@ -211,5 +213,8 @@ def save(
     if isinstance(write.layout, PodLayout):
         entries, pod_write = write.layout.pieces(path, entries, write.metadata)
         run = lambda p, e: write.committed(p, pod_write(p, e))  # noqa: E731
+    from .. import _progress
+    from ..save import _background  # the save machinery: a read never loads it
+
     with _progress.saving(progress):
         return _background.save(path, entries, run, blocking=blocking)
