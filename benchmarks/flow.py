@@ -1,9 +1,10 @@
 """How the flow walks the package: a save and a load of an HF checkpoint, traced at run time.
 
-``sys.setprofile`` sees every call into a Python frame of nnx_save's own modules; each
-call whose module differs from the previous call's is a change of module, and each whose
-package (of layouts/, load/, save/, io/) differs from the previous such package's is a
-package switch. Run: ``PYTHONPATH=src python benchmarks/flow.py``.
+``sys.setprofile`` (and ``threading.setprofile``, for the helper threads a save writes
+files on) sees every call into a Python frame of nnx_save's own modules; in each thread,
+each call whose module differs from the previous call's is a change of module, and each
+whose package (of layouts/, load/, save/, io/) differs from the previous such package's
+is a package switch; the counts are summed over the threads. Run: ``PYTHONPATH=src python benchmarks/flow.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,27 +24,44 @@ PACKAGES = ("layouts", "load", "save", "io")
 
 
 def trace(run: Callable[[], Any]) -> dict[str, Any]:
-    """``run()`` traced: its module changes, package switches and the package path."""
+    """``run()`` traced, in every thread it starts (a save writes files on helper
+    threads): its module changes and package switches, summed over the threads, and
+    the package walk of the thread that called it."""
     import nnx_save
 
     root = os.path.dirname(nnx_save.__file__) + os.sep
-    modules: list[str] = []
+    modules: dict[int, list[str]] = {}
 
     def profile(frame, event, arg):
         if event == "call":
             file = frame.f_code.co_filename
             if file.startswith(root):
-                modules.append(file[len(root) :])
+                modules.setdefault(threading.get_ident(), []).append(file[len(root) :])
 
+    threading.setprofile(profile)
     sys.setprofile(profile)
     try:
         run()
     finally:
         sys.setprofile(None)
-    changes = sum(a != b for a, b in itertools.pairwise(modules))
+        threading.setprofile(None)  # type: ignore[arg-type]  # None removes it, as sys.setprofile(None) does
+    changes = {t: sum(a != b for a, b in itertools.pairwise(seq)) for t, seq in modules.items()}
+    walks = {t: _walk(seq) for t, seq in modules.items()}
+    me = threading.get_ident()
+    return {
+        "calls": sum(map(len, modules.values())),
+        "module_changes": sum(changes.values()),
+        "package_switches": sum(max(len(w) - 1, 0) for w in walks.values()),
+        "caller_module_changes": changes.get(me, 0),  # the calling thread alone, as issue 29 counted
+        "caller_package_switches": max(len(walks.get(me, [])) - 1, 0),
+        "walk": walks.get(me, []),
+    }
+
+
+def _walk(modules: list[str]) -> list[str]:
+    """The packages of :data:`PACKAGES` entered, in order, each run of one counted once."""
     packages = [p for m in modules if (p := m.split(os.sep, 1)[0]) in PACKAGES]
-    walk = [p for i, p in enumerate(packages) if i == 0 or p != packages[i - 1]]
-    return {"calls": len(modules), "module_changes": changes, "package_switches": max(len(walk) - 1, 0), "walk": walk}
+    return [p for i, p in enumerate(packages) if i == 0 or p != packages[i - 1]]
 
 
 def model(n: int = 5):
@@ -84,13 +103,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as d:
         result = measure(d)
+    keys = ("module_changes", "package_switches", "caller_module_changes", "caller_package_switches")
     for name, row in result.items():
         print(
-            f"{name}: {row['calls']} calls, {row['module_changes']} module changes, {row['package_switches']} package switches"
+            f"{name}: {row['calls']} calls; all threads: {row['module_changes']} module changes, "
+            f"{row['package_switches']} package switches; the calling thread: {row['caller_module_changes']} and "
+            f"{row['caller_package_switches']}"
         )
         if args.walk:
             print("  " + " > ".join(row["walk"]))
-    print(json.dumps({k: {x: v[x] for x in ("module_changes", "package_switches")} for k, v in result.items()}))
+    print(json.dumps({k: {x: v[x] for x in keys} for k, v in result.items()}))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from flax import nnx
 import nnx_save
 from nnx_save.bridges._leaves import leaf_entry
 from nnx_save.io._write import TMP_MARKER
-from nnx_save.save import _write as _file  # the one-file writer the layouts call
 from nnx_save.save import _background
+from nnx_save.save import _write as _file  # the one-file writer the layouts call
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
