@@ -45,7 +45,7 @@ from .errors import TruncatedFileError as TruncatedFileError
 from .errors import UnsupportedValueError as UnsupportedValueError
 from .format._header import FileHeader as FileHeader
 from .format._header import TensorInfo as TensorInfo
-from .layouts._sources import read_header as read_header
+from .layouts._registry import read_header as read_header
 from .load._options import LoadOptions as LoadOptions
 from .load._report import DtypeCast as DtypeCast
 from .load._report import IOStats as IOStats

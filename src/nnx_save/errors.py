@@ -141,7 +141,8 @@ class IndexFileError(HeaderError):
 
 class LayoutConflictError(HeaderError):
     """A directory (``file``) that two layouts both claim (an HF index and a pod
-    manifest): nnx_save does not guess which save is current."""
+    manifest, or a ``model.safetensors`` beside a record that does not name it):
+    nnx_save does not guess which save is current; the message names both."""
 
     check: HeaderCheck | None = "layout"
 

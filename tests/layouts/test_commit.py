@@ -28,7 +28,8 @@ from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from reliability.test_reliability_disk import small_fs  # noqa: F401 (the tiny-filesystem fixture)
 
 import nnx_save
-from nnx_save.layouts import _index_save as _sharded
+from nnx_save.layouts import _index as _sharded
+from nnx_save.save import _write
 
 INDEX = "model.safetensors.index.json"
 
@@ -233,7 +234,7 @@ def test_a_reader_racing_a_multi_file_writer_never_mixes_versions(tmp_path):
 
 
 def test_local_files_are_written_two_at_a_time_within_the_budget(tmp_path, monkeypatch):
-    real, lock, running, seen = _sharded.write_file, threading.Lock(), [0], []
+    real, lock, running, seen = _write.write_file, threading.Lock(), [0], []
 
     def slow(path, entries, metadata=None, **kwargs):
         with lock:
@@ -247,7 +248,7 @@ def test_local_files_are_written_two_at_a_time_within_the_budget(tmp_path, monke
                 running[0] -= 1
 
     monkeypatch.setenv("NNX_SAVE_SAVE_INFLIGHT_BYTES", str(64 << 20))
-    monkeypatch.setattr(_sharded, "write_file", slow)
+    monkeypatch.setattr(_write, "write_file", slow)
     nnx_save.save_file(tree(1.0, n=5), tmp_path / "ck", max_shard_size=256)  # one file per tensor
     assert len(seen) == 5 and max(n for n, _ in seen) == _sharded.SHARD_WRITERS == 2
     assert {b for _, b in seen} == {(64 << 20) // 2}  # each writer holds its share of the budget
@@ -257,7 +258,7 @@ def test_local_files_are_written_two_at_a_time_within_the_budget(tmp_path, monke
 def test_a_failed_file_among_parallel_ones_keeps_the_previous_version(tmp_path, monkeypatch):
     nnx_save.save_file(tree(1.0, n=6), tmp_path / "ck", max_shard_size=256)
     before = {p.name: p.read_bytes() for p in (tmp_path / "ck").iterdir()}
-    real, started = _sharded.write_file, []
+    real, started = _write.write_file, []
 
     def fails_second(path, entries, metadata=None, **kwargs):
         started.append(path.name)
@@ -266,7 +267,7 @@ def test_a_failed_file_among_parallel_ones_keeps_the_previous_version(tmp_path, 
         time.sleep(0.2)  # the failure lands while this file is still being written
         return real(path, entries, metadata, **kwargs)
 
-    monkeypatch.setattr(_sharded, "write_file", fails_second)
+    monkeypatch.setattr(_write, "write_file", fails_second)
     with pytest.raises(nnx_save.SaveError, match=re.escape("save failed (no space left on the device)")):
         nnx_save.save_file(tree(2.0, n=6), tmp_path / "ck", max_shard_size=256)
     assert len(started) < 6  # the files not begun were cancelled

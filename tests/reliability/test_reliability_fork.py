@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent(
 
     def slow_write(path, entries):  # the parent's background write waits for the fork
         gate.wait(30)
-        from nnx_save.layouts._dispatch import writer
+        from nnx_save.layouts._registry import writer
         writer(None)(path, entries)
 
     from nnx_save.bridges._leaves import flatten, leaf_entry

@@ -80,7 +80,7 @@ def test_multi_file_index_over_http(nginx):
     nginx.clear_log()
     directory = nginx.root / "sharded"
     from nnx_save.bridges._leaves import flatten, leaf_entry
-    from nnx_save.layouts._index_save import write_sharded
+    from nnx_save.layouts._index import write_sharded
 
     pairs, _ = flatten(NESTED)
     write_sharded(directory, [leaf_entry(p, v) for p, v in pairs], None, 64 << 10)

@@ -26,8 +26,8 @@ from flax import nnx
 import nnx_save
 from nnx_save.bridges._leaves import leaf_entry
 from nnx_save.io._write import TMP_MARKER
-from nnx_save.layouts import _dispatch
 from nnx_save.save import _background
+from nnx_save.save import _write as _file  # the one-file writer the layouts call
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -49,8 +49,8 @@ class Gate:
 
 @pytest.fixture
 def gate(monkeypatch):
-    g = Gate(_dispatch.write_file)
-    monkeypatch.setattr(_dispatch, "write_file", g)
+    g = Gate(_file.write_file)
+    monkeypatch.setattr(_file, "write_file", g)
     yield g
     g.open()
     _background._wait_all(30)
@@ -260,7 +260,7 @@ _CHILD = textwrap.dedent("""
     import json, os, resource, signal, sys, time
     import numpy as np
     import nnx_save
-    from nnx_save.layouts import _dispatch
+    from nnx_save.save import _write as _file  # the one-file writer the layouts call
 
     d = sys.argv[1]
     # Out of space: RLIMIT_FSIZE with SIGXFSZ ignored, so writes past 1 MiB fail with EFBIG.
@@ -278,11 +278,11 @@ _CHILD = textwrap.dedent("""
     nnx_save.save_file(big, os.path.join(d, "forgotten.safetensors"), blocking=False)  # never collected
 
     # Then leave while a slow save is still being written.
-    write = _dispatch.write_file
+    write = _file.write_file
     def slow(*args, **kwargs):
         time.sleep(1.0)
         write(*args, **kwargs)
-    _dispatch.write_file = slow
+    _file.write_file = slow
     late = os.path.join(d, "late.safetensors")
     nnx_save.save_file({"w": np.arange(1000, dtype=np.float32)}, late, blocking=False)
     print(json.dumps({"error": error, "intact": open(prev, "rb").read() == before,
@@ -351,7 +351,7 @@ def test_an_uncollected_failure_does_not_keep_its_snapshot_alive(tmp_path, monke
         seen.append(weakref.ref(entries[0].value()))  # the snapshot's private copy of the numpy leaf
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(_dispatch, "write_file", failing)
+    monkeypatch.setattr(_file, "write_file", failing)
     handle = nnx_save.save_file({"w": np.ones(1000)}, tmp_path / "w.safetensors", blocking=False)
     assert handle.wait(30)
     gc.collect()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,12 +18,12 @@ from .._options import check, is_int
 from ..errors import SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
-from ..layouts._sources import read_header, reader_factory
+from ..layouts._registry import read_header, reader_factory
 from ..load._direct import DirectFiles
 from ..load._options import LoadOptions
 from ..load._report import IOStats
 from ..load._slices import Box, compat, normalize_index, plain, slice_box
-from ..load._source import Header, LocalFiles, RemoteFiles
+from ..load._source import Header
 from ..load._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
@@ -88,30 +88,21 @@ def _torch_converter(device: Any):
     return convert
 
 
-def _mappable(placement: object) -> LocalFiles | None:
-    """``placement`` when its local files can be mapped, every tensor one whole piece
-    (plain local files, and the local ones of a remote index); not a pod's shards."""
-    if isinstance(placement, LocalFiles) and type(placement) in (LocalFiles, RemoteFiles):
-        return placement
-    return None
-
-
 class _Open:
     """What an open handle reads through; slices keep it, so they still read after
     ``close()`` (as in safetensors)."""
 
     def __init__(self, header: Header, backend: str, options: LoadOptions, convert) -> None:
         self.header, self.options, self.convert = header, options, convert
-        local = _mappable(header.placement) if backend == "mmap" else None
-        self.direct = DirectFiles(local.pinned) if local is not None else None
-        self.remote: Mapping[str, Any] = local.identity if isinstance(local, RemoteFiles) else {}
+        local = header.placement.local_files() if backend == "mmap" else None
+        self.direct = DirectFiles(local) if local is not None else None
         self.io = IOStats()  # every read through this handle, summed
         self.files: set[str] = set()
 
     def read(self, info: TensorInfo, items: tuple[int | slice, ...]) -> np.ndarray:
         """``tensor[items]`` (a normalized index) as a fresh numpy array."""
         direct = self.direct
-        if direct is None or not info.dtype.byte_aligned or info.file in self.remote:
+        if direct is None or not info.dtype.byte_aligned or self.header.placement.is_remote(info.file):
             return self.read_box(info, *slice_box(items, info.shape, info.name))
         planned = direct.plan(info, items)
         if planned is None:  # empty, large or scattered: the engine

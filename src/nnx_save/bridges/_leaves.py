@@ -24,6 +24,7 @@ __all__ = [
     "flatten",
     "leaf_entry",
     "load_options",
+    "tree_entries",
     "tree_pairs",
     "variable_class",
 ]
@@ -103,11 +104,11 @@ def describe(value: Any) -> str:
     return f"a {type(value).__name__} ({short_repr(value, 40)})"
 
 
-def leaf_entry(path: tuple, value: Any) -> Entry:
+def leaf_entry(path: tuple, value: Any, key: str | None = None) -> Entry:
     """Check one leaf and describe it for the writer, without copying it yet."""
     import jax
 
-    key = _paths.to_key(path)
+    key = _paths.to_key(path) if key is None else key  # made once, where the caller checked keys unique
     if isinstance(value, np.generic):
         value = np.asarray(value)
     if not isinstance(value, (np.ndarray, jax.Array)):
@@ -175,6 +176,17 @@ def tree_pairs(tree: Any) -> list[tuple[tuple, Any]]:
     variable = variable_class()
     pairs, _ = flatten(tree, is_leaf=None if variable is None else lambda x: isinstance(x, variable))
     return pairs
+
+
+def tree_entries(tree: Any) -> list[Entry]:
+    """The leaves of ``tree`` as writer entries (nothing copied yet), keys made once.
+
+    Raises:
+        KeyPathError: two paths make the same key.
+    """
+    pairs, _ = flatten(tree)
+    keys = _paths.check_unique([p for p, _ in pairs])  # {key: path}, in the pairs' order
+    return [leaf_entry(p, v, k) for k, (p, v) in zip(keys, pairs, strict=True)]
 
 
 def check_metadata(metadata: Any) -> None:

@@ -24,8 +24,8 @@ from .._version import __version__
 from ..errors import HeaderError, OptionError, ShardingError, UnsupportedValueError, short_repr
 from ..format import _paths
 from ..format._header import strict_json
-from ..layouts import _dispatch
-from ..layouts._sources import reader_factory
+from ..layouts import _registry
+from ..layouts._registry import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import LoadReport, warn_single_device
@@ -66,7 +66,8 @@ def _impl_name(value: Any) -> str:
 
 def _keyed(state: Any) -> list[tuple[tuple, str, Any]]:
     """``(path, file key, variable)`` for every leaf of an NNX state."""
-    return [(tuple(p), _paths.to_key(tuple(p)), v) for p, v in nnx.to_flat_state(state)]
+    paths = [(tuple(p), v) for p, v in nnx.to_flat_state(state)]
+    return [(p, k, v) for (p, v), k in zip(paths, _paths.to_keys([p for p, _ in paths]), strict=True)]
 
 
 def _scalar_kind(value: Any) -> str | None:
@@ -84,8 +85,7 @@ def _refuse_unstorable(key: str, value: Any) -> None:
         )
 
 
-def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
-    key = _paths.to_key(path)
+def _entry(path: tuple, key: str, value: Any, rng: dict, scalars: dict) -> Entry:
     _refuse_unstorable(key, value)
     kind = _scalar_kind(value)
     if kind is not None:
@@ -99,7 +99,7 @@ def _entry(path: tuple, value: Any, rng: dict, scalars: dict) -> Entry:
     elif _is_key(value):
         rng[key] = str(jax.random.key_impl(value))
         value = jax.random.key_data(value)
-    return leaf_entry(path, value)
+    return leaf_entry(path, value, key)
 
 
 def model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict) -> dict[str, str]:
@@ -129,7 +129,8 @@ def state_entries(pairs: Sequence[tuple[tuple, Any]], metadata: Mapping[str, str
     rng: dict[str, str] = {}
     scalars: dict[str, str] = {}
     entries = [
-        _entry(p, v.get_value(), rng, scalars) if isinstance(v, nnx.Variable) else leaf_entry(p, v) for p, v in pairs
+        _entry(p, _paths.to_key(p), v.get_value(), rng, scalars) if isinstance(v, nnx.Variable) else leaf_entry(p, v)
+        for p, v in pairs
     ]
     return entries, model_metadata(metadata, rng, scalars)
 
@@ -144,8 +145,8 @@ def model_entries(model: Any, filter: Any = ...) -> tuple[list[Entry], dict, dic
     rng: dict[str, str] = {}
     scalars: dict[str, str] = {}
     flat = [(tuple(p), v) for p, v in nnx.to_flat_state(nnx.state(model, filter))]
-    _paths.check_unique(p for p, _ in flat)
-    return [_entry(p, v.get_value(), rng, scalars) for p, v in flat], rng, scalars
+    keys = _paths.check_unique([p for p, _ in flat])  # {key: path}, in flat's order
+    return [_entry(p, k, v.get_value(), rng, scalars) for k, (p, v) in zip(keys, flat, strict=True)], rng, scalars
 
 
 def save_model(
@@ -211,8 +212,8 @@ def save_model(
         if "format" not in (metadata or {}):
             meta["format"] = "pt"  # transformers refuses safetensors files without it
 
-    write = _dispatch.writer(meta, max_shard_size=how.max_shard_size)
-    return _dispatch.save(path, entries, write, blocking=how.blocking, progress=how.progress)
+    write = _registry.writer(meta, max_shard_size=how.max_shard_size)
+    return _registry.save(path, entries, write, blocking=how.blocking, progress=how.progress)
 
 
 @dataclass(frozen=True)
@@ -459,7 +460,7 @@ def load_model(
     graphdef, full_state, is_builder, scalars = _abstract(model_or_builder, mesh)
     selected = nnx.state(nnx.merge(graphdef, full_state), filter) if filter is not ... else full_state
     leaves = _leaves(selected, scalars)
-    _paths.check_unique(leaf.path for leaf in leaves)
+    _paths.check_unique([leaf.path for leaf in leaves])
     targets = {leaf.key: _target(leaf, header, rng, mesh) for leaf in leaves}
     fix = (
         "Annotate the builder's parameters with shardings (nnx.with_partitioning) and pass mesh=, "

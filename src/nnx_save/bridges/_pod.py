@@ -9,15 +9,14 @@ from typing import Any
 
 from .._options import DEFAULT, merge, path_arg
 from ..errors import OptionError
-from ..format import _paths
 from ..io._remote import is_url
-from ..layouts import _dispatch
+from ..layouts import _registry
 from ..layouts._pod import MANIFEST
 from ..save._background import SaveHandle
 from ..save._entry import Entry
 from ..save._options import SaveOptions
 from . import _nnx
-from ._leaves import check_metadata, flatten, leaf_entry
+from ._leaves import check_metadata, tree_entries
 
 __all__ = ["save_pod"]
 
@@ -72,8 +71,8 @@ def save_pod(
             f"save_pod: directory {directory!r} is a URL; a pod is written to a (shared) filesystem", "directory"
         )
     entries, meta = _entries(tree_or_model, metadata, filter)
-    write = _dispatch.writer(meta, pod=True)
-    handle = _dispatch.save(directory, entries, write, blocking=how.blocking, progress=how.progress)
+    write = _registry.writer(meta, pod=True)
+    handle = _registry.save(directory, entries, write, blocking=how.blocking, progress=how.progress)
     return Path(directory) / MANIFEST if handle is None else handle
 
 
@@ -82,6 +81,4 @@ def _entries(tree_or_model: Any, metadata: Mapping[str, str] | None, filter: Any
         entries, rng, scalars = _nnx.model_entries(tree_or_model, filter)
         return entries, _nnx.model_metadata(metadata, rng, scalars)
     check_metadata(metadata)
-    pairs, _ = flatten(tree_or_model)
-    _paths.check_unique(p for p, _ in pairs)
-    return [leaf_entry(p, v) for p, v in pairs], dict(metadata or {})
+    return tree_entries(tree_or_model), dict(metadata or {})

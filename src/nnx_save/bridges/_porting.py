@@ -14,7 +14,7 @@ import numpy as np
 
 from ..format import _dtypes
 from ..format._boxes import Box, of_index
-from ..layouts._sources import read_header
+from ..layouts._registry import read_header
 from ..load._source import Header
 from ..load._target import Target
 from ..porting import Rules

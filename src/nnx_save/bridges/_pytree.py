@@ -11,8 +11,8 @@ import numpy as np
 from .._options import DEFAULT, merge, path_arg
 from ..errors import KeyMismatchError, NnxSaveError, ShapeMismatchError, UnsupportedValueError
 from ..format import _paths
-from ..layouts import _dispatch
-from ..layouts._sources import reader_factory
+from ..layouts import _registry
+from ..layouts._registry import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import ShapeMismatch, matches_any, warn_single_device
@@ -86,7 +86,7 @@ def save_file(
     how = merge(SaveOptions, options, "save_file", locals())  # first: locals() are the arguments
     path = path_arg(path, "path", "save_file")
     pairs = tree_pairs(tree)
-    _paths.check_unique(p for p, _ in pairs)
+    keys = _paths.check_unique([p for p, _ in pairs])  # {key: path}, in the pairs' order
     variable = variable_class()
     meta: dict[str, str] | None
     if variable is not None and any(isinstance(v, variable) for _, v in pairs):
@@ -94,11 +94,11 @@ def save_file(
 
         entries, meta = state_entries(pairs, metadata)
     else:
-        entries = [leaf_entry(p, v) for p, v in pairs]
+        entries = [leaf_entry(p, v, k) for k, (p, v) in zip(keys, pairs, strict=True)]
         check_metadata(metadata)
         meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
-    write = _dispatch.writer(meta, max_shard_size=how.max_shard_size)
-    return _dispatch.save(path, entries, write, blocking=how.blocking, progress=how.progress)
+    write = _registry.writer(meta, max_shard_size=how.max_shard_size)
+    return _registry.save(path, entries, write, blocking=how.blocking, progress=how.progress)
 
 
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:

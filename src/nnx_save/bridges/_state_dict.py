@@ -20,7 +20,7 @@ from ..errors import UnsupportedValueError, short_repr
 from ..format import _paths
 from ..format._torch import torch_to_numpy
 from ..layouts._memory import MEMORY, memory_header
-from ..layouts._sources import read_header
+from ..layouts._registry import read_header
 from ..load._source import Header
 from ._leaves import tree_pairs
 

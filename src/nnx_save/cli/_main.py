@@ -181,6 +181,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
         for p in problems[before:]:
             print(f"FAIL {p}")
+    for missing in header.missing_files:  # every load of a tensor with pieces there fails
+        problems.append(f"{missing}: named by the checkpoint, not present in {args.source}")
+        print(f"FAIL {problems[-1]}")
     if args.require_checksums and total_unverified:
         problems.append(f"{total_unverified} tensors have no checksum (--require-checksums)")
         print(f"FAIL {problems[-1]}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import math
 import os
 import shlex
@@ -28,11 +27,10 @@ from ..errors import ConvertError, HeaderError, NnxSaveError, OptionError
 from ..format import _dtypes, _formats, _torchscript
 from ..format._torch import torch_to_numpy
 from ..format._units import parse_size
-from ..layouts._index_save import write_sharded
-from ..layouts._sources import read_header
+from ..layouts import _registry
+from ..layouts._registry import read_header
 from ..load._source import Header
 from ..save._entry import Entry
-from ..save._write import write_file
 
 __all__ = ["Converted", "convert", "read_one"]
 
@@ -98,22 +96,20 @@ def convert(
 
 
 def _write(out: Path, entries: list[Entry], meta: dict[str, str], max_shard_size: int | None) -> Converted:
-    if max_shard_size is None:
-        if out.is_dir():
-            raise ConvertError(
-                f"{out}: is a directory; give a .safetensors file path, or --max-shard-size to write "
-                "a multi-file checkpoint into a directory"
-            )
-        write_file(out, entries, meta)
-        return Converted(len(entries), (out,))
-    if out.suffix == ".safetensors":
+    """``entries`` written by the layout the registry picks, as ``save_file`` writes them."""
+    if max_shard_size is None and out.is_dir():
+        raise ConvertError(
+            f"{out}: is a directory; give a .safetensors file path, or --max-shard-size to write "
+            "a multi-file checkpoint into a directory"
+        )
+    if max_shard_size is not None and out.suffix == ".safetensors":
         raise ConvertError(
             f"{out}: --max-shard-size writes a directory (model-0000i-of-0000n.safetensors and "
             "model.safetensors.index.json); give a directory path"
         )
-    index = write_sharded(out, entries, meta, max_shard_size)
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    return Converted(len(entries), tuple(out / f for f in files), index)
+    written = _registry.writer(meta, max_shard_size=max_shard_size)(out, entries)
+    files = tuple(sorted(Path(f) for f in written.files)) if written is not None else ()
+    return Converted(len(entries), files, None if max_shard_size is None or written is None else Path(written.record))
 
 
 def _entries(source: Path, key: str | None, opened: contextlib.ExitStack) -> tuple[list[Entry], dict[str, str]]:

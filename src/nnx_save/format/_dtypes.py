@@ -8,7 +8,7 @@ In memory such tensors are one element per byte (ml_dtypes' representation).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ml_dtypes
 import numpy as np
@@ -26,15 +26,14 @@ class DtypeInfo:
     code: str
     numpy: np.dtype
     bits: int
+    # Plain attributes, not properties: the engine asks them per tensor and per piece.
+    byte_aligned: bool = field(init=False)
+    itemsize: int = field(init=False)
+    """Bytes per element on disk, for byte-aligned codes only."""
 
-    @property
-    def byte_aligned(self) -> bool:
-        return self.bits % 8 == 0
-
-    @property
-    def itemsize(self) -> int:
-        """Bytes per element on disk, for byte-aligned codes only."""
-        return self.bits // 8
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "byte_aligned", self.bits % 8 == 0)
+        object.__setattr__(self, "itemsize", self.bits // 8)
 
 
 def _row(code: str, dtype: npt.DTypeLike, bits: int) -> DtypeInfo:

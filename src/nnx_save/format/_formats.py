@@ -5,7 +5,7 @@ header size of ~5.8e17 and fails with a number that explains nothing. These chec
 look at magic bytes and directory entries only (nothing is ever unpickled, no zip
 member is read) and name what the file is and the command that converts it.
 
-Pure: no jax, no numpy; :mod:`nnx_save.layouts._sources` calls them before parsing a header.
+Pure: no jax, no numpy; :mod:`nnx_save.layouts._registry` calls them before parsing a header.
 """
 
 from __future__ import annotations

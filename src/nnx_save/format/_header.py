@@ -46,10 +46,10 @@ class TensorInfo:
     begin: int
     end: int
     file: str = ""
+    nbytes: int = field(init=False, repr=False, compare=False)  # an attribute: asked per tensor and per piece
 
-    @property
-    def nbytes(self) -> int:
-        return self.end - self.begin
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", self.end - self.begin)
 
     @property
     def numel(self) -> int:
@@ -417,7 +417,7 @@ def encode_header(
         body["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offsets, position = [], 0
     for name, code, shape in entries:
-        row, numel = _dtypes.from_code(code, name), math.prod(shape)
+        row, numel = _dtypes.DTYPES.get(code) or _dtypes.from_code(code, name), math.prod(shape)
         if name == "__metadata__":
             raise KeyPathError(
                 "'__metadata__': the safetensors format reserves this key for metadata; rename the tensor", name
@@ -429,7 +429,7 @@ def encode_header(
                 f"{8 // math.gcd(8, row.bits)} elements",
                 name,
             )
-        nbytes = _dtypes.nbytes_for(row, numel)
+        nbytes = numel * row.bits // 8  # whole bytes: checked above
         offsets.append((position, position + nbytes))
         body[name] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [position, position + nbytes]}
         position += nbytes

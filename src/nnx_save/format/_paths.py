@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 
 from ..errors import KeyPathError
 
-__all__ = ["Segment", "check_unique", "format_path", "from_key", "segment", "to_key"]
+__all__ = ["Segment", "check_unique", "format_path", "from_key", "segment", "to_key", "to_keys"]
 
 Segment = str | int
 
@@ -86,6 +86,11 @@ def from_key(key: str) -> tuple[Segment, ...]:
     return tuple(
         int(p) if p.isdecimal() and (p == "0" or not p.startswith("0")) and p.isascii() else p for p in key.split("/")
     )
+
+
+def to_keys(paths: Iterable[Sequence[object]]) -> list[str]:
+    """:func:`to_key` of each path, in one call."""
+    return [to_key(p) for p in paths]
 
 
 def check_unique(paths: Iterable[Sequence[object]]) -> dict[str, tuple[object, ...]]:

@@ -476,6 +476,10 @@ class FsspecReader(_Views):
         except Exception as e:  # each store has its own errors (botocore's NoCredentialsError, ...)
             raise RemoteError(f"{self.url}: fsspec could not describe the object ({type(e).__name__}: {e})") from e
         size = info.get("size") if isinstance(info, Mapping) else None
+        if (
+            isinstance(info, Mapping) and info.get("type") == "directory"
+        ):  # a prefix, no object: the caller may look inside
+            raise IsADirectoryError(f"{self.url}: a directory, not an object")
         if not isinstance(size, int):
             raise RemoteError(f"{self.url}: fsspec reports no size ({size!r})")
         return size, _fsspec_version(info)

@@ -1,6 +1,10 @@
-"""The single-file layout: one ``.safetensors`` file, local or at a URL, its header
-read in two positioned reads (a URL: at most two ranged requests) and validated
-whole before any tensor byte; every tensor is one whole piece of it.
+"""The single-file layout: one ``.safetensors`` file, local or at a URL, told by its
+bytes (a valid header; a JSON file is said to be one), its header read in two
+positioned reads (a URL: at most two ranged requests) and validated whole before any
+tensor byte; every tensor is one whole piece of it. Written by one process
+(:func:`~nnx_save.save._write.write_file`), by several into one shared file
+(:func:`~nnx_save.save._collective.write_collective`) or to an fsspec URL
+(:func:`~nnx_save.save._remote.write_remote`); the file is its own record.
 """
 
 from __future__ import annotations
@@ -8,28 +12,54 @@ from __future__ import annotations
 import gc
 import os
 import stat
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..errors import HeaderError, SourceError, SourceNotFoundError, TruncatedFileError
+from ..errors import (
+    HeaderError,
+    NnxSaveError,
+    NotSafetensorsError,
+    SourceError,
+    SourceNotFoundError,
+    TruncatedFileError,
+)
 from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _remote
 from ..load._source import Header, LocalFiles, RemoteFiles
+from ..save._entry import Entry
+from ._layout import SINGLE, Written, remove
 
-__all__ = ["FileLayout", "read_file_header", "read_local", "remote_file_header"]
+__all__ = ["FileLayout", "checked_size", "read_file_header", "read_local", "remote_file_header"]
 
 
 def _read_prefix_and_header(fd: int, size: int, name: str) -> FileHeader:
     # The size is checked before any read: /proc files report 0 and some (/proc/self/mem) fail to read.
     prefix = os.pread(fd, 8, 0) if size >= 8 else b""
     _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at), size)  # torch zip / pickle: say so
-    n = header_size(prefix, size, file=name)
+    n = checked_size(prefix, size, name)
     try:
         raw = _files.pread_exact(fd, n, 8, name)
     except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
         raise HeaderError(str(e), check="too_small") from None
     return parse_header(raw, size, file=name)
+
+
+def checked_size(prefix: bytes, size: int, name: str) -> int:
+    """The header size the first 8 bytes declare; a JSON file (an index named itself,
+    a ``config.json``) is said to be one, not a header of absurd size.
+
+    Raises:
+        NotSafetensorsError: ``format="json"``, for a JSON text.
+        HeaderError: the size does not fit the file.
+    """
+    try:
+        return header_size(prefix, size, file=name)
+    except HeaderError:
+        if prefix.lstrip()[:1] in (b"{", b"["):
+            raise NotSafetensorsError(f"{name}: a JSON file, not a safetensors file", "json") from None
+        raise
 
 
 def read_file_header(path: str | os.PathLike, pinned: _files.Pinned | None = None) -> FileHeader:
@@ -87,32 +117,61 @@ def _header(fh: FileHeader, placement: LocalFiles) -> Header:
     return Header(dict(fh.tensors), dict(fh.metadata), (fh,), "file", placement)
 
 
-def remote_file_header(url: str, stats: Any) -> tuple[FileHeader, tuple[int, str | None]]:
+def remote_file_header(
+    url: str, stats: Any, opened: tuple[Any, bytes] | None = None
+) -> tuple[FileHeader, tuple[int, str | None]]:
     """A remote file's header and its ``(size, ETag)`` in at most two requests: a
-    speculative first range, then the rest of the header if it is larger."""
-    reader = _remote.open_remote(url, stats)
-    head = reader.probe()
+    speculative first range (or ``opened``: a reader and the bytes it probed), then the
+    rest of the header if it is larger."""
+    if opened is None:
+        first = _remote.open_remote(url, stats)
+        opened = (first, first.probe())
+    reader, head = opened
     _formats.refuse_file(url, head[:8], lambda n, at: head[at : at + n])
-    n = header_size(head[:8], reader.size, file=url)
+    n = checked_size(head[:8], reader.size, url)
     raw = head[8 : 8 + n]
     if len(raw) < n:
         raw += reader.read(len(head), 8 + n - len(head))
     return parse_header(raw, reader.size, file=url), reader.identity
 
 
-def read_remote(url: str, stats: Any) -> Header:
-    """The header of the single file at ``url``."""
-    fh, ident = remote_file_header(url, stats)
+def read_remote(url: str, stats: Any, opened: tuple[Any, bytes] | None = None) -> Header:
+    """The header of the single file at ``url`` (``opened``: as :func:`remote_file_header` takes it)."""
+    fh, ident = remote_file_header(url, stats, opened)
     return _header(fh, RemoteFiles(stats, {url: ident}))
 
 
 class FileLayout:
-    """A path that is not a directory: one safetensors file."""
+    """A path that is not a directory: one safetensors file (its bytes say so)."""
 
     name = "file"
 
     def claims(self, path: Path) -> bool:
         return not path.is_dir()
+
+    def write(self, path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> Written:
+        """One file, from this process, from every process of the job, or to a URL."""
+        import jax
+
+        from ..save import _collective, _write  # the writers: a read never loads them
+        from ..save import _remote as _remote_write
+
+        if _remote.is_url(path):
+            _remote_write.write_remote(str(path), entries, metadata)
+        elif jax.process_count() == 1:
+            _write.write_file(path, entries, metadata)
+        else:
+            _collective.write_collective(path, entries, metadata)
+        return Written(path, (path,))
+
+    def retire(self, directory: Path, keep: Collection[str]) -> None:
+        """Remove ``directory``'s single-file checkpoint, a safetensors file by its bytes."""
+        if SINGLE not in keep and os.path.isfile(directory / SINGLE):
+            try:
+                read_file_header(directory / SINGLE)
+            except (OSError, NnxSaveError):
+                return  # not a safetensors file: not a checkpoint's, not ours to remove
+            remove(directory / SINGLE)
 
     def read(self, path: Path) -> Header:
         if not path.exists():

@@ -1,34 +1,62 @@
 """The HuggingFace index layout: ``model.safetensors.index.json`` and the files it
-names, local or at a URL (written by :mod:`nnx_save.layouts._index_save`). The index
-(:func:`parse_index`), every file's header, and the index against the files both
-ways are validated before any tensor byte is read.
+names, local or at a URL, read and written here.
+
+Reading, the index (:func:`parse_index`: a JSON object with a ``weight_map``, also
+when the index file itself is named), every file's header, and the index against the
+files both ways are validated before any tensor byte is read.
+
+Writing follows the one commit rule: the data files first, under names no committed
+file has; then the index, replaced atomically; only then the files provably of the
+version it replaced (:func:`~nnx_save.layouts._layout.owned`: this layout's names,
+the save id of the index in their metadata), never another file the old index named.
+The save id in the index and every file lets a reader tell a mix of two saves
+(:func:`~nnx_save.layouts._layout.check_one_version`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
+import math
 import os
 import posixpath
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..errors import IndexFileError
+from ..errors import IndexFileError, NotSafetensorsError, OptionError
+from ..format import _dtypes
 from ..format._header import FileHeader
+from ..format._units import parse_size
 from ..io import _files, _remote
+from ..io._kv import Sync
+from ..io._write import (
+    TMP_MARKER,
+    _write_all,
+    atomic_file,
+    commit_staged,
+    discard_staged,
+    make_directory,
+    remove_stale_temps,
+)
 from ..load._source import Header, LocalFiles, RemoteFiles
-from . import _versions
+from ..save._entry import Entry, order_entries
+from . import _layout
 from ._file import read_file_header, remote_file_header
-from ._layout import load_record, merge
-from ._versions import SAVE_ID_KEY
+from ._layout import SAVE_ID_KEY, Written
 
-__all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "file_names", "index_record", "parse_index", "read_remote"]
+__all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "is_index", "join_url", "read_remote", "write_sharded"]
 
 INDEX_NAME = "model.safetensors.index.json"
 # DeepSeek-scale indexes (tens of thousands of tensors) are a few MiB.
 MAX_INDEX_BYTES = 64 << 20
 _NOT_IN_FILE_NAMES = ("%", "\\", "?", "#", "\x00", ":")
+SHARD_WRITERS = 2  # files one process writes at once
+OURS = re.compile(r"model(-\d{5}-of-\d{5})?(\.(?P<id>[0-9a-f]{8}))?\.safetensors")
+"""The names this layout writes (:func:`file_names`); ``id`` is the save id in a name."""
 
 
 def _check_file_name(name: str, base: str, where: str) -> None:
@@ -57,15 +85,27 @@ def _inside(directory: Path, relative: str, index: str) -> str:
     return os.fspath(directory / relative)
 
 
-def _member_url(base: str, name: str, index: str) -> str:
-    """``base/name``, checked again after percent-decoding and normalising: still
-    under ``base``, on the same host."""
-    _check_file_name(name, base + "/", index)
-    url = f"{base}/{name}"
-    got, want = urlsplit(url), urlsplit(base + "/")
+def join_url(url: str, name: str, *, beside: bool = False) -> str:
+    """``name`` inside directory ``url`` (``beside``: next to the object ``url``) by the
+    URL's rules: the path joined, the query string (a presigned URL's) kept, the fragment dropped."""
+    if not url.lower().startswith(("http://", "https://")):  # fsspec URLs are paths: an object key may hold a "?"
+        base, query = url, ""
+    else:
+        base, _, query = url.partition("#")[0].partition("?")
+    base = base.rsplit("/", 1)[0] if beside else base.rstrip("/")
+    return f"{base}/{name}" + (f"?{query}" if query else "")
+
+
+def _member_url(index_url: str, name: str) -> str:
+    """File ``name`` of the index at ``index_url``, checked again after
+    percent-decoding and normalising: still under the index's directory, same host."""
+    base = join_url(index_url, "", beside=True)
+    _check_file_name(name, base, index_url)
+    url = join_url(index_url, name, beside=True)
+    got, want = urlsplit(url), urlsplit(base)
     path = posixpath.normpath(unquote(got.path))
     if (got.scheme, got.netloc) != (want.scheme, want.netloc) or not path.startswith(unquote(want.path)):
-        raise IndexFileError(f"{index}: file {name!r} points outside the checkpoint directory {base}/")
+        raise IndexFileError(f"{index_url}: file {name!r} points outside the checkpoint directory {base}")
     return url
 
 
@@ -85,6 +125,16 @@ def index_record(weight_map: Mapping[str, str], total_size: int, save_id: str) -
     return json.dumps(record, indent=2).encode() + b"\n"
 
 
+def is_index(raw: bytes) -> bool:
+    """Whether the JSON text ``raw`` is an object with a ``weight_map`` (its content
+    says it is an index; :func:`parse_index` then validates it)."""
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):  # a broken index: parse_index says what is wrong with it
+        return b'"weight_map"' in raw
+    return isinstance(obj, dict) and "weight_map" in obj
+
+
 def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]:
     """Validate an index's bytes: ``(weight_map, metadata)``. The one validator of
     local and remote indexes: at most :data:`MAX_INDEX_BYTES`, JSON without a
@@ -95,7 +145,7 @@ def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]
     """
     if len(raw) > MAX_INDEX_BYTES:
         raise IndexFileError(f"{where}: index of {len(raw)} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
-    obj = load_record(raw, where, "index", IndexFileError)
+    obj = _layout.load_record(raw, where, "index", IndexFileError)
     meta = obj.get("metadata") if isinstance(obj, dict) else None
     meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
@@ -106,7 +156,7 @@ def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]
 
 def _index_tensors(weight_map: Mapping[str, str], files: Sequence[FileHeader], file_of: Mapping[str, str], where: str):
     """Every tensor of ``files``, checked against the weight map both ways."""
-    tensors = merge(files, where)
+    tensors = _layout.merge(files, where)
     for tensor, fname in weight_map.items():
         info = tensors.get(tensor)
         if info is None:
@@ -126,43 +176,272 @@ def _remote_member_header(name: str, member: str, stats: Any, index: str):
         raise IndexFileError(f"{index}: names file {name!r}, which does not exist at {member}") from None
 
 
-def read_remote(url: str, stats: Any) -> Header:
-    """The header of the index at ``url`` and of every file it names."""
-    base = url.rsplit("/", 1)[0]
-    reader = _remote.open_remote(url, stats)
-    raw = reader.probe()
+def read_remote(url: str, stats: Any, reader: Any = None, raw: bytes = b"") -> Header:
+    """The header of the index at ``url`` (``reader`` open there, its first bytes
+    ``raw`` probed already) and of every file it names."""
+    if reader is None:
+        reader = _remote.open_remote(url, stats)
+        raw = reader.probe()
     if reader.size > MAX_INDEX_BYTES:
         raise IndexFileError(f"{url}: index of {reader.size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
     if len(raw) < reader.size:
         raw += reader.read(len(raw), reader.size - len(raw))
     weight_map, meta = parse_index(raw, url)
-    file_of = {n: _member_url(base, n, url) for n in sorted(set(weight_map.values()))}
+    file_of = {n: _member_url(url, n) for n in sorted(set(weight_map.values()))}
     pairs = [_remote_member_header(name, f, stats, url) for name, f in file_of.items()]
     files = tuple(fh for fh, _ in pairs)
-    _versions.check_one_version(url, meta, files)
+    _layout.check_one_version(url, meta, files)
     tensors = _index_tensors(weight_map, files, file_of, url)
     placement = RemoteFiles(stats, {fh.file: ident for fh, ident in pairs})
     return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index", placement)
 
 
 class IndexLayout:
-    """A directory with a ``model.safetensors.index.json``."""
+    """A directory with a ``model.safetensors.index.json``, or that file named itself."""
 
     name = "index"
+    record = INDEX_NAME
 
     def claims(self, path: Path) -> bool:
         return (path / INDEX_NAME).is_file()
 
-    def read(self, path: Path) -> Header:
-        return _versions.one_version(path / INDEX_NAME, lambda: self._read(path))
+    def read(self, path: Path, index: Path | None = None) -> Header:
+        index = path / INDEX_NAME if index is None else index
+        return _layout.one_version(index, lambda: self._read(index.parent, index))
 
-    def _read(self, path: Path) -> Header:
-        index = path / INDEX_NAME
+    def read_named(self, index: Path, not_file: NotSafetensorsError) -> Header:
+        """The index file ``index`` named itself; ``not_file`` if its JSON is no index."""
+        if not is_index(_files.read_capped(os.fspath(index), "index", MAX_INDEX_BYTES, IndexFileError)):
+            raise NotSafetensorsError(f"{not_file}, nor an index (no 'weight_map' object)", "json")
+        return self.read(index.parent, index)
+
+    def _read(self, path: Path, index: Path) -> Header:
         raw = _files.read_capped(os.fspath(index), "index", MAX_INDEX_BYTES, IndexFileError)
         weight_map, meta = parse_index(raw, str(index))
+        _layout.single_beside(path, INDEX_NAME, set(weight_map.values()))
         file_of = {n: _inside(path, n, str(index)) for n in sorted(set(weight_map.values()))}
         placement = LocalFiles()
         files = tuple(read_file_header(f, placement.pinned) for f in file_of.values())
-        _versions.check_one_version(str(index), meta, files)
+        _layout.check_one_version(str(index), meta, files)
         tensors = _index_tensors(weight_map, files, file_of, str(index))
         return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index", placement)
+
+    def __init__(self, max_shard_size: int | str | None = None) -> None:
+        self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
+
+    def write(
+        self, path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None
+    ) -> Written | None:
+        """Write ``entries`` as files of at most ``max_shard_size`` bytes and their index
+        in directory ``path`` (a path or an fsspec URL); from several processes each
+        file is written by all of them together and the primary commits the index.
+
+        Raises:
+            SaveError: a file or the index could not be written; the previous
+                checkpoint there is intact and this save's files are removed.
+            OptionError: ``path`` names a ``.safetensors`` file.
+        """
+        if str(path).rstrip("/").endswith(".safetensors"):
+            raise OptionError(
+                f"{path}: max_shard_size writes a directory (model-0000i-of-0000n.safetensors and {INDEX_NAME}); "
+                "give a directory path, or no max_shard_size for one file",
+                "max_shard_size",
+            )
+        return write_sharded(path, entries, metadata, self.max_shard_size or 0)
+
+    def retire(self, directory: Path, keep: Collection[str]) -> None:
+        target = _Local(directory, create=False)
+        files = _owned(target)[1] - set(keep)
+        _layout.remove(target.index)
+        for name in sorted(files):
+            _layout.remove(directory / name)
+
+
+def shard_groups(entries: Sequence[Entry], max_shard_size: int | str) -> tuple[list[list[Entry]], int]:
+    """Pack entries in order into groups of at most ``max_shard_size`` bytes (a
+    tensor larger than the limit gets a file of its own, as transformers does); and
+    the bytes of all."""
+    limit = parse_size(max_shard_size)
+    groups: list[list[Entry]] = [[]]
+    size = total = 0
+    for e in entries:
+        n = _dtypes.nbytes_for(_dtypes.DTYPES[e.code], math.prod(e.shape))
+        if groups[-1] and size + n > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += n
+        total += n
+    return groups, total
+
+
+def _owned(target: _Local | _Remote) -> tuple[str | None, set[str]]:
+    """The committed version's save id, and the files provably its own or of
+    interrupted saves (:func:`~nnx_save.layouts._layout.owned`)."""
+    try:
+        weight_map, meta = parse_index(target.read_index(), str(target.index))
+    except (OSError, IndexFileError):
+        weight_map, meta = {}, {}
+    record_id = meta.get(SAVE_ID_KEY)
+    read = lambda name: _layout.save_id_in(lambda: target.header(name), SAVE_ID_KEY)  # noqa: E731
+    return record_id, _layout.owned(record_id, set(weight_map.values()), target.listing(), OURS, read)
+
+
+class _Local:
+    """A local directory as the target of a multi-file save."""
+
+    def __init__(self, directory: str | os.PathLike, create: bool = True) -> None:
+        self.root = make_directory(directory) if create else Path(directory)
+        self.index = self.root / INDEX_NAME
+        self.staged: list[tuple[Path, Path]] = []  # complete data files, renamed together
+
+    def listing(self) -> set[str]:
+        return set(os.listdir(self.root))
+
+    def read_index(self) -> bytes:
+        return self.index.read_bytes()
+
+    def header(self, name: str) -> FileHeader:
+        return read_file_header(self.root / name)
+
+    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str], budget: int | None) -> None:
+        from ..save import _write  # the writers: a read never loads them
+
+        _write.write_file(self.root / name, entries, meta, staged=self.staged, max_inflight_bytes=budget)
+
+    def commit_index(self, data: bytes) -> None:
+        commit_staged(self.staged)  # fresh names: one directory fsync for them all, before the index
+        with atomic_file(self.index) as fd:
+            _write_all(fd, memoryview(data))
+
+    def discard(self) -> None:
+        discard_staged(self.staged)
+
+    def remove(self, name: str) -> None:
+        _layout.remove(self.root / name)
+
+
+class _Remote:
+    """An fsspec URL (a "directory" of objects) as the target of a multi-file save."""
+
+    def __init__(self, url: str) -> None:
+        self.root = url.rstrip("/")
+        from ..save import _remote as remote_write  # the writers: a read never loads them
+
+        self.put, self.write_remote = remote_write.put, remote_write.write_remote
+        self.fs = remote_write.filesystem(self.root)
+        self.index = f"{self.root}/{INDEX_NAME}"
+
+    def listing(self) -> set[str]:
+        try:
+            return {str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)}
+        except FileNotFoundError:
+            return set()
+
+    def read_index(self) -> bytes:
+        return self.fs.cat(self.index)
+
+    def header(self, name: str) -> FileHeader:
+        return remote_file_header(f"{self.root}/{name}", _remote.RemoteStats())[0]
+
+    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str], budget: int | None) -> None:
+        self.write_remote(f"{self.root}/{name}", entries, meta)
+
+    def commit_index(self, data: bytes) -> None:
+        self.put(self.fs, self.index, lambda f: f.write(data))
+
+    def discard(self) -> None:  # nothing staged: each object is moved into place once complete
+        pass
+
+    def remove(self, name: str) -> None:
+        with contextlib.suppress(Exception):
+            self.fs.rm(f"{self.root}/{name}")
+
+
+def write_sharded(
+    directory: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None, max_shard_size: int
+) -> Written | None:
+    """Write ``entries`` as a HuggingFace multi-file checkpoint in ``directory`` (a
+    path or an fsspec URL); what the primary committed (the index: a URL stays a ``str``)."""
+    groups, total = shard_groups(order_entries(entries), max_shard_size)
+    target = _Remote(str(directory)) if _remote.is_url(directory) else _Local(directory)
+    sync = Sync.open(Path(str(directory)), "multi-file save", "the previous checkpoint there, if any, is intact")
+
+    def plan() -> dict[str, Any]:
+        save_id, (_, previous) = _layout.new_save_id(), _owned(target)
+        names = file_names(len(groups), "model", previous | target.listing(), save_id)
+        return {"id": save_id, "previous": sorted(previous), "names": names}
+
+    agreed = sync.on_primary("plan", plan)
+    names, meta = agreed["names"], {**(metadata or {}), SAVE_ID_KEY: agreed["id"]}
+    weight_map = {e.key: name for name, group in zip(names, groups, strict=True) for e in group}
+    index = index_record(weight_map, total, agreed["id"])
+    written: list[str] = []
+    try:
+        if sync.n == 1 and isinstance(target, _Local) and min(SHARD_WRITERS, len(groups)) > 1:
+            _write_parallel(target, names, groups, meta, written)
+        for name, group in zip(names, groups, strict=True) if not written else ():
+            if sync.n == 1:
+                target.write_shard(name, group, meta, None)
+            else:  # every process writes its shards of the file's tensors
+                from ..save._collective import write_collective
+
+                write_collective(Path(target.root) / name, group, meta)
+            written.append(name)
+        sync.on_primary("index", lambda: target.commit_index(index))
+    except BaseException:
+        target.discard()
+        for name in written if sync.pid == 0 else ():
+            target.remove(name)
+        raise
+    if sync.pid != 0:
+        return None
+    _remove_superseded(target, set(agreed["previous"]) - set(names))
+    return Written(target.index, tuple(_file_of(target, n) for n in names))
+
+
+def _write_parallel(
+    target: _Local, names: list[str], groups: list[list[Entry]], meta: Mapping[str, str], written: list[str]
+) -> None:
+    """Write the files ``SHARD_WRITERS`` at a time (the disk is kept busier by several
+    streams; each writer holds its share of the save's in-flight budget), adding each
+    written name to ``written``. The first failure cancels the files not begun and is
+    raised once the others have ended."""
+    from concurrent import futures  # a read never loads the writers' threads
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..save import _stage
+
+    workers = min(SHARD_WRITERS, len(groups))
+    budget = max(1, _stage.budget() // workers)
+    with ThreadPoolExecutor(workers, "nnx_save-shard") as pool:
+        jobs = {
+            pool.submit(contextvars.copy_context().run, target.write_shard, name, group, meta, budget): name
+            for name, group in zip(names, groups, strict=True)
+        }
+        try:
+            futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
+        finally:  # a failure, or an interrupt of this thread: no file not begun is begun
+            for job in jobs:
+                job.cancel()
+    for job in jobs:  # every job has ended: cancelled, done or failed
+        if not job.cancelled() and job.exception() is None:
+            written.append(jobs[job])
+    for job in jobs:
+        if not job.cancelled() and job.exception() is not None:
+            raise job.exception()  # type: ignore[misc]
+
+
+def _file_of(target: _Local | _Remote, name: str) -> Any:
+    return f"{target.root}/{name}" if isinstance(target, _Remote) else target.root / name
+
+
+def _remove_superseded(target: _Local | _Remote, previous: set[str]) -> None:
+    """After the commit: the files provably of the version replaced or of interrupted
+    saves, and temporary files of this layout's names whose process is dead."""
+    if isinstance(target, _Local):
+        for name in target.listing():  # ".<file>.nnx_save-tmp-<host>-<pid>-<random>"
+            if TMP_MARKER in name and OURS.fullmatch(name[1 : name.index(TMP_MARKER)]):
+                remove_stale_temps(target.root / name[1 : name.index(TMP_MARKER)])
+    for name in sorted(previous):
+        target.remove(name)

@@ -1,31 +1,71 @@
-"""The layout contract: a :class:`Layout` reads its sources into a
-:class:`~nnx_save.load._source.Header` (every tensor validated) whose placement says
-which pieces of which files make each tensor and how to open them; the one engine
-reads pieces for all.
+"""The layout contract, both ways. Reading, a :class:`Layout` detects its source by
+content and reads it into a :class:`~nnx_save.load._source.Header` (every tensor
+validated) whose placement says which pieces of which files make each tensor; the one
+engine reads pieces for all. Writing, it says which entries go to which file, runs the
+save machinery, commits its record, and knows which files are its own (:func:`owned`).
+
+Every save draws a fresh save id (:func:`new_save_id`), recorded in its record and in
+each file's ``__metadata__``: the proof of ownership, and one version per load. A reader
+that finds files of another save, or a file gone while the index was replaced, raced a
+writer: an :class:`~nnx_save.errors.IndexChangedError` tells it to load again, never a
+mix. Files of other tools carry no save id and are not checked.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import logging
+import os
+import re
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol, TypeVar
 
-from ..errors import HeaderError, IndexFileError
+from ..errors import HeaderError, IndexChangedError, IndexFileError, LayoutConflictError, NnxSaveError, SourceError
 from ..format._header import FileHeader, TensorInfo, unique_pairs
 from ..load._source import Header
+from ..save._entry import Entry
 
-__all__ = ["Layout", "load_record", "merge"]
+__all__ = [
+    "SAVE_ID_KEY",
+    "SINGLE",
+    "Layout",
+    "Writable",
+    "Written",
+    "check_one_version",
+    "conflict",
+    "load_record",
+    "merge",
+    "new_save_id",
+    "one_version",
+    "owned",
+    "remove",
+]
+
+SAVE_ID_KEY = "nnx_save.save_id"
+SINGLE = "model.safetensors"
+"""A directory's single-file checkpoint (HuggingFace's name): a layout of its own beside a record."""
+log = logging.getLogger("nnx_save")
+T = TypeVar("T")
+
+
+class Written(NamedTuple):
+    """What a layout's write committed: its record (the file itself, the index, the
+    manifest; a URL stays a ``str``) and its data files. ``None`` on a process that
+    did not commit."""
+
+    record: Any
+    files: tuple[Any, ...]
 
 
 class Layout(Protocol):
-    """One on-disk layout: recognise a local source, and read it."""
+    """One on-disk layout, as a reader sees it."""
 
     name: str
     """``"file"``, ``"index"``, ``"directory"`` or ``"pod"``: the :attr:`Header.kind` it reads."""
 
     def claims(self, path: Path) -> bool:
-        """Whether ``path`` is this layout (a cheap look at names, no parsing)."""
+        """Whether local ``path`` holds this layout, judged by its content."""
         ...
 
     def read(self, path: Path) -> Header:
@@ -35,6 +75,95 @@ class Layout(Protocol):
             HeaderError: the subclass names the failed check and the file.
         """
         ...
+
+
+class Writable(Layout, Protocol):
+    """A layout that is also written (all but a directory or list of files)."""
+
+    def write(
+        self, path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None
+    ) -> Written | None:
+        """Write ``entries`` under the one commit rule; what was committed (``None``
+        on a process that did not commit).
+
+        Raises:
+            SaveError: nothing committed; the previous version at ``path`` is intact.
+        """
+        ...
+
+    def retire(self, directory: Path, keep: Collection[str]) -> None:
+        """After another layout's commit in ``directory``: remove this layout's
+        record, then the files provably its own (none of ``keep``)."""
+        ...
+
+
+def owned(
+    record_id: str | None,
+    named: Collection[str],
+    listing: Collection[str],
+    pattern: re.Pattern[str],
+    save_id_of: Callable[[str], str | None],
+) -> set[str]:
+    """The files provably of a save: each matches ``pattern`` (this layout's names,
+    whose ``id`` group is a save id in the name) and carries in its metadata the save id
+    of the record that names it (``record_id``, of the files ``named``); a file the
+    record does not name (an interrupted save's) carries the id in its name, or, named
+    without one, any save id but the record's. A file that merely appears in a record,
+    or of another tool (no save id), is never one.
+    """
+    mine = set()
+    for name in set(named) | set(listing):
+        m = pattern.fullmatch(name)
+        if m is None:
+            continue
+        got = save_id_of(name)
+        if name in named:
+            proven = record_id is not None and got == record_id
+        else:
+            proven = got is not None and (got == m.group("id") if m.group("id") else got != record_id)
+        if proven:
+            mine.add(name)
+    return mine
+
+
+def remove(path: Path) -> None:
+    """Remove ``path`` after a commit: a leftover only costs disk space, so a failure is logged."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("%s: could not remove %s (%s)", path.parent, path.name, e.strerror)
+
+
+def conflict(directory: Path, records: Sequence[str]) -> LayoutConflictError:
+    """The error for ``directory`` holding the ``records`` of two layouts."""
+    return LayoutConflictError(
+        f"{directory}: holds both {' and '.join(records)}, so it is two checkpoints and nnx_save will not guess "
+        "which one is current. Remove the record of the stale one (the save that did not write last), or "
+        "save again into an empty directory",
+        str(directory),
+    )
+
+
+def single_beside(directory: Path, record: str, named: Collection[str]) -> None:
+    """Refuse a ``model.safetensors`` beside ``record`` that does not name it (a single-file
+    checkpoint saved there too: transformers reads it, the record's layout the rest).
+
+    Raises:
+        LayoutConflictError: naming both.
+    """
+    if SINGLE not in named and os.path.isfile(directory / SINGLE):
+        raise conflict(directory, [f"{record} ({'pod' if record == 'manifest.json' else 'index'})", f"{SINGLE} (file)"])
+
+
+def save_id_in(read: Callable[[], FileHeader], key: str) -> str | None:
+    """The save id ``key`` in the metadata of the header ``read()`` gives; ``None``
+    when it records none or is not a readable safetensors file."""
+    try:
+        return read().metadata.get(key)
+    except (OSError, NnxSaveError):
+        return None
 
 
 def load_record(raw: bytes, where: object, what: str, error: type[HeaderError]) -> Any:
@@ -65,3 +194,52 @@ def merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
                 )
             tensors[name] = info
     return tensors
+
+
+def new_save_id() -> str:
+    """A fresh save id: eight hex digits, also the suffix of the save's new file names."""
+    return os.urandom(4).hex()  # secrets.token_hex(4), without importing secrets (hashlib, hmac)
+
+
+def check_one_version(where: str, index_metadata: Mapping[str, str], files: Sequence[FileHeader]) -> None:
+    """Every file is of the save the index records (when it records one).
+
+    Raises:
+        IndexChangedError: naming the first file of another save, both save ids.
+    """
+    want = index_metadata.get(SAVE_ID_KEY)
+    if want is None:
+        return
+    for fh in files:
+        got = fh.metadata.get(SAVE_ID_KEY)
+        if got != want:
+            raise IndexChangedError(
+                f"{where}: is save {want}, but {fh.file} is {f'save {got}' if got else 'of no recorded save'}: "
+                "the checkpoint was replaced while it was read; load it again"
+            )
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def one_version(index: Path, read: Callable[[], T]) -> T:
+    """``read()`` (an index and the files it names); a missing or unreadable file
+    while ``index`` itself was replaced meanwhile is a race with a writer.
+
+    Raises:
+        IndexChangedError: the index changed during ``read`` and a file it named failed.
+    """
+    before = _identity(index)
+    try:
+        return read()
+    except (FileNotFoundError, IndexFileError, SourceError) as e:
+        if isinstance(e, IndexChangedError) or _identity(index) == before:
+            raise
+        raise IndexChangedError(
+            f"{index}: was replaced while it was read ({e}); the checkpoint changed under the reader; load it again"
+        ) from e

@@ -69,9 +69,19 @@ class MemoryPlacement:
 
     processes = 1
     missing: tuple[str, ...] = ()
+    remote = False
 
     def __init__(self, begins: list[int], views: list[memoryview]) -> None:
         self.begins, self.views = begins, views
+
+    def is_remote(self, file: str) -> bool:
+        return False
+
+    def unpinned(self) -> frozenset[str]:
+        return frozenset()
+
+    def local_files(self) -> None:
+        return None  # no file to map: the engine reads the arrays
 
     def pieces_of(self, key: str, info: TensorInfo) -> tuple[Piece, ...]:
         return (Piece(whole(info.shape), info),)

@@ -1,21 +1,26 @@
 """The pod layout: one shard file per process (standard safetensors whose tensors are
 pieces, ``embed[0:32,0:64]``, or whole values) and a ``manifest.json`` naming each
-tensor's dtype, shape, sharding and pieces. Format, reading and the manifest's commit
-live here; :mod:`nnx_save.layouts._pod_save` writes it; docs/multihost.md tells the rest.
+tensor's dtype, shape, sharding and pieces. Format, reading, writing and the
+manifest's commit live here; docs/multihost.md tells the rest.
 
 :class:`PodLayout` validates the manifest (:func:`check_tiling`) before any byte is
-read. The manifest is written last and atomically, and only then are earlier saves'
-shard files (another ``<token>`` in their names) removed.
+read. Writing, every process writes one shard file with every distinct box its
+devices hold, then the primary commits the manifest, last and atomically, and only
+then removes the shard files provably of earlier saves (the save token in their names
+and in their metadata, :func:`~nnx_save.layouts._layout.owned`). The steps run over
+:class:`~nnx_save.io._kv.Sync`; a crash leaves the previous manifest and its files
+intact, and any failure raises the same :class:`SaveError` on every process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,15 +29,17 @@ import numpy as np
 
 from ..errors import HeaderError, SaveError, short_repr
 from ..format import _dtypes
-from ..format._header import FileHeader, TensorInfo
+from ..format._boxes import of_index
+from ..format._header import FileHeader, TensorInfo, encode_header
 from ..io import _files
-from ..io._kv import Outcome
-from ..io._write import _write_all, atomic_file
+from ..io._kv import Outcome, Sync
+from ..io._write import _write_all, atomic_file, make_directory
 from ..load._pieces import Box, Piece, extents, whole
 from ..load._source import Header, LocalFiles
+from ..save._entry import Entry, order_entries, spans_processes
 from ._file import read_file_header
 from ._index import MAX_INDEX_BYTES
-from ._layout import load_record
+from ._layout import SAVE_ID_KEY, Written, load_record, new_save_id, owned, remove, save_id_in, single_beside
 
 __all__ = [
     "FORMAT",
@@ -42,7 +49,6 @@ __all__ = [
     "Manifest",
     "PodLayout",
     "check_tiling",
-    "commit_manifest",
     "piece_name",
     "shard_name",
 ]
@@ -50,7 +56,7 @@ __all__ = [
 MANIFEST = "manifest.json"
 FORMAT = "nnx_save.pod"
 VERSION = 1
-SHARD_FILE = re.compile(r"^shard_(\d{5})-of-(\d{5})\.([0-9a-f]{8})\.safetensors$")
+SHARD_FILE = re.compile(r"^shard_(\d{5})-of-(\d{5})\.(?P<id>[0-9a-f]{8})\.safetensors$")
 # The overlap check paints the grid the pieces' edges cut a tensor into; pieces
 # that cut it into more cells than this (an irregular layout no save makes) are
 # checked pairwise up to MAX_PAIRWISE_PIECES, and refused beyond.
@@ -316,20 +322,35 @@ class PodFiles(LocalFiles):
     def pieces_of(self, key: str, info: TensorInfo) -> tuple[Piece, ...]:
         return self.pieces[key]
 
+    def local_files(self) -> None:
+        return None  # a tensor is pieces of several files: the engine assembles it
+
 
 class PodLayout:
-    """A directory with a ``manifest.json`` (its format is checked when read)."""
+    """A directory whose ``manifest.json`` says it is a pod (``"format": "nnx_save.pod"``)."""
 
     name = "pod"
+    record = MANIFEST
 
     def claims(self, path: Path) -> bool:
-        return os.path.lexists(path / MANIFEST)
+        """By content: another tool's ``manifest.json`` is not a pod's."""
+        if not os.path.lexists(path / MANIFEST):
+            return False
+        try:
+            raw = _files.read_capped(os.fspath(path / MANIFEST), "manifest", MAX_INDEX_BYTES, HeaderError)
+        except (OSError, HeaderError):
+            return os.path.lexists(path / MANIFEST)  # unreadable: reading it says why
+        return f'"{FORMAT}"'.encode() in raw
+
+    def _manifest(self, path: Path) -> Manifest:
+        where = path / MANIFEST
+        return parse_manifest(_files.read_capped(os.fspath(where), "manifest", MAX_INDEX_BYTES, HeaderError), where)
 
     def read(self, path: Path) -> Header:
         """The validated manifest, and the header of every shard file present (a
         shard file that is not there is only an error if a load needs it)."""
-        where = path / MANIFEST
-        manifest = parse_manifest(_files.read_capped(os.fspath(where), "manifest", MAX_INDEX_BYTES, HeaderError), where)
+        manifest = self._manifest(path)
+        single_beside(path, MANIFEST, ())
         placement = PodFiles(manifest.num_processes)
         files = {
             f: read_file_header(path / f, placement.pinned) if (path / f).is_file() else None for f in manifest.files
@@ -338,6 +359,49 @@ class PodLayout:
         placement.missing = tuple(sorted(f for f, fh in files.items() if fh is None))
         present = tuple(fh for _, fh in sorted(files.items()) if fh is not None)
         return Header(tensors, dict(manifest.metadata), present, "pod", placement)
+
+    def write(
+        self, path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None
+    ) -> Written | None:
+        """This process's pieces of ``entries`` (global tensors) into its shard file,
+        and the manifest from the primary (:func:`pieces` first takes the pieces)."""
+        local, write = self.pieces(path, entries, metadata)
+        return write(path, local)
+
+    def pieces(self, directory: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None):
+        """Create ``directory``; this process's pieces of ``entries``, taken when the
+        save is called (before any host snapshot: a process writes every distinct box
+        it holds, whatever its replica), and the writer of those pieces."""
+        make_directory(directory)
+        entries = order_entries(entries)
+        local, listing, shardings = [], [], {}
+        for e in entries:
+            shardings[e.key], pieces = _pieces_of(e)
+            for box, piece in pieces:
+                name = piece_name(e.key, box, e.shape)
+                local.append(dataclasses.replace(piece, key=name, shape=extents(box)))
+                listing.append([e.key, name, [list(b) for b in box]])
+        names = [(e.key, e.code, e.shape) for e in entries]
+        posted = {"pieces": listing, "shardings": shardings}
+        return local, lambda path, mine: _write(path, mine, names, dict(metadata or {}), posted)
+
+    def retire(self, directory: Path, keep: Collection[str]) -> None:
+        files = _owned(directory) - set(keep)
+        remove(directory / MANIFEST)
+        for name in sorted(files):
+            remove(directory / name)
+
+
+def _owned(directory: Path) -> set[str]:
+    """The shard files provably of the committed save or of interrupted ones."""
+    try:
+        obj = json.loads((directory / MANIFEST).read_bytes())
+        named = {p["file"] for spec in obj["tensors"].values() for p in spec["pieces"]}
+        record_id = obj.get("save_id")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        named, record_id = set(), None
+    read = lambda name: save_id_in(lambda: read_file_header(directory / name), SAVE_ID_KEY)  # noqa: E731
+    return owned(record_id, named, os.listdir(directory), SHARD_FILE, read)
 
 
 # --------------------------------------------------------------------------- writing
@@ -354,15 +418,16 @@ def piece_name(key: str, box: Box, shape: tuple[int, ...]) -> str:
     return f"{key}[{','.join(f'{lo}:{hi}' for lo, hi in box)}]"
 
 
-def commit_manifest(
+def _commit_manifest(
     directory: Path,
     names: Sequence[tuple[str, str, tuple[int, ...]]],
     meta: Mapping[str, str],
     posted: Mapping[int, dict[str, Any]],
     token: str,
+    previous: set[str],
 ) -> Outcome:
     """Primary: merge the processes' piece lists (``posted``) into the manifest, write
-    it atomically, then remove shard files of earlier saves; the outcome to post."""
+    it atomically, then remove the ``previous`` save's shard files; the outcome to post."""
     n = len(posted)
     shardings = posted[0]["shardings"]  # the same on every process: they agreed on the tensors
     tensors: dict[str, dict[str, Any]] = {
@@ -372,15 +437,80 @@ def commit_manifest(
     for p in sorted(posted):
         for key, name, box in posted[p]["pieces"]:
             tensors[key]["pieces"].append({"file": shard_name(p, n, token), "name": name, "box": box, "process": p})
-    manifest = {"format": FORMAT, "version": VERSION, "num_processes": n, "metadata": dict(meta), "tensors": tensors}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "num_processes": n,
+        "save_id": token,
+        "metadata": dict(meta),
+        "tensors": tensors,
+    }
     try:
         with atomic_file(directory / MANIFEST) as fd:  # a short write loops: a full disk raises, never truncates
             _write_all(fd, memoryview(json.dumps(manifest, indent=1).encode() + b"\n"))
     except SaveError as e:
         return Outcome(False, error=str(e))
-    keep = {shard_name(p, n, token) for p in range(n)}
-    for stale in directory.iterdir():
-        if SHARD_FILE.match(stale.name) and stale.name not in keep:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(stale)
+    for stale in sorted(previous - {shard_name(p, n, token) for p in range(n)}):
+        remove(directory / stale)
     return Outcome(True)
+
+
+def _describe_sharding(array: Any) -> str:
+    sharding = getattr(array, "sharding", None)
+    if sharding is None:
+        return "host"
+    mesh, spec = getattr(sharding, "mesh", None), getattr(sharding, "spec", None)
+    if mesh is not None and spec is not None:
+        return f"NamedSharding(mesh={dict(mesh.shape)}, spec={spec})"
+    return type(sharding).__name__
+
+
+def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
+    """This process's pieces of one entry: ``(sharding text, [(box, entry of the piece's value)])``."""
+    array = e.array
+    if array is None or not spans_processes(array):
+        return _describe_sharding(array), [(whole(e.shape), e)]
+    if not _dtypes.DTYPES[e.code].byte_aligned:
+        raise SaveError(
+            f"{e.key}: a {e.code} tensor packs several elements per byte; it cannot be saved "
+            "in pieces. Replicate it before saving",
+            key_path=e.key,
+        )
+    boxes: dict[Box, Any] = {}
+    for shard in array.addressable_shards:  # every distinct box held here, whatever its replica
+        box = of_index(shard.index, e.shape)
+        boxes.setdefault(box, Entry.of(e.key, e.code, extents(box), shard.data))  # staged, snapshotted as any
+    return _describe_sharding(array), sorted(boxes.items())
+
+
+def _write(
+    path: str | os.PathLike, local: Sequence[Entry], names: list, meta: dict[str, str], posted: dict[str, Any]
+) -> Written | None:
+    """Every process: agree, write this process's shard file, let the primary commit."""
+    from ..save._collective import agree  # the writers: a read never loads them
+    from ..save._write import write_file
+
+    directory = Path(path)
+    sync = Sync.open(directory, what="pod save", intact="the previous save in it, if any, is intact")
+    if sync.n > 1:
+        head, offsets = encode_header(names, meta)
+        agree(sync, head, len(names), offsets[-1][1] if offsets else 0)
+    plan = sync.on_primary("token", lambda: {"token": new_save_id(), "previous": sorted(_owned(directory))})
+    token = plan["token"]
+    mine = directory / shard_name(sync.pid, sync.n, token)
+
+    def write_mine() -> dict[str, Any]:
+        write_file(mine, local, {**meta, SAVE_ID_KEY: token})
+        return posted
+
+    try:
+        pieces = sync.step("pieces", Outcome.of(write_mine))
+        done = _commit_manifest(directory, names, meta, pieces, token, set(plan["previous"])) if sync.pid == 0 else None
+        sync.step("commit", done, only=0)
+    except SaveError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(mine)
+        raise
+    if sync.pid != 0:
+        return None
+    return Written(directory / MANIFEST, tuple(directory / shard_name(p, sync.n, token) for p in range(sync.n)))

@@ -49,7 +49,7 @@ from ._report import (
     suggested_renames,
     suggested_targets,
 )
-from ._source import Header, RemoteFiles, gc_paused
+from ._source import Header, gc_paused
 from ._target import Target, check_device_dtype, device_indices, shard_boxes
 
 __all__ = ["load_targets"]
@@ -526,9 +526,8 @@ def load_targets(
     # targets: every keyword travels, including any added later.
     given = {k: v for k, v in locals().items() if k not in ("header", "targets", "options")}
     opt = options if options is not None else LoadOptions()
-    remote = isinstance(header.placement, RemoteFiles)
     in_memory = header.kind == "memory"  # every process holds its own state dict: nothing to share
-    if not in_memory and _share.enabled(opt.share_reads, targets, remote, _describe(header)):
+    if not in_memory and _share.enabled(opt.share_reads, targets, header.placement.remote, _describe(header)):
         run = functools.partial(load_targets, header, options=replace(opt, share_reads=False), **given)
         shapes = {k: info.shape for k, info in header.tensors.items()}
         return _share.shared_load(list(targets), run, shapes, _describe(header))
@@ -538,7 +537,7 @@ def load_targets(
     if not loadable:  # the shapes only for the message: a lazy handle's reads come here per tensor
         shapes = {k: tuple(info.shape) for k, info in header.tensors.items()}
         refuse_nothing_loaded(report, {t.path: tuple(t.shape) for t in targets}, shapes, len(loadable))
-    unpinned = _unpinned(header)
+    unpinned = header.placement.unpinned()
     if unpinned and not opt.verify:  # the recorded checksums pin what no validator does
         opt = replace(opt, verify=True)
     if strict:
@@ -615,15 +614,6 @@ def over_read_advice(read: int, floor: int) -> str:
         f"(a request per piece would cost more). To read less, {contiguous}, or save the tensors this load "
         "skips in another file; an explicit max_over_read_ratio (or a warnings filter) only silences this warning."
     )
-
-
-def _unpinned(header: Header) -> frozenset[str]:
-    """The remote files of ``header`` whose server gave no validator (no ETag, no
-    Last-Modified): only their size pins them, so two requests may see two versions."""
-    placement = header.placement
-    if not isinstance(placement, RemoteFiles):
-        return frozenset()
-    return frozenset(f for f, (_, version) in placement.identity.items() if version is None)
 
 
 def _refuse_unpinned(header: Header, unpinned: frozenset[str], unverified: Sequence[str]) -> None:

@@ -27,6 +27,8 @@ class Placement(Protocol):
     """The processes that wrote it (a pod); pieces name theirs, 1 for the other layouts."""
     missing: tuple[str, ...]
     """Files it names that are not present (a pod's shard files on another host)."""
+    remote: bool
+    """Whether its files are read over a network (each read a request)."""
 
     def pieces_of(self, key: str, info: TensorInfo) -> tuple[Piece, ...]:
         """Tensor ``key`` (validated as ``info``) as pieces at (file, byte range, box)."""
@@ -34,6 +36,20 @@ class Placement(Protocol):
 
     def open_reader(self, file: str) -> Reader:
         """A reader of ``file``, the very version whose header was validated."""
+        ...
+
+    def is_remote(self, file: str) -> bool:
+        """Whether ``file`` is read over a network (it cannot be memory-mapped)."""
+        ...
+
+    def unpinned(self) -> frozenset[str]:
+        """Its remote files whose server gave no validator (no ETag, no Last-Modified):
+        only their size pins them, so two requests may see two versions."""
+        ...
+
+    def local_files(self) -> _files.Pinned | None:
+        """The pinned descriptors of its validated local files, for a lazy handle's direct
+        reads, when every tensor is one whole piece of one file; ``None`` otherwise."""
         ...
 
     def retries(self) -> int:
@@ -51,6 +67,7 @@ class LocalFiles:
 
     processes = 1
     missing: tuple[str, ...] = ()
+    remote = False
 
     def __init__(self) -> None:
         self.pinned = _files.Pinned()
@@ -65,6 +82,15 @@ class LocalFiles:
         finally:
             os.close(fd)  # the reader holds its own duplicate
 
+    def is_remote(self, file: str) -> bool:
+        return False
+
+    def unpinned(self) -> frozenset[str]:
+        return frozenset()
+
+    def local_files(self) -> _files.Pinned | None:
+        return self.pinned
+
     def retries(self) -> int:
         return 0
 
@@ -75,9 +101,17 @@ class LocalFiles:
 class RemoteFiles(LocalFiles):
     """Remote files, each read pinned to the size and version (ETag) its header had."""
 
+    remote = True
+
     def __init__(self, stats: Any, identity: Mapping[str, tuple[int, str | None]]) -> None:
         super().__init__()
         self.stats, self.identity = stats, identity
+
+    def is_remote(self, file: str) -> bool:
+        return file in self.identity
+
+    def unpinned(self) -> frozenset[str]:
+        return frozenset(f for f, (_, version) in self.identity.items() if version is None)
 
     def open_reader(self, file: str) -> Reader:
         if file in self.identity:

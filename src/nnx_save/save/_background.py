@@ -41,7 +41,7 @@ log = logging.getLogger("nnx_save")
 _lock = threading.Lock()
 _pending: collections.deque[SaveHandle] = collections.deque()  # submitted, maybe finished, in order
 _uncollected: list[SaveHandle] = []  # failed, and nobody has seen the error yet
-_jobs: queue.Queue[tuple[SaveHandle, Callable[[Path | str, list[Entry]], None], list[Entry]]] = queue.Queue()
+_jobs: queue.Queue[tuple[SaveHandle, Callable[[Path | str, list[Entry]], object], list[Entry]]] = queue.Queue()
 _worker: threading.Thread | None = None
 
 
@@ -102,7 +102,7 @@ def max_in_flight() -> int:
 def save(
     path: str | os.PathLike,
     entries: Sequence[Entry],
-    write: Callable[[str | os.PathLike, Sequence[Entry]], None],
+    write: Callable[[str | os.PathLike, Sequence[Entry]], object],
     *,
     blocking: bool,
 ) -> SaveHandle | None:

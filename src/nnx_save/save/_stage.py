@@ -76,7 +76,7 @@ def assemble(shape: tuple[int, ...], dtype: np.dtype, parts: Sequence[tuple[Any,
     return out
 
 
-def staging_bytes(array: Any, spanning: bool = False) -> int:
+def staging_bytes(array: Any, spanning: bool = False, force: bool | None = None) -> int:
     """Host bytes :func:`stage` would copy for ``array``: 0 for numpy, a CPU-backed
     jax array, or one spanning processes unless ``spanning`` (the collective writer)."""
     import jax
@@ -86,7 +86,8 @@ def staging_bytes(array: Any, spanning: bool = False) -> int:
     if not spanning and not array.is_fully_addressable:  # HostValue() refuses it with the reason
         return 0
     shards = own_shards(array)
-    if not _config.FORCE_HOST_STAGING.get() and all(s.device.platform == "cpu" for s in shards):
+    force = _config.FORCE_HOST_STAGING.get() if force is None else force  # given once per save by a Window
+    if not force and all(s.device.platform == "cpu" for s in shards):
         return 0
     return sum(int(s.data.nbytes) for s in shards)
 
@@ -146,7 +147,8 @@ class Window:
     ) -> None:
         self.arrays, self.keys, self.limit, self.where = list(arrays), list(keys), limit, where
         self.spanning = spanning
-        self.sizes = [staging_bytes(a, spanning) for a in self.arrays]
+        force = _config.FORCE_HOST_STAGING.get()
+        self.sizes = [staging_bytes(a, spanning, force) for a in self.arrays]
         self.pending: dict[int, Staged] = {}
         self.next = 0
         self.held = self.peak = 0

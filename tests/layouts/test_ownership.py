@@ -1,0 +1,117 @@
+"""Every format owns its files (issue 29): a save removes only files it can prove are of
+the version it replaces, a save over another layout replaces it in its commit, and a
+directory two layouts claim is a typed conflict. Through the public API; each test
+here failed on main before the two-way layouts (checked against main's ``src``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import fsspec
+import numpy as np
+import pytest
+from flax import nnx
+
+import nnx_save
+from nnx_save.cli import _main
+
+INDEX = "model.safetensors.index.json"
+
+
+def tree(value: float, n: int = 4) -> dict[str, np.ndarray]:
+    """``n`` tensors of 64 float32s, every element ``value``."""
+    return {f"t{i}": np.full((64,), value, np.float32) for i in range(n)}
+
+
+def value_of(loaded: dict[str, np.ndarray]) -> set[float]:
+    return {float(v) for a in loaded.values() for v in np.unique(a)}
+
+
+def test_a_resave_keeps_every_file_a_hostile_index_names(tmp_path):
+    """Breakage 1: the files another tool's index names (``config.json``, ``README.md``,
+    the index itself) are not the save's to remove."""
+    d = tmp_path / "ck"
+    d.mkdir()
+    others = {"config.json": b'{"model_type": "gpt2"}', "README.md": b"# my model\n", "notes.safetensors": b"x"}
+    for name, data in others.items():
+        (d / name).write_bytes(data)
+    hostile = {"weight_map": {"a": "config.json", "b": "README.md", "c": INDEX, "d": "notes.safetensors"}}
+    (d / INDEX).write_text(json.dumps(hostile))
+    nnx_save.save_file(tree(1.0), d, max_shard_size=512)
+    assert {n: (d / n).read_bytes() for n in others} == others
+    assert value_of(nnx_save.load_file(d)) == {1.0}  # its own index is there, and whole
+    nnx_save.save_file(tree(2.0), d, max_shard_size=512)  # a re-save over its own: the old files go
+    assert value_of(nnx_save.load_file(d)) == {2.0}
+    assert {n: (d / n).read_bytes() for n in others} == others
+    named = set(json.loads((d / INDEX).read_text())["weight_map"].values())
+    assert {p.name for p in d.glob("model*.safetensors")} == named
+
+
+def test_a_resave_over_a_url_keeps_what_the_index_names_and_did_not_write():
+    fs = fsspec.filesystem("memory")
+    root = "memory://nnx-save-ownership/ck"
+    fs.pipe(f"{root}/config.json", b"{}")
+    fs.pipe(f"{root}/{INDEX}", json.dumps({"weight_map": {"a": "config.json", "b": INDEX}}).encode())
+    nnx_save.save_file(tree(3.0), root, max_shard_size=512)
+    assert fs.cat(f"{root}/config.json") == b"{}"
+    assert value_of(nnx_save.load_file(root)) == {3.0}
+
+
+def test_save_pod_over_an_hf_checkpoint_replaces_it(tmp_path):
+    """Breakage 2: the pod's commit retires the index and its files: one layout is left."""
+    nnx_save.save_file(tree(1.0), tmp_path, max_shard_size=512)
+    nnx_save.save_pod(tree(2.0), tmp_path)
+    assert not (tmp_path / INDEX).exists() and not list(tmp_path.glob("model*.safetensors"))
+    assert value_of(nnx_save.load_file(tmp_path)) == {2.0}
+    nnx_save.save_file(tree(3.0), tmp_path, max_shard_size=512)  # and back: the pod goes
+    assert not (tmp_path / "manifest.json").exists() and not list(tmp_path.glob("shard_*"))
+    assert value_of(nnx_save.load_file(tmp_path)) == {3.0}
+
+
+def test_a_single_file_beside_an_index_it_is_not_part_of_is_a_conflict(tmp_path):
+    """Breakage 3: transformers reads ``model.safetensors`` first; nnx_save must not
+    quietly read the index instead."""
+    nnx_save.save_file(tree(1.0), tmp_path, max_shard_size=512)
+    nnx_save.save_file(tree(2.0), tmp_path / "model.safetensors")
+    message = f"{tmp_path}: holds both {INDEX} (index) and model.safetensors (file)"
+    with pytest.raises(nnx_save.LayoutConflictError, match=re.escape(message)):
+        nnx_save.load_file(tmp_path)
+    nnx_save.save_file(tree(3.0), tmp_path, max_shard_size=512)  # an index save replaces the single file
+    assert not (tmp_path / "model.safetensors").exists()
+    assert value_of(nnx_save.load_file(tmp_path)) == {3.0}
+
+
+def test_verify_fails_on_a_pod_whose_shard_files_are_gone(tmp_path, capsys):
+    """Breakage 4."""
+    nnx_save.save_pod(tree(1.0), tmp_path)
+    assert _main.main(["verify", str(tmp_path)]) == 0
+    for shard in tmp_path.glob("shard_*.safetensors"):
+        shard.unlink()
+    capsys.readouterr()
+    assert _main.main(["verify", str(tmp_path)]) == 1
+    assert re.search(
+        r"FAIL shard_00000-of-00001\.[0-9a-f]{8}\.safetensors: named by the checkpoint, not present",
+        capsys.readouterr().out,
+    )
+
+
+def test_an_index_file_named_itself_is_read_as_the_index(tmp_path):
+    """Breakage 5, local: told by content, not by name."""
+    nnx_save.save_file(tree(4.0), tmp_path, max_shard_size=512)
+    assert value_of(nnx_save.load_file(tmp_path / INDEX)) == {4.0}
+    assert nnx_save.read_header(str(tmp_path / INDEX)).kind == "index"
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2}')
+    message = f"{tmp_path / 'config.json'}: a JSON file, not a safetensors file, nor an index (no 'weight_map' object)"
+    with pytest.raises(nnx_save.NotSafetensorsError, match=re.escape(message)):
+        nnx_save.read_header(tmp_path / "config.json")
+
+
+def test_max_shard_size_into_a_safetensors_name_is_refused(tmp_path):
+    """Breakage 6: no directory named ``x.safetensors``."""
+    model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(nnx_save.OptionError, match=re.escape("x.safetensors: max_shard_size writes a directory")):
+        nnx_save.save_model(model, tmp_path / "x.safetensors", max_shard_size=64)
+    assert os.listdir(tmp_path) == []
