@@ -1,8 +1,9 @@
 """Small reads of one local tensor without the engine (whose planning and threads cost a
 hundred times a few-KiB copy): what a ``safe_open`` handle does for a small slice.
 
-The bytes of the slice's box are read with ``pread`` straight into the result, one call
-per contiguous run; nothing is memory-mapped, so a file truncated (or truncated and
+The bytes of the slice's box are read with ``preadv`` straight into the result (runs
+closer than :data:`GATHER_GAP` share one request, the bytes between them read into a
+scratch buffer); nothing is memory-mapped, so a file truncated (or truncated and
 re-extended) by another process can never raise SIGBUS in the reader: a short read is a
 :class:`~nnx_save.errors.TruncatedFileError`, and a file whose size or modification time
 differs, after the read, from what its header was read from is a
@@ -25,12 +26,13 @@ from ..io._files import Pinned
 from ..io._reader import LocalReader
 from ._slices import slice_box
 
-__all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_RUNS", "DirectFiles"]
+__all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_RUNS", "GATHER_GAP", "DirectFiles"]
 
 # Above this, the engine's threads beat one thread's copy (a whole large tensor); under
 # it, the engine's start-up dominates (benchmarks/lazy.py).
 DIRECT_MAX_BYTES = 16 << 20
-DIRECT_MAX_RUNS = 4096  # one pread each (~10 us on a VM): a column slice of a big matrix, without the engine's imports
+DIRECT_MAX_RUNS = 4096  # a column slice of a big matrix, without the engine's imports
+GATHER_GAP = 64 << 10  # bytes read through (into scratch) rather than cut into another request (~10 us on a VM)
 
 
 class DirectFiles:
@@ -81,10 +83,13 @@ class DirectFiles:
         out = np.empty(extents(box), info.dtype.numpy)
         reader = self._reader(info.file)
         base = out.ctypes.data
-        addr = [base + i * length for i in range(len(offsets))]
         try:
-            if reader.can_read_runs():
-                reader.read_runs(addr, [length] * len(offsets), offsets.tolist())
+            if len(offsets) > 1 and reader.can_read_tables():
+                _gather(reader, base, offsets, length)
+            elif reader.can_read_runs():
+                reader.read_runs(
+                    [base + i * length for i in range(len(offsets))], [length] * len(offsets), offsets.tolist()
+                )
             else:  # no pread in the C library: memoryviews
                 flat = out.reshape(-1).view(np.uint8).data
                 for i, off in enumerate(offsets.tolist()):
@@ -112,3 +117,23 @@ class DirectFiles:
             self.close()
         except Exception:
             pass
+
+
+def _gather(reader: LocalReader, base: int, offsets: np.ndarray, length: int) -> None:
+    """Runs ``offsets`` (ascending, ``length`` bytes each) into consecutive slots from
+    address ``base``, with few requests: runs closer than :data:`GATHER_GAP` share one
+    ``preadv`` whose gaps land in a scratch buffer (reading a few KiB through costs far
+    less than a request), so a column slice of a matrix is a handful of calls, not one
+    per row."""
+    gaps = offsets[1:] - (offsets[:-1] + length)
+    cuts = np.flatnonzero(gaps > GATHER_GAP) + 1  # a new block after each wide gap
+    scratch = np.empty(max(int(gaps[gaps <= GATHER_GAP].max(initial=0)), 1), np.uint8)
+    for lo, hi in zip(np.r_[0, cuts], np.r_[cuts, len(offsets)], strict=True):
+        n = hi - lo
+        table = np.empty((2 * n - 1, 2), np.uint64)
+        table[0::2, 0] = base + np.arange(lo, hi, dtype=np.uint64) * length
+        table[0::2, 1] = length
+        table[1::2, 0] = scratch.ctypes.data
+        table[1::2, 1] = gaps[lo : hi - 1]
+        keep = table[:, 1] > 0  # runs that touch: no empty iovec
+        reader.readv_table(np.ascontiguousarray(table[keep]), int(offsets[lo]))
