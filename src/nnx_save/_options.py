@@ -8,6 +8,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -54,9 +55,13 @@ def _brief(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def path_arg(value: object, argument: str, call: str) -> str:
     """``value`` as a path (``str``): a non-empty ``str`` or ``os.PathLike`` of one, with no
-    NUL byte, no name over 255 bytes and at most 4095 bytes in all (what POSIX can open).
+    NUL byte, no name over 255 bytes and at most 4095 bytes in all (what POSIX can open);
+    a URL (``scheme://...``) only non-empty and without a NUL byte.
 
     Raises:
         OptionError: naming ``call`` and ``argument``, with what was given.
@@ -78,6 +83,8 @@ def path_arg(value: object, argument: str, call: str) -> str:
     if "\x00" in text:
         raise OptionError(f"{call}: {argument} must be a path with no NUL byte, got {_brief(text)}", argument)
     raw = os.fsencode(text)
+    if _URL.match(text):  # a URL: the server's limits, not POSIX's (a presigned query string is long)
+        return text
     if len(raw) > 4095 or any(len(part) > 255 for part in raw.split(b"/")):
         raise OptionError(
             f"{call}: {argument} must be a path of at most 4095 bytes whose names have at most 255, got {_brief(text)}",

@@ -247,9 +247,9 @@ ARRAYS_ONLY = "; save_file stores arrays only (use save_model for NNX scalars an
             "s: a numpy array of dtype <U2 has no safetensors dtype",
         ),
         (
-            {"q/k": np.zeros(1)},
+            {"m": {"q/k": np.zeros(1)}},  # nested: a flat mapping of file keys ({"q/k": ...}) saves as those keys
             nnx_save.KeyPathError,
-            "'q/k': name contains /; file keys join names with '/' so this one could not be read back to the same place.",
+            "m/'q/k': name contains /; file keys join names with '/' so this one could not be read back to the same place.",
         ),
         ({"a": {"": np.zeros(1)}}, nnx_save.KeyPathError, "a/'': empty name;"),
         (
