@@ -38,7 +38,7 @@ class SaveOptions:
         >>> SaveOptions(max_shard_size="5 parsecs")
         Traceback (most recent call last):
         ...
-        nnx_save.errors.OptionError: max_shard_size='5 parsecs': expected a positive number of bytes, an int or a size such as '5GB', '200MiB', '100KB'
+        nnx_save.errors.OptionError: max_shard_size='5 parsecs': expected a positive number of bytes up to 2**62, an int or a size such as '5GB', '200MiB', '100KB'
     """
 
     progress: bool | None = None
