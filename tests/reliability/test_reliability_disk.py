@@ -136,7 +136,12 @@ def test_store_save_into_a_full_filesystem_keeps_the_previous_steps(small_fs):
         np.testing.assert_array_equal(store.restore(1).items["model"]["w"], w)
         store.save(2, {"model": {"w": w + 1}})
         np.testing.assert_array_equal(store.restore(2).items["model"]["w"], w + 1)
-    assert sorted(os.listdir(fs / "ckpt")) == ["1", "2", "_nnx_save_store.json"]  # the retention record
+    assert sorted(os.listdir(fs / "ckpt")) == [
+        "1",
+        "2",
+        "_nnx_save.lock",
+        "_nnx_save_store.json",
+    ]  # the writer lock, the retention record
 
 
 def test_store_save_into_a_full_filesystem_raises_a_typed_error(small_fs):
