@@ -26,7 +26,6 @@ import io
 import json
 import os
 import re
-import resource
 import signal
 import struct
 from collections.abc import Callable, Iterator
@@ -38,6 +37,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _limits import address_space_over
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -84,14 +84,8 @@ def _alarm(signum: int, frame: Any) -> None:
 def bounded_memory() -> Iterator[None]:
     """Cap the address space for the whole module: a loader that allocates what a
     header declares (64 GiB, 10^12 elements) fails the contract or raises typed."""
-    with open("/proc/self/status") as f:
-        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (vm + MEMORY_SLACK, hard))
-    try:
+    with address_space_over(MEMORY_SLACK):
         yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def holds(call: Callable[[], Any], *names: str) -> Any:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import resource
 import shutil
 import signal
 import socket
@@ -38,6 +37,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _limits import address_space_over
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -62,14 +62,8 @@ def _alarm(signum: int, frame: Any) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def bounded_memory() -> Iterator[None]:
-    with open("/proc/self/status") as f:
-        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (vm + MEMORY_SLACK, hard))
-    try:
+    with address_space_over(MEMORY_SLACK):
         yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def _closed_port() -> int:
