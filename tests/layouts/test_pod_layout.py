@@ -23,7 +23,7 @@ from reliability.test_reliability_disk import small_fs, snapshot  # noqa: F401 (
 from test_layout import _write_pod
 
 import nnx_save
-from nnx_save.cli._main import main as cli
+from nnx_save.cli import main as cli
 
 SHARD = "shard_00000-of-00001.0123abcd.safetensors"
 
