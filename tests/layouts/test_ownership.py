@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 import nnx_save
-from nnx_save.cli import _main
+from nnx_save.cli import main as cli_main
 
 INDEX = "model.safetensors.index.json"
 
@@ -87,11 +87,11 @@ def test_a_single_file_beside_an_index_it_is_not_part_of_is_a_conflict(tmp_path)
 def test_verify_fails_on_a_pod_whose_shard_files_are_gone(tmp_path, capsys):
     """Breakage 4."""
     nnx_save.save_pod(tree(1.0), tmp_path)
-    assert _main.main(["verify", str(tmp_path)]) == 0
+    assert cli_main(["verify", str(tmp_path)]) == 0
     for shard in tmp_path.glob("shard_*.safetensors"):
         shard.unlink()
     capsys.readouterr()
-    assert _main.main(["verify", str(tmp_path)]) == 1
+    assert cli_main(["verify", str(tmp_path)]) == 1
     assert re.search(
         r"FAIL shard_00000-of-00001\.[0-9a-f]{8}\.safetensors: named by the checkpoint, not present",
         capsys.readouterr().out,
