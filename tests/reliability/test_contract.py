@@ -44,7 +44,7 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save.checkpoint import CheckpointDamageWarning, OrbaxCheckpointStore
-from nnx_save.cli._main import main as cli_main
+from nnx_save.cli import main as cli_main
 
 TIME_BOUND_S = 20  # per call: a hang fails the contract
 MEMORY_SLACK = 3 << 30  # address space allowed beyond what the process holds at the start
