@@ -45,7 +45,7 @@ from hypothesis import strategies as st
 import nnx_save
 import nnx_save.checkpoint as ckpt
 import nnx_save.porting as porting
-from nnx_save.cli._main import main as cli_main
+from nnx_save.cli import main as cli_main
 from nnx_save.errors import NnxSaveError
 
 TIME_BOUND_S = 20
