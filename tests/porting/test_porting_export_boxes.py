@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from nnx_save.porting._transforms import Concatenate, Index, Reshape, Stack, Sum, Take, Transform, Transpose
+from nnx_save.porting import Concatenate, Index, Reshape, Stack, Sum, Take, Transform, Transpose
 
 T = (Transpose((1, 0)),)
 CASES = {
