@@ -20,7 +20,7 @@ import pytest
 from hostile_server import Answer, HostileServer, Request
 
 import nnx_save
-from nnx_save.io._remote import RemoteChangedError, RemoteError
+from nnx_save.errors import RemoteChangedError, RemoteError
 
 V1 = {"w": np.arange(64, dtype=np.float32), "b": np.full(16, 3.0, np.float32)}
 V2 = {"w": -np.arange(64, dtype=np.float32), "b": np.full(16, 7.0, np.float32)}  # same size, other bytes
