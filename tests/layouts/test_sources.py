@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save import errors
-from nnx_save.layouts._index import INDEX_NAME
+
+INDEX_NAME = "model.safetensors.index.json"  # the HuggingFace name
 
 
 def write_raw(path, header: dict | bytes, data: bytes = b"", size: int | None = None):
