@@ -23,7 +23,8 @@ from flax import nnx
 
 import nnx_save
 from nnx_save.checkpoint import CheckpointWriteError, OrbaxCheckpointStore
-from nnx_save.io._write import TMP_MARKER
+
+TMP_MARKER = ".nnx_save-tmp-"  # in every temporary file's name (docs/reliability.md)
 
 
 def snapshot(directory: Path) -> dict[str, bytes]:
