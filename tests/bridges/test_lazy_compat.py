@@ -88,13 +88,22 @@ def test_flax_device_and_torch_bfloat16(tmp_path):
             assert torch.equal(ours.get_tensor(key), theirs.get_tensor(key))
 
 
+BYTE_ALIGNED = [  # every byte-aligned dtype of the safetensors format, by its numpy / ml_dtypes name
+    *("bool", "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"),
+    *("float16", "bfloat16", "float32", "float64", "complex64"),
+    *("float8_e5m2", "float8_e4m3fn", "float8_e8m0fnu", "float8_e4m3fnuz", "float8_e5m2fnuz"),
+]
+
+
 def test_torch_gets_every_byte_aligned_dtype_and_refuses_sub_byte_ones(tmp_path):
     """Each byte-aligned code becomes the torch dtype of its numpy / ml_dtypes name with
     the same bytes; F4 (which torch has only packed in pairs) is refused, naming it."""
-    from nnx_save.format._dtypes import DTYPES
-
     raw = bytes([1, 0, 1, 1, 0, 0, 1, 0])  # a valid value of every dtype (bool included)
-    rows = [r for r in DTYPES.values() if r.byte_aligned]
+    dtypes = [np.dtype(getattr(ml_dtypes, name, name)) for name in BYTE_ALIGNED]
+    nnx_save.save_file({d.name: np.frombuffer(raw, d) for d in dtypes}, tmp_path / "codes.safetensors")
+    header = nnx_save.read_header(tmp_path / "codes.safetensors")
+    rows = [header[d.name].dtype for d in dtypes]  # each one's code
+    assert [(r.numpy, r.byte_aligned) for r in rows] == [(d, True) for d in dtypes]
     values = {r.code: np.frombuffer(raw, r.numpy) for r in rows}
     values["F4"] = np.zeros(2, ml_dtypes.float4_e2m1fn)
     nnx_save.save_file(values, tmp_path / "all.safetensors")
