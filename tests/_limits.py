@@ -1,5 +1,7 @@
-"""``address_space_over(slack)``: cap this process's address space at what it maps now
-plus ``slack`` bytes, and restore the previous limit after (the contract tests' memory bound)."""
+"""Limits for the contract tests: ``address_space_over(slack)`` caps this process's address
+space at what it maps now plus ``slack`` bytes and restores the previous limit after (their
+memory bound); ``descriptor_limit(monkeypatch, soft)`` makes the process read a smaller soft
+descriptor limit."""
 
 import contextlib
 import resource
@@ -16,3 +18,16 @@ def address_space_over(slack: int) -> Iterator[None]:
         yield
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def descriptor_limit(monkeypatch, soft: int) -> None:
+    """Make this process read ``soft`` as its soft ``RLIMIT_NOFILE`` for the rest of a test
+    (only the reading: no descriptor is refused), so the pool of pinned descriptors, a
+    quarter of it (docs/reliability.md), is ``soft // 4``."""
+    real = resource.getrlimit
+
+    def getrlimit(which: int) -> tuple[int, int]:
+        limits = real(which)
+        return (soft, limits[1]) if which == resource.RLIMIT_NOFILE else limits
+
+    monkeypatch.setattr(resource, "getrlimit", getrlimit)
