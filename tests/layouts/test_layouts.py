@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from _limits import descriptor_limit
 from reliability.test_reliability_concurrent import open_in
 
 import nnx_save
@@ -49,9 +50,7 @@ def test_four_headers_of_64_files_under_a_limit_of_256_descriptors(tmp_path):
 
 
 def test_a_file_replaced_after_its_descriptor_was_released_is_refused(tmp_path, monkeypatch):
-    import nnx_save.io._files as files
-
-    monkeypatch.setattr(files, "max_pinned", lambda: 1)
+    descriptor_limit(monkeypatch, 4)  # a pool of 1
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     nnx_save.save_file({"a": np.zeros(2, np.float32)}, a)
     nnx_save.save_file({"b": np.zeros(2, np.float32)}, b)
