@@ -19,8 +19,9 @@ from nnx_save.checkpoint import (
     CheckpointDtypeMismatchError,
     OrbaxCheckpointStore,
 )
-from nnx_save.checkpoint._disk import ASIDE_PREFIX
-from nnx_save.checkpoint._retention import STORE_RECORD
+
+STORE_RECORD = "_nnx_save_store.json"  # the store's policies (docs/checkpoints.md)
+ASIDE_PREFIX = ".nnx_save-overwriting-"  # a step set aside while it is overwritten (docs/reliability.md)
 
 
 def state(step: int) -> dict:
