@@ -1,7 +1,7 @@
 """The ``nnx-save`` command line on real files: a transformers ``save_pretrained``
 checkpoint, nnx_save files, corrupted copies. A few runs go through the installed
 console script and ``python -m nnx_save`` as subprocesses; the rest call
-``_main.main`` in-process (same code, without paying jax's import per case)."""
+``nnx_save.cli.main`` in-process (same code, without paying jax's import per case)."""
 
 import json
 import os
@@ -18,7 +18,7 @@ import pytest
 from _errors import raises_check
 
 import nnx_save
-from nnx_save.cli import _main
+from nnx_save.cli import main
 
 SCRIPT = Path(sys.executable).with_name("nnx-save")
 
@@ -30,7 +30,7 @@ def run_script(*args, module=False):
 
 
 def cli(capsys, *args):
-    code = _main.main([str(a) for a in args])
+    code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -271,12 +271,32 @@ def test_diff_counts_tensors_not_lines(capsys, tmp_path):
     ]
 
 
-def test_diff_atol_and_nan():
-    assert _main.compare_values(np.array([1.0, np.nan, np.inf]), np.array([1.5, np.nan, np.inf])).worst == 0.5
-    assert np.isnan(_main.compare_values(np.array([1.0, np.nan]), np.array([1.0, 2.0])).worst)
-    a = np.arange(10, dtype=np.int8)
-    assert _main.compare_values(a, a[::-1].copy(), chunk=3).worst == 9
-    assert _main.compare_values(a, a[::-1].copy(), atol=5, chunk=3) == _main.ValueDiff(9, 4, 10)
+def _diff_values(capsys, tmp_path, a, b, *options) -> str:
+    """The line ``nnx-save diff`` prints for the values of one tensor ``t`` (``""`` if none)."""
+    nnx_save.save_file({"t": a}, tmp_path / "a.safetensors")
+    nnx_save.save_file({"t": b}, tmp_path / "b.safetensors")
+    _, out, _ = cli(capsys, "diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", *options)
+    return next((line for line in out.splitlines() if line.startswith("values: ")), "")
+
+
+def test_diff_atol_and_nan(capsys, tmp_path):
+    """Equal NaNs and infinities are equal; a NaN against a number is the worst difference;
+    the worst difference and the count run across the chunks a large tensor is compared in."""
+    x, y = np.array([1.0, np.nan, np.inf]), np.array([1.5, np.nan, np.inf])
+    assert _diff_values(capsys, tmp_path, x, y) == "values: t: max |a - b| = 0.5, 1 of 3 elements differ"
+    assert _diff_values(capsys, tmp_path, x, y, "--atol", 0.5) == ""
+    nan = _diff_values(capsys, tmp_path, np.array([1.0, np.nan]), np.array([1.0, 2.0]))
+    assert nan == "values: t: max |a - b| = nan, 1 of 2 elements differ"
+    chunk = 1 << 22  # the elements diff compares at once
+    a = np.zeros(chunk + 10, np.int8)
+    b = a.copy()
+    b[0] = 3  # in the first chunk
+    b[chunk:] = np.arange(10)  # the worst, in the second
+    size = chunk + 10
+    assert _diff_values(capsys, tmp_path, a, b) == f"values: t: max |a - b| = 9, 10 of {size} elements differ"
+    assert (
+        _diff_values(capsys, tmp_path, a, b, "--atol", 5) == f"values: t: max |a - b| = 9, 4 of {size} elements differ"
+    )
 
 
 # ------------------------------------------------------------------------------ convert
@@ -352,7 +372,7 @@ def test_error_paths(capsys, tmp_path, ours):
         f"nnx-save: error: {tmp_path / 'bad.safetensors'}: header must be a JSON object, found a JSON list\n"
     )
     with pytest.raises(SystemExit) as e:
-        _main.main(["convert", str(ours), str(tmp_path / "d"), "--max-shard-size", "lots"])
+        main(["convert", str(ours), str(tmp_path / "d"), "--max-shard-size", "lots"])
     assert e.value.code == 2 and "'lots' is not a size (examples: 5GB, 200MiB, 1000000)" in capsys.readouterr().err
 
 
@@ -402,13 +422,6 @@ def test_convert_refuses_a_fifo_without_blocking(capsys, tmp_path):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert code == 2 and err == f"nnx-save: error: {tmp_path / 'x.bin'}: not a regular file or directory\n"
-
-
-def test_parse_size():
-    assert _main.parse_size("5GB") == 5 * 10**9
-    assert _main.parse_size("200MiB") == 200 << 20
-    assert _main.parse_size("1000") == 1000
-    assert _main.parse_size("1.5 KB") == 1500
 
 
 # ---------------------------------------------------------------------------------- URLs

@@ -1,4 +1,4 @@
-"""Tree key paths <-> file keys: the int/str rule and the refusals."""
+"""Tree key paths <-> file keys: the int/str rule and the refusals; sizes (``"5GB"``) in bytes."""
 
 import re
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import nnx_save
-from nnx_save.format import _paths
+from nnx_save.format import _paths, _units
 
 names = st.text(min_size=1, max_size=6).filter(lambda s: "/" not in s)
 segments = st.one_of(st.integers(0, 10**6), names)
@@ -129,3 +129,12 @@ def test_int_and_str_zero_collide():
 
 def test_check_unique_maps_keys_to_paths():
     assert _paths.check_unique([("a", 0), ("a", "1"), ("b",)]) == {"a/0": ("a", 0), "a/1": ("a", "1"), "b": ("b",)}
+
+
+def test_parse_size():
+    """The sizes ``max_shard_size`` and ``nnx-save convert --max-shard-size`` take (moved from
+    the CLI's tests: its ``parse_size`` only rewords this one's error)."""
+    assert _units.parse_size("5GB") == 5 * 10**9
+    assert _units.parse_size("200MiB") == 200 << 20
+    assert _units.parse_size("1000") == 1000
+    assert _units.parse_size("1.5 KB") == 1500
