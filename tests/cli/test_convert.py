@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save.checkpoint import OrbaxCheckpointStore
-from nnx_save.cli import _main
+from nnx_save.cli import main
 
 
 def cli(capsys, *args):
-    code = _main.main([str(a) for a in args])
+    code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -226,14 +226,6 @@ def test_mutated_torchscript_archives_fail_typed(scripted, tmp_path):
         except nnx_save.NnxSaveError:
             outcomes["refused"] += 1
     assert outcomes["refused"] > 50 and sum(outcomes.values()) == 150
-
-
-def test_data_pickle_reader_builds_data_only():
-    from nnx_save.format import _torch_pickle
-
-    assert _torch_pickle.read_data_pickle(b"\x80\x02]q\x00(K\x01G?\xe0\x00\x00\x00\x00\x00\x00e.", "x") == [1, 0.5]
-    with pytest.raises(nnx_save.ConvertError, match=re.escape("x: byte 2: the pickle ends inside an argument")):
-        _torch_pickle.read_data_pickle(b"\x80\x02X\xff\xff\x00\x00ab", "x")
 
 
 # ------------------------------------------------------------------- Orbax store items

@@ -1,6 +1,7 @@
 """PyTorch files and Orbax / TensorStore directories are told apart from safetensors by
 their magic bytes and entries (nothing unpickled), in every entry point a user would
-try first, with the command that converts them."""
+try first, with the command that converts them; the data-only pickle reader behind
+`convert`."""
 
 import re
 from pathlib import Path
@@ -10,8 +11,8 @@ import pytest
 from flax import nnx
 
 import nnx_save
-from nnx_save.cli import _main
-from nnx_save.format import _formats
+from nnx_save.cli import main
+from nnx_save.format import _formats, _torch_pickle
 
 LEGACY_PICKLE = b"\x80\x02\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19." + bytes(40)  # torch's legacy magic, then junk
 
@@ -31,7 +32,7 @@ def torch_files(tmp_path_factory):
 
 
 def cli(capsys, *args):
-    code = _main.main([str(a) for a in args])
+    code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -172,3 +173,9 @@ def test_a_directory_of_separate_checkpoints_says_so(tmp_path):
         "model.safetensors.index.json of a sharded checkpoint"
     )
     assert list(nnx_save.load_file(tmp_path / "step_200.safetensors")) == ["w"]
+
+
+def test_data_pickle_reader_builds_data_only():
+    assert _torch_pickle.read_data_pickle(b"\x80\x02]q\x00(K\x01G?\xe0\x00\x00\x00\x00\x00\x00e.", "x") == [1, 0.5]
+    with pytest.raises(nnx_save.ConvertError, match=re.escape("x: byte 2: the pickle ends inside an argument")):
+        _torch_pickle.read_data_pickle(b"\x80\x02X\xff\xff\x00\x00ab", "x")
