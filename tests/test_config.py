@@ -164,3 +164,16 @@ def test_the_store_waits_as_long_as_every_other_exchange(monkeypatch):
         _config.COLLECTIVE_TIMEOUT_S.get()  # the collective saves and shared reads refuse it too
     monkeypatch.setenv("NNX_SAVE_STORE_TIMEOUT_S", " ")
     assert _config.COLLECTIVE_TIMEOUT_S.get() == 1800.0  # empty means unset, as for every variable
+
+
+@pytest.mark.parametrize("text", ["9" * 400, "1e400", "1e300", "nan"])
+def test_numbers_from_the_environment_are_bounded(monkeypatch, text):
+    """Item 9's kind in the environment: every numeric NNX_SAVE_* variable refuses a value
+    no wait or count can hold (400 nines, 1e300) with a ConfigError naming it."""
+    numeric = [v for v in _config.VARIABLES if isinstance(v.default, (int, float)) and not isinstance(v.default, bool)]
+    assert len(numeric) == 6
+    for variable in numeric:
+        monkeypatch.setenv(variable.name, text)
+        with pytest.raises(ConfigError, match=re.escape(f"{variable.name}=")):
+            variable.get()
+        monkeypatch.delenv(variable.name)
