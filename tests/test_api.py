@@ -199,12 +199,17 @@ def test_bad_save_options_are_typed_errors_naming_the_argument(tmp_path, kwargs,
 
 def test_the_load_shortcuts_are_every_option_the_functions_take_and_no_other(saved):
     """load_file and load_model take the LoadOptions fields as keywords (one TypedDict,
-    LoadKeywords); a misspelt one is a TypeError, as for any Python function."""
+    ``**keywords: Unpack[LoadKeywords]``); a misspelt one is a TypeError, as for any Python function."""
+    import typing
+
     from flax import nnx
 
-    from nnx_save.bridges._leaves import LoadKeywords
+    import nnx_save.porting
 
-    assert set(LoadKeywords.__annotations__) < set(nnx_save.LoadOptions.__dataclass_fields__)
+    for function in (nnx_save.load_file, nnx_save.load_model):  # Rules: load_model's, imported for typing only
+        hints = typing.get_type_hints(function, localns={"Rules": nnx_save.porting.Rules})
+        (keywords,) = typing.get_args(hints["keywords"])
+        assert set(keywords.__annotations__) < set(nnx_save.LoadOptions.__dataclass_fields__), function
     with pytest.raises(TypeError, match=re.escape("load_file() got an unexpected keyword argument 'verfy'")):
         nnx_save.load_file(saved, verfy=True)
     with pytest.raises(TypeError, match=re.escape("load_model() got an unexpected keyword argument 'threads'")):
