@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save.io._remote import SPECULATIVE_HEADER_BYTES, RemoteChangedError, RemoteError
+from nnx_save.errors import RemoteChangedError, RemoteError
 
 RNG = np.random.default_rng(0)
 NESTED = {
@@ -29,6 +29,7 @@ TREE = {
     "ids": NESTED["ids"],
     "half": NESTED["half"],
 }  # the flat keys a load returns
+SPECULATIVE_HEADER_BYTES = 64 << 10  # a load's first request: the file's first 64 KiB (docs/remote.md)
 
 
 @pytest.fixture
@@ -79,11 +80,7 @@ def test_sharded_partial_load_requests_only_its_ranges(served):
 def test_multi_file_index_over_http(nginx):
     nginx.clear_log()
     directory = nginx.root / "sharded"
-    from nnx_save.bridges._leaves import flatten, leaf_entry
-    from nnx_save.layouts._index import write_sharded
-
-    pairs, _ = flatten(NESTED)
-    write_sharded(directory, [leaf_entry(p, v) for p, v in pairs], None, 64 << 10)
+    nnx_save.save_file(NESTED, directory, max_shard_size=64 << 10)  # a HuggingFace index and its shards
     assert len(list(directory.glob("*.safetensors"))) > 2
     for url in (f"{nginx.url}/sharded", f"{nginx.url}/sharded/model.safetensors.index.json"):
         out = nnx_save.load_file(url)
