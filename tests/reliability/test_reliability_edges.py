@@ -50,8 +50,9 @@ def four_floats(path, metadata: dict[str, str]) -> None:
 
 
 def temporary_name(target, monkeypatch) -> str:
-    """What a save of ``target`` names its temporary up to the pid,
-    ``.<name>.nnx_save-tmp-<host>`` (docs/reliability.md): seen as a save elsewhere renames it."""
+    """The name a save of ``target`` gives its temporary,
+    ``.<name>.nnx_save-tmp-<host>-<pid>-<random>`` (docs/reliability.md): seen as a save of
+    the same name in a directory beside it renames it."""
     renamed: list[str] = []
     real = os.replace
     with monkeypatch.context() as spy:
@@ -63,13 +64,14 @@ def temporary_name(target, monkeypatch) -> str:
         nnx_save.save_file({"w": np.zeros(1, np.float32)}, probe / target.name)
     shutil.rmtree(probe)
     (name,) = renamed
-    return name.rsplit("-", 2)[0]  # then -<pid>-<random>
+    return name
 
 
 @pytest.mark.parametrize("pid", ["99999999999999999999999", "²", "-1", ""])
 def test_a_stale_temporary_with_an_odd_pid_never_breaks_a_save(tmp_path, pid, monkeypatch):
     target = tmp_path / "w.safetensors"
-    odd = tmp_path / f"{temporary_name(target, monkeypatch)}-{pid}-abcd1234"
+    host = temporary_name(target, monkeypatch).rsplit("-", 2)[0]  # up to -<pid>-<random>
+    odd = tmp_path / f"{host}-{pid}-abcd1234"
     odd.write_bytes(b"left over")
     nnx_save.save_file({"w": np.arange(3, dtype=np.float32)}, target)
     nnx_save.save_file({"w": np.arange(3, dtype=np.float32) + 1}, target)  # every later save too

@@ -16,10 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _errors import raises_check
+from test_reliability_edges import temporary_name
 
 import nnx_save
-from nnx_save.io._write import NAME_MAX, TMP_MARKER, temp_path
 
+NAME_MAX = 255  # bytes in one file name (Linux, macOS, most filesystems)
+TMP_MARKER = ".nnx_save-tmp-"  # in every temporary file's name (docs/reliability.md)
 LOADERS = {"read_header": nnx_save.read_header, "load_file": nnx_save.load_file}
 
 
@@ -155,11 +157,11 @@ def test_a_long_legal_file_name_can_be_saved(tmp_path, length):
     assert os.listdir(tmp_path) == [path.name]
 
 
-def test_temporary_names_of_long_multibyte_names_fit_and_are_recognised(tmp_path):
+def test_temporary_names_of_long_multibyte_names_fit_and_are_recognised(tmp_path, monkeypatch):
     path = tmp_path / ("é" * 120 + ".safetensors")  # 252 bytes
-    tmp = temp_path(path)
-    assert len(tmp.name.encode()) <= NAME_MAX and TMP_MARKER in tmp.name
-    tmp.name.encode().decode("utf-8")  # not cut inside a character
+    tmp = temporary_name(path, monkeypatch)
+    assert len(tmp.encode()) <= NAME_MAX and TMP_MARKER in tmp
+    tmp.encode().decode("utf-8")  # not cut inside a character
 
 
 def test_saving_through_a_symlink_replaces_the_link_not_its_target(tmp_path):
