@@ -22,6 +22,7 @@ import json
 import os
 import queue
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -33,13 +34,14 @@ import numpy as np
 import pytest
 from _reliability_zygote import model, tree_values
 from flax import nnx
+from test_reliability_edges import temporary_name
 
 import nnx_save
 from nnx_save.checkpoint import OrbaxCheckpointStore
-from nnx_save.io._write import TMP_MARKER
 
 ZYGOTE = Path(__file__).parents[1] / "_reliability_zygote.py"
 SEED = 20261129
+TMP_MARKER = ".nnx_save-tmp-"  # in every temporary file's name (docs/reliability.md)
 
 
 def free_port() -> int:
@@ -280,11 +282,15 @@ def dead_pid() -> int:
     return child.pid  # reaped: no process has this id now (until the kernel reuses it)
 
 
-def test_the_next_save_removes_only_temporaries_of_dead_processes_of_this_host(tmp_path):
-    from nnx_save.io._write import _host
+def temporary_host(path: Path, monkeypatch) -> str:
+    """The ``<host>.ns<pidns>`` a save of ``path`` puts in its temporary's name (docs/reliability.md)."""
+    name = temporary_name(path, monkeypatch)  # seen in a directory beside path, removed after
+    return name.removeprefix(f".{path.name}{TMP_MARKER}").rsplit("-", 2)[0]
 
+
+def test_the_next_save_removes_only_temporaries_of_dead_processes_of_this_host(tmp_path, monkeypatch):
     path = tmp_path / "m.safetensors"
-    host, dead, prefix = _host(), dead_pid(), f".m.safetensors{TMP_MARKER}"
+    host, dead, prefix = temporary_host(path, monkeypatch), dead_pid(), f".m.safetensors{TMP_MARKER}"
     names = {
         "dead here": f"{prefix}{host}-{dead}-0badc0de",
         "alive here (the parent)": f"{prefix}{host}-{os.getppid()}-0badc0de",
@@ -303,10 +309,10 @@ def test_the_next_save_removes_only_temporaries_of_dead_processes_of_this_host(t
     assert left == {"m.safetensors"} | {n for k, n in names.items() if k != "dead here"}
 
 
-def test_temporary_names_carry_host_and_pid(tmp_path):
-    from nnx_save.io._write import _host, temp_path
-
-    name = temp_path(tmp_path / "m.safetensors").name
+def test_temporary_names_carry_host_and_pid(tmp_path, monkeypatch):
+    name = temporary_name(tmp_path / "m.safetensors", monkeypatch)
     host, pid, token = name.removeprefix(f".m.safetensors{TMP_MARKER}").rsplit("-", 2)
-    assert (host, int(pid), len(token)) == (_host(), os.getpid(), 8)
+    namespace = re.sub(r"[^0-9]", "", os.readlink("/proc/self/ns/pid"))  # "pid:[4026531836]"
+    safe_name = re.sub(r"[^A-Za-z0-9._]", "_", socket.gethostname())[:64] or "localhost"
+    assert (host, int(pid), len(token)) == (f"{safe_name}.ns{namespace}", os.getpid(), 8)
     assert "-" not in host and "/" not in host
