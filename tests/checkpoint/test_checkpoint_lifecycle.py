@@ -112,18 +112,21 @@ def test_an_async_step_that_cannot_be_committed_at_exit_fails_the_process_naming
 def test_the_exit_hook_lets_go_of_a_settled_store(tmp_path):
     """While a step is in flight the exit hook holds the store (so it can finish it) and
     handles SIGTERM; once the step settles both are let go: the store can be collected."""
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    store = OrbaxCheckpointStore(tmp_path)
-    store.save(1, {"model": {"w": jnp.ones(3)}}, blocking=False)
-    assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    alive = weakref.ref(store)
-    del store
-    gc.collect()
-    store = alive()
-    assert store is not None  # held while its step is in flight
-    store.wait_until_finished()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    store.close()
-    del store
-    gc.collect()
-    assert alive() is None
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the hook takes SIGTERM only over the default
+    try:
+        store = OrbaxCheckpointStore(tmp_path)
+        store.save(1, {"model": {"w": jnp.ones(3)}}, blocking=False)
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        alive = weakref.ref(store)
+        del store
+        gc.collect()
+        store = alive()
+        assert store is not None  # held while its step is in flight
+        store.wait_until_finished()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        store.close()
+        del store
+        gc.collect()
+        assert alive() is None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
