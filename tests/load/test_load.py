@@ -584,7 +584,7 @@ def test_an_abstract_tree_without_shardings_on_several_devices_is_warned(one_fil
 def test_io_stats_add_counts_every_field():
     from dataclasses import fields
 
-    from nnx_save.load._report import IOStats
+    from nnx_save import IOStats
 
     one = IOStats(
         files=1, bytes_read=10, bytes_needed=8, bytes_received=5, requests=2, retries=1, read_whole=["a"],
