@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding, PartitionSpec
 
 import nnx_save
+from nnx_save import LoadOptions
 from nnx_save.load import _boxed
 from nnx_save.load._boxed import copy_into, plan_units
 from nnx_save.load._engine import load_targets
-from nnx_save.load._options import LoadOptions
 from nnx_save.load._pieces import Request
 from nnx_save.load._plan import plan_file
 from nnx_save.load._target import Target
