@@ -28,10 +28,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
+from nnx_save import LoadOptions
 from nnx_save.bridges import _pytree
 from nnx_save.io import _reader
 from nnx_save.load import _stream
-from nnx_save.load._options import LoadOptions
 
 DEV = jax.devices()
 MESH8 = Mesh(np.array(DEV), ("x",))
