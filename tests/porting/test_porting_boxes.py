@@ -116,9 +116,7 @@ def _header_and_target(tmp_path, case, box):
 )
 def test_the_engine_reads_only_the_source_boxes_of_the_box_it_needs(tmp_path, case, box):
     header, t, full = _header_and_target(tmp_path, case, box)
-    values, report = load_targets(
-        header, [t], warn=False, options=nnx_save.load._options.LoadOptions(max_over_read_ratio=1.0)
-    )
+    values, report = load_targets(header, [t], warn=False, options=nnx_save.LoadOptions(max_over_read_ratio=1.0))
     np.testing.assert_array_equal(values[t.path], full[tuple(slice(lo, hi) for lo, hi in box)])
     assert report.io.bytes_read == report.io.bytes_needed == 4 * math.prod(hi - lo for lo, hi in box)
     assert report.io.read_whole == []
