@@ -14,8 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nnx_save
+from nnx_save import FileHeader
 from nnx_save.format import _dtypes
-from nnx_save.format._header import MAX_HEADER_SIZE, FileHeader, encode_header, header_size, parse_header
+from nnx_save.format._header import MAX_HEADER_SIZE, encode_header, header_size, parse_header
 
 F = "<bytes>"  # the default file name in messages
 
