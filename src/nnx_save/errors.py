@@ -218,15 +218,16 @@ class SaveError(NnxSaveError, OSError):
 
 
 class DirectoryLockedError(NnxSaveError, OSError):
-    """Another writer holds ``directory`` (one writer at a time per checkpoint directory
-    and store); ``holder`` names it (host, process id, process start time). Nothing was
-    written. A holder found dead on this host is taken over without this error."""
+    """Another writer holds ``directory`` (one writer at a time per store, and per directory
+    of a multi-file or pod save); ``holder`` names it (what, host, process id, process start
+    time). Nothing was written. A holder found dead on this host is taken over without this
+    error."""
 
     def __init__(self, directory: str, holder: str) -> None:
         self.directory, self.holder = directory, holder
         super().__init__(
-            f"{directory} is being written by {holder}; one writer at a time: wait for it to finish (close its "
-            "store), or write to another directory. Reading needs no lock"
+            f"{directory} is being written by {holder}; one writer at a time: wait for it to finish (a store "
+            "holds it until close()), or write to another directory. Reading needs no lock"
         )
 
     def __str__(self) -> str:  # OSError's own would show the arguments tuple

@@ -12,7 +12,22 @@ Where the filesystem has no ``flock`` (some network and FUSE mounts answer ``ENO
 whose process id now belongs to a process started at another time, is provably dead and
 taken over; a live one, or one on another host, refuses the writer.
 
-Readers never take, break or clean up after the lock.
+A writer may ask for the file to go when it releases (``remove=True``: a HuggingFace model
+directory is uploaded whole, so no file of ours may stay in it): it unlinks the file while
+it still holds the lock, then closes it. A writer that opened the file just before, and
+gets the lock once it is closed, holds an unlinked inode; so :meth:`WriterLock.acquire`
+checks, once it holds the lock, that its descriptor is still the file at the path
+(``fstat(fd)`` against ``stat(path)``), and otherwise opens the path again. A file left by a
+killed writer names a dead holder whose ``flock`` the kernel released: the next writer
+takes it over (and, removing, removes it).
+
+:func:`one_writer` holds the lock for the writer of a multi-process JAX job: process 0
+takes it before the save's first step and gives it up after the commit; its peers never
+take it, and every process of a second job is refused alike.
+
+Readers never take, break or clean up after the lock, and no reader treats the file
+as a checkpoint file: every layout lists its files by name, and ``_nnx_save.lock`` is
+none of them.
 """
 
 from __future__ import annotations
@@ -22,19 +37,24 @@ import dataclasses
 import datetime
 import errno
 import fcntl
+import itertools
 import json
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DirectoryLockedError, SaveError
-from ._write import _host, _pid_alive
+from ._kv import Channel, Outcome, Sync
+from ._write import _host, _pid_alive, make_directory
 
-__all__ = ["LOCK_NAME", "Holder", "WriterLock", "holder_of", "process_start"]
+__all__ = ["LOCK_NAME", "Holder", "WriterLock", "holder_of", "one_writer", "process_start"]
 
 LOCK_NAME = "_nnx_save.lock"  # beside the store record _nnx_save_store.json
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
 _RECORD_CAP = 4096  # a holder record is ~200 bytes; more is not one of ours
+_REOPENS = 100  # a lock file replaced under us this many times in a row: a churn we do not wait out
+_JOBS = itertools.count()  # every process of a job takes its writer locks in the same order (SPMD)
 
 _held: set[int] = set()  # descriptors of the locks this process holds
 _held_lock = threading.Lock()
@@ -138,34 +158,40 @@ class WriterLock:
         >>> WriterLock.acquire(where, "another store").release()
     """
 
-    def __init__(self, path: Path, fd: int) -> None:
-        self.path, self._fd = path, fd
+    def __init__(self, path: Path, fd: int, remove: bool = False) -> None:
+        self.path, self._fd, self._remove = path, fd, remove
 
     @classmethod
-    def acquire(cls, directory: Path, what: str) -> WriterLock:
+    def acquire(cls, directory: Path, what: str, *, remove: bool = False) -> WriterLock:
         """Take the lock of ``directory`` (made if missing) for ``what``.
+
+        Args:
+            directory: The directory one writer at a time may write.
+            what: What writes, for the message that refuses the next one.
+            remove: Unlink the lock file at :meth:`release` (else it stays, emptied).
 
         Raises:
             DirectoryLockedError: A live writer holds it (named in the error).
             SaveError: The lock file cannot be created.
         """
         path = directory / LOCK_NAME
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
-        except OSError as error:
-            raise SaveError(f"{path}: cannot create the writer's lock file ({error.strerror})", str(path)) from error
-        try:
-            cls._claim(fd, directory)
-            record = Holder.this_process(what).to_json().encode()
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, record, 0)
-        except BaseException:
-            os.close(fd)
-            raise
-        with _held_lock:
-            _held.add(fd)
-        return cls(path, fd)
+        for _ in range(_REOPENS):
+            fd = _open(directory, path)
+            try:
+                cls._claim(fd, directory)
+                if not _is_file_at(fd, path):  # its holder removed it as it let go: lock the new one
+                    os.close(fd)
+                    continue
+                record = Holder.this_process(what).to_json().encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, record, 0)
+            except BaseException:
+                os.close(fd)
+                raise
+            with _held_lock:
+                _held.add(fd)
+            return cls(path, fd, remove)
+        raise DirectoryLockedError(str(directory), f"other writers (its {LOCK_NAME} was replaced {_REOPENS} times)")
 
     @staticmethod
     def _claim(fd: int, directory: Path) -> None:
@@ -187,7 +213,8 @@ class WriterLock:
         return self._fd >= 0
 
     def release(self) -> None:
-        """Give the lock up (idempotent): the record is emptied, then the file closed."""
+        """Give the lock up (idempotent): the file is removed (``remove``), else its
+        record emptied, while the lock is held; then the file is closed."""
         fd, self._fd = self._fd, -1
         with _held_lock:
             mine = fd in _held  # not after a fork: the child closed it, and the number may be reused
@@ -195,7 +222,10 @@ class WriterLock:
         if not mine:
             return
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
+            if self._remove and _is_file_at(fd, self.path):
+                os.unlink(self.path)
+            else:
+                os.ftruncate(fd, 0)
         os.close(fd)
 
     def __del__(self) -> None:  # a writer dropped without release: its lock goes with it
@@ -206,6 +236,86 @@ class WriterLock:
 
     def __repr__(self) -> str:
         return f"WriterLock({str(self.path)!r}, {'held' if self.held else 'released'})"
+
+
+def _open(directory: Path, path: Path) -> int:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    except OSError as error:
+        raise SaveError(f"{path}: cannot create the writer's lock file ({error.strerror})", str(path)) from error
+
+
+def _is_file_at(fd: int, path: Path) -> bool:
+    """Whether the open file ``fd`` is the one at ``path`` now (not unlinked or replaced)."""
+    try:
+        mine, there = os.fstat(fd), os.stat(path, follow_symlinks=False)
+    except OSError:
+        return False
+    return (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+@contextlib.contextmanager
+def one_writer(directory: str | os.PathLike, what: str) -> Iterator[None]:
+    """Hold the lock of ``directory`` (created, as a save's) for the writer of this job while
+    the block runs, and remove the lock file after it: taken by process 0 alone, before
+    any other step; refused on every process of the job when another writer holds it.
+
+    Args:
+        directory: The directory the save writes (a local path).
+        what: What writes (``"a multi-file save"``), for the message that refuses the next one.
+
+    Raises:
+        DirectoryLockedError: Another live writer holds ``directory`` (named); nothing was written.
+        SaveError: ``directory`` or the lock file cannot be created, or process 0's answer did
+            not come in time.
+
+    Examples:
+        >>> import tempfile
+        >>> where = tempfile.mkdtemp()
+        >>> with one_writer(where, "a save"):
+        ...     print(holder_of(Path(where)).what)
+        a save
+        >>> os.listdir(where)
+        []
+    """
+    root = make_directory(directory)
+    kv = Channel.open(str(root), SaveError)
+    holder, lock = None, None
+    if kv.n == 1:
+        lock = WriterLock.acquire(root, what, remove=True)
+    else:
+        holder, lock = _take_for_job(root, what, kv)
+    if holder is not None:
+        raise DirectoryLockedError(str(root), holder)
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _take_for_job(root: Path, what: str, kv: Channel) -> tuple[str | None, WriterLock | None]:
+    """Process 0 takes the lock; every process learns who holds it instead (``None``: us)."""
+    sync = Sync(root, kv, f"nnx_save/lock/{next(_JOBS)}", what=what, intact="nothing was written")
+    taken: list[WriterLock] = []
+
+    def take() -> str | None:
+        try:
+            taken.append(WriterLock.acquire(root, what, remove=True))
+        except DirectoryLockedError as error:
+            return error.holder
+        return None
+
+    try:
+        holder = sync.step("lock", Outcome.of(take) if kv.pid == 0 else None, only=0)[0]
+    except BaseException:
+        for lock in taken:
+            lock.release()
+        raise
+    if kv.pid != 0:
+        kv.read_once(f"{sync.prefix}/lock", kv.n - 1)  # the last peer to read it deletes the key
+    return holder, (taken[0] if taken else None)
 
 
 def holder_of(directory: Path) -> Holder | None:

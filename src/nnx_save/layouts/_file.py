@@ -164,6 +164,9 @@ class FileLayout:
             _collective.write_collective(path, entries, metadata)
         return Written(path, (path,))
 
+    def check_target(self, path: str | os.PathLike) -> None:
+        """Any path will do: the file's own write says what is wrong with it."""
+
     def retire(self, directory: Path, keep: Collection[str]) -> None:
         """Remove ``directory``'s single-file checkpoint, a safetensors file by its bytes."""
         if SINGLE not in keep and os.path.isfile(directory / SINGLE):

@@ -241,13 +241,21 @@ class IndexLayout:
                 checkpoint there is intact and this save's files are removed.
             OptionError: ``path`` names a ``.safetensors`` file.
         """
+        self.check_target(path)
+        return write_sharded(path, entries, metadata, self.max_shard_size or 0)
+
+    def check_target(self, path: str | os.PathLike) -> None:
+        """Refuse a ``.safetensors`` name: this layout writes a directory.
+
+        Raises:
+            OptionError: naming ``path``.
+        """
         if str(path).rstrip("/").endswith(".safetensors"):
             raise OptionError(
                 f"{path}: max_shard_size writes a directory (model-0000i-of-0000n.safetensors and {INDEX_NAME}); "
                 "give a directory path, or no max_shard_size for one file",
                 "max_shard_size",
             )
-        return write_sharded(path, entries, metadata, self.max_shard_size or 0)
 
     def retire(self, directory: Path, keep: Collection[str]) -> None:
         target = _Local(directory, create=False)

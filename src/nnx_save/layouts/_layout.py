@@ -80,6 +80,14 @@ class Layout(Protocol):
 class Writable(Layout, Protocol):
     """A layout that is also written (all but a directory or list of files)."""
 
+    def check_target(self, path: str | os.PathLike) -> None:
+        """Refuse a ``path`` this layout cannot write, before anything is created there.
+
+        Raises:
+            OptionError: naming ``path`` and what to give instead.
+        """
+        ...
+
     def write(
         self, path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None
     ) -> Written | None:

@@ -385,6 +385,9 @@ class PodLayout:
         posted = {"pieces": listing, "shardings": shardings}
         return local, lambda path, mine: _write(path, mine, names, dict(metadata or {}), posted)
 
+    def check_target(self, path: str | os.PathLike) -> None:
+        """Any local directory path will do (:func:`pieces` creates it)."""
+
     def retire(self, directory: Path, keep: Collection[str]) -> None:
         files = _owned(directory) - set(keep)
         remove(directory / MANIFEST)

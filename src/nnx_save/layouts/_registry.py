@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from .._options import path_arg
 from ..errors import NotSafetensorsError, OptionError, RemoteError, SourceNotFoundError
 from ..io import _remote
+from ..io._lock import one_writer
 from ..io._reader import Reader
 from ..load._source import Header, gc_paused
 from ..save._entry import Entry
@@ -46,6 +47,7 @@ POD, INDEX, FILE = PodLayout(), IndexLayout(), FileLayout()
 RECORDS: tuple[PodLayout | IndexLayout, ...] = (POD, INDEX)
 """The layouts a directory holds by their record; two that claim one directory conflict."""
 _DIRECTORY = DirectoryLayout()
+_WHAT = {"index": "a multi-file save", "pod": "save_pod"}  # the holder, as a refused writer reads it
 
 
 def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
@@ -204,7 +206,23 @@ class Write:
     metadata: Mapping[str, str] | None
 
     def __call__(self, path: PathLike, entries: Sequence[Entry]) -> Written | None:
-        return self.committed(path, self.layout.write(path, entries, self.metadata))
+        return self.run(path, lambda: self.layout.write(path, entries, self.metadata))
+
+    def run(self, path: PathLike, write: Callable[[], Written | None]) -> Written | None:
+        """``write()`` (this layout's write into ``path``) and :meth:`committed`, as the one
+        writer of directory ``path`` (:func:`~nnx_save.io._lock.one_writer`): a multi-file or
+        pod save into a local directory holds its lock from before the first step until the
+        other layouts are retired, so two saves never interleave files or remove each
+        other's. One file needs none (its rename is the commit); a URL has no ``flock``.
+
+        Raises:
+            DirectoryLockedError: another save or store holds the directory (named).
+        """
+        if isinstance(self.layout, FileLayout) or _remote.is_url(path):
+            return self.committed(path, write())
+        self.layout.check_target(path)
+        with one_writer(path, _WHAT[self.layout.name]):
+            return self.committed(path, write())
 
     def committed(self, path: PathLike, written: Written | None) -> Written | None:
         """After ``layout``'s commit in directory ``path``: retire the other layouts there."""
@@ -240,7 +258,7 @@ def save(
     run: Callable[[PathLike, Sequence[Entry]], object] = write
     if isinstance(write.layout, PodLayout):
         entries, pod_write = write.layout.pieces(path, entries, write.metadata)
-        run = lambda p, e: write.committed(p, pod_write(p, e))  # noqa: E731
+        run = lambda p, e: write.run(p, lambda: pod_write(p, e))  # noqa: E731
     from .. import _progress
     from ..save import _background  # the save machinery: a read never loads it
 
