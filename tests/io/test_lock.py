@@ -1,0 +1,80 @@
+"""The writer lock when its file is removed as it is let go (issue 30, item 1): a writer
+that opened the file just before its holder removed it must not hold a lock nobody else
+sees (the inode check), and any number of writers racing keep one holder at a time."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from nnx_save.errors import DirectoryLockedError
+from nnx_save.io import _lock
+from nnx_save.io._lock import WriterLock, holder_of
+
+
+def test_a_writer_that_opened_the_removed_file_locks_the_new_one(tmp_path, monkeypatch):
+    first = WriterLock.acquire(tmp_path, "the first", remove=True)
+    real_open, opened = _lock._open, []
+
+    def open_then_first_lets_go(directory: Path, path: Path) -> int:
+        fd = real_open(directory, path)
+        if not opened:  # the first writer removes the file this descriptor is of, then closes it
+            opened.append(fd)
+            first.release()
+        return fd
+
+    monkeypatch.setattr(_lock, "_open", open_then_first_lets_go)
+    second = WriterLock.acquire(tmp_path, "the second", remove=True)
+    monkeypatch.undo()
+    named = holder_of(tmp_path)  # the file at the path names it: it locked that one, not the removed one
+    assert opened and named is not None and named.what == "the second"
+    refusal = f"{tmp_path} is being written by the second in process {os.getpid()} on host "
+    with pytest.raises(DirectoryLockedError, match=re.escape(refusal)):
+        WriterLock.acquire(tmp_path, "a third")  # without the check, it would write beside the second
+    second.release()
+    assert os.listdir(tmp_path) == []
+
+
+def test_racing_writers_hold_the_lock_one_at_a_time(tmp_path):
+    """Six threads (each its own open file, so flock tells them apart), removing and
+    keeping writers mixed, take and let go of one directory's lock for a while: never
+    two inside, the file at the path always names the one inside, every refusal names a
+    holder, and the last one out leaves no holder."""
+    inside, most, taken, refused, guard = [0], [0], [0], [0], threading.Lock()
+    failures: list[BaseException] = []
+
+    def writer(seed: int) -> None:
+        draw = random.Random(seed)
+        try:
+            for _ in range(300):
+                try:
+                    lock = WriterLock.acquire(tmp_path, f"writer {seed}", remove=draw.random() < 0.8)
+                except DirectoryLockedError as error:
+                    assert error.holder  # a named holder, or "another process (not yet named)"
+                    with guard:
+                        refused[0] += 1
+                    continue
+                with guard:
+                    inside[0] += 1
+                    most[0], taken[0] = max(most[0], inside[0]), taken[0] + 1
+                named = holder_of(tmp_path)  # the file at the path names this writer, not an unlinked one
+                assert named is not None and named.what == f"writer {seed}", (seed, named)
+                with guard:
+                    inside[0] -= 1
+                lock.release()
+        except BaseException as error:  # raised in the test below
+            failures.append(error)
+
+    threads = [threading.Thread(target=writer, args=(seed,)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures
+    assert most[0] == 1 and taken[0] > 0 and taken[0] + refused[0] == 6 * 300
+    assert holder_of(tmp_path) is None
