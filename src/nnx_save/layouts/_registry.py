@@ -206,10 +206,12 @@ class Write:
     metadata: Mapping[str, str] | None
 
     def __call__(self, path: PathLike, entries: Sequence[Entry]) -> Written | None:
-        return self.run(path, lambda: self.layout.write(path, entries, self.metadata))
+        return self.run(path, lambda p, e: self.layout.write(p, e, self.metadata), entries)
 
-    def run(self, path: PathLike, write: Callable[[], Written | None]) -> Written | None:
-        """``write()`` (this layout's write into ``path``) and :meth:`committed`, as the one
+    def run(
+        self, path: PathLike, write: Callable[[PathLike, Sequence[Entry]], Written | None], entries: Sequence[Entry]
+    ) -> Written | None:
+        """``write(path, entries)`` (this layout's write) and :meth:`committed`, as the one
         writer of directory ``path`` (:func:`~nnx_save.io._lock.one_writer`): a multi-file or
         pod save into a local directory holds its lock from before the first step until the
         other layouts are retired, so two saves never interleave files or remove each
@@ -218,11 +220,13 @@ class Write:
         Raises:
             DirectoryLockedError: another save or store holds the directory (named).
         """
+        # ``entries`` travel as an argument, never in a closure: an asynchronous save's kept
+        # error clears its frames' locals, not a function's cells (the snapshot would stay).
         if isinstance(self.layout, FileLayout) or _remote.is_url(path):
-            return self.committed(path, write())
+            return self.committed(path, write(path, entries))
         self.layout.check_target(path)
         with one_writer(path, _WHAT[self.layout.name]):
-            return self.committed(path, write())
+            return self.committed(path, write(path, entries))
 
     def committed(self, path: PathLike, written: Written | None) -> Written | None:
         """After ``layout``'s commit in directory ``path``: retire the other layouts there."""
@@ -258,7 +262,7 @@ def save(
     run: Callable[[PathLike, Sequence[Entry]], object] = write
     if isinstance(write.layout, PodLayout):
         entries, pod_write = write.layout.pieces(path, entries, write.metadata)
-        run = lambda p, e: write.run(p, lambda: pod_write(p, e))  # noqa: E731
+        run = lambda p, e: write.run(p, pod_write, e)  # noqa: E731
     from .. import _progress
     from ..save import _background  # the save machinery: a read never loads it
 
