@@ -183,6 +183,8 @@ def save_model(
         UnsupportedValueError: a string or ``None`` in the state (names the path).
         KeyPathError: ``/`` inside an attribute name.
         SaveError: the write failed; the previous file is intact.
+        DirectoryLockedError: with ``max_shard_size``, another save (or store) is writing
+            directory ``path``, named with its host and process; nothing was written.
         OptionError: an option out of range (``max_shard_size`` not a size), or given
             both as a keyword and in ``options`` (names it).
 

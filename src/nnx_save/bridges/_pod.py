@@ -54,6 +54,8 @@ def save_pod(
     Raises:
         SaveError: a process failed or did not arrive in time; the previous pod
             directory content is intact.
+        DirectoryLockedError: another save (or store) is writing ``directory``, named with
+            its host and process; raised on every process of the job, nothing was written.
         OptionError: an option out of range, ``max_shard_size``, or a setting given
             both as a keyword and in ``options`` (names it).
 

@@ -73,6 +73,8 @@ def save_file(
         KeyPathError: a key containing ``/`` (in a nested tree), an empty name, or two
             paths making the same key.
         SaveError: the write failed; the previous file at ``path`` is intact.
+        DirectoryLockedError: with ``max_shard_size``, another save (or store) is writing
+            directory ``path``, named with its host and process; nothing was written.
         OptionError: an option out of range (``max_shard_size`` not a size), or given
             both as a keyword and in ``options`` (names it).
 

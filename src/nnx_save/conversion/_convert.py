@@ -73,6 +73,8 @@ def convert(
         ConvertError: a source or output that cannot be converted, with the reason.
         HeaderError: a malformed safetensors source.
         ChecksumError: a safetensors source whose data no longer matches its checksums.
+        DirectoryLockedError: with ``max_shard_size``, another save (or store) is writing
+            directory ``output`` (named); nothing was written.
 
     Examples:
         >>> import numpy as np, nnx_save, tempfile, os

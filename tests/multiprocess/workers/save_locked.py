@@ -19,7 +19,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 import nnx_save  # noqa: E402
 
 SAVES = {
-    "pod": lambda tree, d: nnx_save.save_pod(tree, d),
+    "pod": nnx_save.save_pod,
     "index": lambda tree, d: nnx_save.save_file(tree, d, max_shard_size="4KiB"),
 }
 
