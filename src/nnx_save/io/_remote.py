@@ -23,7 +23,7 @@ from urllib.parse import urljoin, urlsplit
 
 from .. import _config
 from .._version import __version__
-from ..errors import RemoteChangedError, RemoteError
+from ..errors import RemoteError, SourceChangedError
 
 if TYPE_CHECKING:  # socket and random are imported where an HTTP read needs them, not with nnx_save
     import socket
@@ -189,10 +189,11 @@ def _version(headers) -> str | None:
     return headers.get("ETag") or (f"Last-Modified: {modified}" if modified else None)
 
 
-def _changed(url: str, pinned: tuple[int | None, str | None], now: tuple[int, str | None]) -> RemoteChangedError:
-    return RemoteChangedError(
+def _changed(url: str, pinned: tuple[int | None, str | None], now: tuple[int, str | None]) -> SourceChangedError:
+    return SourceChangedError(
         f"{url}: the object changed during the load (size {pinned[0]} -> {now[0]}, "
-        f"version {pinned[1]} -> {now[1]}); reload from the start"
+        f"version {pinned[1]} -> {now[1]}); reload from the start",
+        url,
     )
 
 
