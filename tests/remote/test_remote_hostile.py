@@ -210,6 +210,37 @@ def test_redirect_loops_and_foreign_schemes_are_refused(tmp_path, location, mess
             nnx_save.read_header(url)
 
 
+def test_a_redirect_chain_and_503s_are_followed_retried_and_counted(tmp_path):
+    """Three hops (relative, absolute, relative) to the object, whose every range is first
+    answered 503: the load is exact, each range asked with its Range header at every hop,
+    each 503 one retry in the report. The redirect and 503 bodies trickle (12 s each if
+    read): they are closed, never drained."""
+    one = blob(tmp_path, V1)
+    slow = {"Content-Length": "240"}
+    refused: set[str] = set()
+
+    def lie(req: Request, answer: Answer) -> Answer:
+        hops = {"/a.safetensors": "/b.safetensors", "/b.safetensors": f"{server.url}/c.safetensors"}
+        hops["/c.safetensors"] = "/cdn/m.safetensors"
+        if req.path in hops:
+            return Answer(302, {**slow, "Location": hops[req.path]}, b"x" * 240, trickle_s=0.05)
+        if req.headers["Range"] not in refused:
+            refused.add(req.headers["Range"])
+            return Answer(503, slow, b"x" * 240, trickle_s=0.05)
+        return answer
+
+    with HostileServer({"/cdn/m.safetensors": one}, lie) as server:
+        server.etags["/cdn/m.safetensors"] = '"v1"'
+        t0 = time.monotonic()
+        out, report = nnx_save.load_file(f"{server.url}/a.safetensors", num_threads=1, return_report=True)
+        assert time.monotonic() - t0 < 10
+        assert exact(out, V1)
+        assert report.io.retries == len(refused) >= 2  # the header probe and the data
+        assert all("Range" in r.headers for r in server.requests)
+        hops = ["/a.safetensors", "/b.safetensors", "/c.safetensors", "/cdn/m.safetensors", "/cdn/m.safetensors"]
+        assert [r.path for r in server.requests[:5]] == hops  # refused, then asked again at the final URL
+
+
 @pytest.fixture
 def memory_url():
     fsspec = pytest.importorskip("fsspec")
