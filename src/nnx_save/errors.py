@@ -71,6 +71,10 @@ class NnxSaveError(Exception):
 
     key_path: str | None = None
 
+    def __init__(self, message: str = "", key_path: str | None = None) -> None:
+        super().__init__(message)
+        self.key_path = key_path
+
 
 HeaderCheck = Literal[
     "too_small",
@@ -135,18 +139,10 @@ class KeyPathError(NnxSaveError, ValueError):
     """A tree path cannot become a file key (``/`` inside a name, an ambiguous key);
     ``key_path`` names it."""
 
-    def __init__(self, message: str, key_path: str | None = None) -> None:
-        super().__init__(message)
-        self.key_path = key_path
-
 
 class UnsupportedValueError(NnxSaveError, TypeError):
     """A leaf that cannot be stored (a string, ``None``, an object array; ``key_path``
     names it), or a value of a kind an argument cannot take."""
-
-    def __init__(self, message: str, key_path: str | None = None) -> None:
-        super().__init__(message)
-        self.key_path = key_path
 
 
 class KeyMismatchError(NnxSaveError, KeyError):
@@ -188,8 +184,8 @@ class SaveError(NnxSaveError, OSError):
     names that file; ``key_path`` the tensor, when one tensor caused the failure."""
 
     def __init__(self, message: str, file: str | None = None, key_path: str | None = None) -> None:
-        super().__init__(message)
-        self.file, self.key_path = file, key_path
+        super().__init__(message, key_path)
+        self.file = file
 
 
 class DirectoryLockedError(NnxSaveError, OSError):
@@ -253,9 +249,8 @@ class ChecksumError(NnxSaveError, ValueError):
         expected: str | None = None,
         found: str | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, key)
         self.key, self.file, self.expected, self.found = key, file, expected, found
-        self.key_path = key
 
 
 class NotSafetensorsError(HeaderError):

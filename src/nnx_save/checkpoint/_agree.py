@@ -9,6 +9,7 @@ not a hang.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from ..io import _kv
 
 __all__ = ["agree"]
 
+_sync_error = functools.partial(CheckpointUsageError, reason="sync")
 _SEQUENCE = itertools.count()  # every process numbers its decisions the same way
 
 T = TypeVar("T")
@@ -59,10 +61,6 @@ def agree(name: str, decide: Callable[[], T]) -> T:
     if "error" in posted:
         raise _sync_error(f"process 0 failed to decide {name!r}: {posted['error']}")
     return posted["value"]
-
-
-def _sync_error(message: str) -> CheckpointUsageError:
-    return CheckpointUsageError(message, "sync")
 
 
 def _exchange(kv: _kv.Channel, key: str, name: str, mine: dict | None) -> dict:

@@ -12,6 +12,7 @@ each is refused: docs/reliability.md, "Hostile servers and odd sources".
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import os
@@ -158,42 +159,29 @@ class _Retry(Exception):
     """A transient failure: try this range again."""
 
 
-class _Foreign(Exception):
-    """A redirect to a URL that is not http(s): ``(status, location)``."""
-
-
-_RETRY = None
-
-
+@functools.cache
 def _retry():
     """The retry policy of every request (urllib3's ``Retry``; it is immutable, and each
     request's copy records the request's history). A response it retries or follows is
     closed, never drained (a hostile body can be endless); a ``Retry-After`` is not
     waited for (the backoff is ours); a redirect off http(s) is refused before it is
     followed."""
-    global _RETRY
-    if _RETRY is None:
-        import urllib3
+    import urllib3
 
-        class Policy(urllib3.Retry):
-            def increment(self, method=None, url=None, response=None, *args, **kwargs):
-                if response is not None:
-                    location = response.get_redirect_location()
-                    response.close()
-                    if location and urlsplit(urljoin(url or "", location)).scheme not in ("http", "https"):
-                        raise _Foreign(response.status, location)
-                return super().increment(method, url, response, *args, **kwargs)
+    class Policy(urllib3.Retry):
+        def increment(self, method=None, url=None, response=None, *args, **kwargs):
+            if response is not None:
+                location = response.get_redirect_location()
+                response.close()
+                if location and urlsplit(urljoin(url or "", location)).scheme not in ("http", "https"):
+                    raise RemoteError(f"HTTP {response.status} redirected to {location!r}, not http(s)")
+            return super().increment(method, url, response, *args, **kwargs)
 
-        _RETRY = Policy(
-            total=None, connect=_MAX_RETRIES, read=_MAX_RETRIES, status=_MAX_RETRIES, other=_MAX_RETRIES,
-            redirect=MAX_REDIRECTS, status_forcelist=_RETRY_STATUSES, backoff_factor=_BACKOFF_S, backoff_jitter=_BACKOFF_S,
-            respect_retry_after_header=False, raise_on_status=False,
-        )  # fmt: skip
-    return _RETRY
-
-
-class _Short(Exception):
-    pass
+    return Policy(
+        total=None, connect=_MAX_RETRIES, read=_MAX_RETRIES, status=_MAX_RETRIES, other=_MAX_RETRIES,
+        redirect=MAX_REDIRECTS, status_forcelist=_RETRY_STATUSES, backoff_factor=_BACKOFF_S, backoff_jitter=_BACKOFF_S,
+        respect_retry_after_header=False, raise_on_status=False,
+    )  # fmt: skip
 
 
 _NO_RANGES = (
@@ -315,33 +303,28 @@ class HttpReader(_Views):
                 retries=_retry(),
                 timeout=urllib3.Timeout(connect=min(10.0, timeout), read=timeout),
             )
-        except _Foreign as e:
-            status, location = e.args
-            raise RemoteError(
-                f"{self.url}: bytes {span}: HTTP {status} redirected to {location!r}, not http(s)"
-            ) from None
-        except urllib3.exceptions.MaxRetryError as e:
-            if isinstance(e.reason, urllib3.exceptions.ResponseError):  # retries of a status never end in one
-                raise RemoteError(
-                    f"{self.url}: bytes {span}: more than {MAX_REDIRECTS} redirects (the last to {e.url})"
-                ) from None
-            raise RemoteError(
-                f"{self.url}: bytes {span} failed after {_MAX_RETRIES + 1} attempts: {e.reason}"
-            ) from None
+        except RemoteError as e:  # the policy's, naming neither the URL nor the range
+            why = f": {e}"
+        except urllib3.exceptions.MaxRetryError as e:  # a status's retries end in a response, not here
+            loop = isinstance(e.reason, urllib3.exceptions.ResponseError)
+            why = f" failed after {_MAX_RETRIES + 1} attempts: {e.reason}"
+            why = f": more than {MAX_REDIRECTS} redirects (the last to {e.url})" if loop else why
         except urllib3.exceptions.HTTPError as e:
             raise _Retry(f"connection failed: {e}") from None
-        history = r.retries.history if r.retries is not None else ()
-        retried = sum(h.redirect_location is None for h in history)
-        self.requests += 1 + len(history)
-        self.stats.add(retries=retried)
-        hops = [urljoin(h.url, h.redirect_location) for h in history if h.redirect_location]
-        self.final_url = hops[-1] if hops else self.url
-        return r
+        else:
+            history = r.retries.history
+            retried = sum(h.redirect_location is None for h in history)
+            self.requests += 1 + len(history)
+            self.stats.add(retries=retried)
+            hops = [urljoin(h.url, h.redirect_location) for h in history if h.redirect_location]
+            self.final_url = hops[-1] if hops else self.url
+            if r.status not in _RETRY_STATUSES:
+                return r
+            r.release_conn()  # closed by the policy, which gave up on it
+            why = f" failed after {retried + 1} attempts: HTTP {r.status}"
+        raise RemoteError(f"{self.url}: bytes {span}{why}")
 
     def _check_status(self, r, span: str) -> None:
-        if r.status in _RETRY_STATUSES:  # urllib3 retried it: give up
-            tries = 1 + sum(h.redirect_location is None for h in r.retries.history)
-            raise RemoteError(f"{self.url}: bytes {span} failed after {tries} attempts: HTTP {r.status}")
         if r.status == 404:
             raise FileNotFoundError(f"{self.url}: not found (HTTP 404)")
         if r.status == 412 and self.etag:  # If-Match failed: no longer the pinned version
@@ -397,7 +380,7 @@ class HttpReader(_Views):
             try:
                 sink(r, nbytes)
                 longer = r.headers.get("Content-Length") is None and _raw(r).read(1)  # chunked: must end here
-            except (urllib3.exceptions.HTTPError, OSError, ValueError, _Short) as e:
+            except (urllib3.exceptions.HTTPError, OSError, ValueError, _Retry) as e:
                 if expired.is_set():
                     raise self._too_slow(span, seconds) from None
                 raise _Retry(f"body interrupted: {e}") from None
@@ -474,7 +457,7 @@ def _read_exact(response, buf: memoryview) -> None:
     while done < len(view):
         n = reader.readinto(view[done:])
         if not n:
-            raise _Short(f"body ended {len(view) - done} bytes early")
+            raise _Retry(f"body ended {len(view) - done} bytes early")
         done += n
 
 

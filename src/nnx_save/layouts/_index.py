@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import math
 import os
@@ -55,12 +56,9 @@ INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20
 _NOT_IN_FILE_NAMES = ("%", "\\", "?", "#", "\x00", ":")
 SHARD_WRITERS = 2  # files one process writes at once
+_bad = functools.partial(HeaderError, check="index")
 OURS = re.compile(r"model(-\d{5}-of-\d{5})?(\.(?P<id>[0-9a-f]{8}))?\.safetensors")
 """The names this layout writes (:func:`file_names`); ``id`` is the save id in a name."""
-
-
-def _bad(message: str) -> HeaderError:
-    return HeaderError(message, check="index")
 
 
 def _check_file_name(name: str, base: str, where: str) -> None:
