@@ -19,11 +19,8 @@ from .errors import ConvertError as ConvertError
 from .errors import DtypeMismatchError as DtypeMismatchError
 from .errors import HeaderError as HeaderError
 from .errors import HostMemoryError as HostMemoryError
-from .errors import IndexChangedError as IndexChangedError
-from .errors import IndexFileError as IndexFileError
 from .errors import KeyMismatchError as KeyMismatchError
 from .errors import KeyPathError as KeyPathError
-from .errors import LayoutConflictError as LayoutConflictError
 from .errors import LoadError as LoadError
 from .errors import LoadWarning as LoadWarning
 from .errors import LossyCastWarning as LossyCastWarning
@@ -32,14 +29,13 @@ from .errors import NnxSaveWarning as NnxSaveWarning
 from .errors import NotSafetensorsError as NotSafetensorsError
 from .errors import OptionError as OptionError
 from .errors import OverReadWarning as OverReadWarning
-from .errors import RemoteChangedError as RemoteChangedError
 from .errors import RemoteError as RemoteError
 from .errors import SaveError as SaveError
 from .errors import ShapeMismatchError as ShapeMismatchError
 from .errors import ShardingError as ShardingError
-from .errors import SharedReadError as SharedReadError
 from .errors import SingleDeviceWarning as SingleDeviceWarning
 from .errors import SliceError as SliceError
+from .errors import SourceChangedError as SourceChangedError
 from .errors import SourceError as SourceError
 from .errors import TruncatedFileError as TruncatedFileError
 from .errors import UnsupportedValueError as UnsupportedValueError

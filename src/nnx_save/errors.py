@@ -21,7 +21,6 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CheckpointNotWrittenError",
-    "CheckpointSyncError",
     "CheckpointUsageError",
     "CheckpointWriteError",
     "ChecksumError",
@@ -33,11 +32,8 @@ __all__ = [
     "HeaderCheck",
     "HeaderError",
     "HostMemoryError",
-    "IndexChangedError",
-    "IndexFileError",
     "KeyMismatchError",
     "KeyPathError",
-    "LayoutConflictError",
     "LoadError",
     "LoadWarning",
     "LossyCastWarning",
@@ -46,19 +42,17 @@ __all__ = [
     "NotSafetensorsError",
     "OptionError",
     "OverReadWarning",
-    "RemoteChangedError",
     "RemoteError",
     "RuleError",
     "RuleKind",
-    "RuleShapeError",
     "RuleTableWarning",
     "SafetensorError",
     "SaveError",
     "ShapeMismatchError",
     "ShardingError",
-    "SharedReadError",
     "SingleDeviceWarning",
     "SliceError",
+    "SourceChangedError",
     "SourceError",
     "SourceNotFoundError",
     "TruncatedFileError",
@@ -76,6 +70,10 @@ class NnxSaveError(Exception):
     file name it in ``file``."""
 
     key_path: str | None = None
+
+    def __init__(self, message: str = "", key_path: str | None = None) -> None:
+        super().__init__(message)
+        self.key_path = key_path
 
 
 HeaderCheck = Literal[
@@ -103,14 +101,17 @@ twice at any level), ``"metadata"`` (``__metadata__`` not strings to strings),
 format does not define), ``"byte_length"`` (a byte range that disagrees with shape and
 dtype), ``"offsets"`` (ranges that overlap, leave a hole or do not start at zero),
 ``"file_size"`` (data that does not end at the end of the file), ``"pieces"`` (a layout's
-boxes of a tensor malformed, overlapping, leaving a hole or outside its shape), and for
-the subclasses ``"index"``, ``"layout"`` and ``"format"``."""
+boxes of a tensor malformed, overlapping, leaving a hole or outside its shape), ``"index"``
+(a multi-file index malformed or disagreeing with the files it names), ``"layout"`` (a
+directory two layouts claim: the message names both records, ``file`` the directory) and
+``"format"`` (:class:`NotSafetensorsError`)."""
 
 
 class HeaderError(NnxSaveError, ValueError):
     """A safetensors header (or index, or manifest) is malformed; nothing was read past it.
     ``check`` names the check that failed (:data:`HeaderCheck`): one class, an attribute
-    per check, since no caller handles one check differently from another.
+    per check, since no caller handles one check differently from another; ``file`` names
+    the file or directory, when one is known.
 
     Examples:
         >>> import os, tempfile, nnx_save
@@ -125,53 +126,23 @@ class HeaderError(NnxSaveError, ValueError):
     """
 
     check: HeaderCheck | None = None
+    file: str | None = None
 
-    def __init__(self, message: str = "", *, check: HeaderCheck | None = None) -> None:
+    def __init__(self, message: str = "", *, check: HeaderCheck | None = None, file: str | None = None) -> None:
         super().__init__(message)
         if check is not None:
             self.check = check
-
-
-class IndexFileError(HeaderError):
-    """A multi-file index (``model.safetensors.index.json``) is malformed or disagrees
-    with the files it names."""
-
-    check: HeaderCheck | None = "index"
-
-
-class LayoutConflictError(HeaderError):
-    """A directory (``file``) that two layouts both claim (an HF index and a pod
-    manifest, or a ``model.safetensors`` beside a record that does not name it):
-    nnx_save does not guess which save is current; the message names both."""
-
-    check: HeaderCheck | None = "layout"
-
-    def __init__(self, message: str, file: str | None = None) -> None:
-        super().__init__(message)
         self.file = file
-
-
-class IndexChangedError(IndexFileError):
-    """A multi-file checkpoint was replaced while it was read (files of two saves, or a
-    file the index named gone). Load again."""
 
 
 class KeyPathError(NnxSaveError, ValueError):
     """A tree path cannot become a file key (``/`` inside a name, an ambiguous key);
     ``key_path`` names it."""
 
-    def __init__(self, message: str, key_path: str | None = None) -> None:
-        super().__init__(message)
-        self.key_path = key_path
-
 
 class UnsupportedValueError(NnxSaveError, TypeError):
     """A leaf that cannot be stored (a string, ``None``, an object array; ``key_path``
     names it), or a value of a kind an argument cannot take."""
-
-    def __init__(self, message: str, key_path: str | None = None) -> None:
-        super().__init__(message)
-        self.key_path = key_path
 
 
 class KeyMismatchError(NnxSaveError, KeyError):
@@ -213,8 +184,8 @@ class SaveError(NnxSaveError, OSError):
     names that file; ``key_path`` the tensor, when one tensor caused the failure."""
 
     def __init__(self, message: str, file: str | None = None, key_path: str | None = None) -> None:
-        super().__init__(message)
-        self.file, self.key_path = file, key_path
+        super().__init__(message, key_path)
+        self.file = file
 
 
 class DirectoryLockedError(NnxSaveError, OSError):
@@ -234,15 +205,6 @@ class DirectoryLockedError(NnxSaveError, OSError):
         return str(self.args[0])
 
 
-class SharedReadError(NnxSaveError, OSError):
-    """A load of ``file`` with shared reads failed on some process (named) or timed out;
-    raised on every process, before any collective."""
-
-    def __init__(self, message: str, file: str | None = None) -> None:
-        super().__init__(message)
-        self.file = file
-
-
 class TruncatedFileError(NnxSaveError, OSError):
     """A read of tensor data ended early: ``file`` was truncated after its header was
     validated; ``offset`` says where."""
@@ -254,7 +216,9 @@ class TruncatedFileError(NnxSaveError, OSError):
 
 class SourceError(NnxSaveError, OSError):
     """A source path (``file``) is not a regular file (a directory, a FIFO, a device)
-    or the system refused to read it."""
+    or the system refused to read it; under ``share_reads=True``, also a load that
+    failed on another process (the message names it and its error), raised on every
+    process before any collective."""
 
     def __init__(self, message: str, file: str | None = None) -> None:
         super().__init__(message)
@@ -286,9 +250,8 @@ class ChecksumError(NnxSaveError, ValueError):
         expected: str | None = None,
         found: str | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, key)
         self.key, self.file, self.expected, self.found = key, file, expected, found
-        self.key_path = key
 
 
 class NotSafetensorsError(HeaderError):
@@ -318,16 +281,18 @@ class SliceError(SafetensorError, IndexError):
     too (docs/lazy.md)."""
 
 
+class SourceChangedError(SourceError):
+    """The source (``file``: a multi-file checkpoint's index, a URL) changed while it was
+    read: files of two saves, a file the index named gone, another size or version of a
+    remote object. Nothing of the mix is returned: load again."""
+
+
 class SourceNotFoundError(SourceError, FileNotFoundError):
     """``safe_open``: the file or directory ``file`` does not exist."""
 
 
 class RemoteError(NnxSaveError, OSError):
     """A remote read failed after its retries, or the server does not serve ranges."""
-
-
-class RemoteChangedError(RemoteError):
-    """The remote object changed (size or version) while it was being read."""
 
 
 class ConfigError(NnxSaveError, ValueError):
@@ -391,7 +356,7 @@ class CheckpointDamageWarning(NnxSaveWarning):
     (see ``damaged_steps()``)."""
 
 
-UsageReason = Literal["directory", "link", "retention", "template", "item"]
+UsageReason = Literal["directory", "link", "retention", "template", "item", "sync"]
 
 
 class CheckpointUsageError(CheckpointError, ValueError):
@@ -407,7 +372,9 @@ class CheckpointUsageError(CheckpointError, ValueError):
     - ``"template"``: restore templates disagree with what ``step`` stores (paths, shapes,
       leaf kinds); ``problems`` has one sorted line per disagreement;
     - ``"item"``: items were asked for that ``step`` does not hold: ``missing`` names them,
-      ``held`` the ones it holds.
+      ``held`` the ones it holds;
+    - ``"sync"``: the processes could not agree on a decision about the directory (process 0
+      failed or timed out, or the processes called the store in different orders).
     """
 
     reason: UsageReason
@@ -481,11 +448,6 @@ class CheckpointUsageError(CheckpointError, ValueError):
             missing=missing,
             held=held,
         )
-
-
-class CheckpointSyncError(CheckpointError, RuntimeError):
-    """The processes could not agree on a decision about the store's directory (process 0
-    failed or timed out, or the processes called the store in different orders)."""
 
 
 class CheckpointWriteError(CheckpointError, OSError):
@@ -599,13 +561,14 @@ class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
 # (``nnx_save.porting`` re-exports these under the same names)
 
 
-RuleKind = Literal["conflict", "not_invertible", "tied", "table"]
+RuleKind = Literal["conflict", "not_invertible", "tied", "table", "shape"]
 """What a :class:`RuleError` is about: ``"conflict"`` (a file tensor feeds two rules, or two
 rules make one target), ``"not_invertible"`` (a rule has no automatic inverse: pass
 ``inverse=``), ``"tied"`` (copies a ``tie`` rule declares equal differ in the file),
 ``"table"`` (a table that would port wrongly though every tensor lands somewhere: a
 transform applied twice or cancelled, a rule matching nothing or only what an earlier rule
-took; refused under ``strict``, its ``problems`` naming the rules)."""
+took; refused under ``strict``, its ``problems`` naming the rules), ``"shape"`` (a tensor's
+shape does not fit the rule that transforms it)."""
 
 
 class RuleError(NnxSaveError, ValueError):
@@ -621,10 +584,6 @@ class RuleError(NnxSaveError, ValueError):
         if kind is not None:
             self.kind = kind
         self.problems = tuple(problems)
-
-
-class RuleShapeError(RuleError, ShapeMismatchError):
-    """A tensor's shape does not fit the rule that transforms it."""
 
 
 class RuleTableWarning(NnxSaveWarning):
@@ -674,6 +633,13 @@ MERGED = {
     "CheckpointRetentionError": 'CheckpointUsageError with reason="retention"',
     "CheckpointTemplateError": 'CheckpointUsageError with reason="template"',
     "CheckpointItemError": 'CheckpointUsageError with reason="item"',
+    "CheckpointSyncError": 'CheckpointUsageError with reason="sync"',
+    "IndexFileError": 'HeaderError with check="index"',
+    "LayoutConflictError": 'HeaderError with check="layout"',
+    "IndexChangedError": "SourceChangedError",
+    "RemoteChangedError": "SourceChangedError",
+    "SharedReadError": "SourceError",
+    "RuleShapeError": 'RuleError with kind="shape"',
 }
 
 

@@ -2,7 +2,7 @@
 
 Data files first under fresh names, then the one record replaced atomically, the
 previous version's files removed only after; a reader gets one whole version or an
-:class:`~nnx_save.IndexChangedError`, never a mix. Through the public API.
+:class:`~nnx_save.SourceChangedError`, never a mix. Through the public API.
 """
 
 from __future__ import annotations
@@ -134,8 +134,9 @@ def test_files_of_two_saves_under_one_index_are_refused(tmp_path):
     nnx_save.save_model(Versioned(2.0), tmp_path / "b", max_shard_size=600)
     second = "model-00002-of-00002.safetensors"
     shutil.copyfile(tmp_path / "b" / second, tmp_path / "a" / second)  # what a rewrite in place leaves
-    with pytest.raises(nnx_save.IndexChangedError, match=re.escape(f"{second} is save ")) as caught:
+    with pytest.raises(nnx_save.SourceChangedError, match=re.escape(f"{second} is save ")) as caught:
         nnx_save.load_file(tmp_path / "a")
+    assert caught.value.file == str(tmp_path / "a" / "model.safetensors.index.json")
     assert str(caught.value).endswith("the checkpoint was replaced while it was read; load it again")
 
 
@@ -211,7 +212,7 @@ def test_a_reader_racing_a_multi_file_writer_never_mixes_versions(tmp_path):
             try:
                 loaded = nnx_save.load_file(directory)
             except nnx_save.NnxSaveError as e:  # only "load again" is allowed
-                if type(e).__name__ != "IndexChangedError" or not str(e).endswith("load it again"):
+                if type(e).__name__ != "SourceChangedError" or not str(e).endswith("load it again"):
                     raise
                 retried += 1
                 continue

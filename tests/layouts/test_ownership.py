@@ -13,6 +13,7 @@ import re
 import fsspec
 import numpy as np
 import pytest
+from _errors import raises_check
 from flax import nnx
 
 import nnx_save
@@ -77,8 +78,9 @@ def test_a_single_file_beside_an_index_it_is_not_part_of_is_a_conflict(tmp_path)
     nnx_save.save_file(tree(1.0), tmp_path, max_shard_size=512)
     nnx_save.save_file(tree(2.0), tmp_path / "model.safetensors")
     message = f"{tmp_path}: holds both {INDEX} (index) and model.safetensors (file)"
-    with pytest.raises(nnx_save.LayoutConflictError, match=re.escape(message)):
+    with raises_check("layout", match=re.escape(message)) as info:
         nnx_save.load_file(tmp_path)
+    assert info.value.file == str(tmp_path)
     nnx_save.save_file(tree(3.0), tmp_path, max_shard_size=512)  # an index save replaces the single file
     assert not (tmp_path / "model.safetensors").exists()
     assert value_of(nnx_save.load_file(tmp_path)) == {3.0}

@@ -107,16 +107,14 @@ def test_index_pointing_outside_its_directory(tmp_path, name):
     d.mkdir()
     save(tmp_path / "a.safetensors", w=np.zeros(1, np.float32))  # exists, but outside
     idx = index(d, {"w": name})
-    with pytest.raises(
-        nnx_save.IndexFileError, match=re.escape(f"{idx}: file {name!r} points outside the checkpoint directory {d}")
-    ):
+    with raises_check("index", match=re.escape(f"{idx}: file {name!r} points outside the checkpoint directory {d}")):
         nnx_save.read_header(d)
 
 
 def test_index_pointing_at_a_missing_file(two_files):
     idx = index(two_files, {"w": "a.safetensors", "b": "a.safetensors", "v": "gone.safetensors"})
-    with pytest.raises(
-        nnx_save.IndexFileError,
+    with raises_check(
+        "index",
         match=re.escape(f"{idx}: names file 'gone.safetensors', which does not exist in {two_files}"),
     ):
         nnx_save.read_header(two_files)
@@ -126,8 +124,8 @@ def test_tensor_in_two_files(tmp_path):
     save(tmp_path / "a.safetensors", w=np.zeros(1, np.float32))
     save(tmp_path / "b.safetensors", w=np.ones(1, np.float32))
     idx = index(tmp_path, {"w": "a.safetensors", "x": "b.safetensors"})
-    with pytest.raises(
-        nnx_save.IndexFileError,
+    with raises_check(
+        "index",
         match=re.escape(
             f"{idx}: tensor 'w' appears in two files: {tmp_path / 'a.safetensors'} and {tmp_path / 'b.safetensors'}"
         ),
@@ -138,14 +136,14 @@ def test_tensor_in_two_files(tmp_path):
 def test_tensor_in_two_files_of_a_directory(tmp_path):
     save(tmp_path / "a.safetensors", w=np.zeros(1, np.float32))
     save(tmp_path / "b.safetensors", w=np.ones(1, np.float32))
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(f"{tmp_path}: tensor 'w' appears in two files: ")):
+    with raises_check("index", match=re.escape(f"{tmp_path}: tensor 'w' appears in two files: ")):
         nnx_save.read_header(tmp_path)
 
 
 def test_index_places_a_tensor_in_the_wrong_file(two_files):
     idx = index(two_files, {"w": "b.safetensors", "b": "a.safetensors", "v": "b.safetensors"})
-    with pytest.raises(
-        nnx_save.IndexFileError,
+    with raises_check(
+        "index",
         match=re.escape(f"{idx}: places tensor 'w' in b.safetensors, but it is in {two_files / 'a.safetensors'}"),
     ):
         nnx_save.read_header(two_files)
@@ -153,8 +151,8 @@ def test_index_places_a_tensor_in_the_wrong_file(two_files):
 
 def test_index_names_a_tensor_no_file_holds(two_files):
     idx = index(two_files, {"w": "a.safetensors", "b": "a.safetensors", "v": "b.safetensors", "ghost": "b.safetensors"})
-    with pytest.raises(
-        nnx_save.IndexFileError,
+    with raises_check(
+        "index",
         match=re.escape(f"{idx}: names tensor 'ghost' in b.safetensors, which does not hold it"),
     ):
         nnx_save.read_header(two_files)
@@ -162,9 +160,7 @@ def test_index_names_a_tensor_no_file_holds(two_files):
 
 def test_files_hold_tensors_the_index_does_not_name(two_files):
     idx = index(two_files, {"w": "a.safetensors", "v": "b.safetensors"})
-    with pytest.raises(
-        nnx_save.IndexFileError, match=re.escape(f"{idx}: files hold tensors the index does not name: ['b']")
-    ):
+    with raises_check("index", match=re.escape(f"{idx}: files hold tensors the index does not name: ['b']")):
         nnx_save.read_header(two_files)
 
 
@@ -172,8 +168,8 @@ def test_index_listing_a_tensor_twice(two_files):
     (two_files / INDEX_NAME).write_text(
         '{"weight_map": {"w": "a.safetensors", "b": "a.safetensors", "v": "b.safetensors", "w": "b.safetensors"}}'
     )
-    with pytest.raises(
-        nnx_save.IndexFileError,
+    with raises_check(
+        "index",
         match=re.escape(f"{two_files / INDEX_NAME}: key 'w' appears more than once in the index JSON"),
     ):
         nnx_save.read_header(two_files)
@@ -194,7 +190,7 @@ def test_index_listing_a_tensor_twice(two_files):
 )
 def test_malformed_index(two_files, content, message):
     (two_files / INDEX_NAME).write_bytes(content)
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(f"{two_files / INDEX_NAME}: {message}")):
+    with raises_check("index", match=re.escape(f"{two_files / INDEX_NAME}: {message}")):
         nnx_save.read_header(two_files)
 
 

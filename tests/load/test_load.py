@@ -21,6 +21,7 @@ import jax
 import numpy as np
 import pytest
 from _arrays import every_kind
+from _errors import raises_check
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -337,8 +338,8 @@ def test_index_naming_an_absent_tensor_is_refused(tmp_path):
     body = json.loads(index.read_text())
     body["weight_map"]["ghost"] = "model-00001-of-00003.safetensors"
     index.write_text(json.dumps(body))
-    with pytest.raises(
-        nnx_save.IndexFileError,
+    with raises_check(
+        "index",
         match=re.escape("names tensor 'ghost' in model-00001-of-00003.safetensors, which does not hold it"),
     ):
         nnx_save.load_file(tmp_path, _abstract("dim0"))
@@ -353,8 +354,8 @@ def test_a_tensor_in_two_files_is_refused(tmp_path, with_index):
         body = json.loads(index.read_text())
         body["weight_map"]["x"] = "model-00004-of-00003.safetensors"
         index.write_text(json.dumps(body))
-    with pytest.raises(
-        nnx_save.IndexFileError,
+    with raises_check(
+        "index",
         match=re.escape("tensor 'a' appears in two files: ")
         + f".*{paths[0].name} and .*model-00004-of-00003.safetensors",
     ):

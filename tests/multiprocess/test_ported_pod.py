@@ -121,5 +121,5 @@ def test_a_failure_on_one_process_raises_on_every_process(ported):
     workers, _ = ported
     own, peer = workers[1].result["fail"], workers[0].result["fail"]
     assert own["error"] == "ShardingError" and "odd" in own["message"]
-    assert peer["error"] == "SharedReadError", peer
+    assert peer["error"] == "SourceError", peer
     assert "process 1: ShardingError" in peer["message"] and "nothing was loaded" in peer["message"]

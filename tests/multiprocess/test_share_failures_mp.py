@@ -30,7 +30,7 @@ def test_a_process_killed_during_a_shared_read_stops_its_peer_in_bounded_time(ru
     survivor = workers[0]
     assert survivor.result is not None, survivor.describe()
     error = survivor.result["error"]
-    assert error is not None and error["type"] == "SharedReadError", survivor.describe()
+    assert error is not None and error["type"] == "SourceError", survivor.describe()
     assert (
         f"process(es) [1] did not reach the 'read' step of the shared-read load within {TIMEOUT_S} s"
         in error["message"]

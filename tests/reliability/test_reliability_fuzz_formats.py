@@ -184,7 +184,7 @@ def test_fuzz_index(tmp_path):
 
         stats = fuzz(3000, 60.0, make, run, index_check)
     print(f"\nindex: {stats}")
-    # both sides reached: loads, and refusals by most of the validator's checks (one error class: IndexFileError)
+    # both sides reached: loads, and refusals by most of the validator's checks (one error class: HeaderError, check "index")
     assert stats["inputs"] >= 500 and stats["accepted"] >= 20 and len(stats["refused"]) >= 6, stats
 
 
@@ -202,7 +202,7 @@ INDEX_CHECKS = [
 
 
 def index_check(e: BaseException) -> str:
-    """Which of the validator's checks refused (an IndexFileError is the only class)."""
+    """Which of the validator's checks refused (a HeaderError of check "index" is the only class)."""
     found = [c for c in INDEX_CHECKS if c in str(e)]
     return f"{type(e).__name__}: {found[0] if found else str(e)[-80:]}"
 

@@ -20,7 +20,7 @@ import pytest
 from hostile_server import Answer, HostileServer, Request
 
 import nnx_save
-from nnx_save.errors import RemoteChangedError, RemoteError
+from nnx_save.errors import RemoteError
 
 V1 = {"w": np.arange(64, dtype=np.float32), "b": np.full(16, 3.0, np.float32)}
 V2 = {"w": -np.arange(64, dtype=np.float32), "b": np.full(16, 7.0, np.float32)}  # same size, other bytes
@@ -51,7 +51,7 @@ def test_a_vanished_etag_is_a_change(tmp_path):
         server.objects["/m.safetensors"] = two
         del server.etags["/m.safetensors"]
         with pytest.raises(
-            RemoteChangedError,
+            nnx_save.SourceChangedError,
             match=re.escape(f'{url}: the object changed during the load (size {len(one)} -> {len(two)}, version "v1"'),
         ):
             nnx_save.load_file(header)
@@ -75,7 +75,7 @@ def test_a_pinned_etag_is_sent_with_if_match_and_412_is_a_change(tmp_path):
         assert exact(nnx_save.load_file(header), V1)
         assert all(r.headers.get("If-Match") == '"v1"' for r in server.requests[1:])
         server.objects["/m.safetensors"], server.etags["/m.safetensors"] = two, '"v2"'
-        with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load")):
+        with pytest.raises(nnx_save.SourceChangedError, match=re.escape(f"{url}: the object changed during the load")):
             nnx_save.load_file(header)
 
 
@@ -192,7 +192,7 @@ def test_redirects_are_followed_and_pinned_at_the_final_url(tmp_path):
         header = nnx_save.read_header(url)
         assert exact(nnx_save.load_file(header), V1)
         routes["/resolve/m.safetensors"] = f"{server.url}/cdn/v2.safetensors"  # an absolute Location
-        with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load")):
+        with pytest.raises(nnx_save.SourceChangedError, match=re.escape(f"{url}: the object changed during the load")):
             nnx_save.load_file(header)
 
 
@@ -208,6 +208,37 @@ def test_redirect_loops_and_foreign_schemes_are_refused(tmp_path, location, mess
         url = f"{server.url}/loop.safetensors"
         with pytest.raises(RemoteError, match=re.escape(url) + ".*" + re.escape(message)):
             nnx_save.read_header(url)
+
+
+def test_a_redirect_chain_and_503s_are_followed_retried_and_counted(tmp_path):
+    """Three hops (relative, absolute, relative) to the object, whose every range is first
+    answered 503: the load is exact, each range asked with its Range header at every hop,
+    each 503 one retry in the report. The redirect and 503 bodies trickle (12 s each if
+    read): they are closed, never drained."""
+    one = blob(tmp_path, V1)
+    slow = {"Content-Length": "240"}
+    refused: set[str] = set()
+
+    def lie(req: Request, answer: Answer) -> Answer:
+        hops = {"/a.safetensors": "/b.safetensors", "/b.safetensors": f"{server.url}/c.safetensors"}
+        hops["/c.safetensors"] = "/cdn/m.safetensors"
+        if req.path in hops:
+            return Answer(302, {**slow, "Location": hops[req.path]}, b"x" * 240, trickle_s=0.05)
+        if req.headers["Range"] not in refused:
+            refused.add(req.headers["Range"])
+            return Answer(503, slow, b"x" * 240, trickle_s=0.05)
+        return answer
+
+    with HostileServer({"/cdn/m.safetensors": one}, lie) as server:
+        server.etags["/cdn/m.safetensors"] = '"v1"'
+        t0 = time.monotonic()
+        out, report = nnx_save.load_file(f"{server.url}/a.safetensors", num_threads=1, return_report=True)
+        assert time.monotonic() - t0 < 10
+        assert exact(out, V1)
+        assert report.io.retries == len(refused) >= 2  # the header probe and the data
+        assert all("Range" in r.headers for r in server.requests)
+        hops = ["/a.safetensors", "/b.safetensors", "/c.safetensors", "/cdn/m.safetensors", "/cdn/m.safetensors"]
+        assert [r.path for r in server.requests[:5]] == hops  # refused, then asked again at the final URL
 
 
 @pytest.fixture
@@ -230,7 +261,9 @@ def test_an_fsspec_object_replaced_after_its_header_was_read_is_a_change(tmp_pat
     assert exact(nnx_save.load_file(header), V1)
     time.sleep(0.01)  # memory:// versions by creation time (microseconds)
     fs.pipe(url, two)
-    with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load (size ")):
+    with pytest.raises(
+        nnx_save.SourceChangedError, match=re.escape(f"{url}: the object changed during the load (size ")
+    ):
         nnx_save.load_file(header)
     assert exact(nnx_save.load_file(url), V2)  # a fresh load reads the new version
 
@@ -268,7 +301,9 @@ def test_an_fsspec_object_replaced_during_the_load_is_a_change(tmp_path, memory_
         return data
 
     monkeypatch.setattr(type(fs), "cat_file", cat_then_replace)
-    with pytest.raises(RemoteChangedError, match=re.escape(f"{url}: the object changed during the load (size ")):
+    with pytest.raises(
+        nnx_save.SourceChangedError, match=re.escape(f"{url}: the object changed during the load (size ")
+    ):
         nnx_save.load_file(header, num_threads=1)
 
 

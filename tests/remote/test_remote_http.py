@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save.errors import RemoteChangedError, RemoteError
+from nnx_save.errors import RemoteError
 
 RNG = np.random.default_rng(0)
 NESTED = {
@@ -133,7 +133,7 @@ def test_object_replaced_mid_load_is_an_error(served):
     with (
         FaultyProxy(port, plan) as proxy,
         pytest.raises(
-            RemoteChangedError,
+            nnx_save.SourceChangedError,
             match=re.escape(f"http://127.0.0.1:{proxy.port}/model.safetensors: the object changed during the load"),
         ),
     ):

@@ -1,6 +1,6 @@
 """One index validator for local and remote checkpoints (issue 18, items 6 and 11):
 every case runs against a directory on disk and the same directory served by nginx,
-and must give the same typed error (``IndexFileError``) naming the index."""
+and must give the same typed error (``HeaderError``, ``check="index"``) naming the index."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _errors import raises_check
 
 import nnx_save
 
@@ -57,7 +58,7 @@ def source(request, nginx) -> Source:
 
 
 def refused(src: Source, message: str) -> None:
-    with pytest.raises(nnx_save.IndexFileError, match=re.escape(f"{src.index}: {message}")):
+    with raises_check("index", match=re.escape(f"{src.index}: {message}")):
         src.load()
 
 

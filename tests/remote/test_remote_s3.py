@@ -65,6 +65,6 @@ def test_a_presigned_object_replaced_after_its_header_was_read_is_a_change(bucke
     url = upload(client, name, WEIGHTS, tmp_path)
     header = nnx_save.read_header(url)  # pins the size and the ETag
     assert upload(client, name, OTHER, tmp_path).split("?")[0] == url.split("?")[0]  # same size, other bytes
-    with pytest.raises(nnx_save.RemoteChangedError, match=re.escape(f"{url}: the object changed during the load")):
+    with pytest.raises(nnx_save.SourceChangedError, match=re.escape(f"{url}: the object changed during the load")):
         nnx_save.load_file(header)
     np.testing.assert_array_equal(nnx_save.load_file(url)["embed"], OTHER["embed"])  # a fresh load: the new version

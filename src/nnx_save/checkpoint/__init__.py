@@ -14,7 +14,6 @@ from ..errors import CheckpointDtypeMismatchError as CheckpointDtypeMismatchErro
 from ..errors import CheckpointError as CheckpointError
 from ..errors import CheckpointNotFoundError as CheckpointNotFoundError
 from ..errors import CheckpointNotWrittenError as CheckpointNotWrittenError
-from ..errors import CheckpointSyncError as CheckpointSyncError
 from ..errors import CheckpointUsageError as CheckpointUsageError
 from ..errors import CheckpointWriteError as CheckpointWriteError
 from ..errors import DtypeMismatch as DtypeMismatch

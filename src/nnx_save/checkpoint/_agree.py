@@ -3,22 +3,25 @@
 Two processes reading the disk a moment apart could decide differently and then wait at
 Orbax barriers the other never reaches; so process 0 decides and the others read its
 answer from the JAX coordination service's key-value store, in call order. A process that
-asks another question than process 0 answered gets a ``CheckpointSyncError``, not a hang.
+asks another question than process 0 answered gets a ``CheckpointUsageError`` (``reason="sync"``),
+not a hang.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Callable
 from typing import TypeVar
 
 from .. import _config
-from ..errors import CheckpointSyncError
+from ..errors import CheckpointUsageError
 from ..io import _kv
 
 __all__ = ["agree"]
 
+_sync_error = functools.partial(CheckpointUsageError, reason="sync")
 _SEQUENCE = itertools.count()  # every process numbers its decisions the same way
 
 T = TypeVar("T")
@@ -29,14 +32,14 @@ def agree(name: str, decide: Callable[[], T]) -> T:
     as lists); ``name`` checks the call order. The last reader deletes the decision's keys.
 
     Raises:
-        CheckpointSyncError: Process 0's decision failed, did not come within the
+        CheckpointUsageError: ``reason="sync"``: process 0's decision failed, did not come within the
             timeout, or answered another question (the processes diverged).
 
     Examples:
         >>> agree("answer", lambda: {"steps": [1, 2]})
         {'steps': [1, 2]}
     """
-    kv = _kv.Channel.open("the checkpoint store", CheckpointSyncError)
+    kv = _kv.Channel.open("the checkpoint store", _sync_error)
     if kv.n == 1:
         return decide()
     key = f"nnx_save/checkpoint/decision/{next(_SEQUENCE)}"
@@ -51,12 +54,12 @@ def agree(name: str, decide: Callable[[], T]) -> T:
     posted = _exchange(kv, key, name, None)
     kv.read_once(key, kv.n - 1)
     if posted["name"] != name:
-        raise CheckpointSyncError(
+        raise _sync_error(
             f"the processes diverged: process 0 decided {posted['name']!r} where process {kv.pid} asks {name!r}; "
             "call every store method on every process, in the same order"
         )
     if "error" in posted:
-        raise CheckpointSyncError(f"process 0 failed to decide {name!r}: {posted['error']}")
+        raise _sync_error(f"process 0 failed to decide {name!r}: {posted['error']}")
     return posted["value"]
 
 
@@ -66,7 +69,7 @@ def _exchange(kv: _kv.Channel, key: str, name: str, mine: dict | None) -> dict:
     try:
         return json.loads(kv.gather(key, None if mine is None else json.dumps(mine), {0}, timeout)[0])
     except _kv.Unanswered as error:
-        raise CheckpointSyncError(
+        raise _sync_error(
             f"process {kv.pid} waited {timeout:g} s ({_config.COLLECTIVE_TIMEOUT_S.name}) for process 0 to "
             f"decide {name!r} and got no answer ({error}); did process 0 die, or stop calling the store?"
         ) from error

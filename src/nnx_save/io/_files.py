@@ -14,6 +14,7 @@ import contextlib
 import os
 import stat
 import threading
+from collections.abc import Callable
 
 from ..errors import SourceError, TruncatedFileError
 
@@ -101,7 +102,7 @@ def open_regular(name: str) -> int:
     return fd
 
 
-def read_capped(name: str, what: str, cap: int, error: type[Exception]) -> bytes:
+def read_capped(name: str, what: str, cap: int, error: Callable[[str], Exception]) -> bytes:
     """The bytes of a small record (an index, a manifest): a regular file (never a
     FIFO or device) of at most ``cap`` bytes, sized before it is read."""
     fd = open_regular(name)

@@ -42,7 +42,7 @@ class Unanswered(Exception):
         super().__init__(f"{key}: process(es) {late} posted nothing" if late is not None else reason)
 
 
-def client(where: str, error: type[NnxSaveError]) -> Any:
+def client(where: str, error: Callable[[str], NnxSaveError]) -> Any:
     """The coordination service's key-value client, or ``None`` when this jax has
     none where nnx_save looks; ``error`` (naming ``where``) when the job has several
     processes and no ``jax.distributed`` client."""
@@ -88,7 +88,7 @@ class Channel:
     client: Any = field(default=None, repr=False)
 
     @classmethod
-    def open(cls, where: str, error: type[NnxSaveError]) -> Channel:
+    def open(cls, where: str, error: Callable[[str], NnxSaveError]) -> Channel:
         """The channel of this job's processes (one process: nothing is exchanged)."""
         import jax
 

@@ -2,8 +2,9 @@
 ``hf://``) when the matching fsspec implementation is installed.
 
 A remote reader fetches just the byte ranges the engine planned, one ranged GET per
-chunk, many at once over a pooled connection set; a failed or short range is retried
-whole, so partial data is never returned. What a hostile or changing server cannot do
+chunk, many at once over a pooled connection set. urllib3's ``Retry`` follows redirects
+and retries a request that failed before its answer (a refused connection, a 503); a
+body cut short is retried whole, so partial data is never returned. What a hostile or changing server cannot do
 (change the object under a load, send other bytes, hang, redirect silently) and how
 each is refused: docs/reliability.md, "Hostile servers and odd sources".
 """
@@ -11,6 +12,7 @@ each is refused: docs/reliability.md, "Hostile servers and odd sources".
 from __future__ import annotations
 
 import contextlib
+import functools
 import heapq
 import itertools
 import os
@@ -23,7 +25,7 @@ from urllib.parse import urljoin, urlsplit
 
 from .. import _config
 from .._version import __version__
-from ..errors import RemoteChangedError, RemoteError
+from ..errors import RemoteError, SourceChangedError
 
 if TYPE_CHECKING:  # socket and random are imported where an HTTP read needs them, not with nnx_save
     import socket
@@ -32,9 +34,8 @@ __all__ = ["FsspecReader", "HttpLimits", "HttpReader", "RemoteStats", "is_url", 
 
 SPECULATIVE_HEADER_BYTES = 64 << 10
 MAX_REDIRECTS = 5
-_MAX_RETRIES, _BACKOFF_S = 5, 0.05  # a failed range is retried whole, after 50 ms, 100 ms, ... (jittered)
+_MAX_RETRIES, _BACKOFF_S = 5, 0.05  # retried after 50 ms, 100 ms, ... (jittered)
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
-_REDIRECTS = frozenset({301, 302, 303, 307, 308})
 # info() fields that name a version of an object, over the fsspec implementations
 # (s3fs, gcsfs, adlfs, huggingface_hub, local, memory): any change is a new object.
 _VERSION_FIELDS = (
@@ -158,8 +159,29 @@ class _Retry(Exception):
     """A transient failure: try this range again."""
 
 
-class _Short(Exception):
-    pass
+@functools.cache
+def _retry():
+    """The retry policy of every request (urllib3's ``Retry``; it is immutable, and each
+    request's copy records the request's history). A response it retries or follows is
+    closed, never drained (a hostile body can be endless); a ``Retry-After`` is not
+    waited for (the backoff is ours); a redirect off http(s) is refused before it is
+    followed."""
+    import urllib3
+
+    class Policy(urllib3.Retry):
+        def increment(self, method=None, url=None, response=None, *args, **kwargs):
+            if response is not None:
+                location = response.get_redirect_location()
+                response.close()
+                if location and urlsplit(urljoin(url or "", location)).scheme not in ("http", "https"):
+                    raise RemoteError(f"HTTP {response.status} redirected to {location!r}, not http(s)")
+            return super().increment(method, url, response, *args, **kwargs)
+
+    return Policy(
+        total=None, connect=_MAX_RETRIES, read=_MAX_RETRIES, status=_MAX_RETRIES, other=_MAX_RETRIES,
+        redirect=MAX_REDIRECTS, status_forcelist=_RETRY_STATUSES, backoff_factor=_BACKOFF_S, backoff_jitter=_BACKOFF_S,
+        respect_retry_after_header=False, raise_on_status=False,
+    )  # fmt: skip
 
 
 _NO_RANGES = (
@@ -189,10 +211,11 @@ def _version(headers) -> str | None:
     return headers.get("ETag") or (f"Last-Modified: {modified}" if modified else None)
 
 
-def _changed(url: str, pinned: tuple[int | None, str | None], now: tuple[int, str | None]) -> RemoteChangedError:
-    return RemoteChangedError(
+def _changed(url: str, pinned: tuple[int | None, str | None], now: tuple[int, str | None]) -> SourceChangedError:
+    return SourceChangedError(
         f"{url}: the object changed during the load (size {pinned[0]} -> {now[0]}, "
-        f"version {pinned[1]} -> {now[1]}); reload from the start"
+        f"version {pinned[1]} -> {now[1]}); reload from the start",
+        url,
     )
 
 
@@ -266,39 +289,42 @@ class HttpReader(_Views):
         return headers
 
     def _request(self, headers: Mapping[str, str], span: str, timeout: float):
-        """GET with ``headers``, following redirects; returns the final response.
+        """GET with ``headers``, following redirects and retrying what failed before an
+        answer (:func:`_retry`); returns the final response and counts its retries.
         ``timeout`` bounds the connect and each socket read until the headers are in."""
         import urllib3
 
-        url = self.url
-        for _hop in range(MAX_REDIRECTS + 1):
-            try:
-                r = _pool().request(
-                    "GET",
-                    url,
-                    headers=dict(headers),
-                    preload_content=False,
-                    redirect=False,
-                    timeout=urllib3.Timeout(connect=min(10.0, timeout), read=timeout),
-                )
-            except urllib3.exceptions.HTTPError as e:
-                raise _Retry(f"connection failed: {e}") from None
-            self.requests += 1
-            if r.status not in _REDIRECTS:
-                self.final_url = url
+        try:
+            r = _pool().request(
+                "GET",
+                self.url,
+                headers=dict(headers),
+                preload_content=False,
+                retries=_retry(),
+                timeout=urllib3.Timeout(connect=min(10.0, timeout), read=timeout),
+            )
+        except RemoteError as e:  # the policy's, naming neither the URL nor the range
+            why = f": {e}"
+        except urllib3.exceptions.MaxRetryError as e:  # a status's retries end in a response, not here
+            loop = isinstance(e.reason, urllib3.exceptions.ResponseError)
+            why = f" failed after {_MAX_RETRIES + 1} attempts: {e.reason}"
+            why = f": more than {MAX_REDIRECTS} redirects (the last to {e.url})" if loop else why
+        except urllib3.exceptions.HTTPError as e:
+            raise _Retry(f"connection failed: {e}") from None
+        else:
+            history = r.retries.history
+            retried = sum(h.redirect_location is None for h in history)
+            self.requests += 1 + len(history)
+            self.stats.add(retries=retried)
+            hops = [urljoin(h.url, h.redirect_location) for h in history if h.redirect_location]
+            self.final_url = hops[-1] if hops else self.url
+            if r.status not in _RETRY_STATUSES:
                 return r
-            location = r.headers.get("Location", "")
-            r.close()  # not drain_conn(): a redirect's body can be endless
-            r.release_conn()
-            target = urljoin(url, location)
-            if not location or urlsplit(target).scheme not in ("http", "https"):
-                raise RemoteError(f"{self.url}: bytes {span}: HTTP {r.status} redirected to {location!r}, not http(s)")
-            url = target
-        raise RemoteError(f"{self.url}: bytes {span}: more than {MAX_REDIRECTS} redirects (the last to {url})")
+            r.release_conn()  # closed by the policy, which gave up on it
+            why = f" failed after {retried + 1} attempts: HTTP {r.status}"
+        raise RemoteError(f"{self.url}: bytes {span}{why}")
 
     def _check_status(self, r, span: str) -> None:
-        if r.status in _RETRY_STATUSES:
-            raise _Retry(f"HTTP {r.status}")
         if r.status == 404:
             raise FileNotFoundError(f"{self.url}: not found (HTTP 404)")
         if r.status == 412 and self.etag:  # If-Match failed: no longer the pinned version
@@ -354,7 +380,7 @@ class HttpReader(_Views):
             try:
                 sink(r, nbytes)
                 longer = r.headers.get("Content-Length") is None and _raw(r).read(1)  # chunked: must end here
-            except (urllib3.exceptions.HTTPError, OSError, ValueError, _Short) as e:
+            except (urllib3.exceptions.HTTPError, OSError, ValueError, _Retry) as e:
                 if expired.is_set():
                     raise self._too_slow(span, seconds) from None
                 raise _Retry(f"body interrupted: {e}") from None
@@ -431,7 +457,7 @@ def _read_exact(response, buf: memoryview) -> None:
     while done < len(view):
         n = reader.readinto(view[done:])
         if not n:
-            raise _Short(f"body ended {len(view) - done} bytes early")
+            raise _Retry(f"body ended {len(view) - done} bytes early")
         done += n
 
 

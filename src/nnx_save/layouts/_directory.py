@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..errors import HeaderError, IndexFileError
+from ..errors import HeaderError
 from ..format import _formats
 from ..load._source import Header, LocalFiles
 from ._file import read_file_header
@@ -26,13 +26,14 @@ def read_list(paths: Sequence[Path], kind: str = "list", where: str = "file list
     meta = dict(files[0].metadata) if files else {}
     try:
         tensors = merge(files, where)
-    except IndexFileError as e:
+    except HeaderError as e:  # a tensor in two files: merge's only error
         if kind != "directory":
             raise
-        raise IndexFileError(
+        raise HeaderError(
             f"{e}. {where} has no {INDEX_NAME}, so all its *.safetensors files are read as the parts of one "
             "checkpoint; files holding the same tensor names are separate checkpoints (copies, or different "
-            f"steps): load one file, move the others out, or write the {INDEX_NAME} of a sharded checkpoint"
+            f"steps): load one file, move the others out, or write the {INDEX_NAME} of a sharded checkpoint",
+            check="index",
         ) from None
     return Header(tensors, meta, files, kind, placement)
 

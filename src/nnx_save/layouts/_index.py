@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import json
 import math
 import os
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..errors import IndexFileError, NotSafetensorsError, OptionError
+from ..errors import HeaderError, NotSafetensorsError, OptionError
 from ..format import _dtypes
 from ..format._header import FileHeader
 from ..format._units import parse_size
@@ -55,6 +56,7 @@ INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 << 20
 _NOT_IN_FILE_NAMES = ("%", "\\", "?", "#", "\x00", ":")
 SHARD_WRITERS = 2  # files one process writes at once
+_bad = functools.partial(HeaderError, check="index")
 OURS = re.compile(r"model(-\d{5}-of-\d{5})?(\.(?P<id>[0-9a-f]{8}))?\.safetensors")
 """The names this layout writes (:func:`file_names`); ``id`` is the save id in a name."""
 
@@ -65,11 +67,11 @@ def _check_file_name(name: str, base: str, where: str) -> None:
     ``?``, ``#``, ``:`` or NUL. The same rule for local and remote indexes."""
     parts = name.split("/")
     if name.startswith("/") or ".." in parts:
-        raise IndexFileError(f"{where}: file {name!r} points outside the checkpoint directory {base}")
+        raise _bad(f"{where}: file {name!r} points outside the checkpoint directory {base}")
     bad = [c for c in _NOT_IN_FILE_NAMES if c in name]
     if bad or "" in parts or "." in parts:
         what = f"contains {bad[0]!r}" if bad else "has an empty or '.' path segment"
-        raise IndexFileError(f"{where}: file name {name!r} {what}; weight-map entries must be plain relative paths")
+        raise _bad(f"{where}: file name {name!r} {what}; weight-map entries must be plain relative paths")
 
 
 def _inside(directory: Path, relative: str, index: str) -> str:
@@ -79,9 +81,9 @@ def _inside(directory: Path, relative: str, index: str) -> str:
     _check_file_name(relative, str(directory), index)
     candidate = Path(os.path.normpath(os.path.join(directory, relative)))
     if not candidate.is_relative_to(os.path.normpath(directory)):
-        raise IndexFileError(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
+        raise _bad(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
     if not os.path.lexists(candidate):
-        raise IndexFileError(f"{index}: names file {relative!r}, which does not exist in {directory}")
+        raise _bad(f"{index}: names file {relative!r}, which does not exist in {directory}")
     return os.fspath(directory / relative)
 
 
@@ -105,7 +107,7 @@ def _member_url(index_url: str, name: str) -> str:
     got, want = urlsplit(url), urlsplit(base)
     path = posixpath.normpath(unquote(got.path))
     if (got.scheme, got.netloc) != (want.scheme, want.netloc) or not path.startswith(unquote(want.path)):
-        raise IndexFileError(f"{index_url}: file {name!r} points outside the checkpoint directory {base}")
+        raise _bad(f"{index_url}: file {name!r} points outside the checkpoint directory {base}")
     return url
 
 
@@ -141,16 +143,16 @@ def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]
     repeated key at any level, a ``weight_map`` of tensor name -> file name.
 
     Raises:
-        IndexFileError: naming ``where`` and the failed check.
+        HeaderError: ``check="index"``, naming ``where`` and the failed check.
     """
     if len(raw) > MAX_INDEX_BYTES:
-        raise IndexFileError(f"{where}: index of {len(raw)} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
-    obj = _layout.load_record(raw, where, "index", IndexFileError)
+        raise _bad(f"{where}: index of {len(raw)} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
+    obj = _layout.load_record(raw, where, "index", "index")
     meta = obj.get("metadata") if isinstance(obj, dict) else None
     meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise IndexFileError(f"{where}: expected an object with a 'weight_map' of tensor name -> file name")
+        raise _bad(f"{where}: expected an object with a 'weight_map' of tensor name -> file name")
     return weight_map, meta
 
 
@@ -160,12 +162,12 @@ def _index_tensors(weight_map: Mapping[str, str], files: Sequence[FileHeader], f
     for tensor, fname in weight_map.items():
         info = tensors.get(tensor)
         if info is None:
-            raise IndexFileError(f"{where}: names tensor {tensor!r} in {fname}, which does not hold it")
+            raise _bad(f"{where}: names tensor {tensor!r} in {fname}, which does not hold it")
         if info.file != file_of[fname]:
-            raise IndexFileError(f"{where}: places tensor {tensor!r} in {fname}, but it is in {info.file}")
+            raise _bad(f"{where}: places tensor {tensor!r} in {fname}, but it is in {info.file}")
     extra = sorted(set(tensors) - set(weight_map))
     if extra:
-        raise IndexFileError(f"{where}: files hold tensors the index does not name: {extra[:5]}")
+        raise _bad(f"{where}: files hold tensors the index does not name: {extra[:5]}")
     return tensors
 
 
@@ -173,7 +175,7 @@ def _remote_member_header(name: str, member: str, stats: Any, index: str):
     try:
         return remote_file_header(member, stats)
     except FileNotFoundError:  # as for a local index: the index is what is wrong
-        raise IndexFileError(f"{index}: names file {name!r}, which does not exist at {member}") from None
+        raise _bad(f"{index}: names file {name!r}, which does not exist at {member}") from None
 
 
 def read_remote(url: str, stats: Any, reader: Any = None, raw: bytes = b"") -> Header:
@@ -183,7 +185,7 @@ def read_remote(url: str, stats: Any, reader: Any = None, raw: bytes = b"") -> H
         reader = _remote.open_remote(url, stats)
         raw = reader.probe()
     if reader.size > MAX_INDEX_BYTES:
-        raise IndexFileError(f"{url}: index of {reader.size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
+        raise _bad(f"{url}: index of {reader.size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
     if len(raw) < reader.size:
         raw += reader.read(len(raw), reader.size - len(raw))
     weight_map, meta = parse_index(raw, url)
@@ -211,12 +213,12 @@ class IndexLayout:
 
     def read_named(self, index: Path, not_file: NotSafetensorsError) -> Header:
         """The index file ``index`` named itself; ``not_file`` if its JSON is no index."""
-        if not is_index(_files.read_capped(os.fspath(index), "index", MAX_INDEX_BYTES, IndexFileError)):
+        if not is_index(_files.read_capped(os.fspath(index), "index", MAX_INDEX_BYTES, _bad)):
             raise NotSafetensorsError(f"{not_file}, nor an index (no 'weight_map' object)", "json")
         return self.read(index.parent, index)
 
     def _read(self, path: Path, index: Path) -> Header:
-        raw = _files.read_capped(os.fspath(index), "index", MAX_INDEX_BYTES, IndexFileError)
+        raw = _files.read_capped(os.fspath(index), "index", MAX_INDEX_BYTES, _bad)
         weight_map, meta = parse_index(raw, str(index))
         _layout.single_beside(path, INDEX_NAME, set(weight_map.values()))
         file_of = {n: _inside(path, n, str(index)) for n in sorted(set(weight_map.values()))}
@@ -288,7 +290,7 @@ def _owned(target: _Local | _Remote) -> tuple[str | None, set[str]]:
     interrupted saves (:func:`~nnx_save.layouts._layout.owned`)."""
     try:
         weight_map, meta = parse_index(target.read_index(), str(target.index))
-    except (OSError, IndexFileError):
+    except (OSError, HeaderError):
         weight_map, meta = {}, {}
     record_id = meta.get(SAVE_ID_KEY)
     read = lambda name: _layout.save_id_in(lambda: target.header(name), SAVE_ID_KEY)  # noqa: E731

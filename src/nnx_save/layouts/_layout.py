@@ -7,7 +7,7 @@ save machinery, commits its record, and knows which files are its own (:func:`ow
 Every save draws a fresh save id (:func:`new_save_id`), recorded in its record and in
 each file's ``__metadata__``: the proof of ownership, and one version per load. A reader
 that finds files of another save, or a file gone while the index was replaced, raced a
-writer: an :class:`~nnx_save.errors.IndexChangedError` tells it to load again, never a
+writer: a :class:`~nnx_save.errors.SourceChangedError` tells it to load again, never a
 mix. Files of other tools carry no save id and are not checked.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from ..errors import HeaderError, IndexChangedError, IndexFileError, LayoutConflictError, NnxSaveError, SourceError
+from ..errors import HeaderCheck, HeaderError, NnxSaveError, SourceChangedError, SourceError
 from ..format._header import FileHeader, TensorInfo, unique_pairs
 from ..load._source import Header
 from ..save._entry import Entry
@@ -144,13 +144,14 @@ def remove(path: Path) -> None:
         log.warning("%s: could not remove %s (%s)", path.parent, path.name, e.strerror)
 
 
-def conflict(directory: Path, records: Sequence[str]) -> LayoutConflictError:
+def conflict(directory: Path, records: Sequence[str]) -> HeaderError:
     """The error for ``directory`` holding the ``records`` of two layouts."""
-    return LayoutConflictError(
+    return HeaderError(
         f"{directory}: holds both {' and '.join(records)}, so it is two checkpoints and nnx_save will not guess "
         "which one is current. Remove the record of the stale one (the save that did not write last), or "
         "save again into an empty directory",
-        str(directory),
+        check="layout",
+        file=str(directory),
     )
 
 
@@ -159,7 +160,7 @@ def single_beside(directory: Path, record: str, named: Collection[str]) -> None:
     checkpoint saved there too: transformers reads it, the record's layout the rest).
 
     Raises:
-        LayoutConflictError: naming both.
+        HeaderError: ``check="layout"``, naming both.
     """
     if SINGLE not in named and os.path.isfile(directory / SINGLE):
         raise conflict(directory, [f"{record} ({'pod' if record == 'manifest.json' else 'index'})", f"{SINGLE} (file)"])
@@ -174,21 +175,22 @@ def save_id_in(read: Callable[[], FileHeader], key: str) -> str | None:
         return None
 
 
-def load_record(raw: bytes, where: object, what: str, error: type[HeaderError]) -> Any:
+def load_record(raw: bytes, where: object, what: str, check: HeaderCheck | None = None) -> Any:
     """The JSON of a layout's record (an index, a manifest), refusing a key repeated
     at any level (``json.loads`` alone keeps the last in silence).
 
     Raises:
-        error: naming ``where`` and what is wrong.
+        HeaderError: of ``check``, naming ``where`` and what is wrong.
     """
     try:
         return json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
     except HeaderError as e:
-        raise error(f"{where}: {e} in the {what} JSON") from None
+        why = f"{e} in the {what} JSON"
     except RecursionError:
-        raise error(f"{where}: not a valid JSON {what}: nested too deeply") from None
+        why = f"not a valid JSON {what}: nested too deeply"
     except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise error(f"{where}: not a valid JSON {what}: {e}") from None
+        why = f"not a valid JSON {what}: {e}"
+    raise HeaderError(f"{where}: {why}", check=check) from None
 
 
 def merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
@@ -197,8 +199,9 @@ def merge(files: Sequence[FileHeader], where: str) -> dict[str, TensorInfo]:
     for fh in files:
         for name, info in fh.tensors.items():
             if name in tensors:
-                raise IndexFileError(
-                    f"{where}: tensor {name!r} appears in two files: {tensors[name].file} and {info.file}"
+                raise HeaderError(
+                    f"{where}: tensor {name!r} appears in two files: {tensors[name].file} and {info.file}",
+                    check="index",
                 )
             tensors[name] = info
     return tensors
@@ -213,7 +216,7 @@ def check_one_version(where: str, index_metadata: Mapping[str, str], files: Sequ
     """Every file is of the save the index records (when it records one).
 
     Raises:
-        IndexChangedError: naming the first file of another save, both save ids.
+        SourceChangedError: naming the first file of another save, both save ids.
     """
     want = index_metadata.get(SAVE_ID_KEY)
     if want is None:
@@ -221,9 +224,10 @@ def check_one_version(where: str, index_metadata: Mapping[str, str], files: Sequ
     for fh in files:
         got = fh.metadata.get(SAVE_ID_KEY)
         if got != want:
-            raise IndexChangedError(
+            raise SourceChangedError(
                 f"{where}: is save {want}, but {fh.file} is {f'save {got}' if got else 'of no recorded save'}: "
-                "the checkpoint was replaced while it was read; load it again"
+                "the checkpoint was replaced while it was read; load it again",
+                where,
             )
 
 
@@ -240,14 +244,15 @@ def one_version(index: Path, read: Callable[[], T]) -> T:
     while ``index`` itself was replaced meanwhile is a race with a writer.
 
     Raises:
-        IndexChangedError: the index changed during ``read`` and a file it named failed.
+        SourceChangedError: the index changed during ``read`` and a file it named failed.
     """
     before = _identity(index)
     try:
         return read()
-    except (FileNotFoundError, IndexFileError, SourceError) as e:
-        if isinstance(e, IndexChangedError) or _identity(index) == before:
+    except (FileNotFoundError, HeaderError, SourceError) as e:
+        if isinstance(e, SourceChangedError) or getattr(e, "check", "index") != "index" or _identity(index) == before:
             raise
-        raise IndexChangedError(
-            f"{index}: was replaced while it was read ({e}); the checkpoint changed under the reader; load it again"
+        raise SourceChangedError(
+            f"{index}: was replaced while it was read ({e}); the checkpoint changed under the reader; load it again",
+            str(index),
         ) from e

@@ -196,7 +196,7 @@ def _fail(where: Path, message: str) -> HeaderError:
 
 
 def _load_json(raw: bytes, where: Path) -> dict:
-    obj = load_record(raw, where, "manifest", HeaderError)
+    obj = load_record(raw, where, "manifest")
     if not isinstance(obj, dict) or obj.get("format") != FORMAT:
         raise HeaderError(f'{where}: not an nnx_save pod manifest (expected "format": "{FORMAT}")')
     if obj.get("version") != VERSION:

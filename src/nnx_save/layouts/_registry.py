@@ -5,7 +5,7 @@ Reading, :func:`read_header` tells a source by its content: a local file by its 
 a URL by the response (an object there is a file or an index; none, a directory whose
 index or ``model.safetensors`` is joined by the URL's rules, query string kept), and a
 directory by its records (:data:`RECORDS`: a pod manifest, an HF index; a directory two
-layouts claim is refused with :class:`~nnx_save.errors.LayoutConflictError`, never
+layouts claim is refused with a :class:`~nnx_save.errors.HeaderError` (``check="layout"``), never
 resolved in silence), else its ``*.safetensors`` files. A :class:`Header` of local files
 keeps each file open, so a load reads the very files it validated.
 
@@ -64,7 +64,7 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         HeaderError: a malformed file or index (the subclass names the check).
         NotSafetensorsError: another format, told by its bytes (a JSON file that is
             no index, a PyTorch pickle ...).
-        LayoutConflictError: a directory holding the records of two layouts.
+        HeaderError: ``check="layout"``: a directory holding the records of two layouts.
         SourceNotFoundError: the source does not exist (a ``FileNotFoundError``).
         OptionError: ``source`` is not a path, a URL or a non-empty list of paths.
 
@@ -147,7 +147,7 @@ def layout_of(path: Path) -> Layout:
     else a directory of files, else one file.
 
     Raises:
-        LayoutConflictError: two layouts claim ``path``, naming both.
+        HeaderError: ``check="layout"``: two layouts claim ``path``, naming both.
     """
     claimed = [layout for layout in RECORDS if layout.claims(path)] if path.is_dir() else []
     if len(claimed) > 1:

@@ -5,7 +5,7 @@ tells when ``share_reads=None`` turns it on (:func:`decide`, the same on every p
 
 Before any collective, every process posts whether its reads succeeded through the
 key-value store and waits with a deadline: a failed process raises its own error, every
-other one :class:`~nnx_save.errors.SharedReadError` naming it, instead of blocking.
+other one a :class:`~nnx_save.errors.SourceError` naming it, instead of blocking.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SaveError, SharedReadError
+from ..errors import SaveError, SourceError
 from ..format._boxes import Box, extents, intersect, of_index, whole
 from ..io._kv import Outcome, Sync
 from ._assemble import held_dtype
@@ -99,11 +99,11 @@ def _sync(where: str) -> Sync:
 
 def _step(sync: Sync, name: str, mine: Outcome, where: str) -> dict[int, Any]:
     """Every process's outcome of step ``name`` (bounded wait); a failed or silent peer
-    raises :class:`SharedReadError` on all."""
+    raises :class:`SourceError` on all."""
     try:
         return sync.step(name, mine)
     except SaveError as e:
-        raise SharedReadError(str(e), where) from e
+        raise SourceError(str(e), where) from e
 
 
 def _volume(box: Box) -> int:

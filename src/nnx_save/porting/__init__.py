@@ -49,7 +49,6 @@ __all__ = [
     "Restore",
     "RuleError",
     "RuleKind",
-    "RuleShapeError",
     "RuleTableWarning",
     "Rules",
     "Same",
@@ -89,7 +88,7 @@ __all__ = [
     "unstack",
 ]
 
-from ..errors import RuleError, RuleKind, RuleShapeError, RuleTableWarning
+from ..errors import RuleError, RuleKind, RuleTableWarning
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule
 from ._constructors import add, concat, ignore, rename, reshape, split, stack, tie, transpose, unstack
 from ._coverage import Coverage, coverage

@@ -18,7 +18,7 @@ from typing import Any, Literal, TypeGuard
 
 import numpy as np
 
-from ..errors import RuleError, RuleKind, RuleShapeError, RuleTableWarning
+from ..errors import RuleError, RuleKind, RuleTableWarning
 from ._checks import against_source, distinct, owners_of, problems_message, table_problems
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule, tie_checked
 from ._rules import (
@@ -73,15 +73,16 @@ class Assignment:
         ``original``: the source file's tensors ``against`` names (default: ``arrays``).
 
         Raises:
-            RuleShapeError: a source or the result disagrees with the planned shape.
+            RuleError: ``kind="shape"``: a source or the result disagrees with the planned shape.
         """
         kept = arrays if original is None else original
         values = [np.asarray(arrays[key]) for key in self.sources] + [np.asarray(kept[k]) for k in self.against]
         out = values[0] if self.transform is None else self.transform(values)
         if out.shape != self.shape or out.dtype != self.dtype:
-            raise RuleShapeError(
+            raise RuleError(
                 f"`{self.target}`: planned {self.shape} {self.dtype}, made {out.shape} {out.dtype} "
-                f"from {ticked(self.sources)}"
+                f"from {ticked(self.sources)}",
+                kind="shape",
             )
         return out
 
@@ -264,7 +265,7 @@ class Rules:
 
         Raises:
             RuleError: a source feeds two rules or a target is made twice.
-            RuleShapeError: a tensor's shape does not fit its rule.
+            RuleError: ``kind="shape"``: a tensor's shape does not fit its rule.
             RuleError: a rule's parts or layers are incomplete, or ``against`` on a load.
         """
         if against is not None and self.direction != "export":
@@ -446,22 +447,22 @@ class _Mapper:
 
     def run(self) -> KeyMapping:
         claims, renamed = self._claim()
-        self._raise(self.conflicts, RuleError, "conflict")
+        self._raise(self.conflicts, "conflict")
         owner = {key: index for index, claimed in claims.items() for key in claimed}
         pre = self._pre_steps(owner) if self.rules.direction == "export" else {}
-        self._raise(self.errors, RuleShapeError)
+        self._raise(self.errors, "shape")
         info = {k: (shape, dtype) for k, (_, shape, dtype) in pre.items()} if pre else self.info
         nodes = self._build(claims, renamed, info)
-        self._raise(self.conflicts, RuleError, "conflict")
-        self._raise(self.errors, RuleError)
+        self._raise(self.conflicts, "conflict")
+        self._raise(self.errors)
         assignments = {n.target: self._assign(n, pre) for n in sorted(nodes, key=lambda n: n.target)}
-        self._raise(self.errors, RuleShapeError)
+        self._raise(self.errors, "shape")
         self.problems += table_problems(self.rules.rules, self.active, claims, self.seen, self.applied)
         return self._finish(assignments, claims)
 
-    def _raise(self, messages: list[str], error: type[RuleError], kind: RuleKind | None = None) -> None:
+    def _raise(self, messages: list[str], kind: RuleKind | None = None) -> None:
         if messages:
-            raise error(problems_message(sorted(set(messages))), kind=kind)
+            raise RuleError(problems_message(sorted(set(messages))), kind=kind)
 
     def _claim(self) -> tuple[dict[int, dict[str, object]], dict[str, str]]:
         """Each source key to its one structural rule (``claims[rule index][key]``)."""

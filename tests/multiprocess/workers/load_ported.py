@@ -100,7 +100,7 @@ def run(job):
 
 def fail():
     """Process 1 asks for one more leaf, whose sharding jax refuses: it raises its
-    own error, process 0 a SharedReadError naming it, neither blocks."""
+    own error, process 0 a SourceError naming it, neither blocks."""
     mesh = c.mesh([jax.device_count()])
     abstract = {"w": jax.ShapeDtypeStruct((64, 48), np.float32, sharding=c.sharding(mesh, ()))}
     if ctx.process_id == 1:
