@@ -16,7 +16,7 @@ from ..layouts._registry import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import ShapeMismatch, matches_any, warn_single_device
-from ..load._source import Header
+from ..load._source import Header, gc_paused
 from ..load._target import Target
 from ..save import _background
 from ..save._options import SaveOptions
@@ -175,6 +175,7 @@ def _refuse_missing(header: Header, targets: list[Target]) -> None:
         )
 
 
+@gc_paused()  # flattening and targets allocate per leaf too: no full collections (see gc_paused)
 def load_file(
     source: PathLike | Sequence[PathLike] | Header | Mapping[str, Any],
     abstract: Any = None,

@@ -28,7 +28,15 @@ def held_dtype(t: Target) -> np.dtype:
         return np.dtype(t.dtype)
     import jax
 
-    return np.dtype(jax.dtypes.canonicalize_dtype(t.dtype))
+    return _canonical(t.dtype, bool(jax.config.jax_enable_x64))
+
+
+@functools.lru_cache(maxsize=256)
+def _canonical(dtype: Any, x64: bool) -> np.dtype:
+    """jax's dtype for ``dtype`` under ``jax_enable_x64=x64`` (asked per tensor: cached)."""
+    import jax
+
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
 
 
 def host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
@@ -46,9 +54,12 @@ def place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):
         return pieces[0][0]
     import jax
 
-    by_device = {d: host for host, devices in pieces for d in devices}
-    devices = list(device_indices(t.sharding, t.shape))
-    hosts = [by_device[d] for d in devices]
+    if len(pieces) == 1 and len(pieces[0][1]) == 1:  # one device: no order to follow
+        hosts, devices = [pieces[0][0]], list(pieces[0][1])
+    else:
+        by_device = {d: host for host, devices in pieces for d in devices}
+        devices = list(device_indices(t.sharding, t.shape))
+        hosts = [by_device[d] for d in devices]
     put = batched_put()
     if put is not None and hosts[0].dtype == jax.dtypes.canonicalize_dtype(hosts[0].dtype):
         return put(t.shape, t.sharding, hosts, devices)
@@ -61,7 +72,12 @@ def batched_put() -> Callable | None:
     """jax's one-call path from per-device host arrays to a sharded array: what
     ``jax.make_array_from_callback`` ends in, without its per-shard checks, several
     times cheaper per tensor (docs/performance.md). Internal API: ``None`` when
-    absent, and the public path (``jax.device_put`` per device) is used instead."""
+    absent, and the public path (``jax.device_put`` per device) is used instead.
+
+    The C++ call itself (``xla_client.batched_device_put``) when jax has it, with the
+    abstract value made once per shape, dtype and sharding: many small tensors of a
+    few shapes then cost a few microseconds each, not the tens that ``pxla``'s wrapper
+    and a fresh abstract value per tensor cost (issue 33)."""
     try:
         from jax._src import core
         from jax._src.interpreters import pxla
@@ -69,10 +85,25 @@ def batched_put() -> Callable | None:
         core.update_aval_with_sharding, pxla.batched_device_put  # noqa: B018 - probe both
     except (ImportError, AttributeError):
         return None
+    try:
+        from jax._src.lib import xla_client
+
+        direct = xla_client.batched_device_put
+    except (ImportError, AttributeError):
+        direct = None
+
+    @functools.lru_cache(maxsize=4096)
+    def aval(shape, dtype, sharding):
+        return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
 
     def put(shape, sharding, hosts, devices):
-        aval = core.update_aval_with_sharding(core.ShapedArray(shape, hosts[0].dtype), sharding)
-        return pxla.batched_device_put(aval, sharding, hosts, devices)
+        try:
+            made = aval(shape, hosts[0].dtype, sharding)
+        except TypeError:  # an unhashable sharding: made each time
+            made = core.update_aval_with_sharding(core.ShapedArray(shape, hosts[0].dtype), sharding)
+        if direct is not None and all(isinstance(h, np.ndarray) for h in hosts):
+            return direct(made, sharding, hosts, devices, True)
+        return pxla.batched_device_put(made, sharding, hosts, devices)
 
     return put
 

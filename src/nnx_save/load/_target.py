@@ -85,17 +85,18 @@ def _device_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[sl
 
 
 def shard_boxes(target: Target) -> list[tuple[Box, list[Any]]]:
-    """Unique index boxes this process needs, each with the local devices that hold it."""
+    """Unique index boxes this process needs, each with the local devices that hold it.
+    Computed once per sharding and shape: the caller must not modify the answer."""
     shape = target.shape
     if target.sharding is None:
         return [(target.box if target.box is not None else whole(shape), [None])]
-    groups: dict[Box, list[Any]] = {}
     try:
-        indices = device_indices(target.sharding, shape)
+        try:
+            groups = _shard_groups(target.sharding, tuple(shape))
+        except TypeError:  # unhashable
+            groups = _groups(target.sharding, tuple(shape))
     except ValueError as e:  # jax refuses it (a split that does not divide the dimension, ...)
         raise ShardingError(f"{target.path}: sharding {target.sharding} cannot hold shape {shape}: {e}") from None
-    for device, index in indices.items():
-        groups.setdefault(of_index(index, shape), []).append(device)
     if not groups:  # an array with no shard here: this process could never use or save it
         import jax
 
@@ -104,7 +105,17 @@ def shard_boxes(target: Target) -> list[tuple[Box, list[Any]]]:
             f"{jax.process_index()} (local devices {[d.id for d in jax.local_devices()]}); every process must "
             "load with a sharding over devices it can address (a mesh over jax.devices(), or jax.local_devices())"
         )
+    return groups
+
+
+def _groups(sharding: Any, shape: tuple[int, ...]) -> list[tuple[Box, list[Any]]]:
+    groups: dict[Box, list[Any]] = {}
+    for device, index in device_indices(sharding, shape).items():
+        groups.setdefault(of_index(index, shape), []).append(device)
     return list(groups.items())
+
+
+_shard_groups = functools.lru_cache(maxsize=1024)(_groups)
 
 
 def check_device_dtype(target: Target, file: str) -> None:
@@ -114,15 +125,25 @@ def check_device_dtype(target: Target, file: str) -> None:
     Raises:
         DtypeMismatchError: Names the file, the tensor, the dtype and the platform.
     """
-    local = target.sharding.addressable_devices if target.sharding is not None else ()
-    if not local:
-        return  # a host target, or no shard here (refused by shard_boxes)
-    device = min(local, key=lambda d: d.id)
+    if target.sharding is None:
+        return  # a host target
+    try:
+        device = _first_device(target.sharding)
+    except TypeError:  # unhashable
+        device = _first_device.__wrapped__(target.sharding)
+    if device is None:
+        return  # no shard here (refused by shard_boxes)
     if not _holds(device, target.dtype):
         raise DtypeMismatchError(
             f"{file}: tensor {target.path!r}: jax on {device.platform} cannot hold dtype {target.dtype} "
             "(nothing was read); load it onto the host instead (a numpy array or no template for it)"
         )
+
+
+@functools.lru_cache(maxsize=1024)
+def _first_device(sharding: Any) -> Any:
+    """The local device of ``sharding`` with the lowest id, or None (asked per tensor: cached)."""
+    return min(sharding.addressable_devices, key=lambda d: d.id, default=None)
 
 
 @functools.cache
