@@ -175,7 +175,6 @@ def _refuse_missing(header: Header, targets: list[Target]) -> None:
         )
 
 
-@gc_paused()  # flattening and targets allocate per leaf too: no full collections (see gc_paused)
 def load_file(
     source: PathLike | Sequence[PathLike] | Header | Mapping[str, Any],
     abstract: Any = None,
@@ -246,36 +245,37 @@ def load_file(
 
     from ._state_dict import source_header
 
-    header = source_header(source)
-    if abstract is None:
-        if jax.process_count() > 1:
-            raise NnxSaveError(
-                f"load_file({header.files[0].file if header.files else source!r}) without an abstract tree in a "
-                f"{jax.process_count()}-process run would read every tensor on every host; pass abstract= with "
-                "the shardings each process should load"
-            )
-        targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
-    else:
-        targets, treedef, leaves = _abstract_targets(abstract)
-        _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
-        if not strict:  # strict raises LoadError with the whole report instead
-            _refuse_missing(header, targets)
-    values, report = load_targets(
-        header,
-        targets,
-        how,
-        open_reader=reader_factory(header),
-        strict=strict,
-        allow_missing=allow_missing,
-        allow_unexpected=allow_unexpected,
-        allow_shape_mismatch=allow_shape_mismatch,
-        allow_casts=allow_casts,
-        progress=how.progress,
-    )
-    if abstract is None:
-        result = {k: values[k] for k in header.tensors}
-    else:
-        kept = {m.path for m in report.allowed_shape_mismatches}
-        values = {**values, **{t.path: leaf for t, leaf in zip(targets, leaves, strict=True) if t.path in kept}}
-        result = jax.tree_util.tree_unflatten(treedef, [values[t.path] for t in targets])
+    with gc_paused():  # flattening and making targets allocate per leaf too (see gc_paused)
+        header = source_header(source)
+        if abstract is None:
+            if jax.process_count() > 1:
+                raise NnxSaveError(
+                    f"load_file({header.files[0].file if header.files else source!r}) without an abstract tree in a "
+                    f"{jax.process_count()}-process run would read every tensor on every host; pass abstract= with "
+                    "the shardings each process should load"
+                )
+            targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
+        else:
+            targets, treedef, leaves = _abstract_targets(abstract)
+            _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
+            if not strict:  # strict raises LoadError with the whole report instead
+                _refuse_missing(header, targets)
+        values, report = load_targets(
+            header,
+            targets,
+            how,
+            open_reader=reader_factory(header),
+            strict=strict,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            allow_shape_mismatch=allow_shape_mismatch,
+            allow_casts=allow_casts,
+            progress=how.progress,
+        )
+        if abstract is None:
+            result = {k: values[k] for k in header.tensors}
+        else:
+            kept = {m.path for m in report.allowed_shape_mismatches}
+            values = {**values, **{t.path: leaf for t, leaf in zip(targets, leaves, strict=True) if t.path in kept}}
+            result = jax.tree_util.tree_unflatten(treedef, [values[t.path] for t in targets])
     return (result, report) if return_report else result

@@ -23,6 +23,8 @@ Segment = str | int
 
 def segment(entry: object, where: Sequence[object] = ()) -> Segment:
     """One path segment from a jax key entry, a str or an int."""
+    if type(entry) is str or type(entry) is int:  # the common case, asked per leaf (not bool: refused below)
+        return entry
     for attr in ("key", "name", "idx"):
         if hasattr(entry, attr) and not isinstance(entry, (str, int)):
             entry = getattr(entry, attr)

@@ -26,17 +26,22 @@ def held_dtype(t: Target) -> np.dtype:
     narrows it when ``jax_enable_x64`` is off (int64 -> int32, float64 -> float32)."""
     if t.sharding is None:
         return np.dtype(t.dtype)
+    return _canonical(t.dtype)
+
+
+def _canonical(dtype: Any) -> np.dtype:
+    """jax's dtype for ``dtype`` under the current ``jax_enable_x64`` (asked per tensor:
+    a dict beats jax's own cache)."""
     import jax
 
-    return _canonical(t.dtype, bool(jax.config.jax_enable_x64))
+    key = (dtype, jax.config.jax_enable_x64)
+    held = _HELD.get(key)
+    if held is None:
+        held = _HELD[key] = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    return held
 
 
-@functools.lru_cache(maxsize=256)
-def _canonical(dtype: Any, x64: bool) -> np.dtype:
-    """jax's dtype for ``dtype`` under ``jax_enable_x64=x64`` (asked per tensor: cached)."""
-    import jax
-
-    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+_HELD: dict[tuple[Any, bool], np.dtype] = {}
 
 
 def host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
@@ -61,7 +66,7 @@ def place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):
         devices = list(device_indices(t.sharding, t.shape))
         hosts = [by_device[d] for d in devices]
     put = batched_put()
-    if put is not None and hosts[0].dtype == jax.dtypes.canonicalize_dtype(hosts[0].dtype):
+    if put is not None and hosts[0].dtype == _canonical(hosts[0].dtype):
         return put(t.shape, t.sharding, hosts, devices)
     arrays = [jax.device_put(h, d) for h, d in zip(hosts, devices, strict=True)]
     return jax.make_array_from_single_device_arrays(t.shape, t.sharding, arrays)

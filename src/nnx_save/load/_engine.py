@@ -174,6 +174,8 @@ class Engine:
         """The pieces that give ``box`` and the part each gives: one per distinct
         piece box, this process's own pod file first."""
         pieces = self.header.pieces_of(key)
+        if len(pieces) == 1 and pieces[0].box == box and pieces[0].info.nbytes:  # a whole tensor, one piece
+            return [(pieces[0], box)]
         info = self.header.tensors[key]
         if not info.dtype.byte_aligned or (len(pieces) == 1 and pieces[0].box == whole(info.shape)):
             part = intersect(pieces[0].box, box) if info.dtype.byte_aligned else pieces[0].box
@@ -430,16 +432,18 @@ class Engine:
     def _filled(self, index: int) -> None:
         """Destination ``index`` is complete: place its owner once all its shards are."""
         owner = self.dests[index].owner
-        self.done[owner] += 1
-        if self.done[owner] < len(self.shards[owner]):
-            return
+        shards = self.shards[owner]
+        if len(shards) > 1:  # one shard (most tensors): nothing to count
+            self.done[owner] += 1
+            if self.done[owner] < len(shards):
+                return
         if owner.startswith("source:"):  # a transform's whole source: one destination
             self.wholes[self.dests[index].key] = self.host(index)
             self.dests[index].buffer = None
             self.run_transforms()
             return
         held, pieces = self.held(owner), []
-        for i in self.shards[owner]:
+        for i in shards:
             host = self.host(i)
             pieces.append((host if host.dtype == held else host.astype(held), self.dests[i].devices))
             self.dests[i].buffer = None  # released as soon as the array exists

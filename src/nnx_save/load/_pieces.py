@@ -50,6 +50,8 @@ def request(piece: Piece, part: Box, box: Box, dest: int) -> Request:
     info = piece.info
     if not info.dtype.byte_aligned:  # packed: the whole (single) piece, sliced after
         return Request(dest, info.begin, (info.nbytes,), 1, ((0, info.nbytes),))
+    if part == box == piece.box:  # a whole piece into its own buffer (many small tensors: keep it cheap)
+        return Request(dest, info.begin, info.shape, info.dtype.itemsize, tuple((0, d) for d in info.shape))
     local = tuple((lo - p, hi - p) for (lo, hi), (p, _) in zip(part, piece.box, strict=True))
     if part == box:
         return Request(dest, info.begin, info.shape, info.dtype.itemsize, local)
