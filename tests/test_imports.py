@@ -240,6 +240,21 @@ def test_a_small_safe_open_read_imports_no_subprocess_socket_or_engine(tmp_path)
     assert loaded & heavy == set()
 
 
+def test_a_numpy_safe_open_imports_no_framework(tmp_path):
+    """``import nnx_save`` and a ``framework="numpy"`` handle (a small slice, a whole
+    tensor) import neither jax, flax, orbax, transformers nor torch (issue 33: a fresh
+    process pays only for what it uses)."""
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file({"w": np.arange(64, dtype=np.float32).reshape(8, 8)}, path)
+    probe = (
+        f"import nnx_save\nwith nnx_save.safe_open({str(path)!r}, 'numpy') as f:\n"
+        "    assert f.get_slice('w')[:, 2:3].shape == (8, 1) and f.get_tensor('w').shape == (8, 8)"
+    )
+    loaded = _imports_after(probe)
+    assert "nnx_save" in loaded
+    assert loaded & {"jax", "jaxlib", "flax", "orbax", "transformers", "torch"} == set()
+
+
 def test_the_nnx_bridge_is_imported_on_first_use():
     loaded = _imports_after("import nnx_save\nnnx_save.load_model, nnx_save.save_pod")
     assert {"jax", "flax"} <= loaded and "orbax" not in loaded

@@ -641,3 +641,36 @@ def test_over_read_advice_is_true_for_the_load_at_hand(tmp_path, skip):
             in message
         )
         assert "Pass max_over_read_ratio" not in message
+
+
+def test_the_held_dtype_follows_jax_enable_x64_when_it_changes(tmp_path):
+    """The dtype a device array holds is cached per tensor dtype (issue 33): the cache
+    follows ``jax_enable_x64`` when it is turned on and off between loads."""
+    value = np.arange(-3, 5, dtype=np.int64) * (1 << 40)
+    nnx_save.save_file({"i": value}, tmp_path / "i.safetensors")
+    abstract = {"i": jax.ShapeDtypeStruct(value.shape, np.int64, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    with pytest.warns(nnx_save.LossyCastWarning):
+        narrow = nnx_save.load_file(tmp_path / "i.safetensors", abstract)["i"]
+    assert narrow.dtype == np.int32
+    with jax.enable_x64(True):
+        wide = nnx_save.load_file(tmp_path / "i.safetensors", abstract)["i"]
+        assert wide.dtype == np.int64 and _same_bits(np.asarray(wide), value)
+    with pytest.warns(nnx_save.LossyCastWarning):
+        again = nnx_save.load_file(tmp_path / "i.safetensors", abstract)["i"]
+    assert again.dtype == np.int32 and _same_bits(np.asarray(again), value.astype(np.int32))
+
+
+def test_many_small_tensors_land_exact_on_their_own_devices(tmp_path):
+    """The per-tensor fast paths (one device: no device-order map; cached groups and
+    abstract values) against jax.device_put of the same values: every small tensor on
+    the device its sharding names, a replicated and a split one among them."""
+    devices = jax.devices()
+    full = {f"t{i}": np.arange(32, dtype=np.float32).reshape(8, 4) * i + i for i in range(64)}
+    nnx_save.save_file(full, tmp_path / "small.safetensors")
+    mesh = Mesh(np.array(devices), ("x",))
+    shardings = {k: jax.sharding.SingleDeviceSharding(devices[i % len(devices)]) for i, k in enumerate(full)}
+    shardings["t1"], shardings["t2"] = NamedSharding(mesh, P()), NamedSharding(mesh, P("x"))
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in full.items()}
+    out = nnx_save.load_file(tmp_path / "small.safetensors", abstract)
+    for k, v in full.items():
+        _assert_like_device_put(out[k], v, shardings[k])
