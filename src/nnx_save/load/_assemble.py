@@ -16,7 +16,7 @@ import numpy as np
 from ..format import _dtypes
 from ..format._header import TensorInfo
 from ._pieces import Box, extents
-from ._target import Target, device_indices
+from ._target import Target, device_indices, per_sharding
 
 __all__ = ["batched_put", "held_dtype", "host_view", "place", "place_whole"]
 
@@ -97,16 +97,12 @@ def batched_put() -> Callable | None:
     except (ImportError, AttributeError):
         direct = None
 
-    @functools.lru_cache(maxsize=4096)
-    def aval(shape, dtype, sharding):
+    def aval(sharding, shape, dtype):
         return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
 
     def put(shape, sharding, hosts, devices):
-        try:
-            made = aval(shape, hosts[0].dtype, sharding)
-        except TypeError:  # an unhashable sharding: made each time
-            made = core.update_aval_with_sharding(core.ShapedArray(shape, hosts[0].dtype), sharding)
-        if direct is not None and all(isinstance(h, np.ndarray) for h in hosts):
+        made = per_sharding(aval, sharding, tuple(shape), hosts[0].dtype)
+        if direct is not None and all(type(h) is np.ndarray for h in hosts):
             return direct(made, sharding, hosts, devices, True)
         return pxla.batched_device_put(made, sharding, hosts, devices)
 

@@ -7,7 +7,7 @@ models, porting rules) can build targets without importing the engine.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import DtypeMismatchError, ShardingError
 from ..format._boxes import Box, of_index, whole
 
-__all__ = ["SourceTransform", "Target", "check_device_dtype", "device_indices", "shard_boxes"]
+__all__ = ["SourceTransform", "Target", "check_device_dtype", "device_indices", "per_sharding", "shard_boxes"]
 
 
 class SourceTransform(Protocol):
@@ -91,10 +91,7 @@ def shard_boxes(target: Target) -> list[tuple[Box, list[Any]]]:
     if target.sharding is None:
         return [(target.box if target.box is not None else whole(shape), [None])]
     try:
-        try:
-            groups = _shard_groups(target.sharding, tuple(shape))
-        except TypeError:  # unhashable
-            groups = _groups(target.sharding, tuple(shape))
+        groups = per_sharding(_shard_groups, target.sharding, tuple(shape))
     except ValueError as e:  # jax refuses it (a split that does not divide the dimension, ...)
         raise ShardingError(f"{target.path}: sharding {target.sharding} cannot hold shape {shape}: {e}") from None
     if not groups:  # an array with no shard here: this process could never use or save it
@@ -115,7 +112,31 @@ def _groups(sharding: Any, shape: tuple[int, ...]) -> list[tuple[Box, list[Any]]
     return list(groups.items())
 
 
-_shard_groups = functools.lru_cache(maxsize=1024)(_groups)
+def _shard_groups(sharding: Any, shape: tuple[int, ...]) -> list[tuple[Box, list[Any]]]:
+    try:
+        return _hashed_groups(sharding, shape)
+    except TypeError:  # unhashable
+        return _groups(sharding, shape)
+
+
+_hashed_groups = functools.lru_cache(maxsize=1024)(_groups)
+_SEEN: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+
+def per_sharding(fn: Callable[..., Any], sharding: Any, *args: Any) -> Any:
+    """``fn(sharding, *args)``, remembered per sharding OBJECT: many tensors of one load
+    share a sharding object, and hashing one (jax's ``__hash__`` in Python) costs more
+    than the rest of a small tensor's placement. The entry holds the sharding, so its
+    ``id`` cannot be reused while it is remembered. ``fn`` must be pure."""
+    key = (fn, id(sharding), *args)
+    hit = _SEEN.get(key)
+    if hit is not None and hit[0] is sharding:
+        return hit[1]
+    value = fn(sharding, *args)
+    if len(_SEEN) >= 4096:  # bounded: a load with more distinct shardings starts over
+        _SEEN.clear()
+    _SEEN[key] = (sharding, value)
+    return value
 
 
 def check_device_dtype(target: Target, file: str) -> None:
@@ -127,10 +148,7 @@ def check_device_dtype(target: Target, file: str) -> None:
     """
     if target.sharding is None:
         return  # a host target
-    try:
-        device = _first_device(target.sharding)
-    except TypeError:  # unhashable
-        device = _first_device.__wrapped__(target.sharding)
+    device = per_sharding(_first_device, target.sharding)
     if device is None:
         return  # no shard here (refused by shard_boxes)
     if not _holds(device, target.dtype):
@@ -140,7 +158,6 @@ def check_device_dtype(target: Target, file: str) -> None:
         )
 
 
-@functools.lru_cache(maxsize=1024)
 def _first_device(sharding: Any) -> Any:
     """The local device of ``sharding`` with the lowest id, or None (asked per tensor: cached)."""
     return min(sharding.addressable_devices, key=lambda d: d.id, default=None)
