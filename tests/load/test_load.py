@@ -648,7 +648,9 @@ def test_the_held_dtype_follows_jax_enable_x64_when_it_changes(tmp_path):
     follows ``jax_enable_x64`` when it is turned on and off between loads."""
     value = np.arange(-3, 5, dtype=np.int64) * (1 << 40)
     nnx_save.save_file({"i": value}, tmp_path / "i.safetensors")
-    abstract = {"i": jax.ShapeDtypeStruct(value.shape, np.int64, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    abstract = {
+        "i": jax.ShapeDtypeStruct(value.shape, np.int64, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    }
     with pytest.warns(nnx_save.LossyCastWarning):
         narrow = nnx_save.load_file(tmp_path / "i.safetensors", abstract)["i"]
     assert narrow.dtype == np.int32
