@@ -34,7 +34,7 @@ def _canonical(dtype: Any) -> np.dtype:
     a dict beats jax's own cache)."""
     import jax
 
-    key = (dtype, jax.config.jax_enable_x64)
+    key = (dtype, jax.config.jax_enable_x64)  # type: ignore[attr-defined]  # the attribute: read() costs 10x
     held = _HELD.get(key)
     if held is None:
         held = _HELD[key] = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
