@@ -17,7 +17,7 @@ import orbax.checkpoint as ocp
 
 from ..errors import UnsupportedValueError
 from ._format import DTYPES_ITEM, ROOT
-from ._tree import Path, flatten, show
+from ._tree import Path, flatten, is_key_dtype, show
 
 __all__ = ["OrbaxLeaf", "orbax_arrays"]
 
@@ -50,7 +50,7 @@ def orbax_arrays(path: str | os.PathLike) -> list[OrbaxLeaf]:
 
 
 def _leaf(path: Path, leaf: Any) -> OrbaxLeaf:
-    if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    if isinstance(leaf, jax.Array) and is_key_dtype(leaf.dtype):
         return OrbaxLeaf(path, np.asarray(jax.random.key_data(leaf)), rng_impl=str(jax.random.key_impl(leaf)))
     if type(leaf) in _PY_DTYPES:
         return OrbaxLeaf(path, np.asarray(leaf, _PY_DTYPES[type(leaf)]), scalar=type(leaf).__name__)

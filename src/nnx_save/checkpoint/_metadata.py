@@ -17,7 +17,7 @@ from typing import Any, TypeGuard
 from .._version import __version__
 from ..errors import CheckpointUsageError, OptionError, UnsupportedCheckpointError, short_repr
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
-from ._tree import check_item, unknown_item
+from ._tree import check_item, record_of, unknown_item
 
 __all__ = [
     "CheckpointMetadata",
@@ -277,13 +277,14 @@ def check_step(step: Any) -> int:
     return int(step)
 
 
-def check_items(items: Mapping[str, Any]) -> tuple[str, ...]:
-    """The item names in canonical order, after validating every leaf."""
+def check_items(items: Mapping[str, Any]) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The item names in canonical order and their dtype record (items in that order),
+    made in the one pass that validates every leaf."""
     if not isinstance(items, Mapping) or not items:
         raise OptionError(f"items must be a non-empty mapping of {', '.join(ITEM_NAMES)}, got {items!r}")
-    for name, tree in items.items():
-        check_item(name, tree)
-    return tuple(name for name in ITEM_NAMES if name in items)
+    rows = {name: check_item(name, tree) for name, tree in items.items()}  # refused in the caller's order
+    names = tuple(name for name in ITEM_NAMES if name in items)
+    return names, record_of({name: rows[name] for name in names})
 
 
 def new_metadata(

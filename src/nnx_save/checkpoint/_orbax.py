@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 
 from ..errors import UnsupportedValueError
 from ._format import DTYPES_ITEM, ITEM_NAMES, METADATA_ITEM, ROOT
-from ._tree import Path, Spec, flatten, segment, show
+from ._tree import Path, Spec, flatten, is_key_dtype, segment, show
 
 if TYPE_CHECKING:
     from ._partial import Selection
@@ -114,7 +114,7 @@ def template_restore_args(item: str, template: Any) -> Any:
 def _template_arg(item: str, keypath: Any, leaf: Any) -> ocp.RestoreArgs:
     if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
         sharding = leaf.sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        if is_key_dtype(leaf.dtype):
             return ocp.ArrayRestoreArgs(sharding=sharding)  # Orbax rebuilds the key from its key data
         return ocp.ArrayRestoreArgs(sharding=sharding, global_shape=tuple(leaf.shape), dtype=leaf.dtype)
     if isinstance(leaf, np.ndarray):

@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import ShardingError
 from ..load._report import IOStats
-from ._tree import segment, show
+from ._tree import is_key_dtype, segment, show
 
 __all__ = ["concrete_sharding", "concrete_templates", "io_counters", "read_stats"]
 
@@ -90,8 +90,10 @@ def read_stats(
 
 def _needed(leaf: Any) -> int:
     if isinstance(leaf, jax.Array):
-        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        if is_key_dtype(leaf.dtype):
             leaf = jax.random.key_data(leaf)
+        if isinstance(leaf.sharding, jax.sharding.SingleDeviceSharding):
+            return int(leaf.nbytes)  # its one shard: no shard objects made for it
         boxes = {str(shard.index): shard.data.nbytes for shard in leaf.addressable_shards}
         return sum(boxes.values())
     return int(leaf.nbytes) if isinstance(leaf, np.ndarray) else 0

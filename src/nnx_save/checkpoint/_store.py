@@ -28,7 +28,7 @@ from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, s
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
 from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked
 from ._schedule import SaveSchedule
-from ._tree import dtype_record, flatten
+from ._tree import flatten
 from ._types import Checkpoint, CheckpointStore
 
 __all__ = ["OrbaxCheckpointStore"]
@@ -356,10 +356,10 @@ class OrbaxCheckpointStore:
             DirectoryLockedError: Another live writer holds the directory (named).
         """
         step = check_step(step)
-        names = check_items(items)
+        names, dtypes = check_items(items)  # one pass over the leaves: the guards and the dtype record
         ordered = {name: items[name] for name in names}
         record = new_metadata(step, names, epoch, metrics, producer, extra)
-        args = _orbax.save_args(ordered, record.to_dict(), dtype_record(ordered))
+        args = _orbax.save_args(ordered, record.to_dict(), dtypes)
         self._open()
         self._disk.refuse_links()  # every call: the directory may have changed since the last one
         manager = self._writer()  # every process, every time: no branch on what one process sees

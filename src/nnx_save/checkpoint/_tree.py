@@ -6,6 +6,7 @@ is ``"0"``), so template, dtype-record and Orbax paths compare directly.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -25,10 +26,12 @@ __all__ = [
     "dtype_record",
     "flatten",
     "is_array",
+    "is_key_dtype",
     "leaf_spec",
     "parse_dtype_record",
     "parse_leaf_record",
     "python_kind",
+    "record_of",
     "segment",
     "show",
 ]
@@ -71,10 +74,25 @@ def leaf_spec(leaf: Any) -> Spec | None:
     """The stored shape and dtype of an array leaf; ``None`` for Python leaves."""
     if not is_array(leaf):
         return None
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    name = _dtype_name(leaf.dtype)
+    if name is None:  # a typed PRNG key: stored as its key data
         data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(leaf.shape, leaf.dtype))
         return Spec(tuple(data.shape), str(data.dtype))
-    return Spec(tuple(leaf.shape), str(np.dtype(leaf.dtype)))
+    return Spec(tuple(leaf.shape), name)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name(dtype: Any) -> str | None:
+    """A dtype's name as stored (``"float32"``), None for a typed-key dtype. Cached: numpy's
+    ``str(dtype)`` and jax's ``issubdtype`` cost microseconds each, paid per leaf on every
+    save and restore of thousands of leaves that share a few dtypes."""
+    return None if is_key_dtype(dtype) else str(np.dtype(dtype))
+
+
+@functools.lru_cache(maxsize=256)
+def is_key_dtype(dtype: Any) -> bool:
+    """True for a typed PRNG key's dtype (cached per dtype, as :func:`leaf_spec`'s name)."""
+    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
 
 
 def unknown_item(name: object) -> str:
@@ -91,14 +109,21 @@ def unknown_item(name: object) -> str:
     )
 
 
-def check_item(name: str, tree: Any) -> None:
+def check_item(name: str, tree: Any) -> tuple[list[Any], list[Any]]:
     """Refuse an item Orbax could not store exactly, before anything is written: an
     unknown name (``OptionError``), a leaf that is no array, typed key, int, float, bool or
     str, an int past int64, an empty or deleted array (``UnsupportedValueError``), or two
-    leaves Orbax would name alike, ``{"a.b": x}`` and ``{"a": {"b": y}}`` (``KeyPathError``)."""
+    leaves Orbax would name alike, ``{"a.b": x}`` and ``{"a": {"b": y}}`` (``KeyPathError``).
+
+    Returns:
+        The item's rows of the dtype record (``items`` and ``leaves``, see
+        :func:`dtype_record`), made in the same pass over the leaves.
+    """
     if name not in ITEM_NAMES:
         raise OptionError(unknown_item(name), "items")
     names: dict[str, Path] = {}
+    dtypes: list[Any] = []
+    leaves: list[Any] = []
     for path, leaf in flatten(tree):
         _check_leaf(name, path, leaf)
         dotted = ".".join(path)
@@ -109,6 +134,13 @@ def check_item(name: str, tree: Any) -> None:
                 f"{name}/{show(path)}",
             )
         names[dotted] = path
+        spec = leaf_spec(leaf)
+        if spec is None:
+            leaves.append([list(path), python_kind(leaf)])
+        else:
+            dtypes.append([list(path), spec.dtype])
+            leaves.append([list(path), spec.dtype, list(spec.shape)])
+    return dtypes, leaves
 
 
 def _check_leaf(item: str, path: Path, leaf: Any) -> None:
@@ -146,7 +178,7 @@ def dtype_record(items: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON record of every leaf, by item and leaf path: ``items`` the dtype of each
     array (what the dtype guard compares), ``leaves`` each leaf's stored shape and dtype,
     or its Python type (what a templated restore compares, without asking Orbax for the
-    metadata of every array).
+    metadata of every array). Every leaf is checked as :func:`check_item` checks it.
 
     Examples:
         >>> dtype_record({"rng": jax.random.key(0), "model": {"w": np.zeros(2, np.float16), "n": 3}})["items"]
@@ -154,18 +186,16 @@ def dtype_record(items: Mapping[str, Any]) -> dict[str, Any]:
         >>> dtype_record({"model": {"w": np.zeros(2, np.float16), "n": 3}})["leaves"]
         {'model': [[['n'], 'int'], [['w'], 'float16', [2]]]}
     """
-    dtypes: dict[str, list[Any]] = {}
-    leaves: dict[str, list[Any]] = {}
-    for name, tree in items.items():
-        dtypes[name], leaves[name] = [], []
-        for path, leaf in flatten(tree):
-            spec = leaf_spec(leaf)
-            if spec is None:
-                leaves[name].append([list(path), python_kind(leaf)])
-            else:
-                dtypes[name].append([list(path), spec.dtype])
-                leaves[name].append([list(path), spec.dtype, list(spec.shape)])
-    return {"format": DTYPES_FORMAT, "items": dtypes, "leaves": leaves}
+    return record_of({name: check_item(name, tree) for name, tree in items.items()})
+
+
+def record_of(rows: Mapping[str, tuple[list[Any], list[Any]]]) -> dict[str, Any]:
+    """The dtype record of items whose rows :func:`check_item` made, in ``rows``' order."""
+    return {
+        "format": DTYPES_FORMAT,
+        "items": {name: dtypes for name, (dtypes, _) in rows.items()},
+        "leaves": {name: leaves for name, (_, leaves) in rows.items()},
+    }
 
 
 def python_kind(leaf: Any) -> str:
