@@ -173,9 +173,11 @@ class Disk:
         retention = self.retention
         if retention == Retention.keep_all():
             return []
-        return agree("retention", lambda: doomed(retention, self._infos(self.load().intact)))
+        return agree("retention", lambda: doomed(retention, self._infos(self.load().intact, retention)))
 
-    def _infos(self, steps: list[int]) -> list[StepInfo]:
+    def _infos(self, steps: list[int], retention: Retention) -> list[StepInfo]:
+        if retention.best is None and retention.newer_than is None:  # they rank by step alone: no record read
+            return [StepInfo(step, {}, 0.0) for step in steps]
         now = datetime.datetime.now(datetime.UTC)
         infos = []
         for step in steps:

@@ -194,6 +194,8 @@ def _kind_of(leaf: Any) -> str | None:
         >>> [_kind_of(v) for v in (True, 3, 2.5, "x", [1])]
         ['bool', 'int', 'float', 'str', None]
     """
+    if not isinstance(leaf, (int, float, str)):  # an array or a template: one check for the common case
+        return None
     return next((name for name, kind in _TYPES.items() if isinstance(leaf, kind)), None)
 
 
@@ -202,10 +204,12 @@ def _as_stored(template: Any, stored: Mapping[Path, str]) -> Any:
     Orbax reads the value exactly as it was saved."""
 
     def leaf(keypath: Any, value: Any) -> Any:
+        if _kind_of(value) is None:
+            return value
         have = stored.get(tuple(segment(e) for e in keypath))
-        return _EXAMPLES[have] if _kind_of(value) is not None and have is not None else value
+        return value if have is None else _EXAMPLES[have]
 
-    return jax.tree_util.tree_map_with_path(leaf, template)
+    return jax.tree_util.tree_map_with_path(leaf, template) if stored else template
 
 
 def prepare(
@@ -225,6 +229,7 @@ def prepare(
     differ = [
         (name, show(path), want, stored[name][path])
         for name, tree in templates.items()
+        if stored[name]  # no Python leaf stored: none can differ (a kind mismatch is select's to refuse)
         for path, leaf in flatten(tree)
         if (want := _kind_of(leaf)) is not None and path in stored[name] and want != stored[name][path]
     ]

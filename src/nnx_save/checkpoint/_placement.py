@@ -31,9 +31,9 @@ def concrete_sharding(sharding: Any, mesh: Any, where: str) -> Any:
         ShardingError: No concrete mesh is given or in scope, or its axes differ from the
             abstract mesh's (names and sizes).
     """
-    abstract = getattr(sharding, "mesh", None)
-    if not isinstance(abstract, jax.sharding.AbstractMesh):
+    if not _on_abstract_mesh(sharding):
         return sharding
+    abstract = sharding.mesh
     if mesh is None:
         mesh = jax.sharding.get_mesh()
     if mesh is None or mesh.empty:
@@ -53,8 +53,8 @@ def concrete_templates(item: str, template: Any, mesh: Any) -> Any:
     """``template`` with every abstract-mesh sharding of a ``jax.ShapeDtypeStruct`` resolved."""
 
     def resolve(keypath: Any, leaf: Any) -> Any:
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
+        if not isinstance(leaf, jax.ShapeDtypeStruct) or not _on_abstract_mesh(leaf.sharding):
+            return leaf  # the common case, decided before the leaf's path is formatted
         where = f"templates[{item!r}]: {show(tuple(map(segment, keypath)))}"
         sharding = concrete_sharding(leaf.sharding, mesh, where)
         if sharding is leaf.sharding:
@@ -62,6 +62,10 @@ def concrete_templates(item: str, template: Any, mesh: Any) -> Any:
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
 
     return jax.tree_util.tree_map_with_path(resolve, template)
+
+
+def _on_abstract_mesh(sharding: Any) -> bool:
+    return isinstance(getattr(sharding, "mesh", None), jax.sharding.AbstractMesh)
 
 
 def io_counters() -> tuple[int, int] | None:

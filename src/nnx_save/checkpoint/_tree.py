@@ -238,25 +238,36 @@ def _recorded(rows: list[Any]) -> Recorded:
     specs: dict[Path, Spec | None] = {}
     kinds: dict[Path, str] = {}
     for row in rows:
-        if not (_is_pairs([row[:2]]) if isinstance(row, list) and len(row) in (2, 3) else False):
+        if not (isinstance(row, list) and len(row) in (2, 3) and _is_path(row[0]) and isinstance(row[1], str)):
             raise UnsupportedCheckpointError(f"a malformed leaf record entry {str(row)[:200]!r}")
         path = tuple(row[0])
         if len(row) == 2 and row[1] in ("bool", "int", "float", "str"):
             specs[path], kinds[path] = None, row[1]
-        elif len(row) == 3 and isinstance(row[2], list) and all(type(n) is int and n >= 0 for n in row[2]):
+        elif len(row) == 3 and _is_shape(row[2]):
             specs[path] = Spec(tuple(row[2]), row[1])
         else:
             raise UnsupportedCheckpointError(f"a malformed leaf record entry {str(row)[:200]!r}")
     return Recorded(specs, kinds)
 
 
+# The record's checks run once per leaf on every read of a step: types are compared as sets
+# (one C-level pass per list) rather than with a generator per row. JSON gives exact types.
+_STR, _INT = frozenset({str}), frozenset({int})
+
+
+def _is_path(path: Any) -> bool:
+    """True for ``["path", "segments"]`` (empty: a bare array item)."""
+    return isinstance(path, list) and set(map(type, path)) <= _STR
+
+
+def _is_shape(shape: Any) -> bool:
+    """True for a list of non-negative ints (not bools)."""
+    return isinstance(shape, list) and set(map(type, shape)) <= _INT and (not shape or min(shape) >= 0)
+
+
 def _is_pairs(pairs: Any) -> bool:
     """True for ``[[["path", "segments"], "dtype"], ...]``."""
     return isinstance(pairs, list) and all(
-        isinstance(pair, list)
-        and len(pair) == 2
-        and isinstance(pair[0], list)
-        and all(isinstance(segment, str) for segment in pair[0])
-        and isinstance(pair[1], str)
+        isinstance(pair, list) and len(pair) == 2 and _is_path(pair[0]) and isinstance(pair[1], str)
         for pair in pairs
     )
