@@ -115,3 +115,43 @@ def test_a_malformed_leaf_record_is_refused(saved, change, found):
     _rewrite_record(saved, change)
     with OrbaxCheckpointStore(saved) as store, pytest.raises(UnsupportedCheckpointError, match=re.escape(found)):
         store.restore(1, templates={"model": {"w": jnp.zeros((2, 3)), "n": 0}})
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2, 3) | st.sampled_from(["", "w", "float32", "int", "str", "complex"]),
+    lambda inner: st.lists(inner, max_size=3),
+    max_leaves=6,
+)
+ROWS = st.one_of(
+    JSON_VALUES,
+    st.tuples(st.lists(st.sampled_from(["a", "0", 0, True, None]), max_size=2), JSON_VALUES).map(list),
+    st.tuples(st.lists(st.just("a"), max_size=2), st.just("float32"), JSON_VALUES).map(list),
+)
+
+
+def _reference_row(row):
+    """What a leaf-record row means, written out plainly: ``(spec, kind)``, or None for a malformed row."""
+    if not (isinstance(row, list) and len(row) in (2, 3) and isinstance(row[1], str) and isinstance(row[0], list)):
+        return None
+    if not all(isinstance(segment, str) for segment in row[0]):
+        return None
+    if len(row) == 2:
+        return (None, row[1]) if row[1] in ("bool", "int", "float", "str") else None
+    shape = row[2]
+    if isinstance(shape, list) and all(type(n) is int and n >= 0 for n in shape):
+        return ((tuple(shape), row[1]), None)
+    return None
+
+
+@settings(max_examples=200)
+@given(rows=st.lists(ROWS, max_size=4))
+def test_a_leaf_record_row_is_read_or_refused_as_its_definition_says(rows):
+    meant = [_reference_row(row) for row in rows]
+    if any(m is None for m in meant):
+        with pytest.raises(UnsupportedCheckpointError, match=re.escape("a malformed leaf record entry")):
+            parse_leaf_record({"leaves": {"model": rows}})
+        return
+    recorded = parse_leaf_record({"leaves": {"model": rows}})["model"]
+    paths = [tuple(row[0]) for row in rows]
+    assert recorded.specs == {p: (None if spec is None else tuple(spec)) for p, (spec, _) in zip(paths, meant)}
+    assert recorded.kinds == {p: kind for p, (_, kind) in zip(paths, meant) if kind is not None}

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 from _errors import raises_usage
 
-from nnx_save.checkpoint import OrbaxCheckpointStore, Retention, UnsupportedCheckpointError
+from nnx_save.checkpoint import OrbaxCheckpointStore, Retention, UnsupportedCheckpointError, _disk
 from nnx_save.checkpoint._retention import StepInfo, doomed
 
 LOSSES = {10: 0.9, 20: 0.1, 30: 0.5, 40: 0.4, 50: 0.45}
@@ -131,6 +131,19 @@ def test_the_default_is_the_latest_five(tmp_path):
         assert store.retention == Retention() == Retention(latest=5)
         assert store.list_steps() == [3, 4, 5, 6, 7]
 
+
+
+def test_retention_by_step_alone_reads_no_step_record(tmp_path, monkeypatch):
+    """Issue 33: a save applied latest-N retention by reading every kept step's record."""
+    read = []
+    real = _disk.read_json
+    monkeypatch.setattr(_disk, "read_json", lambda path: read.append(path.parent.parent.name) or real(path))
+    with run(tmp_path / "latest", max_to_keep=2) as store:
+        assert store.list_steps() == [40, 50]
+    assert read == []
+    with run(tmp_path / "best", retention=Retention(latest=2, best=1, metric="loss")) as store:
+        assert store.list_steps() == [20, 40, 50]
+    assert {"10", "20", "30", "40", "50"} <= set(read)  # ranking by a metric reads the records
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
