@@ -23,6 +23,7 @@ from ..errors import (
 from ..load._report import DtypeCast
 from . import _exit, _orbax, _partial, _placement, _tree
 from ._directory import is_url, store_location
+from ._gc import collector_paused
 from ._disk import ASIDE_PREFIX, Disk
 from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
@@ -355,19 +356,20 @@ class OrbaxCheckpointStore:
                 or ``"rejected"``.
             DirectoryLockedError: Another live writer holds the directory (named).
         """
-        step = check_step(step)
-        names, dtypes = check_items(items)  # one pass over the leaves: the guards and the dtype record
-        ordered = {name: items[name] for name in names}
-        record = new_metadata(step, names, epoch, metrics, producer, extra)
-        args = _orbax.save_args(ordered, record.to_dict(), dtypes)
-        self._open()
-        self._disk.refuse_links()  # every call: the directory may have changed since the last one
-        manager = self._writer()  # every process, every time: no branch on what one process sees
-        if (
-            self._in_flight is None
-        ):  # the refusal reads the disk, not what this store saw (an in-flight step is not there yet)
-            self._disk.forget()
-        exists = self._refuse_write(step, overwrite)
+        with collector_paused():  # the guards, the records, the directory's view: many small objects, no cycles
+            step = check_step(step)
+            names, dtypes = check_items(items)  # one pass over the leaves: the guards and the dtype record
+            ordered = {name: items[name] for name in names}
+            record = new_metadata(step, names, epoch, metrics, producer, extra)
+            args = _orbax.save_args(ordered, record.to_dict(), dtypes)
+            self._open()
+            self._disk.refuse_links()  # every call: the directory may have changed since the last one
+            manager = self._writer()  # every process, every time: no branch on what one process sees
+            if (
+                self._in_flight is None
+            ):  # the refusal reads the disk, not what this store saw (in flight: not there yet)
+                self._disk.forget()
+            exists = self._refuse_write(step, overwrite)
         self._settle(manager)
         with self._write_failures(step):
             if exists:
@@ -495,29 +497,30 @@ class OrbaxCheckpointStore:
                 step under ``strict`` (a leaf's kind: always), before any read.
             CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
         """
-        step = self._latest_or(step)
-        metadata = self.read_metadata(step)
-        templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
-        names = restore_names(metadata, templates, items)
-        manager = self._reader()
-        saved, recorded, stored = self._stored_view(step, names, [n for n in names if n in templates])
-        options = _partial.PartialOptions(
-            strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
-        )
-        given = {n: templates[n] for n in names if n in templates}
-        given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
-        whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
-        specs = {n: recorded[n].specs for n in given}
-        chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
-        casts = _partial.check_template_dtypes(
-            step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
-        )
-        report.dtype_casts.extend(
-            DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
-        )
-        to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
-        plan = {n: _orbax.item_plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
-        partial = [n for n, s in chosen.items() if not s.whole]
+        with collector_paused():  # the records, the templates' plans: many small objects, no cycles
+            step = self._latest_or(step)
+            metadata = self.read_metadata(step)
+            templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
+            names = restore_names(metadata, templates, items)
+            manager = self._reader()
+            saved, recorded, stored = self._stored_view(step, names, [n for n in names if n in templates])
+            options = _partial.PartialOptions(
+                strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
+            )
+            given = {n: templates[n] for n in names if n in templates}
+            given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
+            whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
+            specs = {n: recorded[n].specs for n in given}
+            chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
+            casts = _partial.check_template_dtypes(
+                step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
+            )
+            report.dtype_casts.extend(
+                DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
+            )
+            to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
+            plan = {n: _orbax.item_plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
+            partial = [n for n, s in chosen.items() if not s.whole]
         read: dict[str, Any] = {}
         if plan:
             before, started = _placement.io_counters(), time.perf_counter()
@@ -525,12 +528,13 @@ class OrbaxCheckpointStore:
                 read = _orbax.restore_items(manager, step, plan, partial)
             item_dirs = [pathlib.Path(self._step_path(step)) / n for n in plan]
             report.io = _placement.read_stats(read, before, time.perf_counter() - started, item_dirs)
-        restored = {
-            n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
-        }
-        restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
-        if not cast_dtypes:
-            _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
+        with collector_paused():
+            restored = {
+                n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
+            }
+            restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
+            if not cast_dtypes:
+                _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
     def _stored_view(
