@@ -153,5 +153,7 @@ def test_a_leaf_record_row_is_read_or_refused_as_its_definition_says(rows):
         return
     recorded = parse_leaf_record({"leaves": {"model": rows}})["model"]
     paths = [tuple(row[0]) for row in rows]
-    assert recorded.specs == {p: (None if spec is None else tuple(spec)) for p, (spec, _) in zip(paths, meant)}
-    assert recorded.kinds == {p: kind for p, (_, kind) in zip(paths, meant) if kind is not None}
+    assert recorded.specs == {
+        p: (None if spec is None else tuple(spec)) for p, (spec, _) in zip(paths, meant, strict=True)
+    }
+    assert recorded.kinds == {p: kind for p, (_, kind) in zip(paths, meant, strict=True) if kind is not None}

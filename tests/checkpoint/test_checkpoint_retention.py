@@ -132,7 +132,6 @@ def test_the_default_is_the_latest_five(tmp_path):
         assert store.list_steps() == [3, 4, 5, 6, 7]
 
 
-
 def test_retention_by_step_alone_reads_no_step_record(tmp_path, monkeypatch):
     """Issue 33: a save applied latest-N retention by reading every kept step's record."""
     read = []
@@ -144,6 +143,7 @@ def test_retention_by_step_alone_reads_no_step_record(tmp_path, monkeypatch):
     with run(tmp_path / "best", retention=Retention(latest=2, best=1, metric="loss")) as store:
         assert store.list_steps() == [20, 40, 50]
     assert {"10", "20", "30", "40", "50"} <= set(read)  # ranking by a metric reads the records
+
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),

@@ -23,8 +23,8 @@ from ..errors import (
 from ..load._report import DtypeCast
 from . import _exit, _orbax, _partial, _placement, _tree
 from ._directory import is_url, store_location
-from ._gc import collector_paused
 from ._disk import ASIDE_PREFIX, Disk
+from ._gc import collector_paused
 from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
 from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked

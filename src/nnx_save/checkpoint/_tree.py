@@ -268,6 +268,5 @@ def _is_shape(shape: Any) -> bool:
 def _is_pairs(pairs: Any) -> bool:
     """True for ``[[["path", "segments"], "dtype"], ...]``."""
     return isinstance(pairs, list) and all(
-        isinstance(pair, list) and len(pair) == 2 and _is_path(pair[0]) and isinstance(pair[1], str)
-        for pair in pairs
+        isinstance(pair, list) and len(pair) == 2 and _is_path(pair[0]) and isinstance(pair[1], str) for pair in pairs
     )
