@@ -21,10 +21,10 @@ from ..errors import (
     OptionError,
 )
 from ..load._report import DtypeCast
+from ..load._source import gc_paused
 from . import _exit, _orbax, _partial, _placement, _tree
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
-from ._gc import collector_paused
 from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
 from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked
@@ -356,7 +356,7 @@ class OrbaxCheckpointStore:
                 or ``"rejected"``.
             DirectoryLockedError: Another live writer holds the directory (named).
         """
-        with collector_paused():  # the guards, the records, the directory's view: many small objects, no cycles
+        with gc_paused():  # the guards, the records, the directory's view: many small objects, no cycles
             step = check_step(step)
             names, dtypes = check_items(items)  # one pass over the leaves: the guards and the dtype record
             ordered = {name: items[name] for name in names}
@@ -497,7 +497,7 @@ class OrbaxCheckpointStore:
                 step under ``strict`` (a leaf's kind: always), before any read.
             CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
         """
-        with collector_paused():  # the records, the templates' plans: many small objects, no cycles
+        with gc_paused():  # the records, the templates' plans: many small objects, no cycles
             step = self._latest_or(step)
             metadata = self.read_metadata(step)
             templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
@@ -528,7 +528,7 @@ class OrbaxCheckpointStore:
                 read = _orbax.restore_items(manager, step, plan, partial)
             item_dirs = [pathlib.Path(self._step_path(step)) / n for n in plan]
             report.io = _placement.read_stats(read, before, time.perf_counter() - started, item_dirs)
-        with collector_paused():
+        with gc_paused():
             restored = {
                 n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
             }
