@@ -338,6 +338,37 @@ def test_missing_directory_is_a_save_error(tmp_path):
         nnx_save.save_file({"w": np.zeros(1)}, path)
 
 
+def _make_fifo(path):
+    os.mkfifo(path)
+
+
+def _make_socket(path):
+    import socket
+
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(os.fspath(path))
+
+
+@pytest.mark.parametrize(
+    ("make", "kind", "mode"),
+    [
+        (_make_fifo, "a FIFO", stat.S_IFIFO),
+        (_make_socket, "a socket", stat.S_IFSOCK),
+        (os.mkdir, "a directory", stat.S_IFDIR),
+    ],
+)
+def test_a_path_that_is_not_a_regular_file_is_never_replaced(tmp_path, make, kind, mode):
+    # as root, save_file(tree, "/dev/null") renamed a checkpoint over the device node
+    path = tmp_path / "m.safetensors"
+    make(path)
+    with pytest.raises(
+        nnx_save.SaveError,
+        match=re.escape(f"{path}: is {kind}; a save replaces a regular file only, so nothing was written"),
+    ):
+        nnx_save.save_file({"w": np.zeros(1)}, path)
+    assert stat.S_IFMT(os.lstat(path).st_mode) == mode and leftovers(tmp_path) == []
+
+
 # --- purity --------------------------------------------------------------------------------------
 
 

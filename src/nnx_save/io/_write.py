@@ -18,10 +18,12 @@ import errno
 import logging
 import os
 import re
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import SaveError
+from ._files import _KINDS
 
 __all__ = [
     "NAME_MAX",
@@ -145,6 +147,7 @@ def atomic_file(path: str | os.PathLike, *, staged: list[tuple[Path, Path]] | No
     path = Path(path)
     if "\x00" in os.fspath(path):
         raise SaveError(f"{str(path)!r}: a path cannot contain a NUL character", str(path))
+    _refuse_special(path)
     tmp = temp_path(path)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
@@ -169,6 +172,21 @@ def atomic_file(path: str | os.PathLike, *, staged: list[tuple[Path, Path]] | No
         fsync_dir(path.parent)
     else:
         staged.append((tmp, path))
+
+
+def _refuse_special(path: Path) -> None:
+    """Refuse to replace what is not a regular file (or a link): the rename would put a
+    checkpoint where a device, a FIFO, a socket or a directory was (as root, ``/dev/null``)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return  # absent (or unreadable: the save reports what goes wrong)
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+        kind = _KINDS.get(stat.S_IFMT(mode), f"not a regular file (mode {mode:o})")
+        raise SaveError(
+            f"{path}: is {kind}; a save replaces a regular file only, so nothing was written (give a file path)",
+            str(path),
+        )
 
 
 def discard_staged(staged: list[tuple[Path, Path]]) -> None:
