@@ -11,11 +11,14 @@ import os
 import re
 import signal
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 from _errors import raises_check
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_reliability_edges import temporary_name
 
 import nnx_save
@@ -162,6 +165,24 @@ def test_temporary_names_of_long_multibyte_names_fit_and_are_recognised(tmp_path
     tmp = temporary_name(path, monkeypatch)
     assert len(tmp.encode()) <= NAME_MAX and TMP_MARKER in tmp
     tmp.encode().decode("utf-8")  # not cut inside a character
+
+
+_BYTE_NAMES = st.binary(min_size=1, max_size=NAME_MAX).filter(
+    lambda b: b"/" not in b and b"\0" not in b and b not in (b".", b"..")
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(raw=st.one_of(_BYTE_NAMES, st.just(b"w\xff.safetensors"), st.just(b"\xc3" * 3 + "é".encode() * 126)))
+def test_any_legal_file_name_in_bytes_can_be_saved_and_loaded(raw):
+    """A name that is not UTF-8 (bytes Python decodes to surrogates) raised a bare
+    UnicodeEncodeError from the temporary name; any bytes the kernel takes must save."""
+    with tempfile.TemporaryDirectory() as where:
+        path = Path(where) / os.fsdecode(raw)
+        for value in (1.0, 2.0):  # the second save replaces the first, through a temporary
+            nnx_save.save_file({"w": np.full(3, value, np.float32)}, path)
+        assert nnx_save.load_file(path)["w"].tolist() == [2.0, 2.0, 2.0]
+        assert os.listdir(os.fsencode(where)) == [raw]
 
 
 def test_saving_through_a_symlink_replaces_the_link_not_its_target(tmp_path):

@@ -116,8 +116,11 @@ def _temp_prefix(path: Path) -> str:
     whole temporary name fits the 255-byte limit of a file name: a legal name near the
     limit must still be savable."""
     room = NAME_MAX - len(f".{TMP_MARKER}{_host()}-{2**32}-{'0' * 8}".encode())
-    name = path.name.encode()[:room].decode("utf-8", "ignore")
-    return f".{name}{TMP_MARKER}"
+    raw = os.fsencode(path.name)  # the name's bytes: a name that is not UTF-8 decodes to surrogates
+    cut = room
+    while room - 3 < cut < len(raw) and raw[cut] & 0xC0 == 0x80:  # not inside a UTF-8 character (4 bytes at most)
+        cut -= 1
+    return f".{os.fsdecode(raw[:cut])}{TMP_MARKER}"
 
 
 def temp_path(path: Path) -> Path:
