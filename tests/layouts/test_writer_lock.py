@@ -139,3 +139,49 @@ def test_a_directory_of_files_reads_past_a_stale_lock_file(tmp_path):
     (tmp_path / LOCK).write_text(_lock.Holder("elsewhere.ns1", 1, None, "a multi-file save").to_json())
     assert nnx_save.read_header(tmp_path).kind == "directory"
     assert loaded(tmp_path) == {"a": [3.0] * 64, "b": [3.0] * 64}
+
+
+# A writer killed while it writes a data file: argv[1] is the directory, argv[2] the layout.
+_MID_WRITE = """
+import sys
+import numpy as np
+import nnx_save
+from nnx_save.save import _write
+
+def paused(final_header):
+    def run(*args, **kwargs):  # inside the data file's write: its temporary exists, unnamed
+        print("writing", flush=True)
+        sys.stdin.readline()
+        return final_header(*args, **kwargs)
+    return run
+
+_write.final_header = paused(_write.final_header)
+tree = {"a": np.full(64, 1.0, np.float32), "b": np.full(64, 2.0, np.float32)}
+if sys.argv[2] == "index":
+    nnx_save.save_file(tree, sys.argv[1], max_shard_size=256)
+else:
+    nnx_save.save_pod(tree, sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("layout", ["index", "pod"])
+def test_a_writer_killed_mid_write_leaves_a_temporary_the_next_save_removes(tmp_path, layout):
+    """A pod save killed while writing its shard left that temporary file (as large as
+    the shard) for good: each pod save names its shards anew, so no later save of the
+    same name ever came to remove it."""
+    save(layout, tree(0.0), tmp_path)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _MID_WRITE, str(tmp_path), layout],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stdout.readline().startswith("writing")  # HF: two files at once
+    os.kill(child.pid, signal.SIGKILL)
+    child.communicate(timeout=60)
+    temps = [n for n in os.listdir(tmp_path) if ".nnx_save-tmp-" in n]
+    assert temps and all(f"-{child.pid}-" in t for t in temps)  # the killed save's (an HF save writes two at once)
+    assert loaded(tmp_path) == {"a": [0.0] * 64, "b": [0.0] * 64}
+    save(layout, tree(5.0), tmp_path)
+    assert loaded(tmp_path) == {"a": [5.0] * 64, "b": [5.0] * 64}
+    assert sorted(os.listdir(tmp_path)) == committed(tmp_path)

@@ -33,7 +33,7 @@ from ..format._boxes import of_index
 from ..format._header import FileHeader, TensorInfo, encode_header
 from ..io import _files
 from ..io._kv import Outcome, Sync
-from ..io._write import _write_all, atomic_file, make_directory
+from ..io._write import TMP_MARKER, _write_all, atomic_file, make_directory, remove_stale_temps
 from ..load._pieces import Box, Piece, extents, whole
 from ..load._source import Header, LocalFiles
 from ..save._entry import Entry, order_entries, spans_processes
@@ -455,7 +455,17 @@ def _commit_manifest(
         return Outcome(False, error=str(e))
     for stale in sorted(previous - {shard_name(p, n, token) for p in range(n)}):
         remove(directory / stale)
+    _remove_dead_temps(directory)
     return Outcome(True)
+
+
+def _remove_dead_temps(directory: Path) -> None:
+    """The temporary shard files of saves whose process died (a killed save): each save
+    names its shards anew, so no later save of the same name would ever remove them."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):  # ".<shard file>.nnx_save-tmp-<host>-<pid>-<random>"
+            if name.startswith(".") and TMP_MARKER in name and SHARD_FILE.match(name[1 : name.index(TMP_MARKER)]):
+                remove_stale_temps(directory / name[1 : name.index(TMP_MARKER)])
 
 
 def _describe_sharding(array: Any) -> str:
