@@ -117,3 +117,45 @@ def test_max_shard_size_into_a_safetensors_name_is_refused(tmp_path):
     with pytest.raises(nnx_save.OptionError, match=re.escape("x.safetensors: max_shard_size writes a directory")):
         nnx_save.save_model(model, tmp_path / "x.safetensors", max_shard_size=64)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("layout", ["index", "pod"])
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_multi_file_or_pod_save_into_a_store_directory_is_refused(tmp_path, layout, closed):
+    """The save went through once the store was closed: its index or manifest beside the
+    store's steps, the directory then loaded as that checkpoint, hiding the store."""
+    import jax.numpy as jnp
+
+    from nnx_save.checkpoint import OrbaxCheckpointStore
+
+    store = OrbaxCheckpointStore(tmp_path)
+    store.save(1, {"model": {"w": jnp.ones(3)}})
+    store.wait_until_finished()
+    if closed:
+        store.close()
+    before = sorted(os.listdir(tmp_path))
+    what = "a multi-file save" if layout == "index" else "save_pod"
+    refusal = (
+        f"{tmp_path}: is the directory of a step store (it holds _nnx_save_store.json: nnx_save.checkpoint); "
+        f"{what} into it would mix two checkpoints in one directory, so nothing was written"
+    )
+    tree = {"a": np.arange(64, dtype=np.float32), "b": np.ones(64, np.float32)}
+    with pytest.raises(nnx_save.SaveError, match=re.escape(refusal)):
+        if layout == "index":
+            nnx_save.save_file(tree, tmp_path, max_shard_size=256)
+        else:
+            nnx_save.save_pod(tree, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == before
+    with pytest.raises(nnx_save.errors.NotSafetensorsError, match=re.escape("a directory of Orbax checkpoint steps")):
+        nnx_save.read_header(tmp_path)
+    store.close()
+    with OrbaxCheckpointStore(tmp_path) as again:
+        assert again.list_steps() == [1]
+
+
+def test_a_multi_file_save_into_an_orbax_checkpoint_is_refused(tmp_path):
+    """An Orbax checkpoint (no store around it) owns its directory alike."""
+    (tmp_path / "_CHECKPOINT_METADATA").write_text("{}")
+    with pytest.raises(nnx_save.SaveError, match=re.escape(f"{tmp_path}: is an Orbax checkpoint directory")):
+        nnx_save.save_file({"a": np.zeros(64, np.float32)}, tmp_path, max_shard_size=128)
+    assert os.listdir(tmp_path) == ["_CHECKPOINT_METADATA"]

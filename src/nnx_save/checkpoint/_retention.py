@@ -12,12 +12,12 @@ from typing import Any, Literal
 
 from ..errors import OptionError, UnsupportedCheckpointError
 from ..format._header import strict_json
+from ..io._lock import STORE_RECORD
 from ._metadata import is_int, is_number
 
 __all__ = ["STORE_RECORD", "UNSET", "Retention", "StepInfo", "Unset", "doomed", "given_retention"]
 
-# The file, at the top of a store's directory, that records its retention policies.
-STORE_RECORD = "_nnx_save_store.json"
+# STORE_RECORD: the file, at the top of a store's directory, that records its retention policies.
 STORE_FORMAT = "nnx_save.checkpoint.store"
 
 

@@ -48,9 +48,10 @@ from ..errors import DirectoryLockedError, SaveError
 from ._kv import Channel, Outcome, Sync
 from ._write import _host, _pid_alive, make_directory
 
-__all__ = ["LOCK_NAME", "Holder", "WriterLock", "holder_of", "one_writer", "process_start"]
+__all__ = ["LOCK_NAME", "STORE_RECORD", "Holder", "WriterLock", "holder_of", "one_writer", "process_start"]
 
-LOCK_NAME = "_nnx_save.lock"  # beside the store record _nnx_save_store.json
+LOCK_NAME = "_nnx_save.lock"
+STORE_RECORD = "_nnx_save_store.json"  # the step store's record, beside its lock: the store owns the directory
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
 _RECORD_CAP = 4096  # a holder record is ~200 bytes; more is not one of ours
 _REOPENS = 100  # a lock file replaced under us this many times in a row: a churn we do not wait out

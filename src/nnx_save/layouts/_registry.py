@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .._options import path_arg
-from ..errors import NotSafetensorsError, OptionError, RemoteError, SourceNotFoundError
+from ..errors import NotSafetensorsError, OptionError, RemoteError, SaveError, SourceNotFoundError
+from ..format._formats import foreign_directory
 from ..io import _remote
-from ..io._lock import one_writer
+from ..io._lock import STORE_RECORD, one_writer
 from ..io._reader import Reader
 from ..load._source import Header, gc_paused
 from ..save._entry import Entry
@@ -225,6 +226,7 @@ class Write:
         if isinstance(self.layout, FileLayout) or _remote.is_url(path):
             return self.committed(path, write(path, entries))
         self.layout.check_target(path)
+        _refuse_foreign(Path(path), _WHAT[self.layout.name])
         with one_writer(path, _WHAT[self.layout.name]):
             return self.committed(path, write(path, entries))
 
@@ -236,6 +238,30 @@ class Write:
                 if other.name != self.layout.name and (other is FILE or other.claims(Path(path))):
                     other.retire(Path(path), keep)
         return written
+
+
+def _refuse_foreign(directory: Path, what: str) -> None:
+    """Refuse a multi-file or pod save into a directory that a step store or an Orbax
+    checkpoint owns: its files would mix with theirs, and a loader would read the one and
+    hide the other.
+
+    Raises:
+        SaveError: naming ``directory`` and what owns it; nothing was written.
+    """
+    try:
+        owner = (
+            f"the directory of a step store (it holds {STORE_RECORD}: nnx_save.checkpoint)"
+            if (directory / STORE_RECORD).exists()
+            else foreign_directory(directory)
+        )
+    except OSError:  # absent, or not a directory: the save itself says what is wrong
+        return
+    if owner is not None:
+        raise SaveError(
+            f"{directory}: is {owner}; {what} into it would mix two checkpoints in one directory, so "
+            "nothing was written: save to another directory",
+            str(directory),
+        )
 
 
 def writer(metadata: Mapping[str, str] | None, *, max_shard_size: int | str | None = None, pod: bool = False) -> Write:
