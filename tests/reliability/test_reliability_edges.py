@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from _errors import raises_check
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save.checkpoint import OrbaxCheckpointStore
@@ -205,3 +207,27 @@ def test_a_metric_past_float64_is_an_option_error(tmp_path):
         with pytest.raises(OptionError, match=re.escape(message)):
             store.save(1, {"model": {"w": jnp.ones(2)}}, metrics={"loss": 10**400})
         assert store.list_steps() == []
+
+
+# -------------------------------------------------------------- any tensor name a file may hold
+
+_KEYS = st.lists(
+    st.one_of(st.sampled_from(["", "source:", "source:w", "w", "source:source:w"]), st.text(max_size=12)),
+    min_size=1,
+    max_size=5,
+    unique=True,
+).filter(lambda keys: "__metadata__" not in keys)
+
+
+@settings(max_examples=30, deadline=None)
+@given(keys=_KEYS)
+def test_every_tensor_name_a_file_holds_loads_back(tmp_path_factory, keys):
+    """The engine named a transform's whole source ``"source:<key>"`` and took an owner of
+    ``""`` for one: a tensor named ``""`` (a foreign file) or ``"source:w"`` (one save_file
+    writes itself) was read and then dropped, and load_file raised a bare KeyError."""
+    path = tmp_path_factory.mktemp("keys") / "m.safetensors"
+    header = {k: {"dtype": "F32", "shape": [2], "data_offsets": [8 * i, 8 * i + 8]} for i, k in enumerate(keys)}
+    values = {k: np.array([i, -i], np.float32) for i, k in enumerate(keys)}
+    write_raw(path, header, b"".join(values[k].tobytes() for k in keys))
+    for loaded in (nnx_save.load_file(path), dict(nnx_save.iter_tensors(path))):
+        assert sorted(loaded) == sorted(keys) and all(np.array_equal(loaded[k], values[k]) for k in keys)

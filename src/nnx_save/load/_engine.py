@@ -77,8 +77,8 @@ def _no_memory(file: str, dests: list[Dest]) -> HostMemoryError:
 class Dest:
     """One destination: box ``box`` of file tensor ``key``, for local ``devices``.
 
-    ``owner`` is the target path it is a shard of ("" for a transform's whole
-    source); ``parts`` the pieces that give it and the box each gives (global
+    ``owner`` is the target path it is a shard of (``"source:<key>"`` for a transform's
+    whole source); ``parts`` the pieces that give it and the box each gives (global
     coordinates); ``files`` the files still to read into it.
     """
 
@@ -150,7 +150,7 @@ class Engine:
                 report.io.read_whole.append(t.path)
         self.refs = collections.Counter(k for t in self.pending for k in t.sources)  # source -> transforms to run
         for key in self.refs:
-            self.add("", key, whole(header.tensors[key].shape), [None], False)
+            self.add(f"source:{key}", key, whole(header.tensors[key].shape), [None], False)
         self.over_reads: list[str] = []
         self.over_read_bytes = [0, 0]  # over-read files: bytes read, bytes max_over_read_ratio=1.0 would read
         self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
@@ -162,7 +162,7 @@ class Engine:
         info = self.header.tensors[key]
         index = len(self.dests)
         nbytes = math.prod(extents(box)) * info.dtype.itemsize if info.dtype.byte_aligned else info.nbytes
-        dest = Dest(owner or f"source:{key}", key, box, devices, nbytes, adopted, self.choose(key, box))
+        dest = Dest(owner, key, box, devices, nbytes, adopted, self.choose(key, box))
         dest.files.update(piece.info.file for piece, _ in dest.parts)
         self.dests.append(dest)
         self.shards.setdefault(dest.owner, []).append(index)
@@ -437,7 +437,7 @@ class Engine:
             self.done[owner] += 1
             if self.done[owner] < len(shards):
                 return
-        if owner.startswith("source:"):  # a transform's whole source: one destination
+        if owner not in self.by_path:  # a transform's whole source (owner "source:<key>"): one destination
             self.wholes[self.dests[index].key] = self.host(index)
             self.dests[index].buffer = None
             self.run_transforms()
