@@ -78,3 +78,44 @@ def test_racing_writers_hold_the_lock_one_at_a_time(tmp_path):
     assert not failures, failures
     assert most[0] == 1 and taken[0] > 0 and taken[0] + refused[0] == 6 * 300
     assert holder_of(tmp_path) is None
+
+
+def _hard_link(lock: Path, victim: Path) -> None:
+    victim.write_text("precious\n")
+    os.link(victim, lock)
+
+
+def _fifo(lock: Path, victim: Path) -> None:
+    os.mkfifo(lock)
+
+
+@pytest.mark.parametrize(
+    ("make", "what"), [(_hard_link, "a hard link to another file (2 links)"), (_fifo, "not a regular file")]
+)
+@pytest.mark.parametrize("writer", ["index", "pod", "store"])
+def test_a_lock_file_that_is_a_hard_link_or_a_fifo_is_refused_untouched(tmp_path, make, what, writer):
+    """The writer wrote its holder record into whatever the lock's name led to: a lock file
+    hard-linked to another file had that file's content replaced (a store then emptied it);
+    a FIFO raised a bare OSError (EINVAL)."""
+    import numpy as np
+
+    import nnx_save
+
+    directory, victim = tmp_path / "ckpt", tmp_path / "victim.txt"
+    directory.mkdir()
+    make(directory / _lock.LOCK_NAME, victim)
+    refusal = f"{directory / _lock.LOCK_NAME}: the writer's lock file is {what}; nothing was written"
+    with pytest.raises(nnx_save.NnxSaveError, match=re.escape(refusal)):
+        if writer == "index":
+            nnx_save.save_file({"a": np.zeros(64, np.float32)}, directory, max_shard_size=128)
+        elif writer == "pod":
+            nnx_save.save_pod({"a": np.zeros(64, np.float32)}, directory)
+        else:
+            import jax.numpy as jnp
+
+            from nnx_save.checkpoint import OrbaxCheckpointStore
+
+            with OrbaxCheckpointStore(directory) as store:
+                store.save(1, {"model": {"w": jnp.ones(3)}})
+    assert os.listdir(directory) == [_lock.LOCK_NAME]
+    assert make is _fifo or victim.read_text() == "precious\n"

@@ -40,6 +40,7 @@ import fcntl
 import itertools
 import json
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -242,9 +243,17 @@ class WriterLock:
 def _open(directory: Path, path: Path) -> int:
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as error:
         raise SaveError(f"{path}: cannot create the writer's lock file ({error.strerror})", str(path)) from error
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1:  # 0: its holder removed it as it let go (acquire opens again)
+        return fd
+    os.close(fd)  # the holder's record would be written into it: another file's content, or a device
+    what = f"a hard link to another file ({st.st_nlink} links)" if stat.S_ISREG(st.st_mode) else "not a regular file"
+    raise SaveError(
+        f"{path}: the writer's lock file is {what}; nothing was written (remove it, and save again)", str(path)
+    )
 
 
 def _is_file_at(fd: int, path: Path) -> bool:
