@@ -260,6 +260,7 @@ class Engine:
             if piece.info.file == file
         ]
         buffers = [self.dests[i].buffer for i in indices]
+        self.boxed.allocate(file)
         more, temps, eager = self.boxed.eager_work(file, len(buffers))
         return requests + more, buffers + temps, eager
 
