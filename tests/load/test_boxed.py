@@ -185,7 +185,7 @@ def test_the_shards_of_a_transposed_target_are_carved_from_one_allocation(tmp_pa
 def test_a_transposed_target_whose_buffers_cannot_be_allocated_is_a_typed_error(tmp_path, monkeypatch):
     _, file, header, t = _sharded_kernel(tmp_path)
 
-    def refuse(sizes):
+    def refuse(sizes, slab_bytes):
         raise MemoryError
 
     monkeypatch.setattr(_boxed, "pack_buffers", refuse)

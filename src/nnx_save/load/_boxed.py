@@ -30,7 +30,7 @@ from ..errors import HostMemoryError, ShapeMismatchError
 from ..format._units import human_bytes
 from ..io._reader import Reader
 from ._assemble import held_dtype, place
-from ._execute import Budget, Cancelled, aligned_empty, execute, pack_buffers
+from ._execute import SLAB_BYTES, Budget, Cancelled, aligned_empty, execute, pack_buffers
 from ._pieces import Box, Request, extents, intersect, request
 from ._plan import plan_file
 from ._target import SourceTransform, Target, shard_boxes
@@ -237,7 +237,8 @@ class BoxedTargets:
     imports this module) rather than holding it: no reference cycle keeps a finished
     load's arrays alive until the next garbage collection."""
 
-    def __init__(self) -> None:
+    def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
+        self.slab_bytes = slab_bytes  # final buffers are packed into allocations of up to this size
         self.boxes: list[_Box] = []
         self.by_target: dict[str, list[int]] = {}  # target path -> its boxes
         self.by_file: dict[str, list[_Unit]] = {}  # the file a unit's first read is in -> units
@@ -300,7 +301,7 @@ class BoxedTargets:
         helds = [held_dtype(b.target) for b in fresh.values()]
         sizes = [math.prod(extents(b.box)) * h.itemsize for b, h in zip(fresh.values(), helds, strict=True)]
         try:
-            packed = pack_buffers(sizes)
+            packed = pack_buffers(sizes, slab_bytes=self.slab_bytes)
         except MemoryError:
             raise _no_memory(file, list(fresh.values()), sizes) from None
         for owner, held, flat in zip(fresh.values(), helds, packed, strict=True):
