@@ -86,7 +86,9 @@ def test_a_reshard_result_keeps_one_host_buffer_per_box(spec, dtype):
     shape = (8, 16)[: max(1, len(spec))]
     sharding = NamedSharding(mesh, PartitionSpec(*spec))
     source = np.arange(np.prod(shape)).astype(dtype).reshape(shape)
-    resharded = jax.jit(lambda a: a, out_shardings=sharding)(jax.device_put(source, NamedSharding(mesh, PartitionSpec())))
+    resharded = jax.jit(lambda a: a, out_shardings=sharding)(
+        jax.device_put(source, NamedSharding(mesh, PartitionSpec()))
+    )
     assert len({s.data.unsafe_buffer_pointer() for s in resharded.addressable_shards}) == 8  # one per device
     value = one_host_buffer(resharded, Target("w", shape, np.dtype(dtype), sharding, sources=("w",)))
     del resharded

@@ -539,7 +539,9 @@ def load_targets(
     opt = options if options is not None else LoadOptions()
     in_memory = header.kind == "memory"  # every process holds its own state dict: nothing to share
     if not in_memory and _share.enabled(opt.share_reads, targets, header.placement.remote, _describe(header)):
-        run = functools.partial(load_targets, header, options=replace(opt, share_reads=False), **given | {"slab_bytes": 0})
+        run = functools.partial(
+            load_targets, header, options=replace(opt, share_reads=False), **given | {"slab_bytes": 0}
+        )
         shapes = {k: info.shape for k, info in header.tensors.items()}
         return _share.shared_load(list(targets), run, shapes, _describe(header))
     loadable, report = _prepare(

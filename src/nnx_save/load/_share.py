@@ -189,7 +189,9 @@ def shared_load(
     originals = {t.path: t for t in swapped}
     shared = sorted(p for p in derived if p in values)  # one order on every process
     for p in shared:
-        values[p] = one_host_buffer(_reshard(values[p], by_path[p].sharding), by_path[p])  # the derived array is freed here
+        values[p] = one_host_buffer(
+            _reshard(values[p], by_path[p].sharding), by_path[p]
+        )  # the derived array is freed here
     report.io.bytes_received += sum(_received(by_path[p], originals[p]) for p in shared)
     return values, report
 
