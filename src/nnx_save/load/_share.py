@@ -188,10 +188,8 @@ def shared_load(
     by_path = {t.path: t for t in targets}
     originals = {t.path: t for t in swapped}
     shared = sorted(p for p in derived if p in values)  # one order on every process
-    for p in shared:
-        values[p] = one_host_buffer(
-            _reshard(values[p], by_path[p].sharding), by_path[p]
-        )  # the derived array is freed here
+    for p in shared:  # the derived array is freed as each is replaced
+        values[p] = one_host_buffer(_reshard(values[p], by_path[p].sharding), by_path[p])
     report.io.bytes_received += sum(_received(by_path[p], originals[p]) for p in shared)
     return values, report
 
