@@ -8,7 +8,9 @@ elements so that every box takes many units, read alone or with their file's pla
 
 from __future__ import annotations
 
+import itertools
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -150,3 +152,47 @@ def test_a_transposed_load_holds_no_second_full_size_buffer(tmp_path):
         tracemalloc.stop()
     np.testing.assert_array_equal(values["fc/kernel"], weight.T)
     assert peak <= weight.nbytes + (6 << 20), peak  # final buffer + one slab's scratch (4 MiB) + change
+
+
+def _sharded_kernel(tmp_path, rows: int = 64, cols: int = 256):
+    """A transposed (cols, rows) kernel from a torch ``fc.weight`` (rows, cols), sharded
+    8 ways on its last axis: its header and target."""
+    from nnx_save.porting import Rules, torch_linear
+
+    weight = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    file = str(tmp_path / "w.safetensors")
+    nnx_save.save_file({"fc.weight": weight}, file)
+    header = nnx_save.read_header(file)
+    a = Rules(torch_linear("fc", "fc", bias=False)).mapping(header).assignments["fc/kernel"]
+    sharding = NamedSharding(jax.make_mesh((8,), ("x",)), PartitionSpec(None, "x"))
+    kw = {"sources": a.sources, "transform": a.transform, "source_shape": a.shape}
+    return weight, file, header, Target("fc/kernel", a.shape, np.dtype(np.float32), sharding=sharding, **kw)
+
+
+def test_the_shards_of_a_transposed_target_are_carved_from_one_allocation(tmp_path):
+    """Issue 33: the final buffers of a sharded target's boxes are packed into large
+    allocations (huge pages fault in far cheaper than one small buffer per shard), and
+    each device's array adopts its part without a copy."""
+    weight, _, header, t = _sharded_kernel(tmp_path)
+    values, _ = load_targets(header, [t], LoadOptions(), warn=False)
+    value = values["fc/kernel"]
+    np.testing.assert_array_equal(np.asarray(value), weight.T)
+    starts = sorted(s.data.unsafe_buffer_pointer() for s in value.addressable_shards)
+    shard_bytes = weight.nbytes // 8  # a multiple of 64: packed back to back, no gap
+    assert [b - a for a, b in itertools.pairwise(starts)] == [shard_bytes] * 7
+
+
+def test_a_transposed_target_whose_buffers_cannot_be_allocated_is_a_typed_error(tmp_path, monkeypatch):
+    _, file, header, t = _sharded_kernel(tmp_path)
+
+    def refuse(sizes, slab_bytes):
+        raise MemoryError
+
+    monkeypatch.setattr(_boxed, "pack_buffers", refuse)
+    message = (
+        f"{file}: cannot allocate host memory for 'fc/kernel' (8.0 KiB; 64.0 KiB for the 8 transformed shard(s) "
+        "filled from this file); nothing was read from this file. Free memory or raise the process's memory limit"
+    )
+    with pytest.raises(nnx_save.HostMemoryError, match=re.escape(message)) as caught:
+        load_targets(header, [t], LoadOptions(), warn=False)
+    assert (caught.value.file, caught.value.key, caught.value.nbytes) == (file, "fc/kernel", 8192)

@@ -1,7 +1,8 @@
 """The automatic ``share_reads`` decision (``None``, the default): on for several
 processes that hold the same elements, reading a remote source or spread over
 several hosts, off otherwise; ``True`` / ``False`` honoured, nothing shared on one
-process."""
+process. And what a shared load hands back on the CPU backend: one host buffer per
+box however many local devices hold it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import re
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nnx_save import LoadOptions
 from nnx_save.errors import OptionError
@@ -63,3 +66,38 @@ def test_a_load_on_some_processes_only_is_not_shared():
     sharding = jax.sharding.NamedSharding(jax.make_mesh((8,), ("x",)), jax.sharding.PartitionSpec())
     t = Target("w", (8,), np.dtype(np.float32), sharding, sources=("w",))
     assert _every_process([t], 1) and not _every_process([t], 2)  # these devices are all process 0's
+
+
+SPECS = [(), ("x",), ("x", None), (None, "y"), ("y", None), (("x", "y"),)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.sampled_from(SPECS), st.sampled_from([np.float32, np.int8, np.float16]))
+def test_a_reshard_result_keeps_one_host_buffer_per_box(spec, dtype):
+    """The reshard leaves one buffer per device; :func:`one_host_buffer` keeps one per
+    distinct box, the same bytes, and a donated result never writes into it."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from nnx_save.load._share import one_host_buffer
+    from nnx_save.load._target import Target
+
+    mesh = jax.make_mesh((2, 4), ("x", "y"))
+    shape = (8, 16)[: max(1, len(spec))]
+    sharding = NamedSharding(mesh, PartitionSpec(*spec))
+    source = np.arange(np.prod(shape)).astype(dtype).reshape(shape)
+    resharded = jax.jit(lambda a: a, out_shardings=sharding)(
+        jax.device_put(source, NamedSharding(mesh, PartitionSpec()))
+    )
+    assert len({s.data.unsafe_buffer_pointer() for s in resharded.addressable_shards}) == 8  # one per device
+    value = one_host_buffer(resharded, Target("w", shape, np.dtype(dtype), sharding, sources=("w",)))
+    del resharded
+    boxes = {str(s.index) for s in value.addressable_shards}
+    assert len({s.data.unsafe_buffer_pointer() for s in value.addressable_shards}) == len(boxes)
+    assert value.sharding == sharding and value.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(value), source)
+    first = value.addressable_shards[0]
+    kept, index = np.asarray(first.data), first.index  # a view of a shared buffer
+    doubled = jax.jit(lambda a: a * 2, donate_argnums=0)(value)
+    np.testing.assert_array_equal(kept, source[index])
+    np.testing.assert_array_equal(np.asarray(doubled), source * 2)

@@ -111,6 +111,16 @@ def test_shared_reads_read_each_byte_once_per_pod(ported, name):
         assert job["bytes_read"] <= 1.05 * job["bytes_needed"], job
 
 
+@pytest.mark.parametrize("name", ["replicated", "replicated_shared", "inner_split_shared"])
+def test_each_box_several_local_devices_hold_is_one_host_buffer(ported, name):
+    """Issue 33: on the CPU backend the shared reads' reshard left one buffer per local
+    device (4x the replicated bytes here); the arrays now adopt one, as a plain load's do."""
+    workers, _ = ported
+    for job in _jobs(workers, name):
+        buffers, boxes = job["buffers"]
+        assert buffers == boxes, job
+
+
 def test_shared_reads_change_nothing_where_no_byte_is_needed_twice(ported):
     workers, _ = ported
     for job, alone in zip(_jobs(workers, "tensor_parallel_shared"), _jobs(workers, "tensor_parallel"), strict=True):

@@ -26,10 +26,11 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ShapeMismatchError
+from ..errors import HostMemoryError, ShapeMismatchError
+from ..format._units import human_bytes
 from ..io._reader import Reader
 from ._assemble import held_dtype, place
-from ._execute import Budget, Cancelled, aligned_empty, execute
+from ._execute import SLAB_BYTES, Budget, Cancelled, aligned_empty, execute, pack_buffers
 from ._pieces import Box, Request, extents, intersect, request
 from ._plan import plan_file
 from ._target import SourceTransform, Target, shard_boxes
@@ -194,6 +195,20 @@ def plan_units(
     return out
 
 
+def _no_memory(file: str, boxes: list[_Box], sizes: list[int]) -> HostMemoryError:
+    """The final buffers of ``boxes`` (``sizes`` bytes) cannot be allocated: name the largest."""
+    i = max(range(len(sizes)), key=sizes.__getitem__)
+    path = boxes[i].target.path
+    return HostMemoryError(
+        f"{file}: cannot allocate host memory for {path!r} ({human_bytes(sizes[i])}; {human_bytes(sum(sizes))} "
+        f"for the {len(sizes)} transformed shard(s) filled from this file); nothing was read from this file. "
+        "Free memory or raise the process's memory limit",
+        file,
+        path,
+        sizes[i],
+    )
+
+
 @dataclass
 class _Box:
     """One box of a target: its final buffer (allocated by its first unit)."""
@@ -222,7 +237,8 @@ class BoxedTargets:
     imports this module) rather than holding it: no reference cycle keeps a finished
     load's arrays alive until the next garbage collection."""
 
-    def __init__(self) -> None:
+    def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
+        self.slab_bytes = slab_bytes  # final buffers are packed into allocations of up to this size
         self.boxes: list[_Box] = []
         self.by_target: dict[str, list[int]] = {}  # target path -> its boxes
         self.by_file: dict[str, list[_Unit]] = {}  # the file a unit's first read is in -> units
@@ -269,6 +285,27 @@ class BoxedTargets:
         small = unit.nbytes <= EAGER_BYTES and len(unit.reads) == 1
         (self.eager if small else self.by_file).setdefault(next(iter(unit.reads)), []).append(unit)
         self.nbytes += unit.nbytes
+
+    def allocate(self, file: str) -> None:
+        """Allocate the final buffers of the boxes that ``file``'s units fill first,
+        packed into a few large allocations (:func:`~nnx_save.load._execute.pack_buffers`):
+        the shards of a sharded target are mostly far below the 4 MiB from which numpy
+        asks for huge pages, and faulting them in 4 KiB at a time cost more than the
+        transposed copy into them (benchmarks/ported.py, 8 devices). Runs on the
+        caller's thread, before the file's reads; untouched memory costs nothing yet."""
+        fresh: dict[int, _Box] = {}
+        for unit in itertools.chain(self.eager.get(file, []), self.by_file.get(file, [])):
+            for index, *_ in unit.parts:
+                if self.boxes[index].buffer is None:
+                    fresh.setdefault(index, self.boxes[index])
+        helds = [held_dtype(b.target) for b in fresh.values()]
+        sizes = [math.prod(extents(b.box)) * h.itemsize for b, h in zip(fresh.values(), helds, strict=True)]
+        try:
+            packed = pack_buffers(sizes, slab_bytes=self.slab_bytes)
+        except MemoryError:
+            raise _no_memory(file, list(fresh.values()), sizes) from None
+        for owner, held, flat in zip(fresh.values(), helds, packed, strict=True):
+            owner.buffer = flat.view(held).reshape(extents(owner.box))
 
     def eager_work(self, file: str, first: int) -> tuple[list[Request], list[np.ndarray], list[tuple[_Unit, list]]]:
         """The small units of ``file``, read with its other destinations (numbered from
@@ -390,14 +427,12 @@ class BoxedTargets:
         at = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(sub, owner.box, strict=True))
         copy_into(self._final(owner)[at], value)
 
-    def _final(self, owner: _Box) -> np.ndarray:
-        """``owner``'s final buffer (held dtype, its box's shape), allocated once."""
-        with self._lock:
-            if owner.buffer is None:
-                held = held_dtype(owner.target)
-                flat = aligned_empty(math.prod(extents(owner.box)) * held.itemsize)
-                owner.buffer = flat.view(held).reshape(extents(owner.box))
-            return owner.buffer
+    @staticmethod
+    def _final(owner: _Box) -> np.ndarray:
+        """``owner``'s final buffer (held dtype, its box's shape): :meth:`allocate` made
+        it before the reads of the first file that fills it."""
+        assert owner.buffer is not None, f"{owner.target.path}: a box is filled before its buffer is allocated"
+        return owner.buffer
 
     def place_finished(self, engine: Any) -> None:
         """Place every target whose boxes are all filled (on the caller's thread)."""

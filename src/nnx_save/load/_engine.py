@@ -35,7 +35,7 @@ from ..format._units import human_bytes
 from ..io._reader import LocalReader, Reader
 from . import _boxed, _share, _stream
 from ._assemble import held_dtype, host_view, place, place_whole
-from ._execute import Budget, aligned_empty, execute, pack_buffers
+from ._execute import SLAB_BYTES, Budget, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._pieces import Box, Piece, Request, extents, intersect, request, whole
 from ._plan import FilePlan, over_read_by_range, plan_file
@@ -126,8 +126,10 @@ class Engine:
         opt: LoadOptions,
         open_reader: Callable[[str], Reader],
         bar: Any,
+        slab_bytes: int = SLAB_BYTES,
     ) -> None:
         self.header, self.report, self.opt, self.open_reader, self.bar = header, report, opt, open_reader, bar
+        self.slab_bytes = slab_bytes  # adopted buffers are packed into allocations of up to this size
         self.file_headers: dict[str, FileHeader] = {fh.file: fh for fh in header.files}
         self.by_path = {t.path: t for t in targets}
         self.results: dict[str, Any] = {}
@@ -137,7 +139,7 @@ class Engine:
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.done: collections.Counter[str] = collections.Counter()  # owner -> destinations filled so far
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
-        self.boxed = _boxed.BoxedTargets()
+        self.boxed = _boxed.BoxedTargets(slab_bytes)
         self.pending = []  # transforms read from their whole sources
         for t in targets:
             if t.transform is None:
@@ -248,7 +250,7 @@ class Engine:
         indices = self.by_file.get(file, [])
         fresh = [self.dests[i] for i in indices if self.dests[i].buffer is None]
         try:
-            packed = iter(pack_buffers([d.nbytes for d in fresh if d.adopted]))
+            packed = iter(pack_buffers([d.nbytes for d in fresh if d.adopted], slab_bytes=self.slab_bytes))
             for d in fresh:
                 d.buffer = next(packed) if d.adopted else aligned_empty(d.nbytes)
         except MemoryError:
@@ -260,6 +262,7 @@ class Engine:
             if piece.info.file == file
         ]
         buffers = [self.dests[i].buffer for i in indices]
+        self.boxed.allocate(file)
         more, temps, eager = self.boxed.eager_work(file, len(buffers))
         return requests + more, buffers + temps, eager
 
@@ -517,6 +520,7 @@ def load_targets(
     allow_casts: str | Sequence[str] = (),
     warn: bool = True,
     progress: bool | None = False,
+    slab_bytes: int = SLAB_BYTES,
 ) -> tuple[dict[str, Any], LoadReport]:
     """Load ``targets`` from ``header``'s files. Returns ``({path: value}, report)``.
 
@@ -525,6 +529,9 @@ def load_targets(
     ``options.verify`` checks the recorded checksum of every piece read in full
     (:class:`~nnx_save.ChecksumError` on a mismatch) and lists the rest in
     ``report.unverified``; ``progress`` as in :func:`nnx_save._progress.bar`.
+    ``slab_bytes``: host buffers that arrays adopt are packed into allocations of up
+    to this size (huge pages); a shared load's parts pass 0, each buffer its own, so
+    each is freed as soon as its exchange is done (a slab lives as long as its last array).
     """
     # The call's own arguments, for a shared load that re-enters with a part of the
     # targets: every keyword travels, including any added later.
@@ -532,7 +539,9 @@ def load_targets(
     opt = options if options is not None else LoadOptions()
     in_memory = header.kind == "memory"  # every process holds its own state dict: nothing to share
     if not in_memory and _share.enabled(opt.share_reads, targets, header.placement.remote, _describe(header)):
-        run = functools.partial(load_targets, header, options=replace(opt, share_reads=False), **given)
+        run = functools.partial(
+            load_targets, header, options=replace(opt, share_reads=False), **given | {"slab_bytes": 0}
+        )
         shapes = {k: info.shape for k, info in header.tensors.items()}
         return _share.shared_load(list(targets), run, shapes, _describe(header))
     loadable, report = _prepare(
@@ -553,7 +562,7 @@ def load_targets(
     bar = _progress.bar(label, sum(header.tensors[k].nbytes for k in keys), len(loadable), progress)
     with gc_paused():
         try:
-            engine = Engine(header, loadable, report, opt, open_reader, bar)
+            engine = Engine(header, loadable, report, opt, open_reader, bar, slab_bytes)
             if isinstance(bar, _progress.Bar):
                 bar.total = sum(d.nbytes for d in engine.dests) + engine.boxed.nbytes  # exact: what this process reads
             # a device this load puts arrays on: its platform decides how

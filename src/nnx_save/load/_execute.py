@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import mmap
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -85,12 +86,41 @@ def aligned_empty(nbytes: int, align: int = 64) -> np.ndarray:
 
 
 SLAB_BYTES = 256 << 20
+HUGE_BYTES = 4 << 20  # from this size a mapping asks for transparent huge pages, as numpy does
+MAPPED_MIN_BYTES = 128 << 10  # glibc's initial mapping threshold: smaller buffers come from the heap
+
+
+def mapped_empty(nbytes: int) -> np.ndarray:
+    """A flat uint8 buffer, 64-byte aligned, that goes back to the system as soon as the
+    last array using it is freed: from :data:`MAPPED_MIN_BYTES` up, an anonymous mapping
+    of its own. A ``malloc``'d buffer below the allocator's mapping threshold (which
+    grows as large blocks are freed) comes from the heap, and its pages stay in the
+    process after it is freed. Where the system refuses a mapping (too many), the heap.
+
+    Raises:
+        MemoryError: the memory cannot be allocated.
+
+    Examples:
+        >>> b = mapped_empty(1 << 20)
+        >>> len(b), b.ctypes.data % mmap.PAGESIZE, b.flags.writeable
+        (1048576, 0, True)
+    """
+    if nbytes < MAPPED_MIN_BYTES:
+        return aligned_empty(nbytes)
+    try:
+        m = mmap.mmap(-1, nbytes)
+    except OSError:
+        return aligned_empty(nbytes)
+    if nbytes >= HUGE_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        m.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(m, np.uint8)
 
 
 def pack_buffers(sizes: list[int], *, align: int = 64, slab_bytes: int = SLAB_BYTES) -> list[np.ndarray]:
     """``align``-byte aligned flat uint8 buffers of these sizes, carved in order out of
     a few large allocations: slabs of up to ``slab_bytes`` (a larger buffer is a slab
-    of its own).
+    of its own); with ``slab_bytes=0`` each buffer is a mapping of its own
+    (:func:`mapped_empty`), freed with its array.
 
     Why: numpy asks for transparent huge pages on allocations of 4 MiB and more, which
     usually fault in far cheaper (docs/performance.md), while a sharded load makes
@@ -102,6 +132,8 @@ def pack_buffers(sizes: list[int], *, align: int = 64, slab_bytes: int = SLAB_BY
         >>> [len(b) for b in bufs], all(b.ctypes.data % 64 == 0 for b in bufs if len(b))
         ([3, 100, 0, 64], True)
     """
+    if slab_bytes == 0:
+        return [mapped_empty(n) for n in sizes]
     out: list[np.ndarray] = []
     padded = [-(-n // align) * align for n in sizes]
     start = 0

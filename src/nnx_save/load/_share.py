@@ -23,11 +23,11 @@ import numpy as np
 from ..errors import SaveError, SourceError
 from ..format._boxes import Box, extents, intersect, of_index, whole
 from ..io._kv import Outcome, Sync
-from ._assemble import held_dtype
+from ._assemble import held_dtype, place
 from ._report import LoadReport
 from ._target import Target, shard_boxes
 
-__all__ = ["decide", "enabled", "shared_load"]
+__all__ = ["decide", "enabled", "one_host_buffer", "shared_load"]
 
 
 def decide(setting: bool | None, processes: int, shared: bool, remote: bool, hosts: Callable[[], int]) -> bool:
@@ -188,8 +188,8 @@ def shared_load(
     by_path = {t.path: t for t in targets}
     originals = {t.path: t for t in swapped}
     shared = sorted(p for p in derived if p in values)  # one order on every process
-    for p in shared:
-        values[p] = _reshard(values[p], by_path[p].sharding)  # the derived array is freed here
+    for p in shared:  # the derived array is freed as each is replaced
+        values[p] = one_host_buffer(_reshard(values[p], by_path[p].sharding), by_path[p])
     report.io.bytes_received += sum(_received(by_path[p], originals[p]) for p in shared)
     return values, report
 
@@ -210,3 +210,27 @@ def _reshard(array: Any, sharding: Any) -> Any:
     import jax
 
     return jax.block_until_ready(_identity(sharding)(array))
+
+
+def one_host_buffer(array: Any, t: Target) -> Any:
+    """``array`` (of target ``t``) with each box that several local devices hold in one
+    host buffer, as the plain path's adopted arrays are, on the CPU backend.
+
+    The reshard leaves one buffer per local device; on CPU a device's buffer is host
+    memory, and a ``jax.Array`` adopts an aligned host array without a copy, however
+    many devices take it. So the first holder's buffer is viewed (read-only, no copy)
+    and adopted by every device that holds the same box; the other copies are freed
+    with ``array``. Nothing is aliased that anything writes later: jax arrays are
+    immutable, and a donated adopted buffer is copied, not reused (tests/load).
+    Elsewhere (a device's own memory) ``array`` is returned as it is.
+    """
+    shards = array.addressable_shards
+    if not shards or shards[0].device.platform != "cpu":
+        return array
+    held: dict[Box, list[Any]] = {}
+    for shard in shards:
+        held.setdefault(of_index(shard.index, t.shape), []).append(shard)
+    if all(len(group) == 1 for group in held.values()):
+        return array
+    pieces = [(np.asarray(group[0].data), [s.device for s in group]) for group in held.values()]
+    return place(t, pieces)

@@ -48,6 +48,17 @@ def needed(model) -> int:
     return total
 
 
+def buffers(model) -> tuple[int, int]:
+    """(host buffers, distinct boxes) over this process's shards: equal where every box
+    that several local devices hold is one buffer (the CPU backend shares it)."""
+    pointers = boxes = 0
+    for _, v in nnx.to_flat_state(nnx.state(model)):
+        arr = v.get_value()
+        pointers += len({s.data.unsafe_buffer_pointer() for s in arr.addressable_shards})
+        boxes += len({tuple(s.indices(d)[:2] for s, d in zip(i, arr.shape, strict=True)) for i in _local(arr)})
+    return pointers, boxes
+
+
 def _local(arr):
     return arr.sharding.addressable_devices_indices_map(arr.shape).values()
 
@@ -95,6 +106,7 @@ def run(job):
         "needed": needed(model),
         "read_whole": report.io.read_whole,
         "checked": check(model),
+        "buffers": buffers(model),
     }
 
 
