@@ -55,6 +55,20 @@ def test_bar_line_shows_bytes_tensors_rate_and_eta():
     assert bar.line(1.0, 50) == "loading m.safetensors  25% 1.0 MiB/4.0 MiB  2/8 t"  # never wraps
 
 
+def test_a_multi_file_save_draws_each_file_as_its_options_say(monkeypatch, tmp_path):
+    """The setting travels in the save's options down to the writer threads (two files
+    at a time): one finished bar per file with progress=True, none with False."""
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    tree = {f"t{i}": np.full(256, i, np.float32) for i in range(4)}  # 1 KiB each, one per file
+    nnx_save.save_file(tree, tmp_path / "on", max_shard_size=1024, progress=True)
+    names = re.findall(r"\rsaving (model-\d{5}-of-00004(?:\.[0-9a-f]{8})?\.safetensors) 100% [^\r]*\n", tty.getvalue())
+    assert sorted(names) == sorted(p.name for p in (tmp_path / "on").glob("model-*.safetensors")) and len(names) == 4
+    tty.seek(0), tty.truncate()
+    nnx_save.save_file(tree, tmp_path / "off", max_shard_size=1024, options=nnx_save.SaveOptions(progress=False))
+    assert tty.getvalue() == ""
+
+
 def test_save_and_load_draw_on_a_tty(monkeypatch, tmp_path):
     tty = FakeTTY()
     monkeypatch.setattr(sys, "stderr", tty)

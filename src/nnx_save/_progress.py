@@ -2,30 +2,26 @@
 
 ``progress=None`` shows a bar when stderr is a TTY and the operation moves at least
 :data:`MIN_BYTES`; ``True`` shows it on a TTY whatever the size; ``False`` never.
-Nothing is written to a pipe or a file. The save path's setting reaches the writer in
-a context variable (:func:`saving`), not as one more argument on every writer layer.
+Nothing is written to a pipe or a file. A save's setting travels in its options
+(:class:`~nnx_save.SaveOptions`, carried by the layout's writer down to the file writer).
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import os
 import shutil
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import IO
 
 from . import _config
 from .format._units import human_bytes
 
-__all__ = ["MIN_BYTES", "Bar", "NullBar", "bar", "save_setting", "saving"]
+__all__ = ["MIN_BYTES", "Bar", "NullBar", "bar"]
 
 MIN_BYTES = _config.PROGRESS_MIN_BYTES.default  # NNX_SAVE_PROGRESS_MIN_BYTES overrides it, read per bar
 _INTERVAL_S = 0.1
-_SAVE = contextvars.ContextVar[bool | None]("nnx_save_progress", default=None)
 
 
 class NullBar:
@@ -122,18 +118,3 @@ def bar(
     if isatty is None or not isatty():
         return NullBar()
     return Bar(label, total_bytes, total_items, stream)
-
-
-@contextlib.contextmanager
-def saving(progress: bool | None) -> Iterator[None]:
-    """Within the block, the writer shows its bar according to ``progress``."""
-    token = _SAVE.set(progress)
-    try:
-        yield
-    finally:
-        _SAVE.reset(token)
-
-
-def save_setting() -> bool | None:
-    """The ``progress`` setting of the save in progress (``None``: automatic)."""
-    return _SAVE.get()

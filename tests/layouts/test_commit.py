@@ -28,7 +28,6 @@ from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from reliability.test_reliability_disk import small_fs  # noqa: F401 (the tiny-filesystem fixture)
 
 import nnx_save
-from nnx_save.layouts import _index as _sharded
 from nnx_save.save import _write
 
 INDEX = "model.safetensors.index.json"
@@ -251,7 +250,7 @@ def test_local_files_are_written_two_at_a_time_within_the_budget(tmp_path, monke
     monkeypatch.setenv("NNX_SAVE_SAVE_INFLIGHT_BYTES", str(64 << 20))
     monkeypatch.setattr(_write, "write_file", slow)
     nnx_save.save_file(tree(1.0, n=5), tmp_path / "ck", max_shard_size=256)  # one file per tensor
-    assert len(seen) == 5 and max(n for n, _ in seen) == _sharded.SHARD_WRITERS == 2
+    assert len(seen) == 5 and max(n for n, _ in seen) == _write.SHARD_WRITERS == 2
     assert {b for _, b in seen} == {(64 << 20) // 2}  # each writer holds its share of the budget
     assert versions(nnx_save.load_file(tmp_path / "ck")) == {1.0}
 

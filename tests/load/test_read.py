@@ -177,7 +177,7 @@ def test_the_automatic_choice_by_run_length(tmp_path, monkeypatch, kind, rows, c
     path, data, reqs, sizes = _strided_file(tmp_path, rows, cols)
     reader = _reader.LocalReader(path) if kind == "local" else _NoTable(path)
     plan = plan_file(reqs)
-    assert _execute._method(reader, len(plan.offset), plan.needed_bytes) == method
+    assert _execute._method(reader.can_read_tables(), len(plan.offset), plan.needed_bytes) == method
     reader.close()
     dests, _requests = _run(path, plan, sizes, "auto", monkeypatch, reader=_NoTable if kind == "no-table" else None)
     for r, d in zip(reqs, dests, strict=False):

@@ -347,7 +347,7 @@ def test_an_uncollected_failure_does_not_keep_its_snapshot_alive(tmp_path, monke
 
     seen = []
 
-    def failing(path, entries, metadata):
+    def failing(path, entries, metadata, **options):
         seen.append(weakref.ref(entries[0].value()))  # the snapshot's private copy of the numpy leaf
         raise OSError(28, "No space left on device")
 

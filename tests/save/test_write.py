@@ -19,9 +19,8 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save.format import _dtypes
-from nnx_save.io import _sink
 from nnx_save.io._write import TMP_MARKER
-from nnx_save.save import _write
+from nnx_save.save import _sink, _write
 
 
 def header_of(path):

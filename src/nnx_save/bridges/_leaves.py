@@ -5,7 +5,7 @@ _state_dict, so that none of those imports another to reach them."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
 
 import numpy as np
@@ -14,7 +14,7 @@ from .._options import merge
 from ..errors import KeyPathError, UnsupportedValueError, short_repr
 from ..format import _dtypes, _paths
 from ..load._options import LoadOptions
-from ..save._entry import Entry
+from ..save._entry import Entry, HostValue
 
 __all__ = [
     "LoadKeywords",
@@ -22,6 +22,7 @@ __all__ = [
     "describe",
     "flat_file_keys",
     "flatten",
+    "leaf_entries",
     "leaf_entry",
     "load_options",
     "tree_entries",
@@ -130,7 +131,12 @@ def leaf_entry(path: tuple, value: Any, key: str | None = None) -> Entry:
     if value.dtype.kind in "OUS":
         raise UnsupportedValueError(f"{key}: {describe(value)} has no safetensors dtype", key)
     code = _dtypes.to_code(value.dtype, key).code
-    return Entry.of(key, code, tuple(int(d) for d in value.shape), value)
+    return Entry(key, code, tuple(int(d) for d in value.shape), HostValue(value), value)  # Entry.of, per leaf inline
+
+
+def leaf_entries(leaves: Sequence[tuple[tuple, Any, str]]) -> list[Entry]:
+    """:func:`leaf_entry` of each ``(path, value, key)``, in order."""
+    return [leaf_entry(path, value, key) for path, value, key in leaves]
 
 
 def variable_class() -> type | None:
@@ -186,7 +192,7 @@ def tree_entries(tree: Any) -> list[Entry]:
     """
     pairs, _ = flatten(tree)
     keys = _paths.check_unique([p for p, _ in pairs])  # {key: path}, in the pairs' order
-    return [leaf_entry(p, v, k) for k, (p, v) in zip(keys, pairs, strict=True)]
+    return leaf_entries([(p, v, k) for k, (p, v) in zip(keys, pairs, strict=True)])
 
 
 def check_metadata(metadata: Any) -> None:

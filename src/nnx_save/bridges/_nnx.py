@@ -34,7 +34,7 @@ from ..load._target import Target
 from ..save import _background
 from ..save._entry import Entry
 from ..save._options import SaveOptions
-from ._leaves import LoadKeywords, check_metadata, leaf_entry, load_options
+from ._leaves import LoadKeywords, check_metadata, leaf_entries, load_options
 from ._state_dict import RNG_KEY, source_header  # RNG_KEY: {path: PRNG implementation name}
 
 if TYPE_CHECKING:
@@ -85,7 +85,10 @@ def _refuse_unstorable(key: str, value: Any) -> None:
         )
 
 
-def _entry(path: tuple, key: str, value: Any, rng: dict, scalars: dict) -> Entry:
+def _storable(path: tuple, key: str, value: Any, rng: dict, scalars: dict) -> tuple[tuple, Any, str]:
+    """``(path, value, key)`` of one state leaf, as :func:`leaf_entries` takes it: a
+    scalar as a 0-d array (its kind in ``scalars``), an rng key as its key data (its
+    implementation in ``rng``)."""
     _refuse_unstorable(key, value)
     kind = _scalar_kind(value)
     if kind is not None:
@@ -99,7 +102,7 @@ def _entry(path: tuple, key: str, value: Any, rng: dict, scalars: dict) -> Entry
     elif _is_key(value):
         rng[key] = str(jax.random.key_impl(value))
         value = jax.random.key_data(value)
-    return leaf_entry(path, value, key)
+    return path, value, key
 
 
 def model_metadata(metadata: Mapping[str, str] | None, rng: dict, scalars: dict) -> dict[str, str]:
@@ -128,11 +131,12 @@ def state_entries(pairs: Sequence[tuple[tuple, Any]], metadata: Mapping[str, str
     under the model's key, with the rng / scalar records; other leaves as arrays."""
     rng: dict[str, str] = {}
     scalars: dict[str, str] = {}
-    entries = [
-        _entry(p, _paths.to_key(p), v.get_value(), rng, scalars) if isinstance(v, nnx.Variable) else leaf_entry(p, v)
+    leaves = [
+        _storable(p, key, v.get_value(), rng, scalars) if isinstance(v, nnx.Variable) else (p, v, key)
         for p, v in pairs
+        for key in (_paths.to_key(p),)
     ]
-    return entries, model_metadata(metadata, rng, scalars)
+    return leaf_entries(leaves), model_metadata(metadata, rng, scalars)
 
 
 def is_model(value: Any) -> bool:
@@ -146,7 +150,8 @@ def model_entries(model: Any, filter: Any = ...) -> tuple[list[Entry], dict, dic
     scalars: dict[str, str] = {}
     flat = [(tuple(p), v) for p, v in nnx.to_flat_state(nnx.state(model, filter))]
     keys = _paths.check_unique([p for p, _ in flat])  # {key: path}, in flat's order
-    return [_entry(p, k, v.get_value(), rng, scalars) for k, (p, v) in zip(keys, flat, strict=True)], rng, scalars
+    leaves = [_storable(p, k, v.get_value(), rng, scalars) for k, (p, v) in zip(keys, flat, strict=True)]
+    return leaf_entries(leaves), rng, scalars
 
 
 def save_model(
@@ -214,8 +219,7 @@ def save_model(
         if "format" not in (metadata or {}):
             meta["format"] = "pt"  # transformers refuses safetensors files without it
 
-    write = _registry.writer(meta, max_shard_size=how.max_shard_size)
-    return _registry.save(path, entries, write, blocking=how.blocking, progress=how.progress)
+    return _registry.save(path, entries, _registry.writer(meta, how))
 
 
 @dataclass(frozen=True)

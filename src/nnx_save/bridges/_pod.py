@@ -73,8 +73,7 @@ def save_pod(
             f"save_pod: directory {directory!r} is a URL; a pod is written to a (shared) filesystem", "directory"
         )
     entries, meta = _entries(tree_or_model, metadata, filter)
-    write = _registry.writer(meta, pod=True)
-    handle = _registry.save(directory, entries, write, blocking=how.blocking, progress=how.progress)
+    handle = _registry.save(directory, entries, _registry.writer(meta, how, pod=True))
     return Path(directory) / MANIFEST if handle is None else handle
 
 

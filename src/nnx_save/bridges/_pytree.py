@@ -99,8 +99,7 @@ def save_file(
         entries = [leaf_entry(p, v, k) for k, (p, v) in zip(keys, pairs, strict=True)]
         check_metadata(metadata)
         meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
-    write = _registry.writer(meta, max_shard_size=how.max_shard_size)
-    return _registry.save(path, entries, write, blocking=how.blocking, progress=how.progress)
+    return _registry.save(path, entries, _registry.writer(meta, how))
 
 
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:

@@ -31,6 +31,7 @@ from ..layouts import _registry
 from ..layouts._registry import read_header
 from ..load._source import Header
 from ..save._entry import Entry
+from ..save._options import SaveOptions
 
 __all__ = ["Converted", "convert", "read_one"]
 
@@ -109,7 +110,7 @@ def _write(out: Path, entries: list[Entry], meta: dict[str, str], max_shard_size
             f"{out}: --max-shard-size writes a directory (model-0000i-of-0000n.safetensors and "
             "model.safetensors.index.json); give a directory path"
         )
-    written = _registry.writer(meta, max_shard_size=max_shard_size)(out, entries)
+    written = _registry.writer(meta, SaveOptions(max_shard_size=max_shard_size))(out, entries)
     files = tuple(sorted(Path(f) for f in written.files)) if written is not None else ()
     return Converted(len(entries), files, None if max_shard_size is None or written is None else Path(written.record))
 

@@ -14,9 +14,10 @@ import contextlib
 import os
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ..errors import SourceError, TruncatedFileError
+from ..format._header import MAX_HEADER_SIZE
 
 try:  # imported with the module, not on the first header read (it loads a C extension)
     import resource
@@ -87,6 +88,45 @@ def require_regular(fd: int, st: os.stat_result, name: str) -> None:
         kind = _KINDS.get(stat.S_IFMT(st.st_mode), f"not a regular file (mode {st.st_mode:o})")
         raise SourceError(f"{name}: is {kind}, not a regular file; checkpoint files must be regular files", name)
     os.set_blocking(fd, True)
+
+
+def open_head(name: str) -> tuple[int, os.stat_result, bytes, bytes | None]:
+    """Open the regular file ``name`` (as :func:`open_regular`) and read its safetensors
+    header, exactly: the 8-byte size prefix (none under 8 bytes: the size is checked
+    first, ``/proc`` files report 0 and some fail to read), then the header it declares
+    when that fits the file and the cap (else ``None``: the caller's checks say why).
+    Returns ``(fd, stat, prefix, header)``; the caller owns ``fd``.
+
+    Raises:
+        SourceError: not a regular file, an unreadable path, or a read failed.
+        FileNotFoundError: no such file.
+    """
+    fd, st = open_stat(name)
+    require_regular(fd, st, name)
+    try:
+        prefix = os.pread(fd, 8, 0) if st.st_size >= 8 else b""
+        n = int.from_bytes(prefix, "little") if len(prefix) == 8 else MAX_HEADER_SIZE + 1
+        return fd, st, prefix, os.pread(fd, n, 8) if n <= MAX_HEADER_SIZE and 8 + n <= st.st_size else None
+    except OSError as e:
+        os.close(fd)
+        raise SourceError(f"{name}: reading the header failed ({e.strerror or e})", name) from None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_heads(names: Sequence[str]) -> list[tuple[int, os.stat_result, bytes, bytes | None]]:
+    """:func:`open_head` of each of ``names`` (a checkpoint's files, opened together);
+    on a failure, the ones opened are closed."""
+    opened: list[tuple[int, os.stat_result, bytes, bytes | None]] = []
+    try:
+        for name in names:
+            opened.append(open_head(name))
+    except BaseException:
+        for fd, *_ in opened:
+            os.close(fd)
+        raise
+    return opened
 
 
 def open_regular(name: str) -> int:
@@ -199,6 +239,11 @@ class Pinned:
             return
         self.seen[name] = _identity(fd, st)
         _POOL.add((id(self), name), fd)
+
+    def keep_all(self, opened: Sequence[tuple[str, int, os.stat_result]]) -> None:
+        """:meth:`keep` each ``(name, fd, stat)``."""
+        for name, fd, st in opened:
+            self.keep(name, fd, st)
 
     def open(self, name: str) -> int:
         """A new descriptor on the file ``name`` was when its header was read.

@@ -190,13 +190,11 @@ class Sync:
     what: str = "multi-process save"  # how failures name the save, and what they say survived
     intact: str = _INTACT
 
-    @property
-    def pid(self) -> int:
-        return self.kv.pid
+    pid: int = field(init=False)  # the channel's, read once: asked at every step
+    n: int = field(init=False)
 
-    @property
-    def n(self) -> int:
-        return self.kv.n
+    def __post_init__(self) -> None:
+        self.pid, self.n = self.kv.pid, self.kv.n
 
     @classmethod
     def open(cls, path: Path, what: str = "multi-process save", intact: str = _INTACT) -> Sync:

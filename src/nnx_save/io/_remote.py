@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit
 
 from .. import _config
+from .._options import is_url  # re-exported: where the transports' callers look for it
 from .._version import __version__
 from ..errors import RemoteError, SourceChangedError
 
@@ -42,10 +43,6 @@ _VERSION_FIELDS = (
     "ETag", "etag", "generation", "VersionId", "version_id", "md5Hash", "crc32c", "checksum",
     "blob_id", "lfs", "last_commit", "LastModified", "last_modified", "updated", "mtime", "created", "ino",
 )  # fmt: skip
-
-
-def is_url(source: object) -> bool:
-    return isinstance(source, str) and "://" in source and not source.startswith("file://")
 
 
 @dataclass

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import HeaderError
 from ..format import _formats
 from ..load._source import Header, LocalFiles
-from ._file import read_file_header
+from ._file import read_file_headers
 from ._index import INDEX_NAME
 from ._layout import merge
 
@@ -22,7 +22,7 @@ __all__ = ["DirectoryLayout", "read_list"]
 def read_list(paths: Sequence[Path], kind: str = "list", where: str = "file list") -> Header:
     """The header of the checkpoint made of ``paths`` (each a safetensors file)."""
     placement = LocalFiles()
-    files = tuple(read_file_header(p, placement.pinned) for p in paths)
+    files = read_file_headers(paths, placement.pinned)
     meta = dict(files[0].metadata) if files else {}
     try:
         tensors = merge(files, where)

@@ -9,10 +9,11 @@ tensor byte; every tensor is one whole piece of it. Written by one process
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import stat
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +30,30 @@ from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _remote
 from ..load._source import Header, LocalFiles, RemoteFiles
 from ..save._entry import Entry
+from ..save._options import SaveOptions
 from ._layout import SINGLE, Written, remove
 
-__all__ = ["FileLayout", "checked_size", "read_file_header", "read_local", "remote_file_header"]
+__all__ = [
+    "FileLayout",
+    "checked_size",
+    "pinned_headers",
+    "read_file_header",
+    "read_file_headers",
+    "read_local",
+    "remote_file_header",
+]
 
 
-def _read_prefix_and_header(fd: int, size: int, name: str) -> FileHeader:
-    # The size is checked before any read: /proc files report 0 and some (/proc/self/mem) fail to read.
-    prefix = os.pread(fd, 8, 0) if size >= 8 else b""
+def _parse_head(fd: int, size: int, name: str, prefix: bytes, raw: bytes | None) -> FileHeader:
+    """The header of the file open as ``fd``: ``prefix`` its first 8 bytes, ``raw`` the
+    header they declare when already read (else read here, once the size is checked)."""
     _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at), size)  # torch zip / pickle: say so
     n = checked_size(prefix, size, name)
-    try:
-        raw = _files.pread_exact(fd, n, 8, name)
-    except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
-        raise HeaderError(str(e), check="too_small") from None
+    if raw is None or len(raw) != n:
+        try:
+            raw = _files.pread_exact(fd, n, 8, name)
+        except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
+            raise HeaderError(str(e), check="too_small") from None
     return parse_header(raw, size, file=name)
 
 
@@ -63,18 +74,55 @@ def checked_size(prefix: bytes, size: int, name: str) -> int:
 
 
 def read_file_header(path: str | os.PathLike, pinned: _files.Pinned | None = None) -> FileHeader:
-    """Read and validate one file's header (two positioned reads). With ``pinned``,
-    the file stays open there (see :class:`nnx_save.io._files.Pinned`)."""
-    name = os.fspath(path)
-    fd, st = _files.open_stat(name)
-    _files.require_regular(fd, st, name)
-    return _read_open(fd, st, name, pinned)
+    """Read and validate one file's header (:func:`read_file_headers`)."""
+    return read_file_headers([path], pinned)[0]
+
+
+def read_file_headers(paths: Sequence[str | os.PathLike], pinned: _files.Pinned | None) -> tuple[FileHeader, ...]:
+    """Read and validate each file's header (:func:`pinned_headers`)."""
+    with pinned_headers(paths, pinned) as headers:
+        return headers
+
+
+@contextlib.contextmanager
+def pinned_headers(
+    paths: Sequence[str | os.PathLike], pinned: _files.Pinned | None
+) -> Iterator[tuple[FileHeader, ...]]:
+    """Each file's header, read (two positioned reads each, with the open) and
+    validated, for the block to check further (a layout's checks across files). With ``pinned``,
+    the files stay open there, all kept once the block ends without an error (see
+    :class:`nnx_save.io._files.Pinned`); else, or on a failure, closed."""
+    names = [os.fspath(p) for p in paths]
+    heads = _files.open_heads(names)  # one visit to the transport for every file
+    try:
+        yield tuple(
+            _parse(fd, st.st_size, name, pre, raw) for name, (fd, st, pre, raw) in zip(names, heads, strict=True)
+        )
+    except BaseException:
+        for fd, *_ in heads:
+            os.close(fd)
+        raise
+    if pinned is None:
+        for fd, *_ in heads:
+            os.close(fd)
+    else:
+        pinned.keep_all([(name, fd, st) for name, (fd, st, *_) in zip(names, heads, strict=True)])
+
+
+def _parse(fd: int, size: int, name: str, prefix: bytes, raw: bytes | None) -> FileHeader:
+    """:func:`_parse_head`, a failed read named as one."""
+    try:
+        return _parse_head(fd, size, name, prefix, raw)
+    except OSError as e:
+        raise SourceError(f"{name}: reading the header failed ({e.strerror or e})", name) from None
 
 
 def _read_open(fd: int, st: os.stat_result, name: str, pinned: _files.Pinned | None) -> FileHeader:
     """The header of the regular file open as ``fd``; ``fd`` is kept in ``pinned``, or closed."""
     try:
-        header = _read_prefix_and_header(fd, st.st_size, name)
+        # The size is checked before any read: /proc files report 0 and some (/proc/self/mem) fail to read.
+        prefix = os.pread(fd, 8, 0) if st.st_size >= 8 else b""
+        header = _parse(fd, st.st_size, name, prefix, None)
     except OSError as e:
         os.close(fd)
         raise SourceError(f"{name}: reading the header failed ({e.strerror or e})", name) from None
@@ -149,7 +197,13 @@ class FileLayout:
     def claims(self, path: Path) -> bool:
         return not path.is_dir()
 
-    def write(self, path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> Written:
+    def write(
+        self,
+        path: str | os.PathLike,
+        entries: Sequence[Entry],
+        metadata: Mapping[str, str] | None,
+        options: SaveOptions,
+    ) -> Written:
         """One file, from this process, from every process of the job, or to a URL."""
         import jax
 
@@ -159,7 +213,7 @@ class FileLayout:
         if _remote.is_url(path):
             _remote_write.write_remote(str(path), entries, metadata)
         elif jax.process_count() == 1:
-            _write.write_file(path, entries, metadata)
+            _write.write_file(path, entries, metadata, progress=options.progress)
         else:
             _collective.write_collective(path, entries, metadata)
         return Written(path, (path,))

@@ -16,7 +16,6 @@ The save id in the index and every file lets a reader tell a mix of two saves
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import json
 import math
@@ -45,8 +44,9 @@ from ..io._write import (
 )
 from ..load._source import Header, LocalFiles, RemoteFiles
 from ..save._entry import Entry, order_entries
+from ..save._options import SaveOptions
 from . import _layout
-from ._file import read_file_header, remote_file_header
+from ._file import pinned_headers, read_file_header, remote_file_header
 from ._layout import SAVE_ID_KEY, Written
 
 __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "is_index", "join_url", "read_remote", "write_sharded"]
@@ -55,7 +55,6 @@ INDEX_NAME = "model.safetensors.index.json"
 # DeepSeek-scale indexes (tens of thousands of tensors) are a few MiB.
 MAX_INDEX_BYTES = 64 << 20
 _NOT_IN_FILE_NAMES = ("%", "\\", "?", "#", "\x00", ":")
-SHARD_WRITERS = 2  # files one process writes at once
 _bad = functools.partial(HeaderError, check="index")
 OURS = re.compile(r"model(-\d{5}-of-\d{5})?(\.(?P<id>[0-9a-f]{8}))?\.safetensors")
 """The names this layout writes (:func:`file_names`); ``id`` is the save id in a name."""
@@ -218,21 +217,25 @@ class IndexLayout:
         return self.read(index.parent, index)
 
     def _read(self, path: Path, index: Path) -> Header:
+        placement = LocalFiles()  # holds nothing until the files' headers are valid
         raw = _files.read_capped(os.fspath(index), "index", MAX_INDEX_BYTES, _bad)
         weight_map, meta = parse_index(raw, str(index))
         _layout.single_beside(path, INDEX_NAME, set(weight_map.values()))
         file_of = {n: _inside(path, n, str(index)) for n in sorted(set(weight_map.values()))}
-        placement = LocalFiles()
-        files = tuple(read_file_header(f, placement.pinned) for f in file_of.values())
-        _layout.check_one_version(str(index), meta, files)
-        tensors = _index_tensors(weight_map, files, file_of, str(index))
+        with pinned_headers(list(file_of.values()), placement.pinned) as files:  # kept once all of this holds
+            _layout.check_one_version(str(index), meta, files)
+            tensors = _index_tensors(weight_map, files, file_of, str(index))
         return Header(tensors, {**files[0].metadata, **meta} if files else meta, files, "index", placement)
 
     def __init__(self, max_shard_size: int | str | None = None) -> None:
         self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
 
     def write(
-        self, path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None
+        self,
+        path: str | os.PathLike,
+        entries: Sequence[Entry],
+        metadata: Mapping[str, str] | None,
+        options: SaveOptions,
     ) -> Written | None:
         """Write ``entries`` as files of at most ``max_shard_size`` bytes and their index
         in directory ``path`` (a path or an fsspec URL); from several processes each
@@ -244,7 +247,7 @@ class IndexLayout:
             OptionError: ``path`` names a ``.safetensors`` file.
         """
         self.check_target(path)
-        return write_sharded(path, entries, metadata, self.max_shard_size or 0)
+        return write_sharded(path, entries, metadata, self.max_shard_size or 0, options.progress)
 
     def check_target(self, path: str | os.PathLike) -> None:
         """Refuse a ``.safetensors`` name: this layout writes a directory.
@@ -314,10 +317,22 @@ class _Local:
     def header(self, name: str) -> FileHeader:
         return read_file_header(self.root / name)
 
-    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str], budget: int | None) -> None:
+    def write_shards(
+        self,
+        names: list[str],
+        groups: list[list[Entry]],
+        meta: Mapping[str, str],
+        written: list[str],
+        progress: bool | None,
+    ) -> None:
         from ..save import _write  # the writers: a read never loads them
 
-        _write.write_file(self.root / name, entries, meta, staged=self.staged, max_inflight_bytes=budget)
+        done: list[Path] = []
+        try:
+            files = [(self.root / n, g) for n, g in zip(names, groups, strict=True)]
+            _write.write_files(files, meta, staged=self.staged, progress=progress, written=done)
+        finally:
+            written.extend(path.name for path in done)
 
     def commit_index(self, data: bytes) -> None:
         commit_staged(self.staged)  # fresh names: one directory fsync for them all, before the index
@@ -354,8 +369,17 @@ class _Remote:
     def header(self, name: str) -> FileHeader:
         return remote_file_header(f"{self.root}/{name}", _remote.RemoteStats())[0]
 
-    def write_shard(self, name: str, entries: Sequence[Entry], meta: Mapping[str, str], budget: int | None) -> None:
-        self.write_remote(f"{self.root}/{name}", entries, meta)
+    def write_shards(
+        self,
+        names: list[str],
+        groups: list[list[Entry]],
+        meta: Mapping[str, str],
+        written: list[str],
+        progress: bool | None,
+    ) -> None:
+        for name, group in zip(names, groups, strict=True):
+            self.write_remote(f"{self.root}/{name}", group, meta)
+            written.append(name)
 
     def commit_index(self, data: bytes) -> None:
         self.put(self.fs, self.index, lambda f: f.write(data))
@@ -369,10 +393,15 @@ class _Remote:
 
 
 def write_sharded(
-    directory: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None, max_shard_size: int
+    directory: str | os.PathLike,
+    entries: Sequence[Entry],
+    metadata: Mapping[str, str] | None,
+    max_shard_size: int,
+    progress: bool | None = None,
 ) -> Written | None:
     """Write ``entries`` as a HuggingFace multi-file checkpoint in ``directory`` (a
-    path or an fsspec URL); what the primary committed (the index: a URL stays a ``str``)."""
+    path or an fsspec URL); what the primary committed (the index: a URL stays a ``str``).
+    ``progress`` as in :func:`nnx_save._progress.bar`, per file."""
     groups, total = shard_groups(order_entries(entries), max_shard_size)
     target = _Remote(str(directory)) if _remote.is_url(directory) else _Local(directory)
     sync = Sync.open(Path(str(directory)), "multi-file save", "the previous checkpoint there, if any, is intact")
@@ -388,15 +417,12 @@ def write_sharded(
     index = index_record(weight_map, total, agreed["id"])
     written: list[str] = []
     try:
-        if sync.n == 1 and isinstance(target, _Local) and min(SHARD_WRITERS, len(groups)) > 1:
-            _write_parallel(target, names, groups, meta, written)
-        for name, group in zip(names, groups, strict=True) if not written else ():
-            if sync.n == 1:
-                target.write_shard(name, group, meta, None)
-            else:  # every process writes its shards of the file's tensors
-                from ..save._collective import write_collective
+        if sync.n == 1:
+            target.write_shards(names, groups, meta, written, progress)
+        for name, group in zip(names, groups, strict=True) if sync.n > 1 else ():
+            from ..save._collective import write_collective  # every process writes its shards of the file's tensors
 
-                write_collective(Path(target.root) / name, group, meta)
+            write_collective(Path(target.root) / name, group, meta)
             written.append(name)
         sync.on_primary("index", lambda: target.commit_index(index))
     except BaseException:
@@ -408,38 +434,6 @@ def write_sharded(
         return None
     _remove_superseded(target, set(agreed["previous"]) - set(names))
     return Written(target.index, tuple(_file_of(target, n) for n in names))
-
-
-def _write_parallel(
-    target: _Local, names: list[str], groups: list[list[Entry]], meta: Mapping[str, str], written: list[str]
-) -> None:
-    """Write the files ``SHARD_WRITERS`` at a time (the disk is kept busier by several
-    streams; each writer holds its share of the save's in-flight budget), adding each
-    written name to ``written``. The first failure cancels the files not begun and is
-    raised once the others have ended."""
-    from concurrent import futures  # a read never loads the writers' threads
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ..save import _stage
-
-    workers = min(SHARD_WRITERS, len(groups))
-    budget = max(1, _stage.budget() // workers)
-    with ThreadPoolExecutor(workers, "nnx_save-shard") as pool:
-        jobs = {
-            pool.submit(contextvars.copy_context().run, target.write_shard, name, group, meta, budget): name
-            for name, group in zip(names, groups, strict=True)
-        }
-        try:
-            futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
-        finally:  # a failure, or an interrupt of this thread: no file not begun is begun
-            for job in jobs:
-                job.cancel()
-    for job in jobs:  # every job has ended: cancelled, done or failed
-        if not job.cancelled() and job.exception() is None:
-            written.append(jobs[job])
-    for job in jobs:
-        if not job.cancelled() and job.exception() is not None:
-            raise job.exception()  # type: ignore[misc]
 
 
 def _file_of(target: _Local | _Remote, name: str) -> Any:

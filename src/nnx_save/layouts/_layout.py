@@ -25,6 +25,7 @@ from ..errors import HeaderCheck, HeaderError, NnxSaveError, SourceChangedError,
 from ..format._header import FileHeader, TensorInfo, unique_pairs
 from ..load._source import Header
 from ..save._entry import Entry
+from ..save._options import SaveOptions
 
 __all__ = [
     "SAVE_ID_KEY",
@@ -89,10 +90,14 @@ class Writable(Layout, Protocol):
         ...
 
     def write(
-        self, path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None
+        self,
+        path: str | os.PathLike,
+        entries: Sequence[Entry],
+        metadata: Mapping[str, str] | None,
+        options: SaveOptions,
     ) -> Written | None:
-        """Write ``entries`` under the one commit rule; what was committed (``None``
-        on a process that did not commit).
+        """Write ``entries`` under the one commit rule, as ``options`` say (the bar);
+        what was committed (``None`` on a process that did not commit).
 
         Raises:
             SaveError: nothing committed; the previous version at ``path`` is intact.

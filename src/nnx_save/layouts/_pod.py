@@ -37,6 +37,7 @@ from ..io._write import TMP_MARKER, _write_all, atomic_file, make_directory, rem
 from ..load._pieces import Box, Piece, extents, whole
 from ..load._source import Header, LocalFiles
 from ..save._entry import Entry, order_entries, spans_processes
+from ..save._options import SaveOptions
 from ._file import read_file_header
 from ._index import MAX_INDEX_BYTES
 from ._layout import SAVE_ID_KEY, Written, load_record, new_save_id, owned, remove, save_id_in, single_beside
@@ -361,14 +362,24 @@ class PodLayout:
         return Header(tensors, dict(manifest.metadata), present, "pod", placement)
 
     def write(
-        self, path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None
+        self,
+        path: str | os.PathLike,
+        entries: Sequence[Entry],
+        metadata: Mapping[str, str] | None,
+        options: SaveOptions,
     ) -> Written | None:
         """This process's pieces of ``entries`` (global tensors) into its shard file,
         and the manifest from the primary (:func:`pieces` first takes the pieces)."""
-        local, write = self.pieces(path, entries, metadata)
+        local, write = self.pieces(path, entries, metadata, options)
         return write(path, local)
 
-    def pieces(self, directory: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None):
+    def pieces(
+        self,
+        directory: str | os.PathLike,
+        entries: Sequence[Entry],
+        metadata: Mapping[str, str] | None,
+        options: SaveOptions,
+    ):
         """Create ``directory``; this process's pieces of ``entries``, taken when the
         save is called (before any host snapshot: a process writes every distinct box
         it holds, whatever its replica), and the writer of those pieces."""
@@ -383,7 +394,7 @@ class PodLayout:
                 listing.append([e.key, name, [list(b) for b in box]])
         names = [(e.key, e.code, e.shape) for e in entries]
         posted = {"pieces": listing, "shardings": shardings}
-        return local, lambda path, mine: _write(path, mine, names, dict(metadata or {}), posted)
+        return local, lambda path, mine: _write(path, mine, names, dict(metadata or {}), posted, options.progress)
 
     def check_target(self, path: str | os.PathLike) -> None:
         """Any local directory path will do (:func:`pieces` creates it)."""
@@ -497,7 +508,12 @@ def _pieces_of(e: Entry) -> tuple[str, list[tuple[Box, Any]]]:
 
 
 def _write(
-    path: str | os.PathLike, local: Sequence[Entry], names: list, meta: dict[str, str], posted: dict[str, Any]
+    path: str | os.PathLike,
+    local: Sequence[Entry],
+    names: list,
+    meta: dict[str, str],
+    posted: dict[str, Any],
+    progress: bool | None,
 ) -> Written | None:
     """Every process: agree, write this process's shard file, let the primary commit."""
     from ..save._collective import agree  # the writers: a read never loads them
@@ -513,7 +529,7 @@ def _write(
     mine = directory / shard_name(sync.pid, sync.n, token)
 
     def write_mine() -> dict[str, Any]:
-        write_file(mine, local, {**meta, SAVE_ID_KEY: token})
+        write_file(mine, local, {**meta, SAVE_ID_KEY: token}, progress=progress)
         return posted
 
     try:

@@ -31,6 +31,7 @@ from ..io._lock import STORE_RECORD, one_writer
 from ..io._reader import Reader
 from ..load._source import Header, gc_paused
 from ..save._entry import Entry
+from ..save._options import SaveOptions
 from . import _file, _index
 from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout
@@ -49,6 +50,7 @@ RECORDS: tuple[PodLayout | IndexLayout, ...] = (POD, INDEX)
 """The layouts a directory holds by their record; two that claim one directory conflict."""
 _DIRECTORY = DirectoryLayout()
 _WHAT = {"index": "a multi-file save", "pod": "save_pod"}  # the holder, as a refused writer reads it
+_DEFAULTS = SaveOptions()
 
 
 def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
@@ -200,14 +202,15 @@ def _remote_object(url: str, stats: _remote.RemoteStats) -> Header:
 
 @dataclasses.dataclass(frozen=True)
 class Write:
-    """A save's layout and metadata: ``write(path, entries)`` writes, commits, and
-    retires any other layout of the directory (on the process that committed)."""
+    """A save's layout, metadata and options: ``write(path, entries)`` writes, commits,
+    and retires any other layout of the directory (on the process that committed)."""
 
     layout: Writable
     metadata: Mapping[str, str] | None
+    options: SaveOptions = _DEFAULTS
 
     def __call__(self, path: PathLike, entries: Sequence[Entry]) -> Written | None:
-        return self.run(path, lambda p, e: self.layout.write(p, e, self.metadata), entries)
+        return self.run(path, lambda p, e: self.layout.write(p, e, self.metadata, self.options), entries)
 
     def run(
         self, path: PathLike, write: Callable[[PathLike, Sequence[Entry]], Written | None], entries: Sequence[Entry]
@@ -264,33 +267,30 @@ def _refuse_foreign(directory: Path, what: str) -> None:
         )
 
 
-def writer(metadata: Mapping[str, str] | None, *, max_shard_size: int | str | None = None, pod: bool = False) -> Write:
-    """The writer for a save: ``writer(path, entries)``. ``max_shard_size`` asks for an
-    HF multi-file checkpoint (parsed here, where it is given), ``pod`` for a pod
-    directory (``metadata`` then is the manifest's and every shard file's); else one file.
-
-    Raises:
-        OptionError: ``max_shard_size`` is not a size.
+def writer(metadata: Mapping[str, str] | None, options: SaveOptions = _DEFAULTS, *, pod: bool = False) -> Write:
+    """The writer for a save: ``writer(path, entries)``. ``options.max_shard_size`` asks
+    for an HF multi-file checkpoint, ``pod`` for a pod directory (``metadata`` then is the
+    manifest's and every shard file's); else one file. ``options`` travel with it.
     """
     if pod:
-        return Write(POD, dict(metadata or {}))
-    if max_shard_size is None:
-        return Write(FILE, metadata)
-    return Write(IndexLayout(max_shard_size), metadata)
+        return Write(POD, dict(metadata or {}), options)
+    if options.max_shard_size is None:
+        return Write(FILE, metadata, options)
+    return Write(IndexLayout(options.max_shard_size), metadata, options)
 
 
-def save(
-    path: PathLike, entries: Sequence[Entry], write: Write, *, blocking: bool = True, progress: bool | None = None
-) -> SaveHandle | None:
-    """Run ``write(path, entries)`` with ``progress`` in force: now (``blocking``), or
-    on a host snapshot in the background (see :mod:`nnx_save.save._background`). A pod's
-    pieces are taken first, from the caller's arrays."""
+def save(path: PathLike, entries: Sequence[Entry], write: Write) -> SaveHandle | None:
+    """Run ``write(path, entries)``: now (``write.options.blocking``), or on a host
+    snapshot in the background with no bar drawn over the caller's output (see
+    :mod:`nnx_save.save._background`). A pod's pieces are taken first, from the
+    caller's arrays."""
+    blocking = write.options.blocking
+    if not blocking:
+        write = dataclasses.replace(write, options=dataclasses.replace(write.options, progress=False))
     run: Callable[[PathLike, Sequence[Entry]], object] = write
     if isinstance(write.layout, PodLayout):
-        entries, pod_write = write.layout.pieces(path, entries, write.metadata)
+        entries, pod_write = write.layout.pieces(path, entries, write.metadata, write.options)
         run = lambda p, e: write.run(p, pod_write, e)  # noqa: E731
-    from .. import _progress
     from ..save import _background  # the save machinery: a read never loads it
 
-    with _progress.saving(progress):
-        return _background.save(path, entries, run, blocking=blocking)
+    return _background.save(path, entries, run, blocking=blocking)

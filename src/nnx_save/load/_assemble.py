@@ -15,10 +15,10 @@ import numpy as np
 
 from ..format import _dtypes
 from ..format._header import TensorInfo
-from ._pieces import Box, extents
+from ._pieces import Box
 from ._target import Target, device_indices, per_sharding
 
-__all__ = ["batched_put", "held_dtype", "host_view", "place", "place_whole"]
+__all__ = ["assemble", "batched_put", "held_dtype", "held_of", "host_view", "place", "place_whole"]
 
 
 def held_dtype(t: Target) -> np.dtype:
@@ -44,12 +44,31 @@ def _canonical(dtype: Any) -> np.dtype:
 _HELD: dict[tuple[Any, bool], np.dtype] = {}
 
 
+@functools.lru_cache(maxsize=256)
+def held_of(dtype: np.dtype, on_device: bool, x64: bool) -> np.dtype:
+    """:func:`held_dtype` of a target of ``dtype``, on a device or not, under
+    ``jax_enable_x64`` = ``x64`` (the caller's current value: part of the key only):
+    asked per tensor, computed once per key."""
+    return _canonical(dtype) if on_device else dtype
+
+
 def host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
     """The bytes read for ``box``, as an array of the file's dtype and the box's shape."""
     if info.dtype.byte_aligned:
-        return buf.view(info.dtype.numpy).reshape(extents(box))
+        return buf.view(info.dtype.numpy).reshape([hi - lo for lo, hi in box])  # extents(box), per tensor inline
     full = _dtypes.unpack_subbyte(buf, info.dtype, info.numel).reshape(info.shape)
     return full[tuple(slice(lo, hi) for lo, hi in box)]
+
+
+def assemble(t: Target, held: np.dtype, shards: list[tuple[np.ndarray, TensorInfo, Box, list[Any]]]):
+    """The target's value from its filled destinations, each ``(buffer, file tensor,
+    box, local devices)``: viewed as the file's dtype (:func:`host_view`), cast to
+    ``held`` where it differs, placed (:func:`place`)."""
+    pieces = []
+    for buffer, info, box, devices in shards:
+        host = host_view(buffer, info, box)
+        pieces.append((host if host.dtype == held else host.astype(held), devices))
+    return place(t, pieces)
 
 
 def place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):

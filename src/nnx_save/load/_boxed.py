@@ -10,7 +10,7 @@ copy the result into its part of the final buffer (:func:`copy_into`, in cache-s
 strips), then free the temporaries. No full-size source buffer exists and nothing runs
 over a finished file; the main thread only places each finished target (an adoption on
 the CPU backend). A transform with no per-box map reads its sources whole
-(``report.io.read_whole``, in the engine).
+(``report.io.read_whole``: the engine lists them in its outcome).
 """
 
 from __future__ import annotations

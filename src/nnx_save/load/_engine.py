@@ -19,7 +19,6 @@ import math
 import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
@@ -28,26 +27,26 @@ from typing import Any
 import numpy as np
 
 from .. import _progress
-from ..errors import HostMemoryError, NnxSaveError, OverReadWarning, RemoteError, ShapeMismatchError
+from ..errors import HostMemoryError, NnxSaveError, RemoteError, ShapeMismatchError
 from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
 from ..io._reader import LocalReader, Reader
 from . import _boxed, _share, _stream
-from ._assemble import held_dtype, host_view, place, place_whole
+from ._assemble import assemble, held_of, host_view, place_whole
 from ._execute import SLAB_BYTES, Budget, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._pieces import Box, Piece, Request, extents, intersect, request, whole
 from ._plan import FilePlan, over_read_by_range, plan_file
 from ._report import (
-    DtypeCast,
+    OVER_READ_MIN_BYTES,
+    OVER_READ_WARN,
     LoadReport,
-    ShapeMismatch,
+    Outcome,
+    check_targets,
+    complete,
+    describe_source,
     refuse_nothing_loaded,
-    split_allowed,
-    split_allowed_casts,
-    suggested_renames,
-    suggested_targets,
 )
 from ._source import Header, gc_paused
 from ._target import Target, check_device_dtype, device_indices, shard_boxes
@@ -55,8 +54,6 @@ from ._target import Target, check_device_dtype, device_indices, shard_boxes
 __all__ = ["load_targets"]
 
 log = logging.getLogger("nnx_save")
-OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning ...
-OVER_READ_MIN_BYTES = 1 << 20  # ... when the bytes it did not need cost something (~1 ms of reading)
 
 
 def _no_memory(file: str, dests: list[Dest]) -> HostMemoryError:
@@ -93,25 +90,11 @@ class Dest:
     buffer: Any = None
 
 
-def _check(header: Header, t: Target, report: LoadReport) -> bool:
-    """Record what is wrong with ``t``; True if it can be loaded."""
-    if not t.sources or any(k not in header.tensors for k in t.sources):
-        report.missing.append(t.path)
-        return False
-    if t.transform is None:
-        info = header.tensors[t.sources[0]]
-        shape, dtype = info.shape, info.dtype.numpy
-    else:
-        shape = t.source_shape if t.source_shape is not None else t.shape
-        dtype = np.result_type(*(header.tensors[k].dtype.numpy for k in t.sources))
-    if tuple(shape) != tuple(t.shape):
-        report.shape_mismatches.append(ShapeMismatch(t.path, tuple(t.shape), tuple(shape), t.sources[0]))
-        return False
-    held, wanted = held_dtype(t), np.dtype(t.dtype)
-    if np.dtype(dtype) != held:
-        model = str(held) if held == wanted else f"{held} (the model's {wanted}: jax_enable_x64 is off)"
-        report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
-    return True
+def _held(t: Target) -> np.dtype:
+    """``held_dtype(t)``, from its cache (asked per tensor)."""
+    import jax
+
+    return held_of(np.dtype(t.dtype), t.sharding is not None, jax.config.jax_enable_x64)  # type: ignore[attr-defined]
 
 
 class Engine:
@@ -122,19 +105,21 @@ class Engine:
         self,
         header: Header,
         targets: Sequence[Target],
-        report: LoadReport,
         opt: LoadOptions,
         open_reader: Callable[[str], Reader],
         bar: Any,
         slab_bytes: int = SLAB_BYTES,
     ) -> None:
-        self.header, self.report, self.opt, self.open_reader, self.bar = header, report, opt, open_reader, bar
+        self.header, self.opt, self.open_reader, self.bar = header, opt, open_reader, bar
         self.slab_bytes = slab_bytes  # adopted buffers are packed into allocations of up to this size
+        # what it did, the report made of it outside (_report.complete); the lists given: no factory call
+        self.outcome = Outcome(seconds=[0.0, 0.0, 0.0], over_read_bytes=[0, 0])
         self.file_headers: dict[str, FileHeader] = {fh.file: fh for fh in header.files}
         self.by_path = {t.path: t for t in targets}
-        self.results: dict[str, Any] = {}
+        self.results = self.outcome.values
         self.wholes: dict[str, np.ndarray] = {}
         self.budget = Budget(opt.max_inflight_bytes)
+        self.chunk_bytes = opt.chunk_bytes  # asked per file
         self.dests: list[Dest] = []
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.done: collections.Counter[str] = collections.Counter()  # owner -> destinations filled so far
@@ -144,26 +129,28 @@ class Engine:
         for t in targets:
             if t.transform is None:
                 info = header.tensors[t.sources[0]]
-                adopted = info.dtype.byte_aligned and info.dtype.numpy == held_dtype(t)  # the buffer becomes the array
+                adopted = info.dtype.byte_aligned and info.dtype.numpy == _held(t)  # the buffer becomes the array
                 for box, devices in shard_boxes(t):  # refusals before any read
                     self.add(t.path, t.sources[0], box, devices, adopted)
             elif not self.boxed.add(self, t):
                 self.pending.append(t)
-                report.io.read_whole.append(t.path)
+                self.outcome.read_whole.append(t.path)
         self.refs = collections.Counter(k for t in self.pending for k in t.sources)  # source -> transforms to run
         for key in self.refs:
             self.add(f"source:{key}", key, whole(header.tensors[key].shape), [None], False)
-        self.over_reads: list[str] = []
-        self.over_read_bytes = [0, 0]  # over-read files: bytes read, bytes max_over_read_ratio=1.0 would read
-        self.checked: dict[str, bool] = {}  # file key -> verified (True) or not verifiable (False)
+        self.over_reads = self.outcome.over_reads
+        self.over_read_bytes = self.outcome.over_read_bytes  # bytes read, bytes max_over_read_ratio=1.0 would read
+        self.checked = self.outcome.checked  # file key -> verified (True) or not verifiable (False)
         self._digests: dict[str, dict[str, str]] = {}  # file -> recorded checksums (verify only)
         self._lock = threading.Lock()
         self.staging: Any = None  # the streaming path's staging pool, once it ran
+        self.readers: dict[str, tuple[Reader, tuple[bool, bool]]] = {}  # open on the files being read
 
     def add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> int:
         info = self.header.tensors[key]
         index = len(self.dests)
-        nbytes = math.prod(extents(box)) * info.dtype.itemsize if info.dtype.byte_aligned else info.nbytes
+        numel = math.prod(hi - lo for lo, hi in box)  # extents(box), per tensor inline
+        nbytes = numel * info.dtype.itemsize if info.dtype.byte_aligned else info.nbytes
         dest = Dest(owner, key, box, devices, nbytes, adopted, self.choose(key, box))
         dest.files.update(piece.info.file for piece, _ in dest.parts)
         self.dests.append(dest)
@@ -223,25 +210,45 @@ class Engine:
         threads = max(1, self.opt.threads // at_once)
         cancel = threading.Event()
         running: dict[Future, str] = {}
+        readers = self.readers
         todo = iter(files)
         with ThreadPoolExecutor(at_once, thread_name_prefix="nnx_save-file") as pool:
 
-            def submit(count: int) -> None:  # the next ``count`` files, their buffers allocated here
+            def submit(count: int, finished: str | None = None) -> None:
+                """The next ``count`` files, each reader opened and its buffers allocated
+                here; ``finished``'s reader closed with the next one's open (the last
+                ones by :meth:`close`, once the load is over)."""
                 for file in itertools.islice(todo, count):
+                    readers[file] = self._open(file)
+                    if finished is not None:
+                        readers.pop(finished)[0].close()
+                        finished = None
                     work = self._requests(file)
-                    running[pool.submit(self._read_file, file, work, threads, cancel)] = file
+                    running[pool.submit(self._read_file, file, readers[file], work, threads, cancel)] = file
 
             try:
                 submit(at_once)
                 while running:
                     done, _ = wait(running, return_when=FIRST_COMPLETED)
                     for f in done:
-                        self._file_read(running.pop(f), *f.result())
-                        submit(1)
+                        file = running.pop(f)
+                        self._file_read(file, *f.result())
+                        submit(1, file)
             except BaseException:
                 cancel.set()
                 wait(running)
+                self.close()
                 raise
+
+    def close(self) -> None:
+        """Close the readers still open (the last files read, at the end of the load)."""
+        while self.readers:
+            self.readers.popitem()[1][0].close()
+
+    def _open(self, file: str) -> tuple[Reader, tuple[bool, bool]]:
+        """A reader of ``file``, and its capabilities (``can_read_tables``, ``can_read_runs``), asked as it opens."""
+        reader = self.open_reader(file)
+        return reader, (reader.can_read_tables(), reader.can_read_runs())
 
     def _requests(self, file: str) -> tuple[list[Request], list[np.ndarray], list]:
         """This file's requests (destinations numbered locally) and buffers, allocating
@@ -262,30 +269,50 @@ class Engine:
             if piece.info.file == file
         ]
         buffers = [self.dests[i].buffer for i in indices]
+        if not self.boxed.boxes:  # no transformed target: nothing read with this file's plan
+            return requests, buffers, []
         self.boxed.allocate(file)
         more, temps, eager = self.boxed.eager_work(file, len(buffers))
         return requests + more, buffers + temps, eager
 
     def _read_file(
-        self, file: str, work: tuple[list[Request], list[np.ndarray], list], threads: int, cancel: threading.Event
+        self,
+        file: str,
+        opened: tuple[Reader, tuple[bool, bool]],
+        work: tuple[list[Request], list[np.ndarray], list],
+        threads: int,
+        cancel: threading.Event,
     ) -> tuple[FilePlan, int, float, float, tuple[int, int], int]:
-        """Read this file's destinations, then run the transformed targets' units
+        """Read this file's destinations through ``opened`` (a reader and its
+        capabilities; the caller closes it), then run the transformed targets' units
         that start in it (each transformed in the copy, on these threads)."""
         t0 = time.perf_counter()
         requests, buffers, eager = work
-        plan = plan_file(requests, max_over_read_ratio=self.opt.max_over_read_ratio, chunk_bytes=self.opt.chunk_bytes)
+        plan = plan_file(requests, max_over_read_ratio=self.opt.max_over_read_ratio, chunk_bytes=self.chunk_bytes)
         floor = self.floor_bytes(requests, plan) if self.over_read_warns(plan.read_bytes, plan.needed_bytes) else 0
         t1 = time.perf_counter()
-        reader = self.open_reader(file)
-        try:
-            on_chunk = self.bar.update if self.bar.active else None
-            execute(reader, plan, buffers, budget=self.budget, num_threads=threads, on_chunk=on_chunk, cancel=cancel)
-            del buffers
-            self.boxed.apply_eager(self, eager)
-            *boxed, more = self.boxed.run_file(self, file, reader, threads, cancel)
-        finally:
-            reader.close()
+        reader, capabilities = opened
+        on_chunk = self.bar.update if self.bar.active else None
+        execute(
+            reader,
+            plan,
+            buffers,
+            budget=self.budget,
+            num_threads=threads,
+            on_chunk=on_chunk,
+            cancel=cancel,
+            capabilities=capabilities,
+        )
+        del buffers
+        *boxed, more = self._run_boxed(file, reader, eager, threads, cancel) if self.boxed.boxes else (0, 0, 0)
         return plan, reader.requests + more, t1 - t0, time.perf_counter() - t1, (boxed[0], boxed[1]), floor
+
+    def _run_boxed(
+        self, file: str, reader: Reader, eager: list, threads: int, cancel: threading.Event
+    ) -> tuple[int, int, int]:
+        """The transformed targets' units read with ``file`` (``eager``), then those starting in it."""
+        self.boxed.apply_eager(self, eager)
+        return self.boxed.run_file(self, file, reader, threads, cancel)
 
     def _file_read(
         self,
@@ -298,7 +325,7 @@ class Engine:
         floor: int,
     ) -> None:
         t0 = time.perf_counter()
-        self.report.io.add_file(file, plan.read_bytes + boxed[0], plan.needed_bytes + boxed[1], requests)
+        self.outcome.files.append((file, plan.read_bytes + boxed[0], plan.needed_bytes + boxed[1], requests))
         if self.over_read_warns(plan.read_bytes, plan.needed_bytes):
             extra = self.read_through(file, plan)
             self.note_over_read(file, plan.read_bytes, plan.needed_bytes, plan.ratio, extra, floor)
@@ -308,11 +335,12 @@ class Engine:
             self.dests[i].files.discard(file)
             if not self.dests[i].files:
                 self._filled(i)
-        self.boxed.place_finished(self)
-        io = self.report.io
-        io.plan_seconds += plan_s
-        io.read_seconds += read_s
-        io.assemble_seconds += time.perf_counter() - t0
+        if self.boxed.boxes:
+            self.boxed.place_finished(self)
+        seconds = self.outcome.seconds
+        seconds[0] += plan_s
+        seconds[1] += read_s
+        seconds[2] += time.perf_counter() - t0
         log.debug("%s: %r, %d requests; plan %.3fs, read %.3fs", file, plan, requests, plan_s, read_s)
 
     def over_read_warns(self, read: int, needed: int) -> bool:
@@ -402,7 +430,7 @@ class Engine:
         self.mark(key, expected is not None and buffers is not None)
 
     def held(self, owner: str) -> np.dtype:
-        return held_dtype(self.by_path[owner])
+        return _held(self.by_path[owner])
 
     def host(self, index: int) -> np.ndarray:
         """Destination ``index``'s bytes as an array of the file's dtype and its box's shape."""
@@ -445,13 +473,14 @@ class Engine:
             self.dests[index].buffer = None
             self.run_transforms()
             return
-        held, pieces = self.held(owner), []
+        parts = []
         for i in shards:
-            host = self.host(i)
-            pieces.append((host if host.dtype == held else host.astype(held), self.dests[i].devices))
-            self.dests[i].buffer = None  # released as soon as the array exists
-        self.results[owner] = place(self.by_path[owner], pieces)
-        self.bar.update(items=1)
+            d = self.dests[i]
+            parts.append((d.buffer, self.header.tensors[d.key], d.box, d.devices))
+            d.buffer = None  # released as soon as the array exists
+        self.results[owner] = assemble(self.by_path[owner], self.held(owner), parts)
+        if self.bar.active:
+            self.bar.update(items=1)
 
     def run_transforms(self) -> None:
         ready = [t for t in self.pending if all(k in self.wholes for k in t.sources)]
@@ -462,47 +491,13 @@ class Engine:
                 raise ShapeMismatchError(
                     f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}"
                 )
-            self.results[t.path] = place_whole(t, value.astype(held_dtype(t), copy=False))
+            self.results[t.path] = place_whole(t, value.astype(_held(t), copy=False))
             self.pending.remove(t)
             self.bar.update(items=1)
             for k in t.sources:
                 self.refs[k] -= 1
                 if not self.refs[k]:
                     del self.wholes[k], self.refs[k]
-
-
-def _prepare(
-    header: Header,
-    targets: Sequence[Target],
-    allow_missing: Sequence[str],
-    allow_unexpected: Sequence[str],
-    allow_shape_mismatch: Sequence[str],
-    ignore_unexpected: frozenset[str],
-    renamed: Mapping[str, tuple[str, ...]] | None,
-    allow_casts: str | Sequence[str],
-) -> tuple[list[Target], LoadReport]:
-    """The report of what will and will not load, before any byte is read."""
-    report = LoadReport(source=_describe(header))
-    loadable = [t for t in targets if _check(header, t, report)]
-    used = {k for t in targets for k in t.sources}
-    report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
-    report.shape_mismatches, report.allowed_shape_mismatches = split_allowed(
-        report.shape_mismatches, allow_shape_mismatch
-    )
-    report.dtype_casts, report.allowed_casts = split_allowed_casts(report.dtype_casts, allow_casts)
-    unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
-    report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
-    report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
-    if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
-        report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
-        report.suggested_targets = suggested_targets(report, {t.path: t.shape for t in targets}, header.tensors)
-    report.sources = {t.path: t.sources for t in loadable}
-    landed: dict[str, list[str]] = {k: [] for k in header.tensors}
-    for t in loadable:
-        for k in t.sources:
-            landed[k].append(t.path)
-    report.landed = {k: tuple(v) for k, v in landed.items()}
-    return loadable, report
 
 
 def load_targets(
@@ -538,13 +533,13 @@ def load_targets(
     given = {k: v for k, v in locals().items() if k not in ("header", "targets", "options")}
     opt = options if options is not None else LoadOptions()
     in_memory = header.kind == "memory"  # every process holds its own state dict: nothing to share
-    if not in_memory and _share.enabled(opt.share_reads, targets, header.placement.remote, _describe(header)):
+    if not in_memory and _share.enabled(opt.share_reads, targets, header.placement.remote, describe_source(header)):
         run = functools.partial(
             load_targets, header, options=replace(opt, share_reads=False), **given | {"slab_bytes": 0}
         )
         shapes = {k: info.shape for k, info in header.tensors.items()}
-        return _share.shared_load(list(targets), run, shapes, _describe(header))
-    loadable, report = _prepare(
+        return _share.shared_load(list(targets), run, shapes, describe_source(header))
+    loadable, report = check_targets(
         header, targets, allow_missing, allow_unexpected, allow_shape_mismatch, ignore_unexpected, renamed, allow_casts
     )
     if not loadable:  # the shapes only for the message: a lazy handle's reads come here per tensor
@@ -555,78 +550,46 @@ def load_targets(
         opt = replace(opt, verify=True)
     if strict:
         report.raise_or_warn(True)
-    for t in loadable:  # each has sources, all in the header (_check)
+    for t in loadable:  # each has sources, all in the header (check_targets)
         check_device_dtype(t, header.tensors[t.sources[0]].file)
     keys = {k for t in loadable for k in t.sources}  # this process may need less: the total is made exact below
     label = f"loading {os.path.basename(report.source)}"
     bar = _progress.bar(label, sum(header.tensors[k].nbytes for k in keys), len(loadable), progress)
     with gc_paused():
         try:
-            engine = Engine(header, loadable, report, opt, open_reader, bar, slab_bytes)
-            if isinstance(bar, _progress.Bar):
-                bar.total = sum(d.nbytes for d in engine.dests) + engine.boxed.nbytes  # exact: what this process reads
-            # a device this load puts arrays on: its platform decides how
-            device = next(
-                (next(iter(t.sharding.addressable_devices)) for t in loadable if t.sharding is not None), None
-            )
-            if device is not None and opt.streaming(device.platform):
-                kinds = tuple(m.kind for m in device.addressable_memories())
-                engine.stream(opt.staging_kind(device.platform, kinds), device)
-            else:
-                engine.run()
+            engine = Engine(header, loadable, opt, open_reader, bar, slab_bytes)
+        except BaseException:
+            bar.close()
+            raise
+        try:
+            _read(engine, loadable, opt)
+        except BaseException:
+            engine.close()
+            raise
         finally:
             bar.close()
-    _finish(engine, report)
-    _refuse_unpinned(header, unpinned, report.unverified)
-    if warn:
-        report.raise_or_warn(False, stacklevel=4)
+    try:
+        engine.outcome.peak = engine.budget.peak
+        complete(report, engine.outcome, header.placement.retries())
+        _refuse_unpinned(header, unpinned, report.unverified)
+        if warn:
+            report.raise_or_warn(False, stacklevel=4)
+    finally:
+        engine.close()  # its last readers, once the load is over
     return engine.results, report
 
 
-def _finish(engine: Engine, report: LoadReport) -> None:
-    report.verified = sorted(k for k, ok in engine.checked.items() if ok)
-    report.unverified = sorted(k for k, ok in engine.checked.items() if not ok)
-    report.io.max_inflight_bytes = engine.budget.peak
-    report.io.retries = engine.header.placement.retries()
-    report.loaded = sorted(engine.results)
-    log.debug("loaded %d tensors from %s: %s", len(engine.results), report.source, report.io)
-    if engine.over_reads:
-        warnings.warn(
-            "this load read far more bytes than it needed from these files: to make fewer, larger "
-            "requests, the automatic read merging (max_over_read_ratio=None) read through the bytes "
-            "between the pieces it needed (tensors the load skips, or parts other devices hold):\n  "
-            + "\n  ".join(engine.over_reads)
-            + "\n"
-            + over_read_advice(*engine.over_read_bytes),
-            OverReadWarning,
-            stacklevel=4,
-        )
-
-
-def over_read_advice(read: int, floor: int) -> str:
-    """The remedy the over-read warning gives, true for this load: ``read`` bytes were
-    read from the over-read files, ``floor`` is what ``max_over_read_ratio=1.0`` would
-    read there (computed by planning the same requests at that ratio).
-
-    Examples:
-        >>> over_read_advice(8 << 20, 1 << 20).startswith("Pass max_over_read_ratio=1.0 to read 1.0 MiB instead of 8.0 MiB")
-        True
-        >>> over_read_advice(8 << 20, 8 << 20).startswith("max_over_read_ratio=1.0 would read the same 8.0 MiB")
-        True
-    """
-    contiguous = "shard the leading dimension so that each device's pieces are contiguous"
-    if read - floor >= OVER_READ_MIN_BYTES:
-        return (
-            f"Pass max_over_read_ratio=1.0 to read {human_bytes(floor)} instead of {human_bytes(read)} "
-            f"(in more, smaller requests), or {contiguous}."
-        )
-    same = f"the same {human_bytes(read)}" if floor == read else f"{human_bytes(floor)} of the {human_bytes(read)} read"
-    return (
-        f"max_over_read_ratio=1.0 would read {same}: most of "
-        "what is read through are gaps under 4 KiB between the pieces this process needs, which every ratio reads "
-        f"(a request per piece would cost more). To read less, {contiguous}, or save the tensors this load "
-        "skips in another file; an explicit max_over_read_ratio (or a warnings filter) only silences this warning."
-    )
+def _read(engine: Engine, loadable: Sequence[Target], opt: LoadOptions) -> None:
+    """Run ``engine``: on the host path, or streamed where the devices' platform asks it."""
+    if isinstance(engine.bar, _progress.Bar):
+        engine.bar.total = sum(d.nbytes for d in engine.dests) + engine.boxed.nbytes  # exact: what this process reads
+    # a device this load puts arrays on: its platform decides how
+    device = next((next(iter(t.sharding.addressable_devices)) for t in loadable if t.sharding is not None), None)
+    if device is not None and opt.streaming(device.platform):
+        kinds = tuple(m.kind for m in device.addressable_memories())
+        engine.stream(opt.staging_kind(device.platform, kinds), device)
+    else:
+        engine.run()
 
 
 def _refuse_unpinned(header: Header, unpinned: frozenset[str], unverified: Sequence[str]) -> None:
@@ -643,9 +606,3 @@ def _refuse_unpinned(header: Header, unpinned: frozenset[str], unverified: Seque
             "refused. Serve the file with an ETag or Last-Modified header, or read whole tensors of a file "
             "saved with checksums"
         )
-
-
-def _describe(header: Header) -> str:
-    if len(header.files) == 1:
-        return header.files[0].file
-    return f"{len(header.files)} files ({header.kind})"

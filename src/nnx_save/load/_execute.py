@@ -325,10 +325,11 @@ class _Scratch:
         return buf
 
 
-def _small_chunks(reader: Reader, plan: FilePlan) -> np.ndarray:
+def _small_chunks(batches: bool, plan: FilePlan) -> np.ndarray:
     """Per chunk: whether it is one run's part of at most :data:`SMALL_CHUNK` bytes
-    that a local reader can batch (all False for other readers)."""
-    if not reader.can_read_runs() or not len(plan.offset):
+    that a local reader can batch (all False for other readers: ``batches``, whether
+    the reader can read runs)."""
+    if not batches or not len(plan.offset):
         return np.zeros(plan.num_chunks, bool)
     cs, ce, lo, hi = plan.chunk_start, plan.chunk_end, plan.chunk_lo, plan.chunk_hi
     valid = (lo >= 0) & (hi <= len(plan.offset))  # a bad index takes the chunk path, whose checks refuse it
@@ -361,8 +362,8 @@ def _read_batch(reader: Reader, plan: FilePlan, a: int, b: int, dest_ptr: np.nda
     reader.read_runs(addr.tolist(), (ce - cs).tolist(), cs.tolist())
 
 
-def _method(reader: Reader, runs: int, nbytes_needed: int) -> str:
-    table = reader.can_read_tables()
+def _method(table: bool, runs: int, nbytes_needed: int) -> str:
+    """How a chunk of ``runs`` runs is read, by a reader that reads iovec tables (``table``) or not."""
     if runs <= DIRECT_MAX_RUNS or nbytes_needed >= runs * (DIRECT_MIN_RUN if table else DIRECT_MIN_RUN_PY):
         return "table" if table else "direct"
     return "scatter"
@@ -377,20 +378,23 @@ def execute(
     num_threads: int,
     on_chunk: Callable[[int], None] | None = None,
     cancel: threading.Event | None = None,
+    capabilities: tuple[bool, bool] | None = None,
 ) -> None:
     """Run every chunk of ``plan`` into ``dests`` (flat uint8 arrays), concurrently,
     never holding more than ``budget.limit`` bytes of chunks in flight.
     ``on_chunk(needed bytes)`` is called after each chunk (progress). Once
-    ``cancel`` is set, chunks not yet started raise :class:`Cancelled`."""
+    ``cancel`` is set, chunks not yet started raise :class:`Cancelled`.
+    ``capabilities``: the reader's ``(can_read_tables(), can_read_runs())`` when the
+    caller asked them as it opened it (else asked here)."""
     if not plan.num_chunks:
         return
     sizes = np.array([len(d) for d in dests], np.int64)
     dest_ptr = np.array([d.ctypes.data for d in dests], np.uint64)
-    local = reader.can_read_tables()
+    local, batches = capabilities or (reader.can_read_tables(), reader.can_read_runs())  # once per file
     needed, span = plan.chunk_needed, plan.chunk_end - plan.chunk_start
     gap_bytes = span - needed  # per chunk: 0 when its runs touch
     scratch = _Scratch(min(int(gap_bytes.max()), GAP_SCRATCH))
-    small = _small_chunks(reader, plan)
+    small = _small_chunks(batches, plan)
 
     def run(a: int, b: int) -> None:
         """Chunk ``a`` alone, or the batch of small chunks ``[a, b)``."""
@@ -401,7 +405,7 @@ def execute(
         with budget(int(span[a:b].sum())):
             if small[a]:
                 _read_batch(reader, plan, a, b, dest_ptr, sizes)
-            elif (how := _method(reader, int(plan.chunk_hi[a] - plan.chunk_lo[a]), int(needed[a]))) == "table":
+            elif (how := _method(local, int(plan.chunk_hi[a] - plan.chunk_lo[a]), int(needed[a]))) == "table":
                 _read_table(reader, plan, a, dest_ptr, scratch.gap(), gapless=not gap_bytes[a])
             elif how == "direct":
                 _direct(reader, plan, dests, a, scratch.gap())

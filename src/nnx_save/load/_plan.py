@@ -14,7 +14,7 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -60,18 +60,14 @@ class FilePlan:
     chunk_needed: np.ndarray
     ratio: float
     page_blocks: int
+    needed_bytes: int = field(init=False)  # computed once here: the engine and the report ask for them
+    read_bytes: int = field(init=False)
+    num_chunks: int = field(init=False)
 
-    @property
-    def needed_bytes(self) -> int:
-        return int(self.length.sum())
-
-    @property
-    def read_bytes(self) -> int:
-        return int((self.chunk_end - self.chunk_start).sum())
-
-    @property
-    def num_chunks(self) -> int:
-        return len(self.chunk_start)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "needed_bytes", int(self.length.sum()))
+        object.__setattr__(self, "read_bytes", int((self.chunk_end - self.chunk_start).sum()))
+        object.__setattr__(self, "num_chunks", len(self.chunk_start))
 
     def __repr__(self) -> str:
         return (
@@ -296,7 +292,7 @@ def _plan_runs(
 
 def _concat(plans: list[FilePlan]) -> FilePlan:
     """One plan of the passes' plans (run indices shifted past the earlier passes' runs)."""
-    names = [f.name for f in dataclasses.fields(FilePlan) if f.name not in ("ratio", "page_blocks")]
+    names = [f.name for f in dataclasses.fields(FilePlan) if f.init and f.name not in ("ratio", "page_blocks")]
     cat = {name: np.concatenate([getattr(p, name) for p in plans]) for name in names}
     first = np.repeat(np.cumsum([0] + [len(p.offset) for p in plans[:-1]]), [p.num_chunks for p in plans])
     cat["chunk_lo"] += first

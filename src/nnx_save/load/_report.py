@@ -7,23 +7,37 @@ can refuse (one :class:`~nnx_save.LoadError`, grouped and sorted) without touchi
 from __future__ import annotations
 
 import fnmatch
+import logging
 import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
 
-from ..errors import LoadError, LoadWarning, LossyCastWarning, SingleDeviceWarning
+from ..errors import LoadError, LoadWarning, LossyCastWarning, OverReadWarning, SingleDeviceWarning
+from ..format._units import human_bytes
+from ._assemble import held_of
+
+if TYPE_CHECKING:
+    from ._source import Header
+    from ._target import Target
 
 __all__ = [
+    "OVER_READ_MIN_BYTES",
+    "OVER_READ_WARN",
     "DtypeCast",
     "IOStats",
     "LoadReport",
+    "Outcome",
     "ShapeMismatch",
+    "check_targets",
+    "complete",
+    "describe_source",
     "matches_any",
+    "over_read_advice",
     "refuse_nothing_loaded",
     "split_allowed",
     "split_allowed_casts",
@@ -31,6 +45,10 @@ __all__ = [
     "suggested_targets",
     "warn_single_device",
 ]
+
+log = logging.getLogger("nnx_save")
+OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning ...
+OVER_READ_MIN_BYTES = 1 << 20  # ... when the bytes it did not need cost something (~1 ms of reading)
 
 
 @dataclass(frozen=True)
@@ -455,3 +473,155 @@ def split_allowed(items: Sequence[Any], patterns: Iterable[str]) -> tuple[list, 
     patterns = list(patterns)
     ok = [matches_any(i if isinstance(i, str) else i.path, patterns) for i in items]
     return [i for i, a in zip(items, ok, strict=True) if not a], [i for i, a in zip(items, ok, strict=True) if a]
+
+
+# ------------------------------------------------------------- built from the engine's answer
+
+
+def _check(header: Header, t: Target, report: LoadReport) -> bool:
+    """Record what is wrong with ``t``; True if it can be loaded."""
+    if not t.sources or any(k not in header.tensors for k in t.sources):
+        report.missing.append(t.path)
+        return False
+    if t.transform is None:
+        info = header.tensors[t.sources[0]]
+        shape, dtype = info.shape, info.dtype.numpy
+    else:
+        shape = t.source_shape if t.source_shape is not None else t.shape
+        dtype = np.result_type(*(header.tensors[k].dtype.numpy for k in t.sources))
+    if tuple(shape) != tuple(t.shape):
+        report.shape_mismatches.append(ShapeMismatch(t.path, tuple(t.shape), tuple(shape), t.sources[0]))
+        return False
+    import jax
+
+    on_device, x64 = t.sharding is not None, jax.config.jax_enable_x64  # type: ignore[attr-defined]
+    held, wanted = held_of(np.dtype(t.dtype), on_device, x64), np.dtype(t.dtype)  # held_dtype(t), cached
+    if np.dtype(dtype) != held:
+        model = str(held) if held == wanted else f"{held} (the model's {wanted}: jax_enable_x64 is off)"
+        report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
+    return True
+
+
+def check_targets(
+    header: Header,
+    targets: Sequence[Target],
+    allow_missing: Sequence[str],
+    allow_unexpected: Sequence[str],
+    allow_shape_mismatch: Sequence[str],
+    ignore_unexpected: frozenset[str],
+    renamed: Mapping[str, tuple[str, ...]] | None,
+    allow_casts: str | Sequence[str],
+) -> tuple[list[Target], LoadReport]:
+    """The report of what will and will not load, before any byte is read (the
+    ``allow_*`` patterns move mismatches to the allowed lists); and the targets that
+    can be loaded."""
+    report = LoadReport(source=describe_source(header))
+    loadable = [t for t in targets if _check(header, t, report)]
+    used = {k for t in targets for k in t.sources}
+    report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
+    report.shape_mismatches, report.allowed_shape_mismatches = split_allowed(
+        report.shape_mismatches, allow_shape_mismatch
+    )
+    report.dtype_casts, report.allowed_casts = split_allowed_casts(report.dtype_casts, allow_casts)
+    unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
+    report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
+    report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
+    if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
+        report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
+        report.suggested_targets = suggested_targets(report, {t.path: t.shape for t in targets}, header.tensors)
+    report.sources = {t.path: t.sources for t in loadable}
+    landed: dict[str, list[str]] = {k: [] for k in header.tensors}
+    for t in loadable:
+        for k in t.sources:
+            landed[k].append(t.path)
+    report.landed = {k: tuple(v) for k, v in landed.items()}
+    return loadable, report
+
+
+@dataclass
+class Outcome:
+    """What one load did, per tensor and per file: the engine's answer (it reads and
+    places; :func:`complete` makes the report of it).
+
+    Attributes:
+        values: each loaded target's value, by path.
+        checked: per file key read, whether every piece was verified against its
+            recorded checksum (``False``: not verifiable where it was read).
+        read_whole: ported targets whose sources were read whole.
+        files: per file read, ``(file, bytes read, bytes needed, requests)``.
+        requests: requests not counted with a file (the streaming readers').
+        seconds: time spent planning, reading and assembling.
+        peak: the most bytes of reads in flight at once.
+        over_reads: one line per file read far beyond what it gave (the warning's).
+        over_read_bytes: those files' bytes read, and what ``max_over_read_ratio=1.0`` would read.
+    """
+
+    values: dict[str, Any] = field(default_factory=dict)
+    checked: dict[str, bool] = field(default_factory=dict)
+    read_whole: list[str] = field(default_factory=list)
+    files: list[tuple[str, int, int, int]] = field(default_factory=list)
+    requests: int = 0
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    peak: int = 0
+    over_reads: list[str] = field(default_factory=list)
+    over_read_bytes: list[int] = field(default_factory=lambda: [0, 0])
+
+
+def complete(report: LoadReport, outcome: Outcome, retries: int) -> None:
+    """Fill ``report`` (made by :func:`check_targets`) with what the load did; warn
+    once if it read far more than it needed. ``retries``: the transport's requests retried."""
+    io = report.io
+    for file, read, needed, requests in outcome.files:
+        io.add_file(file, read, needed, requests)
+    io.requests += outcome.requests
+    io.plan_seconds, io.read_seconds, io.assemble_seconds = outcome.seconds
+    io.read_whole += outcome.read_whole
+    io.max_inflight_bytes, io.retries = outcome.peak, retries
+    report.verified = sorted(k for k, ok in outcome.checked.items() if ok)
+    report.unverified = sorted(k for k, ok in outcome.checked.items() if not ok)
+    report.loaded = sorted(outcome.values)
+    log.debug("loaded %d tensors from %s: %s", len(outcome.values), report.source, io)
+    if outcome.over_reads:
+        warnings.warn(
+            "this load read far more bytes than it needed from these files: to make fewer, larger "
+            "requests, the automatic read merging (max_over_read_ratio=None) read through the bytes "
+            "between the pieces it needed (tensors the load skips, or parts other devices hold):\n  "
+            + "\n  ".join(outcome.over_reads)
+            + "\n"
+            + over_read_advice(*outcome.over_read_bytes),
+            OverReadWarning,
+            stacklevel=4,
+        )
+
+
+def over_read_advice(read: int, floor: int) -> str:
+    """The remedy the over-read warning gives, true for this load: ``read`` bytes were
+    read from the over-read files, ``floor`` is what ``max_over_read_ratio=1.0`` would
+    read there (computed by planning the same requests at that ratio).
+
+    Examples:
+        >>> over_read_advice(8 << 20, 1 << 20).startswith("Pass max_over_read_ratio=1.0 to read 1.0 MiB instead of 8.0 MiB")
+        True
+        >>> over_read_advice(8 << 20, 8 << 20).startswith("max_over_read_ratio=1.0 would read the same 8.0 MiB")
+        True
+    """
+    contiguous = "shard the leading dimension so that each device's pieces are contiguous"
+    if read - floor >= OVER_READ_MIN_BYTES:
+        return (
+            f"Pass max_over_read_ratio=1.0 to read {human_bytes(floor)} instead of {human_bytes(read)} "
+            f"(in more, smaller requests), or {contiguous}."
+        )
+    same = f"the same {human_bytes(read)}" if floor == read else f"{human_bytes(floor)} of the {human_bytes(read)} read"
+    return (
+        f"max_over_read_ratio=1.0 would read {same}: most of "
+        "what is read through are gaps under 4 KiB between the pieces this process needs, which every ratio reads "
+        f"(a request per piece would cost more). To read less, {contiguous}, or save the tensors this load "
+        "skips in another file; an explicit max_over_read_ratio (or a warnings filter) only silences this warning."
+    )
+
+
+def describe_source(header: Header) -> str:
+    """How the report names a load's source: its file, or how many files of which layout."""
+    if len(header.files) == 1:
+        return header.files[0].file
+    return f"{len(header.files)} files ({header.kind})"

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from ._options import LoadOptions
     from ._pieces import Piece, Request
-    from ._report import LoadReport
+    from ._report import Outcome
     from ._source import Header
 
 __all__ = ["StagingPool", "StreamEngine", "allocator", "run", "slabs"]
@@ -47,7 +47,7 @@ class StreamEngine(Protocol):
     checksum and dtype rules, so that both paths read, check and report alike."""
 
     header: Header
-    report: LoadReport
+    outcome: Outcome  # what the load did: its files' bytes and requests, per tensor its values
     opt: LoadOptions
     bar: Any
     budget: Budget
@@ -416,10 +416,9 @@ def run(engine: StreamEngine, streamed: list[int], kind: str, device: Any) -> di
         for r in streamer.readers.values():
             r.close()
         pool.close()
-    io = engine.report.io
     for file, (read, needed, floor) in streamer.stats.items():
-        io.add_file(file, read, needed)
+        engine.outcome.files.append((file, read, needed, 0))
         if file in streamer.through and engine.over_read_warns(read, needed):  # one warning per load, as hosted
             engine.note_over_read(file, read, needed, *streamer.through[file], floor)
-    io.requests += sum(r.requests for r in streamer.readers.values())
+    engine.outcome.requests += sum(r.requests for r in streamer.readers.values())
     return {i: shard.arrays for i, shard in streamer.shards.items()}

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _config, _progress
+from .. import _config
 from .._options import path_arg, seconds_arg
 from ..errors import NnxSaveError, SaveError
 from ..io import _remote
@@ -239,8 +239,7 @@ def _work() -> None:
         handle, write, snap = _jobs.get()
         t0 = time.perf_counter()
         try:
-            with _progress.saving(False):  # no bar drawn over the caller's output
-                write(handle.path, snap)
+            write(handle.path, snap)  # its options draw no bar (layouts' save)
         except BaseException as e:  # kept for result(), wait_for_saves() and exit
             handle._error = _with_path(e, handle.path)
             _drop_locals(handle._error)

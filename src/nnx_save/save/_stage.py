@@ -139,7 +139,7 @@ def stage(array: Any, spanning: bool = False) -> Staged | None:
 class Window:
     """Copies of a sequence of tensors started ahead, under a byte budget ``limit``
     (a larger tensor is copied alone). ``held``: bytes of copies started and not yet
-    released, ``peak`` its maximum. A failed copy raises a :class:`SaveError` naming
+    released, ``peak`` its maximum; ``copies``: whether any tensor needs one. A failed copy raises a :class:`SaveError` naming
     ``where`` and the tensor's key."""
 
     def __init__(
@@ -149,6 +149,7 @@ class Window:
         self.spanning = spanning
         force = _config.FORCE_HOST_STAGING.get()
         self.sizes = [staging_bytes(a, spanning, force) for a in self.arrays]
+        self.copies = any(self.sizes)  # False (the CPU backend, numpy): take() is each entry's value()
         self.pending: dict[int, Staged] = {}
         self.next = 0
         self.held = self.peak = 0

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,16 +20,17 @@ from .. import _progress
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ..io._sink import Sink, chunk_memory, pwrite_all
 from ..io._write import atomic_file
 from . import _stage
 from ._entry import Entry, host_bytes, order_entries
+from ._sink import Sink, chunk_memory, pwrite_all
 
-__all__ = ["final_header", "host_data", "write_file"]
+__all__ = ["SHARD_WRITERS", "final_header", "host_data", "write_file", "write_files"]
 
 # Below this a tensor is hashed on the writing thread: waking a helper thread costs
 # more than hashing a small tensor (most tensors of a model: norms, biases).
 HASH_THREAD_MIN_BYTES = 1 << 20
+SHARD_WRITERS = 2  # files one process writes at once (write_files)
 log = logging.getLogger("nnx_save")
 
 
@@ -39,6 +41,8 @@ def write_file(
     *,
     staged: list[tuple[Path, Path]] | None = None,
     max_inflight_bytes: int | None = None,
+    progress: bool | None = None,
+    ordered: bool = False,
 ) -> None:
     """Write ``entries`` as one safetensors file at ``path``, atomically
     (or staged, see :func:`atomic_file`).
@@ -47,15 +51,17 @@ def write_file(
     fixed-width placeholder digests, is rewritten in place (same length) with the
     real ones before the fsync and rename (see :mod:`nnx_save.format._checksum`). The
     device -> host copies of the next tensors run while one is written; they and the
-    writer's chunks (:mod:`nnx_save.io._sink`) hold at most ``max_inflight_bytes``
-    at once (see :mod:`nnx_save.save._stage`).
+    writer's chunks (:mod:`nnx_save.save._sink`) hold at most ``max_inflight_bytes``
+    at once (see :mod:`nnx_save.save._stage`); ``progress`` as in
+    :func:`nnx_save._progress.bar`; ``ordered``: ``entries`` are in file order already
+    (:func:`order_entries`: a layout planned them so).
     """
-    entries = order_entries(entries)
+    entries = entries if ordered else order_entries(entries)
     names = [(e.key, e.code, e.shape) for e in entries]
     digests = _checksum.Digests([e.key for e in entries])
     head, offsets = encode_header(names, digests.metadata(metadata))
     total = offsets[-1][1] if offsets else 0
-    bar = _progress.bar(f"saving {Path(path).name}", total, len(entries), _progress.save_setting())
+    bar = _progress.bar(f"saving {Path(path).name}", total, len(entries), progress)
     limit = _stage.budget(max_inflight_bytes)
     held = chunk_memory(len(head) + total, limit)  # the sink's chunks come out of the same budget
     window = _stage.Window([e.array for e in entries], [e.key for e in entries], limit - held, str(path))
@@ -80,13 +86,16 @@ def write_file(
                 else:  # waking the helper costs more than hashing a small tensor here
                     digests.update(e.key, data)
                     sink.write(data)
-                bar.update(len(data), 1)
+                if bar.active:  # a bar not drawn needs no call per tensor
+                    bar.update(len(data), 1)
                 del data
             sink.finish()
             pwrite_all(fd, memoryview(final_header(path, names, digests, metadata, head)), 0)
     finally:
-        window.close()
-        bar.close()
+        if window.copies:  # copies to drop only where some were started
+            window.close()
+        if bar.active:  # a bar not drawn has nothing to close
+            bar.close()
     seconds = time.perf_counter() - t0
     log.debug(
         "saved %s: %d tensors, %d bytes in %.3f s (%.0f MB/s), xxh3_64 checksums recorded; "
@@ -98,6 +107,53 @@ def write_file(
         total / seconds / 1e6 if seconds else 0.0,
         window.peak,
     )
+
+
+def write_files(
+    files: Sequence[tuple[Path, Sequence[Entry]]],
+    metadata: Mapping[str, str] | None,
+    *,
+    staged: list[tuple[Path, Path]],
+    progress: bool | None,
+    written: list[Path],
+) -> None:
+    """Write each ``(path, entries)`` of ``files`` as one file, staged (see
+    :func:`write_file`), :data:`SHARD_WRITERS` at a time: the disk is kept busier by
+    several streams, and each writer holds its share of the save's in-flight budget.
+    Each file's entries are in file order (:func:`order_entries`), as the layout
+    planned them. Each file written is added to ``written``; the first failure cancels the files
+    not begun and is raised once the others have ended.
+    """
+    workers = min(SHARD_WRITERS, len(files))
+    if workers < 2:
+        for path, entries in files:
+            write_file(path, entries, metadata, staged=staged, progress=progress, ordered=True)
+            written.append(path)
+        return
+    limit = max(1, _stage.budget() // workers)
+    with ThreadPoolExecutor(workers, "nnx_save-shard") as pool:
+        jobs = {
+            pool.submit(
+                write_file,
+                path,
+                entries,
+                metadata,
+                staged=staged,
+                max_inflight_bytes=limit,
+                progress=progress,
+                ordered=True,
+            ): path
+            for path, entries in files
+        }
+        try:
+            futures.wait(jobs, return_when=futures.FIRST_EXCEPTION)
+        finally:  # a failure, or an interrupt of this thread: no file not begun is begun
+            for job in jobs:
+                job.cancel()
+    written.extend(jobs[job] for job in jobs if not job.cancelled() and job.exception() is None)
+    failed = [job.exception() for job in jobs if not job.cancelled() and job.exception() is not None]
+    if failed:
+        raise failed[0]  # type: ignore[misc]
 
 
 def final_header(
@@ -112,7 +168,8 @@ def final_header(
 
 def host_data(window: _stage.Window, i: int, e: Entry, path: str | os.PathLike, size: int) -> memoryview:
     """Entry ``i``'s bytes (staged by ``window``), once their length is the header's ``size``."""
-    data = host_bytes(window.take(i, _stage.Staged.assemble, e.value), e.code)
+    value = window.take(i, _stage.Staged.assemble, e.value) if window.copies else e.value()
+    data = host_bytes(value, e.code)
     if len(data) != size:  # the header is already written: never let it lie
         raise SaveError(
             f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "

@@ -1,4 +1,4 @@
-"""io/_sink: the bytes land exactly, whichever way they are written (direct I/O in whole
+"""save/_sink: the bytes land exactly, whichever way they are written (direct I/O in whole
 chunks, buffered with write-back started per chunk, or direct refused midway), and a
 failed write raises."""
 
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nnx_save
-from nnx_save.io import _sink
 from nnx_save.io._write import TMP_MARKER
+from nnx_save.save import _sink
 
 SMALL_CHUNK = 16 << 10  # a multiple of any block size direct I/O asks for here
 
