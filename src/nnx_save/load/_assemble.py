@@ -16,7 +16,7 @@ import numpy as np
 from ..format import _dtypes
 from ..format._header import TensorInfo
 from ._pieces import Box
-from ._target import Target, device_indices, per_sharding
+from ._target import Target, device_indices
 
 __all__ = ["assemble", "batched_put", "held_dtype", "held_of", "host_view", "place", "place_whole"]
 
@@ -116,11 +116,17 @@ def batched_put() -> Callable | None:
     except (ImportError, AttributeError):
         direct = None
 
-    def aval(sharding, shape, dtype):
-        return core.update_aval_with_sharding(core.ShapedArray(shape, dtype), sharding)
+    avals: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # per sharding OBJECT, as per_sharding
 
     def put(shape, sharding, hosts, devices):
-        made = per_sharding(aval, sharding, tuple(shape), hosts[0].dtype)
+        key = (id(sharding), tuple(shape), hosts[0].dtype)
+        hit = avals.get(key)
+        if hit is None or hit[0] is not sharding:  # the entry holds its sharding: no id reuse
+            if len(avals) >= 4096:  # bounded, as per_sharding
+                avals.clear()
+            aval = core.update_aval_with_sharding(core.ShapedArray(shape, hosts[0].dtype), sharding)
+            hit = avals[key] = (sharding, aval)
+        made = hit[1]
         if direct is not None and all(type(h) is np.ndarray for h in hosts):
             return direct(made, sharding, hosts, devices, True)
         return pxla.batched_device_put(made, sharding, hosts, devices)
