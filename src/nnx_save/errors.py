@@ -364,7 +364,8 @@ class CheckpointUsageError(CheckpointError, ValueError):
     what its directory holds; ``reason`` says which (one class, an attribute per case,
     since no caller recovers from one case and not another):
 
-    - ``"directory"``: a checkpoint ``directory`` (as given) the store cannot use;
+    - ``"directory"``: a checkpoint ``directory`` (as given) the store cannot use, or one that holds
+      a checkpoint of another layout (``entry``: an HF index, a pod manifest, ``.safetensors`` files);
     - ``"link"``: an entry (``entry``, linking to ``target``) of ``directory`` that the store
       may rename or delete is a symbolic link;
     - ``"retention"``: the store was opened with retention policies (``given``) other than
@@ -401,6 +402,17 @@ class CheckpointUsageError(CheckpointError, ValueError):
             "or a gs:// or s3:// URL (which Orbax writes through etils epath and tensorstore)",
             "directory",
             directory=directory,
+        )
+
+    @classmethod
+    def for_layout(cls, directory: str, entry: str) -> CheckpointUsageError:
+        return cls(
+            f"checkpoint directory {directory}: holds {entry}, a checkpoint of another layout (nnx_save.load_file "
+            "reads it); the store writes its steps beside it and the directory would hold two checkpoints, so "
+            "nothing was written: give the store a directory of its own",
+            "directory",
+            directory=directory,
+            entry=entry,
         )
 
     @classmethod

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from _errors import raises_usage
 
+import nnx_save
 from nnx_save import LossyCastWarning
 from nnx_save.checkpoint import (
     CheckpointDtypeMismatchError,
@@ -176,3 +177,35 @@ def test_a_template_of_the_wrong_kind_is_a_template_error_not_a_damaged_step(tmp
             store.restore(1, templates={"extensions": {**PYTHON_LEAVES, "lr": "x", "name": 0}}, cast_dtypes=cast_dtypes)
         assert store.damaged_steps() == {}
         assert store.restore(1).items["extensions"] == PYTHON_LEAVES
+
+
+def _hf(d) -> None:
+    nnx_save.save_file({f"t{i}": np.full((64,), 1.0, np.float32) for i in range(3)}, d, max_shard_size=512)
+
+
+def _pod(d) -> None:
+    nnx_save.save_pod({"t": np.full((64,), 1.0, np.float32)}, d)
+
+
+def _single(d) -> None:
+    nnx_save.save_file({"t": np.full((64,), 1.0, np.float32)}, d / "weights.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("make", "entry"),
+    [(_hf, "model.safetensors.index.json"), (_pod, "manifest.json"), (_single, "1 .safetensors files")],
+)
+def test_a_store_over_another_layouts_checkpoint_is_refused_before_anything_changes(tmp_path, make, entry):
+    """A store opened over an HF, pod or single-file checkpoint wrote its steps beside it."""
+    make(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    loaded = nnx_save.load_file(tmp_path if make is not _single else tmp_path / "weights.safetensors")
+    message = f"checkpoint directory {tmp_path}: holds {entry}"
+    with OrbaxCheckpointStore(tmp_path) as store:
+        with raises_usage("directory", match=re.escape(message)):
+            store.save(1, state(1))
+        with raises_usage("directory", match=re.escape(message)):
+            store.save(1, state(1))  # and on every call
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    again = nnx_save.load_file(tmp_path if make is not _single else tmp_path / "weights.safetensors")
+    assert again.keys() == loaded.keys()

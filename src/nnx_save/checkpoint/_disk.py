@@ -17,6 +17,8 @@ from etils import epath
 from ..errors import CheckpointDamageWarning, CheckpointUsageError, DirectoryLockedError, UnsupportedCheckpointError
 from ..io._lock import WriterLock
 from ..io._write import _write_all, atomic_file
+from ..layouts._index import INDEX_NAME
+from ..layouts._pod import MANIFEST
 from . import _orbax
 from ._agree import agree
 from ._directory import is_url
@@ -104,12 +106,27 @@ class Disk:
 
     def lock(self, what: str) -> None:
         """Become the directory's one writer (process 0 holds the lock for the job), or raise
-        :class:`DirectoryLockedError` on every process. A URL has no lock (an object store has no ``flock``)."""
+        :class:`DirectoryLockedError` on every process; a directory that holds another layout's
+        checkpoint raises :class:`CheckpointUsageError` on every process (decided on process 0). A URL has no lock (an object store has no ``flock``)."""
+        foreign = agree("layout", self._foreign)
+        if foreign is not None:
+            raise CheckpointUsageError.for_layout(str(self.path), foreign)
         if is_url(str(self.path)):
             return
         holder = agree("lock", lambda: self._try_lock(what))
         if holder is not None:
             raise DirectoryLockedError(str(self.path), holder)
+
+    def _foreign(self) -> str | None:
+        """What makes the directory another layout's checkpoint (an HF index, a pod manifest,
+        ``.safetensors`` files), or ``None``: the store refuses to write its steps beside it."""
+        if not self.path.is_dir():
+            return None
+        for name in (INDEX_NAME, MANIFEST):
+            if (self.path / name).is_file():
+                return name
+        files = sorted(p.name for p in self.path.glob("*.safetensors"))
+        return f"{len(files)} .safetensors files ({', '.join(files[:3])})" if files else None
 
     def _try_lock(self, what: str) -> str | None:
         try:
