@@ -85,6 +85,7 @@ HeaderCheck = Literal[
     "metadata",
     "tensor_entry",
     "pieces",
+    "manifest",
     "dtype",
     "byte_length",
     "offsets",
@@ -101,7 +102,9 @@ twice at any level), ``"metadata"`` (``__metadata__`` not strings to strings),
 format does not define), ``"byte_length"`` (a byte range that disagrees with shape and
 dtype), ``"offsets"`` (ranges that overlap, leave a hole or do not start at zero),
 ``"file_size"`` (data that does not end at the end of the file), ``"pieces"`` (a layout's
-boxes of a tensor malformed, overlapping, leaving a hole or outside its shape), ``"index"``
+boxes of a tensor malformed, overlapping, listed twice, leaving a hole or outside its shape),
+``"manifest"`` (a pod manifest's ``num_processes``, a piece's ``process`` or its ``save_id``
+out of range, or a shard file of another save), ``"index"``
 (a multi-file index malformed or disagreeing with the files it names), ``"layout"`` (a
 directory two layouts claim: the message names both records, ``file`` the directory) and
 ``"format"`` (:class:`NotSafetensorsError`)."""

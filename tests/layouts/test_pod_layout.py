@@ -153,3 +153,54 @@ def test_save_pod_in_the_background_with_a_progress_bar(tmp_path, monkeypatch):
     np.testing.assert_array_equal(loaded["h"], np.arange(5, dtype=np.int32))
     assert nnx_save.save_pod({"h": host}, tmp_path, progress=True) == tmp_path / "manifest.json"
     assert re.search(r"\rsaving shard_00000-of-00001\.[0-9a-f]{8}\.safetensors 100% .*1/1 tensors", tty.getvalue())
+
+
+def _dup(m: dict) -> str:
+    m["tensors"]["a"]["pieces"].append(dict(m["tensors"]["a"]["pieces"][0]))
+    return "manifest.json: tensor 'a': piece 'a' of shard_00000-of-00001."
+
+
+def _process(value: object):
+    def edit(m: dict) -> str:
+        m["tensors"]["a"]["pieces"][0]["process"] = value
+        return f"process must be an integer from 0 to 0 (num_processes is 1), found {value!r}"
+
+    return edit
+
+
+def _processes(value: object):
+    def edit(m: dict) -> str:
+        m["num_processes"] = value
+        return f'manifest.json: "num_processes" must be an integer from 1 to 99999, found {value!r}'
+
+    return edit
+
+
+def _save_id(m: dict) -> str:
+    was, m["save_id"] = m["save_id"], "0badc0de"
+    return f"manifest.json: is save 0badc0de, but its shard file shard_00000-of-00001.{was}.safetensors is save {was}"
+
+
+@pytest.mark.parametrize(
+    ("edit", "check"),
+    [
+        (_dup, "pieces"),
+        (_process(-1), "manifest"),
+        (_process(10**30), "manifest"),
+        (_process(1), "manifest"),
+        (_process("0"), "manifest"),
+        (_processes(0), "manifest"),
+        (_processes(10**12), "manifest"),
+        (_save_id, "manifest"),
+    ],
+)
+def test_a_manifest_with_a_repeated_piece_a_foreign_process_or_another_save_is_refused(tmp_path, edit, check):
+    """Each of these loaded in silence: a piece listed twice, a process outside the pod,
+    an absurd process count, a save id that is not its shard files'."""
+    nnx_save.save_pod({"a": np.arange(4, dtype=np.float32), "b": np.ones(3, np.float32)}, tmp_path)
+    np.testing.assert_array_equal(nnx_save.load_file(tmp_path)["a"], np.arange(4))  # whole before the edit
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    message = edit(manifest)
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with raises_check(check, match=re.escape(message)):
+        nnx_save.load_file(tmp_path)

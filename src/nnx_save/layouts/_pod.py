@@ -63,6 +63,9 @@ SHARD_FILE = re.compile(r"^shard_(\d{5})-of-(\d{5})\.(?P<id>[0-9a-f]{8})\.safete
 # checked pairwise up to MAX_PAIRWISE_PIECES, and refused beyond.
 MAX_GRID_CELLS = 1 << 22
 MAX_PAIRWISE_PIECES = 2048
+# A shard file's name gives the process and the count in five digits (SHARD_FILE).
+MAX_PROCESSES = 99999
+_SAVE_ID = re.compile(r"[0-9a-f]{8}")
 
 
 # --------------------------------------------------------------------------- tiling
@@ -186,6 +189,7 @@ class Manifest:
     tensors: Mapping[str, tuple[_dtypes.DtypeInfo, tuple[int, ...], tuple[ManifestPiece, ...]]]
     metadata: Mapping[str, str]
     num_processes: int
+    save_id: str | None = None
 
     @property
     def files(self) -> list[str]:
@@ -194,6 +198,50 @@ class Manifest:
 
 def _fail(where: Path, message: str) -> HeaderError:
     return HeaderError(f"{where}: {message}", check="pieces")
+
+
+def _bad(where: Path, message: str) -> HeaderError:
+    return HeaderError(f"{where}: {message}", check="manifest")
+
+
+def _check_processes(raw: list, n: int, key: str, where: Path) -> None:
+    """Every piece's ``process`` (when it gives one) is a process of the pod: ``0 <= process < n``."""
+    for piece in raw:
+        if isinstance(piece, dict) and "process" in piece:
+            got = piece["process"]
+            if type(got) is not int or not 0 <= got < n:
+                raise _bad(
+                    where,
+                    f"tensor {key!r}: piece {short_repr(piece, 80)}: process must be an integer from 0 to {n - 1} "
+                    f"(num_processes is {n}), found {short_repr(got, 40)}",
+                )
+
+
+def _check_distinct(pieces: tuple[ManifestPiece, ...], key: str, where: Path) -> None:
+    """No tensor of a shard file is listed twice for one tensor (a replica lives in another file)."""
+    seen: set[tuple[str, str]] = set()
+    for p in pieces:
+        if (p.file, p.name) in seen:
+            raise _fail(where, f"tensor {key!r}: piece {p.name!r} of {p.file} is listed twice")
+        seen.add((p.file, p.name))
+
+
+def check_save_id(where: Path, save_id: str | None, files: Mapping[str, FileHeader | None]) -> None:
+    """Every shard file present is of the save the manifest records (when it records one).
+
+    Raises:
+        HeaderError: ``check="manifest"``, naming the first file of another save and both save ids.
+    """
+    if save_id is None:
+        return
+    for name, fh in sorted(files.items()):
+        got = None if fh is None else fh.metadata.get(SAVE_ID_KEY, "")
+        if got is not None and got != save_id:
+            raise _bad(
+                where,
+                f"is save {save_id}, but its shard file {name} is {f'save {got}' if got else 'of no recorded save'}: "
+                "the manifest names a file of another save (a copy or a link); save the pod again",
+            )
 
 
 def _load_json(raw: bytes, where: Path) -> dict:
@@ -206,6 +254,11 @@ def _load_json(raw: bytes, where: Path) -> dict:
         )
     if not isinstance(obj.get("tensors"), dict) or not isinstance(obj.get("num_processes"), int):
         raise HeaderError(f'{where}: the manifest needs "tensors" (an object) and "num_processes" (an integer)')
+    n, save_id = obj["num_processes"], obj.get("save_id")
+    if type(n) is not int or not 1 <= n <= MAX_PROCESSES:
+        raise _bad(where, f'"num_processes" must be an integer from 1 to {MAX_PROCESSES}, found {short_repr(n, 40)}')
+    if save_id is not None and not (isinstance(save_id, str) and _SAVE_ID.fullmatch(save_id)):
+        raise _bad(where, f'"save_id" must be eight lowercase hex digits, found {short_repr(save_id, 40)}')
     meta = obj.get("metadata") or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise HeaderError(f'{where}: "metadata" must map strings to strings')
@@ -255,7 +308,7 @@ def _listed(raw: list, rank: int, no_bools: bool) -> tuple[ManifestPiece, ...] |
     return tuple(map(ManifestPiece, files, names, (tuple(map(tuple, b)) for b in boxes.tolist()), procs))
 
 
-def _tensor(key: str, spec: Any, where: Path, no_bools: bool):
+def _tensor(key: str, spec: Any, where: Path, no_bools: bool, n: int):
     if not isinstance(spec, dict) or not isinstance(spec.get("pieces"), list):
         raise _fail(where, f'tensor {key!r}: expected an object with "dtype", "shape" and "pieces"')
     dtype = _dtypes.from_code(spec.get("dtype"), key)
@@ -263,9 +316,11 @@ def _tensor(key: str, spec: Any, where: Path, no_bools: bool):
     if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
         raise _fail(where, f"tensor {key!r}: shape must be a list of non-negative integers")
     shape = tuple(shape)
+    _check_processes(spec["pieces"], n, key, where)
     pieces = _listed(spec["pieces"], len(shape), no_bools)
     if pieces is None:  # something is off: find and name it, one piece at a time
         pieces = tuple(_piece(raw, len(shape), key, where) for raw in spec["pieces"])
+    _check_distinct(pieces, key, where)
     check_tiling(key, shape, [p.box for p in pieces], str(where))
     if not dtype.byte_aligned and any(p.box != whole(shape) for p in pieces):
         raise _fail(where, f"tensor {key!r}: a {dtype.code} tensor packs several elements per byte; it must be whole")
@@ -277,8 +332,9 @@ def parse_manifest(raw: bytes, where: Path) -> Manifest:
     repeated key, pieces tiling every tensor); reads no file."""
     obj = _load_json(raw, where)
     no_bools = b"true" not in raw and b"false" not in raw  # then every integer json gave is an int
-    tensors = {key: _tensor(key, spec, where, no_bools) for key, spec in obj["tensors"].items()}
-    return Manifest(where, tensors, dict(obj.get("metadata") or {}), obj["num_processes"])
+    n = obj["num_processes"]
+    tensors = {key: _tensor(key, spec, where, no_bools, n) for key, spec in obj["tensors"].items()}
+    return Manifest(where, tensors, dict(obj.get("metadata") or {}), n, obj.get("save_id"))
 
 
 def pod_tensors(
@@ -356,6 +412,7 @@ class PodLayout:
         files = {
             f: read_file_header(path / f, placement.pinned) if (path / f).is_file() else None for f in manifest.files
         }
+        check_save_id(manifest.where, manifest.save_id, files)
         tensors, placement.pieces = pod_tensors(manifest, files)
         placement.missing = tuple(sorted(f for f, fh in files.items() if fh is None))
         present = tuple(fh for _, fh in sorted(files.items()) if fh is not None)
