@@ -370,3 +370,45 @@ def test_a_local_file_opens_in_one_open_and_one_fstat(tmp_path, monkeypatch):
     empty.mkdir()
     with pytest.raises(nnx_save.HeaderError, match=re.escape(f"{empty}: directory holds neither")):
         nnx_save.read_header(str(empty))  # a directory still goes to the layouts, which say what it lacks
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf")
+    nnx_save.save_file({f"t{i}": np.full((64,), i, np.float32) for i in range(3)}, d, max_shard_size=512)
+    return d
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**30), 10**30) | st.floats() | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    metadata=_JSON
+    | st.dictionaries(st.just("total_size"), _JSON, min_size=1)
+    | st.builds(lambda n: {"total_size": n}, st.integers(0, 10**30))
+)
+def test_an_index_metadata_that_is_no_object_or_a_bad_total_size_is_refused(hf_dir, metadata):
+    """A ``metadata`` list, or a non-numeric ``total_size``, loaded in silence (transformers
+    raises on the first and never reads the second); a wrong but whole ``total_size`` loads."""
+    index = hf_dir / "model.safetensors.index.json"
+    record = json.loads(index.read_text())
+    record["metadata"] = metadata
+    index.write_text(json.dumps(record))
+    size = metadata.get("total_size", 0) if isinstance(metadata, dict) else None
+    digits = type(size) is str and size.isascii() and size.isdigit()  # "1234": as some tools write it
+    whole = digits or ((type(size) is int or (type(size) is float and size.is_integer())) and size >= 0)
+    if metadata is not None and not isinstance(metadata, dict):
+        with raises_check(
+            "index", match=re.escape(f"{index}: 'metadata' must be an object, found {type(metadata).__name__}")
+        ):
+            nnx_save.load_file(hf_dir)
+    elif isinstance(metadata, dict) and not whole:
+        with raises_check("index", match=re.escape(f"{index}: 'metadata'.'total_size' must be a non-negative integer")):
+            nnx_save.load_file(hf_dir)
+    else:
+        assert {float(v[0]) for v in nnx_save.load_file(hf_dir).values()} == {0.0, 1.0, 2.0}

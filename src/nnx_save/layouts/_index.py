@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from ..errors import HeaderError, NotSafetensorsError, OptionError
+from ..errors import HeaderError, NotSafetensorsError, OptionError, short_repr
 from ..format import _dtypes
 from ..format._header import FileHeader
 from ..format._units import parse_size
@@ -147,12 +147,40 @@ def parse_index(raw: bytes, where: str) -> tuple[dict[str, str], dict[str, str]]
     if len(raw) > MAX_INDEX_BYTES:
         raise _bad(f"{where}: index of {len(raw)} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
     obj = _layout.load_record(raw, where, "index", "index")
-    meta = obj.get("metadata") if isinstance(obj, dict) else None
-    meta = {str(k): str(v) for k, v in meta.items()} if isinstance(meta, dict) else {}
+    meta = _metadata(obj.get("metadata") if isinstance(obj, dict) else None, where)
     weight_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise _bad(f"{where}: expected an object with a 'weight_map' of tensor name -> file name")
     return weight_map, meta
+
+
+def _metadata(meta: Any, where: str) -> dict[str, str]:
+    """The index's ``metadata`` as strings. Like transformers (which indexes into it), a
+    ``metadata`` that is not an object is refused; ``total_size``, when given, must be a
+    non-negative integer (or its decimal digits). Its value is not checked against the files: transformers never
+    reads it for loading, and tools count it differently (shared tensors, padding).
+
+    Raises:
+        HeaderError: ``check="index"``, naming ``where``, the field, what was expected and found.
+    """
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise _bad(f"{where}: 'metadata' must be an object, found {type(meta).__name__} {short_repr(meta, 60)}")
+    size = meta.get("total_size", 0)
+    if not _whole_size(size):
+        raise _bad(
+            f"{where}: 'metadata'.'total_size' must be a non-negative integer (bytes), found {short_repr(size, 60)}"
+        )
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def _whole_size(size: Any) -> bool:
+    """A byte count some tool may have written: an int, a whole float (``1234.0``) or a
+    string of decimal digits (``"1234"``), not negative."""
+    if type(size) is str:
+        return size.isascii() and size.isdigit()
+    return (type(size) is int or (type(size) is float and size.is_integer())) and size >= 0
 
 
 def _index_tensors(weight_map: Mapping[str, str], files: Sequence[FileHeader], file_of: Mapping[str, str], where: str):
