@@ -23,6 +23,7 @@ import uuid
 import fsspec
 import numpy as np
 import pytest
+from _errors import raises_check
 from flax import nnx
 from fsspec.implementations.memory import MemoryFile, MemoryFileSystem
 from reliability.test_reliability_disk import small_fs  # noqa: F401 (the tiny-filesystem fixture)
@@ -133,10 +134,27 @@ def test_files_of_two_saves_under_one_index_are_refused(tmp_path):
     nnx_save.save_model(Versioned(2.0), tmp_path / "b", max_shard_size=600)
     second = "model-00002-of-00002.safetensors"
     shutil.copyfile(tmp_path / "b" / second, tmp_path / "a" / second)  # what a rewrite in place leaves
-    with pytest.raises(nnx_save.SourceChangedError, match=re.escape(f"{second} is save ")) as caught:
+    with raises_check("index", match=re.escape(f"{second} is save ")) as caught:
         nnx_save.load_file(tmp_path / "a")
     assert caught.value.file == str(tmp_path / "a" / "model.safetensors.index.json")
-    assert str(caught.value).endswith("the checkpoint was replaced while it was read; load it again")
+
+
+def test_an_index_entry_linked_to_another_saves_file_says_so_and_not_to_load_again(tmp_path):
+    """It raised SourceChangedError ("replaced while it was read; load it again"), which
+    no number of loads clears: the index itself never changed."""
+    nnx_save.save_model(Versioned(1.0), tmp_path / "a", max_shard_size=600)
+    nnx_save.save_model(Versioned(2.0), tmp_path / "b", max_shard_size=600)
+    second = "model-00002-of-00002.safetensors"
+    (tmp_path / "a" / second).unlink()
+    (tmp_path / "a" / second).symlink_to(tmp_path / "b" / second)
+    index = tmp_path / "a" / "model.safetensors.index.json"
+    want = json.loads(index.read_text())["metadata"]["nnx_save.save_id"]
+    message = f"{index}: is save {want}, but the file it names {tmp_path / 'a' / second} is save "
+    for _ in range(2):  # the same answer every time
+        with raises_check("index", match=re.escape(message)) as caught:
+            nnx_save.load_file(tmp_path / "a")
+        assert "load it again" not in str(caught.value)
+        assert "a file of another checkpoint (a link to it, or a copy)" in str(caught.value)
 
 
 def test_a_resave_gives_its_files_names_the_committed_index_does_not_use(tmp_path):

@@ -221,7 +221,10 @@ def check_one_version(where: str, index_metadata: Mapping[str, str], files: Sequ
     """Every file is of the save the index records (when it records one).
 
     Raises:
-        SourceChangedError: naming the first file of another save, both save ids.
+        HeaderError: ``check="index"``, naming the first file of another save and both save ids
+            (a link to, or a copy of, another checkpoint's file: loading again cannot help;
+            :func:`one_version` turns it into :class:`SourceChangedError` when the index was
+            replaced while it was read).
     """
     want = index_metadata.get(SAVE_ID_KEY)
     if want is None:
@@ -229,10 +232,12 @@ def check_one_version(where: str, index_metadata: Mapping[str, str], files: Sequ
     for fh in files:
         got = fh.metadata.get(SAVE_ID_KEY)
         if got != want:
-            raise SourceChangedError(
-                f"{where}: is save {want}, but {fh.file} is {f'save {got}' if got else 'of no recorded save'}: "
-                "the checkpoint was replaced while it was read; load it again",
-                where,
+            raise HeaderError(
+                f"{where}: is save {want}, but the file it names {fh.file} is "
+                f"{f'save {got}' if got else 'of no recorded save'}: a file of another checkpoint (a link to it, "
+                "or a copy) stands under a name of this one; restore this checkpoint's file or save it again",
+                check="index",
+                file=where,
             )
 
 
