@@ -242,8 +242,9 @@ class ShardingError(NnxSaveError, ValueError):
 
 
 class ChecksumError(NnxSaveError, ValueError):
-    """A tensor's bytes do not match the checksum recorded at save time; ``key``, ``file``,
-    ``expected`` and ``found`` say which, where, and the two digests."""
+    """A tensor's bytes do not match the checksum recorded at save time, or hold a value
+    no save writes (a BOOL byte other than 0 or 1); ``key``, ``file``, ``expected`` and
+    ``found`` say which, where, and the two digests (or what a byte must be and was)."""
 
     def __init__(
         self,

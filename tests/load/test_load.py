@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 from _arrays import every_kind
 from _errors import raises_check
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -676,3 +678,38 @@ def test_many_small_tensors_land_exact_on_their_own_devices(tmp_path):
     out = nnx_save.load_file(tmp_path / "small.safetensors", abstract)
     for k, v in full.items():
         _assert_like_device_put(out[k], v, shardings[k])
+
+
+_BOOL_WAYS = ("load_file", "sharded_stream", "sharded", "safe_open", "get_slice")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple),
+    where=st.floats(0, 1, exclude_max=True),
+    byte=st.integers(2, 255),
+    way=st.sampled_from(_BOOL_WAYS),
+)
+def test_a_bool_byte_other_than_0_or_1_is_refused_naming_the_key_and_offset(tmp_path_factory, shape, where, byte, way):
+    """A BOOL byte 2 loaded as a numpy bool holding 2 (neither True nor False)."""
+    path = tmp_path_factory.mktemp("bool") / "m.safetensors"
+    value = np.zeros(shape, np.bool_)
+    nnx_save.save_file({"mask": value}, path)
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    flat = int(where * value.size)
+    offset = 8 + n + flat
+    raw[offset] = byte
+    path.write_bytes(bytes(raw))
+    at = list(np.unravel_index(flat, shape)) if shape else []
+    message = f"{path}: tensor 'mask' (BOOL): element {[int(i) for i in at]} (byte {offset} of the file) is {byte}"
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    sharded = {"mask": jax.ShapeDtypeStruct(shape, np.bool_, sharding=NamedSharding(mesh, P()))}
+    with pytest.raises(nnx_save.errors.ChecksumError, match=re.escape(message)):
+        if way == "load_file":
+            nnx_save.load_file(path)
+        elif way in ("sharded", "sharded_stream"):
+            nnx_save.load_file(path, sharded, stream=way == "sharded_stream")
+        else:
+            with nnx_save.safe_open(path, "numpy") as f:
+                f.get_tensor("mask") if way == "safe_open" else f.get_slice("mask")[:]

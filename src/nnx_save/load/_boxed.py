@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import HostMemoryError, ShapeMismatchError
 from ..format._units import human_bytes
 from ..io._reader import Reader
-from ._assemble import held_dtype, place
+from ._assemble import check_bools, held_dtype, place
 from ._execute import SLAB_BYTES, Budget, Cancelled, aligned_empty, execute, pack_buffers
 from ._pieces import Box, Request, extents, intersect, request
 from ._plan import plan_file
@@ -404,7 +404,9 @@ class BoxedTargets:
             for (key, _), whole, temp in zip(unit.feeds, unit.pieces, temps, strict=True):
                 engine.checked_piece(key, whole, [temp.data]) if whole is not None else engine.mark(key, False)
         regions = [
-            temp.view(engine.header.tensors[k].dtype.numpy).reshape(extents(b))
+            check_bools(
+                temp.view(engine.header.tensors[k].dtype.numpy).reshape(extents(b)), engine.header.tensors[k], b
+            )
             for (k, b), temp in zip(unit.feeds, temps, strict=True)
         ]
         for index, sub, start, stop in unit.parts:

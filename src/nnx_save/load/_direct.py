@@ -24,6 +24,7 @@ from ..format._boxes import box_runs, extents
 from ..format._header import TensorInfo
 from ..io._files import Pinned
 from ..io._reader import LocalReader
+from ._assemble import check_bools
 from ._slices import slice_box
 
 __all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_RUNS", "GATHER_GAP", "DirectFiles"]
@@ -101,6 +102,7 @@ class DirectFiles:
                 info.file,
                 e.offset,
             ) from None
+        check_bools(out, info, box)
         if all(p == slice(None) for p in post):
             return out
         return np.array(out[post])

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from ..io._reader import Reader
+from ._assemble import check_bools
 from ._execute import Budget, Cancelled, aligned_empty, execute
 from ._pieces import Box, extents, intersect, request
 from ._plan import FilePlan, plan_file
@@ -314,7 +315,8 @@ class _Streamer:
         sent = []
         for slab, view in zip(batch.slabs, views, strict=True):
             d = self.engine.dests[slab.dest]
-            host = view.view(self.engine.header.tensors[d.key].dtype.numpy).reshape(extents(slab.box))
+            info = self.engine.header.tensors[d.key]
+            host = check_bools(view.view(info.dtype.numpy).reshape(extents(slab.box)), info, slab.box)
             puts = [(device, _owned(jax.device_put(host, device, may_alias=False), host)) for device in d.devices]
             sent.append((slab, puts))
         jax.block_until_ready([a for _, puts in sent for _, a in puts])  # then the staging buffer may be reused
