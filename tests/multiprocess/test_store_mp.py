@@ -93,3 +93,14 @@ def test_preemption_saves_one_step_on_every_process(run_workers, tmp_path, layou
     assert _same_on_every_process(workers, "steps") == [saved]
     for w in workers:
         assert w.result["checked"] == 7 * devices
+
+
+def test_a_store_over_an_hf_checkpoint_is_refused_alike_on_every_process(run_workers, tmp_path):
+    """The store wrote its steps beside an HF index; process 0 decides, every process raises."""
+    directory = tmp_path / "hf"
+    workers = run_workers("store_ops.py", 2, 4, {"scenario": "foreign", "dir": str(directory), "mesh": [2, 4]})
+    refused = _same_on_every_process(workers, "refused")
+    message = f"checkpoint directory {directory}: holds model.safetensors.index.json, a checkpoint of another layout"
+    assert [r[:2] for r in refused] == [["directory", "model.safetensors.index.json"]] * 2
+    assert all(r[2].startswith(message) for r in refused), refused
+    assert sorted(p.name for p in directory.iterdir()) == ["model.safetensors.index.json"]

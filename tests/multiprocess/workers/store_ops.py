@@ -16,6 +16,8 @@ scenario returns what this process saw, for the test to compare across processes
 - ``interval_keys``: ``steps`` calls of ``should_save`` under a seconds interval
   (each one a decision of process 0, shared through the key-value store); then the
   store's keys left in the coordination service, as process 0 lists them.
+- ``foreign``: process 0 puts an HF index in the directory (between two barriers);
+  every process's store refuses to write there, twice, then the processes meet.
 """
 
 import os
@@ -33,6 +35,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from nnx_save.checkpoint import (  # noqa: E402
     CheckpointCorruptError,
     CheckpointDamageWarning,
+    CheckpointUsageError,
     OrbaxCheckpointStore,
     Retention,
 )
@@ -160,6 +163,25 @@ def interval_keys() -> dict:
     multihost_utils.sync_global_devices("interval_keys")  # every process has read every decision
     keys = distributed.global_state.client.key_value_dir_get("nnx_save/checkpoint/")
     return {"due": due, "keys": sorted(k for k, _ in keys)}
+
+
+def foreign() -> dict:
+    directory = ctx.args["dir"]
+    multihost_utils.sync_global_devices("foreign:before")
+    if ctx.process_id == 0:  # as on a filesystem only process 0 sees (a node-local directory)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+            f.write('{"weight_map": {}}')
+    multihost_utils.sync_global_devices("foreign:after")
+    refused = []
+    with OrbaxCheckpointStore(directory) as store:
+        for step in (1, 2):
+            try:
+                store.save(step, state(step))
+            except CheckpointUsageError as e:
+                refused.append([e.reason, e.entry, str(e)])
+    multihost_utils.sync_global_devices("foreign:done")  # no process was left waiting in a barrier
+    return {"refused": refused, "listing": sorted(os.listdir(directory)) if os.path.isdir(directory) else None}
 
 
 ctx.write(globals()[ctx.args["scenario"]]())
