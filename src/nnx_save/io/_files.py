@@ -24,7 +24,18 @@ try:  # imported with the module, not on the first header read (it loads a C ext
 except ImportError:  # not on Windows
     resource = None  # type: ignore[assignment]
 
-__all__ = ["Pinned", "max_pinned", "open_regular", "open_stat", "pread_exact", "read_capped", "require_regular"]
+__all__ = [
+    "Pinned",
+    "max_pinned",
+    "open_head",
+    "open_heads",
+    "open_regular",
+    "open_stat",
+    "pread_exact",
+    "read_capped",
+    "read_head",
+    "require_regular",
+]
 
 _Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
 
@@ -103,10 +114,20 @@ def open_head(name: str) -> tuple[int, os.stat_result, bytes, bytes | None]:
     """
     fd, st = open_stat(name)
     require_regular(fd, st, name)
+    return fd, st, *read_head(fd, st, name)
+
+
+def read_head(fd: int, st: os.stat_result, name: str) -> tuple[bytes, bytes | None]:
+    """The size prefix and header of the regular file open as ``fd``, as :func:`open_head`
+    reads them; on a failure ``fd`` is closed.
+
+    Raises:
+        SourceError: a read failed.
+    """
     try:
         prefix = os.pread(fd, 8, 0) if st.st_size >= 8 else b""
         n = int.from_bytes(prefix, "little") if len(prefix) == 8 else MAX_HEADER_SIZE + 1
-        return fd, st, prefix, os.pread(fd, n, 8) if n <= MAX_HEADER_SIZE and 8 + n <= st.st_size else None
+        return prefix, os.pread(fd, n, 8) if n <= MAX_HEADER_SIZE and 8 + n <= st.st_size else None
     except OSError as e:
         os.close(fd)
         raise SourceError(f"{name}: reading the header failed ({e.strerror or e})", name) from None

@@ -13,7 +13,7 @@ import contextlib
 import gc
 import os
 import stat
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from ..io import _files, _remote
 from ..load._source import Header, LocalFiles, RemoteFiles
 from ..save._entry import Entry
 from ..save._options import SaveOptions
-from ._layout import SINGLE, Written, remove
+from ._layout import SINGLE, Metadata, Where, Written, remove
 
 __all__ = [
     "FileLayout",
@@ -119,13 +119,9 @@ def _parse(fd: int, size: int, name: str, prefix: bytes, raw: bytes | None) -> F
 
 def _read_open(fd: int, st: os.stat_result, name: str, pinned: _files.Pinned | None) -> FileHeader:
     """The header of the regular file open as ``fd``; ``fd`` is kept in ``pinned``, or closed."""
+    prefix, raw = _files.read_head(fd, st, name)  # the size first: /proc files report 0, some fail to read
     try:
-        # The size is checked before any read: /proc files report 0 and some (/proc/self/mem) fail to read.
-        prefix = os.pread(fd, 8, 0) if st.st_size >= 8 else b""
-        header = _parse(fd, st.st_size, name, prefix, None)
-    except OSError as e:
-        os.close(fd)
-        raise SourceError(f"{name}: reading the header failed ({e.strerror or e})", name) from None
+        header = _parse(fd, st.st_size, name, prefix, raw)
     except BaseException:
         os.close(fd)
         raise
@@ -197,13 +193,7 @@ class FileLayout:
     def claims(self, path: Path) -> bool:
         return not path.is_dir()
 
-    def write(
-        self,
-        path: str | os.PathLike,
-        entries: Sequence[Entry],
-        metadata: Mapping[str, str] | None,
-        options: SaveOptions,
-    ) -> Written:
+    def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written:
         """One file, from this process, from every process of the job, or to a URL."""
         import jax
 

@@ -47,7 +47,7 @@ from ..save._entry import Entry, order_entries
 from ..save._options import SaveOptions
 from . import _layout
 from ._file import pinned_headers, read_file_header, remote_file_header
-from ._layout import SAVE_ID_KEY, Written
+from ._layout import SAVE_ID_KEY, Metadata, Shards, Where, Written
 
 __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "is_index", "join_url", "read_remote", "write_sharded"]
 
@@ -258,13 +258,7 @@ class IndexLayout:
     def __init__(self, max_shard_size: int | str | None = None) -> None:
         self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
 
-    def write(
-        self,
-        path: str | os.PathLike,
-        entries: Sequence[Entry],
-        metadata: Mapping[str, str] | None,
-        options: SaveOptions,
-    ) -> Written | None:
+    def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written | None:
         """Write ``entries`` as files of at most ``max_shard_size`` bytes and their index
         in directory ``path`` (a path or an fsspec URL); from several processes each
         file is written by all of them together and the primary commits the index.
@@ -345,20 +339,13 @@ class _Local:
     def header(self, name: str) -> FileHeader:
         return read_file_header(self.root / name)
 
-    def write_shards(
-        self,
-        names: list[str],
-        groups: list[list[Entry]],
-        meta: Mapping[str, str],
-        written: list[str],
-        progress: bool | None,
-    ) -> None:
+    def write_shards(self, files: Shards, meta: Mapping[str, str], written: list[str], progress: bool | None) -> None:
         from ..save import _write  # the writers: a read never loads them
 
         done: list[Path] = []
         try:
-            files = [(self.root / n, g) for n, g in zip(names, groups, strict=True)]
-            _write.write_files(files, meta, staged=self.staged, progress=progress, written=done)
+            paths = [(self.root / n, g) for n, g in files]
+            _write.write_files(paths, meta, staged=self.staged, progress=progress, written=done)
         finally:
             written.extend(path.name for path in done)
 
@@ -397,15 +384,8 @@ class _Remote:
     def header(self, name: str) -> FileHeader:
         return remote_file_header(f"{self.root}/{name}", _remote.RemoteStats())[0]
 
-    def write_shards(
-        self,
-        names: list[str],
-        groups: list[list[Entry]],
-        meta: Mapping[str, str],
-        written: list[str],
-        progress: bool | None,
-    ) -> None:
-        for name, group in zip(names, groups, strict=True):
+    def write_shards(self, files: Shards, meta: Mapping[str, str], written: list[str], progress: bool | None) -> None:
+        for name, group in files:
             self.write_remote(f"{self.root}/{name}", group, meta)
             written.append(name)
 
@@ -446,7 +426,7 @@ def write_sharded(
     written: list[str] = []
     try:
         if sync.n == 1:
-            target.write_shards(names, groups, meta, written, progress)
+            target.write_shards(list(zip(names, groups, strict=True)), meta, written, progress)
         for name, group in zip(names, groups, strict=True) if sync.n > 1 else ():
             from ..save._collective import write_collective  # every process writes its shards of the file's tensors
 

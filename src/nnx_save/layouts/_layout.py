@@ -31,6 +31,9 @@ __all__ = [
     "SAVE_ID_KEY",
     "SINGLE",
     "Layout",
+    "Metadata",
+    "Shards",
+    "Where",
     "Writable",
     "Written",
     "check_one_version",
@@ -42,6 +45,13 @@ __all__ = [
     "owned",
     "remove",
 ]
+
+Where = str | os.PathLike
+"""Where a save writes: a path, or an fsspec URL."""
+Metadata = Mapping[str, str] | None
+"""The string metadata a save records (``None``: none)."""
+Shards = list[tuple[str, list[Entry]]]
+"""A multi-file save's files: each file's name and the entries it holds."""
 
 SAVE_ID_KEY = "nnx_save.save_id"
 SINGLE = "model.safetensors"
@@ -89,13 +99,7 @@ class Writable(Layout, Protocol):
         """
         ...
 
-    def write(
-        self,
-        path: str | os.PathLike,
-        entries: Sequence[Entry],
-        metadata: Mapping[str, str] | None,
-        options: SaveOptions,
-    ) -> Written | None:
+    def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written | None:
         """Write ``entries`` under the one commit rule, as ``options`` say (the bar);
         what was committed (``None`` on a process that did not commit).
 

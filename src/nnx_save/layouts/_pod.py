@@ -40,7 +40,18 @@ from ..save._entry import Entry, order_entries, spans_processes
 from ..save._options import SaveOptions
 from ._file import read_file_header
 from ._index import MAX_INDEX_BYTES
-from ._layout import SAVE_ID_KEY, Written, load_record, new_save_id, owned, remove, save_id_in, single_beside
+from ._layout import (
+    SAVE_ID_KEY,
+    Metadata,
+    Where,
+    Written,
+    load_record,
+    new_save_id,
+    owned,
+    remove,
+    save_id_in,
+    single_beside,
+)
 
 __all__ = [
     "FORMAT",
@@ -418,25 +429,13 @@ class PodLayout:
         present = tuple(fh for _, fh in sorted(files.items()) if fh is not None)
         return Header(tensors, dict(manifest.metadata), present, "pod", placement)
 
-    def write(
-        self,
-        path: str | os.PathLike,
-        entries: Sequence[Entry],
-        metadata: Mapping[str, str] | None,
-        options: SaveOptions,
-    ) -> Written | None:
+    def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written | None:
         """This process's pieces of ``entries`` (global tensors) into its shard file,
         and the manifest from the primary (:func:`pieces` first takes the pieces)."""
         local, write = self.pieces(path, entries, metadata, options)
         return write(path, local)
 
-    def pieces(
-        self,
-        directory: str | os.PathLike,
-        entries: Sequence[Entry],
-        metadata: Mapping[str, str] | None,
-        options: SaveOptions,
-    ):
+    def pieces(self, directory: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions):
         """Create ``directory``; this process's pieces of ``entries``, taken when the
         save is called (before any host snapshot: a process writes every distinct box
         it holds, whatever its replica), and the writer of those pieces."""

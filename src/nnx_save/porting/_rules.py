@@ -363,10 +363,8 @@ class ConcatRule:
             return _with_inverse(self, self.inverse_rule)
         sizes = self.sizes if self.sizes is not None else sizes
         if sizes is None:
-            raise RuleError(
-                f"{self} cannot be inverted: the split sizes cannot be read back from the joined "
-                "tensor; pass sizes= to concat(), or inverse(recorded=mapping) with a mapping these rules made",
-                kind="not_invertible",
+            raise _not_invertible(
+                self, "the split sizes cannot be read back from the joined tensor", "sizes= to concat()"
             )
         pairs = [invert(p, t) for p, t in zip(self.patterns, self.targets, strict=True)]
         if len({p for p, _ in pairs}) != 1:
@@ -560,11 +558,7 @@ class ReshapeRule(_ValueRule):
         """Reshape back to ``source_shape`` (this rule's, or the recorded one given)."""
         back = self.source_shape if self.source_shape is not None else source_shape
         if back is None:
-            raise RuleError(
-                f"{self} cannot be inverted: the source shape is unknown; pass source_shape= to "
-                "reshape(), or inverse(recorded=mapping) with a mapping these rules made",
-                kind="not_invertible",
-            )
+            raise _not_invertible(self, "the source shape is unknown", "source_shape= to reshape()")
         return ReshapeRule(self.pattern, tuple(back), self.shape)
 
 
@@ -600,3 +594,11 @@ class ConstantRule:
 StructuralRule = RenameRule | IgnoreRule | SplitRule | ConcatRule | StackRule | UnstackRule
 ValueRule = TransposeRule | ReshapeRule
 Rule = StructuralRule | ValueRule | ConstantRule
+
+
+def _not_invertible(rule: object, why: str, give: str) -> RuleError:
+    """The error of ``rule.inverse()`` without what it needs: ``why``, and what to ``give``."""
+    return RuleError(
+        f"{rule} cannot be inverted: {why}; pass {give}, or inverse(recorded=mapping) with a mapping these rules made",
+        kind="not_invertible",
+    )
