@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import SourceError, TruncatedFileError
 
-__all__ = ["IOV_MAX", "LocalReader", "Reader"]
+__all__ = ["IOV_MAX", "LocalReader", "Reader", "ViewReader"]
 
 IOV_MAX = 1024  # the POSIX minimum of the kernel's iovec limit (Linux: exactly 1024)
 
@@ -200,3 +200,31 @@ class LocalReader:
             table[i, 0] += into
             table[i, 1] -= into
         self.verify()
+
+
+class ViewReader:
+    """A reader with no raw addresses to give (remote readers: none over the network; a
+    state dict in memory): no iovec tables or batched runs, one ``memoryview`` per run
+    (``readv``), named by ``url`` in errors."""
+
+    url: str
+
+    def readv(self, buffers: list[memoryview], offset: int) -> None:
+        raise NotImplementedError
+
+    def read(self, offset: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.readv([memoryview(out)], offset)
+        return bytes(out)
+
+    def can_read_tables(self) -> bool:
+        return False
+
+    def can_read_runs(self) -> bool:
+        return False
+
+    def readv_table(self, table: object, offset: int) -> None:
+        raise NotImplementedError(f"{self.url}: this reader fills memoryviews (readv), not iovec tables")
+
+    def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:
+        raise NotImplementedError(f"{self.url}: this reader fills memoryviews (readv), not raw runs")

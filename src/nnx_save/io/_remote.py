@@ -27,6 +27,7 @@ from .. import _config
 from .._options import is_url  # re-exported: where the transports' callers look for it
 from .._version import __version__
 from ..errors import RemoteError, SourceChangedError
+from ._reader import ViewReader
 
 if TYPE_CHECKING:  # socket and random are imported where an HTTP read needs them, not with nnx_save
     import socket
@@ -228,34 +229,7 @@ def _check_body_headers(headers, url: str, span: str, length: int) -> None:
         raise RemoteError(f"{url}: bytes {span} ({length} bytes) came with Content-Length {declared!r}")
 
 
-class _Views:
-    """What remote readers share: no raw addresses over the network (iovec tables,
-    batched runs), so they fill one ``memoryview`` per run (``readv``)."""
-
-    url: str
-
-    def readv(self, buffers: list[memoryview], offset: int) -> None:
-        raise NotImplementedError
-
-    def read(self, offset: int, length: int) -> bytes:
-        out = bytearray(length)
-        self.readv([memoryview(out)], offset)
-        return bytes(out)
-
-    def can_read_tables(self) -> bool:
-        return False
-
-    def can_read_runs(self) -> bool:
-        return False
-
-    def readv_table(self, table: object, offset: int) -> None:
-        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not iovec tables")
-
-    def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:
-        raise NotImplementedError(f"{self.url}: remote readers read memoryviews (readv), not raw runs")
-
-
-class HttpReader(_Views):
+class HttpReader(ViewReader):
     """Ranged GETs against one URL; the identity (size, version) is pinned by the
     first response and checked on every later one (see the module docstring)."""
 
@@ -463,7 +437,7 @@ def _fsspec_version(info: Mapping[str, object]) -> str | None:
     return "; ".join(found) or None
 
 
-class FsspecReader(_Views):
+class FsspecReader(ViewReader):
     """Ranged reads through fsspec (``s3://``, ``gs://``, ``hf://`` ...), pinned to
     the object's size and version (see the module docstring)."""
 

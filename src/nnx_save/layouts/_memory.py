@@ -17,6 +17,7 @@ import numpy as np
 from ..errors import TruncatedFileError
 from ..format import _dtypes
 from ..format._header import FileHeader, TensorInfo
+from ..io._reader import ViewReader
 from ..load._pieces import Piece, whole
 from ..load._source import Header
 
@@ -25,8 +26,10 @@ __all__ = ["MEMORY", "MemoryReader", "memory_header"]
 MEMORY = "<state dict in memory>"  # the virtual file's name, as reports show it
 
 
-class MemoryReader:
+class MemoryReader(ViewReader):
     """Reads of the virtual file: each run copied from the arrays' own bytes."""
+
+    url = MEMORY
 
     def __init__(self, begins: list[int], views: list[memoryview]) -> None:
         self.begins, self.views = begins, views
@@ -50,18 +53,6 @@ class MemoryReader:
 
     def close(self) -> None:
         pass
-
-    def can_read_tables(self) -> bool:
-        return False
-
-    def can_read_runs(self) -> bool:
-        return False
-
-    def readv_table(self, table: object, offset: int) -> None:
-        raise NotImplementedError(f"{MEMORY}: read with readv")
-
-    def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:
-        raise NotImplementedError(f"{MEMORY}: read with readv")
 
 
 class MemoryPlacement:
