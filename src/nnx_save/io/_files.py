@@ -14,7 +14,7 @@ import contextlib
 import os
 import stat
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import SourceError, TruncatedFileError
 from ..format._header import MAX_HEADER_SIZE
@@ -194,14 +194,28 @@ def _identity(fd: int, st: os.stat_result | None = None) -> _Identity:
 
 
 class _Pool:
-    """The process's pinned descriptors, least recently used first."""
+    """The process's pinned descriptors, least recently used first.
+
+    A ``Pinned`` collected while its own thread holds the lock (the garbage collector
+    runs ``__del__`` at any allocation, inside a locked section too) must not wait for
+    that lock: it leaves its owner id in ``pending`` instead (a deque append takes no
+    lock), and whoever takes the lock next drops those owners first, before an id
+    can be reused by a new ``Pinned``."""
 
     def __init__(self) -> None:
         self.fds: collections.OrderedDict[tuple[int, str], int] = collections.OrderedDict()
         self.lock = threading.Lock()
+        self.pending: collections.deque[int] = collections.deque()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        with self.lock:
+            while self.pending:
+                self._drop(self.pending.popleft())
+            yield
 
     def add(self, key: tuple[int, str], fd: int) -> None:
-        with self.lock:
+        with self.locked():
             limit = max_pinned()
             while self.fds and len(self.fds) >= limit:
                 _close(self.fds.popitem(last=False)[1])
@@ -211,17 +225,29 @@ class _Pool:
         _close(fd)
 
     def dup(self, key: tuple[int, str]) -> int | None:
-        with self.lock:  # never dup a number another thread has just closed (and the OS reused)
+        with self.locked():  # never dup a number another thread has just closed (and the OS reused)
             fd = self.fds.get(key)
             if fd is None:
                 return None
             self.fds.move_to_end(key)
             return os.dup(fd)
 
-    def drop(self, owner: int) -> None:
-        with self.lock:
-            for key in [k for k in self.fds if k[0] == owner]:
-                _close(self.fds.pop(key))
+    def drop(self, owner: int, wait: bool = True) -> None:
+        """Close ``owner``'s descriptors; with ``wait=False`` (a finalizer) never wait
+        for the lock: a busy pool drops them when it is next taken."""
+        if not self.lock.acquire(blocking=wait):
+            self.pending.append(owner)
+            return
+        try:
+            while self.pending:
+                self._drop(self.pending.popleft())
+            self._drop(owner)
+        finally:
+            self.lock.release()
+
+    def _drop(self, owner: int) -> None:
+        for key in [k for k in self.fds if k[0] == owner]:
+            _close(self.fds.pop(key))
 
 
 def _close(fd: int) -> None:
@@ -248,7 +274,7 @@ class Pinned:
 
     def __del__(self) -> None:  # not weakref.finalize: this is on every open's path, and costs nothing until then
         try:  # noqa: SIM105 - not contextlib.suppress: at interpreter exit module globals (contextlib, the pool) may be gone first
-            self.close()
+            self.close(wait=False)  # a finalizer never waits: it may run inside the pool's own lock
         except Exception:
             pass
 
@@ -285,8 +311,8 @@ class Pinned:
             )
         return fd
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         """Release every pinned descriptor now (and no later than when garbage collected)."""
         if self._open:
             self._open = False
-            _POOL.drop(id(self))
+            _POOL.drop(id(self), wait)
