@@ -19,7 +19,17 @@ from ..format._header import TensorInfo
 from ._pieces import Box
 from ._target import Target, device_indices
 
-__all__ = ["assemble", "batched_put", "check_bools", "held_dtype", "held_of", "host_view", "place", "place_whole"]
+__all__ = [
+    "assemble",
+    "batched_put",
+    "check_bools",
+    "held_dtype",
+    "held_of",
+    "host_view",
+    "place",
+    "place_adopted",
+    "place_whole",
+]
 
 
 def held_dtype(t: Target) -> np.dtype:
@@ -125,6 +135,18 @@ def place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):
         return put(t.shape, t.sharding, hosts, devices)
     arrays = [jax.device_put(h, d) for h, d in zip(hosts, devices, strict=True)]
     return jax.make_array_from_single_device_arrays(t.shape, t.sharding, arrays)
+
+
+def place_adopted(t: Target | None, buffer: np.ndarray, info: TensorInfo, box: Box, devices: list[Any]) -> Any:
+    """The device array of ``t`` from its one adopted destination ``buffer`` (the
+    bytes of ``box`` of file tensor ``info``, whose dtype is the held one), viewed
+    (:func:`host_view`: BOOL bytes checked) and placed on its one device with none of
+    :func:`assemble`'s general steps (many small tensors: issue 33); ``None`` where
+    ``t`` is not such a target or jax lacks :func:`batched_put`."""
+    put = batched_put()
+    if t is None or t.sharding is None or len(devices) != 1 or put is None:
+        return None
+    return put(t.shape, t.sharding, [host_view(buffer, info, box)], devices)
 
 
 @functools.cache

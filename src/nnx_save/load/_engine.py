@@ -33,7 +33,7 @@ from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
 from ..io._reader import LocalReader, Reader
 from . import _boxed, _share, _stream
-from ._assemble import assemble, held_of, host_view, place_whole
+from ._assemble import assemble, held_of, host_view, place_adopted, place_whole
 from ._execute import SLAB_BYTES, Budget, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._pieces import Box, Piece, Request, extents, intersect, request, whole
@@ -468,6 +468,13 @@ class Engine:
             self.done[owner] += 1
             if self.done[owner] < len(shards):
                 return
+        d = self.dests[index]
+        if len(shards) == 1 and d.adopted and (value := self.placed(d)) is not None:
+            d.buffer = None  # released as soon as the array exists
+            self.results[owner] = value
+            if self.bar.active:
+                self.bar.update(items=1)
+            return
         if owner not in self.by_path:  # a transform's whole source (owner "source:<key>"): one destination
             self.wholes[self.dests[index].key] = self.host(index)
             self.dests[index].buffer = None
@@ -481,6 +488,10 @@ class Engine:
         self.results[owner] = assemble(self.by_path[owner], self.held(owner), parts)
         if self.bar.active:
             self.bar.update(items=1)
+
+    def placed(self, d: Dest) -> Any:
+        """:func:`place_adopted` of ``d``, the one adopted destination of its owner."""
+        return place_adopted(self.by_path.get(d.owner), d.buffer, self.header.tensors[d.key], d.box, d.devices)
 
     def run_transforms(self) -> None:
         ready = [t for t in self.pending if all(k in self.wholes for k in t.sources)]
