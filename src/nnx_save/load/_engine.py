@@ -92,9 +92,14 @@ class Dest:
 
 def _held(t: Target) -> np.dtype:
     """``held_dtype(t)``, from its cache (asked per tensor)."""
+    return held_of(np.dtype(t.dtype), t.sharding is not None, _x64())
+
+
+def _x64() -> bool:
+    """jax's current ``jax_enable_x64``."""
     import jax
 
-    return held_of(np.dtype(t.dtype), t.sharding is not None, jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+    return jax.config.jax_enable_x64  # type: ignore[attr-defined,no-any-return]
 
 
 class Engine:
@@ -126,10 +131,12 @@ class Engine:
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
         self.boxed = _boxed.BoxedTargets(slab_bytes)
         self.pending = []  # transforms read from their whole sources
+        x64 = _x64()  # asked once: _held(t) per tensor, inline
         for t in targets:
             if t.transform is None:
                 info = header.tensors[t.sources[0]]
-                adopted = info.dtype.byte_aligned and info.dtype.numpy == _held(t)  # the buffer becomes the array
+                held = held_of(np.dtype(t.dtype), t.sharding is not None, x64)
+                adopted = info.dtype.byte_aligned and info.dtype.numpy == held  # the buffer becomes the array
                 for box, devices in shard_boxes(t):  # refusals before any read
                     self.add(t.path, t.sources[0], box, devices, adopted)
             elif not self.boxed.add(self, t):
@@ -151,8 +158,9 @@ class Engine:
         index = len(self.dests)
         numel = math.prod(hi - lo for lo, hi in box)  # extents(box), per tensor inline
         nbytes = numel * info.dtype.itemsize if info.dtype.byte_aligned else info.nbytes
-        dest = Dest(owner, key, box, devices, nbytes, adopted, self.choose(key, box))
-        dest.files.update(piece.info.file for piece, _ in dest.parts)
+        parts = self.choose(key, box)
+        files = {parts[0][0].info.file} if len(parts) == 1 else {piece.info.file for piece, _ in parts}
+        dest = Dest(owner, key, box, devices, nbytes, adopted, parts, files)
         self.dests.append(dest)
         self.shards.setdefault(dest.owner, []).append(index)
         for file in dest.files:
