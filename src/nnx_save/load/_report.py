@@ -478,9 +478,11 @@ def split_allowed(items: Sequence[Any], patterns: Iterable[str]) -> tuple[list, 
 # ------------------------------------------------------------- built from the engine's answer
 
 
-def _check(header: Header, t: Target, report: LoadReport) -> bool:
-    """Record what is wrong with ``t``; True if it can be loaded."""
-    if not t.sources or any(k not in header.tensors for k in t.sources):
+def _check(header: Header, t: Target, report: LoadReport, x64: bool) -> bool:
+    """Record what is wrong with ``t`` (``x64``: jax's current ``jax_enable_x64``); True if it can be loaded."""
+    tensors = header.tensors
+    sources = t.sources
+    if not sources or not all(map(tensors.__contains__, sources)):  # no generator per target
         report.missing.append(t.path)
         return False
     if t.transform is None:
@@ -492,10 +494,8 @@ def _check(header: Header, t: Target, report: LoadReport) -> bool:
     if tuple(shape) != tuple(t.shape):
         report.shape_mismatches.append(ShapeMismatch(t.path, tuple(t.shape), tuple(shape), t.sources[0]))
         return False
-    import jax
-
-    on_device, x64 = t.sharding is not None, jax.config.jax_enable_x64  # type: ignore[attr-defined]
-    held, wanted = held_of(np.dtype(t.dtype), on_device, x64), np.dtype(t.dtype)  # held_dtype(t), cached
+    wanted = np.dtype(t.dtype)
+    held = held_of(wanted, t.sharding is not None, x64)  # held_dtype(t), cached
     if np.dtype(dtype) != held:
         model = str(held) if held == wanted else f"{held} (the model's {wanted}: jax_enable_x64 is off)"
         report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
@@ -516,7 +516,10 @@ def check_targets(
     ``allow_*`` patterns move mismatches to the allowed lists); and the targets that
     can be loaded."""
     report = LoadReport(source=describe_source(header))
-    loadable = [t for t in targets if _check(header, t, report)]
+    import jax
+
+    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per target
+    loadable = [t for t in targets if _check(header, t, report, x64)]
     used = {k for t in targets for k in t.sources}
     report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
     report.shape_mismatches, report.allowed_shape_mismatches = split_allowed(
