@@ -713,3 +713,22 @@ def test_a_bool_byte_other_than_0_or_1_is_refused_naming_the_key_and_offset(tmp_
         else:
             with nnx_save.safe_open(path, "numpy") as f:
                 f.get_tensor("mask") if way == "safe_open" else f.get_slice("mask")[:]
+
+
+def test_one_device_targets_are_placed_from_their_adopted_buffers(tmp_path, monkeypatch):
+    """Issue 33: a whole tensor on one device skips assemble; its value is still the
+    file's, in jax's dtype for the target (a 64-bit target holds the file's 32 bits)."""
+    full = {"f": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), "i": np.arange(-3, 5, dtype=np.int32)}
+    nnx_save.save_file(full, tmp_path / "one.safetensors")
+    wide = {"f": np.float64, "i": np.int64}  # jax_enable_x64 off: held as the file's float32 / int32
+    sharding = jax.sharding.SingleDeviceSharding(DEV[3])
+    abstract = {k: jax.ShapeDtypeStruct(v.shape, wide[k], sharding=sharding) for k, v in full.items()}
+
+    def general(*args):
+        raise AssertionError("assemble ran for a one-device target")
+
+    monkeypatch.setattr("nnx_save.load._engine.assemble", general)
+    out = nnx_save.load_file(tmp_path / "one.safetensors", abstract)
+    for k, v in full.items():
+        assert out[k].dtype == v.dtype and out[k].sharding == sharding
+        np.testing.assert_array_equal(np.asarray(out[k]), v, strict=True)
