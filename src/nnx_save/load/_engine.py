@@ -470,14 +470,14 @@ class Engine:
 
     def _filled(self, index: int) -> None:
         """Destination ``index`` is complete: place its owner once all its shards are."""
-        owner = self.dests[index].owner
+        d = self.dests[index]
+        owner = d.owner
         shards = self.shards[owner]
         if len(shards) > 1:  # one shard (most tensors): nothing to count
             self.done[owner] += 1
             if self.done[owner] < len(shards):
                 return
-        d = self.dests[index]
-        if len(shards) == 1 and d.adopted and (value := self.placed(d)) is not None:
+        elif d.adopted and (value := self.placed(d)) is not None:
             d.buffer = None  # released as soon as the array exists
             self.results[owner] = value
             if self.bar.active:
