@@ -680,7 +680,7 @@ def test_many_small_tensors_land_exact_on_their_own_devices(tmp_path):
         _assert_like_device_put(out[k], v, shardings[k])
 
 
-_BOOL_WAYS = ("load_file", "sharded_stream", "sharded", "safe_open", "get_slice")
+_BOOL_WAYS = ("load_file", "one_device", "sharded_stream", "sharded", "safe_open", "get_slice")
 
 
 @settings(max_examples=25, deadline=None)
@@ -708,6 +708,9 @@ def test_a_bool_byte_other_than_0_or_1_is_refused_naming_the_key_and_offset(tmp_
     with pytest.raises(nnx_save.errors.ChecksumError, match=re.escape(message)):
         if way == "load_file":
             nnx_save.load_file(path)
+        elif way == "one_device":  # placed straight from its adopted buffer (issue 33)
+            one = jax.sharding.SingleDeviceSharding(jax.devices()[1])
+            nnx_save.load_file(path, {"mask": jax.ShapeDtypeStruct(shape, np.bool_, sharding=one)})
         elif way in ("sharded", "sharded_stream"):
             nnx_save.load_file(path, sharded, stream=way == "sharded_stream")
         else:
