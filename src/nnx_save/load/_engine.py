@@ -99,7 +99,7 @@ def _x64() -> bool:
     """jax's current ``jax_enable_x64``."""
     import jax
 
-    return jax.config.jax_enable_x64  # type: ignore[attr-defined,no-any-return]
+    return jax.config.jax_enable_x64  # type: ignore[attr-defined]
 
 
 class Engine:
