@@ -6,14 +6,11 @@ the device cannot hold, a deleted jax array, a metric past float64."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import resource
 import shutil
 import struct
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from _errors import raises_check
+from _limits import address_space_over
 from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -139,25 +137,12 @@ def test_an_unknown_rng_impl_is_a_metadata_error_naming_the_key(tmp_path):
 # ------------------------------------------------------------ sizes, dtypes, deleted arrays
 
 
-@contextlib.contextmanager
-def memory_limit(extra_bytes: int) -> Iterator[None]:
-    """Cap this process's address space at its present size plus ``extra_bytes``."""
-    with open("/proc/self/status") as f:
-        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (vm + extra_bytes, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
-
-
 def test_a_64_gib_tensor_under_a_memory_limit_is_a_host_memory_error_naming_file_and_tensor(tmp_path):
     path = tmp_path / "huge.safetensors"
     n = 64 << 30
     write_raw(path, {"huge": {"dtype": "F32", "shape": [n // 4], "data_offsets": [0, n]}}, size=n)
     message = f"{path}: cannot allocate host memory for tensor 'huge' (64.0 GiB;"
-    with memory_limit(2 << 30):
+    with address_space_over(2 << 30):  # the address space capped at its present size + 2 GiB
         with pytest.raises(nnx_save.HostMemoryError, match=re.escape(message)) as caught:
             nnx_save.load_file(path)
         with nnx_save.safe_open(path) as f, pytest.raises(nnx_save.HostMemoryError, match=re.escape(str(path))):
