@@ -18,16 +18,20 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import accelerator  # noqa: E402
 
 
-@pytest.mark.slow
-def test_smoke_runs_every_row_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "accelerator.py"), "--smoke", "--dir", str(tmp_path)],
-        env=env,
+def smoke(script: str, directory: Path, timeout: int) -> subprocess.CompletedProcess:
+    """``benchmarks/<script> --smoke --dir <directory>`` in a fresh process, against this tree's src."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--dir", str(directory)],
+        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
+
+
+@pytest.mark.slow
+def test_smoke_runs_every_row_on_cpu(tmp_path):
+    out = smoke("accelerator.py", tmp_path, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "jax backend cpu" in text
@@ -107,14 +111,7 @@ def test_ported_smoke_measures_every_phase_on_both_layouts(tmp_path):
     file, and prints every row and every target."""
     import ported
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ported.py"), "--smoke", "--dir", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    out = smoke("ported.py", tmp_path, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     number = r"\s+\d+\.\d{3}\s+\(\d+\.\d{3}-\d+\.\d{3}\)\s+\d+\.\d{2}\s+\d+\.\d{2}"  # median (min-max) cpu rss
     for layout in ported.LAYOUTS:
