@@ -19,7 +19,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 import nnx_save
 from nnx_save import SaveError
-from nnx_save.io._write import TMP_MARKER
+from nnx_save.io._atomic import TMP_MARKER
 from nnx_save.save._entry import Entry
 from nnx_save.save._remote import write_remote
 

@@ -25,7 +25,7 @@ from flax import nnx
 
 import nnx_save
 from nnx_save.bridges._leaves import leaf_entry
-from nnx_save.io._write import TMP_MARKER
+from nnx_save.io._atomic import TMP_MARKER
 from nnx_save.save import _background
 from nnx_save.save import _write as _file  # the one-file writer the layouts call
 

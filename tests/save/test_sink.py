@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nnx_save
-from nnx_save.io._write import TMP_MARKER
+from nnx_save.io._atomic import TMP_MARKER
 from nnx_save.save import _sink
 
 SMALL_CHUNK = 16 << 10  # a multiple of any block size direct I/O asks for here

@@ -21,7 +21,7 @@ import pytest
 
 import nnx_save
 from nnx_save.bridges._leaves import leaf_entry
-from nnx_save.io._write import TMP_MARKER
+from nnx_save.io._atomic import TMP_MARKER
 from nnx_save.save import _background, _stage, _write
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save.format import _dtypes
-from nnx_save.io._write import TMP_MARKER
+from nnx_save.io._atomic import TMP_MARKER
 from nnx_save.save import _sink, _write
 
 

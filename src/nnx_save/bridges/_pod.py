@@ -9,7 +9,7 @@ from typing import Any
 
 from .._options import DEFAULT, merge, path_arg
 from ..errors import OptionError
-from ..io._remote import is_url
+from ..io._storage import is_url
 from ..layouts import _registry
 from ..layouts._pod import MANIFEST
 from ..save._background import SaveHandle

@@ -15,8 +15,8 @@ from typing import Any
 from etils import epath
 
 from ..errors import CheckpointDamageWarning, CheckpointUsageError, DirectoryLockedError, UnsupportedCheckpointError
+from ..io._atomic import atomic_file, write_all
 from ..io._lock import WriterLock
-from ..io._write import _write_all, atomic_file
 from ..layouts._index import INDEX_NAME
 from ..layouts._pod import MANIFEST
 from . import _orbax
@@ -167,7 +167,7 @@ class Disk:
         self.path.mkdir(parents=True, exist_ok=True)
         if not is_url(str(self.path)):
             with atomic_file(os.fspath(self.path / STORE_RECORD)) as fd:  # a unique, exclusively created temporary
-                _write_all(fd, memoryview(record_json(retention).encode()))
+                write_all(fd, memoryview(record_json(retention).encode()))
         else:  # an object store: a write is atomic and there are no links to follow
             (self.path / STORE_RECORD).write_text(record_json(retention))
 

@@ -46,8 +46,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DirectoryLockedError, SaveError
+from ._atomic import host_name, make_directory, pid_alive
 from ._kv import Channel, Outcome, Sync
-from ._write import _host, _pid_alive, make_directory
 
 __all__ = ["LOCK_NAME", "STORE_RECORD", "Holder", "WriterLock", "holder_of", "one_writer", "process_start"]
 
@@ -114,13 +114,13 @@ class Holder:
 
     @classmethod
     def this_process(cls, what: str) -> Holder:
-        return cls(_host(), os.getpid(), process_start(os.getpid()), what)
+        return cls(host_name(), os.getpid(), process_start(os.getpid()), what)
 
     def gone(self) -> bool:
         """Provably dead: on this host, and its process is gone or is another process now."""
-        if self.host != _host():
+        if self.host != host_name():
             return False  # another host's processes cannot be checked from here
-        if not _pid_alive(self.pid):
+        if not pid_alive(self.pid):
             return True
         return self.started is not None and process_start(self.pid) not in (None, self.started)
 
@@ -138,7 +138,7 @@ class Holder:
         return holder if holder.started is None or isinstance(holder.started, int) else None
 
     def __str__(self) -> str:
-        started = _wall_time(self.started) if self.host == _host() else None
+        started = _wall_time(self.started) if self.host == host_name() else None
         since = f", started {started}" if started else ""
         return f"{self.what} in process {self.pid} on host {self.host}{since}"
 

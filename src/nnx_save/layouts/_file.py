@@ -27,7 +27,7 @@ from ..errors import (
 )
 from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
-from ..io import _files, _remote
+from ..io import _files, _storage
 from ..load._source import Header, LocalFiles, RemoteFiles
 from ..save._entry import Entry
 from ..save._options import SaveOptions
@@ -168,7 +168,7 @@ def remote_file_header(
     speculative first range (or ``opened``: a reader and the bytes it probed), then the
     rest of the header if it is larger."""
     if opened is None:
-        first = _remote.open_remote(url, stats)
+        first = _storage.open_remote(url, stats)
         opened = (first, first.probe())
     reader, head = opened
     _formats.refuse_file(url, head[:8], lambda n, at: head[at : at + n])
@@ -200,7 +200,7 @@ class FileLayout:
         from ..save import _collective, _write  # the writers: a read never loads them
         from ..save import _remote as _remote_write
 
-        if _remote.is_url(path):
+        if _storage.is_url(path):
             _remote_write.write_remote(str(path), entries, metadata)
         elif jax.process_count() == 1:
             _write.write_file(path, entries, metadata, progress=options.progress)

@@ -31,17 +31,17 @@ from ..errors import HeaderError, NotSafetensorsError, OptionError, short_repr
 from ..format import _dtypes
 from ..format._header import FileHeader
 from ..format._units import parse_size
-from ..io import _files, _remote
-from ..io._kv import Sync
-from ..io._write import (
+from ..io import _files, _storage
+from ..io._atomic import (
     TMP_MARKER,
-    _write_all,
     atomic_file,
     commit_staged,
     discard_staged,
     make_directory,
     remove_stale_temps,
+    write_all,
 )
+from ..io._kv import Sync
 from ..load._source import Header, LocalFiles, RemoteFiles
 from ..save._entry import Entry, order_entries
 from ..save._options import SaveOptions
@@ -209,7 +209,7 @@ def read_remote(url: str, stats: Any, reader: Any = None, raw: bytes = b"") -> H
     """The header of the index at ``url`` (``reader`` open there, its first bytes
     ``raw`` probed already) and of every file it names."""
     if reader is None:
-        reader = _remote.open_remote(url, stats)
+        reader = _storage.open_remote(url, stats)
         raw = reader.probe()
     if reader.size > MAX_INDEX_BYTES:
         raise _bad(f"{url}: index of {reader.size} bytes exceeds the cap of {MAX_INDEX_BYTES} bytes")
@@ -352,7 +352,7 @@ class _Local:
     def commit_index(self, data: bytes) -> None:
         commit_staged(self.staged)  # fresh names: one directory fsync for them all, before the index
         with atomic_file(self.index) as fd:
-            _write_all(fd, memoryview(data))
+            write_all(fd, memoryview(data))
 
     def discard(self) -> None:
         discard_staged(self.staged)
@@ -366,10 +366,11 @@ class _Remote:
 
     def __init__(self, url: str) -> None:
         self.root = url.rstrip("/")
-        from ..save import _remote as remote_write  # the writers: a read never loads them
+        from ..io import _fsspec  # the writers: a read never loads them
+        from ..save import _remote as remote_write
 
-        self.put, self.write_remote = remote_write.put, remote_write.write_remote
-        self.fs = remote_write.filesystem(self.root)
+        self.put, self.write_remote = _fsspec.put, remote_write.write_remote
+        self.fs = _fsspec.filesystem(self.root)
         self.index = f"{self.root}/{INDEX_NAME}"
 
     def listing(self) -> set[str]:
@@ -382,7 +383,7 @@ class _Remote:
         return self.fs.cat(self.index)
 
     def header(self, name: str) -> FileHeader:
-        return remote_file_header(f"{self.root}/{name}", _remote.RemoteStats())[0]
+        return remote_file_header(f"{self.root}/{name}", _storage.RemoteStats())[0]
 
     def write_shards(self, files: Shards, meta: Mapping[str, str], written: list[str], progress: bool | None) -> None:
         for name, group in files:
@@ -411,7 +412,7 @@ def write_sharded(
     path or an fsspec URL); what the primary committed (the index: a URL stays a ``str``).
     ``progress`` as in :func:`nnx_save._progress.bar`, per file."""
     groups, total = shard_groups(order_entries(entries), max_shard_size)
-    target = _Remote(str(directory)) if _remote.is_url(directory) else _Local(directory)
+    target = _Remote(str(directory)) if _storage.is_url(directory) else _Local(directory)
     sync = Sync.open(Path(str(directory)), "multi-file save", "the previous checkpoint there, if any, is intact")
 
     def plan() -> dict[str, Any]:

@@ -32,8 +32,8 @@ from ..format import _dtypes
 from ..format._boxes import of_index
 from ..format._header import FileHeader, TensorInfo, encode_header
 from ..io import _files
+from ..io._atomic import TMP_MARKER, atomic_file, make_directory, remove_stale_temps, write_all
 from ..io._kv import Outcome, Sync
-from ..io._write import TMP_MARKER, _write_all, atomic_file, make_directory, remove_stale_temps
 from ..load._pieces import Box, Piece, extents, whole
 from ..load._source import Header, LocalFiles
 from ..save._entry import Entry, order_entries, spans_processes
@@ -517,7 +517,7 @@ def _commit_manifest(
     }
     try:
         with atomic_file(directory / MANIFEST) as fd:  # a short write loops: a full disk raises, never truncates
-            _write_all(fd, memoryview(json.dumps(manifest, indent=1).encode() + b"\n"))
+            write_all(fd, memoryview(json.dumps(manifest, indent=1).encode() + b"\n"))
     except SaveError as e:
         return Outcome(False, error=str(e))
     for stale in sorted(previous - {shard_name(p, n, token) for p in range(n)}):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from .._options import path_arg
 from ..errors import NotSafetensorsError, OptionError, RemoteError, SaveError, SourceNotFoundError
 from ..format._formats import foreign_directory
-from ..io import _remote
+from ..io import _storage
 from ..io._lock import STORE_RECORD, one_writer
 from ..io._reader import Reader
 from ..load._source import Header, gc_paused
@@ -108,7 +108,7 @@ def _check_source(source: object) -> None:
 
 def _read(source: PathLike | Sequence[PathLike]) -> Header:
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
-    if isinstance(name, str) and _as_path_spells_it(name) and not _remote.is_url(name):
+    if isinstance(name, str) and _as_path_spells_it(name) and not _storage.is_url(name):
         try:  # a local file, the common case, in one open and one fstat
             local = _file.read_local(name)
         except FileNotFoundError:
@@ -120,7 +120,7 @@ def _read(source: PathLike | Sequence[PathLike]) -> Header:
         if local is not None:
             return local
     with gc_paused():
-        if isinstance(source, str) and _remote.is_url(source):
+        if isinstance(source, str) and _storage.is_url(source):
             return _remote_header(source)
         if isinstance(source, (list, tuple)):
             if not source:  # a glob that matched nothing: loading "nothing" is never what was meant
@@ -168,7 +168,7 @@ def _remote_header(url: str) -> Header:
     Raises:
         FileNotFoundError, RemoteError: nothing readable there, as the object at ``url`` said.
     """
-    stats = _remote.RemoteStats()
+    stats = _storage.RemoteStats()
     try:
         return _remote_object(url, stats)
     except (FileNotFoundError, IsADirectoryError, RemoteError) as e:
@@ -181,9 +181,9 @@ def _remote_header(url: str) -> Header:
     raise first
 
 
-def _remote_object(url: str, stats: _remote.RemoteStats) -> Header:
+def _remote_object(url: str, stats: _storage.RemoteStats) -> Header:
     """The object at ``url``: a safetensors file, or an index by its JSON; one probe decides."""
-    reader = _remote.open_remote(url, stats)
+    reader = _storage.open_remote(url, stats)
     head = reader.probe()
     try:
         return _file.read_remote(url, stats, (reader, head))
@@ -226,7 +226,7 @@ class Write:
         """
         # ``entries`` travel as an argument, never in a closure: an asynchronous save's kept
         # error clears its frames' locals, not a function's cells (the snapshot would stay).
-        if isinstance(self.layout, FileLayout) or _remote.is_url(path):
+        if isinstance(self.layout, FileLayout) or _storage.is_url(path):
             return self.committed(path, write(path, entries))
         self.layout.check_target(path)
         _refuse_foreign(Path(path), _WHAT[self.layout.name])
@@ -235,7 +235,7 @@ class Write:
 
     def committed(self, path: PathLike, written: Written | None) -> Written | None:
         """After ``layout``'s commit in directory ``path``: retire the other layouts there."""
-        if written is not None and not isinstance(self.layout, FileLayout) and not _remote.is_url(path):
+        if written is not None and not isinstance(self.layout, FileLayout) and not _storage.is_url(path):
             keep = {Path(f).name for f in written.files}
             for other in (*RECORDS, FILE):
                 if other.name != self.layout.name and (other is FILE or other.claims(Path(path))):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..format._header import FileHeader, TensorInfo
-from ..io import _files, _remote
+from ..io import _files, _storage
 from ..io._reader import LocalReader, Reader
 from ._pieces import Piece
 
@@ -115,7 +115,7 @@ class RemoteFiles(LocalFiles):
 
     def open_reader(self, file: str) -> Reader:
         if file in self.identity:
-            return _remote.open_remote(file, self.stats, self.identity[file])
+            return _storage.open_remote(file, self.stats, self.identity[file])
         return super().open_reader(file)
 
     def retries(self) -> int:

@@ -23,9 +23,9 @@ from ..errors import SaveError
 from ..format import _checksum, _dtypes
 from ..format._boxes import box_runs, of_index, whole
 from ..format._header import encode_header
+from ..io._atomic import fsync_dir, temp_path, write_all
 from ..io._files import pread_exact
 from ..io._kv import Outcome, Sync
-from ..io._write import _write_all, fsync_dir, temp_path
 from . import _stage
 from ._entry import Entry, host_bytes, order_entries, spans_processes
 from ._stage import BoxedValue
@@ -91,7 +91,7 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
                 f"{e.key}: shard {box} gave {len(data)} bytes, expected {len(offsets) * length}", key_path=e.key
             )
         for i, off in enumerate(offsets.tolist()):
-            _write_all(fd, data[i * length : (i + 1) * length], off)
+            write_all(fd, data[i * length : (i + 1) * length], off)
 
 
 def _boxed(pairs: list[tuple[Any, np.ndarray]], shape: tuple[int, ...]) -> list[tuple[Any, np.ndarray]]:
@@ -132,7 +132,7 @@ def _write_mine(
     fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
     try:
         if sync.pid == 0:
-            _write_all(fd, memoryview(head), 0)
+            write_all(fd, memoryview(head), 0)
         for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
             array = _cross(e)
             if array is not None:
@@ -141,7 +141,7 @@ def _write_mine(
                 del parts
             elif sync.pid == 0:
                 data = host_data(window, i, e, sync.path, end - begin)
-                _write_all(fd, data, len(head) + begin)
+                write_all(fd, data, len(head) + begin)
                 digests[e.key] = _checksum.digest([data])
                 del data
         os.fsync(fd)
@@ -185,7 +185,7 @@ def _commit(sync: Sync, tmp: Path, head: bytes) -> Outcome:
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            _write_all(fd, memoryview(head), 0)
+            write_all(fd, memoryview(head), 0)
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -10,18 +10,16 @@ and both passes agree, so a failed save never leaves a partial object there.
 
 from __future__ import annotations
 
-import contextlib
-import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ..io._write import TMP_MARKER
+from ..io._fsspec import filesystem, put
 from ._entry import Entry, host_bytes, order_entries
 
-__all__ = ["filesystem", "put", "write_remote"]
+__all__ = ["write_remote"]
 
 
 def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
@@ -58,52 +56,3 @@ def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str]
             raise SaveError(f"{url}: tensors {changed} changed while they were saved; nothing was saved", url)
 
     put(fs, url, stream)
-
-
-def put(fs: Any, url: str, write: Callable[[Any], None]) -> None:
-    """``write(f)`` into a temporary object beside ``url``, moved under ``url`` only
-    once complete; on any failure the temporary object is removed.
-
-    Raises:
-        SaveError: ``write`` or the upload failed (naming ``url``); a previous object
-            there is intact.
-    """
-    temp = f"{url}{TMP_MARKER}{uuid.uuid4().hex[:12]}"
-    try:
-        with fs.open(temp, "wb") as f:
-            write(f)
-        fs.mv(temp, url)
-    except BaseException as error:
-        with contextlib.suppress(Exception):
-            fs.rm(temp)
-        if isinstance(error, SaveError) or not isinstance(error, Exception):
-            raise
-        raise SaveError(
-            f"{url}: the upload failed ({type(error).__name__}: {error}); nothing was saved", url
-        ) from error
-
-
-def filesystem(url: str) -> Any:
-    """The fsspec filesystem for ``url``'s scheme, after the checks that need no I/O."""
-    import jax
-
-    if jax.process_count() > 1:
-        raise SaveError(
-            f"{url}: saving to a URL from {jax.process_count()} processes is not supported (each would upload the "
-            "object); save from one process, or save to a shared filesystem path",
-            url,
-        )
-    try:
-        import fsspec
-    except ImportError:
-        raise SaveError(f"{url}: writing to a URL needs fsspec: pip install 'nnx_save[remote]'", url) from None
-    protocol = url.split("://", 1)[0]
-    if protocol in ("http", "https"):
-        raise SaveError(f"{url}: an HTTP URL cannot be written to; give an object-store URL (s3://, gs:// ...)", url)
-    try:
-        fs = fsspec.filesystem(protocol)
-    except (ImportError, ValueError) as error:
-        raise SaveError(f"{url}: no fsspec filesystem for {protocol!r} ({error})", url) from None
-    if getattr(fs, "read_only", False):
-        raise SaveError(f"{url}: fsspec's {protocol!r} filesystem cannot write", url)
-    return fs

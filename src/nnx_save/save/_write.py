@@ -3,7 +3,7 @@
 The header is a pure function of names, dtypes and shapes, so it is written first
 and each tensor is then written at its known offset, one at a time: the host holds
 at most one tensor beyond the caller's arrays. The file replaces its target
-atomically (:func:`~nnx_save.io._write.atomic_file`).
+atomically (:func:`~nnx_save.io._atomic.atomic_file`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from .. import _progress
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ..io._write import atomic_file
+from ..io._atomic import atomic_file
 from . import _stage
 from ._entry import Entry, host_bytes, order_entries
 from ._sink import Sink, chunk_memory, pwrite_all

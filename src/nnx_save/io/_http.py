@@ -1,7 +1,6 @@
-"""Remote sources: ranged reads over HTTP(S), and fsspec URLs (``s3://``, ``gs://``,
-``hf://``) when the matching fsspec implementation is installed.
+"""Ranged reads over HTTP(S).
 
-A remote reader fetches just the byte ranges the engine planned, one ranged GET per
+A reader fetches just the byte ranges the engine planned, one ranged GET per
 chunk, many at once over a pooled connection set. urllib3's ``Retry`` follows redirects
 and retries a request that failed before its answer (a refused connection, a 503); a
 body cut short is retried whole, so partial data is never returned. What a hostile or changing server cannot do
@@ -24,7 +23,6 @@ from typing import TYPE_CHECKING
 from urllib.parse import urljoin, urlsplit
 
 from .. import _config
-from .._options import is_url  # re-exported: where the transports' callers look for it
 from .._version import __version__
 from ..errors import RemoteError, SourceChangedError
 from ._reader import ViewReader
@@ -32,18 +30,12 @@ from ._reader import ViewReader
 if TYPE_CHECKING:  # socket and random are imported where an HTTP read needs them, not with nnx_save
     import socket
 
-__all__ = ["FsspecReader", "HttpLimits", "HttpReader", "RemoteStats", "is_url", "open_remote"]
+__all__ = ["HttpLimits", "HttpReader", "RemoteStats"]
 
 SPECULATIVE_HEADER_BYTES = 64 << 10
 MAX_REDIRECTS = 5
 _MAX_RETRIES, _BACKOFF_S = 5, 0.05  # retried after 50 ms, 100 ms, ... (jittered)
 _RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
-# info() fields that name a version of an object, over the fsspec implementations
-# (s3fs, gcsfs, adlfs, huggingface_hub, local, memory): any change is a new object.
-_VERSION_FIELDS = (
-    "ETag", "etag", "generation", "VersionId", "version_id", "md5Hash", "crc32c", "checksum",
-    "blob_id", "lfs", "last_commit", "LastModified", "last_modified", "updated", "mtime", "created", "ino",
-)  # fmt: skip
 
 
 @dataclass
@@ -430,91 +422,3 @@ def _read_exact(response, buf: memoryview) -> None:
         if not n:
             raise _Retry(f"body ended {len(view) - done} bytes early")
         done += n
-
-
-def _fsspec_version(info: Mapping[str, object]) -> str | None:
-    found = [f"{k}={info[k]}" for k in _VERSION_FIELDS if info.get(k) not in (None, "")]
-    return "; ".join(found) or None
-
-
-class FsspecReader(ViewReader):
-    """Ranged reads through fsspec (``s3://``, ``gs://``, ``hf://`` ...), pinned to
-    the object's size and version (see the module docstring)."""
-
-    def __init__(self, url: str, identity: tuple[int, str | None] | None) -> None:
-        try:
-            import fsspec
-        except ImportError:
-            raise RemoteError(f"{url}: reading this URL needs fsspec: pip install 'nnx_save[remote]'") from None
-        protocol = url.split("://", 1)[0]
-        try:
-            self.fs = fsspec.filesystem(protocol)
-        except (ImportError, ValueError) as e:
-            extra = {"s3": "s3fs", "gs": "gcsfs", "hf": "huggingface_hub"}.get(
-                protocol, f"an fsspec implementation for {protocol}"
-            )
-            raise RemoteError(f"{url}: no fsspec implementation for {protocol}:// ({e}); install {extra}") from None
-        self.url = url
-        self.requests = 0
-        self.size, self.version = self._current()
-        if identity is not None:
-            self._check(identity)
-
-    @property
-    def identity(self) -> tuple[int, str | None]:
-        return self.size, self.version
-
-    def _current(self) -> tuple[int, str | None]:
-        try:
-            self.fs.invalidate_cache(self.url)  # a cached listing would hide a new version
-            info = self.fs.info(self.url)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"{self.url}: not found") from None
-        except Exception as e:  # each store has its own errors (botocore's NoCredentialsError, ...)
-            raise RemoteError(f"{self.url}: fsspec could not describe the object ({type(e).__name__}: {e})") from e
-        size = info.get("size") if isinstance(info, Mapping) else None
-        if (
-            isinstance(info, Mapping) and info.get("type") == "directory"
-        ):  # a prefix, no object: the caller may look inside
-            raise IsADirectoryError(f"{self.url}: a directory, not an object")
-        if not isinstance(size, int):
-            raise RemoteError(f"{self.url}: fsspec reports no size ({size!r})")
-        return size, _fsspec_version(info)
-
-    def _check(self, pinned: tuple[int, str | None]) -> None:
-        now = self._current()
-        if now != tuple(pinned):
-            raise _changed(self.url, pinned, now)
-
-    def close(self) -> None:
-        """Check the object is still the version read (a replacement during the load
-        would have mixed versions)."""
-        self._check(self.identity)
-
-    def readv(self, buffers: list[memoryview], offset: int) -> None:
-        total = sum(len(b) for b in buffers)
-        try:
-            data = self.fs.cat_file(self.url, start=offset, end=offset + total)
-        except Exception as e:  # as in _current: one error type, naming the URL and the range
-            raise RemoteError(
-                f"{self.url}: fsspec failed to read {total} bytes at {offset} ({type(e).__name__}: {e})"
-            ) from e
-        if len(data) != total:
-            raise RemoteError(f"{self.url}: asked for {total} bytes at {offset}, got {len(data)}")
-        self.requests += 1
-        pos = 0
-        for b in buffers:
-            b.cast("B")[:] = data[pos : pos + len(b)]
-            pos += len(b)
-
-    def probe(self) -> bytes:
-        return self.read(0, min(SPECULATIVE_HEADER_BYTES, self.size))
-
-
-def open_remote(url: str, stats: RemoteStats | None = None, identity: tuple[int, str | None] | None = None):
-    """A reader for ``url``; with ``identity`` (from a reader's ``identity`` when the
-    header was read), pinned to that size and version."""
-    if url.startswith(("http://", "https://")):
-        size, etag = identity if identity is not None else (None, None)
-        return HttpReader(url, stats, size, etag)
-    return FsspecReader(url, identity)

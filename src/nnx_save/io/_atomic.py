@@ -42,7 +42,7 @@ NAME_MAX = 255  # bytes in one file name (Linux, macOS, most filesystems)
 log = logging.getLogger("nnx_save")
 
 
-def _write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
+def write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
     """Write all of ``data`` (at ``offset``, else at the file position): a short write loops."""
     done = 0
     while done < len(data):
@@ -52,7 +52,7 @@ def _write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
             done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
 
 
-def _host() -> str:
+def host_name() -> str:
     """This host's name, made safe for a file name (cut to 64 characters), and on
     Linux the PID namespace: containers sharing a host name and a filesystem but not
     their process ids must not judge each other's processes dead."""
@@ -66,7 +66,7 @@ def _host() -> str:
     return f"{name}.ns{re.sub(r'[^0-9]', '', namespace)}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -84,14 +84,14 @@ def remove_stale_temps(path: Path) -> list[str]:
     not parse is kept. Best effort: a failure to list or remove is ignored (the
     save itself reports real I/O problems).
     """
-    prefix, host, removed = _temp_prefix(path), _host(), list[str]()
+    prefix, host, removed = _temp_prefix(path), host_name(), list[str]()
     try:
         names = os.listdir(path.parent)
     except OSError:
         return removed
     for name in names:
         pid = _stale_pid(name, prefix, host)
-        if pid is None or pid == os.getpid() or _pid_alive(pid):
+        if pid is None or pid == os.getpid() or pid_alive(pid):
             continue
         with contextlib.suppress(OSError):
             os.unlink(path.parent / name)
@@ -115,7 +115,7 @@ def _temp_prefix(path: Path) -> str:
     """``.<name>.nnx_save-tmp-``, the name cut (on a character boundary) so that the
     whole temporary name fits the 255-byte limit of a file name: a legal name near the
     limit must still be savable."""
-    room = NAME_MAX - len(f".{TMP_MARKER}{_host()}-{2**32}-{'0' * 8}".encode())
+    room = NAME_MAX - len(f".{TMP_MARKER}{host_name()}-{2**32}-{'0' * 8}".encode())
     raw = os.fsencode(path.name)  # the name's bytes: a name that is not UTF-8 decodes to surrogates
     cut = room
     while room - 3 < cut < len(raw) and raw[cut] & 0xC0 == 0x80:  # not inside a UTF-8 character (4 bytes at most)
@@ -126,7 +126,7 @@ def _temp_prefix(path: Path) -> str:
 def temp_path(path: Path) -> Path:
     """A fresh temporary name next to ``path``; first removes those of dead processes."""
     remove_stale_temps(path)
-    return path.parent / f"{_temp_prefix(path)}{_host()}-{os.getpid()}-{os.urandom(4).hex()}"
+    return path.parent / f"{_temp_prefix(path)}{host_name()}-{os.getpid()}-{os.urandom(4).hex()}"
 
 
 def fsync_dir(directory: Path) -> None:
