@@ -197,6 +197,60 @@ def test_load_and_save_are_siblings_that_do_not_import_each_other(tmp_path):
     assert sibling_imports(import_graph(pkg)) == ["nnx_save.save._w -> nnx_save.load._plan"]
 
 
+def _package_of(module: str) -> str:
+    """The subpackage a module belongs to (``nnx_save.io._kv`` -> ``io``); ``""`` for the top."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and not parts[1].startswith("_")) else ""
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_crossings(root: Path = PACKAGE) -> list[str]:
+    """``"module: name from source"`` for each private name (``_x``, not a module, not a
+    dunder) that a module takes from another package: imported (``from ..io._a import
+    _f``) or read off an imported module (``_a._f``). Sorted."""
+    modules = _modules(root)
+    found = []
+    for name, file in modules.items():
+        tree = ast.parse(file.read_text(encoding="utf-8"), str(file))
+        bound: dict[str, str] = {}  # local name -> the package module it is bound to
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = _base(node, name, file.name == "__init__.py")
+            for a in node.names:
+                full = f"{base}.{a.name}"
+                if full in modules:
+                    bound[a.asname or a.name] = full
+                elif _private(a.name) and base in modules and _package_of(base) != _package_of(name):
+                    found.append(f"{name}: {a.name} from {base}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+                source, attr = bound[node.value.id], node.attr
+                crosses = _package_of(source) != _package_of(name)
+                if _private(attr) and f"{source}.{attr}" not in modules and crosses:
+                    found.append(f"{name}: {attr} from {source}")
+    return sorted(set(found))
+
+
+def test_no_private_name_is_used_across_packages(tmp_path):
+    found = private_crossings()
+    assert found == [], "private names used outside their package (make them public there):\n" + "\n".join(found)
+    pkg = tmp_path / "nnx_save"
+    for sub in ("io", "save"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "io" / "_a.py").write_text("def _f(): pass\ndef g(): pass\n")
+    (pkg / "io" / "_b.py").write_text("from ._a import _f\n")  # same package: allowed
+    (pkg / "save" / "_w.py").write_text("from ..io._a import _f, g\nfrom ..io import _a\n_a._f()\n_a.g()\n")
+    assert private_crossings(pkg) == ["nnx_save.save._w: _f from nnx_save.io._a"]
+    (pkg / "save" / "_w.py").write_text("from ..io import _a as a\na._f()\n")
+    assert private_crossings(pkg) == ["nnx_save.save._w: _f from nnx_save.io._a"]
+
+
 def test_the_layer_check_sees_a_lazy_upward_import(tmp_path):
     pkg = tmp_path / "nnx_save"
     (pkg / "io").mkdir(parents=True)
