@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import LoadError, LoadWarning, LossyCastWarning, OverReadWarning, SingleDeviceWarning
 from ..format._units import human_bytes
 from ._assemble import held_of
+from ._hints import shape_remedy
 
 if TYPE_CHECKING:
     from ._source import Header
@@ -280,7 +281,8 @@ class LoadReport:
         if self.dtype_casts:
             lines.append(_cast_remedy(self.dtype_casts))
         accept = "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
-        return _target_remedy(self.suggested_targets) + _rename_remedy(self.suggested_renames) + accept
+        fixes = _target_remedy(self.suggested_targets) + _rename_remedy(self.suggested_renames)
+        return fixes + shape_remedy(self.shape_mismatches) + accept
 
     def raise_or_warn(self, strict: bool, *, limit: int = 20, stacklevel: int = 3) -> None:
         """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`, with up to
@@ -347,7 +349,8 @@ def _nothing_hint(
     if report.suggested_targets or report.suggested_renames:
         return (_target_remedy(report.suggested_targets) + _rename_remedy(report.suggested_renames)).rstrip()
     if report.shape_mismatches:
-        return "The names match but the shapes do not: is this checkpoint of the same model configuration?"
+        fixes = shape_remedy(report.shape_mismatches).rstrip()
+        return fixes or "The names match but the shapes do not: is this checkpoint of the same model configuration?"
     return "No name matches: is this the checkpoint of this model? (nnx-save inspect lists a file's tensors)"
 
 
