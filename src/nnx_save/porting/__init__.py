@@ -85,7 +85,10 @@ __all__ = [
     "torch_batch_norm",
     "torch_conv",
     "torch_conv_axes",
+    "torch_conv_transpose",
     "torch_embedding",
+    "torch_group_norm",
+    "torch_gru",
     "torch_layer_norm",
     "torch_linear",
     "torch_lstm",
@@ -126,6 +129,7 @@ from ._rules import (
     TransposeRule,
     UnstackRule,
 )
+from ._torch_layers import torch_conv_transpose, torch_group_norm, torch_gru
 from ._transforms import (
     Chain,
     Concatenate,
