@@ -175,3 +175,10 @@ def test_parse_size():
     assert _units.parse_size("200MiB") == 200 << 20
     assert _units.parse_size("1000") == 1000
     assert _units.parse_size("1.5 KB") == 1500
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(_paths)
+    assert result.failed == 0 and result.attempted >= 4

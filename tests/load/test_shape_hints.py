@@ -116,3 +116,12 @@ def test_a_model_whose_every_tensor_is_transposed_gets_the_rule_not_a_configurat
     nnx_save.save_file({"kernel": np.ones((5, 3), np.float32), "bias": np.ones(5, np.float32)}, path)
     with pytest.raises(nnx_save.LoadError, match=re.escape('rules=Rules(transpose(r"kernel", (1, 0)))')):
         nnx_save.load_model(nnx.Linear(3, 5, use_bias=False, rngs=nnx.Rngs(0)), path)
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    from nnx_save.load import _hints
+
+    result = doctest.testmod(_hints)
+    assert result.failed == 0 and result.attempted >= 3
