@@ -125,3 +125,25 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(_hints)
     assert result.failed == 0 and result.attempted >= 3
+
+
+def test_a_path_the_rules_already_transpose_gets_no_second_transpose(tmp_path):
+    """torch_linear on a file that already holds (in, out) (an HF Conv1D): adding a
+    transpose would be a table problem, refused under strict; the fix is the rule itself,
+    so nothing is proposed for that path. A plain rename's path still gets its hint."""
+    from nnx_save.porting import rename, torch_linear
+
+    path = tmp_path / "m.safetensors"
+    nnx_save.save_file({"c.weight": np.ones((3, 5), np.float32), "d.weight": np.ones((5, 3), np.float32)}, path)
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.c = nnx.Linear(3, 5, use_bias=False, rngs=nnx.Rngs(0))
+            self.d = nnx.Linear(3, 5, use_bias=False, rngs=nnx.Rngs(0))
+
+    rules = Rules(torch_linear(r"c", "c", bias=False), rename(r"d\.weight", "d/kernel"))
+    with pytest.raises(nnx_save.LoadError) as info:
+        nnx_save.load_model(M(), path, rules=rules, strict=True)
+    assert info.value.report.suggested_shape_rules == ['transpose(r"d/kernel", (1, 0))']
+    assert 'rules=Rules(transpose(r"d/kernel", (1, 0)))' in str(info.value)
+    assert 'transpose(r"c/kernel"' not in str(info.value).split("To accept them")[0]

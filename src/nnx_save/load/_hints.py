@@ -11,7 +11,9 @@ A suggestion is a promise, so each is made only where one reading is possible:
   size above one also fits (``(2, 3)`` and ``(3, 2)`` are a transpose, never a reshape).
 
 Each path gets its own rule (matching that path only), so following the advice changes
-nothing else.
+nothing else. A path that porting rules already transform gets none: a second transpose
+on it is a table problem (refused under ``strict``), and the fix is in the rule that
+transforms it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import itertools
 import math
 import re
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ._target import Target
 
 __all__ = ["shape_fix", "shape_hints", "shape_remedy"]
 
@@ -93,15 +98,20 @@ def _quoted(path: str) -> str:
     return '"' + re.escape(path).replace('"', '\\"') + '"'
 
 
-def shape_hints(mismatches: Sequence[Mismatch]) -> list[str]:
-    """:func:`shape_fix` of each mismatch that has one, sorted by path."""
-    fixes = (shape_fix(m.path, m.model_shape, m.file_shape) for m in sorted(mismatches, key=lambda m: m.path))
+def shape_hints(mismatches: Sequence[Mismatch], targets: Sequence[Target] = ()) -> list[str]:
+    """:func:`shape_fix` of each mismatch that has one, sorted by path; none for a path
+    whose target (in ``targets``) porting rules already transform."""
+    transformed = {t.path for t in targets if t.transform is not None}
+    fixes = (
+        shape_fix(m.path, m.model_shape, m.file_shape)
+        for m in sorted(mismatches, key=lambda m: m.path)
+        if m.path not in transformed
+    )
     return [f for f in fixes if f is not None]
 
 
-def shape_remedy(mismatches: Sequence[Mismatch]) -> str:
-    """The remedy's paragraph naming the rules that load the mismatched tensors ("" when none)."""
-    fixes = shape_hints(mismatches)
+def shape_remedy(fixes: Sequence[str]) -> str:
+    """The remedy's paragraph naming the rules ``fixes`` (from :func:`shape_hints`; "" when none)."""
     if not fixes:
         return ""
     more = f", ... ({len(fixes) - _SHOWN} more)" if len(fixes) > _SHOWN else ""
