@@ -8,6 +8,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save.cli import main
@@ -69,3 +71,25 @@ def test_convert_without_key_keeps_nothing_extra(tmp_path):
     assert {
         k for k in nnx_save.read_header(tmp_path / "o.safetensors").files[0].metadata if not k.startswith("nnx_save.")
     } == {"format"}
+
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**40), 2**40)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=5),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=25)
+@given(extra=st.dictionaries(st.text(st.sampled_from("abc_"), min_size=1, max_size=4), json_values, max_size=4))
+def test_every_json_entry_is_kept_and_reads_back_equal(extra, tmp_path_factory):
+    d = tmp_path_factory.mktemp("extras")
+    torch.save({"model": {"w": torch.ones(1)}, **extra}, d / "c.pt")
+    done = nnx_save.convert(d / "c.pt", d / "o.safetensors", key="model")
+    assert done.dropped == () and set(done.kept) == set(extra)
+    meta = nnx_save.read_header(d / "o.safetensors").files[0].metadata
+    assert {k: json.loads(meta[k]) for k in extra} == extra

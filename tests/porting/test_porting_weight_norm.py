@@ -207,3 +207,56 @@ def test_weight_norm_matches_torch_and_its_inverse_round_trips_exactly(shape, di
     back = rules.inverse().mapping({"m/w": (shape, np.dtype("float32"))}).apply({"m/w": w})
     again = rules.mapping(back).apply(back)["m/w"]
     assert again.tobytes() == w.tobytes()
+
+
+def _identity(x):
+    return x
+
+
+def _nudged(ulps):
+    def nudge(x):
+        return np.nextafter(x, np.asarray(np.inf, x.dtype)) if ulps else x
+
+    nudge.__name__ = f"nudge{ulps}"
+    return nudge
+
+
+@settings(max_examples=40)
+@given(
+    dtype=st.sampled_from(["float16", "float32", "float64", "bfloat16", "int8", "int32"]),
+    size=st.integers(1, 6),
+    nudge=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_the_export_round_trip_accepts_exact_inverses_and_refuses_others(dtype, size, nudge, seed):
+    """Over dtypes: an exact inverse exports; one ulp off (tolerance 0) is refused, naming
+    the target; an integer off by one is refused at any tolerance (exact types)."""
+    import ml_dtypes
+
+    np_dtype = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    value = (rng.standard_normal(size) * 10).astype(np_dtype)
+    if np_dtype.kind == "i":
+        inverse = _nudged(0) if not nudge else (lambda x: x + np.ones((), x.dtype))
+        tolerance = 1e6
+    else:
+        inverse, tolerance = _nudged(int(nudge)), 0.0
+    back = Rules(compute(r"w", "m/w", _identity, inverse=inverse, tolerance=tolerance)).inverse()
+    mapping = back.mapping({"m/w": ((size,), np_dtype)})
+    if not nudge:
+        assert mapping.apply({"m/w": value})["w"].tobytes() == value.tobytes()
+        return
+    with pytest.raises(RuleError, match=re.escape("`m/w`: ")) as info:
+        mapping.apply({"m/w": value})
+    assert info.value.kind == "round_trip"
+
+
+def test_weight_norm_of_a_zero_row_is_refused_on_export():
+    """g = ||w|| = 0 there, and torch would load v * 0 / 0: NaN. Refused, typed."""
+    back = Rules(weight_norm(r"m", "m/w")).inverse()
+    w = np.array([[1, 2], [0, 0]], np.float32)
+    with pytest.raises(
+        RuleError, match=re.escape("weight_norm_inverse(dim=0) does not invert weight_norm(dim=0)")
+    ) as info:
+        back.mapping({"m/w": ((2, 2), np.dtype("float32"))}).apply({"m/w": w})
+    assert info.value.kind == "round_trip"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,17 +96,20 @@ def _check_round_trip(part: ComputedPart, x: np.ndarray, back: np.ndarray) -> No
         raise RuleError(
             f"`{part.source}`: the round trip made shape {back.shape}, the model holds {x.shape}", kind="round_trip"
         )
-    a, b = x.astype(np.float64), back.astype(np.float64)
-    eps = _eps(x.dtype)
-    scale = float(np.max(np.abs(a), initial=0.0)) if a.size else 0.0
-    diff = np.abs(a - b)
-    worst = float(np.max(diff, initial=0.0)) if diff.size else 0.0
-    if not np.all(np.isfinite(b) == np.isfinite(a)) or worst > part.tolerance * eps * scale or np.isnan(worst):
+    wide = np.result_type(x.dtype, np.float64) if x.dtype.kind in "fc" else np.float64
+    a, b = x.astype(wide), back.astype(wide)
+    finite = np.isfinite(a)
+    same_rest = np.array_equal(a[~finite], b[~finite], equal_nan=True)  # inf and NaN where the model has them
+    scale = float(np.max(np.abs(a[finite]), initial=0.0))
+    diff = np.abs(a[finite] - b[finite])
+    worst = float(np.max(diff, initial=0.0)) if np.all(np.isfinite(diff)) else math.inf
+    if not same_rest or worst > part.tolerance * _eps(x.dtype) * scale:
         raise RuleError(
             f"`{part.source}`: {name_of(part.inverse)} does not invert {name_of(part.fn)}: writing "
             f"{ticked(part.keys)} from it would load back with max |difference| {worst:.3g}, over "
-            f"{part.tolerance:g} eps of {x.dtype} at scale {scale:.3g} (non-finite values: "
-            f"{int(np.sum(~np.isfinite(b)))}); fix the inverse, or give the export its own rule",
+            f"{part.tolerance:g} eps of {x.dtype} at scale {scale:.3g}"
+            f"{'' if same_rest else ', and inf or NaN where the model has other values'}; "
+            "fix the inverse, or give the export its own rule",
             kind="round_trip",
         )
 

@@ -62,7 +62,8 @@ class WeightNorm:
 
     def __call__(self, g: np.ndarray, v: np.ndarray) -> np.ndarray:
         wide = np.promote_types(v.dtype, np.float32)
-        w = v.astype(wide) * (g.astype(wide) / _norm(v, self.dim).astype(wide))
+        with np.errstate(invalid="ignore", divide="ignore"):  # a zero v makes NaN, as in torch
+            w = v.astype(wide) * (g.astype(wide) / _norm(v, self.dim).astype(wide))
         return np.asarray(w.astype(v.dtype))
 
     def shape(self, g: Shape, v: Shape) -> Shape | None:
