@@ -7,6 +7,7 @@ the tuple rule of ``format/_paths.py`` writes them as their literal."""
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -88,3 +89,26 @@ def test_tuple_keys_are_written_as_their_literal_and_read_back(tmp_path):
     keys = sorted(nnx_save.read_header(tmp_path / "wn.safetensors").tensors)
     assert keys == ["layer_instance/bias", "layer_instance/kernel", "scales/('kernel',)"]
     assert from_key(keys[-1]) == ("scales", ("kernel",))
+
+
+RAW_ARRAYS = {"WeightNorm"}  # keeps plain arrays outside Variables, which nnx.eval_shape drops from the state
+
+
+@pytest.mark.parametrize("name", sorted(set(BUILD) - RAW_ARRAYS))
+def test_flax_module_state_loads_exactly_through_a_builder(name, tmp_path):
+    model = BUILD[name](nnx.Rngs(0))
+    path = tmp_path / "m.safetensors"
+    nnx_save.save_model(model, path)
+    built, report = nnx_save.load_model(lambda: BUILD[name](nnx.Rngs(1)), path, strict=True)
+    assert report.clean
+    assert_same_state(snapshot(model), snapshot(built))
+
+
+@pytest.mark.parametrize("name", sorted(RAW_ARRAYS))
+def test_a_builder_that_keeps_plain_arrays_is_refused_loudly_not_filled_silently(name, tmp_path):
+    """Under ``nnx.eval_shape`` a plain array attribute is no state, so a builder's model
+    has no place for it: a strict load names the key (load into an instance instead)."""
+    path = tmp_path / "m.safetensors"
+    nnx_save.save_model(BUILD[name](nnx.Rngs(0)), path)
+    with pytest.raises(nnx_save.LoadError, match=re.escape("unexpected: scales/('kernel',)")):
+        nnx_save.load_model(lambda: BUILD[name](nnx.Rngs(1)), path, strict=True)
