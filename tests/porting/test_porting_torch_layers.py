@@ -74,6 +74,19 @@ def _torch_rnn(m, x):
     return m(x)[0]
 
 
+def _stacked_gru(r):
+    def both(n):
+        return nnx.Bidirectional(nnx.RNN(nnx.GRUCell(n, 4, rngs=r)), nnx.RNN(nnx.GRUCell(n, 4, rngs=r)))
+
+    return nnx.List([both(3), both(8)])
+
+
+def _through(m, x):
+    for layer in m:
+        x = layer(x)
+    return x
+
+
 def _wn_linear():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -172,6 +185,14 @@ CASES = {
         ours=_rnn,
         theirs=_torch_rnn,
     ),
+    "GRU 2 layers bidirectional": Case(
+        lambda: torch.nn.GRU(3, 4, num_layers=2, bidirectional=True, batch_first=True),
+        _stacked_gru,
+        lambda: Rules(torch_gru(r"m", "m/{layer}/{direction}/cell", layers=2, bidirectional=True)),
+        (2, 5, 3),
+        ours=_through,
+        theirs=_torch_rnn,
+    ),
     "weight norm": Case(
         _wn_linear, lambda r: nnx.Linear(4, 3, rngs=r), lambda: Rules(torch_weight_norm(r"m", "m")), (2, 4)
     ),
@@ -195,8 +216,9 @@ def _trained(case: Case, name: str):
                 b.uniform_(-0.5, 0.5)
             elif "running_var" in b_name:
                 b.uniform_(0.5, 2.0)
-        if name == "GRU":  # nnx.GRUCell has no hidden bias for gate n (torch_gru refuses it otherwise)
-            net.m.bias_hh_l0[2 * 4 :] = 0
+        for p_name, p in net.named_parameters():
+            if name.startswith("GRU") and ".bias_hh" in p_name:  # nnx.GRUCell has no hidden bias for gate n
+                p[2 * 4 :] = 0  # (torch_gru refuses a GRU that has one)
     return net.eval()
 
 

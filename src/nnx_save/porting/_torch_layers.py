@@ -91,23 +91,58 @@ class GruBiasInverse:
 
 
 def torch_gru(
-    source: str, target: str, *, layer: int | None = 0, reverse: bool = False
+    source: str,
+    target: str,
+    *,
+    layer: int | None = 0,
+    reverse: bool = False,
+    layers: int | None = None,
+    bidirectional: bool = False,
+    directions: tuple[str, str] = ("forward_rnn", "backward_rnn"),
 ) -> tuple[RenameRule | StackRule | TransposeRule | ComputeRule, ...]:
-    """``nn.GRU`` (one layer and direction) or ``nn.GRUCell`` into ``nnx.GRUCell``:
-    ``weight_ih`` / ``weight_hh`` (gates r, z, n stacked, as flax splits them) transposed
-    into ``dense_i`` / ``dense_h`` kernels, the two biases into ``dense_i/bias`` (see
-    :class:`GruBias`: torch's hidden bias of gate n must be zero, else :class:`RuleError`).
+    """``nn.GRU`` (one layer and direction, or all of them) or ``nn.GRUCell`` into
+    ``nnx.GRUCell``: ``weight_ih`` / ``weight_hh`` (gates r, z, n stacked, as flax splits
+    them) transposed into ``dense_i`` / ``dense_h`` kernels, the two biases into
+    ``dense_i/bias`` (see :class:`GruBias`: torch's hidden bias of gate n must be zero,
+    else :class:`RuleError`). The keywords are :func:`torch_lstm`'s.
 
     Args:
         source: regex of the torch module's key prefix.
-        target: the flax cell's path.
+        target: the flax cell's path template; with ``layers`` it holds ``{layer}``, with
+            ``bidirectional`` ``{direction}``.
         layer: the ``nn.GRU`` layer (keys ``weight_ih_l{layer}``); ``None`` for an ``nn.GRUCell``.
         reverse: the backward direction of a bidirectional layer.
+        layers: port layers ``0 .. layers-1`` at once.
+        bidirectional: port both directions.
+        directions: the names ``{direction}`` takes, forward then backward.
 
     Examples:
         >>> [str(r) for r in torch_gru(r"gru", "rnn/cell")][0]
         'rename(r"gru\\\\.weight_ih_l0", r"rnn/cell/dense_i/kernel")'
+        >>> len(torch_gru(r"gru", "rnn/{layer}/{direction}/cell", layers=2, bidirectional=True))
+        20
     """
+    if layers is None and not bidirectional:
+        return _gru_layer(source, target, layer, reverse)
+    fields = (("{layer}", layers is not None), ("{direction}", bidirectional))
+    absent = [name for name, needed in fields if needed and name not in target]
+    if absent:
+        raise RuleError(
+            f"torch_gru: target {target!r} needs the field(s) {', '.join(absent)} that layers= / bidirectional= fill"
+        )
+    numbers = [layer] if layers is None else list(range(int_arg(layers, "torch_gru: layers", 1, 4096)))
+    sides = (False, True) if bidirectional else (reverse,)
+    return tuple(
+        rule
+        for number in numbers
+        for back in sides
+        for rule in _gru_layer(source, target.format(layer=number, direction=directions[back]), number, back)
+    )
+
+
+def _gru_layer(
+    source: str, target: str, layer: int | None, reverse: bool
+) -> tuple[RenameRule | StackRule | TransposeRule | ComputeRule, ...]:
     tail = ("" if layer is None else f"_l{int_arg(layer, 'torch_gru: layer', 0)}") + ("_reverse" if reverse else "")
     weights = [
         rule
