@@ -380,15 +380,7 @@ def _flatten(items: Iterable[object]) -> Iterator[AnyRule]:
             raise RuleError(f"Rules takes rules, found {item!r} of type {type(item).__name__}")
 
 
-_STRUCTURAL = (
-    *StructuralRule.__args__,
-    SplitStackRule,
-    ConcatUnstackRule,
-    SumRule,
-    SumExportRule,
-    ComputeRule,
-    ComputeExportRule,
-)
+_STRUCTURAL = (*AnyStructural.__args__, ComputeExportRule)
 
 
 def _is_structural(rule: AnyRule) -> TypeGuard[AnyStructural]:
