@@ -49,7 +49,8 @@ def _host(x: Any) -> Any:
 
 def snapshot(model: Any, filter: Any = ...) -> dict[tuple, Any]:
     """Every value of ``model`` copied to the host, by path (rng keys as key data)."""
-    return {tuple(p): _host(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model, filter))}
+    flat = nnx.to_flat_state(nnx.state(model, filter))
+    return {tuple(p): _host(v.get_value() if isinstance(v, nnx.Variable) else v) for p, v in flat}
 
 
 def _same(a: Any, b: Any) -> bool:

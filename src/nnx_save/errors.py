@@ -577,14 +577,16 @@ class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
 # (``nnx_save.porting`` re-exports these under the same names)
 
 
-RuleKind = Literal["conflict", "not_invertible", "tied", "table", "shape"]
+RuleKind = Literal["conflict", "not_invertible", "tied", "table", "shape", "round_trip"]
 """What a :class:`RuleError` is about: ``"conflict"`` (a file tensor feeds two rules, or two
 rules make one target), ``"not_invertible"`` (a rule has no automatic inverse: pass
 ``inverse=``), ``"tied"`` (copies a ``tie`` rule declares equal differ in the file),
 ``"table"`` (a table that would port wrongly though every tensor lands somewhere: a
 transform applied twice or cancelled, a rule matching nothing or only what an earlier rule
 took; refused under ``strict``, its ``problems`` naming the rules), ``"shape"`` (a tensor's
-shape does not fit the rule that transforms it)."""
+shape does not fit the rule that transforms it), ``"round_trip"`` (a computed rule's inverse,
+on export, makes tensors that its function does not turn back into the model's: writing
+them would load back other values)."""
 
 
 class RuleError(NnxSaveError, ValueError):

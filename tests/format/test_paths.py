@@ -1,5 +1,6 @@
 """Tree key paths <-> file keys: the int/str rule and the refusals; sizes (``"5GB"``) in bytes."""
 
+import ast
 import re
 
 import pytest
@@ -15,10 +16,43 @@ paths = st.lists(segments, min_size=1, max_size=5).map(tuple)
 
 
 def canonical(seg):
-    """What a segment reads back as: canonical decimal strings become ints."""
+    """What a segment reads back as: canonical decimal strings become ints, a tuple's
+    own literal the tuple."""
     if isinstance(seg, str) and seg.isascii() and seg.isdecimal() and (seg == "0" or not seg.startswith("0")):
         return int(seg)
+    if isinstance(seg, str) and seg.startswith("("):
+        try:
+            value = ast.literal_eval(seg)
+        except (ValueError, SyntaxError):
+            return seg
+        return value if type(value) is tuple and repr(value) == seg else seg
     return seg
+
+
+tuple_keys = st.recursive(
+    st.tuples(st.one_of(st.integers(0, 99), names)),
+    lambda inner: st.lists(st.one_of(st.integers(0, 99), names, inner), min_size=0, max_size=3).map(tuple),
+    max_leaves=4,
+).filter(lambda t: "/" not in repr(t))
+
+
+@given(st.lists(st.one_of(segments, tuple_keys), min_size=1, max_size=4).map(tuple))
+def test_tuple_keys_round_trip_as_their_literal(path):
+    """The tuple rule: a tuple of str / int (flax's ``scales[('kernel',)]``) is written as
+    ``repr(key)`` and read back as the tuple."""
+    key = _paths.to_key(path)
+    assert _paths.from_key(key) == tuple(canonical(s) for s in path)
+    assert _paths.to_key(_paths.from_key(key)) == key
+
+
+@pytest.mark.parametrize("text", ["( 'a',)", "('a', )", '("a",)', "(1.5,)", "(True,)", "(", "()x", "(a,)"])
+def test_only_a_tuple_s_own_literal_reads_back_as_a_tuple(text):
+    assert _paths.from_key(f"s/{text}") == ("s", text)
+
+
+def test_a_name_spelled_as_a_tuple_s_literal_collides_with_the_tuple():
+    with pytest.raises(nnx_save.KeyPathError, match=re.escape("both make the file key \"a/('k',)\"")):
+        _paths.check_unique([("a", ("k",)), ("a", "('k',)")])
 
 
 def test_to_key_joins_with_slash_and_writes_ints_in_decimal():
@@ -97,12 +131,15 @@ def test_negative_index_is_refused():
     [
         (True, "key True of type bool"),
         (1.5, "key 1.5 of type float"),
-        (("t",), "key ('t',) of type tuple"),
+        ((1.5,), "key (1.5,) of type tuple"),
         (None, "key None of type NoneType"),
     ],
 )
 def test_non_str_int_keys_are_refused(entry, shown):
-    with pytest.raises(nnx_save.KeyPathError, match=re.escape(f": {shown} cannot be a file key; use str or int keys")):
+    with pytest.raises(
+        nnx_save.KeyPathError,
+        match=re.escape(f": {shown} cannot be a file key; use str or int keys (or tuples of them)"),
+    ):
         _paths.to_key(("a", entry))
 
 
@@ -138,3 +175,10 @@ def test_parse_size():
     assert _units.parse_size("200MiB") == 200 << 20
     assert _units.parse_size("1000") == 1000
     assert _units.parse_size("1.5 KB") == 1500
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(_paths)
+    assert result.failed == 0 and result.attempted >= 4

@@ -70,6 +70,17 @@ def _keyed(state: Any) -> list[tuple[tuple, str, Any]]:
     return [(p, k, v) for (p, v), k in zip(paths, _paths.to_keys([p for p, _ in paths]), strict=True)]
 
 
+def _held(leaf: Any) -> Any:
+    """A state leaf's value: a ``Variable``'s, or the leaf itself (a plain array a flax
+    module keeps outside any ``Variable``, as ``nnx.WeightNorm`` keeps its ``scales``)."""
+    return leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+
+
+def _with_value(leaf: Any, value: Any) -> Any:
+    """The state leaf ``leaf`` holding ``value`` instead (see :func:`_held`)."""
+    return leaf.replace(value) if isinstance(leaf, nnx.Variable) else value
+
+
 def _scalar_kind(value: Any) -> str | None:
     return _KIND_OF.get(type(value))  # exactly these types: numpy scalars and arrays are not Python scalars
 
@@ -150,7 +161,7 @@ def model_entries(model: Any, filter: Any = ...) -> tuple[list[Entry], dict, dic
     scalars: dict[str, str] = {}
     flat = [(tuple(p), v) for p, v in nnx.to_flat_state(nnx.state(model, filter))]
     keys = _paths.check_unique([p for p, _ in flat])  # {key: path}, in flat's order
-    leaves = [_storable(p, k, v.get_value(), rng, scalars) for k, (p, v) in zip(keys, flat, strict=True)]
+    leaves = [_storable(p, k, _held(v), rng, scalars) for k, (p, v) in zip(keys, flat, strict=True)]
     return leaf_entries(leaves), rng, scalars
 
 
@@ -352,7 +363,7 @@ def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool, dict[st
     def build() -> Any:
         model = model_or_builder()
         for _, key, variable in _keyed(nnx.state(model)):
-            value = variable.get_value()
+            value = _held(variable)
             if _scalar_kind(value) is not None:
                 scalars[key] = value
         return model
@@ -370,7 +381,7 @@ def _under(mesh: Any) -> Any:
 
 def _leaves(state: Any, scalars: dict[str, Any]) -> list[_Leaf]:
     """The state's leaves; a builder's Python scalars keep their declared value."""
-    return [_Leaf(path, key, v, scalars.get(key, v.get_value())) for path, key, v in _keyed(state)]
+    return [_Leaf(path, key, v, scalars.get(key, _held(v))) for path, key, v in _keyed(state)]
 
 
 def _init_missing(builder: Callable, leaves: list[_Leaf], targets: dict[str, Target], mesh: Any) -> dict[str, Any]:
@@ -379,7 +390,7 @@ def _init_missing(builder: Callable, leaves: list[_Leaf], targets: dict[str, Tar
     keys = {leaf.key for leaf in leaves}
 
     def init():
-        return {k: v.get_value() for _, k, v in _keyed(nnx.state(builder())) if k in keys}
+        return {k: _held(v) for _, k, v in _keyed(nnx.state(builder())) if k in keys}
 
     if mesh is not None:
         with jax.set_mesh(mesh):
@@ -504,7 +515,7 @@ def load_model(
             values = {**values, **_init_missing(model_or_builder, absent, targets, mesh)}
         leaves = everything
     updates = [
-        (leaf.path, leaf.variable.replace(_finish(leaf, values[leaf.key], rng)))
+        (leaf.path, _with_value(leaf.variable, _finish(leaf, values[leaf.key], rng)))
         for leaf in leaves
         if leaf.key in values
     ]

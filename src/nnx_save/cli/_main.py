@@ -327,6 +327,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     done = nnx_save.convert(args.input, args.output, max_shard_size=args.max_shard_size, key=args.key)
     split = f" in {len(done.files)} file(s) + {done.index.name}" if done.index is not None else ""
     print(f"convert: {args.input} -> {args.output}: {done.tensors} tensors{split}")
+    if done.kept:
+        print(f"  kept in the metadata (JSON): {', '.join(done.kept)}")
+    for line in done.dropped:
+        print(f"  dropped: {line}")
     return 0
 
 

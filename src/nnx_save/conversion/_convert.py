@@ -32,17 +32,22 @@ from ..layouts._registry import read_header
 from ..load._source import Header
 from ..save._entry import Entry
 from ..save._options import SaveOptions
+from ._extras import Extras
 
 __all__ = ["Converted", "convert", "read_one"]
 
 
 @dataclass(frozen=True)
 class Converted:
-    """What :func:`convert` wrote: the tensor count, the files, and the index (if any)."""
+    """What :func:`convert` wrote: the tensor count, the files, and the index (if any);
+    with ``key``, the checkpoint's other entries kept in the metadata (``kept``: their
+    names) and those dropped (``dropped``: ``"name: why"``)."""
 
     tensors: int
     files: tuple[Path, ...]
     index: Path | None = None
+    kept: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
 
 
 def convert(
@@ -66,6 +71,9 @@ def convert(
             gets HuggingFace-style ``model-0000i-of-0000n.safetensors`` files and an index.
         max_shard_size: the most bytes per file (splits the checkpoint over files).
         key: a PyTorch training checkpoint's sub-dict to convert (``"model"``; dots go deeper).
+            The checkpoint's other entries that are JSON (``config_dict``, ``global_step``)
+            go into the output's metadata under their names, as JSON text; the others
+            (optimizer state, objects) are dropped, and named in ``Converted.dropped``.
 
     Returns:
         A :class:`Converted` naming what was written (every file with fresh checksums).
@@ -93,9 +101,11 @@ def convert(
         raise OptionError(f"convert: key must be None or a str (a sub-dict's name), got {type(key).__name__}", "key")
     if not source.exists():
         raise ConvertError(f"{source}: no such file or directory")
+    extras = Extras()
     with contextlib.ExitStack() as opened:  # a TorchScript archive stays open while its tensors are written
-        entries, meta = _entries(source, key, opened)
-        return _write(out, entries, meta, max_shard_size)
+        entries, meta = _entries(source, key, opened, extras)
+        done = _write(out, entries, {**meta, **extras.kept}, max_shard_size)
+    return dataclasses.replace(done, kept=tuple(extras.kept), dropped=tuple(extras.dropped))
 
 
 def _write(out: Path, entries: list[Entry], meta: dict[str, str], max_shard_size: int | None) -> Converted:
@@ -115,7 +125,9 @@ def _write(out: Path, entries: list[Entry], meta: dict[str, str], max_shard_size
     return Converted(len(entries), files, None if max_shard_size is None or written is None else Path(written.record))
 
 
-def _entries(source: Path, key: str | None, opened: contextlib.ExitStack) -> tuple[list[Entry], dict[str, str]]:
+def _entries(
+    source: Path, key: str | None, opened: contextlib.ExitStack, extras: Extras
+) -> tuple[list[Entry], dict[str, str]]:
     """Writer entries for ``source``; safetensors and TorchScript sources read one tensor at a time."""
     kind = _kind(source)
     if key is not None and kind != "torch":
@@ -131,7 +143,7 @@ def _entries(source: Path, key: str | None, opened: contextlib.ExitStack) -> tup
             Entry(k, t.dtype.code, t.shape, functools.partial(_verified, header, k)) for k, t in header.tensors.items()
         ], meta
     if kind == "torch":
-        arrays, meta = _torch_tensors(source, key), {"format": "pt"}
+        arrays, meta = _torch_tensors(source, key, extras), {"format": "pt"}
     else:
         arrays, meta = _orbax_arrays(source)
     entries = [
@@ -271,7 +283,7 @@ def _kind(source: Path) -> str:
     )
 
 
-def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
+def _torch_tensors(path: Path, key: str | None = None, extras: Extras | None = None) -> dict[str, np.ndarray]:
     import torch  # only a torch conversion needs torch
 
     try:
@@ -281,7 +293,10 @@ def _torch_tensors(path: Path, key: str | None = None) -> dict[str, np.ndarray]:
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, ... for unsafe or bad files
         raise ConvertError(f"{path}: not a PyTorch state dict that loads with weights_only=True: {e}") from None
     if key is not None:
-        state = _pick(path, state, key)
+        picked = _pick(path, state, key)
+        if extras is not None:
+            extras.collect(state, key)
+        state = picked
     out: dict[str, np.ndarray] = {}
 
     def walk(node: Any, prefix: str) -> None:

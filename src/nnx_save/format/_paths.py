@@ -6,19 +6,28 @@ key, so lookups match a model's ``nnx.List`` index against a file written by a t
 that stored it as a string. A name that contains ``/``, is empty, or collides with
 another after this rule is refused, because it could not be read back to one place.
 
+The tuple rule: a dict key that is a tuple of ``str`` / ``int`` (nested tuples too), as
+flax keeps them (``nnx.WeightNorm``'s ``scales[('kernel',)]``, ``nnx.SpectralNorm``'s
+``batch_stats[('kernel', 'sigma')]``), is written as its Python literal, ``repr(key)``:
+``wn/scales/('kernel',)``. :func:`from_key` reads such a segment back as the tuple, as it
+reads ``"0"`` back as ``0`` (so a name spelled exactly like a tuple's literal and the
+tuple make the same key, and two such paths in one tree are refused).
+
 jax key entries (``DictKey``, ``SequenceKey``, ``GetAttrKey``, ``FlattenedIndexKey``)
 are accepted by duck typing, so this module imports neither jax nor flax.
 """
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterable, Sequence
 
 from ..errors import KeyPathError
 
 __all__ = ["Segment", "check_unique", "format_path", "from_key", "segment", "to_key", "to_keys"]
 
-Segment = str | int
+Segment = str | int | tuple
+_TUPLE_DEPTH = 4  # nesting a tuple key may have (flax's are flat)
 
 
 def segment(entry: object, where: Sequence[object] = ()) -> Segment:
@@ -29,13 +38,34 @@ def segment(entry: object, where: Sequence[object] = ()) -> Segment:
         if hasattr(entry, attr) and not isinstance(entry, (str, int)):
             entry = getattr(entry, attr)
             break
+    if isinstance(entry, tuple) and _tuple_key(entry):
+        return entry
     if isinstance(entry, bool) or not isinstance(entry, (str, int)):
         raise KeyPathError(
             f"{format_path([*where, entry])}: key {entry!r} of type {type(entry).__name__} "
-            "cannot be a file key; use str or int keys",
+            "cannot be a file key; use str or int keys (or tuples of them)",
             format_path([*where, entry]),
         )
     return entry
+
+
+def _tuple_key(entry: tuple, depth: int = 0) -> bool:
+    """Whether ``entry`` is a tuple of ``str`` / ``int`` (or such tuples) whose literal
+    reads back as itself (the tuple rule)."""
+    if depth >= _TUPLE_DEPTH:
+        return False
+    return all((type(e) is str or type(e) is int) or (type(e) is tuple and _tuple_key(e, depth + 1)) for e in entry)
+
+
+def _read_tuple(text: str) -> tuple | None:
+    """The tuple key ``text`` is the literal of, or ``None`` (the tuple rule)."""
+    if not (text.startswith("(") and text.endswith(")")) or len(text) > 4096:
+        return None
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+    return value if type(value) is tuple and _tuple_key(value) and repr(value) == text else None
 
 
 def format_path(path: Iterable[object]) -> str:
@@ -53,7 +83,7 @@ def to_key(path: Sequence[object]) -> str:
     parts = []
     for i, entry in enumerate(path):
         seg = segment(entry, path[:i])
-        text = str(seg)
+        text = repr(seg) if isinstance(seg, tuple) else str(seg)
         if isinstance(seg, int) and seg < 0:
             raise KeyPathError(f"{format_path(path)}: negative index {seg} cannot be a file key", format_path(path))
         if "/" in text or text == "":
@@ -84,10 +114,17 @@ def from_key(key: str) -> tuple[Segment, ...]:
         ('blocks', 0, 'kernel')
         >>> from_key(to_key(("a", 12, "b"))) == ("a", 12, "b")
         True
+        >>> to_key(("wn", "scales", ("kernel",))), from_key("wn/scales/('kernel',)")
+        ("wn/scales/('kernel',)", ('wn', 'scales', ('kernel',)))
     """
-    return tuple(
-        int(p) if p.isdecimal() and (p == "0" or not p.startswith("0")) and p.isascii() else p for p in key.split("/")
-    )
+    return tuple(_read_segment(p) for p in key.split("/"))
+
+
+def _read_segment(text: str) -> Segment:
+    if text.isdecimal() and (text == "0" or not text.startswith("0")) and text.isascii():
+        return int(text)
+    held = _read_tuple(text) if text[:1] == "(" else None
+    return text if held is None else held
 
 
 def to_keys(paths: Iterable[Sequence[object]]) -> list[str]:

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import LoadError, LoadWarning, LossyCastWarning, OverReadWarning, SingleDeviceWarning
 from ..format._units import human_bytes
 from ._assemble import held_of
+from ._hints import shape_hints, shape_remedy
 
 if TYPE_CHECKING:
     from ._source import Header
@@ -188,6 +189,8 @@ class LoadReport:
             keys of the same shape and name suffix (shown in a strict load's remedy).
         suggested_targets: the porting rules' targets to fix: a key the rules sent to a
             path the model lacks pairs up (name suffix and shape) with a missing path.
+        suggested_shape_rules: ``transpose(...)`` / ``reshape(...)`` rules (source text)
+            that load shape-mismatched tensors the model's way (load/_hints.py).
         renamed: per file key, the model paths porting rules made of it.
         sources: per target path, the file keys it came from.
         landed: per file key, the target paths it went to (empty: nowhere).
@@ -209,6 +212,7 @@ class LoadReport:
     allowed_casts: list[DtypeCast] = field(default_factory=list)
     suggested_renames: list[str] = field(default_factory=list)
     suggested_targets: list[str] = field(default_factory=list)
+    suggested_shape_rules: list[str] = field(default_factory=list)
     renamed: dict[str, tuple[str, ...]] = field(default_factory=dict)
     sources: dict[str, tuple[str, ...]] = field(default_factory=dict)
     landed: dict[str, tuple[str, ...]] = field(default_factory=dict)
@@ -280,7 +284,8 @@ class LoadReport:
         if self.dtype_casts:
             lines.append(_cast_remedy(self.dtype_casts))
         accept = "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
-        return _target_remedy(self.suggested_targets) + _rename_remedy(self.suggested_renames) + accept
+        fixes = _target_remedy(self.suggested_targets) + _rename_remedy(self.suggested_renames)
+        return fixes + shape_remedy(self.suggested_shape_rules) + accept
 
     def raise_or_warn(self, strict: bool, *, limit: int = 20, stacklevel: int = 3) -> None:
         """Raise :class:`LoadError` (strict) or emit one :class:`LoadWarning`, with up to
@@ -347,7 +352,8 @@ def _nothing_hint(
     if report.suggested_targets or report.suggested_renames:
         return (_target_remedy(report.suggested_targets) + _rename_remedy(report.suggested_renames)).rstrip()
     if report.shape_mismatches:
-        return "The names match but the shapes do not: is this checkpoint of the same model configuration?"
+        fixes = shape_remedy(report.suggested_shape_rules).rstrip()
+        return fixes or "The names match but the shapes do not: is this checkpoint of the same model configuration?"
     return "No name matches: is this the checkpoint of this model? (nnx-save inspect lists a file's tensors)"
 
 
@@ -532,6 +538,7 @@ def check_targets(
     if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
         report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
         report.suggested_targets = suggested_targets(report, {t.path: t.shape for t in targets}, header.tensors)
+    report.suggested_shape_rules = shape_hints(report.shape_mismatches, targets)
     report.sources = {t.path: t.sources for t in loadable}
     landed: dict[str, list[str]] = {k: [] for k in header.tensors}
     for t in loadable:

@@ -2,7 +2,8 @@
 
 Rules are plain data (frozen dataclasses, one constructor per kind: ``rename``,
 ``split``, ``concat``, ``stack``, ``unstack``, ``add``, ``tie``, ``ignore``, ``transpose``,
-``reshape``, and the ``torch_*`` / ``hf_conv1d`` helpers); ``rules.mapping(shapes)`` plans
+``reshape``, ``compute`` (a function with a declared inverse; ``weight_norm`` is built on it),
+and the ``torch_*`` / ``hf_conv1d`` helpers); ``rules.mapping(shapes)`` plans
 the port in pure numpy, never importing torch or jax, and ``rules.inverse()`` gives the
 export (``rules.inverse(source=path)``: one that reproduces the source file byte for byte).
 A file key feeds one rule and a target is made once, else :class:`RuleError`; the
@@ -33,6 +34,10 @@ __all__ = [
     "TORCH_LINEAR_AXES",
     "Assignment",
     "Chain",
+    "ComputeExportRule",
+    "ComputeRule",
+    "Computed",
+    "ComputedPart",
     "ConcatRule",
     "ConcatUnstackRule",
     "Concatenate",
@@ -66,6 +71,7 @@ __all__ = [
     "TransposeRule",
     "UnstackRule",
     "add",
+    "compute",
     "concat",
     "coverage",
     "hf_conv1d",
@@ -79,17 +85,24 @@ __all__ = [
     "torch_batch_norm",
     "torch_conv",
     "torch_conv_axes",
+    "torch_conv_transpose",
     "torch_embedding",
+    "torch_group_norm",
+    "torch_gru",
     "torch_layer_norm",
     "torch_linear",
     "torch_lstm",
     "torch_rms_norm",
+    "torch_weight_norm",
     "transpose",
     "unstack",
+    "weight_norm",
 ]
 
 from ..errors import RuleError, RuleKind, RuleTableWarning
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule
+from ._compute_steps import Computed, ComputedPart
+from ._computed import ComputeExportRule, ComputeRule, compute
 from ._constructors import add, concat, ignore, rename, reshape, split, stack, tie, transpose, unstack
 from ._coverage import Coverage, coverage
 from ._hf import (
@@ -116,6 +129,7 @@ from ._rules import (
     TransposeRule,
     UnstackRule,
 )
+from ._torch_layers import torch_conv_transpose, torch_group_norm, torch_gru
 from ._transforms import (
     Chain,
     Concatenate,
@@ -131,3 +145,4 @@ from ._transforms import (
     Transform,
     Transpose,
 )
+from ._weight_norm import torch_weight_norm, weight_norm

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ._compose import TieRule
+from ._computed import ComputedPart, restored_from
 from ._rules import ConstantRule, IgnoreRule, Node, RenameRule, ReshapeRule, TransposeRule
 from ._template import ticked
 from ._transforms import Constant, Restore
@@ -114,6 +115,8 @@ def against_source(nodes: Sequence[Node], against: Info) -> list[Node]:
         fits = lambda key, n=node: against.get(key) == (n.shape, n.dtype)  # noqa: E731
         if isinstance(node.combine, Constant) and fits(node.target):
             continue  # the file's own value is copied (a count, a sum's other part)
+        if isinstance(node.combine, ComputedPart):
+            node = restored_from(node, against)  # the file's own parts, while they still make the model's value
         if node.restore is not None and all(fits(k) for k in node.restore[0]):
             keys, into = node.restore
             node = replace(node, combine=Restore(node.combine, len(keys), into), against=keys)  # type: ignore[arg-type]

@@ -85,11 +85,19 @@ def _bias(
 
 
 def torch_linear(
-    source: str, target: str, *, bias: bool = True, shift: Shift = None, index: Index = None
+    source: str,
+    target: str,
+    *,
+    bias: bool = True,
+    shift: Shift = None,
+    index: Index = None,
+    weight: str = "weight",
+    kernel: str = "kernel",
 ) -> tuple[RenameRule | StackRule | TransposeRule, ...]:
     """``nn.Linear``: ``weight`` transposed into ``kernel``, ``bias`` as is
     (``shift`` / ``index``: as in :func:`~nnx_save.porting.rename`; a layer pattern stacks).
-    The transpose applies only to the kernels this helper's rename makes.
+    The transpose applies only to the kernels this helper's rename makes; ``weight`` /
+    ``kernel`` name the tensors when they are not a linear module's.
 
     Examples:
         >>> [str(r) for r in torch_linear(r"fc", "fc", bias=False)]
@@ -98,7 +106,7 @@ def torch_linear(
         ['stack(r"h\\\\.(?P<layer>\\\\d+)\\\\.fc\\\\.weight", r"blocks/fc/kernel", axis=0)', 'transpose(r"blocks/fc/kernel", (0, 2, 1))']
     """
     return (
-        *_transposed(source, target, TORCH_LINEAR_AXES, shift, index=index),
+        *_transposed(source, target, TORCH_LINEAR_AXES, shift, (weight, kernel), index),
         *_bias(source, target, bias, shift, index),
     )
 
@@ -133,14 +141,19 @@ def torch_conv(
     )
 
 
-def torch_embedding(source: str, target: str) -> tuple[RenameRule | StackRule, ...]:
+def torch_embedding(
+    source: str, target: str, *, shift: Shift = None, index: Index = None
+) -> tuple[RenameRule | StackRule, ...]:
     """``nn.Embedding``: ``weight`` into ``embedding``."""
-    return (_param(source, target, "weight", "embedding"),)
+    return (_param(source, target, "weight", "embedding", shift, index),)
 
 
-def torch_layer_norm(source: str, target: str, *, bias: bool = True) -> tuple[RenameRule | StackRule, ...]:
-    """``nn.LayerNorm``: ``weight`` into ``scale``, ``bias`` as is (a layer pattern stacks)."""
-    return (_param(source, target, "weight", "scale"), *_bias(source, target, bias))
+def torch_layer_norm(
+    source: str, target: str, *, bias: bool = True, shift: Shift = None, index: Index = None
+) -> tuple[RenameRule | StackRule, ...]:
+    """``nn.LayerNorm`` (and ``nn.GroupNorm``: :func:`torch_group_norm`): ``weight`` into
+    ``scale``, ``bias`` as is (a layer pattern stacks)."""
+    return (_param(source, target, "weight", "scale", shift, index), *_bias(source, target, bias, shift, index))
 
 
 def torch_rms_norm(source: str, target: str) -> tuple[RenameRule | StackRule, ...]:

@@ -21,6 +21,7 @@ import numpy as np
 from ..errors import RuleError, RuleKind, RuleTableWarning
 from ._checks import against_source, distinct, owners_of, problems_message, table_problems
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule, tie_checked
+from ._computed import ComputeExportRule, ComputeRule
 from ._rules import (
     ConcatRule,
     ConstantRule,
@@ -40,8 +41,8 @@ __all__ = ["Assignment", "KeyMapping", "Rules", "shapes_of"]
 Shape = tuple[int, ...]
 Info = Mapping[str, tuple[Shape, np.dtype]]
 Direction = Literal["load", "export"]
-AnyStructural = StructuralRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule
-AnyRule = Rule | TieRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule
+AnyStructural = StructuralRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule | ComputeRule
+AnyRule = AnyStructural | Rule | TieRule | ComputeExportRule
 
 
 @dataclass(frozen=True)
@@ -379,7 +380,7 @@ def _flatten(items: Iterable[object]) -> Iterator[AnyRule]:
             raise RuleError(f"Rules takes rules, found {item!r} of type {type(item).__name__}")
 
 
-_STRUCTURAL = (*StructuralRule.__args__, SplitStackRule, ConcatUnstackRule, SumRule, SumExportRule)
+_STRUCTURAL = (*AnyStructural.__args__, ComputeExportRule)
 
 
 def _is_structural(rule: AnyRule) -> TypeGuard[AnyStructural]:

@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import RuleError
 from ..format._boxes import Box
 from ._boxes import Feed, concat_feeds, extents, inside, reshape_back, with_extent
+from ._compute_steps import Computed, ComputedPart
 
 __all__ = [
     "Chain",
@@ -258,7 +259,7 @@ class Restore:
         return out
 
 
-Combine = Take | Index | Concatenate | Stack | Constant | Sum | Same | Each | Chain | Restore
+Combine = Take | Index | Concatenate | Stack | Constant | Sum | Same | Each | Chain | Restore | Computed | ComputedPart
 _BOX_COMBINES = (Take, Index, Concatenate, Stack, Each)  # the combines with a per-box map
 
 
