@@ -22,7 +22,7 @@ from ..errors import (
 )
 from ..load._report import DtypeCast
 from ..load._source import gc_paused
-from . import _exit, _orbax, _partial, _placement, _tree
+from . import _exit, _local, _orbax, _partial, _placement, _tree
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
@@ -359,7 +359,7 @@ class OrbaxCheckpointStore:
         with gc_paused():  # the guards, the records, the directory's view: many small objects, no cycles
             step = check_step(step)
             names, dtypes = check_items(items)  # one pass over the leaves: the guards and the dtype record
-            ordered = {name: items[name] for name in names}
+            ordered = _local.globalised({name: items[name] for name in names})  # host-local: written once
             record = new_metadata(step, names, epoch, metrics, producer, extra)
             args = _orbax.save_args(ordered, record.to_dict(), dtypes)
             self._open()
