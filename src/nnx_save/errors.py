@@ -444,21 +444,25 @@ class CheckpointUsageError(CheckpointError, ValueError):
         )
 
     @classmethod
-    def for_template(cls, step: int, problems: Iterable[str]) -> CheckpointUsageError:
+    def for_template(cls, step: int, problems: Iterable[str], remedy: str = "") -> CheckpointUsageError:
         problems = tuple(sorted(problems))
         lines = "\n  ".join(problems)
         return cls(
-            f"step {step}: {len(problems)} template leaves disagree with the checkpoint:\n  {lines}",
+            f"step {step}: {len(problems)} template leaves disagree with the checkpoint:\n  {lines}"
+            + (f"\n{remedy}" if remedy else ""),
             "template",
             step=step,
             problems=problems,
         )
 
     @classmethod
-    def for_item(cls, step: int, missing: Iterable[str], held: Iterable[str]) -> CheckpointUsageError:
-        missing, held = tuple(missing), tuple(held)
+    def for_item(
+        cls, step: int, missing: Iterable[str], held: Iterable[str], kept: Iterable[str] = ()
+    ) -> CheckpointUsageError:
+        missing, held, kept = tuple(missing), tuple(held), list(kept)
         return cls(
-            f"step {step} holds no item {', '.join(map(repr, missing))}; it holds {', '.join(held)}",
+            f"step {step} holds no item {', '.join(map(repr, missing))}; it holds {', '.join(held)}; "
+            f"pass items={kept or list(held)!r} (and templates for those only) to restore what it holds",
             "item",
             step=step,
             missing=missing,

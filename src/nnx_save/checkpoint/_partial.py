@@ -28,6 +28,7 @@ __all__ = [
     "check_template_dtypes",
     "graft",
     "prepare",
+    "remedy",
     "select",
 ]
 
@@ -75,8 +76,13 @@ def select(
     kinds: list[str] = []
     for name, tree in templates.items():
         selections[name] = _select_item(name, tree, specs[name], options, report, problems, kinds)
-    if kinds or (options.strict and problems):
-        raise CheckpointUsageError.for_template(step, problems + kinds if options.strict else kinds)
+    if kinds:
+        others = f"; for the others, {remedy(report)}" if options.strict and problems else ""
+        raise CheckpointUsageError.for_template(
+            step, problems + kinds if options.strict else kinds, _KIND_REMEDY + others
+        )
+    if options.strict and problems:
+        raise CheckpointUsageError.for_template(step, problems, remedy(report))
     report.raise_or_warn(False, stacklevel=4)
     return selections, report
 
@@ -114,6 +120,55 @@ def _select_item(
         if _refused(report, "unexpected", where, options.allow_unexpected, where):
             problems.append(f"{where}: stored in the checkpoint, absent from the template")
     return Selection(pairs, jax.tree_util.tree_structure(tree), frozenset(read), len(stored))
+
+
+_KIND_REMEDY = (
+    "no option accepts a leaf of another kind (an array for a Python value, a string for a number): "
+    "build the template as the saved state was built"
+)
+
+_OPTIONS = (
+    ("allow_unexpected", "unexpected", "stored leaves left unread"),
+    ("allow_missing", "missing", "template leaves that keep their value"),
+    ("allow_shape_mismatch", "shape_mismatches", "leaves that keep the template's value"),
+)
+
+
+def remedy(report: LoadReport) -> str:
+    """The options that accept a strict restore's refused leaves, each with patterns
+    covering exactly the kind of disagreement it excuses.
+
+    Examples:
+        >>> r = LoadReport(unexpected=["model/drop/rngs/count/value", "model/drop/rngs/key/value"])
+        >>> print(remedy(r))
+        to accept them, pass allow_unexpected=['model/drop/rngs/*'] (stored leaves left unread), or strict=False (take what matches, warn once)
+    """
+    parts = []
+    for option, field, meaning in _OPTIONS:
+        paths = [e if isinstance(e, str) else e.path for e in getattr(report, field)]
+        if paths:
+            parts.append(f"{option}={_patterns(paths)!r} ({meaning})")
+    return f"to accept them, pass {', '.join(parts)}, or strict=False (take what matches, warn once)"
+
+
+def _patterns(paths: Sequence[str]) -> list[str]:
+    """One glob per item covering its ``paths``: the path itself when it is alone, else
+    the deepest common prefix followed by ``*``."""
+    by_item: dict[str, list[list[str]]] = {}
+    for path in paths:
+        by_item.setdefault(path.split("/", 1)[0], []).append(path.split("/"))
+    out = []
+    for parts in by_item.values():
+        if len(parts) == 1:
+            out.append("/".join(parts[0]))
+            continue
+        common = []
+        for segments in zip(*parts, strict=False):
+            if len(set(segments)) > 1:
+                break
+            common.append(segments[0])
+        out.append("/".join([*common, "*"]))
+    return out
 
 
 def _refused(report: LoadReport, field: str, where: str, patterns: Sequence[str], entry: Any) -> bool:
@@ -239,7 +294,7 @@ def prepare(
         if "str" in (want, have)
     ]
     if problems:
-        raise CheckpointUsageError.for_template(step, problems)
+        raise CheckpointUsageError.for_template(step, problems, _KIND_REMEDY)
     mismatches = [DtypeMismatch(name, where, have + _PYTHON, want + _PYTHON) for name, where, want, have in differ]
     return {name: _as_stored(tree, stored[name]) for name, tree in templates.items()}, mismatches
 
@@ -261,7 +316,8 @@ def cast_back(step: int, item: str, restored: Any, casts: Sequence[DtypeMismatch
             cast = _TYPES[mismatch.restored.removesuffix(_PYTHON)](value)
         except (ValueError, OverflowError):  # int(nan), int(inf)
             problem = f"{item}/{where}: the stored {mismatch.saved} {value!r} cannot be restored as {mismatch.restored}"
-            raise CheckpointUsageError.for_template(step, [problem]) from None
+            fix = f"no option casts it: restore {item}/{where} with a float template"
+            raise CheckpointUsageError.for_template(step, [problem], fix) from None
         report.append(DtypeCast(f"{item}/{where}", mismatch.saved, mismatch.restored))
         if cast != value:
             warnings.warn(
