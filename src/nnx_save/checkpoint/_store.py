@@ -57,9 +57,10 @@ class OrbaxCheckpointStore:
             (default: the ones recorded at the first save, else the latest 5 steps).
         change_retention: Replace the recorded policies; other policies without it
             raise :class:`CheckpointUsageError`.
-        save_interval_steps: :meth:`should_save` is true at steps divisible by this.
+        save_interval_steps: :meth:`should_save` is true at steps divisible by this;
+            :meth:`save` skips the others (``force=True`` saves), as Orbax's manager.
         save_interval_seconds: :meth:`should_save` is true once this many seconds
-            passed since the last save (measured on process 0).
+            passed since the last save (measured on process 0); :meth:`save` likewise.
 
     Raises:
         ValueError: ``directory`` is empty, names a file, ``max_to_keep`` < 1, both
@@ -323,8 +324,12 @@ class OrbaxCheckpointStore:
         extra: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         blocking: bool = True,
-    ) -> pathlib.Path:
+        force: bool = False,
+    ) -> pathlib.Path | None:
         """Write ``items`` as ``step``; return the step's directory once it is committed.
+
+        With a save interval, a step that is not due (as :meth:`should_save` answers) is
+        skipped and None returned, as Orbax's manager does; ``force`` or ``overwrite`` saves.
 
         Everything is validated first: a refused save leaves the store as it was, and an
         overwrite keeps the old step until the new one is committed. Then retention runs.
@@ -343,9 +348,10 @@ class OrbaxCheckpointStore:
             overwrite: Replace ``step`` if it is already stored (always blocking).
             blocking: ``False`` returns once the state is on the host; Orbax writes
                 the step in the background (see the class docstring).
+            force: Save even when the intervals say the step is not due.
 
         Returns:
-            The step directory.
+            The step directory, or None when the step was not due and was skipped.
 
         Raises:
             OptionError: Bad step, empty ``items``, unknown item name, reserved or
@@ -356,8 +362,10 @@ class OrbaxCheckpointStore:
                 or ``"rejected"``.
             DirectoryLockedError: Another live writer holds the directory (named).
         """
+        step = check_step(step)
+        if not (force or overwrite or self._schedule.lets_save(step)):
+            return None
         with gc_paused():  # the guards, the records, the directory's view: many small objects, no cycles
-            step = check_step(step)
             names, dtypes = check_items(items)  # one pass over the leaves: the guards and the dtype record
             ordered = _local.globalised({name: items[name] for name in names})  # host-local: written once
             record = new_metadata(step, names, epoch, metrics, producer, extra)
