@@ -560,21 +560,25 @@ class DtypeMismatch(NamedTuple):
 class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
     """Arrays of ``step`` would be (``before_read``: a template disagrees) or were restored
     with another dtype than saved; ``mismatches`` lists them, ``x64_off`` says jax's x64
-    mode, off, explains them. ``cast_dtypes=True`` accepts the casts."""
+    mode, off, explains them. ``allow_casts`` (``"lossless"`` or path patterns) accepts
+    the casts it names, ``cast_dtypes=True`` every one."""
 
     def __init__(
-        self, step: int, mismatches: Iterable[DtypeMismatch], *, before_read: bool = False, x64_off: bool = False
+        self,
+        step: int,
+        mismatches: Iterable[DtypeMismatch],
+        *,
+        before_read: bool = False,
+        x64_off: bool = False,
+        remedy: str = "pass allow_casts=[...] naming them to accept the casts",
     ) -> None:
         self.step, self.mismatches = step, tuple(sorted(mismatches))
         self.before_read, self.x64_off = before_read, x64_off
         got = "in the template" if before_read else "restored"
         lines = "\n  ".join(f"{m.item}/{m.leaf}: {m.saved} saved, {m.restored} {got}" for m in self.mismatches)
-        remedy = f"{_X64_HINT}, or pass" if x64_off else "Pass"
+        remedy = f"{_X64_HINT}, or {remedy}" if x64_off else remedy[:1].upper() + remedy[1:]
         what = "leaves change type" if any("(Python)" in m.saved for m in self.mismatches) else "arrays change dtype"
-        super().__init__(
-            f"step {step}: {len(self.mismatches)} {what} on restore:\n  {lines}\n"
-            f"{remedy} cast_dtypes=True to accept the casts"
-        )
+        super().__init__(f"step {step}: {len(self.mismatches)} {what} on restore:\n  {lines}\n{remedy}")
 
 
 # --------------------------------------------------------------------------- porting

@@ -29,12 +29,12 @@ def test_docstring_examples(module):
 def test_the_guide_example_runs(capsys):
     text = (ROOT / "docs" / "checkpoints.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
-    assert len(blocks) == 3
+    assert len(blocks) == 4
     namespace = {"__name__": "guide"}
     for block in blocks:  # one namespace, in order, as a reader would run them
         exec(compile(block, "docs/checkpoints.md", "exec"), namespace)
     assert capsys.readouterr().out == (
-        "100 {'epoch': 1, 'position': 640} {'lr': 0.001, 'hidden': 8}\n(2, 4) 8320\n(1, 1) 8320\n[150, 200]\n"
+        "100 {'epoch': 1, 'position': 640} {'lr': 0.001, 'hidden': 8}\n(2, 4) 8320\n(1, 1) 8320\n[150, 200]\n[5, 10, 12]\n"
     )
 
 

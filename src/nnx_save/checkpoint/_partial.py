@@ -16,14 +16,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import CheckpointDtypeMismatchError, CheckpointUsageError, DtypeMismatch
-from ..load._report import DtypeCast, LoadReport, LossyCastWarning, ShapeMismatch, matches_any
+from ..errors import CheckpointDtypeMismatchError, CheckpointUsageError, DtypeMismatch, OptionError
+from ..load._report import DtypeCast, LoadReport, LossyCastWarning, ShapeMismatch, is_lossy, matches_any
 from ._tree import Path, Spec, flatten, leaf_spec, segment, show
 
 __all__ = [
+    "CastPolicy",
     "PartialOptions",
     "Selection",
     "cast_back",
+    "cast_remedy",
     "check_restored",
     "check_template_dtypes",
     "graft",
@@ -212,27 +214,79 @@ def _explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class CastPolicy:
+    """The casts a restore accepts: all (``cast_dtypes=True``), the lossless array casts
+    (``allow_casts="lossless"``) or those whose ``item/leaf`` path a pattern matches."""
+
+    every: bool = False
+    lossless: bool = False
+    patterns: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, cast_dtypes: bool, allow_casts: str | Sequence[str]) -> CastPolicy:
+        if isinstance(allow_casts, str):
+            if allow_casts != "lossless":
+                raise OptionError(
+                    f'allow_casts takes "lossless" or a list of item/leaf path patterns, got {allow_casts!r}',
+                    "allow_casts",
+                )
+            return cls(bool(cast_dtypes), True)
+        return cls(bool(cast_dtypes), False, tuple(allow_casts))
+
+    def refused(self, mismatches: Sequence[DtypeMismatch]) -> list[DtypeMismatch]:
+        """The casts of ``mismatches`` this policy does not accept."""
+        if self.every:
+            return []
+        return [
+            m
+            for m in mismatches
+            if not (self.lossless and not _lossy(m)) and not matches_any(f"{m.item}/{m.leaf}", self.patterns)
+        ]
+
+
+def _lossy(m: DtypeMismatch) -> bool:
+    """A cast that can change a value; a Python leaf's change of type always counts."""
+    return _PYTHON in m.saved or is_lossy(m.saved, m.restored)
+
+
+def cast_remedy(mismatches: Sequence[DtypeMismatch]) -> str:
+    """The option accepting ``mismatches``, in ``load_model``'s words."""
+    lossy = sorted(f"{m.item}/{m.leaf}" for m in mismatches if _lossy(m))
+    if not lossy:
+        return 'pass allow_casts="lossless" to accept them (every cast here is lossless: the values stay exact)'
+    shown = repr(lossy[:5])[:-1] + (", ...]" if len(lossy) > 5 else "]")
+    return f"pass allow_casts={shown} to accept them (LOSSY casts: the restored values can differ from the saved)"
+
+
 def check_template_dtypes(
     step: int,
     read: Mapping[str, Sequence[tuple[Path, Any]]],
     saved: Mapping[str, Mapping[Path, str]],
-    cast_dtypes: bool,
+    accept: CastPolicy,
     python: Sequence[DtypeMismatch] = (),
 ) -> list[DtypeMismatch]:
     """The template leaves to be read whose dtype differs from the saved one (and the
-    ``python`` leaves of another type); raise before anything is read unless ``cast_dtypes``."""
+    ``python`` leaves of another type); raise before anything is read for a cast ``accept``
+    refuses."""
     mismatches = [m for name, pairs in read.items() for m in _dtype_mismatches(name, pairs, saved[name])]
     mismatches += python
-    if mismatches and not cast_dtypes:
-        raise CheckpointDtypeMismatchError(step, mismatches, before_read=True)
+    refused = accept.refused(mismatches)
+    if refused:
+        raise CheckpointDtypeMismatchError(step, refused, before_read=True, remedy=cast_remedy(refused))
     return mismatches
 
 
-def check_restored(step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]]) -> None:
+def check_restored(
+    step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]], accept: CastPolicy
+) -> None:
     """Compare items restored without a template with the saved dtypes."""
     mismatches = [m for name, tree in restored.items() for m in _dtype_mismatches(name, flatten(tree), saved[name])]
-    if mismatches:
-        raise CheckpointDtypeMismatchError(step, mismatches, x64_off=_explained_by_x64(mismatches))
+    refused = accept.refused(mismatches)
+    if refused:
+        raise CheckpointDtypeMismatchError(
+            step, refused, x64_off=_explained_by_x64(refused), remedy=cast_remedy(refused)
+        )
 
 
 # -- Python leaves -----------------------------------------------------------------------

@@ -459,6 +459,7 @@ class OrbaxCheckpointStore:
         templates: Mapping[str, Any] | None = None,
         mesh: jax.sharding.Mesh | None = None,
         cast_dtypes: bool = False,
+        allow_casts: str | Sequence[str] = (),
         items: Iterable[str] | None = None,
         strict: bool = True,
         allow_missing: Sequence[str] = (),
@@ -480,7 +481,10 @@ class OrbaxCheckpointStore:
             mesh: The devices for template shardings on an abstract mesh (what
                 ``nnx.eval_shape`` under ``jax.set_mesh`` gives); default: the mesh
                 ``jax.set_mesh`` put in scope.
-            cast_dtypes: Accept arrays whose dtype differs from the saved one.
+            cast_dtypes: Accept every dtype change (arrays and Python leaves).
+            allow_casts: The casts accepted, as for ``load_model``: ``"lossless"``
+                (array casts that cannot change a value, bfloat16 -> float32) or
+                patterns over ``item/leaf`` paths; the others are refused.
             items: Restore only these items (default: all the step holds).
             strict: Refuse (before reading) any missing, unexpected or reshaped
                 leaf not allowed below; ``False`` warns once (``LoadWarning``).
@@ -503,7 +507,8 @@ class OrbaxCheckpointStore:
             CheckpointUsageError: They name an item the step does not hold.
             CheckpointUsageError: A template's paths or shapes disagree with the
                 step under ``strict`` (a leaf's kind: always), before any read.
-            CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
+            CheckpointDtypeMismatchError: A dtype differs and neither ``allow_casts``
+                nor ``cast_dtypes`` accepts it.
         """
         with gc_paused():  # the records, the templates' plans: many small objects, no cycles
             step = self._latest_or(step)
@@ -515,13 +520,14 @@ class OrbaxCheckpointStore:
             options = _partial.PartialOptions(
                 strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
             )
+            accept = _partial.CastPolicy.of(cast_dtypes, allow_casts)
             given = {n: templates[n] for n in names if n in templates}
             given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
             whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
             specs = {n: recorded[n].specs for n in given}
             chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
             casts = _partial.check_template_dtypes(
-                step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
+                step, {n: s.read_pairs() for n, s in chosen.items()}, saved, accept, retyped
             )
             report.dtype_casts.extend(
                 DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
@@ -541,8 +547,8 @@ class OrbaxCheckpointStore:
                 n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
             }
             restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
-            if not cast_dtypes:
-                _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
+            as_stored = {n: restored[n] for n in names if n not in templates}  # x64 off narrows 64-bit arrays
+            _partial.check_restored(step, as_stored, saved, accept)
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
     def _stored_view(
