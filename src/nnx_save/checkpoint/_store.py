@@ -549,6 +549,7 @@ class OrbaxCheckpointStore:
             restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
             as_stored = {n: restored[n] for n in names if n not in templates}  # x64 off narrows 64-bit arrays
             _partial.check_restored(step, as_stored, saved, accept)
+            report.loaded.extend(f"{n}/{_tree.show(p)}" for n, tree in as_stored.items() for p, _ in flatten(tree))
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
     def _stored_view(
