@@ -203,3 +203,10 @@ def test_version(capsys):
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out == f"nnx-save {nnx_save.__version__}\n"
+
+
+def test_without_torch_the_conversion_says_what_to_install(llama_bin, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # as in an environment without torch: import fails
+    with pytest.raises(ConvertError, match=re.escape("converting PyTorch .bin files needs torch: pip install torch")):
+        nnx_save.convert(llama_bin["dir"], tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -87,9 +87,20 @@ class _Shards:
             self.open.clear()
 
 
+def _torch() -> Any:
+    """torch, which only a conversion of PyTorch files needs (it is no dependency of nnx_save)."""
+    try:
+        import torch
+    except ImportError:
+        raise ConvertError(
+            "converting PyTorch .bin files needs torch: pip install torch (the CPU build will do)"
+        ) from None
+    return torch
+
+
 def _load(path: Path) -> dict[str, Any]:
     """A shard's state dict of tensors (mapped when the file is a zip archive)."""
-    import torch  # only a torch conversion needs torch
+    torch = _torch()
 
     with warnings.catch_warnings():  # torch's own notices (TypedStorage, sparse "beta"), not the user's concern
         warnings.simplefilter("ignore", UserWarning)
@@ -109,8 +120,7 @@ def _load(path: Path) -> dict[str, Any]:
 def entries(directory: Path) -> tuple[list[Entry], _Shards]:
     """One entry per tensor of the index (shape and dtype from each shard's pickle,
     data read when the writer asks), and the shards' holder (close it when done)."""
-    import torch
-
+    torch = _torch()
     weight_map = _weight_map(directory)
     shards = _Shards(directory)
     out = []
