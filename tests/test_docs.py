@@ -19,7 +19,7 @@ import nnx_save.porting
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
-MULTIPROCESS_PAGES = {"multihost.md"}  # run with the multi-process tests (tests/conftest.py)
+MULTIPROCESS_PAGES = {"multihost.md", "checkpoints.md"}  # run with the multi-process tests (tests/conftest.py)
 FENCE = re.compile(r"^```(\w*)[ \t]*$")
 
 

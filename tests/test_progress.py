@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save import _progress
@@ -35,6 +37,64 @@ def test_bar_only_on_a_tty_and_when_asked():
     assert _progress.bar("x", _progress.MIN_BYTES, 1, None, tty).active
     assert _progress.bar("x", 1, 1, True, tty).active
     assert tty.getvalue().count("\r") == 2 and pipe.getvalue() == ""
+
+
+def test_progress_true_on_a_pipe_writes_plain_lines():
+    pipe = io.StringIO()
+    assert isinstance(_progress.bar("x", 1, 1, True, pipe), _progress.LogLines)
+    assert not _progress.bar("x", 10 << 30, 1, None, pipe).active  # automatic: nothing on a pipe
+    assert pipe.getvalue() == ""  # nothing until there is something to say
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@settings(max_examples=40)
+@given(st.lists(st.tuples(st.integers(0, 1 << 20), st.floats(0.0, 7.0)), min_size=1, max_size=60))
+def test_log_lines_come_at_a_bounded_rate(steps):
+    """Whatever the pace of the work: a line per new tenth (at most one a second) or
+    per 5 s, whole lines only, the last one saying it is done."""
+    clock = Clock()
+    pipe = io.StringIO()
+    total = sum(n for n, _ in steps) or 1
+    times = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_progress.time, "monotonic", clock)
+        lines = _progress.LogLines("loading m.safetensors", total, len(steps), pipe)
+        for nbytes, pause in steps:
+            clock.now += pause
+            before = pipe.getvalue().count("\n")
+            lines.update(nbytes, 1)
+            if pipe.getvalue().count("\n") > before:
+                times.append(clock.now)
+        lines.close()
+    written = pipe.getvalue().splitlines()
+    assert pipe.getvalue().endswith("\n") and "\r" not in pipe.getvalue()
+    assert len(written) == len(times) + 1
+    assert all(b - a >= 1.0 for a, b in zip([0.0, *times], times, strict=False))  # at most one a second
+    assert len(times) <= 10 + clock.now / 5.0  # tenths, plus one per 5 s of slow work
+    done = _progress.human_bytes(sum(n for n, _ in steps))
+    assert written[-1].startswith(f"loading m.safetensors: done, {done}/{_progress.human_bytes(total)}  ")
+    assert all(re.fullmatch(r"loading m\.safetensors: +\d+% .* tensors  .*/s  ETA \S+", w) for w in written[:-1])
+
+
+def test_a_slow_log_still_hears_every_five_seconds(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(_progress.time, "monotonic", clock)
+    pipe = io.StringIO()
+    lines = _progress.LogLines("saving x", 1000, 100, pipe)
+    for _ in range(30):  # 1 byte a second: no tenth in 30 s
+        clock.now += 1.0
+        lines.update(1, 1)
+    assert pipe.getvalue().splitlines() == [
+        f"saving x: {round(k / 2):3d}% {5 * k} B/1000 B  {5 * k}/100 tensors  1 B/s  ETA {1000 - 5 * k}s"
+        for k in range(1, 7)
+    ]
 
 
 def test_bar_line_shows_bytes_tensors_rate_and_eta():
@@ -89,12 +149,20 @@ def test_save_and_load_draw_on_a_tty(monkeypatch, tmp_path):
     assert tty.getvalue() == ""
 
 
-def test_nothing_on_a_pipe_and_diagnostics_through_the_logger(capsys, caplog, tmp_path):
+def test_a_pipe_gets_lines_only_when_asked_and_diagnostics_through_the_logger(capsys, caplog, tmp_path):
     path = tmp_path / "w.safetensors"
     with caplog.at_level(logging.DEBUG, logger="nnx_save"):
         nnx_save.save_file({"a": np.ones(4, np.float32)}, path, progress=True)
         nnx_save.load_file(path, progress=True)
-    assert capsys.readouterr() == ("", "")
+        out, err = capsys.readouterr()
+        assert out == "" and "\r" not in err and "\x1b" not in err
+        lines = err.splitlines()
+        assert len(lines) == 2, err  # short work: the last line of each only
+        assert re.fullmatch(r"saving w\.safetensors: done, 16 B/16 B  1/1 tensors  .*/s  in \d+\.\ds", lines[0]), err
+        assert re.fullmatch(r"loading w\.safetensors: done, 16 B/16 B  1/1 tensors  .*/s  in \d+\.\ds", lines[1]), err
+        nnx_save.save_file({"a": np.ones(4, np.float32)}, path)  # automatic: nothing on a pipe
+        nnx_save.load_file(path, progress=False)
+        assert capsys.readouterr() == ("", "")
     messages = [r.getMessage() for r in caplog.records if r.name == "nnx_save"]
     assert any(m.startswith(f"saved {path}: 1 tensors, 16 bytes in ") for m in messages)
     assert any(m.startswith(f"loaded 1 tensors from {path}") for m in messages)

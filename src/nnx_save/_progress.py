@@ -1,9 +1,12 @@
-"""A small progress bar for long loads and saves, on stderr when it is a terminal.
+"""A small progress bar for long loads and saves on stderr: a redrawn bar on a terminal,
+plain lines in a log.
 
 ``progress=None`` shows a bar when stderr is a TTY and the operation moves at least
-:data:`MIN_BYTES`; ``True`` shows it on a TTY whatever the size; ``False`` never.
-Nothing is written to a pipe or a file. A save's setting travels in its options
-(:class:`~nnx_save.SaveOptions`, carried by the layout's writer down to the file writer).
+:data:`MIN_BYTES`, and nothing on a pipe or a file; ``True`` shows a bar on a TTY whatever
+the size, and on a pipe or a file (a pod's log, a notebook's captured output) plain lines
+at a bounded rate, as tqdm and transformers do in logs (:class:`LogLines`); ``False``
+never. A save's setting travels in its options (:class:`~nnx_save.SaveOptions`, carried
+by the layout's writer down to the file writer).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from typing import IO
 from . import _config
 from .format._units import human_bytes
 
-__all__ = ["MIN_BYTES", "Bar", "NullBar", "bar"]
+__all__ = ["LOG_EVERY_S", "MIN_BYTES", "Bar", "LogLines", "NullBar", "bar"]
 
 MIN_BYTES = _config.PROGRESS_MIN_BYTES.default  # NNX_SAVE_PROGRESS_MIN_BYTES overrides it, read per bar
 _INTERVAL_S = 0.1
+LOG_EVERY_S = 5.0  # a log line at least this often while the work lasts
+_LOG_MIN_S = 1.0  # and at most one a second: a new tenth done shows once this passed
 
 
 class NullBar:
@@ -99,6 +104,57 @@ class Bar(NullBar):
         self._drawn = now
 
 
+class LogLines(Bar):
+    """Progress as plain lines, for a stream that is not a terminal:
+
+    ``loading m.safetensors: 40% 1.0 GiB/2.6 GiB  16/40 tensors  850.0 MiB/s  ETA 2s``
+
+    A line when a new tenth of the bytes is done (at most one a second) or when
+    :data:`LOG_EVERY_S` passed since the last one, and one when the work ends (``in``
+    its time). Short work writes only the last line. Each line is one write, so lines
+    of two files saved at a time never mix.
+    """
+
+    def __init__(self, label: str, total_bytes: int, total_items: int, stream: IO[str]) -> None:
+        self._tenth, self._started = 0, False
+        super().__init__(label, total_bytes, total_items, stream)
+
+    def line(self, now: float, width: int = 0, final: bool = False) -> str:
+        """The line written at ``now`` (``width`` is a terminal's; a log's lines are whole)."""
+        elapsed = max(now - self.start, 1e-9)
+        rate = self.done / elapsed
+        amounts = f"{human_bytes(self.done)}/{human_bytes(self.total)}  {self.items}/{self.items_total} tensors"
+        if final:
+            return f"{self.label}: done, {amounts}  {human_bytes(rate)}/s  in {elapsed:.1f}s"
+        frac = min(self.done / self.total, 1.0) if self.total else 1.0
+        eta = f"ETA {max(self.total - self.done, 0) / rate:.0f}s" if rate > 0 and self.total else "ETA ?"
+        return f"{self.label}: {frac * 100:3.0f}% {amounts}  {human_bytes(rate)}/s  {eta}"
+
+    def update(self, nbytes: int = 0, items: int = 0) -> None:
+        with self._lock:
+            self.done += nbytes
+            self.items += items
+            now = time.monotonic()
+            tenth = int(10 * self.done / self.total) if self.total else 10
+            since = now - self._drawn
+            if (tenth > self._tenth and since >= _LOG_MIN_S) or since >= LOG_EVERY_S:
+                self._tenth = tenth
+                self._draw(now)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._draw(time.monotonic(), final=True)
+
+    def _draw(self, now: float, final: bool = False) -> None:
+        if self._started or final:  # the first call (from __init__) writes nothing
+            self.stream.write(self.line(now, final=final) + "\n")
+            self.stream.flush()
+        self._started, self._drawn = True, now
+
+
 def _width(stream: IO[str]) -> int:
     try:  # the terminal being drawn on, not whatever stdout is
         return os.get_terminal_size(stream.fileno()).columns
@@ -110,11 +166,12 @@ def bar(
     label: str, total_bytes: int, total_items: int, progress: bool | None, stream: IO[str] | None = None
 ) -> NullBar:
     """A :class:`Bar` when ``progress`` asks for one and ``stream`` (stderr) is a
-    terminal, else a :class:`NullBar`."""
+    terminal; :class:`LogLines` for ``progress=True`` on anything else; else a
+    :class:`NullBar`."""
     stream = sys.stderr if stream is None else stream
     if progress is False or (progress is None and total_bytes < _config.PROGRESS_MIN_BYTES.get()):
         return NullBar()
     isatty = getattr(stream, "isatty", None)
     if isatty is None or not isatty():
-        return NullBar()
+        return LogLines(label, total_bytes, total_items, stream) if progress is True else NullBar()
     return Bar(label, total_bytes, total_items, stream)

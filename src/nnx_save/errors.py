@@ -444,21 +444,25 @@ class CheckpointUsageError(CheckpointError, ValueError):
         )
 
     @classmethod
-    def for_template(cls, step: int, problems: Iterable[str]) -> CheckpointUsageError:
+    def for_template(cls, step: int, problems: Iterable[str], remedy: str = "") -> CheckpointUsageError:
         problems = tuple(sorted(problems))
         lines = "\n  ".join(problems)
         return cls(
-            f"step {step}: {len(problems)} template leaves disagree with the checkpoint:\n  {lines}",
+            f"step {step}: {len(problems)} template leaves disagree with the checkpoint:\n  {lines}"
+            + (f"\n{remedy}" if remedy else ""),
             "template",
             step=step,
             problems=problems,
         )
 
     @classmethod
-    def for_item(cls, step: int, missing: Iterable[str], held: Iterable[str]) -> CheckpointUsageError:
-        missing, held = tuple(missing), tuple(held)
+    def for_item(
+        cls, step: int, missing: Iterable[str], held: Iterable[str], kept: Iterable[str] = ()
+    ) -> CheckpointUsageError:
+        missing, held, kept = tuple(missing), tuple(held), list(kept)
         return cls(
-            f"step {step} holds no item {', '.join(map(repr, missing))}; it holds {', '.join(held)}",
+            f"step {step} holds no item {', '.join(map(repr, missing))}; it holds {', '.join(held)}; "
+            f"pass items={kept or list(held)!r} (and templates for those only) to restore what it holds",
             "item",
             step=step,
             missing=missing,
@@ -556,21 +560,25 @@ class DtypeMismatch(NamedTuple):
 class CheckpointDtypeMismatchError(CheckpointError, DtypeMismatchError):
     """Arrays of ``step`` would be (``before_read``: a template disagrees) or were restored
     with another dtype than saved; ``mismatches`` lists them, ``x64_off`` says jax's x64
-    mode, off, explains them. ``cast_dtypes=True`` accepts the casts."""
+    mode, off, explains them. ``allow_casts`` (``"lossless"`` or path patterns) accepts
+    the casts it names, ``cast_dtypes=True`` every one."""
 
     def __init__(
-        self, step: int, mismatches: Iterable[DtypeMismatch], *, before_read: bool = False, x64_off: bool = False
+        self,
+        step: int,
+        mismatches: Iterable[DtypeMismatch],
+        *,
+        before_read: bool = False,
+        x64_off: bool = False,
+        remedy: str = "pass allow_casts=[...] naming them to accept the casts",
     ) -> None:
         self.step, self.mismatches = step, tuple(sorted(mismatches))
         self.before_read, self.x64_off = before_read, x64_off
         got = "in the template" if before_read else "restored"
         lines = "\n  ".join(f"{m.item}/{m.leaf}: {m.saved} saved, {m.restored} {got}" for m in self.mismatches)
-        remedy = f"{_X64_HINT}, or pass" if x64_off else "Pass"
+        remedy = f"{_X64_HINT}, or {remedy}" if x64_off else remedy[:1].upper() + remedy[1:]
         what = "leaves change type" if any("(Python)" in m.saved for m in self.mismatches) else "arrays change dtype"
-        super().__init__(
-            f"step {step}: {len(self.mismatches)} {what} on restore:\n  {lines}\n"
-            f"{remedy} cast_dtypes=True to accept the casts"
-        )
+        super().__init__(f"step {step}: {len(self.mismatches)} {what} on restore:\n  {lines}\n{remedy}")
 
 
 # --------------------------------------------------------------------------- porting

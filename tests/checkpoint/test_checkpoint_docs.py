@@ -26,15 +26,19 @@ def test_docstring_examples(module):
     assert result.attempted > 0 and result.failed == 0
 
 
-def test_the_guide_example_runs(capsys):
+@pytest.mark.multiprocess  # its two-process fine-tune starts two JAX processes
+def test_the_guide_example_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the page writes its worker script to the working directory
     text = (ROOT / "docs" / "checkpoints.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL)
-    assert len(blocks) == 3
+    assert len(blocks) == 5
     namespace = {"__name__": "guide"}
     for block in blocks:  # one namespace, in order, as a reader would run them
         exec(compile(block, "docs/checkpoints.md", "exec"), namespace)
     assert capsys.readouterr().out == (
-        "100 {'epoch': 1, 'position': 640} {'lr': 0.001, 'hidden': 8}\n(2, 4) 8320\n(1, 1) 8320\n[150, 200]\n"
+        "100 {'epoch': 1, 'position': 640} {'lr': 0.001, 'hidden': 8}\n(2, 4) 8320\n(1, 1) 8320\n[150, 200]\n[5, 10, 12]\n"
+        "process 0: steps [10, 12], evaluation weights as trained: True\n"
+        "process 1: steps [10, 12], evaluation weights as trained: True\n"
     )
 
 

@@ -118,7 +118,8 @@ def test_python_leaves_through_templates_of_another_type_are_refused(tmp_path):
             "  extensions/lr: float (Python) saved, int (Python) in the template\n"
             "  extensions/n: int (Python) saved, bool (Python) in the template\n"
             "  extensions/neg: float (Python) saved, int (Python) in the template\n"
-            "Pass cast_dtypes=True to accept the casts"
+            "Pass allow_casts=['extensions/big', 'extensions/lr', 'extensions/n', 'extensions/neg'] to accept them "
+            "(LOSSY casts: the restored values can differ from the saved)"
         )
         with pytest.raises(CheckpointDtypeMismatchError, match=re.escape(message)):
             store.restore(1, templates={"extensions": OTHER_TYPES})

@@ -668,7 +668,8 @@ def test_template_dtype_mismatch_is_refused_before_reading(store, monkeypatch):
         "step 6: 2 arrays change dtype on restore:\n"
         "  model/dense/bias: bfloat16 saved, float32 in the template\n"
         "  model/dense/kernel: float32 saved, float16 in the template\n"
-        "Pass cast_dtypes=True to accept the casts"
+        "Pass allow_casts=['model/dense/kernel'] to accept them (LOSSY casts: the restored values can differ from "
+        "the saved)"
     )
     with pytest.raises(CheckpointDtypeMismatchError, match=re.escape(message)) as info:
         store.restore(6, templates={"model": template})
@@ -742,7 +743,8 @@ def test_without_a_template_64_bit_arrays_need_x64(store):
         "  extensions/n: int64 saved, int32 restored\n"
         "  extensions/w: float64 saved, float32 restored\n"
         "jax's x64 mode is off, so 64-bit arrays come back as 32-bit: enable it with "
-        "jax.config.update('jax_enable_x64', True) before restoring, or pass cast_dtypes=True to accept the casts"
+        "jax.config.update('jax_enable_x64', True) before restoring, or pass allow_casts=['extensions/n', "
+        "'extensions/w'] to accept them (LOSSY casts: the restored values can differ from the saved)"
     )
     with pytest.raises(CheckpointDtypeMismatchError, match=re.escape(message)) as info:
         store.restore(1)

@@ -81,7 +81,10 @@ def bf16_file(tmp_path):
 
 def test_strict_bf16_into_f32_names_allow_casts_lossless(bf16_file) -> None:
     path, _ = bf16_file
-    message = 'allow_casts="lossless" (every cast here is exact: strict key and shape checks stay on)'
+    message = (
+        'allow_casts="lossless" (every cast here is lossless: the values load exactly; strict key and shape checks '
+        "stay on)"
+    )
     with pytest.raises(nnx_save.LoadError, match=re.escape(message)):
         nnx_save.load_model(_poisoned("body"), path, strict=True)
 

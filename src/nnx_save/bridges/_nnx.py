@@ -34,6 +34,7 @@ from ..load._target import Target
 from ..save import _background
 from ..save._entry import Entry
 from ..save._options import SaveOptions
+from ._axes import is_missing_axis, missing_axes_error
 from ._leaves import LoadKeywords, check_metadata, leaf_entries, load_options
 from ._state_dict import RNG_KEY, source_header  # RNG_KEY: {path: PRNG implementation name}
 
@@ -368,10 +369,28 @@ def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool, dict[st
                 scalars[key] = value
         return model
 
-    with _under(mesh):
-        abstract = nnx.eval_shape(build)
+    try:
+        with _under(mesh):
+            abstract = nnx.eval_shape(build)
+    except ValueError as e:
+        if mesh is None or not is_missing_axis(e):
+            raise
+        raise missing_axes_error(lambda wider: _partitionings(model_or_builder, wider), mesh, e) from None
     graphdef, state = nnx.split(abstract)
     return graphdef, state, True, scalars
+
+
+def _partitionings(builder: Callable[[], Any], mesh: Any) -> list[tuple[str, tuple]]:
+    """``(variable path, the mesh axes it is partitioned over)`` of a builder traced under ``mesh``."""
+    with jax.set_mesh(mesh):
+        abstract = nnx.eval_shape(builder)
+    out = []
+    for path, variable in nnx.to_flat_state(nnx.state(abstract)):
+        meta = variable.get_metadata()
+        axes = meta.get("out_sharding") or meta.get("sharding_names")
+        if axes:
+            out.append(("/".join(map(str, path)), tuple(axes)))
+    return out
 
 
 def _under(mesh: Any) -> Any:

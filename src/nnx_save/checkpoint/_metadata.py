@@ -321,5 +321,6 @@ def restore_names(metadata: CheckpointMetadata, templates: Mapping[str, Any], it
         raise OptionError(f"templates given for {unused}, which items={wanted} does not restore")
     absent = [name for name in wanted if name not in metadata.items]
     if absent:
-        raise CheckpointUsageError.for_item(metadata.step, absent, metadata.items)
+        kept = [name for name in wanted if name in metadata.items]
+        raise CheckpointUsageError.for_item(metadata.step, absent, metadata.items, kept)
     return [name for name in metadata.items if name in wanted]

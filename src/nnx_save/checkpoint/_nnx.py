@@ -19,7 +19,14 @@ from ._tree import Path, flatten, is_array, segment, show
 __all__ = ["restore_into"]
 
 
-def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False, mesh: jax.sharding.Mesh | None = None) -> None:
+def restore_into(
+    target: Any,
+    state: Any,
+    *,
+    filter: Any = ...,
+    cast_dtypes: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+) -> None:
     """Update ``target`` in place with a restored state (templated or not), exactly.
 
     Everything is checked before anything changes: every target leaf restored and
@@ -29,6 +36,10 @@ def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False, mesh: ja
         target: An NNX graph node (``nnx.Module``, ``nnx.Optimizer``), possibly
             abstract (built under ``nnx.eval_shape``).
         state: The restored item, e.g. ``checkpoint.items["model"]``.
+        filter: The NNX filter of the target's state to update, as for ``load_model``
+            (``nnx.Param``: parameters only; the target's other state keeps its
+            values, and the restored state's leaves of that other state are not
+            unexpected).
         cast_dtypes: Cast arrays to the target's dtypes instead of refusing.
         mesh: The devices for target shardings on an abstract mesh (a target built by
             ``nnx.eval_shape`` under ``jax.set_mesh``); default: the mesh in scope.
@@ -53,19 +64,27 @@ def restore_into(target: Any, state: Any, *, cast_dtypes: bool = False, mesh: ja
         >>> restore_into(net, store.restore(1).items["model"])
         >>> bool((net.layers[0].kernel[...] == Net(nnx.Rngs(0)).layers[0].kernel[...]).all())
         True
+        >>> restore_into(net, store.restore(1).items["model"], filter=nnx.Param)  # parameters only
     """
     name = type(target).__name__
     if not isinstance(target, nnx.Pytree):
         raise OptionError(f"restore_into: target must be an NNX object (an nnx.Module, ...), got {name}")
-    keypaths, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(target))
+    keypaths, treedef = jax.tree_util.tree_flatten_with_path(nnx.state(target, filter))
     wanted = [(tuple(segment(e) for e in keypath), leaf) for keypath, leaf in keypaths]
     given = dict(flatten(state))
+    if filter is not ...:  # the target's other state is filtered out, not unexpected
+        outside = _paths_of(nnx.state(target)) - {path for path, _ in wanted}
+        given = {path: leaf for path, leaf in given.items() if path not in outside}
     _check_paths(name, [path for path, _ in wanted], given)
     _check_arrays(name, wanted, given, cast_dtypes)
     leaves = [
         _adopt(leaf, given[path], cast_dtypes, mesh, f"restore_into({name}): {show(path)}") for path, leaf in wanted
     ]
     nnx.update(target, jax.tree_util.tree_unflatten(treedef, leaves))
+
+
+def _paths_of(state: Any) -> frozenset[Path]:
+    return frozenset(path for path, _ in flatten(state))
 
 
 def _check_paths(name: str, wanted: Sequence[Path], given: dict[Path, Any]) -> None:

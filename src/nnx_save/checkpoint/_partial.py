@@ -16,18 +16,21 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import CheckpointDtypeMismatchError, CheckpointUsageError, DtypeMismatch
-from ..load._report import DtypeCast, LoadReport, LossyCastWarning, ShapeMismatch, matches_any
+from ..errors import CheckpointDtypeMismatchError, CheckpointUsageError, DtypeMismatch, OptionError
+from ..load._report import DtypeCast, LoadReport, LossyCastWarning, ShapeMismatch, is_lossy, matches_any
 from ._tree import Path, Spec, flatten, leaf_spec, segment, show
 
 __all__ = [
+    "CastPolicy",
     "PartialOptions",
     "Selection",
     "cast_back",
+    "cast_remedy",
     "check_restored",
     "check_template_dtypes",
     "graft",
     "prepare",
+    "remedy",
     "select",
 ]
 
@@ -75,8 +78,13 @@ def select(
     kinds: list[str] = []
     for name, tree in templates.items():
         selections[name] = _select_item(name, tree, specs[name], options, report, problems, kinds)
-    if kinds or (options.strict and problems):
-        raise CheckpointUsageError.for_template(step, problems + kinds if options.strict else kinds)
+    if kinds:
+        others = f"; for the others, {remedy(report)}" if options.strict and problems else ""
+        raise CheckpointUsageError.for_template(
+            step, problems + kinds if options.strict else kinds, _KIND_REMEDY + others
+        )
+    if options.strict and problems:
+        raise CheckpointUsageError.for_template(step, problems, remedy(report))
     report.raise_or_warn(False, stacklevel=4)
     return selections, report
 
@@ -114,6 +122,55 @@ def _select_item(
         if _refused(report, "unexpected", where, options.allow_unexpected, where):
             problems.append(f"{where}: stored in the checkpoint, absent from the template")
     return Selection(pairs, jax.tree_util.tree_structure(tree), frozenset(read), len(stored))
+
+
+_KIND_REMEDY = (
+    "no option accepts a leaf of another kind (an array for a Python value, a string for a number): "
+    "build the template as the saved state was built"
+)
+
+_OPTIONS = (
+    ("allow_unexpected", "unexpected", "stored leaves left unread"),
+    ("allow_missing", "missing", "template leaves that keep their value"),
+    ("allow_shape_mismatch", "shape_mismatches", "leaves that keep the template's value"),
+)
+
+
+def remedy(report: LoadReport) -> str:
+    """The options that accept a strict restore's refused leaves, each with patterns
+    covering exactly the kind of disagreement it excuses.
+
+    Examples:
+        >>> r = LoadReport(unexpected=["model/drop/rngs/count/value", "model/drop/rngs/key/value"])
+        >>> print(remedy(r))
+        to accept them, pass allow_unexpected=['model/drop/rngs/*'] (stored leaves left unread), or strict=False (take what matches, warn once)
+    """
+    parts = []
+    for option, field, meaning in _OPTIONS:
+        paths = [e if isinstance(e, str) else e.path for e in getattr(report, field)]
+        if paths:
+            parts.append(f"{option}={_patterns(paths)!r} ({meaning})")
+    return f"to accept them, pass {', '.join(parts)}, or strict=False (take what matches, warn once)"
+
+
+def _patterns(paths: Sequence[str]) -> list[str]:
+    """One glob per item covering its ``paths``: the path itself when it is alone, else
+    the deepest common prefix followed by ``*``."""
+    by_item: dict[str, list[list[str]]] = {}
+    for path in paths:
+        by_item.setdefault(path.split("/", 1)[0], []).append(path.split("/"))
+    out = []
+    for parts in by_item.values():
+        if len(parts) == 1:
+            out.append("/".join(parts[0]))
+            continue
+        common = []
+        for segments in zip(*parts, strict=False):
+            if len(set(segments)) > 1:
+                break
+            common.append(segments[0])
+        out.append("/".join([*common, "*"]))
+    return out
 
 
 def _refused(report: LoadReport, field: str, where: str, patterns: Sequence[str], entry: Any) -> bool:
@@ -157,27 +214,79 @@ def _explained_by_x64(mismatches: Sequence[DtypeMismatch]) -> bool:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class CastPolicy:
+    """The casts a restore accepts: all (``cast_dtypes=True``), the lossless array casts
+    (``allow_casts="lossless"``) or those whose ``item/leaf`` path a pattern matches."""
+
+    every: bool = False
+    lossless: bool = False
+    patterns: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, cast_dtypes: bool, allow_casts: str | Sequence[str]) -> CastPolicy:
+        if isinstance(allow_casts, str):
+            if allow_casts != "lossless":
+                raise OptionError(
+                    f'allow_casts takes "lossless" or a list of item/leaf path patterns, got {allow_casts!r}',
+                    "allow_casts",
+                )
+            return cls(bool(cast_dtypes), True)
+        return cls(bool(cast_dtypes), False, tuple(allow_casts))
+
+    def refused(self, mismatches: Sequence[DtypeMismatch]) -> list[DtypeMismatch]:
+        """The casts of ``mismatches`` this policy does not accept."""
+        if self.every:
+            return []
+        return [
+            m
+            for m in mismatches
+            if not (self.lossless and not _lossy(m)) and not matches_any(f"{m.item}/{m.leaf}", self.patterns)
+        ]
+
+
+def _lossy(m: DtypeMismatch) -> bool:
+    """A cast that can change a value; a Python leaf's change of type always counts."""
+    return _PYTHON in m.saved or is_lossy(m.saved, m.restored)
+
+
+def cast_remedy(mismatches: Sequence[DtypeMismatch]) -> str:
+    """The option accepting ``mismatches``, in ``load_model``'s words."""
+    lossy = sorted(f"{m.item}/{m.leaf}" for m in mismatches if _lossy(m))
+    if not lossy:
+        return 'pass allow_casts="lossless" to accept them (every cast here is lossless: the values stay exact)'
+    shown = repr(lossy[:5])[:-1] + (", ...]" if len(lossy) > 5 else "]")
+    return f"pass allow_casts={shown} to accept them (LOSSY casts: the restored values can differ from the saved)"
+
+
 def check_template_dtypes(
     step: int,
     read: Mapping[str, Sequence[tuple[Path, Any]]],
     saved: Mapping[str, Mapping[Path, str]],
-    cast_dtypes: bool,
+    accept: CastPolicy,
     python: Sequence[DtypeMismatch] = (),
 ) -> list[DtypeMismatch]:
     """The template leaves to be read whose dtype differs from the saved one (and the
-    ``python`` leaves of another type); raise before anything is read unless ``cast_dtypes``."""
+    ``python`` leaves of another type); raise before anything is read for a cast ``accept``
+    refuses."""
     mismatches = [m for name, pairs in read.items() for m in _dtype_mismatches(name, pairs, saved[name])]
     mismatches += python
-    if mismatches and not cast_dtypes:
-        raise CheckpointDtypeMismatchError(step, mismatches, before_read=True)
+    refused = accept.refused(mismatches)
+    if refused:
+        raise CheckpointDtypeMismatchError(step, refused, before_read=True, remedy=cast_remedy(refused))
     return mismatches
 
 
-def check_restored(step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]]) -> None:
+def check_restored(
+    step: int, restored: Mapping[str, Any], saved: Mapping[str, Mapping[Path, str]], accept: CastPolicy
+) -> None:
     """Compare items restored without a template with the saved dtypes."""
     mismatches = [m for name, tree in restored.items() for m in _dtype_mismatches(name, flatten(tree), saved[name])]
-    if mismatches:
-        raise CheckpointDtypeMismatchError(step, mismatches, x64_off=_explained_by_x64(mismatches))
+    refused = accept.refused(mismatches)
+    if refused:
+        raise CheckpointDtypeMismatchError(
+            step, refused, x64_off=_explained_by_x64(refused), remedy=cast_remedy(refused)
+        )
 
 
 # -- Python leaves -----------------------------------------------------------------------
@@ -239,7 +348,7 @@ def prepare(
         if "str" in (want, have)
     ]
     if problems:
-        raise CheckpointUsageError.for_template(step, problems)
+        raise CheckpointUsageError.for_template(step, problems, _KIND_REMEDY)
     mismatches = [DtypeMismatch(name, where, have + _PYTHON, want + _PYTHON) for name, where, want, have in differ]
     return {name: _as_stored(tree, stored[name]) for name, tree in templates.items()}, mismatches
 
@@ -261,7 +370,8 @@ def cast_back(step: int, item: str, restored: Any, casts: Sequence[DtypeMismatch
             cast = _TYPES[mismatch.restored.removesuffix(_PYTHON)](value)
         except (ValueError, OverflowError):  # int(nan), int(inf)
             problem = f"{item}/{where}: the stored {mismatch.saved} {value!r} cannot be restored as {mismatch.restored}"
-            raise CheckpointUsageError.for_template(step, [problem]) from None
+            fix = f"no option casts it: restore {item}/{where} with a float template"
+            raise CheckpointUsageError.for_template(step, [problem], fix) from None
         report.append(DtypeCast(f"{item}/{where}", mismatch.saved, mismatch.restored))
         if cast != value:
             warnings.warn(

@@ -8,6 +8,7 @@ sharding is resolved against a concrete mesh of the same axes: the one passed as
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 from collections.abc import Iterable, Mapping
@@ -20,7 +21,7 @@ from ..errors import ShardingError
 from ..load._report import IOStats
 from ._tree import is_key_dtype, segment, show
 
-__all__ = ["concrete_sharding", "concrete_templates", "io_counters", "read_stats"]
+__all__ = ["StoreIO", "concrete_sharding", "concrete_templates", "io_counters", "read_stats"]
 
 
 def concrete_sharding(sharding: Any, mesh: Any, where: str) -> Any:
@@ -78,18 +79,40 @@ def io_counters() -> tuple[int, int] | None:
         return None
 
 
+@dataclasses.dataclass
+class StoreIO(IOStats):
+    """The I/O of a store's restore: ``bytes_needed`` the bytes restored onto this
+    process's devices, ``bytes_read`` the bytes the process read from disk meanwhile
+    (Orbax's chunks, compressed: fewer than restored for data that compresses), or
+    ``counted=False`` where the system does not say (no ``/proc/self/io``)."""
+
+    counted: bool = True
+
+    def __str__(self) -> str:
+        restored = f"restored {self.bytes_needed / 1e6:.1f} MB onto this process's devices from {self.files} file(s)"
+        if not self.counted:
+            return f"{restored}; the bytes read from disk cannot be counted here (no /proc/self/io); in {self.read_seconds:.3f}s"
+        return (
+            f"{restored}; read {self.bytes_read / 1e6:.1f} MB from disk (Orbax's compressed chunks) in "
+            f"{self.requests} read calls, in {self.read_seconds:.3f}s"
+        )
+
+
 def read_stats(
     read: Mapping[str, Any], before: tuple[int, int] | None, seconds: float, item_dirs: Iterable[pathlib.Path]
-) -> IOStats:
-    """The I/O of one restore: the bytes this process's devices needed (each distinct
-    shard of each array once), the bytes and read calls the process made meanwhile
-    (``/proc/self/io``; where it is missing, the bytes needed and no request count),
-    and the files of the items read."""
+) -> StoreIO:
+    """The I/O of one restore: the bytes restored onto this process's devices (each
+    distinct shard of each array once), the bytes and read calls the process made
+    meanwhile (``/proc/self/io``; where it is missing, ``counted=False``), and the files
+    of the items read."""
     needed = sum(_needed(leaf) for leaf in jax.tree_util.tree_leaves(dict(read)))
     after = io_counters()
-    got, calls = (after[0] - before[0], after[1] - before[1]) if before and after else (needed, 0)
+    counted = before is not None and after is not None
+    got, calls = (after[0] - before[0], after[1] - before[1]) if before and after else (0, 0)
     files = sum(len(names) for d in item_dirs if os.path.isdir(d) for _, _, names in os.walk(d))
-    return IOStats(bytes_read=got, bytes_needed=needed, requests=calls, files=files, read_seconds=seconds)
+    return StoreIO(
+        bytes_read=got, bytes_needed=needed, requests=calls, files=files, read_seconds=seconds, counted=counted
+    )
 
 
 def _needed(leaf: Any) -> int:

@@ -48,6 +48,7 @@ class SaveSchedule:
     _last_save: float = dataclasses.field(default_factory=time.monotonic)
     _sigterm: bool = False
     _installed: bool = False
+    _decided: tuple[int, bool] | None = None  # the last (step, due) of due(): what save() reuses
 
     def __post_init__(self) -> None:
         steps, seconds = self.every_steps, self.every_seconds
@@ -58,6 +59,10 @@ class SaveSchedule:
 
     def due(self, step: int) -> bool:
         """Whether ``step`` should be saved: preemption first, then the intervals."""
+        self._decided = (step, self._due(step))
+        return self._decided[1]
+
+    def _due(self, step: int) -> bool:
         if self._preempted(step):
             self.preempted_at = step if self.preempted_at is None else self.preempted_at
             return True
@@ -66,6 +71,22 @@ class SaveSchedule:
         if self.every_steps is not None and step % self.every_steps == 0:
             return True
         return self.every_seconds is not None and self._seconds_passed()
+
+    def lets_save(self, step: int) -> bool:
+        """Whether a save of ``step`` goes ahead: always without intervals, else as
+        :meth:`due` answered for this step (asked now if it was not), the same on every
+        process. Once per step: the preemption sync point is consulted once.
+
+        Examples:
+            >>> schedule = SaveSchedule(every_steps=5)
+            >>> [s for s in range(1, 12) if schedule.lets_save(s)]
+            [5, 10]
+            >>> schedule.close()
+        """
+        if self.every_steps is None and self.every_seconds is None:
+            return True
+        decided = self._decided
+        return decided[1] if decided is not None and decided[0] == step else self.due(step)
 
     def saved(self) -> None:
         """A step was saved: the seconds interval starts again."""

@@ -22,7 +22,7 @@ from ..errors import (
 )
 from ..load._report import DtypeCast
 from ..load._source import gc_paused
-from . import _exit, _orbax, _partial, _placement, _tree
+from . import _exit, _local, _orbax, _partial, _placement, _tree
 from ._directory import is_url, store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
@@ -57,9 +57,10 @@ class OrbaxCheckpointStore:
             (default: the ones recorded at the first save, else the latest 5 steps).
         change_retention: Replace the recorded policies; other policies without it
             raise :class:`CheckpointUsageError`.
-        save_interval_steps: :meth:`should_save` is true at steps divisible by this.
+        save_interval_steps: :meth:`should_save` is true at steps divisible by this;
+            :meth:`save` skips the others (``force=True`` saves), as Orbax's manager.
         save_interval_seconds: :meth:`should_save` is true once this many seconds
-            passed since the last save (measured on process 0).
+            passed since the last save (measured on process 0); :meth:`save` likewise.
 
     Raises:
         ValueError: ``directory`` is empty, names a file, ``max_to_keep`` < 1, both
@@ -323,8 +324,12 @@ class OrbaxCheckpointStore:
         extra: Mapping[str, Any] | None = None,
         overwrite: bool = False,
         blocking: bool = True,
-    ) -> pathlib.Path:
+        force: bool = False,
+    ) -> pathlib.Path | None:
         """Write ``items`` as ``step``; return the step's directory once it is committed.
+
+        With a save interval, a step that is not due (as :meth:`should_save` answers) is
+        skipped and None returned, as Orbax's manager does; ``force`` or ``overwrite`` saves.
 
         Everything is validated first: a refused save leaves the store as it was, and an
         overwrite keeps the old step until the new one is committed. Then retention runs.
@@ -343,9 +348,10 @@ class OrbaxCheckpointStore:
             overwrite: Replace ``step`` if it is already stored (always blocking).
             blocking: ``False`` returns once the state is on the host; Orbax writes
                 the step in the background (see the class docstring).
+            force: Save even when the intervals say the step is not due.
 
         Returns:
-            The step directory.
+            The step directory, or None when the step was not due and was skipped.
 
         Raises:
             OptionError: Bad step, empty ``items``, unknown item name, reserved or
@@ -356,10 +362,12 @@ class OrbaxCheckpointStore:
                 or ``"rejected"``.
             DirectoryLockedError: Another live writer holds the directory (named).
         """
+        step = check_step(step)
+        if not (force or overwrite or self._schedule.lets_save(step)):
+            return None
         with gc_paused():  # the guards, the records, the directory's view: many small objects, no cycles
-            step = check_step(step)
             names, dtypes = check_items(items)  # one pass over the leaves: the guards and the dtype record
-            ordered = {name: items[name] for name in names}
+            ordered = _local.globalised({name: items[name] for name in names})  # host-local: written once
             record = new_metadata(step, names, epoch, metrics, producer, extra)
             args = _orbax.save_args(ordered, record.to_dict(), dtypes)
             self._open()
@@ -451,6 +459,7 @@ class OrbaxCheckpointStore:
         templates: Mapping[str, Any] | None = None,
         mesh: jax.sharding.Mesh | None = None,
         cast_dtypes: bool = False,
+        allow_casts: str | Sequence[str] = (),
         items: Iterable[str] | None = None,
         strict: bool = True,
         allow_missing: Sequence[str] = (),
@@ -472,7 +481,10 @@ class OrbaxCheckpointStore:
             mesh: The devices for template shardings on an abstract mesh (what
                 ``nnx.eval_shape`` under ``jax.set_mesh`` gives); default: the mesh
                 ``jax.set_mesh`` put in scope.
-            cast_dtypes: Accept arrays whose dtype differs from the saved one.
+            cast_dtypes: Accept every dtype change (arrays and Python leaves).
+            allow_casts: The casts accepted, as for ``load_model``: ``"lossless"``
+                (array casts that cannot change a value, bfloat16 -> float32) or
+                patterns over ``item/leaf`` paths; the others are refused.
             items: Restore only these items (default: all the step holds).
             strict: Refuse (before reading) any missing, unexpected or reshaped
                 leaf not allowed below; ``False`` warns once (``LoadWarning``).
@@ -495,7 +507,8 @@ class OrbaxCheckpointStore:
             CheckpointUsageError: They name an item the step does not hold.
             CheckpointUsageError: A template's paths or shapes disagree with the
                 step under ``strict`` (a leaf's kind: always), before any read.
-            CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
+            CheckpointDtypeMismatchError: A dtype differs and neither ``allow_casts``
+                nor ``cast_dtypes`` accepts it.
         """
         with gc_paused():  # the records, the templates' plans: many small objects, no cycles
             step = self._latest_or(step)
@@ -507,13 +520,14 @@ class OrbaxCheckpointStore:
             options = _partial.PartialOptions(
                 strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
             )
+            accept = _partial.CastPolicy.of(cast_dtypes, allow_casts)
             given = {n: templates[n] for n in names if n in templates}
             given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
             whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
             specs = {n: recorded[n].specs for n in given}
             chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
             casts = _partial.check_template_dtypes(
-                step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
+                step, {n: s.read_pairs() for n, s in chosen.items()}, saved, accept, retyped
             )
             report.dtype_casts.extend(
                 DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
@@ -533,8 +547,9 @@ class OrbaxCheckpointStore:
                 n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
             }
             restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
-            if not cast_dtypes:
-                _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
+            as_stored = {n: restored[n] for n in names if n not in templates}  # x64 off narrows 64-bit arrays
+            _partial.check_restored(step, as_stored, saved, accept)
+            report.loaded.extend(f"{n}/{_tree.show(p)}" for n, tree in as_stored.items() for p, _ in flatten(tree))
         return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
     def _stored_view(

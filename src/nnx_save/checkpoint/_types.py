@@ -54,8 +54,9 @@ class CheckpointStore(Protocol):
         *,
         overwrite: bool = False,
         blocking: bool = True,
+        force: bool = False,
         **record: Unpack[SaveRecord],
-    ) -> pathlib.Path: ...
+    ) -> pathlib.Path | None: ...
 
     def restore(
         self, step: int | None = None, *, templates: Mapping[str, Any] | None = None, cast_dtypes: bool = False

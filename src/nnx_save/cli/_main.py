@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from .._version import __version__
 from ..conversion._convert import read_one
 from ..errors import OptionError
 from ..format import _units
@@ -353,6 +354,7 @@ def _parser() -> argparse.ArgumentParser:
         "safetensors checkpoints (one file, or a HuggingFace multi-file directory).",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log the nnx_save logger's debug messages to stderr")
+    p.add_argument("--version", action="version", version=f"nnx-save {__version__}", help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("inspect", help="list tensors, totals by dtype, parameter count and metadata")
     s.add_argument("source", help="a .safetensors file, a multi-file directory, or a URL")
@@ -368,7 +370,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("b")
     s.add_argument("--atol", type=float, default=0.0, help="values within this absolute difference are equal")
     s.set_defaults(run=cmd_diff)
-    s = sub.add_parser("convert", help="PyTorch .bin/.pt, Orbax or safetensors -> safetensors (one file or sharded)")
+    s = sub.add_parser(
+        "convert",
+        help="PyTorch .bin/.pt (one file, or an HF directory of pytorch_model-*.bin), Orbax or safetensors "
+        "-> safetensors (one file or sharded)",
+    )
     s.add_argument("input")
     s.add_argument("output")
     s.add_argument(

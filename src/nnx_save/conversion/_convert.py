@@ -32,6 +32,7 @@ from ..layouts._registry import read_header
 from ..load._source import Header
 from ..save._entry import Entry
 from ..save._options import SaveOptions
+from . import _torch_index
 from ._extras import Extras
 
 __all__ = ["Converted", "convert", "read_one"]
@@ -66,9 +67,15 @@ def convert(
             a TorchScript archive (its parameters and buffers, keyed as its
             ``state_dict()``), an Orbax PyTree checkpoint directory or one item of an
             ``OrbaxCheckpointStore`` step (keyed as ``save_model`` keys a model, so
-            ``load_model`` reads it), or a safetensors file or directory.
+            ``load_model`` reads it), a safetensors file or directory, or an HF PyTorch
+            directory of ``pytorch_model-0000i-of-0000n.bin`` files and their index (read
+            one tensor at a time; into a directory by default, see ``output``).
         output: a ``.safetensors`` file, or with ``max_shard_size`` a directory that
             gets HuggingFace-style ``model-0000i-of-0000n.safetensors`` files and an index.
+            From an HF PyTorch directory, a directory path (no ``.safetensors`` suffix)
+            gets shards no larger than the source's largest, the index, and the source
+            directory's other files (``config.json``, tokenizer files), so
+            ``from_pretrained`` loads it.
         max_shard_size: the most bytes per file (splits the checkpoint over files).
         key: a PyTorch training checkpoint's sub-dict to convert (``"model"``; dots go deeper).
             The checkpoint's other entries that are JSON (``config_dict``, ``global_step``)
@@ -101,11 +108,32 @@ def convert(
         raise OptionError(f"convert: key must be None or a str (a sub-dict's name), got {type(key).__name__}", "key")
     if not source.exists():
         raise ConvertError(f"{source}: no such file or directory")
+    if _torch_index.is_torch_index(source):
+        return _convert_torch_index(source, out, max_shard_size, key)
     extras = Extras()
     with contextlib.ExitStack() as opened:  # a TorchScript archive stays open while its tensors are written
         entries, meta = _entries(source, key, opened, extras)
         done = _write(out, entries, {**meta, **extras.kept}, max_shard_size)
     return dataclasses.replace(done, kept=tuple(extras.kept), dropped=tuple(extras.dropped))
+
+
+def _convert_torch_index(source: Path, out: Path, max_shard_size: int | None, key: str | None) -> Converted:
+    """An HF PyTorch checkpoint in several files into an HF safetensors directory (shards of
+    at most the largest source shard's size unless ``max_shard_size`` says, the index, and
+    the directory's other files: config, tokenizer), or one file for an ``out`` named
+    ``.safetensors``."""
+    if key is not None:
+        raise ConvertError(f"{source}: --key picks a sub-dict of one PyTorch file; this is a sharded HF checkpoint")
+    if max_shard_size is None and out.suffix != ".safetensors":
+        max_shard_size = _torch_index.shard_bytes(source)
+    entries, shards = _torch_index.entries(source)
+    try:
+        done = _write(out, entries, {"format": "pt"}, max_shard_size)
+    finally:
+        shards.close()
+    if done.index is not None:
+        _torch_index.copy_companions(source, out)
+    return done
 
 
 def _write(out: Path, entries: list[Entry], meta: dict[str, str], max_shard_size: int | None) -> Converted:

@@ -50,5 +50,19 @@ class DirectoryLayout:
         _formats.refuse_directory(path)  # Orbax / TensorStore: say what it is and what to run
         found = sorted(path.glob("*.safetensors"))
         if not found:
-            raise HeaderError(f"{path}: directory holds neither {INDEX_NAME} nor any *.safetensors file")
+            raise HeaderError(f"{path}: directory holds neither {INDEX_NAME} nor any *.safetensors file{_bins(path)}")
         return read_list(found, "directory", str(path))
+
+
+def _bins(path: Path) -> str:
+    """What to run when the directory holds PyTorch weights instead (an HF ``.bin`` checkpoint)."""
+    bins = sorted(p.name for p in path.glob("*.bin"))
+    if not bins:
+        return ""
+    what = (
+        "pytorch_model.bin.index.json and its shards" if (path / "pytorch_model.bin.index.json").is_file() else bins[0]
+    )
+    return (
+        f"; it holds {what}, PyTorch weights: convert them once with `nnx-save convert {path} OUT` "
+        "(or nnx_save.convert) and load OUT"
+    )

@@ -42,8 +42,9 @@ class LoadOptions:
             (page-locked, jax's ``pinned_host`` memory kind), ``"pageable"``, or
             ``"auto"`` (pinned where the backend offers it, except on CPU).
         staging_bytes: size of one staging buffer (``None``: picked from the budget).
-        progress: a progress bar on stderr when it is a terminal: ``None`` above
-            ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
+        progress: progress on stderr: ``None`` a bar on a terminal above
+            ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), nothing on a pipe; ``True`` a bar
+            on a terminal, plain lines at a bounded rate elsewhere (a log); ``False`` never.
         share_reads: with several processes, read each byte that several need on one
             of them and share it over the interconnect with JAX's collectives. ``None``:
             on for a URL or processes on several hosts, off for local files on one

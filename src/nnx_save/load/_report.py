@@ -304,8 +304,13 @@ class LoadReport:
             if lossy
             else ""
         )
+        casts = (
+            f"\nTo accept the dtype casts without a warning: {_cast_remedy(self.dtype_casts)}"
+            if self.dtype_casts
+            else ""
+        )
         warnings.warn(
-            f"{loud}{self.summary()}:\n  {shown}\n(see the returned LoadReport; strict=True raises)",
+            f"{loud}{self.summary()}:\n  {shown}{casts}\n(see the returned LoadReport; strict=True raises)",
             LossyCastWarning if lossy else LoadWarning,
             stacklevel=stacklevel,
         )
@@ -372,7 +377,7 @@ def _listed(paths: Sequence[str], limit: int = 5) -> str:
 def _cast_remedy(casts: Sequence[DtypeCast]) -> str:
     lossy = sorted(c.path for c in casts if c.lossy)
     if not lossy:
-        return 'allow_casts="lossless" (every cast here is exact: strict key and shape checks stay on)'
+        return 'allow_casts="lossless" (every cast here is lossless: the values load exactly; strict key and shape checks stay on)'
     return f"allow_casts={_listed(lossy)} (LOSSY casts: the loaded values differ from the file's)"
 
 

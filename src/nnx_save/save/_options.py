@@ -18,8 +18,9 @@ class SaveOptions:
     theirs that may set a field ``options=`` leaves at its default.
 
     Attributes:
-        progress: a progress bar on stderr when it is a terminal: ``None`` above
-            ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), ``True`` always, ``False`` never.
+        progress: progress on stderr: ``None`` a bar on a terminal above
+            ``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB), nothing on a pipe; ``True`` a bar
+            on a terminal, plain lines at a bounded rate elsewhere (a log); ``False`` never.
         blocking: ``False`` returns a :class:`~nnx_save.SaveHandle` once a host
             snapshot is taken (of this process's pieces, for ``save_pod``) and writes
             in the background: training on, or donating the arrays, is then safe
