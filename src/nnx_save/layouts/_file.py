@@ -2,7 +2,7 @@
 bytes (a valid header; a JSON file is said to be one), its header read in two
 positioned reads (a URL: at most two ranged requests) and validated whole before any
 tensor byte; every tensor is one whole piece of it. Written into its
-location by :func:`~nnx_save.save._write.write_one` (from one process, from several
+location by :func:`~nnx_save.save._destination.write_one` (from one process, from several
 into one shared file, or uploaded whole to an object store); the file is its own record.
 """
 
@@ -205,10 +205,10 @@ class FileLayout:
 
     def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written:
         """One file, from this process, from every process of the job, or to an object store."""
-        from ..save import _write  # the writers: a read never loads them
+        from ..save import _destination  # the writers: a read never loads them
 
         location, name = _storage.locate_file(path)
-        _write.write_one(location, name, entries, metadata, options.progress)
+        _destination.write_one(location, name, entries, metadata, options.progress)
         return Written(path, (path,))
 
     def check_target(self, path: str | os.PathLike) -> None:

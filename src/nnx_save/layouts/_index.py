@@ -370,9 +370,9 @@ def _write_files(
     """This process's part of the data files: all of them, or with ``n`` processes its
     shards of each file's tensors (:func:`~nnx_save.save._collective.write_collective`)."""
     if n == 1:
-        from ..save import _write  # the writers: a read never loads them
+        from ..save import _destination  # the writers: a read never loads them
 
-        _write.write_at(target, files, meta, staged=staged, progress=progress, written=written)
+        _destination.write_at(target, files, meta, staged=staged, progress=progress, written=written)
         return
     from ..save._collective import write_collective
 

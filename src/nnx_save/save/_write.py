@@ -21,12 +21,11 @@ from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
 from ..io._atomic import atomic_file
-from ..io._storage import Location, Staged
 from . import _stage
 from ._entry import Entry, host_bytes, order_entries
 from ._sink import Sink, chunk_memory, pwrite_all
 
-__all__ = ["SHARD_WRITERS", "final_header", "host_data", "write_at", "write_file", "write_files", "write_one"]
+__all__ = ["SHARD_WRITERS", "final_header", "host_data", "write_file", "write_files"]
 
 # Below this a tensor is hashed on the writing thread: waking a helper thread costs
 # more than hashing a small tensor (most tensors of a model: norms, biases).
@@ -155,55 +154,6 @@ def write_files(
     failed = [job.exception() for job in jobs if not job.cancelled() and job.exception() is not None]
     if failed:
         raise failed[0]  # type: ignore[misc]
-
-
-def write_at(
-    location: Location,
-    files: Sequence[tuple[str, Sequence[Entry]]],
-    metadata: Mapping[str, str] | None,
-    *,
-    staged: Staged,
-    progress: bool | None,
-    written: list[str],
-) -> None:
-    """Write each ``(name, entries)`` of ``files`` into ``location``: on a filesystem,
-    staged under temporary names (:func:`write_files`) for the location's commit; in an
-    object store, each object uploaded whole (:func:`~nnx_save.save._remote.write_remote`)
-    under its fresh name. Each name written is added to ``written``."""
-    root = location.directory
-    if root is None:
-        from ._remote import write_remote
-
-        for name, entries in files:
-            write_remote(location, name, entries, metadata)
-            written.append(name)
-        return
-    done: list[Path] = []
-    try:
-        write_files([(root / n, g) for n, g in files], metadata, staged=staged, progress=progress, written=done)
-    finally:
-        written.extend(path.name for path in done)
-
-
-def write_one(
-    location: Location, name: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None, progress: bool | None
-) -> None:
-    """Write ``entries`` as file ``name`` of ``location``, replacing it atomically: from
-    this process, from every process of the job into one shared file
-    (:func:`~nnx_save.save._collective.write_collective`), or uploaded whole."""
-    import jax
-
-    root = location.directory
-    if root is None:
-        from ._remote import write_remote
-
-        write_remote(location, name, entries, metadata)
-    elif jax.process_count() == 1:
-        write_file(root / name, entries, metadata, progress=progress)
-    else:
-        from ._collective import write_collective
-
-        write_collective(root / name, entries, metadata)
 
 
 def final_header(
