@@ -12,7 +12,13 @@ from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointDamageWarning, CheckpointUsageError, DirectoryLockedError, UnsupportedCheckpointError
+from ..errors import (
+    CheckpointDamageWarning,
+    CheckpointUsageError,
+    DirectoryLockedError,
+    OptionError,
+    UnsupportedCheckpointError,
+)
 from ..io import _storage
 from ..layouts._registry import owners
 from . import _orbax
@@ -50,6 +56,11 @@ class Disk:
     recorded: Retention | None = None
     warned: bool = False
     writer: _storage.Lock | None = None  # process 0's, from the store's first write until it closes
+
+    def __post_init__(self) -> None:
+        local = self.location.directory  # None for a bucket: nothing is touched before the first use
+        if local is not None and local.exists() and not local.is_dir():
+            raise OptionError(f"checkpoint directory {self.path} exists and is not a directory")
 
     @property
     def location(self) -> _storage.Location:

@@ -20,7 +20,6 @@ from ..errors import (
     CheckpointWriteError,
     OptionError,
 )
-from ..io import _storage
 from ..load._report import DtypeCast
 from ..load._source import gc_paused
 from . import _exit, _orbax, _partial, _placement, _tree
@@ -87,11 +86,8 @@ class OrbaxCheckpointStore:
         save_interval_seconds: float | None = None,
     ) -> None:
         self._directory = store_location("directory", directory)
-        local = _storage.locate(str(self._directory)).directory  # None for a bucket: nothing is touched yet
-        if local is not None and local.exists() and not local.is_dir():
-            raise OptionError(f"checkpoint directory {self._directory} exists and is not a directory")
         self._given = given_retention(max_to_keep, retention)
-        self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)
+        self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)  # refuses a file
         self._schedule = SaveSchedule(save_interval_steps, save_interval_seconds)
         self._manager: Any = None
         self._writable = False
