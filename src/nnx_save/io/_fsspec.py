@@ -192,9 +192,6 @@ class FsspecClient:
         except FileNotFoundError:
             return set()
 
-    def cat(self, url: str) -> bytes:
-        return self.fs().cat(url)
-
     def remove(self, url: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs().rm(url)

@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 Where = str | os.PathLike
-"""Where a checkpoint is: a local path (or ``file://`` URL), an HTTP(S) URL or an object-store URL."""
+"""Where a checkpoint is: a local path, an HTTP(S) URL or an object-store URL (:func:`locate`)."""
 Staged = list[tuple[Path, Path]]
 """Complete data files under temporary names, each with the name it commits to."""
 log = logging.getLogger("nnx_save")
@@ -90,10 +90,6 @@ class ObjectClient(Protocol):
         """The names directly under prefix ``url`` (empty when none)."""
         ...
 
-    def cat(self, url: str) -> bytes:
-        """The whole object ``url`` (``FileNotFoundError`` when absent)."""
-        ...
-
     def remove(self, url: str) -> None:
         """Delete object ``url`` (absent: nothing to do)."""
         ...
@@ -122,10 +118,6 @@ class Location(Protocol):
 
     def names(self) -> set[str]:
         """The names directly inside (empty when the location does not exist yet)."""
-        ...
-
-    def has(self, name: str) -> bool:
-        """Whether ``name`` inside is a file (an object)."""
         ...
 
     def read_bytes(self, name: str, what: str, cap: int, error: Callable[[str], Exception]) -> bytes:
@@ -302,9 +294,6 @@ class LocalDirectory:
         except (FileNotFoundError, NotADirectoryError):
             return set()
 
-    def has(self, name: str) -> bool:
-        return os.path.isfile(self.directory / name)
-
     def read_bytes(self, name: str, what: str, cap: int, error: Callable[[str], Exception]) -> bytes:
         return _files.read_capped(os.fspath(self.directory / name), what, cap, error)
 
@@ -418,13 +407,6 @@ class HttpPrefix(_Remote):
     def names(self) -> set[str]:
         return set()  # HTTP has no listing: a reader joins the names it looks for
 
-    def has(self, name: str) -> bool:
-        try:
-            self.open_reader(name)
-        except (FileNotFoundError, IsADirectoryError):
-            return False
-        return True
-
     def _refuse(self, name: str) -> SaveError:
         url = self.member(name) if name else self.url
         return SaveError(f"{url}: an HTTP URL cannot be written to; give an object-store URL (s3://, gs:// ...)", url)
@@ -448,15 +430,6 @@ class ObjectPrefix(_Remote):
 
     def names(self) -> set[str]:
         return self.client.names(self.url)
-
-    def has(self, name: str) -> bool:
-        return name in self.names()
-
-    def read_bytes(self, name: str, what: str, cap: int, error: Callable[[str], Exception]) -> bytes:
-        data = self.client.cat(self.member(name))
-        if len(data) > cap:
-            raise error(f"{self.member(name)}: {what} of {len(data)} bytes exceeds the cap of {cap} bytes")
-        return data
 
     def prepare(self, name: str = "") -> None:
         self.client.writable(self.member(name) if name else self.url)
