@@ -162,3 +162,29 @@ def test_a_bucket_holds_no_staged_file(tmp_path):
     location = _fresh("object", tmp_path)
     with pytest.raises(SaveError, match=re.escape("a URL holds no staged files (1 given)")):
         location.commit([(tmp_path / "a", tmp_path / "b")], "record", b"")
+
+
+def test_only_the_storage_layer_and_two_readers_tell_a_path_from_a_url():
+    """Outside io/ (the storage layer and its transports), two readers ask whether a name
+    is a URL: the registry's read (a URL is told by the response, a local path by its
+    content) and safe_open's message for a missing local file. No writer asks: the
+    layouts, save/, the bridges' saves and the store take a Location. An inline
+    ``"://"`` test counts as asking."""
+    import ast
+
+    import nnx_save
+
+    root = Path(nnx_save.__file__).parent
+    asked = set()
+    for file in sorted(root.rglob("*.py")):
+        name = file.relative_to(root).as_posix()
+        if name.startswith("io/"):
+            continue
+        for function in ast.walk(ast.parse(file.read_text())):
+            if not isinstance(function, ast.FunctionDef):
+                continue
+            for node in ast.walk(function):
+                called = isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None))
+                if called == "is_url" or (isinstance(node, ast.Constant) and node.value == "://"):
+                    asked.add(f"{name}:{function.name}")
+    assert asked == {"layouts/_registry.py:_read", "bridges/_lazy.py:_read_header"}
