@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from .errors import OptionError
 
-__all__ = ["DEFAULT", "MAX_SIZE", "check", "is_int", "is_url", "merge", "optional", "path_arg", "seconds_arg"]
+__all__ = ["DEFAULT", "MAX_SIZE", "check", "is_int", "merge", "optional", "path_arg", "seconds_arg"]
 
 MAX_SIZE = 1 << 62  # the largest byte count or count taken from outside: C and numpy int64 hold it
 
@@ -56,16 +56,6 @@ def _brief(value: object) -> str:
 
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def is_url(source: object) -> bool:
-    """Whether ``source`` names a URL the transports read (``scheme://...``; ``file://`` is a local path).
-
-    Examples:
-        >>> is_url("https://host/m.safetensors"), is_url("file:///m.safetensors"), is_url("ck/m.safetensors")
-        (True, False, False)
-    """
-    return isinstance(source, str) and "://" in source and not source.startswith("file://")
 
 
 def path_arg(value: object, argument: str, call: str) -> str:

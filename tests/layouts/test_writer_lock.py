@@ -44,7 +44,7 @@ def paused(commit):
 
 tree = {"a": np.full(64, 1.0, np.float32), "b": np.full(64, 2.0, np.float32)}
 if layout == "index":
-    _index._Local.commit_index = paused(_index._Local.commit_index)
+    _index._commit_index = paused(_index._commit_index)
     nnx_save.save_file(tree, directory, max_shard_size=256)
 else:
     _pod._commit_manifest = paused(_pod._commit_manifest)

@@ -20,6 +20,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 import nnx_save
 from nnx_save import SaveError
 from nnx_save.io._atomic import TMP_MARKER
+from nnx_save.io._storage import locate_file
 from nnx_save.save._entry import Entry
 from nnx_save.save._remote import write_remote
 
@@ -131,7 +132,7 @@ def test_a_tensor_that_changes_between_the_passes_is_never_published(url):
     with pytest.raises(
         SaveError, match=re.escape(f"{url}: tensors ['w'] changed while they were saved; nothing was saved")
     ):
-        write_remote(url, entries, None)
+        write_remote(*locate_file(url), entries, None)
     assert not MEMORY.exists(url)
     assert MEMORY.find(url.rsplit("/", 1)[0]) == []  # nor its temporary object
 

@@ -18,6 +18,7 @@ from .._options import check, is_int
 from ..errors import SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
+from ..io._storage import Where, is_url
 from ..layouts._registry import read_header, reader_factory
 from ..load._direct import DirectFiles
 from ..load._options import LoadOptions
@@ -28,7 +29,6 @@ from ..load._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 
-PathLike = str | os.PathLike
 _FRAMEWORKS = {"np": "numpy", "numpy": "numpy", "flax": "jax", "jax": "jax", "pt": "torch", "torch": "torch"}
 _BACKENDS = ("mmap", "pread")
 
@@ -296,18 +296,18 @@ def _where(source: Any) -> str:
     return os.fspath(source)
 
 
-def _read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
+def _read_header(source: Where | Sequence[Where] | Header) -> Header:
     """The headers; a missing path raises safetensors' ``FileNotFoundError`` text."""
     try:
         return read_header(source)
     except FileNotFoundError:
-        if isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source) and not os.path.lexists(source):
+        if isinstance(source, (str, os.PathLike)) and not is_url(os.fspath(source)) and not os.path.lexists(source):
             raise SourceNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source)) from None
         raise
 
 
 def safe_open(
-    filename: PathLike | Sequence[PathLike] | Header,
+    filename: Where | Sequence[Where] | Header,
     framework: str = "np",
     device: Any = "cpu",
     *,
@@ -381,7 +381,7 @@ def _batches(header: Header, keys: Iterable[str], max_batch_bytes: int) -> Itera
 
 
 def iter_tensors(
-    source: PathLike | Sequence[PathLike] | Header,
+    source: Where | Sequence[Where] | Header,
     keys: Iterable[str] | None = None,
     *,
     dtype: Any = None,

@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from .._options import DEFAULT, merge, path_arg
-from ..errors import OptionError
-from ..io._storage import is_url
 from ..layouts import _registry
 from ..layouts._pod import MANIFEST
 from ..save._background import SaveHandle
@@ -66,14 +64,11 @@ def save_pod(
         >>> nnx_save.load_file(d)["w"]
         array([0., 1., 2., 3.], dtype=float32)
     """
-    how = merge(SaveOptions, options, "save_pod", locals()).unsharded("save_pod writes a pod")  # locals() first
+    how = merge(SaveOptions, options, "save_pod", locals()).for_pod("save_pod writes a pod")  # locals() first
     directory = path_arg(directory, "directory", "save_pod")
-    if is_url(directory):  # a URL is no directory: Path() would make "http:/host/..." here
-        raise OptionError(
-            f"save_pod: directory {directory!r} is a URL; a pod is written to a (shared) filesystem", "directory"
-        )
+    _registry.POD.check_target(directory)  # a URL is no directory: Path() would make "http:/host/..." below
     entries, meta = _entries(tree_or_model, metadata, filter)
-    handle = _registry.save(directory, entries, _registry.writer(meta, how, pod=True))
+    handle = _registry.save(directory, entries, _registry.writer(meta, how))
     return Path(directory) / MANIFEST if handle is None else handle
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
@@ -11,6 +10,7 @@ import numpy as np
 from .._options import DEFAULT, merge, path_arg
 from ..errors import KeyMismatchError, NnxSaveError, ShapeMismatchError, UnsupportedValueError
 from ..format import _paths
+from ..io._storage import Where
 from ..layouts import _registry
 from ..layouts._registry import reader_factory
 from ..load._engine import load_targets
@@ -33,12 +33,10 @@ from ._leaves import (
 
 __all__ = ["load_file", "save_file"]
 
-PathLike = str | os.PathLike
-
 
 def save_file(
     tree: Any,
-    path: PathLike,
+    path: Where,
     *,
     metadata: Mapping[str, str] | None = None,
     progress: bool | None = DEFAULT,
@@ -175,7 +173,7 @@ def _refuse_missing(header: Header, targets: list[Target]) -> None:
 
 
 def load_file(
-    source: PathLike | Sequence[PathLike] | Header | Mapping[str, Any],
+    source: Where | Sequence[Where] | Header | Mapping[str, Any],
     abstract: Any = None,
     *,
     strict: bool = False,

@@ -14,18 +14,13 @@ from etils import epath
 from .._options import path_arg
 from ..errors import CheckpointUsageError, OptionError
 
-__all__ = ["CLOUD_SCHEMES", "is_url", "resolve_checkpoint_dir", "store_location"]
+__all__ = ["CLOUD_SCHEMES", "resolve_checkpoint_dir", "store_location"]
 
 # Schemes both Orbax's paths (etils epath) and its array writer (tensorstore) handle.
 CLOUD_SCHEMES = ("gs", "s3")
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 Location = pathlib.Path | Any  # a local path, or an etils epath for a URL (untyped)
-
-
-def is_url(text: str) -> bool:
-    """True for ``scheme://...``."""
-    return _SCHEME.match(text) is not None
 
 
 def _text(name: str, value: str | os.PathLike[str]) -> str:

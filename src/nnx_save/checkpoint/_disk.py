@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
-import pathlib
 import re
 import warnings
 from collections.abc import Mapping
@@ -14,14 +12,17 @@ from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointDamageWarning, CheckpointUsageError, DirectoryLockedError, UnsupportedCheckpointError
-from ..io._atomic import atomic_file, write_all
-from ..io._lock import WriterLock
-from ..layouts._index import INDEX_NAME
-from ..layouts._pod import MANIFEST
+from ..errors import (
+    CheckpointDamageWarning,
+    CheckpointUsageError,
+    DirectoryLockedError,
+    OptionError,
+    UnsupportedCheckpointError,
+)
+from ..io import _storage
+from ..layouts._registry import owners
 from . import _orbax
 from ._agree import agree
-from ._directory import is_url
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
 from ._metadata import is_number
@@ -54,7 +55,17 @@ class Disk:
     view: DirectoryView | None = None
     recorded: Retention | None = None
     warned: bool = False
-    writer: WriterLock | None = None  # process 0's, from the store's first write until it closes
+    writer: _storage.Lock | None = None  # process 0's, from the store's first write until it closes
+
+    def __post_init__(self) -> None:
+        local = self.location.directory  # None for a bucket: nothing is touched before the first use
+        if local is not None and local.exists() and not local.is_dir():
+            raise OptionError(f"checkpoint directory {self.path} exists and is not a directory")
+
+    @property
+    def location(self) -> _storage.Location:
+        """Where the store's own records and lock live (:mod:`nnx_save.io._storage`)."""
+        return _storage.locate(str(self.path))
 
     def load(self) -> DirectoryView:
         """The view, looked at (by process 0) the first time it is needed."""
@@ -107,30 +118,29 @@ class Disk:
     def lock(self, what: str) -> None:
         """Become the directory's one writer (process 0 holds the lock for the job), or raise
         :class:`DirectoryLockedError` on every process; a directory that holds another layout's
-        checkpoint raises :class:`CheckpointUsageError` on every process (decided on process 0). A URL has no lock (an object store has no ``flock``)."""
+        checkpoint raises :class:`CheckpointUsageError` on every process (decided on process 0). The
+        lock is the location's (:meth:`~nnx_save.io._storage.Location.hold`: none on an object store)."""
         foreign = agree("layout", self._foreign)
         if foreign is not None:
             raise CheckpointUsageError.for_layout(str(self.path), foreign)
-        if is_url(str(self.path)):
-            return
         holder = agree("lock", lambda: self._try_lock(what))
         if holder is not None:
             raise DirectoryLockedError(str(self.path), holder)
 
+    def _names(self) -> set[str]:
+        """The names in the store's directory (listed as Orbax lists it, on a filesystem or a bucket)."""
+        return {p.name for p in self.path.iterdir()} if self.path.is_dir() else set()
+
     def _foreign(self) -> str | None:
         """What makes the directory another layout's checkpoint (an HF index, a pod manifest,
-        ``.safetensors`` files), or ``None``: the store refuses to write its steps beside it."""
-        if not self.path.is_dir():
-            return None
-        for name in (INDEX_NAME, MANIFEST):
-            if (self.path / name).is_file():
-                return name
-        files = sorted(p.name for p in self.path.glob("*.safetensors"))
-        return f"{len(files)} .safetensors files ({', '.join(files[:3])})" if files else None
+        ``.safetensors`` files: :func:`~nnx_save.layouts._registry.owners`), or ``None``: the
+        store refuses to write its steps beside it."""
+        found = owners(self.location, self._names())
+        return next((owner.what for owner in found if owner.kind in ("pod", "index", "files")), None)
 
     def _try_lock(self, what: str) -> str | None:
         try:
-            self.writer = WriterLock.acquire(pathlib.Path(os.fspath(self.path)), what)
+            self.writer = self.location.hold(what)
         except DirectoryLockedError as error:
             return error.holder
         return None
@@ -165,11 +175,7 @@ class Disk:
 
     def _record(self, retention: Retention) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        if not is_url(str(self.path)):
-            with atomic_file(os.fspath(self.path / STORE_RECORD)) as fd:  # a unique, exclusively created temporary
-                write_all(fd, memoryview(record_json(retention).encode()))
-        else:  # an object store: a write is atomic and there are no links to follow
-            (self.path / STORE_RECORD).write_text(record_json(retention))
+        self.location.replace(STORE_RECORD, record_json(retention).encode())
 
     def refuse_links(self) -> None:
         """Raise :class:`CheckpointUsageError` when an entry the store may rename or
@@ -180,10 +186,9 @@ class Disk:
             raise CheckpointUsageError.for_link(str(self.path / name), target, str(self.path))
 
     def _links(self) -> list[list[str]]:
-        if is_url(str(self.path)) or not self.path.is_dir():
-            return []
-        names = sorted(n for n in os.listdir(os.fspath(self.path)) if _MANAGED.fullmatch(n))
-        return [[n, os.readlink(self.path / n)] for n in names if os.path.islink(self.path / n)]
+        location = self.location
+        names = sorted(n for n in self._names() if _MANAGED.fullmatch(n))
+        return [[n, target] for n in names if (target := location.link_target(n)) is not None]
 
     def doomed(self) -> list[int]:
         """The intact steps the retention policies let go, decided on process 0."""

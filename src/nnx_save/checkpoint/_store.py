@@ -23,7 +23,7 @@ from ..errors import (
 from ..load._report import DtypeCast
 from ..load._source import gc_paused
 from . import _exit, _local, _orbax, _partial, _placement, _tree
-from ._directory import is_url, store_location
+from ._directory import store_location
 from ._disk import ASIDE_PREFIX, Disk
 from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
@@ -87,10 +87,8 @@ class OrbaxCheckpointStore:
         save_interval_seconds: float | None = None,
     ) -> None:
         self._directory = store_location("directory", directory)
-        if not is_url(str(self._directory)) and self._directory.exists() and not self._directory.is_dir():
-            raise OptionError(f"checkpoint directory {self._directory} exists and is not a directory")
         self._given = given_retention(max_to_keep, retention)
-        self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)
+        self._disk = Disk(epath.Path(str(self._directory)), self._given, change_retention)  # refuses a file
         self._schedule = SaveSchedule(save_interval_steps, save_interval_seconds)
         self._manager: Any = None
         self._writable = False

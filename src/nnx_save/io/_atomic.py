@@ -34,6 +34,7 @@ __all__ = [
     "fsync_dir",
     "make_directory",
     "remove_stale_temps",
+    "replace_file",
     "temp_path",
 ]
 
@@ -175,6 +176,12 @@ def atomic_file(path: str | os.PathLike, *, staged: list[tuple[Path, Path]] | No
         fsync_dir(path.parent)
     else:
         staged.append((tmp, path))
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` atomically (:func:`atomic_file`): a record's commit."""
+    with atomic_file(path) as fd:  # a short write loops: a full disk raises, never truncates
+        write_all(fd, memoryview(data))
 
 
 def _refuse_special(path: Path) -> None:

@@ -15,7 +15,7 @@ from ._atomic import TMP_MARKER
 from ._http import SPECULATIVE_HEADER_BYTES, _changed
 from ._reader import ViewReader
 
-__all__ = ["FsspecReader", "filesystem", "put"]
+__all__ = ["FsspecClient", "FsspecReader", "filesystem", "put"]
 
 # info() fields that name a version of an object, over the fsspec implementations
 # (s3fs, gcsfs, adlfs, huggingface_hub, local, memory): any change is a new object.
@@ -129,14 +129,6 @@ def put(fs: Any, url: str, write: Callable[[Any], None]) -> None:
 
 def filesystem(url: str) -> Any:
     """The fsspec filesystem for ``url``'s scheme, after the checks that need no I/O."""
-    import jax
-
-    if jax.process_count() > 1:
-        raise SaveError(
-            f"{url}: saving to a URL from {jax.process_count()} processes is not supported (each would upload the "
-            "object); save from one process, or save to a shared filesystem path",
-            url,
-        )
     try:
         import fsspec
     except ImportError:
@@ -151,3 +143,55 @@ def filesystem(url: str) -> Any:
     if getattr(fs, "read_only", False):
         raise SaveError(f"{url}: fsspec's {protocol!r} filesystem cannot write", url)
     return fs
+
+
+def one_uploader(url: str) -> None:
+    """Refuse a save that every process of a JAX job would upload alike.
+
+    Raises:
+        SaveError: naming ``url`` and the process count.
+    """
+    import jax
+
+    if jax.process_count() > 1:
+        raise SaveError(
+            f"{url}: saving to a URL from {jax.process_count()} processes is not supported (each would upload the "
+            "object); save from one process, or save to a shared filesystem path",
+            url,
+        )
+
+
+class FsspecClient:
+    """An object store through fsspec's filesystem for the URL's scheme (see
+    :class:`nnx_save.io._storage.ObjectClient`): the filesystem is made on the first
+    write, listing or whole read; a ranged reader makes its own."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._fs: Any = None
+
+    def fs(self, url: str | None = None) -> Any:
+        """The filesystem, made (and checked, naming ``url``) on the first call."""
+        if self._fs is None:
+            self._fs = filesystem(url or self.url)
+        return self._fs
+
+    def reader(self, url: str, stats: object, identity: tuple[int, str | None] | None) -> FsspecReader:
+        return FsspecReader(url, identity)
+
+    def writable(self, url: str) -> None:
+        one_uploader(url)
+        self.fs(url)
+
+    def upload(self, url: str, write: Callable[[Any], None]) -> None:
+        put(self.fs(), url, write)
+
+    def names(self, url: str) -> set[str]:
+        try:
+            return {str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fs().ls(url, detail=False)}
+        except FileNotFoundError:
+            return set()
+
+    def remove(self, url: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs().rm(url)

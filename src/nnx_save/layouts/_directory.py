@@ -6,11 +6,12 @@ name held by two files is refused.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from ..errors import HeaderError
 from ..format import _formats
+from ..io._storage import Location
 from ..load._source import Header, LocalFiles
 from ._file import read_file_headers
 from ._index import INDEX_NAME
@@ -43,8 +44,8 @@ class DirectoryLayout:
 
     name = "directory"
 
-    def claims(self, path: Path) -> bool:
-        return path.is_dir()
+    def claims(self, location: Location, names: Collection[str]) -> bool:
+        return any(name.endswith(".safetensors") for name in names)
 
     def read(self, path: Path) -> Header:
         _formats.refuse_directory(path)  # Orbax / TensorStore: say what it is and what to run

@@ -1,10 +1,9 @@
 """The single-file layout: one ``.safetensors`` file, local or at a URL, told by its
 bytes (a valid header; a JSON file is said to be one), its header read in two
 positioned reads (a URL: at most two ranged requests) and validated whole before any
-tensor byte; every tensor is one whole piece of it. Written by one process
-(:func:`~nnx_save.save._write.write_file`), by several into one shared file
-(:func:`~nnx_save.save._collective.write_collective`) or to an fsspec URL
-(:func:`~nnx_save.save._remote.write_remote`); the file is its own record.
+tensor byte; every tensor is one whole piece of it. Written into its
+location by :func:`~nnx_save.save._destination.write_one` (from one process, from several
+into one shared file, or uploaded whole to an object store); the file is its own record.
 """
 
 from __future__ import annotations
@@ -28,10 +27,11 @@ from ..errors import (
 from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _storage
+from ..io._storage import Location, Where
 from ..load._source import Header, LocalFiles, RemoteFiles
 from ..save._entry import Entry
 from ..save._options import SaveOptions
-from ._layout import SINGLE, Metadata, Where, Written, remove
+from ._layout import SINGLE, Metadata, Written
 
 __all__ = [
     "FileLayout",
@@ -170,7 +170,17 @@ def remote_file_header(
     if opened is None:
         first = _storage.open_remote(url, stats)
         opened = (first, first.probe())
-    reader, head = opened
+    return object_header(url, *opened)
+
+
+def member_header(location: _storage.Location, name: str) -> FileHeader:
+    """The header of file ``name`` of ``location``, read as :func:`remote_file_header` reads one."""
+    reader = location.open_reader(name)
+    return object_header(str(location.member(name)), reader, reader.probe())[0]
+
+
+def object_header(url: str, reader: Any, head: bytes) -> tuple[FileHeader, tuple[int, str | None]]:
+    """The header of the object ``reader`` reads (``head``: its first bytes, probed), and its identity."""
     _formats.refuse_file(url, head[:8], lambda n, at: head[at : at + n])
     n = checked_size(head[:8], reader.size, url)
     raw = head[8 : 8 + n]
@@ -186,39 +196,32 @@ def read_remote(url: str, stats: Any, opened: tuple[Any, bytes] | None = None) -
 
 
 class FileLayout:
-    """A path that is not a directory: one safetensors file (its bytes say so)."""
+    """One safetensors file (its bytes say so); in a directory, its ``model.safetensors``."""
 
     name = "file"
 
-    def claims(self, path: Path) -> bool:
-        return not path.is_dir()
+    def claims(self, location: Location, names: Collection[str]) -> bool:
+        return SINGLE in names
 
     def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written:
-        """One file, from this process, from every process of the job, or to a URL."""
-        import jax
+        """One file, from this process, from every process of the job, or to an object store."""
+        from ..save import _destination  # the writers: a read never loads them
 
-        from ..save import _collective, _write  # the writers: a read never loads them
-        from ..save import _remote as _remote_write
-
-        if _storage.is_url(path):
-            _remote_write.write_remote(str(path), entries, metadata)
-        elif jax.process_count() == 1:
-            _write.write_file(path, entries, metadata, progress=options.progress)
-        else:
-            _collective.write_collective(path, entries, metadata)
+        location, name = _storage.locate_file(path)
+        _destination.write_one(location, name, entries, metadata, options.progress)
         return Written(path, (path,))
 
     def check_target(self, path: str | os.PathLike) -> None:
         """Any path will do: the file's own write says what is wrong with it."""
 
-    def retire(self, directory: Path, keep: Collection[str]) -> None:
+    def retire(self, directory: Location, keep: Collection[str]) -> None:
         """Remove ``directory``'s single-file checkpoint, a safetensors file by its bytes."""
-        if SINGLE not in keep and os.path.isfile(directory / SINGLE):
+        if SINGLE not in keep:
             try:
-                read_file_header(directory / SINGLE)
+                member_header(directory, SINGLE)
             except (OSError, NnxSaveError):
                 return  # not a safetensors file: not a checkpoint's, not ours to remove
-            remove(directory / SINGLE)
+            directory.remove(SINGLE)
 
     def read(self, path: Path) -> Header:
         if not path.exists():

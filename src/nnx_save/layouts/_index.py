@@ -32,22 +32,14 @@ from ..format import _dtypes
 from ..format._header import FileHeader
 from ..format._units import parse_size
 from ..io import _files, _storage
-from ..io._atomic import (
-    TMP_MARKER,
-    atomic_file,
-    commit_staged,
-    discard_staged,
-    make_directory,
-    remove_stale_temps,
-    write_all,
-)
 from ..io._kv import Sync
+from ..io._storage import Location, Staged, Where
 from ..load._source import Header, LocalFiles, RemoteFiles
 from ..save._entry import Entry, order_entries
 from ..save._options import SaveOptions
 from . import _layout
-from ._file import pinned_headers, read_file_header, remote_file_header
-from ._layout import SAVE_ID_KEY, Metadata, Shards, Where, Written
+from ._file import member_header, pinned_headers, remote_file_header
+from ._layout import SAVE_ID_KEY, Metadata, Shards, Written
 
 __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "is_index", "join_url", "read_remote", "write_sharded"]
 
@@ -231,8 +223,8 @@ class IndexLayout:
     name = "index"
     record = INDEX_NAME
 
-    def claims(self, path: Path) -> bool:
-        return (path / INDEX_NAME).is_file()
+    def claims(self, location: Location, names: Collection[str]) -> bool:
+        return INDEX_NAME in names
 
     def read(self, path: Path, index: Path | None = None) -> Header:
         index = path / INDEX_NAME if index is None else index
@@ -284,12 +276,11 @@ class IndexLayout:
                 "max_shard_size",
             )
 
-    def retire(self, directory: Path, keep: Collection[str]) -> None:
-        target = _Local(directory, create=False)
-        files = _owned(target)[1] - set(keep)
-        _layout.remove(target.index)
+    def retire(self, directory: Location, keep: Collection[str]) -> None:
+        files = _owned(directory, directory.names()) - set(keep)
+        directory.remove(INDEX_NAME)
         for name in sorted(files):
-            _layout.remove(directory / name)
+            directory.remove(name)
 
 
 def shard_groups(entries: Sequence[Entry], max_shard_size: int | str) -> tuple[list[list[Entry]], int]:
@@ -310,95 +301,22 @@ def shard_groups(entries: Sequence[Entry], max_shard_size: int | str) -> tuple[l
     return groups, total
 
 
-def _owned(target: _Local | _Remote) -> tuple[str | None, set[str]]:
-    """The committed version's save id, and the files provably its own or of
-    interrupted saves (:func:`~nnx_save.layouts._layout.owned`)."""
-    try:
-        weight_map, meta = parse_index(target.read_index(), str(target.index))
-    except (OSError, HeaderError):
-        weight_map, meta = {}, {}
+def _owned(target: Location, listing: Collection[str]) -> set[str]:
+    """The files of ``target`` (which holds ``listing``) provably of the committed
+    version or of interrupted saves (:func:`~nnx_save.layouts._layout.owned`)."""
+    weight_map: Mapping[str, str] = {}
+    meta: Mapping[str, str] = {}
+    if INDEX_NAME in listing:
+        with contextlib.suppress(OSError, HeaderError):
+            weight_map, meta = parse_index(target.read_bytes(INDEX_NAME, "index", MAX_INDEX_BYTES, _bad), INDEX_NAME)
     record_id = meta.get(SAVE_ID_KEY)
-    read = lambda name: _layout.save_id_in(lambda: target.header(name), SAVE_ID_KEY)  # noqa: E731
-    return record_id, _layout.owned(record_id, set(weight_map.values()), target.listing(), OURS, read)
+    read = lambda name: _layout.save_id_in(lambda: member_header(target, name), SAVE_ID_KEY)  # noqa: E731
+    return _layout.owned(record_id, set(weight_map.values()), listing, OURS, read)
 
 
-class _Local:
-    """A local directory as the target of a multi-file save."""
-
-    def __init__(self, directory: str | os.PathLike, create: bool = True) -> None:
-        self.root = make_directory(directory) if create else Path(directory)
-        self.index = self.root / INDEX_NAME
-        self.staged: list[tuple[Path, Path]] = []  # complete data files, renamed together
-
-    def listing(self) -> set[str]:
-        return set(os.listdir(self.root))
-
-    def read_index(self) -> bytes:
-        return self.index.read_bytes()
-
-    def header(self, name: str) -> FileHeader:
-        return read_file_header(self.root / name)
-
-    def write_shards(self, files: Shards, meta: Mapping[str, str], written: list[str], progress: bool | None) -> None:
-        from ..save import _write  # the writers: a read never loads them
-
-        done: list[Path] = []
-        try:
-            paths = [(self.root / n, g) for n, g in files]
-            _write.write_files(paths, meta, staged=self.staged, progress=progress, written=done)
-        finally:
-            written.extend(path.name for path in done)
-
-    def commit_index(self, data: bytes) -> None:
-        commit_staged(self.staged)  # fresh names: one directory fsync for them all, before the index
-        with atomic_file(self.index) as fd:
-            write_all(fd, memoryview(data))
-
-    def discard(self) -> None:
-        discard_staged(self.staged)
-
-    def remove(self, name: str) -> None:
-        _layout.remove(self.root / name)
-
-
-class _Remote:
-    """An fsspec URL (a "directory" of objects) as the target of a multi-file save."""
-
-    def __init__(self, url: str) -> None:
-        self.root = url.rstrip("/")
-        from ..io import _fsspec  # the writers: a read never loads them
-        from ..save import _remote as remote_write
-
-        self.put, self.write_remote = _fsspec.put, remote_write.write_remote
-        self.fs = _fsspec.filesystem(self.root)
-        self.index = f"{self.root}/{INDEX_NAME}"
-
-    def listing(self) -> set[str]:
-        try:
-            return {str(p).rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.root, detail=False)}
-        except FileNotFoundError:
-            return set()
-
-    def read_index(self) -> bytes:
-        return self.fs.cat(self.index)
-
-    def header(self, name: str) -> FileHeader:
-        return remote_file_header(f"{self.root}/{name}", _storage.RemoteStats())[0]
-
-    def write_shards(self, files: Shards, meta: Mapping[str, str], written: list[str], progress: bool | None) -> None:
-        for name, group in files:
-            self.write_remote(f"{self.root}/{name}", group, meta)
-            written.append(name)
-
-    def commit_index(self, data: bytes) -> None:
-        self.put(self.fs, self.index, lambda f: f.write(data))
-
-    def discard(self) -> None:  # nothing staged: each object is moved into place once complete
-        pass
-
-    def remove(self, name: str) -> None:
-        with contextlib.suppress(Exception):
-            self.fs.rm(f"{self.root}/{name}")
+def _commit_index(target: Location, staged: Staged, index: bytes) -> None:
+    """The commit: the staged data files moved into place, then the index replaced atomically."""
+    target.commit(staged, INDEX_NAME, index)
 
 
 def write_sharded(
@@ -412,12 +330,14 @@ def write_sharded(
     path or an fsspec URL); what the primary committed (the index: a URL stays a ``str``).
     ``progress`` as in :func:`nnx_save._progress.bar`, per file."""
     groups, total = shard_groups(order_entries(entries), max_shard_size)
-    target = _Remote(str(directory)) if _storage.is_url(directory) else _Local(directory)
+    target = _storage.locate(directory)
+    target.prepare()
+    listing = target.names()  # the primary's plan reads it: this save holds the directory's lock
     sync = Sync.open(Path(str(directory)), "multi-file save", "the previous checkpoint there, if any, is intact")
 
     def plan() -> dict[str, Any]:
-        save_id, (_, previous) = _layout.new_save_id(), _owned(target)
-        names = file_names(len(groups), "model", previous | target.listing(), save_id)
+        save_id, previous = _layout.new_save_id(), _owned(target, listing)
+        names = file_names(len(groups), "model", previous | set(listing), save_id)
         return {"id": save_id, "previous": sorted(previous), "names": names}
 
     agreed = sync.on_primary("plan", plan)
@@ -425,36 +345,37 @@ def write_sharded(
     weight_map = {e.key: name for name, group in zip(names, groups, strict=True) for e in group}
     index = index_record(weight_map, total, agreed["id"])
     written: list[str] = []
+    staged: Staged = []  # complete data files, committed together before the index
     try:
-        if sync.n == 1:
-            target.write_shards(list(zip(names, groups, strict=True)), meta, written, progress)
-        for name, group in zip(names, groups, strict=True) if sync.n > 1 else ():
-            from ..save._collective import write_collective  # every process writes its shards of the file's tensors
-
-            write_collective(Path(target.root) / name, group, meta)
-            written.append(name)
-        sync.on_primary("index", lambda: target.commit_index(index))
+        _write_files(target, list(zip(names, groups, strict=True)), meta, sync.n, staged, written, progress)
+        sync.on_primary("index", lambda: _commit_index(target, staged, index))
     except BaseException:
-        target.discard()
+        target.discard(staged)
         for name in written if sync.pid == 0 else ():
             target.remove(name)
         raise
     if sync.pid != 0:
         return None
-    _remove_superseded(target, set(agreed["previous"]) - set(names))
-    return Written(target.index, tuple(_file_of(target, n) for n in names))
-
-
-def _file_of(target: _Local | _Remote, name: str) -> Any:
-    return f"{target.root}/{name}" if isinstance(target, _Remote) else target.root / name
-
-
-def _remove_superseded(target: _Local | _Remote, previous: set[str]) -> None:
-    """After the commit: the files provably of the version replaced or of interrupted
-    saves, and temporary files of this layout's names whose process is dead."""
-    if isinstance(target, _Local):
-        for name in target.listing():  # ".<file>.nnx_save-tmp-<host>-<pid>-<random>"
-            if TMP_MARKER in name and OURS.fullmatch(name[1 : name.index(TMP_MARKER)]):
-                remove_stale_temps(target.root / name[1 : name.index(TMP_MARKER)])
-    for name in sorted(previous):
+    # After the commit: the files provably of the version replaced or of interrupted saves,
+    # and temporary files of this layout's names whose process is dead.
+    target.sweep(lambda name: OURS.fullmatch(name) is not None)
+    for name in sorted(set(agreed["previous"]) - set(names)):
         target.remove(name)
+    return Written(target.member(INDEX_NAME), target.members(names))
+
+
+def _write_files(
+    target: Location, files: Shards, meta: Mapping[str, str], n: int, staged: Staged, written: list[str], progress
+) -> None:
+    """This process's part of the data files: all of them, or with ``n`` processes its
+    shards of each file's tensors (:func:`~nnx_save.save._collective.write_collective`)."""
+    if n == 1:
+        from ..save import _destination  # the writers: a read never loads them
+
+        _destination.write_at(target, files, meta, staged=staged, progress=progress, written=written)
+        return
+    from ..save._collective import write_collective
+
+    for name, group in files:
+        write_collective(target.member(name), group, meta)
+        written.append(name)

@@ -14,7 +14,6 @@ mix. Files of other tools carry no save id and are not checked.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -23,6 +22,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 
 from ..errors import HeaderCheck, HeaderError, NnxSaveError, SourceChangedError, SourceError
 from ..format._header import FileHeader, TensorInfo, unique_pairs
+from ..io._storage import Location, Where
 from ..load._source import Header
 from ..save._entry import Entry
 from ..save._options import SaveOptions
@@ -33,7 +33,6 @@ __all__ = [
     "Layout",
     "Metadata",
     "Shards",
-    "Where",
     "Writable",
     "Written",
     "check_one_version",
@@ -43,11 +42,8 @@ __all__ = [
     "new_save_id",
     "one_version",
     "owned",
-    "remove",
 ]
 
-Where = str | os.PathLike
-"""Where a save writes: a path, or an fsspec URL."""
 Metadata = Mapping[str, str] | None
 """The string metadata a save records (``None``: none)."""
 Shards = list[tuple[str, list[Entry]]]
@@ -56,7 +52,6 @@ Shards = list[tuple[str, list[Entry]]]
 SAVE_ID_KEY = "nnx_save.save_id"
 SINGLE = "model.safetensors"
 """A directory's single-file checkpoint (HuggingFace's name): a layout of its own beside a record."""
-log = logging.getLogger("nnx_save")
 T = TypeVar("T")
 
 
@@ -75,8 +70,8 @@ class Layout(Protocol):
     name: str
     """``"file"``, ``"index"``, ``"directory"`` or ``"pod"``: the :attr:`Header.kind` it reads."""
 
-    def claims(self, path: Path) -> bool:
-        """Whether local ``path`` holds this layout, judged by its content."""
+    def claims(self, location: Location, names: Collection[str]) -> bool:
+        """Whether ``location``, whose names are ``names``, holds this layout, judged by its content."""
         ...
 
     def read(self, path: Path) -> Header:
@@ -108,7 +103,7 @@ class Writable(Layout, Protocol):
         """
         ...
 
-    def retire(self, directory: Path, keep: Collection[str]) -> None:
+    def retire(self, directory: Location, keep: Collection[str]) -> None:
         """After another layout's commit in ``directory``: remove this layout's
         record, then the files provably its own (none of ``keep``)."""
         ...
@@ -141,16 +136,6 @@ def owned(
         if proven:
             mine.add(name)
     return mine
-
-
-def remove(path: Path) -> None:
-    """Remove ``path`` after a commit: a leftover only costs disk space, so a failure is logged."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        log.warning("%s: could not remove %s (%s)", path.parent, path.name, e.strerror)
 
 
 def conflict(directory: Path, records: Sequence[str]) -> HeaderError:

@@ -27,28 +27,26 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..errors import HeaderError, SaveError, short_repr
+from ..errors import HeaderError, OptionError, SaveError, short_repr
 from ..format import _dtypes
 from ..format._boxes import of_index
 from ..format._header import FileHeader, TensorInfo, encode_header
-from ..io import _files
-from ..io._atomic import TMP_MARKER, atomic_file, make_directory, remove_stale_temps, write_all
+from ..io import _files, _storage
 from ..io._kv import Outcome, Sync
+from ..io._storage import Location, Where
 from ..load._pieces import Box, Piece, extents, whole
 from ..load._source import Header, LocalFiles
 from ..save._entry import Entry, order_entries, spans_processes
 from ..save._options import SaveOptions
-from ._file import read_file_header
+from ._file import member_header, read_file_header
 from ._index import MAX_INDEX_BYTES
 from ._layout import (
     SAVE_ID_KEY,
     Metadata,
-    Where,
     Written,
     load_record,
     new_save_id,
     owned,
-    remove,
     save_id_in,
     single_beside,
 )
@@ -400,14 +398,14 @@ class PodLayout:
     name = "pod"
     record = MANIFEST
 
-    def claims(self, path: Path) -> bool:
+    def claims(self, location: Location, names: Collection[str]) -> bool:
         """By content: another tool's ``manifest.json`` is not a pod's."""
-        if not os.path.lexists(path / MANIFEST):
+        if MANIFEST not in names:
             return False
         try:
-            raw = _files.read_capped(os.fspath(path / MANIFEST), "manifest", MAX_INDEX_BYTES, HeaderError)
+            raw = location.read_bytes(MANIFEST, "manifest", MAX_INDEX_BYTES, HeaderError)
         except (OSError, HeaderError):
-            return os.path.lexists(path / MANIFEST)  # unreadable: reading it says why
+            return True  # there but unreadable: reading it says why
         return f'"{FORMAT}"'.encode() in raw
 
     def _manifest(self, path: Path) -> Manifest:
@@ -439,7 +437,8 @@ class PodLayout:
         """Create ``directory``; this process's pieces of ``entries``, taken when the
         save is called (before any host snapshot: a process writes every distinct box
         it holds, whatever its replica), and the writer of those pieces."""
-        make_directory(directory)
+        self.check_target(directory)
+        _storage.locate(directory).prepare()
         entries = order_entries(entries)
         local, listing, shardings = [], [], {}
         for e in entries:
@@ -453,25 +452,35 @@ class PodLayout:
         return local, lambda path, mine: _write(path, mine, names, dict(metadata or {}), posted, options.progress)
 
     def check_target(self, path: str | os.PathLike) -> None:
-        """Any local directory path will do (:func:`pieces` creates it)."""
+        """A directory on a filesystem every process shares (:func:`pieces` creates it).
 
-    def retire(self, directory: Path, keep: Collection[str]) -> None:
+        Raises:
+            OptionError: ``path`` is a URL (an object store has no file that several
+                processes write at byte offsets).
+        """
+        if _storage.locate(path).directory is None:
+            raise OptionError(
+                f"save_pod: directory {os.fspath(path)!r} is a URL; a pod is written to a (shared) filesystem",
+                "directory",
+            )
+
+    def retire(self, directory: Location, keep: Collection[str]) -> None:
         files = _owned(directory) - set(keep)
-        remove(directory / MANIFEST)
+        directory.remove(MANIFEST)
         for name in sorted(files):
-            remove(directory / name)
+            directory.remove(name)
 
 
-def _owned(directory: Path) -> set[str]:
+def _owned(location: Location) -> set[str]:
     """The shard files provably of the committed save or of interrupted ones."""
     try:
-        obj = json.loads((directory / MANIFEST).read_bytes())
+        obj = json.loads(location.read_bytes(MANIFEST, "manifest", MAX_INDEX_BYTES, HeaderError))
         named = {p["file"] for spec in obj["tensors"].values() for p in spec["pieces"]}
         record_id = obj.get("save_id")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, HeaderError):
         named, record_id = set(), None
-    read = lambda name: save_id_in(lambda: read_file_header(directory / name), SAVE_ID_KEY)  # noqa: E731
-    return owned(record_id, named, os.listdir(directory), SHARD_FILE, read)
+    read = lambda name: save_id_in(lambda: member_header(location, name), SAVE_ID_KEY)  # noqa: E731
+    return owned(record_id, named, location.names(), SHARD_FILE, read)
 
 
 # --------------------------------------------------------------------------- writing
@@ -489,7 +498,7 @@ def piece_name(key: str, box: Box, shape: tuple[int, ...]) -> str:
 
 
 def _commit_manifest(
-    directory: Path,
+    location: Location,
     names: Sequence[tuple[str, str, tuple[int, ...]]],
     meta: Mapping[str, str],
     posted: Mapping[int, dict[str, Any]],
@@ -516,23 +525,13 @@ def _commit_manifest(
         "tensors": tensors,
     }
     try:
-        with atomic_file(directory / MANIFEST) as fd:  # a short write loops: a full disk raises, never truncates
-            write_all(fd, memoryview(json.dumps(manifest, indent=1).encode() + b"\n"))
+        location.replace(MANIFEST, json.dumps(manifest, indent=1).encode() + b"\n")
     except SaveError as e:
         return Outcome(False, error=str(e))
     for stale in sorted(previous - {shard_name(p, n, token) for p in range(n)}):
-        remove(directory / stale)
-    _remove_dead_temps(directory)
+        location.remove(stale)
+    location.sweep(lambda name: SHARD_FILE.match(name) is not None)
     return Outcome(True)
-
-
-def _remove_dead_temps(directory: Path) -> None:
-    """The temporary shard files of saves whose process died (a killed save): each save
-    names its shards anew, so no later save of the same name would ever remove them."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):  # ".<shard file>.nnx_save-tmp-<host>-<pid>-<random>"
-            if name.startswith(".") and TMP_MARKER in name and SHARD_FILE.match(name[1 : name.index(TMP_MARKER)]):
-                remove_stale_temps(directory / name[1 : name.index(TMP_MARKER)])
 
 
 def _describe_sharding(array: Any) -> str:
@@ -575,12 +574,13 @@ def _write(
     from ..save._collective import agree  # the writers: a read never loads them
     from ..save._write import write_file
 
+    location = _storage.locate(path)
     directory = Path(path)
     sync = Sync.open(directory, what="pod save", intact="the previous save in it, if any, is intact")
     if sync.n > 1:
         head, offsets = encode_header(names, meta)
         agree(sync, head, len(names), offsets[-1][1] if offsets else 0)
-    plan = sync.on_primary("token", lambda: {"token": new_save_id(), "previous": sorted(_owned(directory))})
+    plan = sync.on_primary("token", lambda: {"token": new_save_id(), "previous": sorted(_owned(location))})
     token = plan["token"]
     mine = directory / shard_name(sync.pid, sync.n, token)
 
@@ -590,7 +590,7 @@ def _write(
 
     try:
         pieces = sync.step("pieces", Outcome.of(write_mine))
-        done = _commit_manifest(directory, names, meta, pieces, token, set(plan["previous"])) if sync.pid == 0 else None
+        done = _commit_manifest(location, names, meta, pieces, token, set(plan["previous"])) if sync.pid == 0 else None
         sync.step("commit", done, only=0)
     except SaveError:
         with contextlib.suppress(FileNotFoundError):

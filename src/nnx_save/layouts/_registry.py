@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from .._options import path_arg
 from ..errors import NotSafetensorsError, OptionError, RemoteError, SaveError, SourceNotFoundError
 from ..format._formats import foreign_directory
 from ..io import _storage
-from ..io._lock import STORE_RECORD, one_writer
+from ..io._lock import STORE_RECORD
 from ..io._reader import Reader
+from ..io._storage import LocalDirectory, Location, Where
 from ..load._source import Header, gc_paused
 from ..save._entry import Entry
-from ..save._options import SaveOptions
+from ..save._options import DEFAULT_SHARD_SIZE, SaveOptions
 from . import _file, _index
 from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout
@@ -42,9 +43,21 @@ from ._pod import PodLayout
 if TYPE_CHECKING:
     from ..save._background import SaveHandle
 
-__all__ = ["INDEX", "POD", "RECORDS", "Write", "layout_of", "read_header", "reader_factory", "save", "writer"]
+__all__ = [
+    "INDEX",
+    "LAYOUTS",
+    "POD",
+    "RECORDS",
+    "Owner",
+    "Write",
+    "layout_of",
+    "owners",
+    "read_header",
+    "reader_factory",
+    "save",
+    "writer",
+]
 
-PathLike = str | os.PathLike
 POD, INDEX, FILE = PodLayout(), IndexLayout(), FileLayout()
 RECORDS: tuple[PodLayout | IndexLayout, ...] = (POD, INDEX)
 """The layouts a directory holds by their record; two that claim one directory conflict."""
@@ -53,7 +66,7 @@ _WHAT = {"index": "a multi-file save", "pod": "save_pod"}  # the holder, as a re
 _DEFAULTS = SaveOptions()
 
 
-def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
+def read_header(source: Where | Sequence[Where] | Header) -> Header:
     """Read and validate the header(s) of a checkpoint, reading no tensor data.
 
     Args:
@@ -92,7 +105,7 @@ def read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
         ) from None
 
 
-def _describe_source(source: PathLike | Sequence[PathLike]) -> str:
+def _describe_source(source: Where | Sequence[Where]) -> str:
     return os.fspath(source) if isinstance(source, (str, os.PathLike)) else f"{len(source)} files"
 
 
@@ -106,9 +119,9 @@ def _check_source(source: object) -> None:
         path_arg(source, "source", "read_header")
 
 
-def _read(source: PathLike | Sequence[PathLike]) -> Header:
+def _read(source: Where | Sequence[Where]) -> Header:
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
-    if isinstance(name, str) and _as_path_spells_it(name) and not _storage.is_url(name):
+    if isinstance(name, str) and _as_path_spells_it(name):  # never a URL: "scheme://" has a "//"
         try:  # a local file, the common case, in one open and one fstat
             local = _file.read_local(name)
         except FileNotFoundError:
@@ -152,7 +165,9 @@ def layout_of(path: Path) -> Layout:
     Raises:
         HeaderError: ``check="layout"``: two layouts claim ``path``, naming both.
     """
-    claimed = [layout for layout in RECORDS if layout.claims(path)] if path.is_dir() else []
+    location = LocalDirectory(path)  # a value: reading a local directory lists it here
+    names = set(os.listdir(path)) if path.is_dir() else set()
+    claimed = [layout for layout in RECORDS if layout.claims(location, names)]
     if len(claimed) > 1:
         raise conflict(path, [f"{layout.record} ({layout.name})" for layout in claimed])
     if not claimed and os.path.lexists(path / POD.record):
@@ -200,6 +215,49 @@ def _remote_object(url: str, stats: _storage.RemoteStats) -> Header:
 # --------------------------------------------------------------------------- writing
 
 
+class Owner(NamedTuple):
+    """One claim on a directory: who (``kind``) and by what it holds (``what``, for messages)."""
+
+    kind: Literal["store", "foreign", "pod", "index", "files"]
+    what: str
+
+
+def owners(location: Location, names: Collection[str]) -> list[Owner]:
+    """Who owns directory ``location``, judged by what it holds, in this order: a step
+    store (its record), another tool's checkpoint (Orbax, TensorStore: their markers, on a
+    filesystem), the layouts that claim it by their record's content (:data:`RECORDS`),
+    and plain ``*.safetensors`` files; ``names``: what it holds (its
+    :meth:`~nnx_save.io._storage.Location.names`). Empty when it holds none of these.
+    Each writer refuses the owners it cannot share a directory with: a save the store
+    and other tools, the store the layouts.
+
+    Examples:
+        >>> import os, tempfile, numpy as np, nnx_save
+        >>> from nnx_save.io._storage import locate
+        >>> d = tempfile.mkdtemp()
+        >>> nnx_save.save_file({"w": np.zeros(4, np.float32)}, d, max_shard_size=8)
+        >>> [o.kind for o in owners(locate(d), os.listdir(d))]
+        ['index', 'files']
+    """
+    if not names:
+        return []
+    found = []
+    if STORE_RECORD in names:
+        found.append(Owner("store", f"the directory of a step store (it holds {STORE_RECORD}: nnx_save.checkpoint)"))
+    root = location.directory
+    try:
+        foreign = foreign_directory(root) if root is not None else None  # Orbax's markers, read on a filesystem
+    except OSError:  # gone or unreadable meanwhile: the save itself says what is wrong
+        foreign = None
+    if foreign is not None:
+        found.append(Owner("foreign", foreign))
+    found += [Owner(layout.name, layout.record) for layout in RECORDS if layout.claims(location, names)]  # type: ignore[arg-type]  # "pod", "index"
+    files = sorted(n for n in names if n.endswith(".safetensors") and not n.startswith("."))
+    if files:
+        found.append(Owner("files", f"{len(files)} .safetensors files ({', '.join(files[:3])})"))
+    return found
+
+
 @dataclasses.dataclass(frozen=True)
 class Write:
     """A save's layout, metadata and options: ``write(path, entries)`` writes, commits,
@@ -209,77 +267,84 @@ class Write:
     metadata: Mapping[str, str] | None
     options: SaveOptions = _DEFAULTS
 
-    def __call__(self, path: PathLike, entries: Sequence[Entry]) -> Written | None:
+    def __call__(self, path: Where, entries: Sequence[Entry]) -> Written | None:
         return self.run(path, lambda p, e: self.layout.write(p, e, self.metadata, self.options), entries)
 
     def run(
-        self, path: PathLike, write: Callable[[PathLike, Sequence[Entry]], Written | None], entries: Sequence[Entry]
+        self, path: Where, write: Callable[[Where, Sequence[Entry]], Written | None], entries: Sequence[Entry]
     ) -> Written | None:
-        """``write(path, entries)`` (this layout's write) and :meth:`committed`, as the one
-        writer of directory ``path`` (:func:`~nnx_save.io._lock.one_writer`): a multi-file or
-        pod save into a local directory holds its lock from before the first step until the
-        other layouts are retired, so two saves never interleave files or remove each
-        other's. One file needs none (its rename is the commit); a URL has no ``flock``.
+        """``write(path, entries)`` (this layout's write) and the retirement of the other
+        layouts, as the one writer of directory ``path`` (its location's
+        :meth:`~nnx_save.io._storage.Location.one_writer`): a multi-file or pod save holds
+        it from before the first step until the other layouts are retired, so two saves
+        never interleave files or remove each other's. One file needs none (its replace
+        is the commit).
 
         Raises:
             DirectoryLockedError: another save or store holds the directory (named).
+            SaveError: the directory is a step store's or another tool's checkpoint.
         """
         # ``entries`` travel as an argument, never in a closure: an asynchronous save's kept
         # error clears its frames' locals, not a function's cells (the snapshot would stay).
-        if isinstance(self.layout, FileLayout) or _storage.is_url(path):
-            return self.committed(path, write(path, entries))
+        if isinstance(self.layout, FileLayout):
+            return write(path, entries)
         self.layout.check_target(path)
-        _refuse_foreign(Path(path), _WHAT[self.layout.name])
-        with one_writer(path, _WHAT[self.layout.name]):
-            return self.committed(path, write(path, entries))
+        location = _storage.locate(path)
+        names, what = location.names(), _WHAT[self.layout.name]
+        if names:  # an empty or new directory has no owner, and no layout to retire
+            _refuse_foreign(location, owners(location, names), what)
+        with location.one_writer(what):
+            written = write(path, entries)
+            if written is not None and names:
+                self._retire_others(location, names, written)
+            return written
 
-    def committed(self, path: PathLike, written: Written | None) -> Written | None:
-        """After ``layout``'s commit in directory ``path``: retire the other layouts there."""
-        if written is not None and not isinstance(self.layout, FileLayout) and not _storage.is_url(path):
-            keep = {Path(f).name for f in written.files}
-            for other in (*RECORDS, FILE):
-                if other.name != self.layout.name and (other is FILE or other.claims(Path(path))):
-                    other.retire(Path(path), keep)
-        return written
+    def _retire_others(self, location: Location, names: Collection[str], written: Written) -> None:
+        """After this layout's commit: retire the layouts the directory held before it
+        (``names``: what it held)."""
+        keep = {str(f).rsplit("/", 1)[-1] for f in written.files}
+        for other in (*RECORDS, FILE):
+            if other.name != self.layout.name and other.claims(location, names):
+                other.retire(location, keep)
 
 
-def _refuse_foreign(directory: Path, what: str) -> None:
-    """Refuse a multi-file or pod save into a directory that a step store or an Orbax
-    checkpoint owns: its files would mix with theirs, and a loader would read the one and
-    hide the other.
+def _refuse_foreign(location: Location, found: Sequence[Owner], what: str) -> None:
+    """Refuse a multi-file or pod save into a directory that a step store or another
+    tool's checkpoint owns: its files would mix with theirs, and a loader would read the
+    one and hide the other.
 
     Raises:
-        SaveError: naming ``directory`` and what owns it; nothing was written.
+        SaveError: naming the directory and what owns it; nothing was written.
     """
-    try:
-        owner = (
-            f"the directory of a step store (it holds {STORE_RECORD}: nnx_save.checkpoint)"
-            if (directory / STORE_RECORD).exists()
-            else foreign_directory(directory)
-        )
-    except OSError:  # absent, or not a directory: the save itself says what is wrong
-        return
-    if owner is not None:
-        raise SaveError(
-            f"{directory}: is {owner}; {what} into it would mix two checkpoints in one directory, so "
-            "nothing was written: save to another directory",
-            str(directory),
-        )
+    for owner in found:
+        if owner.kind in ("store", "foreign"):
+            raise SaveError(
+                f"{location}: is {owner.what}; {what} into it would mix two checkpoints in one directory, so "
+                "nothing was written: save to another directory",
+                str(location),
+            )
 
 
-def writer(metadata: Mapping[str, str] | None, options: SaveOptions = _DEFAULTS, *, pod: bool = False) -> Write:
-    """The writer for a save: ``writer(path, entries)``. ``options.max_shard_size`` asks
-    for an HF multi-file checkpoint, ``pod`` for a pod directory (``metadata`` then is the
-    manifest's and every shard file's); else one file. ``options`` travel with it.
+LAYOUTS = ("file", "index", "pod")
+"""The layouts a save writes, as :attr:`SaveOptions.layout` names them."""
+
+
+def writer(metadata: Mapping[str, str] | None, options: SaveOptions = _DEFAULTS) -> Write:
+    """The writer for a save: ``writer(path, entries)``, of the layout
+    ``options.layout`` names (by default ``"index"`` when ``options.max_shard_size``
+    is given, else ``"file"``): one file, an HF index
+    of files of at most ``options.max_shard_size`` bytes, or a pod directory
+    (``metadata`` then is the manifest's and every shard file's). ``options`` travel with it.
     """
-    if pod:
+    layout = options.layout or ("file" if options.max_shard_size is None else "index")
+    if layout == "pod":
         return Write(POD, dict(metadata or {}), options)
-    if options.max_shard_size is None:
+    if layout == "file":
         return Write(FILE, metadata, options)
-    return Write(IndexLayout(options.max_shard_size), metadata, options)
+    return Write(IndexLayout(options.max_shard_size or DEFAULT_SHARD_SIZE), metadata, options)
 
 
-def save(path: PathLike, entries: Sequence[Entry], write: Write) -> SaveHandle | None:
+def save(path: Where, entries: Sequence[Entry], write: Write) -> SaveHandle | None:
     """Run ``write(path, entries)``: now (``write.options.blocking``), or on a host
     snapshot in the background with no bar drawn over the caller's output (see
     :mod:`nnx_save.save._background`). A pod's pieces are taken first, from the
@@ -287,7 +352,7 @@ def save(path: PathLike, entries: Sequence[Entry], write: Write) -> SaveHandle |
     blocking = write.options.blocking
     if not blocking:
         write = dataclasses.replace(write, options=dataclasses.replace(write.options, progress=False))
-    run: Callable[[PathLike, Sequence[Entry]], object] = write
+    run: Callable[[Where, Sequence[Entry]], object] = write
     if isinstance(write.layout, PodLayout):
         entries, pod_write = write.layout.pieces(path, entries, write.metadata, write.options)
         run = lambda p, e: write.run(p, pod_write, e)  # noqa: E731

@@ -61,7 +61,7 @@ class SaveHandle:
 
     def __init__(self, path: str | os.PathLike) -> None:
         path = path_arg(path, "path", "SaveHandle")
-        self.path: Path | str = path if _storage.is_url(path) else Path(path)  # a URL (s3://...) stays a str
+        self.path: Path | str = _storage.absolute(path)  # a URL (s3://...) stays a str
         self._finished = threading.Event()
         self._error: BaseException | None = None
 
@@ -115,7 +115,7 @@ def save(
         return None
     _make_room(max_in_flight())
     snap = snapshot(entries, where=str(path))
-    handle = SaveHandle(str(path) if _storage.is_url(path) else os.path.abspath(path))  # a URL stays as given
+    handle = SaveHandle(path)
     with _lock:
         _pending.append(handle)
         _start_worker()

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 from .._options import check
 from ..errors import OptionError
 from ..format._units import parse_size
 
-__all__ = ["SaveOptions"]
+__all__ = ["DEFAULT_SHARD_SIZE", "Layout", "SaveOptions"]
+
+Layout = Literal["file", "index", "pod"]
+DEFAULT_SHARD_SIZE = "5GB"
+"""The largest file of an index layout whose ``max_shard_size`` is not given (transformers' default)."""
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,13 @@ class SaveOptions:
         max_shard_size: write a HuggingFace multi-file checkpoint (a directory with
             ``model.safetensors.index.json``) of files of at most this many bytes: an
             int or a size such as ``"5GB"`` or ``"200MiB"`` (``save_file`` and
-            ``save_model``; ``save_pod`` refuses it).
+            ``save_model``; ``save_pod`` refuses it). A shortcut for ``layout="index"``.
+        layout: what a save writes: ``"file"`` (one ``.safetensors`` file),
+            ``"index"`` (a HuggingFace multi-file checkpoint, files of at most
+            ``max_shard_size``, else :data:`DEFAULT_SHARD_SIZE`) or ``"pod"`` (one shard file per
+            process and a ``manifest.json``: what ``save_pod`` writes). ``None``, the
+            default: ``"index"`` when ``max_shard_size`` is given, else ``"file"``
+            (``save_pod`` always writes ``"pod"``).
 
     Raises:
         OptionError: a field out of range or of the wrong type (names it).
@@ -36,6 +48,8 @@ class SaveOptions:
     Examples:
         >>> SaveOptions(blocking=False).blocking
         False
+        >>> SaveOptions(layout="index").layout
+        'index'
         >>> SaveOptions(max_shard_size="5 parsecs")
         Traceback (most recent call last):
         ...
@@ -45,6 +59,7 @@ class SaveOptions:
     progress: bool | None = None
     blocking: bool = True
     max_shard_size: int | str | None = None
+    layout: Layout | None = None
 
     def __post_init__(self) -> None:
         progress = self.progress  # a bool, not 1 or 0 (== True, False)
@@ -52,9 +67,18 @@ class SaveOptions:
         check(isinstance(self.blocking, bool), "blocking", "True or False", self.blocking)
         if self.max_shard_size is not None:
             parse_size(self.max_shard_size, "max_shard_size")  # an OptionError naming it
+        check(self.layout in (None, "file", "index", "pod"), "layout", "None, 'file', 'index' or 'pod'", self.layout)
+        if self.max_shard_size is not None and self.layout in ("file", "pod"):
+            raise OptionError(
+                f"layout={self.layout!r} writes no HuggingFace index, so max_shard_size cannot apply; give "
+                "layout='index' (or no layout) with max_shard_size, or no max_shard_size",
+                "max_shard_size",
+            )
 
-    def unsharded(self, writer: str) -> SaveOptions:
-        """``self``, for a ``writer`` of another layout: ``max_shard_size`` is refused, not ignored."""
+    def for_pod(self, writer: str) -> SaveOptions:
+        """``self`` with ``layout="pod"``, for ``writer``: ``max_shard_size`` and another layout are refused, not ignored."""
         if self.max_shard_size is not None:
             raise OptionError(f"{writer}: max_shard_size is for save_model", "max_shard_size")
-        return self
+        if self.layout not in (None, "pod"):
+            raise OptionError(f"{writer}: layout={self.layout!r} is for save_file and save_model", "layout")
+        return dataclasses.replace(self, layout="pod")

@@ -1,11 +1,11 @@
-"""Weights files written to an object store through fsspec (any fsspec filesystem that
-can write: ``s3://``, ``gs://``, ``memory://`` ...).
+"""Weights files written to a location that takes whole objects (an object store:
+``s3://``, ``gs://``, ``memory://`` ...; :meth:`~nnx_save.io._storage.Location.upload`).
 
 An object cannot be rewritten in place once streamed, but the header records every
 tensor's checksum, so the save makes two passes, one tensor in host memory at a time:
-the first hashes, the second streams header and tensors into a temporary object beside
-the destination, hashing again. It is moved under its final name only when complete
-and both passes agree, so a failed save never leaves a partial object there.
+the first hashes, the second streams header and tensors into the upload, hashing
+again. The location makes it visible under its name only when complete and both
+passes agree, so a failed save never leaves a partial object there.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import Any
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ..io._fsspec import filesystem, put
+from ..io._storage import Location
 from ._entry import Entry, host_bytes, order_entries
 
 __all__ = ["write_remote"]
 
 
-def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
-    """Write ``entries`` as one safetensors object at ``url``, committed only when complete.
+def write_remote(location: Location, name: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
+    """Write ``entries`` as one safetensors object ``name`` of ``location``, committed only when complete.
 
     Raises:
         SaveError: fsspec or its implementation for the scheme is missing, the
@@ -31,7 +31,8 @@ def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str]
             tensor changed between the two passes, or the upload failed; nothing
             is left under ``url`` (a previous object there is intact).
     """
-    fs = filesystem(url)
+    location.prepare(name)
+    url = str(location.member(name))
     entries = order_entries(entries)
     first = _checksum.Digests([e.key for e in entries])
     for e in entries:
@@ -55,4 +56,4 @@ def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str]
             changed = sorted(k for k in first.values if first.values[k] != second.values[k])
             raise SaveError(f"{url}: tensors {changed} changed while they were saved; nothing was saved", url)
 
-    put(fs, url, stream)
+    location.upload(name, stream)
