@@ -1,13 +1,15 @@
 """A lazy handle on a checkpoint, as safetensors users know it: :func:`safe_open`
-and :func:`iter_tensors` (docs/lazy.md). A small slice of a local file is read with
-``pread`` straight into the result (:mod:`nnx_save.load._direct`: nothing is mapped, so a
-file truncated under the handle is a typed error, never SIGBUS); anything larger, remote,
-or in a pod's pieces asks the loading engine for the slice's box.
+and :func:`iter_tensors` (docs/lazy.md). A small slice of a local file is read straight
+into the result (:mod:`nnx_save.load._direct`: ``preadv``, or runs far apart gathered
+from a map the process never loads from, so a file truncated under the handle is a typed
+error, never SIGBUS); anything larger, remote, or in a pod's pieces asks the loading
+engine for the slice's box.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -19,7 +21,7 @@ from ..errors import SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
 from ..layouts._registry import read_header, reader_factory
-from ..load._direct import DirectFiles
+from ..load._direct import DIRECT_MAX_BYTES, DirectFiles, one_run, quick_run
 from ..load._options import LoadOptions
 from ..load._report import IOStats
 from ..load._slices import Box, compat, normalize_index, plain, slice_box
@@ -98,23 +100,50 @@ class _Open:
         self.direct = DirectFiles(local) if local is not None else None
         self.io = IOStats()  # every read through this handle, summed
         self.files: set[str] = set()
+        self.runs: dict[str, tuple[bool, bool]] = {}  # tensor name -> (read directly, one run at a time)
+
+    def direct_ok(self, info: TensorInfo) -> tuple[bool, bool]:
+        """Whether ``info``'s slices may be read directly (:mod:`nnx_save.load._direct`:
+        a local file, whole bytes), and whether one run of it may be read as is (not
+        BOOL, whose bytes are checked against the slice's box)."""
+        ok = self.runs.get(info.name)
+        if ok is None:
+            direct = self.direct is not None and info.dtype.byte_aligned
+            direct = direct and not self.header.placement.is_remote(info.file)
+            ok = self.runs[info.name] = (direct, direct and info.dtype.code != "BOOL")
+        return ok
+
+    def read_run(self, info: TensorInfo, first: int, shape: list[int]) -> np.ndarray:
+        """Elements ``first`` onward of ``info``, one contiguous run filling ``shape``
+        (at most :data:`DIRECT_MAX_BYTES`), read with one call."""
+        out = self.direct.read_run(info, first, shape)  # type: ignore[union-attr]
+        self._count(info, out.nbytes, out.nbytes, 1)
+        return out
 
     def read(self, info: TensorInfo, items: tuple[int | slice, ...]) -> np.ndarray:
         """``tensor[items]`` (a normalized index) as a fresh numpy array."""
         direct = self.direct
-        if direct is None or not info.dtype.byte_aligned or self.header.placement.is_remote(info.file):
+        ok, runs = self.direct_ok(info)
+        if direct is None or not ok:
             return self.read_box(info, *slice_box(items, info.shape, info.name))
+        run = one_run(items, info.shape) if runs else None
+        if run is not None and math.prod(run[1]) * info.dtype.itemsize <= DIRECT_MAX_BYTES:
+            return self.read_run(info, *run)  # an element, rows: one preadv, no planning
         planned = direct.plan(info, items)
         if planned is None:  # empty, large or scattered: the engine
             return self.read_box(info, *slice_box(items, info.shape, info.name))
         out = direct.read(info, planned)
-        nbytes = len(planned[2]) * planned[3]
-        self.io.bytes_read += nbytes
-        self.io.bytes_needed += out.nbytes
-        self.io.requests += len(planned[2])
-        self.files.add(info.file)
-        self.io.files = len(self.files)
+        self._count(info, len(planned[2]) * planned[3], out.nbytes, len(planned[2]))
         return out
+
+    def _count(self, info: TensorInfo, read: int, needed: int, requests: int) -> None:
+        io = self.io
+        io.bytes_read += read
+        io.bytes_needed += needed
+        io.requests += requests
+        if info.file not in self.files:
+            self.files.add(info.file)
+            io.files = len(self.files)
 
     def read_box(self, info: TensorInfo, box: Box, post: tuple[Any, ...]) -> np.ndarray:
         if any(hi <= lo for lo, hi in box):  # nothing to read
@@ -170,7 +199,11 @@ class TensorSlice:
         return self._info.shape[0]
 
     def __getitem__(self, index: Any) -> Any:
-        info = self._info
+        info, state = self._info, self._state
+        run = quick_run(index, info.shape) if state.direct_ok(info)[1] else None
+        if run is not None and math.prod(run[1]) * info.dtype.itemsize <= DIRECT_MAX_BYTES:
+            array = state.read_run(info, *run)  # the commonest indices, checked and read in one go
+            return array if state.convert is None else state.convert(array, info.dtype.code)
         items = plain(index, info.shape)  # the common index, without a call through normalize_index
         if items is None:
             items = normalize_index(index, info.shape, info.name)
