@@ -73,16 +73,6 @@ __all__ = [
 ]
 
 if _typing.TYPE_CHECKING:
-    from .format._header import FileHeader as FileHeader
-    from .format._header import TensorInfo as TensorInfo
-    from .layouts._registry import read_header as read_header
-    from .load._options import LoadOptions as LoadOptions
-    from .load._report import DtypeCast as DtypeCast
-    from .load._report import IOStats as IOStats
-    from .load._report import LoadReport as LoadReport
-    from .load._report import ShapeMismatch as ShapeMismatch
-    from .load._source import Header as Header
-    from .save._options import SaveOptions as SaveOptions
     from .bridges._lazy import LazyCheckpoint as LazyCheckpoint
     from .bridges._lazy import TensorSlice as TensorSlice
     from .bridges._lazy import iter_tensors as iter_tensors
@@ -94,8 +84,18 @@ if _typing.TYPE_CHECKING:
     from .bridges._pytree import save_file as save_file
     from .conversion._convert import Converted as Converted
     from .conversion._convert import convert as convert
+    from .format._header import FileHeader as FileHeader
+    from .format._header import TensorInfo as TensorInfo
+    from .layouts._registry import read_header as read_header
+    from .load._options import LoadOptions as LoadOptions
+    from .load._report import DtypeCast as DtypeCast
+    from .load._report import IOStats as IOStats
+    from .load._report import LoadReport as LoadReport
+    from .load._report import ShapeMismatch as ShapeMismatch
+    from .load._source import Header as Header
     from .save._background import SaveHandle as SaveHandle
     from .save._background import wait_for_saves as wait_for_saves
+    from .save._options import SaveOptions as SaveOptions
 
 # Imported when first asked for: the bridges import jax (and flax), which reading a
 # header (``nnx-save inspect``) does not need, and ``import nnx_save`` alone loads only
