@@ -11,22 +11,26 @@ from __future__ import annotations
 import importlib
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._options import check, is_int
-from ..errors import SafetensorError, SliceError, SourceNotFoundError
+from ..errors import NotSafetensorsError, SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
-from ..layouts._registry import read_header, reader_factory
+from ..io._storage import is_url
+from ..layouts._file import read_local, spelled_as_path
 from ..load._direct import DIRECT_MAX_BYTES, DirectFiles, one_run, quick_run
 from ..load._options import LoadOptions
 from ..load._report import IOStats
 from ..load._slices import Box, compat, normalize_index, plain, slice_box
 from ..load._source import Header
-from ..load._target import Target
+
+if TYPE_CHECKING:
+    from ..io._reader import Reader
+    from ..load._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 
@@ -149,6 +153,8 @@ class _Open:
         if any(hi <= lo for lo, hi in box):  # nothing to read
             block = np.empty(tuple(max(hi - lo, 0) for lo, hi in box), info.dtype.numpy)
         else:
+            from ..load._target import Target  # the engine's types, imported by the first read that needs it
+
             target = Target(info.name, tuple(info.shape), info.dtype.numpy, None, (info.name,), box=box)
             block = self.load([target])[info.name]
         if all(p == slice(None) for p in post):
@@ -330,13 +336,37 @@ def _where(source: Any) -> str:
 
 
 def _read_header(source: PathLike | Sequence[PathLike] | Header) -> Header:
-    """The headers; a missing path raises safetensors' ``FileNotFoundError`` text."""
+    """The headers; a missing path raises safetensors' ``FileNotFoundError`` text. A
+    local file is read without the registry (and the other layouts' modules): any other
+    source, a missing path or a file that is not safetensors (an index) go through it."""
     try:
+        local = _read_local(source)
+        if local is not None:
+            return local
+        from ..layouts._registry import read_header
+
         return read_header(source)
     except FileNotFoundError:
         if isinstance(source, (str, os.PathLike)) and "://" not in os.fspath(source) and not os.path.lexists(source):
             raise SourceNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source)) from None
         raise
+
+
+def reader_factory(header: Header) -> Callable[[str], Reader]:
+    """``open_reader(file)`` for the engine, of the header's own (pinned) files (the
+    registry's, without importing it)."""
+    return header.placement.open_reader
+
+
+def _read_local(source: object) -> Header | None:
+    """The header of ``source`` when it is a path to a local safetensors file, else None."""
+    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+    if not isinstance(name, str) or not spelled_as_path(name) or is_url(name):
+        return None
+    try:
+        return read_local(name)
+    except (FileNotFoundError, NotSafetensorsError):  # the registry reads it again and says what it is
+        return None
 
 
 def safe_open(
@@ -473,6 +503,8 @@ def _keys(keys: Any) -> list[str] | None:
 def _stream(
     handle: LazyCheckpoint, keys: Iterable[str] | None, dtype: Any, max_batch_bytes: int
 ) -> Iterator[tuple[str, np.ndarray]]:
+    from ..load._target import Target
+
     tensors = handle.header.tensors
     names = handle.offset_keys() if keys is None else [handle._info(key).name for key in keys]
     cast = dtype

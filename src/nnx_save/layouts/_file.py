@@ -132,6 +132,12 @@ def _read_open(fd: int, st: os.stat_result, name: str, pinned: _files.Pinned | N
     return header
 
 
+def spelled_as_path(name: str) -> bool:
+    """Whether ``str(Path(name)) == name`` surely holds, so :func:`read_local` names the
+    file as the layouts do (``a//b``, ``./a``, ``a/`` take the registry's way)."""
+    return bool(name) and "//" not in name and "/." not in name and not name.startswith("./") and name[-1] != "/"
+
+
 def read_local(name: str) -> Header | None:
     """The :class:`Header` of local path ``name`` in one ``open`` and one ``fstat``;
     ``None`` for a directory, whose layout the registry picks.
