@@ -300,7 +300,11 @@ class LazyCheckpoint:
 
     def get_slice(self, key: str) -> TensorSlice:
         """A view of tensor ``key`` whose ``[...]`` reads only the bytes that index needs."""
-        return TensorSlice(self._open, self._info(key))
+        state = self._state
+        info = state.header.tensors.get(key) if state is not None and type(key) is str else None
+        if state is None or info is None:  # closed, or no such key: the errors below say so
+            return TensorSlice(self._open, self._info(key))
+        return TensorSlice(state, info)
 
     def get_tensor(self, key: str) -> Any:
         """Tensor ``key``, read whole, in the handle's framework."""

@@ -15,7 +15,7 @@ import os
 import stat
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     HeaderError,
@@ -29,9 +29,11 @@ from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _storage
 from ..load._source import Header, LocalFiles, RemoteFiles
-from ..save._entry import Entry
-from ..save._options import SaveOptions
 from ._layout import SINGLE, Metadata, Where, Written, remove
+
+if TYPE_CHECKING:  # the writers' types: reading a file does not import them
+    from ..save._entry import Entry
+    from ..save._options import SaveOptions
 
 __all__ = [
     "FileLayout",
