@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._options import check, is_int
+from .._options import check, is_int, path_arg
 from ..errors import NotSafetensorsError, SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
@@ -364,8 +364,10 @@ def reader_factory(header: Header) -> Callable[[str], Reader]:
 
 def _read_local(source: object) -> Header | None:
     """The header of ``source`` when it is a path to a local safetensors file, else None."""
-    name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
-    if not isinstance(name, str) or not spelled_as_path(name) or is_url(name):
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    name = path_arg(source, "source", "read_header")  # refused as the registry refuses it
+    if not spelled_as_path(name) or is_url(name):
         return None
     try:
         return read_local(name)
