@@ -26,9 +26,12 @@ with a small tensor before it; the page cache is warm (the file is read once fir
    straight out of a memory map (safetensors' way: the floor, and the one a truncating
    writer turns into SIGBUS).
 
+``--baseline DIR`` adds the fresh-process rows of another checkout (say, main's), run by
+its own ``benchmarks/lazy.py`` against its own ``src/``, interleaved with these.
+
 Every result is checked against the values it must hold. Medians with min-max.
 
-    python benchmarks/lazy.py --repeat 9 [--gather]
+    python benchmarks/lazy.py --repeat 9 [--gather] [--baseline ../main]
 """
 
 from __future__ import annotations
@@ -231,6 +234,11 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=9)
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="another checkout (its benchmarks/lazy.py and src/): its fresh nnx_save rows, interleaved with these",
+    )
     p.add_argument("--gather", action="store_true", help="also compare the ways of gathering scattered runs")
     p.add_argument("--calls", type=int, default=20, help="back-to-back calls per round in the gather comparison")
     p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
@@ -327,10 +335,15 @@ def main() -> None:
         forward = [f"--path={path}", f"--rows={args.rows}", f"--cols={args.cols}", f"--repeat={args.repeat}"]
         hot = run_fresh(__file__, "warm", forward)
         gathered = run_fresh(__file__, "gather", [*forward, f"--calls={args.calls}"]) if args.gather else None
-        fresh: dict[str, list[dict]] = {name: [] for name in FRESH}
+        runs = {name: (__file__, name) for name in FRESH}
+        if args.baseline:  # the same workers of the other checkout, against its own src/
+            other = str(Path(args.baseline) / "benchmarks" / "lazy.py")
+            runs |= {f"{name} (baseline)": (other, name) for name in FRESH if name.startswith("nnx_save")}
+        fresh: dict[str, list[dict]] = {name: [] for name in runs}
         for r in range(args.repeat):
             for name in list(fresh) if r % 2 == 0 else list(reversed(fresh)):
-                fresh[name].append(run_fresh(__file__, name, forward))
+                src = Path(args.baseline) / "src" if name.endswith("(baseline)") else None
+                fresh[name].append(run_fresh(runs[name][0], runs[name][1], forward, src=src))
     mb = args.rows * args.cols * 4 / 2**20
     print(f"get_slice of a {args.rows}x{args.cols} fp32 matrix ({mb:.0f} MiB), page cache warm, {args.repeat} rounds\n")
     print(_warm_table(hot["times"]) if "times" in hot else f"warm handle: {hot['error']}")
