@@ -217,12 +217,13 @@ def _cpu_seconds() -> tuple[float, float]:
 # ----------------------------------------------------------------------------- processes
 
 
-def fresh_env(devices: int = 1, platform: str | None = "cpu") -> dict[str, str]:
-    """The environment of a worker: ``src`` and the benchmarks on ``PYTHONPATH``, jax on
-    ``platform`` with ``devices`` CPU devices (``platform=None``: the machine's own
-    backend, as jax picks it, e.g. a GPU)."""
+def fresh_env(devices: int = 1, platform: str | None = "cpu", src: Path | None = None) -> dict[str, str]:
+    """The environment of a worker: ``src`` (this checkout's by default) and the
+    benchmarks on ``PYTHONPATH``, jax on ``platform`` with ``devices`` CPU devices
+    (``platform=None``: the machine's own backend, as jax picks it, e.g. a GPU)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(SRC), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    first = [str(src or SRC), str(HERE)]
+    env["PYTHONPATH"] = os.pathsep.join(first + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     if platform is not None:
         env["JAX_PLATFORMS"] = platform
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
@@ -238,11 +239,13 @@ def run_fresh(
     devices: int = 1,
     timeout: float = 3600,
     platform: str | None = "cpu",
+    src: Path | None = None,
 ) -> dict:
-    """Run ``python script --worker WORKER *args`` in a new process; its last stdout line
-    is the JSON result. A failure comes back as ``{"error": last stderr line}``."""
+    """Run ``python script --worker WORKER *args`` in a new process, importing nnx_save
+    from ``src`` (this checkout's by default); its last stdout line is the JSON result.
+    A failure comes back as ``{"error": last stderr line}``."""
     cmd = [sys.executable, str(script), "--worker", worker, *args]
-    env = fresh_env(devices, platform)
+    env = fresh_env(devices, platform, src)
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

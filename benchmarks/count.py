@@ -47,6 +47,7 @@ def worker(args: argparse.Namespace) -> dict:
 
     import nnx_save
 
+    nnx_save.load_file  # noqa: B018 - the API is imported on first use: here, before the clock
     device = jax.devices()[0]
     jax.block_until_ready(jax.device_put(np.zeros(8, np.float32), device))
     with safetensors.safe_open(args.path, "numpy") as f:

@@ -17,9 +17,21 @@ with a small tensor before it; the page cache is warm (the file is read once fir
    libraries are imported before the phase starts. The ``+ import`` rows time the
    library's import too (numpy is imported before, by both).
 
+3. **Gather strategies** (one process, warm page cache, ``--gather``): the ways to read
+   the scattered runs of the column slice and of the block, each into a preallocated
+   result, timed the same way as the warm handle: ``process_vm_readv`` out of a private
+   map (what ``safe_open`` does for runs far apart; the first call drops its pages, the
+   later ones keep them), one ``preadv`` over the span with the gaps read into scratch
+   (what it does for runs close together), one ``pread`` per run, and a copy loaded
+   straight out of a memory map (safetensors' way: the floor, and the one a truncating
+   writer turns into SIGBUS).
+
+``--baseline DIR`` adds the fresh-process rows of another checkout (say, main's), run by
+its own ``benchmarks/lazy.py`` against its own ``src/``, interleaved with these.
+
 Every result is checked against the values it must hold. Medians with min-max.
 
-    python benchmarks/lazy.py --repeat 9
+    python benchmarks/lazy.py --repeat 9 [--gather] [--baseline ../main]
 """
 
 from __future__ import annotations
@@ -133,6 +145,82 @@ def safetensors_import_worker(args: argparse.Namespace) -> dict:
     return _fresh(args, _safetensors_open)
 
 
+GATHERED = {"columns [:, 1000:1064]": CASES["columns [:, 1000:1064]"], "block": CASES["block [1000:2024, 1000:2024]"]}
+
+
+def _strategies(path: str, begin: int, shape: tuple[int, ...]):
+    """``name -> read(out, offsets, length)`` for each way of gathering runs."""
+    import mmap
+    import os
+
+    from nnx_save.io._mapped import MappedFile
+    from nnx_save.io._reader import LocalReader
+    from nnx_save.load import _direct
+
+    fd = os.open(path, os.O_RDONLY)
+    size = os.fstat(fd).st_size
+    mapped, reader = MappedFile(fd, size), LocalReader(path, fd)
+    matrix = np.ndarray(shape, np.float32, mmap.mmap(fd, 0, access=mmap.ACCESS_READ), begin)
+
+    def loaded(out, offsets, length, index):  # numpy loads from the map: SIGBUS if the file is truncated
+        np.copyto(out, matrix[index])
+
+    return {
+        "process_vm_readv from a map": lambda out, o, n, i: mapped.gather(out.ctypes.data, o, n),
+        "preadv over the span": lambda out, o, n, i: _direct._gather(reader, out.ctypes.data, o, n),
+        "pread per run": lambda out, o, n, i: reader.read_runs(
+            [out.ctypes.data + k * n for k in range(len(o))], [n] * len(o), o.tolist()
+        ),
+        "copy loaded from an mmap (unsafe)": loaded,
+    }
+
+
+def gather_worker(args: argparse.Namespace) -> dict:
+    """Each way of gathering the runs of the column slice and the block, interleaved."""
+    import nnx_save
+    from nnx_save.format._boxes import box_runs
+    from nnx_save.load._slices import slice_box
+
+    value = _value(args)
+    with nnx_save.safe_open(args.path) as f:
+        begin = f.header.tensors["w"].begin
+    strategies = _strategies(args.path, begin, value.shape)
+    times: dict[str, dict[str, list[float]]] = {n: {c: [] for c in GATHERED} for n in strategies}
+    for r in range(args.repeat + 1):
+        order = list(strategies) if r % 2 == 0 else list(reversed(strategies))
+        for case, index in GATHERED.items():
+            box, _ = slice_box(index, value.shape)
+            offsets, length = box_runs(value.shape, 4, box, begin)
+            for name in order:
+                out = np.empty(value[index].shape, np.float32)
+                calls = 1 if r == 0 else max(1, args.calls)
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    strategies[name](out, offsets, length, index)
+                if r == 0:  # the warm-up round: check the values
+                    if not np.array_equal(out, value[index]):
+                        raise SystemExit(f"{name}: wrong values for {case}")
+                    continue
+                times[name][case].append((time.perf_counter() - t0) / calls)
+    return {"times": times}
+
+
+def _gather_table(times: dict[str, dict[str, list[float]]]) -> str:
+    floor = "copy loaded from an mmap (unsafe)"
+    rows = []
+    for name, cases in times.items():
+        row: dict[str, object] = {"strategy": name}
+        for case, found in cases.items():
+            med, lo, hi = _spread(found)
+            row[case] = f"{med:.3f} ({lo:.3f}-{hi:.3f})"
+            row[case + " ratio"] = statistics.median(found) / statistics.median(times[floor][case])
+        rows.append(row)
+    columns = [("strategy", "gathering the runs (warm)", "")]
+    for case in GATHERED:
+        columns += [(case, f"{case} ms", ""), (case + " ratio", "/ mmap copy", ".1f")]
+    return table(rows, columns)
+
+
 FRESH = {
     "nnx_save": nnx_worker,
     "safetensors": safetensors_worker,
@@ -146,6 +234,13 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=int, default=4096)
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--repeat", type=int, default=9)
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="another checkout (its benchmarks/lazy.py and src/): its fresh nnx_save rows, interleaved with these",
+    )
+    p.add_argument("--gather", action="store_true", help="also compare the ways of gathering scattered runs")
+    p.add_argument("--calls", type=int, default=20, help="back-to-back calls per round in the gather comparison")
     p.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temporary directory)")
 
 
@@ -212,6 +307,23 @@ def _fresh_table(runs: dict[str, list[dict]]) -> str:
     return table(rows, columns)
 
 
+def targets(times: dict[str, dict[str, list[float]]], fresh: dict[str, list[dict]]) -> list[str]:
+    """One PASS / FAIL line per target: every warm case <= 1.5x safetensors, the
+    fresh-process open + slice <= 1.0x, and with the import <= 2x (medians)."""
+    lines = []
+    for case in CASES:
+        ratio = statistics.median(times["nnx_save"][case]) / statistics.median(times["safetensors"][case])
+        lines.append(f"warm {case}: {ratio:.2f}x safetensors (<= 1.5): {'PASS' if ratio <= 1.5 else 'FAIL'}")
+    for ours, bound in (("nnx_save", 1.0), ("nnx_save + import", 2.0)):
+        mine = [r["seconds"] for r in fresh.get(ours, []) if "error" not in r]
+        theirs = [r["seconds"] for r in fresh.get(ours.replace("nnx_save", "safetensors"), []) if "error" not in r]
+        if mine and theirs:
+            ratio = statistics.median(mine) / statistics.median(theirs)
+            verdict = "PASS" if ratio <= bound else "FAIL"
+            lines.append(f"fresh process, {ours}: {ratio:.2f}x safetensors (<= {bound}): {verdict}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _arguments(parser)
@@ -222,18 +334,30 @@ def main() -> None:
         warm(path)
         forward = [f"--path={path}", f"--rows={args.rows}", f"--cols={args.cols}", f"--repeat={args.repeat}"]
         hot = run_fresh(__file__, "warm", forward)
-        fresh: dict[str, list[dict]] = {name: [] for name in FRESH}
+        gathered = run_fresh(__file__, "gather", [*forward, f"--calls={args.calls}"]) if args.gather else None
+        runs = {name: (__file__, name) for name in FRESH}
+        if args.baseline:  # the same workers of the other checkout, against its own src/
+            other = str(Path(args.baseline) / "benchmarks" / "lazy.py")
+            runs |= {f"{name} (baseline)": (other, name) for name in FRESH if name.startswith("nnx_save")}
+        fresh: dict[str, list[dict]] = {name: [] for name in runs}
         for r in range(args.repeat):
             for name in list(fresh) if r % 2 == 0 else list(reversed(fresh)):
-                fresh[name].append(run_fresh(__file__, name, forward))
+                src = Path(args.baseline) / "src" if name.endswith("(baseline)") else None
+                fresh[name].append(run_fresh(runs[name][0], runs[name][1], forward, src=src))
     mb = args.rows * args.cols * 4 / 2**20
     print(f"get_slice of a {args.rows}x{args.cols} fp32 matrix ({mb:.0f} MiB), page cache warm, {args.repeat} rounds\n")
     print(_warm_table(hot["times"]) if "times" in hot else f"warm handle: {hot['error']}")
     print()
     print(_fresh_table(fresh))
+    if "times" in hot:
+        print()
+        print("\n".join(targets(hot["times"], fresh)))
+    if gathered is not None:
+        print()
+        print(_gather_table(gathered["times"]) if "times" in gathered else f"gather: {gathered['error']}")
 
 
 if __name__ == "__main__":
-    if worker_main({"warm": warm_worker, **FRESH}, _arguments):
+    if worker_main({"warm": warm_worker, "gather": gather_worker, **FRESH}, _arguments):
         sys.exit()
     main()

@@ -152,3 +152,27 @@ def test_the_count_benchmark_checks_every_phase_and_judges_the_largest_count(tmp
     rows = [count.summarise(ph, 100, r) for ph, r in runs.items()]
     rows[0]["us"], rows[1]["us"] = 3.0, 2.0  # the target's arithmetic, on fixed numbers
     assert count.targets(rows) == ["100 tensors: nnx_save 1.50x safe_open (numpy) per tensor (<= 2): PASS"]
+
+
+def test_the_lazy_benchmark_gathers_right_and_judges_its_targets(tmp_path):
+    """benchmarks/lazy.py: each gather strategy reads the column slice and the block
+    right (the worker checks, and exits otherwise); the targets' arithmetic."""
+    import lazy
+
+    args = argparse.Namespace(path=str(tmp_path / "w.safetensors"), rows=2048, cols=2048, repeat=1, calls=1)
+    lazy._save(Path(args.path), args)
+    times = lazy.gather_worker(args)["times"]
+    assert set(times) == {
+        "process_vm_readv from a map",
+        "preadv over the span",
+        "pread per run",
+        "copy loaded from an mmap (unsafe)",
+    }
+    assert all(len(found) == 1 and found[0] > 0 for cases in times.values() for found in cases.values())
+    warm = {name: {case: [1.0] for case in lazy.CASES} for name in ("safetensors", "nnx_save")}
+    warm["nnx_save"]["element [5, 7]"] = [2.0]
+    fresh = {"nnx_save": [{"seconds": 1.0}], "safetensors": [{"seconds": 2.0}]}
+    lines = lazy.targets(warm, fresh)
+    assert "warm element [5, 7]: 2.00x safetensors (<= 1.5): FAIL" in lines
+    assert "warm rows [100:228, :]: 1.00x safetensors (<= 1.5): PASS" in lines
+    assert lines[-1] == "fresh process, nnx_save: 0.50x safetensors (<= 1.0): PASS"

@@ -39,16 +39,6 @@ from .errors import SourceChangedError as SourceChangedError
 from .errors import SourceError as SourceError
 from .errors import TruncatedFileError as TruncatedFileError
 from .errors import UnsupportedValueError as UnsupportedValueError
-from .format._header import FileHeader as FileHeader
-from .format._header import TensorInfo as TensorInfo
-from .layouts._registry import read_header as read_header
-from .load._options import LoadOptions as LoadOptions
-from .load._report import DtypeCast as DtypeCast
-from .load._report import IOStats as IOStats
-from .load._report import LoadReport as LoadReport
-from .load._report import ShapeMismatch as ShapeMismatch
-from .load._source import Header as Header
-from .save._options import SaveOptions as SaveOptions
 
 __all__ = [
     # saving and loading
@@ -94,12 +84,29 @@ if _typing.TYPE_CHECKING:
     from .bridges._pytree import save_file as save_file
     from .conversion._convert import Converted as Converted
     from .conversion._convert import convert as convert
+    from .format._header import FileHeader as FileHeader
+    from .format._header import TensorInfo as TensorInfo
+    from .layouts._registry import read_header as read_header
+    from .load._options import LoadOptions as LoadOptions
+    from .load._report import DtypeCast as DtypeCast
+    from .load._report import IOStats as IOStats
+    from .load._report import LoadReport as LoadReport
+    from .load._report import ShapeMismatch as ShapeMismatch
+    from .load._source import Header as Header
     from .save._background import SaveHandle as SaveHandle
     from .save._background import wait_for_saves as wait_for_saves
+    from .save._options import SaveOptions as SaveOptions
 
 # Imported when first asked for: the bridges import jax (and flax), which reading a
-# header (``nnx-save inspect``) does not need.
+# header (``nnx-save inspect``) does not need, and ``import nnx_save`` alone loads only
+# the errors: each call's modules load with its first use.
 _MODULES = {
+    ".format._header": ("FileHeader", "TensorInfo"),
+    ".layouts._registry": ("read_header",),
+    ".load._options": ("LoadOptions",),
+    ".load._report": ("DtypeCast", "IOStats", "LoadReport", "ShapeMismatch"),
+    ".load._source": ("Header",),
+    ".save._options": ("SaveOptions",),
     ".save._background": ("SaveHandle", "wait_for_saves"),
     ".conversion._convert": ("Converted", "convert"),
     ".bridges._lazy": ("LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"),

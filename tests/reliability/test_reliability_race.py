@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -119,3 +120,122 @@ def test_changed_in_place_is_typed(tmp_path):
             os.utime(path, ns=(0, n + 1))  # a modification time of its own, whatever the clock's tick
             with pytest.raises(errors.SourceError, match=re.escape(f"{path}: changed while open")):
                 f.get_slice("w")[0:2]
+
+
+_SLICES = {  # which read path each takes, on a 256 x 1024 float32 matrix
+    "columns": (slice(None), slice(100, 164)),  # runs 3.8 KiB apart: gathered from a map
+    "block": (slice(10, 200), slice(300, 800)),  # runs 2 KiB apart: gathered from a map
+    "tight columns": (slice(None), slice(0, 900)),  # runs 0.5 KiB apart: one preadv read through
+    "rows": (slice(3, 9),),  # one run: one preadv
+    "element": (7, 9),
+    "strided": (slice(0, 256, 3), slice(5, 1000, 7)),  # the engine (steps)
+}
+
+_THREADED_READER = """
+import json, os, sys, threading, time, traceback
+import numpy as np
+import nnx_save
+from nnx_save.errors import NnxSaveError
+path, seconds = sys.argv[1], float(sys.argv[2])
+slices = {slices}
+base = np.arange({rows} * {cols}, dtype=np.float32).reshape({rows}, {cols})
+versions = (base + 1, -base - 1)  # the file's two versions: one replaces the other by rename
+counts = {{"right": 0, "typed": 0, "by kind": {{k: 0 for k in slices}}, "bad": []}}
+lock, end = threading.Lock(), time.monotonic() + seconds
+
+def read(worker):
+    rng = np.random.default_rng(worker)
+    names = list(slices)
+    while time.monotonic() < end:
+        backend = "pread" if worker % 4 == 3 else "mmap"
+        try:
+            with nnx_save.safe_open(path, "np", backend=backend) as f:
+                for _ in range(40):
+                    kind = names[int(rng.integers(len(names)))]
+                    got = f.get_slice("w")[slices[kind]]
+                    if not any(np.array_equal(got, v[slices[kind]]) for v in versions):
+                        with lock:
+                            counts["bad"].append(f"wrong values: {{kind}} ({{backend}})")
+                        return
+                    with lock:
+                        counts["right"] += 1
+                        counts["by kind"][kind] += 1
+        except NnxSaveError:
+            with lock:
+                counts["typed"] += 1
+        except BaseException:
+            with lock:
+                counts["bad"].append(traceback.format_exc())
+            return
+
+threads = [threading.Thread(target=read, args=(n,)) for n in range(8)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(counts), flush=True)
+"""
+
+
+def _mutate(path, seconds: float) -> dict[str, int]:
+    """Truncate ``path`` in place at random bytes (writing the tail back each time), and
+    replace it by rename with its other version, over and over for ``seconds``."""
+    rng = np.random.default_rng(1)
+    other = path.with_name("other.safetensors")
+    base = np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS)
+    nnx_save.save_file({"w": -base - 1}, other)
+    swap = other.read_bytes()
+    done = {"truncated": 0, "replaced": 0}
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        original = path.read_bytes()
+        if rng.random() < 0.7:
+            with open(path, "r+b") as f:
+                cut = int(rng.integers(0, len(original)))
+                os.ftruncate(f.fileno(), cut)  # a map over the old length now has no pages past cut
+                time.sleep(float(rng.random()) * 0.003)
+                os.pwrite(f.fileno(), original[cut:], cut)
+            done["truncated"] += 1
+        else:
+            staged = path.with_name("staged.safetensors")
+            staged.write_bytes(swap)
+            os.replace(staged, path)  # open handles keep the old file; new ones see this one
+            swap = original
+            done["replaced"] += 1
+        time.sleep(float(rng.random()) * 0.004)
+    return done
+
+
+def test_truncated_and_replaced_under_threaded_readers_in_two_processes(tmp_path):
+    """Two reader processes of eight threads each take column slices (gathered from a
+    map), blocks, rows, elements and strided slices through both backends while this
+    process truncates the file in place and replaces it by rename, over and over. Neither
+    reader is killed by a signal (SIGBUS); every read is one version's exact values or an
+    NnxSaveError; every kind of slice is read right at least once, and typed refusals
+    happen."""
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file({"w": np.arange(ROWS * COLS, dtype=np.float32).reshape(ROWS, COLS) + 1}, path)
+    source = textwrap.dedent(_THREADED_READER).format(rows=ROWS, cols=COLS, slices=repr(_SLICES))
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    seconds = 5.0
+    readers = [
+        subprocess.Popen(
+            [sys.executable, "-c", source, str(path), str(seconds)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        time.sleep(1.0)  # both have imported nnx_save and are reading
+        done = _mutate(path, seconds - 1.5)
+    finally:
+        outputs = [r.communicate(timeout=seconds + 120) for r in readers]
+    for reader, (out, err) in zip(readers, outputs, strict=True):
+        assert reader.returncode == 0, (reader.returncode, out[-2000:], err[-4000:])  # -7: killed by SIGBUS
+        counts = json.loads(out.strip().splitlines()[-1])
+        assert counts["bad"] == [], counts["bad"][:3]
+        assert counts["typed"] > 0 and min(counts["by kind"].values()) > 0, counts
+    assert done["truncated"] > 0 and done["replaced"] > 0, done

@@ -1,31 +1,36 @@
 """A lazy handle on a checkpoint, as safetensors users know it: :func:`safe_open`
-and :func:`iter_tensors` (docs/lazy.md). A small slice of a local file is read with
-``pread`` straight into the result (:mod:`nnx_save.load._direct`: nothing is mapped, so a
-file truncated under the handle is a typed error, never SIGBUS); anything larger, remote,
-or in a pod's pieces asks the loading engine for the slice's box.
+and :func:`iter_tensors` (docs/lazy.md). A small slice of a local file is read straight
+into the result (:mod:`nnx_save.load._direct`: ``preadv``, or runs far apart gathered
+from a map the process never loads from, so a file truncated under the handle is a typed
+error, never SIGBUS); anything larger, remote, or in a pod's pieces asks the loading
+engine for the slice's box.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._options import check, is_int
-from ..errors import SafetensorError, SliceError, SourceNotFoundError
+from .._options import check, is_int, path_arg
+from ..errors import NotSafetensorsError, SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
 from ..io._storage import Where, is_url
-from ..layouts._registry import read_header, reader_factory
-from ..load._direct import DirectFiles
+from ..layouts._file import read_local, spelled_as_path
+from ..load._direct import DIRECT_MAX_BYTES, DirectFiles, one_run, quick_run
 from ..load._options import LoadOptions
 from ..load._report import IOStats
 from ..load._slices import Box, compat, normalize_index, plain, slice_box
 from ..load._source import Header
-from ..load._target import Target
+
+if TYPE_CHECKING:
+    from ..io._reader import Reader
+    from ..load._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
 
@@ -98,28 +103,57 @@ class _Open:
         self.direct = DirectFiles(local) if local is not None else None
         self.io = IOStats()  # every read through this handle, summed
         self.files: set[str] = set()
+        self.runs: dict[str, tuple[bool, bool]] = {}  # tensor name -> (read directly, one run at a time)
+
+    def direct_ok(self, info: TensorInfo) -> tuple[bool, bool]:
+        """Whether ``info``'s slices may be read directly (:mod:`nnx_save.load._direct`:
+        a local file, whole bytes), and whether one run of it may be read as is (not
+        BOOL, whose bytes are checked against the slice's box)."""
+        ok = self.runs.get(info.name)
+        if ok is None:
+            direct = self.direct is not None and info.dtype.byte_aligned
+            direct = direct and not self.header.placement.is_remote(info.file)
+            ok = self.runs[info.name] = (direct, direct and info.dtype.code != "BOOL")
+        return ok
+
+    def read_run(self, info: TensorInfo, first: int, shape: list[int]) -> np.ndarray:
+        """Elements ``first`` onward of ``info``, one contiguous run filling ``shape``
+        (at most :data:`DIRECT_MAX_BYTES`), read with one call."""
+        out = self.direct.read_run(info, first, shape)  # type: ignore[union-attr]
+        self._count(info, out.nbytes, out.nbytes, 1)
+        return out
 
     def read(self, info: TensorInfo, items: tuple[int | slice, ...]) -> np.ndarray:
         """``tensor[items]`` (a normalized index) as a fresh numpy array."""
         direct = self.direct
-        if direct is None or not info.dtype.byte_aligned or self.header.placement.is_remote(info.file):
+        ok, runs = self.direct_ok(info)
+        if direct is None or not ok:
             return self.read_box(info, *slice_box(items, info.shape, info.name))
+        run = one_run(items, info.shape) if runs else None
+        if run is not None and math.prod(run[1]) * info.dtype.itemsize <= DIRECT_MAX_BYTES:
+            return self.read_run(info, *run)  # an element, rows: one preadv, no planning
         planned = direct.plan(info, items)
         if planned is None:  # empty, large or scattered: the engine
             return self.read_box(info, *slice_box(items, info.shape, info.name))
         out = direct.read(info, planned)
-        nbytes = len(planned[2]) * planned[3]
-        self.io.bytes_read += nbytes
-        self.io.bytes_needed += out.nbytes
-        self.io.requests += len(planned[2])
-        self.files.add(info.file)
-        self.io.files = len(self.files)
+        self._count(info, len(planned[2]) * planned[3], out.nbytes, len(planned[2]))
         return out
+
+    def _count(self, info: TensorInfo, read: int, needed: int, requests: int) -> None:
+        io = self.io
+        io.bytes_read += read
+        io.bytes_needed += needed
+        io.requests += requests
+        if info.file not in self.files:
+            self.files.add(info.file)
+            io.files = len(self.files)
 
     def read_box(self, info: TensorInfo, box: Box, post: tuple[Any, ...]) -> np.ndarray:
         if any(hi <= lo for lo, hi in box):  # nothing to read
             block = np.empty(tuple(max(hi - lo, 0) for lo, hi in box), info.dtype.numpy)
         else:
+            from ..load._target import Target  # the engine's types, imported by the first read that needs it
+
             target = Target(info.name, tuple(info.shape), info.dtype.numpy, None, (info.name,), box=box)
             block = self.load([target])[info.name]
         if all(p == slice(None) for p in post):
@@ -170,7 +204,11 @@ class TensorSlice:
         return self._info.shape[0]
 
     def __getitem__(self, index: Any) -> Any:
-        info = self._info
+        info, state = self._info, self._state
+        run = quick_run(index, info.shape) if state.direct_ok(info)[1] else None
+        if run is not None and math.prod(run[1]) * info.dtype.itemsize <= DIRECT_MAX_BYTES:
+            array = state.read_run(info, *run)  # the commonest indices, checked and read in one go
+            return array if state.convert is None else state.convert(array, info.dtype.code)
         items = plain(index, info.shape)  # the common index, without a call through normalize_index
         if items is None:
             items = normalize_index(index, info.shape, info.name)
@@ -261,7 +299,11 @@ class LazyCheckpoint:
 
     def get_slice(self, key: str) -> TensorSlice:
         """A view of tensor ``key`` whose ``[...]`` reads only the bytes that index needs."""
-        return TensorSlice(self._open, self._info(key))
+        state = self._state
+        info = state.header.tensors.get(key) if state is not None and type(key) is str else None
+        if state is None or info is None:  # closed, or no such key: the errors below say so
+            return TensorSlice(self._open, self._info(key))
+        return TensorSlice(state, info)
 
     def get_tensor(self, key: str) -> Any:
         """Tensor ``key``, read whole, in the handle's framework."""
@@ -297,13 +339,39 @@ def _where(source: Any) -> str:
 
 
 def _read_header(source: Where | Sequence[Where] | Header) -> Header:
-    """The headers; a missing path raises safetensors' ``FileNotFoundError`` text."""
+    """The headers; a missing path raises safetensors' ``FileNotFoundError`` text. A
+    local file is read without the registry (and the other layouts' modules): any other
+    source, a missing path or a file that is not safetensors (an index) go through it."""
     try:
+        local = _read_local(source)
+        if local is not None:
+            return local
+        from ..layouts._registry import read_header
+
         return read_header(source)
     except FileNotFoundError:
         if isinstance(source, (str, os.PathLike)) and not is_url(os.fspath(source)) and not os.path.lexists(source):
             raise SourceNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source)) from None
         raise
+
+
+def reader_factory(header: Header) -> Callable[[str], Reader]:
+    """``open_reader(file)`` for the engine, of the header's own (pinned) files (the
+    registry's, without importing it)."""
+    return header.placement.open_reader
+
+
+def _read_local(source: object) -> Header | None:
+    """The header of ``source`` when it is a path to a local safetensors file, else None."""
+    if not isinstance(source, (str, os.PathLike)):
+        return None
+    name = path_arg(source, "source", "read_header")  # refused as the registry refuses it
+    if not spelled_as_path(name) or is_url(name):
+        return None
+    try:
+        return read_local(name)
+    except (FileNotFoundError, NotSafetensorsError):  # the registry reads it again and says what it is
+        return None
 
 
 def safe_open(
@@ -440,6 +508,8 @@ def _keys(keys: Any) -> list[str] | None:
 def _stream(
     handle: LazyCheckpoint, keys: Iterable[str] | None, dtype: Any, max_batch_bytes: int
 ) -> Iterator[tuple[str, np.ndarray]]:
+    from ..load._target import Target
+
     tensors = handle.header.tensors
     names = handle.offset_keys() if keys is None else [handle._info(key).name for key in keys]
     cast = dtype

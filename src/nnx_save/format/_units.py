@@ -2,7 +2,6 @@
 bars, and one parser for the sizes people give (``"5GB"``, ``"200MiB"``, ``1000``)."""
 
 import re
-from fractions import Fraction
 
 from ..errors import OptionError
 
@@ -50,6 +49,8 @@ def parse_size(value: object, argument: str = "max_shard_size") -> int:
         and (m := _SIZE.match(value))
         and (m.group(3) == "" or m.group(2))
     ):
+        from fractions import Fraction  # with the first size given as text: it imports decimal
+
         base = 1024 if m.group(3) else 1000
         n = int(Fraction(m.group(1)) * base ** _POWERS[m.group(2).upper()])  # exact: no float rounding or infinity
     if n is None or not 0 < n <= _MAX:

@@ -101,7 +101,8 @@ class LocalReader:
                 self.path,
                 st.st_size,
             )
-        if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != self._identity:
+        # an open file keeps its device and inode: its size and modification time tell
+        if st.st_mtime_ns != self._identity[3] or st.st_size != self._identity[2]:
             raise SourceError(
                 f"{self.path}: changed while open (size {self._identity[2]} -> {st.st_size} bytes, or modified "
                 "in place since its header was read); what was read may mix two versions: read the header "
@@ -145,6 +146,17 @@ class LocalReader:
                 i += 1
             if n:
                 buffers[i] = buffers[i][n:]
+        self.verify()
+
+    def read_into(self, array: np.ndarray, offset: int) -> None:
+        """Fill the C-contiguous ``array`` from byte ``offset`` (one ``preadv`` when the
+        file has the bytes), or raise naming the byte where the file ends."""
+        got = os.preadv(self.fd, [array], offset)  # type: ignore[list-item]
+        with self._lock:
+            self.requests += 1
+        if got != array.nbytes:  # short: the general path retries or raises naming the byte
+            self.readv([memoryview(array.reshape(-1).view(np.uint8))[got:]], offset + got)  # type: ignore[arg-type]
+            return
         self.verify()
 
     def read_runs(self, addr: list[int], length: list[int], offset: list[int]) -> None:

@@ -24,7 +24,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 from ..errors import SaveError
 from . import _files
@@ -37,8 +37,9 @@ from ._atomic import (
     remove_stale_temps,
     replace_file,
 )
-from ._fsspec import FsspecClient
-from ._http import HttpReader, RemoteStats
+
+if TYPE_CHECKING:  # the transports are imported with the first URL: reading local files never loads them
+    from ._http import RemoteStats
 
 __all__ = [
     "HttpPrefix",
@@ -232,13 +233,25 @@ def locate_file(where: Where) -> tuple[Location, str]:
 def object_client(url: str) -> ObjectClient:
     """The client of object store ``url``: fsspec's filesystem for its scheme. The one
     place to switch to a client made for object stores."""
+    from ._fsspec import FsspecClient
+
     return FsspecClient(url)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RemoteStats":
+        from ._http import RemoteStats
+
+        return RemoteStats
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def open_remote(url: str, stats: RemoteStats | None = None, identity: tuple[int, str | None] | None = None):
     """A reader for ``url``; with ``identity`` (from a reader's ``identity`` when the
     header was read), pinned to that size and version."""
     if url.startswith(("http://", "https://")):
+        from ._http import HttpReader
+
         size, etag = identity if identity is not None else (None, None)
         return HttpReader(url, stats, size, etag)
     return object_client(url).reader(url, stats, identity)
@@ -363,6 +376,8 @@ class _Remote:
         return tuple(f"{self.url}/{name}" for name in names)
 
     def open_reader(self, name: str, stats: RemoteStats | None = None) -> Any:
+        from ._http import RemoteStats
+
         return open_remote(self.member(name), stats or RemoteStats())
 
     def read_bytes(self, name: str, what: str, cap: int, error: Callable[[str], Exception]) -> bytes:

@@ -14,7 +14,7 @@ import os
 import stat
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import (
     HeaderError,
@@ -29,9 +29,11 @@ from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _storage
 from ..io._storage import Location, Where
 from ..load._source import Header, LocalFiles, RemoteFiles
-from ..save._entry import Entry
-from ..save._options import SaveOptions
 from ._layout import SINGLE, Metadata, Written
+
+if TYPE_CHECKING:  # the writers' types: reading a file does not import them
+    from ..save._entry import Entry
+    from ..save._options import SaveOptions
 
 __all__ = [
     "FileLayout",
@@ -130,6 +132,12 @@ def _read_open(fd: int, st: os.stat_result, name: str, pinned: _files.Pinned | N
     else:
         pinned.keep(name, fd, st)
     return header
+
+
+def spelled_as_path(name: str) -> bool:
+    """Whether ``str(Path(name)) == name`` surely holds, so :func:`read_local` names the
+    file as the layouts do (``a//b``, ``./a``, ``a/`` take the registry's way)."""
+    return bool(name) and "//" not in name and "/." not in name and not name.startswith("./") and name[-1] != "/"
 
 
 def read_local(name: str) -> Header | None:

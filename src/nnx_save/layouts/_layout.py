@@ -18,14 +18,16 @@ import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from ..errors import HeaderCheck, HeaderError, NnxSaveError, SourceChangedError, SourceError
 from ..format._header import FileHeader, TensorInfo, unique_pairs
 from ..io._storage import Location, Where
 from ..load._source import Header
-from ..save._entry import Entry
-from ..save._options import SaveOptions
+
+if TYPE_CHECKING:  # the writers' types: reading a file does not import them
+    from ..save._entry import Entry
+    from ..save._options import SaveOptions
 
 __all__ = [
     "SAVE_ID_KEY",
@@ -46,7 +48,7 @@ __all__ = [
 
 Metadata = Mapping[str, str] | None
 """The string metadata a save records (``None``: none)."""
-Shards = list[tuple[str, list[Entry]]]
+Shards = list[tuple[str, list["Entry"]]]
 """A multi-file save's files: each file's name and the entries it holds."""
 
 SAVE_ID_KEY = "nnx_save.save_id"

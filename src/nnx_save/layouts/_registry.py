@@ -121,7 +121,7 @@ def _check_source(source: object) -> None:
 
 def _read(source: Where | Sequence[Where]) -> Header:
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
-    if isinstance(name, str) and _as_path_spells_it(name):  # never a URL: "scheme://" has a "//"
+    if isinstance(name, str) and _file.spelled_as_path(name):  # never a URL: "scheme://" has a "//"
         try:  # a local file, the common case, in one open and one fstat
             local = _file.read_local(name)
         except FileNotFoundError:
@@ -150,12 +150,6 @@ def _read(source: Where | Sequence[Where]) -> Header:
 def reader_factory(header: Header) -> Callable[[str], Reader]:
     """``open_reader(file)`` for the engine, of the header's own (pinned) files."""
     return header.placement.open_reader
-
-
-def _as_path_spells_it(name: str) -> bool:
-    """Whether ``str(Path(name)) == name`` surely holds, so the fast path names files
-    as the layouts below do (``a//b``, ``./a``, ``a/`` take that way)."""
-    return bool(name) and "//" not in name and "/." not in name and not name.startswith("./") and name[-1] != "/"
 
 
 def layout_of(path: Path) -> Layout:

@@ -1,13 +1,17 @@
 """Small reads of one local tensor without the engine (whose planning and threads cost a
 hundred times a few-KiB copy): what a ``safe_open`` handle does for a small slice.
 
-The bytes of the slice's box are read with ``preadv`` straight into the result (runs
-closer than :data:`GATHER_GAP` share one request, the bytes between them read into a
-scratch buffer); nothing is memory-mapped, so a file truncated (or truncated and
-re-extended) by another process can never raise SIGBUS in the reader: a short read is a
-:class:`~nnx_save.errors.TruncatedFileError`, and a file whose size or modification time
-differs, after the read, from what its header was read from is a
-:class:`~nnx_save.errors.SourceError` naming it (the bytes read may mix two versions).
+One contiguous run (an element, rows) is one ``preadv`` straight into the result. Many
+runs close together (gaps under :data:`MAP_RUN_BYTES` on average) are read with
+``preadv`` too, the bytes between them into a scratch buffer. Runs far apart (a column
+slice of a matrix) are gathered out of a private read-only map of the file by
+``process_vm_readv`` (:mod:`nnx_save.io._mapped`): the process never loads from the
+map, so a file truncated under it is a short count from the kernel, not SIGBUS. Either
+way a file truncated (or truncated and re-extended) by another process is a typed
+error: a short read is a :class:`~nnx_save.errors.TruncatedFileError`, and a file whose
+size or modification time differs, after the read, from what its header was read from
+is a :class:`~nnx_save.errors.SourceError` naming it (the bytes read may mix two
+versions).
 """
 
 from __future__ import annotations
@@ -23,17 +27,23 @@ from ..errors import TruncatedFileError
 from ..format._boxes import box_runs, extents
 from ..format._header import TensorInfo
 from ..io._files import Pinned
+from ..io._mapped import MappedFile, can_map
 from ..io._reader import LocalReader
 from ._assemble import check_bools
 from ._slices import slice_box
 
-__all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_RUNS", "GATHER_GAP", "DirectFiles"]
+__all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_RUNS", "GATHER_GAP", "DirectFiles", "one_run", "quick_run"]
 
 # Above this, the engine's threads beat one thread's copy (a whole large tensor); under
 # it, the engine's start-up dominates (benchmarks/lazy.py).
 DIRECT_MAX_BYTES = 16 << 20
 DIRECT_MAX_RUNS = 4096  # a column slice of a big matrix, without the engine's imports
 GATHER_GAP = 64 << 10  # bytes read through (into scratch) rather than cut into another request (~10 us on a VM)
+# A run gathered from a map costs the kernel about what copying this many bytes does
+# (pinning its page): runs further apart than that are gathered from the map, closer
+# ones read through with preadv (benchmarks/lazy.py, docs/performance.md).
+MAP_RUN_BYTES = 2 << 10
+RESIDENT_BYTES = 1 << 30  # tensors whose gathered pages stay mapped per handle, once asked for twice
 
 
 class DirectFiles:
@@ -46,6 +56,10 @@ class DirectFiles:
     def __init__(self, pinned: Pinned) -> None:
         self._pinned = pinned
         self._readers: dict[str, LocalReader] = {}
+        self._maps: dict[str, MappedFile | None] = {}  # None: this file cannot be mapped
+        self._seen: set[str] = set()  # tensors gathered from a map once (their pages dropped after)
+        self._resident: dict[str, TensorInfo] = {}  # tensors asked for again: pages kept, oldest first
+        self._resident_bytes = 0
         self._lock = threading.Lock()
 
     def _reader(self, file: str) -> LocalReader:
@@ -60,6 +74,71 @@ class DirectFiles:
                     finally:
                         os.close(fd)
         return found
+
+    def _map(self, file: str) -> MappedFile | None:
+        if file in self._maps:
+            return self._maps[file]
+        with self._lock:
+            if file not in self._maps:
+                fd = self._pinned.open(file)
+                try:
+                    seen = self._pinned.seen.get(file)
+                    self._maps[file] = MappedFile(fd, seen[2] if seen else os.fstat(fd).st_size)
+                except OSError:
+                    self._maps[file] = None
+                finally:
+                    os.close(fd)
+            return self._maps[file]
+
+    def _mapped(self, info: TensorInfo, base: int, offsets: np.ndarray, length: int) -> bool:
+        """Whether the runs were gathered from the file's map: runs far apart (each
+        gap over :data:`MAP_RUN_BYTES` on average), and a map that worked. A tensor's
+        first gather drops its pages block by block; from its second, they stay (up to
+        :data:`RESIDENT_BYTES` of tensors per handle, the oldest dropped first)."""
+        n = len(offsets)
+        gaps = int(offsets[-1]) - int(offsets[0]) - (n - 1) * length
+        if n < 2 or gaps <= (n - 1) * MAP_RUN_BYTES or not can_map():
+            return False
+        mapped = self._map(info.file)
+        if mapped is None:
+            return False
+        return mapped.gather(base, offsets, length, release=not self._kept(info, mapped))
+
+    def _kept(self, info: TensorInfo, mapped: MappedFile) -> bool:
+        """Whether ``info``'s pages stay mapped after a gather (asked for before)."""
+        key = info.name
+        if key in self._resident:
+            return True
+        with self._lock:
+            if key not in self._seen:
+                self._seen.add(key)
+                return False
+            self._resident[key] = info
+            self._resident_bytes += info.nbytes
+            while self._resident_bytes > RESIDENT_BYTES and len(self._resident) > 1:
+                old = self._resident.pop(next(iter(self._resident)))
+                self._resident_bytes -= old.nbytes
+                dropped = self._maps.get(old.file)
+                if dropped is not None:
+                    dropped.release(old.begin, old.end)
+        return True
+
+    def read_run(self, info: TensorInfo, first: int, shape: list[int]) -> np.ndarray:
+        """The elements of ``info`` from flat index ``first`` that fill ``shape`` (one
+        contiguous run, :func:`one_run`), as a fresh array: one ``preadv``. Not for
+        BOOL tensors (:meth:`read` checks their bytes against the slice's box).
+
+        Raises:
+            TruncatedFileError: the file now ends before the run's bytes.
+            SourceError: the file changed since its header was read.
+        """
+        out = np.empty(shape, info.dtype.numpy)
+        reader = self._readers.get(info.file) or self._reader(info.file)
+        try:
+            reader.read_into(out, info.begin + first * info.dtype.itemsize)
+        except TruncatedFileError as e:
+            raise _truncated(info, e) from None
+        return out
 
     def plan(self, info: TensorInfo, items: tuple[int | slice, ...]) -> tuple[Any, Any, np.ndarray, int] | None:
         """``(box, post, run offsets, run length)`` of ``tensor[items]``, or None when the
@@ -85,7 +164,9 @@ class DirectFiles:
         reader = self._reader(info.file)
         base = out.ctypes.data
         try:
-            if len(offsets) > 1 and reader.can_read_tables():
+            if self._mapped(info, base, offsets, length):
+                reader.verify()
+            elif len(offsets) > 1 and reader.can_read_tables():
                 _gather(reader, base, offsets, length)
             elif reader.can_read_runs():
                 reader.read_runs(
@@ -96,12 +177,7 @@ class DirectFiles:
                 for i, off in enumerate(offsets.tolist()):
                     reader.readv([flat[i * length : (i + 1) * length]], off)
         except TruncatedFileError as e:
-            raise TruncatedFileError(
-                f"{info.file}: the file ends at byte {e.offset}, tensor {info.name!r} needs bytes up to "
-                f"{info.end} (was it truncated while open?)",
-                info.file,
-                e.offset,
-            ) from None
+            raise _truncated(info, e) from None
         check_bools(out, info, box)
         if all(p == slice(None) for p in post):
             return out
@@ -111,14 +187,100 @@ class DirectFiles:
         """Close the readers (later reads reopen them)."""
         with self._lock:
             readers, self._readers = self._readers, {}
+            maps, self._maps = self._maps, {}
+            self._seen.clear()
+            self._resident.clear()
+            self._resident_bytes = 0
         for reader in readers.values():
             reader.close()
+        for mapped in maps.values():
+            if mapped is not None:
+                mapped.close()
 
     def __del__(self) -> None:
         try:  # noqa: SIM105 - not contextlib.suppress: at interpreter exit its module may be gone first
             self.close()
         except Exception:
             pass
+
+
+def _truncated(info: TensorInfo, e: TruncatedFileError) -> TruncatedFileError:
+    return TruncatedFileError(
+        f"{info.file}: the file ends at byte {e.offset}, tensor {info.name!r} needs bytes up to "
+        f"{info.end} (was it truncated while open?)",
+        info.file,
+        e.offset,
+    )
+
+
+def one_run(items: tuple[int | slice, ...], shape: tuple[int, ...]) -> tuple[int, list[int]] | None:
+    """``(first flat index, result shape)`` when ``items`` (normalized) select one
+    contiguous, non-empty run of a C-ordered tensor of ``shape``: single indices
+    first, then one range, then whole dimensions. Else None.
+
+    Examples:
+        >>> one_run((5, 7), (10, 10))
+        (57, [])
+        >>> one_run((slice(2, 4, 1), slice(0, 10, 1)), (10, 10))
+        (20, [2, 10])
+        >>> one_run((slice(None), slice(0, 3, 1)), (10, 10)) is None
+        True
+    """
+    first, wide, out = 0, False, []
+    for item, size in zip(items, shape, strict=True):
+        if type(item) is int:
+            lo, n = item, 1
+        else:
+            lo, n = item.start, item.stop - item.start  # type: ignore[union-attr]
+            if item.step != 1 or n <= 0:  # type: ignore[union-attr]
+                return None
+            out.append(n)
+        if wide and n != size:
+            return None
+        wide = wide or n > 1
+        first = first * size + lo
+    return first, out
+
+
+def quick_run(index: Any, shape: tuple[int, ...]) -> tuple[int, list[int]] | None:
+    """:func:`one_run` of the commonest raw indices (``[i, j]``, ``[a:b]``,
+    ``[a:b, :]``: in-range ints and step-less slices with in-range int bounds, one per
+    dimension) without normalizing them first; None for any other index (the general
+    path checks it).
+
+    Examples:
+        >>> quick_run((5, 7), (10, 10))
+        (57, [])
+        >>> quick_run(slice(2, 4), (10, 10))
+        (20, [2, 10])
+        >>> quick_run((-1, 0), (10, 10)) is None
+        True
+    """
+    if type(index) is not tuple:
+        index = (index,)
+    if len(index) > len(shape):
+        return None
+    first, wide, out = 0, False, []
+    for k, size in enumerate(shape):
+        item = index[k] if k < len(index) else slice(None)
+        if type(item) is int:
+            if not 0 <= item < size:
+                return None
+            lo, n = item, 1
+        elif type(item) is slice and item.step is None:
+            lo = 0 if item.start is None else item.start
+            hi = size if item.stop is None else item.stop
+            if type(lo) is not int or type(hi) is not int or not 0 <= lo < hi <= size:
+                return None
+            n = hi - lo
+            out.append(n)
+        else:
+            return None
+        if wide and n != size:
+            return None
+        wide = wide or n > 1
+        first = first * size + lo
+    return first, out
 
 
 def _gather(reader: LocalReader, base: int, offsets: np.ndarray, length: int) -> None:
