@@ -366,7 +366,7 @@ def _read_local(source: object) -> Header | None:
     if not isinstance(source, (str, os.PathLike)):
         return None
     name = path_arg(source, "source", "read_header")  # refused as the registry refuses it
-    if not spelled_as_path(name) or is_url(name):
+    if not spelled_as_path(name):  # never a URL: "scheme://" has a "//"
         return None
     try:
         return read_local(name)
