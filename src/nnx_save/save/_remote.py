@@ -19,7 +19,7 @@ from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
 from ..io._write import TMP_MARKER
-from ._entry import Entry, host_bytes, order_entries
+from ._entry import Entry, check_storable, host_bytes, order_entries
 
 __all__ = ["filesystem", "put", "write_remote"]
 
@@ -37,7 +37,9 @@ def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str]
     entries = order_entries(entries)
     first = _checksum.Digests([e.key for e in entries])
     for e in entries:
-        first.update(e.key, host_bytes(e.value(), e.code))
+        value = e.value()
+        check_storable(e.key, value)  # the second pass must give these bytes: checked once
+        first.update(e.key, host_bytes(value, e.code))
     head, offsets = encode_header([(e.key, e.code, e.shape) for e in entries], first.metadata(metadata))
 
     def stream(f: Any) -> None:
