@@ -82,7 +82,8 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
                 "shard by shard. Replicate it before saving",
                 key_path=e.key,
             )
-        check_storable(e.key, host)
+        if e.code == "BOOL":
+            check_storable(e.key, host)
         data = host_bytes(host, e.code)
         offsets, length = (
             box_runs(e.shape, row.itemsize, box, base) if row.byte_aligned else (np.array([base]), len(data))
