@@ -17,7 +17,16 @@ from typing import TypeVar
 import numpy as np
 
 from ..errors import RuleError
-from ._parts import axis_of, complete_layers, joined, layer_groups, refuse_shared_layer, same_dtype, split_bounds
+from ._parts import (
+    axis_of,
+    complete_layers,
+    joined,
+    layer_groups,
+    refuse_shared_layer,
+    same_dtype,
+    split_bounds,
+    too_many_layers,
+)
 from ._template import Template, check_refs, compile_pattern, invert, parse_pattern, parse_templates, raw, raws, ticked
 from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
 
@@ -475,6 +484,8 @@ class UnstackRule(_LayerRule):
             axis = axis_of(self.axis, len(shape))
             if axis is None:
                 errors.append(f"`{key}`: {self} needs axis {self.axis}, found shape {shape}")
+                continue
+            if too_many_layers(self, key, shape[axis], errors):
                 continue
             part = shape[:axis] + shape[axis + 1 :]
             for i in range(shape[axis]):
