@@ -148,7 +148,7 @@ class Engine:
         self.over_reads = self.outcome.over_reads
         self.over_read_bytes = self.outcome.over_read_bytes  # bytes read, bytes max_over_read_ratio=1.0 would read
         self.checked = self.outcome.checked  # file key -> verified (True) or not verifiable (False)
-        self._digests: dict[str, dict[str, str]] = {}  # file -> recorded checksums (verify only)
+        self._digests: dict[str, Mapping[str, str]] = {}  # file -> recorded checksums (verify only)
         self._lock = threading.Lock()
         self.staging: Any = None  # the streaming path's staging pool, once it ran
         self.readers: dict[str, tuple[Reader, tuple[bool, bool]]] = {}  # open on the files being read
@@ -406,7 +406,7 @@ class Engine:
                 jobs.append((name, file, expected, [np.ascontiguousarray(b).data.cast("B") for b in buffers]))
         _checksum.check_all(jobs, self.opt.threads)  # xxhash releases the GIL: hash in parallel
 
-    def _expected(self, file: str) -> dict[str, str]:
+    def _expected(self, file: str) -> Mapping[str, str]:
         """``file``'s recorded checksums, read once."""
         with self._lock:
             if file not in self._digests:
