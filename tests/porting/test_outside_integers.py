@@ -21,8 +21,8 @@ import nnx_save
 from nnx_save import _config
 from nnx_save.errors import ConfigError, RuleError
 from nnx_save.format._header import parse_header
-from nnx_save.porting import Rules, stack, unstack
-from nnx_save.porting._parts import MAX_LAYERS
+from nnx_save.porting import Rules, rename, stack, unstack
+from nnx_save.porting._parts import MAX_INDEX_DIGITS, MAX_LAYERS
 
 HUGE = st.one_of(st.integers(0, 12), st.integers(0, 10**30), st.sampled_from([99999999999, 2**63, 2**64 + 1]))
 CAP = 2 << 30
@@ -38,11 +38,31 @@ def test_a_stack_rule_bounds_layer_indices_from_keys(indices):
             mapping = rules.mapping(sources)
         except RuleError as e:
             assert indices != set(range(len(indices)))
+            if max(indices) >= 10**MAX_INDEX_DIGITS:
+                assert f"at most {MAX_INDEX_DIGITS} digits" in str(e)
+                return
             listed = re.search(r"missing layers \[([^\]]*)\]", str(e))
             assert listed is not None and len(listed[1].split(",")) <= 8, str(e)
             return
     assert indices == set(range(len(indices)))
     assert list(mapping.assignments) == ["layers/w"]
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        stack(r"h\.(?P<layer>\d+)\.w", "layers/w"),
+        rename(r"h\.(\d+)\.w", r"l/\1/w", shift={1: -1}),
+        rename(r"h\.(\d+)\.w", r"l/\1/w", index={1: [0, 3]}),
+    ],
+    ids=["stack", "shift", "index"],
+)
+@pytest.mark.parametrize("digits", [19, 4301, 5000])
+def test_an_index_of_thousands_of_digits_is_refused(rule, digits):
+    """int() itself refuses 4,300 digits (a bare ValueError): the rules refuse first."""
+    sources = {"h.0.w": ((2,), np.float32), f"h.{'9' * digits}.w": ((2,), np.float32)}
+    with pytest.raises(RuleError, match=f"at most {MAX_INDEX_DIGITS}"):
+        Rules(rule).mapping(sources)
 
 
 @settings(max_examples=60)

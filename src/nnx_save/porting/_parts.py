@@ -12,10 +12,11 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import RuleError
+from ..errors import RuleError, short_repr
 from ._template import Template
 
 __all__ = [
+    "MAX_INDEX_DIGITS",
     "MAX_LAYERS",
     "axis_of",
     "complete_layers",
@@ -97,6 +98,11 @@ def layer_groups(rule: object, claims: Mapping[str, tuple[str, object]], errors:
     for key, (layer, target) in sorted(claims.items()):
         if not (layer.isascii() and layer.isdigit()):  # a regex \d also matches "²"
             errors.append(f"`{key}`: {rule} needs a decimal layer index, found {layer!r}")
+        elif len(layer) > MAX_INDEX_DIGITS:  # no model has 10**18 layers; int() refuses 4,300 digits
+            errors.append(
+                f"`{short_repr(key, 80)}`: {rule} needs a layer index of at most {MAX_INDEX_DIGITS} digits, "
+                f"found {len(layer)} digits"
+            )
         elif int(layer) in groups[target]:
             errors.append(f"`{target}`: produced twice by {rule}, from `{groups[target][int(layer)]}` and `{key}`")
         else:
@@ -104,6 +110,7 @@ def layer_groups(rule: object, claims: Mapping[str, tuple[str, object]], errors:
     return groups
 
 
+MAX_INDEX_DIGITS = 18  # a key's index past 10**18 is no layer (and int() refuses 4,300 digits)
 MAX_LAYERS = 1 << 16  # entries one tensor splits into (unstack): past any model's layers or experts
 
 

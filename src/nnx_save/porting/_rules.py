@@ -16,8 +16,9 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..errors import RuleError
+from ..errors import RuleError, short_repr
 from ._parts import (
+    MAX_INDEX_DIGITS,
     axis_of,
     complete_layers,
     joined,
@@ -219,6 +220,10 @@ def _index_number(key: str, text: str | None, rule: object) -> int:
     """The decimal index captured in ``text``."""
     if text is None or not (text.isascii() and text.isdigit()):  # "²".isdigit() is true, int("²") fails
         raise RuleError(f"`{key}`: {rule} renumbers group text {text!r}, which is not a decimal index")
+    if len(text) > MAX_INDEX_DIGITS:  # int() refuses 4,300 digits; no index is past 10**18
+        raise RuleError(
+            f"`{short_repr(key, 80)}`: {rule} renumbers an index of {len(text)} digits; at most {MAX_INDEX_DIGITS}"
+        )
     return int(text)
 
 
