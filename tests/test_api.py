@@ -4,6 +4,7 @@ every error and warning lives in ``nnx_save.errors``, and options are typed data
 from __future__ import annotations
 
 import ast
+import builtins
 import json
 import os
 import pydoc
@@ -303,3 +304,44 @@ def test_safe_open_refuses_a_bad_setting_when_opened(saved):
         nnx_save.safe_open(saved, num_threads=0)  # before: a ValueError at the first read
     with pytest.raises(OptionError, match=re.escape("max_over_read_ratio must be >= 1.0, got 0.5")):
         nnx_save.safe_open(saved, max_over_read_ratio=0.5)
+
+
+def _documented_errors() -> tuple[str, set[str], set[str]]:
+    """docs/errors.md, the error and warning names it writes in backticks, and those it
+    places under ``nnx_save.checkpoint`` / ``nnx_save.porting`` (their sections, or the
+    tree's ``checkpoint.`` / ``porting.`` entries)."""
+    page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
+    named = set(re.findall(r"\b([A-Z]\w*(?:Error|Warning))\b", page)) - set(dir(builtins)) - set(errors.MERGED)
+    sections = re.split(r"^## ", page, flags=re.M)
+    elsewhere = "".join(s for s in sections if s.startswith(("Training checkpoints", "Porting")))
+    placed = set(re.findall(r"`([A-Z]\w*(?:Error|Warning))`", elsewhere))
+    placed |= set(re.findall(r"(?:checkpoint|porting)\.([A-Z]\w*(?:Error|Warning))", page))
+    return page, named, placed
+
+
+def test_every_name_docs_errors_writes_resolves():
+    """Generated from docs/errors.md: each class it names is in ``nnx_save.errors``; the
+    page says every one is reachable as ``nnx_save.X`` except the checkpoint and porting
+    ones, which are the same classes in ``nnx_save.checkpoint`` / ``nnx_save.porting``;
+    each dotted ``nnx_save.a.b`` it writes resolves; each folded name it lists is gone."""
+    import nnx_save.checkpoint
+    import nnx_save.porting
+
+    page, named, placed = _documented_errors()
+    assert len(named) >= 30 and {"DirectoryLockedError", "SafetensorError", "SourceNotFoundError"} <= named
+    unresolved = []
+    for name in sorted(named):
+        cls = getattr(errors, name, None)
+        homes = [nnx_save.checkpoint, nnx_save.porting] if name in placed else [nnx_save]
+        if not isinstance(cls, type) or not any(getattr(home, name, None) is cls for home in homes):
+            unresolved.append(name)
+    assert unresolved == []
+    for dotted in sorted(set(re.findall(r"`(nnx_save(?:\.\w+)+)", page)) - {"nnx_save.X"}):
+        if dotted.endswith(".X"):  # the page's placeholder: "nnx_save.checkpoint.X"
+            dotted = dotted[:-2]
+        value = nnx_save
+        for part in dotted.split(".")[1:]:
+            value = getattr(value, part)  # raises naming the part that does not resolve
+    for old in re.findall(r"`(\w+)`", page[page.index("earlier version") : page.index("raises an `AttributeError`")]):
+        with pytest.raises(AttributeError, match=re.escape(errors.MERGED[old])):
+            getattr(nnx_save, old)

@@ -16,6 +16,7 @@ from ._version import __version__ as __version__
 from .errors import ChecksumError as ChecksumError
 from .errors import ConfigError as ConfigError
 from .errors import ConvertError as ConvertError
+from .errors import DirectoryLockedError as DirectoryLockedError
 from .errors import DtypeMismatchError as DtypeMismatchError
 from .errors import HeaderError as HeaderError
 from .errors import HostMemoryError as HostMemoryError
@@ -30,6 +31,7 @@ from .errors import NotSafetensorsError as NotSafetensorsError
 from .errors import OptionError as OptionError
 from .errors import OverReadWarning as OverReadWarning
 from .errors import RemoteError as RemoteError
+from .errors import SafetensorError as SafetensorError
 from .errors import SaveError as SaveError
 from .errors import ShapeMismatchError as ShapeMismatchError
 from .errors import ShardingError as ShardingError
@@ -37,6 +39,7 @@ from .errors import SingleDeviceWarning as SingleDeviceWarning
 from .errors import SliceError as SliceError
 from .errors import SourceChangedError as SourceChangedError
 from .errors import SourceError as SourceError
+from .errors import SourceNotFoundError as SourceNotFoundError
 from .errors import TruncatedFileError as TruncatedFileError
 from .errors import UnsupportedValueError as UnsupportedValueError
 

@@ -14,7 +14,7 @@ from .._options import merge
 from ..errors import KeyPathError, UnsupportedValueError, short_repr
 from ..format import _dtypes, _paths
 from ..load._options import LoadOptions
-from ..save._entry import Entry, HostValue
+from ..save._entry import Entry, HostValue, check_storable
 
 __all__ = [
     "LoadKeywords",
@@ -131,6 +131,8 @@ def leaf_entry(path: tuple, value: Any, key: str | None = None) -> Entry:
     if value.dtype.kind in "OUS":
         raise UnsupportedValueError(f"{key}: {describe(value)} has no safetensors dtype", key)
     code = _dtypes.to_code(value.dtype, key).code
+    if code == "BOOL":  # bytes a load refuses: asked of bool arrays only
+        check_storable(key, value)
     return Entry(key, code, tuple(int(d) for d in value.shape), HostValue(value), value)  # Entry.of, per leaf inline
 
 

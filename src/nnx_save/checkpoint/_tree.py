@@ -16,6 +16,7 @@ import numpy as np
 from ..errors import KeyPathError, OptionError, UnsupportedCheckpointError, UnsupportedValueError
 from ..format import _paths
 from ..format._paths import format_path
+from ..save._entry import check_storable
 from ._format import DTYPES_FORMAT, ITEM_NAMES
 
 __all__ = [
@@ -86,7 +87,7 @@ def _dtype_name(dtype: Any) -> str | None:
     """A dtype's name as stored (``"float32"``), None for a typed-key dtype. Cached: numpy's
     ``str(dtype)`` and jax's ``issubdtype`` cost microseconds each, paid per leaf on every
     save and restore of thousands of leaves that share a few dtypes."""
-    return None if is_key_dtype(dtype) else str(np.dtype(dtype))
+    return None if is_key_dtype(dtype) else str(np.dtype(dtype).newbyteorder("="))  # ">i2": its values, int16
 
 
 @functools.lru_cache(maxsize=256)
@@ -148,6 +149,8 @@ def _check_leaf(item: str, path: Path, leaf: Any) -> None:
     if problem is not None:  # the path is formatted only for a refusal: a save checks every leaf
         where = f"{item}/{show(path)}"
         raise UnsupportedValueError(f"{where}: {problem}", where)
+    if isinstance(leaf, (jax.Array, np.ndarray)) and leaf.dtype == np.bool_:  # bytes a restore refuses
+        check_storable(f"{item}/{show(path)}", leaf)
 
 
 def _leaf_problem(leaf: Any) -> str | None:

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from .._version import __version__
-from ..conversion._convert import read_one
+from ..conversion._convert import batches, read_many, read_one
 from ..errors import OptionError
 from ..format import _units
 from ..format._header import strict_json
@@ -144,13 +144,31 @@ def _verify_file(header: Any, fh: Any, problems: list[str]) -> tuple[int, int]:
     import nnx_save
 
     verified = unverified = 0
-    for key in fh.tensors:
+    for batch in batches(header, fh.tensors):  # one load per batch: linear in the tensor count
+        try:
+            _, report = read_many(header, batch, verify=True)
+        except nnx_save.ChecksumError as e:
+            if e.key is None:  # the checksum record itself is unreadable: nothing more to check here
+                problems.append(str(e))
+                return verified, unverified
+            found = _verify_each(header, batch, problems)  # name every bad tensor of the batch
+            verified, unverified = verified + found[0], unverified + found[1]
+            continue
+        verified += len(report.verified)
+        unverified += len(report.unverified)
+    return verified, unverified
+
+
+def _verify_each(header: Any, keys: list[str], problems: list[str]) -> tuple[int, int]:
+    """:func:`_verify_file` one tensor at a time, for a batch that holds a bad one."""
+    import nnx_save
+
+    verified = unverified = 0
+    for key in keys:
         try:
             _, report = read_one(header, key, verify=True)
         except nnx_save.ChecksumError as e:
             problems.append(str(e))
-            if e.key is None:  # the checksum record itself is unreadable: nothing more to check here
-                return verified, unverified
             continue
         verified += len(report.verified)
         unverified += len(report.unverified)
@@ -282,17 +300,23 @@ def _diff_lines(ha: Any, hb: Any, atol: float) -> Iterator[tuple[str, str, str]]
         yield "only in A", key, key
     for key in sorted(set(hb.tensors) - set(ha.tensors)):
         yield "only in B", key, key
-    for key in sorted(set(ha.tensors) & set(hb.tensors)):
+    both = sorted(set(ha.tensors) & set(hb.tensors))
+    for batch in batches(ha, both):  # one load per batch and side: linear in the tensor count
+        yield from _diff_batch(ha, hb, batch, atol)
+
+
+def _diff_batch(ha: Any, hb: Any, keys: list[str], atol: float) -> Iterator[tuple[str, str, str]]:
+    """:func:`_diff_lines` for ``keys``, held by both sides."""
+    same = [k for k in keys if ha.tensors[k].shape == hb.tensors[k].shape]
+    values_a, values_b = (read_many(ha, same)[0], read_many(hb, same)[0]) if same else ({}, {})
+    for key in keys:
         ta, tb = ha.tensors[key], hb.tensors[key]
         if ta.shape != tb.shape:
             yield "shape", key, f"{key}: {list(ta.shape)} vs {list(tb.shape)}"
             continue
         if ta.dtype.code != tb.dtype.code:
             yield "dtype", key, f"{key}: {ta.dtype.code} vs {tb.dtype.code}"
-        a, _ = read_one(ha, key)
-        b, _ = read_one(hb, key)
-        found = compare_values(a, b, atol)
-        del a, b
+        found = compare_values(values_a.pop(key), values_b.pop(key), atol)
         if found.differing:
             worst = str(found.worst) if isinstance(found.worst, int) else f"{found.worst:.6g}"  # ints exact
             text = f"{key}: max |a - b| = {worst}, {found.differing} of {found.size} elements differ"

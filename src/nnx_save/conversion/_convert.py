@@ -13,8 +13,10 @@ import functools
 import math
 import os
 import shlex
+import threading
 import warnings
 import zipfile
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,12 +32,12 @@ from ..format._units import parse_size
 from ..layouts import _registry
 from ..layouts._registry import read_header
 from ..load._source import Header
-from ..save._entry import Entry
+from ..save._entry import Entry, order_entries
 from ..save._options import SaveOptions
 from . import _torch_index
 from ._extras import Extras
 
-__all__ = ["Converted", "convert", "read_one"]
+__all__ = ["Converted", "batches", "convert", "read_many", "read_one"]
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,10 @@ def _entries(
     if kind == "safetensors":
         header = read_header(source)
         meta = dict(header.files[0].metadata) if header.files else {}
-        return [
-            Entry(k, t.dtype.code, t.shape, functools.partial(_verified, header, k)) for k, t in header.tensors.items()
-        ], meta
+        verified = _Verified(header)
+        entries = [Entry(k, t.dtype.code, t.shape, functools.partial(verified, k)) for k, t in header.tensors.items()]
+        verified.expect([e.key for e in order_entries(entries)])  # the order the writer asks them in
+        return entries, meta
     if kind == "torch":
         arrays, meta = _torch_tensors(source, key, extras), {"format": "pt"}
     else:
@@ -258,9 +261,59 @@ def read_one(header: Header, key: str, *, verify: bool = False) -> tuple[np.ndar
     return tree[key], report
 
 
-def _verified(header: Header, key: str) -> np.ndarray:
-    """One tensor, checksum verified: a corrupted source must not get fresh checksums."""
-    return read_one(header, key, verify=True)[0]
+def read_many(header: Header, keys: Sequence[str], *, verify: bool = False) -> tuple[dict[str, np.ndarray], Any]:
+    """Tensors ``keys`` of ``header`` as host arrays, in one load, and its report: only
+    the files holding their pieces are read."""
+    held = {p.info.file for key in keys for p in header.pieces_of(key)}
+    narrowed = dataclasses.replace(
+        header,
+        tensors={key: header.tensors[key] for key in keys},
+        files=tuple(fh for fh in header.files if fh.file in held),
+    )
+    tree, report = load_file(narrowed, verify=verify, progress=False, return_report=True)
+    return {key: tree[key] for key in keys}, report
+
+
+BATCH_BYTES = 64 << 20  # one load reads up to this much (or one tensor): a tool's memory stays bounded
+
+
+def batches(header: Header, keys: Iterable[str], limit: int = BATCH_BYTES) -> Iterator[list[str]]:
+    """``keys`` in order, cut into runs of up to ``limit`` bytes (a larger tensor alone):
+    a tool reads a checkpoint of N tensors in about N / batch loads, not N."""
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        info = header.tensors[key]
+        n = _dtypes.nbytes_for(info.dtype, math.prod(info.shape))
+        if batch and size + n > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += n
+    if batch:
+        yield batch
+
+
+class _Verified:
+    """The tensors of ``header`` for a writer asking them in ``order``, checksum verified
+    (a corrupted source must not get fresh checksums), read a batch at a time: each is
+    handed out once and dropped."""
+
+    def __init__(self, header: Header) -> None:
+        self.header, self.order, self.at = header, list(header.tensors), {k: i for i, k in enumerate(header.tensors)}
+        self.ready: dict[str, np.ndarray] = {}
+        self.lock = threading.Lock()
+
+    def expect(self, order: Sequence[str]) -> None:
+        """The order the writer will ask the tensors in (each batch reads the next ones)."""
+        self.order, self.at = list(order), {key: i for i, key in enumerate(order)}
+
+    def __call__(self, key: str) -> np.ndarray:
+        with self.lock:
+            if key not in self.ready:
+                batch = next(batches(self.header, (k for k in self.order[self.at[key] :] if k not in self.ready)))
+                self.ready.update(read_many(self.header, batch, verify=True)[0])
+            return self.ready.pop(key)
 
 
 def _orbax_arrays(path: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -10,7 +10,9 @@ shards other processes wrote, files of other tools): readers report it unverifie
 
 from __future__ import annotations
 
+import functools
 import json
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -66,8 +68,10 @@ class Digests:
         return out
 
 
-def read_digests(metadata: Mapping[str, str], file: str) -> dict[str, str]:
-    """The ``{key: hex}`` checksums a file records (empty when it records none).
+def read_digests(metadata: Mapping[str, str], file: str) -> Mapping[str, str]:
+    """The ``{key: hex}`` checksums a file records (empty when it records none): parsed
+    once per record text (a tool reading a file's tensors one load at a time, ``nnx-save
+    verify``, pays for the record once, not once per tensor). Read-only.
 
     Raises:
         ChecksumError: the entry is present but malformed, or names an unknown algorithm.
@@ -75,7 +79,11 @@ def read_digests(metadata: Mapping[str, str], file: str) -> dict[str, str]:
     raw = metadata.get(KEY)
     if raw is None:
         return {}
-    algorithm = metadata.get(ALGORITHM_KEY, ALGORITHM)
+    return _parsed(raw, metadata.get(ALGORITHM_KEY, ALGORITHM), file)
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed(raw: str, algorithm: str, file: str) -> Mapping[str, str]:
     if algorithm != ALGORITHM:
         raise ChecksumError(
             f"{file}: checksums use algorithm {algorithm!r}; this version of nnx_save knows "
@@ -88,7 +96,7 @@ def read_digests(metadata: Mapping[str, str], file: str) -> dict[str, str]:
         raise ChecksumError(f"{file}: __metadata__[{KEY!r}] is not valid JSON: {e}", file=file) from None
     if not isinstance(value, dict) or not all(isinstance(v, str) and len(v) == _WIDTH for v in value.values()):
         raise ChecksumError(f"{file}: __metadata__[{KEY!r}] must map tensor names to {_WIDTH} hex digits", file=file)
-    return value
+    return types.MappingProxyType(value)
 
 
 def check(key: str, file: str, expected: str, buffers: Iterable[memoryview | bytes]) -> None:

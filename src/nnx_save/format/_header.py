@@ -17,12 +17,13 @@ import itertools
 import json
 import math
 import operator
+import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import HeaderError, KeyPathError, UnsupportedValueError, short_repr
+from ..errors import HeaderError, KeyPathError, OptionError, UnsupportedValueError, short_repr
 from . import _dtypes
 
 __all__ = ["MAX_HEADER_SIZE", "FileHeader", "TensorInfo", "encode_header", "header_size", "parse_header"]
@@ -123,9 +124,63 @@ def strict_json(text: str) -> object:
         ValueError: nested too deeply (the depth is capped by the interpreter's recursion limit)
     """
     try:
-        return json.loads(text, object_pairs_hook=unique_pairs)
+        obj = json.loads(text, object_pairs_hook=unique_pairs)
     except RecursionError:
         raise ValueError("nested too deeply (the depth is capped by the interpreter's recursion limit)") from None
+    refuse_lone_surrogates(text)
+    return obj
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate(text: str) -> int | None:
+    r"""The offset in JSON ``text`` of its first escape of a lone UTF-16 surrogate
+    (``\ud800`` not followed by a low one, or a low one alone), or ``None``: JSON allows
+    the escape, but the string it makes is no Unicode text (UTF-8 cannot encode it, the
+    safetensors reference refuses it). A high escape right before a low one is one
+    character (an emoji): allowed. C-speed when no surrogate escape is present.
+
+    Examples:
+        >>> lone_surrogate(r'{"a\ud83d\ude00": 1}'), lone_surrogate(r'{"a\ud800": 1}'), lone_surrogate(r'"\\ud800"')
+        (None, 3, None)
+    """
+    paired = -1  # the offset of a low escape already taken by the high one before it
+    for m in _SURROGATE_ESCAPE.finditer(text):
+        start = m.start()
+        if start == paired or _escaped(text, start):
+            continue
+        unit = int(text[start + 2 : start + 6], 16)
+        after = _SURROGATE_ESCAPE.match(text, m.end())
+        if unit < 0xDC00 and after is not None and int(text[m.end() + 2 : m.end() + 6], 16) >= 0xDC00:
+            paired = m.end()
+            continue
+        return start
+    return None
+
+
+def _escaped(text: str, at: int) -> bool:
+    """Whether the backslash at ``at`` is itself escaped (an odd run of backslashes before it)."""
+    run = at
+    while run and text[run - 1] == "\\":
+        run -= 1
+    return (at - run) % 2 == 1
+
+
+def refuse_lone_surrogates(text: str, base: int = 0, what: str = "the JSON", file: str | None = None) -> None:
+    """Raise :class:`HeaderError` (check ``"encoding"``) at the first lone-surrogate escape
+    of JSON ``text`` (which starts at byte ``base`` of ``what``), naming its byte offset
+    and the string it is in."""
+    at = lone_surrogate(text) if "\\u" in text else None
+    if at is not None:
+        around = text[max(0, text.rfind('"', 0, at)) : text.find('"', at) + 1 or at + 6]
+        raise HeaderError(
+            f"{file + ': ' if file else ''}a lone UTF-16 surrogate escape {text[at : at + 6]} at byte "
+            f"{base + len(text[:at].encode('utf-8'))} of {what}, in the string {around}; a key or string must be "
+            "Unicode text (safetensors refuses it too)",
+            check="encoding",
+            file=file,
+        )
 
 
 def _text(raw: bytes, file: str) -> str:
@@ -139,11 +194,13 @@ def _text(raw: bytes, file: str) -> str:
 
 
 def _decode_json(text: str, file: str) -> dict[str, object]:
-    """The header's JSON object, every key at every level checked unique as it is parsed."""
+    """The header's JSON object, every key at every level checked unique as it is parsed,
+    every string Unicode text."""
+    refuse_lone_surrogates(text, 8, "the file", file)
     try:
         obj = strict_json(text)
     except HeaderError as e:
-        raise HeaderError(f"{file}: {e} in the header JSON", check="duplicate_key") from None
+        raise HeaderError(f"{file}: {e} in the header JSON", check=e.check, file=file) from None
     except ValueError as e:  # JSONDecodeError, an int over 4300 digits, too deep
         raise HeaderError(f"{file}: header is not valid JSON: {e}", check="json") from None
     if not isinstance(obj, dict):
@@ -273,6 +330,8 @@ def parse_header(raw: bytes, file_size: int, *, file: str = "<bytes>") -> FileHe
         found = _parse_fast(text, 8 + len(raw), file_size, file)
     except (ValueError, RecursionError):  # not JSON (or too deep): the exact path names what is wrong
         found = None
+    if found is not None and "\\u" in text and lone_surrogate(text) is not None:
+        found = None  # the exact path refuses it, naming where
     return _parse_exact(text, 8 + len(raw), file_size, file) if found is None else found
 
 
@@ -390,6 +449,25 @@ def _keys_unique(text: str, names: list[str], meta: dict[str, str], has_meta: bo
     return text.count(":") == members + colons
 
 
+def _not_text(body: Mapping[str, Any]) -> Exception:
+    """The typed refusal of a header whose names or metadata are no Unicode text (a lone
+    surrogate, ``"\\ud800"``): the file would be refused by every reader, ours included."""
+    for name in body:
+        if not _is_text(name):
+            return KeyPathError(f"{name!a}: a tensor name must be Unicode text (it holds a lone surrogate)", name)
+    meta = body.get("__metadata__") or {}
+    bad = next(k for k, v in meta.items() if not (_is_text(k) and _is_text(v)))
+    return OptionError(f"metadata {bad!a}: keys and values must be Unicode text (a lone surrogate)", "metadata")
+
+
+def _is_text(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def encode_header(
     entries: Iterable[tuple[str, str, Sequence[int]]],
     metadata: Mapping[str, str] | None = None,
@@ -400,7 +478,9 @@ def encode_header(
     multiple of 8 bytes so the data section starts 8-byte aligned.
 
     Raises:
-        KeyPathError: a tensor named ``__metadata__`` (the format reserves it).
+        KeyPathError: a tensor named ``__metadata__`` (the format reserves it), or a
+            name that is no Unicode text (a lone surrogate).
+        OptionError: metadata that is no Unicode text.
         UnsupportedValueError: a sub-byte tensor (``F4``, ``F6_*``) whose bits do not
             fill whole bytes; the reference refuses to read such a file.
 
@@ -433,6 +513,9 @@ def encode_header(
         offsets.append((position, position + nbytes))
         body[name] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [position, position + nbytes]}
         position += nbytes
-    text = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    try:
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise _not_text(body) from None
     text += b" " * (-len(text) % 8)
     return _PREFIX.pack(len(text)) + text, offsets

@@ -13,7 +13,6 @@ mix. Files of other tools carry no save id and are not checked.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from ..errors import HeaderCheck, HeaderError, NnxSaveError, SourceChangedError, SourceError
-from ..format._header import FileHeader, TensorInfo, unique_pairs
+from ..format._header import FileHeader, TensorInfo, strict_json
 from ..io._storage import Location, Where
 from ..load._source import Header
 
@@ -173,18 +172,17 @@ def save_id_in(read: Callable[[], FileHeader], key: str) -> str | None:
 
 def load_record(raw: bytes, where: object, what: str, check: HeaderCheck | None = None) -> Any:
     """The JSON of a layout's record (an index, a manifest), refusing a key repeated
-    at any level (``json.loads`` alone keeps the last in silence).
+    at any level (``json.loads`` alone keeps the last in silence) and a string that is no
+    Unicode text (:func:`~nnx_save.format._header.strict_json`).
 
     Raises:
         HeaderError: of ``check``, naming ``where`` and what is wrong.
     """
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=unique_pairs)
-    except HeaderError as e:
-        why = f"{e} in the {what} JSON"
-    except RecursionError:
-        why = f"not a valid JSON {what}: nested too deeply"
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return strict_json(raw.decode("utf-8"))
+    except HeaderError as e:  # a repeated key, a string that is no text (kept as "encoding")
+        why, check = f"{e} in the {what} JSON", "encoding" if e.check == "encoding" else check
+    except ValueError as e:  # UnicodeDecodeError, JSONDecodeError, nested too deeply are ValueErrors
         why = f"not a valid JSON {what}: {e}"
     raise HeaderError(f"{where}: {why}", check=check) from None
 

@@ -36,8 +36,14 @@ def held_dtype(t: Target) -> np.dtype:
     """The dtype the loaded value will have: the target's, narrowed the way jax
     narrows it when ``jax_enable_x64`` is off (int64 -> int32, float64 -> float32)."""
     if t.sharding is None:
-        return np.dtype(t.dtype)
+        return _native(np.dtype(t.dtype))
     return _canonical(t.dtype)
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order: a model holding a big-endian array loads
+    its values exactly, not as a cast (the byte order is how they sit, not what they are)."""
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def _canonical(dtype: Any) -> np.dtype:
@@ -60,7 +66,7 @@ def held_of(dtype: np.dtype, on_device: bool, x64: bool) -> np.dtype:
     """:func:`held_dtype` of a target of ``dtype``, on a device or not, under
     ``jax_enable_x64`` = ``x64`` (the caller's current value: part of the key only):
     asked per tensor, computed once per key."""
-    return _canonical(dtype) if on_device else dtype
+    return _canonical(dtype) if on_device else _native(dtype)
 
 
 def host_view(buf: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:

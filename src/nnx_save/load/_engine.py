@@ -124,6 +124,7 @@ class Engine:
         self.results = self.outcome.values
         self.wholes: dict[str, np.ndarray] = {}
         self.budget = Budget(opt.max_inflight_bytes)
+        self.scratch: set[int] = set()  # ids of the destinations whose buffers the budget holds
         self.chunk_bytes = opt.chunk_bytes  # asked per file
         self.dests: list[Dest] = []
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
@@ -148,7 +149,7 @@ class Engine:
         self.over_reads = self.outcome.over_reads
         self.over_read_bytes = self.outcome.over_read_bytes  # bytes read, bytes max_over_read_ratio=1.0 would read
         self.checked = self.outcome.checked  # file key -> verified (True) or not verifiable (False)
-        self._digests: dict[str, dict[str, str]] = {}  # file -> recorded checksums (verify only)
+        self._digests: dict[str, Mapping[str, str]] = {}  # file -> recorded checksums (verify only)
         self._lock = threading.Lock()
         self.staging: Any = None  # the streaming path's staging pool, once it ran
         self.readers: dict[str, tuple[Reader, tuple[bool, bool]]] = {}  # open on the files being read
@@ -268,6 +269,9 @@ class Engine:
             packed = iter(pack_buffers([d.nbytes for d in fresh if d.adopted], slab_bytes=self.slab_bytes))
             for d in fresh:
                 d.buffer = next(packed) if d.adopted else aligned_empty(d.nbytes)
+                if not d.adopted:  # scratch beside the result (a cast's file dtype): in flight, reported
+                    self.budget.hold(d.nbytes)
+                    self.scratch.add(id(d))
         except MemoryError:
             raise _no_memory(file, fresh) from None
         requests = [
@@ -406,7 +410,7 @@ class Engine:
                 jobs.append((name, file, expected, [np.ascontiguousarray(b).data.cast("B") for b in buffers]))
         _checksum.check_all(jobs, self.opt.threads)  # xxhash releases the GIL: hash in parallel
 
-    def _expected(self, file: str) -> dict[str, str]:
+    def _expected(self, file: str) -> Mapping[str, str]:
         """``file``'s recorded checksums, read once."""
         with self._lock:
             if file not in self._digests:
@@ -485,7 +489,7 @@ class Engine:
             return
         if owner not in self.by_path:  # a transform's whole source (owner "source:<key>"): one destination
             self.wholes[self.dests[index].key] = self.host(index)
-            self.dests[index].buffer = None
+            self.release(self.dests[index])
             self.run_transforms()
             return
         parts = []
@@ -494,8 +498,17 @@ class Engine:
             parts.append((d.buffer, self.header.tensors[d.key], d.box, d.devices))
             d.buffer = None  # released as soon as the array exists
         self.results[owner] = assemble(self.by_path[owner], self.held(owner), parts)
+        for i in shards:
+            self.release(self.dests[i])
         if self.bar.active:
             self.bar.update(items=1)
+
+    def release(self, d: Dest) -> None:
+        """``d``'s buffer is gone (or is the result): a scratch one no longer counts in flight."""
+        d.buffer = None
+        if id(d) in self.scratch:
+            self.scratch.discard(id(d))
+            self.budget.drop(d.nbytes)
 
     def placed(self, d: Dest) -> Any:
         """:func:`place_adopted` of ``d``, the one adopted destination of its owner."""

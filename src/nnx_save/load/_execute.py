@@ -56,11 +56,24 @@ class Cancelled(Exception):
 
 
 class Budget:
-    """A byte semaphore: ``with budget(n):`` waits until ``n`` bytes fit."""
+    """A byte semaphore: ``with budget(n):`` waits until ``n`` bytes fit. ``peak``: the
+    most bytes in flight at once, reads and the scratch buffers :meth:`hold` counts
+    (a cast's buffer of the file's dtype, alive beside the result until it is cast)."""
 
     def __init__(self, limit: int) -> None:
-        self.limit, self.used, self.peak = limit, 0, 0
+        self.limit, self.used, self.peak, self.held = limit, 0, 0, 0
         self._cond = threading.Condition()
+
+    def hold(self, n: int) -> None:
+        """Count ``n`` bytes of scratch as in flight until :meth:`drop` (never waits: the
+        reads that fill it must go on)."""
+        with self._cond:
+            self.held += n
+            self.peak = max(self.peak, self.used + self.held)
+
+    def drop(self, n: int) -> None:
+        with self._cond:
+            self.held -= n
 
     @contextlib.contextmanager
     def __call__(self, n: int) -> Iterator[None]:
@@ -68,7 +81,7 @@ class Budget:
         with self._cond:
             self._cond.wait_for(lambda: self.used + n <= self.limit)
             self.used += n
-            self.peak = max(self.peak, self.used)
+            self.peak = max(self.peak, self.used + self.held)
         try:
             yield
         finally:

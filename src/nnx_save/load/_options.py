@@ -30,7 +30,10 @@ class LoadOptions:
             (``None``: picked per file).
         read_chunk_bytes: the largest single read.
         max_inflight_bytes: host bytes being read (and, when streaming, staged)
-            at once, never exceeded.
+            at once, never exceeded by reads. A cast target (a float32 tensor into a
+            bfloat16 param) is read whole into a buffer of the file's dtype before it
+            is cast: that buffer is in flight too, beyond the budget, and
+            ``report.io.max_inflight_bytes`` counts it.
         num_threads: concurrent readers (``None``: 2 to 8 by CPU count).
         verify: check each tensor read in full against its recorded checksum
             (:class:`~nnx_save.ChecksumError` on a mismatch); the others are listed

@@ -21,6 +21,7 @@ from ..errors import LoadError, LoadWarning, LossyCastWarning, OverReadWarning, 
 from ..format._units import human_bytes
 from ._assemble import held_of
 from ._hints import shape_hints, shape_remedy
+from ._renames import suggest_renames
 
 if TYPE_CHECKING:
     from ._source import Header
@@ -386,7 +387,8 @@ def _rename_remedy(renames: Sequence[str]) -> str:
         return ""
     rules = ", ".join(renames)
     return (
-        "Missing paths and unexpected keys pair up (same name suffix and shape): the file names them "
+        "Missing paths and unexpected keys pair up by structure (the same indices, leaf name and shape, no "
+        "tie; the rules are checked against every key): the file names them "
         f"differently. Map them, rather than allowing either:\n  rules=Rules({rules})  "
         "(from nnx_save.porting import Rules, rename; add them to your rules if you pass some)\n"
     )
@@ -430,31 +432,12 @@ def suggested_targets(report: LoadReport, model: Mapping[str, Any], file: Mappin
 
 
 def suggested_renames(report: LoadReport, model: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
-    """:func:`suggest_renames` for ``report``'s missing paths (shapes in ``model``) and
-    its unexpected keys (shapes in ``file``) that no porting rule renamed."""
+    """:func:`~nnx_save.load._renames.suggest_renames` for ``report``'s missing paths
+    (shapes in ``model``) and its unexpected keys (shapes in ``file``) that no porting
+    rule renamed; the rules are proven on every key of ``file`` and path of ``model``."""
     missing = {p: tuple(model[p]) for p in report.missing}
-    plain = [k for k in report.unexpected if report.renamed.get(k, (k,)) == (k,)]
-    return suggest_renames(missing, {k: tuple(file[k].shape) for k in plain})
-
-
-def suggest_renames(missing: Mapping[str, tuple[int, ...]], unexpected: Mapping[str, tuple[int, ...]]) -> list[str]:
-    """``rename(...)`` rules (source text), the commonest first: each unexpected name pairs
-    with the missing path of its shape sharing its longest whole-component name suffix.
-
-    Examples:
-        >>> suggest_renames({"encoder/0/kernel": (2, 3)}, {"body/0/kernel": (2, 3), "head/b": (3,)})
-        ['rename(r"body/(.*)", r"encoder/\\\\1")']
-    """
-    counts: dict[tuple[str, str], int] = {}
-    free = dict(missing)
-    for name, shape in sorted(unexpected.items()):
-        best = max(((_common_tail(name, m), m) for m, s in free.items() if s == shape), default=(0, ""))
-        if best[0]:
-            pair = (name[: -best[0]], best[1][: -best[0]])
-            counts[pair] = counts.get(pair, 0) + 1
-            del free[best[1]]
-    ranked = sorted(counts, key=lambda p: (-counts[p], p))
-    return [f'rename(r"{re.escape(a)}(.*)", r"{b}\\1")' for a, b in ranked]
+    plain = {k: tuple(file[k].shape) for k in report.unexpected if report.renamed.get(k, (k,)) == (k,)}
+    return suggest_renames(missing, plain, keys=file, paths=model)
 
 
 def _common_tail(a: str, b: str) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import RuleError
-from ._parts import axis_of, complete_layers, joined, layer_groups, same_dtype, split_bounds
+from ._parts import axis_of, complete_layers, joined, layer_groups, same_dtype, split_bounds, too_many_layers
 from ._rules import Node, _Patterned, _set, _with_inverse
 from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, ticked
 from ._transforms import Chain, Concatenate, Constant, Each, Index, Same, Stack, Sum, Take
@@ -182,6 +182,8 @@ class ConcatUnstackRule:
             errors.append(f"`{name}`: {self} needs parts that agree off axis {self.axis}, found {shapes}")
             return []
         axis, sizes, shape = made
+        if too_many_layers(self, name, shapes[0][at], errors):
+            return []
         combine = Concatenate(axis, sizes)
         m = parts[0][1]
         return [

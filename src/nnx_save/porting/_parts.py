@@ -8,14 +8,26 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import RuleError
+from ..errors import RuleError, short_repr
 from ._template import Template
 
-__all__ = ["axis_of", "complete_layers", "joined", "layer_groups", "refuse_shared_layer", "same_dtype", "split_bounds"]
+__all__ = [
+    "MAX_INDEX_DIGITS",
+    "MAX_LAYERS",
+    "axis_of",
+    "complete_layers",
+    "first_absent",
+    "joined",
+    "layer_groups",
+    "refuse_shared_layer",
+    "same_dtype",
+    "split_bounds",
+    "too_many_layers",
+]
 
 Shape = tuple[int, ...]
 Info = Mapping[str, tuple[Shape, np.dtype]]
@@ -86,6 +98,11 @@ def layer_groups(rule: object, claims: Mapping[str, tuple[str, object]], errors:
     for key, (layer, target) in sorted(claims.items()):
         if not (layer.isascii() and layer.isdigit()):  # a regex \d also matches "²"
             errors.append(f"`{key}`: {rule} needs a decimal layer index, found {layer!r}")
+        elif len(layer) > MAX_INDEX_DIGITS:  # no model has 10**18 layers; int() refuses 4,300 digits
+            errors.append(
+                f"`{short_repr(key, 80)}`: {rule} needs a layer index of at most {MAX_INDEX_DIGITS} digits, "
+                f"found {len(layer)} digits"
+            )
         elif int(layer) in groups[target]:
             errors.append(f"`{target}`: produced twice by {rule}, from `{groups[target][int(layer)]}` and `{key}`")
         else:
@@ -93,14 +110,57 @@ def layer_groups(rule: object, claims: Mapping[str, tuple[str, object]], errors:
     return groups
 
 
+MAX_INDEX_DIGITS = 18  # a key's index past 10**18 is no layer (and int() refuses 4,300 digits)
+MAX_LAYERS = 1 << 16  # entries one tensor splits into (unstack): past any model's layers or experts
+
+
+def too_many_layers(rule: object, key: str, count: int, errors: list[str]) -> bool:
+    """Whether splitting ``key`` into ``count`` params (one per entry of its layer axis, a
+    size read from the file) passes :data:`MAX_LAYERS`; recorded in ``errors`` if so."""
+    if count <= MAX_LAYERS:
+        return False
+    errors.append(
+        f"`{key}`: {rule} would make one param per entry of an axis of {count} (the file's shape); "
+        f"at most {MAX_LAYERS} are made from one tensor"
+    )
+    return True
+
+
+def first_absent(present: Collection[int], limit: int, below: int) -> list[int]:
+    """The first ``limit`` non-negative ints under ``below`` not in ``present``, in
+    order, found without counting up to ``below`` (a key's index ``99999999999`` sizes
+    nothing: at most ``len(present) + limit`` are looked at).
+
+    Examples:
+        >>> first_absent({0, 2, 99999999999}, 3, 99999999999), first_absent({0, 3}, 8, 3)
+        ([1, 3, 4], [1, 2])
+    """
+    out: list[int] = []
+    i = 0
+    while len(out) < limit and i < below:
+        if i not in present:
+            out.append(i)
+        i += 1
+    return out
+
+
+def _few(layers: Sequence[int], limit: int = 8) -> str:
+    return (
+        str(layers) if len(layers) <= limit else f"[{', '.join(map(str, layers[:limit]))}, ... ({len(layers)} in all)]"
+    )
+
+
 def complete_layers(
     rule: object, target: object, layers: Mapping[int, str], info: Info, errors: list[str]
 ) -> tuple[tuple[str, ...], Shape] | None:
     """The keys of layers ``0 .. L-1`` in order and their one shape, or ``None`` (a
     missing layer or two shapes, recorded in ``errors``)."""
-    missing = sorted(set(range(max(layers) + 1)) - set(layers))
-    if missing:
-        errors.append(f"`{target}`: {rule} found layers {sorted(layers)}, missing layers {missing}")
+    gaps = max(layers) + 1 - len(layers)  # layers are distinct: a gap iff the top is past the count
+    if gaps:
+        shown = ", ".join(map(str, first_absent(layers, 8, max(layers)))) + (
+            f" ... ({gaps} in all)" if gaps > 8 else ""
+        )
+        errors.append(f"`{target}`: {rule} found layers {_few(sorted(layers))}, missing layers [{shown}]")
         return None
     keys = tuple(layers[i] for i in range(len(layers)))
     shapes = {info[k][0] for k in keys}

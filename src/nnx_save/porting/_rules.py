@@ -16,8 +16,18 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..errors import RuleError
-from ._parts import axis_of, complete_layers, joined, layer_groups, refuse_shared_layer, same_dtype, split_bounds
+from ..errors import RuleError, short_repr
+from ._parts import (
+    MAX_INDEX_DIGITS,
+    axis_of,
+    complete_layers,
+    joined,
+    layer_groups,
+    refuse_shared_layer,
+    same_dtype,
+    split_bounds,
+    too_many_layers,
+)
 from ._template import Template, check_refs, compile_pattern, invert, parse_pattern, parse_templates, raw, raws, ticked
 from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
 
@@ -210,6 +220,10 @@ def _index_number(key: str, text: str | None, rule: object) -> int:
     """The decimal index captured in ``text``."""
     if text is None or not (text.isascii() and text.isdigit()):  # "²".isdigit() is true, int("²") fails
         raise RuleError(f"`{key}`: {rule} renumbers group text {text!r}, which is not a decimal index")
+    if len(text) > MAX_INDEX_DIGITS:  # int() refuses 4,300 digits; no index is past 10**18
+        raise RuleError(
+            f"`{short_repr(key, 80)}`: {rule} renumbers an index of {len(text)} digits; at most {MAX_INDEX_DIGITS}"
+        )
     return int(text)
 
 
@@ -475,6 +489,8 @@ class UnstackRule(_LayerRule):
             axis = axis_of(self.axis, len(shape))
             if axis is None:
                 errors.append(f"`{key}`: {self} needs axis {self.axis}, found shape {shape}")
+                continue
+            if too_many_layers(self, key, shape[axis], errors):
                 continue
             part = shape[:axis] + shape[axis + 1 :]
             for i in range(shape[axis]):

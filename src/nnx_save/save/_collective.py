@@ -27,7 +27,7 @@ from ..io._atomic import fsync_dir, temp_path, write_all
 from ..io._files import pread_exact
 from ..io._kv import Outcome, Sync
 from . import _stage
-from ._entry import Entry, host_bytes, order_entries, spans_processes
+from ._entry import Entry, check_storable, host_bytes, order_entries, spans_processes
 from ._stage import BoxedValue
 from ._write import final_header, host_data
 
@@ -82,6 +82,8 @@ def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: 
                 "shard by shard. Replicate it before saving",
                 key_path=e.key,
             )
+        if e.code == "BOOL":
+            check_storable(e.key, host)
         data = host_bytes(host, e.code)
         offsets, length = (
             box_runs(e.shape, row.itemsize, box, base) if row.byte_aligned else (np.array([base]), len(data))

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SaveError
+from ..errors import SaveError, UnsupportedValueError
 from ..format import _dtypes
 
-__all__ = ["Entry", "HostValue", "host_bytes", "order_entries", "spans_processes"]
+__all__ = ["Entry", "HostValue", "check_storable", "host_bytes", "order_entries", "spans_processes"]
 
 
 def spans_processes(value: Any) -> bool:
@@ -63,6 +63,38 @@ class Entry:
 def order_entries(entries: Sequence[Entry]) -> list[Entry]:
     """Descending dtype rank, then name: aligned data, and the reference layout."""
     return sorted(entries, key=lambda e: (-_dtypes.RANK[e.code], e.key))
+
+
+def check_storable(key: str, array: Any) -> None:
+    """Refuse, before any byte of it is written, a value the format's readers refuse on
+    load: a bool array holding a byte other than 0 or 1 (a ``uint8`` mask viewed as
+    bool; numpy then holds a bool that is neither). Asked of a numpy or jax array (on
+    its device: ``view`` and ``max`` are methods of both), and by each writer of every
+    host copy it writes.
+
+    Raises:
+        UnsupportedValueError: naming the key, the first such element and its byte.
+
+    Examples:
+        >>> check_storable("mask", np.array([1, 0, 2], np.uint8).view(np.bool_))
+        Traceback (most recent call last):
+        ...
+        nnx_save.errors.UnsupportedValueError: mask: a bool array holding byte 2 at element [2] ...
+    """
+    if np.dtype(array.dtype) != np.bool_ or not array.size:
+        return
+    if spans_processes(array):  # its shards are checked as each is written
+        return
+    raw = array.view(np.uint8)
+    if int(raw.max()) <= 1:
+        return
+    at = [int(i) for i in np.unravel_index(int((raw > 1).reshape(-1).argmax()), raw.shape)]
+    raise UnsupportedValueError(
+        f"{key}: a bool array holding byte {int(raw[tuple(at)])} at element {at} (a uint8 viewed as bool?); "
+        "a bool is stored as 0 or 1, and a load refuses any other byte. Save its truth values, "
+        "x.view(np.uint8) != 0, or the uint8 array itself",
+        key,
+    )
 
 
 def host_bytes(array: np.ndarray, code: str) -> memoryview:

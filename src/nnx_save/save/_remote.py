@@ -17,7 +17,7 @@ from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
 from ..io._storage import Location
-from ._entry import Entry, host_bytes, order_entries
+from ._entry import Entry, check_storable, host_bytes, order_entries
 
 __all__ = ["write_remote"]
 
@@ -36,7 +36,10 @@ def write_remote(location: Location, name: str, entries: Sequence[Entry], metada
     entries = order_entries(entries)
     first = _checksum.Digests([e.key for e in entries])
     for e in entries:
-        first.update(e.key, host_bytes(e.value(), e.code))
+        value = e.value()
+        if e.code == "BOOL":  # the second pass must give these bytes: checked once
+            check_storable(e.key, value)
+        first.update(e.key, host_bytes(value, e.code))
     head, offsets = encode_header([(e.key, e.code, e.shape) for e in entries], first.metadata(metadata))
 
     def stream(f: Any) -> None:

@@ -22,7 +22,7 @@ from ..format import _checksum
 from ..format._header import encode_header
 from ..io._atomic import atomic_file
 from . import _stage
-from ._entry import Entry, host_bytes, order_entries
+from ._entry import Entry, check_storable, host_bytes, order_entries
 from ._sink import Sink, chunk_memory, pwrite_all
 
 __all__ = ["SHARD_WRITERS", "final_header", "host_data", "write_file", "write_files"]
@@ -169,6 +169,8 @@ def final_header(
 def host_data(window: _stage.Window, i: int, e: Entry, path: str | os.PathLike, size: int) -> memoryview:
     """Entry ``i``'s bytes (staged by ``window``), once their length is the header's ``size``."""
     value = window.take(i, _stage.Staged.assemble, e.value) if window.copies else e.value()
+    if e.code == "BOOL":  # bytes a load refuses: asked of bool arrays only
+        check_storable(e.key, value)
     data = host_bytes(value, e.code)
     if len(data) != size:  # the header is already written: never let it lie
         raise SaveError(
