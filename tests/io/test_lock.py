@@ -119,3 +119,72 @@ def test_a_lock_file_that_is_a_hard_link_or_a_fifo_is_refused_untouched(tmp_path
                 store.save(1, {"model": {"w": jnp.ones(3)}})
     assert os.listdir(directory) == [_lock.LOCK_NAME]
     assert make is _fifo or victim.read_text() == "precious\n"
+
+
+_NO_FLOCK_WRITER = """
+import errno, fcntl, os, sys, time
+from pathlib import Path
+
+def no_flock(fd, operation):
+    raise OSError(errno.ENOLCK, "No locks available")
+
+fcntl.flock = no_flock  # a filesystem without flock (an NFS mount without a lock manager)
+from nnx_save.errors import DirectoryLockedError
+from nnx_save.io._lock import LOCK_NAME, Holder, WriterLock
+
+where, me, rounds, dead = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+taken = refused = twice = 0
+for r in range(rounds):
+    if r % 7 == 3:  # a writer killed while it held the lock: its record stays, naming a dead process
+        dead_record = where / f"dead-{me}"
+        dead_record.write_text(Holder(Holder.this_process("").host, dead, None, "a killed writer").to_json())
+        try:
+            os.link(dead_record, where / LOCK_NAME)
+        except FileExistsError:
+            pass
+        os.unlink(dead_record)
+    try:
+        lock = WriterLock.acquire(where, me, remove=r % 2 == 0)
+    except DirectoryLockedError:
+        refused += 1
+        continue
+    try:
+        os.close(os.open(where / "inside", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        twice += 1  # the other process holds it too
+    else:
+        time.sleep(0.0005)
+        os.unlink(where / "inside")
+    taken += 1
+    lock.release()
+print(taken, refused, twice)
+"""
+
+
+def test_without_flock_two_processes_never_hold_the_lock_together(tmp_path):
+    """Without ``flock`` the record is created exclusively, and a dead holder's record is
+    taken over under a second exclusive record: two real processes racing over many rounds
+    (with records of killed writers planted between them) are never inside together."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    rounds = 400
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _NO_FLOCK_WRITER, str(tmp_path), f"writer {i}", str(rounds), dead.stdout.strip()],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        results.append([int(n) for n in out.split()])
+    assert [twice for _, _, twice in results] == [0, 0], results
+    assert all(taken + refused == rounds for taken, refused, _ in results)
+    assert all(taken > 0 for taken, _, _ in results) and sum(refused for _, refused, _ in results) > 0, results
+    assert sorted(os.listdir(tmp_path)) in ([], [_lock.LOCK_NAME])  # at most a killed writer's record
