@@ -69,8 +69,37 @@ class Disk:
 
     def _look(self) -> dict[str, Any]:
         record = self.path / STORE_RECORD
-        text = record.read_text() if record.exists() else None
+        try:
+            text = record.read_text() if record.exists() else None
+        except (OSError, UnicodeDecodeError) as error:  # a directory, or another tool's bytes, under its name
+            text = f"<{type(error).__name__}: {error}>"
         return {"view": scan(self.path).to_json(), "record": text}
+
+    def refuse_foreign_step(self, step: int) -> None:
+        """Refuse to write step ``step`` over what is not a step this store wrote under its name
+        (a file, or a directory without the step's record), decided on process 0.
+
+        Raises:
+            CheckpointUsageError: ``reason="directory"``, naming the entry; nothing was written.
+        """
+
+        def look() -> str | None:
+            step_dir = self.path / str(step)
+            if not step_dir.exists() or (step_dir / METADATA_ITEM).is_dir():
+                return None
+            return "a directory without a step record" if step_dir.is_dir() else "not a directory"
+
+        foreign = agree("foreign step", look)
+        if foreign is not None:
+            where = self.path / str(step)
+            raise CheckpointUsageError(
+                f"{where}: is {foreign}, not a step this store wrote; saving step {step} would replace it, "
+                "so nothing was written: move it away, or save at another step",
+                "directory",
+                step=step,
+                directory=str(self.path),
+                entry=str(where),
+            )
 
     def _adopt(self, data: Mapping[str, Any]) -> None:
         # Checked before the view is kept, so a refused store stays refused on every call.

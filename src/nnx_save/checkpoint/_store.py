@@ -396,6 +396,7 @@ class OrbaxCheckpointStore:
         Damaged steps count: they hold the step number until overwritten or deleted."""
         steps = list(self._disk.load().steps)
         latest = steps[-1] if steps else None
+        self._disk.refuse_foreign_step(step)
         if step in steps and not overwrite:
             raise CheckpointNotWrittenError(step, latest, "exists", self._directory)
         if step not in steps and latest is not None and step < latest:

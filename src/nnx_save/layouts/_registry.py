@@ -18,6 +18,7 @@ the directory held (its record first, then the files provably its own), so one i
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 from .._options import path_arg
 from ..errors import NotSafetensorsError, OptionError, RemoteError, SaveError, SourceNotFoundError
 from ..format._formats import foreign_directory
-from ..io import _storage
+from ..io import _files, _storage
 from ..io._lock import STORE_RECORD, one_writer
 from ..io._reader import Reader
 from ..load._source import Header, gc_paused
@@ -37,6 +38,7 @@ from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout
 from ._index import INDEX_NAME, IndexLayout
 from ._layout import SINGLE, Layout, Writable, Written, conflict
+from ._pod import FORMAT as POD_FORMAT
 from ._pod import PodLayout
 
 if TYPE_CHECKING:
@@ -230,6 +232,7 @@ class Write:
             return self.committed(path, write(path, entries))
         self.layout.check_target(path)
         _refuse_foreign(Path(path), _WHAT[self.layout.name])
+        _refuse_not_ours(Path(path), self.layout.name, _WHAT[self.layout.name])
         with one_writer(path, _WHAT[self.layout.name]):
             return self.committed(path, write(path, entries))
 
@@ -265,6 +268,46 @@ def _refuse_foreign(directory: Path, what: str) -> None:
             "nothing was written: save to another directory",
             str(directory),
         )
+
+
+def _refuse_not_ours(directory: Path, layout: str, what: str) -> None:
+    """Refuse a save that would replace its record, or retire another layout's, where the
+    name holds a file that is not such a record (another tool's ``manifest.json``, a
+    directory): a save replaces only records of its formats.
+
+    Raises:
+        SaveError: naming the file and what it is; nothing was written.
+    """
+    for other in RECORDS:
+        where = directory / other.record
+        if not os.path.lexists(where) or (other.name != layout and not other.claims(directory)):
+            continue
+        found = _not_a_record(where, other.name)
+        if found is not None:
+            raise SaveError(
+                f"{where}: is {found}; {what} would replace it, so nothing was written: move it away, "
+                "or save into another directory",
+                str(where),
+            )
+
+
+def _not_a_record(where: Path, layout: str) -> str | None:
+    """What the file ``where`` is, when it is not a record of ``layout`` (else ``None``)."""
+    if not where.is_file():
+        return "not a regular file"
+    try:
+        raw = _files.read_capped(os.fspath(where), "record", _index.MAX_INDEX_BYTES, SaveError)
+    except (OSError, SaveError) as error:
+        return f"unreadable ({getattr(error, 'strerror', None) or error})"
+    if layout == "index":
+        return None if _index.is_index(raw) else "not a HuggingFace index (no 'weight_map' object)"
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, dict) and obj.get("format") == POD_FORMAT and isinstance(obj.get("save_id"), str):
+        return None
+    return f"not a pod manifest of nnx_save (no format {POD_FORMAT!r} with a save id: another tool's file?)"
 
 
 def writer(metadata: Mapping[str, str] | None, options: SaveOptions = _DEFAULTS, *, pod: bool = False) -> Write:
