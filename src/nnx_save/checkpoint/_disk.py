@@ -3,18 +3,27 @@ retention. Every decision goes through :func:`._agree.agree` or :func:`._orbax.o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
 import pathlib
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointDamageWarning, CheckpointUsageError, DirectoryLockedError, UnsupportedCheckpointError
+from ..errors import (
+    CheckpointDamageWarning,
+    CheckpointNotFoundError,
+    CheckpointUsageError,
+    DirectoryLockedError,
+    NnxSaveError,
+    SourceChangedError,
+    UnsupportedCheckpointError,
+)
 from ..io._atomic import atomic_file, write_all
 from ..io._lock import WriterLock
 from ..layouts._index import INDEX_NAME
@@ -100,6 +109,50 @@ class Disk:
                 directory=str(self.path),
                 entry=str(where),
             )
+
+    def identity(self, step: int) -> tuple[int, int] | None:
+        """Which directory holds step ``step`` now (device, inode); None: none (or a URL)."""
+        if is_url(str(self.path)):
+            return None
+        try:
+            st = os.stat(os.fspath(self.path / str(step)))
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    @contextlib.contextmanager
+    def unchanged(self, step: int) -> Iterator[None]:
+        """Run a read of step ``step``; if the step was deleted or replaced meanwhile (by
+        another process: a writer's retention, an overwrite), raise that, typed, instead of
+        the read's own error or result.
+
+        Raises:
+            CheckpointNotFoundError: The step was deleted while it was read.
+            SourceChangedError: The step was replaced while it was read (nothing of the mix
+                is returned).
+        """
+        before = self.identity(step)
+        try:
+            yield
+        except (NnxSaveError, OSError, ValueError) as error:
+            self._refuse_changed(step, before, error)
+            raise
+        self._refuse_changed(step, before, None)
+
+    def _refuse_changed(self, step: int, before: tuple[int, int] | None, error: BaseException | None) -> None:
+        after = self.identity(step)
+        if after == before or is_url(str(self.path)):
+            return
+        self.forget()
+        where = self.path / str(step)
+        if after is None:
+            held = scan(self.path).steps
+            raise CheckpointNotFoundError(step, self.path, held) from error
+        raise SourceChangedError(
+            f"{where}: step {step} was replaced while it was read (saved again with overwrite=True); "
+            "nothing of the mix is returned: restore it again",
+            str(where),
+        ) from error
 
     def _adopt(self, data: Mapping[str, Any]) -> None:
         # Checked before the view is kept, so a refused store stays refused on every call.

@@ -180,10 +180,23 @@ class OrbaxCheckpointStore:
             raise OptionError(f"{self!r} is closed")
         self._disk.load()
 
+    def reload(self) -> None:
+        """Look at the directory again: the steps another process saved or deleted since.
+        A store that has not written does so at every listing and read by itself (another
+        process may be the writer); the writing store is the directory's one writer."""
+        self._open()
+        self._disk.forget()
+        self._metadata.clear()
+        if self._manager is not None and not self._writable:
+            _orbax.listed(self._manager.reload)
+
+    def _relist(self) -> None:
+        self._open() if self._writable else self.reload()
+
     def _reader(self) -> Any:
         self._open()
         if self._manager is None and self._disk.load().exists:
-            self._manager = _orbax.make_manager(self._directory, create=False)
+            self._manager = _orbax.listed(lambda: _orbax.make_manager(self._directory, create=False))
         return self._manager
 
     def _writer(self) -> Any:
@@ -228,7 +241,7 @@ class OrbaxCheckpointStore:
     def list_steps(self) -> list[int]:
         """Every stored, undamaged step, ascending; damaged steps are left out, with a
         :class:`CheckpointDamageWarning` (once per store)."""
-        self._open()
+        self._relist()
         return self._disk.intact()
 
     def latest_step(self) -> int | None:
@@ -240,7 +253,7 @@ class OrbaxCheckpointStore:
         """The damaged steps (an unreadable record, an item without its directory or
         ``_METADATA``), each with the error reading it raises; truncated array files are
         found only when the step is read."""
-        self._open()
+        self._relist()
         view = self._disk.load()
         return {step: view.corrupt_error(step) for step in sorted(view.damaged)}
 
@@ -269,7 +282,7 @@ class OrbaxCheckpointStore:
         steps = self.list_steps()
         if not steps:
             return None
-        infos = [StepInfo(s, self.read_metadata(s).metrics, 0.0) for s in steps]
+        infos = [StepInfo(s, self._record(s).metrics, 0.0) for s in steps]
         best = ranked(infos, name, order)
         if not best:
             recorded = sorted({name for info in infos for name in info.metrics})
@@ -440,6 +453,10 @@ class OrbaxCheckpointStore:
                 version can read (no record, another format, a newer version, a
                 record that does not validate).
         """
+        self._relist()
+        return self._record(step)
+
+    def _record(self, step: int) -> CheckpointMetadata:
         self._require(step)
         if step not in self._metadata:
             self._metadata[step] = load_metadata(self._directory, step)
@@ -498,45 +515,47 @@ class OrbaxCheckpointStore:
                 step under ``strict`` (a leaf's kind: always), before any read.
             CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
         """
-        with gc_paused():  # the records, the templates' plans: many small objects, no cycles
-            step = self._latest_or(step)
-            metadata = self.read_metadata(step)
-            templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
-            names = restore_names(metadata, templates, items)
-            manager = self._reader()
-            saved, recorded, stored = self._stored_view(step, names, [n for n in names if n in templates])
-            options = _partial.PartialOptions(
-                strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
-            )
-            given = {n: templates[n] for n in names if n in templates}
-            given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
-            whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
-            specs = {n: recorded[n].specs for n in given}
-            chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
-            casts = _partial.check_template_dtypes(
-                step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
-            )
-            report.dtype_casts.extend(
-                DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
-            )
-            to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
-            plan = {n: _orbax.item_plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
-            partial = [n for n, s in chosen.items() if not s.whole]
-        read: dict[str, Any] = {}
-        if plan:
-            before, started = _placement.io_counters(), time.perf_counter()
-            with self._corrupt_on_failure(step, any_error=False):
-                read = _orbax.restore_items(manager, step, plan, partial)
-            item_dirs = [pathlib.Path(self._step_path(step)) / n for n in plan]
-            report.io = _placement.read_stats(read, before, time.perf_counter() - started, item_dirs)
-        with gc_paused():
-            restored = {
-                n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
-            }
-            restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
-            if not cast_dtypes:
-                _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
-        return Checkpoint(step, restored, metadata, self._step_path(step), report)
+        step = self._latest_or(step)
+        with self._disk.unchanged(step):  # deleted or replaced while read: a typed error, never a mix
+            with gc_paused():  # the records, the templates' plans: many small objects, no cycles
+                metadata = self.read_metadata(step)
+                templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
+                names = restore_names(metadata, templates, items)
+                manager = self._reader()
+                saved, recorded, stored = self._stored_view(step, names, [n for n in names if n in templates])
+                options = _partial.PartialOptions(
+                    strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
+                )
+                given = {n: templates[n] for n in names if n in templates}
+                given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
+                whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # odd leaves: refused
+                specs = {n: recorded[n].specs for n in given}
+                chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
+                casts = _partial.check_template_dtypes(
+                    step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
+                )
+                report.dtype_casts.extend(
+                    DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
+                )
+                to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
+                plan = {n: _orbax.item_plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
+                partial = [n for n, s in chosen.items() if not s.whole]
+            read: dict[str, Any] = {}
+            if plan:
+                before, started = _placement.io_counters(), time.perf_counter()
+                with self._corrupt_on_failure(step, any_error=False):
+                    read = _orbax.restore_items(manager, step, plan, partial)
+                item_dirs = [pathlib.Path(self._step_path(step)) / n for n in plan]
+                report.io = _placement.read_stats(read, before, time.perf_counter() - started, item_dirs)
+            with gc_paused():
+                restored = {
+                    n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n]
+                    for n in names
+                }
+                restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
+                if not cast_dtypes:
+                    _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
+            return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
     def _stored_view(
         self, step: int, names: list[str], templated: list[str]
