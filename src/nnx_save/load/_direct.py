@@ -12,14 +12,15 @@ differs, after the read, from what its header was read from is a
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ..errors import TruncatedFileError
+from ..errors import SourceError, TruncatedFileError
 from ..format._boxes import box_runs, extents
 from ..format._header import TensorInfo
 from ..io._files import Pinned
@@ -39,27 +40,29 @@ GATHER_GAP = 64 << 10  # bytes read through (into scratch) rather than cut into 
 class DirectFiles:
     """The local files of one handle, read with ``pread`` into the result.
 
-    Readers (each a duplicate of the descriptor pinned with the header, so the very file
-    that was validated is read) are made on first use and closed with this object.
+    A read takes a reader for its one call (a duplicate of the descriptor pinned with the
+    header, so the very file that was validated is read) and closes it after: a handle
+    holds no descriptor of its own between reads, so any number of open handles share the
+    process-wide pool (:class:`~nnx_save.io._files.Pinned`), which reopens a file it let go
+    on demand, and the descriptor limit is never reached by handles left open.
     """
 
     def __init__(self, pinned: Pinned) -> None:
         self._pinned = pinned
-        self._readers: dict[str, LocalReader] = {}
-        self._lock = threading.Lock()
 
-    def _reader(self, file: str) -> LocalReader:
-        found = self._readers.get(file)
-        if found is None:
-            with self._lock:
-                found = self._readers.get(file)
-                if found is None:
-                    fd = self._pinned.open(file)
-                    try:
-                        found = self._readers[file] = LocalReader(file, fd, self._pinned.seen.get(file))
-                    finally:
-                        os.close(fd)
-        return found
+    @contextlib.contextmanager
+    def _reader(self, file: str) -> Iterator[LocalReader]:
+        fd = self._pinned.open(file)
+        try:
+            reader = LocalReader(file, fd, self._pinned.seen.get(file))
+        except OSError as error:  # the duplicate (EMFILE): typed, naming the file
+            raise SourceError(f"{file}: cannot open the file ({error.strerror})", file) from None
+        finally:
+            os.close(fd)
+        try:
+            yield reader
+        finally:
+            reader.close()
 
     def plan(self, info: TensorInfo, items: tuple[int | slice, ...]) -> tuple[Any, Any, np.ndarray, int] | None:
         """``(box, post, run offsets, run length)`` of ``tensor[items]``, or None when the
@@ -82,7 +85,15 @@ class DirectFiles:
         """
         box, post, offsets, length = planned
         out = np.empty(extents(box), info.dtype.numpy)
-        reader = self._reader(info.file)
+        with self._reader(info.file) as reader:
+            self._fill(reader, info, out, offsets, length)
+        check_bools(out, info, box)
+        if all(p == slice(None) for p in post):
+            return out
+        return np.array(out[post])
+
+    @staticmethod
+    def _fill(reader: LocalReader, info: TensorInfo, out: np.ndarray, offsets: np.ndarray, length: int) -> None:
         base = out.ctypes.data
         try:
             if len(offsets) > 1 and reader.can_read_tables():
@@ -102,23 +113,9 @@ class DirectFiles:
                 info.file,
                 e.offset,
             ) from None
-        check_bools(out, info, box)
-        if all(p == slice(None) for p in post):
-            return out
-        return np.array(out[post])
 
     def close(self) -> None:
-        """Close the readers (later reads reopen them)."""
-        with self._lock:
-            readers, self._readers = self._readers, {}
-        for reader in readers.values():
-            reader.close()
-
-    def __del__(self) -> None:
-        try:  # noqa: SIM105 - not contextlib.suppress: at interpreter exit its module may be gone first
-            self.close()
-        except Exception:
-            pass
+        """Nothing to close: a read closes its reader (kept for the handle's ``close()``)."""
 
 
 def _gather(reader: LocalReader, base: int, offsets: np.ndarray, length: int) -> None:
