@@ -76,6 +76,10 @@ def listed(list_steps: Callable[[], T]) -> T:
     return list_steps()
 
 
+def process_count() -> int:
+    return jax.process_count()
+
+
 def on_primary(name: str, action: Callable[[], object]) -> None:
     """Run a directory-level change on process 0 only; every process waits for it."""
     if ocp.multihost.is_primary_host(0):

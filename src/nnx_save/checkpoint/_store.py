@@ -182,8 +182,10 @@ class OrbaxCheckpointStore:
 
     def reload(self) -> None:
         """Look at the directory again: the steps another process saved or deleted since.
-        A store that has not written does so at every listing and read by itself (another
-        process may be the writer); the writing store is the directory's one writer."""
+        A store that has not written does so at every listing and read by itself in a
+        one-process job (another process may be the writer); in a job of several processes
+        call it on every process (the processes agree on what they see). The writing store
+        is the directory's one writer: it needs none."""
         self._open()
         self._disk.forget()
         self._metadata.clear()
@@ -191,7 +193,7 @@ class OrbaxCheckpointStore:
             _orbax.listed(self._manager.reload)
 
     def _relist(self) -> None:
-        self._open() if self._writable else self.reload()
+        self.reload() if not self._writable and jax.process_count() == 1 else self._open()
 
     def _reader(self) -> Any:
         self._open()
