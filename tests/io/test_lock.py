@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nnx_save.errors import DirectoryLockedError
+from nnx_save.errors import DirectoryLockedError, SaveError
 from nnx_save.io import _lock
 from nnx_save.io._lock import WriterLock, holder_of
 
@@ -129,7 +129,7 @@ def no_flock(fd, operation):
     raise OSError(errno.ENOLCK, "No locks available")
 
 fcntl.flock = no_flock  # a filesystem without flock (an NFS mount without a lock manager)
-from nnx_save.errors import DirectoryLockedError
+from nnx_save.errors import DirectoryLockedError, SaveError
 from nnx_save.io._lock import LOCK_NAME, Holder, WriterLock
 
 where, me, rounds, dead = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
@@ -188,3 +188,40 @@ def test_without_flock_two_processes_never_hold_the_lock_together(tmp_path):
     assert all(taken + refused == rounds for taken, refused, _ in results)
     assert all(taken > 0 for taken, _, _ in results) and sum(refused for _, refused, _ in results) > 0, results
     assert sorted(os.listdir(tmp_path)) in ([], [_lock.LOCK_NAME])  # at most a killed writer's record
+
+
+@pytest.mark.parametrize("left", ["a dead taker's record", "another tool's file"])
+def test_without_flock_a_takeover_record_left_behind_refuses_naming_it(tmp_path, monkeypatch, left):
+    """A takeover record is never broken by another writer (two could break it at once):
+    a dead taker's is refused naming the file to remove, a foreign file as not ours; once it
+    is removed, the dead holder's record is taken over."""
+    import errno
+    import subprocess
+    import sys
+
+    dead = int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )
+    host = _lock.Holder.this_process("").host
+    (tmp_path / _lock.LOCK_NAME).write_text(_lock.Holder(host, dead, None, "a killed writer").to_json())
+    guard = tmp_path / _lock.TAKEOVER_NAME
+    guard.write_text(_lock.Holder(host, dead, None, "a killed taker").to_json() if left.startswith("a dead") else "x")
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(_lock.fcntl, "flock", no_flock)
+    if left.startswith("a dead"):
+        refusal = f"a killed taker in process {dead} on host {host}, which died taking the lock over (if no writer runs, remove {guard})"
+        with pytest.raises(DirectoryLockedError, match=re.escape(refusal)):
+            WriterLock.acquire(tmp_path, "me")
+    else:
+        with pytest.raises(
+            SaveError, match=re.escape(f"{guard}: the writer's lock file is not a lock record of nnx_save")
+        ):
+            WriterLock.acquire(tmp_path, "me")
+    guard.unlink()
+    lock = WriterLock.acquire(tmp_path, "me")
+    assert holder_of(tmp_path) == _lock.Holder.this_process("me")
+    lock.release()
+    assert os.listdir(tmp_path) == []

@@ -370,6 +370,8 @@ def _taken_over(directory: Path, path: Path, staged: Path) -> bool:
     guard = directory / TAKEOVER_NAME
     if not _link(staged, guard):
         holder = holder_of(directory, TAKEOVER_NAME)
+        if holder is None and _foreign(guard):
+            raise _not_ours(guard, "not a lock record of nnx_save (another tool's file?)")
         if holder is None or not holder.gone():
             time.sleep(0.001)
             return False  # another writer is taking it over (or just let it go): look again
@@ -383,6 +385,15 @@ def _taken_over(directory: Path, path: Path, staged: Path) -> bool:
     finally:
         with contextlib.suppress(OSError):
             os.unlink(guard)
+
+
+def _foreign(path: Path) -> bool:
+    """Whether ``path`` is there and is not a record (a record is linked whole: never empty)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return not stat.S_ISREG(st.st_mode) or st.st_size > 0
 
 
 def _refuse_live(directory: Path, path: Path) -> bool:
