@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import os
 import pathlib
 import re
 import warnings
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from etils import epath
 
@@ -36,7 +37,9 @@ from ._health import DirectoryView, read_json, scan
 from ._metadata import is_number
 from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json
 
-__all__ = ["ASIDE_PREFIX", "RETIRED_PREFIX", "Disk"]
+__all__ = ["ASIDE_PREFIX", "RETIRED_PREFIX", "Disk", "unchanged_step"]
+
+R = TypeVar("R")
 
 # A step being overwritten is renamed to this (plus the step) until its replacement
 # is complete, so a crash mid-overwrite never loses the step.
@@ -308,3 +311,16 @@ class Disk:
             step_dir.rename(retired)
         if retired.exists():
             retired.rmtree()
+
+
+def unchanged_step(restore: Callable[..., R]) -> Callable[..., R]:
+    """A store's ``restore(step, **options)``, raising typed when its step is deleted or
+    replaced while it is read (:meth:`Disk.unchanged`): never a mix, never Orbax's error."""
+
+    @functools.wraps(restore)
+    def run(store: Any, step: int | None = None, **options: Any) -> R:
+        step = store._latest_or(step)
+        with store._disk.unchanged(step):
+            return restore(store, step, **options)
+
+    return run

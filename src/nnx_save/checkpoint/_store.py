@@ -24,7 +24,7 @@ from ..load._report import DtypeCast
 from ..load._source import gc_paused
 from . import _exit, _orbax, _partial, _placement, _tree
 from ._directory import is_url, store_location
-from ._disk import ASIDE_PREFIX, Disk
+from ._disk import ASIDE_PREFIX, Disk, unchanged_step
 from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
 from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked
@@ -181,11 +181,9 @@ class OrbaxCheckpointStore:
         self._disk.load()
 
     def reload(self) -> None:
-        """Look at the directory again: the steps another process saved or deleted since.
-        A store that has not written does so at every listing and read by itself in a
-        one-process job (another process may be the writer); in a job of several processes
-        call it on every process (the processes agree on what they see). The writing store
-        is the directory's one writer: it needs none."""
+        """Look at the directory again: the steps another process saved or deleted since (a
+        store that has not written does at every listing and read in a one-process job; in
+        a job of several, call it on every process). The writing store needs none."""
         self._open()
         self._disk.forget()
         self._metadata.clear()
@@ -464,6 +462,7 @@ class OrbaxCheckpointStore:
             self._metadata[step] = load_metadata(self._directory, step)
         return self._metadata[step]
 
+    @unchanged_step
     def restore(
         self,
         step: int | None = None,
@@ -517,47 +516,45 @@ class OrbaxCheckpointStore:
                 step under ``strict`` (a leaf's kind: always), before any read.
             CheckpointDtypeMismatchError: A dtype differs and ``cast_dtypes`` is off.
         """
-        step = self._latest_or(step)
-        with self._disk.unchanged(step):  # deleted or replaced while read: a typed error, never a mix
-            with gc_paused():  # the records, the templates' plans: many small objects, no cycles
-                metadata = self.read_metadata(step)
-                templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
-                names = restore_names(metadata, templates, items)
-                manager = self._reader()
-                saved, recorded, stored = self._stored_view(step, names, [n for n in names if n in templates])
-                options = _partial.PartialOptions(
-                    strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
-                )
-                given = {n: templates[n] for n in names if n in templates}
-                given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
-                whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # odd leaves: refused
-                specs = {n: recorded[n].specs for n in given}
-                chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
-                casts = _partial.check_template_dtypes(
-                    step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
-                )
-                report.dtype_casts.extend(
-                    DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
-                )
-                to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
-                plan = {n: _orbax.item_plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
-                partial = [n for n, s in chosen.items() if not s.whole]
-            read: dict[str, Any] = {}
-            if plan:
-                before, started = _placement.io_counters(), time.perf_counter()
-                with self._corrupt_on_failure(step, any_error=False):
-                    read = _orbax.restore_items(manager, step, plan, partial)
-                item_dirs = [pathlib.Path(self._step_path(step)) / n for n in plan]
-                report.io = _placement.read_stats(read, before, time.perf_counter() - started, item_dirs)
-            with gc_paused():
-                restored = {
-                    n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n]
-                    for n in names
-                }
-                restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
-                if not cast_dtypes:
-                    _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
-            return Checkpoint(step, restored, metadata, self._step_path(step), report)
+        with gc_paused():  # the records, the templates' plans: many small objects, no cycles
+            step = self._latest_or(step)
+            metadata = self.read_metadata(step)
+            templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
+            names = restore_names(metadata, templates, items)
+            manager = self._reader()
+            saved, recorded, stored = self._stored_view(step, names, [n for n in names if n in templates])
+            options = _partial.PartialOptions(
+                strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
+            )
+            given = {n: templates[n] for n in names if n in templates}
+            given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
+            whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
+            specs = {n: recorded[n].specs for n in given}
+            chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
+            casts = _partial.check_template_dtypes(
+                step, {n: s.read_pairs() for n, s in chosen.items()}, saved, cast_dtypes, retyped
+            )
+            report.dtype_casts.extend(
+                DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
+            )
+            to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
+            plan = {n: _orbax.item_plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
+            partial = [n for n, s in chosen.items() if not s.whole]
+        read: dict[str, Any] = {}
+        if plan:
+            before, started = _placement.io_counters(), time.perf_counter()
+            with self._corrupt_on_failure(step, any_error=False):
+                read = _orbax.restore_items(manager, step, plan, partial)
+            item_dirs = [pathlib.Path(self._step_path(step)) / n for n in plan]
+            report.io = _placement.read_stats(read, before, time.perf_counter() - started, item_dirs)
+        with gc_paused():
+            restored = {
+                n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
+            }
+            restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
+            if not cast_dtypes:
+                _partial.check_restored(step, {n: restored[n] for n in names if n not in templates}, saved)
+        return Checkpoint(step, restored, metadata, self._step_path(step), report)
 
     def _stored_view(
         self, step: int, names: list[str], templated: list[str]
