@@ -190,11 +190,21 @@ def _load_back(directory: Path, save) -> np.ndarray:
     return np.asarray(nnx_save.load_file(directory)["a"])
 
 
+@pytest.mark.parametrize("flock", ["flock", "no flock"])
 @pytest.mark.parametrize("save", [_save_multi_file, _save_pod, _save_store])
-def test_a_full_disk_at_the_lock_record_is_a_typed_error_and_leaves_no_lock(small_fs, save):
+def test_a_full_disk_at_the_lock_record_is_a_typed_error_and_leaves_no_lock(small_fs, monkeypatch, save, flock):
     """The writer's lock record is the first byte a directory save writes: on a full disk it
-    fails as a :class:`SaveError` naming the lock file, no lock file stays, and the previous
-    version still loads."""
+    fails as a :class:`SaveError` naming the lock file, no lock file stays (with ``flock``
+    or without, where the record is the lock), and the previous version still loads."""
+    if flock == "no flock":
+        import errno
+
+        from nnx_save.io import _lock
+
+        def no_flock(fd, operation):
+            raise OSError(errno.ENOLCK, "No locks available")
+
+        monkeypatch.setattr(_lock.fcntl, "flock", no_flock)
     fs = small_fs(4 << 20)
     directory = fs / "ckpt"
     save(directory, np.zeros(64, np.float32))

@@ -1,7 +1,8 @@
 """One writer at a time per directory: a lock file that names its holder.
 
 The lock is ``flock`` on ``<directory>/_nnx_save.lock``, held for as long as the writer
-lives: the kernel releases it when the holding process ends, however it ends, so a dead
+lives (a writer that finds no lock file makes it from its record, written whole and
+locked first, then linked to the name: a full disk fails before the name exists): the kernel releases it when the holding process ends, however it ends, so a dead
 holder never blocks the next writer. The file records the holder (host with its PID
 namespace, process id, process start time) for the message that refuses a second writer.
 A process forked from the holder closes its copy at once (``os.register_at_fork``), so a
@@ -199,6 +200,12 @@ class WriterLock:
         path = directory / LOCK_NAME
         for _ in range(_REOPENS):
             fd = _open(directory, path)
+            if fd is None:  # none yet: made whole, from a record written first
+                made = _create(directory, path, what)
+                if made is None:  # another writer made it first: look at theirs
+                    continue
+                fd, flocked = made
+                return cls._held(path, fd, remove or not flocked)
             try:
                 if not cls._claim(fd, directory):  # no flock here: the record, created exclusively
                     os.close(fd)
@@ -266,10 +273,14 @@ class WriterLock:
         return f"WriterLock({str(self.path)!r}, {'held' if self.held else 'released'})"
 
 
-def _open(directory: Path, path: Path) -> int:
+def _open(directory: Path, path: Path) -> int | None:
+    """The lock file at ``path``, opened (never created: see :func:`_create`); None when
+    there is none."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
     except OSError as error:
         raise SaveError(f"{path}: cannot create the writer's lock file ({error.strerror})", str(path)) from error
     st = os.fstat(fd)
@@ -314,14 +325,44 @@ def _record_failed(path: Path, error: OSError) -> SaveError:
     )
 
 
-def _claim_by_record(directory: Path, path: Path, what: str) -> int:
+def _create(directory: Path, path: Path, what: str) -> tuple[int, bool] | None:
+    """Make the lock file, which is not there, from this process's record written whole
+    first (a full disk fails before the name exists): ``flock`` it and link it to the name
+    (``(fd, True)``), or where there is no ``flock`` claim it as a record (``(fd, False)``);
+    None when another writer made it first."""
+    fd, staged = _staged_record(path, what)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file no one else has opened yet
+    except OSError as error:
+        if error.errno in _NO_FLOCK:
+            return _claim_by_record(directory, path, what, (fd, staged)), False
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        raise
+    try:
+        linked = _link(staged, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+    if not linked:
+        os.close(fd)
+        return None
+    return fd, True
+
+
+def _claim_by_record(directory: Path, path: Path, what: str, made: tuple[int, Path] | None = None) -> int:
     """Create the lock's record exclusively (no ``flock`` here); return its descriptor.
+    ``made``: the record, already written (descriptor and temporary name).
 
     Raises:
         DirectoryLockedError: A live writer's record, or a takeover record, is there.
         SaveError: The record cannot be written, or the file there is not ours.
     """
-    fd, staged = _staged_record(path, what)
+    fd, staged = made or _staged_record(path, what)
     try:
         for _ in range(_REOPENS):
             if _link(staged, path) or _taken_over(directory, path, staged):
