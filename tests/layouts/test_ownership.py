@@ -180,7 +180,7 @@ def _store(d) -> None:
     from nnx_save.checkpoint import OrbaxCheckpointStore
 
     with OrbaxCheckpointStore(d) as store:
-        store.save(1, {"model": {"w": np.ones(3, np.float32)}})
+        store.save(1, {"model": {"w": np.ones(3, np.float32)}}, overwrite=True)  # refused all the same
 
 
 # Every name each directory writer writes, replaces or retires; the record of its own
