@@ -34,7 +34,7 @@ from ._agree import agree
 from ._directory import is_url
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
-from ._metadata import is_number
+from ._metadata import check_step, is_number
 from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json
 
 __all__ = ["ASIDE_PREFIX", "RETIRED_PREFIX", "Disk", "unchanged_step"]
@@ -319,7 +319,7 @@ def unchanged_step(restore: Callable[..., R]) -> Callable[..., R]:
 
     @functools.wraps(restore)
     def run(store: Any, step: int | None = None, **options: Any) -> R:
-        step = store._latest_or(step)
+        step = store._latest_or(None if step is None else check_step(step))
         with store._disk.unchanged(step):
             return restore(store, step, **options)
 
