@@ -6,6 +6,7 @@ a typed error (``CheckpointNotFoundError``, ``SourceChangedError``), never a mix
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -115,4 +116,37 @@ def test_a_step_deleted_under_a_reader_is_not_found_not_unsupported(tmp_path, mo
     with pytest.raises(CheckpointNotFoundError, match=r"no checkpoint at step 1 in .* \(steps held: none\)") as info:
         reader.restore(1)
     assert not isinstance(info.value, UnsupportedCheckpointError)
+    reader.close()
+
+
+@pytest.mark.parametrize("change", ["overwrite", "delete"])
+def test_a_step_changed_while_its_arrays_are_read_is_a_typed_error(tmp_path, monkeypatch, change):
+    """Another writer replaces (``overwrite=True``) or deletes the step between the read of
+    its record and the read of its arrays: ``SourceChangedError`` or ``CheckpointNotFoundError``,
+    never the arrays of one version under the record of the other."""
+    from nnx_save.checkpoint import _orbax
+
+    writer = OrbaxCheckpointStore(tmp_path)
+    _save(writer, 1)
+    writer.wait_until_finished()
+    reader = OrbaxCheckpointStore(tmp_path)
+    real = _orbax.restore_items
+
+    def changed_first(manager, step, plan, partial):
+        if change == "overwrite":
+            writer.save(1, {"model": {"w": np.full(8, 7, np.float32)}}, overwrite=True)
+        else:
+            writer.delete(1)
+        return real(manager, step, plan, partial)
+
+    monkeypatch.setattr(_orbax, "restore_items", changed_first)
+    expected = (
+        (nnx_save.SourceChangedError, re.escape(f"{tmp_path / '1'}: step 1 was replaced while it was read"))
+        if change == "overwrite"
+        else (CheckpointNotFoundError, re.escape(f"no checkpoint at step 1 in {tmp_path} (steps held: none)"))
+    )
+    with pytest.raises(expected[0], match=expected[1]):
+        reader.restore(1)
+    monkeypatch.undo()
+    writer.close()
     reader.close()
