@@ -57,7 +57,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DirectoryLockedError, SaveError
-from ._atomic import host_name, make_directory, pid_alive, temp_path, write_all
+from ._atomic import host_name, make_directory, pid_alive, temp_path
 from ._kv import Channel, Outcome, Sync
 
 __all__ = [
@@ -311,12 +311,19 @@ def _write_record(fd: int, path: Path, what: str) -> None:
     file, still locked, so that no lock file is left, and raise :class:`SaveError`."""
     try:
         os.ftruncate(fd, 0)
-        write_all(fd, memoryview(Holder.this_process(what).to_json().encode()), 0)
+        _write_whole(fd, Holder.this_process(what).to_json().encode())
     except OSError as error:
         with contextlib.suppress(OSError):
             if _is_file_at(fd, path):
                 os.unlink(path)
         raise _record_failed(path, error) from error
+
+
+def _write_whole(fd: int, record: bytes) -> None:
+    """Write ``record`` at the start of ``fd``: a short write loops (a record is ~200 bytes)."""
+    done = 0
+    while done < len(record):
+        done += os.pwrite(fd, record[done:], done)
 
 
 def _record_failed(path: Path, error: OSError) -> SaveError:
@@ -384,7 +391,7 @@ def _staged_record(path: Path, what: str) -> tuple[int, Path]:
     except OSError as error:
         raise SaveError(f"{path}: cannot create the writer's lock file ({error.strerror})", str(path)) from error
     try:
-        write_all(fd, memoryview(Holder.this_process(what).to_json().encode()), 0)
+        _write_whole(fd, Holder.this_process(what).to_json().encode())
     except OSError as error:
         os.close(fd)
         with contextlib.suppress(OSError):
