@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 from nnx_save.checkpoint import (
@@ -142,3 +144,46 @@ def test_an_item_beyond_the_names_is_refused_naming_extensions(tmp_path):
         with pytest.raises(OptionError, match=re.escape(way)):
             store.restore(1, templates={"ema": {"w": jnp.ones(2)}})
         assert store.restore(1).items["extensions"]["ema"]["w"].tolist() == [3.0, 3.0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 12),
+    cols=st.integers(1, 9),
+    mesh_shape=st.sampled_from([(8,), (4, 2), (2, 4), (2, 2), (1, 8)]),
+    spec=st.sampled_from([P("a"), P(None, "a"), P("a", "b"), P("b", "a"), P(("a", "b")), P(None, ("a", "b")), P()]),
+)
+def test_restore_and_load_file_refuse_the_same_shardings_alike(tmp_path_factory, rows, cols, mesh_shape, spec):
+    """Over shapes, meshes and specs: a template sharding that cannot hold the shape (a
+    split that does not divide a dimension) is the same ``ShardingError`` from
+    ``store.restore`` as from ``load_file``, before any read; one that can restores exactly."""
+    import nnx_save
+
+    names = ("a", "b")[: len(mesh_shape)]
+    if any(axis not in names for part in spec for axis in ((part,) if isinstance(part, str) else part or ())):
+        return  # a spec naming an axis the mesh lacks is another error
+    mesh = jax.make_mesh(mesh_shape, names, axis_types=(jax.sharding.AxisType.Explicit,) * len(names))
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    value = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    where = tmp_path_factory.mktemp("divide")
+    nnx_save.save_file({"w": value}, where / "w.safetensors")
+    with OrbaxCheckpointStore(where / "store") as store:
+        store.save(1, {"model": {"w": value}})
+    template = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
+    outcomes = []
+    for restore in (
+        lambda: nnx_save.load_file(where / "w.safetensors", {"w": template})["w"],
+        lambda: (
+            OrbaxCheckpointStore(where / "store").restore(1, templates={"model": {"w": template}}).items["model"]["w"]
+        ),
+    ):
+        try:
+            got = restore()
+        except ShardingError as error:
+            assert "cannot hold shape" in str(error), error
+            outcomes.append("refused")
+        else:
+            np.testing.assert_array_equal(np.asarray(got), value)
+            assert got.sharding == sharding
+            outcomes.append("restored")
+    assert outcomes[0] == outcomes[1], outcomes

@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import re
 
 import jax.numpy as jnp
 import pytest
 from _errors import raises_usage
+from hypothesis import given
+from hypothesis import strategies as st
 
 from nnx_save.checkpoint import OrbaxCheckpointStore, Retention, UnsupportedCheckpointError, _disk
-from nnx_save.checkpoint._retention import StepInfo, doomed
+from nnx_save.checkpoint._retention import StepInfo, doomed, ranked
 
 LOSSES = {10: 0.9, 20: 0.1, 30: 0.5, 40: 0.4, 50: 0.45}
 
@@ -210,3 +213,34 @@ def test_a_crash_while_retention_deletes_a_step_leaves_no_damaged_step(tmp_path,
         assert store.list_steps() == [3, 4]
         assert float(store.restore(4).items["model"]["w"][0]) == 4.0
     assert sorted(p.name for p in directory.iterdir() if p.name.startswith(".nnx")) == []
+
+
+_VALUES = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True, width=64),
+    st.sampled_from([math.inf, -math.inf, math.nan, 0.0, -0.0, 1e308, -1e308, 5e-324]),
+)
+
+
+@given(
+    values=st.lists(st.one_of(st.none(), _VALUES), min_size=1, max_size=9),
+    best=st.integers(1, 4),
+    mode=st.sampled_from(["min", "max"]),
+)
+def test_keep_best_ranks_finite_metrics_alone(values, best, mode):
+    """Over any metric values: the best ``K`` kept are the ``K`` best finite ones (ties to the
+    later step); a NaN or infinite value never outranks a finite one, whichever mode."""
+    infos = [StepInfo(s, {} if v is None else {"loss": v}, 0.0) for s, v in enumerate(values, 1)]
+    finite = [(v, s) for s, v in enumerate(values, 1) if v is not None and math.isfinite(v)]
+    sign = 1 if mode == "min" else -1
+    expected = [s for _, s in sorted(finite, key=lambda vs: (sign * vs[0], -vs[1]))]
+    assert ranked(infos, "loss", mode) == expected
+    kept = {i.step for i in infos} - set(doomed(Retention(latest=1, best=best, metric="loss", mode=mode), infos))
+    assert kept == set(expected[:best]) | {len(values)}
+
+
+@pytest.mark.parametrize(("mode", "poison"), [("max", math.inf), ("min", -math.inf), ("max", math.nan)])
+def test_a_non_finite_metric_never_costs_the_real_best_step_its_place(tmp_path, mode, poison):
+    metrics = {1: 0.5, 2: 0.9 if mode == "max" else 0.1, 3: poison, 4: 0.3}
+    with run(tmp_path, metrics, retention=Retention(latest=1, best=1, metric="loss", mode=mode)) as store:
+        assert store.list_steps() == [2, 4]
+        assert store.best_step("loss", mode=mode) == 2

@@ -11,6 +11,7 @@ import os
 import threading
 
 import numpy as np
+import pytest
 
 import nnx_save
 from nnx_save.io import _files
@@ -41,3 +42,74 @@ def test_a_header_collected_while_its_thread_holds_the_pool_lock_neither_waits_n
     assert finished.is_set(), "Pinned.__del__ waited for the pool lock its own thread holds (deadlock)"
     nnx_save.read_header(path)  # the pool's next use drops what the finalizer left
     assert not (pinned & _open_fds()), "the collected header's descriptor is still open"
+
+
+_DESCRIPTORS = r"""
+import os, random, resource, sys
+import numpy as np
+import nnx_save
+
+where, seed, headroom = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+draw = random.Random(seed)
+single = [os.path.join(where, f"m{i}.safetensors") for i in range(4)]
+for i, path in enumerate(single):
+    nnx_save.save_file({"a": np.full(16, i, np.float32), "b": np.arange(4096, dtype=np.float32) + i}, path)
+multi = os.path.join(where, "multi")
+nnx_save.save_file({f"t{i}": np.full(64, i, np.float32) for i in range(8)}, multi, max_shard_size=256)
+expected = {p: float(i) for i, p in enumerate(single)}
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + headroom, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+handles, typed, done = [], 0, 0
+for _ in range(400):
+    op = draw.choice(["open", "open", "get", "slice", "load", "iter", "multi", "close"])
+    try:
+        if op == "open":
+            path = draw.choice(single + [multi])
+            handles.append((path, nnx_save.safe_open(path, framework="numpy")))
+        elif op in ("get", "slice") and handles:
+            path, h = draw.choice(handles)
+            if path == multi:
+                key = f"t{draw.randrange(8)}"
+                assert (h.get_tensor(key) == int(key[1:])).all()
+            elif op == "get":
+                assert (h.get_tensor("a") == expected[path]).all()
+            else:
+                assert float(h.get_slice("b")[7:9][1]) == 8.0 + expected[path]
+        elif op == "load":
+            path = draw.choice(single)
+            assert (nnx_save.load_file(path)["a"] == expected[path]).all()
+        elif op == "iter":
+            path = draw.choice(single)
+            assert {k: float(v[0]) for k, v in nnx_save.iter_tensors(path)} == {"a": expected[path], "b": expected[path]}
+        elif op == "multi":
+            assert float(nnx_save.load_file(multi)["t5"][0]) == 5.0
+        elif op == "close" and handles:
+            handles.pop(draw.randrange(len(handles)))[1].__exit__(None, None, None)
+        done += 1
+    except nnx_save.NnxSaveError as error:  # a typed refusal: the limit is the caller's
+        assert "Too many open files" in str(error), error
+        typed += 1
+print(len(handles), done, typed)
+"""
+
+
+@pytest.mark.parametrize(("seed", "headroom"), [(0, 24), (1, 12), (2, 40)])
+def test_open_handles_share_one_pool_of_descriptors_under_a_low_limit(tmp_path, seed, headroom):
+    """Handles opened and left open, reads through them, and loads of single files, a
+    multi-file checkpoint and ``iter_tensors``, drawn at random under a descriptor limit a
+    few above what the process uses: every read is right or a typed error, never a bare
+    ``OSError`` (EMFILE), and the handles left open never hold the descriptors the next
+    load needs."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _DESCRIPTORS, str(tmp_path), str(seed), str(headroom)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    handles, ok, typed = map(int, done.stdout.split())
+    assert handles > 20 and ok + typed == 400
+    assert typed == 0, (handles, ok, typed)  # even the lowest limit leaves the pool room to read through

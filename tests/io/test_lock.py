@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from nnx_save.errors import DirectoryLockedError
+from nnx_save.errors import DirectoryLockedError, SaveError
 from nnx_save.io import _lock
 from nnx_save.io._lock import WriterLock, holder_of
 
@@ -119,3 +119,109 @@ def test_a_lock_file_that_is_a_hard_link_or_a_fifo_is_refused_untouched(tmp_path
                 store.save(1, {"model": {"w": jnp.ones(3)}})
     assert os.listdir(directory) == [_lock.LOCK_NAME]
     assert make is _fifo or victim.read_text() == "precious\n"
+
+
+_NO_FLOCK_WRITER = """
+import errno, fcntl, os, sys, time
+from pathlib import Path
+
+def no_flock(fd, operation):
+    raise OSError(errno.ENOLCK, "No locks available")
+
+fcntl.flock = no_flock  # a filesystem without flock (an NFS mount without a lock manager)
+from nnx_save.errors import DirectoryLockedError, SaveError
+from nnx_save.io._lock import LOCK_NAME, Holder, WriterLock
+
+where, me, rounds, dead = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+taken = refused = twice = 0
+for r in range(rounds):
+    if r % 7 == 3:  # a writer killed while it held the lock: its record stays, naming a dead process
+        dead_record = where / f"dead-{me}"
+        dead_record.write_text(Holder(Holder.this_process("").host, dead, None, "a killed writer").to_json())
+        try:
+            os.link(dead_record, where / LOCK_NAME)
+        except FileExistsError:
+            pass
+        os.unlink(dead_record)
+    try:
+        lock = WriterLock.acquire(where, me, remove=r % 2 == 0)
+    except DirectoryLockedError:
+        refused += 1
+        continue
+    try:
+        os.close(os.open(where / "inside", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        twice += 1  # the other process holds it too
+    else:
+        time.sleep(0.0005)
+        os.unlink(where / "inside")
+    taken += 1
+    lock.release()
+print(taken, refused, twice)
+"""
+
+
+def test_without_flock_two_processes_never_hold_the_lock_together(tmp_path):
+    """Without ``flock`` the record is created exclusively, and a dead holder's record is
+    taken over under a second exclusive record: two real processes racing over many rounds
+    (with records of killed writers planted between them) are never inside together."""
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    rounds = 400
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _NO_FLOCK_WRITER, str(tmp_path), f"writer {i}", str(rounds), dead.stdout.strip()],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err
+        results.append([int(n) for n in out.split()])
+    assert [twice for _, _, twice in results] == [0, 0], results
+    assert all(taken + refused == rounds for taken, refused, _ in results)
+    assert all(taken > 0 for taken, _, _ in results) and sum(refused for _, refused, _ in results) > 0, results
+    assert sorted(os.listdir(tmp_path)) in ([], [_lock.LOCK_NAME])  # at most a killed writer's record
+
+
+@pytest.mark.parametrize("left", ["a dead taker's record", "another tool's file"])
+def test_without_flock_a_takeover_record_left_behind_refuses_naming_it(tmp_path, monkeypatch, left):
+    """A takeover record is never broken by another writer (two could break it at once):
+    a dead taker's is refused naming the file to remove, a foreign file as not ours; once it
+    is removed, the dead holder's record is taken over."""
+    import errno
+    import subprocess
+    import sys
+
+    dead = int(
+        subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True).stdout
+    )
+    host = _lock.Holder.this_process("").host
+    (tmp_path / _lock.LOCK_NAME).write_text(_lock.Holder(host, dead, None, "a killed writer").to_json())
+    guard = tmp_path / _lock.TAKEOVER_NAME
+    guard.write_text(_lock.Holder(host, dead, None, "a killed taker").to_json() if left.startswith("a dead") else "x")
+
+    def no_flock(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(_lock.fcntl, "flock", no_flock)
+    if left.startswith("a dead"):
+        refusal = f"a killed taker in process {dead} on host {host}, which died taking the lock over (if no writer runs, remove {guard})"
+        with pytest.raises(DirectoryLockedError, match=re.escape(refusal)):
+            WriterLock.acquire(tmp_path, "me")
+    else:
+        with pytest.raises(
+            SaveError, match=re.escape(f"{guard}: the writer's lock file is not a lock record of nnx_save")
+        ):
+            WriterLock.acquire(tmp_path, "me")
+    guard.unlink()
+    lock = WriterLock.acquire(tmp_path, "me")
+    assert holder_of(tmp_path) == _lock.Holder.this_process("me")
+    lock.release()
+    assert os.listdir(tmp_path) == []

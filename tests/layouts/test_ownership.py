@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from _errors import raises_check
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save.cli import main as cli_main
@@ -159,3 +161,87 @@ def test_a_multi_file_save_into_an_orbax_checkpoint_is_refused(tmp_path):
     with pytest.raises(nnx_save.SaveError, match=re.escape(f"{tmp_path}: is an Orbax checkpoint directory")):
         nnx_save.save_file({"a": np.zeros(64, np.float32)}, tmp_path, max_shard_size=128)
     assert os.listdir(tmp_path) == ["_CHECKPOINT_METADATA"]
+
+
+# -- another tool's file under a name a save uses ----------------------------------------
+
+_LOCK, _STORE_RECORD, _MANIFEST = "_nnx_save.lock", "_nnx_save_store.json", "manifest.json"
+
+
+def _multi_file(d) -> None:
+    nnx_save.save_file(tree(1.0), d, max_shard_size=512)
+
+
+def _pod(d) -> None:
+    nnx_save.save_pod(tree(1.0), d)
+
+
+def _store(d) -> None:
+    from nnx_save.checkpoint import OrbaxCheckpointStore
+
+    with OrbaxCheckpointStore(d) as store:
+        store.save(1, {"model": {"w": np.ones(3, np.float32)}}, overwrite=True)  # refused all the same
+
+
+# Every name each directory writer writes, replaces or retires; the record of its own
+# layout is one it would have to replace, so a foreign file there must be refused.
+_RESERVED = {
+    _multi_file: ([INDEX], [_MANIFEST, _LOCK, "model.safetensors"]),
+    _pod: ([_MANIFEST], [INDEX, _LOCK, "model.safetensors"]),
+    _store: (["1"], [_STORE_RECORD, _LOCK]),
+}
+_CASES = [(save, name, name in own) for save, (own, other) in _RESERVED.items() for name in own + other]
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+_FOREIGN = st.one_of(
+    st.binary(min_size=1, max_size=64).map(lambda b: ("bytes", b)),
+    st.dictionaries(st.text(max_size=10), _JSON, min_size=1, max_size=4)
+    .filter(lambda d: "weight_map" not in d and "format" not in d)
+    .map(lambda d: ("bytes", json.dumps(d).encode())),
+    st.just(("directory", b"mine")),
+    st.just(("link", b"outside")),
+)
+
+
+def _plant(where, kind: str, data: bytes, outside) -> None:
+    if kind == "bytes":
+        where.write_bytes(data)
+    elif kind == "directory":
+        where.mkdir()
+        (where / "mine.txt").write_bytes(data)
+    else:
+        outside.write_bytes(data)
+        where.symlink_to(outside)
+
+
+def _as_found(where) -> object:
+    if where.is_symlink():
+        return ("link", os.readlink(where), where.read_bytes())
+    if where.is_dir():
+        return ("directory", sorted((p.name, p.read_bytes()) for p in where.iterdir()))
+    return ("bytes", where.read_bytes())
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=st.sampled_from(_CASES), foreign=_FOREIGN)
+def test_another_tools_file_under_a_reserved_name_is_never_replaced(tmp_path_factory, case, foreign):
+    """For every directory writer (multi-file, pod, store) and every name it writes, replaces
+    or retires: another tool's file there (any bytes, another tool's JSON, a directory, a
+    link out) is left as it was; where the save would have to replace it (its own record,
+    its lock, its step) it is refused, typed, naming the file."""
+    save, name, own = case
+    root = tmp_path_factory.mktemp("reserved")
+    d, outside = root / "ck", root / "outside.bin"
+    d.mkdir()
+    _plant(d / name, *foreign, outside)
+    before = _as_found(d / name)
+    try:
+        save(d)
+    except nnx_save.NnxSaveError as error:
+        assert str(d) in str(error) and name in str(error), error  # the directory and the name
+    else:
+        assert not own and name != _LOCK, f"{name} ({foreign[0]}) was not refused"
+    assert _as_found(d / name) == before

@@ -412,3 +412,62 @@ def test_an_index_metadata_that_is_no_object_or_a_bad_total_size_is_refused(hf_d
             nnx_save.load_file(hf_dir)
     else:
         assert {float(v[0]) for v in nnx_save.load_file(hf_dir).values()} == {0.0, 1.0, 2.0}
+
+
+# -- links on the way to an index's files ------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    depth=st.integers(1, 3),
+    link=st.one_of(st.none(), st.tuples(st.integers(0, 2), st.sampled_from(["inside", "outside"]))),
+    file_link=st.booleans(),
+    reader=st.sampled_from(["load_file", "safe_open", "iter_tensors"]),
+)
+def test_an_index_reads_through_no_directory_link_leaving_the_checkpoint(
+    tmp_path_factory, depth, link, file_link, reader
+):
+    """An index naming ``d0/.../x.safetensors``: a file that is itself a link (the HF
+    cache's blobs) loads, a directory on the way that links within the checkpoint loads,
+    and one that links outside it is refused by every reader, naming the file and where
+    the directory leads."""
+    from safetensors.numpy import save_file as foreign_save
+
+    root = tmp_path_factory.mktemp("links")
+    ck, parts = root / "ck", [f"d{i}" for i in range(depth)]
+    ck.mkdir()
+    real = ck.joinpath(*parts)
+    linked_out = link is not None and link[0] < depth and link[1] == "outside"
+    if link is not None and link[0] < depth:
+        k, where = link
+        target = (root / "elsewhere" if where == "outside" else ck / "real").joinpath(*parts[k + 1 :])
+        target.mkdir(parents=True)
+        ck.joinpath(*parts[:k]).mkdir(parents=True, exist_ok=True)
+        ck.joinpath(*parts[: k + 1]).symlink_to(target.parents[len(parts) - k - 2] if k + 1 < depth else target)
+        real = ck.joinpath(*parts)
+    real.mkdir(parents=True, exist_ok=True)
+    value = np.arange(6, dtype=np.float32)
+    if file_link:  # the file itself links out, as the HF cache's snapshot files do
+        (root / "blobs").mkdir()
+        foreign_save({"a": value}, str(root / "blobs" / "blob"))
+        (real / "x.safetensors").symlink_to(root / "blobs" / "blob")
+    else:
+        foreign_save({"a": value}, str(real / "x.safetensors"))
+    relative = "/".join([*parts, "x.safetensors"])
+    (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": relative}}))
+
+    def read() -> np.ndarray:
+        if reader == "load_file":
+            return nnx_save.load_file(ck)["a"]
+        if reader == "safe_open":
+            with nnx_save.safe_open(ck, framework="numpy") as f:
+                return f.get_tensor("a")
+        return dict(nnx_save.iter_tensors(ck))["a"]
+
+    if linked_out:
+        with raises_check("index", match=re.escape(f"file {relative!r} is in ")) as info:
+            read()
+        assert "a directory that links outside the checkpoint" in str(info.value)
+        assert str(root / "elsewhere") in str(info.value)
+    else:
+        np.testing.assert_array_equal(read(), value)

@@ -156,6 +156,73 @@ def test_store_save_into_a_full_filesystem_raises_a_typed_error(small_fs):
         assert store.list_steps() == [1]
 
 
+def _fill(fs: Path) -> None:
+    """Take every free byte of ``fs`` (a tmpfs: pages; inodes stay free)."""
+    fd = os.open(fs / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (1 << 16, 4096, 1):
+            try:
+                while os.write(fd, b"\0" * size):
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def _save_multi_file(directory: Path, w: np.ndarray) -> None:
+    nnx_save.save_file({"a": w, "b": w + 1}, directory, max_shard_size=w.nbytes)
+
+
+def _save_pod(directory: Path, w: np.ndarray) -> None:
+    nnx_save.save_pod({"a": w, "b": w + 1}, directory)
+
+
+def _save_store(directory: Path, w: np.ndarray) -> None:
+    with OrbaxCheckpointStore(directory) as store:
+        store.save(int(w[0]) + 1, {"model": {"a": w}})
+
+
+def _load_back(directory: Path, save) -> np.ndarray:
+    if save is _save_store:
+        with OrbaxCheckpointStore(directory) as store:
+            return np.asarray(store.restore(store.latest_step()).items["model"]["a"])
+    return np.asarray(nnx_save.load_file(directory)["a"])
+
+
+@pytest.mark.parametrize("flock", ["flock", "no flock"])
+@pytest.mark.parametrize("save", [_save_multi_file, _save_pod, _save_store])
+def test_a_full_disk_at_the_lock_record_is_a_typed_error_and_leaves_no_lock(small_fs, monkeypatch, save, flock):
+    """The writer's lock record is the first byte a directory save writes: on a full disk it
+    fails as a :class:`SaveError` naming the lock file, no lock file stays (with ``flock``
+    or without, where the record is the lock), and the previous version still loads."""
+    if flock == "no flock":
+        import errno
+
+        from nnx_save.io import _lock
+
+        def no_flock(fd, operation):
+            raise OSError(errno.ENOLCK, "No locks available")
+
+        monkeypatch.setattr(_lock.fcntl, "flock", no_flock)
+    fs = small_fs(4 << 20)
+    directory = fs / "ckpt"
+    save(directory, np.zeros(64, np.float32))
+    before = {name for name in os.listdir(directory) if name != "_nnx_save.lock"}
+    _fill(fs)
+    lock = directory / "_nnx_save.lock"
+    with pytest.raises(
+        nnx_save.SaveError,
+        match=re.escape(
+            f"{lock}: cannot write the writer's lock record (No space left on device); nothing was written"
+        ),
+    ):
+        save(directory, np.ones(64, np.float32))
+    assert set(os.listdir(directory)) == before
+    os.unlink(fs / "filler")
+    np.testing.assert_array_equal(_load_back(directory, save), np.zeros(64, np.float32))
+
+
 # --- RLIMIT_FSIZE: the same failures without root ------------------------------------------------
 
 _LIMITED = textwrap.dedent(

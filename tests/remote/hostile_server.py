@@ -8,6 +8,7 @@ test (``with HostileServer(...) as server``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import time
@@ -25,6 +26,9 @@ class Answer:
     body: bytes
     chunked: bool = False  # send the body with Transfer-Encoding: chunked (no Content-Length)
     trickle_s: float = 0.0  # pause before each byte of the body
+    delay_s: float = 0.0  # pause before the status line
+    stall_after: int | None = None  # send this many bytes of the body, then pause stall_s (and send the rest)
+    stall_s: float = 0.0
 
 
 @dataclass
@@ -72,6 +76,7 @@ class HostileServer:
                     server.requests.append(req)
                 answer = honest(server.objects, self.path, self.headers.get("Range", ""), server.etags.get(self.path))
                 answer = server.lie(req, answer)
+                time.sleep(answer.delay_s)
                 self.send_response(answer.status)
                 for k, v in answer.headers.items():
                     if not (answer.chunked and k.lower() == "content-length"):
@@ -82,6 +87,10 @@ class HostileServer:
                 self._body(answer)
 
             def _body(self, answer: Answer) -> None:
+                if answer.stall_after is not None:
+                    self._chunk(answer.body[: answer.stall_after], answer.chunked)
+                    time.sleep(answer.stall_s)
+                    answer = dataclasses.replace(answer, body=answer.body[answer.stall_after :], stall_after=None)
                 if answer.trickle_s:
                     for i in range(len(answer.body)):
                         time.sleep(answer.trickle_s)

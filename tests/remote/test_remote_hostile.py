@@ -164,6 +164,40 @@ def test_a_trickling_server_hits_the_deadline(tmp_path, monkeypatch):
         assert time.monotonic() - t0 < 6
 
 
+_STALLS = {
+    "mid-body": lambda answer: dataclasses.replace(answer, stall_after=len(answer.body) // 2, stall_s=30.0),
+    "before the body": lambda answer: dataclasses.replace(answer, stall_after=0, stall_s=30.0),
+    "before the headers": lambda answer: dataclasses.replace(answer, delay_s=30.0),
+    "slow 503s": lambda answer: Answer(503, {"Content-Length": "0"}, b"", delay_s=0.6),
+    "cut bodies": lambda answer: dataclasses.replace(
+        answer, body=answer.body[: len(answer.body) // 2], headers={**answer.headers, "Connection": "close"}
+    ),
+}
+
+
+@pytest.mark.parametrize("how", sorted(_STALLS))
+def test_one_deadline_bounds_a_range_with_every_retry(tmp_path, monkeypatch, how):
+    """A server that stalls (mid-body, before the body or the headers), answers 503 slowly,
+    or cuts every body short: the range fails within its one deadline (timeout plus its
+    length at the rate), retries included, not within a deadline per attempt (six of them)."""
+    monkeypatch.setenv("NNX_SAVE_HTTP_TIMEOUT", "1")
+    monkeypatch.setenv("NNX_SAVE_HTTP_MIN_RATE", "1000000")
+
+    def lie(req: Request, answer: Answer) -> Answer:
+        return _STALLS[how](answer) if data_request(req) else answer
+
+    with HostileServer({"/m.safetensors": blob(tmp_path, V1)}, lie) as server:
+        url = f"{server.url}/m.safetensors"
+        header = nnx_save.read_header(url)
+        t0 = time.monotonic()
+        with pytest.raises(
+            RemoteError, match=re.escape(url) + r": bytes \d+-\d+ (not received within 1\.0 s|failed after)"
+        ):
+            nnx_save.load_file(header, num_threads=1)
+        elapsed = time.monotonic() - t0
+    assert elapsed < 1.0 + 0.75, elapsed  # one deadline (1.0 s) and the time to raise
+
+
 def test_the_deadline_settings_are_checked(monkeypatch):
     monkeypatch.setenv("NNX_SAVE_HTTP_TIMEOUT", "0")
     with pytest.raises(

@@ -3,20 +3,26 @@ retention. Every decision goes through :func:`._agree.agree` or :func:`._orbax.o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import functools
+import os
 import re
 import warnings
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 from etils import epath
 
 from ..errors import (
     CheckpointDamageWarning,
+    CheckpointNotFoundError,
     CheckpointUsageError,
     DirectoryLockedError,
+    NnxSaveError,
     OptionError,
+    SourceChangedError,
     UnsupportedCheckpointError,
 )
 from ..io import _storage
@@ -25,10 +31,12 @@ from . import _orbax
 from ._agree import agree
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
-from ._metadata import is_number
+from ._metadata import check_step, is_number
 from ._retention import STORE_RECORD, Retention, StepInfo, age_s, doomed, parse_record, record_json
 
-__all__ = ["ASIDE_PREFIX", "RETIRED_PREFIX", "Disk"]
+__all__ = ["ASIDE_PREFIX", "RETIRED_PREFIX", "Disk", "unchanged_step"]
+
+R = TypeVar("R")
 
 # A step being overwritten is renamed to this (plus the step) until its replacement
 # is complete, so a crash mid-overwrite never loses the step.
@@ -80,8 +88,86 @@ class Disk:
 
     def _look(self) -> dict[str, Any]:
         record = self.path / STORE_RECORD
-        text = record.read_text() if record.exists() else None
+        try:
+            text = record.read_text() if record.exists() else None
+        except (OSError, UnicodeDecodeError) as error:  # a directory, or another tool's bytes, under its name
+            text = f"<{type(error).__name__}: {error}>"
         return {"view": scan(self.path).to_json(), "record": text}
+
+    def refuse_foreign_step(self, step: int) -> None:
+        """Refuse to write step ``step`` over what is not a step this store wrote under its name
+        (a file, or a directory without the step's record), decided on process 0.
+
+        Raises:
+            CheckpointUsageError: ``reason="directory"``, naming the entry; nothing was written.
+        """
+
+        def look() -> str | None:
+            step_dir = self.path / str(step)
+            if not step_dir.exists() or (step_dir / METADATA_ITEM).is_dir():
+                return None
+            return "a directory without a step record" if step_dir.is_dir() else "not a directory"
+
+        foreign = agree("foreign step", look)
+        if foreign is not None:
+            where = self.path / str(step)
+            raise CheckpointUsageError(
+                f"{where}: is {foreign}, not a step this store wrote; saving step {step} would replace it, "
+                "so nothing was written: move it away, or save at another step",
+                "directory",
+                step=step,
+                directory=str(self.path),
+                entry=str(where),
+            )
+
+    def identity(self, step: int) -> tuple[int, int] | None:
+        """Which directory holds step ``step`` now (device, inode); None: none (or a URL)."""
+        if self.location.directory is None:
+            return None
+        try:
+            st = os.stat(os.fspath(self.path / str(step)))
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    @contextlib.contextmanager
+    def unchanged(self, step: int) -> Iterator[None]:
+        """Run a read of step ``step``; if the step was deleted or replaced meanwhile (by
+        another process: a writer's retention, an overwrite), raise that, typed, instead of
+        the read's own error or result.
+
+        One process only: in a job of several, each could see the directory differently.
+
+        Raises:
+            CheckpointNotFoundError: The step was deleted while it was read.
+            SourceChangedError: The step was replaced while it was read (nothing of the mix
+                is returned).
+        """
+        if _orbax.process_count() > 1:  # the processes could see it differently: Orbax's own errors
+            yield
+            return
+        before = self.identity(step)
+        try:
+            yield
+        except (NnxSaveError, OSError, ValueError) as error:
+            self._refuse_changed(step, before, error)
+            raise
+        self._refuse_changed(step, before, None)
+
+    def _refuse_changed(self, step: int, before: tuple[int, int] | None, error: BaseException | None) -> None:
+        after = self.identity(step)
+        if after == before or self.location.directory is None:
+            return
+        self.forget()
+        where = self.path / str(step)
+        if after is None:
+            held = scan(self.path).steps
+            raise CheckpointNotFoundError(step, self.path, held) from error
+        raise SourceChangedError(
+            f"{where}: step {step} was replaced while it was read (saved again with overwrite=True); "
+            "nothing of the mix is returned: restore it again",
+            str(where),
+        ) from error
 
     def _adopt(self, data: Mapping[str, Any]) -> None:
         # Checked before the view is kept, so a refused store stays refused on every call.
@@ -226,3 +312,16 @@ class Disk:
             step_dir.rename(retired)
         if retired.exists():
             retired.rmtree()
+
+
+def unchanged_step(restore: Callable[..., R]) -> Callable[..., R]:
+    """A store's ``restore(step, **options)``, raising typed when its step is deleted or
+    replaced while it is read (:meth:`Disk.unchanged`): never a mix, never Orbax's error."""
+
+    @functools.wraps(restore)
+    def run(store: Any, step: int | None = None, **options: Any) -> R:
+        step = store._latest_or(None if step is None else check_step(step))
+        with store._disk.unchanged(step):
+            return restore(store, step, **options)
+
+    return run

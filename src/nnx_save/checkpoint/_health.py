@@ -75,7 +75,10 @@ def scan(directory: epath.Path) -> DirectoryView:
         return DirectoryView(exists=False)
     steps = sorted(int(p.name) for p in directory.iterdir() if _STEP_NAME.fullmatch(p.name) and p.is_dir())
     damaged = {step: found for step in steps if (found := _damage(directory / str(step))) is not None}
-    return DirectoryView(True, tuple(steps), damaged)
+    gone = {step for step in damaged if not (directory / str(step)).is_dir()}  # deleted while looked at: no damage
+    return DirectoryView(
+        True, tuple(s for s in steps if s not in gone), {s: d for s, d in damaged.items() if s not in gone}
+    )
 
 
 def _damage(step_dir: epath.Path) -> tuple[str, str] | None:

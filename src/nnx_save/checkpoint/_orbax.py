@@ -6,8 +6,9 @@ Orbax's metadata becomes the neutral ``{path: Spec | None}`` form the guard comp
 from __future__ import annotations
 
 import pathlib
+import time
 from collections.abc import Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import jax
 import numpy as np
@@ -16,6 +17,9 @@ import orbax.checkpoint as ocp
 from ..errors import UnsupportedValueError
 from ._format import DTYPES_ITEM, ITEM_NAMES, METADATA_ITEM, ROOT
 from ._tree import Path, Spec, flatten, is_key_dtype, segment, show
+
+T = TypeVar("T")
+_RELISTS = 20  # a step deleted under a listing each time, 20 times in a row: not a race we wait out
 
 if TYPE_CHECKING:
     from ._partial import Selection
@@ -58,6 +62,22 @@ def make_manager(directory: pathlib.Path, *, create: bool) -> ocp.CheckpointMana
         preservation_policy=ocp.checkpoint_managers.LatestN(n=None),
     )
     return ocp.CheckpointManager(directory, options=options, handler_registry=_registry())
+
+
+def listed(list_steps: Callable[[], T]) -> T:
+    """``list_steps()`` (a manager made or reloaded), again while another process deletes a
+    step it lists: Orbax stats each step it found, and one deleted in between is a
+    ``FileNotFoundError``, not a listing."""
+    for _ in range(_RELISTS - 1):
+        try:
+            return list_steps()
+        except FileNotFoundError:
+            time.sleep(0.01)
+    return list_steps()
+
+
+def process_count() -> int:
+    return jax.process_count()
 
 
 def on_primary(name: str, action: Callable[[], object]) -> None:

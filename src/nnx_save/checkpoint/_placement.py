@@ -9,6 +9,7 @@ sharding is resolved against a concrete mesh of the same axes: the one passed as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 from collections.abc import Iterable, Mapping
@@ -55,14 +56,40 @@ def concrete_templates(item: str, template: Any, mesh: Any) -> Any:
 
     def resolve(keypath: Any, leaf: Any) -> Any:
         if not isinstance(leaf, jax.ShapeDtypeStruct) or not _on_abstract_mesh(leaf.sharding):
+            _check_divides(item, keypath, leaf, getattr(leaf, "sharding", None))
             return leaf  # the common case, decided before the leaf's path is formatted
         where = f"templates[{item!r}]: {show(tuple(map(segment, keypath)))}"
         sharding = concrete_sharding(leaf.sharding, mesh, where)
+        _check_divides(item, keypath, leaf, sharding)
         if sharding is leaf.sharding:
             return leaf
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding, weak_type=leaf.weak_type)
 
     return jax.tree_util.tree_map_with_path(resolve, template)
+
+
+def _check_divides(item: str, keypath: Any, leaf: Any, sharding: Any) -> None:
+    """Refuse, as ``load_file`` does, a template leaf whose sharding cannot hold its shape
+    (a split that does not divide a dimension: jax's ``IndivisibleError``), before any read."""
+    if not isinstance(sharding, jax.sharding.Sharding) or not hasattr(leaf, "shape"):
+        return
+    shape = tuple(leaf.shape)
+    try:
+        problem = _indivisible(sharding, shape)
+    except TypeError:  # an unhashable sharding: asked each time
+        problem = _indivisible.__wrapped__(sharding, shape)
+    if problem is not None:
+        where = f"templates[{item!r}]: {show(tuple(map(segment, keypath)))}"
+        raise ShardingError(f"{where}: sharding {sharding} cannot hold shape {shape}: {problem}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _indivisible(sharding: Any, shape: tuple[int, ...]) -> str | None:
+    try:
+        sharding.shard_shape(shape)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _on_abstract_mesh(sharding: Any) -> bool:

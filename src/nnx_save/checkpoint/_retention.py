@@ -28,7 +28,7 @@ class Retention:
     Attributes:
         latest: Keep the latest ``latest`` steps (None: this policy is off).
         best: Keep the ``best`` steps with the lowest (``mode="min"``) or highest
-            (``"max"``) value of ``metric``; steps without it (or NaN) never rank.
+            (``"max"``) value of ``metric``; steps without it, or with NaN or an infinity, never rank.
         metric: The metric ``best`` ranks by (a key of ``save(metrics=...)``).
         mode: ``"min"`` or ``"max"``.
         every: Keep every step divisible by ``every`` (e.g. 1000: a long-term trail).
@@ -125,8 +125,12 @@ def doomed(retention: Retention, steps: Sequence[StepInfo]) -> list[int]:
 
 
 def ranked(steps: Sequence[StepInfo], metric: str, mode: str) -> list[int]:
-    """Steps recording ``metric`` (not NaN), best first; ties go to the later step."""
-    scored = [(i.metrics[metric], i.step) for i in steps if metric in i.metrics and not math.isnan(i.metrics[metric])]
+    """Steps recording a finite ``metric``, best first; ties go to the later step.
+
+    NaN and the infinities never rank: an overflowed loss (``inf``) or accuracy is a failed
+    measurement, not the best one, and must not cost the real best step its place.
+    """
+    scored = [(i.metrics[metric], i.step) for i in steps if metric in i.metrics and math.isfinite(i.metrics[metric])]
     sign = 1 if mode == "min" else -1
     return [s for _, s in sorted(scored, key=lambda vs: (sign * vs[0], -vs[1]))]
 

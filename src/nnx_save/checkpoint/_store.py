@@ -24,7 +24,7 @@ from ..load._report import DtypeCast
 from ..load._source import gc_paused
 from . import _exit, _local, _orbax, _partial, _placement, _tree
 from ._directory import store_location
-from ._disk import ASIDE_PREFIX, Disk
+from ._disk import ASIDE_PREFIX, Disk, unchanged_step
 from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
 from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked
@@ -179,10 +179,23 @@ class OrbaxCheckpointStore:
             raise OptionError(f"{self!r} is closed")
         self._disk.load()
 
+    def reload(self) -> None:
+        """Look at the directory again: the steps another process saved or deleted since (a
+        store that has not written does at every listing and read in a one-process job; in
+        a job of several, call it on every process). The writing store needs none."""
+        self._open()
+        self._disk.forget()
+        self._metadata.clear()
+        if self._manager is not None and not self._writable:
+            _orbax.listed(self._manager.reload)
+
+    def _relist(self) -> None:
+        self.reload() if not self._writable and jax.process_count() == 1 else self._open()
+
     def _reader(self) -> Any:
         self._open()
         if self._manager is None and self._disk.load().exists:
-            self._manager = _orbax.make_manager(self._directory, create=False)
+            self._manager = _orbax.listed(lambda: _orbax.make_manager(self._directory, create=False))
         return self._manager
 
     def _writer(self) -> Any:
@@ -227,7 +240,7 @@ class OrbaxCheckpointStore:
     def list_steps(self) -> list[int]:
         """Every stored, undamaged step, ascending; damaged steps are left out, with a
         :class:`CheckpointDamageWarning` (once per store)."""
-        self._open()
+        self._relist()
         return self._disk.intact()
 
     def latest_step(self) -> int | None:
@@ -239,7 +252,7 @@ class OrbaxCheckpointStore:
         """The damaged steps (an unreadable record, an item without its directory or
         ``_METADATA``), each with the error reading it raises; truncated array files are
         found only when the step is read."""
-        self._open()
+        self._relist()
         view = self._disk.load()
         return {step: view.corrupt_error(step) for step in sorted(view.damaged)}
 
@@ -268,7 +281,7 @@ class OrbaxCheckpointStore:
         steps = self.list_steps()
         if not steps:
             return None
-        infos = [StepInfo(s, self.read_metadata(s).metrics, 0.0) for s in steps]
+        infos = [StepInfo(s, self._record(s).metrics, 0.0) for s in steps]
         best = ranked(infos, name, order)
         if not best:
             recorded = sorted({name for info in infos for name in info.metrics})
@@ -402,6 +415,7 @@ class OrbaxCheckpointStore:
         Damaged steps count: they hold the step number until overwritten or deleted."""
         steps = list(self._disk.load().steps)
         latest = steps[-1] if steps else None
+        self._disk.refuse_foreign_step(step)
         if step in steps and not overwrite:
             raise CheckpointNotWrittenError(step, latest, "exists", self._directory)
         if step not in steps and latest is not None and step < latest:
@@ -445,11 +459,16 @@ class OrbaxCheckpointStore:
                 version can read (no record, another format, a newer version, a
                 record that does not validate).
         """
+        self._relist()
+        return self._record(step)
+
+    def _record(self, step: int) -> CheckpointMetadata:
         self._require(step)
         if step not in self._metadata:
             self._metadata[step] = load_metadata(self._directory, step)
         return self._metadata[step]
 
+    @unchanged_step
     def restore(
         self,
         step: int | None = None,

@@ -214,15 +214,20 @@ class _Pool:
                 self._drop(self.pending.popleft())
             yield
 
-    def add(self, key: tuple[int, str], fd: int) -> None:
+    def add(self, key: tuple[int, str], fd: int, dup: bool = False) -> int | None:
+        """Keep ``fd`` under ``key`` (the least recently used one goes when full); with
+        ``dup``, a duplicate of it for the caller (None where the pool keeps nothing:
+        then ``fd`` is the caller's still)."""
         with self.locked():
             limit = max_pinned()
             while self.fds and len(self.fds) >= limit:
                 _close(self.fds.popitem(last=False)[1])
             if limit:
                 self.fds[key] = fd
-                return
-        _close(fd)
+                return os.dup(fd) if dup else None
+        if not dup:
+            _close(fd)
+        return None
 
     def dup(self, key: tuple[int, str]) -> int | None:
         with self.locked():  # never dup a number another thread has just closed (and the OS reused)
@@ -298,9 +303,12 @@ class Pinned:
         Raises:
             SourceError: the file was replaced or changed since; read the header again.
         """
-        fd = _POOL.dup((id(self), name))
-        if fd is not None or name not in self.seen:
-            return os.open(name, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd
+        try:
+            fd = _POOL.dup((id(self), name))
+            if fd is not None or name not in self.seen:
+                return os.open(name, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd
+        except OSError as error:  # EMFILE: the process's limit, reached by someone else's descriptors
+            raise SourceError(f"{name}: cannot open the file ({error.strerror})", name) from None
         fd = open_regular(name)
         if _identity(fd) != self.seen[name]:
             os.close(fd)
@@ -309,7 +317,16 @@ class Pinned:
                 "files are open than the descriptor limit allows pinned); read the header again and reload",
                 name,
             )
-        return fd
+        return self._pin_again(name, fd)
+
+    def _pin_again(self, name: str, fd: int) -> int:
+        """Keep a reopened ``fd`` in the pool again (the next read needs no reopening); a
+        duplicate for the caller."""
+        try:
+            mine = _POOL.add((id(self), name), fd, dup=True) if self._open else None
+        except OSError as error:
+            raise SourceError(f"{name}: cannot open the file ({error.strerror})", name) from None
+        return fd if mine is None else mine
 
     def close(self, wait: bool = True) -> None:
         """Release every pinned descriptor now (and no later than when garbage collected)."""

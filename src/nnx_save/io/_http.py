@@ -1,9 +1,10 @@
 """Ranged reads over HTTP(S).
 
 A reader fetches just the byte ranges the engine planned, one ranged GET per
-chunk, many at once over a pooled connection set. urllib3's ``Retry`` follows redirects
-and retries a request that failed before its answer (a refused connection, a 503); a
-body cut short is retried whole, so partial data is never returned. What a hostile or changing server cannot do
+chunk, many at once over a pooled connection set. urllib3's ``Retry`` follows redirects;
+a request that failed before its answer (a refused connection, a 503) or whose body was
+cut short is retried whole, by the reader, so partial data is never returned. One
+deadline bounds each range, every attempt and pause included. What a hostile or changing server cannot do
 (change the object under a load, send other bytes, hang, redirect silently) and how
 each is refused: docs/reliability.md, "Hostile servers and odd sources".
 """
@@ -146,32 +147,52 @@ def _user_agent() -> str:
 
 
 class _Retry(Exception):
-    """A transient failure: try this range again."""
+    """A transient failure: try this range again (at ``at``: the URL a redirect chain
+    reached before a status worth retrying; None: from the start)."""
+
+    def __init__(self, message: str, at: str | None = None) -> None:
+        super().__init__(message)
+        self.at = at
+
+
+def _retry(deadline: float):
+    """The redirect policy of one request (urllib3's ``Retry``; each request's copy records
+    its history). Failures are not retried here but by the reader, each attempt under what
+    is left of the range's one deadline (urllib3's retries would give each attempt a whole
+    timeout). A response it follows is closed, never drained (a hostile body can be
+    endless); a redirect off http(s), or one past ``deadline``, is refused before it is
+    followed."""
+    policy = _policy()(
+        total=None, connect=0, read=0, status=0, other=0, redirect=MAX_REDIRECTS, status_forcelist=(),
+        respect_retry_after_header=False, raise_on_status=False,
+    )  # fmt: skip
+    policy.deadline = deadline
+    return policy
 
 
 @functools.cache
-def _retry():
-    """The retry policy of every request (urllib3's ``Retry``; it is immutable, and each
-    request's copy records the request's history). A response it retries or follows is
-    closed, never drained (a hostile body can be endless); a ``Retry-After`` is not
-    waited for (the backoff is ours); a redirect off http(s) is refused before it is
-    followed."""
+def _policy():
     import urllib3
 
     class Policy(urllib3.Retry):
+        deadline = float("inf")
+
+        def new(self, **kw):
+            policy = super().new(**kw)
+            policy.deadline = self.deadline
+            return policy
+
         def increment(self, method=None, url=None, response=None, *args, **kwargs):
             if response is not None:
                 location = response.get_redirect_location()
                 response.close()
                 if location and urlsplit(urljoin(url or "", location)).scheme not in ("http", "https"):
                     raise RemoteError(f"HTTP {response.status} redirected to {location!r}, not http(s)")
+                if location and time.monotonic() >= self.deadline:
+                    raise RemoteError(f"HTTP {response.status} redirected to {location!r} past the deadline")
             return super().increment(method, url, response, *args, **kwargs)
 
-    return Policy(
-        total=None, connect=_MAX_RETRIES, read=_MAX_RETRIES, status=_MAX_RETRIES, other=_MAX_RETRIES,
-        redirect=MAX_REDIRECTS, status_forcelist=_RETRY_STATUSES, backoff_factor=_BACKOFF_S, backoff_jitter=_BACKOFF_S,
-        respect_retry_after_header=False, raise_on_status=False,
-    )  # fmt: skip
+    return Policy
 
 
 _NO_RANGES = (
@@ -251,41 +272,41 @@ class HttpReader(ViewReader):
             headers["If-Match"] = self.etag
         return headers
 
-    def _request(self, headers: Mapping[str, str], span: str, timeout: float):
-        """GET with ``headers``, following redirects and retrying what failed before an
-        answer (:func:`_retry`); returns the final response and counts its retries.
-        ``timeout`` bounds the connect and each socket read until the headers are in."""
+    def _request(self, headers: Mapping[str, str], span: str, timeout: float, deadline: float, at: str | None):
+        """GET with ``headers``, following redirects (:func:`_retry`); returns the final
+        response. A failure before an answer, or a status worth retrying, is a ``_Retry``
+        for :meth:`_with_retries`. ``timeout`` bounds the connect and each socket read
+        until the headers are in."""
         import urllib3
 
         try:
             r = _pool().request(
                 "GET",
-                self.url,
+                at or self.url,
                 headers=dict(headers),
                 preload_content=False,
-                retries=_retry(),
+                retries=_retry(deadline),
                 timeout=urllib3.Timeout(connect=min(10.0, timeout), read=timeout),
             )
         except RemoteError as e:  # the policy's, naming neither the URL nor the range
-            why = f": {e}"
-        except urllib3.exceptions.MaxRetryError as e:  # a status's retries end in a response, not here
-            loop = isinstance(e.reason, urllib3.exceptions.ResponseError)
-            why = f" failed after {_MAX_RETRIES + 1} attempts: {e.reason}"
-            why = f": more than {MAX_REDIRECTS} redirects (the last to {e.url})" if loop else why
+            raise RemoteError(f"{self.url}: bytes {span}: {e}") from None
+        except urllib3.exceptions.MaxRetryError as e:
+            if isinstance(e.reason, urllib3.exceptions.ResponseError):  # a redirect loop
+                raise RemoteError(
+                    f"{self.url}: bytes {span}: more than {MAX_REDIRECTS} redirects (the last to {e.url})"
+                ) from None
+            raise _Retry(f"connection failed: {e.reason}") from None
         except urllib3.exceptions.HTTPError as e:
             raise _Retry(f"connection failed: {e}") from None
-        else:
-            history = r.retries.history
-            retried = sum(h.redirect_location is None for h in history)
-            self.requests += 1 + len(history)
-            self.stats.add(retries=retried)
-            hops = [urljoin(h.url, h.redirect_location) for h in history if h.redirect_location]
-            self.final_url = hops[-1] if hops else self.url
-            if r.status not in _RETRY_STATUSES:
-                return r
-            r.release_conn()  # closed by the policy, which gave up on it
-            why = f" failed after {retried + 1} attempts: HTTP {r.status}"
-        raise RemoteError(f"{self.url}: bytes {span}{why}")
+        history = r.retries.history
+        self.requests += 1 + len(history)
+        hops = [urljoin(h.url, h.redirect_location) for h in history if h.redirect_location]
+        self.final_url = hops[-1] if hops else (at or self.url)
+        if r.status in _RETRY_STATUSES:
+            r.close()  # its body is not ours to drain
+            r.release_conn()
+            raise _Retry(f"HTTP {r.status}", at=self.final_url)  # asked again where the chain led
+        return r
 
     def _check_status(self, r, span: str) -> None:
         if r.status == 404:
@@ -319,15 +340,26 @@ class HttpReader(ViewReader):
         _check_body_headers(r.headers, self.url, span, got_end - got_begin + 1)
         return got_end - got_begin + 1
 
-    def _once(self, begin: int, length: int, sink: Callable[[object, int], None], to_end: bool = False) -> None:
+    def _once(
+        self,
+        begin: int,
+        length: int,
+        sink: Callable[[object, int], None],
+        to_end: bool,
+        deadline: float,
+        at: str | None = None,
+    ) -> None:
+        """One attempt at the range, within what is left of ``deadline``."""
         import socket
 
         import urllib3
 
         span = f"{begin}-{begin + length - 1}"
         seconds = self.limits.seconds(length)
-        deadline = time.monotonic() + seconds
-        r = self._request(self._headers(begin, length), span, min(seconds, self.limits.timeout_s))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise self._too_slow(span, seconds)
+        r = self._request(self._headers(begin, length), span, min(left, self.limits.timeout_s), deadline, at)
         expired = threading.Event()
         sock: socket.socket | None = getattr(getattr(r, "connection", None), "sock", None)
 
@@ -344,7 +376,7 @@ class HttpReader(ViewReader):
                 sink(r, nbytes)
                 longer = r.headers.get("Content-Length") is None and _raw(r).read(1)  # chunked: must end here
             except (urllib3.exceptions.HTTPError, OSError, ValueError, _Retry) as e:
-                if expired.is_set():
+                if expired.is_set() or time.monotonic() >= deadline:
                     raise self._too_slow(span, seconds) from None
                 raise _Retry(f"body interrupted: {e}") from None
             if longer:
@@ -356,26 +388,32 @@ class HttpReader(ViewReader):
                 r.close()  # an unread or hostile rest of a body: close the connection, never pool it
             r.release_conn()
 
-    def _too_slow(self, span: str, seconds: float) -> RemoteError:
+    def _too_slow(self, span: str, seconds: float, why: str = "") -> RemoteError:
         return RemoteError(
-            f"{self.url}: bytes {span} not received within {seconds:.1f} s (the deadline is "
+            f"{self.url}: bytes {span} not received within {seconds:.1f} s{why} (the deadline is "
             f"{_config.HTTP_TIMEOUT.name}={self.limits.timeout_s:g} s plus the length at {_config.HTTP_MIN_RATE.name}="
-            f"{self.limits.min_bytes_per_s:g} bytes/s)"
+            f"{self.limits.min_bytes_per_s:g} bytes/s, every attempt included)"
         )
 
     def _with_retries(self, begin: int, length: int, sink: Callable[[object, int], None], to_end: bool = False) -> None:
+        """The range, attempted again after a failure (a backoff of 50 ms, 100 ms, ...,
+        jittered) while its one deadline allows, six attempts at most."""
+        import random
+
+        span, seconds = f"{begin}-{begin + length - 1}", self.limits.seconds(length)
+        deadline, at = time.monotonic() + seconds, None
         for attempt in range(_MAX_RETRIES + 1):
             try:
-                return self._once(begin, length, sink, to_end)
+                return self._once(begin, length, sink, to_end, deadline, at)
             except _Retry as e:
+                at = e.at
                 if attempt == _MAX_RETRIES:
-                    raise RemoteError(
-                        f"{self.url}: bytes {begin}-{begin + length - 1} failed after {attempt + 1} attempts: {e}"
-                    ) from None
+                    raise RemoteError(f"{self.url}: bytes {span} failed after {attempt + 1} attempts: {e}") from None
+                pause = _BACKOFF_S * (2**attempt) * (0.5 + random.random())
+                if time.monotonic() + pause >= deadline:
+                    raise self._too_slow(span, seconds, f" ({attempt + 1} attempts, the last: {e})") from None
                 self.stats.add(retries=1)
-                import random
-
-                time.sleep(_BACKOFF_S * (2**attempt) * (0.5 + random.random()))
+                time.sleep(pause)
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
         """Fill ``buffers`` in order from ``offset`` with one ranged GET (retried whole)."""

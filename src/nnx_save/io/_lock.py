@@ -1,16 +1,26 @@
 """One writer at a time per directory: a lock file that names its holder.
 
 The lock is ``flock`` on ``<directory>/_nnx_save.lock``, held for as long as the writer
-lives: the kernel releases it when the holding process ends, however it ends, so a dead
+lives (a writer that finds no lock file makes it from its record, written whole and
+locked first, then linked to the name: a full disk fails before the name exists): the kernel releases it when the holding process ends, however it ends, so a dead
 holder never blocks the next writer. The file records the holder (host with its PID
 namespace, process id, process start time) for the message that refuses a second writer.
 A process forked from the holder closes its copy at once (``os.register_at_fork``), so a
 child that outlives its parent does not keep the lock.
 
 Where the filesystem has no ``flock`` (some network and FUSE mounts answer ``ENOLCK`` or
-``EOPNOTSUPP``) the record decides alone: a holder on this host whose process is gone, or
-whose process id now belongs to a process started at another time, is provably dead and
-taken over; a live one, or one on another host, refuses the writer.
+``EOPNOTSUPP``) the lock is the record itself, created exclusively: the writer writes its
+record into a temporary file and hard-links it to the lock's name (``link`` fails when the
+name exists, so of two writers exactly one creates it, and the record is whole from the
+first instant). A record whose holder is live, or on another host, refuses the writer. One
+whose holder is provably dead (on this host, its process gone or its process id now another
+process's), or an empty one, is taken over under a second exclusive record,
+``_nnx_save.lock.takeover``: only the writer holding it may remove a record not its own, and
+it reads the record again before it does, so a record that came alive meanwhile is never
+removed. A takeover record whose own holder died (killed inside that short step) is not
+broken by anyone: the writer is refused, naming the file to remove. The holder removes its
+record when it lets go. A record that is not one of ours (text that does not parse) is
+refused, named, whatever the filesystem.
 
 A writer may ask for the file to go when it releases (``remove=True``: a HuggingFace model
 directory is uploaded whole, so no file of ours may stay in it): it unlinks the file while
@@ -42,16 +52,27 @@ import json
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import DirectoryLockedError, SaveError
-from ._atomic import host_name, make_directory, pid_alive
+from ._atomic import host_name, make_directory, pid_alive, temp_path
 from ._kv import Channel, Outcome, Sync
 
-__all__ = ["LOCK_NAME", "STORE_RECORD", "Holder", "WriterLock", "holder_of", "one_writer", "process_start"]
+__all__ = [
+    "LOCK_NAME",
+    "STORE_RECORD",
+    "TAKEOVER_NAME",
+    "Holder",
+    "WriterLock",
+    "holder_of",
+    "one_writer",
+    "process_start",
+]
 
 LOCK_NAME = "_nnx_save.lock"
+TAKEOVER_NAME = "_nnx_save.lock.takeover"  # held while a dead holder's record is replaced (no flock)
 STORE_RECORD = "_nnx_save_store.json"  # the step store's record, beside its lock: the store owns the directory
 _NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL)
 _RECORD_CAP = 4096  # a holder record is ~200 bytes; more is not one of ours
@@ -179,35 +200,47 @@ class WriterLock:
         path = directory / LOCK_NAME
         for _ in range(_REOPENS):
             fd = _open(directory, path)
+            if fd is None:  # none yet: made whole, from a record written first
+                made = _create(directory, path, what)
+                if made is None:  # another writer made it first: look at theirs
+                    continue
+                fd, flocked = made
+                return cls._held(path, fd, remove or not flocked)
             try:
-                cls._claim(fd, directory)
+                if not cls._claim(fd, directory):  # no flock here: the record, created exclusively
+                    os.close(fd)
+                    fd = _claim_by_record(directory, path, what)
+                    return cls._held(path, fd, remove=True)
+                _check_flocked(fd, path)
                 if not _is_file_at(fd, path):  # its holder removed it as it let go: lock the new one
                     os.close(fd)
                     continue
-                record = Holder.this_process(what).to_json().encode()
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, record, 0)
+                _write_record(fd, path, what)
             except BaseException:
-                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
                 raise
-            with _held_lock:
-                _held.add(fd)
-            return cls(path, fd, remove)
+            return cls._held(path, fd, remove)
         raise DirectoryLockedError(str(directory), f"other writers (its {LOCK_NAME} was replaced {_REOPENS} times)")
 
+    @classmethod
+    def _held(cls, path: Path, fd: int, remove: bool) -> WriterLock:
+        with _held_lock:
+            _held.add(fd)
+        return cls(path, fd, remove)
+
     @staticmethod
-    def _claim(fd: int, directory: Path) -> None:
+    def _claim(fd: int, directory: Path) -> bool:
+        """Take the ``flock`` (True), or False where the filesystem has none."""
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
+            return True
         except BlockingIOError:
             holder = _read(fd)
         except OSError as error:
             if error.errno not in _NO_FLOCK:
                 raise
-            holder = _read(fd)  # no flock on this filesystem: the record decides
-            if holder is None or holder.gone():
-                return
+            return False
         raise DirectoryLockedError(str(directory), str(holder) if holder else "another process (not yet named)")
 
     @property
@@ -240,20 +273,198 @@ class WriterLock:
         return f"WriterLock({str(self.path)!r}, {'held' if self.held else 'released'})"
 
 
-def _open(directory: Path, path: Path) -> int:
+def _open(directory: Path, path: Path) -> int | None:
+    """The lock file at ``path``, opened (never created: see :func:`_create`); None when
+    there is none."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
     except OSError as error:
         raise SaveError(f"{path}: cannot create the writer's lock file ({error.strerror})", str(path)) from error
     st = os.fstat(fd)
-    if stat.S_ISREG(st.st_mode) and st.st_nlink <= 1:  # 0: its holder removed it as it let go (acquire opens again)
+    if stat.S_ISREG(st.st_mode):  # its links are counted once it is locked (a record being created has two)
         return fd
-    os.close(fd)  # the holder's record would be written into it: another file's content, or a device
-    what = f"a hard link to another file ({st.st_nlink} links)" if stat.S_ISREG(st.st_mode) else "not a regular file"
-    raise SaveError(
+    os.close(fd)  # the holder's record would be written into it: a device, or a FIFO
+    raise _not_ours(path, "not a regular file")
+
+
+def _not_ours(path: Path, what: str) -> SaveError:
+    return SaveError(
         f"{path}: the writer's lock file is {what}; nothing was written (remove it, and save again)", str(path)
     )
+
+
+def _check_flocked(fd: int, path: Path) -> None:
+    """The locked file is ours to write: one link (else another file's content would be
+    replaced), and empty or a holder record (else it is another tool's file)."""
+    st = os.fstat(fd)
+    if st.st_nlink > 1:
+        raise _not_ours(path, f"a hard link to another file ({st.st_nlink} links)")
+    if st.st_size and _read(fd) is None:
+        raise _not_ours(path, "not a lock record of nnx_save (another tool's file?)")
+
+
+def _write_record(fd: int, path: Path, what: str) -> None:
+    """Write this process's record into the locked file; on failure (a full disk) remove the
+    file, still locked, so that no lock file is left, and raise :class:`SaveError`."""
+    try:
+        os.ftruncate(fd, 0)
+        _write_whole(fd, Holder.this_process(what).to_json().encode())
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            if _is_file_at(fd, path):
+                os.unlink(path)
+        raise _record_failed(path, error) from error
+
+
+def _write_whole(fd: int, record: bytes) -> None:
+    """Write ``record`` at the start of ``fd``: a short write loops (a record is ~200 bytes)."""
+    done = 0
+    while done < len(record):
+        done += os.pwrite(fd, record[done:], done)
+
+
+def _record_failed(path: Path, error: OSError) -> SaveError:
+    return SaveError(
+        f"{path}: cannot write the writer's lock record ({error.strerror}); nothing was written", str(path)
+    )
+
+
+def _create(directory: Path, path: Path, what: str) -> tuple[int, bool] | None:
+    """Make the lock file, which is not there, from this process's record written whole
+    first (a full disk fails before the name exists): ``flock`` it and link it to the name
+    (``(fd, True)``), or where there is no ``flock`` claim it as a record (``(fd, False)``);
+    None when another writer made it first."""
+    fd, staged = _staged_record(path, what)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a file no one else has opened yet
+    except OSError as error:
+        if error.errno in _NO_FLOCK:
+            return _claim_by_record(directory, path, what, (fd, staged)), False
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        raise
+    try:
+        linked = _link(staged, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+    if not linked:
+        os.close(fd)
+        return None
+    return fd, True
+
+
+def _claim_by_record(directory: Path, path: Path, what: str, made: tuple[int, Path] | None = None) -> int:
+    """Create the lock's record exclusively (no ``flock`` here); return its descriptor.
+    ``made``: the record, already written (descriptor and temporary name).
+
+    Raises:
+        DirectoryLockedError: A live writer's record, or a takeover record, is there.
+        SaveError: The record cannot be written, or the file there is not ours.
+    """
+    fd, staged = made or _staged_record(path, what)
+    try:
+        for _ in range(_REOPENS):
+            if _link(staged, path) or _taken_over(directory, path, staged):
+                return fd
+        raise DirectoryLockedError(str(directory), f"other writers (its {LOCK_NAME} was replaced {_REOPENS} times)")
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+
+
+def _staged_record(path: Path, what: str) -> tuple[int, Path]:
+    """This process's record, whole, in a temporary file beside ``path``."""
+    staged = temp_path(path)
+    try:
+        fd = os.open(staged, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o666)
+    except OSError as error:
+        raise SaveError(f"{path}: cannot create the writer's lock file ({error.strerror})", str(path)) from error
+    try:
+        _write_whole(fd, Holder.this_process(what).to_json().encode())
+    except OSError as error:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(staged)
+        raise _record_failed(path, error) from error
+    return fd, staged
+
+
+def _link(staged: Path, path: Path) -> bool:
+    """Give ``staged`` the name ``path`` unless that name exists (atomic: one wins)."""
+    try:
+        os.link(staged, path, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    except OSError as error:
+        raise _record_failed(path, error) from error
+    return True
+
+
+def _taken_over(directory: Path, path: Path, staged: Path) -> bool:
+    """Replace a dead holder's (or an empty) record at ``path`` by ours, holding the
+    takeover record; False when the name was taken again meanwhile (the caller retries)."""
+    _refuse_live(directory, path)  # most refusals need no takeover record
+    guard = directory / TAKEOVER_NAME
+    if not _link(staged, guard):
+        holder = holder_of(directory, TAKEOVER_NAME)
+        if holder is None and _foreign(guard):
+            raise _not_ours(guard, "not a lock record of nnx_save (another tool's file?)")
+        if holder is None or not holder.gone():
+            time.sleep(0.001)
+            return False  # another writer is taking it over (or just let it go): look again
+        raise DirectoryLockedError(
+            str(directory), f"{holder}, which died taking the lock over (if no writer runs, remove {guard})"
+        )
+    try:
+        if _refuse_live(directory, path):
+            os.unlink(path)  # dead or empty, and only the takeover record's holder removes one
+        return _link(staged, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(guard)
+
+
+def _foreign(path: Path) -> bool:
+    """Whether ``path`` is there and is not a record (a record is linked whole: never empty)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return not stat.S_ISREG(st.st_mode) or st.st_size > 0
+
+
+def _refuse_live(directory: Path, path: Path) -> bool:
+    """Raise for a live holder's record (or a file not ours) at ``path``; True when a dead
+    holder's or an empty record is there, False when nothing is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return False
+    except OSError as error:
+        raise _not_ours(path, f"unreadable ({error.strerror})") from error
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _not_ours(path, "not a regular file")
+        holder = _read(fd)
+    finally:
+        os.close(fd)
+    if holder is None and st.st_size:
+        raise _not_ours(path, "not a lock record of nnx_save (another tool's file?)")
+    if holder is not None and not holder.gone():
+        raise DirectoryLockedError(str(directory), str(holder))
+    return True
 
 
 def _is_file_at(fd: int, path: Path) -> bool:
@@ -328,10 +539,10 @@ def _take_for_job(root: Path, what: str, kv: Channel) -> tuple[str | None, Write
     return holder, (taken[0] if taken else None)
 
 
-def holder_of(directory: Path) -> Holder | None:
+def holder_of(directory: Path, name: str = LOCK_NAME) -> Holder | None:
     """The writer the lock file of ``directory`` names (a record, not a proof it is alive)."""
     try:
-        fd = os.open(directory / LOCK_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(directory / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return None
     try:

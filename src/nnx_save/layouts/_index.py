@@ -66,16 +66,32 @@ def _check_file_name(name: str, base: str, where: str) -> None:
 
 
 def _inside(directory: Path, relative: str, index: str) -> str:
-    # Judged on the name, not on where symlinks lead: the HuggingFace cache keeps
-    # every file of a snapshot as a symlink into ../../blobs, and that is fine.
-    # What an index must not do is name a file outside its directory.
+    # A file may be a symlink anywhere: the HuggingFace cache keeps every file of a
+    # snapshot as a symlink into ../../blobs, and that is fine. The directories on the way
+    # to it may be links only within the checkpoint directory: a subdirectory linking out
+    # would let an index read a whole tree it does not hold.
     _check_file_name(relative, str(directory), index)
     candidate = Path(os.path.normpath(os.path.join(directory, relative)))
     if not candidate.is_relative_to(os.path.normpath(directory)):
         raise _bad(f"{index}: file {relative!r} points outside the checkpoint directory {directory}")
+    if "/" in relative:
+        _refuse_linked_out(directory, relative, index)
     if not os.path.lexists(candidate):
         raise _bad(f"{index}: names file {relative!r}, which does not exist in {directory}")
     return os.fspath(directory / relative)
+
+
+def _refuse_linked_out(directory: Path, relative: str, index: str) -> None:
+    """Refuse a file whose directory (``a/b`` of ``a/b/x.safetensors``) resolves, through
+    symbolic links, outside the checkpoint directory."""
+    parent = relative.rsplit("/", 1)[0]
+    root = os.path.realpath(directory)
+    where = os.path.realpath(os.path.join(directory, parent))
+    if os.path.commonpath([root, where]) != root:
+        raise _bad(
+            f"{index}: file {relative!r} is in {parent!r}, a directory that links outside the checkpoint "
+            f"directory {directory} (to {where}); only a file itself may be a link (as in the HuggingFace cache)"
+        )
 
 
 def join_url(url: str, name: str, *, beside: bool = False) -> str:

@@ -18,6 +18,7 @@ the directory held (its record first, then the files provably its own), so one i
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -38,6 +39,7 @@ from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout
 from ._index import INDEX_NAME, IndexLayout
 from ._layout import SINGLE, Layout, Writable, Written, conflict
+from ._pod import FORMAT as POD_FORMAT
 from ._pod import PodLayout
 
 if TYPE_CHECKING:
@@ -287,6 +289,7 @@ class Write:
         names, what = location.names(), _WHAT[self.layout.name]
         if names:  # an empty or new directory has no owner, and no layout to retire
             _refuse_foreign(location, owners(location, names), what)
+            _refuse_not_ours(location, names, self.layout.name, what)
         with location.one_writer(what):
             written = write(path, entries)
             if written is not None and names:
@@ -317,6 +320,47 @@ def _refuse_foreign(location: Location, found: Sequence[Owner], what: str) -> No
                 "nothing was written: save to another directory",
                 str(location),
             )
+
+
+def _refuse_not_ours(location: Location, names: Collection[str], layout: str, what: str) -> None:
+    """Refuse a save that would replace its record, or retire another layout's, where the
+    name holds what is not such a record (another tool's ``manifest.json``, a
+    directory): a save replaces only records of its formats.
+
+    Raises:
+        SaveError: naming the file and what it is; nothing was written.
+    """
+    for other in RECORDS:
+        if other.record not in names or (other.name != layout and not other.claims(location, names)):
+            continue
+        found = _not_a_record(location, other.record, other.name)
+        if found is not None:
+            where = location.member(other.record)
+            raise SaveError(
+                f"{where}: is {found}; {what} would replace it, so nothing was written: move it away, "
+                "or save into another directory",
+                str(where),
+            )
+
+
+def _not_a_record(location: Location, name: str, layout: str) -> str | None:
+    """What ``name`` in ``location`` is, when it is not a record of ``layout`` (else ``None``)."""
+    local = location.directory
+    if local is not None and not (local / name).is_file():
+        return "not a regular file"
+    try:
+        raw = location.read_bytes(name, "record", _index.MAX_INDEX_BYTES, SaveError)
+    except (OSError, SaveError) as error:
+        return f"unreadable ({getattr(error, 'strerror', None) or error})"
+    if layout == "index":
+        return None if _index.is_index(raw) else "not a HuggingFace index (no 'weight_map' object)"
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError):
+        obj = None
+    if isinstance(obj, dict) and obj.get("format") == POD_FORMAT and isinstance(obj.get("save_id"), str):
+        return None
+    return f"not a pod manifest of nnx_save (no format {POD_FORMAT!r} with a save id: another tool's file?)"
 
 
 LAYOUTS = ("file", "index", "pod")

@@ -16,14 +16,16 @@ versions).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from ..errors import TruncatedFileError
+from ..errors import SourceError, TruncatedFileError
 from ..format._boxes import box_runs, extents
 from ..format._header import TensorInfo
 from ..io._files import Pinned
@@ -49,31 +51,35 @@ RESIDENT_BYTES = 1 << 30  # tensors whose gathered pages stay mapped per handle,
 class DirectFiles:
     """The local files of one handle, read with ``pread`` into the result.
 
-    Readers (each a duplicate of the descriptor pinned with the header, so the very file
-    that was validated is read) are made on first use and closed with this object.
+    A read takes a reader for its one call (a duplicate of the descriptor pinned with the
+    header, so the very file that was validated is read) and closes it after: a handle
+    holds no descriptor of its own between reads, so any number of open handles share the
+    process-wide pool (:class:`~nnx_save.io._files.Pinned`), which reopens a file it let go
+    on demand, and the descriptor limit is never reached by handles left open. A file's
+    map (for gathers) holds no descriptor either: it is closed once mapped.
     """
 
     def __init__(self, pinned: Pinned) -> None:
         self._pinned = pinned
-        self._readers: dict[str, LocalReader] = {}
         self._maps: dict[str, MappedFile | None] = {}  # None: this file cannot be mapped
         self._seen: set[str] = set()  # tensors gathered from a map once (their pages dropped after)
         self._resident: dict[str, TensorInfo] = {}  # tensors asked for again: pages kept, oldest first
         self._resident_bytes = 0
         self._lock = threading.Lock()
 
-    def _reader(self, file: str) -> LocalReader:
-        found = self._readers.get(file)
-        if found is None:
-            with self._lock:
-                found = self._readers.get(file)
-                if found is None:
-                    fd = self._pinned.open(file)
-                    try:
-                        found = self._readers[file] = LocalReader(file, fd, self._pinned.seen.get(file))
-                    finally:
-                        os.close(fd)
-        return found
+    @contextlib.contextmanager
+    def _reader(self, file: str) -> Iterator[LocalReader]:
+        fd = self._pinned.open(file)
+        try:
+            reader = LocalReader(file, fd, self._pinned.seen.get(file))
+        except OSError as error:  # the duplicate (EMFILE): typed, naming the file
+            raise SourceError(f"{file}: cannot open the file ({error.strerror})", file) from None
+        finally:
+            os.close(fd)
+        try:
+            yield reader
+        finally:
+            reader.close()
 
     def _map(self, file: str) -> MappedFile | None:
         if file in self._maps:
@@ -133,9 +139,9 @@ class DirectFiles:
             SourceError: the file changed since its header was read.
         """
         out = np.empty(shape, info.dtype.numpy)
-        reader = self._readers.get(info.file) or self._reader(info.file)
         try:
-            reader.read_into(out, info.begin + first * info.dtype.itemsize)
+            with self._reader(info.file) as reader:
+                reader.read_into(out, info.begin + first * info.dtype.itemsize)
         except TruncatedFileError as e:
             raise _truncated(info, e) from None
         return out
@@ -161,21 +167,21 @@ class DirectFiles:
         """
         box, post, offsets, length = planned
         out = np.empty(extents(box), info.dtype.numpy)
-        reader = self._reader(info.file)
         base = out.ctypes.data
         try:
-            if self._mapped(info, base, offsets, length):
-                reader.verify()
-            elif len(offsets) > 1 and reader.can_read_tables():
-                _gather(reader, base, offsets, length)
-            elif reader.can_read_runs():
-                reader.read_runs(
-                    [base + i * length for i in range(len(offsets))], [length] * len(offsets), offsets.tolist()
-                )
-            else:  # no pread in the C library: memoryviews
-                flat = out.reshape(-1).view(np.uint8).data
-                for i, off in enumerate(offsets.tolist()):
-                    reader.readv([flat[i * length : (i + 1) * length]], off)
+            with self._reader(info.file) as reader:
+                if self._mapped(info, base, offsets, length):
+                    reader.verify()
+                elif len(offsets) > 1 and reader.can_read_tables():
+                    _gather(reader, base, offsets, length)
+                elif reader.can_read_runs():
+                    reader.read_runs(
+                        [base + i * length for i in range(len(offsets))], [length] * len(offsets), offsets.tolist()
+                    )
+                else:  # no pread in the C library: memoryviews
+                    flat = out.reshape(-1).view(np.uint8).data
+                    for i, off in enumerate(offsets.tolist()):
+                        reader.readv([flat[i * length : (i + 1) * length]], off)
         except TruncatedFileError as e:
             raise _truncated(info, e) from None
         check_bools(out, info, box)
@@ -184,15 +190,12 @@ class DirectFiles:
         return np.array(out[post])
 
     def close(self) -> None:
-        """Close the readers (later reads reopen them)."""
+        """Drop the maps (later gathers map again; a read holds no descriptor between calls)."""
         with self._lock:
-            readers, self._readers = self._readers, {}
             maps, self._maps = self._maps, {}
             self._seen.clear()
             self._resident.clear()
             self._resident_bytes = 0
-        for reader in readers.values():
-            reader.close()
         for mapped in maps.values():
             if mapped is not None:
                 mapped.close()
