@@ -219,6 +219,22 @@ ENTRIES: dict[str, tuple[Callable[..., Any], tuple[Callable[[Path], Any], ...], 
     "porting.torch_layer_norm": (_plain(porting.torch_layer_norm), (lambda d: "n", lambda d: "n"), ()),
     "porting.torch_rms_norm": (_plain(porting.torch_rms_norm), (lambda d: "n", lambda d: "n"), ()),
     "porting.torch_batch_norm": (_plain(porting.torch_batch_norm), (lambda d: "n", lambda d: "n"), ()),
+    "porting.torch_conv_transpose": (
+        _plain(porting.torch_conv_transpose),
+        (lambda d: "c", lambda d: "c"),
+        ("spatial_dims",),
+    ),
+    "porting.torch_group_norm": (_plain(porting.torch_group_norm), (lambda d: "n", lambda d: "n"), ()),
+    "porting.torch_gru": (_plain(porting.torch_gru), (lambda d: "g", lambda d: "g"), ("layer", "layers")),
+    "porting.torch_weight_norm": (_plain(porting.torch_weight_norm), (lambda d: "h", lambda d: "h"), ("dim", "names")),
+    "porting.weight_norm": (_plain(porting.weight_norm), (lambda d: "h", lambda d: "h/kernel"), ("dim", "names")),
+    "porting.compute": (
+        lambda d, patterns, target, fn, inverse=lambda w: w, **kw: porting.compute(
+            patterns, target, fn, inverse=inverse, **kw
+        ),
+        (lambda d: ("a", "b"), lambda d: "ab", lambda d: lambda a, b: a + b),
+        ("inverse", "tolerance"),
+    ),
     "porting.hf_conv1d": (_plain(porting.hf_conv1d), (lambda d: "c", lambda d: "c"), ()),
     "porting.shapes_of": (_plain(porting.shapes_of), (_TREE,), ()),
     "porting.Rules": (_plain(porting.Rules), (lambda d: porting.rename("a", "b"),), ("direction",)),

@@ -14,6 +14,8 @@ model's tensor bit for bit.
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -26,7 +28,7 @@ from ._compose import _complete_groups, _part_hit
 from ._compute_steps import Computed, ComputedPart, name_of
 from ._parts import same_dtype
 from ._rules import Node, _set, _with_inverse
-from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, texts_arg
+from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, text_arg, texts_arg
 
 __all__ = ["ComputeExportRule", "ComputeRule", "compute", "restored_from"]
 
@@ -67,8 +69,7 @@ class ComputeRule:
     def __post_init__(self) -> None:
         if not self.patterns or not callable(self.fn) or not callable(self.undo):
             raise RuleError(f"{self}: a computed rule needs at least one pattern, a function and its inverse")
-        if not float(self.tolerance) >= 0:
-            raise RuleError(f"{self}: tolerance must be a number >= 0, got {self.tolerance!r}")
+        _tolerance(self.tolerance)
         _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
         _set(self, "_templates", parse_templates((self.target,), self._regexes))
 
@@ -205,4 +206,21 @@ def compute(
         [1.0, 1.0, 1.0]
     """
     parts = (patterns,) if isinstance(patterns, str) else texts_arg(patterns, "compute: patterns")
-    return ComputeRule(tuple(parts), target, fn, inverse, shape, part_shapes, float(tolerance))
+    for name, given in (("fn", fn), ("inverse", inverse), ("shape", shape), ("part_shapes", part_shapes)):
+        if not callable(given) and (given is not None or name in ("fn", "inverse")):
+            raise RuleError(f"compute: {name} must be a function, got {type(given).__name__}")
+    return ComputeRule(
+        tuple(parts), text_arg(target, "compute: target"), fn, inverse, shape, part_shapes, _tolerance(tolerance)
+    )
+
+
+def _tolerance(value: object) -> float:
+    """``value`` as a finite number >= 0 (a multiple of the dtype's epsilon), else a :class:`RuleError`."""
+    try:
+        ok = not isinstance(value, bool) and isinstance(value, numbers.Real) and 0 <= float(value) < math.inf
+    except OverflowError:  # an int past float's range
+        ok = False
+    if not ok:
+        shown = repr(value) if isinstance(value, float) else type(value).__name__
+        raise RuleError(f"compute: tolerance must be a finite number >= 0, got {shown}")
+    return float(value)  # type: ignore[arg-type]

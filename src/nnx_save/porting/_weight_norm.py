@@ -18,7 +18,7 @@ from ..errors import RuleError
 from ._computed import ComputeRule, compute
 from ._hf import TORCH_LINEAR_AXES, _bias, torch_conv_axes
 from ._rules import TransposeRule
-from ._template import int_arg, invert
+from ._template import int_arg, invert, text_arg
 
 __all__ = ["WEIGHT_NORM_NAMES", "WeightNorm", "WeightNormInverse", "torch_weight_norm", "weight_norm"]
 
@@ -117,8 +117,9 @@ def weight_norm(
         >>> rules.mapping({"head.weight_g": g, "head.weight_v": v}).apply({"head.weight_g": g, "head.weight_v": v})["head/w"].tolist()
         [[1.2000000476837158, 1.600000023841858], [0.0, 2.0]]
     """
-    if names not in WEIGHT_NORM_NAMES:
-        raise RuleError(f"weight_norm: names must be one of {sorted(WEIGHT_NORM_NAMES)}, got {names!r}")
+    if not isinstance(names, str) or names not in WEIGHT_NORM_NAMES:
+        raise RuleError(f"weight_norm: names must be one of {sorted(WEIGHT_NORM_NAMES)}, got {str(names)[:80]!r}")
+    source, weight = text_arg(source, "weight_norm: source"), text_arg(weight, "weight_norm: weight")
     at = _dim(dim)
     parts = [f"{source}\\.{re.escape(n.format(weight=weight))}" for n in WEIGHT_NORM_NAMES[names]]
     fn, back = WeightNorm(at), WeightNormInverse(at)
