@@ -1,9 +1,10 @@
 """Where bytes live: a local path or a URL, and the reader for a URL's transport
-(HTTP(S) ranged GETs, or fsspec for object stores)."""
+(HTTP(S) ranged GETs; obstore for object stores; fsspec for the schemes only it serves)."""
 
 from __future__ import annotations
 
 from .._options import is_url  # re-exported: where the transports' callers look for it
+from . import _object_store
 from ._fsspec import FsspecReader
 from ._http import HttpReader, RemoteStats
 
@@ -16,4 +17,6 @@ def open_remote(url: str, stats: RemoteStats | None = None, identity: tuple[int,
     if url.startswith(("http://", "https://")):
         size, etag = identity if identity is not None else (None, None)
         return HttpReader(url, stats, size, etag)
+    if _object_store.serves(url):
+        return _object_store.ObjectStoreReader(url, stats, identity)
     return FsspecReader(url, identity)

@@ -201,7 +201,7 @@ class FileLayout:
         from ..save import _remote as _remote_write
 
         if _storage.is_url(path):
-            _remote_write.write_remote(str(path), entries, metadata)
+            _remote_write.write_remote(str(path), entries, metadata, options.progress)
         elif jax.process_count() == 1:
             _write.write_file(path, entries, metadata, progress=options.progress)
         else:

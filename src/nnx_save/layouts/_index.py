@@ -362,15 +362,18 @@ class _Local:
 
 
 class _Remote:
-    """An fsspec URL (a "directory" of objects) as the target of a multi-file save."""
+    """An object-store or fsspec URL (a "directory" of objects) as the target of a
+    multi-file save: obstore where it serves the scheme, else fsspec."""
 
     def __init__(self, url: str) -> None:
         self.root = url.rstrip("/")
-        from ..io import _fsspec  # the writers: a read never loads them
+        from ..io import _fsspec, _object_store  # the writers: a read never loads them
         from ..save import _remote as remote_write
 
-        self.put, self.write_remote = _fsspec.put, remote_write.write_remote
-        self.fs = _fsspec.filesystem(self.root)
+        self.write_remote = remote_write.write_remote
+        native = _object_store.serves(self.root)
+        self.put = _object_store.put if native else _fsspec.put
+        self.fs = _object_store.ObjectStoreTarget(self.root) if native else _fsspec.filesystem(self.root)
         self.index = f"{self.root}/{INDEX_NAME}"
 
     def listing(self) -> set[str]:
@@ -387,7 +390,7 @@ class _Remote:
 
     def write_shards(self, files: Shards, meta: Mapping[str, str], written: list[str], progress: bool | None) -> None:
         for name, group in files:
-            self.write_remote(f"{self.root}/{name}", group, meta)
+            self.write_remote(f"{self.root}/{name}", group, meta, progress)
             written.append(name)
 
     def commit_index(self, data: bytes) -> None:

@@ -1,11 +1,13 @@
-"""Weights files written to an object store through fsspec (any fsspec filesystem that
-can write: ``s3://``, ``gs://``, ``memory://`` ...).
+"""Weights files written to an object store: ``s3://``, ``gs://`` and ``az://`` as
+multipart uploads through obstore (:mod:`nnx_save.io._object_store`), any other
+fsspec filesystem that can write (``memory://``, ``hf://`` ...) through fsspec.
 
 An object cannot be rewritten in place once streamed, but the header records every
 tensor's checksum, so the save makes two passes, one tensor in host memory at a time:
-the first hashes, the second streams header and tensors into a temporary object beside
-the destination, hashing again. It is moved under its final name only when complete
-and both passes agree, so a failed save never leaves a partial object there.
+the first hashes, the second streams header and tensors into the upload, hashing
+again. The object appears under its name only when complete and both passes agree (a
+multipart upload completed last; through fsspec, a temporary object moved into place),
+so a failed save never leaves a partial object there.
 """
 
 from __future__ import annotations
@@ -13,17 +15,21 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from .. import _progress
 from ..errors import SaveError
 from ..format import _checksum
 from ..format._header import encode_header
-from ..io._fsspec import filesystem, put
+from ..io import _fsspec, _object_store
 from ._entry import Entry, host_bytes, order_entries
 
 __all__ = ["write_remote"]
 
 
-def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
-    """Write ``entries`` as one safetensors object at ``url``, committed only when complete.
+def write_remote(
+    url: str, entries: Sequence[Entry], metadata: Mapping[str, str] | None, progress: bool | None = None
+) -> None:
+    """Write ``entries`` as one safetensors object at ``url``, committed only when
+    complete; ``progress`` as in :func:`nnx_save._progress.bar`, moved per write.
 
     Raises:
         SaveError: fsspec or its implementation for the scheme is missing, the
@@ -31,7 +37,8 @@ def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str]
             tensor changed between the two passes, or the upload failed; nothing
             is left under ``url`` (a previous object there is intact).
     """
-    fs = filesystem(url)
+    native = _object_store.serves(url)
+    fs = _object_store.ObjectStoreTarget(url) if native else _fsspec.filesystem(url)
     entries = order_entries(entries)
     first = _checksum.Digests([e.key for e in entries])
     for e in entries:
@@ -42,17 +49,35 @@ def write_remote(url: str, entries: Sequence[Entry], metadata: Mapping[str, str]
         """The object, hashed again as it is written: a tensor changed since is refused."""
         second = _checksum.Digests([e.key for e in entries])
         f.write(head)
-        for e, (begin, end) in zip(entries, offsets, strict=True):
-            data = host_bytes(e.value(), e.code)
-            if len(data) != end - begin:
-                raise SaveError(
-                    f"{url}: tensor {e.key!r} gave {len(data)} bytes, its header says {end - begin}", url, e.key
-                )
-            second.update(e.key, data)
-            f.write(data)
-            del data
+        bar = _progress.bar(
+            f"saving {url.rsplit('/', 1)[-1]}", offsets[-1][1] if offsets else 0, len(entries), progress
+        )
+        try:
+            for e, (begin, end) in zip(entries, offsets, strict=True):
+                data = host_bytes(e.value(), e.code)
+                if len(data) != end - begin:
+                    raise SaveError(
+                        f"{url}: tensor {e.key!r} gave {len(data)} bytes, its header says {end - begin}", url, e.key
+                    )
+                second.update(e.key, data)
+                for piece in _pieces(memoryview(data).cast("B")):
+                    f.write(piece)
+                    bar.update(len(piece))
+                bar.update(items=1)
+                del data
+        finally:
+            bar.close()
         if second.values != first.values:
             changed = sorted(k for k in first.values if first.values[k] != second.values[k])
             raise SaveError(f"{url}: tensors {changed} changed while they were saved; nothing was saved", url)
 
-    put(fs, url, stream)
+    if native:
+        _object_store.put(None, url, stream, size=len(head) + (offsets[-1][1] if offsets else 0))
+    else:
+        _fsspec.put(fs, url, stream)
+
+
+def _pieces(data: memoryview, size: int = 8 << 20):
+    """``data`` in views of at most ``size`` bytes: the bar moves as a large tensor uploads."""
+    for at in range(0, len(data), size):
+        yield data[at : at + size]
