@@ -5,8 +5,10 @@ saves, and the requests in flight set by the source."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import re
+import sys
 import threading
 import uuid
 
@@ -17,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nnx_save
+from nnx_save import _progress
 from nnx_save.io import _object_store, _storage
 from nnx_save.load._options import LoadOptions
 
@@ -223,3 +226,35 @@ def test_options_are_set_by_the_source():
     assert small.read_chunk_bytes == 1 << 20  # 1 MiB floor: the budget still bounds what is in flight
     given_ = LoadOptions(num_threads=3, read_chunk_bytes=5 << 20).for_source(remote=True)
     assert (given_.num_threads, given_.read_chunk_bytes) == (3, 5 << 20)
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_moves_per_piece_on_a_save_and_per_chunk_on_a_load(bucket, monkeypatch):
+    """On a terminal, a remote save's bar moves per 8 MiB written and a load's per
+    chunk read (each with its rate), not once per file."""
+    _, name = bucket
+    url = f"s3://{name}/model.safetensors"
+    moves: list[int] = []
+    real = _progress.Bar.update
+
+    def update(self, nbytes=0, items=0):
+        moves.append(nbytes)
+        real(self, nbytes, items)
+
+    tty = FakeTTY()
+    monkeypatch.setattr(sys, "stderr", tty)
+    monkeypatch.setattr(_progress.Bar, "update", update)
+    tree = weights(11)
+    nnx_save.save_file(tree, url, progress=True)
+    embed = tree["embed"].nbytes
+    assert [n for n in moves if n] == [tree["bias"].nbytes, 8 << 20, embed - (8 << 20)]
+    assert re.search(
+        r"\rsaving model\.safetensors 100% \|#+\| 12\.0 MiB/12\.0 MiB  2/2 tensors  .*/s  in ", tty.getvalue()
+    )
+    moves.clear()
+    nnx_save.load_file(url, progress=True, read_chunk_bytes=1 << 20)
+    assert len([n for n in moves if n]) >= 12 and max(moves) <= 1 << 20 and sum(moves) == embed + tree["bias"].nbytes
