@@ -337,12 +337,6 @@ class HttpReader(ViewReader):
                 sock.shutdown(socket.SHUT_RDWR)
 
         token, complete = _WATCHDOG.arm(deadline, stop), False
-        if sock is not None:
-            # The body's deadline is the watchdog's from here. A socket left in timeout mode
-            # polls before each recv; under a per-connection rate cap (data in small bursts)
-            # that cost several times the read's CPU (benchmarks/remote.py). urllib3 sets the
-            # timeout again when it reuses the connection.
-            sock.settimeout(None)
         try:
             self._check_status(r, span)
             nbytes = self._span(r, begin, length, to_end)
