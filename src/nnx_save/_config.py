@@ -41,6 +41,7 @@ __all__ = [
     "STREAM",
     "VARIABLES",
     "Variable",
+    "store_environment",
 ]
 
 T = TypeVar("T")
@@ -219,3 +220,10 @@ VARIABLES: tuple[Variable, ...] = (
     DIRECT_IO,
     PROGRESS_MIN_BYTES,
 )
+
+
+def store_environment() -> tuple[tuple[str, str], ...]:
+    """The object stores' own variables (``AWS_*``, ``GOOGLE_*``, ``AZURE_*``), sorted:
+    not this library's (each store's client reads them itself, as its SDK does), read
+    here so a client made under other credentials or another endpoint is not reused."""
+    return tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "AZURE_"))))

@@ -162,10 +162,12 @@ def test_checksums_are_recorded_as_for_local_files(url):
 
 @pytest.fixture
 def s3(s3_server, monkeypatch):
-    """fsspec's s3:// pointed at moto's S3 server on 127.0.0.1 (tests/conftest.py),
-    with a bucket of its own for this test."""
+    """s3:// pointed at moto's S3 server on 127.0.0.1 (tests/conftest.py), for the
+    library (obstore, by the environment) and for fsspec (the test's own view), with a
+    bucket of its own for this test."""
     import fsspec.config
 
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
     monkeypatch.setitem(fsspec.config.conf, "s3", s3_server.options)
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     bucket = f"nnx-save-{uuid.uuid4().hex[:12]}"

@@ -35,7 +35,7 @@ class LoadKeywords(TypedDict, total=False):
     """The :class:`LoadOptions` fields that :func:`load_file` and :func:`load_model` take as keywords."""
 
     max_over_read_ratio: float | None
-    read_chunk_bytes: int
+    read_chunk_bytes: int | None
     max_inflight_bytes: int
     num_threads: int | None
     verify: bool

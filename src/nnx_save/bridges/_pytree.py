@@ -206,9 +206,9 @@ def load_file(
         return_report: also return the :class:`LoadReport`.
         options: a :class:`LoadOptions` (it explains each field); these are its shortcuts:
         max_over_read_ratio: cap on bytes read / bytes needed when merging reads.
-        read_chunk_bytes: the largest single read.
+        read_chunk_bytes: the largest single read (``None``: set by the source).
         max_inflight_bytes: bytes being read (and staged) at once, never exceeded.
-        num_threads: concurrent readers.
+        num_threads: concurrent reads (``None``: set by the source).
         verify: check each tensor read in full against its recorded checksum.
         progress: a progress bar on stderr.
         stream: stream through staging buffers (``None``: except on the CPU backend).

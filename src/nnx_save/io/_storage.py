@@ -231,8 +231,13 @@ def locate_file(where: Where) -> tuple[Location, str]:
 
 
 def object_client(url: str) -> ObjectClient:
-    """The client of object store ``url``: fsspec's filesystem for its scheme. The one
-    place to switch to a client made for object stores."""
+    """The client of object store ``url``: obstore for the schemes it serves (``s3://``,
+    ``gs://``, ``az://``: concurrent ranged GETs, multipart uploads), else fsspec's
+    filesystem for the scheme (``hf://``, ``memory://`` ...). The one place that picks."""
+    from . import _object_store
+
+    if _object_store.serves(url):
+        return _object_store.ObstoreClient(url)
     from ._fsspec import FsspecClient
 
     return FsspecClient(url)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import _config
 from .._options import DEFAULT, check, is_int, merge, optional
@@ -17,6 +17,10 @@ from .._options import DEFAULT, check, is_int, merge, optional
 __all__ = ["DEFAULT", "LoadOptions", "check", "merge"]
 
 STAGING_KINDS = ("auto", "pinned", "pageable")
+LOCAL_CHUNK_BYTES = 128 << 20
+REMOTE_REQUESTS = 32  # requests in flight per process from a URL
+REMOTE_CHUNK_BYTES = 16 << 20
+MIN_REMOTE_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -28,13 +32,16 @@ class LoadOptions:
     Attributes:
         max_over_read_ratio: cap on bytes read / bytes needed when merging reads
             (``None``: picked per file).
-        read_chunk_bytes: the largest single read.
+        read_chunk_bytes: the largest single read (``None``: set by the source,
+            128 MiB from local files, 16 MiB per request from a URL; never more than
+            ``max_inflight_bytes`` over the requests in flight, nor under 1 MiB).
         max_inflight_bytes: host bytes being read (and, when streaming, staged)
             at once, never exceeded by reads. A cast target (a float32 tensor into a
             bfloat16 param) is read whole into a buffer of the file's dtype before it
             is cast: that buffer is in flight too, beyond the budget, and
             ``report.io.max_inflight_bytes`` counts it.
-        num_threads: concurrent readers (``None``: 2 to 8 by CPU count).
+        num_threads: concurrent reads (``None``: set by the source, 2 to 8 by CPU
+            count from local files, 32 requests in flight from a URL).
         verify: check each tensor read in full against its recorded checksum
             (:class:`~nnx_save.ChecksumError` on a mismatch); the others are listed
             in ``report.unverified``.
@@ -66,7 +73,7 @@ class LoadOptions:
     """
 
     max_over_read_ratio: float | None = None
-    read_chunk_bytes: int = 128 << 20
+    read_chunk_bytes: int | None = None
     max_inflight_bytes: int = 2 << 30
     num_threads: int | None = None
     verify: bool = False
@@ -78,8 +85,11 @@ class LoadOptions:
 
     def __post_init__(self) -> None:
         ratio = self.max_over_read_ratio
-        for name in ("read_chunk_bytes", "max_inflight_bytes"):
-            check(is_int(getattr(self, name), 1), name, "a positive int (bytes)", getattr(self, name))
+        check(
+            is_int(self.max_inflight_bytes, 1), "max_inflight_bytes", "a positive int (bytes)", self.max_inflight_bytes
+        )
+        chunk = self.read_chunk_bytes
+        check(optional(chunk, is_int(chunk, 1)), "read_chunk_bytes", "a positive int (bytes)", chunk)
         ok = isinstance(ratio, numbers.Real) and not isinstance(ratio, bool) and 1.0 <= ratio <= 1e300  # not NaN
         check(optional(ratio, ok), "max_over_read_ratio", ">= 1.0", ratio)
         check(
@@ -101,7 +111,25 @@ class LoadOptions:
     @property
     def chunk_bytes(self) -> int:
         """The largest single read: never more than the in-flight budget."""
-        return min(self.read_chunk_bytes, self.max_inflight_bytes)
+        return min(self.read_chunk_bytes or LOCAL_CHUNK_BYTES, self.max_inflight_bytes)
+
+    def for_source(self, remote: bool) -> LoadOptions:
+        """These options with ``num_threads`` and ``read_chunk_bytes`` set by the
+        source where they are ``None``: tens of requests in flight over a network,
+        each a few MiB (a stream per request is what object stores and CDNs cap),
+        all within ``max_inflight_bytes``; a few threads of large reads from a disk.
+
+        Examples:
+            >>> o = LoadOptions(max_inflight_bytes=64 << 20).for_source(remote=True)
+            >>> o.num_threads, o.read_chunk_bytes >> 20
+            (32, 2)
+        """
+        if not remote:
+            return replace(self, num_threads=self.threads, read_chunk_bytes=self.chunk_bytes)
+        threads = self.num_threads or REMOTE_REQUESTS
+        share = max(MIN_REMOTE_CHUNK, self.max_inflight_bytes // threads)  # every request in flight at once
+        chunk = self.read_chunk_bytes or min(REMOTE_CHUNK_BYTES, share)
+        return replace(self, num_threads=threads, read_chunk_bytes=min(chunk, self.max_inflight_bytes))
 
     def streaming(self, platform: str) -> bool:
         """Whether a load onto devices of ``platform`` streams (see ``stream``)."""

@@ -33,7 +33,7 @@ def write_at(
     root = location.directory
     if root is None:
         for name, entries in files:
-            _remote.write_remote(location, name, entries, metadata)
+            _remote.write_remote(location, name, entries, metadata, progress)
             written.append(name)
         return
     done: list[Path] = []
@@ -53,7 +53,7 @@ def write_one(
 
     root = location.directory
     if root is None:
-        _remote.write_remote(location, name, entries, metadata)
+        _remote.write_remote(location, name, entries, metadata, progress)
     elif jax.process_count() == 1:
         _write.write_file(root / name, entries, metadata, progress=progress)
     else:
