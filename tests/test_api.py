@@ -109,7 +109,7 @@ def test_every_public_error_is_an_nnx_save_error_and_documented():
     page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
     classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
     exceptions = [c for c in classes if issubclass(c, BaseException)]
-    assert 30 <= len(exceptions) <= 40  # a class only where callers handle it differently (issue 29)
+    assert 30 <= len(exceptions) <= 40  # a class only where callers handle it differently
     for cls in exceptions:
         assert issubclass(cls, (NnxSaveError, Warning)), cls
         assert cls.__module__ == "nnx_save.errors" and cls.__doc__, cls

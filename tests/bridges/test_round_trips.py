@@ -1,4 +1,4 @@
-"""Round trips a newcomer reaches for (issue 31): what ``load_file`` returns saves back
+"""Round trips a newcomer reaches for: what ``load_file`` returns saves back
 under the same keys, and ``save_file(nnx.state(model))`` writes the keys ``load_model``
 reads, so a strict load fills the model."""
 

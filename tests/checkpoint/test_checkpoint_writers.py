@@ -1,4 +1,4 @@
-"""One writer per store directory (issue 30, items 1-2): a second writer, in this process or
+"""One writer per store directory: a second writer, in this process or
 another, is refused with a DirectoryLockedError naming the holder; no step is replaced or
 lost; an asynchronous save in flight survives other stores opening; a dead holder is taken
 over. And SIGTERM handlers that chain (item 3), whatever the order stores open and close."""

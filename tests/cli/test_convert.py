@@ -350,7 +350,7 @@ def test_convert_resolves_lazy_conj_and_neg_bits(tmp_path):
     np.testing.assert_array_equal(loaded["neg"], np.array([-2.0, 1.0], np.float32))
 
 
-# --------------------------------------------------------------------------- numpy archives, bare tensors (issue 31)
+# --------------------------------------------------------------------------- numpy archives, bare tensors
 
 
 @pytest.mark.parametrize("save", [np.savez, np.savez_compressed])

@@ -1,4 +1,4 @@
-"""The writer lock when its file is removed as it is let go (issue 30, item 1): a writer
+"""The writer lock when its file is removed as it is let go: a writer
 that opened the file just before its holder removed it must not hold a lock nobody else
 sees (the inode check), and any number of writers racing keep one holder at a time."""
 

@@ -1,4 +1,4 @@
-"""Inputs that used to end in a foreign exception now raise a typed NnxSaveError
+"""Inputs that could end in a foreign exception raise a typed NnxSaveError
 naming the file, key or argument, before any data is read where the header tells:
 odd temporary names and directory entries, JSON metadata nested absurdly deep, an
 unknown PRNG implementation, a declared tensor larger than the memory limit, a dtype

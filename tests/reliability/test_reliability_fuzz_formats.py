@@ -1,4 +1,4 @@
-"""Fuzzing the index and pod-manifest parsers and HTTP responses (issue 18, "Also").
+"""Fuzzing the index and pod-manifest parsers and HTTP responses.
 
 Same contract as tests/reliability/test_reliability_fuzz.py, now with "exact data" checked: every
 input either raises a library error (an :class:`~nnx_save.NnxSaveError`;

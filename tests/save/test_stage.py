@@ -1,4 +1,4 @@
-"""Saving from devices (issue 14 item 4): device -> host copies started ahead of the
+"""Saving from devices: device -> host copies started ahead of the
 write under a byte budget, forced on the CPU backend by NNX_SAVE_FORCE_HOST_STAGING
 (the testing aid), where the copies are real."""
 

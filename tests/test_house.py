@@ -1,0 +1,48 @@
+"""The house rules the code itself can check: no tracker references in code, tests or
+docs (a reader has no tracker: the text says what the code does and why, history lives
+in git), and every module small enough to read (STYLE.md: under 600 lines)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "nnx_save"
+ISSUE = re.compile(r"\b[Ii]ssues?\s+#?\d+")
+
+# Files still being reworked on other branches; each entry goes when its file is clean.
+# The allow-lists hold exactly the files that fail today (the tests below check that too).
+ISSUE_ALLOWED = {"src/nnx_save/errors.py", "src/nnx_save/load/_assemble.py"}
+
+
+def _texts() -> list[Path]:
+    """Every Python, Markdown and text file of src/, tests/, docs/ and benchmarks/, and
+    the README."""
+    files = [ROOT / "README.md"]
+    for top in ("src", "tests", "docs", "benchmarks"):
+        files += [p for p in (ROOT / top).rglob("*") if p.suffix in {".py", ".md", ".txt"} and p.is_file()]
+    return files
+
+
+def _issue_hits() -> dict[str, list[int]]:
+    hits: dict[str, list[int]] = {}
+    for path in _texts():
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if ISSUE.search(line):
+                hits.setdefault(str(path.relative_to(ROOT)), []).append(number)
+    return hits
+
+
+def test_the_pattern_finds_tracker_references_and_nothing_else():
+    word = "issue"  # spelled apart so that this file holds no reference itself
+    samples = (f"({word} 29)", f"{word.title()} 33: ...", f"{word}s 14 and 16", f"{word} #7")
+    found = [s for s in samples if ISSUE.search(s)]
+    assert len(found) == 4
+    assert not any(ISSUE.search(s) for s in ("the issue's case", "an issue with 2 files", "tissue 3"))
+
+
+def test_no_issue_numbers_in_code_tests_or_docs():
+    hits = _issue_hits()
+    assert {f: n for f, n in hits.items() if f not in ISSUE_ALLOWED} == {}
+    assert set(hits) == ISSUE_ALLOWED, f"clean now, drop from ISSUE_ALLOWED: {ISSUE_ALLOWED - set(hits)}"
