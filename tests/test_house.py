@@ -1,11 +1,14 @@
 """The house rules the code itself can check: no tracker references in code, tests or
 docs (a reader has no tracker: the text says what the code does and why, history lives
-in git), and every module small enough to read (STYLE.md: under 600 lines)."""
+in git), no dead code, and every module small enough to read (STYLE.md: under 600 lines)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "nnx_save"
@@ -46,3 +49,31 @@ def test_no_issue_numbers_in_code_tests_or_docs():
     hits = _issue_hits()
     assert {f: n for f, n in hits.items() if f not in ISSUE_ALLOWED} == {}
     assert set(hits) == ISSUE_ALLOWED, f"clean now, drop from ISSUE_ALLOWED: {ISSUE_ALLOWED - set(hits)}"
+
+
+def _without_all(path: Path) -> str:
+    """The source of ``path``; for a private module, without its ``__all__``, which
+    vulture counts as a use of every name it lists (a private module's ``__all__`` only
+    says what other modules may import, not that any does)."""
+    text = path.read_text(encoding="utf-8")
+    if not path.name.startswith("_") or path.name == "__init__.py":
+        return text
+    lines = text.splitlines(keepends=True)
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            lines[node.lineno - 1 : node.end_lineno] = ["\n"] * (node.end_lineno - node.lineno + 1)
+    return "".join(lines)
+
+
+def test_no_dead_code_in_src(tmp_path):
+    """vulture over src/ as `make test` runs it, and stricter: a name only a private
+    module's ``__all__`` lists is not used (tests and docs do not count as uses)."""
+    vulture = pytest.importorskip("vulture")
+    for path in SRC.rglob("*.py"):
+        copy = tmp_path / path.relative_to(SRC.parent)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        copy.write_text(_without_all(path), encoding="utf-8")
+    finder = vulture.Vulture()
+    finder.scavenge([tmp_path / SRC.name, ROOT / "vulture_allowlist.py"])
+    found = [item.get_report().replace(str(tmp_path), "src") for item in finder.get_unused_code(min_confidence=60)]
+    assert found == []
