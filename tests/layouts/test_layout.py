@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save.layouts._pod import check_tiling
+from nnx_save.format._boxes import check_tiling
 
 DEV = jax.devices()
 TOKEN = "0123abcd"
