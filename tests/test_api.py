@@ -185,7 +185,7 @@ def test_a_setting_given_twice_is_refused_naming_it(saved, tmp_path):
         ({"max_over_read_ratio": 0.5}, "max_over_read_ratio must be >= 1.0, got 0.5"),
         ({"verify": "yes"}, "verify must be True or False, got 'yes'"),
         ({"staging": "fast"}, "staging must be one of ('auto', 'pinned', 'pageable'), got 'fast'"),
-        ({"stream": 1}, "stream must be None, True or False, got 1"),  # 1 == True: was accepted
+        ({"stream": 1}, "stream must be None, True or False, got 1"),  # 1 == True, yet not a bool
         ({"progress": 0}, "progress must be None, True or False, got 0"),
     ],
 )
@@ -200,7 +200,7 @@ def test_bad_load_options_are_typed_errors_naming_the_argument(saved, kwargs, me
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"progress": 1}, "progress must be None, True or False, got 1"),  # 1 == True: was accepted
+        ({"progress": 1}, "progress must be None, True or False, got 1"),  # 1 == True, yet not a bool
         ({"blocking": 0}, "blocking must be True or False, got 0"),
     ],
 )

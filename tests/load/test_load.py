@@ -618,10 +618,10 @@ def _gapped_file(path, keep: int, skip: int) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("skip", [1024, 1000])
 def test_over_read_advice_is_true_for_the_load_at_hand(tmp_path, skip):
-    """The warning advised "max_over_read_ratio=1.0 to read only the needed bytes" even
+    """Advice of "max_over_read_ratio=1.0 to read only the needed bytes" would be false
     where that reads the same bytes (gaps under a page: 4000-byte tensors skipped between
-    the needed ones) and only silences it; the advice now states what ratio 1.0 reads,
-    and that number is what it reads."""
+    the needed ones) and only silences the warning; the advice states what ratio 1.0
+    reads, and that number is what it reads."""
     path = tmp_path / "gapped.safetensors"
     kept = _gapped_file(path, 1100, skip)
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(MESH8, P())) for k, v in kept.items()}
