@@ -175,8 +175,8 @@ _BYTE_NAMES = st.binary(min_size=1, max_size=NAME_MAX).filter(
 @settings(max_examples=40, deadline=None)
 @given(raw=st.one_of(_BYTE_NAMES, st.just(b"w\xff.safetensors"), st.just(b"\xc3" * 3 + "é".encode() * 126)))
 def test_any_legal_file_name_in_bytes_can_be_saved_and_loaded(raw):
-    """A name that is not UTF-8 (bytes Python decodes to surrogates) raised a bare
-    UnicodeEncodeError from the temporary name; any bytes the kernel takes must save."""
+    """A name that is not UTF-8 (bytes Python decodes to surrogates) must not fail with a
+    bare UnicodeEncodeError from the temporary name; any bytes the kernel takes save."""
     with tempfile.TemporaryDirectory() as where:
         path = Path(where) / os.fsdecode(raw)
         for value in (1.0, 2.0):  # the second save replaces the first, through a temporary
