@@ -30,13 +30,15 @@ system-deps:
 	if [ -n "$$(echo $$missing)" ]; then \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
-# What CI runs: lint, format, types, every module's doctests, then the whole suite on every
+# What CI runs: lint, format, types, dead code (vulture; used names it cannot see are in
+# vulture_allowlist.py), every module's doctests, then the whole suite on every
 # core (pytest-xdist). Each test file is one unit of work and the multi-process tests are one,
 # run first and one at a time (tests/conftest.py); `.venv/bin/python -m pytest` runs it serially.
 test: $(VENV)/.test system-deps
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
+	$(PY) -m vulture src/nnx_save vulture_allowlist.py --min-confidence 60
 	$(PY) -m pytest -q -p no:cacheprovider --doctest-modules src/nnx_save
 	$(PY) -m pytest -q -n auto --dist loadgroup --no-loadscope-reorder
 

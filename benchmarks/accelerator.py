@@ -1,4 +1,4 @@
-"""Accelerator benchmark (issue 14 item 7): the machine's floors, then loads and saves
+"""Accelerator benchmark: the machine's floors, then loads and saves
 of a bf16 Llama-shaped checkpoint on device 0, in one run.
 
     PYTHONPATH=src python benchmarks/accelerator.py [--size-gb 8] [--repeat 2] [--dir DIR]
@@ -38,7 +38,7 @@ Saves of ``--save-gb`` of bf16 arrays made on the device: ``nnx_save``
 the workers (the library's testing aids), so nnx_save loads through its streaming
 path and saves through its staged device -> host copies, as on an accelerator.
 
-Targets (issue 14), PASS/FAIL beside the numbers: load >= 70% of min(read floor,
+Targets, PASS/FAIL beside the numbers: load >= 70% of min(read floor,
 pinned h2d floor); load RSS growth <= ``max_inflight_bytes`` + 10%; save >= 90% of
 the write+fsync floor. They are accelerator targets: on the CPU backend jax arrays
 are host memory, so the RSS target cannot hold for a checkpoint above the budget
@@ -439,7 +439,7 @@ def render(rows: list[dict]) -> str:
 
 
 def targets(rows: dict[str, dict], inflight: int, save_budget: int) -> list[str]:
-    """Issue 14's targets, PASS/FAIL with their numbers (n/a where a number is missing)."""
+    """The targets, PASS/FAIL with their numbers (n/a where a number is missing)."""
     ok = {k: r for k, r in rows.items() if "na" not in r}
     out = []
     floors = [ok[k]["gbps"] for k in ("read", "h2d_pinned") if k in ok]

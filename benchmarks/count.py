@@ -1,4 +1,4 @@
-"""Load time against the tensor count: many small tensors in one file (issue 33).
+"""Load time against the tensor count: many small tensors in one file.
 
 One ``.safetensors`` file per count (``--counts``, 1k, 10k and 100k by default) of
 1 KiB fp32 tensors (256 elements each, a MoE-sized count at the top), made once under
@@ -101,7 +101,7 @@ COLUMNS = [
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """Issue 33: at the largest count, nnx_save <= 2x numpy-only safe_open per tensor."""
+    """The target: at the largest count, nnx_save <= 2x numpy-only safe_open per tensor."""
     measured = [r for r in rows if "us" in r]
     if not measured:
         return []

@@ -52,7 +52,7 @@ def trace(run: Callable[[], Any]) -> dict[str, Any]:
         "calls": sum(map(len, modules.values())),
         "module_changes": sum(changes.values()),
         "package_switches": sum(max(len(w) - 1, 0) for w in walks.values()),
-        "caller_module_changes": changes.get(me, 0),  # the calling thread alone, as issue 29 counted
+        "caller_module_changes": changes.get(me, 0),  # the calling thread alone
         "caller_package_switches": max(len(walks.get(me, [])) - 1, 0),
         "walk": walks.get(me, []),
     }

@@ -46,7 +46,7 @@ Strategies:
 Run ``.venv/bin/python benchmarks/load.py --repeat 3`` (``--quick`` for a small
 size; ``--checkpoints``, ``--layouts``, ``--strategies`` to run a part). It prints
 one table (wall and CPU seconds, GB/s, peak RSS above the baseline / file size,
-and each row's time and RSS over nnx_save's) and the issue's targets, PASS/FAIL
+and each row's time and RSS over nnx_save's) and the targets, PASS/FAIL
 with their numbers.
 """
 
@@ -350,7 +350,7 @@ def _groups(rows: list[dict]) -> dict:
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """The issue's targets, each with its numbers and PASS / FAIL."""
+    """The targets, each with its numbers and PASS / FAIL."""
     lines = []
     g = _groups(rows)
     for (ckpt, layout), group in g.items():

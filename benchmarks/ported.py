@@ -27,7 +27,7 @@ Phases:
 Layouts: ``1dev`` (one CPU device) and ``last`` (8 CPU devices, every parameter
 sharded on its last dimension where that divides by 8, else replicated). After the
 clock stops, every model phase checks some kernels against the file (a fast wrong
-answer cannot win). The targets (issue 33) print PASS / FAIL with their numbers.
+answer cannot win). The targets print PASS / FAIL with their numbers.
 
 On a shared 2-core VM single runs vary by 2x: compare medians over ``--repeat`` runs.
 
@@ -274,7 +274,7 @@ COLUMNS = [
 
 
 def targets(rows: list[dict]) -> list[str]:
-    """Issue 33's targets at medians: <= 0.8x the best hand-written port, <= 1.25x
+    """The targets at medians: <= 0.8x the best hand-written port, <= 1.25x
     (read once + eval_shape), peak RSS <= 1.05x the checkpoint; per layout."""
     lines = []
     for layout in LAYOUTS:

@@ -1,4 +1,4 @@
-"""The training store against the Orbax manager it wraps (issue 33).
+"""The training store against the Orbax manager it wraps.
 
     .venv/bin/python benchmarks/store.py [--size-gb 0.8] [--repeat 3] [--dir DIR]
 

@@ -110,7 +110,7 @@ def test_every_public_error_is_an_nnx_save_error_and_documented():
     page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
     classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
     exceptions = [c for c in classes if issubclass(c, BaseException)]
-    assert 30 <= len(exceptions) <= 40  # a class only where callers handle it differently (issue 29)
+    assert 30 <= len(exceptions) <= 40  # a class only where callers handle it differently
     for cls in exceptions:
         assert issubclass(cls, (NnxSaveError, Warning)), cls
         assert cls.__module__ == "nnx_save.errors" and cls.__doc__, cls
@@ -186,7 +186,7 @@ def test_a_setting_given_twice_is_refused_naming_it(saved, tmp_path):
         ({"max_over_read_ratio": 0.5}, "max_over_read_ratio must be >= 1.0, got 0.5"),
         ({"verify": "yes"}, "verify must be True or False, got 'yes'"),
         ({"staging": "fast"}, "staging must be one of ('auto', 'pinned', 'pageable'), got 'fast'"),
-        ({"stream": 1}, "stream must be None, True or False, got 1"),  # 1 == True: was accepted
+        ({"stream": 1}, "stream must be None, True or False, got 1"),  # 1 == True, yet not a bool
         ({"progress": 0}, "progress must be None, True or False, got 0"),
     ],
 )
@@ -201,7 +201,7 @@ def test_bad_load_options_are_typed_errors_naming_the_argument(saved, kwargs, me
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"progress": 1}, "progress must be None, True or False, got 1"),  # 1 == True: was accepted
+        ({"progress": 1}, "progress must be None, True or False, got 1"),  # 1 == True, yet not a bool
         ({"blocking": 0}, "blocking must be True or False, got 0"),
     ],
 )

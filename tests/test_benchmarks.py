@@ -1,4 +1,4 @@
-"""benchmarks/accelerator.py (issue 14 item 7): ``--smoke`` runs every part on the
+"""benchmarks/accelerator.py: ``--smoke`` runs every part on the
 CPU backend and prints every row; absent peers and absent pinned memory print
 ``n/a`` with the reason instead of stopping the run."""
 
@@ -89,7 +89,7 @@ def test_rows_report_the_median_and_spread():
 
 @pytest.mark.slow  # four Orbax saves and restores of a few hundred small tensors: ~20 s here
 def test_the_store_benchmark_saves_and_restores_both_ways(tmp_path):
-    """benchmarks/store.py (issue 33): each worker runs one phase and checks what it restored;
+    """benchmarks/store.py: each worker runs one phase and checks what it restored;
     the table puts the store beside the manager."""
     import store as store_bench
 
@@ -106,7 +106,7 @@ def test_the_store_benchmark_saves_and_restores_both_ways(tmp_path):
 
 @pytest.mark.slow
 def test_ported_smoke_measures_every_phase_on_both_layouts(tmp_path):
-    """benchmarks/ported.py (issue 33): ``--smoke`` builds a small HF Llama offline, runs
+    """benchmarks/ported.py: ``--smoke`` builds a small HF Llama offline, runs
     every phase in a fresh process on one device and on 8, checks each model against the
     file, and prints every row and every target."""
     import ported
@@ -142,7 +142,7 @@ def test_ported_targets_compare_medians():
 
 
 def test_the_count_benchmark_checks_every_phase_and_judges_the_largest_count(tmp_path):
-    """benchmarks/count.py (issue 33): each worker loads and checks its tensors; the
+    """benchmarks/count.py: each worker loads and checks its tensors; the
     target compares nnx_save with numpy-only safe_open at the largest count."""
     import count
 

@@ -122,7 +122,7 @@ def test_a_bad_value_is_refused_where_it_is_used_not_at_import(tmp_path):
 
 def test_the_modules_read_their_variables_through_config(tmp_path, monkeypatch):
     from nnx_save.io import _kv
-    from nnx_save.save import _background, _collective
+    from nnx_save.save import _collective
 
     monkeypatch.setenv("NNX_SAVE_COLLECTIVE_TIMEOUT_S", "soon")
     sync = _collective.Sync(tmp_path / "w.safetensors", _kv.Channel(0, 2, object()))  # read before any wait
@@ -131,7 +131,6 @@ def test_the_modules_read_their_variables_through_config(tmp_path, monkeypatch):
     monkeypatch.setenv("NNX_SAVE_MAX_ASYNC_SAVES", "-2")
     with pytest.raises(ConfigError, match=re.escape("NNX_SAVE_MAX_ASYNC_SAVES='-2': expected a positive integer")):
         nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w.safetensors", blocking=False)
-    assert _background.MAX_IN_FLIGHT_ENV == "NNX_SAVE_MAX_ASYNC_SAVES"
     monkeypatch.delenv("NNX_SAVE_MAX_ASYNC_SAVES")
     monkeypatch.setenv("NNX_SAVE_FORCE_HOST_STAGING", "maybe")
     with pytest.raises(ConfigError, match=re.escape("NNX_SAVE_FORCE_HOST_STAGING='maybe': expected 1 or 0")):

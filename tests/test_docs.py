@@ -5,6 +5,7 @@ their own servers and processes (docs/remote.md: nginx, moto's S3 server;
 docs/multihost.md: two JAX processes); whatever process a failing page leaves
 running is ended."""
 
+import builtins
 import inspect
 import os
 import re
@@ -149,3 +150,72 @@ def test_the_readme_layout_names_every_module_of_the_tree():
             unnamed.append(str(rel))
     assert unnamed == [], f"modules the README's layout section does not name: {unnamed}"
     assert "(docs/design.md)" in section
+
+
+PACKAGES = "format|porting|io|load|save|layouts|bridges|checkpoint|conversion|cli"
+QUALIFIED = re.compile(rf"(?<![\w/.])((?:{PACKAGES})/(?:_\w+)?)((?:\.\w+)*)")
+CLASS_NAME = re.compile(r"`([A-Z][a-z]\w*)((?:\.\w+)?)`")  # CamelCase: not O_DIRECT
+MISSING = object()
+
+
+def _resolve(obj, attrs: str):
+    """``obj``'s dotted attribute ``attrs`` (``".Write.run"``), a dataclass field or a
+    Protocol's annotated member included; :data:`MISSING` where one is missing."""
+    for attr in filter(None, attrs.split(".")):
+        fields = getattr(obj, "__dataclass_fields__", {})
+        if hasattr(obj, attr):
+            obj = getattr(obj, attr)
+        elif attr in fields or attr in getattr(obj, "__annotations__", {}):
+            obj = fields.get(attr, attr)
+        else:
+            return MISSING
+    return obj
+
+
+def _package_classes() -> dict[str, list[str]]:
+    """Every class defined in a module of the package: ``{name: [module, ...]}``."""
+    import importlib
+    import pkgutil
+
+    found: dict[str, list[str]] = {}
+    for info in pkgutil.walk_packages(nnx_save.__path__, "nnx_save."):
+        if info.name == "nnx_save.__main__":  # runs the command line
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if inspect.isclass(value) and value.__module__ == info.name:
+                found.setdefault(name, []).append(info.name)
+    return found
+
+
+def test_the_design_page_names_only_what_exists():
+    """Every module, class, function, method and file docs/design.md names exists:
+    ``io/_lock.WriterLock``, ``layouts/_registry.Write.run`` and ``save/`` resolved in the
+    package, a bare class name (```Placement```, ```Location.commit```) found among its
+    classes, and a named file of the repository present."""
+    import importlib
+
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    missing = []
+    for m in QUALIFIED.finditer(text):
+        module_path, attrs = m.group(1), m.group(2)
+        try:
+            module = importlib.import_module("nnx_save." + module_path.rstrip("/").replace("/", "."))
+        except ModuleNotFoundError:
+            missing.append(m.group(0))
+            continue
+        if _resolve(module, attrs) is MISSING:
+            missing.append(m.group(0))
+    classes = _package_classes()
+    for m in CLASS_NAME.finditer(text):
+        name, attrs = m.groups()
+        if name in vars(builtins):  # None, True
+            continue
+        owners = [importlib.import_module(module) for module in classes.get(name, [])]
+        if not any(_resolve(getattr(module, name), attrs) is not MISSING for module in owners):
+            missing.append(m.group(1) + m.group(2))
+    for path in re.findall(r"`((?:benchmarks|tests|docs|src|examples)/[\w/.]+)`", text):
+        if not (ROOT / path).exists():
+            missing.append(path)
+    assert missing == [], f"docs/design.md names what the package does not have: {missing}"
+    assert len(set(QUALIFIED.findall(text))) >= 30  # the pattern still reads the page's references

@@ -296,8 +296,8 @@ def test_a_small_safe_open_read_imports_no_subprocess_socket_or_engine(tmp_path)
 
 def test_a_numpy_safe_open_imports_no_framework(tmp_path):
     """``import nnx_save`` and a ``framework="numpy"`` handle (a small slice, a whole
-    tensor) import neither jax, flax, orbax, transformers nor torch (issue 33: a fresh
-    process pays only for what it uses)."""
+    tensor) import neither jax, flax, orbax, transformers nor torch (a fresh process
+    pays only for what it uses)."""
     path = tmp_path / "w.safetensors"
     nnx_save.save_file({"w": np.arange(64, dtype=np.float32).reshape(8, 8)}, path)
     probe = (
@@ -314,7 +314,7 @@ def test_the_nnx_bridge_is_imported_on_first_use():
     assert {"jax", "flax"} <= loaded and "orbax" not in loaded
     assert {"load_model", "save_model", "save_pod"} <= set(dir(nnx_save))
     with pytest.raises(AttributeError, match=re.escape("module 'nnx_save' has no attribute 'save_sharded'")):
-        nnx_save.save_sharded  # noqa: B018 (renamed save_pod in issue 15)
+        nnx_save.save_sharded  # noqa: B018 (the pod save is save_pod)
 
 
 def test_only_the_named_modules_import_flax_and_orbax():

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import nnx_save
-from nnx_save import _progress
+from nnx_save import _config, _progress
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "progress.txt"
 
@@ -33,8 +33,9 @@ def test_bar_only_on_a_tty_and_when_asked():
     tty, pipe = FakeTTY(), io.StringIO()
     assert not _progress.bar("x", 10 << 30, 1, None, pipe).active  # a pipe never gets one
     assert not _progress.bar("x", 10 << 30, 1, False, tty).active
-    assert not _progress.bar("x", _progress.MIN_BYTES - 1, 1, None, tty).active  # small: automatic says no
-    assert _progress.bar("x", _progress.MIN_BYTES, 1, None, tty).active
+    least = _config.PROGRESS_MIN_BYTES.default
+    assert not _progress.bar("x", least - 1, 1, None, tty).active  # small: automatic says no
+    assert _progress.bar("x", least, 1, None, tty).active
     assert _progress.bar("x", 1, 1, True, tty).active
     assert tty.getvalue().count("\r") == 2 and pipe.getvalue() == ""
 

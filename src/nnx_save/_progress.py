@@ -2,7 +2,7 @@
 plain lines in a log.
 
 ``progress=None`` shows a bar when stderr is a TTY and the operation moves at least
-:data:`MIN_BYTES`, and nothing on a pipe or a file; ``True`` shows a bar on a TTY whatever
+``NNX_SAVE_PROGRESS_MIN_BYTES`` (256 MiB unless set), and nothing on a pipe or a file; ``True`` shows a bar on a TTY whatever
 the size, and on a pipe or a file (a pod's log, a notebook's captured output) plain lines
 at a bounded rate, as tqdm and transformers do in logs (:class:`LogLines`); ``False``
 never. A save's setting travels in its options (:class:`~nnx_save.SaveOptions`, carried
@@ -21,9 +21,8 @@ from typing import IO
 from . import _config
 from .format._units import human_bytes
 
-__all__ = ["LOG_EVERY_S", "MIN_BYTES", "Bar", "LogLines", "NullBar", "bar"]
+__all__ = ["LOG_EVERY_S", "Bar", "LogLines", "NullBar", "bar"]
 
-MIN_BYTES = _config.PROGRESS_MIN_BYTES.default  # NNX_SAVE_PROGRESS_MIN_BYTES overrides it, read per bar
 _INTERVAL_S = 0.1
 LOG_EVERY_S = 5.0  # a log line at least this often while the work lasts
 _LOG_MIN_S = 1.0  # and at most one a second: a new tenth done shows once this passed

@@ -81,14 +81,14 @@ def test_flax_module_state_round_trips_exactly_and_strictly(name, tmp_path):
 
 def test_tuple_keys_are_written_as_their_literal_and_read_back(tmp_path):
     """``nnx.WeightNorm`` keeps ``scales[('kernel',)]``: the file key is that literal, and
-    a pytree load returns it under the same key; the key reads back as the tuple."""
-    from nnx_save.format._paths import from_key
+    a pytree load returns it under the same key, the one the model's path makes."""
+    from nnx_save.format._paths import to_key
 
     model = BUILD["WeightNorm"](nnx.Rngs(0))
     nnx_save.save_model(model, tmp_path / "wn.safetensors")
     keys = sorted(nnx_save.read_header(tmp_path / "wn.safetensors").tensors)
     assert keys == ["layer_instance/bias", "layer_instance/kernel", "scales/('kernel',)"]
-    assert from_key(keys[-1]) == ("scales", ("kernel",))
+    assert to_key(("scales", ("kernel",))) == keys[-1]
 
 
 RAW_ARRAYS = {"WeightNorm"}  # keeps plain arrays outside Variables, which nnx.eval_shape drops from the state

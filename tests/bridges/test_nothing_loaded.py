@@ -1,4 +1,4 @@
-"""Loads that load nothing (issue 31): zero tensors into a model that has some is an
+"""Loads that load nothing: zero tensors into a model that has some is an
 error, strict or not, naming what the source holds against what the model wants and
 never advising to allow everything; an empty list of files is refused."""
 
@@ -49,7 +49,7 @@ def test_a_builder_and_reshaped_tensors_only_are_refused_too(tmp_path):
 
 
 def test_nnx_state_keys_of_an_older_save_point_to_save_model(tmp_path):
-    """``.../value`` keys (save_file(nnx.state(model)) before issue 31): the error says
+    """``.../value`` keys (an older ``save_file(nnx.state(model))``): the error says
     so and gives the rule that reads them; the rule does."""
     path = tmp_path / "v.safetensors"
     nnx_save.save_file({"kernel/value": np.full((2, 3), 2, np.float32), "bias/value": np.full(3, 5, np.float32)}, path)

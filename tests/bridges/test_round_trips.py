@@ -1,4 +1,4 @@
-"""Round trips a newcomer reaches for (issue 31): what ``load_file`` returns saves back
+"""Round trips a newcomer reaches for: what ``load_file`` returns saves back
 under the same keys, and ``save_file(nnx.state(model))`` writes the keys ``load_model``
 reads, so a strict load fills the model."""
 
@@ -54,8 +54,8 @@ class _Model(nnx.Module):
 
 @pytest.mark.parametrize("what", ["state", "model", "dict of states"])
 def test_save_file_of_nnx_state_loads_strictly_into_a_model(tmp_path, what):
-    """save_file(nnx.state(model)) wrote ``lin/kernel/value``: a strict load_model then
-    loaded nothing. It now writes the model's keys, as save_model does."""
+    """save_file(nnx.state(model)) writes the model's keys, as save_model does, not
+    ``lin/kernel/value`` (which a strict load_model would find nothing under)."""
     model = _Model(nnx.Rngs(0))
     tree = {"state": nnx.state(model), "model": model, "dict of states": {"m": nnx.state(model)}}[what]
     nnx_save.save_file(tree, tmp_path / "s.safetensors")

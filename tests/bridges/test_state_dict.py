@@ -1,4 +1,4 @@
-"""The torch habit (issue 31): ``load_model(model, {"key": array, ...})`` loads a state
+"""The torch habit: ``load_model(model, {"key": array, ...})`` loads a state
 dict already in memory with the same matching, porting rules, report and strict
 semantics as a file; torch is never imported for it."""
 

@@ -1,4 +1,4 @@
-"""Cloud directories (issue 16): gs:// and s3:// are handed to Orbax unchanged (never
+"""Cloud directories: gs:// and s3:// are handed to Orbax unchanged (never
 turned into a local directory named gs:), file:// is a local path, and a scheme
 Orbax cannot write to is refused before anything runs."""
 

@@ -1,4 +1,4 @@
-"""Damaged steps fail typed (issue 16): each kind of damage raises CheckpointCorruptError
+"""Damaged steps fail typed: each kind of damage raises CheckpointCorruptError
 naming the step and the file, and listing keeps working, saying which steps are damaged."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The leaf record (issue 33): every step records each leaf's stored shape and dtype, or
+"""The leaf record: every step records each leaf's stored shape and dtype, or
 its Python type, so a templated restore compares templates against the record instead of
 asking Orbax for the metadata of every array (that cost the store a fifth more than the
 manager it wraps). The record must say exactly what Orbax's metadata says."""

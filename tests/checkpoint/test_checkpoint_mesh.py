@@ -1,4 +1,4 @@
-"""What a new user reached for (issue 31): restoring a step onto another mesh from
+"""What a new user reaches for: restoring a step onto another mesh from
 templates made by ``nnx.eval_shape`` under ``jax.set_mesh``, with a report that counts
 what was read; and Orbax ``CheckpointManager`` habits (``restore()`` for the latest step,
 ``all_steps()``, ``best_step()`` by the retention's metric, a way for other items)."""

@@ -1,4 +1,4 @@
-"""Partial restore (issue 16): a subset of items, and within an item a subset of
+"""Partial restore: a subset of items, and within an item a subset of
 leaves (params only; everything but a new head), with load_model's LoadReport,
 strict or not, onto any mesh."""
 

@@ -1,4 +1,4 @@
-"""When to save (issue 16): should_save from intervals in steps and seconds, and
+"""When to save: should_save from intervals in steps and seconds, and
 preemption: SIGTERM makes the next step due, and a training job killed that way
 resumes bit-exactly from the step it saved."""
 

@@ -1,4 +1,4 @@
-"""Retention as combinable policies (issue 16): latest N, best K by a metric, every
+"""Retention as combinable policies: latest N, best K by a metric, every
 Nth step, newer than a duration; a step is kept when any policy keeps it, and the
 choice is recorded in the store so that changing it is explicit."""
 
@@ -136,7 +136,7 @@ def test_the_default_is_the_latest_five(tmp_path):
 
 
 def test_retention_by_step_alone_reads_no_step_record(tmp_path, monkeypatch):
-    """Issue 33: a save applied latest-N retention by reading every kept step's record."""
+    """Latest-N retention needs the step numbers only: a save reads no kept step's record."""
     read = []
     real = _disk.read_json
     monkeypatch.setattr(_disk, "read_json", lambda path: read.append(path.parent.parent.name) or real(path))

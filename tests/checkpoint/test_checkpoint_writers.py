@@ -1,4 +1,4 @@
-"""One writer per store directory (issue 30, items 1-2): a second writer, in this process or
+"""One writer per store directory: a second writer, in this process or
 another, is refused with a DirectoryLockedError naming the holder; no step is replaced or
 lost; an asynchronous save in flight survives other stores opening; a dead holder is taken
 over. And SIGTERM handlers that chain (item 3), whatever the order stores open and close."""
@@ -274,7 +274,7 @@ def test_closing_out_of_order_keeps_the_preemption_handler(tmp_path):
     first, second = OrbaxCheckpointStore(tmp_path / "a"), OrbaxCheckpointStore(tmp_path / "b")
     assert first.should_save(1) and second.should_save(1)
     first.close()
-    os.kill(os.getpid(), signal.SIGTERM)  # on main: the default handler is back and this kills the test process
+    os.kill(os.getpid(), signal.SIGTERM)  # were the default handler back, this would kill the test process
     assert second.preemption_requested and second.should_save(5)
     second.close()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

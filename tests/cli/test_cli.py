@@ -391,8 +391,8 @@ def test_convert_refuses_a_pickle_with_non_tensors(capsys, tmp_path):
 
 @pytest.mark.slow  # imports torch
 def test_convert_refuses_two_tensors_that_become_one_key(capsys, tmp_path):
-    """Issue 18 probe 5: ``{"a": {"b": t}, "a.b": u}`` converted to one tensor and
-    exited 0; now a HeaderError (check "duplicate_key", exit 2) and nothing written."""
+    """``{"a": {"b": t}, "a.b": u}`` would convert to one tensor silently; it is a
+    HeaderError (check "duplicate_key", exit 2) and nothing is written."""
     import torch
 
     torch.save({"a": {"b": torch.ones(2)}, "a.b": torch.zeros(3)}, tmp_path / "clash.pt")
@@ -407,8 +407,8 @@ def test_convert_refuses_two_tensors_that_become_one_key(capsys, tmp_path):
 
 
 def test_convert_refuses_a_fifo_without_blocking(capsys, tmp_path):
-    """Issue 18 probe 10, for the CLI: ``nnx-save convert fifo out`` opened the FIFO to
-    read its magic bytes and blocked forever."""
+    """``nnx-save convert fifo out`` must not open the FIFO to read its magic bytes:
+    that would block forever."""
     os.mkfifo(tmp_path / "x.bin")
 
     def blocked(signum, frame):

@@ -350,13 +350,13 @@ def test_convert_resolves_lazy_conj_and_neg_bits(tmp_path):
     np.testing.assert_array_equal(loaded["neg"], np.array([-2.0, 1.0], np.float32))
 
 
-# --------------------------------------------------------------------------- numpy archives, bare tensors (issue 31)
+# --------------------------------------------------------------------------- numpy archives, bare tensors
 
 
 @pytest.mark.parametrize("save", [np.savez, np.savez_compressed])
 def test_npz_archive_that_inspect_names_converts(capsys, tmp_path, save):
-    """``convert arrays.npz`` failed with torch's ``[enforce fail at inline_container.cc:180]``
-    although ``inspect`` knew it was a numpy archive: it converts, every array by name."""
+    """``convert arrays.npz`` converts what ``inspect`` names a numpy archive, every array
+    by name (torch's reader would fail with ``[enforce fail at inline_container.cc:180]``)."""
     arrays = {
         "layers/0/kernel": np.arange(12, dtype=np.float32).reshape(3, 4),
         "step": np.array(7, np.int64),

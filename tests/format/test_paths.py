@@ -29,6 +29,12 @@ def canonical(seg):
     return seg
 
 
+def read_key(key):
+    """The path a file key names under the module's rules, read back by the test (the
+    package never reads a key back): proves a key holds its whole path."""
+    return tuple(canonical(s) for s in key.split("/"))
+
+
 tuple_keys = st.recursive(
     st.tuples(st.one_of(st.integers(0, 99), names)),
     lambda inner: st.lists(st.one_of(st.integers(0, 99), names, inner), min_size=0, max_size=3).map(tuple),
@@ -41,13 +47,22 @@ def test_tuple_keys_round_trip_as_their_literal(path):
     """The tuple rule: a tuple of str / int (flax's ``scales[('kernel',)]``) is written as
     ``repr(key)`` and read back as the tuple."""
     key = _paths.to_key(path)
-    assert _paths.from_key(key) == tuple(canonical(s) for s in path)
-    assert _paths.to_key(_paths.from_key(key)) == key
+    assert read_key(key) == tuple(canonical(s) for s in path)
+    assert _paths.to_key(read_key(key)) == key
 
 
-@pytest.mark.parametrize("text", ["( 'a',)", "('a', )", '("a",)', "(1.5,)", "(True,)", "(", "()x", "(a,)"])
-def test_only_a_tuple_s_own_literal_reads_back_as_a_tuple(text):
-    assert _paths.from_key(f"s/{text}") == ("s", text)
+@pytest.mark.parametrize(
+    "text, value",
+    [("( 'a',)", ("a",)), ("('a', )", ("a",)), ('("a",)', ("a",)), ('("a", 1)', ("a", 1)), ("(1, )", (1,))]
+    + [(text, None) for text in ["(", "()x", "(a,)", "(1.5,)", "(True,)"]],
+)
+def test_only_a_tuple_s_own_literal_makes_the_tuple_s_key(text, value):
+    """A name written otherwise than ``repr`` writes the tuple keeps its own key: a tree
+    may hold both."""
+    assert _paths.to_key(("s", text)) == f"s/{text}"
+    if value is not None:
+        assert _paths.to_key(("s", value)) == f"s/{value!r}" != f"s/{text}"
+        assert len(_paths.check_unique([("s", text), ("s", value)])) == 2
 
 
 def test_a_name_spelled_as_a_tuple_s_literal_collides_with_the_tuple():
@@ -61,32 +76,35 @@ def test_to_key_joins_with_slash_and_writes_ints_in_decimal():
 
 
 @pytest.mark.parametrize(
-    "key, path",
+    "name, number, same",
     [
-        ("blocks/0/kernel", ("blocks", 0, "kernel")),
-        ("a/10", ("a", 10)),
-        ("a/007", ("a", "007")),  # not canonical: stays a name
-        ("a/-1", ("a", "-1")),
-        ("a/1.5", ("a", "1.5")),
-        ("a/١٢", ("a", "١٢")),  # Arabic-Indic digits are decimal but not ASCII
-        ("0", (0,)),
-        ("a/ 1", ("a", " 1")),
+        ("10", 10, True),
+        ("0", 0, True),
+        ("007", 7, False),  # not canonical: stays a name
+        ("1.5", 1, False),
+        ("١٢", 12, False),  # Arabic-Indic digits are decimal but not ASCII
+        (" 1", 1, False),
     ],
 )
-def test_from_key_int_rule(key, path):
-    assert _paths.from_key(key) == path
-    assert _paths.to_key(_paths.from_key(key)) == key
+def test_only_a_canonical_decimal_name_makes_the_key_of_an_int(name, number, same):
+    assert (_paths.to_key(("a", name)) == _paths.to_key(("a", number))) is same
+    assert _paths.to_key(("a", number)) == f"a/{number}"
+    if not same:
+        assert len(_paths.check_unique([("a", name), ("a", number)])) == 2
+    else:
+        with pytest.raises(nnx_save.KeyPathError, match=re.escape(f"both make the file key 'a/{number}'")):
+            _paths.check_unique([("a", name), ("a", number)])
 
 
 @given(paths)
 def test_decode_encode_round_trip(path):
-    assert _paths.from_key(_paths.to_key(path)) == tuple(canonical(s) for s in path)
+    assert read_key(_paths.to_key(path)) == tuple(canonical(s) for s in path)
 
 
 @given(paths)
 def test_encode_decode_encode_is_stable(path):
     key = _paths.to_key(path)
-    assert _paths.to_key(_paths.from_key(key)) == key
+    assert _paths.to_key(read_key(key)) == key
 
 
 def test_jax_key_entries_by_duck_typing():

@@ -1,4 +1,4 @@
-"""The writer lock when its file is removed as it is let go (issue 30, item 1): a writer
+"""The writer lock when its file is removed as it is let go: a writer
 that opened the file just before its holder removed it must not hold a lock nobody else
 sees (the inode check), and any number of writers racing keep one holder at a time."""
 
@@ -94,9 +94,9 @@ def _fifo(lock: Path, victim: Path) -> None:
 )
 @pytest.mark.parametrize("writer", ["index", "pod", "store"])
 def test_a_lock_file_that_is_a_hard_link_or_a_fifo_is_refused_untouched(tmp_path, make, what, writer):
-    """The writer wrote its holder record into whatever the lock's name led to: a lock file
-    hard-linked to another file had that file's content replaced (a store then emptied it);
-    a FIFO raised a bare OSError (EINVAL)."""
+    """The writer writes its holder record only into a lock file of its own: one
+    hard-linked to another file would have that file's content replaced (and a store then
+    empty it); a FIFO would raise a bare OSError (EINVAL)."""
     import numpy as np
 
     import nnx_save

@@ -140,8 +140,8 @@ def test_files_of_two_saves_under_one_index_are_refused(tmp_path):
 
 
 def test_an_index_entry_linked_to_another_saves_file_says_so_and_not_to_load_again(tmp_path):
-    """It raised SourceChangedError ("replaced while it was read; load it again"), which
-    no number of loads clears: the index itself never changed."""
+    """Not a SourceChangedError ("replaced while it was read; load it again"), which no
+    number of loads would clear: the index itself never changed."""
     nnx_save.save_model(Versioned(1.0), tmp_path / "a", max_shard_size=600)
     nnx_save.save_model(Versioned(2.0), tmp_path / "b", max_shard_size=600)
     second = "model-00002-of-00002.safetensors"

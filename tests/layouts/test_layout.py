@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import nnx_save
-from nnx_save.layouts._pod import check_tiling
+from nnx_save.format._boxes import check_tiling
 
 DEV = jax.devices()
 TOKEN = "0123abcd"
@@ -58,7 +58,7 @@ def _edit_manifest(pod, edit) -> None:
 
 
 def test_overlapping_pieces_are_refused_naming_the_tensor_and_boxes(tmp_path):
-    # issue 18 item 1: volumes sum to 8, yet [6, 8) is never written
+    # volumes sum to 8, yet [6, 8) is never written
     full = np.arange(8, dtype=np.float32)
     pod = _write_pod(tmp_path, {"w": (full, [[((0, 6),)], [((1, 3),)]])})
     where = pod / "manifest.json"

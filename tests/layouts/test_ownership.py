@@ -1,7 +1,6 @@
-"""Every format owns its files (issue 29): a save removes only files it can prove are of
+"""Every format owns its files: a save removes only files it can prove are of
 the version it replaces, a save over another layout replaces it in its commit, and a
-directory two layouts claim is a typed conflict. Through the public API; each test
-here failed on main before the two-way layouts (checked against main's ``src``).
+directory two layouts claim is a typed conflict. Through the public API.
 """
 
 from __future__ import annotations

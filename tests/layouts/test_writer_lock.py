@@ -1,4 +1,4 @@
-"""One writer per directory for the HF multi-file and pod writers (issue 30, item 1): a
+"""One writer per directory for the HF multi-file and pod writers: a
 second process saving into a directory another save is writing is refused with a
 DirectoryLockedError naming the first, which commits intact; the lock file is gone after
 a save; a killed writer's stale one is ignored by every reader and taken over (and

@@ -130,7 +130,7 @@ def test_units_of_sharded_rows_read_one_contiguous_slab_of_every_shard():
 
 
 def test_a_transposed_load_holds_no_second_full_size_buffer(tmp_path):
-    """Issue 33: the transpose happens in the copy out of slab-sized temporaries, so host
+    """The transpose happens in the copy out of slab-sized temporaries, so host
     memory at peak is the final buffer and a few MiB, not the source beside it."""
     import tracemalloc
 
@@ -170,7 +170,7 @@ def _sharded_kernel(tmp_path, rows: int = 64, cols: int = 256):
 
 
 def test_the_shards_of_a_transposed_target_are_carved_from_one_allocation(tmp_path):
-    """Issue 33: the final buffers of a sharded target's boxes are packed into large
+    """The final buffers of a sharded target's boxes are packed into large
     allocations (huge pages fault in far cheaper than one small buffer per shard), and
     each device's array adopts its part without a copy."""
     weight, _, header, t = _sharded_kernel(tmp_path)

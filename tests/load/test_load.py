@@ -618,10 +618,10 @@ def _gapped_file(path, keep: int, skip: int) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("skip", [1024, 1000])
 def test_over_read_advice_is_true_for_the_load_at_hand(tmp_path, skip):
-    """The warning advised "max_over_read_ratio=1.0 to read only the needed bytes" even
+    """Advice of "max_over_read_ratio=1.0 to read only the needed bytes" would be false
     where that reads the same bytes (gaps under a page: 4000-byte tensors skipped between
-    the needed ones) and only silences it; the advice now states what ratio 1.0 reads,
-    and that number is what it reads."""
+    the needed ones) and only silences the warning; the advice states what ratio 1.0
+    reads, and that number is what it reads."""
     path = tmp_path / "gapped.safetensors"
     kept = _gapped_file(path, 1100, skip)
     abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(MESH8, P())) for k, v in kept.items()}
@@ -646,7 +646,7 @@ def test_over_read_advice_is_true_for_the_load_at_hand(tmp_path, skip):
 
 
 def test_the_held_dtype_follows_jax_enable_x64_when_it_changes(tmp_path):
-    """The dtype a device array holds is cached per tensor dtype (issue 33): the cache
+    """The dtype a device array holds is cached per tensor dtype: the cache
     follows ``jax_enable_x64`` when it is turned on and off between loads."""
     value = np.arange(-3, 5, dtype=np.int64) * (1 << 40)
     nnx_save.save_file({"i": value}, tmp_path / "i.safetensors")
@@ -708,7 +708,7 @@ def test_a_bool_byte_other_than_0_or_1_is_refused_naming_the_key_and_offset(tmp_
     with pytest.raises(nnx_save.errors.ChecksumError, match=re.escape(message)):
         if way == "load_file":
             nnx_save.load_file(path)
-        elif way == "one_device":  # placed straight from its adopted buffer (issue 33)
+        elif way == "one_device":  # placed straight from its adopted buffer
             one = jax.sharding.SingleDeviceSharding(jax.devices()[1])
             nnx_save.load_file(path, {"mask": jax.ShapeDtypeStruct(shape, np.bool_, sharding=one)})
         elif way in ("sharded", "sharded_stream"):
@@ -719,7 +719,7 @@ def test_a_bool_byte_other_than_0_or_1_is_refused_naming_the_key_and_offset(tmp_
 
 
 def test_one_device_targets_are_placed_from_their_adopted_buffers(tmp_path, monkeypatch):
-    """Issue 33: a whole tensor on one device skips assemble; its value is still the
+    """A whole tensor on one device skips assemble; its value is still the
     file's, in jax's dtype for the target (a 64-bit target holds the file's 32 bits)."""
     full = {"f": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4), "i": np.arange(-3, 5, dtype=np.int32)}
     nnx_save.save_file(full, tmp_path / "one.safetensors")

@@ -1,4 +1,4 @@
-"""One writer per directory across jobs (issue 30, item 1): a job of two JAX processes
+"""One writer per directory across jobs: a job of two JAX processes
 saving into a directory another process is writing is refused on every process, naming
 that writer, which then commits intact; the job's own saves (process 0 holds the lock for
 all, its peers never take it) leave no lock file behind."""

@@ -181,7 +181,8 @@ def test_a_ported_export_writes_each_byte_once_from_the_process_holding_it(pod, 
 
 
 def test_an_export_with_no_box_map_is_gathered_and_written_by_the_primary(pod):
-    """(Before, a sharded export raised a SaveError: no process held the tensor whole.)"""
+    """A sharded export with no box map is gathered, not refused because no process holds
+    the tensor whole."""
     from porting_support import read_checkpoint
 
     d, _, _ = pod

@@ -113,8 +113,8 @@ def test_shared_reads_read_each_byte_once_per_pod(ported, name):
 
 @pytest.mark.parametrize("name", ["replicated", "replicated_shared", "inner_split_shared"])
 def test_each_box_several_local_devices_hold_is_one_host_buffer(ported, name):
-    """Issue 33: on the CPU backend the shared reads' reshard left one buffer per local
-    device (4x the replicated bytes here); the arrays now adopt one, as a plain load's do."""
+    """On the CPU backend a reshard of the shared reads would leave one buffer per local
+    device (4x the replicated bytes here); the arrays adopt one, as a plain load's do."""
     workers, _ = ported
     for job in _jobs(workers, name):
         buffers, boxes = job["buffers"]

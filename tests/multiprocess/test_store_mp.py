@@ -1,6 +1,6 @@
 """The training store on 2 and 4 real JAX processes (gloo on 127.0.0.1): every
 decision about the directory is made on process 0 and shared, so all processes
-reach Orbax's barriers in the same order (issue 16)."""
+reach Orbax's barriers in the same order."""
 
 from __future__ import annotations
 
@@ -20,9 +20,10 @@ def _same_on_every_process(workers, key):
 
 @pytest.mark.slow
 def test_open_save_restore_twenty_times_on_two_processes(run_workers, tmp_path):
-    """Issue 16: this scenario failed 1 run in 5 with `sync_global_devices name
-    mismatch` (one process in Orbax's create_directory barrier, the other in
-    nnx_save:recover_overwrites). Twenty fresh stores in one launch."""
+    """Processes that decide about the directory apart reach different barriers
+    (`sync_global_devices name mismatch`: one process in Orbax's create_directory
+    barrier, another in nnx_save:recover_overwrites) in about 1 run in 5. Twenty fresh
+    stores in one launch."""
     args = {"scenario": "open_save_restore", "dir": str(tmp_path / "race"), "mesh": [2, 4], "repeat": 20}
     workers = run_workers("store_ops.py", 2, 4, args, timeout=600)
     for w in workers:

@@ -95,7 +95,7 @@ def test_mapping_and_coverage_from_a_header_read_no_tensor_data(tmp_path) -> Non
         nnx_save.load_file(header)  # as a read by the mapping would
     shapes = shapes_of(header)
     assert shapes == {**FILE, "fc.weight": ((3, 2), np.dtype(ml_dtypes.bfloat16))}
-    assert shapes_of(header.tensors) == shapes  # the entries themselves, as the issue tried
+    assert shapes_of(header.tensors) == shapes  # the entries themselves
     mapping = RULES.mapping(header)
     assert mapping == RULES.mapping(shapes) and mapping == RULES.mapping(header.tensors)
     assert mapping.assignments["fc/kernel"].dtype == np.dtype(ml_dtypes.bfloat16)

@@ -1,4 +1,4 @@
-"""Exports that reproduce the source file byte for byte (issue 32): checkpoints written
+"""Exports that reproduce the source file byte for byte: checkpoints written
 here by torch are loaded through rules only into poisoned NNX models, compared with
 torch, exported against the source file (``rules.inverse(source=path)``), and then every
 source tensor must come back with its exact bytes and torch's

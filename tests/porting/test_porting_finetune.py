@@ -225,7 +225,7 @@ def test_finetune_with_the_full_rules_reports_the_old_head_as_shape_mismatches(v
 
 
 def test_finetune_with_the_full_rules_and_allow_shape_mismatch(vit_checkpoint) -> None:
-    """The issue's case: the full RULES map the old head onto ``head/*`` with 10 classes;
+    """Fine-tuning onto a new head: the full RULES map the old head onto ``head/*`` with 10 classes;
     ``allow_shape_mismatch`` accepts it under strict, the new head keeps the builder's
     initialisation, and the refusal without it names that option."""
     config, path, tensors = vit_checkpoint

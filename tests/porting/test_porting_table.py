@@ -1,6 +1,6 @@
-"""Rule tables checked as a whole (issue 32's seven cases): every table here lands every
-tensor somewhere, and was accepted in silence; each is now refused under ``strict``,
-warned otherwise, or ported right, and the problems name the rules involved."""
+"""Rule tables checked as a whole: every table here lands every tensor somewhere, so a
+per-tensor check would accept it in silence; each is refused under ``strict``, warned
+otherwise, or ported right, and the problems name the rules involved."""
 
 from __future__ import annotations
 

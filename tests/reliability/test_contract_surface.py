@@ -1,4 +1,4 @@
-"""Every public call answers success or an NnxSaveError (issue 30, "What to build" 7).
+"""Every public call answers success or an NnxSaveError.
 
 The surface is drawn from the package itself: ``nnx_save.__all__``, the public
 submodules ``nnx_save.checkpoint`` and ``nnx_save.porting``, a store's methods, and the

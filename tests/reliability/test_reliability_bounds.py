@@ -1,4 +1,4 @@
-"""Parsers of foreign bytes are bounded (issue 30, items 7-8): a TorchScript archive of
+"""Parsers of foreign bytes are bounded: a TorchScript archive of
 a few KiB that claims gigabytes of memo entries, code or nesting, and a zip whose zip64
 locator points past the end of the file, each answer a typed NnxSaveError within
 seconds in a process whose address space is capped at 1 GiB over what it holds after

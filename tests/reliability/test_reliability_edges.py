@@ -1,4 +1,4 @@
-"""Inputs that used to end in a foreign exception now raise a typed NnxSaveError
+"""Inputs that could end in a foreign exception raise a typed NnxSaveError
 naming the file, key or argument, before any data is read where the header tells:
 odd temporary names and directory entries, JSON metadata nested absurdly deep, an
 unknown PRNG implementation, a declared tensor larger than the memory limit, a dtype
@@ -207,9 +207,9 @@ _KEYS = st.lists(
 @settings(max_examples=30, deadline=None)
 @given(keys=_KEYS)
 def test_every_tensor_name_a_file_holds_loads_back(tmp_path_factory, keys):
-    """The engine named a transform's whole source ``"source:<key>"`` and took an owner of
-    ``""`` for one: a tensor named ``""`` (a foreign file) or ``"source:w"`` (one save_file
-    writes itself) was read and then dropped, and load_file raised a bare KeyError."""
+    """Any name is a tensor name: ``""`` (a foreign file) or ``"source:w"`` (one save_file
+    writes itself) must not be taken for the engine's own names of a transform's source
+    or owner, read and then dropped with a bare KeyError."""
     path = tmp_path_factory.mktemp("keys") / "m.safetensors"
     header = {k: {"dtype": "F32", "shape": [2], "data_offsets": [8 * i, 8 * i + 8]} for i, k in enumerate(keys)}
     values = {k: np.array([i, -i], np.float32) for i, k in enumerate(keys)}

@@ -1,6 +1,6 @@
-"""A process forked while an asynchronous save runs (issue 18, item 9): DataLoader-
-style fork workers inherited the pending handle but not the writer thread, and hung
-forever at their next blocking save or at exit. After ``os.fork`` the child's async
+"""A process forked while an asynchronous save runs: DataLoader-style
+fork workers inherit the pending handle but not the writer thread, so a child that waited
+on it would hang at its next blocking save or at exit. After ``os.fork`` the child's async
 state starts empty; the parent's handles fail at once in the child, and the parent
 finishes its save. Each scenario runs in a fresh interpreter, bounded."""
 
@@ -62,8 +62,8 @@ SCRIPT = textwrap.dedent(
 
 
 def test_a_child_forked_during_an_async_save_neither_hangs_nor_inherits_the_save(tmp_path):
-    """Probe 9: before the fix the child hung in its blocking save (waiting on the
-    parent's pending handle) and again at exit; this run would hit the timeout."""
+    """A child that waited on the parent's pending handle would hang in its blocking
+    save and again at exit; this run would then hit the timeout."""
     proc = subprocess.run(
         [sys.executable, "-W", "ignore::RuntimeWarning", "-c", SCRIPT, str(tmp_path)],
         capture_output=True,

@@ -1,4 +1,4 @@
-"""The front door answers with typed errors (issue 30, items 9-10): numbers and paths
+"""The front door answers with typed errors: numbers and paths
 from outside are checked where they enter, a call with its arguments swapped or of the
 wrong kind is an OptionError naming the argument, a missing source is the documented
 SourceNotFoundError, a multi-file save over a file is a SaveError, and nothing is printed

@@ -1,6 +1,6 @@
-"""Fuzzing the index and pod-manifest parsers and HTTP responses (issue 18, "Also").
+"""Fuzzing the index and pod-manifest parsers and HTTP responses.
 
-Same contract as tests/reliability/test_reliability_fuzz.py, now with "exact data" checked: every
+Same contract as tests/reliability/test_reliability_fuzz.py, with "exact data" checked: every
 input either raises a library error (an :class:`~nnx_save.NnxSaveError`;
 ``FileNotFoundError`` for a missing file) or loads, and a load must return exactly
 the tensors that were saved (the shard files and served bytes are real; only the

@@ -283,7 +283,7 @@ def test_a_file_truncated_after_its_header_was_read_is_a_typed_error(tmp_path, l
 @pytest.mark.parametrize("loader", LOADERS)
 def test_a_file_rewritten_in_place_after_its_header_was_read_fails_verification(tmp_path, loader, verify):
     """Same size, same header, other bytes: the reader sees the file's modification time
-    differ from its header's (issue 30) and refuses before any checksum is needed."""
+    differ from its header's and refuses before any checksum is needed."""
     path = saved_linear(tmp_path / "m.safetensors")
     header = nnx_save.read_header(path)
     kernel = header["kernel"]

@@ -1,6 +1,6 @@
 """A file truncated (and re-extended) in place by another process while ``safe_open``
 handles read it: the reader never dies (no SIGBUS), and every read is the right bytes or
-a typed NnxSaveError (issue 30, items 4-5)."""
+a typed NnxSaveError."""
 
 from __future__ import annotations
 

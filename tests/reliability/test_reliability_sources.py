@@ -1,4 +1,4 @@
-"""Sources that are not what they seem (issue 18, items 10, 12 and 13): a FIFO, a
+"""Sources that are not what they seem: a FIFO, a
 directory named ``*.safetensors``, a device, ``/proc/self/mem``, absurd empty shapes,
 a path with NUL, a long legal name, a symlinked target. Each gives a typed error
 naming the path, or works, and never blocks; each test names the probe it pins."""
@@ -52,7 +52,7 @@ def refused(fn, cls, message: str) -> None:
 
 @pytest.mark.parametrize("loader", LOADERS)
 def test_a_fifo_as_the_source_is_refused_without_blocking(tmp_path, loader):
-    """Probe 10: ``load_file(fifo)`` blocked forever waiting for a writer."""
+    """Opening a FIFO would block forever waiting for a writer: it is refused first."""
     fifo = tmp_path / "x.safetensors"
     os.mkfifo(fifo)
     e = refused(lambda: LOADERS[loader](fifo), nnx_save.SourceError, f"{fifo}: is a FIFO, not a regular file")
@@ -61,7 +61,7 @@ def test_a_fifo_as_the_source_is_refused_without_blocking(tmp_path, loader):
 
 @pytest.mark.parametrize("loader", LOADERS)
 def test_a_fifo_inside_a_directory_or_named_by_an_index_is_refused(tmp_path, loader):
-    """Probe 10: ``dir/x.safetensors`` being a FIFO blocked the directory load too."""
+    """A FIFO ``dir/x.safetensors`` in a directory load is refused the same way."""
     nnx_save.save_file({"a": np.ones(2, np.float32)}, tmp_path / "a.safetensors")
     os.mkfifo(tmp_path / "x.safetensors")
     message = f"{tmp_path / 'x.safetensors'}: is a FIFO, not a regular file"
@@ -82,8 +82,8 @@ def test_a_fifo_named_like_the_index_is_not_waited_on(tmp_path):
 
 @pytest.mark.parametrize("loader", LOADERS)
 def test_a_directory_named_like_a_file_is_a_typed_error_with_its_path(tmp_path, loader):
-    """Probe 12: a directory ``b.safetensors`` in a checkpoint directory raised a bare
-    ``IsADirectoryError`` without a path."""
+    """A directory ``b.safetensors`` in a checkpoint directory is a typed error naming
+    it, not a bare ``IsADirectoryError`` without a path."""
     nnx_save.save_file({"a": np.ones(2, np.float32)}, tmp_path / "a.safetensors")
     (tmp_path / "b.safetensors").mkdir()
     refused(
@@ -95,8 +95,8 @@ def test_a_directory_named_like_a_file_is_a_typed_error_with_its_path(tmp_path, 
 
 @pytest.mark.parametrize("loader", LOADERS)
 def test_dev_zero_is_not_a_regular_file(tmp_path, loader):
-    """Probe 12: ``/dev/zero`` was reported as "8 bytes is shorter than the 8-byte
-    header size prefix"."""
+    """``/dev/zero`` is refused as a device, not read as a short file ("8 bytes is
+    shorter than the 8-byte header size prefix")."""
     link = tmp_path / "zero.safetensors"
     link.symlink_to("/dev/zero")
     refused(lambda: LOADERS[loader](link), nnx_save.SourceError, f"{link}: is a character device, not a regular file")
@@ -105,7 +105,7 @@ def test_dev_zero_is_not_a_regular_file(tmp_path, loader):
 @pytest.mark.skipif(not Path("/proc/self/mem").exists(), reason="needs /proc")
 @pytest.mark.parametrize("loader", LOADERS)
 def test_a_symlink_to_proc_self_mem_is_a_typed_error(tmp_path, loader):
-    """Probe 12: a symlink to ``/proc/self/mem`` raised a bare ``OSError`` (EIO)."""
+    """A symlink to ``/proc/self/mem`` is a typed error, not a bare ``OSError`` (EIO)."""
     link = tmp_path / "mem.safetensors"
     link.symlink_to("/proc/self/mem")
     refused(
@@ -120,8 +120,8 @@ def test_a_symlink_to_proc_self_mem_is_a_typed_error(tmp_path, loader):
     ("dtype", "shape"), [("F32", [0, 2**62]), ("F32", [2**61, 0]), ("U8", [0, 2**32, 2**31]), ("F64", [0, 2**60])]
 )
 def test_empty_tensors_with_unaddressable_dimensions_are_refused_at_the_header(tmp_path, loader, dtype, shape):
-    """Probe 12: ``[0, 2**62]`` passed ``read_header``, then numpy raised ``ValueError:
-    array is too big``."""
+    """An empty shape like ``[0, 2**62]`` is checked in ``read_header``, before numpy
+    would raise ``ValueError: array is too big``."""
     path = tmp_path / "empty.safetensors"
     body = json.dumps({"e": {"dtype": dtype, "shape": shape, "data_offsets": [0, 0]}}).encode()
     path.write_bytes(struct.pack("<Q", len(body)) + body)
@@ -141,8 +141,8 @@ def test_the_largest_addressable_empty_tensor_still_loads(tmp_path):
 
 
 def test_a_save_path_with_nul_is_an_option_error(tmp_path):
-    """Probe 12: a NUL in the path raised ``ValueError: embedded null byte``; it is refused
-    where the argument enters, naming it (issue 30: an OptionError, before any write)."""
+    """A NUL in the path would surface as ``ValueError: embedded null byte``; it is refused
+    where the argument enters, naming it (an OptionError, before any write)."""
     path = f"{tmp_path}/a\x00b.safetensors"
     with pytest.raises(nnx_save.OptionError, match=re.escape("save_file: path must be a path with no NUL byte")):
         nnx_save.save_file({"w": np.ones(2, np.float32)}, path)
@@ -151,8 +151,8 @@ def test_a_save_path_with_nul_is_an_option_error(tmp_path):
 
 @pytest.mark.parametrize("length", [227, NAME_MAX])
 def test_a_long_legal_file_name_can_be_saved(tmp_path, length):
-    """Probe 13: a legal 227-character name could not be saved: the temporary suffix
-    pushed the temporary name past 255 bytes. The temporary name is cut instead."""
+    """A legal 227-character name saves: a temporary suffix would push the temporary
+    name past 255 bytes, so the temporary name is cut."""
     path = tmp_path / ("w" * (length - len(".safetensors")) + ".safetensors")
     assert len(path.name) == length
     nnx_save.save_file({"w": np.arange(3, dtype=np.float32)}, path)
@@ -175,8 +175,8 @@ _BYTE_NAMES = st.binary(min_size=1, max_size=NAME_MAX).filter(
 @settings(max_examples=40, deadline=None)
 @given(raw=st.one_of(_BYTE_NAMES, st.just(b"w\xff.safetensors"), st.just(b"\xc3" * 3 + "é".encode() * 126)))
 def test_any_legal_file_name_in_bytes_can_be_saved_and_loaded(raw):
-    """A name that is not UTF-8 (bytes Python decodes to surrogates) raised a bare
-    UnicodeEncodeError from the temporary name; any bytes the kernel takes must save."""
+    """A name that is not UTF-8 (bytes Python decodes to surrogates) must not fail with a
+    bare UnicodeEncodeError from the temporary name; any bytes the kernel takes save."""
     with tempfile.TemporaryDirectory() as where:
         path = Path(where) / os.fsdecode(raw)
         for value in (1.0, 2.0):  # the second save replaces the first, through a temporary
@@ -186,7 +186,7 @@ def test_any_legal_file_name_in_bytes_can_be_saved_and_loaded(raw):
 
 
 def test_saving_through_a_symlink_replaces_the_link_not_its_target(tmp_path):
-    """Probe 13 (decided, docs/reliability.md): the save is an atomic rename in the
+    """A symlinked target (docs/reliability.md): the save is an atomic rename in the
     link's directory, so the link is replaced by the new file and the file it
     pointed to (a shared blob, say a HuggingFace cache entry) is left untouched."""
     target = tmp_path / "blobs" / "blob.safetensors"

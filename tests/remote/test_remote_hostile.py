@@ -1,9 +1,8 @@
-"""Lying HTTP servers and changing fsspec objects (issue 18, items 2, 3, 4, 7, 8 and
-13's redirects): each answer is either the exact data or a typed error naming the
+"""Lying HTTP servers and changing fsspec objects: each answer is either the exact data or a typed error naming the
 URL, never the bytes of another version, never an unbounded read, never a hang.
 
 The server is tests/remote/hostile_server.py on 127.0.0.1; each test states the
-probe of issue 18 it pins.
+lie it pins.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ def data_request(req: Request) -> bool:
 
 
 def test_a_vanished_etag_is_a_change(tmp_path):
-    """Probe 3: the server drops the ETag while replacing same-size content."""
+    """The server drops the ETag while replacing same-size content."""
     one, two = blob(tmp_path, V1), blob(tmp_path, V2)
     assert len(one) == len(two)
     with HostileServer({"/m.safetensors": one}) as server:
@@ -58,7 +57,7 @@ def test_a_vanished_etag_is_a_change(tmp_path):
 
 
 def test_a_pinned_etag_is_sent_with_if_match_and_412_is_a_change(tmp_path):
-    """Probe 3 (the If-Match half): later ranges ask for the pinned version; a server
+    """The If-Match half: later ranges ask for the pinned version; a server
     that no longer has it answers 412, which is a change."""
     one, two = blob(tmp_path, V1), blob(tmp_path, V2)
 
@@ -117,8 +116,8 @@ def longer_declared(req: Request, answer: Answer) -> Answer:
     ids=["gzip-named", "gzip-sent", "chunked-longer", "content-length-longer"],
 )
 def test_a_data_range_must_be_unencoded_and_exactly_its_length(tmp_path, lie, message):
-    """Probe 4: an encoded ranged response was copied raw into the tensor, and a
-    body longer than the range was cut silently."""
+    """An encoded ranged response is never copied raw into the tensor, and a body
+    longer than the range is refused, not cut silently."""
     with HostileServer({"/m.safetensors": blob(tmp_path, V1)}, lie) as server:
         url = f"{server.url}/m.safetensors"
         with pytest.raises(RemoteError, match=re.escape(url) + ".*" + re.escape(message)):
@@ -127,8 +126,8 @@ def test_a_data_range_must_be_unencoded_and_exactly_its_length(tmp_path, lie, me
 
 
 def test_the_header_probe_reads_at_most_what_it_asked(tmp_path):
-    """Probe 7: after asking for 64 KiB the probe read whatever the server sent (a
-    chunked body of hundreds of MiB); now it stops at the range and refuses the rest."""
+    """After asking for 64 KiB the probe reads no more than that, not whatever the server
+    sends (a chunked body of hundreds of MiB): it stops at the range and refuses the rest."""
     data = blob(tmp_path, V1)
     body = data + bytes(64 << 20)  # built before tracing: only the client's memory counts
 
@@ -148,8 +147,8 @@ def test_the_header_probe_reads_at_most_what_it_asked(tmp_path):
 
 
 def test_a_trickling_server_hits_the_deadline(tmp_path, monkeypatch):
-    """Probe 8: one byte every few seconds never trips a socket timeout; each request
-    now has a deadline (NNX_SAVE_HTTP_TIMEOUT plus its length at NNX_SAVE_HTTP_MIN_RATE)."""
+    """One byte every few seconds never trips a socket timeout; each request has a
+    deadline (NNX_SAVE_HTTP_TIMEOUT plus its length at NNX_SAVE_HTTP_MIN_RATE)."""
     monkeypatch.setenv("NNX_SAVE_HTTP_TIMEOUT", "1")
     monkeypatch.setenv("NNX_SAVE_HTTP_MIN_RATE", "1000000")
 
@@ -216,8 +215,8 @@ def redirecting(routes: dict[str, str]):
 
 
 def test_redirects_are_followed_and_pinned_at_the_final_url(tmp_path):
-    """Probe 13: hub ``resolve/`` URLs redirect to a CDN; this failed with "must answer
-    ranges with 206". A redirect that later leads to another version is a change."""
+    """Hub ``resolve/`` URLs redirect to a CDN: the redirect is followed, not refused as
+    "must answer ranges with 206". A redirect that later leads to another version is a change."""
     one, two = blob(tmp_path, V1), blob(tmp_path, V2)
     routes = {"/resolve/m.safetensors": "/cdn/v1.safetensors"}
     with HostileServer({"/cdn/v1.safetensors": one, "/cdn/v2.safetensors": two}, redirecting(routes)) as server:
@@ -285,9 +284,9 @@ def memory_url():
 
 
 def test_an_fsspec_object_replaced_after_its_header_was_read_is_a_change(tmp_path, memory_url):
-    """Probe 2: replace a ``memory://`` (or ``s3://``, ``gs://`` ...) object between
-    ``read_header`` and ``load_file(header)``: the load returned the new bytes under
-    the old header. Pinned now to the size and the version fields of ``info()``."""
+    """Replace a ``memory://`` (or ``s3://``, ``gs://`` ...) object between ``read_header``
+    and ``load_file(header)``: the load must not return the new bytes under the old
+    header, so it is pinned to the size and the version fields of ``info()``."""
     fs, url = memory_url
     one, two = blob(tmp_path, V1), blob(tmp_path, V2)
     fs.pipe(url, one)
@@ -320,7 +319,7 @@ def test_an_fsspec_store_error_is_a_remote_error_naming_the_url(memory_url, monk
 
 
 def test_an_fsspec_object_replaced_during_the_load_is_a_change(tmp_path, memory_url, monkeypatch):
-    """Probe 2, mid-load: the object is replaced after the first data read; the
+    """Mid-load: the object is replaced after the first data read; the
     reader's check when it closes sees the new version."""
     fs, url = memory_url
     one, two = blob(tmp_path, V1), blob(tmp_path, V2)
@@ -342,7 +341,7 @@ def test_an_fsspec_object_replaced_during_the_load_is_a_change(tmp_path, memory_
 
 
 def test_no_validator_never_mixes_two_versions(tmp_path):
-    """Issue 30, item 6: a server with no ETag and no Last-Modified swaps a same-size
+    """A server with no ETag and no Last-Modified swaps a same-size
     version between two reads of one handle: the second read is checked against the
     checksum the header recorded and refused, never v2's bytes under v1's header."""
     one, two = blob(tmp_path, V1), blob(tmp_path, V2)

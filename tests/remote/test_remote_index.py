@@ -1,4 +1,4 @@
-"""One index validator for local and remote checkpoints (issue 18, items 6 and 11):
+"""One index validator for local and remote checkpoints:
 every case runs against a directory on disk and the same directory served by nginx,
 and must give the same typed error (``HeaderError``, ``check="index"``) naming the index."""
 
@@ -74,8 +74,8 @@ def refused(src: Source, message: str) -> None:
     ],
 )
 def test_encoded_and_url_shaped_file_names_are_refused(source, name, bad):
-    """Probe 6: ``%2e%2e/...`` passed the literal-``..`` check and nginx served the file
-    outside the model's directory. Refused now, locally and remotely, before any request."""
+    """``%2e%2e/...`` passes a literal-``..`` check and nginx would serve the file outside
+    the model's directory: refused, locally and remotely, before any request."""
     source.write_index({"weight_map": {"kernel": "a.safetensors", "bias": name}})
     refused(source, f"file name {name!r} contains {bad}; weight-map entries must be plain relative paths")
 
@@ -94,7 +94,7 @@ def test_a_missing_file_is_an_index_error_for_both(source):
 
 
 def test_duplicate_tensor_keys_are_refused_by_both(source):
-    """Probe 11: the remote validator kept the last of two ``weight_map`` entries."""
+    """Two ``weight_map`` entries for one tensor are refused, not resolved to the last."""
     source.write_index(
         '{"weight_map": {"kernel": "a.safetensors", "bias": "b.safetensors", "extra": "b.safetensors",'
         ' "bias": "a.safetensors"}}'
@@ -111,19 +111,19 @@ def test_duplicate_metadata_keys_are_refused_by_both(source):
 
 
 def test_deep_nesting_is_a_typed_error_not_a_recursion_error(source):
-    """Probe 11: a deeply nested index raised a raw ``RecursionError`` remotely."""
+    """A deeply nested index is a typed error remotely too, not a raw ``RecursionError``."""
     source.write_index('{"metadata": ' + "[" * 100_000 + "]" * 100_000 + ', "weight_map": {}}')
     refused(source, "not a valid JSON index: nested too deeply")
 
 
 def test_files_holding_tensors_the_index_does_not_name_are_refused_by_both(source):
-    """Probe 11: the remote validator accepted a file holding a tensor the index omits."""
+    """A file holding a tensor the index omits is refused remotely as locally."""
     source.write_index({"weight_map": {"kernel": "a.safetensors", "bias": "b.safetensors"}})
     refused(source, "files hold tensors the index does not name: ['extra']")
 
 
 def test_a_large_real_sized_index_loads_by_both(source):
-    """Probe 11: a valid 89 KB index (1,100 tensors) was refused remotely as "larger
+    """A valid 89 KB index (1,100 tensors) loads remotely: no size cap calls it "larger
     than any real index"; DeepSeek-scale indexes are megabytes."""
     names = [f"model.layers.{i}.self_attn.q_proj.weight_with_a_long_descriptive_suffix" for i in range(1100)]
     half = len(names) // 2

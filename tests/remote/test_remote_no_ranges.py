@@ -1,5 +1,5 @@
 """A server without Range support (``python -m http.server``): the error says what the
-server lacks and which servers work (issue 31)."""
+server lacks and which servers work."""
 
 import functools
 import http.server

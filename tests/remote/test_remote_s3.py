@@ -47,8 +47,8 @@ def upload(client, bucket: str, tree: dict, tmp_path) -> str:
 
 
 def test_a_presigned_url_loads_the_file_it_names(bucket, tmp_path):
-    """Issue 31: the URL ends in its query string, not in .safetensors; it was taken
-    for a directory and its index asked at '<url>?<query>/model.safetensors.index.json'."""
+    """The URL ends in its query string, not in .safetensors; it names a file, not a
+    directory whose index would be at '<url>?<query>/model.safetensors.index.json'."""
     client, name = bucket
     url = upload(client, name, WEIGHTS, tmp_path)
     assert re.search(r"/run/model\.safetensors\?.*(Signature|X-Amz-Signature)=", url), url

@@ -1,7 +1,6 @@
-"""URLs are told apart by the response, not by their names (issue 29, breakage 5):
+"""URLs are told apart by the response, not by their names:
 a presigned URL keeps its query string, paths are joined by the URL's rules, and a
 ``.bin`` at a URL is a :class:`~nnx_save.NotSafetensorsError` as it is on disk.
-Each test failed on main before the two-way layouts (checked against main's ``src``).
 """
 
 from __future__ import annotations

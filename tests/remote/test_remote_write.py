@@ -1,4 +1,4 @@
-"""Weights files saved to a URL through fsspec (issue 16, item 5): streamed one tensor
+"""Weights files saved to a URL through fsspec: streamed one tensor
 at a time, committed under the final name only when complete, checksummed as local
 files are; load_file reads them back."""
 

@@ -24,6 +24,7 @@ import pytest
 from flax import nnx
 
 import nnx_save
+from nnx_save import _config
 from nnx_save.bridges._leaves import leaf_entry
 from nnx_save.io._atomic import TMP_MARKER
 from nnx_save.save import _background
@@ -101,7 +102,7 @@ def _flat_np(state) -> dict[str, np.ndarray]:
 
 
 def test_training_loop_with_donation_saves_the_state_of_each_step(tmp_path, gate, monkeypatch):
-    monkeypatch.setenv(_background.MAX_IN_FLIGHT_ENV, "100")  # every write waits at the gate until training ends
+    monkeypatch.setenv(_config.MAX_ASYNC_SAVES.name, "100")  # every write waits at the gate until training ends
     handles, donated = {}, []
 
     def save(i, graphdef, state):
@@ -207,7 +208,7 @@ def test_wait_for_saves_raises_failures_nobody_collected_once(tmp_path, gate):
 
 
 def test_in_flight_saves_are_bounded(tmp_path, gate, monkeypatch):
-    monkeypatch.setenv(_background.MAX_IN_FLIGHT_ENV, "2")
+    monkeypatch.setenv(_config.MAX_ASYNC_SAVES.name, "2")
     first = [nnx_save.save_file({"w": jnp.ones(2)}, tmp_path / f"{i}.safetensors", blocking=False) for i in range(2)]
     returned = threading.Event()
     third = threading.Thread(
@@ -227,7 +228,7 @@ def test_in_flight_saves_are_bounded(tmp_path, gate, monkeypatch):
 
 
 def test_a_bad_bound_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setenv(_background.MAX_IN_FLIGHT_ENV, "0")
+    monkeypatch.setenv(_config.MAX_ASYNC_SAVES.name, "0")
     with pytest.raises(nnx_save.NnxSaveError, match=re.escape("NNX_SAVE_MAX_ASYNC_SAVES='0': expected a positive")):
         nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w.safetensors", blocking=False)
 

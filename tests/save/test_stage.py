@@ -1,4 +1,4 @@
-"""Saving from devices (issue 14 item 4): device -> host copies started ahead of the
+"""Saving from devices: device -> host copies started ahead of the
 write under a byte budget, forced on the CPU backend by NNX_SAVE_FORCE_HOST_STAGING
 (the testing aid), where the copies are real."""
 
@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import nnx_save
+from nnx_save import _config
 from nnx_save.bridges._leaves import leaf_entry
 from nnx_save.io._atomic import TMP_MARKER
 from nnx_save.save import _background, _stage, _write
@@ -30,7 +31,7 @@ KIB = 1 << 10
 
 @pytest.fixture
 def forced(monkeypatch):
-    monkeypatch.setenv(_stage.FORCE_ENV, "1")
+    monkeypatch.setenv(_config.FORCE_HOST_STAGING.name, "1")
 
 
 class Live:
@@ -112,7 +113,7 @@ def test_window_starts_ahead_while_the_bytes_fit(forced, monkeypatch):
 
 
 def test_cpu_arrays_are_not_copied_unless_forced(tmp_path, monkeypatch):
-    monkeypatch.delenv(_stage.FORCE_ENV, raising=False)
+    monkeypatch.delenv(_config.FORCE_HOST_STAGING.name, raising=False)
     live = Live(monkeypatch)
     nnx_save.save_file(mixed_tree(), tmp_path / "a.safetensors")
     _background.snapshot([leaf_entry(("x",), jnp.ones(8))])
@@ -121,8 +122,8 @@ def test_cpu_arrays_are_not_copied_unless_forced(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("text", ["0", "-5", "lots"])
 def test_a_bad_budget_is_refused(tmp_path, monkeypatch, text):
-    monkeypatch.setenv(_stage.BUDGET_ENV, text)
-    with pytest.raises(nnx_save.NnxSaveError, match=re.escape(f"{_stage.BUDGET_ENV}={text!r}")):
+    monkeypatch.setenv(_config.SAVE_INFLIGHT_BYTES.name, text)
+    with pytest.raises(nnx_save.NnxSaveError, match=re.escape(f"{_config.SAVE_INFLIGHT_BYTES.name}={text!r}")):
         nnx_save.save_file({"w": np.ones(2)}, tmp_path / "w.safetensors")
     assert not os.listdir(tmp_path)
 
@@ -134,8 +135,8 @@ def test_a_bad_budget_is_refused(tmp_path, monkeypatch, text):
 def test_staged_saves_write_the_reference_bytes(tmp_path, monkeypatch, budget):
     tree = mixed_tree()
     nnx_save.save_file(tree, tmp_path / "ref.safetensors")  # the CPU path: no copies
-    monkeypatch.setenv(_stage.FORCE_ENV, "1")
-    monkeypatch.setenv(_stage.BUDGET_ENV, str(budget))
+    monkeypatch.setenv(_config.FORCE_HOST_STAGING.name, "1")
+    monkeypatch.setenv(_config.SAVE_INFLIGHT_BYTES.name, str(budget))
     live = Live(monkeypatch)
     nnx_save.save_file(tree, tmp_path / "staged.safetensors")
     handle = nnx_save.save_file(tree, tmp_path / "async.safetensors", blocking=False)
@@ -249,7 +250,7 @@ def peak_growth(directory: Path, budget: int, mode: str) -> int:
         # RSS would then count memory already freed (150-220 MiB here, run to run).
         # A fixed threshold returns each freed block to the kernel, so RSS is what is alive.
         MALLOC_MMAP_THRESHOLD_=str(1 << 20),
-        **{_stage.FORCE_ENV: "1", _stage.BUDGET_ENV: str(budget)},
+        **{_config.FORCE_HOST_STAGING.name: "1", _config.SAVE_INFLIGHT_BYTES.name: str(budget)},
     )
     out = subprocess.run(
         [sys.executable, "-c", RSS_SCRIPT, str(directory), mode], env=env, capture_output=True, text=True, timeout=300

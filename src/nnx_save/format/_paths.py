@@ -9,9 +9,8 @@ another after this rule is refused, because it could not be read back to one pla
 The tuple rule: a dict key that is a tuple of ``str`` / ``int`` (nested tuples too), as
 flax keeps them (``nnx.WeightNorm``'s ``scales[('kernel',)]``, ``nnx.SpectralNorm``'s
 ``batch_stats[('kernel', 'sigma')]``), is written as its Python literal, ``repr(key)``:
-``wn/scales/('kernel',)``. :func:`from_key` reads such a segment back as the tuple, as it
-reads ``"0"`` back as ``0`` (so a name spelled exactly like a tuple's literal and the
-tuple make the same key, and two such paths in one tree are refused).
+``wn/scales/('kernel',)``. A name spelled exactly like a tuple's literal and the tuple
+make the same key, as ``"0"`` and ``0`` do, so two such paths in one tree are refused.
 
 jax key entries (``DictKey``, ``SequenceKey``, ``GetAttrKey``, ``FlattenedIndexKey``)
 are accepted by duck typing, so this module imports neither jax nor flax.
@@ -19,12 +18,11 @@ are accepted by duck typing, so this module imports neither jax nor flax.
 
 from __future__ import annotations
 
-import ast
 from collections.abc import Iterable, Sequence
 
 from ..errors import KeyPathError
 
-__all__ = ["Segment", "check_unique", "format_path", "from_key", "segment", "to_key", "to_keys"]
+__all__ = ["Segment", "check_unique", "format_path", "segment", "to_key", "to_keys"]
 
 Segment = str | int | tuple
 _TUPLE_DEPTH = 4  # nesting a tuple key may have (flax's are flat)
@@ -50,22 +48,11 @@ def segment(entry: object, where: Sequence[object] = ()) -> Segment:
 
 
 def _tuple_key(entry: tuple, depth: int = 0) -> bool:
-    """Whether ``entry`` is a tuple of ``str`` / ``int`` (or such tuples) whose literal
-    reads back as itself (the tuple rule)."""
+    """Whether ``entry`` is a tuple of ``str`` / ``int`` (or such tuples, nested at most
+    ``_TUPLE_DEPTH`` deep): a key the tuple rule writes as its literal."""
     if depth >= _TUPLE_DEPTH:
         return False
     return all((type(e) is str or type(e) is int) or (type(e) is tuple and _tuple_key(e, depth + 1)) for e in entry)
-
-
-def _read_tuple(text: str) -> tuple | None:
-    """The tuple key ``text`` is the literal of, or ``None`` (the tuple rule)."""
-    if not (text.startswith("(") and text.endswith(")")) or len(text) > 4096:
-        return None
-    try:
-        value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
-        return None
-    return value if type(value) is tuple and _tuple_key(value) and repr(value) == text else None
 
 
 def format_path(path: Iterable[object]) -> str:
@@ -79,6 +66,13 @@ def to_key(path: Sequence[object]) -> str:
     Examples:
         >>> to_key(("blocks", 0, "attn", "kernel"))
         'blocks/0/attn/kernel'
+        >>> to_key(("blocks", "0")) == to_key(("blocks", 0)), to_key(("blocks", "007"))
+        (True, 'blocks/007')
+        >>> to_key(("wn", "scales", ("kernel",)))
+        "wn/scales/('kernel',)"
+        >>> to_key(("a", "b/c"))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        nnx_save.errors.KeyPathError: a/'b/c': name contains /; file keys join names with '/' so ...
     """
     parts = []
     for i, entry in enumerate(path):
@@ -104,27 +98,6 @@ def to_key(path: Sequence[object]) -> str:
                 ) from None
         parts.append(text)
     return "/".join(parts)
-
-
-def from_key(key: str) -> tuple[Segment, ...]:
-    """Split a file key into a path; decimal segments become ints.
-
-    Examples:
-        >>> from_key("blocks/0/kernel")
-        ('blocks', 0, 'kernel')
-        >>> from_key(to_key(("a", 12, "b"))) == ("a", 12, "b")
-        True
-        >>> to_key(("wn", "scales", ("kernel",))), from_key("wn/scales/('kernel',)")
-        ("wn/scales/('kernel',)", ('wn', 'scales', ('kernel',)))
-    """
-    return tuple(_read_segment(p) for p in key.split("/"))
-
-
-def _read_segment(text: str) -> Segment:
-    if text.isdecimal() and (text == "0" or not text.startswith("0")) and text.isascii():
-        return int(text)
-    held = _read_tuple(text) if text[:1] == "(" else None
-    return text if held is None else held
 
 
 def to_keys(paths: Iterable[Sequence[object]]) -> list[str]:

@@ -3,7 +3,7 @@ pieces, ``embed[0:32,0:64]``, or whole values) and a ``manifest.json`` naming ea
 tensor's dtype, shape, sharding and pieces. Format, reading, writing and the
 manifest's commit live here; docs/multihost.md tells the rest.
 
-:class:`PodLayout` validates the manifest (:func:`check_tiling`) before any byte is
+:class:`PodLayout` validates the manifest (:func:`~nnx_save.format._boxes.check_tiling`) before any byte is
 read. Writing, every process writes one shard file with every distinct box its
 devices hold, then the primary commits the manifest, last and atomically, and only
 then removes the shard files provably of earlier saves (the save token in their names
@@ -29,7 +29,7 @@ import numpy as np
 
 from ..errors import HeaderError, OptionError, SaveError, short_repr
 from ..format import _dtypes
-from ..format._boxes import of_index
+from ..format._boxes import check_tiling, of_index
 from ..format._header import FileHeader, TensorInfo, encode_header
 from ..io import _files, _storage
 from ..io._kv import Outcome, Sync
@@ -58,7 +58,6 @@ __all__ = [
     "VERSION",
     "Manifest",
     "PodLayout",
-    "check_tiling",
     "piece_name",
     "shard_name",
 ]
@@ -67,117 +66,9 @@ MANIFEST = "manifest.json"
 FORMAT = "nnx_save.pod"
 VERSION = 1
 SHARD_FILE = re.compile(r"^shard_(\d{5})-of-(\d{5})\.(?P<id>[0-9a-f]{8})\.safetensors$")
-# The overlap check paints the grid the pieces' edges cut a tensor into; pieces
-# that cut it into more cells than this (an irregular layout no save makes) are
-# checked pairwise up to MAX_PAIRWISE_PIECES, and refused beyond.
-MAX_GRID_CELLS = 1 << 22
-MAX_PAIRWISE_PIECES = 2048
 # A shard file's name gives the process and the count in five digits (SHARD_FILE).
 MAX_PROCESSES = 99999
 _SAVE_ID = re.compile(r"[0-9a-f]{8}")
-
-
-# --------------------------------------------------------------------------- tiling
-
-
-def check_tiling(key: str, shape: tuple[int, ...], boxes: list[Box], where: str) -> None:
-    """Refuse unless the distinct ``boxes`` lie inside ``shape``, are pairwise
-    disjoint and cover it exactly. O(n log n) in the boxes of a regular grid.
-
-    Raises:
-        HeaderError: naming ``key`` and the offending boxes.
-
-    Examples:
-        >>> check_tiling("w", (8,), [((0, 4),), ((4, 8),), ((0, 4),)], "m.json")  # a replica: fine
-        >>> check_tiling("w", (8,), [((0, 6),), ((1, 3),)], "m.json")
-        Traceback (most recent call last):
-        ...
-        nnx_save.errors.HeaderError: m.json: tensor 'w': pieces [[0, 6]] and [[1, 3]] overlap
-    """
-    distinct = list(dict.fromkeys(boxes))
-    for box in distinct:
-        if len(box) != len(shape):
-            raise _outside(key, box, shape, where)
-    try:
-        arr = np.array(distinct, np.int64).reshape(len(distinct), len(shape), 2)
-        np.array(shape, np.int64)
-    except OverflowError:
-        raise HeaderError(
-            f"{where}: tensor {key!r}: a shape or piece coordinate exceeds 2**63 - 1", check="pieces"
-        ) from None
-    lo, hi = arr[..., 0], arr[..., 1]
-    inside = ((lo >= 0) & (lo <= hi) & (hi <= np.array(shape, np.int64))).all(1)
-    if not inside.all():
-        raise _outside(key, distinct[int(np.argmin(inside))], shape, where)
-    keep = (lo < hi).all(1)
-    nonempty = arr[keep]
-    if shape and len(nonempty) > 1:
-        pair = _overlap(nonempty, key, where)
-        if pair is not None:
-            i, j = pair
-            raise HeaderError(
-                f"{where}: tensor {key!r}: pieces {_show(nonempty[i].tolist())} and {_show(nonempty[j].tolist())} overlap",
-                check="pieces",
-            )
-    covered, total = sum(map(math.prod, (nonempty[:, :, 1] - nonempty[:, :, 0]).tolist())), math.prod(shape)
-    if covered != total or (not shape and not distinct):
-        raise HeaderError(
-            f"{where}: tensor {key!r}: pieces {[_show(b) for b in distinct][:8]} cover {covered} of the "
-            f"{total} elements of shape {list(shape)}",
-            check="pieces",
-        )
-
-
-def _outside(key: str, box: Box, shape: tuple[int, ...], where: str) -> HeaderError:
-    return HeaderError(
-        f"{where}: tensor {key!r}: piece {_show(box)} does not lie inside shape {list(shape)}", check="pieces"
-    )
-
-
-def _overlap(boxes: np.ndarray, key: str, where: str) -> tuple[int, int] | None:
-    """``(i, j)``, ``i < j``, of distinct non-empty ``boxes`` (``[n, rank, 2]``) that
-    share an element: the first ``j`` overlapping an earlier box, and the first such
-    ``i``; or ``None``.
-
-    The edges of all boxes cut the tensor into a grid of cells, and each box is a
-    block of cells. Distinct boxes of one cell each (every regular sharding) cannot
-    overlap; otherwise the boxes are painted on the grid in order.
-    """
-    cuts = [np.unique(boxes[:, k, :]) for k in range(boxes.shape[1])]
-    cells = [(np.searchsorted(c, boxes[:, k, 0]), np.searchsorted(c, boxes[:, k, 1])) for k, c in enumerate(cuts)]
-    if all(bool((hi - lo == 1).all()) for lo, hi in cells):
-        return None
-    if math.prod(len(c) - 1 for c in cuts) <= MAX_GRID_CELLS:
-        return _paint(cells, tuple(len(c) - 1 for c in cuts))
-    if len(boxes) <= MAX_PAIRWISE_PIECES:
-        return _pairwise(boxes[:, :, 0], boxes[:, :, 1])
-    raise HeaderError(
-        f"{where}: tensor {key!r}: {len(boxes)} pieces of irregular sizes (more than {MAX_PAIRWISE_PIECES}, cutting "
-        f"it into more than {MAX_GRID_CELLS} cells); save it again with save_pod, whose pieces form a regular grid",
-        check="pieces",
-    )
-
-
-def _paint(cells: list[tuple[np.ndarray, np.ndarray]], grid_shape: tuple[int, ...]) -> tuple[int, int] | None:
-    # Until the first overlap every cell is painted once, so this costs at most the grid.
-    grid = np.full(grid_shape, -1, np.int32)
-    for j in range(len(cells[0][0])):
-        block = grid[tuple(slice(int(lo[j]), int(hi[j])) for lo, hi in cells)]
-        earlier = block[block >= 0]
-        if earlier.size:
-            return int(earlier.min()), j
-        block[...] = j
-    return None
-
-
-def _pairwise(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
-    share = (np.maximum(lo[:, None], lo[None]) < np.minimum(hi[:, None], hi[None])).all(-1)
-    hit = np.argwhere(np.triu(share, 1).T)  # rows: (j, i) with i < j, in order of j
-    return (int(hit[0][1]), int(hit[0][0])) if len(hit) else None
-
-
-def _show(box: Box) -> list[list[int]]:
-    return [[lo, hi] for lo, hi in box]
 
 
 # --------------------------------------------------------------------------- manifests

@@ -117,7 +117,7 @@ from ._hf import (
     torch_lstm,
     torch_rms_norm,
 )
-from ._mapping import Assignment, KeyMapping, Rules, shapes_of
+from ._mapping import Assignment, KeyMapping, Rules
 from ._rules import (
     ConcatRule,
     ConstantRule,
@@ -129,6 +129,7 @@ from ._rules import (
     TransposeRule,
     UnstackRule,
 )
+from ._shapes import shapes_of
 from ._torch_layers import torch_conv_transpose, torch_group_norm, torch_gru
 from ._transforms import (
     Chain,

@@ -33,12 +33,12 @@ from ._rules import (
     StructuralRule,
     TransposeRule,
 )
+from ._shapes import Shape, source_shapes
 from ._template import ticked
 from ._transforms import Concatenate, Reshape, Step, Transform
 
-__all__ = ["Assignment", "KeyMapping", "Rules", "shapes_of"]
+__all__ = ["Assignment", "KeyMapping", "Rules"]
 
-Shape = tuple[int, ...]
 Info = Mapping[str, tuple[Shape, np.dtype]]
 Direction = Literal["load", "export"]
 AnyStructural = StructuralRule | SplitStackRule | ConcatUnstackRule | SumRule | SumExportRule | ComputeRule
@@ -136,41 +136,6 @@ class KeyMapping:
     def shapes(self) -> dict[str, tuple[Shape, np.dtype]]:
         """``{target: (shape, dtype)}``, the input an export mapping takes."""
         return {t: (a.shape, a.dtype) for t, a in self.assignments.items()}
-
-
-def _numpy_dtype(dtype: object) -> np.dtype:
-    """A numpy dtype from a numpy / jax dtype or a header's dtype entry (its ``.numpy``)."""
-    held = getattr(dtype, "numpy", None)
-    return held if isinstance(held, np.dtype) else np.dtype(dtype)  # type: ignore[call-overload]  # any dtype-like object
-
-
-def shapes_of(arrays: Mapping[str, object] | object) -> dict[str, tuple[Shape, np.dtype]]:
-    """``{key: (shape, dtype)}`` of anything with ``.shape`` and ``.dtype``: arrays,
-    ``jax.ShapeDtypeStruct``, a header's tensor entries, or a whole header
-    (``nnx_save.read_header(path)``), which reads no tensor data.
-
-    Examples:
-        >>> import numpy as np, nnx_save, tempfile, os
-        >>> path = os.path.join(tempfile.mkdtemp(), "w.safetensors")
-        >>> nnx_save.save_file({"fc.weight": np.zeros((3, 2), np.float32)}, path)
-        >>> shapes_of(nnx_save.read_header(path))
-        {'fc.weight': ((3, 2), dtype('float32'))}
-    """
-    items = getattr(arrays, "tensors", arrays)  # a Header: its tensor entries
-    if not isinstance(items, Mapping) or not all(hasattr(v, "shape") and hasattr(v, "dtype") for v in items.values()):
-        raise RuleError(
-            f"shapes_of: arrays must be a mapping of names to arrays (anything with .shape and .dtype) or a "
-            f"Header, got {type(arrays).__name__}"
-        )
-    return {k: (tuple(int(s) for s in v.shape), _numpy_dtype(v.dtype)) for k, v in items.items()}
-
-
-def _source_shapes(sources: Mapping[str, object] | object) -> dict[str, tuple[Shape, np.dtype]]:
-    """``{key: (shape, dtype)}`` pairs as they are, or anything :func:`shapes_of` reads."""
-    items = getattr(sources, "tensors", sources)
-    if all(isinstance(v, tuple) and len(v) == 2 for v in items.values()):  # type: ignore[attr-defined]  # a mapping, checked by shapes_of
-        return {k: (tuple(int(s) for s in shape), _numpy_dtype(dtype)) for k, (shape, dtype) in items.items()}  # type: ignore
-    return shapes_of(items)
 
 
 class Rules:
@@ -271,8 +236,8 @@ class Rules:
         """
         if against is not None and self.direction != "export":
             raise RuleError("against= is for export mappings (rules.inverse()); a load reads the source itself")
-        info = _source_shapes(sources)
-        kept = None if against is None else _source_shapes(against)
+        info = source_shapes(sources)
+        kept = None if against is None else source_shapes(against)
         if not self.prefix:
             return _Mapper(self, info, kept).run()
         if self.direction == "load":

@@ -33,9 +33,8 @@ from ..io import _storage
 from . import _stage
 from ._entry import Entry
 
-__all__ = ["MAX_IN_FLIGHT_ENV", "SaveHandle", "max_in_flight", "save", "snapshot", "wait_for_saves"]
+__all__ = ["SaveHandle", "max_in_flight", "save", "snapshot", "wait_for_saves"]
 
-MAX_IN_FLIGHT_ENV = _config.MAX_ASYNC_SAVES.name
 log = logging.getLogger("nnx_save")
 
 _lock = threading.Lock()

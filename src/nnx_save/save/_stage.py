@@ -19,10 +19,8 @@ import numpy as np
 from .. import _config
 from ..errors import NnxSaveError, OptionError, SaveError
 
-__all__ = ["BUDGET_ENV", "FORCE_ENV", "BoxedValue", "Staged", "Window", "budget", "stage"]
+__all__ = ["BoxedValue", "Staged", "Window", "budget", "stage"]
 
-BUDGET_ENV = _config.SAVE_INFLIGHT_BYTES.name
-FORCE_ENV = _config.FORCE_HOST_STAGING.name
 # Host memory kinds a device -> host copy may land in, the fastest first.
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 

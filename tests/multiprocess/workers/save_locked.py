@@ -1,4 +1,4 @@
-"""A job of several processes and the writer lock (issue 30): every process of the job
+"""A job of several processes and the writer lock: every process of the job
 is refused alike where another writer holds the directory, and the job's own saves,
 process 0 holding the lock for all, are never refused by its peers.
 

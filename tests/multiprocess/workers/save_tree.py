@@ -53,7 +53,7 @@ result["differs"] = refused(lambda: nnx_save.save_file(tree, other, metadata={"p
 # List the scratch directory only once every process has finished the refusal, and let
 # none start its next step (which makes its own temporary file there) before every
 # process has listed: without these barriers a listing could catch a peer's
-# ``.local1.st.nnx_save-tmp-...`` from the step below (issue 18, "Also").
+# ``.local1.st.nnx_save-tmp-...`` from the step below.
 multihost_utils.sync_global_devices("save_tree: differs refused")
 result["differs_left"] = sorted(os.listdir(scratch))
 multihost_utils.sync_global_devices("save_tree: differs listed")

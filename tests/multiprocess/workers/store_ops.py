@@ -5,8 +5,9 @@ scenario returns what this process saw, for the test to compare across processes
 
 - ``open_save_restore``: ``repeat`` times, on a fresh directory each, one process
   arriving up to 50 ms late (as after an uneven start-up): open the store, save three steps of the cross-process sharded "mixed" tree, restore the latest
-  onto the mesh and check every local shard (the start-up race of issue 16).
-- ``retention``: the issue's losses under latest-2 + best-1 by loss; restore the
+  onto the mesh and check every local shard (the start-up race: processes that
+  decide about the directory apart reach different barriers).
+- ``retention``: the losses under latest-2 + best-1 by loss; restore the
   best step onto the mesh and onto another mesh (``other_mesh``).
 - ``preemption``: a loop asking ``should_save`` at every step (interval 1000); the
   last process sends itself SIGTERM at step 5; every process must save one same
