@@ -28,9 +28,3 @@ _.delete
 _.apply
 # The table tests/test_config.py checks docs/configuration.md against.
 _.VARIABLES
-
-# Dead, in modules other branches are reworking: remove with that work, then these lines.
-_.default_text  # _config.Variable.default_text (used by tests/test_config.py only)
-_.dtype_record  # checkpoint/_tree (tests only)
-_.holder_of  # io/_lock (tests only)
-_.LAYOUTS  # layouts/_registry (unused)

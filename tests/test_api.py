@@ -118,21 +118,6 @@ def test_every_public_error_is_an_nnx_save_error_and_documented():
     assert nnx_save.RemoteError is errors.RemoteError  # drawn in docs/errors.md, and reachable
 
 
-def test_every_merged_name_says_what_it_became():
-    """A class folded into another (or into an attribute) is gone from the module and from
-    ``nnx_save``; reaching for it says which class, and which attribute value, replaced it."""
-    literals = {"check": errors.HeaderCheck, "kind": errors.RuleKind, "reason": errors.UsageReason}
-    assert len(errors.MERGED) >= 29
-    for old, new in errors.MERGED.items():
-        cls, _, attribute = new.partition(" with ")
-        assert isinstance(getattr(errors, cls), type) and old not in dir(errors) and old not in dir(nnx_save), old
-        if attribute:
-            name, value = attribute.split("=")
-            assert value.strip('"') in typing.get_args(literals[name]), (old, new)
-        with pytest.raises(AttributeError, match=re.escape(f"has no attribute {old!r}: it is now a {new}")):
-            getattr(errors, old)
-
-
 def test_checkpoint_and_porting_errors_are_the_same_classes():
     import nnx_save.checkpoint
     import nnx_save.porting
@@ -217,7 +202,6 @@ def test_bad_save_options_are_typed_errors_naming_the_argument(tmp_path, kwargs,
 def test_the_load_shortcuts_are_every_option_the_functions_take_and_no_other(saved):
     """load_file and load_model take the LoadOptions fields as keywords (one TypedDict,
     ``**keywords: Unpack[LoadKeywords]``); a misspelt one is a TypeError, as for any Python function."""
-    import typing
 
     from flax import nnx
 
@@ -311,7 +295,7 @@ def _documented_errors() -> tuple[str, set[str], set[str]]:
     places under ``nnx_save.checkpoint`` / ``nnx_save.porting`` (their sections, or the
     tree's ``checkpoint.`` / ``porting.`` entries)."""
     page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
-    named = set(re.findall(r"\b([A-Z]\w*(?:Error|Warning))\b", page)) - set(dir(builtins)) - set(errors.MERGED)
+    named = set(re.findall(r"\b([A-Z]\w*(?:Error|Warning))\b", page)) - set(dir(builtins))
     sections = re.split(r"^## ", page, flags=re.M)
     elsewhere = "".join(s for s in sections if s.startswith(("Training checkpoints", "Porting")))
     placed = set(re.findall(r"`([A-Z]\w*(?:Error|Warning))`", elsewhere))
@@ -323,7 +307,7 @@ def test_every_name_docs_errors_writes_resolves():
     """Generated from docs/errors.md: each class it names is in ``nnx_save.errors``; the
     page says every one is reachable as ``nnx_save.X`` except the checkpoint and porting
     ones, which are the same classes in ``nnx_save.checkpoint`` / ``nnx_save.porting``;
-    each dotted ``nnx_save.a.b`` it writes resolves; each folded name it lists is gone."""
+    each dotted ``nnx_save.a.b`` it writes resolves."""
     import nnx_save.checkpoint
     import nnx_save.porting
 
@@ -342,6 +326,3 @@ def test_every_name_docs_errors_writes_resolves():
         value = nnx_save
         for part in dotted.split(".")[1:]:
             value = getattr(value, part)  # raises naming the part that does not resolve
-    for old in re.findall(r"`(\w+)`", page[page.index("earlier version") : page.index("raises an `AttributeError`")]):
-        with pytest.raises(AttributeError, match=re.escape(errors.MERGED[old])):
-            getattr(nnx_save, old)

@@ -30,7 +30,7 @@ def _table_rows() -> list[tuple[str, ...]]:
 
 
 def test_the_docs_table_is_the_config_module():
-    expected = [(f"`{v.name}`", f"`{v.default_text}`", v.expected, v.meaning) for v in _config.VARIABLES]
+    expected = [(f"`{v.name}`", f"`{_default_text(v.default)}`", v.expected, v.meaning) for v in _config.VARIABLES]
     assert _table_rows() == expected
     assert len(NAMES) == len(set(NAMES)) == 10
 
@@ -176,3 +176,14 @@ def test_numbers_from_the_environment_are_bounded(monkeypatch, text):
         with pytest.raises(ConfigError, match=re.escape(f"{variable.name}=")):
             variable.get()
         monkeypatch.delenv(variable.name)
+
+
+def _default_text(value: object) -> str:
+    """A variable's default as the docs table shows it (``auto`` for ``None``)."""
+    if value is None:
+        return "auto"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)

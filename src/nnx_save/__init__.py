@@ -133,8 +133,6 @@ _THROWN = (errors.NnxSaveError, errors.NnxSaveWarning)
 
 
 def __getattr__(name: str) -> _typing.Any:
-    if name in errors.MERGED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}: it is now a {errors.MERGED[name]}")
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(_importlib.import_module(_LAZY[name], __name__), name)

@@ -81,18 +81,6 @@ class Variable(Generic[T]):
         except ValueError:
             raise ConfigError(self.name, self.expected, raw) from None
 
-    @property
-    def default_text(self) -> str:
-        """The default as the docs table shows it (``auto`` for ``None``)."""
-        value: object = self.default
-        if value is None:
-            return "auto"
-        if isinstance(value, bool):
-            return "1" if value else "0"
-        if isinstance(value, float) and value.is_integer():
-            return str(int(value))
-        return str(value)
-
 
 def _flag(text: str) -> bool:
     if text.lower() in _TRUE:

@@ -24,7 +24,6 @@ __all__ = [
     "Recorded",
     "Spec",
     "check_item",
-    "dtype_record",
     "flatten",
     "is_array",
     "is_key_dtype",
@@ -118,7 +117,7 @@ def check_item(name: str, tree: Any) -> tuple[list[Any], list[Any]]:
 
     Returns:
         The item's rows of the dtype record (``items`` and ``leaves``, see
-        :func:`dtype_record`), made in the same pass over the leaves.
+        :func:`record_of`), made in the same pass over the leaves.
     """
     if name not in ITEM_NAMES:
         raise OptionError(unknown_item(name), "items")
@@ -177,23 +176,20 @@ def _leaf_problem(leaf: Any) -> str | None:
     return None
 
 
-def dtype_record(items: Mapping[str, Any]) -> dict[str, Any]:
-    """The JSON record of every leaf, by item and leaf path: ``items`` the dtype of each
-    array (what the dtype guard compares), ``leaves`` each leaf's stored shape and dtype,
-    or its Python type (what a templated restore compares, without asking Orbax for the
-    metadata of every array). Every leaf is checked as :func:`check_item` checks it.
+def record_of(rows: Mapping[str, tuple[list[Any], list[Any]]]) -> dict[str, Any]:
+    """The dtype record of items whose rows :func:`check_item` made, in ``rows``' order:
+    ``items`` the dtype of each array (what the dtype guard compares), ``leaves`` each
+    leaf's stored shape and dtype, or its Python type (what a templated restore compares,
+    without asking Orbax for the metadata of every array).
 
     Examples:
-        >>> dtype_record({"rng": jax.random.key(0), "model": {"w": np.zeros(2, np.float16), "n": 3}})["items"]
+        >>> items = {"rng": jax.random.key(0), "model": {"w": np.zeros(2, np.float16), "n": 3}}
+        >>> record = record_of({name: check_item(name, tree) for name, tree in items.items()})
+        >>> record["items"]
         {'rng': [[[], 'uint32']], 'model': [[['w'], 'float16']]}
-        >>> dtype_record({"model": {"w": np.zeros(2, np.float16), "n": 3}})["leaves"]
-        {'model': [[['n'], 'int'], [['w'], 'float16', [2]]]}
+        >>> record["leaves"]["model"]
+        [[['n'], 'int'], [['w'], 'float16', [2]]]
     """
-    return record_of({name: check_item(name, tree) for name, tree in items.items()})
-
-
-def record_of(rows: Mapping[str, tuple[list[Any], list[Any]]]) -> dict[str, Any]:
-    """The dtype record of items whose rows :func:`check_item` made, in ``rows``' order."""
     return {
         "format": DTYPES_FORMAT,
         "items": {name: dtypes for name, (dtypes, _) in rows.items()},

@@ -47,7 +47,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INDEX",
-    "LAYOUTS",
     "POD",
     "RECORDS",
     "Owner",
@@ -361,10 +360,6 @@ def _not_a_record(location: Location, name: str, layout: str) -> str | None:
     if isinstance(obj, dict) and obj.get("format") == POD_FORMAT and isinstance(obj.get("save_id"), str):
         return None
     return f"not a pod manifest of nnx_save (no format {POD_FORMAT!r} with a save id: another tool's file?)"
-
-
-LAYOUTS = ("file", "index", "pod")
-"""The layouts a save writes, as :attr:`SaveOptions.layout` names them."""
 
 
 def writer(metadata: Mapping[str, str] | None, options: SaveOptions = _DEFAULTS) -> Write:

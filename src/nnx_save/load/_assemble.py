@@ -147,7 +147,7 @@ def place_adopted(t: Target | None, buffer: np.ndarray, info: TensorInfo, box: B
     """The device array of ``t`` from its one adopted destination ``buffer`` (the
     bytes of ``box`` of file tensor ``info``, whose dtype is the held one), viewed
     (:func:`host_view`: BOOL bytes checked) and placed on its one device with none of
-    :func:`assemble`'s general steps (many small tensors: issue 33); ``None`` where
+    :func:`assemble`'s general steps (what many small tensors cost); ``None`` where
     ``t`` is not such a target or jax lacks :func:`batched_put`."""
     put = batched_put()
     if t is None or t.sharding is None or len(devices) != 1 or put is None:
@@ -165,7 +165,7 @@ def batched_put() -> Callable | None:
     The C++ call itself (``xla_client.batched_device_put``) when jax has it, with the
     abstract value made once per shape, dtype and sharding: many small tensors of a
     few shapes then cost a few microseconds each, not the tens that ``pxla``'s wrapper
-    and a fresh abstract value per tensor cost (issue 33)."""
+    and a fresh abstract value per tensor cost."""
     try:
         from jax._src import core
         from jax._src.interpreters import pxla
