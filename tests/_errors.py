@@ -32,6 +32,6 @@ def raises_rule(kind: str, match: str | None = None) -> Iterator[Any]:
 def raises_usage(reason: str, match: str | None = None) -> Iterator[Any]:
     """A :class:`nnx_save.checkpoint.CheckpointUsageError` whose message matches ``match`` and
     whose ``reason`` is ``reason``."""
-    with pytest.raises(nnx_save.errors.CheckpointUsageError, match=match) as info:
+    with pytest.raises(nnx_save.checkpoint.CheckpointUsageError, match=match) as info:
         yield info
     assert info.value.reason == reason, f"reason {info.value.reason!r}, expected {reason!r}: {info.value}"

@@ -20,7 +20,9 @@ import pytest
 
 import nnx_save
 from nnx_save import errors
+from nnx_save.checkpoint import _errors as ckpt_errors
 from nnx_save.errors import NnxSaveError, OptionError
+from nnx_save.porting import _errors as porting_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "nnx_save"
@@ -71,7 +73,7 @@ def test_the_surface_itself_pulls_no_jax():
     """``__all__``, ``dir()``, the options and the errors are there without jax; the
     functions import it on first use (``from nnx_save import *`` binds them, so it does)."""
     code = "import nnx_save\nnnx_save.__all__, dir(nnx_save), nnx_save.LoadOptions(), nnx_save.SaveOptions()\n"
-    code += "nnx_save.errors.ConfigError, nnx_save.errors.CheckpointError, nnx_save.RemoteError\n"
+    code += "import nnx_save.checkpoint\nnnx_save.errors.ConfigError, nnx_save.checkpoint.CheckpointError, nnx_save.RemoteError\n"
     probe = code + "import sys, json\nprint(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
@@ -91,44 +93,64 @@ INTERNAL_SIGNALS = {
 }
 
 
-def test_every_error_and_warning_is_defined_in_the_errors_module():
-    defined_in_errors = {name for name, _ in _classes_defined(SRC / "errors.py")}
+# Where errors live: the shared ones in errors.py, the store's and porting's beside their code.
+ERROR_MODULES = {"errors.py": errors, "checkpoint/_errors.py": ckpt_errors, "porting/_errors.py": porting_errors}
+
+
+def test_every_error_and_warning_is_defined_in_an_errors_module():
     elsewhere = []
     for file in SRC.rglob("*.py"):
-        if file.name == "errors.py":
-            continue
+        where_module = file.relative_to(SRC).as_posix()
         for name, bases in _classes_defined(file):
             is_error = any(b.endswith(("Error", "Warning", "Exception")) for b in bases)
-            where = f"{file.relative_to(SRC)}: {name}"
-            if is_error and not name.startswith("_") and where not in INTERNAL_SIGNALS:
+            where = f"{where_module}: {name}"
+            if where_module in ERROR_MODULES:
+                assert name in ERROR_MODULES[where_module].__all__ or name.startswith("_"), where
+            elif is_error and not name.startswith("_") and where not in INTERNAL_SIGNALS:
                 elsewhere.append(where)
     assert elsewhere == []
-    assert set(errors.__all__) >= defined_in_errors - {"_X64_HINT"}
+
+
+def _public_errors() -> list[type]:
+    names = [(m, n) for m in ERROR_MODULES.values() for n in m.__all__]
+    return [
+        getattr(m, n) for m, n in names if isinstance(getattr(m, n), type) and issubclass(getattr(m, n), BaseException)
+    ]
 
 
 def test_every_public_error_is_an_nnx_save_error_and_documented():
     page = (ROOT / "docs" / "errors.md").read_text(encoding="utf-8")
-    classes = [getattr(errors, n) for n in errors.__all__ if isinstance(getattr(errors, n), type)]
-    exceptions = [c for c in classes if issubclass(c, BaseException)]
+    exceptions = _public_errors()
     assert 30 <= len(exceptions) <= 40  # a class only where callers handle it differently
+    modules = {m.__name__ for m in ERROR_MODULES.values()}
     for cls in exceptions:
-        assert issubclass(cls, (NnxSaveError, Warning)), cls
-        assert cls.__module__ == "nnx_save.errors" and cls.__doc__, cls
+        assert issubclass(cls, (NnxSaveError, errors.NnxSaveWarning)), cls
+        assert cls.__module__ in modules and cls.__doc__, cls
         assert cls.__name__ in page, cls
     assert nnx_save.RemoteError is errors.RemoteError  # drawn in docs/errors.md, and reachable
 
 
-def test_checkpoint_and_porting_errors_are_the_same_classes():
+def test_checkpoint_and_porting_export_their_errors():
     import nnx_save.checkpoint
     import nnx_save.porting
 
-    for module in (nnx_save.checkpoint, nnx_save.porting):
+    for module, home in ((nnx_save.checkpoint, ckpt_errors), (nnx_save.porting, porting_errors)):
         names = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, (Exception, Warning))]
-        assert names and all(getattr(module, n) is getattr(errors, n) for n in names), module
-    with pytest.raises(errors.CheckpointNotFoundError, match=re.escape("no checkpoint at step 3 in d (steps held: 1)")):
+        exported = [
+            n
+            for n in home.__all__
+            if isinstance(getattr(home, n), type) and issubclass(getattr(home, n), Warning | Exception)
+        ]
+        assert sorted(names) == sorted(exported), module
+        assert all(getattr(module, n) is getattr(home, n) for n in names), module
+    with pytest.raises(
+        ckpt_errors.CheckpointNotFoundError, match=re.escape("no checkpoint at step 3 in d (steps held: 1)")
+    ):
         raise nnx_save.checkpoint.CheckpointNotFoundError(3, "d", [1])
-    with pytest.raises(errors.UnsupportedCheckpointError, match=re.escape("reads format 'nnx_save.checkpoint' up to")):
-        raise errors.UnsupportedCheckpointError("format version 7")
+    with pytest.raises(
+        ckpt_errors.UnsupportedCheckpointError, match=re.escape("reads format 'nnx_save.checkpoint' up to")
+    ):
+        raise ckpt_errors.UnsupportedCheckpointError("format version 7")
 
 
 # --- options ---------------------------------------------------------------------------------
@@ -315,7 +337,7 @@ def test_every_name_docs_errors_writes_resolves():
     assert len(named) >= 30 and {"DirectoryLockedError", "SafetensorError", "SourceNotFoundError"} <= named
     unresolved = []
     for name in sorted(named):
-        cls = getattr(errors, name, None)
+        cls = next((getattr(m, name) for m in ERROR_MODULES.values() if name in m.__all__), None)
         homes = [nnx_save.checkpoint, nnx_save.porting] if name in placed else [nnx_save]
         if not isinstance(cls, type) or not any(getattr(home, name, None) is cls for home in homes):
             unresolved.append(name)

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save import _config
-from nnx_save.errors import ConfigError, RuleError
+from nnx_save.errors import ConfigError
 from nnx_save.format._header import parse_header
-from nnx_save.porting import Rules, rename, stack, unstack
+from nnx_save.porting import RuleError, Rules, rename, stack, unstack
 from nnx_save.porting._parts import MAX_INDEX_DIGITS, MAX_LAYERS
 
 HUGE = st.one_of(st.integers(0, 12), st.integers(0, 10**30), st.sampled_from([99999999999, 2**63, 2**64 + 1]))

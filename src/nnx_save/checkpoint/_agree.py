@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from .. import _config
-from ..errors import CheckpointUsageError
 from ..io import _kv
+from ._errors import CheckpointUsageError
 
 __all__ = ["agree"]
 

@@ -12,7 +12,8 @@ from typing import Any
 from etils import epath
 
 from .._options import path_arg
-from ..errors import CheckpointUsageError, OptionError
+from ..errors import OptionError
+from ._errors import CheckpointUsageError
 
 __all__ = ["CLOUD_SCHEMES", "resolve_checkpoint_dir", "store_location"]
 

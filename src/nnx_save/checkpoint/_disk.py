@@ -15,20 +15,12 @@ from typing import Any, TypeVar
 
 from etils import epath
 
-from ..errors import (
-    CheckpointDamageWarning,
-    CheckpointNotFoundError,
-    CheckpointUsageError,
-    DirectoryLockedError,
-    NnxSaveError,
-    OptionError,
-    SourceChangedError,
-    UnsupportedCheckpointError,
-)
+from ..errors import DirectoryLockedError, NnxSaveError, OptionError, SourceChangedError
 from ..io import _storage
 from ..layouts._registry import owners
 from . import _orbax
 from ._agree import agree
+from ._errors import CheckpointDamageWarning, CheckpointNotFoundError, CheckpointUsageError, UnsupportedCheckpointError
 from ._format import METADATA_ITEM
 from ._health import DirectoryView, read_json, scan
 from ._metadata import check_step, is_number

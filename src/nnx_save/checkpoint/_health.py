@@ -16,9 +16,10 @@ from typing import Any
 
 from etils import epath
 
-from ..errors import CheckpointCorruptError, NnxSaveError, UnsupportedCheckpointError
+from ..errors import NnxSaveError
 from ..format._header import strict_json
 from . import _orbax
+from ._errors import CheckpointCorruptError, UnsupportedCheckpointError
 from ._format import DTYPES_ITEM, METADATA_ITEM
 from ._metadata import CheckpointMetadata
 from ._tree import Path, Recorded, parse_dtype_record, parse_leaf_record

@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeGuard
 
 from .._version import __version__
-from ..errors import CheckpointUsageError, OptionError, UnsupportedCheckpointError, short_repr
+from ..errors import OptionError, short_repr
+from ._errors import CheckpointUsageError, UnsupportedCheckpointError
 from ._format import FORMAT_NAME, FORMAT_VERSION, ITEM_NAMES
 from ._tree import check_item, record_of, unknown_item
 

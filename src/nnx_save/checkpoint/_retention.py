@@ -10,9 +10,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
-from ..errors import OptionError, UnsupportedCheckpointError
+from ..errors import OptionError
 from ..format._header import strict_json
 from ..io._lock import STORE_RECORD
+from ._errors import UnsupportedCheckpointError
 from ._metadata import is_int, is_number
 
 __all__ = ["STORE_RECORD", "UNSET", "Retention", "StepInfo", "Unset", "doomed", "given_retention"]

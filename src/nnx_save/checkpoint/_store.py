@@ -13,18 +13,13 @@ from typing import Any, Literal, Self
 import jax
 from etils import epath
 
-from ..errors import (
-    CheckpointCorruptError,
-    CheckpointNotFoundError,
-    CheckpointNotWrittenError,
-    CheckpointWriteError,
-    OptionError,
-)
+from ..errors import OptionError
 from ..load._report import DtypeCast
 from ..load._source import gc_paused
 from . import _exit, _local, _orbax, _partial, _placement, _tree
 from ._directory import store_location
 from ._disk import ASIDE_PREFIX, Disk, unchanged_step
+from ._errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointNotWrittenError, CheckpointWriteError
 from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
 from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
 from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked

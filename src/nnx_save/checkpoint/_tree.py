@@ -13,10 +13,11 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from ..errors import KeyPathError, OptionError, UnsupportedCheckpointError, UnsupportedValueError
+from ..errors import KeyPathError, OptionError, UnsupportedValueError
 from ..format import _paths
 from ..format._paths import format_path
 from ..save._entry import check_storable
+from ._errors import UnsupportedCheckpointError
 from ._format import DTYPES_FORMAT, ITEM_NAMES
 
 __all__ = [

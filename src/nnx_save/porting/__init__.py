@@ -99,12 +99,12 @@ __all__ = [
     "weight_norm",
 ]
 
-from ..errors import RuleError, RuleKind, RuleTableWarning
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule
 from ._compute_steps import Computed, ComputedPart
 from ._computed import ComputeExportRule, ComputeRule, compute
 from ._constructors import add, concat, ignore, rename, reshape, split, stack, tie, transpose, unstack
 from ._coverage import Coverage, coverage
+from ._errors import RuleError, RuleKind, RuleTableWarning
 from ._hf import (
     TORCH_LINEAR_AXES,
     hf_conv1d,

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import RuleError
+from ._errors import RuleError
 from ._parts import axis_of, complete_layers, joined, layer_groups, same_dtype, split_bounds, too_many_layers
 from ._rules import Node, _Patterned, _set, _with_inverse
 from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, ticked

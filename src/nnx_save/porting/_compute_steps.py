@@ -11,7 +11,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from ..errors import RuleError
+from ._errors import RuleError
 from ._template import ticked
 
 __all__ = ["Computed", "ComputedPart"]

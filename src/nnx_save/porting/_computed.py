@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import RuleError
 from ._compose import _complete_groups, _part_hit
 from ._compute_steps import Computed, ComputedPart, name_of
+from ._errors import RuleError
 from ._parts import same_dtype
 from ._rules import Node, _set, _with_inverse
 from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, text_arg, texts_arg

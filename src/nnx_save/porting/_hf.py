@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from ..errors import RuleError
 from ._compose import SumRule
 from ._constructors import add, rename, split, stack
+from ._errors import RuleError
 from ._rules import ConstantRule, IgnoreRule, RenameRule, SplitRule, StackRule, TransposeRule
 from ._template import Template, compile_pattern, int_arg, invert
 

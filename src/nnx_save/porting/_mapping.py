@@ -18,10 +18,10 @@ from typing import Any, Literal, TypeGuard
 
 import numpy as np
 
-from ..errors import RuleError, RuleKind, RuleTableWarning
 from ._checks import against_source, distinct, owners_of, problems_message, table_problems
 from ._compose import ConcatUnstackRule, SplitStackRule, SumExportRule, SumRule, TieRule, tie_checked
 from ._computed import ComputeExportRule, ComputeRule
+from ._errors import RuleError, RuleKind, RuleTableWarning
 from ._rules import (
     ConcatRule,
     ConstantRule,
@@ -264,7 +264,7 @@ class Rules:
             >>> rules = Rules(rename(r"a", "x"), rename(r"b", "y"))
             >>> rules.check({"a": ((1,), np.float32)}, strict=True)
             Traceback (most recent call last):
-            nnx_save.errors.RuleError: rename(r"b", r"y") matches no key of the source
+            nnx_save.porting.RuleError: rename(r"b", r"y") matches no key of the source
         """
         mapping = self.mapping(sources)
         mapping.check(self.strict if strict is None else strict, stacklevel=3)

@@ -12,7 +12,8 @@ from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
-from ..errors import RuleError, short_repr
+from ..errors import short_repr
+from ._errors import RuleError
 from ._template import Template
 
 __all__ = [

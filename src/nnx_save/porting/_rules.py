@@ -16,7 +16,8 @@ from typing import TypeVar
 
 import numpy as np
 
-from ..errors import RuleError, short_repr
+from ..errors import short_repr
+from ._errors import RuleError
 from ._parts import (
     MAX_INDEX_DIGITS,
     axis_of,

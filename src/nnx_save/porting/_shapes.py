@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..errors import RuleError
+from ._errors import RuleError
 
 __all__ = ["Shape", "shapes_of", "source_shapes"]
 

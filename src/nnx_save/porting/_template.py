@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import RuleError
+from ._errors import RuleError
 
 __all__ = [
     "Group",

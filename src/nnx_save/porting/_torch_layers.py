@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import RuleError
 from ._computed import ComputeRule, compute
+from ._errors import RuleError
 from ._hf import TORCH_LINEAR_AXES, Index, Shift, _bias, _transposed, torch_conv_axes, torch_layer_norm
 from ._rules import RenameRule, StackRule, TransposeRule
 from ._template import int_arg

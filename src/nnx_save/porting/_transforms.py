@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import RuleError
 from ..format._boxes import Box
 from ._boxes import Feed, concat_feeds, extents, inside, reshape_back, with_extent
 from ._compute_steps import Computed, ComputedPart
+from ._errors import RuleError
 
 __all__ = [
     "Chain",

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import RuleError
 from ._computed import ComputeRule, compute
+from ._errors import RuleError
 from ._hf import TORCH_LINEAR_AXES, _bias, torch_conv_axes
 from ._rules import TransposeRule
 from ._template import int_arg, invert, text_arg
