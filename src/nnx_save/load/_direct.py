@@ -226,7 +226,7 @@ def one_run(items: tuple[int | slice, ...], shape: tuple[int, ...]) -> tuple[int
         (57, [])
         >>> one_run((slice(2, 4, 1), slice(0, 10, 1)), (10, 10))
         (20, [2, 10])
-        >>> one_run((slice(None), slice(0, 3, 1)), (10, 10)) is None
+        >>> one_run((slice(0, 10, 1), slice(0, 3, 1)), (10, 10)) is None
         True
     """
     first, wide, out = 0, False, []

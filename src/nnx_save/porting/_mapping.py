@@ -264,7 +264,7 @@ class Rules:
             >>> rules = Rules(rename(r"a", "x"), rename(r"b", "y"))
             >>> rules.check({"a": ((1,), np.float32)}, strict=True)
             Traceback (most recent call last):
-            nnx_save.porting.RuleError: rename(r"b", r"y") matches no key of the source
+            nnx_save.porting._errors.RuleError: rename(r"b", r"y") matches no key of the source
         """
         mapping = self.mapping(sources)
         mapping.check(self.strict if strict is None else strict, stacklevel=3)
