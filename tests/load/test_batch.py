@@ -212,3 +212,29 @@ def test_plan_runs_cuts_at_gaps_and_sizes():
             assert (begin[a] - stretch) // cap == (begin[b - 1] - stretch) // cap
             if b < len(sizes) and begin[b] == end[b - 1]:  # cut inside a stretch: at a window's edge
                 assert (begin[b] - stretch) // cap != (begin[a] - stretch) // cap
+
+
+def test_a_tensor_two_targets_want_is_read_on_the_general_path(tmp_path):
+    """Two targets of one file tensor (a host copy and a device copy) and a third alone:
+    the shared tensor is not batched (its runs would overlap), both copies are exact."""
+    from nnx_save.load._engine import load_targets
+    from nnx_save.load._target import Target
+
+    path = tmp_path / "two.safetensors"
+    a, b = np.arange(6, dtype=np.float32), np.arange(4, dtype=np.int8)
+    nnx_save.save_file({"a": a, "b": b}, path)
+    header = nnx_save.read_header(path)
+    one = SingleDeviceSharding(DEV[2])
+    targets = [
+        Target("host", (6,), np.dtype(np.float32), None, ("a",)),
+        Target("dev", (6,), np.dtype(np.float32), one, ("a",)),
+        Target("b", (4,), np.dtype(np.int8), one, ("b",)),
+    ]
+    with counting() as placed:
+        values, report = load_targets(header, targets, warn=False)
+    assert placed["n"] == 1  # "b" alone
+    np.testing.assert_array_equal(values["host"], a)
+    np.testing.assert_array_equal(np.asarray(values["dev"]), a)
+    assert values["dev"].sharding == one and values["b"].sharding == one
+    np.testing.assert_array_equal(np.asarray(values["b"]), b)
+    assert report.io.bytes_read == report.io.bytes_needed == 2 * a.nbytes + b.nbytes  # "a" once per copy

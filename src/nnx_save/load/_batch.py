@@ -106,10 +106,12 @@ class Batch:
             return batch, list(targets)
         tensors = header.tensors
         rest: list[Target] = []
-        chosen: dict[str, tuple[Target, TensorInfo, np.dtype]] = {}
+        chosen: dict[str, int] = {}  # file key -> its index in picked
+        picked: list[tuple[Target, TensorInfo, np.dtype] | None] = []
         used: set[str] = set()  # file keys some general-path target reads
         cpu = not streams("cpu")  # device targets batch only where arrays adopt host memory
         one_cpu: dict[int, bool] = {}  # id(sharding) -> whether it is one CPU device here (held by targets)
+        held: tuple[dict[Any, np.dtype], dict[Any, np.dtype]] = ({}, {})  # target dtype -> held, host / device
         for t in targets:
             if t.transform is not None or len(t.sources) != 1:
                 rest.append(t)
@@ -128,24 +130,48 @@ class Batch:
                 ok = one_cpu.get(id(t.sharding))
                 if ok is None:
                     ok = one_cpu[id(t.sharding)] = cpu and _one_cpu_device(t.sharding)
-            if ok:
-                chosen[key] = (t, info, held_of(np.dtype(t.dtype), t.sharding is not None, x64))
-            else:
+            if not ok:
                 rest.append(t)
                 used.add(key)
+                continue
+            cache = held[t.sharding is not None]
+            dtype = cache.get(t.dtype)
+            if dtype is None:
+                dtype = cache[t.dtype] = held_of(np.dtype(t.dtype), t.sharding is not None, x64)
+            chosen[key] = len(picked)
+            picked.append((t, info, dtype))
         for key in used & chosen.keys():  # a tensor the general path reads too: not here
-            rest.append(chosen.pop(key)[0])
-        for t, info, dtype in sorted(chosen.values(), key=lambda c: (c[1].file, c[1].begin)):
-            runs = batch.by_file.setdefault(info.file, _FileRuns())
-            runs.infos.append(info)
-            runs.targets.append(t)
-            runs.held.append(dtype)
-            batch.nbytes += info.nbytes
-        for runs in batch.by_file.values():
-            begin = np.fromiter((i.begin for i in runs.infos), np.int64, len(runs.infos))
-            end = np.fromiter((i.end for i in runs.infos), np.int64, len(runs.infos))
-            runs.starts = plan_runs(begin, end)
+            j = chosen.pop(key)
+            entry = picked[j]
+            assert entry is not None
+            rest.append(entry[0])
+            picked[j] = None
+        batch._group([p for p in picked if p is not None])
         return batch, rest
+
+    def _group(self, picked: list[tuple[Target, TensorInfo, np.dtype]]) -> None:
+        """``picked`` by file, each file's in file order, cut into runs (:func:`plan_runs`)."""
+        if not picked:
+            return
+        files: dict[str, list[int]] = {}
+        first = picked[0][1].file
+        if all(p[1].file == first for p in picked):
+            files[first] = list(range(len(picked)))
+        else:
+            for j, p in enumerate(picked):
+                files.setdefault(p[1].file, []).append(j)
+        for file, indices in files.items():
+            begin = np.fromiter((picked[j][1].begin for j in indices), np.int64, len(indices))
+            if len(begin) > 1 and (begin[1:] < begin[:-1]).any():
+                order = np.argsort(begin, kind="stable")
+                indices, begin = [indices[k] for k in order.tolist()], begin[order]
+            runs = self.by_file[file] = _FileRuns()
+            runs.targets = [picked[j][0] for j in indices]
+            runs.infos = [picked[j][1] for j in indices]
+            runs.held = [picked[j][2] for j in indices]
+            end = np.fromiter((i.end for i in runs.infos), np.int64, len(indices))
+            runs.starts = plan_runs(begin, end)
+            self.nbytes += int((end - begin).sum())
 
     def work(self, file: str, first: int) -> tuple[list[Request], list[np.ndarray]]:
         """``file``'s runs as requests into fresh buffers (destinations numbered from
