@@ -12,7 +12,11 @@ tensor with its spread (min-max) and the median CPU seconds:
   key (numpy only: the floor of per-tensor work).
 - ``safe_open_put``: the same, then ``jax.device_put`` of each array to the device.
 
+``--baseline DIR`` adds a ``nnx_save (baseline)`` row: the same worker importing
+nnx_save from another checkout's ``DIR/src`` (say, main's), interleaved with the others.
+
     python benchmarks/count.py --repeat 3
+    python benchmarks/count.py --counts 10000,100000 --repeat 5 --baseline ../main
     python benchmarks/count.py --smoke          # 1k and 2k tensors, once
 """
 
@@ -27,6 +31,7 @@ import numpy as np
 from _common import Phase, add_ratios, print_results, run_fresh, warm, worker_main
 
 PHASES = ("nnx_save", "safe_open", "safe_open_put")
+BASELINE = "nnx_save (baseline)"
 ELEMENTS = 256  # 1 KiB of fp32
 
 
@@ -120,17 +125,21 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="fresh processes per row, interleaved")
     p.add_argument("--smoke", action="store_true", help="1k and 2k tensors, once")
     p.add_argument("--json", help="also write the rows here")
+    p.add_argument("--baseline", help="another checkout: its src/'s nnx_save as one more row, interleaved")
     args = p.parse_args()
     if args.smoke:
         args.counts, args.repeat = "1000,2000", 1
     rows = []
     for count in (int(c) for c in args.counts.split(",")):
         path = ensure_file(Path(args.dir), count)
-        runs: dict[str, list[dict]] = {ph: [] for ph in PHASES}
-        for _ in range(args.repeat):  # round robin: background load hits every phase alike
-            for phase in PHASES:
+        phases = [*PHASES, *([BASELINE] if args.baseline else [])]
+        runs: dict[str, list[dict]] = {ph: [] for ph in phases}
+        for r in range(args.repeat):  # round robin: background load hits every phase alike
+            for phase in phases if r % 2 == 0 else phases[::-1]:
                 warm(path)
-                runs[phase].append(run_fresh(__file__, phase, ["--path", str(path)]))
+                src = Path(args.baseline) / "src" if phase == BASELINE else None
+                worker = "nnx_save" if phase == BASELINE else phase
+                runs[phase].append(run_fresh(__file__, worker, ["--path", str(path)], src=src))
         group = [summarise(ph, count, r) for ph, r in runs.items()]
         floor = next((r for r in group if r["phase"] == "safe_open" and "us" in r), None)
         rows += add_ratios(group, "us", floor)

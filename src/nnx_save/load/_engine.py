@@ -34,6 +34,7 @@ from ..format._units import human_bytes
 from ..io._reader import LocalReader, Reader
 from . import _boxed, _share, _stream
 from ._assemble import assemble, held_of, host_view, place_adopted, place_whole
+from ._batch import Batch
 from ._execute import SLAB_BYTES, Budget, aligned_empty, execute, pack_buffers
 from ._options import LoadOptions
 from ._pieces import Box, Piece, Request, extents, intersect, request, whole
@@ -133,6 +134,9 @@ class Engine:
         self.boxed = _boxed.BoxedTargets(slab_bytes)
         self.pending = []  # transforms read from their whole sources
         x64 = _x64()  # asked once: _held(t) per tensor, inline
+        self.batch, targets = Batch.split(  # runs of small whole tensors: no destination each
+            header, targets, x64, opt.streaming, slab_bytes > 0
+        )
         for t in targets:
             if t.transform is None:
                 info = header.tensors[t.sources[0]]
@@ -212,7 +216,11 @@ class Engine:
                 dest.buffer = aligned_empty(dest.nbytes)
                 self._filled(index)
         boxed = self.boxed.by_file.keys() | self.boxed.eager.keys()
-        files = [fh.file for fh in self.header.files if fh.file in self.by_file or fh.file in boxed]
+        files = [
+            fh.file
+            for fh in self.header.files
+            if fh.file in self.by_file or fh.file in boxed or fh.file in self.batch.by_file
+        ]
         if not files:
             return
         at_once = min(len(files), self.opt.threads)
@@ -281,6 +289,9 @@ class Engine:
             if piece.info.file == file
         ]
         buffers = [self.dests[i].buffer for i in indices]
+        if file in self.batch.by_file:  # one request and one buffer per run of small tensors
+            more, extra = self.batch.work(file, len(buffers))
+            requests, buffers = requests + more, buffers + extra
         if not self.boxed.boxes:  # no transformed target: nothing read with this file's plan
             return requests, buffers, []
         self.boxed.allocate(file)
@@ -343,6 +354,7 @@ class Engine:
             self.note_over_read(file, plan.read_bytes, plan.needed_bytes, plan.ratio, extra, floor)
         if self.opt.verify:
             self._verify(file)
+        self.batch.place(self, file)
         for i in self.by_file.get(file, []):
             self.dests[i].files.discard(file)
             if not self.dests[i].files:
@@ -614,7 +626,9 @@ def load_targets(
 def _read(engine: Engine, loadable: Sequence[Target], opt: LoadOptions) -> None:
     """Run ``engine``: on the host path, or streamed where the devices' platform asks it."""
     if isinstance(engine.bar, _progress.Bar):
-        engine.bar.total = sum(d.nbytes for d in engine.dests) + engine.boxed.nbytes  # exact: what this process reads
+        engine.bar.total = (
+            sum(d.nbytes for d in engine.dests) + engine.boxed.nbytes + engine.batch.nbytes
+        )  # exact: what this process reads
     # a device this load puts arrays on: its platform decides how
     device = next((next(iter(t.sharding.addressable_devices)) for t in loadable if t.sharding is not None), None)
     if device is not None and opt.streaming(device.platform):
