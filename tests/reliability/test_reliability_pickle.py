@@ -72,7 +72,12 @@ def test_the_source_tree_has_no_pickle_path():
                 )
                 torch_loads.append((str(where), safe))
     assert problems == []
-    assert torch_loads == [("nnx_save/conversion/_convert.py", True)]  # convert: tensors only, never objects
+    # convert (a PyTorch file, an HF directory of .bin shards): tensors only, never objects
+    assert {where for where, _ in torch_loads} == {
+        "nnx_save/conversion/_convert.py",
+        "nnx_save/conversion/_torch_index.py",
+    }
+    assert all(safe for _, safe in torch_loads), torch_loads
 
 
 _AUDIT = textwrap.dedent(

@@ -240,7 +240,10 @@ class IndexLayout:
     record = INDEX_NAME
 
     def claims(self, location: Location, names: Collection[str]) -> bool:
-        return INDEX_NAME in names
+        """An index file among ``names``; on a filesystem a regular file (a FIFO or a
+        directory under its name claims nothing: reading it could block, or fail)."""
+        local = location.directory
+        return INDEX_NAME in names and (local is None or (local / INDEX_NAME).is_file())
 
     def read(self, path: Path, index: Path | None = None) -> Header:
         index = path / INDEX_NAME if index is None else index
