@@ -70,8 +70,12 @@ class Bar(NullBar):
                 return
             self._closed = True
             self._draw(time.monotonic(), final=True)
-            self.stream.write("\n")
-            self.stream.flush()
+            self._end()
+
+    def _end(self) -> None:
+        """After the last draw: the terminal's line ends."""
+        self.stream.write("\n")
+        self.stream.flush()
 
     def line(self, now: float, width: int, final: bool = False) -> str:
         """The bar as one line of at most ``width - 1`` characters: the bar itself,
@@ -140,12 +144,8 @@ class LogLines(Bar):
                 self._tenth = tenth
                 self._draw(now)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._draw(time.monotonic(), final=True)
+    def _end(self) -> None:
+        """Nothing: each line was written whole."""
 
     def _draw(self, now: float, final: bool = False) -> None:
         if self._started or final:  # the first call (from __init__) writes nothing

@@ -26,7 +26,7 @@ from ..load._direct import DIRECT_MAX_BYTES, DirectFiles, one_run, quick_run
 from ..load._options import LoadOptions
 from ..load._report import IOStats
 from ..load._slices import Box, compat, normalize_index, plain, slice_box
-from ..load._source import Header
+from ..load._source import Header, in_batches
 
 if TYPE_CHECKING:
     from ..io._reader import Reader
@@ -434,20 +434,6 @@ def safe_open(
     return LazyCheckpoint(_Open(header, backend, options, convert), name, source, header is not filename)
 
 
-def _batches(header: Header, keys: Iterable[str], max_batch_bytes: int) -> Iterator[list[str]]:
-    batch: list[str] = []
-    size = 0
-    for key in keys:
-        n = header.tensors[key].nbytes
-        if batch and size + n > max_batch_bytes:
-            yield batch
-            batch, size = [], 0
-        batch.append(key)
-        size += n
-    if batch:
-        yield batch
-
-
 def iter_tensors(
     source: Where | Sequence[Where] | Header,
     keys: Iterable[str] | None = None,
@@ -513,7 +499,7 @@ def _stream(
     tensors = handle.header.tensors
     names = handle.offset_keys() if keys is None else [handle._info(key).name for key in keys]
     cast = dtype
-    for batch in _batches(handle.header, names, max_batch_bytes):
+    for batch in in_batches(handle.header, names, max_batch_bytes):
         targets = [
             Target(key, tuple(tensors[key].shape), tensors[key].dtype.numpy if cast is None else cast, None, (key,))
             for key in dict.fromkeys(batch)  # a key asked for twice is read once

@@ -31,7 +31,7 @@ from ..format._torch import torch_to_numpy
 from ..format._units import parse_size
 from ..layouts import _registry
 from ..layouts._registry import read_header
-from ..load._source import Header
+from ..load._source import Header, in_batches
 from ..save._entry import Entry, order_entries
 from ..save._options import SaveOptions
 from . import _torch_index
@@ -280,18 +280,7 @@ BATCH_BYTES = 64 << 20  # one load reads up to this much (or one tensor): a tool
 def batches(header: Header, keys: Iterable[str], limit: int = BATCH_BYTES) -> Iterator[list[str]]:
     """``keys`` in order, cut into runs of up to ``limit`` bytes (a larger tensor alone):
     a tool reads a checkpoint of N tensors in about N / batch loads, not N."""
-    batch: list[str] = []
-    size = 0
-    for key in keys:
-        info = header.tensors[key]
-        n = _dtypes.nbytes_for(info.dtype, math.prod(info.shape))
-        if batch and size + n > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append(key)
-        size += n
-    if batch:
-        yield batch
+    return in_batches(header, keys, limit)
 
 
 class _Verified:

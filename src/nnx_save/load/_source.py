@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -17,7 +17,7 @@ from ..io import _files, _storage
 from ..io._reader import LocalReader, Reader
 from ._pieces import Piece
 
-__all__ = ["Header", "LocalFiles", "Placement", "RemoteFiles", "gc_paused"]
+__all__ = ["Header", "LocalFiles", "Placement", "RemoteFiles", "gc_paused", "in_batches"]
 
 
 class Placement(Protocol):
@@ -191,3 +191,19 @@ def gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def in_batches(header: Header, keys: Iterable[str], limit: int) -> Iterator[list[str]]:
+    """``keys`` in order, cut into runs whose tensors hold at most ``limit`` bytes together
+    (a larger tensor alone): N small tensors read in about N / batch loads, not N."""
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        n = header.tensors[key].nbytes
+        if batch and size + n > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(key)
+        size += n
+    if batch:
+        yield batch

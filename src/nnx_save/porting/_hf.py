@@ -8,8 +8,9 @@ invertible form (each group referenced once). A *layer pattern* (``source`` capt
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from typing import Any
 
 from ._compose import SumRule
 from ._constructors import add, rename, split, stack
@@ -249,21 +250,42 @@ def torch_lstm(
     """
     if not isinstance(cell, str) or cell not in ("lstm", "optimized"):
         raise RuleError(f"torch_lstm: cell must be 'lstm' or 'optimized', got {cell!r}")
+    return each_layer(
+        "torch_lstm",
+        target,
+        (layer, layers, reverse, bidirectional),
+        directions,
+        lambda at, number, back: _lstm_layer(source, at, number, back, cell),
+    )
+
+
+def each_layer(
+    name: str,
+    target: str,
+    which: tuple[int | None, int | None, bool, bool],
+    directions: tuple[str, str],
+    one: Callable[[str, int | None, bool], tuple[Any, ...]],
+) -> tuple[Any, ...]:
+    """The rules of a torch recurrent module: ``one(target, layer, reverse)`` for one
+    layer and direction, or for each of ``layers`` and both directions, the target's
+    ``{layer}`` / ``{direction}`` filled in. ``which``: ``(layer, layers, reverse,
+    bidirectional)`` as the helper ``name`` was given them."""
+    layer, layers, reverse, bidirectional = which
     if layers is None and not bidirectional:
-        return _lstm_layer(source, target, layer, reverse, cell)
+        return one(target, layer, reverse)
     fields = (("{layer}", layers is not None), ("{direction}", bidirectional))
-    absent = [name for name, needed in fields if needed and name not in target]
+    absent = [field for field, needed in fields if needed and field not in target]
     if absent:
         raise RuleError(
-            f"torch_lstm: target {target!r} needs the field(s) {', '.join(absent)} that layers= / bidirectional= fill"
+            f"{name}: target {target!r} needs the field(s) {', '.join(absent)} that layers= / bidirectional= fill"
         )
-    numbers = [layer] if layers is None else list(range(int_arg(layers, "torch_lstm: layers", 1, 4096)))
+    numbers = [layer] if layers is None else list(range(int_arg(layers, f"{name}: layers", 1, 4096)))
     sides = (False, True) if bidirectional else (reverse,)
     return tuple(
         rule
         for number in numbers
         for back in sides
-        for rule in _lstm_layer(source, target.format(layer=number, direction=directions[back]), number, back, cell)
+        for rule in one(target.format(layer=number, direction=directions[back]), number, back)
     )
 
 

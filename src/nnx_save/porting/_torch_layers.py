@@ -5,13 +5,14 @@ take (``bias``, ``shift``, ``index``, ``weight`` / ``kernel``): ``nn.ConvTranspo
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
 
 from ._computed import ComputeRule, compute
 from ._errors import RuleError
-from ._hf import TORCH_LINEAR_AXES, Index, Shift, _bias, _transposed, torch_conv_axes, torch_layer_norm
+from ._hf import TORCH_LINEAR_AXES, Index, Shift, _bias, _transposed, each_layer, torch_conv_axes, torch_layer_norm
 from ._rules import RenameRule, StackRule, TransposeRule
 from ._template import int_arg
 
@@ -122,21 +123,8 @@ def torch_gru(
         >>> len(torch_gru(r"gru", "rnn/{layer}/{direction}/cell", layers=2, bidirectional=True))
         20
     """
-    if layers is None and not bidirectional:
-        return _gru_layer(source, target, layer, reverse)
-    fields = (("{layer}", layers is not None), ("{direction}", bidirectional))
-    absent = [name for name, needed in fields if needed and name not in target]
-    if absent:
-        raise RuleError(
-            f"torch_gru: target {target!r} needs the field(s) {', '.join(absent)} that layers= / bidirectional= fill"
-        )
-    numbers = [layer] if layers is None else list(range(int_arg(layers, "torch_gru: layers", 1, 4096)))
-    sides = (False, True) if bidirectional else (reverse,)
-    return tuple(
-        rule
-        for number in numbers
-        for back in sides
-        for rule in _gru_layer(source, target.format(layer=number, direction=directions[back]), number, back)
+    return each_layer(
+        "torch_gru", target, (layer, layers, reverse, bidirectional), directions, functools.partial(_gru_layer, source)
     )
 
 
