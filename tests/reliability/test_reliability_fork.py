@@ -35,8 +35,8 @@ SCRIPT = textwrap.dedent(
 
     from nnx_save.bridges._leaves import flatten, leaf_entry
     pairs, _ = flatten({"w": np.arange(4, dtype=np.float32)})
-    handle = _background.save(os.path.join(out, "parent.safetensors"), [leaf_entry(p, v) for p, v in pairs],
-                         slow_write, blocking=False)
+    handle = _background.start(os.path.join(out, "parent.safetensors"), [leaf_entry(p, v) for p, v in pairs],
+                          slow_write)
     pid = os.fork()
     if pid == 0:  # the child: a blocking save, wait_for_saves, the inherited handle, then a normal exit
         signal.alarm(45)  # a hanging child must not outlive the test

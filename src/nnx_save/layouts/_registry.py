@@ -378,10 +378,12 @@ def writer(metadata: Mapping[str, str] | None, options: SaveOptions = _DEFAULTS)
 
 
 def save(path: Where, entries: Sequence[Entry], write: Write) -> SaveHandle | None:
-    """Run ``write(path, entries)``: now (``write.options.blocking``), or on a host
-    snapshot in the background with no bar drawn over the caller's output (see
-    :mod:`nnx_save.save._background`). A pod's pieces are taken first, from the
-    caller's arrays."""
+    """Run ``write(path, entries)``: now, once earlier asynchronous saves are done
+    (``write.options.blocking``), or on a host snapshot in the background with no bar
+    drawn over the caller's output (see :mod:`nnx_save.save._background`). A pod's
+    pieces are taken first, from the caller's arrays."""
+    from ..save import _background  # the save machinery: a read never loads it
+
     blocking = write.options.blocking
     if not blocking:
         write = dataclasses.replace(write, options=dataclasses.replace(write.options, progress=False))
@@ -389,6 +391,8 @@ def save(path: Where, entries: Sequence[Entry], write: Write) -> SaveHandle | No
     if isinstance(write.layout, PodLayout):
         entries, pod_write = write.layout.pieces(path, entries, write.metadata, write.options)
         run = lambda p, e: write.run(p, pod_write, e)  # noqa: E731
-    from ..save import _background  # the save machinery: a read never loads it
-
-    return _background.save(path, entries, run, blocking=blocking)
+    if not blocking:
+        return _background.start(path, entries, run)
+    _background.wait_earlier()
+    run(path, entries)
+    return None

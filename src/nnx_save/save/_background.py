@@ -33,7 +33,7 @@ from ..io import _storage
 from . import _stage
 from ._entry import Entry
 
-__all__ = ["SaveHandle", "max_in_flight", "save", "snapshot", "wait_for_saves"]
+__all__ = ["SaveHandle", "max_in_flight", "snapshot", "start", "wait_earlier", "wait_for_saves"]
 
 log = logging.getLogger("nnx_save")
 
@@ -98,20 +98,13 @@ def max_in_flight() -> int:
     return _config.MAX_ASYNC_SAVES.get()
 
 
-def save(
-    path: str | os.PathLike,
-    entries: Sequence[Entry],
-    write: Callable[[str | os.PathLike, Sequence[Entry]], object],
-    *,
-    blocking: bool,
-) -> SaveHandle | None:
-    """Run ``write(path, entries)`` now (``blocking``, after every asynchronous save),
-    or on a snapshot in the background, given the absolute path (the caller may
-    change directory meanwhile)."""
-    if blocking:
-        _wait_all(None)
-        write(path, entries)
-        return None
+def start(
+    path: str | os.PathLike, entries: Sequence[Entry], write: Callable[[str | os.PathLike, Sequence[Entry]], object]
+) -> SaveHandle:
+    """Run ``write(path, entries)`` on a host snapshot of ``entries``, in the background,
+    given the absolute path (the caller may change directory meanwhile); returns at once
+    with the save's handle (at most :func:`max_in_flight` saves in flight: the oldest
+    waited for first)."""
     _make_room(max_in_flight())
     snap = snapshot(entries, where=str(path))
     handle = SaveHandle(path)
@@ -120,6 +113,12 @@ def save(
         _start_worker()
     _jobs.put((handle, write, snap))  # no closure over the snapshot: see _work
     return handle
+
+
+def wait_earlier() -> None:
+    """Wait for every asynchronous save in flight, before a blocking save writes (saves
+    happen in the order they were asked for); their failures stay with their handles."""
+    _wait_all(None)
 
 
 def wait_for_saves(timeout: float | None = None) -> None:
