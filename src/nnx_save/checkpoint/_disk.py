@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from etils import epath
 
-from ..errors import DirectoryLockedError, NnxSaveError, OptionError, SourceChangedError
+from ..errors import DirectoryLockedError, OptionError, SourceChangedError
 from ..io import _storage
 from ..layouts._registry import owners
 from . import _orbax
@@ -141,15 +141,15 @@ class Disk:
         before = self.identity(step)
         try:
             yield
-        except (NnxSaveError, OSError, ValueError) as error:
+        except Exception as error:  # any failure of a read whose step changed is that change (Orbax's KeyError too)
             self._refuse_changed(step, before, error)
             raise
         self._refuse_changed(step, before, None)
 
     def _refuse_changed(self, step: int, before: tuple[int, int] | None, error: BaseException | None) -> None:
         after = self.identity(step)
-        if after == before or self.location.directory is None:
-            return
+        if self.location.directory is None or (after == before and before is not None):
+            return  # the same step directory from start to end: the read's own result or error stands
         self.forget()
         where = self.path / str(step)
         if after is None:
