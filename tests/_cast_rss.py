@@ -16,16 +16,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import ml_dtypes
 import numpy as np
+from _rss import reset_peak, status
 
 import nnx_save
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 def main() -> None:
@@ -35,11 +28,9 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the lossy cast's warning: asked for
         nnx_save.load_file(header, abstract, max_inflight_bytes=budget)  # warms jax up; dropped
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = _status("VmRSS")
+        before = reset_peak()
         tree, report = nnx_save.load_file(header, abstract, max_inflight_bytes=budget, return_report=True)
-    peak = _status("VmHWM")
+    peak = status("VmHWM")
     results = sum(np.asarray(v).nbytes for v in tree.values())
     print(json.dumps({"growth": peak - before, "results": results, "reported": report.io.max_inflight_bytes}))
 

@@ -16,16 +16,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import numpy as np
+from _rss import reset_peak, status
 
 import nnx_save
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(field)
 
 
 def main() -> None:
@@ -45,11 +38,9 @@ def main() -> None:
     warnings.simplefilter("ignore", nnx_save.LoadWarning)  # the bf16 -> f32 casts are the point
     if warm:
         jax.block_until_ready(load())
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS (VmHWM) to the current RSS
-    before = _status("VmRSS")
+    before = reset_peak()  # the peak RSS (VmHWM) from the current RSS
     tree = jax.block_until_ready(load())
-    peak = _status("VmHWM")
+    peak = status("VmHWM")
     results = sum(a.nbytes for a in tree.values())
     print(json.dumps({"before": before, "peak": peak, "results": results}))
 
