@@ -233,9 +233,10 @@ class _Unit:
 
 
 class BoxedTargets:
-    """The box-mapped targets of one engine run. Each method takes the engine (which
-    imports this module) rather than holding it: no reference cycle keeps a finished
-    load's arrays alive until the next garbage collection."""
+    """The box-mapped targets of one engine run. Each method takes the engine (whose
+    planning, :mod:`nnx_save.load._dests`, imports this module) rather than holding it:
+    no reference cycle keeps a finished load's arrays alive until the next garbage
+    collection."""
 
     def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
         self.slab_bytes = slab_bytes  # final buffers are packed into allocations of up to this size
