@@ -1,4 +1,4 @@
-"""The step protocol of multi-process saves (structured outcomes), without a real job:
+"""The step protocol of multi-process saves (structured step results), without a real job:
 two in-process "processes" share a dict standing in for the coordination key-value store.
 The real multi-process runs are in tests/multiprocess/."""
 
@@ -14,7 +14,7 @@ import pytest
 
 import nnx_save
 from nnx_save.io import _kv
-from nnx_save.io._kv import Outcome, Sync
+from nnx_save.io._kv import StepResult, Sync
 
 
 class FakeStore:
@@ -68,10 +68,10 @@ def _both(fn0, fn1):
         return f0.exception(timeout=60) or f0.result(), f1.exception(timeout=60) or f1.result()
 
 
-def test_outcomes_travel_as_json_objects(tmp_path):
+def test_step_results_travel_as_json_objects(tmp_path):
     a, b, store = _pair(tmp_path / "w.safetensors")
     got = _both(
-        lambda: a.step("write", Outcome(True, {"w": "01"})), lambda: b.step("write", Outcome(True, {"v": "02"}))
+        lambda: a.step("write", StepResult(True, {"w": "01"})), lambda: b.step("write", StepResult(True, {"v": "02"}))
     )
     assert got == ({0: {"w": "01"}, 1: {"v": "02"}},) * 2
     assert store.values["nnx_save/save/7/write/1"] == '{"ok": true, "value": {"v": "02"}, "error": ""}'
@@ -80,8 +80,8 @@ def test_outcomes_travel_as_json_objects(tmp_path):
 def test_a_failure_on_one_process_raises_the_same_error_on_all(tmp_path):
     path = tmp_path / "w.safetensors"
     a, b, _ = _pair(path)
-    boom = Outcome.of(lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
-    e0, e1 = _both(lambda: a.step("write", Outcome(True, {})), lambda: b.step("write", boom))
+    boom = StepResult.of(lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+    e0, e1 = _both(lambda: a.step("write", StepResult(True, {})), lambda: b.step("write", boom))
     expected = (
         f"{path}: the multi-process save failed (process 1: OSError: [Errno 28] No space left on device); "
         "the previous file, if any, is intact"
@@ -95,10 +95,10 @@ def test_a_step_only_the_primary_posts(tmp_path):
     a.intact = "the previous save in it, if any, is intact"
     b.intact = a.intact
     assert (
-        _both(lambda: a.step("token", Outcome(True, "1a2b3c4d"), only=0), lambda: b.step("token", None, only=0))
+        _both(lambda: a.step("token", StepResult(True, "1a2b3c4d"), only=0), lambda: b.step("token", None, only=0))
         == ({0: "1a2b3c4d"},) * 2
     )
-    refused = Outcome(False, error="cannot create a temporary file in /x: Permission denied")
+    refused = StepResult(False, error="cannot create a temporary file in /x: Permission denied")
     e0, e1 = _both(lambda: a.step("open", refused, only=0), lambda: b.step("open", None, only=0))
     assert str(e0) == str(e1) == f"{tmp_path / 'd'}: {refused.error}; the previous save in it, if any, is intact"
 
@@ -119,7 +119,7 @@ def test_a_decision_is_read_by_one_wait_and_deleted_by_its_last_reader():
 def test_a_single_process_exchanges_nothing(tmp_path):
     solo = Sync.open(tmp_path / "w.safetensors")
     assert (solo.n, solo.kv.client) == (1, None)
-    assert solo.step("write", Outcome(True, {"w": "01"})) == {0: {"w": "01"}}
+    assert solo.step("write", StepResult(True, {"w": "01"})) == {0: {"w": "01"}}
 
 
 def test_a_jax_without_the_key_value_store_falls_back_to_the_public_collective(tmp_path, monkeypatch):
@@ -128,7 +128,7 @@ def test_a_jax_without_the_key_value_store_falls_back_to_the_public_collective(t
     monkeypatch.setattr(distributed, "global_state", None)
     assert _kv.client(str(tmp_path / "w.safetensors"), nnx_save.SaveError) is None
     sync = Sync(tmp_path / "w.safetensors", _kv.Channel(0, 1, None))  # one process, forced through the collective
-    assert sync.gather("write", Outcome(True, {"w": "01"}).encode()) == {
+    assert sync.gather("write", StepResult(True, {"w": "01"}).encode()) == {
         0: '{"ok": true, "value": {"w": "01"}, "error": ""}'
     }
     assert _kv.allgather(None) == {}

@@ -28,9 +28,9 @@ from ..layouts import _registry
 from ..layouts._registry import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
-from ..load._report import LoadReport, warn_single_device
+from ..load._report import LoadReport
 from ..load._source import Header
-from ..load._target import Target
+from ..load._target import Target, warn_single_device
 from ..save import _background
 from ..save._entry import Entry
 from ..save._options import SaveOptions

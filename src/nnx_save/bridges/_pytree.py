@@ -15,9 +15,9 @@ from ..layouts import _registry
 from ..layouts._registry import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
-from ..load._report import ShapeMismatch, matches_any, warn_single_device
+from ..load._report import ShapeMismatch, matches_any
 from ..load._source import Header, gc_paused
-from ..load._target import Target
+from ..load._target import Target, warn_single_device
 from ..save import _background
 from ..save._options import SaveOptions
 from ._leaves import (

@@ -25,7 +25,7 @@ import numpy as np
 from .. import _config
 from ..errors import NnxSaveError, SaveError
 
-__all__ = ["TIMEOUT_ENV", "Channel", "Outcome", "Sync", "Unanswered", "allgather", "client"]
+__all__ = ["TIMEOUT_ENV", "Channel", "StepResult", "Sync", "Unanswered", "allgather", "client"]
 
 TIMEOUT_ENV = _config.COLLECTIVE_TIMEOUT_S.name
 _SAVES = itertools.count()  # every process saves in the same order (SPMD), so ids agree
@@ -143,15 +143,15 @@ class Channel:
 
 
 @dataclass(frozen=True)
-class Outcome:
+class StepResult:
     """One process's result of one step, as the processes exchange it (a JSON object).
 
     ``value`` is the step's JSON result when ``ok``; ``error`` says what failed otherwise.
 
     Examples:
-        >>> Outcome.decode(Outcome(True, {"w": "00ff"}).encode())
-        Outcome(ok=True, value={'w': '00ff'}, error='')
-        >>> Outcome.of(lambda: 1 // 0).error
+        >>> StepResult.decode(StepResult(True, {"w": "00ff"}).encode())
+        StepResult(ok=True, value={'w': '00ff'}, error='')
+        >>> StepResult.of(lambda: 1 // 0).error
         'ZeroDivisionError: integer division or modulo by zero'
     """
 
@@ -160,7 +160,7 @@ class Outcome:
     error: str = ""
 
     @classmethod
-    def of(cls, work: Callable[[], Any]) -> Outcome:
+    def of(cls, work: Callable[[], Any]) -> StepResult:
         """Run ``work``: its result, or the error it raised (reported to every process)."""
         try:
             return cls(True, work())
@@ -171,7 +171,7 @@ class Outcome:
         return json.dumps({"ok": self.ok, "value": self.value, "error": self.error})
 
     @classmethod
-    def decode(cls, text: str) -> Outcome:
+    def decode(cls, text: str) -> StepResult:
         obj = json.loads(text)
         return cls(bool(obj["ok"]), obj.get("value"), str(obj.get("error", "")))
 
@@ -179,7 +179,7 @@ class Outcome:
 @dataclass
 class Sync:
     """The step protocol between the processes of one save (or shared load): each
-    step, every process (or one) posts an :class:`Outcome`; all wait for them
+    step, every process (or one) posts an :class:`StepResult`; all wait for them
     (bounded) and all raise the same :class:`SaveError` if any failed. With one
     process, steps exchange nothing."""
 
@@ -205,29 +205,29 @@ class Sync:
         save_id = next(_SAVES)
         return cls(path, kv, f"nnx_save/save/{save_id}", save_id, what, intact)
 
-    def step(self, stage: str, mine: Outcome | None, only: int | None = None) -> dict[int, Any]:
-        """Post this process's outcome of ``stage`` (``None``: nothing here, process
+    def step(self, stage: str, mine: StepResult | None, only: int | None = None) -> dict[int, Any]:
+        """Post this process's result of ``stage`` (``None``: nothing here, process
         ``only`` posts for all) and return every process's value; raise the same
         :class:`SaveError` on every process if any failed."""
         if self.n == 1:
-            outcomes = {0: mine} if mine is not None else {}
+            results = {0: mine} if mine is not None else {}
         else:
             raw = self.gather(stage, None if mine is None else mine.encode(), only)
-            outcomes = {p: Outcome.decode(v) for p, v in raw.items()}
-        failures = {p: o.error for p, o in outcomes.items() if not o.ok}
+            results = {p: StepResult.decode(v) for p, v in raw.items()}
+        failures = {p: o.error for p, o in results.items() if not o.ok}
         if failures and only is not None:
             raise SaveError(f"{self.path}: {failures[only]}; {self.intact}", str(self.path))
         if failures:
             detail = "; ".join(f"process {p}: {msg}" for p, msg in failures.items())
             raise SaveError(f"{self.path}: the {self.what} failed ({detail}); {self.intact}", str(self.path))
-        return {p: o.value for p, o in outcomes.items()}
+        return {p: o.value for p, o in results.items()}
 
     def on_primary(self, stage: str, work: Callable[[], Any]) -> Any:
         """``work()`` on the primary; its result (or the same :class:`SaveError`) on
         every process. With one process, ``work()`` itself."""
         if self.n == 1:
             return work()
-        return self.step(stage, Outcome.of(work) if self.pid == 0 else None, only=0)[0]
+        return self.step(stage, StepResult.of(work) if self.pid == 0 else None, only=0)[0]
 
     def gather(self, stage: str, value: str | None, only: int | None = None) -> dict[int, str]:
         """Post ``value`` (unless ``None``) for ``stage``; wait (bounded) for every

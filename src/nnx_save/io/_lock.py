@@ -58,7 +58,7 @@ from pathlib import Path
 
 from ..errors import DirectoryLockedError, SaveError
 from ._atomic import host_name, make_directory, pid_alive, temp_path
-from ._kv import Channel, Outcome, Sync
+from ._kv import Channel, StepResult, Sync
 
 __all__ = [
     "LOCK_NAME",
@@ -529,7 +529,7 @@ def _take_for_job(root: Path, what: str, kv: Channel) -> tuple[str | None, Write
         return None
 
     try:
-        holder = sync.step("lock", Outcome.of(take) if kv.pid == 0 else None, only=0)[0]
+        holder = sync.step("lock", StepResult.of(take) if kv.pid == 0 else None, only=0)[0]
     except BaseException:
         for lock in taken:
             lock.release()

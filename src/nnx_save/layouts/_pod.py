@@ -32,7 +32,7 @@ from ..format import _dtypes
 from ..format._boxes import check_tiling, of_index
 from ..format._header import FileHeader, TensorInfo, encode_header
 from ..io import _files, _storage
-from ..io._kv import Outcome, Sync
+from ..io._kv import StepResult, Sync
 from ..io._storage import Location, Where
 from ..load._pieces import Box, Piece, extents, whole
 from ..load._source import Header, LocalFiles
@@ -395,9 +395,9 @@ def _commit_manifest(
     posted: Mapping[int, dict[str, Any]],
     token: str,
     previous: set[str],
-) -> Outcome:
+) -> StepResult:
     """Primary: merge the processes' piece lists (``posted``) into the manifest, write
-    it atomically, then remove the ``previous`` save's shard files; the outcome to post."""
+    it atomically, then remove the ``previous`` save's shard files; the result to post."""
     n = len(posted)
     shardings = posted[0]["shardings"]  # the same on every process: they agreed on the tensors
     tensors: dict[str, dict[str, Any]] = {
@@ -418,11 +418,11 @@ def _commit_manifest(
     try:
         location.replace(MANIFEST, json.dumps(manifest, indent=1).encode() + b"\n")
     except SaveError as e:
-        return Outcome(False, error=str(e))
+        return StepResult(False, error=str(e))
     for stale in sorted(previous - {shard_name(p, n, token) for p in range(n)}):
         location.remove(stale)
     location.sweep(lambda name: SHARD_FILE.match(name) is not None)
-    return Outcome(True)
+    return StepResult(True)
 
 
 def _describe_sharding(array: Any) -> str:
@@ -480,7 +480,7 @@ def _write(
         return posted
 
     try:
-        pieces = sync.step("pieces", Outcome.of(write_mine))
+        pieces = sync.step("pieces", StepResult.of(write_mine))
         done = _commit_manifest(location, names, meta, pieces, token, set(plan["previous"])) if sync.pid == 0 else None
         sync.step("commit", done, only=0)
     except SaveError:

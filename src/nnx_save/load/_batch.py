@@ -216,7 +216,7 @@ class Batch:
         for host, info in zip(hosts, runs.infos, strict=True):
             if info.dtype.code == "BOOL":
                 check_bools(host, info, tuple((0, d) for d in info.shape))
-        results, bar = engine.results, engine.bar
+        results, bar = engine.values, engine.bar
         group: list[int] = []
         for i, t in enumerate(runs.targets):
             if runs.held[i] != hosts[i].dtype:

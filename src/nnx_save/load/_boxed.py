@@ -10,7 +10,7 @@ copy the result into its part of the final buffer (:func:`copy_into`, in cache-s
 strips), then free the temporaries. No full-size source buffer exists and nothing runs
 over a finished file; the main thread only places each finished target (an adoption on
 the CPU backend). A transform with no per-box map reads its sources whole
-(``report.io.read_whole``: the engine lists them in its outcome).
+(``report.io.read_whole``: the engine lists them in its result).
 """
 
 from __future__ import annotations
@@ -233,9 +233,10 @@ class _Unit:
 
 
 class BoxedTargets:
-    """The box-mapped targets of one engine run. Each method takes the engine (which
-    imports this module) rather than holding it: no reference cycle keeps a finished
-    load's arrays alive until the next garbage collection."""
+    """The box-mapped targets of one engine run. Each method takes the engine (whose
+    planning, :mod:`nnx_save.load._dests`, imports this module) rather than holding it:
+    no reference cycle keeps a finished load's arrays alive until the next garbage
+    collection."""
 
     def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
         self.slab_bytes = slab_bytes  # final buffers are packed into allocations of up to this size
@@ -443,9 +444,9 @@ class BoxedTargets:
         for index in done:
             t = self.boxes[index].target
             mine = self.by_target[t.path]
-            if all(self.boxes[i].left == 0 for i in mine) and t.path not in engine.results:
+            if all(self.boxes[i].left == 0 for i in mine) and t.path not in engine.values:
                 pieces = [(self._final(self.boxes[i]), self.boxes[i].devices) for i in mine]
                 for i in mine:
                     self.boxes[i].buffer = None  # the array holds it now
-                engine.results[t.path] = place(t, pieces)
+                engine.values[t.path] = place(t, pieces)
                 engine.bar.update(items=1)

@@ -1,12 +1,14 @@
 """The loading engine, one for every layout: match targets to file tensors, plan, read,
 assemble.
 
-:func:`load_targets` checks every target against the headers first, so a strict
-refusal, or a sharding jax cannot apply, reads nothing. Each box a process needs is
-one destination, and each piece overlapping it one request writing its part in place.
-On the CPU backend reads land in the aligned buffers the arrays adopt without a copy
-(a buffer that is only a step, such as a dtype cast, is freed once used); elsewhere
-:mod:`nnx_save.load._stream` streams them.
+:func:`load_targets` checks every target against the headers first
+(:mod:`nnx_save.load._match`) and plans every destination (:mod:`nnx_save.load._dests`),
+so a strict refusal, or a sharding jax cannot apply, reads nothing. Each box a process
+needs is one destination, and each piece overlapping it one request writing its part in
+place. On the CPU backend reads land in the aligned buffers the arrays adopt without a
+copy (a buffer that is only a step, such as a dtype cast, is freed once used);
+elsewhere :mod:`nnx_save.load._stream` streams them. What the engine did
+(:class:`~nnx_save.load._result.EngineResult`) completes the report.
 """
 
 from __future__ import annotations
@@ -15,42 +17,34 @@ import collections
 import functools
 import itertools
 import logging
-import math
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from .. import _progress
-from ..errors import HostMemoryError, NnxSaveError, RemoteError, ShapeMismatchError
+from ..errors import HostMemoryError, RemoteError, ShapeMismatchError
 from ..format import _checksum
 from ..format._header import FileHeader, TensorInfo
 from ..format._units import human_bytes
 from ..io._reader import LocalReader, Reader
-from . import _boxed, _share, _stream
-from ._assemble import assemble, held_of, host_view, place_adopted, place_whole
-from ._batch import Batch
+from . import _share, _stream
+from ._assemble import assemble, host_view, place_adopted, place_whole
+from ._dests import Dest, Destinations
 from ._execute import SLAB_BYTES, Budget, aligned_empty, execute, pack_buffers
+from ._match import check_targets, describe_source, refuse_nothing_loaded
 from ._options import LoadOptions
-from ._pieces import Box, Piece, Request, extents, intersect, request, whole
+from ._pieces import Box, Piece, Request, extents, request, whole
 from ._plan import FilePlan, over_read_by_range, plan_file
-from ._report import (
-    OVER_READ_MIN_BYTES,
-    OVER_READ_WARN,
-    LoadReport,
-    Outcome,
-    check_targets,
-    complete,
-    describe_source,
-    refuse_nothing_loaded,
-)
+from ._report import LoadReport, complete
+from ._result import OVER_READ_MIN_BYTES, OVER_READ_WARN, EngineResult
 from ._source import Header, gc_paused
-from ._target import Target, check_device_dtype, device_indices, shard_boxes
+from ._target import Target, check_device_dtype, device_indices
 
 __all__ = ["load_targets"]
 
@@ -71,41 +65,9 @@ def _no_memory(file: str, dests: list[Dest]) -> HostMemoryError:
     )
 
 
-@dataclass
-class Dest:
-    """One destination: box ``box`` of file tensor ``key``, for local ``devices``.
-
-    ``owner`` is the target path it is a shard of (``"source:<key>"`` for a transform's
-    whole source); ``parts`` the pieces that give it and the box each gives (global
-    coordinates); ``files`` the files still to read into it.
-    """
-
-    owner: str
-    key: str
-    box: Box
-    devices: list[Any]
-    nbytes: int
-    adopted: bool
-    parts: list[tuple[Piece, Box]]
-    files: set[str] = field(default_factory=set)
-    buffer: Any = None
-
-
-def _held(t: Target) -> np.dtype:
-    """``held_dtype(t)``, from its cache (asked per tensor)."""
-    return held_of(np.dtype(t.dtype), t.sharding is not None, _x64())
-
-
-def _x64() -> bool:
-    """jax's current ``jax_enable_x64``."""
-    import jax
-
-    return jax.config.jax_enable_x64  # type: ignore[attr-defined]
-
-
-class Engine:
-    """Destinations for every target, the pieces that fill them, and what to do
-    once one is filled. :meth:`run` reads on the host path; ``_stream.run`` streams."""
+class Engine(Destinations):
+    """Reads a load's destinations and places their values as each is filled.
+    :meth:`run` reads on the host path; ``_stream.run`` streams."""
 
     def __init__(
         self,
@@ -116,92 +78,26 @@ class Engine:
         bar: Any,
         slab_bytes: int = SLAB_BYTES,
     ) -> None:
-        self.header, self.opt, self.open_reader, self.bar = header, opt, open_reader, bar
-        self.slab_bytes = slab_bytes  # adopted buffers are packed into allocations of up to this size
-        # what it did, the report made of it outside (_report.complete); the lists given: no factory call
-        self.outcome = Outcome(seconds=[0.0, 0.0, 0.0], over_read_bytes=[0, 0])
+        self.open_reader, self.bar = open_reader, bar
         self.file_headers: dict[str, FileHeader] = {fh.file: fh for fh in header.files}
-        self.by_path = {t.path: t for t in targets}
-        self.results = self.outcome.values
         self.wholes: dict[str, np.ndarray] = {}
         self.budget = Budget(opt.max_inflight_bytes)
         self.scratch: set[int] = set()  # ids of the destinations whose buffers the budget holds
         self.chunk_bytes = opt.chunk_bytes  # asked per file
-        self.dests: list[Dest] = []
-        self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.done: collections.Counter[str] = collections.Counter()  # owner -> destinations filled so far
-        self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
-        self.boxed = _boxed.BoxedTargets(slab_bytes)
-        self.pending = []  # transforms read from their whole sources
-        x64 = _x64()  # asked once: _held(t) per tensor, inline
-        self.batch, targets = Batch.split(  # runs of small whole tensors: no destination each
-            header, targets, x64, opt.streaming, slab_bytes > 0
+        super().__init__(header, targets, opt, slab_bytes)
+        # what it did, the report made of it outside (_report.complete); the lists given: no factory call
+        self.result = EngineResult(
+            read_whole=[t.path for t in self.pending], seconds=[0.0, 0.0, 0.0], over_read_bytes=[0, 0]
         )
-        for t in targets:
-            if t.transform is None:
-                info = header.tensors[t.sources[0]]
-                held = held_of(np.dtype(t.dtype), t.sharding is not None, x64)
-                adopted = info.dtype.byte_aligned and info.dtype.numpy == held  # the buffer becomes the array
-                for box, devices in shard_boxes(t):  # refusals before any read
-                    self.add(t.path, t.sources[0], box, devices, adopted)
-            elif not self.boxed.add(self, t):
-                self.pending.append(t)
-                self.outcome.read_whole.append(t.path)
-        self.refs = collections.Counter(k for t in self.pending for k in t.sources)  # source -> transforms to run
-        for key in self.refs:
-            self.add(f"source:{key}", key, whole(header.tensors[key].shape), [None], False)
-        self.over_reads = self.outcome.over_reads
-        self.over_read_bytes = self.outcome.over_read_bytes  # bytes read, bytes max_over_read_ratio=1.0 would read
-        self.checked = self.outcome.checked  # file key -> verified (True) or not verifiable (False)
+        self.values = self.result.values
+        self.over_reads = self.result.over_reads
+        self.over_read_bytes = self.result.over_read_bytes  # bytes read, bytes max_over_read_ratio=1.0 would read
+        self.checked = self.result.checked  # file key -> verified (True) or not verifiable (False)
         self._digests: dict[str, Mapping[str, str]] = {}  # file -> recorded checksums (verify only)
         self._lock = threading.Lock()
         self.staging: Any = None  # the streaming path's staging pool, once it ran
         self.readers: dict[str, tuple[Reader, tuple[bool, bool]]] = {}  # open on the files being read
-
-    def add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> int:
-        info = self.header.tensors[key]
-        index = len(self.dests)
-        numel = math.prod(hi - lo for lo, hi in box)  # extents(box), per tensor inline
-        nbytes = numel * info.dtype.itemsize if info.dtype.byte_aligned else info.nbytes
-        parts = self.choose(key, box)
-        files = {parts[0][0].info.file} if len(parts) == 1 else {piece.info.file for piece, _ in parts}
-        dest = Dest(owner, key, box, devices, nbytes, adopted, parts, files)
-        self.dests.append(dest)
-        self.shards.setdefault(dest.owner, []).append(index)
-        for file in dest.files:
-            self.by_file.setdefault(file, []).append(index)
-        return index
-
-    def choose(self, key: str, box: Box) -> list[tuple[Piece, Box]]:
-        """The pieces that give ``box`` and the part each gives: one per distinct
-        piece box, this process's own pod file first."""
-        pieces = self.header.pieces_of(key)
-        if len(pieces) == 1 and pieces[0].box == box and pieces[0].info.nbytes:  # a whole tensor, one piece
-            return [(pieces[0], box)]
-        info = self.header.tensors[key]
-        if not info.dtype.byte_aligned or (len(pieces) == 1 and pieces[0].box == whole(info.shape)):
-            part = intersect(pieces[0].box, box) if info.dtype.byte_aligned else pieces[0].box
-            return [(pieces[0], part)] if part is not None and pieces[0].info.nbytes else []
-        best: dict[Box, tuple[Piece, Box]] = {}
-        own = self.own
-        for piece in sorted(pieces, key=lambda p: (p.process != own, p.process)):
-            if (part := intersect(piece.box, box)) is not None:
-                best.setdefault(piece.box, (piece, part))
-        parts = list(best.values())
-        if sum((math.prod(extents(part)) for _, part in parts), start=0) != math.prod(extents(box)):
-            raise NnxSaveError(
-                f"{info.file}: tensor {key!r}: the part {[list(b) for b in box]} this process needs is in "
-                f"shard file(s) {list(self.header.missing_files)}, not present in this directory; copy them here, "
-                "or load on the process layout that wrote them"
-            )
-        return parts
-
-    @functools.cached_property
-    def own(self) -> int | None:
-        """This process's pod rank, or None for files another process layout wrote."""
-        import jax
-
-        return jax.process_index() if self.header.num_processes == jax.process_count() else None
 
     # ----------------------------------------------------------------- host path
 
@@ -348,7 +244,7 @@ class Engine:
         floor: int,
     ) -> None:
         t0 = time.perf_counter()
-        self.outcome.files.append((file, plan.read_bytes + boxed[0], plan.needed_bytes + boxed[1], requests))
+        self.result.files.append((file, plan.read_bytes + boxed[0], plan.needed_bytes + boxed[1], requests))
         if self.over_read_warns(plan.read_bytes, plan.needed_bytes):
             extra = self.read_through(file, plan)
             self.note_over_read(file, plan.read_bytes, plan.needed_bytes, plan.ratio, extra, floor)
@@ -361,7 +257,7 @@ class Engine:
                 self._filled(i)
         if self.boxed.boxes:
             self.boxed.place_finished(self)
-        seconds = self.outcome.seconds
+        seconds = self.result.seconds
         seconds[0] += plan_s
         seconds[1] += read_s
         seconds[2] += time.perf_counter() - t0
@@ -453,9 +349,6 @@ class Engine:
             _checksum.check(info.name, info.file, expected, buffers)
         self.mark(key, expected is not None and buffers is not None)
 
-    def held(self, owner: str) -> np.dtype:
-        return _held(self.by_path[owner])
-
     def host(self, index: int) -> np.ndarray:
         """Destination ``index``'s bytes as an array of the file's dtype and its box's shape."""
         d = self.dests[index]
@@ -479,7 +372,7 @@ class Engine:
             t = self.by_path[owner]
             per_device = {dev: a for i in self.shards[owner] for dev, a in arrays[i].items()}
             devices = list(device_indices(t.sharding, t.shape))
-            self.results[owner] = jax.make_array_from_single_device_arrays(
+            self.values[owner] = jax.make_array_from_single_device_arrays(
                 t.shape, t.sharding, [per_device[d] for d in devices]
             )
             self.bar.update(items=1)
@@ -495,7 +388,7 @@ class Engine:
                 return
         elif d.adopted and (value := self.placed(d)) is not None:
             d.buffer = None  # released as soon as the array exists
-            self.results[owner] = value
+            self.values[owner] = value
             if self.bar.active:
                 self.bar.update(items=1)
             return
@@ -509,7 +402,7 @@ class Engine:
             d = self.dests[i]
             parts.append((d.buffer, self.header.tensors[d.key], d.box, d.devices))
             d.buffer = None  # released as soon as the array exists
-        self.results[owner] = assemble(self.by_path[owner], self.held(owner), parts)
+        self.values[owner] = assemble(self.by_path[owner], self.held(owner), parts)
         for i in shards:
             self.release(self.dests[i])
         if self.bar.active:
@@ -535,7 +428,7 @@ class Engine:
                 raise ShapeMismatchError(
                     f"{t.path}: rule produced shape {value.shape} from {list(t.sources)}, the target has {t.shape}"
                 )
-            self.results[t.path] = place_whole(t, value.astype(_held(t), copy=False))
+            self.values[t.path] = place_whole(t, value.astype(self.held(t.path), copy=False))
             self.pending.remove(t)
             self.bar.update(items=1)
             for k in t.sources:
@@ -613,14 +506,14 @@ def load_targets(
         finally:
             bar.close()
     try:
-        engine.outcome.peak = engine.budget.peak
-        complete(report, engine.outcome, header.placement.retries())
+        engine.result.peak = engine.budget.peak
+        complete(report, engine.result, header.placement.retries())
         _refuse_unpinned(header, unpinned, report.unverified)
         if warn:
             report.raise_or_warn(False, stacklevel=4)
     finally:
         engine.close()  # its last readers, once the load is over
-    return engine.results, report
+    return engine.values, report
 
 
 def _read(engine: Engine, loadable: Sequence[Target], opt: LoadOptions) -> None:

@@ -1,7 +1,11 @@
-"""What a load did: filled, missing, unexpected, reshaped, cast, and the I/O it took.
+"""What a load found: the public records of the load report.
 
-A :class:`LoadReport` is built from headers before any value is read, so a strict load
-can refuse (one :class:`~nnx_save.LoadError`, grouped and sorted) without touching the target.
+:class:`LoadReport` (filled, missing, unexpected, reshaped, cast, allowed, and the I/O it
+took), :class:`ShapeMismatch`, :class:`DtypeCast` and :class:`IOStats`, with the remedies a
+strict refusal names and the two rules the checkpoint store shares with the load: what a
+lossy cast is (:func:`is_lossy`) and what an ``allow_*`` pattern matches (:func:`matches_any`).
+The report is made before any byte is read (:mod:`nnx_save.load._match`); :func:`complete`
+fills it in from what the engine did (:class:`~nnx_save.load._result.EngineResult`).
 """
 
 from __future__ import annotations
@@ -10,47 +14,29 @@ import fnmatch
 import logging
 import re
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
 
-from ..errors import LoadError, LoadWarning, LossyCastWarning, OverReadWarning, SingleDeviceWarning
-from ..format._units import human_bytes
-from ._assemble import held_of
-from ._hints import shape_hints, shape_remedy
-from ._renames import suggest_renames
-
-if TYPE_CHECKING:
-    from ._source import Header
-    from ._target import Target
+from ..errors import LoadError, LoadWarning, LossyCastWarning, OverReadWarning
+from ._hints import shape_remedy
+from ._result import EngineResult, over_read_message
 
 __all__ = [
-    "OVER_READ_MIN_BYTES",
-    "OVER_READ_WARN",
     "DtypeCast",
     "IOStats",
     "LoadReport",
-    "Outcome",
     "ShapeMismatch",
-    "check_targets",
     "complete",
-    "describe_source",
+    "is_lossy",
     "matches_any",
-    "over_read_advice",
-    "refuse_nothing_loaded",
-    "split_allowed",
-    "split_allowed_casts",
-    "suggested_renames",
-    "suggested_targets",
-    "warn_single_device",
+    "rename_remedy",
+    "target_remedy",
 ]
 
 log = logging.getLogger("nnx_save")
-OVER_READ_WARN = 1.5  # a file read beyond this many times what it gave is worth a warning ...
-OVER_READ_MIN_BYTES = 1 << 20  # ... when the bytes it did not need cost something (~1 ms of reading)
 
 
 @dataclass(frozen=True)
@@ -63,19 +49,6 @@ class ShapeMismatch:
     def __str__(self) -> str:
         src = f" (file key {self.file_key!r})" if self.file_key and self.file_key != self.path else ""
         return f"{self.path}: shape {self.model_shape} in the model, {self.file_shape} in the file{src}"
-
-
-def warn_single_device(paths: Sequence[str], devices: Sequence[object], fix: str, stacklevel: int) -> None:
-    """Warn (:class:`SingleDeviceWarning`) that ``paths`` have no sharding although this
-    process has several ``devices``: how many, which, where they land, and ``fix``."""
-    if not paths or len(devices) < 2:
-        return
-    shown = ", ".join(sorted(paths)[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-    message = (
-        f"{len(paths)} arrays have no sharding ({shown}): all of them are loaded onto {devices[0]}, although this "
-        f"process has {len(devices)} devices. {fix}"
-    )
-    warnings.warn(message, SingleDeviceWarning, stacklevel=stacklevel + 1)
 
 
 def is_lossy(source: str, target: str) -> bool:
@@ -285,7 +258,7 @@ class LoadReport:
         if self.dtype_casts:
             lines.append(_cast_remedy(self.dtype_casts))
         accept = "To accept them, pass (patterns: glob or regex):\n  " + "\n  ".join(lines) if lines else ""
-        fixes = _target_remedy(self.suggested_targets) + _rename_remedy(self.suggested_renames)
+        fixes = target_remedy(self.suggested_targets) + rename_remedy(self.suggested_renames)
         return fixes + shape_remedy(self.suggested_shape_rules) + accept
 
     def raise_or_warn(self, strict: bool, *, limit: int = 20, stacklevel: int = 3) -> None:
@@ -317,52 +290,6 @@ class LoadReport:
         )
 
 
-def refuse_nothing_loaded(
-    report: LoadReport, wanted: Mapping[str, tuple[int, ...]], held: Mapping[str, tuple[int, ...]], loadable: int
-) -> None:
-    """Raise :class:`LoadError` when none of the ``wanted`` paths (the model's, with
-    their shapes) can load from the source (``held``: its tensors' shapes), unless the
-    caller allowed every one of them: loading nothing into a model that has tensors is
-    never what was meant, strict or not. The message sets what the source holds against
-    what the model wants, and never advises allowing everything."""
-    if loadable or not (report.missing or report.shape_mismatches):
-        return
-    reshaped = len(report.shape_mismatches)
-    lines = [
-        f"{report.source}: nothing to load, nothing was read or changed: none of the {len(wanted)} tensors the "
-        f"model wants is in the source" + (f" with the model's shape ({reshaped} with another)" if reshaped else ""),
-        f"  the model wants {len(wanted)}: {_shapes(wanted)}",
-        f"  the source holds {len(held)}: {_shapes(held) if held else 'no tensors'}",
-    ]
-    hint = _nothing_hint(report, wanted, held)
-    raise LoadError("\n".join(lines) + (f"\n{hint}" if hint else ""), report)
-
-
-def _shapes(shapes: Mapping[str, tuple[int, ...]], limit: int = 5) -> str:
-    shown = [f"{k} {tuple(shapes[k])}" for k in sorted(shapes)[:limit]]
-    return ", ".join(shown) + (f" ... and {len(shapes) - limit} more" if len(shapes) > limit else "")
-
-
-def _nothing_hint(
-    report: LoadReport, wanted: Mapping[str, tuple[int, ...]], held: Mapping[str, tuple[int, ...]]
-) -> str:
-    """What the names say: ``.../value`` keys of an NNX state, names that pair up under a
-    rename, or another checkpoint altogether."""
-    valued = [k for k in held if k.endswith("/value") and k.removesuffix("/value") in wanted]
-    if valued:
-        return (
-            f"The source's keys are the model's with '/value' added ({valued[0]!r}): it was written from nnx.state(model) "
-            "by an older save_file. Save it again with save_model, or load it through "
-            'rules=Rules(rename(r"(.*)/value", r"\\1")) (from nnx_save.porting import Rules, rename)'
-        )
-    if report.suggested_targets or report.suggested_renames:
-        return (_target_remedy(report.suggested_targets) + _rename_remedy(report.suggested_renames)).rstrip()
-    if report.shape_mismatches:
-        fixes = shape_remedy(report.suggested_shape_rules).rstrip()
-        return fixes or "The names match but the shapes do not: is this checkpoint of the same model configuration?"
-    return "No name matches: is this the checkpoint of this model? (nnx-save inspect lists a file's tensors)"
-
-
 def _cut(lines: list[str], limit: int) -> list[str]:
     if len(lines) <= limit:
         return lines
@@ -382,7 +309,7 @@ def _cast_remedy(casts: Sequence[DtypeCast]) -> str:
     return f"allow_casts={_listed(lossy)} (LOSSY casts: the loaded values differ from the file's)"
 
 
-def _rename_remedy(renames: Sequence[str]) -> str:
+def rename_remedy(renames: Sequence[str]) -> str:
     if not renames:
         return ""
     rules = ", ".join(renames)
@@ -394,7 +321,7 @@ def _rename_remedy(renames: Sequence[str]) -> str:
     )
 
 
-def _target_remedy(fixes: Sequence[str]) -> str:
+def target_remedy(fixes: Sequence[str]) -> str:
     if not fixes:
         return ""
     return (
@@ -405,221 +332,20 @@ def _target_remedy(fixes: Sequence[str]) -> str:
     )
 
 
-def suggested_targets(report: LoadReport, model: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
-    """The target fixes pairing ``report``'s missing paths with the paths porting rules
-    made of its unexpected keys (one path per key; shapes compared as sets of sizes, a
-    transpose aside), the commonest first.
-
-    Examples:
-        >>> r = LoadReport(missing=["ln_f/scale"], unexpected=["t.ln_f.weight"], renamed={"t.ln_f.weight": ("final_norm/scale",)})
-        >>> suggested_targets(r, {"ln_f/scale": (4,)}, {"t.ln_f.weight": type("T", (), {"shape": (4,)})})
-        ['`final_norm/...` -> `ln_f/...` (`t.ln_f.weight` goes to `final_norm/scale`, the model has `ln_f/scale`)']
-    """
-    free = {p: sorted(model[p]) for p in report.missing}
-    counts: dict[tuple[str, str], list[str]] = {}
-    for key in sorted(report.unexpected):
-        made = report.renamed.get(key, ())
-        if len(made) != 1 or made[0] == key:
-            continue
-        shape = sorted(file[key].shape)
-        best = max(((_common_tail(made[0], m), m) for m, s in free.items() if s == shape), default=(0, ""))
-        if best[0]:
-            pair = (made[0][: -best[0]], best[1][: -best[0]])
-            counts.setdefault(pair, []).append(f"`{key}` goes to `{made[0]}`, the model has `{best[1]}`")
-            del free[best[1]]
-    ranked = sorted(counts, key=lambda p: (-len(counts[p]), p))
-    return [f"`{a}...` -> `{b}...` ({counts[(a, b)][0]})" for a, b in ranked]
-
-
-def suggested_renames(report: LoadReport, model: Mapping[str, Any], file: Mapping[str, Any]) -> list[str]:
-    """:func:`~nnx_save.load._renames.suggest_renames` for ``report``'s missing paths
-    (shapes in ``model``) and its unexpected keys (shapes in ``file``) that no porting
-    rule renamed; the rules are proven on every key of ``file`` and path of ``model``."""
-    missing = {p: tuple(model[p]) for p in report.missing}
-    plain = {k: tuple(file[k].shape) for k in report.unexpected if report.renamed.get(k, (k,)) == (k,)}
-    return suggest_renames(missing, plain, keys=file, paths=model)
-
-
-def _common_tail(a: str, b: str) -> int:
-    """The length of the longest common suffix of ``a`` and ``b`` that starts right
-    after a separator (``/`` or ``.``) in both, leaving both prefixes non-empty."""
-    best = 0
-    for k in range(1, min(len(a), len(b))):
-        if a[-k] != b[-k]:
-            break
-        if a[-k - 1] in "/." and b[-k - 1] in "/.":
-            best = k
-    return best
-
-
-def split_allowed_casts(casts: Sequence[DtypeCast], allow: str | Sequence[str]) -> tuple[list, list]:
-    """Partition casts into (not allowed, allowed) by ``"lossless"`` or path patterns; any
-    other string is a :class:`LoadError` (a pattern list must be a list)."""
-    if isinstance(allow, str):
-        if allow != "lossless":
-            raise LoadError(f'allow_casts takes "lossless" or a list of path patterns, got {allow!r}')
-        return [c for c in casts if c.lossy], [c for c in casts if not c.lossy]
-    return split_allowed(casts, allow)
-
-
-def split_allowed(items: Sequence[Any], patterns: Iterable[str]) -> tuple[list, list]:
-    """Partition ``items`` (paths, or entries with a ``.path``) into (not allowed, allowed) by ``patterns``."""
-    patterns = list(patterns)
-    ok = [matches_any(i if isinstance(i, str) else i.path, patterns) for i in items]
-    return [i for i, a in zip(items, ok, strict=True) if not a], [i for i, a in zip(items, ok, strict=True) if a]
-
-
-# ------------------------------------------------------------- built from the engine's answer
-
-
-def _check(header: Header, t: Target, report: LoadReport, x64: bool) -> bool:
-    """Record what is wrong with ``t`` (``x64``: jax's current ``jax_enable_x64``); True if it can be loaded."""
-    tensors = header.tensors
-    sources = t.sources
-    if not sources or not all(map(tensors.__contains__, sources)):  # no generator per target
-        report.missing.append(t.path)
-        return False
-    if t.transform is None:
-        info = header.tensors[t.sources[0]]
-        shape, dtype = info.shape, info.dtype.numpy
-    else:
-        shape = t.source_shape if t.source_shape is not None else t.shape
-        dtype = np.result_type(*(header.tensors[k].dtype.numpy for k in t.sources))
-    if tuple(shape) != tuple(t.shape):
-        report.shape_mismatches.append(ShapeMismatch(t.path, tuple(t.shape), tuple(shape), t.sources[0]))
-        return False
-    wanted = np.dtype(t.dtype)
-    held = held_of(wanted, t.sharding is not None, x64)  # held_dtype(t), cached
-    if np.dtype(dtype) != held:
-        model = str(held) if held == wanted else f"{held} (the model's {wanted}: jax_enable_x64 is off)"
-        report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
-    return True
-
-
-def check_targets(
-    header: Header,
-    targets: Sequence[Target],
-    allow_missing: Sequence[str],
-    allow_unexpected: Sequence[str],
-    allow_shape_mismatch: Sequence[str],
-    ignore_unexpected: frozenset[str],
-    renamed: Mapping[str, tuple[str, ...]] | None,
-    allow_casts: str | Sequence[str],
-) -> tuple[list[Target], LoadReport]:
-    """The report of what will and will not load, before any byte is read (the
-    ``allow_*`` patterns move mismatches to the allowed lists); and the targets that
-    can be loaded."""
-    report = LoadReport(source=describe_source(header))
-    import jax
-
-    x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per target
-    loadable = [t for t in targets if _check(header, t, report, x64)]
-    used = {k for t in targets for k in t.sources}
-    report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
-    report.shape_mismatches, report.allowed_shape_mismatches = split_allowed(
-        report.shape_mismatches, allow_shape_mismatch
-    )
-    report.dtype_casts, report.allowed_casts = split_allowed_casts(report.dtype_casts, allow_casts)
-    unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
-    report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
-    report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
-    if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
-        report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
-        report.suggested_targets = suggested_targets(report, {t.path: t.shape for t in targets}, header.tensors)
-    report.suggested_shape_rules = shape_hints(report.shape_mismatches, targets)
-    report.sources = {t.path: t.sources for t in loadable}
-    landed: dict[str, list[str]] = {k: [] for k in header.tensors}
-    for t in loadable:
-        for k in t.sources:
-            landed[k].append(t.path)
-    report.landed = {k: tuple(v) for k, v in landed.items()}
-    return loadable, report
-
-
-@dataclass
-class Outcome:
-    """What one load did, per tensor and per file: the engine's answer (it reads and
-    places; :func:`complete` makes the report of it).
-
-    Attributes:
-        values: each loaded target's value, by path.
-        checked: per file key read, whether every piece was verified against its
-            recorded checksum (``False``: not verifiable where it was read).
-        read_whole: ported targets whose sources were read whole.
-        files: per file read, ``(file, bytes read, bytes needed, requests)``.
-        requests: requests not counted with a file (the streaming readers').
-        seconds: time spent planning, reading and assembling.
-        peak: the most bytes of reads in flight at once.
-        over_reads: one line per file read far beyond what it gave (the warning's).
-        over_read_bytes: those files' bytes read, and what ``max_over_read_ratio=1.0`` would read.
-    """
-
-    values: dict[str, Any] = field(default_factory=dict)
-    checked: dict[str, bool] = field(default_factory=dict)
-    read_whole: list[str] = field(default_factory=list)
-    files: list[tuple[str, int, int, int]] = field(default_factory=list)
-    requests: int = 0
-    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
-    peak: int = 0
-    over_reads: list[str] = field(default_factory=list)
-    over_read_bytes: list[int] = field(default_factory=lambda: [0, 0])
-
-
-def complete(report: LoadReport, outcome: Outcome, retries: int) -> None:
-    """Fill ``report`` (made by :func:`check_targets`) with what the load did; warn
-    once if it read far more than it needed. ``retries``: the transport's requests retried."""
+def complete(report: LoadReport, result: EngineResult, retries: int) -> None:
+    """Fill ``report`` (made by :func:`~nnx_save.load._match.check_targets`) in with what
+    the engine did; warn once if the load read far more than it needed. ``retries``: the
+    transport's requests retried."""
     io = report.io
-    for file, read, needed, requests in outcome.files:
+    for file, read, needed, requests in result.files:
         io.add_file(file, read, needed, requests)
-    io.requests += outcome.requests
-    io.plan_seconds, io.read_seconds, io.assemble_seconds = outcome.seconds
-    io.read_whole += outcome.read_whole
-    io.max_inflight_bytes, io.retries = outcome.peak, retries
-    report.verified = sorted(k for k, ok in outcome.checked.items() if ok)
-    report.unverified = sorted(k for k, ok in outcome.checked.items() if not ok)
-    report.loaded = sorted(outcome.values)
-    log.debug("loaded %d tensors from %s: %s", len(outcome.values), report.source, io)
-    if outcome.over_reads:
-        warnings.warn(
-            "this load read far more bytes than it needed from these files: to make fewer, larger "
-            "requests, the automatic read merging (max_over_read_ratio=None) read through the bytes "
-            "between the pieces it needed (tensors the load skips, or parts other devices hold):\n  "
-            + "\n  ".join(outcome.over_reads)
-            + "\n"
-            + over_read_advice(*outcome.over_read_bytes),
-            OverReadWarning,
-            stacklevel=4,
-        )
-
-
-def over_read_advice(read: int, floor: int) -> str:
-    """The remedy the over-read warning gives, true for this load: ``read`` bytes were
-    read from the over-read files, ``floor`` is what ``max_over_read_ratio=1.0`` would
-    read there (computed by planning the same requests at that ratio).
-
-    Examples:
-        >>> over_read_advice(8 << 20, 1 << 20).startswith("Pass max_over_read_ratio=1.0 to read 1.0 MiB instead of 8.0 MiB")
-        True
-        >>> over_read_advice(8 << 20, 8 << 20).startswith("max_over_read_ratio=1.0 would read the same 8.0 MiB")
-        True
-    """
-    contiguous = "shard the leading dimension so that each device's pieces are contiguous"
-    if read - floor >= OVER_READ_MIN_BYTES:
-        return (
-            f"Pass max_over_read_ratio=1.0 to read {human_bytes(floor)} instead of {human_bytes(read)} "
-            f"(in more, smaller requests), or {contiguous}."
-        )
-    same = f"the same {human_bytes(read)}" if floor == read else f"{human_bytes(floor)} of the {human_bytes(read)} read"
-    return (
-        f"max_over_read_ratio=1.0 would read {same}: most of "
-        "what is read through are gaps under 4 KiB between the pieces this process needs, which every ratio reads "
-        f"(a request per piece would cost more). To read less, {contiguous}, or save the tensors this load "
-        "skips in another file; an explicit max_over_read_ratio (or a warnings filter) only silences this warning."
-    )
-
-
-def describe_source(header: Header) -> str:
-    """How the report names a load's source: its file, or how many files of which layout."""
-    if len(header.files) == 1:
-        return header.files[0].file
-    return f"{len(header.files)} files ({header.kind})"
+    io.requests += result.requests
+    io.plan_seconds, io.read_seconds, io.assemble_seconds = result.seconds
+    io.read_whole += result.read_whole
+    io.max_inflight_bytes, io.retries = result.peak, retries
+    report.verified = sorted(k for k, ok in result.checked.items() if ok)
+    report.unverified = sorted(k for k, ok in result.checked.items() if not ok)
+    report.loaded = sorted(result.values)
+    log.debug("loaded %d tensors from %s: %s", len(result.values), report.source, io)
+    if result.over_reads:
+        warnings.warn(over_read_message(result), OverReadWarning, stacklevel=4)

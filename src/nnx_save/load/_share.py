@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import SaveError, SourceError
 from ..format._boxes import Box, extents, intersect, of_index, whole
-from ..io._kv import Outcome, Sync
+from ..io._kv import StepResult, Sync
 from ._assemble import held_dtype, place
 from ._report import LoadReport
 from ._target import Target, shard_boxes
@@ -88,7 +88,7 @@ def host_count(where: str) -> int:
     if not _HOSTS:
         import socket
 
-        names = _step(_sync(where), "hosts", Outcome(True, socket.gethostname()), where)
+        names = _step(_sync(where), "hosts", StepResult(True, socket.gethostname()), where)
         _HOSTS.append(len(set(names.values())))
     return _HOSTS[0]
 
@@ -97,8 +97,8 @@ def _sync(where: str) -> Sync:
     return Sync.open(Path(where), what="shared-read load", intact="nothing was loaded")
 
 
-def _step(sync: Sync, name: str, mine: Outcome, where: str) -> dict[int, Any]:
-    """Every process's outcome of step ``name`` (bounded wait); a failed or silent peer
+def _step(sync: Sync, name: str, mine: StepResult, where: str) -> dict[int, Any]:
+    """Every process's result of step ``name`` (bounded wait); a failed or silent peer
     raises :class:`SourceError` on all."""
     try:
         return sync.step(name, mine)
@@ -181,9 +181,9 @@ def shared_load(
     try:
         values, report = run(swapped)
     except Exception as e:  # posted, so no peer waits for this process in a collective; raised here as it is
-        sync.gather("read", Outcome(False, error=f"{type(e).__name__}: {e}").encode(), only=sync.pid)
+        sync.gather("read", StepResult(False, error=f"{type(e).__name__}: {e}").encode(), only=sync.pid)
         raise
-    _step(sync, "read", Outcome(True), where)
+    _step(sync, "read", StepResult(True), where)
     sync.forget_previous()  # every process is past the previous exchange by now
     by_path = {t.path: t for t in targets}
     originals = {t.path: t for t in swapped}

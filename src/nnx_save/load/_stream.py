@@ -31,9 +31,10 @@ from ._plan import FilePlan, plan_file
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
+    from ._dests import Dest
     from ._options import LoadOptions
     from ._pieces import Piece, Request
-    from ._report import Outcome
+    from ._result import EngineResult
     from ._source import Header
 
 __all__ = ["StagingPool", "StreamEngine", "allocator", "run", "slabs"]
@@ -48,11 +49,11 @@ class StreamEngine(Protocol):
     checksum and dtype rules, so that both paths read, check and report alike."""
 
     header: Header
-    outcome: Outcome  # what the load did: its files' bytes and requests, per tensor its values
+    result: EngineResult  # what the load did: its files' bytes and requests, per tensor its values
     opt: LoadOptions
     bar: Any
     budget: Budget
-    dests: list[Any]  # the engine's Dest (key, owner, box, parts): its module imports this one
+    dests: list[Dest]
     staging: Any  # set to the staging pool (tests look at it after a load)
 
     def open_reader(self, file: str) -> Reader: ...
@@ -419,8 +420,8 @@ def run(engine: StreamEngine, streamed: list[int], kind: str, device: Any) -> di
             r.close()
         pool.close()
     for file, (read, needed, floor) in streamer.stats.items():
-        engine.outcome.files.append((file, read, needed, 0))
+        engine.result.files.append((file, read, needed, 0))
         if file in streamer.through and engine.over_read_warns(read, needed):  # one warning per load, as hosted
             engine.note_over_read(file, read, needed, *streamer.through[file], floor)
-    engine.outcome.requests += sum(r.requests for r in streamer.readers.values())
+    engine.result.requests += sum(r.requests for r in streamer.readers.values())
     return {i: shard.arrays for i, shard in streamer.shards.items()}

@@ -7,16 +7,25 @@ models, porting rules) can build targets without importing the engine.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import DtypeMismatchError, ShardingError
+from ..errors import DtypeMismatchError, ShardingError, SingleDeviceWarning
 from ..format._boxes import Box, of_index, whole
 
-__all__ = ["SourceTransform", "Target", "check_device_dtype", "device_indices", "per_sharding", "shard_boxes"]
+__all__ = [
+    "SourceTransform",
+    "Target",
+    "check_device_dtype",
+    "device_indices",
+    "per_sharding",
+    "shard_boxes",
+    "warn_single_device",
+]
 
 
 class SourceTransform(Protocol):
@@ -173,3 +182,16 @@ def _holds(device: Any, dtype: np.dtype) -> bool:
     except Exception:  # jax's JaxRuntimeError "Unknown NumPy dtype", or a TypeError
         return False
     return True
+
+
+def warn_single_device(paths: Sequence[str], devices: Sequence[object], fix: str, stacklevel: int) -> None:
+    """Warn (:class:`SingleDeviceWarning`) that ``paths`` have no sharding although this
+    process has several ``devices``: how many, which, where they land, and ``fix``."""
+    if not paths or len(devices) < 2:
+        return
+    shown = ", ".join(sorted(paths)[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    message = (
+        f"{len(paths)} arrays have no sharding ({shown}): all of them are loaded onto {devices[0]}, although this "
+        f"process has {len(devices)} devices. {fix}"
+    )
+    warnings.warn(message, SingleDeviceWarning, stacklevel=stacklevel + 1)

@@ -25,7 +25,7 @@ from ..format._boxes import box_runs, of_index, whole
 from ..format._header import encode_header
 from ..io._atomic import fsync_dir, temp_path, write_all
 from ..io._files import pread_exact
-from ..io._kv import Outcome, Sync
+from ..io._kv import StepResult, Sync
 from . import _stage
 from ._entry import Entry, check_storable, host_bytes, order_entries, spans_processes
 from ._stage import BoxedValue
@@ -40,7 +40,7 @@ def agree(sync: Sync, head: bytes, count: int, nbytes: int) -> None:
     """Every process computed the same header (same keys, dtypes, shapes, metadata), or
     every process raises naming what differs; nothing is written before."""
     mine = {"digest": hashlib.sha256(head).hexdigest(), "tensors": count, "bytes": nbytes, "header": len(head)}
-    values = sync.step("agree", Outcome(True, mine))
+    values = sync.step("agree", StepResult(True, mine))
     sync.forget_previous()
     differ = {p: v for p, v in values.items() if v != values[0]}
     if differ:
@@ -56,7 +56,7 @@ def agree(sync: Sync, head: bytes, count: int, nbytes: int) -> None:
         )
 
 
-def _create(path: Path, size: int) -> Outcome:
+def _create(path: Path, size: int) -> StepResult:
     """Primary: create and size the temporary file; its name, or why not."""
     tmp = temp_path(path)
     try:
@@ -68,8 +68,8 @@ def _create(path: Path, size: int) -> Outcome:
     except OSError as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        return Outcome(False, error=f"cannot create a temporary file in {path.parent}: {e.strerror}")
-    return Outcome(True, tmp.name)
+        return StepResult(False, error=f"cannot create a temporary file in {path.parent}: {e.strerror}")
+    return StepResult(True, tmp.name)
 
 
 def _write_shards(fd: int, e: Entry, parts: list[tuple[Any, np.ndarray]], base: int) -> None:
@@ -182,8 +182,8 @@ def _hash_back(
     return digests
 
 
-def _commit(sync: Sync, tmp: Path, head: bytes) -> Outcome:
-    """Primary: the final header in place, fsync, rename; the outcome to post."""
+def _commit(sync: Sync, tmp: Path, head: bytes) -> StepResult:
+    """Primary: the final header in place, fsync, rename; the result to post."""
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CLOEXEC)
         try:
@@ -196,8 +196,8 @@ def _commit(sync: Sync, tmp: Path, head: bytes) -> Outcome:
     except OSError as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        return Outcome(False, error=f"the primary could not commit the file: {e.strerror}")
-    return Outcome(True)
+        return StepResult(False, error=f"the primary could not commit the file: {e.strerror}")
+    return StepResult(True)
 
 
 def write_collective(path: str | os.PathLike, entries: Sequence[Entry], metadata: Mapping[str, str] | None) -> None:
@@ -218,8 +218,8 @@ def write_collective(path: str | os.PathLike, entries: Sequence[Entry], metadata
     agree(sync, head, len(entries), size - len(head))
     tmp = path.parent / sync.step("open", _create(path, size) if sync.pid == 0 else None, only=0)[0]
     try:
-        written = sync.step("write", Outcome.of(lambda: _write_mine(sync, tmp, entries, offsets, head)))
-        hashed = sync.step("hash", Outcome.of(lambda: _hash_back(sync, tmp, entries, offsets, len(head))))
+        written = sync.step("write", StepResult.of(lambda: _write_mine(sync, tmp, entries, offsets, head)))
+        hashed = sync.step("hash", StepResult.of(lambda: _hash_back(sync, tmp, entries, offsets, len(head))))
         digests.values.update({k: v for part in (*written.values(), *hashed.values()) for k, v in part.items()})
         final = final_header(path, names, digests, metadata, head)
         sync.step("commit", _commit(sync, tmp, final) if sync.pid == 0 else None, only=0)
