@@ -20,8 +20,6 @@ MAX_LINES = 600
 LONG_ALLOWED = {
     "src/nnx_save/load/_report.py",
     "src/nnx_save/load/_engine.py",
-    "src/nnx_save/porting/_rules.py",
-    "src/nnx_save/checkpoint/_store.py",
 }
 
 
