@@ -159,7 +159,7 @@ MISSING = object()
 
 
 def _resolve(obj, attrs: str):
-    """``obj``'s dotted attribute ``attrs`` (``".Write.run"``), a dataclass field or a
+    """``obj``'s dotted attribute ``attrs`` (``".SavePlan.write_and_retire"``), a dataclass field or a
     Protocol's annotated member included; :data:`MISSING` where one is missing."""
     for attr in filter(None, attrs.split(".")):
         fields = getattr(obj, "__dataclass_fields__", {})
@@ -190,7 +190,7 @@ def _package_classes() -> dict[str, list[str]]:
 
 def test_the_design_page_names_only_what_exists():
     """Every module, class, function, method and file docs/design.md names exists:
-    ``io/_lock.WriterLock``, ``layouts/_registry.Write.run`` and ``save/`` resolved in the
+    ``io/_lock.WriterLock``, ``layouts/_registry.SavePlan.write_and_retire`` and ``save/`` resolved in the
     package, a bare class name (```Placement```, ```Location.commit```) found among its
     classes, and a named file of the repository present."""
     import importlib

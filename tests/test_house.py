@@ -15,13 +15,6 @@ SRC = ROOT / "src" / "nnx_save"
 ISSUE = re.compile(r"\b[Ii]ssues?\s+#?\d+")
 MAX_LINES = 600
 
-# Files still being reworked on other branches; each entry goes when its file is clean.
-# The allow-lists hold exactly the files that fail today (the tests below check that too).
-LONG_ALLOWED = {
-    "src/nnx_save/porting/_rules.py",
-    "src/nnx_save/checkpoint/_store.py",
-}
-
 
 def _texts() -> list[Path]:
     """Every Python, Markdown and text file of src/, tests/, docs/ and benchmarks/, and
@@ -56,8 +49,7 @@ def test_no_issue_numbers_in_code_tests_or_docs():
 def test_no_module_over_600_lines():
     sizes = {str(p.relative_to(ROOT)): len(p.read_text(encoding="utf-8").splitlines()) for p in SRC.rglob("*.py")}
     long = {f: n for f, n in sizes.items() if n > MAX_LINES}
-    assert {f: n for f, n in long.items() if f not in LONG_ALLOWED} == {}
-    assert set(long) == LONG_ALLOWED, f"short now, drop from LONG_ALLOWED: {LONG_ALLOWED - set(long)}"
+    assert long == {}
 
 
 def _without_all(path: Path) -> str:

@@ -131,8 +131,9 @@ def test_the_package_has_no_import_cycle():
 
 
 # The layers, first to last (docs/design.md): a module imports only its own layer and
-# earlier ones. errors, _config, _version and _options (the checks every option object
-# shares) are the base every module may import. Porting rules are pure (errors and
+# earlier ones. errors, _config, _version, _options (the checks every option object
+# shares) and _lazy_import (the packages' PEP 562 __getattr__) are the base every module
+# may import. Porting rules are pure (errors and
 # format only), so they sit low and the front door can type ``rules=``. _progress
 # formats byte counts with format._units, so it sits after format. load and save are
 # siblings: neither imports the other (SIBLINGS). Layouts sit above both: each format
@@ -140,7 +141,7 @@ def test_the_package_has_no_import_cycle():
 # reads Orbax sources through checkpoint. The package top (the public API) sits with
 # cli, which works on that API only.
 LAYERS = (
-    ("errors", "_config", "_version", "_options"),
+    ("errors", "_config", "_version", "_options", "_lazy_import"),
     ("format",),
     ("porting",),
     ("io", "_progress"),

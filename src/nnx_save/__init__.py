@@ -8,10 +8,10 @@ environment variables: docs/configuration.md.
 of their names. ``X as X``: type checkers see every name as re-exported.
 """
 
-import importlib as _importlib
 import typing as _typing
 
 from . import errors as errors
+from ._lazy_import import lazy_getattr as _lazy_getattr
 from ._version import __version__ as __version__
 from .errors import ChecksumError as ChecksumError
 from .errors import ConfigError as ConfigError
@@ -82,9 +82,9 @@ if _typing.TYPE_CHECKING:
     from .bridges._lazy import safe_open as safe_open
     from .bridges._nnx import load_model as load_model
     from .bridges._nnx import save_model as save_model
-    from .bridges._pod import save_pod as save_pod
     from .bridges._pytree import load_file as load_file
     from .bridges._pytree import save_file as save_file
+    from .bridges._save_pod import save_pod as save_pod
     from .conversion._convert import Converted as Converted
     from .conversion._convert import convert as convert
     from .format._header import FileHeader as FileHeader
@@ -114,7 +114,7 @@ _MODULES = {
     ".conversion._convert": ("Converted", "convert"),
     ".bridges._lazy": ("LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"),
     ".bridges._nnx": ("load_model", "save_model"),
-    ".bridges._pod": ("save_pod",),
+    ".bridges._save_pod": ("save_pod",),
     ".bridges._pytree": ("load_file", "save_file"),
 }
 _LAZY = {name: module for module, names in _MODULES.items() for name in names}
@@ -132,12 +132,7 @@ _RECEIVED = (
 _THROWN = (errors.NnxSaveError, errors.NnxSaveWarning)
 
 
-def __getattr__(name: str) -> _typing.Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = _lazy_getattr(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

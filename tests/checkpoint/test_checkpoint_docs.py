@@ -11,14 +11,24 @@ import sys
 
 import pytest
 
-from nnx_save.checkpoint import _agree, _directory, _metadata, _nnx, _partial, _retention, _schedule, _store, _tree
+from nnx_save.checkpoint import (
+    _agree,
+    _metadata,
+    _nnx,
+    _partial,
+    _retention,
+    _schedule,
+    _store,
+    _store_location,
+    _tree,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize(
     "module",
-    [_agree, _directory, _metadata, _nnx, _partial, _retention, _schedule, _store, _tree],
+    [_agree, _metadata, _nnx, _partial, _retention, _schedule, _store, _store_location, _tree],
     ids=lambda m: m.__name__,
 )
 def test_docstring_examples(module):

@@ -30,8 +30,8 @@ SCRIPT = textwrap.dedent(
 
     def slow_write(path, entries):  # the parent's background write waits for the fork
         gate.wait(30)
-        from nnx_save.layouts._registry import writer
-        writer(None)(path, entries)
+        from nnx_save.layouts._registry import plan_save
+        plan_save(None).write_now(path, entries)
 
     from nnx_save.bridges._leaves import flatten, leaf_entry
     pairs, _ = flatten({"w": np.arange(4, dtype=np.float32)})

@@ -231,7 +231,7 @@ def save_model(
         if "format" not in (metadata or {}):
             meta["format"] = "pt"  # transformers refuses safetensors files without it
 
-    return _registry.save(path, entries, _registry.writer(meta, how))
+    return _registry.run_save(path, entries, _registry.plan_save(meta, how))
 
 
 @dataclass(frozen=True)

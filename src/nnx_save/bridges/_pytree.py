@@ -97,7 +97,7 @@ def save_file(
         entries = [leaf_entry(p, v, k) for k, (p, v) in zip(keys, pairs, strict=True)]
         check_metadata(metadata)
         meta = None if metadata is None else dict(metadata)  # the caller may change theirs after an async return
-    return _registry.save(path, entries, _registry.writer(meta, how))
+    return _registry.run_save(path, entries, _registry.plan_save(meta, how))
 
 
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:

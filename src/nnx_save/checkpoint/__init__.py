@@ -13,9 +13,9 @@ The errors and the format constants import with the package; the store, its reco
 imports neither jax nor Orbax.
 """
 
-import importlib as _importlib
 import typing as _typing
 
+from .._lazy_import import lazy_getattr as _lazy_getattr
 from ._errors import CheckpointCorruptError as CheckpointCorruptError
 from ._errors import CheckpointDamageWarning as CheckpointDamageWarning
 from ._errors import CheckpointDtypeMismatchError as CheckpointDtypeMismatchError
@@ -32,17 +32,17 @@ from ._format import FORMAT_VERSION as FORMAT_VERSION
 from ._format import ITEM_NAMES as ITEM_NAMES
 
 if _typing.TYPE_CHECKING:
-    from ._directory import resolve_checkpoint_dir as resolve_checkpoint_dir
     from ._metadata import CheckpointMetadata as CheckpointMetadata
     from ._metadata import Producer as Producer
     from ._nnx import restore_into as restore_into
     from ._retention import Retention as Retention
     from ._store import OrbaxCheckpointStore as OrbaxCheckpointStore
+    from ._store_location import resolve_checkpoint_dir as resolve_checkpoint_dir
     from ._types import Checkpoint as Checkpoint
     from ._types import CheckpointStore as CheckpointStore
 
 _LAZY = {
-    "resolve_checkpoint_dir": "._directory",
+    "resolve_checkpoint_dir": "._store_location",
     "CheckpointMetadata": "._metadata",
     "Producer": "._metadata",
     "restore_into": "._nnx",
@@ -78,12 +78,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> _typing.Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(_LAZY[name], __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+__getattr__ = _lazy_getattr(__name__, _LAZY)
 
 
 def __dir__() -> list[str]:

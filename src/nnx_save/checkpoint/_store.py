@@ -6,7 +6,6 @@ import contextlib
 import functools
 import os
 import pathlib
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal, Self
 
@@ -14,17 +13,15 @@ import jax
 from etils import epath
 
 from ..errors import OptionError
-from ..load._report import DtypeCast
 from ..load._source import gc_paused
-from . import _exit, _local, _orbax, _partial, _placement, _tree
-from ._directory import store_location
+from . import _exit, _local, _orbax, _partial, _restore
 from ._disk import ASIDE_PREFIX, Disk, unchanged_step
 from ._errors import CheckpointCorruptError, CheckpointNotFoundError, CheckpointNotWrittenError, CheckpointWriteError
-from ._health import corrupt_from, load_metadata, looks_damaged, orbax_dtypes, step_record, typed_failures
-from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata, restore_names
+from ._health import load_metadata, typed_failures
+from ._metadata import CheckpointMetadata, Producer, check_items, check_step, new_metadata
 from ._retention import UNSET, Retention, StepInfo, Unset, given_retention, ranked
 from ._schedule import SaveSchedule
-from ._tree import flatten
+from ._store_location import store_location
 from ._types import Checkpoint, CheckpointStore
 
 __all__ = ["OrbaxCheckpointStore"]
@@ -522,69 +519,15 @@ class OrbaxCheckpointStore:
             CheckpointDtypeMismatchError: A dtype differs and neither ``allow_casts``
                 nor ``cast_dtypes`` accepts it.
         """
-        with gc_paused():  # the records, the templates' plans: many small objects, no cycles
+        with gc_paused():  # the records: many small objects, no cycles
             step = self._latest_or(step)
             metadata = self.read_metadata(step)
-            templates = {n: _placement.concrete_templates(n, t, mesh) for n, t in dict(templates or {}).items()}
-            names = restore_names(metadata, templates, items)
-            manager = self._reader()
-            saved, recorded, stored = self._stored_view(step, names, [n for n in names if n in templates])
-            options = _partial.PartialOptions(
-                strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
-            )
-            accept = _partial.CastPolicy.of(cast_dtypes, allow_casts)
-            given = {n: templates[n] for n in names if n in templates}
-            given, retyped = _partial.prepare(step, given, {n: recorded[n].kinds for n in given})
-            whole = {n: (t, _orbax.template_restore_args(n, t)) for n, t in given.items()}  # refuses odd leaves first
-            specs = {n: recorded[n].specs for n in given}
-            chosen, report = _partial.select(step, given, specs, options, str(self._step_path(step)))
-            casts = _partial.check_template_dtypes(
-                step, {n: s.read_pairs() for n, s in chosen.items()}, saved, accept, retyped
-            )
-            report.dtype_casts.extend(
-                DtypeCast(f"{m.item}/{m.leaf}", m.saved, m.restored) for m in casts if m not in retyped
-            )
-            to_read = [n for n in names if n not in chosen or chosen[n].read]  # an item may have nothing to read
-            plan = {n: _orbax.item_plan(n, whole.get(n), chosen.get(n), stored.get(n)) for n in to_read}
-            partial = [n for n, s in chosen.items() if not s.whole]
-        read: dict[str, Any] = {}
-        if plan:
-            before, started = _placement.io_counters(), time.perf_counter()
-            with self._corrupt_on_failure(step, any_error=False):
-                read = _orbax.restore_items(manager, step, plan, partial)
-            item_dirs = [pathlib.Path(self._step_path(step)) / n for n in plan]
-            report.io = _placement.read_stats(read, before, time.perf_counter() - started, item_dirs)
-        with gc_paused():
-            restored = {
-                n: _partial.graft(chosen[n], dict(flatten(read.get(n, {})))) if n in partial else read[n] for n in names
-            }
-            restored = {n: _partial.cast_back(step, n, restored[n], retyped, report.dtype_casts) for n in names}
-            as_stored = {n: restored[n] for n in names if n not in templates}  # x64 off narrows 64-bit arrays
-            _partial.check_restored(step, as_stored, saved, accept)
-            report.loaded.extend(f"{n}/{_tree.show(p)}" for n, tree in as_stored.items() for p, _ in flatten(tree))
-        return Checkpoint(step, restored, metadata, self._step_path(step), report)
-
-    def _stored_view(
-        self, step: int, names: list[str], templated: list[str]
-    ) -> tuple[dict[str, dict[_tree.Path, str]], dict[str, _tree.Recorded], dict[str, Any]]:
-        """What the step holds: the saved dtypes, the leaves of each templated item (from
-        the step's record: no Orbax metadata read for them), and Orbax's metadata trees of
-        the items that need them (those restored as stored; all, for a step whose record
-        has no leaves)."""
-        dtypes, leaves = step_record(self._directory, step, names)
-        asked = [n for n in names if leaves is None or n not in templated]
-        stored: dict[str, Any] = {}
-        if asked:
-            with self._corrupt_on_failure(step, any_error=True):  # Orbax's metadata of an item is unreadable
-                stored = _orbax.stored_trees(self._reader(), step, asked)
-        saved = dtypes if dtypes is not None else orbax_dtypes(stored)
-        recorded = {
-            n: leaves[n]
-            if leaves is not None
-            else _tree.Recorded(_orbax.stored_specs(stored[n]), _orbax.stored_kinds(stored[n]))
-            for n in templated
-        }
-        return saved, recorded, stored
+        options = _partial.PartialOptions(
+            strict, tuple(allow_missing), tuple(allow_unexpected), tuple(allow_shape_mismatch)
+        )
+        return _restore.restore_step(
+            self._reader, self._directory, step, metadata, templates, mesh, items, (cast_dtypes, allow_casts), options
+        )
 
     def _latest_or(self, step: int | None) -> int:
         """``step``, or for None the latest step (``CheckpointNotFoundError`` when there is none)."""
@@ -594,12 +537,6 @@ class OrbaxCheckpointStore:
         if latest is None:
             raise CheckpointNotFoundError(None, self._directory, [])
         return latest
-
-    def _corrupt_on_failure(self, step: int, *, any_error: bool) -> contextlib.AbstractContextManager[None]:
-        """Orbax's read failures (all, or only those that look like damage: tensorstore's
-        DATA_LOSS for a truncated file) as :class:`CheckpointCorruptError` naming the file."""
-        where = str(self._step_path(step))
-        return typed_failures(lambda e: corrupt_from(step, where, e) if any_error or looks_damaged(e) else None)
 
     # -- deleting ----------------------------------------------------------------
 

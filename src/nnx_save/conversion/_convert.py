@@ -150,7 +150,7 @@ def _write(out: Path, entries: list[Entry], meta: dict[str, str], max_shard_size
             f"{out}: --max-shard-size writes a directory (model-0000i-of-0000n.safetensors and "
             "model.safetensors.index.json); give a directory path"
         )
-    written = _registry.writer(meta, SaveOptions(max_shard_size=max_shard_size))(out, entries)
+    written = _registry.plan_save(meta, SaveOptions(max_shard_size=max_shard_size)).write_now(out, entries)
     files = tuple(sorted(Path(f) for f in written.files)) if written is not None else ()
     return Converted(len(entries), files, None if max_shard_size is None or written is None else Path(written.record))
 

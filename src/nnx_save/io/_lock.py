@@ -347,14 +347,8 @@ def _create(directory: Path, path: Path, what: str) -> tuple[int, bool] | None:
         with contextlib.suppress(OSError):
             os.unlink(staged)
         raise
-    try:
+    with _staged_gone(fd, staged):
         linked = _link(staged, path)
-    except BaseException:
-        os.close(fd)
-        raise
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(staged)
     if not linked:
         os.close(fd)
         return None
@@ -370,11 +364,19 @@ def _claim_by_record(directory: Path, path: Path, what: str, made: tuple[int, Pa
         SaveError: The record cannot be written, or the file there is not ours.
     """
     fd, staged = made or _staged_record(path, what)
-    try:
+    with _staged_gone(fd, staged):
         for _ in range(_REOPENS):
             if _link(staged, path) or _taken_over(directory, path, staged):
                 return fd
         raise DirectoryLockedError(str(directory), f"other writers (its {LOCK_NAME} was replaced {_REOPENS} times)")
+
+
+@contextlib.contextmanager
+def _staged_gone(fd: int, staged: Path) -> Iterator[None]:
+    """Remove the staged record ``staged`` once the body is done with it, whatever
+    happens; close its descriptor ``fd`` only when the body raises (else it is the lock's)."""
+    try:
+        yield
     except BaseException:
         os.close(fd)
         raise

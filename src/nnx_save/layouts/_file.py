@@ -29,7 +29,7 @@ from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files, _storage
 from ..io._storage import Location, Where
 from ..load._source import Header, LocalFiles, RemoteFiles
-from ._layout import SINGLE, Metadata, Written
+from ._layout import SINGLE, Committed, Metadata
 
 if TYPE_CHECKING:  # the writers' types: reading a file does not import them
     from ..save._entry import Entry
@@ -211,13 +211,13 @@ class FileLayout:
     def claims(self, location: Location, names: Collection[str]) -> bool:
         return SINGLE in names
 
-    def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written:
+    def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Committed:
         """One file, from this process, from every process of the job, or to an object store."""
         from ..save import _destination  # the writers: a read never loads them
 
         location, name = _storage.locate_file(path)
         _destination.write_one(location, name, entries, metadata, options.progress)
-        return Written(path, (path,))
+        return Committed(path, (path,))
 
     def check_target(self, path: str | os.PathLike) -> None:
         """Any path will do: the file's own write says what is wrong with it."""

@@ -39,7 +39,7 @@ from ..save._entry import Entry, order_entries
 from ..save._options import SaveOptions
 from . import _layout
 from ._file import member_header, pinned_headers, remote_file_header
-from ._layout import SAVE_ID_KEY, Metadata, Shards, Written
+from ._layout import SAVE_ID_KEY, Committed, Metadata, Shards
 
 __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "is_index", "join_url", "read_remote", "write_sharded"]
 
@@ -269,7 +269,9 @@ class IndexLayout:
     def __init__(self, max_shard_size: int | str | None = None) -> None:
         self.max_shard_size = None if max_shard_size is None else parse_size(max_shard_size)
 
-    def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written | None:
+    def write(
+        self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions
+    ) -> Committed | None:
         """Write ``entries`` as files of at most ``max_shard_size`` bytes and their index
         in directory ``path`` (a path or an fsspec URL); from several processes each
         file is written by all of them together and the primary commits the index.
@@ -344,7 +346,7 @@ def write_sharded(
     metadata: Mapping[str, str] | None,
     max_shard_size: int,
     progress: bool | None = None,
-) -> Written | None:
+) -> Committed | None:
     """Write ``entries`` as a HuggingFace multi-file checkpoint in ``directory`` (a
     path or an fsspec URL); what the primary committed (the index: a URL stays a ``str``).
     ``progress`` as in :func:`nnx_save._progress.bar`, per file."""
@@ -380,7 +382,7 @@ def write_sharded(
     target.sweep(lambda name: OURS.fullmatch(name) is not None)
     for name in sorted(set(agreed["previous"]) - set(names)):
         target.remove(name)
-    return Written(target.member(INDEX_NAME), target.members(names))
+    return Committed(target.member(INDEX_NAME), target.members(names))
 
 
 def _write_files(

@@ -31,11 +31,12 @@ if TYPE_CHECKING:  # the writers' types: reading a file does not import them
 __all__ = [
     "SAVE_ID_KEY",
     "SINGLE",
+    "Committed",
     "Layout",
     "Metadata",
+    "SavingLayout",
     "Shards",
-    "Writable",
-    "Written",
+    "WriteFiles",
     "check_one_version",
     "conflict",
     "load_record",
@@ -56,13 +57,17 @@ SINGLE = "model.safetensors"
 T = TypeVar("T")
 
 
-class Written(NamedTuple):
+class Committed(NamedTuple):
     """What a layout's write committed: its record (the file itself, the index, the
     manifest; a URL stays a ``str``) and its data files. ``None`` on a process that
     did not commit."""
 
     record: Any
     files: tuple[Any, ...]
+
+
+WriteFiles = Callable[[Where, Sequence["Entry"]], Committed | None]
+"""``write_files(path, entries)``: a save's writing and commit, as its layout does them."""
 
 
 class Layout(Protocol):
@@ -84,8 +89,10 @@ class Layout(Protocol):
         ...
 
 
-class Writable(Layout, Protocol):
-    """A layout that is also written (all but a directory or list of files)."""
+class SavingLayout(Layout, Protocol):
+    """A layout a save writes in one call, as the registry calls it: one file, an HF
+    index. (A pod's save first takes this process's pieces from the caller's arrays,
+    :meth:`~nnx_save.layouts._pod.PodLayout.pieces`, which returns its write.)"""
 
     def check_target(self, path: str | os.PathLike) -> None:
         """Refuse a ``path`` this layout cannot write, before anything is created there.
@@ -95,7 +102,9 @@ class Writable(Layout, Protocol):
         """
         ...
 
-    def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written | None:
+    def write(
+        self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions
+    ) -> Committed | None:
         """Write ``entries`` under the one commit rule, as ``options`` say (the bar);
         what was committed (``None`` on a process that did not commit).
 

@@ -42,8 +42,9 @@ from ._file import member_header, read_file_header
 from ._index import MAX_INDEX_BYTES
 from ._layout import (
     SAVE_ID_KEY,
+    Committed,
     Metadata,
-    Written,
+    WriteFiles,
     load_record,
     new_save_id,
     owned,
@@ -318,16 +319,13 @@ class PodLayout:
         present = tuple(fh for _, fh in sorted(files.items()) if fh is not None)
         return Header(tensors, dict(manifest.metadata), present, "pod", placement)
 
-    def write(self, path: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions) -> Written | None:
-        """This process's pieces of ``entries`` (global tensors) into its shard file,
-        and the manifest from the primary (:func:`pieces` first takes the pieces)."""
-        local, write = self.pieces(path, entries, metadata, options)
-        return write(path, local)
-
-    def pieces(self, directory: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions):
+    def pieces(
+        self, directory: Where, entries: Sequence[Entry], metadata: Metadata, options: SaveOptions
+    ) -> tuple[list[Entry], WriteFiles]:
         """Create ``directory``; this process's pieces of ``entries``, taken when the
         save is called (before any host snapshot: a process writes every distinct box
-        it holds, whatever its replica), and the writer of those pieces."""
+        it holds, whatever its replica), and what writes those pieces: this process's
+        shard file, then the manifest from the primary (the one commit)."""
         self.check_target(directory)
         _storage.locate(directory).prepare()
         entries = order_entries(entries)
@@ -460,7 +458,7 @@ def _write(
     meta: dict[str, str],
     posted: dict[str, Any],
     progress: bool | None,
-) -> Written | None:
+) -> Committed | None:
     """Every process: agree, write this process's shard file, let the primary commit."""
     from ..save._collective import agree  # the writers: a read never loads them
     from ..save._write import write_file
@@ -489,4 +487,4 @@ def _write(
         raise
     if sync.pid != 0:
         return None
-    return Written(directory / MANIFEST, tuple(directory / shard_name(p, sync.n, token) for p in range(sync.n)))
+    return Committed(directory / MANIFEST, tuple(directory / shard_name(p, sync.n, token) for p in range(sync.n)))

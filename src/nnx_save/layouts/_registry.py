@@ -9,15 +9,17 @@ layouts claim is refused with a :class:`~nnx_save.errors.HeaderError` (``check="
 resolved in silence), else its ``*.safetensors`` files. A :class:`Header` of local files
 keeps each file open, so a load reads the very files it validated.
 
-Writing, :func:`writer` picks the layout (one file, an HF index with ``max_shard_size``,
-a pod) and :class:`Write` runs it: the layout chooses by process count and transport,
-commits its record, and, the one commit done, the registry retires any other layout
-the directory held (its record first, then the files provably its own), so one is left.
+Writing, :func:`plan_save` picks the layout (one file, an HF index with ``max_shard_size``,
+a pod) into a :class:`SavePlan`, and :func:`run_save` carries it out, now or in the
+background: the layout chooses by process count and transport, commits its record, and,
+the one commit done, the plan retires any other layout the directory held (its record
+first, then the files provably its own), so one is left.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -38,7 +40,7 @@ from . import _file, _index
 from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout
 from ._index import INDEX_NAME, IndexLayout
-from ._layout import SINGLE, Layout, Writable, Written, conflict
+from ._layout import SINGLE, Committed, Layout, SavingLayout, WriteFiles, conflict
 from ._pod import FORMAT as POD_FORMAT
 from ._pod import PodLayout
 
@@ -50,13 +52,13 @@ __all__ = [
     "POD",
     "RECORDS",
     "Owner",
-    "Write",
+    "SavePlan",
     "layout_of",
     "owners",
+    "plan_save",
     "read_header",
     "reader_factory",
-    "save",
-    "writer",
+    "run_save",
 ]
 
 POD, INDEX, FILE = PodLayout(), IndexLayout(), FileLayout()
@@ -254,22 +256,29 @@ def owners(location: Location, names: Collection[str]) -> list[Owner]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Write:
-    """A save's layout, metadata and options: ``write(path, entries)`` writes, commits,
-    and retires any other layout of the directory (on the process that committed)."""
+class SavePlan:
+    """A save's layout, metadata and options: :meth:`write_now` writes, commits, and
+    retires any other layout of the directory (on the process that committed)."""
 
-    layout: Writable
+    layout: SavingLayout | PodLayout
     metadata: Mapping[str, str] | None
     options: SaveOptions = _DEFAULTS
 
-    def __call__(self, path: Where, entries: Sequence[Entry]) -> Written | None:
-        return self.run(path, lambda p, e: self.layout.write(p, e, self.metadata, self.options), entries)
+    def write_now(self, path: Where, entries: Sequence[Entry]) -> Committed | None:
+        """Carry the plan out in this thread (no wait for earlier asynchronous saves)."""
+        entries, write_files = self.take(path, entries)
+        return self.write_and_retire(path, entries, write_files)
 
-    def run(
-        self, path: Where, write: Callable[[Where, Sequence[Entry]], Written | None], entries: Sequence[Entry]
-    ) -> Written | None:
-        """``write(path, entries)`` (this layout's write) and the retirement of the other
-        layouts, as the one writer of directory ``path`` (its location's
+    def take(self, path: Where, entries: Sequence[Entry]) -> tuple[Sequence[Entry], WriteFiles]:
+        """The entries to write and what writes them: for a pod, this process's pieces,
+        taken now from the caller's arrays; else ``entries`` and the layout's ``write``."""
+        if isinstance(self.layout, PodLayout):
+            return self.layout.pieces(path, entries, self.metadata, self.options)
+        return entries, functools.partial(self.layout.write, metadata=self.metadata, options=self.options)
+
+    def write_and_retire(self, path: Where, entries: Sequence[Entry], write_files: WriteFiles) -> Committed | None:
+        """``write_files(path, entries)`` and the retirement of the other layouts, as the
+        one writer of directory ``path`` (its location's
         :meth:`~nnx_save.io._storage.Location.one_writer`): a multi-file or pod save holds
         it from before the first step until the other layouts are retired, so two saves
         never interleave files or remove each other's. One file needs none (its replace
@@ -282,7 +291,7 @@ class Write:
         # ``entries`` travel as an argument, never in a closure: an asynchronous save's kept
         # error clears its frames' locals, not a function's cells (the snapshot would stay).
         if isinstance(self.layout, FileLayout):
-            return write(path, entries)
+            return write_files(path, entries)
         self.layout.check_target(path)
         location = _storage.locate(path)
         names, what = location.names(), _WHAT[self.layout.name]
@@ -290,15 +299,15 @@ class Write:
             _refuse_foreign(location, owners(location, names), what)
             _refuse_not_ours(location, names, self.layout.name, what)
         with location.one_writer(what):
-            written = write(path, entries)
-            if written is not None and names:
-                self._retire_others(location, names, written)
-            return written
+            committed = write_files(path, entries)
+            if committed is not None and names:
+                self._retire_others(location, names, committed)
+            return committed
 
-    def _retire_others(self, location: Location, names: Collection[str], written: Written) -> None:
+    def _retire_others(self, location: Location, names: Collection[str], committed: Committed) -> None:
         """After this layout's commit: retire the layouts the directory held before it
         (``names``: what it held)."""
-        keep = {str(f).rsplit("/", 1)[-1] for f in written.files}
+        keep = {str(f).rsplit("/", 1)[-1] for f in committed.files}
         for other in (*RECORDS, FILE):
             if other.name != self.layout.name and other.claims(location, names):
                 other.retire(location, keep)
@@ -362,37 +371,32 @@ def _not_a_record(location: Location, name: str, layout: str) -> str | None:
     return f"not a pod manifest of nnx_save (no format {POD_FORMAT!r} with a save id: another tool's file?)"
 
 
-def writer(metadata: Mapping[str, str] | None, options: SaveOptions = _DEFAULTS) -> Write:
-    """The writer for a save: ``writer(path, entries)``, of the layout
-    ``options.layout`` names (by default ``"index"`` when ``options.max_shard_size``
-    is given, else ``"file"``): one file, an HF index
-    of files of at most ``options.max_shard_size`` bytes, or a pod directory
+def plan_save(metadata: Mapping[str, str] | None, options: SaveOptions = _DEFAULTS) -> SavePlan:
+    """The plan of a save, of the layout ``options.layout`` names (by default
+    ``"index"`` when ``options.max_shard_size`` is given, else ``"file"``): one file, an
+    HF index of files of at most ``options.max_shard_size`` bytes, or a pod directory
     (``metadata`` then is the manifest's and every shard file's). ``options`` travel with it.
     """
     layout = options.layout or ("file" if options.max_shard_size is None else "index")
     if layout == "pod":
-        return Write(POD, dict(metadata or {}), options)
+        return SavePlan(POD, dict(metadata or {}), options)
     if layout == "file":
-        return Write(FILE, metadata, options)
-    return Write(IndexLayout(options.max_shard_size or DEFAULT_SHARD_SIZE), metadata, options)
+        return SavePlan(FILE, metadata, options)
+    return SavePlan(IndexLayout(options.max_shard_size or DEFAULT_SHARD_SIZE), metadata, options)
 
 
-def save(path: Where, entries: Sequence[Entry], write: Write) -> SaveHandle | None:
-    """Run ``write(path, entries)``: now, once earlier asynchronous saves are done
-    (``write.options.blocking``), or on a host snapshot in the background with no bar
-    drawn over the caller's output (see :mod:`nnx_save.save._background`). A pod's
-    pieces are taken first, from the caller's arrays."""
+def run_save(path: Where, entries: Sequence[Entry], plan: SavePlan) -> SaveHandle | None:
+    """Carry ``plan`` out for ``entries`` at ``path``: now, once earlier asynchronous
+    saves are done (``plan.options.blocking``), or on a host snapshot in the background
+    with no bar drawn over the caller's output (see :mod:`nnx_save.save._background`). A
+    pod's pieces are taken first, from the caller's arrays."""
     from ..save import _background  # the save machinery: a read never loads it
 
-    blocking = write.options.blocking
-    if not blocking:
-        write = dataclasses.replace(write, options=dataclasses.replace(write.options, progress=False))
-    run: Callable[[Where, Sequence[Entry]], object] = write
-    if isinstance(write.layout, PodLayout):
-        entries, pod_write = write.layout.pieces(path, entries, write.metadata, write.options)
-        run = lambda p, e: write.run(p, pod_write, e)  # noqa: E731
-    if not blocking:
-        return _background.start(path, entries, run)
+    if not plan.options.blocking:
+        plan = dataclasses.replace(plan, options=dataclasses.replace(plan.options, progress=False))
+    entries, write_files = plan.take(path, entries)
+    if not plan.options.blocking:
+        return _background.start(path, entries, functools.partial(plan.write_and_retire, write_files=write_files))
     _background.wait_earlier()
-    run(path, entries)
+    plan.write_and_retire(path, entries, write_files)
     return None

@@ -13,7 +13,7 @@ import numpy as np
 
 from ._errors import RuleError
 from ._parts import axis_of, complete_layers, joined, layer_groups, same_dtype, split_bounds, too_many_layers
-from ._rules import Node, _Patterned, _set, _with_inverse
+from ._rule_base import Node, Patterned, set_field, with_inverse
 from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, ticked
 from ._transforms import Chain, Concatenate, Constant, Each, Index, Same, Stack, Sum, Take
 
@@ -63,7 +63,7 @@ def _origin(rule: Any, what: str) -> object:
 
 
 @dataclass(frozen=True)
-class SplitStackRule(_Patterned):
+class SplitStackRule(Patterned):
     """Per-layer tensors matching ``pattern`` (layer index in the named group
     ``group``) cut along ``axis`` into ``targets``, each part stacked over the layers
     on ``stack_axis`` (the targets must not reference the layer group)."""
@@ -79,7 +79,7 @@ class SplitStackRule(_Patterned):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _set(self, "_templates", parse_templates(self.targets, (self._regex,)))
+        set_field(self, "_templates", parse_templates(self.targets, (self._regex,)))
         number = self._regex.groupindex.get(self.group)
         if number is None or any(self.group in t.refs or number in t.refs for t in self._templates):
             raise RuleError(
@@ -119,7 +119,7 @@ class SplitStackRule(_Patterned):
     def inverse(self) -> object:
         """A :class:`ConcatUnstackRule` giving each layer its fused tensor back."""
         if self.inverse_rule is not None:
-            return _with_inverse(self, self.inverse_rule)
+            return with_inverse(self, self.inverse_rule)
         pairs = [invert(self.pattern, t, consumed=self.group) for t in self.targets]
         return ConcatUnstackRule(
             tuple(p for p, _ in pairs), pairs[0][1], self.axis, self.sizes, self.group, self.stack_axis, self
@@ -143,9 +143,9 @@ class ConcatUnstackRule:
     _template: Template = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
-        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
+        set_field(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
         (template,) = parse_templates((self.target,), self._regexes, extra=(self.group,))
-        _set(self, "_template", template)
+        set_field(self, "_template", template)
 
     def __str__(self) -> str:
         if self.inverse_rule:
@@ -212,8 +212,8 @@ class _Parts:
     _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in _compile
 
     def _compile(self, names: Sequence[str]) -> None:
-        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
-        _set(self, "_templates", parse_templates(names, self._regexes))
+        set_field(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
+        set_field(self, "_templates", parse_templates(names, self._regexes))
 
     def match(self, key: str) -> tuple[int, tuple[str, ...]] | None:
         """``(part, names)`` for ``key``, or ``None``."""
@@ -268,7 +268,7 @@ class SumRule(_Parts):
     def inverse(self) -> object:
         """A :class:`SumExportRule`: the sum into part ``into``, zeros into the rest."""
         if self.inverse_rule is not None:
-            return _with_inverse(self, self.inverse_rule)
+            return with_inverse(self, self.inverse_rule)
         model = tuple(invert(self.patterns[self.into], t)[0] for t in self.targets)
         files = tuple(invert(p, self.targets[0])[1] for p in self.patterns)
         return SumExportRule(model, files, self.axis, self.into, self)
@@ -334,8 +334,8 @@ class TieRule:
     def __post_init__(self) -> None:
         if not self.copies:
             raise RuleError(f"{self}: a tie needs at least one copy")
-        _set(self, "_regex", compile_pattern(self.source))
-        _set(self, "_templates", parse_templates(self.copies, (self._regex,)))
+        set_field(self, "_regex", compile_pattern(self.source))
+        set_field(self, "_templates", parse_templates(self.copies, (self._regex,)))
 
     def __str__(self) -> str:
         return f"tie({raw(self.source)}, {raws(self.copies)}{'' if self.check else ', check=False'})"

@@ -27,7 +27,7 @@ from ._compose import _complete_groups, _part_hit
 from ._compute_steps import Computed, ComputedPart, name_of
 from ._errors import RuleError
 from ._parts import same_dtype
-from ._rules import Node, _set, _with_inverse
+from ._rule_base import Node, set_field, with_inverse
 from ._template import Template, compile_pattern, invert, parse_templates, raw, raws, text_arg, texts_arg
 
 __all__ = ["ComputeExportRule", "ComputeRule", "compute", "restored_from"]
@@ -70,8 +70,8 @@ class ComputeRule:
         if not self.patterns or not callable(self.fn) or not callable(self.undo):
             raise RuleError(f"{self}: a computed rule needs at least one pattern, a function and its inverse")
         _tolerance(self.tolerance)
-        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
-        _set(self, "_templates", parse_templates((self.target,), self._regexes))
+        set_field(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
+        set_field(self, "_templates", parse_templates((self.target,), self._regexes))
 
     def __str__(self) -> str:
         return f"compute(({raws(self.patterns)}), {raw(self.target)}, {name_of(self.fn)}, inverse={name_of(self.undo)})"
@@ -100,7 +100,7 @@ class ComputeRule:
     def inverse(self) -> object:
         """A :class:`ComputeExportRule`: each model tensor's inverse, written as the parts."""
         if self.inverse_rule is not None:
-            return _with_inverse(self, self.inverse_rule)
+            return with_inverse(self, self.inverse_rule)
         model = invert(self.patterns[0], self.target)[0]
         files = tuple(invert(p, self.target)[1] for p in self.patterns)
         return ComputeExportRule(model, files, self, self)
@@ -120,8 +120,8 @@ class ComputeExportRule:
     _templates: tuple[Template, ...] = field(init=False, repr=False, compare=False)  # derived in __post_init__
 
     def __post_init__(self) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
-        _set(self, "_templates", parse_templates(self.files, (self._regex,)))
+        set_field(self, "_regex", compile_pattern(self.pattern))
+        set_field(self, "_templates", parse_templates(self.files, (self._regex,)))
 
     def __str__(self) -> str:
         return f"the inverse of {self.rule}"

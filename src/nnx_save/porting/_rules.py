@@ -1,18 +1,17 @@
 """The rule kinds: frozen dataclasses that say where each source tensor goes.
 
-*Structural* rules match a source key and make its target(s); *value* rules (transpose,
-reshape) match a model path. The planner calls ``match`` on every source key, then
-``nodes`` once per rule; a rule appends what does not fit to ``errors``, raised at once.
+*Structural* rules (here) match a source key and make its target(s); *value* rules
+(transpose, reshape: :mod:`._value_rules`) match a model path. The planner calls ``match``
+on every source key, then ``nodes`` once per rule; a rule appends what does not fit to
+``errors``, raised at once.
 """
 
 from __future__ import annotations
 
-import math
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,8 +28,10 @@ from ._parts import (
     split_bounds,
     too_many_layers,
 )
+from ._rule_base import Info, Node, Patterned, not_invertible, set_field, with_inverse
 from ._template import Template, check_refs, compile_pattern, invert, parse_pattern, parse_templates, raw, raws, ticked
-from ._transforms import Combine, Concatenate, Constant, Index, Reshape, Stack, Take, Transpose
+from ._transforms import Concatenate, Constant, Index, Stack, Take
+from ._value_rules import ReshapeRule, TransposeRule
 
 __all__ = [
     "ConcatRule",
@@ -48,60 +49,11 @@ __all__ = [
     "ValueRule",
 ]
 
-Shape = tuple[int, ...]
-Info = Mapping[str, tuple[Shape, np.dtype]]
-_R = TypeVar("_R")
-
-
-@dataclass(frozen=True)
-class Node:
-    """One target as a structural rule makes it, before value rules."""
-
-    target: str
-    sources: tuple[str, ...]
-    shape: Shape
-    dtype: np.dtype
-    combine: Combine | None
-    rule: int = -1  # the position of the rule that made it in its Rules (-1: none)
-    restore: tuple[tuple[str, ...], int] | None = None  # a sum's export: (its file keys, into)
-    against: tuple[str, ...] = ()  # the source file's tensors it also takes (export against the source)
-
-
-def _set(obj: object, name: str, value: object) -> None:
-    object.__setattr__(obj, name, value)
-
-
-def _with_inverse(rule: object, inverse: _R) -> _R:
-    """The inverse given (or derived before), pointing back to ``rule``."""
-    return replace(inverse, inverse_rule=rule)  # type: ignore[type-var]  # every rule with an inverse_rule is a dataclass
-
-
-@dataclass(frozen=True)
-class _Patterned:
-    """A rule's regex ``pattern``, matched against whole names."""
-
-    pattern: str
-
-    _regex: re.Pattern[str] = field(init=False, repr=False, compare=False)  # derived in __post_init__
-
-    def __post_init__(self) -> None:
-        _set(self, "_regex", compile_pattern(self.pattern))
-
-
-@dataclass(frozen=True)
-class _ValueRule(_Patterned):
-    """A value rule: it changes the layout of the model paths its pattern matches."""
-
-    def matches(self, path: str) -> bool:
-        """Whether this rule applies to the model path ``path``."""
-        return self._regex.fullmatch(path) is not None
-
-
 # --- rename / ignore ----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class RenameRule(_Patterned):
+class RenameRule(Patterned):
     """Source keys matching ``pattern`` become ``replacement`` (first rename wins).
 
     ``shift`` adds to a captured index (``((1, -1),)``: ``features.3`` -> ``blocks/2``); a
@@ -124,10 +76,10 @@ class RenameRule(_Patterned):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _set(self, "_template", Template.parse(self.replacement))
+        set_field(self, "_template", Template.parse(self.replacement))
         check_refs(self._template, self._regex)
-        _set(self, "_shift", {_group_index(self._regex, g, self): int(d) for g, d in self.shift})
-        _set(self, "_index", {_group_index(self._regex, g, self): _table(t, self) for g, t in self.index})
+        set_field(self, "_shift", {_group_index(self._regex, g, self): int(d) for g, d in self.shift})
+        set_field(self, "_index", {_group_index(self._regex, g, self): _table(t, self) for g, t in self.index})
         both = sorted(set(self._shift) & set(self._index))
         if both:
             raise RuleError(f"{self}: group {both[0]} is given both shift= and index=; give one")
@@ -174,7 +126,7 @@ class RenameRule(_Patterned):
     def inverse(self) -> StructuralRule:
         """The export rule; automatic for the simple regex forms (see ``_template``)."""
         if self.inverse_rule is not None:
-            return _with_inverse(self, self.inverse_rule)
+            return with_inverse(self, self.inverse_rule)
         pattern, replacement = invert(self.pattern, self.replacement, widen=self.renumbered)
         # the inverse pattern's group k is the k-th reference of this replacement
         refs = [_group_index(self._regex, r, self) for r in self._template.refs]
@@ -229,7 +181,7 @@ def _index_number(key: str, text: str | None, rule: object) -> int:
 
 
 @dataclass(frozen=True)
-class IgnoreRule(_Patterned):
+class IgnoreRule(Patterned):
     """Source keys matching ``pattern`` are dropped on purpose (``KeyMapping.unused``).
 
     ``export``: a :class:`ConstantRule` the inverse writes instead (``num_batches_tracked``).
@@ -253,7 +205,7 @@ class IgnoreRule(_Patterned):
 
 
 @dataclass(frozen=True)
-class SplitRule(_Patterned):
+class SplitRule(Patterned):
     """One source tensor cut along ``axis`` into ``len(targets)`` targets."""
 
     targets: tuple[str, ...]
@@ -265,7 +217,7 @@ class SplitRule(_Patterned):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _set(self, "_templates", parse_templates(self.targets, (self._regex,)))
+        set_field(self, "_templates", parse_templates(self.targets, (self._regex,)))
         refuse_shared_layer(self, self._regex, self._templates, "layer")
         if len(self.targets) < 2:
             raise RuleError(f"{self}: a split needs at least two targets, got {len(self.targets)}")
@@ -298,7 +250,7 @@ class SplitRule(_Patterned):
     def inverse(self) -> StructuralRule:
         """A :class:`ConcatRule` joining the targets back into the source."""
         if self.inverse_rule is not None:
-            return _with_inverse(self, self.inverse_rule)
+            return with_inverse(self, self.inverse_rule)
         pairs = [invert(self.pattern, target) for target in self.targets]
         patterns = tuple(p for p, _ in pairs)
         templates = tuple(t for _, t in pairs)
@@ -325,8 +277,8 @@ class ConcatRule:
     def __post_init__(self) -> None:
         if len(self.patterns) < 2 or len(self.targets) != len(self.patterns):
             raise RuleError(f"{self}: needs at least two patterns and one target template per pattern")
-        _set(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
-        _set(self, "_templates", tuple(Template.parse(t) for t in self.targets))
+        set_field(self, "_regexes", tuple(compile_pattern(p) for p in self.patterns))
+        set_field(self, "_templates", tuple(Template.parse(t) for t in self.targets))
         for regex, template in zip(self._regexes, self._templates, strict=True):
             check_refs(template, regex)
 
@@ -375,10 +327,10 @@ class ConcatRule:
     def inverse(self, sizes: tuple[int, ...] | None = None) -> StructuralRule:
         """A :class:`SplitRule`; needs the part sizes (given here, or ``sizes=``)."""
         if self.inverse_rule is not None:
-            return _with_inverse(self, self.inverse_rule)
+            return with_inverse(self, self.inverse_rule)
         sizes = self.sizes if self.sizes is not None else sizes
         if sizes is None:
-            raise _not_invertible(
+            raise not_invertible(
                 self, "the split sizes cannot be read back from the joined tensor", "sizes= to concat()"
             )
         pairs = [invert(p, t) for p, t in zip(self.patterns, self.targets, strict=True)]
@@ -395,7 +347,7 @@ class ConcatRule:
 
 
 @dataclass(frozen=True)
-class _LayerRule(_Patterned):
+class _LayerRule(Patterned):
     """What stack and unstack share: a pattern, a target, an axis and the layer group."""
 
     target: str
@@ -407,7 +359,7 @@ class _LayerRule(_Patterned):
 
     def _compile(self, extra: tuple[str, ...] = ()) -> None:
         super().__post_init__()
-        _set(self, "_template", Template.parse(self.target))
+        set_field(self, "_template", Template.parse(self.target))
         check_refs(self._template, self._regex, extra=extra)
 
 
@@ -456,7 +408,7 @@ class StackRule(_LayerRule):
     def inverse(self) -> StructuralRule:
         """An :class:`UnstackRule` giving each layer back its own key."""
         if self.inverse_rule is not None:
-            return _with_inverse(self, self.inverse_rule)
+            return with_inverse(self, self.inverse_rule)
         pattern, template = invert(self.pattern, self.target, consumed=self.group)
         return UnstackRule(pattern, template, self.axis, self.group, inverse_rule=self)
 
@@ -502,90 +454,9 @@ class UnstackRule(_LayerRule):
     def inverse(self) -> StructuralRule:
         """A :class:`StackRule` stacking the entries back."""
         if self.inverse_rule is not None:
-            return _with_inverse(self, self.inverse_rule)
+            return with_inverse(self, self.inverse_rule)
         pattern, template = invert(self.pattern, self.target, produced=(self.group, r"\d+"))
         return StackRule(pattern, template, self.axis, self.group, inverse_rule=self)
-
-
-# --- value rules --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TransposeRule(_ValueRule):
-    """Model paths matching ``pattern`` hold the source tensor transposed by ``axes``.
-
-    ``of``: the structural rule this transpose belongs to (a helper's weight): it then
-    applies only to the tensors that rule makes, so a path another rule makes first
-    (first match wins) is never transposed by it.
-    """
-
-    axes: tuple[int, ...]
-    of: RenameRule | SplitRule | ConcatRule | StackRule | UnstackRule | None = field(default=None, repr=False)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if sorted(self.axes) != list(range(len(self.axes))):
-            raise RuleError(f"{self}: axes must be a permutation of 0..{len(self.axes) - 1}, got {self.axes}")
-
-    def __str__(self) -> str:
-        return f"transpose({raw(self.pattern)}, {self.axes})"
-
-    def step(self, path: str, shape: Shape, index: int, errors: list[str]) -> tuple[Transpose, Shape] | None:
-        """The step for a tensor of ``shape`` and the shape it gives."""
-        if len(shape) != len(self.axes):
-            errors.append(f"`{path}`: {self} expects {len(self.axes)} dimensions, found shape {shape}")
-            return None
-        return Transpose(self.axes, index), tuple(shape[a] for a in self.axes)
-
-    def inverse(self) -> TransposeRule:
-        """The inverse permutation (belonging to the inverse of its rule)."""
-        of = None if self.of is None else self.of.inverse()
-        return TransposeRule(self.pattern, tuple(int(a) for a in np.argsort(self.axes)), of)  # type: ignore[arg-type]  # a structural rule's inverse is structural
-
-
-@dataclass(frozen=True)
-class ReshapeRule(_ValueRule):
-    """Model paths matching ``pattern`` hold the source tensor reshaped to ``shape``.
-
-    ``source_shape``, the shape to reshape back to on export, is optional; each may hold one ``-1``.
-    """
-
-    shape: Shape
-    source_shape: Shape | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for shape in (self.shape, self.source_shape or ()):
-            if shape.count(-1) > 1 or any(s < -1 for s in shape):
-                raise RuleError(f"{self}: a shape takes sizes >= 0 and at most one -1, got {shape}")
-
-    def __str__(self) -> str:
-        return f"reshape({raw(self.pattern)}, {self.shape})"
-
-    def step(self, path: str, shape: Shape, index: int, errors: list[str]) -> tuple[Reshape, Shape] | None:
-        """The step for a tensor of ``shape`` and the shape it gives."""
-        size = math.prod(shape)
-        new = _resolve(self.shape, size)
-        if new is None:
-            errors.append(f"`{path}`: {self} cannot reshape shape {shape} ({size} elements) to {self.shape}")
-            return None
-        return Reshape(new, shape, index), new
-
-    def inverse(self, source_shape: Shape | None = None) -> ReshapeRule:
-        """Reshape back to ``source_shape`` (this rule's, or the recorded one given)."""
-        back = self.source_shape if self.source_shape is not None else source_shape
-        if back is None:
-            raise _not_invertible(self, "the source shape is unknown", "source_shape= to reshape()")
-        return ReshapeRule(self.pattern, tuple(back), self.shape)
-
-
-def _resolve(shape: Shape, size: int) -> Shape | None:
-    known = math.prod(s for s in shape if s != -1)
-    if -1 not in shape:
-        return shape if known == size else None
-    if known == 0 or size % known:
-        return None
-    return tuple(size // known if s == -1 else s for s in shape)
 
 
 @dataclass(frozen=True)
@@ -611,11 +482,3 @@ class ConstantRule:
 StructuralRule = RenameRule | IgnoreRule | SplitRule | ConcatRule | StackRule | UnstackRule
 ValueRule = TransposeRule | ReshapeRule
 Rule = StructuralRule | ValueRule | ConstantRule
-
-
-def _not_invertible(rule: object, why: str, give: str) -> RuleError:
-    """The error of ``rule.inverse()`` without what it needs: ``why``, and what to ``give``."""
-    return RuleError(
-        f"{rule} cannot be inverted: {why}; pass {give}, or inverse(recorded=mapping) with a mapping these rules made",
-        kind="not_invertible",
-    )

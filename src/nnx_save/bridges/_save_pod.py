@@ -68,7 +68,7 @@ def save_pod(
     directory = path_arg(directory, "directory", "save_pod")
     _registry.POD.check_target(directory)  # a URL is no directory: Path() would make "http:/host/..." below
     entries, meta = _entries(tree_or_model, metadata, filter)
-    handle = _registry.save(directory, entries, _registry.writer(meta, how))
+    handle = _registry.run_save(directory, entries, _registry.plan_save(meta, how))
     return Path(directory) / MANIFEST if handle is None else handle
 
 
