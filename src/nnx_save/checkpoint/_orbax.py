@@ -66,12 +66,12 @@ def make_manager(directory: pathlib.Path, *, create: bool) -> ocp.CheckpointMana
 
 def listed(list_steps: Callable[[], T]) -> T:
     """``list_steps()`` (a manager made or reloaded), again while another process deletes a
-    step it lists: Orbax stats each step it found, and one deleted in between is a
-    ``FileNotFoundError``, not a listing."""
+    step it lists: Orbax stats each step it found, and one deleted or replaced in between
+    is a ``FileNotFoundError`` (or ``NotADirectoryError`` for a path under it), not a listing."""
     for _ in range(_RELISTS - 1):
         try:
             return list_steps()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             time.sleep(0.01)
     return list_steps()
 
