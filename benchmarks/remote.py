@@ -7,7 +7,7 @@ stores and CDNs cap each stream), nginx uncapped, and moto's S3 server
 contenders interleaved, median of ``--repeat`` with the spread (min-max), CPU seconds and
 peak RSS above the process's baseline, over the checkpoint's size. Each worker imports
 what it uses before its phase (nnx_save: its front door, which imports the engine on
-first use, and urllib3), so no contender's time holds its imports:
+first use, and its HTTP or S3 client), so no contender's time holds its imports:
 
 - ``nnx_save``: ``load_file(url)`` (the directory's URL; ``s3://`` through obstore),
   its default options; on S3 also with ``read_chunk_bytes=128 MiB`` (one request per
@@ -159,6 +159,8 @@ def floor_worker(args: argparse.Namespace) -> dict:
 
 
 def save_nnx_worker(args: argparse.Namespace) -> dict:
+    import obstore  # noqa: F401  (the S3 client, as boto3's worker imports boto3 before its phase)
+
     _, save_file = _import_nnx_save()
     tree = make_arrays(transformer_shapes(args.size_gb))
     with Phase() as phase:
