@@ -21,6 +21,15 @@ Sources: the local file (page cache warm: the processes share it) and HTTP from
 nginx on loopback with a per-connection ``limit_rate`` (``--rate``) standing in for
 an object store.
 
+``--rates``: the rate each process gets on its own byte ranges. Two processes (``--processes``)
+load the HTTP file onto ``P("x", None)`` with ``share_reads=False`` (each reads only its own
+rows), in rounds of: each process alone while the others wait at a barrier, then all at once.
+Per process, its bytes read over its own load's time; together they must match alone
+within the spread (nothing between processes, not the server, not the library, divides a
+process's rate). ``--rate`` is the per-connection cap: pick it so that requests in flight
+times the cap stays below what the CPUs can copy, so the link, not the CPU, sets the rate
+(``--rate 4m``: 32 requests of at most 4 MB/s each, about 130 MB/s per process).
+
 Per case: total bytes from storage (the library's ``report.io.bytes_read`` summed over
 processes; for orbax the kernel's ``rchar``), bytes per process, bytes received from
 peers, wall time (barrier to barrier, the slowest process) and peak RSS above the
@@ -29,6 +38,7 @@ compiles), then runs ``--repeat`` rounds over the cases in rotated order; the ta
 has medians. Each launch checks a sample of every result against the file.
 
     python benchmarks/pod.py [--size-mb 256] [--processes 2 4] [--repeat 3] [--rate 50m]
+    python benchmarks/pod.py --rates [--processes 2] [--rate 4m] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -167,8 +177,7 @@ def worker(pid: int, n: int, port: int, args: dict) -> dict:
     _libc().mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD fixed: freed buffers go back to the system, so each
     # case's peak RSS is its own and not hidden by heap a previous case left behind
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid, initialization_timeout=120)
+    _join(pid, n, port)
     import nnx_save
 
     mesh = jax.make_mesh((jax.device_count(),), ("x",))
@@ -183,6 +192,64 @@ def worker(pid: int, n: int, port: int, args: dict) -> dict:
         for s, c in jobs[r % len(jobs) :] + jobs[: r % len(jobs)]:
             out[f"{s}|{c}"].append(_run_case(c, args[s], names, mesh, weights_of))
     return out
+
+
+def _join(pid: int, n: int, port: int) -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=n, process_id=pid, initialization_timeout=120)
+
+
+def rates_worker(pid: int, n: int, port: int, args: dict) -> dict:
+    """``--rates``: per round, each process loading alone (the others wait at the barrier),
+    then all of them at once, in rotated order; this process's bytes read and seconds of
+    each of its own loads (its own clock: load call to its arrays ready)."""
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    _libc().mallopt(-3, 1 << 20)  # as in worker: each load's memory goes back to the system
+    _join(pid, n, port)
+    import nnx_save
+
+    mesh = jax.make_mesh((jax.device_count(),), ("x",))
+    names = sorted(nnx_save.read_header(args["local"]["native"]), key=lambda k: int(k[2:]))
+    sharding = NamedSharding(mesh, P("x", None))
+    abstract = {k: jax.ShapeDtypeStruct((SIDE, SIDE), np.float32, sharding=sharding) for k in names}
+    weights_of = _weights_reader(args["local"]["native"])
+
+    def load() -> dict:
+        with Phase() as phase:
+            values, report = nnx_save.load_file(args["http"]["native"], abstract, share_reads=False, return_report=True)
+            jax.block_until_ready(list(values.values()))
+        _check(values, weights_of)
+        del values
+        gc.collect()
+        _libc().malloc_trim(0)
+        cpu = phase.result()
+        return {
+            "seconds": phase.seconds,
+            "cpu": cpu["user_s"] + cpu["sys_s"],
+            "bytes_read": report.io.bytes_read,
+            "requests": report.io.requests,
+        }
+
+    def run(phase: str) -> dict | None:
+        multihost_utils.sync_global_devices(f"before {phase}")
+        row = load() if phase in ("together", f"alone {pid}") else None
+        multihost_utils.sync_global_devices(f"after {phase}")
+        return row
+
+    phases = [f"alone {p}" for p in range(n)] + ["together"]
+    run("together")  # warm: imports, the connection pool
+    out: dict[str, list[dict]] = {p: [] for p in phases}
+    for r in range(args["repeat"]):
+        for phase in phases[r % len(phases) :] + phases[: r % len(phases)]:
+            if (row := run(phase)) is not None:
+                out[phase].append(row)
+    return {p: rows for p, rows in out.items() if rows}
 
 
 def _weights_reader(path: str):
@@ -267,42 +334,63 @@ def _rows(n: int, results: list[dict], size: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--size-mb", type=int, default=256)
-    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--rate", default="50m", help="nginx limit_rate per connection ('' : no HTTP cases)")
-    parser.add_argument("--cases", nargs="*", default=[], help="run only these cases (names as in the table)")
-    args = parser.parse_args()
-    sys.path.insert(0, str(HERE.parent / "src"))
-    import nnx_save
+def _rate_rows(n: int, results: list[dict], size: int) -> list[dict]:
+    """``--rates``: per process, alone and together: its bytes read, seconds and rate (MB/s)."""
+    rows = []
+    for pid, runs_of in enumerate(results):
+        for phase, label in ((f"alone {pid}", "alone"), ("together", f"together ({n})")):
+            runs = runs_of[phase]
+            secs = [r["seconds"] for r in runs]
+            rates = [r["bytes_read"] / r["seconds"] / 1e6 for r in runs]
+            rows.append(
+                {
+                    "process": pid,
+                    "phase": label,
+                    "read": runs[0]["bytes_read"] / size,
+                    "requests": runs[0]["requests"],
+                    "seconds": statistics.median(secs),
+                    "spread": f"{min(secs):.2f}-{max(secs):.2f}",
+                    "cpu": statistics.median(r["cpu"] for r in runs),
+                    "rate": statistics.median(rates),
+                    "rate_spread": f"{min(rates):.0f}-{max(rates):.0f}",
+                    "lo": min(rates),
+                    "hi": max(rates),
+                }
+            )
+        alone, together = rows[-2], rows[-1]
+        together["vs_alone"] = together["rate"] / alone["rate"]
+        together["overlap"] = "yes" if together["lo"] <= alone["hi"] and alone["lo"] <= together["hi"] else "NO"
+    return rows
 
-    work = Path(tempfile.mkdtemp(prefix="nnx_save_pod_bench_"))
-    (work / "www").mkdir()
-    (work / "nginx").mkdir()
-    weights = _weights(args.size_mb)
-    native, torch = work / "www" / "native.safetensors", work / "www" / "torch.safetensors"
-    nnx_save.save_file(weights, native)
-    nnx_save.save_file({f"{k}.weight": np.ascontiguousarray(v.T) for k, v in weights.items()}, torch)
-    del weights
-    size = native.stat().st_size
-    warm(native)
-    warm(torch)
-    proc = None
-    spec = {"local": {"native": str(native), "torch": str(torch)}, "repeat": args.repeat, "cases": args.cases}
-    if args.rate:
-        proc, url = _start_nginx(work / "www", work / "nginx", args.rate)
-        spec["http"] = {"native": f"{url}/native.safetensors", "torch": f"{url}/torch.safetensors"}
-    try:
-        rows = []
-        for n in args.processes:
-            rows += _rows(n, _launch(n, args.devices, spec, timeout=3600), size)
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+
+def _print_rates(rows: list[dict], args: argparse.Namespace, size: int, work: Path) -> None:
+    print(
+        f"checkpoint {size / 1e6:.0f} MB ({size // (SIDE * SIDE * 4)} fp32 {SIDE}x{SIDE} matrices) over HTTP: nginx "
+        f"on loopback, limit_rate {args.rate} per connection; {args.processes} processes, {args.devices} CPU devices "
+        f'each, P("x", None), share_reads=False; medians of {args.repeat} rounds (each process alone, then all '
+        f"together, rotated); {page_cache_note(work)}"
+    )
+    print(
+        table(
+            rows,
+            [
+                ("process", "process", "d"),
+                ("phase", "phase", ""),
+                ("read", "read / file", ".2f"),
+                ("requests", "requests", "d"),
+                ("seconds", "median s", ".2f"),
+                ("spread", "min-max s", ""),
+                ("cpu", "CPU s", ".2f"),
+                ("rate", "MB/s", ".0f"),
+                ("rate_spread", "min-max MB/s", ""),
+                ("vs_alone", "together / alone", ".2f"),
+                ("overlap", "spreads overlap", ""),
+            ],
+        )
+    )
+
+
+def _print_cases(rows: list[dict], args: argparse.Namespace, size: int, work: Path) -> None:
     print(
         f"checkpoint {size / 1e6:.0f} MB ({size // (SIDE * SIDE * 4)} fp32 {SIDE}x{SIDE} matrices), "
         f"{args.devices} CPU devices per process, medians of {args.repeat} interleaved rounds; "
@@ -324,12 +412,63 @@ def main() -> None:
             ],
         )
     )
+
+
+def _checkpoint(www: Path, size_mb: int) -> tuple[Path, Path]:
+    """The native file and its torch-layout twin, in the page cache."""
+    import nnx_save
+
+    weights = _weights(size_mb)
+    native, torch = www / "native.safetensors", www / "torch.safetensors"
+    nnx_save.save_file(weights, native)
+    nnx_save.save_file({f"{k}.weight": np.ascontiguousarray(v.T) for k, v in weights.items()}, torch)
+    del weights
+    warm(native)
+    warm(torch)
+    return native, torch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size-mb", type=int, default=256)
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--rate", default="50m", help="nginx limit_rate per connection ('' : no HTTP cases)")
+    parser.add_argument("--cases", nargs="*", default=[], help="run only these cases (names as in the table)")
+    parser.add_argument("--rates", action="store_true", help="per-process rates over HTTP, alone and together")
+    args = parser.parse_args()
+    if args.rates and not args.rate:
+        parser.error("--rates reads over HTTP: give --rate")
+    sys.path.insert(0, str(HERE.parent / "src"))
+    work = Path(tempfile.mkdtemp(prefix="nnx_save_pod_bench_"))
+    (work / "www").mkdir()
+    (work / "nginx").mkdir()
+    native, torch = _checkpoint(work / "www", args.size_mb)
+    size = native.stat().st_size
+    proc = None
+    spec = {"local": {"native": str(native), "torch": str(torch)}, "repeat": args.repeat, "cases": args.cases}
+    spec["mode"] = "rates" if args.rates else "cases"
+    if args.rate:
+        proc, url = _start_nginx(work / "www", work / "nginx", args.rate)
+        spec["http"] = {"native": f"{url}/native.safetensors", "torch": f"{url}/torch.safetensors"}
+    rows_of = _rate_rows if args.rates else _rows
+    try:
+        rows = []
+        for n in args.processes:
+            rows += rows_of(n, _launch(n, args.devices, spec, timeout=3600), size)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+    (_print_rates if args.rates else _print_cases)(rows, args, size, work)
     shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         pid, n, port = (int(x) for x in sys.argv[2:5])
-        print(json.dumps(worker(pid, n, port, json.loads(sys.argv[5]))))
+        spec = json.loads(sys.argv[5])
+        print(json.dumps((rates_worker if spec["mode"] == "rates" else worker)(pid, n, port, spec)))
     else:
         main()

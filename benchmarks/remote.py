@@ -4,8 +4,10 @@ A HuggingFace-style checkpoint (fp32, several files and ``model.safetensors.inde
 is served three ways on 127.0.0.1: nginx with ``limit_rate`` per connection (as object
 stores and CDNs cap each stream), nginx uncapped, and moto's S3 server
 (tests/s3_server.py). On each, side by side, every load in a fresh process, the
-contenders interleaved, median of ``--repeat`` with the spread (min-max) and peak RSS
-above the process's baseline, over the checkpoint's size:
+contenders interleaved, median of ``--repeat`` with the spread (min-max), CPU seconds and
+peak RSS above the process's baseline, over the checkpoint's size. Each worker imports
+what it uses before its phase (nnx_save: its front door, which imports the engine on
+first use, and its HTTP or S3 client), so no contender's time holds its imports:
 
 - ``nnx_save``: ``load_file(url)`` (the directory's URL; ``s3://`` through obstore),
   its default options; on S3 also with ``read_chunk_bytes=128 MiB`` (one request per
@@ -54,14 +56,22 @@ PART = 16 << 20
 # ----------------------------------------------------------------------------- workers (fresh processes)
 
 
-def nnx_worker(args: argparse.Namespace) -> dict:
+def _import_nnx_save():
+    """nnx_save with the modules a load or save imports on first use (the front door and the
+    HTTP client), imported before the phase as every other contender's are."""
     import jax  # noqa: F401  (a JAX program has it imported before it loads; the load uses it)
+    import urllib3  # noqa: F401  (imported by the floor's and the download's workers before theirs)
 
     import nnx_save
 
+    return nnx_save.load_file, nnx_save.save_file
+
+
+def nnx_worker(args: argparse.Namespace) -> dict:
+    load_file, _ = _import_nnx_save()
     with Phase() as phase:
         chunk = {"read_chunk_bytes": args.chunk_mib << 20} if args.chunk_mib else {}
-        _tree, report = nnx_save.load_file(args.url, return_report=True, **chunk)  # numpy: no device to wait for
+        _tree, report = load_file(args.url, return_report=True, **chunk)  # numpy: no device to wait for
     return phase.result(bytes=report.io.bytes_read, requests=report.io.requests)
 
 
@@ -149,13 +159,12 @@ def floor_worker(args: argparse.Namespace) -> dict:
 
 
 def save_nnx_worker(args: argparse.Namespace) -> dict:
-    import jax  # noqa: F401  (as in nnx_worker)
+    import obstore  # noqa: F401  (the S3 client, as boto3's worker imports boto3 before its phase)
 
-    import nnx_save
-
+    _, save_file = _import_nnx_save()
     tree = make_arrays(transformer_shapes(args.size_gb))
     with Phase() as phase:
-        nnx_save.save_file(tree, args.url)
+        save_file(tree, args.url)
     return phase.result(bytes=sum(v.nbytes for v in tree.values()))
 
 
@@ -321,9 +330,11 @@ def main() -> None:
     names = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".safetensors")
     size = sum((ckpt / n).stat().st_size for n in names)
     proc, base = _start_nginx(work / "www", work / "nginx", args.cap)
-    servers = None
+    servers = client = None
+    bucket = ""
     try:
-        servers, client, bucket = _s3(ckpt)
+        if not args.only or {"s3", "save"} & set(args.only.split(",")):  # moto only where it is used
+            servers, client, bucket = _s3(ckpt)
         results = _run(args, base, client, bucket, names)
     finally:
         proc.terminate()
@@ -366,6 +377,7 @@ def _run(args: argparse.Namespace, base: str, client, bucket: str, names: list[s
     presigned = [
         client.generate_presigned_url("get_object", Params={"Bucket": bucket, "Key": f"ckpt/{n}"}, ExpiresIn=7200)
         for n in names
+        if client is not None
     ]
     sources = {
         "capped": (

@@ -176,3 +176,29 @@ def test_the_lazy_benchmark_gathers_right_and_judges_its_targets(tmp_path):
     assert "warm element [5, 7]: 2.00x safetensors (<= 1.5): FAIL" in lines
     assert "warm rows [100:228, :]: 1.00x safetensors (<= 1.5): PASS" in lines
     assert lines[-1] == "fresh process, nnx_save: 0.50x safetensors (<= 1.0): PASS"
+
+
+def test_the_pod_rates_compare_each_process_alone_and_together():
+    """benchmarks/pod.py --rates: per process, its rate (bytes read / its own seconds)
+    alone and together, their ratio, and whether the spreads overlap."""
+    import pod
+
+    def runs(*seconds: float) -> list[dict]:
+        return [{"seconds": s, "cpu": 0.5, "bytes_read": 100e6, "requests": 8} for s in seconds]
+
+    results = [
+        {"alone 0": runs(1.0, 2.0, 1.25), "together": runs(1.25, 1.0, 2.5)},  # 80 MB/s both: overlap
+        {"alone 1": runs(1.0, 1.0, 1.0), "together": runs(2.0, 2.0, 2.5)},  # 100 against 50: apart
+    ]
+    rows = pod._rate_rows(2, results, size=200e6)
+    assert [(r["process"], r["phase"]) for r in rows] == [
+        (0, "alone"),
+        (0, "together (2)"),
+        (1, "alone"),
+        (1, "together (2)"),
+    ]
+    assert [r["rate"] for r in rows] == [80.0, 80.0, 100.0, 50.0]
+    assert [r["read"] for r in rows] == [0.5] * 4
+    assert (rows[0]["spread"], rows[0]["rate_spread"]) == ("1.00-2.00", "50-100")
+    assert (rows[1]["vs_alone"], rows[1]["overlap"]) == (1.0, "yes")
+    assert (rows[3]["vs_alone"], rows[3]["overlap"]) == (0.5, "NO")

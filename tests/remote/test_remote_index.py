@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 from _errors import raises_check
+from hostile_server import Answer, HostileServer, Request
 
 import nnx_save
 
@@ -152,3 +155,30 @@ def test_the_directory_url_finds_its_index(nginx):
     src.write_index({"weight_map": {"w": "a.safetensors"}})
     assert np.array_equal(nnx_save.load_file(src.url)["w"], np.arange(3, dtype=np.float32))
     assert Path(src.directory / INDEX).is_file()
+
+
+def test_the_member_headers_are_probed_at_once(tmp_path):
+    """Each member's header costs a round trip: they are asked together, not one after another."""
+    files = 4
+    tree = {f"w{i}": np.full(5, i, np.float32) for i in range(files)}
+    nnx_save.save_file(tree, tmp_path, max_shard_size=20)
+    objects = {f"/ckpt/{p.name}": p.read_bytes() for p in tmp_path.iterdir()}
+    assert len(objects) == files + 1, sorted(objects)
+    lock, active, peak = threading.Lock(), [0], [0]
+
+    def slow_members(request: Request, answer: Answer) -> Answer:
+        if request.path.endswith(".safetensors") and request.headers.get("Range", "").startswith("bytes=0-"):
+            with lock:  # a header's probe (data ranges begin after the header)
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            time.sleep(0.3)  # a slow link's round trip
+            with lock:
+                active[0] -= 1
+        return answer
+
+    with HostileServer(objects, slow_members) as server:
+        loaded = nnx_save.load_file(f"{server.url}/ckpt/{INDEX}")
+    assert sorted(loaded) == sorted(tree)
+    for key, value in tree.items():
+        assert np.array_equal(loaded[key], value), key
+    assert peak[0] >= 2, f"member headers were probed one at a time (peak {peak[0]} in flight)"

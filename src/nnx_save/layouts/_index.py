@@ -23,6 +23,7 @@ import os
 import posixpath
 import re
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -46,6 +47,7 @@ __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "is_index", "join_url
 INDEX_NAME = "model.safetensors.index.json"
 # DeepSeek-scale indexes (tens of thousands of tensors) are a few MiB.
 MAX_INDEX_BYTES = 64 << 20
+HEADER_PROBES = 16  # member headers probed at once over a network
 _NOT_IN_FILE_NAMES = ("%", "\\", "?", "#", "\x00", ":")
 _bad = functools.partial(HeaderError, check="index")
 OURS = re.compile(r"model(-\d{5}-of-\d{5})?(\.(?P<id>[0-9a-f]{8}))?\.safetensors")
@@ -213,6 +215,17 @@ def _remote_member_header(name: str, member: str, stats: Any, index: str):
         raise _bad(f"{index}: names file {name!r}, which does not exist at {member}") from None
 
 
+def _remote_member_headers(file_of: Mapping[str, str], stats: Any, index: str) -> list:
+    """Each member's header, probed at once (a round trip each: on a remote store they
+    would add up), at most :data:`HEADER_PROBES` in flight; a failure raises as the first
+    failing member in order would."""
+    items = list(file_of.items())
+    if len(items) <= 1:
+        return [_remote_member_header(name, f, stats, index) for name, f in items]
+    with ThreadPoolExecutor(min(len(items), HEADER_PROBES), thread_name_prefix="nnx_save-header") as pool:
+        return list(pool.map(lambda item: _remote_member_header(item[0], item[1], stats, index), items))
+
+
 def read_remote(url: str, stats: Any, reader: Any = None, raw: bytes = b"") -> Header:
     """The header of the index at ``url`` (``reader`` open there, its first bytes
     ``raw`` probed already) and of every file it names."""
@@ -225,7 +238,7 @@ def read_remote(url: str, stats: Any, reader: Any = None, raw: bytes = b"") -> H
         raw += reader.read(len(raw), reader.size - len(raw))
     weight_map, meta = parse_index(raw, url)
     file_of = {n: _member_url(url, n) for n in sorted(set(weight_map.values()))}
-    pairs = [_remote_member_header(name, f, stats, url) for name, f in file_of.items()]
+    pairs = _remote_member_headers(file_of, stats, url)
     files = tuple(fh for fh, _ in pairs)
     _layout.check_one_version(url, meta, files)
     tensors = _index_tensors(weight_map, files, file_of, url)
