@@ -14,7 +14,8 @@ restored onto templates, by:
   same abstract trees.
 
 Each phase of each strategy runs in a FRESH PROCESS (import, build the state, start the
-clock); the strategies are interleaved run by run, so drift in the machine's load hits
+clock; the store's modules, which ``nnx_save.checkpoint`` loads on first use, are imported
+before the clock as Orbax's are: ``python -X importtime`` is the measure of imports); the strategies are interleaved run by run, so drift in the machine's load hits
 both alike. The table gives the median with the spread (min-max) of wall time and of
 peak RSS above the state (the baseline: the arrays and the imports), and the ratio of
 the medians; and the CPU seconds (user + sys, all threads) of the phase, steadier than
@@ -105,7 +106,8 @@ def worker(args: argparse.Namespace) -> dict:
     import jax
     import orbax.checkpoint  # noqa: F401
 
-    import nnx_save.checkpoint  # noqa: F401 - imports (orbax included) before the clock, for both
+    from nnx_save.checkpoint import OrbaxCheckpointStore  # noqa: F401 - the store's modules load on first use:
+    # imported here, before the clock, as Orbax's are for both (a training job imports once, saves many times)
 
     jax.process_count()  # the backend started before the clock, as in a training job
     params, opt = _state(args.size_gb)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import nnx_save
-from nnx_save.checkpoint import CheckpointNotFoundError, OrbaxCheckpointStore, UnsupportedCheckpointError
+from nnx_save.checkpoint import CheckpointNotFoundError, OrbaxCheckpointStore, UnsupportedCheckpointError, _disk
 
 
 def _save(store: OrbaxCheckpointStore, step: int) -> None:
@@ -40,6 +40,31 @@ def test_a_reader_sees_steps_saved_and_deleted_since_it_opened(tmp_path):
     writer.close()
     reader.reload()
     assert reader.list_steps() == [2, 3]
+    reader.close()
+
+
+def test_each_call_looks_at_the_directory_once(tmp_path, monkeypatch):
+    """A listing or a read looks at the directory once (a reader looks again at every call);
+    a store's first save twice: before and after it opens the directory for writing."""
+    looks: list[str] = []
+    scan = _disk.scan
+    monkeypatch.setattr(_disk, "scan", lambda path: looks.append(str(path)) or scan(path))
+
+    def counted(call):
+        looks.clear()
+        call()
+        return len(looks)
+
+    writer = OrbaxCheckpointStore(tmp_path)
+    assert counted(lambda: _save(writer, 1)) == 2
+    assert counted(lambda: _save(writer, 2)) == 1
+    writer.close()
+    reader = OrbaxCheckpointStore(tmp_path)
+    assert counted(reader.list_steps) == 1
+    assert counted(lambda: reader.restore(1)) == 1
+    assert counted(lambda: reader.read_metadata(2)) == 1
+    assert counted(reader.reload) == 1
+    assert looks == [str(tmp_path)]
     reader.close()
 
 

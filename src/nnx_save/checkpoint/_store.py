@@ -175,8 +175,8 @@ class OrbaxCheckpointStore:
         """Look at the directory again: the steps another process saved or deleted since (a
         store that has not written does at every listing and read in a one-process job; in
         a job of several, call it on every process). The writing store needs none."""
+        self._disk.forget()  # before the look: one listing of the directory, not two
         self._open()
-        self._disk.forget()
         self._metadata.clear()
         if self._manager is not None and not self._writable:
             _orbax.listed(self._manager.reload)
@@ -375,11 +375,10 @@ class OrbaxCheckpointStore:
             args = _orbax.save_args(ordered, record.to_dict(), dtypes)
             self._open()
             self._disk.refuse_links()  # every call: the directory may have changed since the last one
+            opening = not self._writable  # opening for writing looks at the directory last
             manager = self._writer()  # every process, every time: no branch on what one process sees
-            if (
-                self._in_flight is None
-            ):  # the refusal reads the disk, not what this store saw (in flight: not there yet)
-                self._disk.forget()
+            if self._in_flight is None and not opening:
+                self._disk.forget()  # the refusal reads the disk, not what this store saw (in flight: not there yet)
             exists = self._refuse_write(step, overwrite)
         self._settle(manager)
         with self._write_failures(step):
