@@ -25,9 +25,11 @@ Phases:
 - ``eval_shape``: ``nnx.eval_shape`` of the builder alone (every port pays it).
 
 Layouts: ``1dev`` (one CPU device) and ``last`` (8 CPU devices, every parameter
-sharded on its last dimension where that divides by 8, else replicated). After the
-clock stops, every model phase checks some kernels against the file (a fast wrong
-answer cannot win). The targets print PASS / FAIL with their numbers.
+sharded on its last dimension where that divides by 8, else replicated; the builder
+declares it as ``out_sharding`` metadata, as ``nnx.with_partitioning`` does). After the
+clock stops, every model phase checks some kernels against the file and every
+parameter's sharding against the layout (a fast wrong answer, or a replicated one,
+cannot win). The targets print PASS / FAIL with their numbers.
 
 On a shared 2-core VM single runs vary by 2x: compare medians over ``--repeat`` runs.
 
