@@ -25,9 +25,11 @@ Phases:
 - ``eval_shape``: ``nnx.eval_shape`` of the builder alone (every port pays it).
 
 Layouts: ``1dev`` (one CPU device) and ``last`` (8 CPU devices, every parameter
-sharded on its last dimension where that divides by 8, else replicated). After the
-clock stops, every model phase checks some kernels against the file (a fast wrong
-answer cannot win). The targets print PASS / FAIL with their numbers.
+sharded on its last dimension where that divides by 8, else replicated; the builder
+declares it as ``out_sharding`` metadata, as ``nnx.with_partitioning`` does). After the
+clock stops, every model phase checks some kernels against the file and every
+parameter's sharding against the layout (a fast wrong answer, or a replicated one,
+cannot win). The targets print PASS / FAIL with their numbers.
 
 On a shared 2-core VM single runs vary by 2x: compare medians over ``--repeat`` runs.
 
@@ -134,10 +136,10 @@ def _setup(args: argparse.Namespace):
 
     def builder():
         model = Llama(cfg, rngs=nnx.Rngs(0))
-        if mesh is not None:  # the layout's shardings, as annotations would give them
+        if mesh is not None:  # the layout's shardings, as annotations (nnx.with_partitioning) give them
             for _, v in nnx.iter_graph(model):
                 if isinstance(v, nnx.Param):
-                    v.set_value(jax.lax.with_sharding_constraint(v.get_value(), spec(v.get_value().shape)))
+                    v.set_metadata(out_sharding=tuple(spec(v.get_value().shape).spec))
         return model
 
     jax.block_until_ready(jax.device_put(np.zeros(8, np.float32), jax.devices()[0]))  # the backend is up
@@ -192,11 +194,16 @@ def _by_hand(args: argparse.Namespace, jax, nnx, builder, spec, on_device: bool)
     return model
 
 
-def _check(model, args: argparse.Namespace, nnx) -> None:
-    """Some kernels against the file: a fast wrong answer cannot win."""
+def _check(model, args: argparse.Namespace, nnx, spec) -> None:
+    """Some kernels against the file, and every parameter's sharding against the layout:
+    a fast wrong answer (or one on other shardings) cannot win."""
     from safetensors import safe_open
 
     state = dict(nnx.to_flat_state(nnx.state(model)))
+    for at, variable in state.items():
+        value = variable.get_value()
+        want = spec(value.shape)
+        assert value.sharding.is_equivalent_to(want, value.ndim), (at, value.sharding, want)
     seen = 0
     for file in _files(Path(args.path)):
         with safe_open(str(file), "numpy") as f:
@@ -232,7 +239,7 @@ def worker(args: argparse.Namespace) -> dict:
         else:
             model = nnx.eval_shape(builder)
     if model is not None and args.worker != "eval_shape":
-        _check(model, args, nnx)
+        _check(model, args, nnx, spec)
     return phase.result()
 
 

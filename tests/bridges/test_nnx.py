@@ -3,6 +3,7 @@ mode with its message, filters, scalars, rng streams, optimizers."""
 
 from __future__ import annotations
 
+import gc
 import re
 import warnings
 
@@ -171,6 +172,32 @@ def test_tied_parameter_stored_once_and_still_tied(path):
         assert model.head is model.embed
         model.embed.embedding[...] = jnp.zeros((11, 4))
         assert float(jnp.abs(model.head.embedding[...]).sum()) == 0.0
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_builder_is_traced_with_garbage_collection_paused_and_the_callers_setting_kept(collecting, fails, path):
+    nnx_save.save_model(MLP(nnx.Rngs(0)), path)
+    seen = []
+
+    def builder():
+        seen.append(gc.isenabled())
+        if fails:
+            raise RuntimeError("the builder failed")
+        return poison(MLP(nnx.Rngs(1)))
+
+    (gc.enable if collecting else gc.disable)()
+    try:
+        if fails:
+            with pytest.raises(RuntimeError, match="the builder failed"):
+                load_quiet(builder, path)
+        else:
+            model, _ = load_quiet(builder, path, strict=True)
+            assert_same_state(snapshot(model), snapshot(MLP(nnx.Rngs(0))))
+        assert seen == [False]  # no full collection walks the process during the trace
+        assert gc.isenabled() is collecting  # the caller's setting, whatever the builder did
+    finally:
+        gc.enable()
 
 
 def test_list_keys_are_decimal(path):

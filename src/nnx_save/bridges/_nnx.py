@@ -29,7 +29,7 @@ from ..layouts._registry import reader_factory
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import LoadReport
-from ..load._source import Header
+from ..load._source import Header, gc_paused
 from ..load._target import Target, warn_single_device
 from ..save import _background
 from ..save._entry import Entry
@@ -369,8 +369,8 @@ def _abstract(model_or_builder: Any, mesh: Any) -> tuple[Any, Any, bool, dict[st
                 scalars[key] = value
         return model
 
-    try:
-        with _under(mesh):
+    try:  # tracing a builder leaves many young cycles: no full collection walks the process meanwhile
+        with _under(mesh), gc_paused():
             abstract = nnx.eval_shape(build)
     except ValueError as e:
         if mesh is None or not is_missing_axis(e):
