@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import OptionError
-from ..load._report import DtypeCast, LoadReport, LossyCastWarning, ShapeMismatch, is_lossy, matches_any
+from ..errors import LossyCastWarning, OptionError
+from ..load._report import DtypeCast, LoadReport, ShapeMismatch, is_lossy, matches_any
 from ._errors import CheckpointDtypeMismatchError, CheckpointUsageError, DtypeMismatch
 from ._tree import Path, Spec, flatten, leaf_spec, segment, show
 
