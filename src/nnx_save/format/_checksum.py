@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import json
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import xxhash
 
@@ -54,9 +55,19 @@ class Digests:
 
     def __init__(self, keys: Sequence[str]) -> None:
         self.values = dict.fromkeys(keys, _PLACEHOLDER)
+        self._running: dict[str, Any] = {}
 
     def update(self, key: str, data: memoryview) -> None:
         self.values[key] = xxhash.xxh3_64_hexdigest(data)
+
+    def start(self, key: str) -> Callable[[memoryview], None]:
+        """``feed(data)`` for ``key``'s bytes given in order, in parts; :meth:`end` records the digest."""
+        self._running[key] = xxhash.xxh3_64()
+        return self._running[key].update
+
+    def end(self, key: str) -> None:
+        """Record the digest of the bytes fed for ``key`` since :meth:`start`."""
+        self.values[key] = self._running.pop(key).hexdigest()
 
     def metadata(self, metadata: Mapping[str, str] | None) -> dict[str, str] | None:
         """``metadata`` plus the checksum entries (a stale checksum entry is replaced)."""
