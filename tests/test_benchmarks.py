@@ -43,6 +43,23 @@ def test_smoke_runs_every_row_on_cpu(tmp_path):
     assert "n/a" not in text  # on CPU every peer and pinned_host are present: nothing skipped
 
 
+@pytest.mark.slow
+def test_the_save_probe_measures_every_staging_kind_on_cpu(tmp_path):
+    import accelerator_probe
+
+    out = smoke("accelerator_probe.py", tmp_path, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "backend cpu" in text
+    number = r"\s+\d+\.\d{3}\s+\(\d+\.\d{3}-\d+\.\d{3}\)\s+\d+\.\d{2}\s+\d+\.\d{3}\s+\d+\.\d{3}\s+0\s+1$"
+    for name in accelerator_probe.NAMES:  # every kind exists on the CPU backend: none is n/a
+        assert re.search(re.escape(name) + number, text, re.M), f"{name}: no measured row in\n{text}"
+    for kind in accelerator_probe.KINDS:
+        assert re.search(
+            rf"^save {kind}: RSS\+ .* (PASS|FAIL); .* (PASS|FAIL); cached on caller's arrays 0$", text, re.M
+        )
+
+
 def args(**kw) -> argparse.Namespace:
     base = {"platform": "", "h2d_gb": 1 / 1024, "path": "", "dir": "", "shapes": "{}", "size_gb": 0.001}
     return argparse.Namespace(**{**base, **kw})
