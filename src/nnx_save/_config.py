@@ -38,6 +38,7 @@ __all__ = [
     "PROGRESS_MIN_BYTES",
     "SAVE_INFLIGHT_BYTES",
     "SAVE_STAGING",
+    "SAVE_STAGING_KINDS",
     "STAGING",
     "STREAM",
     "VARIABLES",
@@ -101,8 +102,12 @@ def _staging(text: str) -> str:
     return text.lower()
 
 
+# Where a save's device -> host copies may land (NNX_SAVE_SAVE_STAGING; see nnx_save.save._stage).
+SAVE_STAGING_KINDS = ("numpy", "pinned_host", "unpinned_host")
+
+
 def _save_staging(text: str) -> str:
-    if text.lower() not in ("numpy", "pinned_host", "unpinned_host"):
+    if text.lower() not in SAVE_STAGING_KINDS:
         raise ValueError(text)
     return text.lower()
 

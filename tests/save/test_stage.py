@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KIB = 1 << 10
 
 
-@pytest.fixture(params=_stage.KINDS)
+@pytest.fixture(params=_config.SAVE_STAGING_KINDS)
 def forced(request, monkeypatch):
     """The staged path on the CPU backend, into each kind of host memory (``numpy``
     aliases the CPU buffer: the bookkeeping runs, no byte moves; the memory kinds copy)."""
@@ -374,8 +374,10 @@ def test_a_kind_the_device_lacks_is_numpy():
             return [types.SimpleNamespace(kind="device")]
 
     cpu = jax.devices()[0]
-    assert [_stage.staging_kind(d, k) for d in (Bare(), DeviceOnly()) for k in _stage.KINDS] == ["numpy"] * 6
-    assert [_stage.staging_kind(cpu, k) for k in _stage.KINDS] == list(_stage.KINDS)
+    assert [_stage.staging_kind(d, k) for d in (Bare(), DeviceOnly()) for k in _config.SAVE_STAGING_KINDS] == [
+        "numpy"
+    ] * 6
+    assert [_stage.staging_kind(cpu, k) for k in _config.SAVE_STAGING_KINDS] == list(_config.SAVE_STAGING_KINDS)
 
 
 def test_numpy_staging_copies_through_new_handles_never_the_callers_arrays(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ On the CPU backend ``np.asarray`` aliases a jax array's buffer: nothing is stage
 accelerators a :class:`Window` starts the copies of the next tensors that fit the budget
 while one is written; the budget counts the copy being written too, and a tensor that
 would not fit is copied in blocks of whole rows. A copy lands in the host memory that
-``NNX_SAVE_SAVE_STAGING`` names (:data:`KINDS`): ``numpy`` (ordinary host memory, freed
+``NNX_SAVE_SAVE_STAGING`` names (``_config.SAVE_STAGING_KINDS``): ``numpy`` (ordinary host memory, freed
 to the system as each copy is written), or jax's ``pinned_host`` / ``unpinned_host``
 memory of the device (a new array from an asynchronous ``jax.device_put``; jax's pinned
 allocator keeps what it grows). No copy is ever cached on the caller's array.
@@ -22,10 +22,8 @@ import numpy as np
 from .. import _config
 from ..errors import NnxSaveError, OptionError, SaveError
 
-__all__ = ["KINDS", "BoxedValue", "Piece", "Staged", "Window", "budget", "kind", "row_blocks", "stage", "staging_kind"]
+__all__ = ["BoxedValue", "Piece", "Staged", "Window", "budget", "kind", "row_blocks", "stage", "staging_kind"]
 
-# The host memory a device -> host copy may land in (NNX_SAVE_SAVE_STAGING).
-KINDS = ("numpy", "pinned_host", "unpinned_host")
 # A tensor is cut into blocks of at least this size (one row may be more): below it the
 # copies' dispatch would cost more than their bytes; under a budget below twice this
 # size, a block may take more than half of it.
@@ -98,7 +96,7 @@ def staging_bytes(array: Any, spanning: bool = False, force: bool | None = None)
 
 
 def kind() -> str:
-    """The host memory a save stages into (``NNX_SAVE_SAVE_STAGING``, see :data:`KINDS`)."""
+    """The host memory a save stages into (``NNX_SAVE_SAVE_STAGING``, one of ``_config.SAVE_STAGING_KINDS``)."""
     return _config.SAVE_STAGING.get()
 
 
@@ -238,7 +236,7 @@ class Window:
     always in flight while another is written; a tensor that cannot be cut and is
     larger than the budget is copied alone. ``held``: bytes of copies started and not
     yet released, ``peak`` its maximum; ``copies``: whether any tensor needs one;
-    ``kind``: the host memory (:data:`KINDS`). A failed copy raises a
+    ``kind``: the host memory (:func:`kind`). A failed copy raises a
     :class:`SaveError` naming ``where`` and the tensor's key."""
 
     def __init__(
