@@ -13,6 +13,8 @@ probe ends in time and says how many runs each row had. Rows:
 - ``copy <kind>``: the save's device -> host copies alone (``_stage.Window`` over the
   tree, each block dropped once copied, nothing written), with
   ``NNX_SAVE_SAVE_STAGING=<kind>``: the copy rate and the host memory they take.
+- ``snapshot <kind>`` (``--snapshots``): what ``save_file(..., blocking=False)`` waits
+  for, the host snapshot of every tensor (held whole until written, by design).
 - ``save <kind>``: ``nnx_save.save_file`` with ``NNX_SAVE_SAVE_STAGING=<kind>`` (atomic,
   fsync, checksums); the largest tensor is compared bit for bit with the file after.
 
@@ -47,6 +49,7 @@ import accelerator  # noqa: E402
 
 KINDS = ("numpy", "pinned_host", "unpinned_host")
 NAMES = ("write_fsync", *(f"copy_{k}" for k in KINDS), *(f"save_{k}" for k in KINDS))
+SNAPSHOTS = tuple(f"snapshot_{k}" for k in KINDS)  # only with --snapshots
 GiB = 1 << 30
 
 
@@ -55,8 +58,11 @@ GiB = 1 << 30
 
 def _tree(args: argparse.Namespace):
     """Device 0 and ``--save-gb`` of bf16 arrays on it (the embedding first), once
-    nnx_save has saved one small array there (its modules loaded outside the clock)."""
+    nnx_save has saved one small array there with the worker's staging kind (its
+    modules loaded outside the clock)."""
     jax, dev = accelerator._jax(args)
+    if args.worker != "write_fsync":
+        _kind(args, dev)
     import nnx_save
 
     with jax.default_device(dev):
@@ -94,7 +100,6 @@ def _cached(tree: dict) -> int:
 
 def copy_worker(args: argparse.Namespace) -> dict:
     dev, tree, total = _tree(args)
-    _kind(args, dev)
     from nnx_save.bridges._leaves import leaf_entry
     from nnx_save.save import _stage, _write
 
@@ -114,9 +119,20 @@ def copy_worker(args: argparse.Namespace) -> dict:
     return phase.result(nbytes=total, platform=dev.platform, kept_kb=_kept(phase), cached=_cached(tree))
 
 
+def snapshot_worker(args: argparse.Namespace) -> dict:
+    dev, tree, total = _tree(args)
+    from nnx_save.bridges._leaves import leaf_entry
+    from nnx_save.save import _background
+
+    entries = [leaf_entry((k,), v) for k, v in tree.items()]
+    with _common.Phase() as phase:
+        snap = _background.snapshot(entries, args.budget, "probe")
+    del snap
+    return phase.result(nbytes=total, platform=dev.platform, kept_kb=_kept(phase), cached=_cached(tree))
+
+
 def save_worker(args: argparse.Namespace) -> dict:
     dev, tree, total = _tree(args)
-    _kind(args, dev)
     import nnx_save
 
     path = Path(args.dir) / f"probe-{args.worker}.safetensors"
@@ -140,7 +156,8 @@ def worker(args: argparse.Namespace) -> dict:
     try:
         if args.worker == "write_fsync":
             return accelerator.write_floor(args)
-        return (copy_worker if args.worker.startswith("copy_") else save_worker)(args)
+        run = {"copy": copy_worker, "snapshot": snapshot_worker, "save": save_worker}[args.worker.split("_", 1)[0]]
+        return run(args)
     except accelerator.NotAvailable as e:
         return {"na": str(e)}
 
@@ -163,13 +180,14 @@ def run_all(args: argparse.Namespace) -> dict[str, list[dict]]:
         *("--dir", args.dir, "--platform", args.platform, "--shapes", json.dumps(accelerator.shape_args(args))),
         *("--size-gb", str(args.size_gb), "--save-bytes", str(int(args.save_gb * 1e9)), "--budget", str(args.budget)),
     ]
-    runs: dict[str, list[dict]] = {n: [] for n in NAMES}
+    names = NAMES + SNAPSHOTS if args.snapshots else NAMES
+    runs: dict[str, list[dict]] = {n: [] for n in names}
     t0 = time.monotonic()
     for i in range(args.repeat):
         if i and time.monotonic() - t0 > args.deadline:
             print(f"deadline {args.deadline:.0f} s passed: {i} round(s) run", file=sys.stderr)
             break
-        for name in NAMES:
+        for name in names:
             if runs[name] and "na" in runs[name][-1]:
                 continue
             _common.sync()
@@ -207,15 +225,15 @@ def summarise(name: str, rs: list[dict]) -> dict:
 
 
 def render(rows: list[dict]) -> str:
-    head = f"{'what':<20} {'median s':>9} {'(min-max)':>17} {'GB/s':>7} {'RSS+ GB':>8} {'kept GB':>8} {'cached':>6} {'runs':>4}"
+    head = f"{'what':<22} {'median s':>9} {'(min-max)':>17} {'GB/s':>7} {'RSS+ GB':>8} {'kept GB':>8} {'cached':>6} {'runs':>4}"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "na" in r:
-            lines.append(f"{r['name']:<20} n/a: {r['na']}")
+            lines.append(f"{r['name']:<22} n/a: {r['na']}")
             continue
         spread = f"({r['min']:.3f}-{r['max']:.3f})"
         lines.append(
-            f"{r['name']:<20} {r['median']:>9.3f} {spread:>17} {r['gbps']:>7.2f} {r['rss_max_gb']:>8.3f} "
+            f"{r['name']:<22} {r['median']:>9.3f} {spread:>17} {r['gbps']:>7.2f} {r['rss_max_gb']:>8.3f} "
             f"{r['kept_max_gb']:>8.3f} {r['cached']:>6} {r['runs']:>4}"
         )
     return "\n".join(lines)
@@ -258,6 +276,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--platform", default="", help="JAX_PLATFORMS for the workers (default: jax's choice)")
     p.add_argument("--dir", default="", help="where saves are written (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=120, help="seconds per fresh process")
+    p.add_argument("--snapshots", action="store_true", help="also the asynchronous save's snapshot, per kind")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     if args.smoke:
@@ -292,5 +311,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    if not _common.worker_main(dict.fromkeys(NAMES, worker), add_worker_arguments):
+    if not _common.worker_main(dict.fromkeys(NAMES + SNAPSHOTS, worker), add_worker_arguments):
         main()
