@@ -61,16 +61,16 @@ class Digests:
         self.values[key] = xxhash.xxh3_64_hexdigest(data)
 
     def start(self, key: str) -> Callable[[memoryview], None]:
-        """``feed(data)`` for ``key``'s bytes given in order, in parts; :meth:`end` records the digest."""
+        """``feed(data)`` for ``key``'s bytes given in order, in parts; its digest is
+        ``key``'s once they are all fed (read by :meth:`metadata`)."""
         self._running[key] = xxhash.xxh3_64()
         return self._running[key].update
 
-    def end(self, key: str) -> None:
-        """Record the digest of the bytes fed for ``key`` since :meth:`start`."""
-        self.values[key] = self._running.pop(key).hexdigest()
-
     def metadata(self, metadata: Mapping[str, str] | None) -> dict[str, str] | None:
-        """``metadata`` plus the checksum entries (a stale checksum entry is replaced)."""
+        """``metadata`` plus the checksum entries (a stale checksum entry is replaced);
+        the keys fed since :meth:`start` get their digests first."""
+        self.values.update({k: h.hexdigest() for k, h in self._running.items()})
+        self._running.clear()
         out = {k: v for k, v in (metadata or {}).items() if k not in (KEY, ALGORITHM_KEY)}
         if not self.values:
             return out or None

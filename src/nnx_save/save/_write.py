@@ -16,8 +16,6 @@ from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from .. import _progress
 from ..errors import SaveError
 from ..format import _checksum, _dtypes
@@ -87,7 +85,11 @@ def write_file(
             sink.write(memoryview(head))
             for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
                 feed = digests.start(e.key)
-                for data in host_blocks(window, i, e, path, end - begin):
+                size = end - begin
+                blocks = (
+                    host_blocks(window, i, e, path, size) if window.copies else (host_data(window, i, e, path, size),)
+                )
+                for data in blocks:
                     if len(data) >= HASH_THREAD_MIN_BYTES:
                         hashed = hasher.submit(feed, data)
                         sink.write(data)
@@ -96,7 +98,7 @@ def write_file(
                         feed(data)
                         sink.write(data)
                     del data  # before the next block is asked for: the window counts it freed
-                digests.end(e.key)
+                del blocks  # (a tuple of one holds its tensor's bytes too)
                 if bar.active:  # a bar not drawn needs no call per tensor
                     bar.update(end - begin, 1)
             sink.finish()
@@ -183,12 +185,17 @@ def cuttable(e: Entry) -> bool:
 
 
 def host_blocks(window: _stage.Window, i: int, e: Entry, path: str | os.PathLike, size: int) -> Iterator[memoryview]:
-    """Entry ``i``'s bytes (staged by ``window``) in file order, block by block, as long
-    in all as the header's ``size`` (a longer block is refused before it is written)."""
+    """Entry ``i``'s bytes as ``window`` copies them (:attr:`~_stage.Window.copies`) in file
+    order, block by block, as long in all as the header's ``size`` (a longer block is
+    refused before it is written)."""
     done = 0
-    for value in window.blocks(i, e.value) if window.copies else (e.value(),):
-        data = _checked_bytes(e, value, path, done, size)
+    for value in window.blocks(i, e.value):
+        if e.code == "BOOL":  # bytes a load refuses: asked of bool arrays only
+            check_storable(e.key, value)
+        data = host_bytes(value, e.code)  # (inline, as in host_data: one call fewer per block)
         del value
+        if done + len(data) > size:  # the header is already written: never let it lie
+            raise _size_error(path, e, done + len(data), size)
         done += len(data)
         yield data
         del data  # the caller dropped its own: the window may count this block freed
@@ -199,18 +206,11 @@ def host_blocks(window: _stage.Window, i: int, e: Entry, path: str | os.PathLike
 def host_data(window: _stage.Window, i: int, e: Entry, path: str | os.PathLike, size: int) -> memoryview:
     """Entry ``i``'s bytes (staged by ``window``, one copy), once their length is the header's ``size``."""
     value = window.take(i, _stage.Staged.assemble, e.value) if window.copies else e.value()
-    data = _checked_bytes(e, value, path, 0, size)
-    if len(data) != size:
-        raise _size_error(path, e, len(data), size)
-    return data
-
-
-def _checked_bytes(e: Entry, value: np.ndarray, path: str | os.PathLike, done: int, size: int) -> memoryview:
     if e.code == "BOOL":  # bytes a load refuses: asked of bool arrays only
         check_storable(e.key, value)
     data = host_bytes(value, e.code)
-    if done + len(data) > size:  # the header is already written: never let it lie
-        raise _size_error(path, e, done + len(data), size)
+    if len(data) != size:  # the header is already written: never let it lie
+        raise _size_error(path, e, len(data), size)
     return data
 
 
