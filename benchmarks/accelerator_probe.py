@@ -6,8 +6,8 @@
 Saves ``--save-gb`` of bf16 Llama-shaped arrays made on device 0 (the embedding first,
 as ``benchmarks/accelerator.py`` does) under a ``--budget`` of
 ``NNX_SAVE_SAVE_INFLIGHT_BYTES``. Every run is a FRESH PROCESS, the variants interleaved
-over ``--repeat`` rounds; a round is not begun past ``--deadline`` seconds, so the
-probe ends in time and says how many runs each row had. Rows:
+over ``--repeat`` rounds; after the first round no run is begun past ``--deadline``
+seconds, so the probe ends in time and says how many runs each row had. Rows:
 
 - ``write_fsync``: the floor, ``os.write`` of the save size from a host buffer, then ``fsync``.
 - ``copy <kind>``: the save's device -> host copies alone (``_stage.Window`` over the
@@ -174,8 +174,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_all(args: argparse.Namespace) -> dict[str, list[dict]]:
-    """Every variant ``--repeat`` times, interleaved, each in a fresh process; no round
-    is begun once ``--deadline`` seconds have passed."""
+    """Every variant ``--repeat`` times, interleaved, each in a fresh process; after the
+    first round, no run is begun once ``--deadline`` seconds have passed."""
     extra = [
         *("--dir", args.dir, "--platform", args.platform, "--shapes", json.dumps(accelerator.shape_args(args))),
         *("--size-gb", str(args.size_gb), "--save-bytes", str(int(args.save_gb * 1e9)), "--budget", str(args.budget)),
@@ -184,12 +184,12 @@ def run_all(args: argparse.Namespace) -> dict[str, list[dict]]:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     t0 = time.monotonic()
     for i in range(args.repeat):
-        if i and time.monotonic() - t0 > args.deadline:
-            print(f"deadline {args.deadline:.0f} s passed: {i} round(s) run", file=sys.stderr)
-            break
         for name in names:
             if runs[name] and "na" in runs[name][-1]:
                 continue
+            if i and time.monotonic() - t0 > args.deadline:
+                print(f"deadline {args.deadline:.0f} s passed: no more runs", file=sys.stderr)
+                return runs
             _common.sync()
             r = _common.run_fresh(__file__, name, extra, timeout=args.timeout, platform=args.platform or None)
             runs[name].append(r)
@@ -272,7 +272,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--kv", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=2, help="fresh processes per row, interleaved")
-    p.add_argument("--deadline", type=float, default=150, help="seconds after which no new round begins")
+    p.add_argument("--deadline", type=float, default=150, help="seconds after which no run past the first round begins")
     p.add_argument("--platform", default="", help="JAX_PLATFORMS for the workers (default: jax's choice)")
     p.add_argument("--dir", default="", help="where saves are written (default: a temp dir)")
     p.add_argument("--timeout", type=float, default=120, help="seconds per fresh process")
