@@ -18,10 +18,10 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import accelerator  # noqa: E402
 
 
-def smoke(script: str, directory: Path, timeout: int) -> subprocess.CompletedProcess:
-    """``benchmarks/<script> --smoke --dir <directory>`` in a fresh process, against this tree's src."""
+def smoke(script: str, directory: Path, timeout: int, *extra: str) -> subprocess.CompletedProcess:
+    """``benchmarks/<script> --smoke --dir <directory> *extra`` in a fresh process, against this tree's src."""
     return subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--dir", str(directory)],
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--dir", str(directory), *extra],
         env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
         capture_output=True,
         text=True,
@@ -41,6 +41,23 @@ def test_smoke_runs_every_row_on_cpu(tmp_path):
     for target in ("target load >= 70% of min(read", "target load RSS growth", "target save >= 90% of write+fsync"):
         assert re.search(re.escape(target) + r".*: .*(PASS|FAIL)$", text, re.M), f"{target!r} missing in\n{text}"
     assert "n/a" not in text  # on CPU every peer and pinned_host are present: nothing skipped
+
+
+@pytest.mark.slow
+def test_the_save_probe_measures_every_staging_kind_on_cpu(tmp_path):
+    import accelerator_probe
+
+    out = smoke("accelerator_probe.py", tmp_path, 600, "--snapshots")
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "backend cpu" in text
+    number = r"\s+\d+\.\d{3}\s+\(\d+\.\d{3}-\d+\.\d{3}\)\s+\d+\.\d{2}\s+\d+\.\d{3}\s+\d+\.\d{3}\s+0\s+1$"
+    for name in accelerator_probe.NAMES + accelerator_probe.SNAPSHOTS:  # every kind exists on CPU: none is n/a
+        assert re.search(re.escape(name) + number, text, re.M), f"{name}: no measured row in\n{text}"
+    for kind in accelerator_probe.KINDS:
+        assert re.search(
+            rf"^save {kind}: RSS\+ .* (PASS|FAIL); .* (PASS|FAIL); cached on caller's arrays 0$", text, re.M
+        )
 
 
 def args(**kw) -> argparse.Namespace:

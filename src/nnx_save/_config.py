@@ -37,6 +37,8 @@ __all__ = [
     "MAX_ASYNC_SAVES",
     "PROGRESS_MIN_BYTES",
     "SAVE_INFLIGHT_BYTES",
+    "SAVE_STAGING",
+    "SAVE_STAGING_KINDS",
     "STAGING",
     "STREAM",
     "VARIABLES",
@@ -96,6 +98,16 @@ def _flag_or_auto(text: str) -> bool | None:
 
 def _staging(text: str) -> str:
     if text.lower() not in ("auto", "pinned", "pageable"):
+        raise ValueError(text)
+    return text.lower()
+
+
+# Where a save's device -> host copies may land (NNX_SAVE_SAVE_STAGING; see nnx_save.save._stage).
+SAVE_STAGING_KINDS = ("numpy", "pinned_host", "unpinned_host")
+
+
+def _save_staging(text: str) -> str:
+    if text.lower() not in SAVE_STAGING_KINDS:
         raise ValueError(text)
     return text.lower()
 
@@ -173,6 +185,14 @@ SAVE_INFLIGHT_BYTES: Variable[int] = Variable(
     "host bytes of device -> host copies a save holds at once",
     _int_at_least(1),
 )
+SAVE_STAGING: Variable[str] = Variable(
+    "NNX_SAVE_SAVE_STAGING",
+    "numpy",
+    "numpy, pinned_host or unpinned_host",
+    "host memory of a save's device -> host copies: numpy (freed as each is written), or jax's "
+    "pinned_host / unpinned_host memory of the device (numpy where the device has none)",
+    _save_staging,
+)
 FORCE_HOST_STAGING: Variable[bool] = Variable(
     "NNX_SAVE_FORCE_HOST_STAGING",
     False,
@@ -204,6 +224,7 @@ VARIABLES: tuple[Variable, ...] = (
     COLLECTIVE_TIMEOUT_S,
     MAX_ASYNC_SAVES,
     SAVE_INFLIGHT_BYTES,
+    SAVE_STAGING,
     FORCE_HOST_STAGING,
     DIRECT_IO,
     PROGRESS_MIN_BYTES,

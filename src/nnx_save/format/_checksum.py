@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import json
 import types
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import xxhash
 
@@ -54,12 +55,22 @@ class Digests:
 
     def __init__(self, keys: Sequence[str]) -> None:
         self.values = dict.fromkeys(keys, _PLACEHOLDER)
+        self._running: dict[str, Any] = {}
 
     def update(self, key: str, data: memoryview) -> None:
         self.values[key] = xxhash.xxh3_64_hexdigest(data)
 
+    def start(self, key: str) -> Callable[[memoryview], None]:
+        """``feed(data)`` for ``key``'s bytes given in order, in parts; its digest is
+        ``key``'s once they are all fed (read by :meth:`metadata`)."""
+        self._running[key] = xxhash.xxh3_64()
+        return self._running[key].update
+
     def metadata(self, metadata: Mapping[str, str] | None) -> dict[str, str] | None:
-        """``metadata`` plus the checksum entries (a stale checksum entry is replaced)."""
+        """``metadata`` plus the checksum entries (a stale checksum entry is replaced);
+        the keys fed since :meth:`start` get their digests first."""
+        self.values.update({k: h.hexdigest() for k, h in self._running.items()})
+        self._running.clear()
         out = {k: v for k, v in (metadata or {}).items() if k not in (KEY, ALGORITHM_KEY)}
         if not self.values:
             return out or None

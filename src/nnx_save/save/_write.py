@@ -11,18 +11,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .. import _progress
 from ..errors import SaveError
-from ..format import _checksum
+from ..format import _checksum, _dtypes
 from ..format._header import encode_header
 from ..io._atomic import atomic_file
 from . import _stage
-from ._entry import Entry, check_storable, host_bytes, order_entries
+from ._entry import Entry, HostValue, check_storable, host_bytes, order_entries
 from ._sink import Sink, chunk_memory, pwrite_all
 
 __all__ = ["SHARD_WRITERS", "final_header", "host_data", "write_file", "write_files"]
@@ -64,10 +64,16 @@ def write_file(
     bar = _progress.bar(f"saving {Path(path).name}", total, len(entries), progress)
     limit = _stage.budget(max_inflight_bytes)
     held = chunk_memory(len(head) + total, limit)  # the sink's chunks come out of the same budget
-    window = _stage.Window([e.array for e in entries], [e.key for e in entries], limit - held, str(path))
+    window = _stage.Window(
+        [e.array for e in entries],
+        [e.key for e in entries],
+        limit - held,
+        str(path),
+        split=[cuttable(e) for e in entries],
+    )
     t0 = time.perf_counter()
     try:
-        # xxhash and the writes both release the GIL: each tensor is hashed on a helper
+        # xxhash and the writes both release the GIL: each block is hashed on a helper
         # thread while it is being written, so the checksum costs no extra wall time
         # where a core is free. The sink keeps the disk busy as the file grows (direct
         # I/O, or write-back started per chunk), so the fsync has little left to do.
@@ -78,17 +84,23 @@ def write_file(
         ):
             sink.write(memoryview(head))
             for i, (e, (begin, end)) in enumerate(zip(entries, offsets, strict=False)):
-                data = host_data(window, i, e, path, end - begin)
-                if len(data) >= HASH_THREAD_MIN_BYTES:
-                    hashed = hasher.submit(digests.update, e.key, data)
-                    sink.write(data)
-                    hashed.result()
-                else:  # waking the helper costs more than hashing a small tensor here
-                    digests.update(e.key, data)
-                    sink.write(data)
+                feed = digests.start(e.key)
+                size = end - begin
+                blocks = (
+                    host_blocks(window, i, e, path, size) if window.copies else (host_data(window, i, e, path, size),)
+                )
+                for data in blocks:
+                    if len(data) >= HASH_THREAD_MIN_BYTES:
+                        hashed = hasher.submit(feed, data)
+                        sink.write(data)
+                        hashed.result()
+                    else:  # waking the helper costs more than hashing a small tensor here
+                        feed(data)
+                        sink.write(data)
+                    del data  # before the next block is asked for: the window counts it freed
+                del blocks  # (a tuple of one holds its tensor's bytes too)
                 if bar.active:  # a bar not drawn needs no call per tensor
-                    bar.update(len(data), 1)
-                del data
+                    bar.update(end - begin, 1)
             sink.finish()
             pwrite_all(fd, memoryview(final_header(path, names, digests, metadata, head)), 0)
     finally:
@@ -166,17 +178,46 @@ def final_header(
     return final
 
 
+def cuttable(e: Entry) -> bool:
+    """Whether entry ``e``'s bytes may be written in blocks as they come off its devices:
+    its value is its array's, in whole bytes, and needs no check of the whole."""
+    return isinstance(e.value, HostValue) and e.code != "BOOL" and _dtypes.DTYPES[e.code].byte_aligned
+
+
+def host_blocks(window: _stage.Window, i: int, e: Entry, path: str | os.PathLike, size: int) -> Iterator[memoryview]:
+    """Entry ``i``'s bytes as ``window`` copies them (:attr:`~_stage.Window.copies`) in file
+    order, block by block, as long in all as the header's ``size`` (a longer block is
+    refused before it is written)."""
+    done = 0
+    for value in window.blocks(i, e.value):
+        if e.code == "BOOL":  # bytes a load refuses: asked of bool arrays only
+            check_storable(e.key, value)
+        data = host_bytes(value, e.code)  # (inline, as in host_data: one call fewer per block)
+        del value
+        if done + len(data) > size:  # the header is already written: never let it lie
+            raise _size_error(path, e, done + len(data), size)
+        done += len(data)
+        yield data
+        del data  # the caller dropped its own: the window may count this block freed
+    if done != size:
+        raise _size_error(path, e, done, size)
+
+
 def host_data(window: _stage.Window, i: int, e: Entry, path: str | os.PathLike, size: int) -> memoryview:
-    """Entry ``i``'s bytes (staged by ``window``), once their length is the header's ``size``."""
+    """Entry ``i``'s bytes (staged by ``window``, one copy), once their length is the header's ``size``."""
     value = window.take(i, _stage.Staged.assemble, e.value) if window.copies else e.value()
     if e.code == "BOOL":  # bytes a load refuses: asked of bool arrays only
         check_storable(e.key, value)
     data = host_bytes(value, e.code)
     if len(data) != size:  # the header is already written: never let it lie
-        raise SaveError(
-            f"{path}: tensor {e.key!r} gave {len(data)} bytes, its header entry "
-            f"{e.code} {list(e.shape)} says {size}; nothing was saved",
-            str(path),
-            e.key,
-        )
+        raise _size_error(path, e, len(data), size)
     return data
+
+
+def _size_error(path: str | os.PathLike, e: Entry, got: int, size: int) -> SaveError:
+    return SaveError(
+        f"{path}: tensor {e.key!r} gave {got} bytes, its header entry {e.code} {list(e.shape)} says {size}; "
+        "nothing was saved",
+        str(path),
+        e.key,
+    )

@@ -18,9 +18,9 @@ copies: list[int] = []
 real_copy = _stage._copy_shard
 
 
-def counted(data):
+def counted(data, wanted):
     copies.append(int(data.nbytes))
-    return real_copy(data)
+    return real_copy(data, wanted)
 
 
 _stage._copy_shard = counted
