@@ -15,7 +15,11 @@ with a small tensor before it; the page cache is warm (the file is read once fir
    process (the libraries alternate), with the peak RSS the phase added and the CPU
    seconds it took (user + sys: steadier than wall time on a shared machine); both
    libraries are imported before the phase starts. The ``+ import`` rows time the
-   library's import too (numpy is imported before, by both).
+   library's import too (numpy is imported before, by both), from compiled bytecode
+   as an installed package has it: the workers write and read theirs under a
+   temporary ``PYTHONPYCACHEPREFIX`` (the warm-handle worker, run first, compiles it),
+   even where ``PYTHONDONTWRITEBYTECODE`` is set, which would have every fresh
+   process compile nnx_save's sources again.
 
 3. **Gather strategies** (one process, warm page cache, ``--gather``): the ways to read
    the scattered runs of the column slice and of the block, each into a preallocated
@@ -37,6 +41,7 @@ Every result is checked against the values it must hold. Medians with min-max.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -329,6 +334,8 @@ def main() -> None:
     _arguments(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # the workers import compiled bytecode, as installed
+        os.environ["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
         path = Path(tmp) / "lazy.safetensors"
         _save(path, args)
         warm(path)
