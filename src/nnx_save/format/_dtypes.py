@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import numpy.typing as npt
 
 from ..errors import HeaderError
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 __all__ = ["DTYPES", "RANK", "DtypeInfo", "from_code", "nbytes_for", "to_code"]
 
