@@ -206,6 +206,23 @@ def test_small_slices_skip_the_engine(plain, monkeypatch):
         f.get_slice("a")[:, 1:3]
 
 
+def test_io_sums_the_reads_made_before_and_after_it_is_first_asked_for(tmp_path):
+    """``f.io`` counts the direct reads made before anyone asked for it, then goes on
+    counting in the same object: direct reads and the engine's alike."""
+    value = np.arange(5000 * 2, dtype=np.float32).reshape(5000, 2)
+    nnx_save.save_file({"w": value}, tmp_path / "w.safetensors")
+    with nnx_save.safe_open(tmp_path / "w.safetensors", "np") as f:
+        np.testing.assert_array_equal(f.get_slice("w")[3], value[3])  # one run of 8 bytes
+        np.testing.assert_array_equal(f.get_slice("w")[10:20, 1], value[10:20, 1])  # 10 runs of 4 bytes
+        first = f.io
+        assert (first.bytes_read, first.bytes_needed, first.requests, first.files) == (48, 48, 11, 1)
+        np.testing.assert_array_equal(f.get_slice("w")[7], value[7])
+        np.testing.assert_array_equal(f.get_slice("w")[:, 0], value[:, 0])  # 5000 runs: the engine's
+        assert f.io is first
+        assert (first.bytes_needed, first.files) == (48 + 8 + 20000, 1)
+        assert first.bytes_read >= first.bytes_needed and first.requests > 12
+
+
 def test_truncated_file_is_a_typed_error(tmp_path):
     """A file truncated in place while mapped: a TruncatedFileError, not a SIGBUS."""
     path = tmp_path / "t.safetensors"

@@ -24,12 +24,12 @@ from ..io._storage import Where, is_url
 from ..layouts._file import read_local, spelled_as_path
 from ..load._direct import DIRECT_MAX_BYTES, DirectFiles, one_run, quick_run
 from ..load._options import LoadOptions
-from ..load._report import IOStats
 from ..load._slices import Box, compat, normalize_index, plain, slice_box
 from ..load._source import Header, in_batches
 
 if TYPE_CHECKING:
     from ..io._reader import Reader
+    from ..load._report import IOStats
     from ..load._target import Target
 
 __all__ = ["LazyCheckpoint", "TensorSlice", "iter_tensors", "safe_open"]
@@ -93,6 +93,16 @@ def _torch_converter(device: Any):
     return convert
 
 
+class _Counts:
+    """A handle's read counts until someone asks for them as :class:`IOStats` (whose
+    module, with the load report's, is imported then, or by the engine's first read)."""
+
+    __slots__ = ("bytes_needed", "bytes_read", "files", "requests")
+
+    def __init__(self) -> None:
+        self.bytes_read = self.bytes_needed = self.requests = self.files = 0
+
+
 class _Open:
     """What an open handle reads through; slices keep it, so they still read after
     ``close()`` (as in safetensors)."""
@@ -101,9 +111,22 @@ class _Open:
         self.header, self.options, self.convert = header, options, convert
         local = header.placement.local_files() if backend == "mmap" else None
         self.direct = DirectFiles(local) if local is not None else None
-        self.io = IOStats()  # every read through this handle, summed
+        self.counts: _Counts | IOStats = _Counts()  # every read through this handle, summed
         self.files: set[str] = set()
         self.runs: dict[str, tuple[bool, bool]] = {}  # tensor name -> (read directly, one run at a time)
+
+    @property
+    def io(self) -> IOStats:
+        """The counts as :class:`IOStats` (made on first use; the counts go on there)."""
+        from ..load._report import IOStats
+
+        counts = self.counts
+        if isinstance(counts, IOStats):
+            return counts
+        self.counts = IOStats(
+            bytes_read=counts.bytes_read, bytes_needed=counts.bytes_needed, requests=counts.requests, files=counts.files
+        )
+        return self.counts
 
     def direct_ok(self, info: TensorInfo) -> tuple[bool, bool]:
         """Whether ``info``'s slices may be read directly (:mod:`nnx_save.load._direct`:
@@ -140,7 +163,7 @@ class _Open:
         return out
 
     def _count(self, info: TensorInfo, read: int, needed: int, requests: int) -> None:
-        io = self.io
+        io = self.counts
         io.bytes_read += read
         io.bytes_needed += needed
         io.requests += requests
@@ -228,12 +251,12 @@ class LazyCheckpoint:
         self._source = source
         self._owned = owned  # a Header passed in is closed by its owner
         self._state: _Open | None = state
-        self._io = state.io
+        self._counted = state  # counts slices taken after close() too
 
     @property
     def io(self) -> IOStats:
         """Bytes read and needed, requests and distinct files of every read so far."""
-        return self._io
+        return self._counted.io
 
     @property
     def _open(self) -> _Open:

@@ -4,17 +4,25 @@ Every code the safetensors format defines is listed with its bit width. Byte siz
 of sub-byte codes (``F4``, ``F6_*``) are counted by bits, as the format does: a
 tensor of ``n`` F4 elements takes ``ceil(n * 4 / 8)`` bytes on disk, packed.
 In memory such tensors are one element per byte (ml_dtypes' representation).
+
+ml_dtypes (whose extension costs more to import than the rest of a small read) is
+imported when a row of one of its types is first asked for its numpy dtype, or when
+a numpy dtype is first looked up (:func:`to_code`): a file of numpy's own types is
+read without it.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import ml_dtypes
 import numpy as np
-import numpy.typing as npt
 
 from ..errors import HeaderError
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 __all__ = ["DTYPES", "RANK", "DtypeInfo", "from_code", "nbytes_for", "to_code"]
 
@@ -35,8 +43,35 @@ class DtypeInfo:
         object.__setattr__(self, "byte_aligned", self.bits % 8 == 0)
         object.__setattr__(self, "itemsize", self.bits // 8)
 
+    def __getattr__(self, name: str) -> np.dtype:
+        """``numpy`` of an ml_dtypes row, on first use (normal lookup found none); then
+        a plain attribute like every other row's."""
+        if name != "numpy" or self.code not in _ML_DTYPES:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        value = np.dtype(getattr(importlib.import_module("ml_dtypes"), _ML_DTYPES[self.code]))
+        object.__setattr__(self, "numpy", value)
+        return value
 
-def _row(code: str, dtype: npt.DTypeLike, bits: int) -> DtypeInfo:
+
+# The codes whose numpy type is ml_dtypes': its attribute names.
+_ML_DTYPES = {
+    "F4": "float4_e2m1fn",
+    "F6_E2M3": "float6_e2m3fn",
+    "F6_E3M2": "float6_e3m2fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "BF16": "bfloat16",
+}
+
+
+def _row(code: str, dtype: npt.DTypeLike | None, bits: int) -> DtypeInfo:
+    if dtype is None:  # ml_dtypes': resolved on first use
+        row = DtypeInfo(code, np.dtype(np.uint8), bits)
+        object.__delattr__(row, "numpy")
+        return row
     return DtypeInfo(code, np.dtype(dtype), bits)
 
 
@@ -47,20 +82,20 @@ DTYPES: dict[str, DtypeInfo] = {
     row.code: row
     for row in (
         _row("BOOL", np.bool_, 8),
-        _row("F4", ml_dtypes.float4_e2m1fn, 4),
-        _row("F6_E2M3", ml_dtypes.float6_e2m3fn, 6),
-        _row("F6_E3M2", ml_dtypes.float6_e3m2fn, 6),
+        _row("F4", None, 4),
+        _row("F6_E2M3", None, 6),
+        _row("F6_E3M2", None, 6),
         _row("U8", np.uint8, 8),
         _row("I8", np.int8, 8),
-        _row("F8_E5M2", ml_dtypes.float8_e5m2, 8),
-        _row("F8_E4M3", ml_dtypes.float8_e4m3fn, 8),
-        _row("F8_E8M0", ml_dtypes.float8_e8m0fnu, 8),
-        _row("F8_E4M3FNUZ", ml_dtypes.float8_e4m3fnuz, 8),
-        _row("F8_E5M2FNUZ", ml_dtypes.float8_e5m2fnuz, 8),
+        _row("F8_E5M2", None, 8),
+        _row("F8_E4M3", None, 8),
+        _row("F8_E8M0", None, 8),
+        _row("F8_E4M3FNUZ", None, 8),
+        _row("F8_E5M2FNUZ", None, 8),
         _row("I16", np.int16, 16),
         _row("U16", np.uint16, 16),
         _row("F16", np.float16, 16),
-        _row("BF16", ml_dtypes.bfloat16, 16),
+        _row("BF16", None, 16),
         _row("I32", np.int32, 32),
         _row("U32", np.uint32, 32),
         _row("F32", np.float32, 32),
@@ -72,7 +107,13 @@ DTYPES: dict[str, DtypeInfo] = {
 }
 RANK: dict[str, int] = {code: i for i, code in enumerate(DTYPES)}
 
-_BY_NUMPY: dict[np.dtype, DtypeInfo] = {row.numpy: row for row in DTYPES.values()}
+_BY_NUMPY: dict[np.dtype, DtypeInfo] = {}  # filled by the first lookup (it imports ml_dtypes)
+
+
+def _by_numpy() -> dict[np.dtype, DtypeInfo]:
+    if not _BY_NUMPY:
+        _BY_NUMPY.update({row.numpy: row for row in DTYPES.values()})
+    return _BY_NUMPY
 
 
 def from_code(code: object, tensor: str = "?") -> DtypeInfo:
@@ -102,11 +143,12 @@ def to_code(dtype: object, tensor: str = "?") -> DtypeInfo:
     Raises:
         HeaderError: safetensors has no code for this dtype (e.g. complex128).
     """
+    by_numpy = _by_numpy()  # first: ml_dtypes' types are known to numpy from here on
     try:
         key = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:
         key = None
-    row = _BY_NUMPY.get(key.newbyteorder("=")) if key is not None else None
+    row = by_numpy.get(key.newbyteorder("=")) if key is not None else None
     if row is None:
         shown = key if key is not None else dtype  # "int4", not "<class 'ml_dtypes.int4'>"
         raise HeaderError(f"tensor {tensor!r}: dtype {shown} has no safetensors code", check="dtype")

@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import logging
 import os
 import re
 import stat
 from collections.abc import Iterator
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import SaveError
 from ._files import _KINDS
+
+if TYPE_CHECKING:  # imported where used: a read of a local file needs neither
+    import logging
+    from pathlib import Path
 
 __all__ = [
     "NAME_MAX",
@@ -40,7 +43,13 @@ __all__ = [
 
 TMP_MARKER = ".nnx_save-tmp-"
 NAME_MAX = 255  # bytes in one file name (Linux, macOS, most filesystems)
-log = logging.getLogger("nnx_save")
+
+
+def _log() -> logging.Logger:
+    """The package's logger; logging is imported by the first message (a read logs none)."""
+    import logging
+
+    return logging.getLogger("nnx_save")
 
 
 def write_all(fd: int, data: memoryview, offset: int | None = None) -> None:
@@ -97,7 +106,7 @@ def remove_stale_temps(path: Path) -> list[str]:
         with contextlib.suppress(OSError):
             os.unlink(path.parent / name)
             removed.append(name)
-            log.info("removed %s, left by process %d (dead) during an interrupted save", path.parent / name, pid)
+            _log().info("removed %s, left by process %d (dead) during an interrupted save", path.parent / name, pid)
     return removed
 
 
@@ -148,6 +157,8 @@ def atomic_file(path: str | os.PathLike, *, staged: list[tuple[Path, Path]] | No
     ``(temporary, path)`` is appended for :func:`commit_staged` (several files that
     must appear together) or :func:`discard_staged`.
     """
+    from pathlib import Path
+
     path = Path(path)
     if "\x00" in os.fspath(path):
         raise SaveError(f"{str(path)!r}: a path cannot contain a NUL character", str(path))
@@ -234,6 +245,8 @@ def make_directory(directory: str | os.PathLike) -> Path:
         SaveError: naming the path, when it exists and is not a directory (a file, a
             dangling link) or cannot be created; nothing is changed then.
     """
+    from pathlib import Path
+
     root = Path(directory)
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -230,7 +230,9 @@ class _Pool:
         return None
 
     def dup(self, key: tuple[int, str]) -> int | None:
-        with self.locked():  # never dup a number another thread has just closed (and the OS reused)
+        with self.lock:  # never dup a number another thread has just closed (and the OS reused)
+            while self.pending:  # as locked() does, without a generator on every small read's path
+                self._drop(self.pending.popleft())
             fd = self.fds.get(key)
             if fd is None:
                 return None

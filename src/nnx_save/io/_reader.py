@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import SourceError, TruncatedFileError
 
-__all__ = ["IOV_MAX", "LocalReader", "Reader", "ViewReader"]
+__all__ = ["IOV_MAX", "LocalReader", "Reader", "ViewReader", "check_identity"]
 
 IOV_MAX = 1024  # the POSIX minimum of the kernel's iovec limit (Linux: exactly 1024)
 
@@ -73,6 +73,31 @@ class Reader(Protocol):
         ...
 
 
+def check_identity(path: str, fd: int, identity: tuple[int, int, int, int]) -> None:
+    """Raise when the file open as ``fd`` no longer has the size and modification time
+    of ``identity`` (device, inode, size, mtime_ns: what its header was read from).
+
+    Raises:
+        TruncatedFileError: it is shorter now (names the byte where it ends).
+        SourceError: it was changed in place (what was read may mix two versions).
+    """
+    st = os.fstat(fd)
+    if st.st_size < identity[2]:
+        raise TruncatedFileError(
+            f"{path}: truncated while open: it ends at byte {st.st_size}, its header was read from {identity[2]} bytes",
+            path,
+            st.st_size,
+        )
+    # an open file keeps its device and inode: its size and modification time tell
+    if st.st_mtime_ns != identity[3] or st.st_size != identity[2]:
+        raise SourceError(
+            f"{path}: changed while open (size {identity[2]} -> {st.st_size} bytes, or modified "
+            "in place since its header was read); what was read may mix two versions: read the header "
+            "again and reload",
+            path,
+        )
+
+
 class LocalReader:
     """Positioned reads from a local file; ``preadv`` releases the GIL."""
 
@@ -91,24 +116,8 @@ class LocalReader:
     def verify(self) -> None:
         """Raise :class:`SourceError` naming the file when it changed in place since
         ``identity`` was taken (size or modification time)."""
-        if self._identity is None:
-            return
-        st = os.fstat(self.fd)
-        if st.st_size < self._identity[2]:
-            raise TruncatedFileError(
-                f"{self.path}: truncated while open: it ends at byte {st.st_size}, its header was read from "
-                f"{self._identity[2]} bytes",
-                self.path,
-                st.st_size,
-            )
-        # an open file keeps its device and inode: its size and modification time tell
-        if st.st_mtime_ns != self._identity[3] or st.st_size != self._identity[2]:
-            raise SourceError(
-                f"{self.path}: changed while open (size {self._identity[2]} -> {st.st_size} bytes, or modified "
-                "in place since its header was read); what was read may mix two versions: read the header "
-                "again and reload",
-                self.path,
-            )
+        if self._identity is not None:
+            check_identity(self.path, self.fd, self._identity)
 
     def close(self) -> None:
         os.close(self.fd)

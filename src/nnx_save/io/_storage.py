@@ -20,11 +20,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
-import logging
 import os
 from collections.abc import Callable, Iterable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol, TypeAlias
 
 from ..errors import SaveError
 from . import _files
@@ -39,6 +37,9 @@ from ._atomic import (
 )
 
 if TYPE_CHECKING:  # the transports are imported with the first URL: reading local files never loads them
+    import logging
+    from pathlib import Path
+
     from ._http import RemoteStats
 
 __all__ = [
@@ -61,9 +62,15 @@ __all__ = [
 
 Where = str | os.PathLike
 """Where a checkpoint is: a local path, an HTTP(S) URL or an object-store URL (:func:`locate`)."""
-Staged = list[tuple[Path, Path]]
+Staged: TypeAlias = "list[tuple[Path, Path]]"
 """Complete data files under temporary names, each with the name it commits to."""
-log = logging.getLogger("nnx_save")
+
+
+def _log() -> logging.Logger:
+    """The package's logger; logging is imported by the first message (a read logs none)."""
+    import logging
+
+    return logging.getLogger("nnx_save")
 
 
 class Lock(Protocol):
@@ -196,6 +203,8 @@ def locate(where: Where) -> Location:
     """
     text = os.fspath(where)
     if not is_url(text):
+        from pathlib import Path  # imported here: reading one local file needs no Path
+
         return LocalDirectory(Path(text))
     if text.lower().startswith(("http://", "https://")):
         return HttpPrefix(text)
@@ -211,7 +220,11 @@ def absolute(where: Where) -> Path | str:
         ('s3://bucket/run/', PosixPath('/data/run'))
     """
     text = os.fspath(where)
-    return text if is_url(text) else Path(os.path.abspath(text))
+    if is_url(text):
+        return text
+    from pathlib import Path
+
+    return Path(os.path.abspath(text))
 
 
 def locate_file(where: Where) -> tuple[Location, str]:
@@ -226,6 +239,8 @@ def locate_file(where: Where) -> tuple[Location, str]:
     if is_url(text):
         parent, _, name = text.rpartition("/")
         return locate(parent), name
+    from pathlib import Path
+
     path = Path(text)
     return LocalDirectory(path.parent), path.name
 
@@ -268,7 +283,7 @@ def _removed(where: object, remove: Callable[[], None]) -> None:
     except FileNotFoundError:
         pass
     except OSError as e:
-        log.warning("could not remove %s (%s)", where, e.strerror or e)
+        _log().warning("could not remove %s (%s)", where, e.strerror or e)
 
 
 class _FileObject:
@@ -461,4 +476,4 @@ class ObjectPrefix(_Remote):
         try:
             self.client.remove(self.member(name))
         except Exception as e:  # each store has its own errors; a leftover only costs space
-            log.warning("could not remove %s (%s: %s)", self.member(name), type(e).__name__, e)
+            _log().warning("could not remove %s (%s: %s)", self.member(name), type(e).__name__, e)

@@ -13,7 +13,6 @@ import gc
 import os
 import stat
 from collections.abc import Collection, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import (
@@ -32,6 +31,8 @@ from ..load._source import Header, LocalFiles, RemoteFiles
 from ._layout import SINGLE, Committed, Metadata
 
 if TYPE_CHECKING:  # the writers' types: reading a file does not import them
+    from pathlib import Path
+
     from ..save._entry import Entry
     from ..save._options import SaveOptions
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
 
 from ..errors import HeaderCheck, HeaderError, NnxSaveError, SourceChangedError, SourceError
@@ -25,6 +24,8 @@ from ..io._storage import Location, Where
 from ..load._source import Header
 
 if TYPE_CHECKING:  # the writers' types: reading a file does not import them
+    from pathlib import Path
+
     from ..save._entry import Entry
     from ..save._options import SaveOptions
 

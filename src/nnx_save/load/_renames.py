@@ -15,7 +15,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..errors import NnxSaveError
-from ..porting._constructors import rename
 
 __all__ = ["pair_by_structure", "suggest_renames"]
 
@@ -235,6 +234,8 @@ class _Checker:
     def accept(self, rule: tuple[str, str], group: Sequence[str], exact: bool = False) -> bool:
         """Whether ``rule`` holds (then its keys are ruled); ``exact``: a per-template
         rule, which matches only the keys of its template."""
+        from ..porting._constructors import rename  # the rule kinds: imported by the first refusal that pairs keys
+
         try:
             matcher, mine = rename(*rule), set(group)
         except NnxSaveError:  # a key no regex of ours can hold: no rule
