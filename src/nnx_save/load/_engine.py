@@ -14,6 +14,7 @@ elsewhere :mod:`nnx_save.load._stream` streams them. What the engine did
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -98,6 +99,7 @@ class Engine(Destinations):
         self._lock = threading.Lock()
         self.staging: Any = None  # the streaming path's staging pool, once it ran
         self.readers: dict[str, tuple[Reader, tuple[bool, bool]]] = {}  # open on the files being read
+        self.reads: ThreadPoolExecutor | None = None  # reading threads shared by the files read at once
 
     # ----------------------------------------------------------------- host path
 
@@ -120,12 +122,15 @@ class Engine(Destinations):
         if not files:
             return
         at_once = min(len(files), self.opt.threads)
-        threads = max(1, self.opt.threads // at_once)
+        threads = max(1, self.opt.threads // at_once)  # a file's transformed units
         cancel = threading.Event()
         running: dict[Future, str] = {}
         readers = self.readers
         todo = iter(files)
-        with ThreadPoolExecutor(at_once, thread_name_prefix="nnx_save-file") as pool:
+        # several files at once share one pool of reading threads: a file's chunks queue
+        # there, so when one file is done its threads read the others' (files differ in size)
+        shared = ThreadPoolExecutor(self.opt.threads, "nnx_save-read") if at_once > 1 else contextlib.nullcontext()
+        with shared as self.reads, ThreadPoolExecutor(at_once, thread_name_prefix="nnx_save-file") as pool:
 
             def submit(count: int, finished: str | None = None) -> None:
                 """The next ``count`` files, each reader opened and its buffers allocated
@@ -221,6 +226,7 @@ class Engine(Destinations):
             on_chunk=on_chunk,
             cancel=cancel,
             capabilities=capabilities,
+            pool=self.reads,
         )
         del buffers
         *boxed, more = self._run_boxed(file, reader, eager, threads, cancel) if self.boxed.boxes else (0, 0, 0)

@@ -16,7 +16,7 @@ import itertools
 import mmap
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -392,9 +392,13 @@ def execute(
     on_chunk: Callable[[int], None] | None = None,
     cancel: threading.Event | None = None,
     capabilities: tuple[bool, bool] | None = None,
+    pool: Executor | None = None,
 ) -> None:
     """Run every chunk of ``plan`` into ``dests`` (flat uint8 arrays), concurrently,
     never holding more than ``budget.limit`` bytes of chunks in flight.
+    ``pool``: the load's reading threads, shared by the files read at once (each
+    file's chunks queue there, so no thread idles while another file has chunks
+    left); without it, ``num_threads`` threads of this file's own.
     ``on_chunk(needed bytes)`` is called after each chunk (progress). Once
     ``cancel`` is set, chunks not yet started raise :class:`Cancelled`.
     ``capabilities``: the reader's ``(can_read_tables(), can_read_runs())`` when the
@@ -429,15 +433,24 @@ def execute(
                 on_chunk(n)
 
     tasks = _batch_bounds(small.tolist(), span.tolist(), min(BATCH_BYTES, budget.limit))
-    if len(tasks) <= 1 or num_threads <= 1:
+    if pool is None and (len(tasks) <= 1 or num_threads <= 1):
         for a, b in tasks:
             run(a, b)
         return
-    with ThreadPoolExecutor(min(num_threads, len(tasks)), thread_name_prefix="nnx_save-read") as pool:
-        futures = [pool.submit(run, a, b) for a, b in tasks]
-        try:
-            for f in futures:
-                f.result()
-        finally:  # a failed chunk: the ones not started are dropped, not read
-            for f in futures:
-                f.cancel()
+    if pool is not None:
+        _run_all(pool, run, tasks)
+        return
+    with ThreadPoolExecutor(min(num_threads, len(tasks)), thread_name_prefix="nnx_save-read") as own:
+        _run_all(own, run, tasks)
+
+
+def _run_all(pool: Executor, run: Callable[[int, int], None], tasks: list[tuple[int, int]]) -> None:
+    """``run`` every task on ``pool``; the first failure raised once the tasks already
+    running are over, those not started dropped, not read."""
+    futures = [pool.submit(run, a, b) for a, b in tasks]
+    try:
+        for f in futures:
+            f.result()
+    finally:
+        for f in futures:
+            f.cancel()
