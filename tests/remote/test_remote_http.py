@@ -88,6 +88,27 @@ def test_multi_file_index_over_http(nginx):
     assert all(r.status == 206 for r in nginx.requests() if r.uri.endswith(".safetensors"))
 
 
+def test_a_small_remote_checkpoint_is_cut_into_rounds_for_every_thread(nginx):
+    """A remote load's requests are sized by the checkpoint: every thread gets a few
+    (``REMOTE_ROUNDS``), down to 1 MiB, so that a small checkpoint does not end on one
+    request per thread, each as long as a capped stream allows."""
+    from nnx_save.load._options import MIN_REMOTE_CHUNK, REMOTE_ROUNDS
+
+    nginx.clear_log()
+    tree = {"big": RNG.standard_normal((24 << 20) // 4).astype(np.float32), "small": np.arange(64, dtype=np.float32)}
+    nnx_save.save_file(tree, nginx.root / "rounds", max_shard_size=24 << 20)  # 24 MiB, then 256 bytes
+    threads = 4
+    out, report = nnx_save.load_file(f"{nginx.url}/rounds", num_threads=threads, return_report=True)
+    assert all(np.array_equal(out[k], v) for k, v in tree.items())
+    total = sum(v.nbytes for v in tree.values())
+    chunk = max(MIN_REMOTE_CHUNK, total // (threads * REMOTE_ROUNDS))  # 1.5 MiB: 16 requests for the big file
+    big = [r for r in nginx.requests() if r.uri.endswith("00001-of-00002.safetensors")]
+    assert max(r.bytes_sent for r in big) <= max(chunk, SPECULATIVE_HEADER_BYTES), [
+        (r.range, r.bytes_sent) for r in big
+    ]
+    assert report.io.requests >= threads * REMOTE_ROUNDS
+
+
 def test_large_header_takes_exactly_two_requests(nginx):
     nginx.clear_log()
     many = {f"t{i:05d}": np.full((2,), i, np.float32) for i in range(2500)}  # ~150 KB header

@@ -474,7 +474,9 @@ def load_targets(
     # The call's own arguments, for a shared load that re-enters with a part of the
     # targets: every keyword travels, including any added later.
     given = {k: v for k, v in locals().items() if k not in ("header", "targets", "options")}
-    opt = (options if options is not None else LoadOptions()).for_source(header.placement.remote)
+    remote = header.placement.remote  # requests sized by the whole checkpoint: what one process reads at most
+    total = sum(info.nbytes for info in header.tensors.values()) if remote else None
+    opt = (options if options is not None else LoadOptions()).for_source(remote, total)
     in_memory = header.kind == "memory"  # every process holds its own state dict: nothing to share
     if not in_memory and _share.enabled(opt.share_reads, targets, header.placement.remote, describe_source(header)):
         run = functools.partial(

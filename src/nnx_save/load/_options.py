@@ -21,6 +21,10 @@ LOCAL_CHUNK_BYTES = 128 << 20
 REMOTE_REQUESTS = 32  # requests in flight per process from a URL
 REMOTE_CHUNK_BYTES = 16 << 20
 MIN_REMOTE_CHUNK = 1 << 20
+# Requests per reading thread a remote load is cut into at least (chunks permitting): a
+# load is as long as its last round of requests, so a few short rounds end closer together
+# than one long one (a 400 MB checkpoint in 16 MiB requests is 25 for 32 threads).
+REMOTE_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -113,21 +117,27 @@ class LoadOptions:
         """The largest single read: never more than the in-flight budget."""
         return min(self.read_chunk_bytes or LOCAL_CHUNK_BYTES, self.max_inflight_bytes)
 
-    def for_source(self, remote: bool) -> LoadOptions:
+    def for_source(self, remote: bool, total_bytes: int | None = None) -> LoadOptions:
         """These options with ``num_threads`` and ``read_chunk_bytes`` set by the
         source where they are ``None``: tens of requests in flight over a network,
         each a few MiB (a stream per request is what object stores and CDNs cap),
-        all within ``max_inflight_bytes``; a few threads of large reads from a disk.
+        all within ``max_inflight_bytes``, and, given the ``total_bytes`` to read,
+        small enough that every thread has :data:`REMOTE_ROUNDS` of them; a few
+        threads of large reads from a disk.
 
         Examples:
             >>> o = LoadOptions(max_inflight_bytes=64 << 20).for_source(remote=True)
             >>> o.num_threads, o.read_chunk_bytes >> 20
             (32, 2)
+            >>> LoadOptions().for_source(remote=True, total_bytes=400 << 20).read_chunk_bytes >> 20
+            3
         """
         if not remote:
             return replace(self, num_threads=self.threads, read_chunk_bytes=self.chunk_bytes)
         threads = self.num_threads or REMOTE_REQUESTS
         share = max(MIN_REMOTE_CHUNK, self.max_inflight_bytes // threads)  # every request in flight at once
+        if total_bytes is not None:
+            share = min(share, max(MIN_REMOTE_CHUNK, total_bytes // (threads * REMOTE_ROUNDS)))
         chunk = self.read_chunk_bytes or min(REMOTE_CHUNK_BYTES, share)
         return replace(self, num_threads=threads, read_chunk_bytes=min(chunk, self.max_inflight_bytes))
 
