@@ -24,7 +24,12 @@ Saves to S3: ``nnx_save.save_file(tree, "s3://...")`` from memory against boto3'
 ``upload_file`` (multipart, ``--boto3-concurrency`` threads, 16 MiB parts) of the same
 bytes from a local file.
 
+``--shard-mib N`` cuts the checkpoint as HuggingFace does (files of N MiB, the last one
+smaller) instead of ``--files`` equal ones; ``--baseline DIR`` adds ``nnx_save (baseline)``
+rows: the same worker importing nnx_save from another checkout's ``DIR/src``, interleaved.
+
     python benchmarks/remote.py [--size-gb 0.4] [--repeat 3] [--cap 100m]
+    python benchmarks/remote.py --only capped --cap 10m --shard-mib 160 --baseline ../main
 """
 
 from __future__ import annotations
@@ -314,6 +319,10 @@ def main() -> None:
     parser.add_argument("--cap", default="100m", help="nginx limit_rate per connection on the capped source")
     parser.add_argument("--boto3-concurrency", type=int, default=16)
     parser.add_argument("--only", default="", help="comma list of sources: capped,uncapped,s3,save")
+    parser.add_argument(
+        "--shard-mib", type=int, default=0, help="files of at most this size, the last one smaller (HF's way)"
+    )
+    parser.add_argument("--baseline", help="another checkout: its src/'s nnx_save as one more row, interleaved")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="nnx_save_remote_bench_"))
     for d in ("www/free/ckpt", "nginx"):
@@ -325,7 +334,8 @@ def main() -> None:
     shapes = transformer_shapes(args.size_gb)
     tree = make_arrays(shapes)
     ckpt = work / "www" / "free" / "ckpt"
-    nnx_save.save_file(tree, ckpt, max_shard_size=sum(v.nbytes for v in tree.values()) // args.files + 1)
+    shard = args.shard_mib << 20 or sum(v.nbytes for v in tree.values()) // args.files + 1
+    nnx_save.save_file(tree, ckpt, max_shard_size=shard)
     del tree
     names = sorted(p.name for p in ckpt.iterdir() if p.suffix == ".safetensors")
     size = sum((ckpt / n).stat().st_size for n in names)
@@ -390,20 +400,23 @@ def _run(args: argparse.Namespace, base: str, client, bucket: str, names: list[s
     }
     only = set(args.only.split(",")) if args.only else {*sources, "save"}
     s3_files = [f"s3://{bucket}/ckpt/{n}" for n in names]
+    baseline = Path(args.baseline) / "src" if args.baseline else None
     plan = [
-        (label, contender, worker, wargs)
+        (label, contender, worker, wargs, None)
         for kind, (label, url, files) in sources.items()
         if kind in only
         for contender, worker, wargs in _contenders(kind, url, files, s3_files, _has_runai())
     ]
+    if baseline is not None:  # main's nnx_save beside this checkout's, on every source
+        plan += [(label, f"{c} (baseline)", w, a, baseline) for label, c, w, a, _ in plan if w == "nnx"]
     saves = [
         ("nnx_save save_file(s3://)", "save-nnx", []),
         (f"boto3 upload_file ({args.boto3_concurrency} threads)", "save-boto3", ["--n", str(args.boto3_concurrency)]),
     ]
     results: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.repeat):  # interleaved: every contender once per round
-        for label, contender, worker, wargs in plan:
-            results.setdefault((label, contender), []).append(run_fresh(__file__, worker, wargs, timeout=900))
+        for label, contender, worker, wargs, src in plan:
+            results.setdefault((label, contender), []).append(run_fresh(__file__, worker, wargs, timeout=900, src=src))
         for contender, worker, wargs in saves if "save" in only else ():
             key = f"s3://{bucket}/save-{worker}-{r}/model.safetensors"
             sargs = [*wargs, "--url", key, "--size-gb", str(args.size_gb)]

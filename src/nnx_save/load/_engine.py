@@ -474,8 +474,11 @@ def load_targets(
     # The call's own arguments, for a shared load that re-enters with a part of the
     # targets: every keyword travels, including any added later.
     given = {k: v for k, v in locals().items() if k not in ("header", "targets", "options")}
-    remote = header.placement.remote  # requests sized by the whole checkpoint: what one process reads at most
-    total = sum(info.nbytes for info in header.tensors.values()) if remote else None
+    remote = header.placement.remote
+    # HTTP ranges are cheap: their size follows the whole checkpoint (what one process reads at
+    # most); an object store's GET costs more (S3 advises 8-16 MB), so its requests stay at the default
+    http = remote and bool(header.files) and header.files[0].file.startswith(("http://", "https://"))
+    total = sum(info.nbytes for info in header.tensors.values()) if http else None
     opt = (options if options is not None else LoadOptions()).for_source(remote, total)
     in_memory = header.kind == "memory"  # every process holds its own state dict: nothing to share
     if not in_memory and _share.enabled(opt.share_reads, targets, header.placement.remote, describe_source(header)):
