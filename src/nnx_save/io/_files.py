@@ -330,6 +330,19 @@ class Pinned:
             raise SourceError(f"{name}: cannot open the file ({error.strerror})", name) from None
         return fd if mine is None else mine
 
+    def replaced(self) -> list[str]:
+        """The names whose path holds another file now than the one pinned (replaced,
+        changed or gone since its header was read)."""
+        gone = []
+        for name, seen in self.seen.items():
+            try:
+                now = _identity(-1, os.stat(name))
+            except OSError:
+                now = None
+            if now != seen:
+                gone.append(name)
+        return gone
+
     def close(self, wait: bool = True) -> None:
         """Release every pinned descriptor now (and no later than when garbage collected)."""
         if self._open:
