@@ -28,8 +28,7 @@ import numpy as np
 
 import nnx_save
 
-FIRST = 2  # the writer's first version (the model a load fills is poisoned with other values)
-LAYOUTS = ("file", "index", "directory", "pod", "memory", "store")
+FIRST = 2  # the writer's first version
 KEYS = ("t0", "t1", "t2", "t3")
 PART_A = ("pad", "t0", "t1")  # the directory layout's a.safetensors; the rest is b.safetensors
 SHARD_BYTES = 256  # an index of one file per tensor
@@ -82,7 +81,7 @@ def saver(layout: str, target: Any) -> Iterator[Callable[[int], None]]:
             nnx_save.save_pod(tree, target)
         else:
             target.update(tree)  # one C call: no reader sees half of it
-            time.sleep(0.0005)
+            time.sleep(0.0005)  # the readers run between two updates
 
     yield save
 
@@ -107,7 +106,7 @@ def serve() -> None:
         layout, target, seconds = line.rstrip("\n").split("\t")
         try:
             last = write(layout, target, float(seconds), lambda: print("ready", flush=True))
-        except BaseException as e:
+        except Exception as e:
             print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
             continue
         print(f"done {last}", flush=True)
