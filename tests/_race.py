@@ -8,8 +8,8 @@ values. A read is judged by its values alone (:func:`judge`): they must all be o
 version ``k``, and a reader's versions never go back.
 
 Run as a script, this module is the writer process: it reads one race per line on
-stdin (``layout<TAB>target<TAB>seconds``), saves the first version, prints ``ready``,
-saves versions until the seconds are spent and prints ``done <last version>``; one
+stdin (``layout<TAB>target<TAB>stop file``), saves the first version, prints ``ready``,
+saves versions until the stop file exists and prints ``done <last version>``; one
 process (one JAX import) serves every race of a test module.
 """
 
@@ -86,15 +86,14 @@ def saver(layout: str, target: Any) -> Iterator[Callable[[int], None]]:
     yield save
 
 
-def write(layout: str, target: Any, seconds: float, ready: Callable[[], None]) -> int:
-    """Save versions from :data:`FIRST` on, ``seconds`` after the first is saved (then
-    ``ready()``); the last version saved."""
+def write(layout: str, target: Any, stopped: Callable[[], bool], ready: Callable[[], None]) -> int:
+    """Save versions from :data:`FIRST` on (``ready()`` once the first is saved) until
+    ``stopped()``; the last version saved."""
     k = FIRST
     with saver(layout, target) as save:
         save(k)
         ready()
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        while not stopped():
             k += 1
             save(k)
     return k
@@ -103,9 +102,9 @@ def write(layout: str, target: Any, seconds: float, ready: Callable[[], None]) -
 def serve() -> None:
     """The writer process: one race per line of stdin."""
     for line in sys.stdin:
-        layout, target, seconds = line.rstrip("\n").split("\t")
+        layout, target, stop = line.rstrip("\n").split("\t")
         try:
-            last = write(layout, target, float(seconds), lambda: print("ready", flush=True))
+            last = write(layout, target, Path(stop).exists, lambda: print("ready", flush=True))
         except Exception as e:
             print(f"error {type(e).__name__}: {e}".replace("\n", " "), flush=True)
             continue
@@ -179,6 +178,10 @@ class Outcome:
     problems: list[str] = dataclasses.field(default_factory=list)
     slowest: float = 0.0
 
+    def raced(self) -> bool:
+        """Whether the reader read several versions (the writer saved while it read)."""
+        return len(self.versions) >= 3 and len(set(self.versions)) >= 2
+
     def add(self, layout: str, reader: str, read: Read) -> None:
         from nnx_save.checkpoint import CheckpointNotFoundError
 
@@ -242,36 +245,50 @@ def race(
     layout: str,
     readers: dict[str, Callable[[], contextlib.AbstractContextManager[Read]]],
     start_writer: Callable[[], Callable[[], int]],
+    seconds: float,
+    longest: float = 15.0,
     hang: float = 60.0,
 ) -> Race:
-    """Run every reader in a thread of its own while the writer runs. ``readers[name]()``
+    """Run every reader in a thread of its own while the writer saves: ``seconds``, and on
+    until every reader :meth:`~Outcome.raced` (``longest`` at most). ``readers[name]()``
     opens a reader's read (in its thread: a store per reader); ``start_writer()`` starts
-    the writer once its first version is saved and returns what waits for its last.
+    the writer, returns once its first version is saved, and gives what stops it and
+    returns its last version.
 
     Raises:
-        AssertionError: a reader still running ``hang`` seconds after the writer ended.
+        AssertionError: a reader still running ``hang`` seconds after the writer stopped.
     """
     stop = threading.Event()
     outcomes = {name: Outcome() for name in readers}
 
     def loop(name: str) -> None:
-        with readers[name]() as read:
-            while not stop.is_set():
-                outcomes[name].add(layout, name, read)
+        try:
+            with readers[name]() as read:
+                while not stop.is_set():
+                    outcomes[name].add(layout, name, read)
+        except Exception as e:  # opening or closing the reader
+            outcomes[name].problems.append(f"{type(e).__module__}.{type(e).__name__}: {e}")
 
-    wait_writer = start_writer()
+    stop_writer = start_writer()
     threads = [threading.Thread(target=loop, args=(name,), daemon=True) for name in readers]
     with ignored() as unraisable:
         for t in threads:
             t.start()
+        started = time.monotonic()
         try:
-            last = wait_writer()
+            while (elapsed := time.monotonic() - started) < longest:
+                if elapsed >= seconds and all(o.raced() for o in outcomes.values()):
+                    break
+                time.sleep(0.02)
         finally:
-            stop.set()
-            for t in threads:
-                t.join(hang)
+            try:
+                last = stop_writer()
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join(hang)
         stuck = [name for name, t in zip(readers, threads, strict=True) if t.is_alive()]
-        assert not stuck, f"{stuck} still reading {hang} s after the writer ended (a hang)"
+        assert not stuck, f"{stuck} still reading {hang} s after the writer stopped (a hang)"
         time.sleep(0.2)  # what a read left running ends
     return Race(outcomes, last, unraisable)
 
