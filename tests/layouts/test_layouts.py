@@ -49,7 +49,7 @@ def test_four_headers_of_64_files_under_a_limit_of_256_descriptors(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
-def test_a_file_replaced_after_its_descriptor_was_released_is_refused(tmp_path, monkeypatch):
+def test_a_file_replaced_or_removed_after_its_descriptor_was_released_is_refused(tmp_path, monkeypatch):
     descriptor_limit(monkeypatch, 4)  # a pool of 1
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     nnx_save.save_file({"a": np.zeros(2, np.float32)}, a)
@@ -59,11 +59,15 @@ def test_a_file_replaced_after_its_descriptor_was_released_is_refused(tmp_path, 
     assert nnx_save.load_file(header)["a"].tolist() == [0.0, 0.0]  # unchanged: reopened by name
     nnx_save.save_file({"a": np.ones(2, np.float32)}, a)
     with pytest.raises(
-        nnx_save.SourceError, match=re.escape(f"{a}: replaced or changed since its header was read")
+        nnx_save.SourceChangedError, match=re.escape(f"{a}: replaced or changed since its header was read")
     ) as info:
         nnx_save.load_file(header)
     assert info.value.file == str(a)
     assert nnx_save.load_file(tmp_path)["a"].tolist() == [1.0, 1.0]  # a new header reads the new file
+    header = nnx_save.read_header(tmp_path)
+    a.unlink()  # a writer's clean-up: gone, not replaced
+    with pytest.raises(nnx_save.SourceChangedError, match=re.escape(f"{a}: gone since its header was read")):
+        nnx_save.load_file(header)
 
 
 def test_a_header_passed_to_safe_open_stays_open_after_the_handle_closes(tmp_path):

@@ -40,6 +40,9 @@ def state_dict_header(state: Mapping[str, Any]) -> Header:
     """The :class:`Header` of a state dict in memory, its keys as :func:`save_file` would
     write them (``{"a": {"b": x}}`` and ``{"a/b": x}`` both make ``a/b``); typed PRNG keys
     become their key data, their implementation recorded as :func:`save_model` does.
+    A ``dict`` is read as it is at one moment (a shallow copy): another thread's
+    ``update`` of it lands before or after, whole; a value changed in place (an array
+    written into, a nested dict updated key by key) is the caller's to order.
 
     Raises:
         UnsupportedValueError: a value that is not an array or a number (names its key).
@@ -52,6 +55,8 @@ def state_dict_header(state: Mapping[str, Any]) -> Header:
         >>> list(header), header["encoder/w"].shape
         (['encoder/w'], (2, 3))
     """
+    if type(state) is dict:  # copied in one C call: a thread updating it meanwhile lands before or after, whole
+        state = state.copy()
     pairs = tree_pairs(state)
     _paths.check_unique(p for p, _ in pairs)
     rng: dict[str, str] = {}

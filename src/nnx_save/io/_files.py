@@ -16,7 +16,7 @@ import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from ..errors import SourceError, TruncatedFileError
+from ..errors import SourceChangedError, SourceError, TruncatedFileError
 from ..format._header import MAX_HEADER_SIZE
 
 try:  # imported with the module, not on the first header read (it loads a C extension)
@@ -269,6 +269,14 @@ if hasattr(os, "register_at_fork"):  # a lock another thread held at the fork wo
     os.register_at_fork(after_in_child=lambda: setattr(_POOL, "lock", threading.Lock()))
 
 
+def _changed(name: str, what: str) -> SourceChangedError:
+    return SourceChangedError(
+        f"{name}: {what} since its header was read (its descriptor was released: more files are open than "
+        "the descriptor limit allows pinned); read the header again and reload",
+        name,
+    )
+
+
 class Pinned:
     """The files whose headers one header holds: their descriptors, kept in the
     process-wide pool while it has room, and each file's identity, so a file whose
@@ -303,7 +311,8 @@ class Pinned:
         """A new descriptor on the file ``name`` was when its header was read.
 
         Raises:
-            SourceError: the file was replaced or changed since; read the header again.
+            SourceChangedError: the file was replaced, changed or removed since; read the header again.
+            SourceError: the process's descriptor limit is reached.
         """
         try:
             fd = _POOL.dup((id(self), name))
@@ -311,14 +320,13 @@ class Pinned:
                 return os.open(name, os.O_RDONLY | os.O_CLOEXEC) if fd is None else fd
         except OSError as error:  # EMFILE: the process's limit, reached by someone else's descriptors
             raise SourceError(f"{name}: cannot open the file ({error.strerror})", name) from None
-        fd = open_regular(name)
+        try:
+            fd = open_regular(name)
+        except FileNotFoundError:
+            raise _changed(name, "gone") from None
         if _identity(fd) != self.seen[name]:
             os.close(fd)
-            raise SourceError(
-                f"{name}: replaced or changed since its header was read (its descriptor was released: more "
-                "files are open than the descriptor limit allows pinned); read the header again and reload",
-                name,
-            )
+            raise _changed(name, "replaced or changed")
         return self._pin_again(name, fd)
 
     def _pin_again(self, name: str, fd: int) -> int:
@@ -329,6 +337,19 @@ class Pinned:
         except OSError as error:
             raise SourceError(f"{name}: cannot open the file ({error.strerror})", name) from None
         return fd if mine is None else mine
+
+    def replaced(self) -> list[str]:
+        """The names whose path holds another file now than the one pinned (replaced,
+        changed or gone since its header was read)."""
+        gone = []
+        for name, seen in self.seen.items():
+            try:
+                now = _identity(-1, os.stat(name))
+            except OSError:
+                now = None
+            if now != seen:
+                gone.append(name)
+        return gone
 
     def close(self, wait: bool = True) -> None:
         """Release every pinned descriptor now (and no later than when garbage collected)."""

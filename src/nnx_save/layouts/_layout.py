@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from ..errors import HeaderCheck, HeaderError, NnxSaveError, SourceChangedError, SourceError
 from ..format._header import FileHeader, TensorInfo, strict_json
@@ -55,7 +55,6 @@ Shards = list[tuple[str, list["Entry"]]]
 SAVE_ID_KEY = "nnx_save.save_id"
 SINGLE = "model.safetensors"
 """A directory's single-file checkpoint (HuggingFace's name): a layout of its own beside a record."""
-T = TypeVar("T")
 
 
 class Committed(NamedTuple):
@@ -248,20 +247,32 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     return st.st_ino, st.st_mtime_ns, st.st_size
 
 
-def one_version(index: Path, read: Callable[[], T]) -> T:
-    """``read()`` (an index and the files it names); a missing or unreadable file
-    while ``index`` itself was replaced meanwhile is a race with a writer.
+def one_version(record: Path, read: Callable[[], Header], checks: Collection[str] = ("index",)) -> Header:
+    """``read()`` (a record, an index or a pod's manifest, and the files it names); a
+    missing or unreadable file (or a failed check of ``checks``) while the record itself
+    was replaced meanwhile is a race with a writer, and so is a header read without some
+    of its files (:attr:`~nnx_save.load._source.Header.missing_files`: a pod reads
+    without them; a load that needs one would fail later, naming no race).
 
     Raises:
-        SourceChangedError: the index changed during ``read`` and a file it named failed.
+        SourceChangedError: the record changed during ``read`` and a file it named failed or was gone.
     """
-    before = _identity(index)
+    before = _identity(record)
     try:
-        return read()
+        header = read()
     except (FileNotFoundError, HeaderError, SourceError) as e:
-        if isinstance(e, SourceChangedError) or getattr(e, "check", "index") != "index" or _identity(index) == before:
+        racy = not isinstance(e, SourceChangedError) and getattr(e, "check", "index") in checks
+        if not racy or _identity(record) == before:
             raise
-        raise SourceChangedError(
-            f"{index}: was replaced while it was read ({e}); the checkpoint changed under the reader; load it again",
-            str(index),
-        ) from e
+        raise _changed(record, str(e)) from e
+    if header.missing_files and _identity(record) != before:
+        header.close()
+        raise _changed(record, f"{', '.join(header.missing_files)} of the version read went meanwhile")
+    return header
+
+
+def _changed(record: Path, why: str) -> SourceChangedError:
+    return SourceChangedError(
+        f"{record}: was replaced while it was read ({why}); the checkpoint changed under the reader; load it again",
+        str(record),
+    )

@@ -47,6 +47,7 @@ from ._layout import (
     WriteFiles,
     load_record,
     new_save_id,
+    one_version,
     owned,
     save_id_in,
     single_beside,
@@ -306,7 +307,16 @@ class PodLayout:
 
     def read(self, path: Path) -> Header:
         """The validated manifest, and the header of every shard file present (a
-        shard file that is not there is only an error if a load needs it)."""
+        shard file that is not there is only an error if a load needs it).
+
+        Raises:
+            SourceChangedError: the manifest was replaced while it was read, and a shard
+                file it named is gone or failed (a writer's commit removes the previous
+                save's files).
+        """
+        return one_version(path / MANIFEST, lambda: self._read(path), ("index", "manifest", "pieces"))
+
+    def _read(self, path: Path) -> Header:
         manifest = self._manifest(path)
         single_beside(path, MANIFEST, ())
         placement = PodFiles(manifest.num_processes)
