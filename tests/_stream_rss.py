@@ -1,11 +1,11 @@
 """Run in a fresh process by tests/load/test_stream.py: load a checkpoint onto one device
 (streamed or on the host path) and print host memory figures as JSON.
 
-argv: path, "stream" | "host", max_inflight_bytes, "warm" | "cold". Warm: the load
-runs twice, the first warming jax up (compiling the on-device copy and update), its
-results dropped; the peak RSS of the second (``VmHWM`` after resetting it through
-``/proc/self/clear_refs``) is measured. Cold: one load, in a process that has
-allocated nothing before it.
+argv: path, "stream" | "host" | "verify" (the host path checking checksums),
+max_inflight_bytes, "warm" | "cold". Warm: the load runs twice, the first warming jax
+up (compiling the on-device copy and update), its results dropped; the peak RSS of the
+second (``VmHWM`` after resetting it through ``/proc/self/clear_refs``) is measured.
+Cold: one load, in a process that has allocated nothing before it.
 """
 
 import json
@@ -30,7 +30,12 @@ def main() -> None:
 
     def load():
         return nnx_save.load_file(
-            header, abstract, stream=mode == "stream", max_inflight_bytes=budget, allow_unexpected=["*"]
+            header,
+            abstract,
+            stream=mode == "stream",
+            verify=mode == "verify",
+            max_inflight_bytes=budget,
+            allow_unexpected=["*"],
         )
 
     import warnings

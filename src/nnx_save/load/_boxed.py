@@ -11,6 +11,11 @@ strips), then free the temporaries. No full-size source buffer exists and nothin
 over a finished file; the main thread only places each finished target (an adoption on
 the CPU backend). A transform with no per-box map reads its sources whole
 (``report.io.read_whole``: the engine lists them in its result).
+
+A dtype cast is the identity transform here (:data:`CAST`): a target held in another
+dtype than its file's gets its final buffer in the held dtype, and each slab is cast
+into it as it lands, so the file's dtype is never held whole; the small ones are read
+together, in units of up to a slab's bytes.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ from ._pieces import Box, Request, extents, intersect, request
 from ._plan import plan_file
 from ._target import SourceTransform, Target, shard_boxes
 
-__all__ = ["UNIT_BYTES", "BoxedTargets", "copy_into", "plan_units", "units"]
+__all__ = ["CAST", "UNIT_BYTES", "BoxedTargets", "copy_into", "plan_units", "unit_bytes", "units"]
 
 UNIT_BYTES = 4 << 20  # source bytes per unit: cache-friendly temporaries, enough units to share out
+UNIT_MIN_BYTES = 256 << 10  # the least a budget's share cuts units to (a unit costs a plan and a read)
 # Units of at most this many bytes are read in their file's plan (temporaries allocated with
 # its buffers): a plan of its own would cost more than the read, and the file's plan reads
 # through gaps under a page, which may hold them.
@@ -47,6 +53,35 @@ TILE_ROWS = 512
 STRIP_MIN_ROWS = 16  # tiles pay only when each holds this many rows (else one numpy copy)
 _UNBOUNDED = Budget(1 << 62)  # a unit holds its bytes in the load's budget before its reads start
 Feeds = list[tuple[int, Box]]
+
+
+class Cast:
+    """The identity map between boxes: a target read from one file tensor, box for box,
+    whose only change is its dtype (made in :func:`copy_into`, slab by slab)."""
+
+    def __call__(self, arrays: list[np.ndarray]) -> np.ndarray:
+        return arrays[0]
+
+    def source_boxes(self, box: Box, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, Box]]:
+        return [(0, box)]
+
+    def from_boxes(self, box: Box, regions: Sequence[np.ndarray]) -> np.ndarray:
+        return regions[0]
+
+
+CAST = Cast()
+
+
+def unit_bytes(max_inflight_bytes: int, threads: int) -> int:
+    """Source bytes per unit: :data:`UNIT_BYTES`, or a thread's share of the in-flight
+    budget where that is less (not under :data:`UNIT_MIN_BYTES`), so that the units in
+    flight and the threads' reused temporaries stay within about the budget.
+
+    Examples:
+        >>> unit_bytes(2 << 30, 8) >> 20, unit_bytes(16 << 20, 8) >> 20, unit_bytes(1 << 20, 8) >> 10
+        (4, 2, 256)
+    """
+    return min(UNIT_BYTES, max(UNIT_MIN_BYTES, max_inflight_bytes // threads))
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
@@ -111,13 +146,16 @@ def units(
 ) -> list[tuple[Box, Feeds]] | None:
     """``box`` cut into slabs of about ``limit`` source bytes each, with each slab's
     source boxes (one slab where it cannot be cut); ``None`` when ``box`` itself has
-    no per-box preimage.
+    no per-box preimage. A slab one index wide that is still over ``limit`` (a row
+    wider than it) is cut again on another axis.
 
     Examples:
         >>> from nnx_save.porting._transforms import Transform, Transpose
         >>> t = Transform((), None, (Transpose((1, 0)),))  # kernel (4, 6) from weight (6, 4)
         >>> [sub for sub, _ in units(t, ((0, 4), (0, 6)), [(6, 4)], [4], 32)]  # 2 weight rows each
         [((0, 4), (0, 2)), ((0, 4), (2, 4)), ((0, 4), (4, 6))]
+        >>> [sub for sub, _ in units(CAST, ((0, 2), (0, 6)), [(2, 6)], [4], 12)]  # rows of 24 bytes: halves
+        [((0, 1), (0, 3)), ((0, 1), (3, 6)), ((1, 2), (0, 3)), ((1, 2), (3, 6))]
     """
     feeds = transform.source_boxes(box, shapes)
     if feeds is None:
@@ -128,13 +166,14 @@ def units(
         return [(box, feeds)]
     lo, hi = box[axis]
     step = max(1, int((hi - lo) * limit // nbytes))
+    across = step == 1 and nbytes > limit * (hi - lo)  # one slab is still over the limit: cut it on another axis
     out = []
     for a in range(lo, hi, step):
         sub = _with_extent(box, axis, (a, min(a + step, hi)))
         part = transform.source_boxes(sub, shapes)
         if part is None:
             return [(box, feeds)]
-        out.append((sub, part))
+        out += (units(transform, sub, shapes, itemsizes, limit) or [(sub, part)]) if across else [(sub, part)]
     return out
 
 
@@ -216,6 +255,7 @@ class _Box:
     target: Target
     box: Box
     devices: list[Any]
+    transform: SourceTransform  # the target's, or CAST
     left: int = 0  # units not yet copied in
     buffer: np.ndarray | None = None
 
@@ -230,6 +270,18 @@ class _Unit:
     pieces: list[Any] = field(default_factory=list)  # per feed: the one piece it is whole, or None
     nbytes: int = 0
     sizes: list[int] = field(default_factory=list)  # per feed: its temporary's bytes
+
+
+def _merge(into: _Unit, unit: _Unit) -> None:
+    """Append ``unit``'s parts, feeds and reads to ``into`` (its temporaries after ``into``'s)."""
+    shift = len(into.feeds)
+    into.parts += [(i, sub, a + shift, b + shift) for i, sub, a, b in unit.parts]
+    into.feeds += unit.feeds
+    for file, reqs in unit.reads.items():
+        into.reads.setdefault(file, []).extend(dataclasses.replace(r, dest=r.dest + shift) for r in reqs)
+    into.pieces += unit.pieces
+    into.sizes += unit.sizes
+    into.nbytes += unit.nbytes
 
 
 class BoxedTargets:
@@ -248,32 +300,42 @@ class BoxedTargets:
         self._lock = threading.Lock()
         self._local = threading.local()  # per reader thread: its scratch buffer
         self._finished: list[int] = []  # boxes filled since the last :meth:`place_finished`
+        self._open: dict[str, _Unit] = {}  # file -> the unit small casts from it are gathered in
+        self.unit = UNIT_MIN_BYTES  # source bytes per unit (unit_bytes of the load's options, once one is added)
 
-    def add(self, engine: Any, t: Target) -> bool:
-        """Plan ``t`` unit by unit; False (nothing added) when its transform cannot."""
-        assert t.transform is not None
+    def add(self, engine: Any, t: Target, transform: SourceTransform | None = None) -> bool:
+        """Plan ``t`` unit by unit with ``transform`` (``t``'s own by default, :data:`CAST`
+        for a cast); False (nothing added) when the transform cannot."""
+        transform = transform or t.transform
+        assert transform is not None
         infos = [engine.header.tensors[k] for k in t.sources]
         if not all(info.dtype.byte_aligned for info in infos):
             return False  # packed sub-byte sources: read whole, unpacked after
         shapes, sizes = [info.shape for info in infos], [info.dtype.itemsize for info in infos]
-        limit = math.inf if engine.opt.verify else UNIT_BYTES  # verify: a piece read whole can be checked
+        opt = engine.opt
+        limit = self.unit = unit_bytes(opt.max_inflight_bytes, opt.threads)
         boxes = shard_boxes(t)
-        planned = plan_units(t.transform, [b for b, _ in boxes], shapes, sizes, limit)
+        # verify: a piece read whole can be checked
+        planned = plan_units(transform, [b for b, _ in boxes], shapes, sizes, math.inf if opt.verify else limit)
         if planned is None:
             return False
         first = len(self.boxes)
         self.by_target[t.path] = list(range(first, first + len(boxes)))
-        self.boxes += [_Box(t, box, devices) for box, devices in boxes]
+        self.boxes += [_Box(t, box, devices, transform) for box, devices in boxes]
         for parts in planned:
             unit = _Unit([], [])
             for i, sub, feeds in parts:
                 unit.parts.append((first + i, sub, len(unit.feeds), len(unit.feeds) + len(feeds)))
                 unit.feeds += [(t.sources[k], b) for k, b in feeds]
                 self.boxes[first + i].left += 1
-            self._add_unit(engine, unit)
+            self._add_unit(engine, unit, limit if transform is CAST else 0)
         return True
 
-    def _add_unit(self, engine: Any, unit: _Unit) -> None:
+    def _add_unit(self, engine: Any, unit: _Unit, gather: int = 0) -> None:
+        """Add ``unit`` to the file of its first read: a small one read with that file's
+        plan, or, where ``gather`` is given, in one unit of up to ``gather`` bytes with
+        the small ones before it (casts: their temporaries are then the unit's, never
+        the whole file's)."""
         for j, (key, box) in enumerate(unit.feeds):
             parts = engine.choose(key, box)  # a refusal (a missing pod file) before any read
             whole = len(parts) == 1 and parts[0][0].box == box
@@ -283,9 +345,17 @@ class BoxedTargets:
             unit.sizes.append(math.prod(extents(box)) * engine.header.tensors[key].dtype.itemsize)
             unit.nbytes += unit.sizes[-1]
         assert unit.reads, "a unit's source boxes are never empty (Transform.source_boxes maps only non-empty boxes)"
-        small = unit.nbytes <= EAGER_BYTES and len(unit.reads) == 1
-        (self.eager if small else self.by_file).setdefault(next(iter(unit.reads)), []).append(unit)
+        file = next(iter(unit.reads))
         self.nbytes += unit.nbytes
+        small = unit.nbytes <= EAGER_BYTES and len(unit.reads) == 1
+        if not small or not gather:
+            (self.eager if small else self.by_file).setdefault(file, []).append(unit)
+            return
+        into = self._open.get(file)
+        if into is None or into.nbytes + unit.nbytes > gather:
+            into = self._open[file] = _Unit([], [])
+            self.by_file.setdefault(file, []).append(into)
+        _merge(into, unit)
 
     def allocate(self, file: str) -> None:
         """Allocate the final buffers of the boxes that ``file``'s units fill first,
@@ -338,7 +408,7 @@ class BoxedTargets:
         padded = [-(-n // 64) * 64 for n in unit.sizes]
         have = getattr(self._local, "scratch", None)
         if have is None or len(have) < sum(padded):
-            have = self._local.scratch = aligned_empty(max(sum(padded), UNIT_BYTES))
+            have = self._local.scratch = aligned_empty(max(sum(padded), self.unit))
         starts = itertools.accumulate(padded, initial=0)
         return [have[at : at + n] for at, n in zip(starts, unit.sizes, strict=False)]
 
@@ -363,8 +433,13 @@ class BoxedTargets:
         def run(unit: _Unit) -> None:
             if cancel.is_set():
                 raise Cancelled
+            over = max(0, unit.nbytes - engine.budget.limit)  # a unit the budget cannot hold runs alone: counted
             with engine.budget(unit.nbytes):
-                read, needed = self._run(engine, unit, reader)
+                engine.budget.hold(over)
+                try:
+                    read, needed = self._run(engine, unit, reader)
+                finally:
+                    engine.budget.drop(over)
             with self._lock:
                 totals[0] += read
                 totals[1] += needed
@@ -420,15 +495,14 @@ class BoxedTargets:
     def _copy(self, owner: _Box, sub: Box, regions: list[np.ndarray]) -> None:
         """Slab ``sub`` of ``owner`` from its source regions, into the final buffer."""
         t = owner.target
-        assert t.transform is not None
-        value = np.asarray(t.transform.from_boxes(sub, regions))
+        value = np.asarray(owner.transform.from_boxes(sub, regions))
         if value.shape != extents(sub):
             raise ShapeMismatchError(
                 f"{t.path}: rule produced shape {value.shape} for box {[list(b) for b in sub]} "
                 f"from {list(t.sources)}, expected {extents(sub)}"
             )
         at = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(sub, owner.box, strict=True))
-        copy_into(self._final(owner)[at], value)
+        copy_into(self._final(owner)[(*at, ...)], value)  # the ellipsis: a 0-d box is a view too, not a scalar
 
     @staticmethod
     def _final(owner: _Box) -> np.ndarray:

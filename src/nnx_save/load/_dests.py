@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import NnxSaveError
+from ..format._header import TensorInfo
 from . import _boxed
 from ._assemble import held_of
 from ._batch import Batch
@@ -69,13 +70,16 @@ class Destinations:
         self.boxed = _boxed.BoxedTargets(slab_bytes)
         self.pending: list[Target] = []  # transforms read from their whole sources
         self.batch, targets = Batch.split(  # runs of small whole tensors: no destination each
-            header, targets, self.x64, opt.streaming, slab_bytes > 0
+            header, targets, self.x64, opt.streaming, slab_bytes > 0, casts=opt.verify
         )
         for t in targets:
             if t.transform is None:
                 info = header.tensors[t.sources[0]]
                 held = held_of(np.dtype(t.dtype), t.sharding is not None, self.x64)
                 adopted = info.dtype.byte_aligned and info.dtype.numpy == held  # the buffer becomes the array
+                if not adopted and self.cast_in_slabs(t, info):
+                    self.boxed.add(self, t, _boxed.CAST)
+                    continue
                 for box, devices in shard_boxes(t):  # refusals before any read
                     self.add(t.path, t.sources[0], box, devices, adopted)
             elif not self.boxed.add(self, t):
@@ -85,6 +89,17 @@ class Destinations:
             self.refs.update(t.sources)
         for key in self.refs:
             self.add(f"source:{key}", key, whole(header.tensors[key].shape), [None], False)
+
+    def cast_in_slabs(self, t: Target, info: TensorInfo) -> bool:
+        """Whether target ``t`` of file tensor ``info``, held in another dtype than the
+        file's, is cast slab by slab into its final buffer
+        (:data:`~nnx_save.load._boxed.CAST`), rather than read whole in the file's dtype:
+        not a packed sub-byte tensor (unpacked whole), not an empty one (nothing to
+        read), not under ``verify`` (the recorded checksum is of the whole tensor's
+        bytes), and not a device target that streams (its slabs are cast on the device)."""
+        if not info.dtype.byte_aligned or not info.nbytes or self.opt.verify:
+            return False
+        return t.sharding is None or not self.opt.streaming(next(iter(t.sharding.device_set)).platform)
 
     def add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> int:
         info = self.header.tensors[key]
