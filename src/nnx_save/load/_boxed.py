@@ -290,7 +290,7 @@ class BoxedTargets:
     no reference cycle keeps a finished load's arrays alive until the next garbage
     collection."""
 
-    def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
+    def __init__(self, slab_bytes: int = SLAB_BYTES, unit: int = UNIT_BYTES) -> None:
         self.slab_bytes = slab_bytes  # final buffers are packed into allocations of up to this size
         self.boxes: list[_Box] = []
         self.by_target: dict[str, list[int]] = {}  # target path -> its boxes
@@ -301,7 +301,7 @@ class BoxedTargets:
         self._local = threading.local()  # per reader thread: its scratch buffer
         self._finished: list[int] = []  # boxes filled since the last :meth:`place_finished`
         self._open: dict[str, _Unit] = {}  # file -> the unit small casts from it are gathered in
-        self.unit = UNIT_MIN_BYTES  # source bytes per unit (unit_bytes of the load's options, once one is added)
+        self.unit = unit  # source bytes per unit (unit_bytes of the load's options)
 
     def add(self, engine: Any, t: Target, transform: SourceTransform | None = None) -> bool:
         """Plan ``t`` unit by unit with ``transform`` (``t``'s own by default, :data:`CAST`
@@ -312,11 +312,9 @@ class BoxedTargets:
         if not all(info.dtype.byte_aligned for info in infos):
             return False  # packed sub-byte sources: read whole, unpacked after
         shapes, sizes = [info.shape for info in infos], [info.dtype.itemsize for info in infos]
-        opt = engine.opt
-        limit = self.unit = unit_bytes(opt.max_inflight_bytes, opt.threads)
         boxes = shard_boxes(t)
         # verify: a piece read whole can be checked
-        planned = plan_units(transform, [b for b, _ in boxes], shapes, sizes, math.inf if opt.verify else limit)
+        planned = plan_units(transform, [b for b, _ in boxes], shapes, sizes, math.inf if engine.opt.verify else self.unit)
         if planned is None:
             return False
         first = len(self.boxes)
@@ -328,8 +326,40 @@ class BoxedTargets:
                 unit.parts.append((first + i, sub, len(unit.feeds), len(unit.feeds) + len(feeds)))
                 unit.feeds += [(t.sources[k], b) for k, b in feeds]
                 self.boxes[first + i].left += 1
-            self._add_unit(engine, unit, limit if transform is CAST else 0)
+            self._add_unit(engine, unit, self.unit if transform is CAST else 0)
         return True
+
+    def cast(self, engine: Any, t: Target) -> None:
+        """Plan ``t``, read from one byte-aligned file tensor and held in another dtype,
+        as :data:`CAST` units. A small tensor wanted whole in one box, one piece of one
+        file (what a model's many biases and norms are), joins its file's open unit
+        straight away: :meth:`add`'s general planning costs more than its read."""
+        key = t.sources[0]
+        info = engine.header.tensors[key]
+        boxes = shard_boxes(t)
+        if len(boxes) > 1 or info.nbytes > EAGER_BYTES:
+            self.add(engine, t, CAST)
+            return
+        box, devices = boxes[0]
+        parts = engine.choose(key, box)
+        piece = parts[0][0]
+        if len(parts) != 1 or piece.box != box:
+            self.add(engine, t, CAST)
+            return
+        self.by_target[t.path] = [len(self.boxes)]
+        self.boxes.append(_Box(t, box, devices, CAST, 1))
+        into = self._open.get(info.file)
+        if into is None or into.nbytes + info.nbytes > self.unit:
+            into = self._open[info.file] = _Unit([], [])
+            self.by_file.setdefault(info.file, []).append(into)
+        j = len(into.feeds)
+        into.parts.append((len(self.boxes) - 1, box, j, j + 1))
+        into.feeds.append((key, box))
+        into.reads.setdefault(info.file, []).append(request(piece, box, box, j))
+        into.pieces.append(piece)
+        into.sizes.append(info.nbytes)
+        into.nbytes += info.nbytes
+        self.nbytes += info.nbytes
 
     def _add_unit(self, engine: Any, unit: _Unit, gather: int = 0) -> None:
         """Add ``unit`` to the file of its first read: a small one read with that file's
@@ -487,14 +517,20 @@ class BoxedTargets:
         ]
         for index, sub, start, stop in unit.parts:
             self._copy(self.boxes[index], sub, regions[start:stop])
-            with self._lock:
-                self.boxes[index].left -= 1
-                if not self.boxes[index].left:
+        with self._lock:  # once per unit: a unit of small casts fills thousands of boxes
+            for index, *_ in unit.parts:
+                owner = self.boxes[index]
+                owner.left -= 1
+                if not owner.left:
                     self._finished.append(index)
 
     def _copy(self, owner: _Box, sub: Box, regions: list[np.ndarray]) -> None:
         """Slab ``sub`` of ``owner`` from its source regions, into the final buffer."""
         t = owner.target
+        if owner.transform is CAST:  # the region itself: its shape is the slab's
+            at = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(sub, owner.box, strict=True))
+            self._final(owner)[(*at, ...)] = regions[0]
+            return
         value = np.asarray(owner.transform.from_boxes(sub, regions))
         if value.shape != extents(sub):
             raise ShapeMismatchError(

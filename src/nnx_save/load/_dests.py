@@ -64,10 +64,11 @@ class Destinations:
         self.slab_bytes = slab_bytes  # adopted buffers are packed into allocations of up to this size
         self.x64: bool = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per tensor
         self.by_path = {t.path: t for t in targets}
+        self._streams: dict[str, bool] = {}  # platform -> whether its device targets stream
         self.dests: list[Dest] = []
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
-        self.boxed = _boxed.BoxedTargets(slab_bytes)
+        self.boxed = _boxed.BoxedTargets(slab_bytes, _boxed.unit_bytes(opt.max_inflight_bytes, opt.threads))
         self.pending: list[Target] = []  # transforms read from their whole sources
         self.batch, targets = Batch.split(  # runs of small whole tensors: no destination each
             header, targets, self.x64, opt.streaming, slab_bytes > 0, casts=opt.verify
@@ -78,7 +79,7 @@ class Destinations:
                 held = held_of(np.dtype(t.dtype), t.sharding is not None, self.x64)
                 adopted = info.dtype.byte_aligned and info.dtype.numpy == held  # the buffer becomes the array
                 if not adopted and self.cast_in_slabs(t, info):
-                    self.boxed.add(self, t, _boxed.CAST)
+                    self.boxed.cast(self, t)
                     continue
                 for box, devices in shard_boxes(t):  # refusals before any read
                     self.add(t.path, t.sources[0], box, devices, adopted)
@@ -99,7 +100,13 @@ class Destinations:
         bytes), and not a device target that streams (its slabs are cast on the device)."""
         if not info.dtype.byte_aligned or not info.nbytes or self.opt.verify:
             return False
-        return t.sharding is None or not self.opt.streaming(next(iter(t.sharding.device_set)).platform)
+        if t.sharding is None:
+            return True
+        platform = next(iter(t.sharding.device_set)).platform
+        streams = self._streams.get(platform)
+        if streams is None:  # asked once per platform: the answer reads the environment
+            streams = self._streams[platform] = self.opt.streaming(platform)
+        return not streams
 
     def add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> int:
         info = self.header.tensors[key]
