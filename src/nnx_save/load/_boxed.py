@@ -74,14 +74,17 @@ CAST = Cast()
 
 def unit_bytes(max_inflight_bytes: int, threads: int) -> int:
     """Source bytes per unit: :data:`UNIT_BYTES`, or a thread's share of the in-flight
-    budget where that is less (not under :data:`UNIT_MIN_BYTES`), so that the units in
-    flight and the threads' reused temporaries stay within about the budget.
+    budget where that is less (not under :data:`UNIT_MIN_BYTES`, nor over the budget), so
+    that the units in flight and the threads' reused temporaries stay within about the
+    budget.
 
     Examples:
         >>> unit_bytes(2 << 30, 8) >> 20, unit_bytes(16 << 20, 8) >> 20, unit_bytes(1 << 20, 8) >> 10
         (4, 2, 256)
+        >>> unit_bytes(64 << 10, 8) >> 10
+        64
     """
-    return min(UNIT_BYTES, max(UNIT_MIN_BYTES, max_inflight_bytes // threads))
+    return min(UNIT_BYTES, max(min(UNIT_MIN_BYTES, max_inflight_bytes), max_inflight_bytes // threads))
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
@@ -337,7 +340,7 @@ class BoxedTargets:
         key = t.sources[0]
         info = engine.header.tensors[key]
         boxes = shard_boxes(t)
-        if len(boxes) > 1 or info.nbytes > EAGER_BYTES:
+        if len(boxes) > 1 or info.nbytes > min(EAGER_BYTES, self.unit):
             self.add(engine, t, CAST)
             return
         box, devices = boxes[0]
