@@ -61,7 +61,9 @@ def measure(path: str, dtype: str, layout: str, budget: int) -> dict:
         warnings.simplefilter("ignore")  # the lossy cast's warning: asked for
         jax.block_until_ready(nnx_save.load_file(header, abstract, max_inflight_bytes=budget))  # warms up; dropped
         gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # the heap's free pages back to the system: the next peak is this load's
+        ctypes.CDLL("libc.so.6").malloc_trim(
+            0
+        )  # the heap's free pages back to the system: the next peak is this load's
         before = reset_peak()
         tree, report = nnx_save.load_file(header, abstract, max_inflight_bytes=budget, return_report=True)
         jax.block_until_ready(tree)

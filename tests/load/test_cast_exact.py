@@ -93,7 +93,7 @@ def test_a_cast_on_load_is_numpys_astype_bit_for_bit(tmp_path, monkeypatch, code
     monkeypatch.setattr(_boxed, "UNIT_BYTES", 1024)  # slabs of a few rows, rows cut across, small ones gathered
     for other in CODES:
         dst = DTYPES[other].numpy
-        if not np.can_cast(src, dst, "unsafe"):  # some ml_dtypes pairs: numpy has no cast (the load raises its TypeError)
+        if not np.can_cast(src, dst, "unsafe"):  # some ml_dtypes pairs have no cast (the load raises numpy's error)
             continue
         kind = "tame" if _float_to_int(src, dst) else "special"
         held = {"host": dst, "one": jax.dtypes.canonicalize_dtype(dst), "eight": jax.dtypes.canonicalize_dtype(dst)}
@@ -115,3 +115,28 @@ def test_a_cast_on_load_is_numpys_astype_bit_for_bit(tmp_path, monkeypatch, code
                     assert got.dtype == want.dtype and got.shape == want.shape, (code, other, layout, name)
                     same = got.reshape(-1).view(np.uint8) == want.reshape(-1).view(np.uint8)
                     assert same.all(), (code, other, layout, name, got.ravel()[:8], want.ravel()[:8])
+
+
+@pytest.mark.parametrize("layout", ["host", "eight"])
+def test_under_verify_a_cast_cut_into_slabs_is_hashed_in_file_order(tmp_path, monkeypatch, layout):
+    rng = np.random.default_rng(1)
+    tensors = {"w": rng.standard_normal((64, 320), np.float32), "b": rng.standard_normal(320).astype(np.float32)}
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file(tensors, path)  # with checksums
+    monkeypatch.setattr(_boxed, "UNIT_BYTES", 4096)  # w: 80 KiB in slabs of 3 rows; b: one gathered unit
+    budget = 16 << 10
+    template = {k: _poisoned(np.dtype(ml_dtypes.bfloat16), v.shape, layout) for k, v in tensors.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", nnx_save.LossyCastWarning)
+        tree, report = nnx_save.load_file(path, template, verify=True, max_inflight_bytes=budget, return_report=True)
+    assert sorted(report.verified) == ["b", "w"] and report.unverified == []
+    assert report.io.max_inflight_bytes <= budget  # in slabs, the hash read again a slab at a time
+    for k, v in tensors.items():
+        np.testing.assert_array_equal(np.asarray(tree[k]).view(np.uint16), v.astype(ml_dtypes.bfloat16).view(np.uint16))
+    begin = nnx_save.read_header(path).tensors["w"].begin
+    with open(path, "r+b") as f:  # the last slab's byte: the hash covers the whole tensor
+        f.seek(begin + tensors["w"].nbytes - 3)
+        f.write(b"\x7f")
+    with warnings.catch_warnings(), pytest.raises(nnx_save.ChecksumError, match="tensor 'w': checksum mismatch"):
+        warnings.simplefilter("ignore", nnx_save.LossyCastWarning)
+        nnx_save.load_file(path, template, verify=True, max_inflight_bytes=budget)

@@ -93,7 +93,7 @@ class Batch:
 
     @classmethod
     def split(
-        cls, header: Any, targets: Sequence[Target], x64: bool, streams: Any, enabled: bool, casts: bool = True
+        cls, header: Any, targets: Sequence[Target], x64: bool, streams: Any, enabled: bool
     ) -> tuple[Batch, list[Target]]:
         """The batch of ``targets`` (under ``jax_enable_x64`` = ``x64``) and the
         targets left for the general path. Nothing is batched unless ``enabled``, or
@@ -101,8 +101,8 @@ class Batch:
         a device target only on a device whose platform does not stream
         (``streams(platform)``) and whose sharding keeps it whole on that device; a
         file tensor wanted by two targets is left to the general path, and so is a
-        cast unless ``casts`` (the general path casts slab by slab: here the file's
-        dtype would be held, for all the file's casts at once, until each is cast)."""
+        cast (the general path casts slab by slab: here the file's dtype would be held,
+        for all the file's casts at once, until each is cast)."""
         batch = cls()
         if not enabled or header.placement.local_files() is None or many_put() is None:
             return batch, list(targets)
@@ -140,7 +140,7 @@ class Batch:
             dtype = cache.get(t.dtype)
             if dtype is None:
                 dtype = cache[t.dtype] = held_of(np.dtype(t.dtype), t.sharding is not None, x64)
-            if dtype != info.dtype.numpy and not casts:
+            if dtype != info.dtype.numpy:
                 rest.append(t)
                 used.add(key)
                 continue

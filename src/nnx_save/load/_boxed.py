@@ -1,10 +1,10 @@
 """Targets made by a porting transform, read box by box, the transform applied in the copy.
 
 Each box a process needs of such a target (a shard, or the whole value) has one final
-buffer. The box is cut into slabs (:func:`units`) whose source bytes stay a few MiB,
-along the axis whose slabs are contiguous runs of the source where there is one; each
-slab is one unit of work on the reader threads: read its source boxes into small
-temporaries (under the load's byte budget), apply the transform to them
+buffer. The box is cut into slabs (:mod:`nnx_save.load._units`) whose source bytes stay
+a few MiB, along the axis whose slabs are contiguous runs of the source where there is
+one; each slab is one unit of work on the reader threads: read its source boxes into
+small temporaries (under the load's byte budget), apply the transform to them
 (:meth:`~nnx_save.load._target.SourceTransform.from_boxes`: a transpose is a view) and
 copy the result into its part of the final buffer (:func:`copy_into`, in cache-sized
 strips), then free the temporaries. No full-size source buffer exists and nothing runs
@@ -12,10 +12,12 @@ over a finished file; the main thread only places each finished target (an adopt
 the CPU backend). A transform with no per-box map reads its sources whole
 (``report.io.read_whole``: the engine lists them in its result).
 
-A dtype cast is the identity transform here (:data:`CAST`): a target held in another
-dtype than its file's gets its final buffer in the held dtype, and each slab is cast
-into it as it lands, so the file's dtype is never held whole; the small ones are read
-together, in units of up to a slab's bytes.
+A dtype cast is the identity map here (:data:`~nnx_save.load._units.CAST`, planned by
+:meth:`BoxedTargets.cast`): a target held in another dtype than its file's gets its
+final buffer in the held dtype and each slab is cast into it as it lands, so the file's
+dtype is never held whole; small ones are read together, in units of up to a slab's
+bytes. Under ``verify`` a tensor cut into slabs is read again, a unit's bytes at a
+time, and hashed in file order (its recorded checksum is of the whole tensor's bytes).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import dataclasses
 import itertools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,11 +38,12 @@ from ..format._units import human_bytes
 from ..io._reader import Reader
 from ._assemble import check_bools, held_dtype, place
 from ._execute import SLAB_BYTES, Budget, Cancelled, aligned_empty, execute, pack_buffers
-from ._pieces import Box, Request, extents, intersect, request
+from ._pieces import Box, Request, extents, request
 from ._plan import plan_file
 from ._target import SourceTransform, Target, shard_boxes
+from ._units import CAST, plan_units
 
-__all__ = ["CAST", "UNIT_BYTES", "BoxedTargets", "copy_into", "plan_units", "unit_bytes", "units"]
+__all__ = ["UNIT_BYTES", "BoxedTargets", "copy_into", "unit_bytes"]
 
 UNIT_BYTES = 4 << 20  # source bytes per unit: cache-friendly temporaries, enough units to share out
 UNIT_MIN_BYTES = 256 << 10  # the least a budget's share cuts units to (a unit costs a plan and a read)
@@ -52,24 +55,6 @@ TILE_BYTES = 32  # a tile's width: measured best for float16 to float64 (a cache
 TILE_ROWS = 512
 STRIP_MIN_ROWS = 16  # tiles pay only when each holds this many rows (else one numpy copy)
 _UNBOUNDED = Budget(1 << 62)  # a unit holds its bytes in the load's budget before its reads start
-Feeds = list[tuple[int, Box]]
-
-
-class Cast:
-    """The identity map between boxes: a target read from one file tensor, box for box,
-    whose only change is its dtype (made in :func:`copy_into`, slab by slab)."""
-
-    def __call__(self, arrays: list[np.ndarray]) -> np.ndarray:
-        return arrays[0]
-
-    def source_boxes(self, box: Box, shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, Box]]:
-        return [(0, box)]
-
-    def from_boxes(self, box: Box, regions: Sequence[np.ndarray]) -> np.ndarray:
-        return regions[0]
-
-
-CAST = Cast()
 
 
 def unit_bytes(max_inflight_bytes: int, threads: int) -> int:
@@ -112,129 +97,6 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
         d, s = dst[..., i : i + TILE_ROWS, :], src[..., i : i + TILE_ROWS, :]
         for j in range(0, dst.shape[-1], width):
             d[..., j : j + width] = s[..., j : j + width]
-
-
-def _with_extent(box: Box, axis: int, extent: tuple[int, int]) -> Box:
-    return (*box[:axis], extent, *box[axis + 1 :])
-
-
-def _run_length(box: Box, shape: tuple[int, ...]) -> int:
-    """Elements in each contiguous run of ``box`` of a C-ordered ``shape``."""
-    n = 1
-    for (lo, hi), d in zip(reversed(box), reversed(shape), strict=True):
-        n *= hi - lo
-        if (lo, hi) != (0, d):
-            break
-    return n
-
-
-def _axis(transform: SourceTransform, box: Box, shapes: Sequence[tuple[int, ...]]) -> int | None:
-    """The axis of ``box`` to cut into slabs: the one whose one-wide slab reads the
-    longest runs of its sources (a slab of whole source rows reads one run; slabs
-    across the rows would each read through the same gaps)."""
-    best, score = None, -1
-    for axis, (lo, hi) in enumerate(box):
-        feeds = transform.source_boxes(_with_extent(box, axis, (lo, lo + 1)), shapes) if hi - lo > 1 else None
-        if feeds is not None and (run := min(_run_length(b, shapes[i]) for i, b in feeds)) > score:
-            best, score = axis, run
-    return best
-
-
-def units(
-    transform: SourceTransform,
-    box: Box,
-    shapes: Sequence[tuple[int, ...]],
-    itemsizes: Sequence[int],
-    limit: float,
-) -> list[tuple[Box, Feeds]] | None:
-    """``box`` cut into slabs of about ``limit`` source bytes each, with each slab's
-    source boxes (one slab where it cannot be cut); ``None`` when ``box`` itself has
-    no per-box preimage. A slab one index wide that is still over ``limit`` (a row
-    wider than it) is cut again on another axis.
-
-    Examples:
-        >>> from nnx_save.porting._transforms import Transform, Transpose
-        >>> t = Transform((), None, (Transpose((1, 0)),))  # kernel (4, 6) from weight (6, 4)
-        >>> [sub for sub, _ in units(t, ((0, 4), (0, 6)), [(6, 4)], [4], 32)]  # 2 weight rows each
-        [((0, 4), (0, 2)), ((0, 4), (2, 4)), ((0, 4), (4, 6))]
-        >>> [sub for sub, _ in units(CAST, ((0, 2), (0, 6)), [(2, 6)], [4], 12)]  # rows of 24 bytes: halves
-        [((0, 1), (0, 3)), ((0, 1), (3, 6)), ((1, 2), (0, 3)), ((1, 2), (3, 6))]
-    """
-    feeds = transform.source_boxes(box, shapes)
-    if feeds is None:
-        return None
-    nbytes = sum(math.prod(extents(b)) * itemsizes[i] for i, b in feeds)
-    axis = _axis(transform, box, shapes) if nbytes > limit else None
-    if axis is None:
-        return [(box, feeds)]
-    lo, hi = box[axis]
-    step = max(1, int((hi - lo) * limit // nbytes))
-    across = step == 1 and nbytes > limit * (hi - lo)  # one slab is still over the limit: cut it on another axis
-    out = []
-    for a in range(lo, hi, step):
-        sub = _with_extent(box, axis, (a, min(a + step, hi)))
-        part = transform.source_boxes(sub, shapes)
-        if part is None:
-            return [(box, feeds)]
-        out += (units(transform, sub, shapes, itemsizes, limit) or [(sub, part)]) if across else [(sub, part)]
-    return out
-
-
-Part = tuple[int, Box, Feeds]  # (box of the target, its slab, that slab's source boxes)
-
-
-def _hull(boxes: Sequence[Box]) -> Box:
-    return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
-
-
-def _slab_parts(transform: SourceTransform, slabs: list[Box], boxes: Sequence[Box], shapes: Sequence[tuple[int, ...]]):
-    """Per slab, its part of each box it meets; ``None`` if some part has no preimage."""
-    out: list[list[Part]] = []
-    for slab in slabs:
-        parts: list[Part] = []
-        for i, box in enumerate(boxes):
-            sub = intersect(slab, box)
-            feeds = None if sub is None else transform.source_boxes(sub, shapes)
-            if sub is not None and feeds is None:
-                return None
-            if sub is not None and feeds is not None:
-                parts.append((i, sub, feeds))
-        if parts:
-            out.append(parts)
-    return out
-
-
-def plan_units(
-    transform: SourceTransform,
-    boxes: Sequence[Box],
-    shapes: Sequence[tuple[int, ...]],
-    itemsizes: Sequence[int],
-    limit: float,
-) -> list[list[Part]] | None:
-    """The units that make ``boxes`` of a target (its shards here): slabs of the boxes'
-    hull (:func:`units`), each with its part of every box it meets, so that one unit
-    reads the adjacent parts of all shards together (shards of a strided source, read
-    one by one, would each read through the others); per box where the hull does not
-    map. ``None`` when some box has no per-box preimage.
-
-    Examples:
-        >>> from nnx_save.porting._transforms import Transform, Transpose
-        >>> t = Transform((), None, (Transpose((1, 0)),))  # kernel (4, 6) from weight (6, 4)
-        >>> rows = [((0, 2), (0, 6)), ((2, 4), (0, 6))]  # two shards of kernel rows: weight columns
-        >>> [[(i, sub) for i, sub, _ in unit] for unit in plan_units(t, rows, [(6, 4)], [4], 48)]
-        [[(0, ((0, 2), (0, 3))), (1, ((2, 4), (0, 3)))], [(0, ((0, 2), (3, 6))), (1, ((2, 4), (3, 6)))]]
-    """
-    slabs = units(transform, _hull(boxes), shapes, itemsizes, limit)
-    out = None if slabs is None else _slab_parts(transform, [sub for sub, _ in slabs], boxes, shapes)
-    if out is not None:
-        return out
-    out = []
-    for i, box in enumerate(boxes):
-        cut = units(transform, box, shapes, itemsizes, limit)
-        if cut is None:
-            return None
-        out += [[(i, sub, feeds)] for sub, feeds in cut]
-    return out
 
 
 def _no_memory(file: str, boxes: list[_Box], sizes: list[int]) -> HostMemoryError:
@@ -305,6 +167,8 @@ class BoxedTargets:
         self._finished: list[int] = []  # boxes filled since the last :meth:`place_finished`
         self._open: dict[str, _Unit] = {}  # file -> the unit small casts from it are gathered in
         self.unit = unit  # source bytes per unit (unit_bytes of the load's options)
+        self.apart: set[str] = set()  # file keys of casts verified apart from their units (verify)
+        self.rehash: dict[str, list[tuple[str, Any]]] = {}  # file -> (key, piece) hashed after its units
 
     def add(self, engine: Any, t: Target, transform: SourceTransform | None = None) -> bool:
         """Plan ``t`` unit by unit with ``transform`` (``t``'s own by default, :data:`CAST`
@@ -316,21 +180,44 @@ class BoxedTargets:
             return False  # packed sub-byte sources: read whole, unpacked after
         shapes, sizes = [info.shape for info in infos], [info.dtype.itemsize for info in infos]
         boxes = shard_boxes(t)
-        # verify: a piece read whole can be checked
-        planned = plan_units(transform, [b for b, _ in boxes], shapes, sizes, math.inf if engine.opt.verify else self.unit)
+        # verify: a transform reads each piece whole, so that it can be checked; a cast is hashed apart
+        limit = math.inf if engine.opt.verify and transform is not CAST else self.unit
+        planned = plan_units(transform, [b for b, _ in boxes], shapes, sizes, limit)
         if planned is None:
             return False
         first = len(self.boxes)
         self.by_target[t.path] = list(range(first, first + len(boxes)))
         self.boxes += [_Box(t, box, devices, transform) for box, devices in boxes]
+        files = []
         for parts in planned:
             unit = _Unit([], [])
             for i, sub, feeds in parts:
                 unit.parts.append((first + i, sub, len(unit.feeds), len(unit.feeds) + len(feeds)))
                 unit.feeds += [(t.sources[k], b) for k, b in feeds]
                 self.boxes[first + i].left += 1
-            self._add_unit(engine, unit, self.unit if transform is CAST else 0)
+            files.append(self._add_unit(engine, unit, self.unit if transform is CAST else 0))
+        if transform is CAST and engine.opt.verify:
+            feeds = {b for parts in planned for *_, fed in parts for _, b in fed}
+            self._verify_apart(engine, t.sources[0], [b for b, _ in boxes], feeds, files[0])
         return True
+
+    def _verify_apart(self, engine: Any, key: str, boxes: list[Box], feeds: set[Box], file: str) -> None:
+        """Under ``verify``, the pieces of cast tensor ``key`` that no unit reads whole
+        (``feeds``: the source boxes its units read): each one this process needs whole
+        (``boxes`` cover it) is read again and hashed after ``file``'s units; the others
+        cannot be checked here."""
+        self.apart.add(key)
+        pieces: dict[Box, tuple[Any, set[Box]]] = {}
+        for box in boxes:
+            for piece, part in engine.choose(key, box):
+                pieces.setdefault(piece.box, (piece, set()))[1].add(part)
+        for piece, parts in pieces.values():
+            if piece.box in feeds:  # a unit reads it whole: checked there
+                continue
+            if sum(math.prod(extents(p)) for p in parts) == math.prod(extents(piece.box)):
+                self.rehash.setdefault(file, []).append((key, piece))
+            else:
+                engine.mark(key, False)
 
     def cast(self, engine: Any, t: Target) -> None:
         """Plan ``t``, read from one byte-aligned file tensor and held in another dtype,
@@ -364,11 +251,11 @@ class BoxedTargets:
         into.nbytes += info.nbytes
         self.nbytes += info.nbytes
 
-    def _add_unit(self, engine: Any, unit: _Unit, gather: int = 0) -> None:
-        """Add ``unit`` to the file of its first read: a small one read with that file's
-        plan, or, where ``gather`` is given, in one unit of up to ``gather`` bytes with
-        the small ones before it (casts: their temporaries are then the unit's, never
-        the whole file's)."""
+    def _add_unit(self, engine: Any, unit: _Unit, gather: int = 0) -> str:
+        """Add ``unit`` to the file of its first read (returned): a small one read with
+        that file's plan, or, where ``gather`` is given, in one unit of up to ``gather``
+        bytes with the small ones before it (casts: their temporaries are then the
+        unit's, never the whole file's)."""
         for j, (key, box) in enumerate(unit.feeds):
             parts = engine.choose(key, box)  # a refusal (a missing pod file) before any read
             whole = len(parts) == 1 and parts[0][0].box == box
@@ -383,12 +270,13 @@ class BoxedTargets:
         small = unit.nbytes <= EAGER_BYTES and len(unit.reads) == 1
         if not small or not gather:
             (self.eager if small else self.by_file).setdefault(file, []).append(unit)
-            return
+            return file
         into = self._open.get(file)
         if into is None or into.nbytes + unit.nbytes > gather:
             into = self._open[file] = _Unit([], [])
             self.by_file.setdefault(file, []).append(into)
         _merge(into, unit)
+        return file
 
     def allocate(self, file: str) -> None:
         """Allocate the final buffers of the boxes that ``file``'s units fill first,
@@ -451,7 +339,7 @@ class BoxedTargets:
         """Run the units whose first read is in ``file`` (read through ``opened``),
         ``threads`` at a time, opening readers of other files as units need them.
         Returns (bytes read, bytes needed, requests through the other readers)."""
-        todo = self.by_file.get(file, [])
+        todo: list[Any] = [*self.by_file.get(file, []), *self.rehash.get(file, [])]
         readers: dict[str, Reader] = {}
         totals = [0, 0]
 
@@ -463,9 +351,13 @@ class BoxedTargets:
                     readers[name] = engine.open_reader(name)
                 return readers[name]
 
-        def run(unit: _Unit) -> None:
+        def run(unit: _Unit | tuple[str, Any]) -> None:
             if cancel.is_set():
                 raise Cancelled
+            if not isinstance(unit, _Unit):  # a cast's piece, hashed apart
+                with engine.budget(self.unit):
+                    self._hash(engine, *unit, reader)
+                return
             over = max(0, unit.nbytes - engine.budget.limit)  # a unit the budget cannot hold runs alone: counted
             with engine.budget(unit.nbytes):
                 engine.budget.hold(over)
@@ -493,6 +385,20 @@ class BoxedTargets:
                 r.close()
         return totals[0], totals[1], sum(r.requests for r in readers.values())
 
+    def _hash(self, engine: Any, key: str, piece: Any, reader: Callable[[str], Reader]) -> None:
+        """Check ``piece`` of cast tensor ``key`` against its recorded checksum, its bytes
+        read again into this thread's scratch a unit at a time, in file order (read only
+        where the file records a checksum: ``checked_piece`` consumes them lazily)."""
+        info, scratch = piece.info, self._scratch(_Unit([], [], sizes=[self.unit]))[0]
+
+        def chunks() -> Iterator[memoryview]:
+            for at in range(info.begin, info.end, len(scratch)):
+                n = min(len(scratch), info.end - at)
+                reader(info.file).readv([scratch.data[:n]], at)
+                yield scratch.data[:n]
+
+        engine.checked_piece(key, piece, chunks())
+
     def _run(self, engine: Any, unit: _Unit, reader: Callable[[str], Reader]) -> tuple[int, int]:
         """Read ``unit``'s source boxes, transform them into their part of the final buffer."""
         temps = self._scratch(unit)
@@ -511,7 +417,10 @@ class BoxedTargets:
         into its boxes, and count the boxes it finishes."""
         if engine.opt.verify:  # a piece read whole is checked; one read in parts cannot be
             for (key, _), whole, temp in zip(unit.feeds, unit.pieces, temps, strict=True):
-                engine.checked_piece(key, whole, [temp.data]) if whole is not None else engine.mark(key, False)
+                if whole is not None:
+                    engine.checked_piece(key, whole, [temp.data])
+                elif key not in self.apart:  # a cast's pieces cut into slabs are checked apart
+                    engine.mark(key, False)
         regions = [
             check_bools(
                 temp.view(engine.header.tensors[k].dtype.numpy).reshape(extents(b)), engine.header.tensors[k], b

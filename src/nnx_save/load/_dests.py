@@ -71,7 +71,7 @@ class Destinations:
         self.boxed = _boxed.BoxedTargets(slab_bytes, _boxed.unit_bytes(opt.max_inflight_bytes, opt.threads))
         self.pending: list[Target] = []  # transforms read from their whole sources
         self.batch, targets = Batch.split(  # runs of small whole tensors: no destination each
-            header, targets, self.x64, opt.streaming, slab_bytes > 0, casts=opt.verify
+            header, targets, self.x64, opt.streaming, slab_bytes > 0
         )
         for t in targets:
             if t.transform is None:
@@ -94,11 +94,10 @@ class Destinations:
     def cast_in_slabs(self, t: Target, info: TensorInfo) -> bool:
         """Whether target ``t`` of file tensor ``info``, held in another dtype than the
         file's, is cast slab by slab into its final buffer
-        (:data:`~nnx_save.load._boxed.CAST`), rather than read whole in the file's dtype:
+        (:data:`~nnx_save.load._units.CAST`), rather than read whole in the file's dtype:
         not a packed sub-byte tensor (unpacked whole), not an empty one (nothing to
-        read), not under ``verify`` (the recorded checksum is of the whole tensor's
-        bytes), and not a device target that streams (its slabs are cast on the device)."""
-        if not info.dtype.byte_aligned or not info.nbytes or self.opt.verify:
+        read), and not a device target that streams (its slabs are cast on the device)."""
+        if not info.dtype.byte_aligned or not info.nbytes:
             return False
         if t.sharding is None:
             return True
