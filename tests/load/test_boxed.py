@@ -28,8 +28,8 @@ from nnx_save.load._boxed import copy_into
 from nnx_save.load._engine import load_targets
 from nnx_save.load._pieces import Request
 from nnx_save.load._plan import plan_file
+from nnx_save.load._slabs import plan_units
 from nnx_save.load._target import Target
-from nnx_save.load._units import plan_units
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "porting"))
 from test_porting_boxes import CASES, _arrays

@@ -1,7 +1,7 @@
 """Targets made by a porting transform, read box by box, the transform applied in the copy.
 
 Each box a process needs of such a target (a shard, or the whole value) has one final
-buffer. The box is cut into slabs (:mod:`nnx_save.load._units`) whose source bytes stay
+buffer. The box is cut into slabs (:mod:`nnx_save.load._slabs`) whose source bytes stay
 a few MiB, along the axis whose slabs are contiguous runs of the source where there is
 one; each slab is one unit of work on the reader threads: read its source boxes into
 small temporaries (under the load's byte budget), apply the transform to them
@@ -12,7 +12,7 @@ over a finished file; the main thread only places each finished target (an adopt
 the CPU backend). A transform with no per-box map reads its sources whole
 (``report.io.read_whole``: the engine lists them in its result).
 
-A dtype cast is the identity map here (:data:`~nnx_save.load._units.CAST`, planned by
+A dtype cast is the identity map here (:data:`~nnx_save.load._slabs.CAST`, planned by
 :meth:`BoxedTargets.cast`): a target held in another dtype than its file's gets its
 final buffer in the held dtype and each slab is cast into it as it lands, so the file's
 dtype is never held whole; small ones are read together, in units of up to a slab's
@@ -40,8 +40,8 @@ from ._assemble import check_bools, held_dtype, place
 from ._execute import SLAB_BYTES, Budget, Cancelled, aligned_empty, execute, pack_buffers
 from ._pieces import Box, Request, extents, request
 from ._plan import plan_file
+from ._slabs import CAST, plan_units
 from ._target import SourceTransform, Target, shard_boxes
-from ._units import CAST, plan_units
 
 __all__ = ["UNIT_BYTES", "BoxedTargets", "copy_into", "unit_bytes"]
 
@@ -137,6 +137,13 @@ class _Unit:
     sizes: list[int] = field(default_factory=list)  # per feed: its temporary's bytes
 
 
+def _part(final: np.ndarray, sub: Box, box: Box) -> np.ndarray:
+    """The view of ``final`` (holding ``box``) that slab ``sub`` fills (the ellipsis: a
+    0-d box's view too, not a scalar)."""
+    at: list[Any] = [slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(sub, box, strict=True)]
+    return final[(*at, ...)]
+
+
 def _merge(into: _Unit, unit: _Unit) -> None:
     """Append ``unit``'s parts, feeds and reads to ``into`` (its temporaries after ``into``'s)."""
     shift = len(into.feeds)
@@ -197,8 +204,8 @@ class BoxedTargets:
                 self.boxes[first + i].left += 1
             files.append(self._add_unit(engine, unit, self.unit if transform is CAST else 0))
         if transform is CAST and engine.opt.verify:
-            feeds = {b for parts in planned for *_, fed in parts for _, b in fed}
-            self._verify_apart(engine, t.sources[0], [b for b, _ in boxes], feeds, files[0])
+            read_whole = {b for parts in planned for _, _, fed in parts for _, b in fed}
+            self._verify_apart(engine, t.sources[0], [b for b, _ in boxes], read_whole, files[0])
         return True
 
     def _verify_apart(self, engine: Any, key: str, boxes: list[Box], feeds: set[Box], file: str) -> None:
@@ -440,8 +447,7 @@ class BoxedTargets:
         """Slab ``sub`` of ``owner`` from its source regions, into the final buffer."""
         t = owner.target
         if owner.transform is CAST:  # the region itself: its shape is the slab's
-            at = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(sub, owner.box, strict=True))
-            self._final(owner)[(*at, ...)] = regions[0]
+            _part(self._final(owner), sub, owner.box)[...] = regions[0]
             return
         value = np.asarray(owner.transform.from_boxes(sub, regions))
         if value.shape != extents(sub):
@@ -449,8 +455,7 @@ class BoxedTargets:
                 f"{t.path}: rule produced shape {value.shape} for box {[list(b) for b in sub]} "
                 f"from {list(t.sources)}, expected {extents(sub)}"
             )
-        at = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(sub, owner.box, strict=True))
-        copy_into(self._final(owner)[(*at, ...)], value)  # the ellipsis: a 0-d box is a view too, not a scalar
+        copy_into(_part(self._final(owner), sub, owner.box), value)
 
     @staticmethod
     def _final(owner: _Box) -> np.ndarray:

@@ -94,7 +94,7 @@ class Destinations:
     def cast_in_slabs(self, t: Target, info: TensorInfo) -> bool:
         """Whether target ``t`` of file tensor ``info``, held in another dtype than the
         file's, is cast slab by slab into its final buffer
-        (:data:`~nnx_save.load._units.CAST`), rather than read whole in the file's dtype:
+        (:data:`~nnx_save.load._slabs.CAST`), rather than read whole in the file's dtype:
         not a packed sub-byte tensor (unpacked whole), not an empty one (nothing to
         read), and not a device target that streams (its slabs are cast on the device)."""
         if not info.dtype.byte_aligned or not info.nbytes:
