@@ -43,6 +43,10 @@ Strategies:
 - ``readinto``: plain ``readinto`` calls of the whole file into one fresh numpy
   buffer, 64-byte aligned like the loader's: the floor, no jax at all.
 
+``--dtype bfloat16`` loads the float32 checkpoints into bfloat16 targets, every tensor a
+cast (the other strategies cast each tensor with ``astype`` before placing it; the
+correctness check compares with numpy's ``astype``).
+
 Run ``.venv/bin/python benchmarks/load.py --repeat 3`` (``--quick`` for a small
 size; ``--checkpoints``, ``--layouts``, ``--strategies`` to run a part). It prints
 one table (wall and CPU seconds, GB/s, peak RSS above the baseline / file size,
@@ -58,8 +62,10 @@ import math
 import os
 import statistics
 import sys
+import warnings
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
@@ -216,19 +222,21 @@ def _load(strategy: str, path: str, abstract: dict, shardings: dict, jax):
     if strategy == "nnx_save":
         import nnx_save
 
-        return nnx_save.load_file(path, abstract)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", nnx_save.LossyCastWarning)  # --dtype asked for it
+            return nnx_save.load_file(path, abstract)
     if strategy == "st_flax":
         from safetensors.flax import load_file
 
         loaded = load_file(path)
-        return {k: jax.device_put(v, shardings[k]) for k, v in loaded.items()}
+        return {k: jax.device_put(v.astype(abstract[k].dtype), shardings[k]) for k, v in loaded.items()}
     if strategy == "safe_open":
         from safetensors import safe_open
 
         out = {}
         with safe_open(path, "numpy") as f:
             for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                out[k] = jax.device_put(f.get_tensor(k), shardings[k])
+                out[k] = jax.device_put(f.get_tensor(k).astype(abstract[k].dtype, copy=False), shardings[k])
         return out
     if strategy == "orbax":
         from orbax.checkpoint.experimental import v1 as ocp
@@ -267,7 +275,7 @@ def _verify(result: dict, path: str, shardings: dict, sample: int = 12) -> None:
         for k in [*keys[::step], max(keys, key=lambda k: math.prod(result[k].shape))]:
             a = result[k]
             assert a.sharding == shardings[k], (k, a.sharding, shardings[k])
-            expected = f.get_tensor(k)
+            expected = f.get_tensor(k).astype(a.dtype)
             for shard in a.addressable_shards:
                 assert np.array_equal(np.asarray(shard.data), expected[shard.index]), k
 
@@ -290,7 +298,8 @@ def worker(args: argparse.Namespace) -> dict:
         assert len(jax.devices()) == args.devices, jax.devices()
     shapes = _header_shapes(args.path)
     shardings = _shardings(jax, shapes, args.layout) if jax else {}
-    abstract = {k: jax.ShapeDtypeStruct(s, np.float32, sharding=shardings[k]) for k, s in shapes.items()} if jax else {}
+    dtype = np.dtype(getattr(ml_dtypes, args.dtype, None) or args.dtype)
+    abstract = {k: jax.ShapeDtypeStruct(s, dtype, sharding=shardings[k]) for k, s in shapes.items()} if jax else {}
     if jax:
         jax.block_until_ready(jax.device_put(np.zeros(8, np.float32), jax.devices()[0]))
     _prefault(int(args.prefault * Path(args.path).stat().st_size))
@@ -308,6 +317,7 @@ def worker(args: argparse.Namespace) -> dict:
 def run_worker(strategy: str, path: Path, layout: str, args: argparse.Namespace) -> dict:
     devices = 1 if layout == "1dev" else 8
     extra = ["--path", str(path), "--layout", layout, "--devices", str(devices), "--prefault", str(args.prefault)]
+    extra += ["--dtype", args.dtype]
     return run_fresh(__file__, strategy, extra + (["--no-verify"] if args.no_verify else []), devices=devices)
 
 
@@ -425,6 +435,11 @@ def main() -> None:
         type=float,
         default=3.0,
         help="touch and free this many file sizes of memory before the baseline (0: raw VM faults)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        help="the targets' dtype (the checkpoints are float32: bfloat16 makes every tensor a cast)",
     )
     p.add_argument("--no-verify", action="store_true", help="skip the post-timing correctness check")
     p.add_argument("--json", help="also write the rows here")

@@ -1,11 +1,11 @@
 """Run in a fresh process by tests/load/test_stream.py: load a checkpoint onto one device
 (streamed or on the host path) and print host memory figures as JSON.
 
-argv: path, "stream" | "host", max_inflight_bytes, "warm" | "cold". Warm: the load
-runs twice, the first warming jax up (compiling the on-device copy and update), its
-results dropped; the peak RSS of the second (``VmHWM`` after resetting it through
-``/proc/self/clear_refs``) is measured. Cold: one load, in a process that has
-allocated nothing before it.
+argv: path, "stream" | "host" | "verify" (the host path checking checksums) | "after"
+(loaded in the file's dtypes, then cast whole), max_inflight_bytes, "warm" | "cold". Warm: the load runs twice, the first warming jax
+up (compiling the on-device copy and update), its results dropped; the peak RSS of the
+second (``VmHWM`` after resetting it through ``/proc/self/clear_refs``) is measured.
+Cold: one load, in a process that has allocated nothing before it.
 """
 
 import json
@@ -29,8 +29,17 @@ def main() -> None:
     abstract = {k: jax.ShapeDtypeStruct(t.shape, np.float32, sharding=one) for k, t in header.tensors.items()}
 
     def load():
+        if mode == "after":  # the file's dtypes loaded, then each cast whole on its device: both held at the end
+            same = {k: jax.ShapeDtypeStruct(t.shape, t.dtype.numpy, sharding=one) for k, t in header.tensors.items()}
+            loaded = nnx_save.load_file(header, same, max_inflight_bytes=budget)
+            return {k: v.astype(np.float32) for k, v in loaded.items()}, loaded
         return nnx_save.load_file(
-            header, abstract, stream=mode == "stream", max_inflight_bytes=budget, allow_unexpected=["*"]
+            header,
+            abstract,
+            stream=mode == "stream",
+            verify=mode == "verify",
+            max_inflight_bytes=budget,
+            allow_unexpected=["*"],
         )
 
     import warnings
@@ -41,7 +50,7 @@ def main() -> None:
     before = reset_peak()  # the peak RSS (VmHWM) from the current RSS
     tree = jax.block_until_ready(load())
     peak = status("VmHWM")
-    results = sum(a.nbytes for a in tree.values())
+    results = sum(a.nbytes for a in (tree[0] if mode == "after" else tree).values())
     print(json.dumps({"before": before, "peak": peak, "results": results}))
 
 

@@ -24,10 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 import nnx_save
 from nnx_save import LoadOptions
 from nnx_save.load import _boxed
-from nnx_save.load._boxed import copy_into, plan_units
+from nnx_save.load._boxed import copy_into
 from nnx_save.load._engine import load_targets
 from nnx_save.load._pieces import Request
 from nnx_save.load._plan import plan_file
+from nnx_save.load._slabs import plan_units
 from nnx_save.load._target import Target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "porting"))

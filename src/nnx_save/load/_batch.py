@@ -100,7 +100,9 @@ class Batch:
         where tensors are not whole pieces of files (``placement.local_files()``);
         a device target only on a device whose platform does not stream
         (``streams(platform)``) and whose sharding keeps it whole on that device; a
-        file tensor wanted by two targets is left to the general path."""
+        file tensor wanted by two targets is left to the general path, and so is a
+        cast (the general path casts slab by slab: here the file's dtype would be held,
+        for all the file's casts at once, until each is cast)."""
         batch = cls()
         if not enabled or header.placement.local_files() is None or many_put() is None:
             return batch, list(targets)
@@ -138,6 +140,10 @@ class Batch:
             dtype = cache.get(t.dtype)
             if dtype is None:
                 dtype = cache[t.dtype] = held_of(np.dtype(t.dtype), t.sharding is not None, x64)
+            if dtype != info.dtype.numpy:
+                rest.append(t)
+                used.add(key)
+                continue
             chosen[key] = len(picked)
             picked.append((t, info, dtype))
         for key in used & chosen.keys():  # a tensor the general path reads too: not here

@@ -1,16 +1,23 @@
 """Targets made by a porting transform, read box by box, the transform applied in the copy.
 
 Each box a process needs of such a target (a shard, or the whole value) has one final
-buffer. The box is cut into slabs (:func:`units`) whose source bytes stay a few MiB,
-along the axis whose slabs are contiguous runs of the source where there is one; each
-slab is one unit of work on the reader threads: read its source boxes into small
-temporaries (under the load's byte budget), apply the transform to them
+buffer. The box is cut into slabs (:mod:`nnx_save.load._slabs`) whose source bytes stay
+a few MiB, along the axis whose slabs are contiguous runs of the source where there is
+one; each slab is one unit of work on the reader threads: read its source boxes into
+small temporaries (under the load's byte budget), apply the transform to them
 (:meth:`~nnx_save.load._target.SourceTransform.from_boxes`: a transpose is a view) and
 copy the result into its part of the final buffer (:func:`copy_into`, in cache-sized
 strips), then free the temporaries. No full-size source buffer exists and nothing runs
 over a finished file; the main thread only places each finished target (an adoption on
 the CPU backend). A transform with no per-box map reads its sources whole
 (``report.io.read_whole``: the engine lists them in its result).
+
+A dtype cast is the identity map here (:data:`~nnx_save.load._slabs.CAST`, planned by
+:meth:`BoxedTargets.cast`): a target held in another dtype than its file's gets its
+final buffer in the held dtype and each slab is cast into it as it lands, so the file's
+dtype is never held whole; small ones are read together, in units of up to a slab's
+bytes. Under ``verify`` a tensor cut into slabs is read again, a unit's bytes at a
+time, and hashed in file order (its recorded checksum is of the whole tensor's bytes).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import dataclasses
 import itertools
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,13 +38,15 @@ from ..format._units import human_bytes
 from ..io._reader import Reader
 from ._assemble import check_bools, held_dtype, place
 from ._execute import SLAB_BYTES, Budget, Cancelled, aligned_empty, execute, pack_buffers
-from ._pieces import Box, Request, extents, intersect, request
+from ._pieces import Box, Request, extents, request
 from ._plan import plan_file
+from ._slabs import CAST, plan_units
 from ._target import SourceTransform, Target, shard_boxes
 
-__all__ = ["UNIT_BYTES", "BoxedTargets", "copy_into", "plan_units", "units"]
+__all__ = ["UNIT_BYTES", "BoxedTargets", "copy_into", "unit_bytes"]
 
 UNIT_BYTES = 4 << 20  # source bytes per unit: cache-friendly temporaries, enough units to share out
+UNIT_MIN_BYTES = 256 << 10  # the least a budget's share cuts units to (a unit costs a plan and a read)
 # Units of at most this many bytes are read in their file's plan (temporaries allocated with
 # its buffers): a plan of its own would cost more than the read, and the file's plan reads
 # through gaps under a page, which may hold them.
@@ -46,7 +55,21 @@ TILE_BYTES = 32  # a tile's width: measured best for float16 to float64 (a cache
 TILE_ROWS = 512
 STRIP_MIN_ROWS = 16  # tiles pay only when each holds this many rows (else one numpy copy)
 _UNBOUNDED = Budget(1 << 62)  # a unit holds its bytes in the load's budget before its reads start
-Feeds = list[tuple[int, Box]]
+
+
+def unit_bytes(max_inflight_bytes: int, threads: int) -> int:
+    """Source bytes per unit: :data:`UNIT_BYTES`, or a thread's share of the in-flight
+    budget where that is less (not under :data:`UNIT_MIN_BYTES`, nor over the budget), so
+    that the units in flight and the threads' reused temporaries stay within about the
+    budget.
+
+    Examples:
+        >>> unit_bytes(2 << 30, 8) >> 20, unit_bytes(16 << 20, 8) >> 20, unit_bytes(1 << 20, 8) >> 10
+        (4, 2, 256)
+        >>> unit_bytes(64 << 10, 8) >> 10
+        64
+    """
+    return min(UNIT_BYTES, max(min(UNIT_MIN_BYTES, max_inflight_bytes), max_inflight_bytes // threads))
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
@@ -76,125 +99,6 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
             d[..., j : j + width] = s[..., j : j + width]
 
 
-def _with_extent(box: Box, axis: int, extent: tuple[int, int]) -> Box:
-    return (*box[:axis], extent, *box[axis + 1 :])
-
-
-def _run_length(box: Box, shape: tuple[int, ...]) -> int:
-    """Elements in each contiguous run of ``box`` of a C-ordered ``shape``."""
-    n = 1
-    for (lo, hi), d in zip(reversed(box), reversed(shape), strict=True):
-        n *= hi - lo
-        if (lo, hi) != (0, d):
-            break
-    return n
-
-
-def _axis(transform: SourceTransform, box: Box, shapes: Sequence[tuple[int, ...]]) -> int | None:
-    """The axis of ``box`` to cut into slabs: the one whose one-wide slab reads the
-    longest runs of its sources (a slab of whole source rows reads one run; slabs
-    across the rows would each read through the same gaps)."""
-    best, score = None, -1
-    for axis, (lo, hi) in enumerate(box):
-        feeds = transform.source_boxes(_with_extent(box, axis, (lo, lo + 1)), shapes) if hi - lo > 1 else None
-        if feeds is not None and (run := min(_run_length(b, shapes[i]) for i, b in feeds)) > score:
-            best, score = axis, run
-    return best
-
-
-def units(
-    transform: SourceTransform,
-    box: Box,
-    shapes: Sequence[tuple[int, ...]],
-    itemsizes: Sequence[int],
-    limit: float,
-) -> list[tuple[Box, Feeds]] | None:
-    """``box`` cut into slabs of about ``limit`` source bytes each, with each slab's
-    source boxes (one slab where it cannot be cut); ``None`` when ``box`` itself has
-    no per-box preimage.
-
-    Examples:
-        >>> from nnx_save.porting._transforms import Transform, Transpose
-        >>> t = Transform((), None, (Transpose((1, 0)),))  # kernel (4, 6) from weight (6, 4)
-        >>> [sub for sub, _ in units(t, ((0, 4), (0, 6)), [(6, 4)], [4], 32)]  # 2 weight rows each
-        [((0, 4), (0, 2)), ((0, 4), (2, 4)), ((0, 4), (4, 6))]
-    """
-    feeds = transform.source_boxes(box, shapes)
-    if feeds is None:
-        return None
-    nbytes = sum(math.prod(extents(b)) * itemsizes[i] for i, b in feeds)
-    axis = _axis(transform, box, shapes) if nbytes > limit else None
-    if axis is None:
-        return [(box, feeds)]
-    lo, hi = box[axis]
-    step = max(1, int((hi - lo) * limit // nbytes))
-    out = []
-    for a in range(lo, hi, step):
-        sub = _with_extent(box, axis, (a, min(a + step, hi)))
-        part = transform.source_boxes(sub, shapes)
-        if part is None:
-            return [(box, feeds)]
-        out.append((sub, part))
-    return out
-
-
-Part = tuple[int, Box, Feeds]  # (box of the target, its slab, that slab's source boxes)
-
-
-def _hull(boxes: Sequence[Box]) -> Box:
-    return tuple((min(b[d][0] for b in boxes), max(b[d][1] for b in boxes)) for d in range(len(boxes[0])))
-
-
-def _slab_parts(transform: SourceTransform, slabs: list[Box], boxes: Sequence[Box], shapes: Sequence[tuple[int, ...]]):
-    """Per slab, its part of each box it meets; ``None`` if some part has no preimage."""
-    out: list[list[Part]] = []
-    for slab in slabs:
-        parts: list[Part] = []
-        for i, box in enumerate(boxes):
-            sub = intersect(slab, box)
-            feeds = None if sub is None else transform.source_boxes(sub, shapes)
-            if sub is not None and feeds is None:
-                return None
-            if sub is not None and feeds is not None:
-                parts.append((i, sub, feeds))
-        if parts:
-            out.append(parts)
-    return out
-
-
-def plan_units(
-    transform: SourceTransform,
-    boxes: Sequence[Box],
-    shapes: Sequence[tuple[int, ...]],
-    itemsizes: Sequence[int],
-    limit: float,
-) -> list[list[Part]] | None:
-    """The units that make ``boxes`` of a target (its shards here): slabs of the boxes'
-    hull (:func:`units`), each with its part of every box it meets, so that one unit
-    reads the adjacent parts of all shards together (shards of a strided source, read
-    one by one, would each read through the others); per box where the hull does not
-    map. ``None`` when some box has no per-box preimage.
-
-    Examples:
-        >>> from nnx_save.porting._transforms import Transform, Transpose
-        >>> t = Transform((), None, (Transpose((1, 0)),))  # kernel (4, 6) from weight (6, 4)
-        >>> rows = [((0, 2), (0, 6)), ((2, 4), (0, 6))]  # two shards of kernel rows: weight columns
-        >>> [[(i, sub) for i, sub, _ in unit] for unit in plan_units(t, rows, [(6, 4)], [4], 48)]
-        [[(0, ((0, 2), (0, 3))), (1, ((2, 4), (0, 3)))], [(0, ((0, 2), (3, 6))), (1, ((2, 4), (3, 6)))]]
-    """
-    slabs = units(transform, _hull(boxes), shapes, itemsizes, limit)
-    out = None if slabs is None else _slab_parts(transform, [sub for sub, _ in slabs], boxes, shapes)
-    if out is not None:
-        return out
-    out = []
-    for i, box in enumerate(boxes):
-        cut = units(transform, box, shapes, itemsizes, limit)
-        if cut is None:
-            return None
-        out += [[(i, sub, feeds)] for sub, feeds in cut]
-    return out
-
-
 def _no_memory(file: str, boxes: list[_Box], sizes: list[int]) -> HostMemoryError:
     """The final buffers of ``boxes`` (``sizes`` bytes) cannot be allocated: name the largest."""
     i = max(range(len(sizes)), key=sizes.__getitem__)
@@ -216,6 +120,7 @@ class _Box:
     target: Target
     box: Box
     devices: list[Any]
+    transform: SourceTransform  # the target's, or CAST
     left: int = 0  # units not yet copied in
     buffer: np.ndarray | None = None
 
@@ -232,13 +137,32 @@ class _Unit:
     sizes: list[int] = field(default_factory=list)  # per feed: its temporary's bytes
 
 
+def _part(final: np.ndarray, sub: Box, box: Box) -> np.ndarray:
+    """The view of ``final`` (holding ``box``) that slab ``sub`` fills (the ellipsis: a
+    0-d box's view too, not a scalar)."""
+    at: list[Any] = [slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(sub, box, strict=True)]
+    return final[(*at, ...)]
+
+
+def _merge(into: _Unit, unit: _Unit) -> None:
+    """Append ``unit``'s parts, feeds and reads to ``into`` (its temporaries after ``into``'s)."""
+    shift = len(into.feeds)
+    into.parts += [(i, sub, a + shift, b + shift) for i, sub, a, b in unit.parts]
+    into.feeds += unit.feeds
+    for file, reqs in unit.reads.items():
+        into.reads.setdefault(file, []).extend(dataclasses.replace(r, dest=r.dest + shift) for r in reqs)
+    into.pieces += unit.pieces
+    into.sizes += unit.sizes
+    into.nbytes += unit.nbytes
+
+
 class BoxedTargets:
     """The box-mapped targets of one engine run. Each method takes the engine (whose
     planning, :mod:`nnx_save.load._dests`, imports this module) rather than holding it:
     no reference cycle keeps a finished load's arrays alive until the next garbage
     collection."""
 
-    def __init__(self, slab_bytes: int = SLAB_BYTES) -> None:
+    def __init__(self, slab_bytes: int = SLAB_BYTES, unit: int = UNIT_BYTES) -> None:
         self.slab_bytes = slab_bytes  # final buffers are packed into allocations of up to this size
         self.boxes: list[_Box] = []
         self.by_target: dict[str, list[int]] = {}  # target path -> its boxes
@@ -248,32 +172,97 @@ class BoxedTargets:
         self._lock = threading.Lock()
         self._local = threading.local()  # per reader thread: its scratch buffer
         self._finished: list[int] = []  # boxes filled since the last :meth:`place_finished`
+        self._open: dict[str, _Unit] = {}  # file -> the unit small casts from it are gathered in
+        self.unit = unit  # source bytes per unit (unit_bytes of the load's options)
+        self.apart: set[str] = set()  # file keys of casts verified apart from their units (verify)
+        self.rehash: dict[str, list[tuple[str, Any]]] = {}  # file -> (key, piece) hashed after its units
 
-    def add(self, engine: Any, t: Target) -> bool:
-        """Plan ``t`` unit by unit; False (nothing added) when its transform cannot."""
-        assert t.transform is not None
+    def add(self, engine: Any, t: Target, transform: SourceTransform | None = None) -> bool:
+        """Plan ``t`` unit by unit with ``transform`` (``t``'s own by default, :data:`CAST`
+        for a cast); False (nothing added) when the transform cannot."""
+        transform = transform or t.transform
+        assert transform is not None
         infos = [engine.header.tensors[k] for k in t.sources]
         if not all(info.dtype.byte_aligned for info in infos):
             return False  # packed sub-byte sources: read whole, unpacked after
         shapes, sizes = [info.shape for info in infos], [info.dtype.itemsize for info in infos]
-        limit = math.inf if engine.opt.verify else UNIT_BYTES  # verify: a piece read whole can be checked
         boxes = shard_boxes(t)
-        planned = plan_units(t.transform, [b for b, _ in boxes], shapes, sizes, limit)
+        # verify: a transform reads each piece whole, so that it can be checked; a cast is hashed apart
+        limit = math.inf if engine.opt.verify and transform is not CAST else self.unit
+        planned = plan_units(transform, [b for b, _ in boxes], shapes, sizes, limit)
         if planned is None:
             return False
         first = len(self.boxes)
         self.by_target[t.path] = list(range(first, first + len(boxes)))
-        self.boxes += [_Box(t, box, devices) for box, devices in boxes]
+        self.boxes += [_Box(t, box, devices, transform) for box, devices in boxes]
+        files = []
         for parts in planned:
             unit = _Unit([], [])
             for i, sub, feeds in parts:
                 unit.parts.append((first + i, sub, len(unit.feeds), len(unit.feeds) + len(feeds)))
                 unit.feeds += [(t.sources[k], b) for k, b in feeds]
                 self.boxes[first + i].left += 1
-            self._add_unit(engine, unit)
+            files.append(self._add_unit(engine, unit, self.unit if transform is CAST else 0))
+        if transform is CAST and engine.opt.verify:
+            read_whole = {b for parts in planned for _, _, fed in parts for _, b in fed}
+            self._verify_apart(engine, t.sources[0], [b for b, _ in boxes], read_whole, files[0])
         return True
 
-    def _add_unit(self, engine: Any, unit: _Unit) -> None:
+    def _verify_apart(self, engine: Any, key: str, boxes: list[Box], feeds: set[Box], file: str) -> None:
+        """Under ``verify``, the pieces of cast tensor ``key`` that no unit reads whole
+        (``feeds``: the source boxes its units read): each one this process needs whole
+        (``boxes`` cover it) is read again and hashed after ``file``'s units; the others
+        cannot be checked here."""
+        self.apart.add(key)
+        pieces: dict[Box, tuple[Any, set[Box]]] = {}
+        for box in boxes:
+            for piece, part in engine.choose(key, box):
+                pieces.setdefault(piece.box, (piece, set()))[1].add(part)
+        for piece, parts in pieces.values():
+            if piece.box in feeds:  # a unit reads it whole: checked there
+                continue
+            if sum(math.prod(extents(p)) for p in parts) == math.prod(extents(piece.box)):
+                self.rehash.setdefault(file, []).append((key, piece))
+            else:
+                engine.mark(key, False)
+
+    def cast(self, engine: Any, t: Target) -> None:
+        """Plan ``t``, read from one byte-aligned file tensor and held in another dtype,
+        as :data:`CAST` units. A small tensor wanted whole in one box, one piece of one
+        file (what a model's many biases and norms are), joins its file's open unit
+        straight away: :meth:`add`'s general planning costs more than its read."""
+        key = t.sources[0]
+        info = engine.header.tensors[key]
+        boxes = shard_boxes(t)
+        if len(boxes) > 1 or info.nbytes > min(EAGER_BYTES, self.unit):
+            self.add(engine, t, CAST)
+            return
+        box, devices = boxes[0]
+        parts = engine.choose(key, box)
+        piece = parts[0][0]
+        if len(parts) != 1 or piece.box != box:
+            self.add(engine, t, CAST)
+            return
+        self.by_target[t.path] = [len(self.boxes)]
+        self.boxes.append(_Box(t, box, devices, CAST, 1))
+        into = self._open.get(info.file)
+        if into is None or into.nbytes + info.nbytes > self.unit:
+            into = self._open[info.file] = _Unit([], [])
+            self.by_file.setdefault(info.file, []).append(into)
+        j = len(into.feeds)
+        into.parts.append((len(self.boxes) - 1, box, j, j + 1))
+        into.feeds.append((key, box))
+        into.reads.setdefault(info.file, []).append(request(piece, box, box, j))
+        into.pieces.append(piece)
+        into.sizes.append(info.nbytes)
+        into.nbytes += info.nbytes
+        self.nbytes += info.nbytes
+
+    def _add_unit(self, engine: Any, unit: _Unit, gather: int = 0) -> str:
+        """Add ``unit`` to the file of its first read (returned): a small one read with
+        that file's plan, or, where ``gather`` is given, in one unit of up to ``gather``
+        bytes with the small ones before it (casts: their temporaries are then the
+        unit's, never the whole file's)."""
         for j, (key, box) in enumerate(unit.feeds):
             parts = engine.choose(key, box)  # a refusal (a missing pod file) before any read
             whole = len(parts) == 1 and parts[0][0].box == box
@@ -283,9 +272,18 @@ class BoxedTargets:
             unit.sizes.append(math.prod(extents(box)) * engine.header.tensors[key].dtype.itemsize)
             unit.nbytes += unit.sizes[-1]
         assert unit.reads, "a unit's source boxes are never empty (Transform.source_boxes maps only non-empty boxes)"
-        small = unit.nbytes <= EAGER_BYTES and len(unit.reads) == 1
-        (self.eager if small else self.by_file).setdefault(next(iter(unit.reads)), []).append(unit)
+        file = next(iter(unit.reads))
         self.nbytes += unit.nbytes
+        small = unit.nbytes <= EAGER_BYTES and len(unit.reads) == 1
+        if not small or not gather:
+            (self.eager if small else self.by_file).setdefault(file, []).append(unit)
+            return file
+        into = self._open.get(file)
+        if into is None or into.nbytes + unit.nbytes > gather:
+            into = self._open[file] = _Unit([], [])
+            self.by_file.setdefault(file, []).append(into)
+        _merge(into, unit)
+        return file
 
     def allocate(self, file: str) -> None:
         """Allocate the final buffers of the boxes that ``file``'s units fill first,
@@ -338,7 +336,7 @@ class BoxedTargets:
         padded = [-(-n // 64) * 64 for n in unit.sizes]
         have = getattr(self._local, "scratch", None)
         if have is None or len(have) < sum(padded):
-            have = self._local.scratch = aligned_empty(max(sum(padded), UNIT_BYTES))
+            have = self._local.scratch = aligned_empty(max(sum(padded), self.unit))
         starts = itertools.accumulate(padded, initial=0)
         return [have[at : at + n] for at, n in zip(starts, unit.sizes, strict=False)]
 
@@ -348,7 +346,7 @@ class BoxedTargets:
         """Run the units whose first read is in ``file`` (read through ``opened``),
         ``threads`` at a time, opening readers of other files as units need them.
         Returns (bytes read, bytes needed, requests through the other readers)."""
-        todo = self.by_file.get(file, [])
+        todo: list[Any] = [*self.by_file.get(file, []), *self.rehash.get(file, [])]
         readers: dict[str, Reader] = {}
         totals = [0, 0]
 
@@ -360,11 +358,20 @@ class BoxedTargets:
                     readers[name] = engine.open_reader(name)
                 return readers[name]
 
-        def run(unit: _Unit) -> None:
+        def run(unit: _Unit | tuple[str, Any]) -> None:
             if cancel.is_set():
                 raise Cancelled
+            if not isinstance(unit, _Unit):  # a cast's piece, hashed apart
+                with engine.budget(self.unit):
+                    self._hash(engine, *unit, reader)
+                return
+            over = max(0, unit.nbytes - engine.budget.limit)  # a unit the budget cannot hold runs alone: counted
             with engine.budget(unit.nbytes):
-                read, needed = self._run(engine, unit, reader)
+                engine.budget.hold(over)
+                try:
+                    read, needed = self._run(engine, unit, reader)
+                finally:
+                    engine.budget.drop(over)
             with self._lock:
                 totals[0] += read
                 totals[1] += needed
@@ -385,6 +392,20 @@ class BoxedTargets:
                 r.close()
         return totals[0], totals[1], sum(r.requests for r in readers.values())
 
+    def _hash(self, engine: Any, key: str, piece: Any, reader: Callable[[str], Reader]) -> None:
+        """Check ``piece`` of cast tensor ``key`` against its recorded checksum, its bytes
+        read again into this thread's scratch a unit at a time, in file order (read only
+        where the file records a checksum: ``checked_piece`` consumes them lazily)."""
+        info, scratch = piece.info, self._scratch(_Unit([], [], sizes=[self.unit]))[0]
+
+        def chunks() -> Iterator[memoryview]:
+            for at in range(info.begin, info.end, len(scratch)):
+                n = min(len(scratch), info.end - at)
+                reader(info.file).readv([scratch.data[:n]], at)
+                yield scratch.data[:n]
+
+        engine.checked_piece(key, piece, chunks())
+
     def _run(self, engine: Any, unit: _Unit, reader: Callable[[str], Reader]) -> tuple[int, int]:
         """Read ``unit``'s source boxes, transform them into their part of the final buffer."""
         temps = self._scratch(unit)
@@ -403,7 +424,10 @@ class BoxedTargets:
         into its boxes, and count the boxes it finishes."""
         if engine.opt.verify:  # a piece read whole is checked; one read in parts cannot be
             for (key, _), whole, temp in zip(unit.feeds, unit.pieces, temps, strict=True):
-                engine.checked_piece(key, whole, [temp.data]) if whole is not None else engine.mark(key, False)
+                if whole is not None:
+                    engine.checked_piece(key, whole, [temp.data])
+                elif key not in self.apart:  # a cast's pieces cut into slabs are checked apart
+                    engine.mark(key, False)
         regions = [
             check_bools(
                 temp.view(engine.header.tensors[k].dtype.numpy).reshape(extents(b)), engine.header.tensors[k], b
@@ -412,23 +436,26 @@ class BoxedTargets:
         ]
         for index, sub, start, stop in unit.parts:
             self._copy(self.boxes[index], sub, regions[start:stop])
-            with self._lock:
-                self.boxes[index].left -= 1
-                if not self.boxes[index].left:
+        with self._lock:  # once per unit: a unit of small casts fills thousands of boxes
+            for index, *_ in unit.parts:
+                owner = self.boxes[index]
+                owner.left -= 1
+                if not owner.left:
                     self._finished.append(index)
 
     def _copy(self, owner: _Box, sub: Box, regions: list[np.ndarray]) -> None:
         """Slab ``sub`` of ``owner`` from its source regions, into the final buffer."""
         t = owner.target
-        assert t.transform is not None
-        value = np.asarray(t.transform.from_boxes(sub, regions))
+        if owner.transform is CAST:  # the region itself: its shape is the slab's
+            _part(self._final(owner), sub, owner.box)[...] = regions[0]
+            return
+        value = np.asarray(owner.transform.from_boxes(sub, regions))
         if value.shape != extents(sub):
             raise ShapeMismatchError(
                 f"{t.path}: rule produced shape {value.shape} for box {[list(b) for b in sub]} "
                 f"from {list(t.sources)}, expected {extents(sub)}"
             )
-        at = tuple(slice(lo - b, hi - b) for (lo, hi), (b, _) in zip(sub, owner.box, strict=True))
-        copy_into(self._final(owner)[at], value)
+        copy_into(_part(self._final(owner), sub, owner.box), value)
 
     @staticmethod
     def _final(owner: _Box) -> np.ndarray:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import NnxSaveError
+from ..format._header import TensorInfo
 from . import _boxed
 from ._assemble import held_of
 from ._batch import Batch
@@ -63,10 +64,11 @@ class Destinations:
         self.slab_bytes = slab_bytes  # adopted buffers are packed into allocations of up to this size
         self.x64: bool = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per tensor
         self.by_path = {t.path: t for t in targets}
+        self._streams: dict[str, bool] = {}  # platform -> whether its device targets stream
         self.dests: list[Dest] = []
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations
         self.by_file: dict[str, list[int]] = {}  # file -> destinations it fills
-        self.boxed = _boxed.BoxedTargets(slab_bytes)
+        self.boxed = _boxed.BoxedTargets(slab_bytes, _boxed.unit_bytes(opt.max_inflight_bytes, opt.threads))
         self.pending: list[Target] = []  # transforms read from their whole sources
         self.batch, targets = Batch.split(  # runs of small whole tensors: no destination each
             header, targets, self.x64, opt.streaming, slab_bytes > 0
@@ -76,6 +78,9 @@ class Destinations:
                 info = header.tensors[t.sources[0]]
                 held = held_of(np.dtype(t.dtype), t.sharding is not None, self.x64)
                 adopted = info.dtype.byte_aligned and info.dtype.numpy == held  # the buffer becomes the array
+                if not adopted and self.cast_in_slabs(t, info):
+                    self.boxed.cast(self, t)
+                    continue
                 for box, devices in shard_boxes(t):  # refusals before any read
                     self.add(t.path, t.sources[0], box, devices, adopted)
             elif not self.boxed.add(self, t):
@@ -85,6 +90,22 @@ class Destinations:
             self.refs.update(t.sources)
         for key in self.refs:
             self.add(f"source:{key}", key, whole(header.tensors[key].shape), [None], False)
+
+    def cast_in_slabs(self, t: Target, info: TensorInfo) -> bool:
+        """Whether target ``t`` of file tensor ``info``, held in another dtype than the
+        file's, is cast slab by slab into its final buffer
+        (:data:`~nnx_save.load._slabs.CAST`), rather than read whole in the file's dtype:
+        not a packed sub-byte tensor (unpacked whole), not an empty one (nothing to
+        read), and not a device target that streams (its slabs are cast on the device)."""
+        if not info.dtype.byte_aligned or not info.nbytes:
+            return False
+        if t.sharding is None:
+            return True
+        platform = next(iter(t.sharding.device_set)).platform
+        streams = self._streams.get(platform)
+        if streams is None:  # asked once per platform: the answer reads the environment
+            streams = self._streams[platform] = self.opt.streaming(platform)
+        return not streams
 
     def add(self, owner: str, key: str, box: Box, devices: list[Any], adopted: bool) -> int:
         info = self.header.tensors[key]

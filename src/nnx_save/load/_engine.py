@@ -6,8 +6,10 @@ assemble.
 so a strict refusal, or a sharding jax cannot apply, reads nothing. Each box a process
 needs is one destination, and each piece overlapping it one request writing its part in
 place. On the CPU backend reads land in the aligned buffers the arrays adopt without a
-copy (a buffer that is only a step, such as a dtype cast, is freed once used);
-elsewhere :mod:`nnx_save.load._stream` streams them. What the engine did
+copy (a buffer that is only a step, a sub-byte tensor's packed bytes or a porting rule's
+whole source, is freed once used; a dtype cast is read in slabs, each cast into the
+result as it lands: :mod:`nnx_save.load._boxed`); elsewhere :mod:`nnx_save.load._stream`
+streams them. What the engine did
 (:class:`~nnx_save.load._result.EngineResult`) completes the report.
 """
 
@@ -178,7 +180,7 @@ class Engine(Destinations):
             packed = iter(pack_buffers([d.nbytes for d in fresh if d.adopted], slab_bytes=self.slab_bytes))
             for d in fresh:
                 d.buffer = next(packed) if d.adopted else aligned_empty(d.nbytes)
-                if not d.adopted:  # scratch beside the result (a cast's file dtype): in flight, reported
+                if not d.adopted:  # scratch beside the result (packed sub-byte, a whole source): in flight, reported
                     self.budget.hold(d.nbytes)
                     self.scratch.add(id(d))
         except MemoryError:

@@ -58,7 +58,8 @@ class Cancelled(Exception):
 class Budget:
     """A byte semaphore: ``with budget(n):`` waits until ``n`` bytes fit. ``peak``: the
     most bytes in flight at once, reads and the scratch buffers :meth:`hold` counts
-    (a cast's buffer of the file's dtype, alive beside the result until it is cast)."""
+    (a buffer that is only a step, alive beside the result: a sub-byte tensor's packed
+    bytes, a porting rule's whole source; a unit larger than the budget)."""
 
     def __init__(self, limit: int) -> None:
         self.limit, self.used, self.peak, self.held = limit, 0, 0, 0

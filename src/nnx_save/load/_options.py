@@ -41,9 +41,10 @@ class LoadOptions:
             ``max_inflight_bytes`` over the requests in flight, nor under 1 MiB).
         max_inflight_bytes: host bytes being read (and, when streaming, staged)
             at once, never exceeded by reads. A cast target (a float32 tensor into a
-            bfloat16 param) is read whole into a buffer of the file's dtype before it
-            is cast: that buffer is in flight too, beyond the budget, and
-            ``report.io.max_inflight_bytes`` counts it.
+            bfloat16 param) is read in slabs of at most a thread's share of it, each
+            cast into the result as it lands. Read whole in the file's dtype, beside
+            the budget and counted in ``report.io.max_inflight_bytes``: sub-byte
+            tensors and a porting rule's whole sources (docs/performance.md).
         num_threads: concurrent reads (``None``: set by the source, 2 to 8 by CPU
             count from local files, 32 requests in flight from a URL).
         verify: check each tensor read in full against its recorded checksum
