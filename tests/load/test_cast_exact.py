@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 import nnx_save
 from nnx_save.format._dtypes import DTYPES
-from nnx_save.load import _boxed
+from nnx_save.load import _boxed, _engine, _match
 
 CODES = [code for code, row in DTYPES.items() if row.byte_aligned]
 SHAPES = {"slabs": (64, 37), "rows": (3, 1504), "small": (7,), "scalar": ()}  # rows: 6 KiB of float32 each
@@ -140,3 +140,30 @@ def test_under_verify_a_cast_cut_into_slabs_is_hashed_in_file_order(tmp_path, mo
     with warnings.catch_warnings(), pytest.raises(nnx_save.ChecksumError, match="tensor 'w': checksum mismatch"):
         warnings.simplefilter("ignore", nnx_save.LossyCastWarning)
         nnx_save.load_file(path, template, verify=True, max_inflight_bytes=budget)
+
+
+UNCASTABLE = [
+    (a, b)
+    for a, ra in DTYPES.items()
+    for b, rb in DTYPES.items()
+    if ra.numpy is not None and rb.numpy is not None and not _match.castable(np.dtype(ra.numpy), np.dtype(rb.numpy))
+]
+
+
+def test_the_pairs_without_a_cast_include_the_known_one():  # the next test's list is not empty
+    assert ("F8_E5M2", "F8_E8M0") in UNCASTABLE
+
+
+@pytest.mark.parametrize(("stored", "wanted"), UNCASTABLE)
+def test_a_pair_numpy_cannot_cast_is_refused_typed_before_any_read(tmp_path, monkeypatch, stored, wanted):
+    src, dst = np.dtype(DTYPES[stored].numpy), np.dtype(DTYPES[wanted].numpy)
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file({"w": np.zeros((4, 8), src)}, path)
+
+    def no_read(*args, **kwargs):
+        raise AssertionError("read before the cast was refused")
+
+    for module in (_engine, _boxed):
+        monkeypatch.setattr(module, "execute", no_read)
+    with pytest.raises(nnx_save.DtypeMismatchError, match=rf"'w'.*{src}.*{dst}.*nothing was read"):
+        nnx_save.load_file(path, {"w": np.ones((4, 8), dst)})

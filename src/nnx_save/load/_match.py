@@ -11,12 +11,14 @@ load that would fill nothing refuses whatever ``strict`` says.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import LoadError
+from ..errors import DtypeMismatchError, LoadError
 from ._assemble import held_of
 from ._hints import shape_hints, shape_remedy
 from ._renames import suggest_renames
@@ -97,7 +99,26 @@ def _check(header: Header, t: Target, report: LoadReport, x64: bool) -> bool:
     held = held_of(wanted, t.sharding is not None, x64)  # held_dtype(t), cached
     if np.dtype(dtype) != held:
         model = str(held) if held == wanted else f"{held} (the model's {wanted}: jax_enable_x64 is off)"
+        if not castable(np.dtype(dtype), held):
+            raise DtypeMismatchError(
+                f"{header.tensors[sources[0]].file}: tensor {t.path!r}: stored as {np.dtype(dtype)}, the target "
+                f"holds {model}, and numpy has no cast between the two (nothing was read); load it as stored "
+                "(a template of its dtype, or none) and convert it yourself"
+            )
         report.dtype_casts.append(DtypeCast(t.path, str(np.dtype(dtype)), model))
+    return True
+
+
+@functools.cache
+def castable(source: np.dtype, target: np.dtype) -> bool:
+    """Whether numpy casts ``source`` to ``target`` at all (ml_dtypes leaves some pairs of
+    its own formats without one, such as float8_e5m2 to float8_e8m0fnu), asked of one element."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # complex to real: a cast, with a warning numpy gives per call
+            np.zeros(1, source).astype(target)
+    except (TypeError, ValueError):
+        return False
     return True
 
 
