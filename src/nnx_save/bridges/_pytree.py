@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
@@ -24,7 +26,7 @@ from ._leaves import (
     LoadKeywords,
     check_metadata,
     describe,
-    flatten,
+    flatten_keys,
     leaf_entry,
     load_options,
     tree_pairs,
@@ -32,6 +34,8 @@ from ._leaves import (
 )
 
 __all__ = ["load_file", "save_file"]
+
+_SHAPE, _DTYPE, _SHARDING, _PATH, _SOURCES = map(operator.attrgetter, ("shape", "dtype", "sharding", "path", "sources"))
 
 
 def save_file(
@@ -103,10 +107,19 @@ def save_file(
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:
     import jax
 
-    pairs, treedef = flatten(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    targets, leaves, unsharded = [], [], []
-    for path, leaf in pairs:
-        key = _paths.to_key(path)
+    keys, leaves, treedef = flatten_keys(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    if set(map(type, leaves)) == {jax.ShapeDtypeStruct}:  # a plain abstract tree: made in bulk
+        shardings = list(map(_SHARDING, leaves))
+        if None not in shardings:
+            dtypes = {d: np.dtype(d) for d in set(map(_DTYPE, leaves))}
+            shapes = list(map(tuple, map(_SHAPE, leaves)))
+            return (
+                Target.many(keys, shapes, list(map(dtypes.__getitem__, map(_DTYPE, leaves))), shardings),
+                treedef,
+                leaves,
+            )
+    targets, unsharded = [], []
+    for key, leaf in zip(keys, leaves, strict=True):
         if leaf is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise UnsupportedValueError(
                 f"{key}: abstract leaves must be arrays or jax.ShapeDtypeStruct, found {describe(leaf)}", key
@@ -116,7 +129,6 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             unsharded.append(key)
         targets.append(Target(key, tuple(leaf.shape), np.dtype(leaf.dtype), sharding, (key,)))
-        leaves.append(leaf)
     fix = (
         "Give each jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec) to spread it, or "
         "SingleDeviceSharding(device) to mean one device), or pass numpy arrays to load on the host"
@@ -132,6 +144,11 @@ def _refuse_shape_mismatches(
     a value: not allowed (``strict``'s LoadError lists those), or a ``ShapeDtypeStruct``."""
     import jax
 
+    paths = list(map(_PATH, targets))
+    if all(map(header.tensors.__contains__, paths)):
+        held = map(tuple, map(_SHAPE, map(header.tensors.__getitem__, paths)))
+        if list(held) == list(map(tuple, map(_SHAPE, targets))):
+            return  # every leaf's shape is its tensor's (asked of them all at once)
     lines, refused = [], []
     for t, leaf in zip(targets, leaves, strict=True):
         info = header.tensors.get(t.path)
@@ -162,6 +179,8 @@ def _source_name(header: Header) -> str:
 
 def _refuse_missing(header: Header, targets: list[Target]) -> None:
     """Refuse, before any read, leaves the checkpoint has no tensor for: a tree has no holes."""
+    if set(itertools.chain.from_iterable(map(_SOURCES, targets))).issubset(header.tensors):
+        return
     missing = [t.path for t in targets if any(s not in header.tensors for s in t.sources)]
     if missing:
         raise KeyMismatchError(
@@ -251,7 +270,9 @@ def load_file(
                     f"{jax.process_count()}-process run would read every tensor on every host; pass abstract= with "
                     "the shardings each process should load"
                 )
-            targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
+            keys, infos = list(header.tensors), list(header.tensors.values())
+            targets = Target.many(keys, list(map(_SHAPE, infos)), [i.dtype.numpy for i in infos], [None] * len(keys))
+            leaves: list[Any] = []
         else:
             targets, treedef, leaves = _abstract_targets(abstract)
             _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
@@ -273,6 +294,10 @@ def load_file(
             result = {k: values[k] for k in header.tensors}
         else:
             kept = {m.path for m in report.allowed_shape_mismatches}
-            values = {**values, **{t.path: leaf for t, leaf in zip(targets, leaves, strict=True) if t.path in kept}}
-            result = jax.tree_util.tree_unflatten(treedef, [values[t.path] for t in targets])
+            if kept:
+                values = {**values, **{t.path: leaf for t, leaf in zip(targets, leaves, strict=True) if t.path in kept}}
+            result = jax.tree_util.tree_unflatten(treedef, list(map(values.__getitem__, map(_PATH, targets))))
+        # freed here, while collection is paused (a hundred thousand targets and tensor
+        # records for as many leaves): the first collection after it walks only the result
+        del header, targets, leaves, values
     return (result, report) if return_report else result

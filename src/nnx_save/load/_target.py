@@ -7,6 +7,7 @@ models, porting rules) can build targets without importing the engine.
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,16 +17,20 @@ import numpy as np
 
 from ..errors import DtypeMismatchError, ShardingError, SingleDeviceWarning
 from ..format._boxes import Box, of_index, whole
+from ..format._header import frozen_many
 
 __all__ = [
     "SourceTransform",
     "Target",
     "check_device_dtype",
+    "check_device_dtypes",
     "device_indices",
     "per_sharding",
     "shard_boxes",
     "warn_single_device",
 ]
+
+_SHARDING, _DTYPE = operator.attrgetter("sharding"), operator.attrgetter("dtype")
 
 
 class SourceTransform(Protocol):
@@ -76,6 +81,15 @@ class Target:
     transform: SourceTransform | None = None
     source_shape: tuple[int, ...] | None = None
     box: tuple[tuple[int, int], ...] | None = None
+
+    @classmethod
+    def many(
+        cls, paths: list[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype], shardings: Sequence[Any]
+    ) -> list[Target]:
+        """``[Target(p, shape, dtype, sharding, (p,)) ...]``, one per path, made in bulk
+        (:func:`~nnx_save.format._header.frozen_many`): each reads its own path whole."""
+        columns = {"path": paths, "shape": shapes, "dtype": dtypes, "sharding": shardings, "sources": list(zip(paths))}
+        return frozen_many(cls, len(paths), columns, dict.fromkeys(("transform", "source_shape", "box")))
 
 
 def device_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[slice, ...]]:
@@ -165,6 +179,19 @@ def check_device_dtype(target: Target, file: str) -> None:
             f"{file}: tensor {target.path!r}: jax on {device.platform} cannot hold dtype {target.dtype} "
             "(nothing was read); load it onto the host instead (a numpy array or no template for it)"
         )
+
+
+def check_device_dtypes(targets: Sequence[Target], files: Callable[[Target], str]) -> None:
+    """:func:`check_device_dtype` of each target (``files``: the file it reads, for the
+    message), asked once per sharding object and dtype: the answer is the same for all
+    the targets that share them (a hundred thousand leaves, one sharding)."""
+    try:
+        keys = list(zip(map(id, map(_SHARDING, targets)), map(_DTYPE, targets), strict=True))
+        first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))  # each key's first target
+    except TypeError:  # an unhashable dtype
+        first = {i: i for i in range(len(targets))}
+    for i in sorted(first.values()):
+        check_device_dtype(targets[i], files(targets[i]))
 
 
 def _first_device(sharding: Any) -> Any:
