@@ -11,6 +11,8 @@ load that would fill nothing refuses whatever ``strict`` says.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +38,12 @@ __all__ = [
     "suggested_targets",
 ]
 
+_PATH, _SHAPE, _DTYPE, _SHARDING, _SOURCES, _TRANSFORM = map(
+    operator.attrgetter, ("path", "shape", "dtype", "sharding", "sources", "transform")
+)
+_NUMPY = operator.attrgetter("dtype.numpy")
+_FIRST = operator.itemgetter(0)
+
 
 def check_targets(
     header: Header,
@@ -54,27 +62,67 @@ def check_targets(
     import jax
 
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per target
-    loadable = [t for t in targets if _check(header, t, report, x64)]
-    used = {k for t in targets for k in t.sources}
+    plain = _all_plain(header.tensors, targets, x64)
+    loadable = list(targets) if plain else [t for t in targets if _check(header, t, report, x64)]
+    used = set(itertools.chain.from_iterable(map(_SOURCES, targets)))
     report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
     report.shape_mismatches, report.allowed_shape_mismatches = split_allowed(
         report.shape_mismatches, allow_shape_mismatch
     )
     report.dtype_casts, report.allowed_casts = split_allowed_casts(report.dtype_casts, allow_casts)
-    unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
+    unexpected = (
+        []
+        if used.issuperset(header.tensors)
+        else [k for k in header.tensors if k not in used and k not in ignore_unexpected]
+    )
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
     report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
     if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
         report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
         report.suggested_targets = suggested_targets(report, {t.path: t.shape for t in targets}, header.tensors)
     report.suggested_shape_rules = shape_hints(report.shape_mismatches, targets)
-    report.sources = {t.path: t.sources for t in loadable}
-    landed: dict[str, list[str]] = {k: [] for k in header.tensors}
+    report.sources = dict(zip(map(_PATH, loadable), map(_SOURCES, loadable), strict=True))
+    report.landed = _landed(header.tensors, loadable)
+    return loadable, report
+
+
+def _all_plain(tensors: Mapping[str, Any], targets: Sequence[Target], x64: bool) -> bool:
+    """Whether every target reads one tensor of ``tensors`` as it is stored, in its shape
+    and held dtype (nothing to report): asked of them all at once, at C speed, before
+    asking :func:`_check` of each (a load of a hundred thousand leaves)."""
+    if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
+        return False
+    sources = list(map(_SOURCES, targets))
+    if set(map(len, sources)) != {1}:
+        return False
+    keys = list(map(_FIRST, sources))
+    if not all(map(tensors.__contains__, keys)):
+        return False
+    infos = list(map(tensors.__getitem__, keys))
+    if list(map(_SHAPE, infos)) != list(map(_SHAPE, targets)):
+        return False
+    on_device = map(operator.is_not, map(_SHARDING, targets), itertools.repeat(None))
+    try:
+        kinds = set(zip(map(_NUMPY, infos), map(_DTYPE, targets), on_device, strict=True))
+        return all(np.dtype(have) == held_of(np.dtype(want), device, x64) for have, want, device in kinds)
+    except (TypeError, ValueError):  # a dtype numpy cannot make, or hash: _check says what
+        return False
+
+
+def _landed(tensors: Mapping[str, Any], loadable: Sequence[Target]) -> dict[str, tuple[str, ...]]:
+    """Per file key of ``tensors``, the paths of ``loadable`` (whose sources are all
+    there) it goes to: in bulk when each reads its own one tensor."""
+    sources = list(map(_SOURCES, loadable))
+    keys = list(map(_FIRST, sources)) if set(map(len, sources)) == {1} else None
+    if keys is not None and len(set(keys)) == len(keys):
+        landed: dict[str, tuple[str, ...]] = dict.fromkeys(tensors, ())
+        landed.update(zip(keys, zip(map(_PATH, loadable)), strict=True))  # one (path,) per key
+        return landed
+    lists: dict[str, list[str]] = {k: [] for k in tensors}
     for t in loadable:
         for k in t.sources:
-            landed[k].append(t.path)
-    report.landed = {k: tuple(v) for k, v in landed.items()}
-    return loadable, report
+            lists[k].append(t.path)
+    return {k: tuple(v) for k, v in lists.items()}
 
 
 def _check(header: Header, t: Target, report: LoadReport, x64: bool) -> bool:
