@@ -139,16 +139,18 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:
 
 def _refuse_shape_mismatches(
     header: Header, targets: list[Target], leaves: list[Any], allowed: Sequence[str], strict: bool
-) -> None:
+) -> bool:
     """One :class:`ShapeMismatchError` before any read for the reshaped leaves left without
-    a value: not allowed (``strict``'s LoadError lists those), or a ``ShapeDtypeStruct``."""
+    a value: not allowed (``strict``'s LoadError lists those), or a ``ShapeDtypeStruct``.
+    Returns whether every leaf's path is a tensor of its shape (asked of them all at
+    once first: then there is nothing to refuse, nor any leaf missing)."""
     import jax
 
     paths = list(map(_PATH, targets))
     if all(map(header.tensors.__contains__, paths)):
         held = map(tuple, map(_SHAPE, map(header.tensors.__getitem__, paths)))
         if list(held) == list(map(tuple, map(_SHAPE, targets))):
-            return  # every leaf's shape is its tensor's (asked of them all at once)
+            return True
     lines, refused = [], []
     for t, leaf in zip(targets, leaves, strict=True):
         info = header.tensors.get(t.path)
@@ -171,6 +173,7 @@ def _refuse_shape_mismatches(
             + f"\nTo keep the abstract tree's values there, give those leaves as arrays and pass "
             f"allow_shape_mismatch={sorted(refused)[:5]!r}"
         )
+    return False
 
 
 def _source_name(header: Header) -> str:
@@ -275,9 +278,9 @@ def load_file(
             leaves: list[Any] = []
         else:
             targets, treedef, leaves = _abstract_targets(abstract)
-            _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
-            if not strict:  # strict raises LoadError with the whole report instead
-                _refuse_missing(header, targets)
+            whole = _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
+            if not strict and not whole:  # strict raises LoadError with the whole report instead
+                _refuse_missing(header, targets)  # (each target's one source is its path)
         values, report = load_targets(
             header,
             targets,

@@ -36,7 +36,7 @@ from ..format._units import human_bytes
 from ._assemble import batched_put, check_bools, held_of
 from ._execute import aligned_empty
 from ._pieces import Request
-from ._target import Target
+from ._target import Target, WholeReads
 
 __all__ = ["SMALL_BYTES", "Batch", "plan_runs"]
 
@@ -281,15 +281,18 @@ def _all_batched(
     """``(infos, held dtypes)`` of ``targets`` when :meth:`Batch.split` would batch
     every one of them (``cpu``: device targets may be), asked of them all at once at C
     speed; ``None`` when one would not, and the per target way decides."""
-    if not targets or any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
+    if isinstance(targets, WholeReads):
+        keys, infos = targets.keys, targets.infos
+    else:
+        if not targets or any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
+            return None
+        sources = list(map(_SOURCES, targets))
+        if set(map(len, sources)) != {1}:
+            return None
+        keys = list(map(_FIRST, sources))
+        infos = list(map(tensors.__getitem__, keys))
+    if not targets or len(set(keys)) != len(keys):  # a tensor two targets want
         return None
-    sources = list(map(_SOURCES, targets))
-    if set(map(len, sources)) != {1}:
-        return None
-    keys = list(map(_FIRST, sources))
-    if len(set(keys)) != len(keys):  # a tensor two targets want
-        return None
-    infos = list(map(tensors.__getitem__, keys))
     nbytes = np.fromiter(map(_NBYTES, infos), np.int64, len(infos))
     if nbytes.min() <= 0 or nbytes.max() > SMALL_BYTES:
         return None

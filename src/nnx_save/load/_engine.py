@@ -46,7 +46,7 @@ from ._plan import FilePlan, over_read_by_range, plan_file
 from ._report import LoadReport, complete
 from ._result import OVER_READ_MIN_BYTES, OVER_READ_WARN, EngineResult
 from ._source import Header, gc_paused
-from ._target import Target, check_device_dtypes, device_indices
+from ._target import Target, WholeReads, check_device_dtypes, device_indices
 
 __all__ = ["load_targets"]
 
@@ -497,7 +497,10 @@ def load_targets(
         report.raise_or_warn(True)
     # each has sources, all in the header (check_targets)
     check_device_dtypes(loadable, lambda t: header.tensors[t.sources[0]].file)
-    keys = set(itertools.chain.from_iterable(map(_SOURCES, loadable)))  # this process may need less: made exact below
+    # this process may need less: the total is made exact below
+    keys = set(
+        loadable.keys if isinstance(loadable, WholeReads) else itertools.chain.from_iterable(map(_SOURCES, loadable))
+    )
     label = f"loading {os.path.basename(report.source)}"
     bar = _progress.bar(label, sum(map(_NBYTES, map(header.tensors.__getitem__, keys))), len(loadable), progress)
     with gc_paused():

@@ -23,6 +23,7 @@ from ._assemble import held_of
 from ._hints import shape_hints, shape_remedy
 from ._renames import suggest_renames
 from ._report import DtypeCast, LoadReport, ShapeMismatch, matches_any, rename_remedy, target_remedy
+from ._target import WholeReads
 
 if TYPE_CHECKING:
     from ._source import Header
@@ -62,9 +63,9 @@ def check_targets(
     import jax
 
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per target
-    plain = _all_plain(header.tensors, targets, x64)
-    loadable = list(targets) if plain else [t for t in targets if _check(header, t, report, x64)]
-    used = set(itertools.chain.from_iterable(map(_SOURCES, targets)))
+    whole = _all_plain(header.tensors, targets, x64)
+    loadable: list[Target] = [t for t in targets if _check(header, t, report, x64)] if whole is None else whole
+    used = set(itertools.chain.from_iterable(map(_SOURCES, targets)) if whole is None else whole.keys)
     report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
     report.shape_mismatches, report.allowed_shape_mismatches = split_allowed(
         report.shape_mismatches, allow_shape_mismatch
@@ -86,34 +87,40 @@ def check_targets(
     return loadable, report
 
 
-def _all_plain(tensors: Mapping[str, Any], targets: Sequence[Target], x64: bool) -> bool:
-    """Whether every target reads one tensor of ``tensors`` as it is stored, in its shape
-    and held dtype (nothing to report): asked of them all at once, at C speed, before
-    asking :func:`_check` of each (a load of a hundred thousand leaves)."""
+def _all_plain(tensors: Mapping[str, Any], targets: Sequence[Target], x64: bool) -> WholeReads | None:
+    """``targets`` as :class:`~nnx_save.load._target.WholeReads` when every one reads one
+    tensor of ``tensors`` as it is stored, in its shape and held dtype (nothing to
+    report): asked of them all at once, at C speed, before asking :func:`_check` of
+    each (a load of a hundred thousand leaves); else ``None``."""
     if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
-        return False
+        return None
     sources = list(map(_SOURCES, targets))
     if set(map(len, sources)) != {1}:
-        return False
+        return None
     keys = list(map(_FIRST, sources))
     if not all(map(tensors.__contains__, keys)):
-        return False
+        return None
     infos = list(map(tensors.__getitem__, keys))
     if list(map(_SHAPE, infos)) != list(map(_SHAPE, targets)):
-        return False
+        return None
     on_device = map(operator.is_not, map(_SHARDING, targets), itertools.repeat(None))
     try:
         kinds = set(zip(map(_NUMPY, infos), map(_DTYPE, targets), on_device, strict=True))
-        return all(np.dtype(have) == held_of(np.dtype(want), device, x64) for have, want, device in kinds)
+        if all(np.dtype(have) == held_of(np.dtype(want), device, x64) for have, want, device in kinds):
+            return WholeReads(targets, keys, infos)
     except (TypeError, ValueError):  # a dtype numpy cannot make, or hash: _check says what
-        return False
+        pass
+    return None
 
 
 def _landed(tensors: Mapping[str, Any], loadable: Sequence[Target]) -> dict[str, tuple[str, ...]]:
     """Per file key of ``tensors``, the paths of ``loadable`` (whose sources are all
     there) it goes to: in bulk when each reads its own one tensor."""
-    sources = list(map(_SOURCES, loadable))
-    keys = list(map(_FIRST, sources)) if set(map(len, sources)) == {1} else None
+    if isinstance(loadable, WholeReads):
+        keys: list[str] | None = loadable.keys
+    else:
+        sources = list(map(_SOURCES, loadable))
+        keys = list(map(_FIRST, sources)) if set(map(len, sources)) == {1} else None
     if keys is not None and len(set(keys)) == len(keys):
         landed: dict[str, tuple[str, ...]] = dict.fromkeys(tensors, ())
         landed.update(zip(keys, zip(map(_PATH, loadable)), strict=True))  # one (path,) per key

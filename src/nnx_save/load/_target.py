@@ -22,6 +22,7 @@ from ..format._header import frozen_many
 __all__ = [
     "SourceTransform",
     "Target",
+    "WholeReads",
     "check_device_dtype",
     "check_device_dtypes",
     "device_indices",
@@ -90,6 +91,17 @@ class Target:
         (:func:`~nnx_save.format._header.frozen_many`): each reads its own path whole."""
         columns = {"path": paths, "shape": shapes, "dtype": dtypes, "sharding": shardings, "sources": list(zip(paths))}
         return frozen_many(cls, len(paths), columns, dict.fromkeys(("transform", "source_shape", "box")))
+
+
+class WholeReads(list[Target]):
+    """Targets that each read one file tensor as it is stored, in its shape and held
+    dtype, with no transform (what :func:`~nnx_save.load._match.check_targets` found
+    of every target of a load), with each one's file key and tensor record, in order:
+    later steps of the load take them from here rather than ask each target again."""
+
+    def __init__(self, targets: Sequence[Target], keys: list[str], infos: list[Any]) -> None:
+        super().__init__(targets)
+        self.keys, self.infos = keys, infos
 
 
 def device_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[slice, ...]]:
