@@ -107,10 +107,10 @@ def save_file(
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:
     import jax
 
-    keys, leaves, treedef = flatten_keys(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    keys, leaves, treedef = flatten_keys(abstract)  # a jax.ShapeDtypeStruct is a leaf: no node type of jax's
     if set(map(type, leaves)) == {jax.ShapeDtypeStruct}:  # a plain abstract tree: made in bulk
         shardings = list(map(_SHARDING, leaves))
-        if None not in shardings:
+        if not any(map(operator.is_, shardings, itertools.repeat(None))):
             dtypes = {d: np.dtype(d) for d in set(map(_DTYPE, leaves))}
             shapes = list(map(tuple, map(_SHAPE, leaves)))
             return (

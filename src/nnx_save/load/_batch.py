@@ -43,7 +43,7 @@ __all__ = ["SMALL_BYTES", "Batch", "plan_runs"]
 _TRANSFORM, _SOURCES, _SHARDING, _DTYPE = map(operator.attrgetter, ("transform", "sources", "sharding", "dtype"))
 _FILE, _BEGIN, _END, _NBYTES = map(operator.attrgetter, ("file", "begin", "end", "nbytes"))
 _PATH, _SHAPE, _ARRAY_DTYPE = operator.attrgetter("path"), operator.attrgetter("shape"), operator.attrgetter("dtype")
-_FIRST = operator.itemgetter(0)
+_FIRST, _HELD = operator.itemgetter(0), operator.attrgetter("dtype.numpy")
 SMALL_BYTES = 64 << 10  # a tensor of at most this many bytes is read in a run with its neighbours
 RUN_BYTES = 64 << 20  # a run starts at most this many bytes after its first tensor
 ALIGN = 64  # jax on CPU adopts host memory aligned to this without a copy
@@ -281,18 +281,22 @@ def _all_batched(
     """``(infos, held dtypes)`` of ``targets`` when :meth:`Batch.split` would batch
     every one of them (``cpu``: device targets may be), asked of them all at once at C
     speed; ``None`` when one would not, and the per target way decides."""
+    if not targets:
+        return None
     if isinstance(targets, WholeReads):
         keys, infos = targets.keys, targets.infos
+        if len(targets.used) != len(keys):  # a tensor two targets want
+            return None
     else:
-        if not targets or any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
+        if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
             return None
         sources = list(map(_SOURCES, targets))
         if set(map(len, sources)) != {1}:
             return None
         keys = list(map(_FIRST, sources))
         infos = list(map(tensors.__getitem__, keys))
-    if not targets or len(set(keys)) != len(keys):  # a tensor two targets want
-        return None
+        if len(set(keys)) != len(keys):  # a tensor two targets want
+            return None
     nbytes = np.fromiter(map(_NBYTES, infos), np.int64, len(infos))
     if nbytes.min() <= 0 or nbytes.max() > SMALL_BYTES:
         return None
@@ -307,6 +311,8 @@ def _all_batched(
         boxes = [(t.box, info.shape) for t, info in zip(targets, infos, strict=True) if t.sharding is None]
         if not all(box is None or box == tuple((0, d) for d in shape) for box, shape in boxes):
             return None
+    if isinstance(targets, WholeReads):  # each held as its tensor is stored
+        return infos, list(map(_HELD, infos))
     on_device = list(map(operator.is_not, shardings, itertools.repeat(None)))
     try:
         held = {k: held_of(np.dtype(k[0]), k[1], x64) for k in set(zip(map(_DTYPE, targets), on_device, strict=True))}

@@ -497,12 +497,8 @@ def load_targets(
         report.raise_or_warn(True)
     # each has sources, all in the header (check_targets)
     check_device_dtypes(loadable, lambda t: header.tensors[t.sources[0]].file)
-    # this process may need less: the total is made exact below
-    keys = set(
-        loadable.keys if isinstance(loadable, WholeReads) else itertools.chain.from_iterable(map(_SOURCES, loadable))
-    )
     label = f"loading {os.path.basename(report.source)}"
-    bar = _progress.bar(label, sum(map(_NBYTES, map(header.tensors.__getitem__, keys))), len(loadable), progress)
+    bar = _progress.bar(label, lambda: _total_bytes(header, loadable), len(loadable), progress)
     with gc_paused():
         try:
             engine = Engine(header, loadable, opt, open_reader, bar, slab_bytes)
@@ -525,6 +521,13 @@ def load_targets(
     finally:
         engine.close()  # its last readers, once the load is over
     return engine.values, report
+
+
+def _total_bytes(header: Header, loadable: Sequence[Target]) -> int:
+    """Bytes of the tensors ``loadable`` reads (this process may need less: the
+    progress total is made exact once the engine has planned)."""
+    keys = loadable.keys if isinstance(loadable, WholeReads) else itertools.chain.from_iterable(map(_SOURCES, loadable))
+    return sum(map(_NBYTES, map(header.tensors.__getitem__, set(keys))))
 
 
 def _read(engine: Engine, loadable: Sequence[Target], opt: LoadOptions) -> None:

@@ -65,7 +65,7 @@ def check_targets(
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per target
     whole = _all_plain(header.tensors, targets, x64)
     loadable: list[Target] = [t for t in targets if _check(header, t, report, x64)] if whole is None else whole
-    used = set(itertools.chain.from_iterable(map(_SOURCES, targets)) if whole is None else whole.keys)
+    used = set(itertools.chain.from_iterable(map(_SOURCES, targets))) if whole is None else whole.used
     report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
     report.shape_mismatches, report.allowed_shape_mismatches = split_allowed(
         report.shape_mismatches, allow_shape_mismatch
@@ -121,9 +121,11 @@ def _landed(tensors: Mapping[str, Any], loadable: Sequence[Target]) -> dict[str,
     else:
         sources = list(map(_SOURCES, loadable))
         keys = list(map(_FIRST, sources)) if set(map(len, sources)) == {1} else None
-    if keys is not None and len(set(keys)) == len(keys):
+    if keys is not None and len(loadable.used if isinstance(loadable, WholeReads) else set(keys)) == len(keys):
         landed: dict[str, tuple[str, ...]] = dict.fromkeys(tensors, ())
-        landed.update(zip(keys, zip(map(_PATH, loadable)), strict=True))  # one (path,) per key
+        paths = list(map(_PATH, loadable))
+        # one (path,) per key: the target's own sources where its path is its key
+        landed.update(zip(keys, map(_SOURCES, loadable) if paths == keys else zip(paths), strict=True))
         return landed
     lists: dict[str, list[str]] = {k: [] for k in tensors}
     for t in loadable:

@@ -96,12 +96,13 @@ class Target:
 class WholeReads(list[Target]):
     """Targets that each read one file tensor as it is stored, in its shape and held
     dtype, with no transform (what :func:`~nnx_save.load._match.check_targets` found
-    of every target of a load), with each one's file key and tensor record, in order:
-    later steps of the load take them from here rather than ask each target again."""
+    of every target of a load), with each one's file key and tensor record, in order,
+    and the set of those keys: later steps of the load take them from here rather than
+    ask each target again (a target's held dtype is its tensor's ``dtype.numpy``)."""
 
     def __init__(self, targets: Sequence[Target], keys: list[str], infos: list[Any]) -> None:
         super().__init__(targets)
-        self.keys, self.infos = keys, infos
+        self.keys, self.infos, self.used = keys, infos, set(keys)
 
 
 def device_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[slice, ...]]:
