@@ -395,11 +395,10 @@ def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHe
     rows = _fast_rows(list(obj.values()))
     if rows is None or not _keys_unique(text, list(obj), meta, has_meta):
         return None
-    names, (order, first, last, dtypes, shapes) = list(obj), rows
-    begins, ends = list(first), list(last)
+    names, (order, begins, ends, nbytes, dtypes, shapes) = list(obj), rows
     if not isinstance(order, range):  # into offset order
-        names, begins, ends = [names[i] for i in order], [begins[i] for i in order], [ends[i] for i in order]
-        dtypes, shapes = [dtypes[i] for i in order], [shapes[i] for i in order]
+        names, dtypes, shapes = [names[i] for i in order], [dtypes[i] for i in order], [shapes[i] for i in order]
+        begins, ends, nbytes = [begins[i] for i in order], [ends[i] for i in order], [nbytes[i] for i in order]
     if not _tiles(begins, ends, file_size - data_start):
         return None
     columns = {
@@ -408,7 +407,7 @@ def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHe
         "shape": shapes,
         "begin": list(map(data_start.__add__, begins)),
         "end": list(map(data_start.__add__, ends)),
-        "nbytes": list(map(operator.sub, ends, begins)),
+        "nbytes": nbytes,
     }
     tensors = dict(zip(names, frozen_many(TensorInfo, len(names), columns, {"file": file}), strict=True))
     return FileHeader(file, tensors, dict(meta), data_start - 8, file_size)
@@ -417,26 +416,27 @@ def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHe
 _PLAIN = json.JSONDecoder()
 _STR = frozenset({str})
 _INT = frozenset({int})  # a JSON number is an int or a float; bool is its own type
-_FIELDS = operator.itemgetter("dtype", "shape", "data_offsets")
+_FIELDS = tuple(map(operator.itemgetter, ("dtype", "shape", "data_offsets")))
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _ITEMSIZE = {code: -(-row.bits // 8) for code, row in _dtypes.DTYPES.items()}  # bytes one element spans
 
 
-def _fast_rows(entries: list[Any]) -> tuple[Sequence[int], tuple, tuple, list, list] | None:
-    """``(order, begins, ends, dtypes, shapes)`` of tensor entries that pass every
-    check of :func:`_parse_entry` and :func:`_check_length` (``order``: by
+def _fast_rows(entries: list[Any]) -> tuple[Sequence[int], list, list, list, list, list] | None:
+    """``(order, begins, ends, nbytes, dtypes, shapes)`` of tensor entries that pass
+    every check of :func:`_parse_entry` and :func:`_check_length` (``order``: by
     ``(begin, end)``, then position; a ``range`` when that is their own order), else ``None``."""
     if not entries:
-        return range(0), (), (), [], []
+        return range(0), [], [], [], [], []
     if set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
         return None
     try:  # three members, each of the fields: exactly the fields
-        codes, shapes, offsets = zip(*map(_FIELDS, entries), strict=True)
+        codes, shapes, offsets = (list(map(field, entries)) for field in _FIELDS)
         dtypes = list(map(_dtypes.DTYPES.__getitem__, codes))
     except (KeyError, TypeError):  # KeyError: a field missing or an unknown dtype; TypeError: an unhashable one
         return None
     if set(map(type, shapes)) | set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2}:
         return None
-    begins, ends = zip(*offsets, strict=True)
+    begins, ends = list(map(_FIRST, offsets)), list(map(_SECOND, offsets))
     dims = list(itertools.chain.from_iterable(shapes))
     if not _INT.issuperset(map(type, itertools.chain(dims, begins, ends))):
         return None
@@ -454,15 +454,14 @@ def _fast_rows(entries: list[Any]) -> tuple[Sequence[int], tuple, tuple, list, l
         )
     ):
         return None  # numpy refuses a shape whose non-zero dimensions overflow, even if one is 0
+    nbytes = list(map(operator.sub, ends, begins))
     bits = map(operator.attrgetter("bits"), dtypes)  # whole bytes, exactly the bytes the offsets hold:
-    if list(map(operator.mul, numels, bits)) != list(
-        map(operator.mul, map(operator.sub, ends, begins), itertools.repeat(8))
-    ):
+    if list(map(operator.mul, numels, bits)) != list(map(operator.mul, nbytes, itertools.repeat(8))):
         return None
     order: Sequence[int] = range(len(begins))  # in offset order already (a file this package wrote)
     if not all(map(operator.lt, begins, begins[1:])):
         order = [i for _, _, i in sorted(zip(begins, ends, range(len(begins)), strict=True))]
-    return order, begins, ends, dtypes, list(map(tuple, shapes))
+    return order, begins, ends, nbytes, dtypes, list(map(tuple, shapes))
 
 
 def _tiles(begins: list[int], ends: list[int], data_size: int) -> bool:
