@@ -146,11 +146,8 @@ def _refuse_shape_mismatches(
     once first: then there is nothing to refuse, nor any leaf missing)."""
     import jax
 
-    paths = list(map(_PATH, targets))
-    if all(map(header.tensors.__contains__, paths)):
-        held = map(tuple, map(_SHAPE, map(header.tensors.__getitem__, paths)))
-        if list(held) == list(map(tuple, map(_SHAPE, targets))):
-            return True
+    if _all_shaped(header, targets):
+        return True
     lines, refused = [], []
     for t, leaf in zip(targets, leaves, strict=True):
         info = header.tensors.get(t.path)
@@ -174,6 +171,15 @@ def _refuse_shape_mismatches(
             f"allow_shape_mismatch={sorted(refused)[:5]!r}"
         )
     return False
+
+
+def _all_shaped(header: Header, targets: list[Target]) -> bool:
+    """Whether every target's path is a tensor of its shape, asked of them all at once."""
+    paths = list(map(_PATH, targets))
+    if not all(map(header.tensors.__contains__, paths)):
+        return False
+    held = map(tuple, map(_SHAPE, map(header.tensors.__getitem__, paths)))
+    return list(held) == list(map(tuple, map(_SHAPE, targets)))
 
 
 def _source_name(header: Header) -> str:
@@ -300,7 +306,9 @@ def load_file(
             if kept:
                 values = {**values, **{t.path: leaf for t, leaf in zip(targets, leaves, strict=True) if t.path in kept}}
             result = jax.tree_util.tree_unflatten(treedef, list(map(values.__getitem__, map(_PATH, targets))))
+        out = (result, report) if return_report else result
         # freed here, while collection is paused (a hundred thousand targets and tensor
-        # records for as many leaves): the first collection after it walks only the result
-        del header, targets, leaves, values
-    return (result, report) if return_report else result
+        # records for as many leaves), and nothing allocated after: the collection the
+        # pause put off runs in the caller and walks only what is returned
+        del header, targets, leaves, values, result, report
+    return out
