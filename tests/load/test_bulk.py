@@ -43,7 +43,7 @@ def per_leaf():
             (_paths, "_joined_plainly", lambda keys, segments: False),
             (_leaves, "_segment_values", lambda keypaths: None),
             (_pytree, "_all_shaped", lambda header, targets: False),
-            (_match, "_all_plain", lambda tensors, targets, x64: None),
+            (_match, "whole_reads", lambda tensors, targets, x64: None),
             (_batch, "_all_batched", lambda tensors, targets, x64, cpu: None),
         ]:
             stack.enter_context(mock.patch.object(owner, name, value))

@@ -15,6 +15,7 @@ from ..format import _paths
 from ..io._storage import Where
 from ..layouts import _registry
 from ..layouts._registry import reader_factory
+from ..load import _match
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import ShapeMismatch, matches_any
@@ -284,9 +285,11 @@ def load_file(
             leaves: list[Any] = []
         else:
             targets, treedef, leaves = _abstract_targets(abstract)
-            whole = _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
-            if not strict and not whole:  # strict raises LoadError with the whole report instead
-                _refuse_missing(header, targets)  # (each target's one source is its path)
+            plain = _match.whole_reads(header.tensors, targets, jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+            if plain is not None:  # each leaf reads its tensor as stored: nothing to refuse, asked once
+                targets = plain
+            elif not _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict) and not strict:
+                _refuse_missing(header, targets)  # strict raises LoadError with the whole report instead
         values, report = load_targets(
             header,
             targets,

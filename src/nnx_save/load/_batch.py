@@ -166,20 +166,22 @@ class Batch:
         if not targets:
             return
         files = set(map(_FILE, infos))
+        by_file: dict[str, Sequence[int]]
         if len(files) == 1:
-            by_file = {files.pop(): list(range(len(targets)))}
+            by_file = {files.pop(): range(len(targets))}  # all of them, in their order
         else:
-            by_file = {}
+            lists: dict[str, list[int]] = {}
             for j, info in enumerate(infos):
-                by_file.setdefault(info.file, []).append(j)
+                lists.setdefault(info.file, []).append(j)
+            by_file = dict(lists)
         for file, indices in by_file.items():
-            mine = infos if len(indices) == len(infos) else [infos[j] for j in indices]
+            mine = infos if isinstance(indices, range) else [infos[j] for j in indices]
             begin = np.fromiter(map(_BEGIN, mine), np.int64, len(indices))
             if len(begin) > 1 and (begin[1:] < begin[:-1]).any():
                 order = np.argsort(begin, kind="stable")
                 indices, begin = [indices[k] for k in order.tolist()], begin[order]
             runs = self.by_file[file] = _FileRuns()
-            if indices == list(range(len(infos))):
+            if isinstance(indices, range):
                 runs.targets, runs.infos, runs.held = list(targets), list(infos), list(held)
             else:
                 runs.targets = [targets[j] for j in indices]
@@ -239,9 +241,10 @@ class Batch:
         results = engine.values
         shardings = list(map(_SHARDING, runs.targets))
         # runs of one sharding object, shape and dtype: each one call of many_put
-        same = list(zip(map(id, shardings), map(_SHAPE, runs.targets), runs.held, strict=True))
-        cuts = [0, *_differ(same[1:], same[:-1], 1), len(same)]
-        for a, b in itertools.pairwise(cuts):
+        cuts = {0, len(shardings)}
+        for column in (list(map(id, shardings)), list(map(_SHAPE, runs.targets)), runs.held):
+            cuts.update(_differ(column[1:], column[:-1], 1))
+        for a, b in itertools.pairwise(sorted(cuts)):
             targets = runs.targets[a:b]
             if shardings[a] is None:
                 results.update(zip(map(_PATH, targets), hosts[a:b], strict=True))

@@ -37,6 +37,7 @@ __all__ = [
     "split_allowed_casts",
     "suggested_renames",
     "suggested_targets",
+    "whole_reads",
 ]
 
 _PATH, _SHAPE, _DTYPE, _SHARDING, _SOURCES, _TRANSFORM = map(
@@ -63,7 +64,7 @@ def check_targets(
     import jax
 
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per target
-    whole = _all_plain(header.tensors, targets, x64)
+    whole = targets if isinstance(targets, WholeReads) else whole_reads(header.tensors, targets, x64)
     loadable: list[Target] = [t for t in targets if _check(header, t, report, x64)] if whole is None else whole
     used = set(itertools.chain.from_iterable(map(_SOURCES, targets))) if whole is None else whole.used
     report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
@@ -87,11 +88,12 @@ def check_targets(
     return loadable, report
 
 
-def _all_plain(tensors: Mapping[str, Any], targets: Sequence[Target], x64: bool) -> WholeReads | None:
+def whole_reads(tensors: Mapping[str, Any], targets: Sequence[Target], x64: bool) -> WholeReads | None:
     """``targets`` as :class:`~nnx_save.load._target.WholeReads` when every one reads one
-    tensor of ``tensors`` as it is stored, in its shape and held dtype (nothing to
-    report): asked of them all at once, at C speed, before asking :func:`_check` of
-    each (a load of a hundred thousand leaves); else ``None``."""
+    tensor of ``tensors`` as it is stored, in its shape and held dtype (under
+    ``jax_enable_x64`` = ``x64``: nothing to report); else ``None``. Asked of them all at
+    once, at C speed, before asking :func:`_check` of each (a load of a hundred
+    thousand leaves); :func:`check_targets` trusts targets given as ``WholeReads``."""
     if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
         return None
     sources = list(map(_SOURCES, targets))
