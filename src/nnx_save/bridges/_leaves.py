@@ -35,6 +35,7 @@ __all__ = [
 
 
 _KEY = operator.attrgetter("key")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class LoadKeywords(TypedDict, total=False):
@@ -88,7 +89,7 @@ def _flatten_with_path(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tupl
     except ValueError:  # jax sorts dict keys: {0: .., "0": ..} cannot be flattened
         _refuse_mixed_keys(tree, ())
         raise
-    return [p for p, _ in pairs], [v for _, v in pairs], treedef
+    return list(map(_FIRST, pairs)), list(map(_SECOND, pairs)), treedef
 
 
 def segments(keypaths: list[tuple]) -> list[tuple]:

@@ -392,10 +392,10 @@ def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHe
     meta = {} if meta is None else meta
     if type(meta) is not dict or not _STR.issuperset(map(type, meta.values())):
         return None
-    rows = _fast_rows(list(obj.values()))
-    if rows is None or not _keys_unique(text, list(obj), meta, has_meta):
+    names, rows = list(obj), _fast_rows(list(obj.values()))
+    if rows is None or not _keys_unique(text, names, meta, has_meta):
         return None
-    names, (order, begins, ends, nbytes, dtypes, shapes) = list(obj), rows
+    order, begins, ends, nbytes, dtypes, shapes = rows
     if not isinstance(order, range):  # into offset order
         names, dtypes, shapes = [names[i] for i in order], [dtypes[i] for i in order], [shapes[i] for i in order]
         begins, ends, nbytes = [begins[i] for i in order], [ends[i] for i in order], [nbytes[i] for i in order]

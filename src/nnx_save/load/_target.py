@@ -198,9 +198,13 @@ def check_device_dtypes(targets: Sequence[Target], files: Callable[[Target], str
     """:func:`check_device_dtype` of each target (``files``: the file it reads, for the
     message), asked once per sharding object and dtype: the answer is the same for all
     the targets that share them (a hundred thousand leaves, one sharding)."""
+    ids, dtypes = list(map(id, map(_SHARDING, targets))), list(map(_DTYPE, targets))
     try:
-        keys = list(zip(map(id, map(_SHARDING, targets)), map(_DTYPE, targets), strict=True))
-        first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))  # each key's first target
+        if len(set(ids)) == 1 and len(set(dtypes)) == 1:  # one sharding object, one dtype: one question
+            first: dict[Any, int] = {None: 0} if targets else {}
+        else:
+            keys = list(zip(ids, dtypes, strict=True))
+            first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))  # each key's first target
     except TypeError:  # an unhashable dtype
         first = {i: i for i in range(len(targets))}
     for i in sorted(first.values()):
