@@ -23,7 +23,7 @@ from ._assemble import held_of
 from ._hints import shape_hints, shape_remedy
 from ._renames import suggest_renames
 from ._report import DtypeCast, LoadReport, ShapeMismatch, matches_any, rename_remedy, target_remedy
-from ._target import WholeReads
+from ._target import OwnPaths, WholeReads
 
 if TYPE_CHECKING:
     from ._source import Header
@@ -84,7 +84,7 @@ def check_targets(
         report.suggested_targets = suggested_targets(report, {t.path: t.shape for t in targets}, header.tensors)
     report.suggested_shape_rules = shape_hints(report.shape_mismatches, targets)
     report.sources = dict(zip(map(_PATH, loadable), map(_SOURCES, loadable), strict=True))
-    report.landed = _landed(header.tensors, loadable)
+    report.landed = _landed(header.tensors, loadable, report.sources)
     return loadable, report
 
 
@@ -94,12 +94,15 @@ def whole_reads(tensors: Mapping[str, Any], targets: Sequence[Target], x64: bool
     ``jax_enable_x64`` = ``x64``: nothing to report); else ``None``. Asked of them all at
     once, at C speed, before asking :func:`_check` of each (a load of a hundred
     thousand leaves); :func:`check_targets` trusts targets given as ``WholeReads``."""
-    if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
-        return None
-    sources = list(map(_SOURCES, targets))
-    if set(map(len, sources)) != {1}:
-        return None
-    keys = list(map(_FIRST, sources))
+    if isinstance(targets, OwnPaths):  # each reads its own path: no transform, one source
+        keys = list(map(_PATH, targets))
+    else:
+        if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
+            return None
+        sources = list(map(_SOURCES, targets))
+        if set(map(len, sources)) != {1}:
+            return None
+        keys = list(map(_FIRST, sources))
     if not all(map(tensors.__contains__, keys)):
         return None
     infos = list(map(tensors.__getitem__, keys))
@@ -115,9 +118,11 @@ def whole_reads(tensors: Mapping[str, Any], targets: Sequence[Target], x64: bool
     return None
 
 
-def _landed(tensors: Mapping[str, Any], loadable: Sequence[Target]) -> dict[str, tuple[str, ...]]:
+def _landed(
+    tensors: Mapping[str, Any], loadable: Sequence[Target], sources_of: Mapping[str, tuple[str, ...]]
+) -> dict[str, tuple[str, ...]]:
     """Per file key of ``tensors``, the paths of ``loadable`` (whose sources are all
-    there) it goes to: in bulk when each reads its own one tensor."""
+    there, ``sources_of`` by path) it goes to: in bulk when each reads its own one tensor."""
     if isinstance(loadable, WholeReads):
         keys: list[str] | None = loadable.keys
     else:
@@ -126,8 +131,10 @@ def _landed(tensors: Mapping[str, Any], loadable: Sequence[Target]) -> dict[str,
     if keys is not None and len(loadable.used if isinstance(loadable, WholeReads) else set(keys)) == len(keys):
         landed: dict[str, tuple[str, ...]] = dict.fromkeys(tensors, ())
         paths = list(map(_PATH, loadable))
-        # one (path,) per key: the target's own sources where its path is its key
-        landed.update(zip(keys, map(_SOURCES, loadable) if paths == keys else zip(paths), strict=True))
+        if paths == keys:  # each path its own key: the key lands at (path,), its sources
+            landed.update(sources_of)
+        else:
+            landed.update(zip(keys, zip(paths), strict=True))  # one (path,) per key
         return landed
     lists: dict[str, list[str]] = {k: [] for k in tensors}
     for t in loadable:

@@ -20,6 +20,7 @@ from ..format._boxes import Box, of_index, whole
 from ..format._header import frozen_many
 
 __all__ = [
+    "OwnPaths",
     "SourceTransform",
     "Target",
     "WholeReads",
@@ -86,11 +87,16 @@ class Target:
     @classmethod
     def many(
         cls, paths: list[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype], shardings: Sequence[Any]
-    ) -> list[Target]:
+    ) -> OwnPaths:
         """``[Target(p, shape, dtype, sharding, (p,)) ...]``, one per path, made in bulk
         (:func:`~nnx_save.format._header.frozen_many`): each reads its own path whole."""
         columns = {"path": paths, "shape": shapes, "dtype": dtypes, "sharding": shardings, "sources": list(zip(paths))}
-        return frozen_many(cls, len(paths), columns, dict.fromkeys(("transform", "source_shape", "box")))
+        return OwnPaths(frozen_many(cls, len(paths), columns, dict.fromkeys(("transform", "source_shape", "box"))))
+
+
+class OwnPaths(list[Target]):
+    """Targets made by :meth:`Target.many`: each reads its own path, whole, as its one
+    source, with no transform (a later step need not ask each target that again)."""
 
 
 class WholeReads(list[Target]):
