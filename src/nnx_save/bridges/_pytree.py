@@ -281,7 +281,9 @@ def load_file(
                     "the shardings each process should load"
                 )
             keys, infos = list(header.tensors), list(header.tensors.values())
-            targets: list[Target] = Target.many(keys, list(map(_SHAPE, infos)), [i.dtype.numpy for i in infos], [None] * len(keys))
+            targets: list[Target] = Target.many(
+                keys, list(map(_SHAPE, infos)), [i.dtype.numpy for i in infos], [None] * len(keys)
+            )
             leaves: list[Any] = []
         else:
             targets, treedef, leaves = _abstract_targets(abstract)
