@@ -47,6 +47,23 @@ def test_progress_true_on_a_pipe_writes_plain_lines():
     assert pipe.getvalue() == ""  # nothing until there is something to say
 
 
+def test_the_total_is_asked_only_where_a_bar_or_lines_may_show():
+    """A load passes its total as a function: summing a hundred thousand tensors' sizes
+    is skipped where nothing is drawn (the default, on anything but a terminal)."""
+    asked = []
+
+    def total():
+        asked.append(1)
+        return 1 << 30
+
+    assert not _progress.bar("x", total, 1, None, io.StringIO()).active
+    assert not _progress.bar("x", total, 1, False, FakeTTY()).active
+    assert asked == []
+    assert _progress.bar("x", total, 1, None, FakeTTY()).total == 1 << 30
+    assert _progress.bar("x", total, 1, True, io.StringIO()).total == 1 << 30
+    assert asked == [1, 1]
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0

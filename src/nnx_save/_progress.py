@@ -16,6 +16,7 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import IO
 
 from . import _config
@@ -162,15 +163,31 @@ def _width(stream: IO[str]) -> int:
 
 
 def bar(
-    label: str, total_bytes: int, total_items: int, progress: bool | None, stream: IO[str] | None = None
+    label: str,
+    total_bytes: int | Callable[[], int],
+    total_items: int,
+    progress: bool | None,
+    stream: IO[str] | None = None,
 ) -> NullBar:
     """A :class:`Bar` when ``progress`` asks for one and ``stream`` (stderr) is a
     terminal; :class:`LogLines` for ``progress=True`` on anything else; else a
-    :class:`NullBar`."""
+    :class:`NullBar`. ``total_bytes`` may be a function, called only when a bar or log
+    lines may be made (a load sums a hundred thousand tensors' sizes only then)."""
     stream = sys.stderr if stream is None else stream
-    if progress is False or (progress is None and total_bytes < _config.PROGRESS_MIN_BYTES.get()):
+    if progress is False or (progress is None and not _is_terminal(stream)):
+        return NullBar()
+    total = total_bytes() if callable(total_bytes) else total_bytes
+    if progress is None and total < _config.PROGRESS_MIN_BYTES.get():
         return NullBar()
     isatty = getattr(stream, "isatty", None)
     if isatty is None or not isatty():
-        return LogLines(label, total_bytes, total_items, stream) if progress is True else NullBar()
-    return Bar(label, total_bytes, total_items, stream)
+        return LogLines(label, total, total_items, stream) if progress is True else NullBar()
+    return Bar(label, total, total_items, stream)
+
+
+def _is_terminal(stream: IO[str]) -> bool:
+    """Whether ``stream`` is a terminal (a closed or odd stream is not)."""
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, OSError, ValueError):
+        return False

@@ -4,6 +4,8 @@ _state_dict, so that none of those imports another to reach them."""
 
 from __future__ import annotations
 
+import itertools
+import operator
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypedDict
@@ -22,6 +24,7 @@ __all__ = [
     "describe",
     "flat_file_keys",
     "flatten",
+    "flatten_keys",
     "leaf_entries",
     "leaf_entry",
     "load_options",
@@ -29,6 +32,10 @@ __all__ = [
     "tree_pairs",
     "variable_class",
 ]
+
+
+_KEY = operator.attrgetter("key")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class LoadKeywords(TypedDict, total=False):
@@ -56,17 +63,64 @@ def load_options(call: str, options: LoadOptions | None, keywords: Mapping[str, 
 
 def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[tuple[tuple, Any]], Any]:
     """``[(path, leaf)]`` and the treedef, with ``None`` kept as a leaf so it can be refused."""
+    keypaths, leaves, treedef = _flatten_with_path(tree, is_leaf)
+    return list(zip(segments(keypaths), leaves, strict=True)), treedef
+
+
+def flatten_keys(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[str], list[Any], Any]:
+    """``(keys, leaves, treedef)``: :func:`flatten` with each path made its file key
+    (:func:`~nnx_save.format._paths.to_keys`), a flat dict's names taken as they are."""
+    keypaths, leaves, treedef = _flatten_with_path(tree, is_leaf)
+    values = _segment_values(keypaths)
+    if values is not None and len(values) == len(keypaths) and set(map(len, keypaths)) <= {1}:
+        return _paths.names_to_keys(values), leaves, treedef
+    return _paths.to_keys(segments(keypaths)), leaves, treedef
+
+
+def _flatten_with_path(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[tuple], list[Any], Any]:
+    """jax's key paths, the leaves (``None`` kept as one) and the treedef of ``tree``."""
     import jax
 
-    def leaf(x: Any) -> bool:
+    def leaf(_: Any, x: Any) -> bool:
         return x is None or (is_leaf is not None and is_leaf(x))
 
     try:
-        pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf)
+        pairs, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=leaf, is_leaf_takes_path=True)
     except ValueError:  # jax sorts dict keys: {0: .., "0": ..} cannot be flattened
         _refuse_mixed_keys(tree, ())
         raise
-    return [(tuple(_paths.segment(k, p[:i]) for i, k in enumerate(p)), v) for p, v in pairs], treedef
+    return list(map(_FIRST, pairs)), list(map(_SECOND, pairs)), treedef
+
+
+def segments(keypaths: list[tuple]) -> list[tuple]:
+    """Each jax key path as a path of segments (:func:`~nnx_save.format._paths.segment`
+    of each entry): in bulk where every entry is one of jax's key classes holding a
+    name or an int (a model's, a dict's), else entry by entry."""
+    values = _segment_values(keypaths)
+    if values is None:
+        return [tuple(_paths.segment(k, p[:i]) for i, k in enumerate(p)) for p in keypaths]
+    lengths = set(map(len, keypaths))
+    flat = iter(values)
+    if len(lengths) == 1 and 0 not in lengths:
+        return list(zip(*[flat] * lengths.pop(), strict=True))  # consecutive values, a path's length at a time
+    return [tuple(itertools.islice(flat, len(p))) for p in keypaths]
+
+
+def _segment_values(keypaths: list[tuple]) -> list[str | int] | None:
+    """Every entry of ``keypaths``, in order, as its segment, when each is one of jax's
+    key classes holding a name or an int; else ``None``."""
+    from jax import tree_util
+
+    entries = list(itertools.chain.from_iterable(keypaths))
+    kinds = set(map(type, entries))
+    if kinds <= {tree_util.DictKey}:
+        values = list(map(_KEY, entries))
+    elif kinds <= {tree_util.DictKey, tree_util.GetAttrKey, tree_util.SequenceKey, tree_util.FlattenedIndexKey}:
+        name, index = tree_util.GetAttrKey, tree_util.SequenceKey  # each has one of these attributes
+        values = [e.name if type(e) is name else e.idx if type(e) is index else e.key for e in entries]
+    else:
+        return None
+    return values if set(map(type, values)) <= {str, int} else None  # not bool, nor a tuple key
 
 
 def _refuse_mixed_keys(node: Any, where: tuple) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, Unpack
 
@@ -13,6 +15,7 @@ from ..format import _paths
 from ..io._storage import Where
 from ..layouts import _registry
 from ..layouts._registry import reader_factory
+from ..load import _match
 from ..load._engine import load_targets
 from ..load._options import LoadOptions
 from ..load._report import ShapeMismatch, matches_any
@@ -24,7 +27,7 @@ from ._leaves import (
     LoadKeywords,
     check_metadata,
     describe,
-    flatten,
+    flatten_keys,
     leaf_entry,
     load_options,
     tree_pairs,
@@ -32,6 +35,8 @@ from ._leaves import (
 )
 
 __all__ = ["load_file", "save_file"]
+
+_SHAPE, _DTYPE, _SHARDING, _PATH, _SOURCES = map(operator.attrgetter, ("shape", "dtype", "sharding", "path", "sources"))
 
 
 def save_file(
@@ -103,10 +108,19 @@ def save_file(
 def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:
     import jax
 
-    pairs, treedef = flatten(abstract, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
-    targets, leaves, unsharded = [], [], []
-    for path, leaf in pairs:
-        key = _paths.to_key(path)
+    keys, leaves, treedef = flatten_keys(abstract)  # a jax.ShapeDtypeStruct is a leaf: no node type of jax's
+    if set(map(type, leaves)) == {jax.ShapeDtypeStruct}:  # a plain abstract tree: made in bulk
+        shardings = list(map(_SHARDING, leaves))
+        if not any(map(operator.is_, shardings, itertools.repeat(None))):
+            dtypes = {d: np.dtype(d) for d in set(map(_DTYPE, leaves))}
+            shapes = list(map(tuple, map(_SHAPE, leaves)))
+            return (
+                Target.many(keys, shapes, list(map(dtypes.__getitem__, map(_DTYPE, leaves))), shardings),
+                treedef,
+                leaves,
+            )
+    targets, unsharded = [], []
+    for key, leaf in zip(keys, leaves, strict=True):
         if leaf is None or not hasattr(leaf, "shape") or not hasattr(leaf, "dtype"):
             raise UnsupportedValueError(
                 f"{key}: abstract leaves must be arrays or jax.ShapeDtypeStruct, found {describe(leaf)}", key
@@ -116,7 +130,6 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:
             sharding = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
             unsharded.append(key)
         targets.append(Target(key, tuple(leaf.shape), np.dtype(leaf.dtype), sharding, (key,)))
-        leaves.append(leaf)
     fix = (
         "Give each jax.ShapeDtypeStruct a sharding (NamedSharding(mesh, spec) to spread it, or "
         "SingleDeviceSharding(device) to mean one device), or pass numpy arrays to load on the host"
@@ -127,11 +140,15 @@ def _abstract_targets(abstract: Any) -> tuple[list[Target], Any, list[Any]]:
 
 def _refuse_shape_mismatches(
     header: Header, targets: list[Target], leaves: list[Any], allowed: Sequence[str], strict: bool
-) -> None:
+) -> bool:
     """One :class:`ShapeMismatchError` before any read for the reshaped leaves left without
-    a value: not allowed (``strict``'s LoadError lists those), or a ``ShapeDtypeStruct``."""
+    a value: not allowed (``strict``'s LoadError lists those), or a ``ShapeDtypeStruct``.
+    Returns whether every leaf's path is a tensor of its shape (asked of them all at
+    once first: then there is nothing to refuse, nor any leaf missing)."""
     import jax
 
+    if _all_shaped(header, targets):
+        return True
     lines, refused = [], []
     for t, leaf in zip(targets, leaves, strict=True):
         info = header.tensors.get(t.path)
@@ -154,6 +171,16 @@ def _refuse_shape_mismatches(
             + f"\nTo keep the abstract tree's values there, give those leaves as arrays and pass "
             f"allow_shape_mismatch={sorted(refused)[:5]!r}"
         )
+    return False
+
+
+def _all_shaped(header: Header, targets: list[Target]) -> bool:
+    """Whether every target's path is a tensor of its shape, asked of them all at once."""
+    paths = list(map(_PATH, targets))
+    if not all(map(header.tensors.__contains__, paths)):
+        return False
+    held = map(tuple, map(_SHAPE, map(header.tensors.__getitem__, paths)))
+    return list(held) == list(map(tuple, map(_SHAPE, targets)))
 
 
 def _source_name(header: Header) -> str:
@@ -162,6 +189,8 @@ def _source_name(header: Header) -> str:
 
 def _refuse_missing(header: Header, targets: list[Target]) -> None:
     """Refuse, before any read, leaves the checkpoint has no tensor for: a tree has no holes."""
+    if set(itertools.chain.from_iterable(map(_SOURCES, targets))).issubset(header.tensors):
+        return
     missing = [t.path for t in targets if any(s not in header.tensors for s in t.sources)]
     if missing:
         raise KeyMismatchError(
@@ -251,12 +280,18 @@ def load_file(
                     f"{jax.process_count()}-process run would read every tensor on every host; pass abstract= with "
                     "the shardings each process should load"
                 )
-            targets = [Target(k, t.shape, t.dtype.numpy, None, (k,)) for k, t in header.tensors.items()]
+            keys, infos = list(header.tensors), list(header.tensors.values())
+            targets: list[Target] = Target.many(
+                keys, list(map(_SHAPE, infos)), [i.dtype.numpy for i in infos], [None] * len(keys)
+            )
+            leaves: list[Any] = []
         else:
             targets, treedef, leaves = _abstract_targets(abstract)
-            _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict)
-            if not strict:  # strict raises LoadError with the whole report instead
-                _refuse_missing(header, targets)
+            plain = _match.whole_reads(header.tensors, targets, jax.config.jax_enable_x64)  # type: ignore[attr-defined]
+            if plain is not None:  # each leaf reads its tensor as stored: nothing to refuse, asked once
+                targets = plain
+            elif not _refuse_shape_mismatches(header, targets, leaves, allow_shape_mismatch, strict) and not strict:
+                _refuse_missing(header, targets)  # strict raises LoadError with the whole report instead
         values, report = load_targets(
             header,
             targets,
@@ -273,6 +308,12 @@ def load_file(
             result = {k: values[k] for k in header.tensors}
         else:
             kept = {m.path for m in report.allowed_shape_mismatches}
-            values = {**values, **{t.path: leaf for t, leaf in zip(targets, leaves, strict=True) if t.path in kept}}
-            result = jax.tree_util.tree_unflatten(treedef, [values[t.path] for t in targets])
-    return (result, report) if return_report else result
+            if kept:
+                values = {**values, **{t.path: leaf for t, leaf in zip(targets, leaves, strict=True) if t.path in kept}}
+            result = jax.tree_util.tree_unflatten(treedef, list(map(values.__getitem__, map(_PATH, targets))))
+        out = (result, report) if return_report else result
+        # freed here, while collection is paused (a hundred thousand targets and tensor
+        # records for as many leaves), and nothing allocated after: the collection the
+        # pause put off runs in the caller and walks only what is returned
+        del header, targets, leaves, values, result, report
+    return out

@@ -21,6 +21,8 @@ lives as long as the last array made from it, as the general path's slabs do.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,10 +36,14 @@ from ..format._units import human_bytes
 from ._assemble import batched_put, check_bools, held_of
 from ._execute import aligned_empty
 from ._pieces import Request
-from ._target import Target
+from ._target import Target, WholeReads
 
 __all__ = ["SMALL_BYTES", "Batch", "plan_runs"]
 
+_TRANSFORM, _SOURCES, _SHARDING, _DTYPE = map(operator.attrgetter, ("transform", "sources", "sharding", "dtype"))
+_FILE, _BEGIN, _END, _NBYTES = map(operator.attrgetter, ("file", "begin", "end", "nbytes"))
+_PATH, _SHAPE = operator.attrgetter("path"), operator.attrgetter("shape")
+_FIRST, _HELD = operator.itemgetter(0), operator.attrgetter("dtype.numpy")
 SMALL_BYTES = 64 << 10  # a tensor of at most this many bytes is read in a run with its neighbours
 RUN_BYTES = 64 << 20  # a run starts at most this many bytes after its first tensor
 ALIGN = 64  # jax on CPU adopts host memory aligned to this without a copy
@@ -107,6 +113,10 @@ class Batch:
         if not enabled or header.placement.local_files() is None or many_put() is None:
             return batch, list(targets)
         tensors = header.tensors
+        whole = _all_batched(tensors, targets, x64, not streams("cpu"))
+        if whole is not None:
+            batch._group(list(targets), *whole)
+            return batch, []
         rest: list[Target] = []
         chosen: dict[str, int] = {}  # file key -> its index in picked
         picked: list[tuple[Target, TensorInfo, np.dtype] | None] = []
@@ -152,30 +162,38 @@ class Batch:
             assert entry is not None
             rest.append(entry[0])
             picked[j] = None
-        batch._group([p for p in picked if p is not None])
+        kept = [p for p in picked if p is not None]
+        batch._group([p[0] for p in kept], [p[1] for p in kept], [p[2] for p in kept])
         return batch, rest
 
-    def _group(self, picked: list[tuple[Target, TensorInfo, np.dtype]]) -> None:
-        """``picked`` by file, each file's in file order, cut into runs (:func:`plan_runs`)."""
-        if not picked:
+    def _group(self, targets: list[Target], infos: list[TensorInfo], held: list[np.dtype]) -> None:
+        """The batched ``targets`` (reading ``infos``, held as ``held``) by file, each
+        file's in file order, cut into runs (:func:`plan_runs`)."""
+        if not targets:
             return
-        files: dict[str, list[int]] = {}
-        first = picked[0][1].file
-        if all(p[1].file == first for p in picked):
-            files[first] = list(range(len(picked)))
+        files = set(map(_FILE, infos))
+        by_file: dict[str, Sequence[int]]
+        if len(files) == 1:
+            by_file = {files.pop(): range(len(targets))}  # all of them, in their order
         else:
-            for j, p in enumerate(picked):
-                files.setdefault(p[1].file, []).append(j)
-        for file, indices in files.items():
-            begin = np.fromiter((picked[j][1].begin for j in indices), np.int64, len(indices))
+            lists: dict[str, list[int]] = {}
+            for j, info in enumerate(infos):
+                lists.setdefault(info.file, []).append(j)
+            by_file = dict(lists)
+        for file, indices in by_file.items():
+            mine = infos if isinstance(indices, range) else [infos[j] for j in indices]
+            begin = np.fromiter(map(_BEGIN, mine), np.int64, len(indices))
             if len(begin) > 1 and (begin[1:] < begin[:-1]).any():
                 order = np.argsort(begin, kind="stable")
                 indices, begin = [indices[k] for k in order.tolist()], begin[order]
             runs = self.by_file[file] = _FileRuns()
-            runs.targets = [picked[j][0] for j in indices]
-            runs.infos = [picked[j][1] for j in indices]
-            runs.held = [picked[j][2] for j in indices]
-            end = np.fromiter((i.end for i in runs.infos), np.int64, len(indices))
+            if isinstance(indices, range):
+                runs.targets, runs.infos, runs.held = list(targets), list(infos), list(held)
+            else:
+                runs.targets = [targets[j] for j in indices]
+                runs.infos = [infos[j] for j in indices]
+                runs.held = [held[j] for j in indices]
+            end = np.fromiter(map(_END, runs.infos), np.int64, len(indices))
             runs.starts = plan_runs(begin, end)
             self.nbytes += int((end - begin).sum())
 
@@ -210,7 +228,7 @@ class Batch:
 
     def place(self, engine: Any, file: str) -> None:
         """The values of ``file``'s batched targets, once it is read: checksums checked
-        (``verify``), BOOL bytes checked, casts made, device arrays made in bulk."""
+        (``verify``), BOOL bytes checked, device arrays made in bulk (no cast is batched)."""
         runs = self.by_file.pop(file, None)
         if runs is None:
             return
@@ -219,29 +237,25 @@ class Batch:
         runs.buffers = []  # the views hold them now
         if engine.opt.verify:
             _verify(engine, file, runs, hosts)
-        for host, info in zip(hosts, runs.infos, strict=True):
-            if info.dtype.code == "BOOL":
-                check_bools(host, info, tuple((0, d) for d in info.shape))
-        results, bar = engine.values, engine.bar
-        group: list[int] = []
-        for i, t in enumerate(runs.targets):
-            if runs.held[i] != hosts[i].dtype:
-                hosts[i] = hosts[i].astype(runs.held[i])
-            if t.sharding is None:
-                results[t.path] = hosts[i]
-                continue
-            if group and (
-                t.sharding is not runs.targets[group[0]].sharding
-                or t.shape != runs.targets[group[0]].shape
-                or hosts[i].dtype != hosts[group[0]].dtype
-            ):
-                _put(results, [runs.targets[j] for j in group], [hosts[j] for j in group])
-                group = []
-            group.append(i)
-        if group:
-            _put(results, [runs.targets[j] for j in group], [hosts[j] for j in group])
-        if bar.active:
-            bar.update(items=len(runs.targets))
+        kinds = list(map(_DTYPE, runs.infos))
+        if any(d.code == "BOOL" for d in dict(zip(map(id, kinds), kinds, strict=True)).values()):
+            for host, info in zip(hosts, runs.infos, strict=True):
+                if info.dtype.code == "BOOL":
+                    check_bools(host, info, tuple((0, d) for d in info.shape))
+        results = engine.values
+        shardings = list(map(_SHARDING, runs.targets))
+        # runs of one sharding object, shape and dtype: each one call of many_put
+        cuts = {0, len(shardings)}
+        for column in (list(map(id, shardings)), list(map(_SHAPE, runs.targets)), runs.held):
+            cuts.update(_differ(column[1:], column[:-1], 1))
+        for a, b in itertools.pairwise(sorted(cuts)):
+            targets = runs.targets[a:b]
+            if shardings[a] is None:
+                results.update(zip(map(_PATH, targets), hosts[a:b], strict=True))
+            else:
+                _put(results, targets, hosts[a:b])
+        if engine.bar.active:
+            engine.bar.update(items=len(runs.targets))
 
     @staticmethod
     def _views(runs: _FileRuns) -> list[np.ndarray]:
@@ -268,12 +282,66 @@ class Batch:
         return out
 
 
+def _all_batched(
+    tensors: Any, targets: Sequence[Target], x64: bool, cpu: bool
+) -> tuple[list[TensorInfo], list[np.dtype]] | None:
+    """``(infos, held dtypes)`` of ``targets`` when :meth:`Batch.split` would batch
+    every one of them (``cpu``: device targets may be), asked of them all at once at C
+    speed; ``None`` when one would not, and the per target way decides."""
+    if not targets:
+        return None
+    if isinstance(targets, WholeReads):
+        keys, infos = targets.keys, targets.infos
+        if len(targets.used) != len(keys):  # a tensor two targets want
+            return None
+    else:
+        if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
+            return None
+        sources = list(map(_SOURCES, targets))
+        if set(map(len, sources)) != {1}:
+            return None
+        keys = list(map(_FIRST, sources))
+        infos = list(map(tensors.__getitem__, keys))
+        if len(set(keys)) != len(keys):  # a tensor two targets want
+            return None
+    nbytes = np.fromiter(map(_NBYTES, infos), np.int64, len(infos))
+    if nbytes.min() <= 0 or nbytes.max() > SMALL_BYTES:
+        return None
+    kinds = list(map(_DTYPE, infos))
+    if not all(d.byte_aligned for d in dict(zip(map(id, kinds), kinds, strict=True)).values()):
+        return None
+    shardings = list(map(_SHARDING, targets))
+    for sharding in dict(zip(map(id, shardings), shardings, strict=True)).values():
+        if sharding is not None and not (cpu and _one_cpu_device(sharding)):
+            return None
+    if any(map(operator.is_, shardings, itertools.repeat(None))):  # a host target: wanted whole
+        boxes = [(t.box, info.shape) for t, info in zip(targets, infos, strict=True) if t.sharding is None]
+        if not all(box is None or box == tuple((0, d) for d in shape) for box, shape in boxes):
+            return None
+    if isinstance(targets, WholeReads):  # each held as its tensor is stored
+        return infos, list(map(_HELD, infos))
+    on_device = list(map(operator.is_not, shardings, itertools.repeat(None)))
+    try:
+        held = {k: held_of(np.dtype(k[0]), k[1], x64) for k in set(zip(map(_DTYPE, targets), on_device, strict=True))}
+    except TypeError:  # an unhashable dtype: the per target way
+        return None
+    dtypes = list(map(held.__getitem__, zip(map(_DTYPE, targets), on_device, strict=True)))
+    if dtypes != list(map(_HELD, infos)):  # a cast: cast slab by slab on the general path, not here
+        return None
+    return infos, dtypes
+
+
+def _differ(a: Sequence[Any], b: Sequence[Any], offset: int = 0) -> list[int]:
+    """The indices (plus ``offset``) where ``a`` and ``b`` differ, compared at C speed."""
+    return list(itertools.compress(itertools.count(offset), map(operator.ne, a, b)))
+
+
 def _put(results: dict[str, Any], targets: list[Target], hosts: list[np.ndarray]) -> None:
     """Device arrays of ``targets`` (one sharding, shape and dtype) from ``hosts``, in one call."""
     t, put = targets[0], many_put()
     assert put is not None  # Batch.split batches no device target otherwise
-    for target, value in zip(targets, put(t.shape, t.sharding, hosts, list(t.sharding.device_set)), strict=True):
-        results[target.path] = value
+    values = put(t.shape, t.sharding, hosts, list(t.sharding.device_set))
+    results.update(zip(map(_PATH, targets), values, strict=True))
 
 
 def _one_cpu_device(sharding: Any) -> bool:
@@ -302,7 +370,8 @@ def many_put() -> Callable | None:
 
     def put_all(shape: tuple[int, ...], sharding: Any, hosts: list[np.ndarray], devices: list[Any]) -> list[Any]:
         aval = core.update_aval_with_sharding(core.ShapedArray(shape, hosts[0].dtype), sharding)
-        return [direct(aval, sharding, [h], devices, True) for h in hosts]
+        n, same = len(hosts), itertools.repeat
+        return list(map(direct, same(aval, n), same(sharding, n), zip(hosts), same(devices, n), same(True, n)))
 
     return put_all
 

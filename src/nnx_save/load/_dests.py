@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import functools
 import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from ._source import Header
 from ._target import Target, shard_boxes
 
 __all__ = ["Dest", "Destinations"]
+
+_PATH = operator.attrgetter("path")
 
 
 @dataclass
@@ -63,7 +66,7 @@ class Destinations:
         self.header, self.opt = header, opt
         self.slab_bytes = slab_bytes  # adopted buffers are packed into allocations of up to this size
         self.x64: bool = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per tensor
-        self.by_path = {t.path: t for t in targets}
+        self.by_path = dict(zip(map(_PATH, targets), targets, strict=True))
         self._streams: dict[str, bool] = {}  # platform -> whether its device targets stream
         self.dests: list[Dest] = []
         self.shards: dict[str, list[int]] = {}  # owner -> its destinations

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import operator
 import os
 import threading
 import time
@@ -47,11 +48,12 @@ from ._plan import FilePlan, over_read_by_range, plan_file
 from ._report import LoadReport, complete
 from ._result import OVER_READ_MIN_BYTES, OVER_READ_WARN, EngineResult
 from ._source import Header, gc_paused
-from ._target import Target, check_device_dtype, device_indices
+from ._target import Target, WholeReads, check_device_dtypes, device_indices
 
 __all__ = ["load_targets"]
 
 log = logging.getLogger("nnx_save")
+_SOURCES, _NBYTES = operator.attrgetter("sources"), operator.attrgetter("nbytes")
 
 
 def _no_memory(file: str, dests: list[Dest]) -> HostMemoryError:
@@ -500,11 +502,10 @@ def load_targets(
         opt = replace(opt, verify=True)
     if strict:
         report.raise_or_warn(True)
-    for t in loadable:  # each has sources, all in the header (check_targets)
-        check_device_dtype(t, header.tensors[t.sources[0]].file)
-    keys = {k for t in loadable for k in t.sources}  # this process may need less: the total is made exact below
+    # each has sources, all in the header (check_targets)
+    check_device_dtypes(loadable, lambda t: header.tensors[t.sources[0]].file)
     label = f"loading {os.path.basename(report.source)}"
-    bar = _progress.bar(label, sum(header.tensors[k].nbytes for k in keys), len(loadable), progress)
+    bar = _progress.bar(label, lambda: _total_bytes(header, loadable), len(loadable), progress)
     with gc_paused():
         try:
             engine = Engine(header, loadable, opt, open_reader, bar, slab_bytes)
@@ -527,6 +528,13 @@ def load_targets(
     finally:
         engine.close()  # its last readers, once the load is over
     return engine.values, report
+
+
+def _total_bytes(header: Header, loadable: Sequence[Target]) -> int:
+    """Bytes of the tensors ``loadable`` reads (this process may need less: the
+    progress total is made exact once the engine has planned)."""
+    keys = loadable.keys if isinstance(loadable, WholeReads) else itertools.chain.from_iterable(map(_SOURCES, loadable))
+    return sum(map(_NBYTES, map(header.tensors.__getitem__, set(keys))))
 
 
 def _read(engine: Engine, loadable: Sequence[Target], opt: LoadOptions) -> None:

@@ -12,6 +12,8 @@ load that would fill nothing refuses whatever ``strict`` says.
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ from ._assemble import held_of
 from ._hints import shape_hints, shape_remedy
 from ._renames import suggest_renames
 from ._report import DtypeCast, LoadReport, ShapeMismatch, matches_any, rename_remedy, target_remedy
+from ._target import OwnPaths, WholeReads
 
 if TYPE_CHECKING:
     from ._source import Header
@@ -36,7 +39,14 @@ __all__ = [
     "split_allowed_casts",
     "suggested_renames",
     "suggested_targets",
+    "whole_reads",
 ]
+
+_PATH, _SHAPE, _DTYPE, _SHARDING, _SOURCES, _TRANSFORM = map(
+    operator.attrgetter, ("path", "shape", "dtype", "sharding", "sources", "transform")
+)
+_NUMPY = operator.attrgetter("dtype.numpy")
+_FIRST = operator.itemgetter(0)
 
 
 def check_targets(
@@ -56,27 +66,83 @@ def check_targets(
     import jax
 
     x64 = jax.config.jax_enable_x64  # type: ignore[attr-defined]  # asked once, not per target
-    loadable = [t for t in targets if _check(header, t, report, x64)]
-    used = {k for t in targets for k in t.sources}
+    whole = targets if isinstance(targets, WholeReads) else whole_reads(header.tensors, targets, x64)
+    loadable: list[Target] = [t for t in targets if _check(header, t, report, x64)] if whole is None else whole
+    used = set(itertools.chain.from_iterable(map(_SOURCES, targets))) if whole is None else whole.used
     report.missing, report.allowed_missing = split_allowed(report.missing, allow_missing)
     report.shape_mismatches, report.allowed_shape_mismatches = split_allowed(
         report.shape_mismatches, allow_shape_mismatch
     )
     report.dtype_casts, report.allowed_casts = split_allowed_casts(report.dtype_casts, allow_casts)
-    unexpected = [k for k in header.tensors if k not in used and k not in ignore_unexpected]
+    unexpected = (
+        []
+        if used.issuperset(header.tensors)
+        else [k for k in header.tensors if k not in used and k not in ignore_unexpected]
+    )
     report.unexpected, report.allowed_unexpected = split_allowed(unexpected, allow_unexpected)
     report.renamed = dict(renamed or {})  # porting: file key -> model paths, shown with unexpected keys
     if report.missing and report.unexpected:  # a renamed module? (same suffixes and shapes)
         report.suggested_renames = suggested_renames(report, {t.path: t.shape for t in targets}, header.tensors)
         report.suggested_targets = suggested_targets(report, {t.path: t.shape for t in targets}, header.tensors)
     report.suggested_shape_rules = shape_hints(report.shape_mismatches, targets)
-    report.sources = {t.path: t.sources for t in loadable}
-    landed: dict[str, list[str]] = {k: [] for k in header.tensors}
+    report.sources = dict(zip(map(_PATH, loadable), map(_SOURCES, loadable), strict=True))
+    report.landed = _landed(header.tensors, loadable, report.sources)
+    return loadable, report
+
+
+def whole_reads(tensors: Mapping[str, Any], targets: Sequence[Target], x64: bool) -> WholeReads | None:
+    """``targets`` as :class:`~nnx_save.load._target.WholeReads` when every one reads one
+    tensor of ``tensors`` as it is stored, in its shape and held dtype (under
+    ``jax_enable_x64`` = ``x64``: nothing to report); else ``None``. Asked of them all at
+    once, at C speed, before asking :func:`_check` of each (a load of a hundred
+    thousand leaves); :func:`check_targets` trusts targets given as ``WholeReads``."""
+    if isinstance(targets, OwnPaths):  # each reads its own path: no transform, one source
+        keys = list(map(_PATH, targets))
+    else:
+        if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
+            return None
+        sources = list(map(_SOURCES, targets))
+        if set(map(len, sources)) != {1}:
+            return None
+        keys = list(map(_FIRST, sources))
+    if not all(map(tensors.__contains__, keys)):
+        return None
+    infos = list(map(tensors.__getitem__, keys))
+    if list(map(_SHAPE, infos)) != list(map(_SHAPE, targets)):
+        return None
+    on_device = map(operator.is_not, map(_SHARDING, targets), itertools.repeat(None))
+    try:
+        kinds = set(zip(map(_NUMPY, infos), map(_DTYPE, targets), on_device, strict=True))
+        if all(np.dtype(have) == held_of(np.dtype(want), device, x64) for have, want, device in kinds):
+            return WholeReads(targets, keys, infos)
+    except (TypeError, ValueError):  # a dtype numpy cannot make, or hash: _check says what
+        pass
+    return None
+
+
+def _landed(
+    tensors: Mapping[str, Any], loadable: Sequence[Target], sources_of: Mapping[str, tuple[str, ...]]
+) -> dict[str, tuple[str, ...]]:
+    """Per file key of ``tensors``, the paths of ``loadable`` (whose sources are all
+    there, ``sources_of`` by path) it goes to: in bulk when each reads its own one tensor."""
+    if isinstance(loadable, WholeReads):
+        keys: list[str] | None = loadable.keys
+    else:
+        sources = list(map(_SOURCES, loadable))
+        keys = list(map(_FIRST, sources)) if set(map(len, sources)) == {1} else None
+    if keys is not None and len(loadable.used if isinstance(loadable, WholeReads) else set(keys)) == len(keys):
+        landed: dict[str, tuple[str, ...]] = dict.fromkeys(tensors, ())
+        paths = list(map(_PATH, loadable))
+        if paths == keys:  # each path its own key: the key lands at (path,), its sources
+            landed.update(sources_of)
+        else:
+            landed.update(zip(keys, zip(paths), strict=True))  # one (path,) per key
+        return landed
+    lists: dict[str, list[str]] = {k: [] for k in tensors}
     for t in loadable:
         for k in t.sources:
-            landed[k].append(t.path)
-    report.landed = {k: tuple(v) for k, v in landed.items()}
-    return loadable, report
+            lists[k].append(t.path)
+    return {k: tuple(v) for k, v in lists.items()}
 
 
 def _check(header: Header, t: Target, report: LoadReport, x64: bool) -> bool:

@@ -5,7 +5,6 @@ them. Layouts (nnx_save.layouts) build these; the engine only reads them.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -179,17 +178,23 @@ class Header:
         return sum(t.nbytes for t in self.tensors.values())
 
 
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+class gc_paused:  # lower case: used as a function, `with gc_paused():`
     """No cyclic garbage collection inside the block: reading many tensors or pieces
     allocates enough small objects to trigger full collections, each walking every
-    live object of the process; reference counting frees what the block allocates."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
+    live object of the process; reference counting frees what the block allocates.
+
+    A class, not a generator: leaving the block allocates nothing, so the collection
+    the block put off runs at the caller's next allocation, once the block's
+    temporaries are freed, not while they are all alive."""
+
+    __slots__ = ("enabled",)
+
+    def __enter__(self) -> None:
+        self.enabled = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
             gc.enable()
 
 

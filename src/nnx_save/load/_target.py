@@ -7,6 +7,7 @@ models, porting rules) can build targets without importing the engine.
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -16,16 +17,22 @@ import numpy as np
 
 from ..errors import DtypeMismatchError, ShardingError, SingleDeviceWarning
 from ..format._boxes import Box, of_index, whole
+from ..format._header import frozen_many
 
 __all__ = [
+    "OwnPaths",
     "SourceTransform",
     "Target",
+    "WholeReads",
     "check_device_dtype",
+    "check_device_dtypes",
     "device_indices",
     "per_sharding",
     "shard_boxes",
     "warn_single_device",
 ]
+
+_SHARDING, _DTYPE = operator.attrgetter("sharding"), operator.attrgetter("dtype")
 
 
 class SourceTransform(Protocol):
@@ -76,6 +83,32 @@ class Target:
     transform: SourceTransform | None = None
     source_shape: tuple[int, ...] | None = None
     box: tuple[tuple[int, int], ...] | None = None
+
+    @classmethod
+    def many(
+        cls, paths: list[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype], shardings: Sequence[Any]
+    ) -> OwnPaths:
+        """``[Target(p, shape, dtype, sharding, (p,)) ...]``, one per path, made in bulk
+        (:func:`~nnx_save.format._header.frozen_many`): each reads its own path whole."""
+        columns = {"path": paths, "shape": shapes, "dtype": dtypes, "sharding": shardings, "sources": list(zip(paths))}
+        return OwnPaths(frozen_many(cls, len(paths), columns, dict.fromkeys(("transform", "source_shape", "box"))))
+
+
+class OwnPaths(list[Target]):
+    """Targets made by :meth:`Target.many`: each reads its own path, whole, as its one
+    source, with no transform (a later step need not ask each target that again)."""
+
+
+class WholeReads(list[Target]):
+    """Targets that each read one file tensor as it is stored, in its shape and held
+    dtype, with no transform (what :func:`~nnx_save.load._match.check_targets` found
+    of every target of a load), with each one's file key and tensor record, in order,
+    and the set of those keys: later steps of the load take them from here rather than
+    ask each target again (a target's held dtype is its tensor's ``dtype.numpy``)."""
+
+    def __init__(self, targets: Sequence[Target], keys: list[str], infos: list[Any]) -> None:
+        super().__init__(targets)
+        self.keys, self.infos, self.used = keys, infos, set(keys)
 
 
 def device_indices(sharding: Any, shape: tuple[int, ...]) -> dict[Any, tuple[slice, ...]]:
@@ -165,6 +198,23 @@ def check_device_dtype(target: Target, file: str) -> None:
             f"{file}: tensor {target.path!r}: jax on {device.platform} cannot hold dtype {target.dtype} "
             "(nothing was read); load it onto the host instead (a numpy array or no template for it)"
         )
+
+
+def check_device_dtypes(targets: Sequence[Target], files: Callable[[Target], str]) -> None:
+    """:func:`check_device_dtype` of each target (``files``: the file it reads, for the
+    message), asked once per sharding object and dtype: the answer is the same for all
+    the targets that share them (a hundred thousand leaves, one sharding)."""
+    ids, dtypes = list(map(id, map(_SHARDING, targets))), list(map(_DTYPE, targets))
+    try:
+        if len(set(ids)) == 1 and len(set(dtypes)) == 1:  # one sharding object, one dtype: one question
+            first: dict[Any, int] = {None: 0} if targets else {}
+        else:
+            keys = list(zip(ids, dtypes, strict=True))
+            first = dict(zip(reversed(keys), range(len(keys) - 1, -1, -1), strict=True))  # each key's first target
+    except TypeError:  # an unhashable dtype
+        first = {i: i for i in range(len(targets))}
+    for i in sorted(first.values()):
+        check_device_dtype(targets[i], files(targets[i]))
 
 
 def _first_device(sharding: Any) -> Any:
