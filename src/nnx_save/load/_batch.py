@@ -36,14 +36,14 @@ from ..format._units import human_bytes
 from ._assemble import batched_put, check_bools, held_of
 from ._execute import aligned_empty
 from ._pieces import Request
-from ._target import Target, WholeReads
+from ._target import Target, WholeReads, one_source_each
 
 __all__ = ["SMALL_BYTES", "Batch", "plan_runs"]
 
-_TRANSFORM, _SOURCES, _SHARDING, _DTYPE = map(operator.attrgetter, ("transform", "sources", "sharding", "dtype"))
+_SHARDING, _DTYPE = operator.attrgetter("sharding"), operator.attrgetter("dtype")
 _FILE, _BEGIN, _END, _NBYTES = map(operator.attrgetter, ("file", "begin", "end", "nbytes"))
 _PATH, _SHAPE = operator.attrgetter("path"), operator.attrgetter("shape")
-_FIRST, _HELD = operator.itemgetter(0), operator.attrgetter("dtype.numpy")
+_HELD = operator.attrgetter("dtype.numpy")
 SMALL_BYTES = 64 << 10  # a tensor of at most this many bytes is read in a run with its neighbours
 RUN_BYTES = 64 << 20  # a run starts at most this many bytes after its first tensor
 ALIGN = 64  # jax on CPU adopts host memory aligned to this without a copy
@@ -295,15 +295,10 @@ def _all_batched(
         if len(targets.used) != len(keys):  # a tensor two targets want
             return None
     else:
-        if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
+        found = one_source_each(targets)
+        if found is None or len(set(found)) != len(found):  # a transform, or a tensor two targets want
             return None
-        sources = list(map(_SOURCES, targets))
-        if set(map(len, sources)) != {1}:
-            return None
-        keys = list(map(_FIRST, sources))
-        infos = list(map(tensors.__getitem__, keys))
-        if len(set(keys)) != len(keys):  # a tensor two targets want
-            return None
+        keys, infos = found, list(map(tensors.__getitem__, found))
     nbytes = np.fromiter(map(_NBYTES, infos), np.int64, len(infos))
     if nbytes.min() <= 0 or nbytes.max() > SMALL_BYTES:
         return None

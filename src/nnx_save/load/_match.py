@@ -25,7 +25,7 @@ from ._assemble import held_of
 from ._hints import shape_hints, shape_remedy
 from ._renames import suggest_renames
 from ._report import DtypeCast, LoadReport, ShapeMismatch, matches_any, rename_remedy, target_remedy
-from ._target import OwnPaths, WholeReads
+from ._target import WholeReads, one_source_each
 
 if TYPE_CHECKING:
     from ._source import Header
@@ -42,9 +42,7 @@ __all__ = [
     "whole_reads",
 ]
 
-_PATH, _SHAPE, _DTYPE, _SHARDING, _SOURCES, _TRANSFORM = map(
-    operator.attrgetter, ("path", "shape", "dtype", "sharding", "sources", "transform")
-)
+_PATH, _SHAPE, _DTYPE, _SHARDING, _SOURCES = map(operator.attrgetter, ("path", "shape", "dtype", "sharding", "sources"))
 _NUMPY = operator.attrgetter("dtype.numpy")
 _FIRST = operator.itemgetter(0)
 
@@ -96,16 +94,8 @@ def whole_reads(tensors: Mapping[str, Any], targets: Sequence[Target], x64: bool
     ``jax_enable_x64`` = ``x64``: nothing to report); else ``None``. Asked of them all at
     once, at C speed, before asking :func:`_check` of each (a load of a hundred
     thousand leaves); :func:`check_targets` trusts targets given as ``WholeReads``."""
-    if isinstance(targets, OwnPaths):  # each reads its own path: no transform, one source
-        keys = list(map(_PATH, targets))
-    else:
-        if any(map(operator.is_not, map(_TRANSFORM, targets), itertools.repeat(None))):
-            return None
-        sources = list(map(_SOURCES, targets))
-        if set(map(len, sources)) != {1}:
-            return None
-        keys = list(map(_FIRST, sources))
-    if not all(map(tensors.__contains__, keys)):
+    keys = one_source_each(targets)
+    if keys is None or not all(map(tensors.__contains__, keys)):
         return None
     infos = list(map(tensors.__getitem__, keys))
     if list(map(_SHAPE, infos)) != list(map(_SHAPE, targets)):
