@@ -174,10 +174,14 @@ def bar(
     :class:`NullBar`. ``total_bytes`` may be a function, called only when a bar or log
     lines may be made (a load sums a hundred thousand tensors' sizes only then)."""
     stream = sys.stderr if stream is None else stream
-    if progress is False or (progress is None and not _is_terminal(stream)):
+    if progress is False:
+        return NullBar()
+    # asked on every call that may show a bar, a terminal or not: a bad value is refused alike
+    minimum = _config.PROGRESS_MIN_BYTES.get() if progress is None else 0
+    if progress is None and not _is_terminal(stream):
         return NullBar()
     total = total_bytes() if callable(total_bytes) else total_bytes
-    if progress is None and total < _config.PROGRESS_MIN_BYTES.get():
+    if total < minimum:
         return NullBar()
     isatty = getattr(stream, "isatty", None)
     if isatty is None or not isatty():
