@@ -6,7 +6,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
 .PHONY: demo test venv test-env clean system-deps
 
-$(VENV)/.base: pyproject.toml
+$(VENV)/.base: pyproject.toml setup.py src/nnx_save/io/_gather.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .

@@ -5,7 +5,8 @@ with a small tensor before it; the page cache is warm (the file is read once fir
 
 1. **Warm handle** (one process holding both libraries' open handles): rows
    ``[100:228, :]``, columns ``[:, 1000:1064]``, a 1024 x 1024 block, one element,
-   the whole tensor, each as ``f.get_slice("w")[index]``. One warm-up round, then
+   the whole tensor, each as ``f.get_slice("w")[index]``. One warm-up round (the values
+   checked, then three calls whose median sizes the rounds' call counts), then
    ``--repeat`` interleaved rounds (the libraries' order alternates round by round);
    a round's figure for a case is the mean of back-to-back calls (enough to take
    ~2 ms, at least one). nnx_save is timed with its default ``backend="mmap"`` (small
@@ -24,12 +25,13 @@ with a small tensor before it; the page cache is warm (the file is read once fir
 
 3. **Gather strategies** (one process, warm page cache, ``--gather``): the ways to read
    the scattered runs of the column slice and of the block, each into a preallocated
-   result, timed the same way as the warm handle: ``process_vm_readv`` out of a private
-   map (what ``safe_open`` does for runs far apart; the first call drops its pages, the
-   later ones keep them), one ``preadv`` over the span with the gaps read into scratch
-   (what it does for runs close together), one ``pread`` per run, and a copy loaded
-   straight out of a memory map (safetensors' way: the floor, and the one a truncating
-   writer turns into SIGBUS).
+   result, timed the same way as the warm handle: the native copy out of a private map
+   whose SIGBUS is caught (what ``safe_open`` does where the extension was built; the
+   first call drops its pages, the later ones keep them), ``process_vm_readv`` out of
+   the map (what it does without the extension, for runs far apart), one ``preadv`` over
+   the span with the gaps read into scratch (runs close together, without the
+   extension), one ``pread`` per run, and a copy loaded straight out of a memory map
+   (safetensors' way: the floor, and the one a truncating writer turns into SIGBUS).
 
 ``--baseline DIR`` adds the fresh-process rows of another checkout (say, main's), run by
 its own ``benchmarks/lazy.py`` against its own ``src/``, interleaved with these.
@@ -48,6 +50,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+# numpy's BLAS threads spin for a while after import, on every core: their CPU time would
+# fill the fresh-process CPU column of both libraries (the workers inherit this).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np
 from _common import Phase, run_fresh, table, warm, worker_main
@@ -92,7 +98,11 @@ def warm_worker(args: argparse.Namespace) -> dict:
         for name, handle in handles.items():
             if not np.array_equal(handle.get_slice("w")[index], value[index]):
                 raise SystemExit(f"{name}: wrong values for {case}")
-            calls[name, case] = max(1, int(2e-3 / max(_time(handle, index, 1), 1e-7)))
+            # Sized on warm calls: the first calls may map pages, fault them in, or drop
+            # them again (nnx_save's first gather of a tensor); timed once, that cost
+            # would leave one call a round, each paying for the cache the others evicted.
+            one = statistics.median(_time(handle, index, 1) for _ in range(3))
+            calls[name, case] = max(1, int(2e-3 / max(one, 1e-7)))
     times: dict[str, dict[str, list[float]]] = {n: {c: [] for c in CASES} for n in HANDLES}
     for r in range(args.repeat):
         order = list(HANDLES) if r % 2 == 0 else list(reversed(HANDLES))
@@ -160,6 +170,7 @@ def _strategies(path: str, begin: int, shape: tuple[int, ...]):
     import mmap
     import os
 
+    from nnx_save.io import _mapped
     from nnx_save.io._mapped import MappedFile
     from nnx_save.io._reader import LocalReader
     from nnx_save.load import _direct
@@ -172,8 +183,17 @@ def _strategies(path: str, begin: int, shape: tuple[int, ...]):
     def loaded(out, offsets, length, index):  # numpy loads from the map: SIGBUS if the file is truncated
         np.copyto(out, matrix[index])
 
+    def vm_readv(out, offsets, length, index):  # the way an install without the native gather takes
+        native, _mapped._native = _mapped._native, None
+        try:
+            return mapped.gather(out.ctypes.data, offsets, length)
+        finally:
+            _mapped._native = native
+
+    ways = {"native copy from a map (SIGBUS caught)": lambda out, o, n, i: mapped.gather(out.ctypes.data, o, n)}
     return {
-        "process_vm_readv from a map": lambda out, o, n, i: mapped.gather(out.ctypes.data, o, n),
+        **(ways if _mapped._native is not None else {}),
+        "process_vm_readv from a map": vm_readv,
         "preadv over the span": lambda out, o, n, i: _direct._gather(reader, out.ctypes.data, o, n),
         "pread per run": lambda out, o, n, i: reader.read_runs(
             [out.ctypes.data + k * n for k in range(len(o))], [n] * len(o), o.tolist()

@@ -1,10 +1,17 @@
-"""Gathers of scattered runs out of a map the process never loads from
-(``nnx_save.io._mapped``), and the lazy slices that use them: the runs equal the file's
-bytes (hypothesis), a truncated file is a refusal the caller reads again (then a typed
-error), never a signal; single runs (``quick_run``) equal numpy's slicing."""
+"""Gathers of scattered runs out of a map (``nnx_save.io._mapped``), both ways: the
+native copy whose SIGBUS is caught and ``process_vm_readv``; and the lazy slices that
+use them: the runs equal the file's bytes (hypothesis), a truncated file is a refusal
+the caller reads again (then a typed error), never a signal, and a SIGBUS that is not
+the gather's still reaches the handler before it (it kills, or faulthandler reports it);
+single runs (``quick_run``) equal numpy's slicing."""
 
+import contextlib
 import os
 import re
+import signal
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -13,11 +20,28 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save import errors
+from nnx_save.io import _mapped
 from nnx_save.io._mapped import MappedFile, can_map
 from nnx_save.load._direct import one_run, quick_run
 from nnx_save.load._slices import normalize_index
 
 pytestmark = pytest.mark.skipif(not can_map(), reason="no process_vm_readv in this sandbox")
+
+# The two ways of gathering; this checkout's install builds the native one (setup.py):
+# its absence is a broken build, not a reason to skip.
+WAYS = ["native", "process_vm_readv"]
+
+
+@contextlib.contextmanager
+def _way(way: str):
+    """Gathers in this block go ``way``."""
+    assert _mapped._native is not None, "the native gather was not built (pip install -e . with a C compiler)"
+    saved = _mapped._native
+    _mapped._native = saved if way == "native" else None
+    try:
+        yield
+    finally:
+        _mapped._native = saved
 
 DATA = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()  # three blocks' worth
 
@@ -29,7 +53,7 @@ def data_file(tmp_path_factory):
     return path
 
 
-def _mapped(path) -> MappedFile:
+def _map(path) -> MappedFile:
     fd = os.open(path, os.O_RDONLY)
     try:
         return MappedFile(fd, os.fstat(fd).st_size)
@@ -41,43 +65,133 @@ def _mapped(path) -> MappedFile:
     starts=st.lists(st.integers(0, len(DATA) - 4097), min_size=1, max_size=3000),
     length=st.integers(1, 4096),
     release=st.booleans(),
+    way=st.sampled_from(WAYS),
 )
-def test_gathered_runs_are_the_files_bytes(data_file, starts, length, release):
+def test_gathered_runs_are_the_files_bytes(data_file, starts, length, release, way):
     offsets = np.array(sorted(starts), np.int64)
     out = np.zeros(len(offsets) * length, np.uint8)
-    mapped = _mapped(data_file)
+    mapped = _map(data_file)
     try:
-        assert mapped.gather(out.ctypes.data, offsets, length, release=release)
+        with _way(way):
+            assert mapped.gather(out.ctypes.data, offsets, length, release=release)
     finally:
         mapped.close()
     want = b"".join(DATA[o : o + length] for o in offsets.tolist())
     assert out.tobytes() == want
 
 
-def test_a_truncated_file_is_a_refusal_not_a_signal(tmp_path):
+@pytest.mark.parametrize("way", WAYS)
+def test_a_truncated_file_is_a_refusal_not_a_signal(tmp_path, way):
     path = tmp_path / "t.bin"
     path.write_bytes(DATA)
-    mapped = _mapped(path)
+    mapped = _map(path)
     out = np.zeros(2 * 100, np.uint8)
-    os.truncate(path, 1 << 20)  # the map's pages past 1 MiB are gone
-    assert not mapped.gather(out.ctypes.data, np.array([0, 2 << 20]), 100)
-    assert mapped.gather(out.ctypes.data, np.array([0, 4096]), 100)  # within the file: still read
-    assert out.tobytes() == DATA[:100] + DATA[4096:4196]
-    mapped.close()
-    assert not mapped.gather(out.ctypes.data, np.array([0, 4096]), 100)  # closed: refused, not read
+    with _way(way):
+        assert mapped.gather(out.ctypes.data, np.array([0, 4096 + (2 << 20)]), 100)  # pages mapped first
+        os.truncate(path, 1 << 20)  # the map's pages past 1 MiB are gone, those it had mapped too
+        assert not mapped.gather(out.ctypes.data, np.array([0, 2 << 20]), 100)
+        assert mapped.gather(out.ctypes.data, np.array([0, 4096]), 100)  # within the file: still read
+        assert out.tobytes() == DATA[:100] + DATA[4096:4196]
+        mapped.close()
+        assert not mapped.gather(out.ctypes.data, np.array([0, 4096]), 100)  # closed: refused, not read
 
 
-def test_column_slices_are_gathered_from_the_map_then_refused_when_truncated(tmp_path):
+def test_the_native_gather_refuses_runs_outside_its_map(data_file):
+    mapped = _map(data_file)
+    out = np.zeros(200, np.uint8)
+    try:
+        with pytest.raises(ValueError, match=r"run 1 \(bytes 3145700\.\.3145800\) is outside the map's 3145728 bytes"):
+            _mapped._native.gather(out.ctypes.data, mapped.base, mapped.size, np.array([0, len(DATA) - 28]), 100)
+        with pytest.raises(ValueError, match="int64"):
+            _mapped._native.gather(out.ctypes.data, mapped.base, mapped.size, np.zeros(3, np.int32).view(np.uint8)[:5], 1)
+    finally:
+        mapped.close()
+
+
+# A process that gathers out of a truncated file's map in threads while its main thread
+# loads from another truncated map (numpy, not the gather): the gathers are refused, and
+# the main thread's SIGBUS goes to the handler the process had (faulthandler's, then the
+# default one): the process dies of it, with faulthandler's report.
+_FOREIGN_FAULT = """
+import faulthandler, os, sys, threading
+import numpy as np
+from nnx_save.io._mapped import MappedFile
+faulthandler.enable()
+def mapped(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return MappedFile(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+gathered, foreign = sys.argv[1], sys.argv[2]
+m = mapped(gathered)
+offsets = np.arange(0, 3 << 20, 4096, dtype=np.int64)
+out = np.zeros(len(offsets) * 64, np.uint8)
+assert m.gather(out.ctypes.data, offsets, 64)
+os.truncate(gathered, 1 << 20)
+refused = []
+def gather():
+    for _ in range(200):
+        refused.append(not m.gather(out.ctypes.data, offsets, 64))
+threads = [threading.Thread(target=gather) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("refused", all(refused), len(refused), flush=True)
+view = np.memmap(foreign, np.uint8, mode="r")
+os.truncate(foreign, 0)
+print(int(view[len(view) - 1]), flush=True)  # a load past the end: SIGBUS, not the gather's
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_sigbus_that_is_not_the_gathers_still_kills(tmp_path, way):
+    gathered, foreign = tmp_path / "gathered.bin", tmp_path / "foreign.bin"
+    gathered.write_bytes(DATA)
+    foreign.write_bytes(DATA[: 1 << 20])
+    script = _FOREIGN_FAULT if way == "native" else "import nnx_save.io._mapped as m; m._native = None\n" + _FOREIGN_FAULT
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), str(gathered), str(foreign)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.stdout.splitlines()[0] == "refused True 800", (done.stdout, done.stderr)
+    assert "survived" not in done.stdout
+    assert done.returncode == -signal.SIGBUS, (done.returncode, done.stderr[-2000:])
+    assert "Fatal Python error: Bus error" in done.stderr  # faulthandler, the handler before, reported it
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_column_slices_are_gathered_from_the_map_then_refused_when_truncated(tmp_path, way):
     path = tmp_path / "w.safetensors"
     w = np.arange(512 * 2048, dtype=np.float32).reshape(512, 2048)
     nnx_save.save_file({"w": w}, path)
-    with nnx_save.safe_open(path) as f:
+    with _way(way), nnx_save.safe_open(path) as f:
         for _ in range(3):  # the first gather drops its pages, later ones keep them
             np.testing.assert_array_equal(f.get_slice("w")[:, 100:164], w[:, 100:164])
         assert [m for m in f._state.direct._maps.values() if m is not None], "no map was used"
         os.truncate(path, os.path.getsize(path) - (1 << 20))
         with pytest.raises(errors.TruncatedFileError, match=re.escape("tensor 'w' needs bytes up to")):
             f.get_slice("w")[:, 100:164]
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_large_runs_of_a_tensor_read_before_come_from_the_map_then_refuse_when_truncated(tmp_path, way):
+    path = tmp_path / "w.safetensors"
+    w = np.arange(512 * 2048, dtype=np.float32).reshape(512, 2048)  # 8 KiB rows
+    nnx_save.save_file({"w": w}, path)
+    with _way(way), nnx_save.safe_open(path) as f:
+        for _ in range(3):  # the first read is preadv's; then the map's, natively
+            np.testing.assert_array_equal(f.get_slice("w")[100:228], w[100:228])  # 1 MiB, one run
+        maps = [m for m in f._state.direct._maps.values() if m is not None]
+        assert len(maps) == (1 if way == "native" else 0)
+        os.truncate(path, os.path.getsize(path) - (1 << 20))
+        with pytest.raises(errors.TruncatedFileError, match=re.escape("tensor 'w' needs bytes up to")):
+            f.get_slice("w")[300:500]
 
 
 SHAPES = st.lists(st.integers(1, 5), min_size=0, max_size=4)

@@ -125,8 +125,9 @@ def test_changed_in_place_is_typed(tmp_path):
 _SLICES = {  # which read path each takes, on a 256 x 1024 float32 matrix
     "columns": (slice(None), slice(100, 164)),  # runs 3.8 KiB apart: gathered from a map
     "block": (slice(10, 200), slice(300, 800)),  # runs 2 KiB apart: gathered from a map
-    "tight columns": (slice(None), slice(0, 900)),  # runs 0.5 KiB apart: one preadv read through
+    "tight columns": (slice(None), slice(0, 900)),  # runs 0.5 KiB apart: the map (native), else one preadv
     "rows": (slice(3, 9),),  # one run: one preadv
+    "many rows": (slice(20, 220),),  # one run of 800 KiB: one preadv, then copied out of the map (native)
     "element": (7, 9),
     "strided": (slice(0, 256, 3), slice(5, 1000, 7)),  # the engine (steps)
 }

@@ -1,16 +1,25 @@
-"""Many small, scattered runs of a local file gathered in a few system calls, with no
-memory map the process ever loads from.
+"""Many small, scattered runs of a local file gathered out of a memory map, with no
+load from the map that can kill the process.
 
 A column slice of a matrix is thousands of runs of a few hundred bytes, a row apart:
 one ``pread`` per run pays a system call each, and one ``preadv`` over the span reads
 every byte between them. A memory map copies only the runs, but a load from a page
 of a file truncated since it was mapped raises SIGBUS and kills the process.
 
-:class:`MappedFile` maps the file read-only and private but never touches the map
-itself: ``process_vm_readv`` on the process's own id copies the runs out of it
-(up to :data:`IOV_MAX` runs per call). The kernel resolves each page as a ptrace
-reader would and answers a page past the end of a truncated file with ``EFAULT``
-and a short count, not a signal; the caller then reads the same runs again with
+:class:`MappedFile` maps the file read-only and private and copies the runs out of it
+one of two ways, whichever this install has:
+
+- **native** (the optional extension ``nnx_save.io._gather``, built with the package
+  where a C compiler was found): ``memcpy`` with the GIL released, the SIGBUS of a
+  truncated file caught in the copying thread (``sigsetjmp``) and turned into a
+  refusal; a SIGBUS anywhere else goes to the handler installed before. A run costs
+  what a copy out of a map costs (~20 ns for 256 bytes).
+- **process_vm_readv** on the process's own id (up to :data:`IOV_MAX` runs per call):
+  the kernel resolves each page as a ptrace reader would and answers a page past the
+  end of a truncated file with ``EFAULT`` and a short count, not a signal. A run
+  costs the kernel pinning its page (~0.3 µs).
+
+Either way a refusal is a short gather: the caller reads the same runs again with
 ``pread``, which names the byte where the file now ends.
 """
 
@@ -21,12 +30,19 @@ import errno
 import mmap
 import os
 import threading
+import types
 
 import numpy as np
 
 from ._reader import IOV_MAX, _libc
 
-__all__ = ["MappedFile", "can_map"]
+_native: types.ModuleType | None
+try:  # the optional extension (src/nnx_save/io/_gather.c), where a compiler built it
+    from . import _gather as _native
+except ImportError:  # pragma: no cover - an install built without a C compiler
+    _native = None
+
+__all__ = ["MappedFile", "can_map", "run_cost_bytes"]
 
 _VM_READV = _libc(
     "process_vm_readv", ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong
@@ -35,6 +51,9 @@ _MMAP = _libc("mmap", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_i
 _MUNMAP = _libc("munmap", ctypes.c_void_p, ctypes.c_size_t)
 _MADVISE = _libc("madvise", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 BLOCK_BYTES = 4 << 20  # span of the file gathered, then its pages dropped, at a time by a releasing gather
+# process_vm_readv pins a run's page: about what copying this many bytes costs
+# (benchmarks/lazy.py --gather, docs/performance.md).
+PIN_COST_BYTES = 2 << 10
 if _MMAP is not None:
     _MMAP.restype = ctypes.c_void_p  # an address, not a count
 _FAILED = ctypes.c_void_p(-1).value  # MAP_FAILED
@@ -42,9 +61,17 @@ _usable = [_VM_READV is not None and _MMAP is not None and _MUNMAP is not None] 
 
 
 def can_map() -> bool:
-    """Whether this process can gather through a map (Linux, and no sandbox refusing
-    ``process_vm_readv``; a refusal seen once turns it off for the process)."""
-    return _usable[0]
+    """Whether this process can gather through a map: the native copy, or ``process_vm_readv``
+    (Linux, and no sandbox refusing it; a refusal seen once turns it off for the process)."""
+    return _MMAP is not None and _MUNMAP is not None and (_native is not None or _usable[0])
+
+
+def run_cost_bytes() -> int:
+    """What a gathered run costs, in bytes a ``preadv`` through the gap would copy for the
+    same time: 0 for the native copy (a run costs its own bytes), :data:`PIN_COST_BYTES`
+    for ``process_vm_readv`` (pinning the run's page). Runs closer together than that
+    are cheaper read through (``nnx_save.load._direct``)."""
+    return 0 if _native is not None else PIN_COST_BYTES
 
 
 class MappedFile:
@@ -102,6 +129,11 @@ class MappedFile:
                     self._unmap()
 
     def _copy(self, dest: int, offsets: np.ndarray, length: int) -> bool:
+        if _native is not None:
+            try:
+                return _native.gather(dest, self.base, self.size, np.ascontiguousarray(offsets, np.int64), length)
+            except OSError:  # the signal handler could not be installed: the caller reads another way
+                return False
         remote = np.empty((len(offsets), 2), np.uint64)
         remote[:, 0] = offsets
         remote[:, 0] += self.base

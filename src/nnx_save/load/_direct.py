@@ -1,17 +1,20 @@
 """Small reads of one local tensor without the engine (whose planning and threads cost a
 hundred times a few-KiB copy): what a ``safe_open`` handle does for a small slice.
 
-One contiguous run (an element, rows) is one ``preadv`` straight into the result. Many
-runs close together (gaps under :data:`MAP_RUN_BYTES` on average) are read with
-``preadv`` too, the bytes between them into a scratch buffer. Runs far apart (a column
-slice of a matrix) are gathered out of a private read-only map of the file by
-``process_vm_readv`` (:mod:`nnx_save.io._mapped`): the process never loads from the
-map, so a file truncated under it is a short count from the kernel, not SIGBUS. Either
-way a file truncated (or truncated and re-extended) by another process is a typed
-error: a short read is a :class:`~nnx_save.errors.TruncatedFileError`, and a file whose
-size or modification time differs, after the read, from what its header was read from
-is a :class:`~nnx_save.errors.SourceError` naming it (the bytes read may mix two
-versions).
+One contiguous run (an element, rows) is one ``preadv`` straight into the result; a
+large one (:data:`MAP_COPY_BYTES`) of a tensor read before is copied out of the file's
+map instead, where the native copy exists and its pages are mapped already. Many runs
+(a column slice of a matrix, a block) are gathered out of a private read-only map of the
+file (:mod:`nnx_save.io._mapped`: a native copy whose SIGBUS is caught, or
+``process_vm_readv``), so a file truncated under it is a refusal, not a signal; where a
+gathered run costs more than reading through the gap before it
+(:func:`~nnx_save.io._mapped.run_cost_bytes`: with ``process_vm_readv`` only), runs
+close together are one ``preadv`` over their span, the bytes between them into a
+scratch buffer. Either way a file truncated (or truncated and re-extended) by another
+process is a typed error: a short read is a :class:`~nnx_save.errors.TruncatedFileError`,
+and a file whose size or modification time differs, after the read, from what its header
+was read from is a :class:`~nnx_save.errors.SourceError` naming it (the bytes read may
+mix two versions).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ..errors import SourceError, TruncatedFileError
 from ..format._boxes import box_runs, extents
 from ..format._header import TensorInfo
 from ..io._files import Pinned
-from ..io._mapped import MappedFile, can_map
+from ..io._mapped import MappedFile, can_map, run_cost_bytes
 from ..io._reader import LocalReader, check_identity
 from ._assemble import check_bools
 from ._slices import slice_box
@@ -40,11 +43,11 @@ __all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_RUNS", "GATHER_GAP", "DirectFiles", "
 # it, the engine's start-up dominates (benchmarks/lazy.py).
 DIRECT_MAX_BYTES = 16 << 20
 DIRECT_MAX_RUNS = 4096  # a column slice of a big matrix, without the engine's imports
+# A contiguous run at least this large, of a tensor read before, is copied natively out of
+# the file's map: about twice preadv's rate once the pages are mapped, where preadv's one
+# call wins under it (benchmarks/lazy.py, docs/performance.md).
+MAP_COPY_BYTES = 256 << 10
 GATHER_GAP = 64 << 10  # bytes read through (into scratch) rather than cut into another request (~10 us on a VM)
-# A run gathered from a map costs the kernel about what copying this many bytes does
-# (pinning its page): runs further apart than that are gathered from the map, closer
-# ones read through with preadv (benchmarks/lazy.py, docs/performance.md).
-MAP_RUN_BYTES = 2 << 10
 RESIDENT_BYTES = 1 << 30  # tensors whose gathered pages stay mapped per handle, once asked for twice
 
 
@@ -97,13 +100,14 @@ class DirectFiles:
             return self._maps[file]
 
     def _mapped(self, info: TensorInfo, base: int, offsets: np.ndarray, length: int) -> bool:
-        """Whether the runs were gathered from the file's map: runs far apart (each
-        gap over :data:`MAP_RUN_BYTES` on average), and a map that worked. A tensor's
+        """Whether the runs were gathered from the file's map: runs far enough apart (each
+        gap over :func:`~nnx_save.io._mapped.run_cost_bytes` on average), and a map that
+        worked. A tensor's
         first gather drops its pages block by block; from its second, they stay (up to
         :data:`RESIDENT_BYTES` of tensors per handle, the oldest dropped first)."""
         n = len(offsets)
         gaps = int(offsets[-1]) - int(offsets[0]) - (n - 1) * length
-        if n < 2 or gaps <= (n - 1) * MAP_RUN_BYTES or not can_map():
+        if n < 2 or gaps <= (n - 1) * run_cost_bytes() or not can_map():
             return False
         mapped = self._map(info.file)
         if mapped is None:
@@ -140,6 +144,8 @@ class DirectFiles:
         """
         out = np.empty(shape, info.dtype.numpy)
         offset = info.begin + first * info.dtype.itemsize
+        if out.nbytes >= MAP_COPY_BYTES and self._copied(info, out, offset):
+            return out
         try:
             fd = self._pinned.open(info.file)  # no reader object: an element costs a few microseconds
             try:
@@ -156,6 +162,28 @@ class DirectFiles:
         except TruncatedFileError as e:
             raise _truncated(info, e) from None
         return out
+
+    def _copied(self, info: TensorInfo, out: np.ndarray, offset: int) -> bool:
+        """Whether ``out`` was filled with the run at ``offset`` natively out of the file's
+        map, the file checked unchanged after: where the native copy exists, for a tensor
+        read before (its pages then stay mapped, as a gather's do). A tensor's first read
+        is left to ``preadv`` (a fresh map's page faults cost more than it) and marks it;
+        a refusal (the file truncated) too, which then names where the file ends."""
+        if run_cost_bytes() or not can_map():
+            return False
+        if info.name not in self._resident:
+            with self._lock:
+                if info.name not in self._seen:
+                    self._seen.add(info.name)
+                    return False
+        mapped = self._map(info.file)
+        if mapped is None or not self._kept(info, mapped):
+            return False
+        if not mapped.gather(out.ctypes.data, np.array([offset], np.int64), out.nbytes):
+            return False
+        with self._reader(info.file) as reader:
+            reader.verify()
+        return True
 
     def plan(self, info: TensorInfo, items: tuple[int | slice, ...]) -> tuple[Any, Any, np.ndarray, int] | None:
         """``(box, post, run offsets, run length)`` of ``tensor[items]``, or None when the

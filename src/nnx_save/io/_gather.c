@@ -1,0 +1,151 @@
+/* Runs of a memory-mapped file copied out with plain loads, a SIGBUS caught.
+ *
+ * A load from a page of a file truncated since it was mapped raises SIGBUS, which
+ * kills a process that does not catch it (Python cannot: its handler returns and
+ * the load faults again). gather() copies each run with memcpy, the GIL released,
+ * and catches that one signal: while a thread copies, this module's handler is the
+ * process's SIGBUS handler; a fault inside the map this thread is copying from jumps
+ * back out of the copy (siglongjmp) and gather() returns False, so the caller reads
+ * the runs again another way and names where the file now ends. A SIGBUS anywhere
+ * else is handed to whatever handler was installed before (the default one kills
+ * the process, as it would have without this module). The handler is installed by
+ * the first of the threads copying at once and the previous one restored by the
+ * last, so faulthandler or a handler installed later is never overridden for good.
+ *
+ * nnx_save/io/_mapped.py uses it where it was built (an optional extension), and
+ * process_vm_readv otherwise.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+
+/* Volatile: the compiler must not move these stores past the copy (memcpy reads
+ * neither, so plain stores around it could be dropped as dead). */
+static __thread sigjmp_buf *volatile copying_jump; /* set while this thread copies out of a map */
+static __thread volatile uintptr_t copying_lo, copying_hi; /* the map's addresses [lo, hi) */
+
+static pthread_mutex_t install_lock = PTHREAD_MUTEX_INITIALIZER;
+static int threads_copying;
+static struct sigaction previous; /* the handler before the first of the threads copying */
+
+static void on_sigbus(int sig, siginfo_t *info, void *context)
+{
+    uintptr_t addr = (uintptr_t)info->si_addr;
+    if (copying_jump != NULL && addr >= copying_lo && addr < copying_hi)
+        siglongjmp(*copying_jump, 1);
+    /* Not a load of ours: the previous handler's, as if this one were not there. */
+    if (previous.sa_flags & SA_SIGINFO) {
+        previous.sa_sigaction(sig, info, context);
+    } else if (previous.sa_handler != SIG_DFL && previous.sa_handler != SIG_IGN) {
+        previous.sa_handler(sig);
+    } else {
+        /* The default action: restore it; the faulting load runs again and kills. */
+        sigaction(sig, &previous, NULL);
+    }
+}
+
+static int enter(void)
+{
+    int failed = 0;
+    pthread_mutex_lock(&install_lock);
+    if (threads_copying == 0) {
+        struct sigaction ours;
+        memset(&ours, 0, sizeof ours);
+        ours.sa_sigaction = on_sigbus;
+        ours.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+        sigemptyset(&ours.sa_mask);
+        failed = sigaction(SIGBUS, &ours, &previous);
+    }
+    if (!failed)
+        threads_copying++;
+    pthread_mutex_unlock(&install_lock);
+    return failed;
+}
+
+static void leave(void)
+{
+    pthread_mutex_lock(&install_lock);
+    if (--threads_copying == 0)
+        sigaction(SIGBUS, &previous, NULL);
+    pthread_mutex_unlock(&install_lock);
+}
+
+/* 0: every run copied; 1: a SIGBUS in the map (the file ends sooner now); -1: the
+ * handler could not be installed (nothing copied). */
+static int copy_runs(char *dest, const char *map, uintptr_t map_size, const int64_t *offsets, Py_ssize_t n,
+                     Py_ssize_t length)
+{
+    sigjmp_buf jump;
+    if (enter() != 0)
+        return -1;
+    copying_lo = (uintptr_t)map;
+    copying_hi = (uintptr_t)map + map_size;
+    if (sigsetjmp(jump, 1) != 0) { /* from on_sigbus: the mask is restored */
+        copying_jump = NULL;
+        leave();
+        return 1;
+    }
+    copying_jump = &jump;
+    for (Py_ssize_t k = 0; k < n; k++)
+        memcpy(dest + k * length, map + offsets[k], (size_t)length);
+    copying_jump = NULL;
+    leave();
+    return 0;
+}
+
+PyDoc_STRVAR(gather_doc, "gather(dest, map, map_size, offsets, length) -> bool\n\n"
+                         "Copy run k (length bytes at byte offsets[k] of the map at address map,\n"
+                         "map_size bytes long) to address dest + k * length. offsets: a buffer of\n"
+                         "int64, each run within the map; the caller guarantees both memories.\n"
+                         "False when a load from the map raised SIGBUS (the file was truncated):\n"
+                         "the destination then holds some runs, to be read again another way.\n"
+                         "OSError when the signal handler could not be installed.");
+
+static PyObject *gather(PyObject *Py_UNUSED(module), PyObject *args)
+{
+    unsigned long long dest, map, map_size;
+    Py_buffer offsets;
+    Py_ssize_t length;
+    if (!PyArg_ParseTuple(args, "KKKy*n:gather", &dest, &map, &map_size, &offsets, &length))
+        return NULL;
+    if (offsets.len % (Py_ssize_t)sizeof(int64_t) != 0 || length < 0) {
+        PyBuffer_Release(&offsets);
+        PyErr_SetString(PyExc_ValueError, "offsets must be int64 and length non-negative");
+        return NULL;
+    }
+    Py_ssize_t n = offsets.len / (Py_ssize_t)sizeof(int64_t);
+    const int64_t *runs = (const int64_t *)offsets.buf;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (runs[k] < 0 || (unsigned long long)runs[k] + (unsigned long long)length > map_size) {
+            PyBuffer_Release(&offsets);
+            PyErr_Format(PyExc_ValueError, "run %zd (bytes %lld..%lld) is outside the map's %llu bytes", k,
+                         (long long)runs[k], (long long)runs[k] + (long long)length, map_size);
+            return NULL;
+        }
+    }
+    int result;
+    Py_BEGIN_ALLOW_THREADS;
+    result = copy_runs((char *)(uintptr_t)dest, (const char *)(uintptr_t)map, (uintptr_t)map_size, runs, n, length);
+    Py_END_ALLOW_THREADS;
+    PyBuffer_Release(&offsets);
+    if (result < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyBool_FromLong(result == 0);
+}
+
+static PyMethodDef methods[] = {
+    {"gather", gather, METH_VARARGS, gather_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "nnx_save.io._gather", "Runs copied out of a memory map, SIGBUS caught.", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module); }
