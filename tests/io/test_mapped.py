@@ -43,6 +43,7 @@ def _way(way: str):
     finally:
         _mapped._native = saved
 
+
 DATA = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()  # three blocks' worth
 
 
@@ -103,7 +104,9 @@ def test_the_native_gather_refuses_runs_outside_its_map(data_file):
         with pytest.raises(ValueError, match=r"run 1 \(bytes 3145700\.\.3145800\) is outside the map's 3145728 bytes"):
             _mapped._native.gather(out.ctypes.data, mapped.base, mapped.size, np.array([0, len(DATA) - 28]), 100)
         with pytest.raises(ValueError, match="int64"):
-            _mapped._native.gather(out.ctypes.data, mapped.base, mapped.size, np.zeros(3, np.int32).view(np.uint8)[:5], 1)
+            _mapped._native.gather(
+                out.ctypes.data, mapped.base, mapped.size, np.zeros(3, np.int32).view(np.uint8)[:5], 1
+            )
     finally:
         mapped.close()
 
@@ -151,7 +154,9 @@ def test_a_sigbus_that_is_not_the_gathers_still_kills(tmp_path, way):
     gathered, foreign = tmp_path / "gathered.bin", tmp_path / "foreign.bin"
     gathered.write_bytes(DATA)
     foreign.write_bytes(DATA[: 1 << 20])
-    script = _FOREIGN_FAULT if way == "native" else "import nnx_save.io._mapped as m; m._native = None\n" + _FOREIGN_FAULT
+    script = (
+        _FOREIGN_FAULT if way == "native" else "import nnx_save.io._mapped as m; m._native = None\n" + _FOREIGN_FAULT
+    )
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script), str(gathered), str(foreign)],
         capture_output=True,
@@ -163,6 +168,56 @@ def test_a_sigbus_that_is_not_the_gathers_still_kills(tmp_path, way):
     assert "survived" not in done.stdout
     assert done.returncode == -signal.SIGBUS, (done.returncode, done.stderr[-2000:])
     assert "Fatal Python error: Bus error" in done.stderr  # faulthandler, the handler before, reported it
+
+
+_ENABLED_MEANWHILE = """
+import faulthandler, os, sys, threading, time
+import numpy as np
+from nnx_save.io._mapped import MappedFile
+path = sys.argv[1]
+fd = os.open(path, os.O_RDONLY)
+m = MappedFile(fd, os.fstat(fd).st_size)
+# Many runs within the first MiB, then one past it: each gather copies for milliseconds
+# before it faults, so the handler below is installed while threads copy.
+offsets = np.append(np.repeat(np.arange(0, 1 << 20, 4096, dtype=np.int64), 300), 2 << 20)
+first = np.zeros(len(offsets) * 64, np.uint8)  # held: the gather writes at its address
+assert m.gather(first.ctypes.data, offsets, 64)
+os.truncate(path, 1 << 20)
+stop, results, started = False, [], threading.Event()
+def gather():
+    out = np.zeros(len(offsets) * 64, np.uint8)
+    while not stop:
+        results.append(m.gather(out.ctypes.data, offsets, 64))
+        started.set()
+threads = [threading.Thread(target=gather) for _ in range(3)]
+for t in threads:
+    t.start()
+started.wait()
+faulthandler.enable()  # installed over the gathers' handler while they copy
+time.sleep(0.3)
+stop = True
+for t in threads:
+    t.join()
+print("refused", len(results), not any(results), flush=True)
+"""
+
+
+def test_faulthandler_enabled_while_gathers_copy_does_not_kill_them(tmp_path):
+    """faulthandler installed over the gathers' handler sees a gather's fault first; it
+    reports it, puts the handler back and raises the signal again, which the gather
+    takes as its own: every gather is refused and the process exits normally."""
+    path = tmp_path / "t.bin"
+    path.write_bytes(DATA)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_ENABLED_MEANWHILE), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    count, none_read = done.stdout.split()[1:]
+    assert int(count) > 3 and none_read == "True", done.stdout
 
 
 @pytest.mark.parametrize("way", WAYS)

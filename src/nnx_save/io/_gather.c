@@ -10,7 +10,14 @@
  * else is handed to whatever handler was installed before (the default one kills
  * the process, as it would have without this module). The handler is installed by
  * the first of the threads copying at once and the previous one restored by the
- * last, so faulthandler or a handler installed later is never overridden for good.
+ * last, unless another was installed meanwhile (which then stays): faulthandler or
+ * a handler installed later is never overridden for good. A handler installed over
+ * this one while a thread copies sees that thread's fault first: faulthandler reports
+ * it ("Fatal Python error: Bus error"), puts this handler back and raises the signal
+ * again, which this handler takes as the copy's (a SIGBUS the copying thread sent
+ * itself), so the process lives on after the report. A process that removes its
+ * SIGBUS handler while threads copy (faulthandler.disable()) removes theirs too: as
+ * with any handler, nothing survives that.
  *
  * nnx_save/io/_mapped.py uses it where it was built (an optional extension), and
  * process_vm_readv otherwise.
@@ -23,6 +30,7 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 /* Volatile: the compiler must not move these stores past the copy (memcpy reads
  * neither, so plain stores around it could be dropped as dead). */
@@ -35,9 +43,16 @@ static struct sigaction previous; /* the handler before the first of the threads
 
 static void on_sigbus(int sig, siginfo_t *info, void *context)
 {
-    uintptr_t addr = (uintptr_t)info->si_addr;
-    if (copying_jump != NULL && addr >= copying_lo && addr < copying_hi)
-        siglongjmp(*copying_jump, 1);
+    if (copying_jump != NULL) {
+        uintptr_t addr = (uintptr_t)info->si_addr;
+        /* A load from the map this thread copies from; or the same fault raised again by a
+         * handler installed over this one while the thread copied (faulthandler reports
+         * it, puts this handler back and raise()s it): a SIGBUS this thread sent itself. */
+        int fault = info->si_code > 0 && addr >= copying_lo && addr < copying_hi;
+        int raised = info->si_code == SI_TKILL && info->si_pid == getpid();
+        if (fault || raised)
+            siglongjmp(*copying_jump, 1);
+    }
     /* Not a load of ours: the previous handler's, as if this one were not there. */
     if (previous.sa_flags & SA_SIGINFO) {
         previous.sa_sigaction(sig, info, context);
@@ -70,8 +85,13 @@ static int enter(void)
 static void leave(void)
 {
     pthread_mutex_lock(&install_lock);
-    if (--threads_copying == 0)
-        sigaction(SIGBUS, &previous, NULL);
+    if (--threads_copying == 0) {
+        struct sigaction current;
+        sigaction(SIGBUS, &previous, &current);
+        /* A handler installed while threads copied (faulthandler enabled meanwhile) stays. */
+        if (!(current.sa_flags & SA_SIGINFO) || current.sa_sigaction != on_sigbus)
+            sigaction(SIGBUS, &current, NULL);
+    }
     pthread_mutex_unlock(&install_lock);
 }
 
