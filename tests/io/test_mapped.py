@@ -220,6 +220,61 @@ def test_faulthandler_enabled_while_gathers_copy_does_not_kill_them(tmp_path):
     assert int(count) > 3 and none_read == "True", done.stdout
 
 
+_FORKED_MEANWHILE = """
+import os, sys, threading
+import numpy as np
+from nnx_save.io._mapped import MappedFile
+path, foreign = sys.argv[1], sys.argv[2]
+fd = os.open(path, os.O_RDONLY)
+m = MappedFile(fd, os.fstat(fd).st_size)
+offsets = np.append(np.repeat(np.arange(0, 1 << 20, 4096, dtype=np.int64), 300), 2 << 20)
+os.truncate(path, 1 << 20)
+view = np.memmap(foreign, np.uint8, mode="r", shape=(8192,))
+os.truncate(foreign, 0)
+stop = False
+def gather():
+    out = np.zeros(len(offsets) * 64, np.uint8)
+    while not stop:
+        m.gather(out.ctypes.data, offsets, 64)
+threads = [threading.Thread(target=gather) for _ in range(3)]
+for t in threads:
+    t.start()
+statuses = set()
+for i in range(30):
+    pid = os.fork()
+    if pid == 0:  # forked while threads copy: the child has none copying
+        out = np.zeros(len(offsets) * 64, np.uint8)
+        refused = not m.gather(out.ctypes.data, offsets, 64)
+        if i % 2:
+            print(int(view[5000]))  # a load past the end of the foreign file: SIGBUS kills
+        os._exit(0 if refused else 3)
+    status = os.waitpid(pid, 0)[1]
+    statuses.add((i % 2, os.WTERMSIG(status) if os.WIFSIGNALED(status) else -os.WEXITSTATUS(status)))
+stop = True
+for t in threads:
+    t.join()
+print(sorted(statuses))
+"""
+
+
+def test_a_child_forked_while_threads_gather_gathers_and_dies_of_a_foreign_sigbus(tmp_path):
+    """A child forked while other threads copy out of a map has no thread copying: its own
+    gathers of a truncated file are refused (no lock left held, no handler calling itself),
+    and its own load past a truncated file's end kills it with SIGBUS."""
+    path, foreign = tmp_path / "t.bin", tmp_path / "foreign.bin"
+    path.write_bytes(DATA)
+    foreign.write_bytes(bytes(8192))
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_FORKED_MEANWHILE), str(path), str(foreign)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    assert done.stdout.strip().splitlines()[-1] == f"[(0, 0), (1, {int(signal.SIGBUS)})]", done.stdout
+
+
 @pytest.mark.parametrize("way", WAYS)
 def test_column_slices_are_gathered_from_the_map_then_refused_when_truncated(tmp_path, way):
     path = tmp_path / "w.safetensors"

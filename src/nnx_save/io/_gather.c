@@ -17,7 +17,8 @@
  * again, which this handler takes as the copy's (a SIGBUS the copying thread sent
  * itself), so the process lives on after the report. A process that removes its
  * SIGBUS handler while threads copy (faulthandler.disable()) removes theirs too: as
- * with any handler, nothing survives that.
+ * with any handler, nothing survives that. A child forked while threads copy starts
+ * with none copying: the handler before is put back there and the lock is new.
  *
  * nnx_save/io/_mapped.py uses it where it was built (an optional extension), and
  * process_vm_readv otherwise.
@@ -69,12 +70,15 @@ static int enter(void)
     int failed = 0;
     pthread_mutex_lock(&install_lock);
     if (threads_copying == 0) {
-        struct sigaction ours;
+        struct sigaction ours, was;
         memset(&ours, 0, sizeof ours);
         ours.sa_sigaction = on_sigbus;
         ours.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
         sigemptyset(&ours.sa_mask);
-        failed = sigaction(SIGBUS, &ours, &previous);
+        failed = sigaction(SIGBUS, &ours, &was);
+        /* Ours still installed (a child forked mid-copy): the handler before stays the previous. */
+        if (!failed && !((was.sa_flags & SA_SIGINFO) && was.sa_sigaction == on_sigbus))
+            previous = was;
     }
     if (!failed)
         threads_copying++;
@@ -168,4 +172,23 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__gather(void) { return PyModule_Create(&module); }
+/* A child forked while threads copied has none copying: the count starts again, the
+ * handler before is put back and the lock is new (a thread may have held it). */
+static void after_fork_in_child(void)
+{
+    pthread_mutex_init(&install_lock, NULL);
+    if (threads_copying > 0) {
+        threads_copying = 0;
+        sigaction(SIGBUS, &previous, NULL);
+    }
+    copying_jump = NULL;
+}
+
+PyMODINIT_FUNC PyInit__gather(void)
+{
+    static int registered;
+    if (!registered && pthread_atfork(NULL, NULL, after_fork_in_child) != 0)
+        return PyErr_Format(PyExc_OSError, "pthread_atfork failed");
+    registered = 1;
+    return PyModule_Create(&module);
+}
