@@ -32,6 +32,8 @@ with a small tensor before it; the page cache is warm (the file is read once fir
    the span with the gaps read into scratch (runs close together, without the
    extension), one ``pread`` per run, and a copy loaded straight out of a memory map
    (safetensors' way: the floor, and the one a truncating writer turns into SIGBUS).
+   Two row ranges, one run each (64 KiB and 2 MiB), show where a single run is better
+   copied out of the map than read (``load/_direct.MAP_COPY_BYTES``).
 
 ``--baseline DIR`` adds the fresh-process rows of another checkout (say, main's), run by
 its own ``benchmarks/lazy.py`` against its own ``src/``, interleaved with these.
@@ -162,7 +164,13 @@ def safetensors_import_worker(args: argparse.Namespace) -> dict:
     return _fresh(args, _safetensors_open)
 
 
-GATHERED = {"columns [:, 1000:1064]": CASES["columns [:, 1000:1064]"], "block": CASES["block [1000:2024, 1000:2024]"]}
+GATHERED = {
+    "columns [:, 1000:1064]": CASES["columns [:, 1000:1064]"],
+    "block": CASES["block [1000:2024, 1000:2024]"],
+    # one run each, either side of load/_direct.MAP_COPY_BYTES (4 and 128 rows of 16 KiB)
+    "rows, 64 KiB": (slice(100, 104), slice(None)),
+    "rows, 2 MiB": CASES["rows [100:228, :]"],
+}
 
 
 def _strategies(path: str, begin: int, shape: tuple[int, ...]):

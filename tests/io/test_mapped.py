@@ -111,6 +111,17 @@ def test_the_native_gather_refuses_runs_outside_its_map(data_file):
         mapped.close()
 
 
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``script`` in a fresh Python process that imports this nnx_save, with ``args``."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
 # A process that gathers out of a truncated file's map in threads while its main thread
 # loads from another truncated map (numpy, not the gather): the gathers are refused, and
 # the main thread's SIGBUS goes to the handler the process had (faulthandler's, then the
@@ -157,13 +168,7 @@ def test_a_sigbus_that_is_not_the_gathers_still_kills(tmp_path, way):
     script = (
         _FOREIGN_FAULT if way == "native" else "import nnx_save.io._mapped as m; m._native = None\n" + _FOREIGN_FAULT
     )
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(script), str(gathered), str(foreign)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    done = _run(script, str(gathered), str(foreign))
     assert done.stdout.splitlines()[0] == "refused True 800", (done.stdout, done.stderr)
     assert "survived" not in done.stdout
     assert done.returncode == -signal.SIGBUS, (done.returncode, done.stderr[-2000:])
@@ -208,13 +213,7 @@ def test_faulthandler_enabled_while_gathers_copy_does_not_kill_them(tmp_path):
     takes as its own: every gather is refused and the process exits normally."""
     path = tmp_path / "t.bin"
     path.write_bytes(DATA)
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_ENABLED_MEANWHILE), str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    done = _run(_ENABLED_MEANWHILE, str(path))
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     count, none_read = done.stdout.split()[1:]
     assert int(count) > 3 and none_read == "True", done.stdout
@@ -264,13 +263,7 @@ def test_a_child_forked_while_threads_gather_gathers_and_dies_of_a_foreign_sigbu
     path, foreign = tmp_path / "t.bin", tmp_path / "foreign.bin"
     path.write_bytes(DATA)
     foreign.write_bytes(bytes(8192))
-    done = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_FORKED_MEANWHILE), str(path), str(foreign)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
+    done = _run(_FORKED_MEANWHILE, str(path), str(foreign))
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     assert done.stdout.strip().splitlines()[-1] == f"[(0, 0), (1, {int(signal.SIGBUS)})]", done.stdout
 

@@ -112,9 +112,9 @@ class DirectFiles:
         mapped = self._map(info.file)
         if mapped is None:
             return False
-        return mapped.gather(base, offsets, length, release=not self._kept(info, mapped))
+        return mapped.gather(base, offsets, length, release=not self._kept(info))
 
-    def _kept(self, info: TensorInfo, mapped: MappedFile) -> bool:
+    def _kept(self, info: TensorInfo) -> bool:
         """Whether ``info``'s pages stay mapped after a gather (asked for before)."""
         key = info.name
         if key in self._resident:
@@ -169,17 +169,10 @@ class DirectFiles:
         read before (its pages then stay mapped, as a gather's do). A tensor's first read
         is left to ``preadv`` (a fresh map's page faults cost more than it) and marks it;
         a refusal (the file truncated) too, which then names where the file ends."""
-        if run_cost_bytes() or not can_map():
+        if run_cost_bytes() or not can_map() or not self._kept(info):
             return False
-        if info.name not in self._resident:
-            with self._lock:
-                if info.name not in self._seen:
-                    self._seen.add(info.name)
-                    return False
         mapped = self._map(info.file)
-        if mapped is None or not self._kept(info, mapped):
-            return False
-        if not mapped.gather(out.ctypes.data, np.array([offset], np.int64), out.nbytes):
+        if mapped is None or not mapped.gather(out.ctypes.data, np.array([offset], np.int64), out.nbytes):
             return False
         with self._reader(info.file) as reader:
             reader.verify()
