@@ -20,15 +20,15 @@ from .._options import check, is_int, path_arg
 from ..errors import NotSafetensorsError, SafetensorError, SliceError, SourceNotFoundError
 from ..format._dtypes import DTYPES
 from ..format._header import TensorInfo
-from ..io._storage import Where, is_url
-from ..layouts._file import read_local, spelled_as_path
+from ..layouts._local import read_local, spelled_as_path
 from ..load._direct import DIRECT_MAX_BYTES, DirectFiles, one_run, quick_run
-from ..load._options import LoadOptions
 from ..load._slices import Box, compat, normalize_index, plain, slice_box
 from ..load._source import Header, in_batches
 
 if TYPE_CHECKING:
     from ..io._reader import Reader
+    from ..io._storage import Where
+    from ..load._options import LoadOptions
     from ..load._report import IOStats
     from ..load._target import Target
 
@@ -107,13 +107,23 @@ class _Open:
     """What an open handle reads through; slices keep it, so they still read after
     ``close()`` (as in safetensors)."""
 
-    def __init__(self, header: Header, backend: str, options: LoadOptions, convert) -> None:
-        self.header, self.options, self.convert = header, options, convert
+    def __init__(self, header: Header, backend: str, options: LoadOptions | None, convert) -> None:
+        self.header, self._options, self.convert = header, options, convert
         local = header.placement.local_files() if backend == "mmap" else None
         self.direct = DirectFiles(local) if local is not None else None
         self.counts: _Counts | IOStats = _Counts()  # every read through this handle, summed
         self.files: set[str] = set()
         self.runs: dict[str, tuple[bool, bool]] = {}  # tensor name -> (read directly, one run at a time)
+
+    @property
+    def options(self) -> LoadOptions:
+        """The engine's options: the defaults made on first use (with the configuration's
+        modules), so a small read never imports them."""
+        if self._options is None:
+            from ..load._options import LoadOptions
+
+            self._options = LoadOptions(max_over_read_ratio=1.0, max_inflight_bytes=1 << 30, num_threads=None)
+        return self._options
 
     @property
     def io(self) -> IOStats:
@@ -341,15 +351,16 @@ class LazyCheckpoint:
 
 
 _DEFAULTS = (1.0, 1 << 30, None)
-_DEFAULT_OPTIONS = LoadOptions(max_over_read_ratio=1.0, max_inflight_bytes=1 << 30, num_threads=None)
 
 
-def _options(ratio: float | None, inflight: int, threads: int | None) -> LoadOptions:
-    """The engine's options, validated (the defaults' once, at import; types are compared
-    too: ``True == 1.0``)."""
+def _options(ratio: float | None, inflight: int, threads: int | None) -> LoadOptions | None:
+    """The engine's options, validated; ``None`` for the defaults (types are compared too:
+    ``True == 1.0``), which the first read that needs the engine makes (:attr:`_Open.options`)."""
     given = (ratio, inflight, threads)
     if given == _DEFAULTS and tuple(map(type, given)) == (float, int, type(None)):
-        return _DEFAULT_OPTIONS
+        return None
+    from ..load._options import LoadOptions  # with the configuration's variables, as the engine's
+
     return LoadOptions(max_over_read_ratio=ratio, max_inflight_bytes=inflight, num_threads=threads)
 
 
@@ -373,6 +384,8 @@ def _read_header(source: Where | Sequence[Where] | Header) -> Header:
 
         return read_header(source)
     except FileNotFoundError:
+        from ..io._storage import is_url
+
         if isinstance(source, (str, os.PathLike)) and not is_url(os.fspath(source)) and not os.path.lexists(source):
             raise SourceNotFoundError(f"No such file or directory: {os.fspath(source)}", os.fspath(source)) from None
         raise

@@ -1,16 +1,32 @@
 """Boxes: ``((start, stop), ...)`` per dimension of a tensor, and their geometry (pure):
-intersections, byte runs, and whether a set of boxes tiles a tensor exactly."""
+intersections, byte runs, whether a set of boxes tiles a tensor exactly, and where in a
+box (and in its file) a BOOL byte that is neither 0 nor 1 sits."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import HeaderError
+from ..errors import ChecksumError, HeaderError
 
-__all__ = ["Box", "box_runs", "check_tiling", "extents", "intersect", "of_index", "run_geometry", "run_grid", "whole"]
+if TYPE_CHECKING:
+    from ._header import TensorInfo
+
+__all__ = [
+    "Box",
+    "box_runs",
+    "check_bools",
+    "check_tiling",
+    "extents",
+    "intersect",
+    "of_index",
+    "run_geometry",
+    "run_grid",
+    "whole",
+]
 
 Box = tuple[tuple[int, int], ...]
 # The overlap check paints the grid the pieces' edges cut a tensor into; pieces
@@ -222,3 +238,39 @@ def _pairwise(lo: np.ndarray, hi: np.ndarray) -> tuple[int, int] | None:
 
 def _show(box: Box) -> list[list[int]]:
     return [[lo, hi] for lo, hi in box]
+
+
+def check_bools(array: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
+    """``array`` (box ``box`` of ``info``), after refusing a BOOL byte other than 0 or 1:
+    numpy would hold it as a bool that is neither (``x == True`` false, ``x.sum()`` off).
+    One vectorised pass, for BOOL tensors only.
+
+    Raises:
+        ChecksumError: naming the tensor, the first such element, its byte offset in the
+            file (for a tensor of one file) and the byte found.
+
+    Examples:
+        >>> from nnx_save.format._dtypes import from_code
+        >>> from nnx_save.format._header import TensorInfo
+        >>> info = TensorInfo("m", from_code("BOOL", "m"), (3,), 100, 103, "f.safetensors")
+        >>> check_bools(np.frombuffer(bytes([1, 0, 2]), np.bool_), info, ((0, 3),))
+        Traceback (most recent call last):
+        ...
+        nnx_save.errors.ChecksumError: f.safetensors: tensor 'm' (BOOL): element [2] (byte 102 of the file) is 2; a BOOL byte is 0 or 1
+    """
+    if info.dtype.code != "BOOL" or not array.size:
+        return array
+    raw = array.view(np.uint8)
+    if int(raw.max()) <= 1:
+        return array
+    local = np.unravel_index(int(np.argmax(raw.reshape(-1) > 1)), raw.shape)
+    at = [int(i) + lo for i, (lo, _) in zip(local, box, strict=True)]
+    where = f" (byte {info.begin + int(np.ravel_multi_index(at, info.shape))} of the file)" if info.begin else ""
+    found = int(raw[tuple(local)])
+    raise ChecksumError(
+        f"{info.file}: tensor {info.name!r} (BOOL): element {at}{where} is {found}; a BOOL byte is 0 or 1",
+        info.name,
+        info.file,
+        "a BOOL byte 0 or 1",
+        f"{found} at element {at}{where}",
+    )

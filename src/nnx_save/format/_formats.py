@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 from collections.abc import Callable, Iterator
 
 from ..errors import NotSafetensorsError
@@ -36,6 +35,13 @@ _ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "_shard
 _TENSORSTORE_MARKERS = (".zarray", "zarr.json", ".zgroup")
 _EOCD_SEARCH = 22 + 65535  # a zip's end record, then at most a 64 KiB comment
 _CD_MAX = 1 << 26  # bytes of central directory read to list an archive's members
+
+
+def _quote(word: str) -> str:
+    """``word`` quoted for a shell (shlex, imported by the messages that suggest a command)."""
+    import shlex
+
+    return shlex.quote(word)
 
 
 def _zip_first_member(read: Callable[[int, int], bytes]) -> str:
@@ -192,7 +198,7 @@ def step_items(path: str | os.PathLike) -> list[str]:
 def _convert_item(step: str) -> str:
     items = step_items(step)
     item = items[0] if items else "ITEM"
-    return f"nnx-save convert {shlex.quote(os.path.join(step, item))} {shlex.quote(item + '.safetensors')}"
+    return f"nnx-save convert {_quote(os.path.join(step, item))} {_quote(item + '.safetensors')}"
 
 
 def composite_advice(path: str | os.PathLike) -> str | None:
@@ -214,14 +220,14 @@ def _remedy(path: str, what: str) -> str:
     if "TensorStore" in what:
         return (
             "open it with tensorstore, or save its parent Orbax checkpoint as safetensors "
-            f"(nnx-save convert ORBAX_DIR {shlex.quote(_stem(path) + '.safetensors')})"
+            f"(nnx-save convert ORBAX_DIR {_quote(_stem(path) + '.safetensors')})"
         )
     if "TorchScript" in what:
         return (
             "convert its parameters and buffers (none of its code runs): "
-            f"nnx-save convert {shlex.quote(path)} {shlex.quote(_stem(path) + '.safetensors')}"
+            f"nnx-save convert {_quote(path)} {_quote(_stem(path) + '.safetensors')}"
         )
-    return f"convert it first: nnx-save convert {shlex.quote(path)} {shlex.quote(_stem(path) + '.safetensors')}"
+    return f"convert it first: nnx-save convert {_quote(path)} {_quote(_stem(path) + '.safetensors')}"
 
 
 def _stem(path: str) -> str:

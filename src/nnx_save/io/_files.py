@@ -13,7 +13,7 @@ import collections
 import contextlib
 import os
 import stat
-import threading
+from _thread import allocate_lock  # threading.Lock itself: a small read need not import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from ..errors import SourceChangedError, SourceError, TruncatedFileError
@@ -204,7 +204,7 @@ class _Pool:
 
     def __init__(self) -> None:
         self.fds: collections.OrderedDict[tuple[int, str], int] = collections.OrderedDict()
-        self.lock = threading.Lock()
+        self.lock = allocate_lock()
         self.pending: collections.deque[int] = collections.deque()
 
     @contextlib.contextmanager
@@ -266,7 +266,7 @@ _POOL = _Pool()
 
 
 if hasattr(os, "register_at_fork"):  # a lock another thread held at the fork would never be released in the child
-    os.register_at_fork(after_in_child=lambda: setattr(_POOL, "lock", threading.Lock()))
+    os.register_at_fork(after_in_child=lambda: setattr(_POOL, "lock", allocate_lock()))
 
 
 def _changed(name: str, what: str) -> SourceChangedError:

@@ -29,8 +29,8 @@ import ctypes
 import errno
 import mmap
 import os
-import threading
 import types
+from _thread import allocate_lock  # threading.Lock itself: a small read need not import threading
 
 import numpy as np
 
@@ -91,7 +91,7 @@ class MappedFile:
             raise OSError(err, f"cannot map {size} bytes: {os.strerror(err)}")
         self.base, self.size = int(base), size
         self._users, self._closed = 0, False
-        self._lock = threading.Lock()
+        self._lock = allocate_lock()
 
     def gather(self, dest: int, offsets: np.ndarray, length: int, release: bool = False) -> bool:
         """Copy run ``k`` (``length`` bytes at file byte ``offsets[k]``, ascending, each

@@ -7,7 +7,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import threading
+from _thread import allocate_lock  # threading.Lock itself: a small read need not import threading
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -107,7 +107,7 @@ class LocalReader:
         # (duplicated here), so a file replaced since then is still read whole.
         self.fd = os.open(path, os.O_RDONLY) if fd is None else os.dup(fd)
         self.requests = 0
-        self._lock = threading.Lock()
+        self._lock = allocate_lock()
         # ``identity``: (device, inode, size, mtime_ns) the header was read from; after each
         # read the file must still have it (a writer truncating and re-extending it in
         # place would otherwise hand back zeros or a mix of two versions)

@@ -20,9 +20,9 @@ from ..errors import HeaderError, SourceChangedError
 from ..format import _formats
 from ..io._storage import Location
 from ..load._source import Header, LocalFiles
-from ._file import read_file_headers
 from ._index import INDEX_NAME
 from ._layout import merge
+from ._local import read_file_headers
 
 __all__ = ["DirectoryLayout", "read_list"]
 

@@ -39,8 +39,9 @@ from ..load._source import Header, LocalFiles, RemoteFiles
 from ..save._entry import Entry, order_entries
 from ..save._options import SaveOptions
 from . import _layout
-from ._file import member_header, pinned_headers, remote_file_header
+from ._file import member_header, remote_file_header
 from ._layout import SAVE_ID_KEY, Committed, Metadata, Shards
+from ._local import pinned_headers
 
 __all__ = ["INDEX_NAME", "MAX_INDEX_BYTES", "IndexLayout", "is_index", "join_url", "read_remote", "write_sharded"]
 

@@ -38,7 +38,7 @@ from ..load._pieces import Box, Piece, extents, whole
 from ..load._source import Header, LocalFiles
 from ..save._entry import Entry, order_entries, spans_processes
 from ..save._options import SaveOptions
-from ._file import member_header, read_file_header
+from ._file import member_header
 from ._index import MAX_INDEX_BYTES
 from ._layout import (
     SAVE_ID_KEY,
@@ -52,6 +52,7 @@ from ._layout import (
     save_id_in,
     single_beside,
 )
+from ._local import read_file_header
 
 __all__ = [
     "FORMAT",

@@ -36,7 +36,7 @@ from ..io._storage import LocalDirectory, Location, Where
 from ..load._source import Header, gc_paused
 from ..save._entry import Entry
 from ..save._options import DEFAULT_SHARD_SIZE, SaveOptions
-from . import _file, _index
+from . import _file, _index, _local
 from ._directory import DirectoryLayout, read_list
 from ._file import FileLayout
 from ._index import INDEX_NAME, IndexLayout
@@ -124,9 +124,9 @@ def _check_source(source: object) -> None:
 
 def _read(source: Where | Sequence[Where]) -> Header:
     name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
-    if isinstance(name, str) and _file.spelled_as_path(name):  # never a URL: "scheme://" has a "//"
+    if isinstance(name, str) and _local.spelled_as_path(name):  # never a URL: "scheme://" has a "//"
         try:  # a local file, the common case, in one open and one fstat
-            local = _file.read_local(name)
+            local = _local.read_local(name)
         except FileNotFoundError:
             local = None  # the layout below says what is missing, in its words
         except NotSafetensorsError as e:

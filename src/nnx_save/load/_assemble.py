@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ChecksumError
 from ..format import _dtypes
+from ..format._boxes import check_bools
 from ..format._header import TensorInfo
 from ._pieces import Box
 from ._target import Target, device_indices
@@ -22,7 +22,6 @@ from ._target import Target, device_indices
 __all__ = [
     "assemble",
     "batched_put",
-    "check_bools",
     "held_dtype",
     "held_of",
     "host_view",
@@ -87,40 +86,6 @@ def assemble(t: Target, held: np.dtype, shards: list[tuple[np.ndarray, TensorInf
         host = host_view(buffer, info, box)
         pieces.append((host if host.dtype == held else host.astype(held), devices))
     return place(t, pieces)
-
-
-def check_bools(array: np.ndarray, info: TensorInfo, box: Box) -> np.ndarray:
-    """``array`` (box ``box`` of ``info``), after refusing a BOOL byte other than 0 or 1:
-    numpy would hold it as a bool that is neither (``x == True`` false, ``x.sum()`` off).
-    One vectorised pass, for BOOL tensors only.
-
-    Raises:
-        ChecksumError: naming the tensor, the first such element, its byte offset in the
-            file (for a tensor of one file) and the byte found.
-
-    Examples:
-        >>> info = TensorInfo("m", _dtypes.from_code("BOOL", "m"), (3,), 100, 103, "f.safetensors")
-        >>> check_bools(np.frombuffer(bytes([1, 0, 2]), np.bool_), info, ((0, 3),))
-        Traceback (most recent call last):
-        ...
-        nnx_save.errors.ChecksumError: f.safetensors: tensor 'm' (BOOL): element [2] (byte 102 of the file) is 2; a BOOL byte is 0 or 1
-    """
-    if info.dtype.code != "BOOL" or not array.size:
-        return array
-    raw = array.view(np.uint8)
-    if int(raw.max()) <= 1:
-        return array
-    local = np.unravel_index(int(np.argmax(raw.reshape(-1) > 1)), raw.shape)
-    at = [int(i) + lo for i, (lo, _) in zip(local, box, strict=True)]
-    where = f" (byte {info.begin + int(np.ravel_multi_index(at, info.shape))} of the file)" if info.begin else ""
-    found = int(raw[tuple(local)])
-    raise ChecksumError(
-        f"{info.file}: tensor {info.name!r} (BOOL): element {at}{where} is {found}; a BOOL byte is 0 or 1",
-        info.name,
-        info.file,
-        "a BOOL byte 0 or 1",
-        f"{found} at element {at}{where}",
-    )
 
 
 def place(t: Target, pieces: list[tuple[np.ndarray, list[Any]]]):

@@ -31,9 +31,10 @@ import numpy as np
 
 from ..errors import HostMemoryError
 from ..format import _checksum
+from ..format._boxes import check_bools
 from ..format._header import TensorInfo
 from ..format._units import human_bytes
-from ._assemble import batched_put, check_bools, held_of
+from ._assemble import batched_put, held_of
 from ._execute import aligned_empty
 from ._pieces import Request
 from ._target import Target, WholeReads, one_source_each

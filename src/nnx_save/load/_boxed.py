@@ -34,9 +34,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import HostMemoryError, ShapeMismatchError
+from ..format._boxes import check_bools
 from ..format._units import human_bytes
 from ..io._reader import Reader
-from ._assemble import check_bools, held_dtype, place
+from ._assemble import held_dtype, place
 from ._execute import SLAB_BYTES, Budget, Cancelled, aligned_empty, execute, pack_buffers
 from ._pieces import Box, Request, extents, request
 from ._plan import plan_file

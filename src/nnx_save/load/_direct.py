@@ -22,19 +22,18 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
+from _thread import allocate_lock  # threading.Lock itself: a small read need not import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ..errors import SourceError, TruncatedFileError
-from ..format._boxes import box_runs, extents
+from ..format._boxes import box_runs, check_bools, extents
 from ..format._header import TensorInfo
 from ..io._files import Pinned
 from ..io._mapped import MappedFile, can_map, run_cost_bytes
 from ..io._reader import LocalReader, check_identity
-from ._assemble import check_bools
 from ._slices import slice_box
 
 __all__ = ["DIRECT_MAX_BYTES", "DIRECT_MAX_RUNS", "GATHER_GAP", "DirectFiles", "one_run", "quick_run"]
@@ -68,7 +67,7 @@ class DirectFiles:
         self._seen: set[str] = set()  # tensors gathered from a map once (their pages dropped after)
         self._resident: dict[str, TensorInfo] = {}  # tensors asked for again: pages kept, oldest first
         self._resident_bytes = 0
-        self._lock = threading.Lock()
+        self._lock = allocate_lock()
 
     @contextlib.contextmanager
     def _reader(self, file: str) -> Iterator[LocalReader]:

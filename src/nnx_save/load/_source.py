@@ -9,12 +9,14 @@ import gc
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..format._header import FileHeader, TensorInfo
-from ..io import _files, _storage
+from ..io import _files
 from ..io._reader import LocalReader, Reader
-from ._pieces import Piece
+
+if TYPE_CHECKING:
+    from ._pieces import Piece
 
 __all__ = ["Header", "LocalFiles", "Placement", "RemoteFiles", "gc_paused", "in_batches"]
 
@@ -60,6 +62,17 @@ class Placement(Protocol):
         ...
 
 
+def _piece(box: tuple[tuple[int, int], ...], info: TensorInfo) -> Piece:
+    """``Piece(box, info)``, its module imported on first use (by the engine's first read:
+    a lazy handle's small reads never ask); this function then rebinds itself to the class,
+    so later calls cost no more than the constructor."""
+    global _piece
+    from ._pieces import Piece
+
+    _piece = Piece
+    return Piece(box, info)
+
+
 class LocalFiles:
     """Local files whose descriptors are pinned (:class:`nnx_save.io._files.Pinned`);
     every tensor is one whole piece."""
@@ -72,7 +85,7 @@ class LocalFiles:
         self.pinned = _files.Pinned()
 
     def pieces_of(self, key: str, info: TensorInfo) -> tuple[Piece, ...]:
-        return (Piece(tuple((0, d) for d in info.shape), info),)  # whole(info.shape), per tensor inline
+        return (_piece(tuple((0, d) for d in info.shape), info),)  # whole(info.shape), per tensor inline
 
     def open_reader(self, file: str) -> Reader:
         fd = self.pinned.open(file)
@@ -114,7 +127,9 @@ class RemoteFiles(LocalFiles):
 
     def open_reader(self, file: str) -> Reader:
         if file in self.identity:
-            return _storage.open_remote(file, self.stats, self.identity[file])
+            from ..io._storage import open_remote  # the transports: imported by the first remote read
+
+            return open_remote(file, self.stats, self.identity[file])
         return super().open_reader(file)
 
     def retries(self) -> int:

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from ..format._boxes import check_bools
 from ..io._reader import Reader
-from ._assemble import check_bools
 from ._execute import Budget, Cancelled, aligned_empty, execute
 from ._pieces import Box, extents, intersect, request
 from ._plan import FilePlan, plan_file
