@@ -3,7 +3,8 @@ native copy whose SIGBUS is caught and ``process_vm_readv``; and the lazy slices
 use them: the runs equal the file's bytes (hypothesis), a truncated file is a refusal
 the caller reads again (then a typed error), never a signal, and a SIGBUS that is not
 the gather's still reaches the handler before it (it kills, or faulthandler reports it);
-single runs (``quick_run``) equal numpy's slicing."""
+single runs (``quick_run``) equal numpy's slicing, and small ones (one native ``read_at``,
+or ``preadv``) are the file's values or a typed error once it changed."""
 
 import contextlib
 import os
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 
 import nnx_save
 from nnx_save import errors
-from nnx_save.io import _mapped
+from nnx_save.io import _files, _mapped
 from nnx_save.io._mapped import MappedFile, can_map
 from nnx_save.load._direct import one_run, quick_run
 from nnx_save.load._slices import normalize_index
@@ -34,14 +35,15 @@ WAYS = ["native", "process_vm_readv"]
 
 @contextlib.contextmanager
 def _way(way: str):
-    """Gathers in this block go ``way``."""
+    """Gathers in this block go ``way``; ``"process_vm_readv"`` runs as an install built
+    without the extension (small runs then go through ``os.preadv`` too, not ``read_at``)."""
     assert _mapped._native is not None, "the native gather was not built (pip install -e . with a C compiler)"
     saved = _mapped._native
-    _mapped._native = saved if way == "native" else None
+    _mapped._native = _files._native = saved if way == "native" else None
     try:
         yield
     finally:
-        _mapped._native = saved
+        _mapped._native = _files._native = saved
 
 
 DATA = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()  # three blocks' worth
@@ -297,6 +299,49 @@ def test_large_runs_of_a_tensor_read_before_come_from_the_map_then_refuse_when_t
             f.get_slice("w")[300:500]
 
 
+SMALL = np.arange(64 * 1024, dtype=np.float32).reshape(64, 1024)  # 4 KiB rows
+
+
+@pytest.fixture(scope="module")
+def small_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("small") / "w.safetensors"
+    nnx_save.save_file({"pad": np.zeros(3, np.uint8), "w": SMALL}, path)  # w's bytes start unaligned
+    return path
+
+
+@given(row=st.integers(0, 63), col=st.integers(0, 1023), rows=st.integers(1, 17), way=st.sampled_from(WAYS))
+def test_small_runs_are_the_files_values(small_file, row, col, rows, way):
+    """Elements and row ranges up to 68 KiB (either side of ``_direct.READ_AT_BYTES``),
+    through a handle opened once per example, are numpy's."""
+    stop = min(row + rows, 64)  # past the end is a SliceError, as in safetensors
+    with _way(way), nnx_save.safe_open(small_file) as f:
+        assert f.get_slice("w")[row, col] == SMALL[row, col]
+        np.testing.assert_array_equal(f.get_slice("w")[row:stop], SMALL[row:stop])
+        np.testing.assert_array_equal(f.get_slice("w")[row, col:], SMALL[row, col:])
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_small_runs_of_a_changed_file_are_typed_errors(tmp_path, way):
+    """An element and a few rows of a file rewritten in place (same size, another
+    modification time) raise SourceError; of a truncated one, TruncatedFileError."""
+    path = tmp_path / "w.safetensors"
+    nnx_save.save_file({"w": SMALL}, path)
+    with _way(way), nnx_save.safe_open(path) as f:
+        assert f.get_slice("w")[5, 7] == SMALL[5, 7]
+        with open(path, "r+b") as w:
+            w.seek(os.path.getsize(path) - 4096)
+            w.write(np.full(1024, -1, np.float32).tobytes())
+        os.utime(path, ns=(0, 1))  # a modification time of its own, whatever the clock's tick
+        for index in ((5, 7), (slice(0, 2),), (63, 5)):
+            with pytest.raises(errors.SourceError, match=re.escape(f"{path}: changed while open")):
+                f.get_slice("w")[index]
+    with _way(way), nnx_save.safe_open(path) as f:
+        os.truncate(path, os.path.getsize(path) - 8192)
+        for index in ((5, 7), (63, 5)):  # before where it now ends too: the file is not the one read
+            with pytest.raises(errors.TruncatedFileError, match=re.escape("tensor 'w' needs bytes up to")):
+                f.get_slice("w")[index]
+
+
 SHAPES = st.lists(st.integers(1, 5), min_size=0, max_size=4)
 
 
@@ -330,3 +375,24 @@ def test_one_run_and_quick_run_select_what_numpy_does(case):
         want = array[items]
         assert list(want.shape) == out
         np.testing.assert_array_equal(array.reshape(-1)[first : first + want.size].reshape(out), want)
+
+
+def test_closing_a_handle_unmaps_its_files(tmp_path):
+    """A handle's gathers map its file; ``close()`` unmaps it (a file removed meanwhile
+    frees its space then, not when the handle is collected); a slice taken before
+    still reads, mapping it again."""
+    path = tmp_path / "w.safetensors"
+    w = np.arange(512 * 2048, dtype=np.float32).reshape(512, 2048)
+    nnx_save.save_file({"w": w}, path)
+
+    def maps() -> int:
+        with open("/proc/self/maps") as f:
+            return f.read().count(str(path))
+
+    f = nnx_save.safe_open(path)
+    kept = f.get_slice("w")
+    np.testing.assert_array_equal(kept[:, 100:164], w[:, 100:164])
+    assert maps() == 1
+    f.close()
+    assert maps() == 0
+    np.testing.assert_array_equal(kept[:, 200:264], w[:, 200:264])

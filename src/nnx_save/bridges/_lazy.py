@@ -286,9 +286,13 @@ class LazyCheckpoint:
 
     def close(self) -> None:
         """Close the files the headers keep open (a :class:`Header` passed in: its owner
-        does). Slices taken before still read, as in safetensors."""
-        if self._state is not None and self._owned:
-            self._state.header.close()
+        does) and unmap the files' maps. Slices taken before still read, as in
+        safetensors (reopening by name, mapping again)."""
+        if self._state is not None:
+            if self._owned:
+                self._state.header.close()
+            if self._state.direct is not None:
+                self._state.direct.close()
         self._state = None
 
     def keys(self) -> list[str]:

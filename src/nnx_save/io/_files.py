@@ -13,16 +13,27 @@ import collections
 import contextlib
 import os
 import stat
+import types
 from _thread import allocate_lock  # threading.Lock itself: a small read need not import threading
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import SourceChangedError, SourceError, TruncatedFileError
 from ..format._header import MAX_HEADER_SIZE
+
+if TYPE_CHECKING:
+    import numpy as np
 
 try:  # imported with the module, not on the first header read (it loads a C extension)
     import resource
 except ImportError:  # not on Windows
     resource = None  # type: ignore[assignment]
+
+_native: types.ModuleType | None
+try:  # the optional extension (src/nnx_save/io/_gather.c): read_at, a pread and its fstat in one call
+    from . import _gather as _native
+except ImportError:  # pragma: no cover - an install built without a C compiler
+    _native = None
 
 __all__ = [
     "Pinned",
@@ -306,6 +317,26 @@ class Pinned:
         """:meth:`keep` each ``(name, fd, stat)``."""
         for name, fd, st in opened:
             self.keep(name, fd, st)
+
+    def read_checked(self, name: str, out: np.ndarray, offset: int) -> bool:
+        """Whether ``out`` was filled with the bytes of ``name`` from
+        ``offset``, the file unchanged since its header was read (size and modification
+        time, after the read), in one native call on the pool's own descriptor: the pool's
+        lock held across it, so no other thread closes that descriptor meanwhile and no
+        duplicate is needed. False when that cannot be told here (no native call, the
+        descriptor let go, a short read, a changed file): the caller reads the general
+        way, which reopens, retries or names what happened."""
+        seen = self.seen.get(name)
+        if _native is None or seen is None:
+            return False
+        with _POOL.lock:
+            fd = _POOL.fds.get((id(self), name))
+            if fd is None:
+                return False
+            try:
+                return _native.read_at(fd, out, offset, seen[2], seen[3]) == out.nbytes
+            except OSError:
+                return False
 
     def open(self, name: str) -> int:
         """A new descriptor on the file ``name`` was when its header was read.

@@ -46,6 +46,9 @@ DIRECT_MAX_RUNS = 4096  # a column slice of a big matrix, without the engine's i
 # the file's map: about twice preadv's rate once the pages are mapped, where preadv's one
 # call wins under it (benchmarks/lazy.py, docs/performance.md).
 MAP_COPY_BYTES = 256 << 10
+# A run at most this large is read by one native call holding the pool's lock (no
+# duplicate descriptor, the fstat in C): a page cache read of a few pages.
+READ_AT_BYTES = 64 << 10
 GATHER_GAP = 64 << 10  # bytes read through (into scratch) rather than cut into another request (~10 us on a VM)
 RESIDENT_BYTES = 1 << 30  # tensors whose gathered pages stay mapped per handle, once asked for twice
 
@@ -144,6 +147,8 @@ class DirectFiles:
         out = np.empty(shape, info.dtype.numpy)
         offset = info.begin + first * info.dtype.itemsize
         if out.nbytes >= MAP_COPY_BYTES and self._copied(info, out, offset):
+            return out
+        if out.nbytes <= READ_AT_BYTES and self._pinned.read_checked(info.file, out, offset):
             return out
         try:
             fd = self._pinned.open(info.file)  # no reader object: an element costs a few microseconds
