@@ -280,7 +280,15 @@ nests = st.recursive(
 )
 
 
-@given(nests)
+# flatten_keys' own fast way (a dict of str names, each value one leaf), and names it refuses
+flat_dicts = st.dictionaries(
+    st.one_of(st.text("ab0é", min_size=1, max_size=3), st.sampled_from(["", "x/y", "."])),
+    st.sampled_from([1.0, np.float32(2)]),
+    max_size=20,
+)
+
+
+@given(st.one_of(nests, flat_dicts))
 def test_flatten_keys_is_flatten_then_to_keys(tree):
     def each():
         try:

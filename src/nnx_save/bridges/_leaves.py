@@ -35,6 +35,7 @@ __all__ = [
 
 
 _KEY = operator.attrgetter("key")
+_STR_TYPE = {str}
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 
 
@@ -70,11 +71,29 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[li
 def flatten_keys(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[list[str], list[Any], Any]:
     """``(keys, leaves, treedef)``: :func:`flatten` with each path made its file key
     (:func:`~nnx_save.format._paths.to_keys`), a flat dict's names taken as they are."""
+    flat = _flat_dict(tree) if is_leaf is None else None
+    if flat is not None:
+        return flat
     keypaths, leaves, treedef = _flatten_with_path(tree, is_leaf)
     values = _segment_values(keypaths)
     if values is not None and len(values) == len(keypaths) and set(map(len, keypaths)) <= {1}:
         return _paths.names_to_keys(values), leaves, treedef
     return _paths.to_keys(segments(keypaths)), leaves, treedef
+
+
+def _flat_dict(tree: Any) -> tuple[list[str], list[Any], Any] | None:
+    """:func:`flatten_keys` of a plain dict whose every value is one leaf, its keys str
+    (the abstract tree of a load of many tensors): jax's flatten without key paths
+    (which makes an entry object and a tuple per leaf) and the names sorted as jax
+    sorts them; ``None`` for any other tree."""
+    if type(tree) is not dict or not tree or set(map(type, tree)) != _STR_TYPE:
+        return None
+    import jax
+
+    if not jax.tree_util.all_leaves(tree.values()):  # a None, or a container
+        return None
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return _paths.names_to_keys(sorted(tree)), leaves, treedef
 
 
 def _flatten_with_path(tree: Any, is_leaf: Callable[[Any], bool] | None) -> tuple[list[tuple], list[Any], Any]:
