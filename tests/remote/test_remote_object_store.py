@@ -258,3 +258,29 @@ def test_progress_moves_per_piece_on_a_save_and_per_chunk_on_a_load(bucket, monk
     moves.clear()
     nnx_save.load_file(url, progress=True, read_chunk_bytes=1 << 20)
     assert len([n for n in moves if n]) >= 12 and max(moves) <= 1 << 20 and sum(moves) == embed + tree["bias"].nbytes
+
+
+@pytest.mark.parametrize("algorithm", [None, "CRC64NVME"])
+def test_each_part_is_sent_with_its_sha256_unless_the_environment_names_another_checksum(
+    bucket, tmp_path, monkeypatch, algorithm
+):
+    """A save's parts carry their SHA-256 (the store verifies each as it comes): the
+    object's checksum is then S3's composite of the parts' digests; AWS_CHECKSUM_ALGORITHM,
+    where set, is obstore's to apply instead."""
+    import base64
+    import hashlib
+
+    client, name = bucket
+    if algorithm is not None:
+        monkeypatch.setenv("AWS_CHECKSUM_ALGORITHM", algorithm)
+    nnx_save.save_file(weights(), f"s3://{name}/m.safetensors")
+    head = client.head_object(Bucket=name, Key="m.safetensors", ChecksumMode="ENABLED")
+    if algorithm is not None:
+        assert "ChecksumSHA256" not in head, head
+        return
+    local = tmp_path / "m.safetensors"
+    nnx_save.save_file(weights(), local)
+    data = local.read_bytes()
+    parts = [hashlib.sha256(data[at : at + PART]).digest() for at in range(0, len(data), PART)]
+    composite = base64.b64encode(hashlib.sha256(b"".join(parts)).digest()).decode()
+    assert head["ChecksumSHA256"].split("-")[0] == composite, head  # S3 adds "-<parts>"; moto does not

@@ -84,7 +84,12 @@ def _make_store(scheme: str, bucket: str, env: dict[str, str]) -> Any:
 
     if scheme == "s3":
         endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-        return store.S3Store(bucket, client_options=_client_options(endpoint))  # type: ignore[arg-type]
+        # Each part's SHA-256 (computed for the request's signature anyway) sent as its
+        # checksum, which the store verifies: an upload corrupted in transit is refused, and
+        # a store that would otherwise checksum the whole object once complete checksums
+        # the parts as they come. AWS_CHECKSUM_ALGORITHM, where set, says otherwise.
+        checksum = {} if "AWS_CHECKSUM_ALGORITHM" in env else {"checksum_algorithm": "SHA256"}
+        return store.S3Store(bucket, client_options=_client_options(endpoint), **checksum)  # type: ignore[arg-type]
     if scheme == "gs":
         return store.GCSStore(bucket, client_options=_client_options(None))  # type: ignore[arg-type]
     return store.AzureStore(bucket, client_options=_client_options(None))  # type: ignore[arg-type]
