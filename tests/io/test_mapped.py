@@ -320,6 +320,31 @@ def test_small_runs_are_the_files_values(small_file, row, col, rows, way):
         np.testing.assert_array_equal(f.get_slice("w")[row, col:], SMALL[row, col:])
 
 
+def test_a_small_run_is_one_native_read_on_the_pools_descriptor(small_file, monkeypatch):
+    """An element and a few rows take ``read_at`` (once each, no duplicate descriptor);
+    a large run does not. The values are the file's."""
+    calls, dups = [], []
+    native = _files._native
+
+    class Spy:
+        def read_at(self, *args):
+            calls.append(args[3:])  # (size, mtime_ns) of the header's file
+            return native.read_at(*args)
+
+    monkeypatch.setattr(_files, "_native", Spy())
+    real_dup = os.dup
+    monkeypatch.setattr(_files.os, "dup", lambda fd: dups.append(fd) or real_dup(fd))
+    with nnx_save.safe_open(small_file) as f:
+        dups.clear()  # the open's own
+        assert f.get_slice("w")[5, 7] == SMALL[5, 7]
+        np.testing.assert_array_equal(f.get_slice("w")[3:9], SMALL[3:9])  # 24 KiB
+        assert len(calls) == 2 and dups == []
+        np.testing.assert_array_equal(f.get_slice("w")[0:20], SMALL[0:20])  # 80 KiB: preadv
+        assert len(calls) == 2 and len(dups) == 1
+    st_ = os.stat(small_file)
+    assert calls[0] == (st_.st_size, st_.st_mtime_ns)
+
+
 @pytest.mark.parametrize("way", WAYS)
 def test_small_runs_of_a_changed_file_are_typed_errors(tmp_path, way):
     """An element and a few rows of a file rewritten in place (same size, another

@@ -221,9 +221,13 @@ class _Pool:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         with self.lock:
-            while self.pending:
-                self._drop(self.pending.popleft())
+            self._drain()
             yield
+
+    def _drain(self) -> None:
+        """Drop the owners collected while the lock was busy (the lock held)."""
+        while self.pending:
+            self._drop(self.pending.popleft())
 
     def add(self, key: tuple[int, str], fd: int, dup: bool = False) -> int | None:
         """Keep ``fd`` under ``key`` (the least recently used one goes when full); with
@@ -242,13 +246,30 @@ class _Pool:
 
     def dup(self, key: tuple[int, str]) -> int | None:
         with self.lock:  # never dup a number another thread has just closed (and the OS reused)
-            while self.pending:  # as locked() does, without a generator on every small read's path
-                self._drop(self.pending.popleft())
+            self._drain()  # as locked() does, without a generator on every small read's path
             fd = self.fds.get(key)
             if fd is None:
                 return None
             self.fds.move_to_end(key)
             return os.dup(fd)
+
+    def read_at(self, key: tuple[int, str], out: np.ndarray, offset: int, identity: _Identity) -> bool:
+        """Whether ``out`` was filled from byte ``offset`` of ``key``'s descriptor, the file
+        still of ``identity``'s size and modification time after the read: one native call,
+        the lock held across it (no other thread closes the descriptor meanwhile, so no
+        duplicate is needed). False where there is no native call, no such descriptor, a
+        short read, a changed file or an error."""
+        if _native is None:
+            return False
+        with self.lock:
+            self._drain()
+            fd = self.fds.get(key)
+            if fd is None:
+                return False
+            try:
+                return _native.read_at(fd, out, offset, identity[2], identity[3]) == out.nbytes
+            except OSError:
+                return False
 
     def drop(self, owner: int, wait: bool = True) -> None:
         """Close ``owner``'s descriptors; with ``wait=False`` (a finalizer) never wait
@@ -257,8 +278,7 @@ class _Pool:
             self.pending.append(owner)
             return
         try:
-            while self.pending:
-                self._drop(self.pending.popleft())
+            self._drain()
             self._drop(owner)
         finally:
             self.lock.release()
@@ -319,24 +339,12 @@ class Pinned:
             self.keep(name, fd, st)
 
     def read_checked(self, name: str, out: np.ndarray, offset: int) -> bool:
-        """Whether ``out`` was filled with the bytes of ``name`` from
-        ``offset``, the file unchanged since its header was read (size and modification
-        time, after the read), in one native call on the pool's own descriptor: the pool's
-        lock held across it, so no other thread closes that descriptor meanwhile and no
-        duplicate is needed. False when that cannot be told here (no native call, the
-        descriptor let go, a short read, a changed file): the caller reads the general
-        way, which reopens, retries or names what happened."""
+        """Whether ``out`` was filled with the bytes of ``name`` from ``offset``, the file
+        unchanged since its header was read, by one native call on the pool's own
+        descriptor (:meth:`_Pool.read_at`). False when that cannot be told here: the
+        caller reads the general way, which reopens, retries or names what happened."""
         seen = self.seen.get(name)
-        if _native is None or seen is None:
-            return False
-        with _POOL.lock:
-            fd = _POOL.fds.get((id(self), name))
-            if fd is None:
-                return False
-            try:
-                return _native.read_at(fd, out, offset, seen[2], seen[3]) == out.nbytes
-            except OSError:
-                return False
+        return seen is not None and _POOL.read_at((id(self), name), out, offset, seen)
 
     def open(self, name: str) -> int:
         """A new descriptor on the file ``name`` was when its header was read.
