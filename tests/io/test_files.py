@@ -21,9 +21,20 @@ def _open_fds() -> set[int]:
     return {int(n) for n in os.listdir("/proc/self/fd")}
 
 
-def test_a_header_collected_while_its_thread_holds_the_pool_lock_neither_waits_nor_leaks(tmp_path):
+_NEXT_USES = {  # every way the pool is next taken drops what a finalizer left first
+    "read_header": lambda other: nnx_save.read_header(other).close(),  # _Pool.add
+    "an element": lambda handle: handle.get_slice("w")[3],  # _Pool.read_at (the native small read)
+    "the engine": lambda handle: handle.get_tensor("w"),  # _Pool.dup, through the engine's reader
+}
+
+
+@pytest.mark.parametrize("next_use", list(_NEXT_USES))
+def test_a_header_collected_while_its_thread_holds_the_pool_lock_neither_waits_nor_leaks(tmp_path, next_use):
     path = tmp_path / "w.safetensors"
     nnx_save.save_file({"w": np.arange(8, dtype=np.float32)}, path)
+    other = tmp_path / "other.safetensors"
+    nnx_save.save_file({"w": np.arange(8, dtype=np.float32)}, other)
+    handle = nnx_save.safe_open(other, backend="pread" if next_use == "the engine" else "mmap")
     before = _open_fds()
     header = nnx_save.read_header(path)  # pins the file's descriptor in the pool
     pinned = _open_fds() - before
@@ -40,8 +51,9 @@ def test_a_header_collected_while_its_thread_holds_the_pool_lock_neither_waits_n
     worker.start()
     worker.join(timeout=10)
     assert finished.is_set(), "Pinned.__del__ waited for the pool lock its own thread holds (deadlock)"
-    nnx_save.read_header(path)  # the pool's next use drops what the finalizer left
+    _NEXT_USES[next_use](other if next_use == "read_header" else handle)  # the pool's next use
     assert not (pinned & _open_fds()), "the collected header's descriptor is still open"
+    handle.close()
 
 
 _DESCRIPTORS = r"""
