@@ -267,7 +267,7 @@ def test_the_layer_check_sees_a_lazy_upward_import(tmp_path):
 def _imports_after(code: str, *, full: bool = False) -> set[str]:
     """The top-level modules (``full``: all modules) a fresh interpreter has imported after running ``code``."""
     name = "m" if full else "m.split('.')[0]"
-    probe = f"{code}\nimport sys, json\nprint(json.dumps(sorted({{{name} for m in sys.modules}})))"
+    probe = f"{code}\nimport sys\nnames = sorted({{{name} for m in sys.modules}})\nimport json\nprint(json.dumps(names))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -292,6 +292,7 @@ def test_a_small_safe_open_read_imports_no_subprocess_socket_or_engine(tmp_path)
     loaded = _imports_after(probe, full=True)
     assert {"nnx_save.bridges._lazy", "nnx_save.load._direct"} <= loaded
     heavy = {"subprocess", "ctypes.util", "socket", "secrets", "random", "nnx_save.load._engine", "concurrent.futures"}
+    heavy |= {"json", "threading"}  # a header is parsed by json's C scanner alone; locks come from _thread
     heavy |= {"nnx_save.porting", "nnx_save.load._report"}  # the rule kinds and the load report: on first use
     # the engine's records and options, the storage layer and the layouts' writers: a
     # local header and a direct read need none of them (each costs an import, most a dataclass)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import collections
 import itertools
-import json
 import math
 import operator
 import re
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -153,6 +152,8 @@ def strict_json(text: str) -> object:
         ...
         ValueError: nested too deeply (the depth is capped by the interpreter's recursion limit)
     """
+    import json  # the exact path: a small read parses with the C scanner alone (see _scan)
+
     try:
         obj = json.loads(text, object_pairs_hook=unique_pairs)
     except RecursionError:
@@ -358,7 +359,7 @@ def parse_header(raw: bytes, file_size: int, *, file: str = "<bytes>") -> FileHe
     text = _text(raw, file)
     try:
         found = _parse_fast(text, 8 + len(raw), file_size, file)
-    except (ValueError, RecursionError):  # not JSON (or too deep): the exact path names what is wrong
+    except (StopIteration, ValueError, RecursionError):  # not JSON (or too deep): the exact path names what is wrong
         found = None
     if found is not None and "\\u" in text and lone_surrogate(text) is not None:
         found = None  # the exact path refuses it, naming where
@@ -384,7 +385,7 @@ def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHe
     """The same checks, each over every tensor at once in C-level builtins, the JSON
     parsed without a hook (:func:`_keys_unique` proves no key repeats): ``None`` as
     soon as one fails or might, and :func:`_parse_exact` says which."""
-    obj, end = _PLAIN.raw_decode(text)  # json.loads less its wrappers: leading space and a BOM go the exact way
+    obj, end = _SCAN(text, 0)  # json.loads less its wrappers: leading space and a BOM go the exact way
     if type(obj) is not dict or (end != len(text) and text[end:].strip(" \t\n\r")):
         return None
     has_meta = "__metadata__" in obj
@@ -413,7 +414,30 @@ def _parse_fast(text: str, data_start: int, file_size: int, file: str) -> FileHe
     return FileHeader(file, tensors, dict(meta), data_start - 8, file_size)
 
 
-_PLAIN = json.JSONDecoder()
+class _Plain:
+    """What the scanner of CPython's ``_json`` reads off a decoder: ``json.JSONDecoder()``'s settings."""
+
+    strict = True
+    object_hook = object_pairs_hook = None
+    parse_float, parse_int = float, int  # these very types: the scanner's own conversions
+    parse_constant = {"-Infinity": -math.inf, "Infinity": math.inf, "NaN": math.nan}.__getitem__
+
+
+def _plain_scanner() -> Callable[[str, int], tuple[Any, int]]:
+    """``json.JSONDecoder().scan_once``: ``(value, end)`` of the JSON value at an index,
+    ``StopIteration`` where none starts there; made of CPython's ``_json`` alone, as the
+    ``json`` package (which a small read would spend more on importing than on its
+    header) makes it."""
+    try:
+        from _json import make_scanner
+    except ImportError:  # another interpreter: the package's own
+        import json
+
+        return json.JSONDecoder().scan_once
+    return make_scanner(_Plain())
+
+
+_SCAN = _plain_scanner()
 _STR = frozenset({str})
 _INT = frozenset({int})  # a JSON number is an int or a float; bool is its own type
 _FIELDS = tuple(map(operator.itemgetter, ("dtype", "shape", "data_offsets")))
@@ -553,6 +577,8 @@ def encode_header(
         offsets.append((position, position + nbytes))
         body[name] = {"dtype": code, "shape": [int(d) for d in shape], "data_offsets": [position, position + nbytes]}
         position += nbytes
+    import json
+
     try:
         text = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
