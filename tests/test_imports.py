@@ -267,7 +267,9 @@ def test_the_layer_check_sees_a_lazy_upward_import(tmp_path):
 def _imports_after(code: str, *, full: bool = False) -> set[str]:
     """The top-level modules (``full``: all modules) a fresh interpreter has imported after running ``code``."""
     name = "m" if full else "m.split('.')[0]"
-    probe = f"{code}\nimport sys\nnames = sorted({{{name} for m in sys.modules}})\nimport json\nprint(json.dumps(names))"
+    probe = (
+        f"{code}\nimport sys\nnames = sorted({{{name} for m in sys.modules}})\nimport json\nprint(json.dumps(names))"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PACKAGE.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -433,8 +433,8 @@ def _plain_scanner() -> Callable[[str, int], tuple[Any, int]]:
     except ImportError:  # another interpreter: the package's own
         import json
 
-        return json.JSONDecoder().scan_once
-    return make_scanner(_Plain())
+        return json.JSONDecoder().scan_once  # type: ignore[attr-defined]  # set by __init__, not in the stubs
+    return make_scanner(_Plain())  # type: ignore[arg-type]  # any object with the decoder's settings
 
 
 _SCAN = _plain_scanner()
