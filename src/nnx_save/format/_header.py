@@ -152,7 +152,7 @@ def strict_json(text: str) -> object:
         ...
         ValueError: nested too deeply (the depth is capped by the interpreter's recursion limit)
     """
-    import json  # the exact path: a small read parses with the C scanner alone (see _scan)
+    import json  # the exact path: a small read parses with the C scanner alone (_SCAN)
 
     try:
         obj = json.loads(text, object_pairs_hook=unique_pairs)
