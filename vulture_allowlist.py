@@ -28,3 +28,9 @@ _.delete
 _.apply
 # The table tests/test_config.py checks docs/configuration.md against.
 _.VARIABLES
+# The settings the C scanner of CPython's _json reads off its context (format/_header._Plain).
+_.object_hook
+_.object_pairs_hook
+_.parse_float
+_.parse_int
+_.parse_constant
