@@ -437,8 +437,9 @@ def safe_open(
         device: ``"cpu"``; for jax also ``"gpu:N"``, ``"tpu:N"`` or a ``jax.Device``;
             for torch anything ``torch.device`` takes.
         backend: ``"mmap"`` (the name safetensors uses): small slices of local files are
-            read with ``pread`` straight into the result, without the engine (nothing
-            is mapped: a file truncated meanwhile is a typed error, never SIGBUS);
+            read straight into the result, without the engine: a contiguous run with one
+            positioned read, runs far apart copied out of a private map of the file whose
+            SIGBUS is caught (a file truncated meanwhile is a typed error, never a signal);
             ``"pread"``: every read goes through the engine's readers.
         max_over_read_ratio: the engine's cap on bytes read / bytes needed when it
             merges reads; over HTTP a larger one or ``None`` means fewer requests.
