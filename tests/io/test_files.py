@@ -125,3 +125,26 @@ def test_open_handles_share_one_pool_of_descriptors_under_a_low_limit(tmp_path, 
     handles, ok, typed = map(int, done.stdout.split())
     assert handles > 20 and ok + typed == 400
     assert typed == 0, (handles, ok, typed)  # even the lowest limit leaves the pool room to read through
+
+
+@pytest.mark.parametrize("use", ["an element", "a larger run"])
+def test_a_file_read_through_the_pool_is_its_most_recently_used(tmp_path, monkeypatch, use):
+    """The pool drops its least recently used descriptor when full: a read on a handle's
+    descriptor, by the native small read (``read_at``: an element) or on a duplicate
+    (``dup``: a run over 64 KiB), makes that file the most recent, so the file not read
+    since goes."""
+    names = []
+    for i in range(3):
+        names.append(str(tmp_path / f"f{i}.safetensors"))
+        nnx_save.save_file({"w": np.arange(32768, dtype=np.float32) + i}, names[-1])  # 128 KiB
+    monkeypatch.setattr(_files, "max_pinned", lambda: 2)
+
+    def pooled() -> set[str]:
+        with _files._POOL.lock:
+            return {name for _, name in _files._POOL.fds}
+
+    with nnx_save.safe_open(names[0]) as first, nnx_save.safe_open(names[1]):
+        assert pooled() == {names[0], names[1]}
+        assert (first.get_slice("w")[3] if use == "an element" else first.get_slice("w")[:][3]) == 3
+        with nnx_save.safe_open(names[2]):  # a third: the least recently used goes
+            assert pooled() == {names[0], names[2]}

@@ -266,6 +266,7 @@ class _Pool:
             fd = self.fds.get(key)
             if fd is None:
                 return False
+            self.fds.move_to_end(key)  # used: the least recently used goes first, as after dup()
             try:
                 return _native.read_at(fd, out, offset, identity[2], identity[3]) == out.nbytes
             except OSError:
