@@ -675,3 +675,23 @@ def _texts(draw):
 def test_fast_path_agrees_with_the_exact_path(case):
     raw, data = case
     _agree(raw, max(data, 0))
+
+
+@settings(max_examples=200)
+@given(
+    number=st.floats() | st.sampled_from(["2.0", "1e400", "1E2", "NaN", "-Infinity"]),
+    where=st.sampled_from(["shape", "begin", "end"]),
+)
+def test_a_non_integer_number_in_a_shape_or_offsets_is_refused_by_both_paths(number, where):
+    """Any JSON number but an integer where the format wants one (a float, ``NaN``,
+    ``Infinity``, an exponent) is refused, the fast path declining as the exact one refuses:
+    its scanner never turns a constant or a float into an int."""
+    token = json.dumps(number) if isinstance(number, float) else number
+    shape, offsets = "[2]", "[0,8]"
+    if where == "shape":
+        shape = f"[{token}]"
+    else:
+        offsets = f"[{token},8]" if where == "begin" else f"[0,{token}]"
+    raw = f'{{"a":{{"dtype":"F32","shape":{shape},"data_offsets":{offsets}}}}}'
+    fast, exact = _agree(raw, 8)
+    assert fast is None and isinstance(exact, tuple), (fast, exact)  # exact: (error type, message, check)
