@@ -421,3 +421,36 @@ def test_closing_a_handle_unmaps_its_files(tmp_path):
     f.close()
     assert maps() == 0
     np.testing.assert_array_equal(kept[:, 200:264], w[:, 200:264])
+
+
+_CUT_INDICES = [(5, 7), (slice(3, 9),), (slice(0, 200),), (slice(None), slice(10, 12)), (slice(50, 90), slice(5, 60))]
+
+
+@given(
+    cut=st.integers(0, 255),
+    index=st.sampled_from(_CUT_INDICES),
+    backend=st.sampled_from(["mmap", "pread"]),
+    way=st.sampled_from(WAYS),
+)
+def test_a_read_of_a_file_cut_below_it_names_where_the_file_ends(cut, index, backend, way):
+    """A file truncated under an open handle, at a random point of its data (often below
+    where the read begins): every slice kind (an element, rows over and under 64 KiB, a
+    column, a block), both backends, both ways, is the file's values or a
+    TruncatedFileError naming the byte where the file now ends (it named where the read
+    began)."""
+    import tempfile
+
+    value = np.arange(256 * 256, dtype=np.float32).reshape(256, 256)
+    with tempfile.TemporaryDirectory() as where:
+        path = os.path.join(where, "w.safetensors")
+        nnx_save.save_file({"w": value}, path)
+        with _way(way), nnx_save.safe_open(path, backend=backend) as f:
+            begin = os.path.getsize(path) - value.nbytes
+            end = begin + cut * 1024  # 1 KiB steps through the 256 KiB of data
+            os.truncate(path, end)
+            try:
+                got = f.get_slice("w")[index]
+            except errors.TruncatedFileError as error:
+                assert error.offset == end and f"byte {end}" in str(error), (end, str(error))
+            else:
+                np.testing.assert_array_equal(got, value[index])

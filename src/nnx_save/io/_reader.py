@@ -4,6 +4,7 @@ ctypes and release the GIL."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -133,10 +134,16 @@ class LocalReader:
             self.requests += 1
 
     def _ended(self, at: int, missing: int) -> TruncatedFileError:
+        """A read that got nothing at byte ``at``, ``missing`` bytes short: the file ends
+        there, or before it (a file cut below where the read began), as ``fstat`` says."""
+        end = at
+        with contextlib.suppress(OSError):
+            end = min(at, os.fstat(self.fd).st_size)
         return TruncatedFileError(
-            f"{self.path}: file ended at byte {at}, expected {missing} more bytes (was it truncated while loading?)",
+            f"{self.path}: file ended at byte {end}, expected {at + missing - end} more bytes "
+            "(was it truncated while loading?)",
             self.path,
-            at,
+            end,
         )
 
     def readv(self, buffers: list[memoryview], offset: int) -> None:
