@@ -4,6 +4,7 @@ memory bound); ``descriptor_limit(monkeypatch, soft)`` makes the process read a 
 descriptor limit."""
 
 import contextlib
+import os
 import resource
 from collections.abc import Iterator
 
@@ -22,12 +23,12 @@ def address_space_over(slack: int) -> Iterator[None]:
 
 def descriptor_limit(monkeypatch, soft: int) -> None:
     """Make this process read ``soft`` as its soft ``RLIMIT_NOFILE`` for the rest of a test
-    (only the reading: no descriptor is refused), so the pool of pinned descriptors, a
-    quarter of it (docs/reliability.md), is ``soft // 4``."""
-    real = resource.getrlimit
+    (only the reading, ``os.sysconf("SC_OPEN_MAX")`` as nnx_save reads it: no descriptor is
+    refused), so the pool of pinned descriptors, a quarter of it (docs/reliability.md), is
+    ``soft // 4``."""
+    real = os.sysconf
 
-    def getrlimit(which: int) -> tuple[int, int]:
-        limits = real(which)
-        return (soft, limits[1]) if which == resource.RLIMIT_NOFILE else limits
+    def sysconf(name: str | int) -> int:
+        return soft if name in ("SC_OPEN_MAX", os.sysconf_names["SC_OPEN_MAX"]) else real(name)
 
-    monkeypatch.setattr(resource, "getrlimit", getrlimit)
+    monkeypatch.setattr(os, "sysconf", sysconf)

@@ -141,7 +141,7 @@ def test_the_package_has_no_import_cycle():
 # reads Orbax sources through checkpoint. The package top (the public API) sits with
 # cli, which works on that API only.
 LAYERS = (
-    ("errors", "_config", "_version", "_options", "_lazy_import"),
+    ("errors", "_config", "_version", "_options", "_lazy_import", "_frozen"),
     ("format",),
     ("porting",),
     ("io", "_progress"),
@@ -295,6 +295,8 @@ def test_a_small_safe_open_read_imports_no_subprocess_socket_or_engine(tmp_path)
     assert {"nnx_save.bridges._lazy", "nnx_save.load._direct"} <= loaded
     heavy = {"subprocess", "ctypes.util", "socket", "secrets", "random", "nnx_save.load._engine", "concurrent.futures"}
     heavy |= {"json", "threading"}  # a header is parsed by json's C scanner alone; locks come from _thread
+    # the records on the path are written out (nnx_save._frozen), and the descriptor limit is read by sysconf
+    heavy |= {"dataclasses", "resource"}
     heavy |= {"nnx_save.porting", "nnx_save.load._report"}  # the rule kinds and the load report: on first use
     # the engine's records and options, the storage layer and the layouts' writers: a
     # local header and a direct read need none of them (each costs an import, most a dataclass)

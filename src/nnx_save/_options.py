@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import numbers
 import os
@@ -133,6 +132,8 @@ def merge(cls: type[Opts], options: Opts | None, call: str, arguments: Mapping[s
     """
     if options is not None and not isinstance(options, cls):
         raise OptionError(f"{call}: options must be a {cls.__name__}, got {type(options).__name__}", "options")
+    import dataclasses  # here: the options' own modules import it, a small read does not
+
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     given = {k: arguments[k] for k in names if k in arguments and arguments[k] is not DEFAULT}
     if options is None:

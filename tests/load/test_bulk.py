@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from jax.sharding import SingleDeviceSharding
 
 import nnx_save
+from nnx_save._frozen import frozen_many
 from nnx_save.bridges import _leaves, _pytree
 from nnx_save.format import _header, _paths
 from nnx_save.load import _batch, _match
@@ -312,6 +313,6 @@ def test_frozen_many_refuses_a_field_left_out_or_a_short_column():
     dt = _header._dtypes.DTYPES["F32"]
     columns = {"name": ["a"], "shape": [(2,)], "begin": [8], "end": [16], "nbytes": [8]}
     with pytest.raises(ValueError, match="every field given once"):
-        _header.frozen_many(_header.TensorInfo, 1, columns, {"dtype": dt})
+        frozen_many(_header.TensorInfo, 1, columns, {"dtype": dt})
     with pytest.raises(ValueError, match="1 of each field"):
-        _header.frozen_many(_header.TensorInfo, 1, {**columns, "name": []}, {"dtype": dt, "file": "f"})
+        frozen_many(_header.TensorInfo, 1, {**columns, "name": []}, {"dtype": dt, "file": "f"})

@@ -254,8 +254,8 @@ def read_one(header: Header, key: str, *, verify: bool = False) -> tuple[np.ndar
     """Tensor ``key`` of ``header`` as a host array, and the load report; only the files
     holding its pieces are read, so memory stays bounded by one tensor."""
     held = {p.info.file for p in header.pieces_of(key)}
-    narrowed = dataclasses.replace(
-        header, tensors={key: header.tensors[key]}, files=tuple(fh for fh in header.files if fh.file in held)
+    narrowed = header._replace(
+        tensors={key: header.tensors[key]}, files=tuple(fh for fh in header.files if fh.file in held)
     )
     tree, report = load_file(narrowed, verify=verify, progress=False, return_report=True)
     return tree[key], report
@@ -265,8 +265,7 @@ def read_many(header: Header, keys: Sequence[str], *, verify: bool = False) -> t
     """Tensors ``keys`` of ``header`` as host arrays, in one load, and its report: only
     the files holding their pieces are read."""
     held = {p.info.file for key in keys for p in header.pieces_of(key)}
-    narrowed = dataclasses.replace(
-        header,
+    narrowed = header._replace(
         tensors={key: header.tensors[key] for key in keys},
         files=tuple(fh for fh in header.files if fh.file in held),
     )

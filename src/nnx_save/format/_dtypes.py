@@ -14,11 +14,11 @@ read without it.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .._frozen import Frozen
 from ..errors import HeaderError
 
 if TYPE_CHECKING:
@@ -27,21 +27,26 @@ if TYPE_CHECKING:
 __all__ = ["DTYPES", "RANK", "DtypeInfo", "from_code", "nbytes_for", "to_code"]
 
 
-@dataclass(frozen=True)
-class DtypeInfo:
+class DtypeInfo(Frozen):
     """One row of the table: the file code, the numpy dtype and the bits per element."""
 
+    _fields = ("code", "numpy", "bits")
+    _shown = _compared = ("code", "numpy", "bits", "byte_aligned", "itemsize")
     code: str
     numpy: np.dtype
     bits: int
     # Plain attributes, not properties: the engine asks them per tensor and per piece.
-    byte_aligned: bool = field(init=False)
-    itemsize: int = field(init=False)
+    byte_aligned: bool
+    itemsize: int
     """Bytes per element on disk, for byte-aligned codes only."""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "byte_aligned", self.bits % 8 == 0)
-        object.__setattr__(self, "itemsize", self.bits // 8)
+    def __init__(self, code: str, numpy: np.dtype, bits: int) -> None:
+        set_field = object.__setattr__
+        set_field(self, "code", code)
+        set_field(self, "numpy", numpy)
+        set_field(self, "bits", bits)
+        set_field(self, "byte_aligned", bits % 8 == 0)
+        set_field(self, "itemsize", bits // 8)
 
     def __getattr__(self, name: str) -> np.dtype:
         """``numpy`` of an ml_dtypes row, on first use (normal lookup found none); then

@@ -13,16 +13,15 @@ runs and raises the error it always raised.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import math
 import operator
 import re
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
+from .._frozen import Frozen, frozen_many
 from ..errors import HeaderError, KeyPathError, OptionError, UnsupportedValueError, short_repr
 from . import _dtypes
 
@@ -34,67 +33,64 @@ _ENTRY_FIELDS = frozenset({"dtype", "shape", "data_offsets"})
 _MAX_NUMEL = 2**63 - 1  # beyond any real buffer; refuses 10^30-element claims early
 
 
-@dataclass(frozen=True, slots=True)  # slots: made per tensor, twice as fast
-class TensorInfo:
+class TensorInfo(Frozen):
     """One tensor of a file: where its bytes are and what they mean.
 
     ``begin`` and ``end`` are absolute byte offsets in ``file`` (data start included).
     """
 
+    __slots__ = ("begin", "dtype", "end", "file", "name", "nbytes", "shape")  # made per tensor
+    _fields = _compared = ("name", "dtype", "shape", "begin", "end", "file")
     name: str
     dtype: _dtypes.DtypeInfo
     shape: tuple[int, ...]
     begin: int
     end: int
-    file: str = ""
-    nbytes: int = field(init=False, repr=False, compare=False)  # an attribute: asked per tensor and per piece
+    file: str
+    nbytes: int  # an attribute: asked per tensor and per piece
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "nbytes", self.end - self.begin)
+    def __init__(
+        self, name: str, dtype: _dtypes.DtypeInfo, shape: tuple[int, ...], begin: int, end: int, file: str = ""
+    ) -> None:
+        set_field = object.__setattr__
+        set_field(self, "name", name)
+        set_field(self, "dtype", dtype)
+        set_field(self, "shape", shape)
+        set_field(self, "begin", begin)
+        set_field(self, "end", end)
+        set_field(self, "file", file)
+        set_field(self, "nbytes", end - begin)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-_T = TypeVar("_T")
-
-
-def frozen_many(
-    cls: type[_T], count: int, columns: Mapping[str, Sequence[Any]], constants: Mapping[str, Any] | None = None
-) -> list[_T]:
-    """``count`` instances of the frozen slotted dataclass ``cls``, each field set from
-    its column of ``columns`` (``count`` values) or to its value in ``constants``,
-    through the slot's own setter: what ``cls(...)`` makes field for field, at half
-    the cost per instance (a frozen ``__init__`` sets each field through
-    ``object.__setattr__``), for the hundred thousand a load of small tensors makes.
-    Every field must be given: no default, no ``__post_init__`` runs.
-
-    Examples:
-        >>> dt = _dtypes.DTYPES["F32"]
-        >>> frozen_many(TensorInfo, 1, {"name": ["a"], "shape": [(2,)], "begin": [8], "end": [16], "nbytes": [8]},
-        ...             {"dtype": dt, "file": "f"}) == [TensorInfo("a", dt, (2,), 8, 16, "f")]
-        True
-    """
-    constants = constants or {}
-    if set(columns) | set(constants) != set(cls.__slots__) or any(len(c) != count for c in columns.values()):  # type: ignore[attr-defined]
-        raise ValueError(f"{cls.__name__}: {count} of each field, every field given once")
-    out = list(map(object.__new__, itertools.repeat(cls, count)))
-    for name in cls.__slots__:  # type: ignore[attr-defined]
-        values = columns[name] if name in columns else itertools.repeat(constants[name], count)
-        collections.deque(map(getattr(cls, name).__set__, out, values), maxlen=0)
-    return out
-
-
-@dataclass(frozen=True)
-class FileHeader:
+class FileHeader(Frozen):
     """The validated header of one file: tensors in offset order, and metadata."""
 
+    __slots__ = ("file", "file_size", "header_size", "metadata", "tensors")
+    _fields = _compared = ("file", "tensors", "metadata", "header_size", "file_size")
     file: str
     tensors: Mapping[str, TensorInfo]
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    header_size: int = 0
-    file_size: int = 0
+    metadata: Mapping[str, str]
+    header_size: int
+    file_size: int
+
+    def __init__(
+        self,
+        file: str,
+        tensors: Mapping[str, TensorInfo],
+        metadata: Mapping[str, str] | None = None,
+        header_size: int = 0,
+        file_size: int = 0,
+    ) -> None:
+        set_field = object.__setattr__
+        set_field(self, "file", file)
+        set_field(self, "tensors", tensors)
+        set_field(self, "metadata", {} if metadata is None else metadata)
+        set_field(self, "header_size", header_size)
+        set_field(self, "file_size", file_size)
 
     @property
     def data_start(self) -> int:

@@ -24,11 +24,6 @@ from ..format._header import MAX_HEADER_SIZE
 if TYPE_CHECKING:
     import numpy as np
 
-try:  # imported with the module, not on the first header read (it loads a C extension)
-    import resource
-except ImportError:  # not on Windows
-    resource = None  # type: ignore[assignment]
-
 _native: types.ModuleType | None
 try:  # the optional extension (src/nnx_save/io/_gather.c): read_at, a pread and its fstat in one call
     from . import _gather as _native
@@ -189,14 +184,16 @@ def read_capped(name: str, what: str, cap: int, error: Callable[[str], Exception
 
 def max_pinned() -> int:
     """Descriptors the whole process keeps pinned: a quarter of the soft descriptor
-    limit, at most 4096 (64 where the limit cannot be read)."""
-    if resource is None:
-        return 64
+    limit, at most 4096 (64 where the limit cannot be read).
+
+    The limit is read through ``sysconf``, which gives the soft ``RLIMIT_NOFILE`` (-1 or
+    a huge number where it is unlimited) without importing :mod:`resource`, a C extension
+    a small read would otherwise load."""
     try:
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (OSError, ValueError):
+        soft = os.sysconf("SC_OPEN_MAX")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
         return 64
-    return 4096 if soft == resource.RLIM_INFINITY else max(0, min(4096, soft // 4))
+    return 4096 if soft < 0 else max(0, min(4096, soft // 4))
 
 
 def _identity(fd: int, st: os.stat_result | None = None) -> _Identity:

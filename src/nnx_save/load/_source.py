@@ -8,9 +8,9 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._frozen import Frozen
 from ..format._header import FileHeader, TensorInfo
 from ..io import _files
 from ..io._reader import LocalReader, Reader
@@ -136,8 +136,7 @@ class RemoteFiles(LocalFiles):
         return self.stats.retries
 
 
-@dataclass(frozen=True)
-class Header:
+class Header(Frozen):
     """The validated headers of a checkpoint (one file or several).
 
     Attributes:
@@ -150,11 +149,29 @@ class Header:
         placement: where each tensor's bytes are, and how to open its files.
     """
 
+    __slots__ = ("files", "kind", "metadata", "placement", "tensors")
+    _fields = ("tensors", "metadata", "files", "kind", "placement")
+    _shown = _compared = ("tensors", "metadata", "files", "kind")
     tensors: Mapping[str, TensorInfo]
-    metadata: Mapping[str, str] = field(default_factory=dict)
-    files: tuple[FileHeader, ...] = ()
-    kind: str = "file"
-    placement: Placement = field(default_factory=LocalFiles, repr=False, compare=False)
+    metadata: Mapping[str, str]
+    files: tuple[FileHeader, ...]
+    kind: str
+    placement: Placement
+
+    def __init__(
+        self,
+        tensors: Mapping[str, TensorInfo],
+        metadata: Mapping[str, str] | None = None,
+        files: tuple[FileHeader, ...] = (),
+        kind: str = "file",
+        placement: Placement | None = None,
+    ) -> None:
+        set_field = object.__setattr__
+        set_field(self, "tensors", tensors)
+        set_field(self, "metadata", {} if metadata is None else metadata)
+        set_field(self, "files", files)
+        set_field(self, "kind", kind)
+        set_field(self, "placement", LocalFiles() if placement is None else placement)
 
     def pieces_of(self, key: str) -> tuple[Piece, ...]:
         """Where tensor ``key``'s bytes are: pieces at (file, byte range, box)."""

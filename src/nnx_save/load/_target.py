@@ -16,9 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from .._frozen import frozen_many
 from ..errors import DtypeMismatchError, ShardingError, SingleDeviceWarning
 from ..format._boxes import Box, of_index, whole
-from ..format._header import frozen_many
 
 __all__ = [
     "OwnPaths",
@@ -92,7 +92,7 @@ class Target:
         cls, paths: list[str], shapes: Sequence[tuple[int, ...]], dtypes: Sequence[np.dtype], shardings: Sequence[Any]
     ) -> OwnPaths:
         """``[Target(p, shape, dtype, sharding, (p,)) ...]``, one per path, made in bulk
-        (:func:`~nnx_save.format._header.frozen_many`): each reads its own path whole."""
+        (:func:`~nnx_save._frozen.frozen_many`): each reads its own path whole."""
         columns = {"path": paths, "shape": shapes, "dtype": dtypes, "sharding": shardings, "sources": list(zip(paths))}
         return OwnPaths(frozen_many(cls, len(paths), columns, dict.fromkeys(("transform", "source_shape", "box"))))
 
