@@ -83,6 +83,42 @@ def test_gathered_runs_are_the_files_bytes(data_file, starts, length, release, w
     assert out.tobytes() == want
 
 
+def _resident(base: int) -> int:
+    """The bytes of this process's mapping that starts at ``base`` its page tables hold (smaps' Rss)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    at = next(i for i, line in enumerate(lines) if re.match(rf"{base:x}-", line))
+    return next(int(line.split()[1]) * 1024 for line in lines[at + 1 :] if line.startswith("Rss:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads the mapping's resident size from smaps")
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("seed", range(3))
+def test_a_releasing_gather_leaves_none_of_the_maps_pages_resident(tmp_path, way, seed):
+    """A column's runs across a file of several blocks: gathered with ``release``, the
+    map holds no page once done (each block's dropped as it is copied); without, it holds
+    every page the runs touched."""
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(3, 7)) * _mapped.BLOCK_BYTES + int(rng.integers(0, 4096))
+    path = tmp_path / "big.bin"
+    path.write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    stride, length = int(rng.integers(4096, 20000)), int(rng.integers(1, 512))
+    offsets = np.arange(int(rng.integers(0, 4096)), size - length, stride, dtype=np.int64)
+    out = np.zeros(len(offsets) * length, np.uint8)
+    resident = {}
+    with _way(way):
+        for release in (True, False):
+            mapped = _map(path)
+            try:
+                assert mapped.gather(out.ctypes.data, offsets, length, release=release)
+                resident[release] = _resident(mapped.base)
+            finally:
+                mapped.close()
+    data = path.read_bytes()
+    assert out.tobytes() == b"".join(data[o : o + length] for o in offsets.tolist())
+    assert resident[True] == 0 and resident[False] >= len(offsets) * 4096, resident  # a page per run at least
+
+
 @pytest.mark.parametrize("way", WAYS)
 def test_a_truncated_file_is_a_refusal_not_a_signal(tmp_path, way):
     path = tmp_path / "t.bin"

@@ -37,6 +37,7 @@
 #include <stdint.h>
 #include <errno.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -106,10 +107,27 @@ static void leave(void)
     pthread_mutex_unlock(&install_lock);
 }
 
+/* Drop the map's pages of map bytes [begin, end): the page cache keeps them. */
+static void drop_pages(const char *map, uintptr_t map_size, uintptr_t begin, uintptr_t end)
+{
+#ifdef MADV_DONTNEED
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t lo = begin - begin % page, hi = (end + page - 1) / page * page;
+    if (hi > map_size)
+        hi = map_size;
+    if (hi > lo)
+        madvise((void *)(map + lo), (size_t)(hi - lo), MADV_DONTNEED);
+#else
+    (void)map, (void)map_size, (void)begin, (void)end;
+#endif
+}
+
 /* 0: every run copied; 1: a SIGBUS in the map (the file ends sooner now); -1: the
- * handler could not be installed (nothing copied). */
+ * handler could not be installed (nothing copied). With release > 0, the runs are
+ * taken a block at a time (those starting within release bytes of the block's first),
+ * each block's pages dropped once it is copied. */
 static int copy_runs(char *dest, const char *map, uintptr_t map_size, const int64_t *offsets, Py_ssize_t n,
-                     Py_ssize_t length)
+                     Py_ssize_t length, Py_ssize_t release)
 {
     sigjmp_buf jump;
     if (enter() != 0)
@@ -122,17 +140,25 @@ static int copy_runs(char *dest, const char *map, uintptr_t map_size, const int6
         return 1;
     }
     copying_jump = &jump;
-    for (Py_ssize_t k = 0; k < n; k++)
+    Py_ssize_t first = 0; /* the first run of the block being copied */
+    for (Py_ssize_t k = 0; k < n; k++) {
         memcpy(dest + k * length, map + offsets[k], (size_t)length);
+        if (release > 0 && (k + 1 == n || offsets[k + 1] - offsets[first] >= release)) {
+            drop_pages(map, map_size, (uintptr_t)offsets[first], (uintptr_t)offsets[k] + (uintptr_t)length);
+            first = k + 1;
+        }
+    }
     copying_jump = NULL;
     leave();
     return 0;
 }
 
-PyDoc_STRVAR(gather_doc, "gather(dest, map, map_size, offsets, length) -> bool\n\n"
+PyDoc_STRVAR(gather_doc, "gather(dest, map, map_size, offsets, length, release=0) -> bool\n\n"
                          "Copy run k (length bytes at byte offsets[k] of the map at address map,\n"
                          "map_size bytes long) to address dest + k * length. offsets: a buffer of\n"
                          "int64, each run within the map; the caller guarantees both memories.\n"
+                         "With release > 0, the map's pages are dropped a block at a time (the runs\n"
+                         "starting within release bytes of the block's first), once copied.\n"
                          "False when a load from the map raised SIGBUS (the file was truncated):\n"
                          "the destination then holds some runs, to be read again another way.\n"
                          "OSError when the signal handler could not be installed.");
@@ -141,12 +167,12 @@ static PyObject *gather(PyObject *Py_UNUSED(module), PyObject *args)
 {
     unsigned long long dest, map, map_size;
     Py_buffer offsets;
-    Py_ssize_t length;
-    if (!PyArg_ParseTuple(args, "KKKy*n:gather", &dest, &map, &map_size, &offsets, &length))
+    Py_ssize_t length, release = 0;
+    if (!PyArg_ParseTuple(args, "KKKy*n|n:gather", &dest, &map, &map_size, &offsets, &length, &release))
         return NULL;
-    if (offsets.len % (Py_ssize_t)sizeof(int64_t) != 0 || length < 0) {
+    if (offsets.len % (Py_ssize_t)sizeof(int64_t) != 0 || length < 0 || release < 0) {
         PyBuffer_Release(&offsets);
-        PyErr_SetString(PyExc_ValueError, "offsets must be int64 and length non-negative");
+        PyErr_SetString(PyExc_ValueError, "offsets must be int64, length and release non-negative");
         return NULL;
     }
     Py_ssize_t n = offsets.len / (Py_ssize_t)sizeof(int64_t);
@@ -161,7 +187,8 @@ static PyObject *gather(PyObject *Py_UNUSED(module), PyObject *args)
     }
     int result;
     Py_BEGIN_ALLOW_THREADS;
-    result = copy_runs((char *)(uintptr_t)dest, (const char *)(uintptr_t)map, (uintptr_t)map_size, runs, n, length);
+    result = copy_runs((char *)(uintptr_t)dest, (const char *)(uintptr_t)map, (uintptr_t)map_size, runs, n, length,
+                       release);
     Py_END_ALLOW_THREADS;
     PyBuffer_Release(&offsets);
     if (result < 0)

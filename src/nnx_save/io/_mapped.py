@@ -110,8 +110,8 @@ class MappedFile:
                 return False
             self._users += 1
         try:
-            if not release:
-                return self._copy(dest, offsets, length)
+            if not release or _native is not None:  # the native copy drops each block's pages itself
+                return self._copy(dest, offsets, length, BLOCK_BYTES if release else 0)
             ends = np.searchsorted(offsets, offsets + BLOCK_BYTES)  # the first run past each run's block
             lo = 0
             while lo < len(offsets):
@@ -128,10 +128,11 @@ class MappedFile:
                 if self._closed and not self._users:
                     self._unmap()
 
-    def _copy(self, dest: int, offsets: np.ndarray, length: int) -> bool:
+    def _copy(self, dest: int, offsets: np.ndarray, length: int, release: int = 0) -> bool:
         if _native is not None:
             try:
-                return _native.gather(dest, self.base, self.size, np.ascontiguousarray(offsets, np.int64), length)
+                runs = np.ascontiguousarray(offsets, np.int64)
+                return _native.gather(dest, self.base, self.size, runs, length, release)
             except OSError:  # the signal handler could not be installed: the caller reads another way
                 return False
         remote = np.empty((len(offsets), 2), np.uint64)
