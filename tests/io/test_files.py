@@ -148,3 +148,56 @@ def test_a_file_read_through_the_pool_is_its_most_recently_used(tmp_path, monkey
         assert (first.get_slice("w")[3] if use == "an element" else first.get_slice("w")[:][3]) == 3
         with nnx_save.safe_open(names[2]):  # a third: the least recently used goes
             assert pooled() == {names[0], names[2]}
+
+
+class _SlowNative:
+    """The native module, but a read of ``slow`` waits (GIL released, as the C call
+    releases it) until ``go`` is set: a read from a cold page cache, held as long as
+    the test likes."""
+
+    def __init__(self, real, slow: int) -> None:
+        self.real, self.slow = real, slow
+        self.reading, self.go = threading.Event(), threading.Event()
+        self.waited: bool | None = None
+
+    def read_at(self, fd, out, offset, size, mtime_ns):
+        if os.fstat(fd).st_size == self.slow:
+            self.reading.set()
+            self.waited = self.go.wait(timeout=20)
+        return self.real.read_at(fd, out, offset, size, mtime_ns)
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+@pytest.mark.parametrize("then", ["read another file", "close the slow file's handle", "evict it"])
+def test_a_small_read_in_flight_neither_blocks_the_pool_nor_loses_its_descriptor(tmp_path, monkeypatch, then):
+    """While one thread's element read waits on the disk, another reads an element of
+    another file, closes the reading file's handle or evicts its descriptor: none waits
+    for the slow read, the slow read still reads its own file (its descriptor is closed
+    by its own end, not under it), and nothing stays open after."""
+    slow, fast = tmp_path / "slow.safetensors", tmp_path / "fast.safetensors"
+    nnx_save.save_file({"w": np.arange(100, dtype=np.float32)}, slow)
+    nnx_save.save_file({"w": np.arange(200, dtype=np.float32) * 2}, fast)
+    native = _SlowNative(_files._native, os.path.getsize(slow))
+    monkeypatch.setattr(_files, "_native", native)
+    before = _open_fds()
+    first, other = nnx_save.safe_open(slow), nnx_save.safe_open(fast)
+    got: list[float] = []
+    reader = threading.Thread(target=lambda: got.append(first.get_slice("w")[42]), daemon=True)
+    reader.start()
+    assert native.reading.wait(timeout=20), "the slow read never started"
+    if then == "read another file":
+        assert other.get_slice("w")[7] == 14.0  # the pool's lock is free: this read does not wait
+    elif then == "close the slow file's handle":
+        first.close()  # drops its descriptor from the pool: left open for the read in flight
+    else:
+        monkeypatch.setattr(_files, "max_pinned", lambda: 1)
+        nnx_save.read_header(fast).close()  # a third descriptor: the slow file's goes
+    native.go.set()
+    reader.join(timeout=20)
+    assert native.waited is True, "the other thread waited for the slow read (the pool's lock was held)"
+    assert got == [42.0], "the slow read did not read its own file"
+    first.close()
+    other.close()
+    assert not (_open_fds() - before), "a descriptor stayed open"

@@ -208,12 +208,27 @@ class _Pool:
     runs ``__del__`` at any allocation, inside a locked section too) must not wait for
     that lock: it leaves its owner id in ``pending`` instead (a deque append takes no
     lock), and whoever takes the lock next drops those owners first, before an id
-    can be reused by a new ``Pinned``."""
+    can be reused by a new ``Pinned``.
+
+    A small read (:meth:`read_at`) reads on the pool's own descriptor without the lock,
+    which a read from a cold page cache would hold for the disk's time: the descriptor
+    is marked ``busy`` while it reads, and one dropped meanwhile (evicted, or its owner
+    closed) is closed by the last read on it, never under it (its number could be
+    reused by another file)."""
 
     def __init__(self) -> None:
         self.fds: collections.OrderedDict[tuple[int, str], int] = collections.OrderedDict()
         self.lock = allocate_lock()
         self.pending: collections.deque[int] = collections.deque()
+        self.busy: dict[int, int] = {}  # descriptor -> reads on it in flight
+        self.doomed: set[int] = set()  # busy descriptors dropped from the pool: closed by their last read
+
+    def _close(self, fd: int) -> None:
+        """Close a descriptor the pool let go of, or leave it to its last read (the lock held)."""
+        if fd in self.busy:
+            self.doomed.add(fd)
+        else:
+            _close(fd)
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
@@ -233,7 +248,7 @@ class _Pool:
         with self.locked():
             limit = max_pinned()
             while self.fds and len(self.fds) >= limit:
-                _close(self.fds.popitem(last=False)[1])
+                self._close(self.fds.popitem(last=False)[1])
             if limit:
                 self.fds[key] = fd
                 return os.dup(fd) if dup else None
@@ -252,22 +267,34 @@ class _Pool:
 
     def read_at(self, key: tuple[int, str], out: np.ndarray, offset: int, identity: _Identity) -> bool:
         """Whether ``out`` was filled from byte ``offset`` of ``key``'s descriptor, the file
-        still of ``identity``'s size and modification time after the read: one native call,
-        the lock held across it (no other thread closes the descriptor meanwhile, so no
-        duplicate is needed). False where there is no native call, no such descriptor, a
-        short read, a changed file or an error."""
+        still of ``identity``'s size and modification time after the read: one native call
+        on the pool's descriptor, marked busy (not closed meanwhile, so no duplicate is
+        needed) and read outside the lock. False where there is no native call, no such
+        descriptor, a short read, a changed file or an error."""
         if _native is None:
             return False
         with self.lock:
-            self._drain()
+            if self.pending:
+                self._drain()
             fd = self.fds.get(key)
             if fd is None:
                 return False
             self.fds.move_to_end(key)  # used: the least recently used goes first, as after dup()
-            try:
-                return _native.read_at(fd, out, offset, identity[2], identity[3]) == out.nbytes
-            except OSError:
-                return False
+            busy = self.busy
+            busy[fd] = busy.get(fd, 0) + 1
+        try:
+            return _native.read_at(fd, out, offset, identity[2], identity[3]) == out.nbytes
+        except OSError:
+            return False
+        finally:
+            with self.lock:
+                if busy[fd] > 1:
+                    busy[fd] -= 1
+                else:
+                    del busy[fd]
+                    if fd in self.doomed:
+                        self.doomed.discard(fd)
+                        _close(fd)
 
     def drop(self, owner: int, wait: bool = True) -> None:
         """Close ``owner``'s descriptors; with ``wait=False`` (a finalizer) never wait
@@ -283,7 +310,7 @@ class _Pool:
 
     def _drop(self, owner: int) -> None:
         for key in [k for k in self.fds if k[0] == owner]:
-            _close(self.fds.pop(key))
+            self._close(self.fds.pop(key))
 
 
 def _close(fd: int) -> None:
@@ -294,8 +321,19 @@ def _close(fd: int) -> None:
 _POOL = _Pool()
 
 
-if hasattr(os, "register_at_fork"):  # a lock another thread held at the fork would never be released in the child
-    os.register_at_fork(after_in_child=lambda: setattr(_POOL, "lock", allocate_lock()))
+def _after_fork() -> None:
+    """In a forked child: a new lock (another thread may have held the parent's), and no
+    read in flight (the threads reading are the parent's): the descriptors they kept open
+    for themselves are closed."""
+    _POOL.lock = allocate_lock()
+    _POOL.busy.clear()
+    for fd in _POOL.doomed:
+        _close(fd)
+    _POOL.doomed.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def _changed(name: str, what: str) -> SourceChangedError:
