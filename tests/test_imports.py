@@ -297,6 +297,7 @@ def test_a_small_safe_open_read_imports_no_subprocess_socket_or_engine(tmp_path)
     heavy |= {"json", "threading"}  # a header is parsed by json's C scanner alone; locks come from _thread
     # the records on the path are written out (nnx_save._frozen), and the descriptor limit is read by sysconf
     heavy |= {"dataclasses", "resource"}
+    heavy |= {"nnx_save.format._formats"}  # the other formats' sniffers: only for a file refused as safetensors
     heavy |= {"nnx_save.porting", "nnx_save.load._report"}  # the rule kinds and the load report: on first use
     # the engine's records and options, the storage layer and the layouts' writers: a
     # local header and a direct read need none of them (each costs an import, most a dataclass)

@@ -156,6 +156,45 @@ def test_safetensors_prefixes_are_not_foreign(tmp_path):
     assert list(nnx_save.load_file(path)) == ["w" * (1 + pad)]
 
 
+@pytest.mark.parametrize("protocol", range(2, 6))
+@pytest.mark.parametrize("source", ["local", "remote"])
+def test_a_header_led_by_whitespace_whose_size_reads_as_a_pickle_is_safetensors(tmp_path, protocol, source):
+    """A header of ``0x80 | protocol << 8`` bytes begins with a pickle's magic, and JSON led
+    by whitespace puts no ``{`` at byte 8: the reference reads such a file, so must we (the
+    sniffers are asked only once a file is refused as safetensors)."""
+    import json
+    import struct
+
+    from safetensors.numpy import load_file as reference
+
+    from nnx_save.layouts import _file
+
+    size = 0x80 | protocol << 8
+    entry = {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    raw = struct.pack("<Q", size) + (" " + json.dumps(entry)).ljust(size).encode() + struct.pack("<2f", 1.5, -2.0)
+    assert raw[:2] == bytes([0x80, protocol]) and raw[8:9] == b" "
+    path = tmp_path / "w.safetensors"
+    path.write_bytes(raw)
+    want = reference(path)["w"]
+    if source == "local":
+        with nnx_save.safe_open(path) as f:
+            assert np.array_equal(f.get_tensor("w"), want)
+        return
+
+    class Reader:  # an object store's reader, as _file.object_header takes it
+        size, identity = len(raw), (len(raw), None)
+
+        def read(self, offset: int, n: int) -> bytes:
+            return raw[offset : offset + n]
+
+    header, _ = _file.object_header("s3://b/w.safetensors", Reader(), raw[:16])
+    info = header.tensors["w"]
+    assert np.array_equal(np.frombuffer(raw[info.begin : info.end], np.float32), want)
+    pickled = raw[:8] + b"\x80" + raw[9:]  # byte 8 no longer JSON: a pickle after all, and said so
+    with pytest.raises(nnx_save.errors.NotSafetensorsError, match="pickle"):
+        _file.object_header("s3://b/w.safetensors", Reader(), pickled[:16])
+
+
 def test_module_examples():
     import doctest
 

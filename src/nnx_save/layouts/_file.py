@@ -12,7 +12,7 @@ import os
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import NnxSaveError, SourceNotFoundError
+from ..errors import HeaderError, NnxSaveError, SourceNotFoundError
 from ..format import _formats
 from ..format._header import FileHeader, parse_header
 from ..io import _storage
@@ -49,13 +49,19 @@ def member_header(location: _storage.Location, name: str) -> FileHeader:
 
 
 def object_header(url: str, reader: Any, head: bytes) -> tuple[FileHeader, tuple[int, str | None]]:
-    """The header of the object ``reader`` reads (``head``: its first bytes, probed), and its identity."""
+    """The header of the object ``reader`` reads (``head``: its first bytes, probed), and its
+    identity. An object refused as safetensors is then asked whether it is another format
+    (``layouts/_local._parse_head``'s rule)."""
+    try:
+        n = checked_size(head[:8], reader.size, url)
+        raw = head[8 : 8 + n]
+        if len(raw) < n:
+            raw += reader.read(len(head), 8 + n - len(head))
+        return parse_header(raw, reader.size, file=url), reader.identity
+    except HeaderError as e:
+        refused = e
     _formats.refuse_file(url, head[:8], lambda n, at: head[at : at + n])
-    n = checked_size(head[:8], reader.size, url)
-    raw = head[8 : 8 + n]
-    if len(raw) < n:
-        raw += reader.read(len(head), 8 + n - len(head))
-    return parse_header(raw, reader.size, file=url), reader.identity
+    raise refused
 
 
 def read_remote(url: str, stats: Any, opened: tuple[Any, bytes] | None = None) -> Header:

@@ -15,7 +15,6 @@ import stat
 from collections.abc import Iterator, Sequence
 
 from ..errors import HeaderError, NotSafetensorsError, SourceError, TruncatedFileError
-from ..format import _formats
 from ..format._header import FileHeader, header_size, parse_header
 from ..io import _files
 from ..load._source import Header, LocalFiles
@@ -33,15 +32,25 @@ __all__ = [
 
 def _parse_head(fd: int, size: int, name: str, prefix: bytes, raw: bytes | None) -> FileHeader:
     """The header of the file open as ``fd``: ``prefix`` its first 8 bytes, ``raw`` the
-    header they declare when already read (else read here, once the size is checked)."""
+    header they declare when already read (else read here, once the size is checked).
+
+    A file refused as safetensors is then asked whether it is another format (a torch zip
+    or pickle: :class:`NotSafetensorsError` says which, and what to run); a file whose
+    header parses is none, so a load never imports the format sniffers."""
+    try:
+        n = checked_size(prefix, size, name)
+        if raw is None or len(raw) != n:
+            try:
+                raw = _files.pread_exact(fd, n, 8, name)
+            except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
+                raise HeaderError(str(e), check="too_small") from None
+        return parse_header(raw, size, file=name)
+    except HeaderError as e:
+        refused = e
+    from ..format import _formats
+
     _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at), size)  # torch zip / pickle: say so
-    n = checked_size(prefix, size, name)
-    if raw is None or len(raw) != n:
-        try:
-            raw = _files.pread_exact(fd, n, 8, name)
-        except TruncatedFileError as e:  # shorter than its own header: a header error, not a data one
-            raise HeaderError(str(e), check="too_small") from None
-    return parse_header(raw, size, file=name)
+    raise refused
 
 
 def checked_size(prefix: bytes, size: int, name: str) -> int:
