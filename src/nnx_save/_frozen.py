@@ -4,8 +4,9 @@ tensor's entry, a file's header, a checkpoint's header.
 They are written out rather than made by ``@dataclass(frozen=True)``, which builds each
 class's methods by compiling their source when the class is defined: 1.2-1.7 ms a class
 on a 2-core VM, four of them more than a fresh process takes to open a file and read a
-slice (docs/performance.md). A subclass names its fields once and writes its
-``__init__`` (setting them through ``object.__setattr__``); this base gives what the
+slice (docs/performance.md). A subclass lists its ``__init__`` arguments (``_fields``)
+and the fields compared (``_compared``), declares ``__slots__`` where it is made in bulk,
+and writes its ``__init__`` (setting each field through ``object.__setattr__``); this base gives what the
 decorator would: no assignment after ``__init__``, the repr, equality and hash over the
 compared fields, copy and pickle through the ``__init__`` arguments, and ``_replace``.
 """

@@ -157,11 +157,11 @@ def test_safetensors_prefixes_are_not_foreign(tmp_path):
 
 
 @pytest.mark.parametrize("protocol", range(2, 6))
-@pytest.mark.parametrize("source", ["local", "remote"])
+@pytest.mark.parametrize("source", ["local", "remote", "convert"])
 def test_a_header_led_by_whitespace_whose_size_reads_as_a_pickle_is_safetensors(tmp_path, protocol, source):
     """A header of ``0x80 | protocol << 8`` bytes begins with a pickle's magic, and JSON led
-    by whitespace puts no ``{`` at byte 8: the reference reads such a file, so must we (the
-    sniffers are asked only once a file is refused as safetensors)."""
+    by whitespace puts no ``{`` at byte 8: the reference reads such a file, so must every
+    reader of ours (a local file, an object, ``nnx-save convert`` telling the format)."""
     import json
     import struct
 
@@ -179,6 +179,11 @@ def test_a_header_led_by_whitespace_whose_size_reads_as_a_pickle_is_safetensors(
     if source == "local":
         with nnx_save.safe_open(path) as f:
             assert np.array_equal(f.get_tensor("w"), want)
+        return
+    if source == "convert":
+        from nnx_save.conversion import _convert
+
+        assert _convert._kind(path) == "safetensors"
         return
 
     class Reader:  # an object store's reader, as _file.object_header takes it

@@ -119,12 +119,15 @@ def torchscript_markers(read: Callable[[int, int], bytes], size: int | None) -> 
     return None
 
 
+_JSON_LEAD = 64  # bytes after the size prefix searched for a header's "{" (JSON's whitespace first)
+
+
 def foreign_file(prefix: bytes, read: Callable[[int, int], bytes], size: int | None = None) -> str | None:
     """What a file is when its first bytes say it is not safetensors, else ``None``.
 
     A header size can begin with the same bytes as a pickle (640 is ``80 02 00 ..``)
-    or a zip (a 67 MB header), so a file whose byte 8 opens a JSON object is never
-    called foreign.
+    or a zip (a 67 MB header), so a file whose bytes from 8 open a JSON object (after
+    JSON's whitespace, which a header may begin with) is never called foreign.
 
     Args:
         prefix: the file's first (up to) 8 bytes.
@@ -137,11 +140,13 @@ def foreign_file(prefix: bytes, read: Callable[[int, int], bytes], size: int | N
         True
         >>> foreign_file(b"\\x10\\x00\\x00\\x00\\x00\\x00\\x00\\x00", lambda n, o: b"") is None
         True
+        >>> foreign_file(b"\\x80\\x02" + bytes(6), lambda n, o: b"  \\n {"[:n]) is None  # a 640-byte header
+        True
     """
     zipped = prefix.startswith(ZIP_MAGIC)
     pickled = len(prefix) >= 2 and prefix[0] == 0x80 and prefix[1] in _PICKLE_PROTOCOLS
-    if not (zipped or pickled) or read(1, 8) == b"{":  # a header size only looking like a magic
-        return None
+    if not (zipped or pickled) or read(_JSON_LEAD, 8).lstrip(b" \t\n\r")[:1] == b"{":
+        return None  # a header size only looking like a magic
     if zipped:
         script = torchscript_markers(read, size)
         if script is not None:

@@ -223,7 +223,7 @@ class _Pool:
         self.busy: dict[int, int] = {}  # descriptor -> reads on it in flight
         self.doomed: set[int] = set()  # busy descriptors dropped from the pool: closed by their last read
 
-    def _close(self, fd: int) -> None:
+    def _let_go(self, fd: int) -> None:
         """Close a descriptor the pool let go of, or leave it to its last read (the lock held)."""
         if fd in self.busy:
             self.doomed.add(fd)
@@ -248,7 +248,7 @@ class _Pool:
         with self.locked():
             limit = max_pinned()
             while self.fds and len(self.fds) >= limit:
-                self._close(self.fds.popitem(last=False)[1])
+                self._let_go(self.fds.popitem(last=False)[1])
             if limit:
                 self.fds[key] = fd
                 return os.dup(fd) if dup else None
@@ -310,7 +310,7 @@ class _Pool:
 
     def _drop(self, owner: int) -> None:
         for key in [k for k in self.fds if k[0] == owner]:
-            self._close(self.fds.pop(key))
+            self._let_go(self.fds.pop(key))
 
 
 def _close(fd: int) -> None:

@@ -13,13 +13,12 @@ from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import HeaderError, NnxSaveError, SourceNotFoundError
-from ..format import _formats
 from ..format._header import FileHeader, parse_header
 from ..io import _storage
 from ..io._storage import Location, Where
 from ..load._source import Header, LocalFiles, RemoteFiles
 from ._layout import SINGLE, Committed, Metadata
-from ._local import as_header, checked_size, read_file_header
+from ._local import as_header, checked_size, not_safetensors, read_file_header
 
 if TYPE_CHECKING:  # the writers' types: reading a file does not import them
     from pathlib import Path
@@ -51,7 +50,7 @@ def member_header(location: _storage.Location, name: str) -> FileHeader:
 def object_header(url: str, reader: Any, head: bytes) -> tuple[FileHeader, tuple[int, str | None]]:
     """The header of the object ``reader`` reads (``head``: its first bytes, probed), and its
     identity. An object refused as safetensors is then asked whether it is another format
-    (``layouts/_local._parse_head``'s rule)."""
+    (:func:`~nnx_save.layouts._local.not_safetensors`)."""
     try:
         n = checked_size(head[:8], reader.size, url)
         raw = head[8 : 8 + n]
@@ -60,8 +59,7 @@ def object_header(url: str, reader: Any, head: bytes) -> tuple[FileHeader, tuple
         return parse_header(raw, reader.size, file=url), reader.identity
     except HeaderError as e:
         refused = e
-    _formats.refuse_file(url, head[:8], lambda n, at: head[at : at + n])
-    raise refused
+    not_safetensors(refused, url, head[:8], lambda n, at: head[at : at + n])
 
 
 def read_remote(url: str, stats: Any, opened: tuple[Any, bytes] | None = None) -> Header:

@@ -12,7 +12,8 @@ import contextlib
 import gc
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 from ..errors import HeaderError, NotSafetensorsError, SourceError, TruncatedFileError
 from ..format._header import FileHeader, header_size, parse_header
@@ -47,9 +48,20 @@ def _parse_head(fd: int, size: int, name: str, prefix: bytes, raw: bytes | None)
         return parse_header(raw, size, file=name)
     except HeaderError as e:
         refused = e
+    not_safetensors(refused, name, prefix, lambda n, at: os.pread(fd, n, at), size)
+
+
+def not_safetensors(
+    refused: HeaderError, name: str, prefix: bytes, read: Callable[[int, int], bytes], size: int | None = None
+) -> NoReturn:
+    """Raise :class:`NotSafetensorsError` where a file refused as safetensors (``refused``)
+    is another format, told by its first bytes (a torch zip or pickle: it says which, and
+    what to run); else ``refused`` itself. Called outside the ``except`` that caught
+    ``refused``, so the one error raised is the whole story. The sniffers load here only:
+    a file whose header parses never needs them."""
     from ..format import _formats
 
-    _formats.refuse_file(name, prefix, lambda n, at: os.pread(fd, n, at), size)  # torch zip / pickle: say so
+    _formats.refuse_file(name, prefix, read, size)
     raise refused
 
 
